@@ -1,0 +1,176 @@
+"""Lossless verification of draft trees against the target's logits.
+
+Vocabulary, as in vLLM's rejection sampler and Leviathan et al. 2023 (arXiv 2211.17192):
+- **accepted tokens**: draft nodes on the chosen root-to-leaf path that passed verification;
+- **recovered token**: sampled from the residual distribution norm(max(p - q, 0)) where a draft token was rejected;
+- **bonus token**: sampled from the target p after the last node of a fully accepted path (greedy: its argmax).
+Each step emits accepted + 1 tokens: the accepted ones, then one recovered or bonus token.
+
+Rules (p = target distribution, q = the draft distribution the node was drawn from; both shaped by
+`sampling.probs_from_logits` with the same settings):
+- greedy: at each node take the child whose token equals argmax(p); bonus = argmax at the last accepted node;
+- sampled: visit a node's children in order; accept child x with probability min(1, p(x) / q(x)); after a rejection
+  p <- norm(max(p - q, 0)) and try the next child; when all children fail, sample the recovered token from what is
+  left of p. Deterministic candidates (no q: n-gram, top-k/beam candidates) use q = one-hot(x), which gives
+  "accept with probability p(x); else zero p(x) and renormalise". Both produce exact samples from p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workbench.sampling import SamplingParams, probs_from_logits, sample
+from workbench.tree import DraftTree, ancestor_matrix
+
+
+@dataclass
+class Acceptance:
+    num_accepted: torch.Tensor  # [B] long: accepted draft tokens (the bonus/recovered token not counted)
+    path_nodes: torch.Tensor  # [B, D] long: node index at depth d+1 on the accepted path, -1 beyond it
+    emitted: torch.Tensor  # [B, D + 1] long: accepted tokens, then the bonus/recovered token; rest is padding
+
+
+def _first_max_index(score: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim, ties broken towards the lowest index (torch.argmax does not promise that)."""
+    n = score.shape[-1]
+    key = score * (n + 1) + (n - torch.arange(n, device=score.device))
+    return key.argmax(-1)
+
+
+def _assemble(tree: DraftTree, on_path: torch.Tensor, last_token: torch.Tensor) -> Acceptance:
+    """on_path [B, N] bool (accepted nodes), last_token [B] -> Acceptance."""
+    b, n = tree.token_ids.shape
+    d = tree.max_depth
+    num_accepted = on_path.sum(-1)
+    slot = torch.where(on_path, tree.depths - 1, torch.full_like(tree.depths, d))  # off-path nodes -> dropped column
+    path_nodes = torch.full((b, d + 1), -1, dtype=torch.long, device=tree.token_ids.device)
+    node_idx = torch.arange(n, device=tree.token_ids.device).expand(b, n)
+    path_nodes.scatter_(1, slot, node_idx)
+    path_nodes = path_nodes[:, :d].contiguous()
+    emitted = torch.zeros(b, d + 1, dtype=torch.long, device=tree.token_ids.device)
+    emitted[:, :d] = tree.token_ids.gather(1, path_nodes.clamp(min=0)) if n else emitted[:, :d]
+    emitted.scatter_(1, num_accepted.unsqueeze(1), last_token.unsqueeze(1))
+    return Acceptance(num_accepted, path_nodes, emitted)
+
+
+def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:
+    """target_logits [B, 1+N, V] (row 0 = root, row 1+i = node i) -> the longest path of argmax matches.
+
+    Example (chain): draft [5, 7, 9], target argmax at rows [5, 7, 2, 4] -> accepted [5, 7], bonus 2.
+    """
+    argmax = target_logits.argmax(-1)  # [B, 1+N]
+    if tree.num_nodes == 0:
+        return _assemble(tree, tree.valid, argmax[:, 0])
+    expected = argmax.gather(1, tree.parents + 1)  # [B, N]: argmax at each node's parent
+    eligible = tree.valid & (tree.token_ids == expected)
+    if tree.is_chain:
+        on_path = eligible.long().cumprod(-1).bool()
+        last_row = on_path.sum(-1)
+    else:
+        anc = ancestor_matrix(tree.parents)  # [B, N, N]
+        path_ok = ~(anc & ~eligible.unsqueeze(1)).any(-1)  # every ancestor (and self) eligible
+        score = torch.where(path_ok, tree.depths, torch.zeros_like(tree.depths))
+        best = _first_max_index(score)
+        reached = score.gather(1, best.unsqueeze(1)).squeeze(1) > 0
+        on_path = anc.gather(1, best.view(-1, 1, 1).expand(-1, 1, tree.num_nodes)).squeeze(1) & reached.unsqueeze(1)
+        last_row = torch.where(reached, best + 1, torch.zeros_like(best))
+    bonus = argmax.gather(1, last_row.unsqueeze(1)).squeeze(1)
+    return _assemble(tree, on_path, bonus)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(p - q, 0)); falls back to p where the residual has no mass (then rejection had probability 0)."""
+    r = (p - q).clamp_(min=0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 1e-12, r / mass.clamp(min=1e-30), p)
+
+
+def accept_sampled_chain(tree: DraftTree, target_probs: torch.Tensor,
+                         generator: torch.Generator | None) -> Acceptance:
+    """Leviathan et al. rejection sampling over a chain, vectorised over batch and positions (no host sync).
+
+    target_probs [B, 1+k, V]; tree.draft_probs [B, k, V] or None (one-hot candidates).
+    """
+    b, k = tree.token_ids.shape
+    x = tree.token_ids
+    p_x = target_probs[:, :k].gather(-1, x.unsqueeze(-1)).squeeze(-1)  # node i's parent row is i
+    if tree.draft_probs is not None:
+        q_x = tree.draft_probs.gather(-1, x.unsqueeze(-1)).squeeze(-1)
+    else:
+        q_x = torch.ones_like(p_x)
+    u = torch.rand(b, k, device=x.device, generator=generator)
+    passed = tree.valid & (u * q_x < p_x)
+    on_path = passed.long().cumprod(-1).bool()
+    n_acc = on_path.sum(-1)  # [B]
+    p_row = target_probs.gather(1, n_acc.view(b, 1, 1).expand(-1, 1, target_probs.shape[-1])).squeeze(1)
+    stop = n_acc.clamp(max=max(k - 1, 0))
+    rejected = (n_acc < k) & tree.valid.gather(1, stop.unsqueeze(1)).squeeze(1) if k else torch.zeros_like(n_acc).bool()
+    if k:
+        if tree.draft_probs is not None:
+            q_row = tree.draft_probs.gather(1, stop.view(b, 1, 1).expand(-1, 1, tree.draft_probs.shape[-1])).squeeze(1)
+        else:
+            q_row = torch.nn.functional.one_hot(x.gather(1, stop.unsqueeze(1)).squeeze(1), p_row.shape[-1]).float()
+        final = torch.where(rejected.unsqueeze(1), _residual(p_row, q_row), p_row)
+    else:
+        final = p_row
+    return _assemble(tree, on_path, sample(final, generator))
+
+
+def accept_sampled_tree(tree: DraftTree, target_probs: torch.Tensor,
+                        generator: torch.Generator | None) -> Acceptance:
+    """Multi-candidate rejection sampling over a general tree (SpecInfer-style), walking each sequence's tree.
+
+    This walk reads the tree on the host: one sync per step, acceptable for trees; chains use the vectorised rule.
+    """
+    b, n = tree.token_ids.shape
+    parents = tree.parents.tolist()
+    tokens = tree.token_ids.tolist()
+    valid = tree.valid.tolist()
+    on_path = torch.zeros(b, n, dtype=torch.bool)
+    last = torch.zeros(b, dtype=torch.long)
+    dev = target_probs.device
+    for s in range(b):
+        children: dict[int, list[int]] = {}
+        for i in range(n):
+            if valid[s][i]:
+                children.setdefault(parents[s][i], []).append(i)
+        node = -1
+        p = target_probs[s, 0]
+        while True:
+            kids = children.get(node, [])
+            moved = False
+            for c in kids:
+                x = tokens[s][c]
+                q = tree.draft_probs[s, c] if tree.draft_probs is not None else None
+                q_x = q[x] if q is not None else torch.ones((), device=dev)
+                u = torch.rand((), device=dev, generator=generator)
+                if bool(u * q_x < p[x]):
+                    on_path[s, c] = True
+                    node = c
+                    p = target_probs[s, c + 1]
+                    moved = True
+                    break
+                q_full = q if q is not None else torch.nn.functional.one_hot(torch.tensor(x, device=dev), p.shape[-1]).float()
+                p = _residual(p, q_full)
+            if not moved:
+                last[s] = sample(p, generator)
+                break
+    return _assemble(tree, on_path.to(dev), last.to(dev))
+
+
+class Verifier:
+    """Picks the rule for the step: greedy, vectorised chain sampling, or the tree walk."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator | None = None):
+        self.params = params
+        self.generator = generator
+
+    def accept(self, tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:
+        """target_logits [B, 1+N, V] -> Acceptance."""
+        if self.params.greedy:
+            return accept_greedy(tree, target_logits)
+        target_probs = probs_from_logits(target_logits, self.params)
+        if tree.is_chain:
+            return accept_sampled_chain(tree, target_probs, self.generator)
+        return accept_sampled_tree(tree, target_probs, self.generator)
