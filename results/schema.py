@@ -1,0 +1,449 @@
+"""The run-record and trace schemas: one declaration per column, from which the Arrow and pandas types follow.
+
+A column is declared once in `RUN_COLUMNS` (or, for later features, with `register_column`) as a `ColumnSpec` with a
+*kind*; each kind maps to one Arrow type (what Parquet files hold) and one pandas dtype (what `ResultStore.load`
+returns):
+
+    kind          Arrow                      pandas                 Python value in a record
+    "string"      string                     "string" (pd.NA)       str (dict/list values are stored as JSON text)
+    "int"         int64                      "Int64"                int (bool and integral floats accepted)
+    "float"       float64                    "Float64"              float (NaN is stored as null)
+    "bool"        bool                       "boolean"              bool (0/1 accepted)
+    "timestamp"   timestamp[us, tz=UTC]      datetime64[us, UTC]    datetime / pd.Timestamp / ISO string (naive = UTC)
+    "list_float"  list<double>               object (list | None)   list of floats
+
+Keys of a record that no declaration names are kept: their Arrow type is inferred per file, and `load` unifies
+them across files (see `results.store`). Declaring a column later (with `register_column`) only fixes its type.
+Adding nullable columns is backward compatible and does not bump `SCHEMA_VERSION`; bump it (and add an entry to
+`MIGRATIONS`) when the meaning or type of an existing column changes.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+KINDS = ("string", "int", "float", "bool", "timestamp", "list_float")
+
+_ARROW_TYPES: dict[str, pa.DataType] = {
+    "string": pa.string(),
+    "int": pa.int64(),
+    "float": pa.float64(),
+    "bool": pa.bool_(),
+    "timestamp": pa.timestamp("us", tz="UTC"),
+    "list_float": pa.list_(pa.float64()),
+}
+
+
+def _pandas_dtype(kind: str) -> Any:
+    return {
+        "string": pd.StringDtype(),
+        "int": pd.Int64Dtype(),
+        "float": pd.Float64Dtype(),
+        "bool": pd.BooleanDtype(),
+        "timestamp": pd.DatetimeTZDtype("us", "UTC"),
+        "list_float": object,
+    }[kind]
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    name: str
+    kind: str      # one of KINDS
+    group: str     # identity | config | metrics | telemetry | environment | trace | extension
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"column {self.name!r}: unknown kind {self.kind!r}; expected one of {KINDS}")
+
+    @property
+    def arrow_type(self) -> pa.DataType:
+        return _ARROW_TYPES[self.kind]
+
+    @property
+    def pandas_dtype(self) -> Any:
+        return _pandas_dtype(self.kind)
+
+
+def _cols(group: str, kind: str, names: str) -> list[ColumnSpec]:
+    return [ColumnSpec(n, kind, group) for n in names.split()]
+
+
+# The run record, in display order (docs/INTERFACES.md "The run record").
+_RUN_SPECS: list[ColumnSpec] = [
+    ColumnSpec("run_id", "string", "identity", "time-sortable hex id, filled by ResultStore.append"),
+    ColumnSpec("created_at", "timestamp", "identity", "UTC, filled by ResultStore.append"),
+    ColumnSpec("schema_version", "int", "identity", "SCHEMA_VERSION of the writer"),
+    ColumnSpec("study", "string", "identity", "None = ad hoc run"),
+    ColumnSpec("trial_id", "int", "identity"),
+    ColumnSpec("status", "string", "identity", '"ok" | "failed"'),
+    ColumnSpec("error", "string", "identity"),
+    ColumnSpec("method", "string", "config", '"ar" | "draft" | "ngram" | ...'),
+    *_cols("config", "int", "k ngram_min ngram_max batch max_new_tokens"),
+    ColumnSpec("temperature", "float", "config"),
+    ColumnSpec("top_k", "int", "config", "0 = off"),
+    ColumnSpec("top_p", "float", "config", "1.0 = off"),
+    ColumnSpec("seed", "int", "config"),
+    *_cols("config", "string", "dtype device"),
+    ColumnSpec("paged", "bool", "config"),
+    *_cols("config", "int", "kv_block_size num_prompts repeats warmup"),
+    *_cols("config", "string", "preset target_path draft_path prompts_source"),
+    ColumnSpec("config_json", "string", "config", "the full engine config as JSON"),
+    *_cols("metrics", "float", "acceptance_rate mean_accepted_tokens"),
+    ColumnSpec("acceptance_by_position", "list_float", "metrics", "fraction of steps whose path reached depth d"),
+    *_cols("metrics", "float", "tokens_per_s ar_tokens_per_s speedup_vs_ar ttft_ms "
+                               "tpot_ms_p50 tpot_ms_p90 tpot_ms_p99 itl_ms_p50 itl_ms_p90 itl_ms_p99 "
+                               "time_draft_ms time_verify_ms time_accept_ms time_kv_ms peak_mem_mb "
+                               "draft_target_cost_ratio"),
+    *_cols("metrics", "int", "total_new_tokens target_steps"),
+    ColumnSpec("wall_s", "float", "metrics"),
+    ColumnSpec("greedy_matches_ar", "bool", "metrics", "None when not checked"),
+    ColumnSpec("sm_util_pct", "float", "telemetry", "NVML GPM SM_UTIL (% of SMs busy); None without GPM"),
+    ColumnSpec("sm_occupancy_pct", "float", "telemetry", "NVML GPM SM_OCCUPANCY"),
+    ColumnSpec("gpu_busy_pct", "float", "telemetry", "NVML utilization rate: % of time any kernel ran"),
+    *_cols("telemetry", "float", "gpu_mem_used_mb gpu_power_w sm_clock_mhz"),
+    ColumnSpec("telemetry_reason", "string", "telemetry", "why telemetry is missing, None when sampled"),
+    ColumnSpec("telemetry_timeline", "string", "telemetry", "JSON list of samples"),
+    *_cols("environment", "string", "device_name torch_version cuda_version driver_version git_commit hostname "
+                                    "python_version platform"),
+]
+
+TRACE_SPECS: list[ColumnSpec] = [
+    ColumnSpec("run_id", "string", "trace"),
+    *_cols("trace", "int", "seq step drafted accepted emitted"),
+]
+
+# name -> spec for every known run column (RUN_COLUMNS plus registered extensions), in display order.
+_REGISTRY: dict[str, ColumnSpec] = {}
+
+
+def register_column(name: str, kind: str, group: str = "extension", doc: str = "") -> ColumnSpec:
+    """Declare a run-record column (e.g. a later feature's `beam_width`, "int") so every load types it the same.
+
+    Re-declaring with the same kind is a no-op; with another kind it raises ValueError (files already written
+    would disagree with the new type).
+    """
+    spec = ColumnSpec(name, kind, group, doc)
+    old = _REGISTRY.get(name)
+    if old is not None:
+        if old.kind != kind:
+            raise ValueError(f"column {name!r} is already declared as {old.kind!r}, not {kind!r}")
+        return old
+    _REGISTRY[name] = spec
+    return spec
+
+
+for _spec in _RUN_SPECS:
+    _REGISTRY[_spec.name] = _spec
+
+RUN_COLUMNS: tuple[str, ...] = tuple(s.name for s in _RUN_SPECS)   # the INTERFACES.md record, fixed
+TRACE_COLUMNS: tuple[str, ...] = tuple(s.name for s in TRACE_SPECS)
+_TRACE_REGISTRY: dict[str, ColumnSpec] = {s.name: s for s in TRACE_SPECS}
+
+
+def run_specs() -> dict[str, ColumnSpec]:
+    """Every declared run column (the record plus registered extensions), in display order."""
+    return dict(_REGISTRY)
+
+
+def trace_specs() -> dict[str, ColumnSpec]:
+    return dict(_TRACE_REGISTRY)
+
+
+def arrow_schema(specs: Mapping[str, ColumnSpec] | None = None) -> pa.Schema:
+    specs = run_specs() if specs is None else specs
+    return pa.schema([pa.field(s.name, s.arrow_type) for s in specs.values()])
+
+
+def pandas_dtypes(specs: Mapping[str, ColumnSpec] | None = None) -> dict[str, Any]:
+    specs = run_specs() if specs is None else specs
+    return {s.name: s.pandas_dtype for s in specs.values()}
+
+
+# from_version -> function upgrading an Arrow table written at that version to from_version + 1.
+# Version 0 (files written before the store existed) differs only by missing columns, which load fills.
+MIGRATIONS: dict[int, Callable[[pa.Table], pa.Table]] = {0: lambda table: table}
+
+
+# ---------------------------------------------------------------------------------------------- value coercion
+
+class SchemaError(ValueError):
+    """A value cannot be stored in its declared column."""
+
+
+def _is_missing(value: Any) -> bool:
+    if value is None or value is pd.NA or value is pd.NaT:
+        return True
+    return isinstance(value, float) and math.isnan(value)
+
+
+def coerce_value(spec: ColumnSpec, value: Any) -> Any:
+    """The Python value to store for `value` in column `spec`, or SchemaError. Missing values become None."""
+    if _is_missing(value):
+        return None
+    if not isinstance(value, (str, bytes)) and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()   # numpy / torch scalars
+        if _is_missing(value):
+            return None
+    kind = spec.kind
+    try:
+        if kind == "string":
+            if isinstance(value, str):
+                return value
+            if isinstance(value, (dict, list, tuple)):
+                return json.dumps(value, default=str)
+            return str(value)
+        if kind == "int":
+            if isinstance(value, bool):
+                return int(value)
+            if isinstance(value, numbers.Integral):
+                return int(value)
+            if isinstance(value, numbers.Real) and float(value).is_integer():
+                return int(value)
+            raise SchemaError("not an integer")
+        if kind == "float":
+            if isinstance(value, numbers.Real):
+                f = float(value)
+                return None if math.isnan(f) else f
+            raise SchemaError("not a number")
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, numbers.Integral) and int(value) in (0, 1):
+                return bool(value)
+            if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+                return value.strip().lower() == "true"
+            raise SchemaError("not a bool")
+        if kind == "timestamp":
+            if isinstance(value, (numbers.Real, bool)):
+                raise SchemaError("numbers are ambiguous as timestamps")
+            ts = pd.Timestamp(value)
+            ts = ts.tz_localize("UTC") if ts.tzinfo is None else ts.tz_convert("UTC")
+            return ts.to_pydatetime()
+        if kind == "list_float":
+            if isinstance(value, str):
+                value = json.loads(value)
+            if not isinstance(value, Iterable):
+                raise SchemaError("not a list")
+            out = []
+            for x in value:
+                if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+                    x = x.item()
+                out.append(None if _is_missing(x) else float(x))
+            return out
+    except SchemaError as exc:
+        raise SchemaError(f"column {spec.name!r} ({kind}): cannot store {value!r}: {exc}") from None
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise SchemaError(f"column {spec.name!r} ({kind}): cannot store {value!r}: {exc}") from None
+    raise AssertionError(kind)
+
+
+def _infer_array(name: str, values: list[Any]) -> pa.Array:
+    """Arrow array for an undeclared column; nested dicts (and anything Arrow cannot type) are stored as JSON."""
+    values = [None if _is_missing(v) else v for v in values]
+    values = [v.item() if (hasattr(v, "item") and getattr(v, "ndim", 1) == 0) else v for v in values]
+    values = [v.isoformat() if isinstance(v, (_dt.date, _dt.time)) and not isinstance(v, _dt.datetime) else v
+              for v in values]
+    try:
+        arr = pa.array(values, from_pandas=True)
+        if not pa.types.is_struct(arr.type) and not pa.types.is_map(arr.type):
+            return arr
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+        pass
+    return pa.array([None if v is None else (v if isinstance(v, str) else json.dumps(v, default=str))
+                     for v in values], type=pa.string())
+
+
+def record_to_table(record: Mapping[str, Any], specs: Mapping[str, ColumnSpec] | None = None) -> pa.Table:
+    """One-row Arrow table: declared columns in display order with their declared types (all of them, missing
+    ones null), then undeclared keys with inferred types."""
+    specs = run_specs() if specs is None else specs
+    arrays, fields = [], []
+    for name, spec in specs.items():
+        arrays.append(pa.array([coerce_value(spec, record.get(name))], type=spec.arrow_type))
+        fields.append(pa.field(name, spec.arrow_type))
+    for name, value in record.items():
+        if name in specs:
+            continue
+        if not isinstance(name, str):
+            raise SchemaError(f"record keys must be strings, got {name!r}")
+        arr = _infer_array(name, [value])
+        arrays.append(arr)
+        fields.append(pa.field(name, arr.type))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+# ---------------------------------------------------------------------------------------------- tables and frames
+
+def _plain_type(t: pa.DataType) -> pa.DataType:
+    """The type undeclared columns are kept in: large/dictionary/view variants folded to their plain form."""
+    if pa.types.is_dictionary(t):
+        return _plain_type(t.value_type)
+    if pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", lambda _: False)(t):
+        return pa.string()
+    if pa.types.is_large_list(t) or getattr(pa.types, "is_list_view", lambda _: False)(t):
+        return pa.list_(_plain_type(t.value_type))
+    return t
+
+
+def _cast_column(name: str, col: pa.ChunkedArray, target: pa.DataType,
+                 spec: ColumnSpec | None, on_problem: Callable[[str], None] | None) -> pa.ChunkedArray:
+    if col.type == target:
+        return col
+    try:
+        return col.cast(target, safe=not pa.types.is_timestamp(col.type))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        pass
+    if spec is None:
+        raise SchemaError(f"column {name!r}: cannot cast {col.type} to {target}")
+    values, bad = [], 0
+    for v in col.to_pylist():
+        try:
+            values.append(coerce_value(spec, v))
+        except SchemaError:
+            values.append(None)
+            bad += 1
+    if bad and on_problem is not None:
+        on_problem(f"column {name!r}: {bad} value(s) of type {col.type} are not {spec.kind}; stored as null")
+    return pa.chunked_array([pa.array(values, type=target)], type=target)
+
+
+def conform_table(table: pa.Table, specs: Mapping[str, ColumnSpec] | None = None,
+                  on_problem: Callable[[str], None] | None = None) -> pa.Table:
+    """Cast declared columns present in `table` to their declared types; fold undeclared columns' types to plain
+    forms. Values that cannot be cast become null and are reported through `on_problem(message)`."""
+    specs = run_specs() if specs is None else specs
+    cols, fields = [], []
+    for field, col in zip(table.schema, table.columns):
+        spec = specs.get(field.name)
+        target = spec.arrow_type if spec is not None else _plain_type(field.type)
+        cols.append(_cast_column(field.name, col, target, spec, on_problem))
+        fields.append(pa.field(field.name, target))
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields))
+
+
+def concat_tables(tables: list[pa.Table]) -> pa.Table:
+    """Concatenate conformed tables whose column sets differ (missing columns become null). Undeclared columns
+    whose types conflict across tables (say int in one file, str in another) are stored as strings."""
+    if not tables:
+        return pa.table({})
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        pass
+    types: dict[str, set[pa.DataType]] = {}
+    for t in tables:
+        for f in t.schema:
+            if not pa.types.is_null(f.type):
+                types.setdefault(f.name, set()).add(f.type)
+    conflicted = {name for name, ts in types.items() if len(ts) > 1}
+    fixed = []
+    for t in tables:
+        for name in conflicted & set(t.column_names):
+            i = t.column_names.index(name)
+            values = [None if v is None else (v if isinstance(v, str) else json.dumps(v, default=str))
+                      for v in t.column(i).to_pylist()]
+            t = t.set_column(i, pa.field(name, pa.string()), pa.array(values, type=pa.string()))
+        fixed.append(t)
+    return pa.concat_tables(fixed, promote_options="permissive")
+
+
+def complete_table(table: pa.Table, specs: Mapping[str, ColumnSpec] | None = None) -> pa.Table:
+    """Add declared columns missing from `table` as nulls; order declared columns first, then the rest."""
+    specs = run_specs() if specs is None else specs
+    names = table.column_names
+    cols, fields = [], []
+    for name, spec in specs.items():
+        if name in names:
+            cols.append(table.column(name))
+        else:
+            cols.append(pa.nulls(table.num_rows, type=spec.arrow_type))
+        fields.append(pa.field(name, spec.arrow_type))
+    for field in table.schema:
+        if field.name not in specs:
+            cols.append(table.column(field.name))
+            fields.append(field)
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields))
+
+
+def _types_mapper(t: pa.DataType) -> Any:
+    if pa.types.is_integer(t):
+        return pd.Int64Dtype()
+    if pa.types.is_floating(t):
+        return pd.Float64Dtype()
+    if pa.types.is_boolean(t):
+        return pd.BooleanDtype()
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return pd.StringDtype()
+    return None
+
+
+def _listify(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return value
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, list):
+        return [None if (isinstance(x, float) and math.isnan(x)) else x for x in value]
+    return value
+
+
+def table_to_frame(table: pa.Table, specs: Mapping[str, ColumnSpec] | None = None) -> pd.DataFrame:
+    """pandas frame with the declared dtypes; list cells are Python lists (None for null, not NaN)."""
+    specs = run_specs() if specs is None else specs
+    df = table.to_pandas(types_mapper=_types_mapper)
+    for field in table.schema:
+        name = field.name
+        if pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
+            df[name] = pd.Series([_listify(v) for v in df[name]], index=df.index, dtype=object)
+        elif pa.types.is_null(field.type):
+            df[name] = pd.Series([None] * len(df), index=df.index, dtype=object)
+        spec = specs.get(name)
+        if spec is not None and spec.kind != "list_float" and df[name].dtype != spec.pandas_dtype:
+            df[name] = df[name].astype(spec.pandas_dtype)
+    return df
+
+
+def frame_to_table(df: pd.DataFrame, specs: Mapping[str, ColumnSpec] | None = None) -> pa.Table:
+    """Arrow table from a frame: declared columns in their declared types (SchemaError if a value does not fit),
+    undeclared ones inferred (JSON text where Arrow cannot type them)."""
+    specs = run_specs() if specs is None else specs
+    cols, fields = [], []
+    for name in df.columns:
+        if not isinstance(name, str):
+            raise SchemaError(f"column names must be strings, got {name!r}")
+        series = df[name]
+        spec = specs.get(name)
+        try:
+            arr = pa.chunked_array([pa.Array.from_pandas(series)])
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+            arr = None
+        if spec is not None:
+            if arr is not None:
+                try:
+                    arr = arr.cast(spec.arrow_type, safe=not pa.types.is_timestamp(arr.type))
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                    arr = None
+            if arr is None:
+                arr = pa.chunked_array([pa.array([coerce_value(spec, v) for v in series], type=spec.arrow_type)])
+            target = spec.arrow_type
+        else:
+            if arr is None or pa.types.is_struct(arr.type) or pa.types.is_map(arr.type):
+                arr = pa.chunked_array([_infer_array(name, list(series))])
+            target = _plain_type(arr.type)
+            arr = arr.cast(target) if arr.type != target else arr
+        cols.append(arr)
+        fields.append(pa.field(name, target))
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields))

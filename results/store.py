@@ -1,0 +1,396 @@
+"""The result store: one Parquet file per run, written atomically, read back as one typed pandas frame.
+
+Layout under the root (default `<repo>/results/store`, `$WORKBENCH_STORE` overrides):
+
+    runs/<study>/<run_id>.parquet        one run-record row; <study> is the study name percent-encoded,
+                                         "adhoc" for runs without a study
+    runs/<study>/compact-<ts>-<rand>.parquet   many rows, written by `compact`
+    traces/<run_id>.parquet              per-step rows of one run (run_id, seq, step, drafted, accepted, emitted)
+
+Writers never touch an existing file: each writes `.<name>.<pid>.<rand>.tmp` in the target folder, fsyncs it and
+`os.replace`s it to its final name, so any number of processes may append at once and a reader sees either the
+whole file or none of it. Readers skip dot-files and anything not ending in `.parquet`.
+
+`load` reads every file of the wanted studies, casts declared columns to `results.schema` types, fills columns that
+older files lack with nulls, keeps undeclared columns, and drops duplicate run_ids (a crash between `compact`'s
+write and its deletes leaves duplicates; they are identical). A file that cannot be read is skipped, named in
+`last_load_errors` and in a `StoreWarning`; `strict=True` raises `StoreError` instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import secrets
+import time
+import urllib.parse
+import uuid
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from results import schema as S
+
+ADHOC = "adhoc"
+ENV_VAR = "WORKBENCH_STORE"
+_TMP_MAX_AGE_S = 3600.0   # temp files older than this are leftovers of a crashed writer; compact removes them
+
+
+class StoreError(RuntimeError):
+    """A store operation failed; the message names the file or study and the problem."""
+
+
+class StoreWarning(UserWarning):
+    """A file was skipped (or partly nulled) while loading; see ResultStore.last_load_errors."""
+
+
+def default_root() -> Path:
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parent / "store"
+
+
+def new_run_id(now_ns: int | None = None) -> str:
+    """32 hex chars: 12 of milliseconds since the epoch (so ids sort by creation time), then 20 random."""
+    ms = (time.time_ns() if now_ns is None else now_ns) // 1_000_000
+    return f"{ms:012x}{uuid.uuid4().hex[:20]}"
+
+
+def study_dirname(study: str | None) -> str:
+    """Folder name of a study: percent-encoded (reversible, no path separators); None -> "adhoc"."""
+    if study is None:
+        return ADHOC
+    if not isinstance(study, str) or study in ("", ".", ".."):
+        raise StoreError(f"invalid study name {study!r}: use a non-empty string other than '.' and '..'")
+    return urllib.parse.quote(study, safe="")
+
+
+def _study_from_dirname(name: str) -> str:
+    return urllib.parse.unquote(name)
+
+
+def _write_atomic(table: pa.Table, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb+") as fh:   # the bytes must be on disk before the name points at them
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _parquet_files(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir()
+                  if p.name.endswith(".parquet") and not p.name.startswith(".") and p.is_file())
+
+
+def _utc_now() -> _dt.datetime:
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+class ResultStore:
+    """Append-only Parquet store of run records and their per-step traces (see the module docstring)."""
+
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = Path(root).expanduser() if root is not None else default_root()
+        self.last_load_errors: list[tuple[str, str]] = []
+
+    def __repr__(self) -> str:
+        return f"ResultStore({str(self.root)!r})"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.root / "runs"
+
+    @property
+    def traces_dir(self) -> Path:
+        return self.root / "traces"
+
+    # ------------------------------------------------------------------------------------------------ writing
+
+    def append(self, record: Mapping[str, Any], traces: pd.DataFrame | None = None) -> str:
+        """Store one run record (and its trace rows); returns its run_id.
+
+        Fills run_id, created_at and schema_version when missing. The record's declared columns must fit their
+        types (`results.schema.SchemaError` otherwise); undeclared keys are kept with inferred types. Traces are
+        written first, so a reader that sees the run also finds its traces.
+        """
+        rec = dict(record)
+        if rec.get("run_id") in (None, ""):
+            rec["run_id"] = new_run_id()
+        run_id = str(rec["run_id"])
+        if not all(c.isalnum() or c in "-_." for c in run_id) or run_id.startswith("."):
+            raise StoreError(f"run_id {run_id!r} is not usable as a file name (letters, digits, - _ . only)")
+        rec["run_id"] = run_id
+        if rec.get("created_at") is None:
+            rec["created_at"] = _utc_now()
+        if rec.get("schema_version") is None:
+            rec["schema_version"] = S.SCHEMA_VERSION
+        study = rec.get("study")
+        folder = self.runs_dir / study_dirname(study)
+        table = S.record_to_table(rec)
+        if traces is not None:
+            self._write_traces(run_id, traces)
+        _write_atomic(table, folder / f"{run_id}.parquet")
+        return run_id
+
+    def _write_traces(self, run_id: str, traces: pd.DataFrame) -> None:
+        tr = traces.copy()
+        if "run_id" in tr.columns and tr["run_id"].notna().any() and (tr["run_id"].dropna() != run_id).any():
+            raise StoreError(f"traces for run {run_id} carry other run_ids: {sorted(set(tr['run_id'].dropna()))[:3]}")
+        tr["run_id"] = run_id
+        tr = tr[["run_id"] + [c for c in tr.columns if c != "run_id"]]
+        table = S.frame_to_table(tr.reset_index(drop=True), S.trace_specs())
+        _write_atomic(table, self.traces_dir / f"{run_id}.parquet")
+
+    # ------------------------------------------------------------------------------------------------ reading
+
+    def studies(self) -> list[str]:
+        """Names of studies with at least one stored run ("adhoc" holds runs without a study)."""
+        if not self.runs_dir.is_dir():
+            return []
+        return sorted(_study_from_dirname(d.name) for d in self.runs_dir.iterdir()
+                      if d.is_dir() and not d.name.startswith(".") and _parquet_files(d))
+
+    def has_study(self, study: str) -> bool:
+        return bool(_parquet_files(self.runs_dir / study_dirname(study)))
+
+    def run_files(self, study: str | None = None) -> list[Path]:
+        """Parquet files holding run rows: of one study (None = every study; "adhoc" = runs without a study)."""
+        if study is not None:
+            return _parquet_files(self.runs_dir / study_dirname(study))
+        if not self.runs_dir.is_dir():
+            return []
+        return [p for d in sorted(self.runs_dir.iterdir()) if d.is_dir() and not d.name.startswith(".")
+                for p in _parquet_files(d)]
+
+    def _read_tables(self, files: Iterable[Path], specs: Mapping[str, S.ColumnSpec], columns: list[str] | None,
+                     strict: bool, errors: list[tuple[str, str]]) -> list[pa.Table]:
+        tables = []
+        for path in files:
+            problems: list[str] = []
+            try:
+                pf = pq.ParquetFile(path)
+                if columns is None:
+                    table = pf.read()
+                else:
+                    present = set(pf.schema_arrow.names)
+                    table = pf.read(columns=[c for c in columns if c in present])
+                if "run_id" in specs and "run_id" not in table.column_names:
+                    raise StoreError("no run_id column")
+                if "schema_version" in specs:   # run rows; traces carry no version
+                    table = _upgrade(table)
+                table = S.conform_table(table, specs, on_problem=problems.append)
+            except FileNotFoundError:
+                continue   # compacted away between listing and reading; its rows are in the compact file
+            except Exception as exc:   # noqa: BLE001 - any unreadable file is reported, never fatal by default
+                reason = f"{type(exc).__name__}: {exc}"
+                if strict:
+                    raise StoreError(f"cannot read {path}: {reason}") from exc
+                errors.append((str(path), reason))
+                continue
+            for problem in problems:
+                if strict:
+                    raise StoreError(f"{path}: {problem}")
+                errors.append((str(path), problem))
+            tables.append(table)
+        return tables
+
+    def _report(self, errors: list[tuple[str, str]]) -> None:
+        self.last_load_errors = errors
+        if errors:
+            lines = "\n".join(f"  {p}: {r}" for p, r in errors[:10])
+            more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+            warnings.warn(f"result store {self.root}: {len(errors)} file problem(s), rows skipped or nulled:\n"
+                          f"{lines}{more}", StoreWarning, stacklevel=3)
+
+    def load(self, study: str | None = None, columns: Iterable[str] | None = None,
+             filters: Mapping[str, Any] | None = None, strict: bool = False) -> pd.DataFrame:
+        """All run rows (or one study's), one per run_id, sorted by created_at then run_id.
+
+        columns: only these (plus nothing else); declared columns absent from every file come back as nulls.
+        filters: {column: value} keeps rows equal to value; a list/tuple/set value keeps rows in it; None keeps
+        nulls. Declared columns always have their declared dtypes (see results.schema).
+        """
+        specs = S.run_specs()
+        wanted = None if columns is None else list(dict.fromkeys(columns))
+        read_cols = None
+        if wanted is not None:
+            extra = ["run_id", "created_at", "schema_version", *(filters or {})]
+            read_cols = list(dict.fromkeys(wanted + extra))
+        errors: list[tuple[str, str]] = []
+        tables = self._read_tables(self.run_files(study), specs, read_cols, strict, errors)
+        self._report(errors)
+        table = S.concat_tables(tables) if tables else pa.table({})
+        table = S.complete_table(table, specs)
+        df = S.table_to_frame(table, specs)
+        if len(df):
+            df = df.sort_values(["created_at", "run_id"], kind="stable", na_position="first")
+            df = df.drop_duplicates(subset="run_id", keep="last")
+        df = _apply_filters(df, filters)
+        if wanted is not None:
+            df = df[[c for c in wanted if c in df.columns]]
+        return df.reset_index(drop=True)
+
+    def load_traces(self, run_ids: Iterable[str] | None = None, strict: bool = False) -> pd.DataFrame:
+        """Trace rows of the given runs (None = all), typed per results.schema.TRACE_SPECS."""
+        specs = S.trace_specs()
+        if run_ids is None:
+            files = _parquet_files(self.traces_dir)
+        else:
+            ids = [str(r) for r in run_ids]
+            files = [self.traces_dir / f"{r}.parquet" for r in dict.fromkeys(ids)]
+            files = [p for p in files if p.is_file()]
+        errors: list[tuple[str, str]] = []
+        tables = self._read_tables(files, specs, None, strict, errors)
+        self._report(errors)
+        table = S.complete_table(S.concat_tables(tables) if tables else pa.table({}), specs)
+        df = S.table_to_frame(table, specs)
+        if len(df):
+            df = df.sort_values(["run_id", "seq", "step"], kind="stable").reset_index(drop=True)
+        return df
+
+    # ---------------------------------------------------------------------------------------------- housekeeping
+
+    def compact(self, study: str | None = None) -> dict[str, int]:
+        """Merge each study's files (per-run and earlier compact files) into one `compact-<ts>-<rand>.parquet`.
+
+        Only files listed at the start are merged and then deleted, so runs appended meanwhile stay as they are.
+        Unreadable files are left in place (and reported as by load). Concurrent compactions of one study are
+        serialised by a lock file where fcntl exists. Returns {study: rows in the new file} for studies that had
+        two or more files.
+        """
+        names = [study] if study is not None else self.studies()
+        out = {}
+        for name in names:
+            folder = self.runs_dir / study_dirname(name)
+            with _folder_lock(folder) as got:
+                if not got:
+                    continue
+                _remove_stale_tmp(folder)
+                files = _parquet_files(folder)
+                if len(files) < 2:
+                    continue
+                errors: list[tuple[str, str]] = []
+                tables = self._read_tables(files, S.run_specs(), None, False, errors)
+                self._report(errors)
+                bad = {p for p, _ in errors}
+                merged = [p for p in files if str(p) not in bad]
+                if len(merged) < 2:
+                    continue
+                table = S.complete_table(S.concat_tables(tables))
+                df_ids = table.column("run_id").to_pylist()
+                if len(set(df_ids)) != len(df_ids):
+                    table = _dedupe_table(table)
+                ts = _utc_now().strftime("%Y%m%dT%H%M%S%fZ")
+                _write_atomic(table, folder / f"compact-{ts}-{secrets.token_hex(3)}.parquet")
+                for p in merged:
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+                out[name] = table.num_rows
+        return out
+
+    # ------------------------------------------------------------------------------------------------ export
+
+    def export(self, df: pd.DataFrame, path: str | os.PathLike, fmt: str | None = None) -> Path:
+        """Write `df` as CSV or Parquet (fmt None: from the suffix); see results.export."""
+        from results.export import export_frame
+        return export_frame(df, path, fmt)
+
+
+def _upgrade(table: pa.Table) -> pa.Table:
+    """Bring rows written at older schema versions to SCHEMA_VERSION (rows without a version count as 0).
+
+    Migrated rows carry the current schema_version afterwards, so `compact` persists the upgrade once."""
+    n = table.num_rows
+    if n == 0:
+        return table
+    if "schema_version" in table.column_names:
+        versions = [0 if v is None else int(v) for v in table.column("schema_version").to_pylist()]
+    else:
+        versions = [0] * n
+    if versions and max(versions) > S.SCHEMA_VERSION:
+        raise StoreError(f"written at schema_version {max(versions)}, newer than this code's "
+                         f"{S.SCHEMA_VERSION}: update the workbench")
+    if all(v == S.SCHEMA_VERSION for v in versions) and "schema_version" in table.column_names:
+        return table
+    parts = []
+    for version in sorted(set(versions)):
+        part = table.filter(pa.array([v == version for v in versions])) if len(set(versions)) > 1 else table
+        while version < S.SCHEMA_VERSION:
+            part = S.MIGRATIONS[version](part)
+            version += 1
+        current = pa.array([S.SCHEMA_VERSION] * part.num_rows, type=pa.int64())
+        if "schema_version" in part.column_names:
+            part = part.set_column(part.column_names.index("schema_version"), "schema_version", current)
+        else:
+            part = part.append_column("schema_version", current)
+        parts.append(part)
+    return S.concat_tables(parts) if len(parts) > 1 else parts[0]
+
+
+def _dedupe_table(table: pa.Table) -> pa.Table:
+    seen: dict[Any, int] = {}
+    for i, rid in enumerate(table.column("run_id").to_pylist()):
+        seen[rid] = i
+    return table.take(sorted(seen.values()))
+
+
+def _apply_filters(df: pd.DataFrame, filters: Mapping[str, Any] | None) -> pd.DataFrame:
+    if not filters:
+        return df
+    mask = pd.Series(True, index=df.index)
+    for col, value in filters.items():
+        if col not in df.columns:
+            raise StoreError(f"filter on unknown column {col!r}")
+        series = df[col]
+        if value is None:
+            mask &= series.isna()
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            mask &= series.isin(list(value)).fillna(False).astype(bool)
+        else:
+            mask &= (series == value).fillna(False).astype(bool)
+    return df[mask]
+
+
+def _remove_stale_tmp(folder: Path) -> None:
+    now = time.time()
+    for p in folder.glob(".*.tmp"):
+        with contextlib.suppress(OSError):
+            if now - p.stat().st_mtime > _TMP_MAX_AGE_S:
+                p.unlink()
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """Non-blocking exclusive lock on `<folder>/.compact.lock`; yields False if another process holds it."""
+    try:
+        import fcntl
+    except ImportError:   # not POSIX: duplicates from concurrent compactions are removed by load's dedupe
+        yield True
+        return
+    if not folder.is_dir():
+        yield False
+        return
+    with open(folder / ".compact.lock", "a+") as fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
