@@ -1,0 +1,176 @@
+"""Engine conformance: every drafter reproduces plain greedy decoding token for token; caches agree; sampling is
+lossless end to end."""
+import copy
+
+import pytest
+import torch
+
+from tests.test_verify import chi_square_pvalue
+from workbench.drafters import DraftModelDrafter, NgramDrafter
+from workbench.engine import EngineConfig, SpecEngine
+from workbench.kv_cache import ContiguousKVCache, PagedKVCache
+from workbench.models import CausalAttention, LlamaModel, ModelConfig
+from workbench.sampling import SamplingParams, probs_from_logits
+
+
+def random_model(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, seed=0, std=0.3) -> LlamaModel:
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512)
+    model = LlamaModel(cfg)
+    # a larger init than training's 0.02 gives peaked, input-dependent distributions: greedy paths branch a lot
+    model.reset_parameters(std=std, generator=torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_model(seed=1)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return random_model(hidden=16, layers=1, heads=2, kv_heads=1, seed=2)
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Cache-free reference: recompute the whole sequence each token with causal attention."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            x = torch.tensor([ids])
+            h = model(x, torch.arange(len(ids)).unsqueeze(0), CausalAttention())
+            ids.append(int(model.compute_logits(h[0, -1]).argmax()))
+    return ids[len(prompt):]
+
+
+PROMPTS = [[3, 9, 4, 1, 3, 9, 4, 1, 3], [7, 7, 2], [5, 11, 13, 5, 11, 13, 5, 11, 6, 2, 8, 30]]
+
+
+def make_drafter(kind, draft_model, target_model):
+    if kind == "ar":
+        return None
+    if kind == "draft":
+        return DraftModelDrafter(draft_model, k=3)
+    if kind == "self-draft":  # the target drafting for itself: every draft accepted, exercises the bonus path
+        return DraftModelDrafter(copy.deepcopy(target_model), k=4)
+    if kind == "noisy-self-draft":  # a perturbed copy of the target: partial acceptance, mid-draft rejections
+        noisy = copy.deepcopy(target_model)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for w in noisy.parameters():
+                w.add_(torch.randn(w.shape, generator=g) * 0.02 * w.std())
+        return DraftModelDrafter(noisy, k=4)
+    if kind == "ngram":
+        return NgramDrafter(k=3, min_n=1, max_n=3)
+    raise ValueError(kind)
+
+
+DRAFTERS = ["ar", "draft", "self-draft", "noisy-self-draft", "ngram"]
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_greedy_output_equals_autoregressive(kind, paged, target, draft):
+    n = 20
+    expected = [reference_greedy(target, p, n) for p in PROMPTS]
+    engine = SpecEngine(target, make_drafter(kind, draft, target),
+                        EngineConfig(max_new_tokens=n, paged=paged, kv_block_size=4))
+    # batch 1 and a ragged batch (different prompt lengths, different acceptance per step)
+    for p, e in zip(PROMPTS, expected):
+        assert engine.generate([p]).outputs == [e]
+    res = engine.generate(PROMPTS)
+    assert res.outputs == expected
+    if kind == "noisy-self-draft":  # the test really covers partial acceptance
+        accepted = [a for s in res.steps for a in s.accepted]
+        assert 0 in accepted and 4 in accepted and any(0 < a < 4 for a in accepted)
+    if kind == "self-draft":
+        assert sum(sum(s.accepted) for s in res.steps) > 0.8 * sum(sum(s.drafted) for s in res.steps)
+
+
+def test_self_draft_accepts_everything(target):
+    engine = SpecEngine(target, DraftModelDrafter(copy.deepcopy(target), k=4), EngineConfig(max_new_tokens=21))
+    res = engine.generate([PROMPTS[0]])
+    assert all(s.accepted == [4] for s in res.steps)
+    assert len(res.steps) == 4  # 1 token from prefill + 4 steps x 5 tokens
+
+
+def test_finished_sequences_leave_the_batch(target, draft):
+    engine = SpecEngine(target, make_drafter("draft", draft, target), EngineConfig(max_new_tokens=12))
+    res = engine.generate(PROMPTS)
+    sizes = [len(s.rows) for s in res.steps]
+    assert sizes[0] == 3 and sizes == sorted(sizes, reverse=True)
+    assert all(len(o) == 12 for o in res.outputs)
+
+
+def test_paged_cache_frees_and_reuses_blocks(target):
+    engine = SpecEngine(target, None, EngineConfig(max_new_tokens=8, paged=True, kv_block_size=2))
+    engine.generate(PROMPTS)  # would raise CacheFullError if blocks leaked across sequences
+    cache = PagedKVCache(1, 1, 2, max_rows=2, max_len=8, dtype=torch.float32, device="cpu", block_size=2)
+    cache._ensure_capacity(torch.tensor([0, 1]), [0, 0], 7)
+    assert cache.free_blocks == 8 - 8
+    cache.truncate(0, 3)
+    assert cache.free_blocks == 2
+    cache.free(1)
+    assert cache.free_blocks == 6
+
+
+def test_paged_and_contiguous_attention_agree():
+    torch.manual_seed(0)
+    kw = dict(num_layers=1, num_kv_heads=2, head_dim=8, max_rows=3, max_len=40, dtype=torch.float32, device="cpu")
+    caches = [ContiguousKVCache(**kw), PagedKVCache(**kw, block_size=3)]
+    rows = torch.tensor([2, 0])
+    outs = []
+    for cache in caches:
+        torch.manual_seed(1)
+        res = []
+        base = [0, 0]
+        for t in [5, 1, 3, 1]:  # prefill 5, then steps; second step uses a tree mask
+            mask = None
+            if t == 3:
+                mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
+            cache.begin(rows, torch.tensor(base), base, t, mask)
+            q, k, v = torch.randn(2, 4, t, 8), torch.randn(2, 2, t, 8), torch.randn(2, 2, t, 8)
+            res.append(cache.attend(0, q, k, v))
+            base = [b + t for b in base]
+        outs.append(res)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+
+
+def test_bad_settings_raise_before_work(target, draft):
+    with pytest.raises(ValueError, match="k"):
+        DraftModelDrafter(draft, k=0)
+    with pytest.raises(ValueError, match="min_n"):
+        NgramDrafter(k=2, min_n=3, max_n=2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        EngineConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=0.0)
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+def test_sampled_speculation_follows_target_distribution(kind, target, draft):
+    """End to end, temperature 1: the joint of the first two generated tokens after the prefill token, from a batch
+    of identical prompts, matches the target's exact joint distribution (chi-square)."""
+    small_target = random_model(vocab=8, hidden=16, layers=1, heads=2, kv_heads=1, seed=5, std=0.8)
+    small_draft = random_model(vocab=8, hidden=16, layers=1, heads=2, kv_heads=1, seed=6, std=0.8)
+    params = SamplingParams(temperature=1.0)
+    prompt = [1, 2, 3, 1, 2]
+    n = 3000
+    drafter = DraftModelDrafter(small_draft, k=3) if kind == "draft" else NgramDrafter(k=3, min_n=1, max_n=2)
+    engine = SpecEngine(small_target, drafter, EngineConfig(max_new_tokens=3, sampling=params, seed=11))
+    res = engine.generate([prompt] * n)
+    outs = torch.tensor(res.outputs)  # [n, 3]: token 0 from prefill, tokens 1-2 from speculative steps
+    # exact target distribution of (t1, t2) given the prefill token t0, for the most common t0
+    t0 = int(torch.mode(outs[:, 0]).values)
+    sel = outs[outs[:, 0] == t0]
+    with torch.no_grad():
+        ctx = torch.tensor(prompt + [t0])
+        def dist(ids):
+            h = small_target(ids.unsqueeze(0), torch.arange(len(ids)).unsqueeze(0))
+            return probs_from_logits(small_target.compute_logits(h[0, -1]), params)
+        p1 = dist(ctx)
+        joint = torch.stack([p1[a] * dist(torch.cat([ctx, torch.tensor([a])])) for a in range(8)])  # [8, 8]
+    counts = torch.bincount(sel[:, 1] * 8 + sel[:, 2], minlength=64).float()
+    assert sel.shape[0] > 500
+    assert chi_square_pvalue(counts, joint.flatten()) > 1e-3

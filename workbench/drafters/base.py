@@ -1,0 +1,80 @@
+"""The drafter plug-in contract.
+
+A drafter proposes a draft tree for every live sequence of a step and keeps whatever state it needs (its own KV cache,
+a token history, recurrent state) in step with what the verifier accepted. The engine never asks which drafter it
+runs: it calls these methods in this order, for one generation:
+
+    setup(ctx)                    once: sizes, device, sampling settings, random generator
+    prefill(state, ids, pos)      once: the prompts (right-padded ids [B, P], positions [B, P]); state.kv_len = lengths
+    repeat until every sequence is done:
+        tree = propose(state)     -> DraftTree over state.rows (same order); no host sync expected (ngram excepted)
+        ...target verifies...
+        commit(state, acc, old)   after the engine moved state.kv_len forward; `old` is the kv_len before the step
+    release(row)                  a sequence finished: free its storage
+
+Rules every drafter must keep (the conformance tests check them):
+- propose must not change committed tokens or the target's cache; it reads `state.tokens` / `state.tokens_host`;
+- drafted tokens must come from `sampling.probs_from_logits` with `ctx.sampling` when the drafter samples, and then
+  `DraftTree.draft_probs` holds those distributions; deterministic candidates leave it None;
+- with greedy settings, whatever the drafter proposes, the engine's output equals plain autoregressive decoding.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.sampling import SamplingParams
+from workbench.tree import DraftTree
+
+
+@dataclass
+class DraftContext:
+    max_rows: int
+    max_len: int  # KV slots per sequence the engine reserves
+    device: torch.device
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    paged: bool = True
+    kv_block_size: int = 16
+
+
+@dataclass
+class BatchState:
+    """What a step knows about its live sequences. Row r's token t_i is tokens[r, i]; the root is tokens[r, kv_len[r]]."""
+    rows: torch.Tensor  # [B] long: cache rows of the live sequences
+    rows_host: list[int]
+    tokens: torch.Tensor  # [R, S] long, device: every sequence's tokens (prompt + emitted); beyond the root: garbage
+    tokens_host: list[list[int]]  # per row, the same tokens up to and including the root
+    kv_len: torch.Tensor  # [B] long: tokens whose target KV is written (= the root's index)
+    kv_len_host: list[int] = field(default_factory=list)
+
+    @property
+    def root(self) -> torch.Tensor:  # [B]
+        return self.tokens[self.rows, self.kv_len]
+
+
+class Drafter(ABC):
+    name: str = "drafter"
+    num_nodes: int = 0  # N: draft nodes per sequence per step (static)
+    model_forwards_per_step: int = 0  # drafter model passes per step (for the draft/target cost ratio)
+
+    def setup(self, ctx: DraftContext) -> None:
+        self.ctx = ctx
+
+    def prefill(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """prompt_ids, positions [B, P] right-padded; the true lengths are state.kv_len."""
+
+    @abstractmethod
+    def propose(self, state: BatchState) -> DraftTree: ...
+
+    def commit(self, state: BatchState, acc, old_kv_len_host: list[int]) -> None:
+        """state already reflects the accepted tokens; acc is the verifier's Acceptance for state.rows."""
+
+    def release(self, row: int) -> None:
+        pass
+
+    @property
+    def settings(self) -> dict:
+        return {}

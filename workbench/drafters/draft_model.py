@@ -1,0 +1,77 @@
+"""An independent small model drafts a chain of k tokens, with its own KV cache.
+
+Each step feeds the draft model [t_{L-1}, root] at positions [L-1, L] (L = committed KV length): t_{L-1}'s draft KV
+may be missing when the whole previous draft was accepted, and recomputing it otherwise is harmless (same token,
+same position, same context). Then k-1 single-token steps; rejected drafts are simply overwritten next step.
+"""
+from __future__ import annotations
+
+import torch
+
+from workbench.drafters.base import BatchState, DraftContext, Drafter
+from workbench.kv_cache import make_cache
+from workbench.sampling import probs_from_logits, sample
+from workbench.tree import DraftTree
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft"
+
+    def __init__(self, model, k: int):
+        if k < 1:
+            raise ValueError(f"k (draft length) must be >= 1, got {k}")
+        self.model, self.k = model, k
+        self.num_nodes = k
+        self.model_forwards_per_step = k
+
+    def setup(self, ctx: DraftContext) -> None:
+        super().setup(ctx)
+        c = self.model.config
+        self.cache = make_cache(ctx.paged, num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
+                                head_dim=c.head_dim, max_rows=ctx.max_rows, max_len=ctx.max_len + self.k + 2,
+                                dtype=next(self.model.parameters()).dtype, device=ctx.device,
+                                block_size=ctx.kv_block_size)
+
+    def prefill(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        b = prompt_ids.shape[0]
+        zeros = torch.zeros(b, dtype=torch.long, device=prompt_ids.device)
+        self.cache.begin(state.rows, zeros, [0] * b, prompt_ids.shape[1])
+        self.model(prompt_ids, positions, self.cache)
+
+    def _forward_last(self, rows, ids, pos, base, base_host) -> torch.Tensor:
+        self.cache.begin(rows, base, base_host, ids.shape[1])
+        hidden = self.model(ids, pos, self.cache)
+        return self.model.compute_logits(hidden[:, -1])  # [B, V]
+
+    def propose(self, state: BatchState) -> DraftTree:
+        rows, L = state.rows, state.kv_len
+        host = [x - 1 for x in state.kv_len_host]
+        prev = state.tokens[rows, L - 1]
+        ids = torch.stack([prev, state.root], 1)  # [B, 2]
+        logits = self._forward_last(rows, ids, torch.stack([L - 1, L], 1), L - 1, host)
+        params, gen = self.ctx.sampling, self.ctx.generator
+        tokens, probs = [], []
+        for i in range(self.k):
+            if params.greedy:
+                tok = logits.argmax(-1)
+            else:
+                q = probs_from_logits(logits, params)
+                tok = sample(q, gen)
+                probs.append(q)
+            tokens.append(tok)
+            if i < self.k - 1:
+                pos = L + 1 + i
+                logits = self._forward_last(rows, tok.unsqueeze(1), pos.unsqueeze(1), pos,
+                                            [x + 2 + i for x in host])
+        return DraftTree.chain(torch.stack(tokens, 1), draft_probs=torch.stack(probs, 1) if probs else None)
+
+    def commit(self, state: BatchState, acc, old_kv_len_host: list[int]) -> None:
+        for row, new_len in zip(state.rows_host, state.kv_len_host):
+            self.cache.truncate(row, new_len)  # paged: give back blocks holding only rejected drafts
+
+    def release(self, row: int) -> None:
+        self.cache.free(row)
+
+    @property
+    def settings(self) -> dict:
+        return {"k": self.k}

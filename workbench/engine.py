@@ -1,0 +1,246 @@
+"""The speculative decoding engine: one step loop for plain autoregressive decoding and for every drafter.
+
+Vocabulary (used the same way in every module):
+- **committed tokens**: a sequence's tokens whose target KV is final; `kv_len` counts them.
+- **root**: the token at index kv_len, the last one emitted; its KV is written in the next verify pass and its target
+  logits predict draft depth 1.
+- **draft tree**: N nodes per sequence (token, parent, depth); a chain is the degenerate tree (workbench/tree.py).
+- **accepted tokens** / **recovered token** / **bonus token**: see workbench/verify.py. A step emits accepted + 1.
+- **target step**: one verify pass of the target model; autoregressive decoding is the same loop with N = 0.
+
+One step, as named phases (each timed when `timing` is on):
+    draft  : drafter.propose(state) -> DraftTree
+    verify : target over [root, nodes] at positions kv_len + [0, depths], tree mask -> logits [B, 1+N, V]
+    accept : verifier.accept(tree, logits) -> Acceptance;  then the step's one host read (accepted counts + tokens)
+    kv     : move the accepted path's KV (trees only), advance kv_len, drafter.commit, retire finished sequences
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.drafters.base import BatchState, DraftContext, Drafter
+from workbench.kv_cache import make_cache
+from workbench.sampling import SamplingParams, next_token
+from workbench.tree import DraftTree, verify_mask
+from workbench.verify import Verifier
+
+PHASES = ("prefill", "draft", "verify", "accept", "kv")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_new_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+    paged: bool = True
+    kv_block_size: int = 16
+    seed: int = 0
+    stop_on_eos: bool = False  # benchmarks decode a fixed length, like vLLM's bench with ignore_eos
+    eos_token_id: int | None = None
+    timing: bool = False  # per-phase timers (CUDA events on GPU, no extra host syncs)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+
+
+class PhaseTimer:
+    """Accumulates wall time per phase. On CUDA it records events and resolves them once, at the end."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.enabled = enabled
+        self.cuda = enabled and device.type == "cuda"
+        self.totals_ms = {p: 0.0 for p in PHASES}
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def phase(self, name: str):
+        if not self.enabled:
+            yield
+            return
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.totals_ms[name] += (time.perf_counter() - t0) * 1e3
+
+    def resolve(self) -> dict[str, float]:
+        if self._events:
+            torch.cuda.synchronize()
+            for name, start, end in self._events:
+                self.totals_ms[name] += start.elapsed_time(end)
+            self._events.clear()
+        return dict(self.totals_ms)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    t_emit: float  # host perf_counter when the step's tokens were known
+    rows: list[int]
+    drafted: list[int]
+    accepted: list[int]
+    emitted: list[int]  # tokens counted towards the output (capped by max_new_tokens)
+
+
+@dataclass
+class GenerationResult:
+    outputs: list[list[int]]  # per prompt, the generated tokens (max_new_tokens of them unless stopped by EOS)
+    t_start: float
+    t_first_token: float  # all sequences of the batch get their first token from the one prefill
+    t_done: list[float]  # per prompt
+    steps: list[StepRecord] = field(default_factory=list)
+    phase_ms: dict[str, float] = field(default_factory=dict)
+    draft_forwards_per_step: int = 0
+    num_nodes: int = 0
+
+
+class SpecEngine:
+    """Runs a batch of prompts to completion with one target model and an optional drafter (None = autoregressive)."""
+
+    def __init__(self, target, drafter: Drafter | None, config: EngineConfig, device: torch.device | str = "cpu"):
+        self.target, self.drafter, self.config = target, drafter, config
+        self.device = torch.device(device)
+        self.dtype = next(target.parameters()).dtype
+
+    def max_context(self) -> int:
+        return int(self.target.config.max_position_embeddings)
+
+    def required_len(self, prompt_len: int) -> int:
+        n = self.drafter.num_nodes if self.drafter else 0
+        return prompt_len + self.config.max_new_tokens + n + 2
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]]) -> GenerationResult:
+        cfg, dev = self.config, self.device
+        b = len(prompts)
+        if b < 1:
+            raise ValueError("generate needs at least one prompt")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        plen = [len(p) for p in prompts]
+        max_len = self.required_len(max(plen))
+        n_nodes = self.drafter.num_nodes if self.drafter else 0
+        gen = torch.Generator(device=dev).manual_seed(cfg.seed)
+        tcfg = self.target.config
+        cache = make_cache(cfg.paged, num_layers=tcfg.num_hidden_layers, num_kv_heads=tcfg.num_key_value_heads,
+                           head_dim=tcfg.head_dim, max_rows=b, max_len=max_len, dtype=self.dtype, device=dev,
+                           block_size=cfg.kv_block_size)
+        timer = PhaseTimer(dev, cfg.timing)
+        verifier = Verifier(cfg.sampling, gen)
+
+        # buffers: every row's tokens; room for a full step's writes past the longest possible root
+        tokens = torch.zeros(b, max_len + n_nodes + 2, dtype=torch.long, device=dev)
+        padded = torch.zeros(b, max(plen), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            padded[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        padded = padded.to(dev)
+        tokens[:, :padded.shape[1]] = padded
+        rows = torch.arange(b, device=dev)
+        kv_len = torch.tensor(plen, dtype=torch.long, device=dev)
+        positions = torch.arange(padded.shape[1], device=dev).expand(b, -1)
+        state = BatchState(rows=rows, rows_host=list(range(b)), tokens=tokens,
+                           tokens_host=[list(p) for p in prompts], kv_len=kv_len, kv_len_host=list(plen))
+
+        t_start = time.perf_counter()
+        with timer.phase("prefill"):
+            cache.begin(rows, torch.zeros_like(kv_len), [0] * b, padded.shape[1])
+            hidden = self.target(padded, positions, cache)
+            last = hidden[rows, kv_len - 1]  # [B, H] each prompt's last real position
+            first = next_token(self.target.compute_logits(last), cfg.sampling, gen)  # [B]
+            tokens[rows, kv_len] = first
+            if self.drafter is not None:
+                self.drafter.setup(DraftContext(max_rows=b, max_len=max_len, device=dev, sampling=cfg.sampling,
+                                                generator=gen, paged=cfg.paged, kv_block_size=cfg.kv_block_size))
+                self.drafter.prefill(state, padded, positions)
+        first_host = first.tolist()
+        t_first = time.perf_counter()
+        outputs = [[t] for t in first_host]
+        for i, t in enumerate(first_host):
+            state.tokens_host[i].append(t)
+        done_at = [t_first if cfg.max_new_tokens <= 1 else 0.0 for _ in range(b)]
+        live = [i for i in range(b) if not self._finished(outputs[i])]
+        for i in range(b):
+            if i not in live:
+                done_at[i] = t_first
+        result = GenerationResult(outputs, t_start, t_first, done_at, num_nodes=n_nodes)
+        kv_len_all = kv_len.clone()  # indexed by row
+        step = 0
+        while live:
+            live_t = torch.tensor(live, dtype=torch.long, device=dev)
+            state.rows, state.rows_host = live_t, live
+            state.kv_len = kv_len_all[live_t]
+            state.kv_len_host = [len(state.tokens_host[r]) - 1 for r in live]
+            base, base_host = state.kv_len, state.kv_len_host
+
+            with timer.phase("draft"):
+                tree = self.drafter.propose(state) if self.drafter else DraftTree.empty(len(live), dev)
+            with timer.phase("verify"):
+                ids = torch.cat([state.root.unsqueeze(1), tree.token_ids], 1)  # [B, 1+N]
+                offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
+                cache.begin(live_t, base, base_host, ids.shape[1], verify_mask(tree))
+                logits = self.target.compute_logits(self.target(ids, base.unsqueeze(1) + offsets, cache))
+            with timer.phase("accept"):
+                acc = verifier.accept(tree, logits)
+                packed = torch.cat([acc.num_accepted.unsqueeze(1), acc.emitted], 1).cpu()  # the step's one read
+            t_emit = time.perf_counter()
+            with timer.phase("kv"):
+                d = acc.path_nodes.shape[1]
+                if not tree.is_chain and d:
+                    src = torch.where(acc.path_nodes >= 0, base.unsqueeze(1) + 1 + acc.path_nodes,
+                                      torch.full_like(acc.path_nodes, -1))
+                    cache.move(live_t, src, base.unsqueeze(1) + 1 + torch.arange(d, device=dev))
+                new_len = base + 1 + acc.num_accepted
+                kv_len_all[live_t] = new_len
+                write = base.unsqueeze(1) + 1 + torch.arange(d + 1, device=dev)
+                tokens[live_t.unsqueeze(1), write] = acc.emitted
+                rec = StepRecord(step, t_emit, list(live), [], [], [])
+                drafted = tree.valid.sum(-1).tolist() if tree.num_nodes else [0] * len(live)
+                still = []
+                for j, row in enumerate(live):
+                    n_acc = int(packed[j, 0])
+                    emitted = packed[j, 1:2 + n_acc].tolist()
+                    room = cfg.max_new_tokens - len(outputs[row])
+                    kept = emitted[:room]
+                    if cfg.stop_on_eos and cfg.eos_token_id is not None and cfg.eos_token_id in kept:
+                        kept = kept[:kept.index(cfg.eos_token_id) + 1]
+                    outputs[row].extend(kept)
+                    state.tokens_host[row].extend(emitted)
+                    rec.drafted.append(int(drafted[j]))
+                    rec.accepted.append(n_acc)
+                    rec.emitted.append(len(kept))
+                    if self._finished(outputs[row]):
+                        done_at[row] = t_emit
+                        cache.free(row)
+                        if self.drafter is not None:
+                            self.drafter.release(row)
+                    else:
+                        still.append(row)
+                if self.drafter is not None:
+                    state.kv_len = new_len
+                    state.kv_len_host = [len(state.tokens_host[r]) - 1 for r in live]
+                    self.drafter.commit(state, acc, base_host)
+                for row in still:
+                    cache.truncate(row, len(state.tokens_host[row]) - 1)
+            result.steps.append(rec)
+            live = still
+            step += 1
+        result.phase_ms = timer.resolve()
+        result.draft_forwards_per_step = self.drafter.model_forwards_per_step if self.drafter else 0
+        return result
+
+    def _finished(self, out: list[int]) -> bool:
+        cfg = self.config
+        if len(out) >= cfg.max_new_tokens:
+            return True
+        return cfg.stop_on_eos and cfg.eos_token_id is not None and bool(out) and out[-1] == cfg.eos_token_id

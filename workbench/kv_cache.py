@@ -1,0 +1,223 @@
+"""KV caches owned by the engine: a contiguous one and a paged one (fixed-size blocks, per-sequence block tables).
+
+Both are the model's `AttentionBackend`: a step calls `begin(...)` once, then every layer calls `attend(...)`,
+which writes this step's K/V at positions `base_len[b] + t` and attends over everything before plus the step's own
+tokens under the step's mask. Positions here are cache slots, not RoPE positions: a tree node at depth d sits in
+slot base + 1 + node_index while its RoPE position is base + d. `move` copies the accepted path's KV down to the
+slots the positions say (a no-op for chains), and `truncate` rewinds rejected tokens (the paged cache frees whole
+blocks past the new length).
+
+A cache has `max_rows` rows (sequence slots); the engine maps each live sequence to a row and passes the rows of the
+live sequences each step, so finished sequences leave the batch without moving any data.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+
+class CacheFullError(RuntimeError):
+    """No free KV blocks (or slots) left for the requested length."""
+
+
+class KVCache(ABC):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_rows: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.max_rows, self.max_len = max_rows, max_len
+        self.dtype, self.device = dtype, torch.device(device)
+        self._rows: torch.Tensor | None = None  # [B] this step's rows
+        self._write_pos: torch.Tensor | None = None  # [B, T] slot positions written this step
+        self._mask: torch.Tensor | None = None  # [B, 1, T, S] bool
+        self._span = 0  # S: key positions read this step
+
+    # -- step -----------------------------------------------------------------------------------------------------
+    def begin(self, rows: torch.Tensor, base_len: torch.Tensor, base_len_host: list[int], num_new: int,
+              intra_mask: torch.Tensor | None = None) -> None:
+        """Prepare a step that writes `num_new` tokens per row after `base_len`.
+
+        rows [B] long; base_len [B] long (device) and the same values on the host; intra_mask [B, T, T] bool among
+        the step's tokens (None = causal).
+        """
+        need = max(base_len_host) + num_new
+        if need > self.max_len:
+            raise CacheFullError(f"step needs {need} KV slots, cache holds {self.max_len} per sequence")
+        self._ensure_capacity(rows, base_len_host, num_new)
+        t = torch.arange(num_new, device=self.device)
+        self._rows = rows
+        self._write_pos = base_len.unsqueeze(1) + t  # [B, T]
+        self._span = self._read_span(need)
+        key_pos = torch.arange(self._span, device=self.device)  # [S]
+        before = key_pos.view(1, 1, -1) < base_len.view(-1, 1, 1)  # [B, 1, S]
+        rel = key_pos.view(1, -1) - base_len.view(-1, 1)  # [B, S]
+        in_step = (rel >= 0) & (rel < num_new)
+        if intra_mask is None:
+            intra_mask = torch.ones(num_new, num_new, dtype=torch.bool, device=self.device).tril().expand(
+                rows.shape[0], num_new, num_new)
+        rel_idx = rel.clamp(0, max(num_new - 1, 0)).unsqueeze(1).expand(-1, num_new, -1)  # [B, T, S]
+        visible = intra_mask.gather(2, rel_idx) & in_step.unsqueeze(1)
+        self._mask = (before | visible).unsqueeze(1)  # [B, 1, T, S]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, T, D]; k, v [B, Hkv, T, D] -> [B, Hq, T, D]."""
+        self._write(layer_idx, k.transpose(1, 2), v.transpose(1, 2))
+        keys, values = self._read(layer_idx)  # [B, Hkv, S, D]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask,
+                                              enable_gqa=q.shape[1] != keys.shape[1])
+
+    # -- bookkeeping ----------------------------------------------------------------------------------------------
+    def move(self, rows: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor) -> None:
+        """Copy KV at slot src_pos[b, j] to dst_pos[b, j] in every layer (rows [B]; -1 src = skip)."""
+        keep = src_pos >= 0
+        r = rows.unsqueeze(1).expand_as(src_pos)[keep]
+        src, dst = src_pos[keep], dst_pos[keep]
+        if r.numel():
+            self._copy_slots(r, src, dst)
+
+    def truncate(self, row: int, new_len: int) -> None:
+        """Rewind: positions >= new_len of `row` are dropped (their storage may be reused)."""
+
+    def free(self, row: int) -> None:
+        """The sequence in `row` finished: release its storage."""
+        self.truncate(row, 0)
+
+    # -- storage (per implementation) -----------------------------------------------------------------------------
+    @abstractmethod
+    def _ensure_capacity(self, rows: torch.Tensor, base_len_host: list[int], num_new: int) -> None: ...
+
+    @abstractmethod
+    def _read_span(self, need: int) -> int: ...
+
+    @abstractmethod
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, T, Hkv, D] at self._rows / self._write_pos."""
+
+    @abstractmethod
+    def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def _copy_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None: ...
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int: ...
+
+
+class ContiguousKVCache(KVCache):
+    """One [max_rows, max_len] slab per layer; rows never share storage."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        shape = (self.num_layers, self.max_rows, self.max_len, self.num_kv_heads, self.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, R, S, Hkv, D]
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _ensure_capacity(self, rows, base_len_host, num_new):
+        pass
+
+    def _read_span(self, need: int) -> int:
+        return need
+
+    def _write(self, layer, k, v):
+        idx = (self._rows.unsqueeze(1).expand_as(self._write_pos), self._write_pos)
+        self.k[layer].index_put_(idx, k)
+        self.v[layer].index_put_(idx, v)
+
+    def _read(self, layer):
+        s = self._span
+        return (self.k[layer, self._rows, :s].transpose(1, 2), self.v[layer, self._rows, :s].transpose(1, 2))
+
+    def _copy_slots(self, rows, src, dst):
+        self.k[:, rows, dst] = self.k[:, rows, src]
+        self.v[:, rows, dst] = self.v[:, rows, src]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class PagedKVCache(KVCache):
+    """A pool of fixed-size blocks shared by all rows; a block table maps each row's logical blocks to physical ones.
+
+    Blocks are allocated as a sequence grows and returned on `truncate`/`free`. Reads gather only the blocks this
+    step needs (the longest row's), so memory traffic follows the live context, not the reserved maximum.
+    """
+
+    def __init__(self, *args, block_size: int = 16, num_blocks: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if block_size < 1:
+            raise ValueError(f"kv block size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.blocks_per_row = math.ceil(self.max_len / block_size)
+        self.num_blocks = num_blocks or self.max_rows * self.blocks_per_row
+        shape = (self.num_layers, self.num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, blocks * block_size, Hkv, D]
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.block_table = torch.zeros(self.max_rows, self.blocks_per_row, dtype=torch.long, device=self.device)
+        self._host_table: list[list[int]] = [[] for _ in range(self.max_rows)]
+        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def _ensure_capacity(self, rows, base_len_host, num_new):
+        changed = False
+        for row, base in zip(rows.tolist(), base_len_host):
+            have = self._host_table[row]
+            want = math.ceil((base + num_new) / self.block_size)
+            while len(have) < want:
+                if not self._free:
+                    raise CacheFullError(f"paged KV cache out of blocks ({self.num_blocks} of {self.block_size})")
+                have.append(self._free.pop())
+                changed = True
+        if changed:
+            table = torch.zeros(self.max_rows, self.blocks_per_row, dtype=torch.long)
+            for r, blocks in enumerate(self._host_table):
+                table[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            self.block_table.copy_(table)
+
+    def truncate(self, row: int, new_len: int) -> None:
+        keep = math.ceil(new_len / self.block_size)
+        blocks = self._host_table[row]
+        while len(blocks) > keep:
+            self._free.append(blocks.pop())
+
+    def _slots(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """rows broadcastable to pos; pos [...] -> physical slot [...]."""
+        block = self.block_table[rows, pos // self.block_size]
+        return block * self.block_size + pos % self.block_size
+
+    def _read_span(self, need: int) -> int:
+        return math.ceil(need / self.block_size) * self.block_size
+
+    def _write(self, layer, k, v):
+        slots = self._slots(self._rows.unsqueeze(1), self._write_pos).reshape(-1)
+        self.k[layer].index_copy_(0, slots, k.reshape(-1, *k.shape[2:]))
+        self.v[layer].index_copy_(0, slots, v.reshape(-1, *v.shape[2:]))
+
+    def _read(self, layer):
+        nb = self._span // self.block_size
+        blocks = self.block_table[self._rows, :nb]  # [B, nb]
+        slots = (blocks.unsqueeze(-1) * self.block_size + torch.arange(self.block_size, device=self.device)).flatten(1)
+        return self.k[layer][slots].transpose(1, 2), self.v[layer][slots].transpose(1, 2)
+
+    def _copy_slots(self, rows, src, dst):
+        s, d = self._slots(rows, src), self._slots(rows, dst)
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+def make_cache(paged: bool, *, num_layers: int, num_kv_heads: int, head_dim: int, max_rows: int, max_len: int,
+               dtype: torch.dtype, device, block_size: int = 16) -> KVCache:
+    if paged:
+        return PagedKVCache(num_layers, num_kv_heads, head_dim, max_rows, max_len, dtype, device,
+                            block_size=block_size)
+    return ContiguousKVCache(num_layers, num_kv_heads, head_dim, max_rows, max_len, dtype, device)
