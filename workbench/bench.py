@@ -1,0 +1,309 @@
+"""Benchmark runner: the baseline and the candidate on the same prompts, seeds and process; one result-store row.
+
+    session = BenchSession.load(preset="tiny", device="cpu")          # models loaded once, reused across runs
+    result = session.run(BenchConfig(method="draft", k=4, batch=2, max_new_tokens=64))
+    result.record   # flat dict, one row of the result store (columns: docs/INTERFACES.md)
+    result.traces   # DataFrame, one row per (sequence, target step)
+
+Per repeat, our autoregressive baseline (the same engine with no drafter) and the candidate run over the same
+prompts in the same batches; tokens/s are medians over repeats and speedup is their ratio. Settings are checked
+before any work starts; running out of GPU memory becomes a BenchError that names the settings.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+import torch
+
+from workbench.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from workbench.engine import EngineConfig, GenerationResult, SpecEngine
+from workbench.metrics import median, percentile, summarize, traces_frame
+from workbench.sampling import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class BenchError(Exception):
+    """A setting the engine cannot run, a bad model/prompt input, or a run that failed (e.g. out of memory)."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark's settings; the single source of defaults (the CLI and studies read them from here)."""
+    method: str = "draft"  # "ar" | "draft" | "ngram"
+    k: int = 4  # draft length (tokens per step the drafter proposes)
+    ngram_min: int = 1
+    ngram_max: int = 3
+    batch: int = 1
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    paged: bool = True
+    kv_block_size: int = 16
+    num_prompts: int = 8
+    repeats: int = 1
+    warmup: int = 1
+    compare_hf: bool = False  # also time Hugging Face generate() on the same prompts (slow; GPU benchmarks)
+
+
+def _drafter_for(cfg: BenchConfig, session: "BenchSession") -> Drafter | None:
+    """The name -> drafter registry lives here, at the edge; the engine only sees Drafter instances."""
+    if cfg.method == "ar":
+        return None
+    if cfg.method == "draft":
+        return DraftModelDrafter(session.draft, cfg.k)
+    if cfg.method == "ngram":
+        return NgramDrafter(cfg.k, cfg.ngram_min, cfg.ngram_max)
+    raise BenchError(f"unknown method {cfg.method!r}; choose one of {sorted(METHODS)}")
+
+
+METHODS: dict[str, str] = {"ar": "autoregressive baseline (no drafter)", "draft": "independent draft model, chain of k",
+                           "ngram": "prompt lookup (n-gram), chain of up to k"}
+
+
+@dataclass
+class BenchResult:
+    record: dict
+    traces: pd.DataFrame
+    outputs: list[list[int]] = field(default_factory=list)
+    ar_outputs: list[list[int]] = field(default_factory=list)
+
+
+class BenchSession:
+    """Target (+ draft) model, tokenizer and default prompts, loaded once."""
+
+    def __init__(self, target, draft, tokenizer, prompts, *, device: torch.device, dtype: str, preset: str | None,
+                 target_path: str, draft_path: str | None, prompts_source: str):
+        self.target, self.draft, self.tokenizer, self.prompts = target, draft, tokenizer, prompts
+        self.device, self.dtype, self.preset = device, dtype, preset
+        self.target_path, self.draft_path, self.prompts_source = target_path, draft_path, prompts_source
+
+    @classmethod
+    def load(cls, preset: str | None = None, model: str | None = None, draft: str | None = None,
+             device: str = "auto", dtype: str = "float32", prompts: str | None = None) -> "BenchSession":
+        from workbench.models import ModelLoadError, load_model, load_tokenizer, tokenizer_fingerprint
+        from workbench.prompts import PromptFileError, load_prompts
+        from workbench.zoo import ZooError, resolve_preset
+
+        if dtype not in DTYPES:
+            raise BenchError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                           "cpu" if device == "auto" else device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise BenchError(f"device {device!r} asked for, but no CUDA GPU is visible; use --device cpu")
+        prompts_path = prompts
+        if preset is not None:
+            if model is not None:
+                raise BenchError("give either --preset or --model/--draft, not both")
+            try:
+                paths = resolve_preset(preset)
+            except ZooError as e:
+                raise BenchError(str(e)) from None
+            model, draft = str(paths.target_dir), str(paths.draft_dir)
+            prompts_path = prompts_path or str(paths.prompts_path)
+        if model is None:
+            raise BenchError("no model: give --preset NAME or --model PATH (a Hugging Face folder or a .gguf file)")
+        try:
+            target = load_model(model, dtype=DTYPES[dtype], device=dev).eval()
+            tokenizer = load_tokenizer(model)
+            draft_model = None
+            if draft is not None:
+                draft_model = load_model(draft, dtype=DTYPES[dtype], device=dev).eval()
+                if draft_model.config.vocab_size != target.config.vocab_size:
+                    raise BenchError(f"draft {draft} has vocabulary size {draft_model.config.vocab_size}, target "
+                                     f"{model} has {target.config.vocab_size}: they must share one tokenizer")
+                if tokenizer_fingerprint(draft) != tokenizer_fingerprint(model):
+                    raise BenchError(f"draft {draft} and target {model} use different tokenizers "
+                                     "(tokenizer.json vocabularies differ); speculation needs one shared tokenizer")
+        except ModelLoadError as e:
+            raise BenchError(str(e)) from None
+        if prompts_path is None:
+            raise BenchError("no prompts: give --prompts FILE (JSONL {\"prompt\": ...} or question.jsonl)")
+        try:
+            prompt_list = load_prompts(prompts_path)
+        except PromptFileError as e:
+            raise BenchError(str(e)) from None
+        return cls(target, draft_model, tokenizer, prompt_list, device=dev, dtype=dtype, preset=preset,
+                   target_path=str(model), draft_path=str(draft) if draft else None, prompts_source=str(prompts_path))
+
+    # -- validation ---------------------------------------------------------------------------------------------
+    def check(self, cfg: BenchConfig, prompt_ids: list[list[int]]) -> None:
+        """Every setting checked before work starts; BenchError names the bad value and the allowed range."""
+        if cfg.method not in METHODS:
+            raise BenchError(f"unknown method {cfg.method!r}; choose one of {sorted(METHODS)}")
+        if cfg.method != "ar" and cfg.k < 1:
+            raise BenchError(f"k (draft length) must be >= 1, got {cfg.k}")
+        if cfg.method == "draft" and self.draft is None:
+            raise BenchError("method 'draft' needs a draft model: give --draft PATH or use a --preset")
+        if cfg.method == "ngram" and not 1 <= cfg.ngram_min <= cfg.ngram_max:
+            raise BenchError(f"n-gram sizes need 1 <= ngram_min <= ngram_max, got {cfg.ngram_min}, {cfg.ngram_max}")
+        for name in ("batch", "max_new_tokens", "num_prompts", "repeats", "kv_block_size"):
+            if getattr(cfg, name) < 1:
+                raise BenchError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+        if cfg.warmup < 0:
+            raise BenchError(f"warmup must be >= 0, got {cfg.warmup}")
+        try:
+            SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+        k = cfg.k if cfg.method != "ar" else 0
+        models = [("target", self.target)] + ([("draft", self.draft)] if cfg.method == "draft" else [])
+        longest = max(len(p) for p in prompt_ids)
+        for role, model in models:
+            ctx = int(model.config.max_position_embeddings)
+            if longest >= ctx:
+                raise BenchError(f"a prompt has {longest} tokens; the {role} model's context is {ctx}")
+            need = longest + cfg.max_new_tokens + k + 2
+            if need > ctx:
+                raise BenchError(f"max_new_tokens={cfg.max_new_tokens} with a {longest}-token prompt and k={k} needs "
+                                 f"{need} positions; the {role} model's context is {ctx}: lower max_new_tokens to "
+                                 f"<= {ctx - longest - k - 2}")
+
+    def encode(self, n: int) -> list[list[int]]:
+        """The first n prompts (cycled if the set is smaller), tokenized."""
+        if not self.prompts:
+            raise BenchError(f"prompt set {self.prompts_source} is empty")
+        out = []
+        for i in range(n):
+            ids = self.tokenizer.encode(self.prompts[i % len(self.prompts)].text).ids
+            if not ids:
+                raise BenchError(f"prompt {self.prompts[i % len(self.prompts)].id!r} encodes to no tokens")
+            out.append(ids)
+        return out
+
+    # -- running ------------------------------------------------------------------------------------------------
+    def _engine(self, cfg: BenchConfig, drafter: Drafter | None) -> SpecEngine:
+        ecfg = EngineConfig(max_new_tokens=cfg.max_new_tokens,
+                            sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p), paged=cfg.paged,
+                            kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True)
+        return SpecEngine(self.target, drafter, ecfg, self.device)
+
+    def _pass(self, engine: SpecEngine, prompt_ids: list[list[int]], batch: int) -> list[GenerationResult]:
+        out = []
+        for i in range(0, len(prompt_ids), batch):
+            out.append(engine.generate(prompt_ids[i:i + batch]))
+        self._sync()
+        return out
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def run(self, cfg: BenchConfig, prompts: list[list[int]] | None = None, *, study: str | None = None,
+            trial_id: int | None = None, progress: Callable[[float, str], None] | None = None) -> BenchResult:
+        from workbench.telemetry import GpuTelemetry, environment_info
+
+        prompt_ids = prompts if prompts is not None else self.encode(cfg.num_prompts)
+        self.check(cfg, prompt_ids)
+        progress = progress or (lambda frac, msg: None)
+        ar_engine = self._engine(cfg, None)
+        cand_engine = self._engine(cfg, _drafter_for(cfg, self)) if cfg.method != "ar" else ar_engine
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            warm = replace(cfg, max_new_tokens=min(cfg.max_new_tokens, 8))
+            for _ in range(cfg.warmup):
+                progress(0.0, "warm-up")
+                for eng in {id(ar_engine): ar_engine, id(cand_engine): cand_engine}.values():
+                    w = SpecEngine(eng.target, eng.drafter, replace(eng.config, max_new_tokens=warm.max_new_tokens),
+                                   self.device)
+                    self._pass(w, prompt_ids[:cfg.batch], cfg.batch)
+            telemetry = GpuTelemetry(str(self.device) if self.device.type == "cuda" else 0).start()
+            t0 = time.perf_counter()
+            ar_runs, cand_runs = [], []
+            for r in range(cfg.repeats):
+                progress(r / cfg.repeats, f"repeat {r + 1}/{cfg.repeats}: autoregressive baseline")
+                ar_runs.append(self._pass(ar_engine, prompt_ids, cfg.batch))
+                if cfg.method == "ar":
+                    cand_runs.append(ar_runs[-1])
+                else:
+                    progress((r + 0.5) / cfg.repeats, f"repeat {r + 1}/{cfg.repeats}: {cfg.method}")
+                    cand_runs.append(self._pass(cand_engine, prompt_ids, cfg.batch))
+            wall = time.perf_counter() - t0
+            tel = telemetry.stop()
+            hf = {}
+            if cfg.compare_hf:
+                progress(0.95, "Hugging Face transformers baseline")
+                from workbench.hf_baseline import hf_generate_tokens_per_s
+                hf = hf_generate_tokens_per_s(self, cfg, prompt_ids)
+        except torch.cuda.OutOfMemoryError as e:
+            raise BenchError(f"GPU out of memory with method={cfg.method} k={cfg.k} batch={cfg.batch} "
+                             f"max_new_tokens={cfg.max_new_tokens} dtype={self.dtype}: lower batch or max_new_tokens "
+                             f"({str(e).splitlines()[0]})") from None
+        progress(1.0, "done")
+        return self._result(cfg, ar_runs, cand_runs, wall, tel, hf, study, trial_id, environment_info(
+            str(self.device) if self.device.type == "cuda" else None))
+
+    def _result(self, cfg, ar_runs, cand_runs, wall, tel, hf, study, trial_id, env) -> BenchResult:
+        ar = [summarize(r) for r in ar_runs]
+        cand = [summarize(r) for r in cand_runs]
+        c0 = cand[0]
+        ar_tps = median([s.tokens_per_s for s in ar])
+        tps = median([s.tokens_per_s for s in cand])
+        outputs = [o for res in cand_runs[0] for o in res.outputs]
+        ar_outputs = [o for res in ar_runs[0] for o in res.outputs]
+        greedy_match = None
+        if cfg.temperature == 0.0:
+            greedy_match = all([o for res in run for o in res.outputs] == ar_outputs for run in cand_runs)
+        # cost ratio c (Leviathan et al.): one drafter model pass / one target decode step (the AR step time)
+        ar_step_ms = median([s.phase_ms.get("verify", 0.0) / s.target_steps for s in ar if s.target_steps])
+        cost_ratio = None
+        if c0.draft_forwards and ar_step_ms:
+            cost_ratio = (c0.phase_ms.get("draft", 0.0) / c0.draft_forwards) / ar_step_ms
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:  # CPU: the process's peak resident set (Linux reports KiB)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        run_id = uuid.uuid4().hex
+        n_seq = max(len(c0.tpot_ms), 1)
+        record = {
+            "run_id": run_id, "study": study, "trial_id": trial_id, "status": "ok", "error": None,
+            **{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "compare_hf"},
+            "k": cfg.k if cfg.method != "ar" else 0,
+            "dtype": self.dtype, "device": str(self.device), "preset": self.preset,
+            "target_path": self.target_path, "draft_path": self.draft_path if cfg.method == "draft" else None,
+            "prompts_source": self.prompts_source, "config_json": json.dumps(asdict(cfg), sort_keys=True),
+            "acceptance_rate": c0.acceptance_rate if cfg.method != "ar" else None,
+            "mean_accepted_tokens": c0.mean_accepted_tokens,
+            "acceptance_by_position": c0.acceptance_by_position,
+            "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
+            "speedup_vs_ar": tps / ar_tps if ar_tps else None,
+            "ttft_ms": median(c0.ttft_ms),
+            "tpot_ms_p50": percentile(c0.tpot_ms, 50), "tpot_ms_p90": percentile(c0.tpot_ms, 90),
+            "tpot_ms_p99": percentile(c0.tpot_ms, 99),
+            "itl_ms_p50": percentile(c0.itl_ms, 50), "itl_ms_p90": percentile(c0.itl_ms, 90),
+            "itl_ms_p99": percentile(c0.itl_ms, 99),
+            "time_draft_ms": c0.phase_ms.get("draft"), "time_verify_ms": c0.phase_ms.get("verify"),
+            "time_accept_ms": c0.phase_ms.get("accept"), "time_kv_ms": c0.phase_ms.get("kv"),
+            "time_prefill_ms": c0.phase_ms.get("prefill"),
+            "peak_mem_mb": peak, "draft_target_cost_ratio": cost_ratio,
+            "total_new_tokens": c0.total_new_tokens, "target_steps": c0.target_steps,
+            "ar_target_steps": ar[0].target_steps, "wall_s": wall,
+            "greedy_matches_ar": greedy_match, "sequences": n_seq,
+            **tel.to_record(), **env, **hf,
+        }
+        return BenchResult(record, traces_frame(cand_runs[0], run_id), outputs, ar_outputs)
+
+
+def failed_record(cfg: BenchConfig, error: str, *, study: str | None = None, trial_id: int | None = None,
+                  session: BenchSession | None = None) -> dict:
+    """A result-store row for a run that could not complete: its settings and the reason."""
+    from workbench.telemetry import environment_info
+
+    rec = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "compare_hf"}
+    rec.update(run_id=uuid.uuid4().hex, study=study, trial_id=trial_id, status="failed", error=error,
+               config_json=json.dumps(asdict(cfg), sort_keys=True), **environment_info())
+    if session is not None:
+        rec.update(dtype=session.dtype, device=str(session.device), preset=session.preset,
+                   target_path=session.target_path, draft_path=session.draft_path,
+                   prompts_source=session.prompts_source)
+    return rec

@@ -1,0 +1,89 @@
+"""`python -m workbench bench`: one benchmark (baseline + candidate in one process), printed and stored.
+
+Every run lands as a row in the result store (default `results/store`, `--store DIR`, `--no-store` to skip);
+a run that fails (bad settings, out of memory) is stored as a failed row with its reason and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+from workbench.bench import METHODS, BenchConfig
+
+HEADLINE = ["method", "k", "batch", "acceptance_rate", "mean_accepted_tokens", "tokens_per_s", "ar_tokens_per_s",
+            "speedup_vs_ar", "ttft_ms", "tpot_ms_p50", "tpot_ms_p99", "greedy_matches_ar", "sm_util_pct",
+            "gpu_busy_pct", "device_name"]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark a drafting method against our autoregressive baseline",
+                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    models = p.add_argument_group("models and prompts")
+    models.add_argument("--preset", help="a zoo preset (e.g. tiny); default tiny when --model is not given")
+    models.add_argument("--model", help="target model: Hugging Face folder or .gguf file")
+    models.add_argument("--draft", help="draft model folder (method draft)")
+    models.add_argument("--prompts", help="prompt file: JSONL {\"prompt\": ...} or MT-bench/Spec-Bench question.jsonl")
+    models.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    models.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    defaults = BenchConfig()
+    run = p.add_argument_group("run settings")
+    for f in fields(BenchConfig):
+        default = getattr(defaults, f.name)
+        if f.name == "method":
+            run.add_argument("--method", default=default, choices=sorted(METHODS))
+        elif isinstance(default, bool):
+            run.add_argument(_flag(f.name), default=default, action=argparse.BooleanOptionalAction)
+        else:
+            run.add_argument(_flag(f.name), type=type(default), default=default)
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the run record as one JSON object")
+    out.add_argument("--store", help="result store folder (default: results/store or $WORKBENCH_STORE)")
+    out.add_argument("--no-store", action="store_true", help="do not write to the result store")
+    out.add_argument("--study", help="study name to file the row under")
+    p.set_defaults(func=main)
+
+
+def _store(args):
+    if args.no_store:
+        return None
+    from results.store import ResultStore
+    return ResultStore(args.store) if args.store else ResultStore()
+
+
+def main(args: argparse.Namespace) -> int:
+    from workbench.bench import BenchError, BenchSession, failed_record
+
+    cfg_kwargs = {f.name: getattr(args, f.name) for f in fields(BenchConfig)}
+    cfg = BenchConfig(**cfg_kwargs)
+    store = _store(args)
+    preset = args.preset if args.preset or args.model else "tiny"
+    session = None
+
+    def progress(frac: float, msg: str) -> None:
+        print(json.dumps({"progress": round(frac, 3), "message": msg}), file=sys.stderr, flush=True)
+
+    try:
+        session = BenchSession.load(preset=preset, model=args.model, draft=args.draft, device=args.device,
+                                    dtype=args.dtype, prompts=args.prompts)
+        result = session.run(cfg, study=args.study, progress=progress)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        if store is not None:
+            store.append(failed_record(cfg, str(e), study=args.study, session=session))
+        return 2
+    rec = result.record
+    if store is not None:
+        store.append(rec, result.traces)
+    if args.json:
+        shown = {k: v for k, v in rec.items() if k != "telemetry_timeline"}
+        print(json.dumps(shown, default=str))
+    else:
+        for key in HEADLINE:
+            print(f"{key:>22}: {rec.get(key)}")
+    return 0

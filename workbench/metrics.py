@@ -1,0 +1,114 @@
+"""Metrics with one meaning everywhere (see DESIGN.md "Metrics that must mean the same everywhere").
+
+- acceptance rate = accepted draft tokens / drafted tokens (drafted = valid draft nodes proposed for a sequence);
+- mean accepted tokens per target step = mean over (sequence, step) of accepted + 1 (the bonus/recovered token);
+- acceptance by position d = fraction of (sequence, step) pairs whose accepted path reached depth d;
+- TTFT = prefill end - batch start; TPOT = (last token time - first token time) / (tokens - 1), per sequence;
+- ITL = gaps between successive emissions to a sequence (a speculative step emits several tokens at once);
+- tokens/s = generated tokens / wall time of the batches that produced them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+from workbench.engine import GenerationResult
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile, q in [0, 100]; None for no values.
+
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 50)
+    2.5
+    """
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def median(values: list[float]) -> float | None:
+    return percentile(values, 50)
+
+
+@dataclass
+class RunSummary:
+    """Aggregate of one method's pass over all prompts (one or more batches)."""
+    total_new_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    target_steps: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float | None
+    mean_accepted_tokens: float | None
+    acceptance_by_position: list[float]
+    ttft_ms: list[float]
+    tpot_ms: list[float]
+    itl_ms: list[float]
+    phase_ms: dict[str, float]
+    draft_forwards: int
+
+    @property
+    def ms_per_target_step(self) -> float | None:
+        verify = self.phase_ms.get("verify", 0.0)
+        return verify / self.target_steps if self.target_steps and verify else None
+
+
+def summarize(results: list[GenerationResult]) -> RunSummary:
+    total = wall = 0.0
+    steps = drafted = accepted = 0
+    max_depth = max((r.num_nodes for r in results), default=0)
+    reached = [0] * max_depth
+    pairs = 0
+    acc_plus_one = 0
+    ttft, tpot, itl = [], [], []
+    phase: dict[str, float] = {}
+    draft_forwards = 0
+    for r in results:
+        total += sum(len(o) for o in r.outputs)
+        wall += max(r.t_done) - r.t_start
+        steps += len(r.steps)
+        draft_forwards += len(r.steps) * r.draft_forwards_per_step
+        last_emit = {i: r.t_first_token for i in range(len(r.outputs))}
+        for s in r.steps:
+            for row, d, a, e in zip(s.rows, s.drafted, s.accepted, s.emitted):
+                drafted += d
+                accepted += a
+                pairs += 1
+                acc_plus_one += a + 1
+                for depth in range(min(a, max_depth)):
+                    reached[depth] += 1
+                if e:
+                    itl.append((s.t_emit - last_emit[row]) * 1e3)
+                    last_emit[row] = s.t_emit
+        for i, out in enumerate(r.outputs):
+            ttft.append((r.t_first_token - r.t_start) * 1e3)
+            if len(out) > 1:
+                tpot.append((r.t_done[i] - r.t_first_token) * 1e3 / (len(out) - 1))
+        for k, v in r.phase_ms.items():
+            phase[k] = phase.get(k, 0.0) + v
+    return RunSummary(
+        total_new_tokens=int(total), wall_s=wall, tokens_per_s=total / wall if wall > 0 else 0.0,
+        target_steps=steps, drafted=drafted, accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else None,
+        mean_accepted_tokens=acc_plus_one / pairs if pairs else None,
+        acceptance_by_position=[c / pairs for c in reached] if pairs else [],
+        ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, phase_ms=phase, draft_forwards=draft_forwards)
+
+
+def traces_frame(results: list[GenerationResult], run_id: str | None = None) -> pd.DataFrame:
+    """One row per (sequence, target step): the per-step trace kept beside the summary row."""
+    rows = []
+    offset = 0
+    for r in results:
+        for s in r.steps:
+            for row, d, a, e in zip(s.rows, s.drafted, s.accepted, s.emitted):
+                rows.append({"run_id": run_id, "seq": offset + row, "step": s.step, "drafted": d, "accepted": a,
+                             "emitted": e})
+        offset += len(r.outputs)
+    return pd.DataFrame(rows, columns=["run_id", "seq", "step", "drafted", "accepted", "emitted"])
