@@ -1,0 +1,99 @@
+"""`python -m workbench models info PATH [--json]`: what a checkpoint is and whether it loads."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("models", help="inspect model checkpoints")
+    sub = parser.add_subparsers(dest="models_command", required=True)
+    info = sub.add_parser("info", help="architecture, sizes and load time of a model directory or .gguf file")
+    info.add_argument("path", help="model directory (config.json + *.safetensors) or .gguf file")
+    info.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    info.set_defaults(func=_info)
+
+
+def model_info(path: str | Path) -> dict:
+    """Facts about a checkpoint; loads it (CPU, float32) to time the load. Raises ModelLoadError."""
+    from .loader import load_model, read_config, safetensors_files
+
+    p = Path(path)
+    config = read_config(p)
+    if p.is_file():  # .gguf
+        weight_files, disk_dtypes = [p], _gguf_dtypes(p)
+        tokenizer_present = _gguf_has_vocab(p)
+    else:
+        weight_files = safetensors_files(p)
+        disk_dtypes = _safetensors_dtypes(weight_files)
+        tokenizer_present = (p / "tokenizer.json").is_file()
+    start = time.perf_counter()
+    model = load_model(p)
+    load_s = time.perf_counter() - start
+    return {
+        "path": str(p),
+        "architecture": config.architecture,
+        "layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "heads": config.num_attention_heads,
+        "kv_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "rope_scaling": "llama3" if config.rope_scaling else None,
+        "parameters": model.num_parameters(),
+        "dtype_on_disk": ",".join(disk_dtypes),
+        "file_bytes": sum(f.stat().st_size for f in weight_files),
+        "tokenizer_present": tokenizer_present,
+        "load_s": round(load_s, 4),
+    }
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .config import ModelLoadError
+
+    try:
+        info = model_info(args.path)
+    except ModelLoadError as e:
+        if args.json:
+            print(json.dumps({"path": args.path, "error": str(e)}))
+        else:
+            print(f"error: {e}")
+        return 1
+    if args.json:
+        print(json.dumps(info))
+    else:
+        width = max(len(k) for k in info)
+        for key, value in info.items():
+            if key == "parameters":
+                value = f"{value:,}"
+            elif key == "file_bytes":
+                value = f"{value:,} ({value / 2**20:.1f} MiB)"
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _safetensors_dtypes(files: list[Path]) -> list[str]:
+    from safetensors import safe_open
+
+    dtypes: set[str] = set()
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            dtypes.update(f.get_slice(name).get_dtype() for name in f.keys())
+    return sorted(dtypes)
+
+
+def _gguf_dtypes(p: Path) -> list[str]:
+    import gguf
+
+    return sorted({t.tensor_type.name for t in gguf.GGUFReader(str(p)).tensors})
+
+
+def _gguf_has_vocab(p: Path) -> bool:
+    import gguf
+
+    return "tokenizer.ggml.tokens" in gguf.GGUFReader(str(p)).fields

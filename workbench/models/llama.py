@@ -1,0 +1,255 @@
+"""`LlamaModel`: a plain-PyTorch Llama-family decoder (Llama 2/3, Qwen2, Mistral) whose state_dict uses HF names.
+
+    hidden = model(input_ids, position_ids, attn)     # [B, T] ids and positions -> [B, T, H] after the final norm
+    logits = model.compute_logits(hidden)             # [B, T, V]
+
+One forward: embed -> per layer (RMSNorm -> fused q/k/v projection -> RoPE on q and k at the given positions ->
+`attn.attend(layer_idx, q, k, v)` -> o_proj -> residual; RMSNorm -> fused gate/up -> SwiGLU -> down_proj -> residual)
+-> final RMSNorm. Positions are explicit per token (tree drafts put siblings at the same depth), and cos/sin come from
+a table indexed by them, so a step costs no host sync and no Python loop over tokens.
+
+Fused storage: each layer keeps one `qkv_proj` ([q; k; v] rows) and one `gate_up_proj` ([gate; up] rows) Linear so a
+step launches one GEMM for each. State-dict hooks translate at the edges: `load_state_dict` takes HF names
+(`self_attn.q_proj.weight`, ...), `state_dict()` returns HF names. `named_parameters()` shows the fused names.
+With tied embeddings there is no `lm_head` module: logits use `model.embed_tokens.weight`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import AttentionBackend, CausalAttention
+from .config import ModelConfig
+
+_DEFAULT_ATTENTION = CausalAttention()
+
+
+class Linear(nn.Linear):
+    """nn.Linear without its own init: parameters are set by LlamaModel.reset_parameters or loaded."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        pass
+
+
+class RMSNorm(nn.Module):
+    """HF LlamaRMSNorm: normalize in fp32, cast back to the input dtype, then scale by the weight."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))  # [H]
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """RoPE inverse frequencies [D/2] in fp32 on the CPU, computed exactly as transformers does (incl. llama3)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    old_context_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / scaling.low_freq_factor
+    high_freq_wavelen = old_context_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are divided by factor, short ones kept, the band between interpolated smoothly
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / scaling.factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """x [B, T, H, D]; cos, sin_signed [B, T, 1, D]. Equals HF's x*cos + rotate_half(x)*sin, where
+    rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * cat(-1, +1); the sign is folded into `sin_signed`."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def _fuse_entries(state_dict: dict, prefix: str, fused: str, parts: list[tuple[str, int]]) -> None:
+    """In place: `prefix<part>.weight/bias` entries (HF names) -> one `prefix<fused>.weight/bias` row concatenation."""
+    for suffix in ("weight", "bias"):
+        names = [f"{prefix}{name}.{suffix}" for name, _ in parts]
+        if all(n in state_dict for n in names):
+            state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat([state_dict.pop(n) for n in names], dim=0)
+
+
+def _register_fused(module: nn.Module, fused: str, parts: list[tuple[str, int]]) -> None:
+    """Let `module.<fused>` (a Linear whose rows are the concatenated `parts`) load and save as the HF parts."""
+    sizes = [rows for _, rows in parts]
+    module.fused_spec = (fused, parts)
+
+    def fuse_on_load(mod, state_dict, prefix, *_):
+        _fuse_entries(state_dict, prefix, fused, parts)
+
+    def split_on_save(mod, state_dict, prefix, local_metadata):
+        for suffix in ("weight", "bias"):
+            key = f"{prefix}{fused}.{suffix}"
+            if key in state_dict:
+                for (name, _), piece in zip(parts, state_dict.pop(key).split(sizes, dim=0)):
+                    state_dict[f"{prefix}{name}.{suffix}"] = piece.clone()  # own storage: safetensors refuses views
+
+    module.register_load_state_dict_pre_hook(fuse_on_load)
+    module.register_state_dict_post_hook(split_on_save)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d = config.head_dim
+        q_rows, kv_rows = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = Linear(config.hidden_size, q_rows + 2 * kv_rows, bias=config.qkv_bias)
+        self.o_proj = Linear(q_rows, config.hidden_size, bias=config.o_bias)
+        _register_fused(self, "qkv_proj", [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)])
+
+    def forward(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attn: AttentionBackend) -> Tensor:
+        b, t, _ = x.shape
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(b, t, hq + 2 * hkv, self.head_dim)  # [B, T, Hq + 2 Hkv, D]
+        qk = apply_rope(qkv[:, :, : hq + hkv], cos, sin_signed)  # q and k heads rotated in one pass
+        q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
+        k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
+        v = qkv[:, :, hq + hkv :].transpose(1, 2)  # [B, Hkv, T, D]
+        out = attn.attend(self.layer_idx, q, k, v)  # [B, Hq, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, hq * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        i = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * i, bias=config.mlp_bias)
+        self.down_proj = Linear(i, config.hidden_size, bias=config.mlp_bias)
+        _register_fused(self, "gate_up_proj", [("gate_proj", i), ("up_proj", i)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attn: AttentionBackend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """HF's inner `model.` module: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    """Llama-family causal LM. `forward` returns final-norm hidden states; `compute_logits` applies the LM head.
+
+    `init_weights=False` leaves the parameters uninitialized (for loading: build under `torch.device("meta")`,
+    then `load_state_dict(state, assign=True)`).
+    """
+
+    def __init__(self, config: ModelConfig, init_weights: bool = True):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        # tied: logits reuse the embedding matrix; no lm_head parameter exists (HF files omit it too)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.source_path: str | None = None
+        self.inv_freq = rope_inv_freq(config)  # [D/2] fp32, CPU; a plain attribute so meta/`.to()` leave it alone
+        self.rope_table_len = config.max_position_embeddings
+        self._rope_tables: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+        if config.tie_word_embeddings:
+            self.register_load_state_dict_pre_hook(_drop_tied_lm_head)
+        if init_weights:
+            self.reset_parameters()
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        """[V, H] output projection (the embedding matrix when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def set_rope_inv_freq(self, inv_freq: Tensor) -> None:
+        """Replace the RoPE frequencies [D/2] (e.g. with a GGUF's rope_freqs applied); cached tables are rebuilt."""
+        self.inv_freq = inv_freq.float().cpu()
+        self._rope_tables.clear()
+
+    def set_rope_table_len(self, n: int) -> None:
+        """Positions must be < rope_table_len (default max_position_embeddings); raise it before running longer."""
+        self.rope_table_len = n
+        self._rope_tables.clear()
+
+    def rope_tables(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos, sin_signed), each [rope_table_len, D] in `dtype` on `device`; built once per (device, dtype)."""
+        key = (device, dtype)
+        if key not in self._rope_tables:
+            positions = torch.arange(self.rope_table_len, device=device, dtype=torch.float32)
+            freqs = positions[:, None] * self.inv_freq.to(device)[None, :]  # [P, D/2], same products as HF
+            cos, sin = freqs.cos(), freqs.sin()
+            self._rope_tables[key] = (torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype))
+        return self._rope_tables[key]
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attn: AttentionBackend | None = None) -> Tensor:
+        """input_ids, position_ids [B, T] (positions arbitrary per token) -> hidden [B, T, H] after the final norm."""
+        attn = _DEFAULT_ATTENTION if attn is None else attn
+        x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        cos_table, sin_table = self.rope_tables(x.device, x.dtype)
+        cos = cos_table[position_ids].unsqueeze(2)  # [B, T, 1, D]
+        sin_signed = sin_table[position_ids].unsqueeze(2)  # [B, T, 1, D]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin_signed, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., H] -> logits [..., V] in the model dtype."""
+        return F.linear(hidden, self.lm_head_weight)
+
+    def fuse_state_dict_(self, state_dict: dict[str, Tensor]) -> None:
+        """In place: HF q/k/v and gate/up entries -> the fused ones, module by module, so each original can be freed
+        as soon as it is concatenated (load_state_dict would fuse too, but only while holding every original)."""
+        for name, module in self.named_modules():
+            spec = getattr(module, "fused_spec", None)
+            if spec is not None:
+                _fuse_entries(state_dict, f"{name}.", *spec)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """HF-style init for training from scratch: normal(0, std) matrices, zero biases, unit norms."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    module.weight.normal_(0.0, std, generator=generator)
+                    if getattr(module, "bias", None) is not None:
+                        module.bias.zero_()
+                elif isinstance(module, RMSNorm):
+                    module.weight.fill_(1.0)
+
+
+def _drop_tied_lm_head(module, state_dict, prefix, *_):
+    state_dict.pop(f"{prefix}lm_head.weight", None)  # some tied checkpoints store the copy anyway
