@@ -1,0 +1,73 @@
+"""`python -m workbench zoo list` and `python -m workbench zoo train PRESET [--out DIR] [--max-seconds S] ...`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from workbench.zoo.presets import PRESETS, ZooError, preset_home, resolve_preset, train_command
+
+
+def register(subparsers) -> None:
+    zoo = subparsers.add_parser("zoo", help="offline target/draft model presets", description=__doc__)
+    sub = zoo.add_subparsers(dest="zoo_command", required=True)
+
+    ls = sub.add_parser("list", help="presets, whether trained, sizes, held-out perplexities")
+    ls.set_defaults(func=cmd_list)
+
+    train = sub.add_parser("train", help="train a preset (corpus -> tokenizer -> target -> draft)")
+    train.add_argument("preset", choices=sorted(PRESETS))
+    train.add_argument("--out", default=None, help="output folder (default: the preset's home, see `zoo list`)")
+    train.add_argument("--max-seconds", type=float, default=None,
+                       help="total training budget, split target/draft as the preset does (default: the preset's)")
+    train.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps per model (smoke runs)")
+    train.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                       help="default: cuda when available, else cpu")
+    train.set_defaults(func=cmd_train)
+
+
+def _fmt_ppl(section: dict | None) -> str:
+    ppl = (section or {}).get("heldout_ppl")
+    return f"{ppl:.2f}" if isinstance(ppl, (int, float)) else "-"
+
+
+def _fmt_params(n: int) -> str:
+    return f"{n / 1e6:.1f}M"
+
+
+def _folder_mb(paths) -> float:
+    return sum(p.stat().st_size for p in paths.root.rglob("*") if p.is_file()) / 1e6
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = [("preset", "trained", "target", "draft", "vocab", "ppl target", "ppl draft", "MB", "where / how")]
+    for name, preset in PRESETS.items():
+        target = _fmt_params(preset.target.param_count(preset.vocab_size))
+        draft = _fmt_params(preset.draft.param_count(preset.vocab_size))
+        try:
+            paths = resolve_preset(name)
+        except ZooError:
+            rows.append((name, "no", target, draft, str(preset.vocab_size), "-", "-", "-", train_command(name)))
+            continue
+        m = paths.manifest
+        rows.append((name, f"yes ({m.get('device', '?')})", _fmt_params(m["target"]["params"]),
+                     _fmt_params(m["draft"]["params"]), str(m.get("tokenizer", {}).get("vocab_size", "?")),
+                     _fmt_ppl(m.get("target")), _fmt_ppl(m.get("draft")), f"{_folder_mb(paths):.1f}",
+                     str(preset_home(name))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from workbench.zoo.train import train_preset
+
+    try:
+        paths = train_preset(args.preset, out=args.out, device=args.device, max_seconds=args.max_seconds,
+                             max_steps=args.max_steps)
+    except ZooError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    m = paths.manifest
+    print(f"trained {args.preset} -> {paths.root}: target ppl {_fmt_ppl(m['target'])}, draft ppl {_fmt_ppl(m['draft'])}")
+    return 0
