@@ -1,0 +1,43 @@
+"""Streamlit entry of the workbench dashboard: navigation only; each page is one module in ui/.
+
+    streamlit run app.py --server.fileWatcherType none --server.headless true
+
+Long work (benchmarks, studies, training, GPU sampling) runs in background processes managed by ui/jobs.py; pages
+start them and poll them, so a browser refresh never loses a running job.
+"""
+import sys
+
+import streamlit as st
+
+st.set_page_config(page_title="Speculative decoding workbench", page_icon=":material/speed:", layout="wide")
+
+PAGES = [
+    st.Page("ui/run_page.py", title="Run", icon=":material/play_circle:", url_path="run", default=True),
+    st.Page("ui/tune_page.py", title="Tune", icon=":material/tune:", url_path="tune"),
+    st.Page("ui/results_page.py", title="Results", icon=":material/table_chart:", url_path="results"),
+    st.Page("ui/models_page.py", title="Models", icon=":material/neurology:", url_path="models"),
+    st.Page("ui/gpu_page.py", title="GPU", icon=":material/memory:", url_path="gpu"),
+]
+
+
+def jobs_sidebar() -> None:
+    from ui import jobs
+
+    running = jobs.list_jobs(status=jobs.RUNNING)
+    with st.sidebar:
+        if running:
+            st.caption(f"{len(running)} background job(s) running")
+            for job in running[:8]:
+                st.caption(f"· {job.kind}: {job.title}")
+        else:
+            st.caption("no background jobs running")
+
+
+page = st.navigation(PAGES)
+jobs_sidebar()
+page.run()
+
+if "torch" in sys.modules:  # a page imported torch after all: keep Streamlit's module watcher away from torch.classes
+    import torch
+
+    torch.classes.__path__ = []

@@ -1,0 +1,343 @@
+"""Dashboard tests with streamlit.testing.v1.AppTest: every page renders, bad input is reported next to its input,
+and a tiny benchmark started from the Run page (a real `python -m workbench bench` subprocess) lands in the store.
+
+Every test works in its own store / jobs folder / Optuna journal (tmp_path), never in results/.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from results.store import ResultStore
+from ui import jobs
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = str(ROOT / "app.py")
+PAGES = ["run", "tune", "results", "models", "gpu"]
+RUN_TIMEOUT_S = 240
+
+
+@pytest.fixture()
+def workspace(tmp_path, monkeypatch):
+    ws = {"store": tmp_path / "store", "jobs": tmp_path / "jobs", "journal": tmp_path / "journal.log"}
+    monkeypatch.setenv("WORKBENCH_STORE", str(ws["store"]))
+    monkeypatch.setenv("WORKBENCH_JOBS", str(ws["jobs"]))
+    monkeypatch.setenv("WORKBENCH_STUDY_STORAGE", str(ws["journal"]))
+    yield ws
+    for job in jobs.list_jobs(status=jobs.RUNNING):  # never leave a subprocess behind
+        job.cancel(wait_s=10)
+
+
+def open_page(page: str) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=90)
+    at.run()
+    if page != "run":
+        at.switch_page(f"ui/{page}_page.py").run()
+    return at
+
+
+def errors_of(at: AppTest) -> list[str]:
+    return [e.value for e in at.error]
+
+
+def error_next_to(at: AppTest, key: str) -> list[str]:
+    """Error messages drawn right after the widget `key` in the same block (before the next input widget)."""
+    def walk(block):
+        kids = list(block.children.values())
+        for i, node in enumerate(kids):
+            if getattr(node, "key", None) == key:
+                found = []
+                for after in kids[i + 1:]:
+                    if getattr(after, "type", None) == "alert" or type(after).__name__ == "Error":
+                        found.append(after.value)
+                    elif getattr(after, "key", None):
+                        break
+                return found
+            if hasattr(node, "children"):
+                got = walk(node)
+                if got is not None:
+                    return got
+        return None
+
+    return walk(at._tree) or []
+
+
+def wait_for(job: jobs.Job, timeout_s: float) -> str:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        status = job.status()
+        if status != jobs.RUNNING:
+            return status
+        time.sleep(0.5)
+    job.cancel(wait_s=10)
+    raise AssertionError(f"job {job.id} still running after {timeout_s} s; log:\n{job.log_tail()}")
+
+
+# ---- every page -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_renders(workspace, page):
+    at = open_page(page)
+    assert not at.exception, at.exception
+    assert at.title[0].value.lower().startswith({"run": "run"}.get(page, page)[:3])
+
+
+def test_pages_do_not_import_torch(workspace):
+    """Long work runs in subprocesses: rendering every page must not pull torch into the server."""
+    code = ("import sys\nfrom streamlit.testing.v1 import AppTest\n"
+            f"at = AppTest.from_file({APP!r}, default_timeout=90).run()\n"
+            "for p in ['tune', 'results', 'models', 'gpu']:\n"
+            "    at.switch_page(f'ui/{p}_page.py').run()\n"
+            "    assert not at.exception, at.exception\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+# ---- Run page -------------------------------------------------------------------------------------------------
+
+def test_run_page_rejects_bad_numbers(workspace):
+    at = open_page("run")
+    at.text_input(key="run_k").input("abc")
+    at.text_input(key="run_batch").input("0")
+    at.text_input(key="run_temperature").input("9")
+    at.run()
+    assert not at.exception
+    assert error_next_to(at, "run_k") == ["k must be a whole number, got 'abc'"]
+    assert error_next_to(at, "run_batch") == ["batch must be between 1 and 256, got 0"]
+    assert error_next_to(at, "run_temperature") == ["temperature must be between 0 and 2, got 9"]
+    assert at.button(key="run_start").disabled
+    at.text_input(key="run_k").input("4")
+    at.text_input(key="run_batch").input("2")
+    at.text_input(key="run_temperature").input("0.5")
+    at.run()
+    assert error_next_to(at, "run_k") == [] and error_next_to(at, "run_batch") == []
+    assert not at.button(key="run_start").disabled
+
+
+def test_run_page_rejects_missing_model_and_bad_prompts(workspace, tmp_path):
+    at = open_page("run")
+    at.radio(key="run_model_source").set_value("Local model paths").run()
+    at.text_input(key="run_target_path").input(str(tmp_path / "no-such-model")).run()
+    assert any("does not exist" in m for m in error_next_to(at, "run_target_path"))
+    assert at.button(key="run_start").disabled
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": \n')
+    at.radio(key="run_model_source").set_value("Built-in preset")
+    at.radio(key="run_prompt_source").set_value("File on disk").run()
+    at.text_input(key="run_prompt_path").input(str(bad)).run()
+    msgs = error_next_to(at, "run_prompt_path")
+    assert msgs and "bad.jsonl:2" in msgs[0], msgs
+    assert at.button(key="run_start").disabled
+    assert not jobs.list_jobs()  # nothing was started
+
+
+def test_run_page_cuda_without_gpu_is_an_error(workspace):
+    at = open_page("run")
+    at.selectbox(key="run_device").set_value("cuda").run()
+    probe = json.loads(subprocess.run([sys.executable, "-m", "ui.gpu_probe"], cwd=ROOT, capture_output=True,
+                                      text=True, timeout=120).stdout)
+    if probe.get("cuda_available"):
+        pytest.skip("this machine has a GPU")
+    assert any("no CUDA GPU" in m for m in error_next_to(at, "run_device"))
+
+
+def test_tiny_run_from_run_page_lands_in_store(workspace):
+    at = open_page("run")
+    for key, value in {"run_k": "2", "run_batch": "1", "run_max_new_tokens": "6", "run_num_prompts": "2",
+                       "run_warmup": "0"}.items():
+        at.text_input(key=key).input(value)
+    at.selectbox(key="run_device").set_value("cpu")
+    at.run()
+    assert not errors_of(at), errors_of(at)
+    at.button(key="run_start").click().run()
+    assert not at.exception
+    started = jobs.list_jobs(kind="bench")
+    assert len(started) == 1
+    job = started[0]
+    assert "--store" in job.meta["argv"] and str(workspace["store"]) in job.meta["argv"]
+    assert wait_for(job, RUN_TIMEOUT_S) == jobs.DONE, job.log_tail()
+
+    df = ResultStore(workspace["store"]).load()
+    assert len(df) == 1
+    row = df.iloc[0]
+    assert row["status"] == "ok" and row["method"] == "draft" and row["k"] == 2 and row["batch"] == 1
+    assert row["max_new_tokens"] == 6
+    assert len(ResultStore(workspace["store"]).load_traces([row["run_id"]])) > 0
+
+    at.run()  # the page now shows the finished run's headline metrics and charts
+    assert not at.exception
+    labels = [m.label for m in at.metric]
+    assert {"Speedup vs AR", "Acceptance rate", "Mean accepted tokens", "Tokens/s", "TTFT", "TPOT p50"} <= set(labels)
+
+    fresh = open_page("run")  # a new session (a browser refresh) still finds the job and its result
+    assert fresh.selectbox(key="run_job_pick").value == job.id
+    assert "Speedup vs AR" in [m.label for m in fresh.metric]
+
+
+# ---- Tune page ------------------------------------------------------------------------------------------------
+
+def test_tune_page_rejects_bad_budget_and_name(workspace):
+    at = open_page("tune")
+    at.text_input(key="tune_trials").input("many").run()
+    assert error_next_to(at, "tune_trials") == ["trials must be a whole number, got 'many'"]
+    at.text_input(key="tune_trials").input("5000").run()
+    assert error_next_to(at, "tune_trials") == ["trials must be between 1 and 1000, got 5000"]
+    at.text_input(key="tune_trials").input("3")
+    at.text_input(key="tune_study_name").input("bad name!").run()
+    assert any("study name" in m for m in errors_of(at))
+    assert at.button(key="tune_launch").disabled
+    at.text_input(key="tune_study_name").input("ok-name")
+    at.text_input(key="tune_k_best_k").input("1-99").run()
+    assert any("k=99" in m for m in errors_of(at)), errors_of(at)
+
+
+def test_tune_page_refuses_existing_study_with_other_space(workspace):
+    url = f"journal://{workspace['journal']}"
+    created = subprocess.run([sys.executable, "-m", "studies.run", "--study", "taken", "--script", "best_k",
+                              "--trials", "2", "--storage", url, "--workers", "0"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert created.returncode == 0, created.stderr
+    at = open_page("tune")
+    at.text_input(key="tune_study_name").input("taken")
+    at.selectbox(key="tune_script").set_value("pareto").run()
+    msgs = errors_of(at)
+    assert any("already exists with another search space" in m for m in msgs), msgs
+    assert at.button(key="tune_launch").disabled
+    at.selectbox(key="tune_script").set_value("best_k").run()  # same script, same space: resuming is fine
+    assert not any("already exists" in m for m in errors_of(at)), errors_of(at)
+    assert not at.button(key="tune_launch").disabled
+    # the stored study is untouched by the refused attempt
+    import optuna
+    from studies.storage import open_storage
+    assert optuna.get_all_study_names(open_storage(url)) == ["taken"]
+
+
+def test_tune_page_runs_a_study_and_shows_it(workspace):
+    at = open_page("tune")
+    at.text_input(key="tune_study_name").input("ui-study")
+    at.text_input(key="tune_trials").input("2")
+    at.text_input(key="tune_max_new_tokens").input("4")
+    at.text_input(key="tune_num_prompts").input("1")
+    at.run()
+    assert not errors_of(at), errors_of(at)
+    at.button(key="tune_launch").click().run()
+    [job] = jobs.list_jobs(kind="study")
+    assert wait_for(job, RUN_TIMEOUT_S) == jobs.DONE, job.log_tail()
+    at.run()
+    assert not at.exception
+    assert at.selectbox(key="tune_watch").value == "ui-study"
+    tabs = [t.label for t in at.tabs]
+    assert {"Trials", "Best settings", "Importances", "Parallel coordinates", "Slice"} <= set(tabs), tabs
+    assert len(ResultStore(workspace["store"]).load(study="ui-study")) == 2
+
+
+# ---- Results page ---------------------------------------------------------------------------------------------
+
+def seed_store(root: Path) -> list[str]:
+    """Two real-looking run rows written through the real store (values are fixtures, not measurements)."""
+    store = ResultStore(root)
+    ids = []
+    for i, (method, k, batch) in enumerate((("draft", 2, 1), ("ngram", 4, 2), ("draft", 4, 2))):
+        ids.append(store.append({
+            "status": "ok", "method": method, "k": k, "batch": batch, "temperature": 0.0, "max_new_tokens": 8,
+            "preset": "tiny", "device": "cpu", "dtype": "float32", "speedup_vs_ar": 1.2 + i / 10,
+            "acceptance_rate": 0.5 + i / 10, "mean_accepted_tokens": 1.5, "acceptance_by_position": [0.8, 0.4],
+            "tokens_per_s": 100.0 + i, "ar_tokens_per_s": 80.0, "ttft_ms": 5.0, "tpot_ms_p50": 3.0},
+            pd.DataFrame({"seq": [0, 0], "step": [0, 1], "drafted": [k, k], "accepted": [1, 2], "emitted": [2, 3]})))
+    return ids
+
+
+def test_results_page_filters_compares_and_exports(workspace):
+    ids = seed_store(workspace["store"])
+    at = open_page("results")
+    assert not at.exception
+    assert any("3 of 3 runs" in c.value for c in at.caption)
+    at.multiselect(key="res_filter_method").set_value(["draft"]).run()
+    assert any("2 of 3 runs" in c.value for c in at.caption)
+    at.multiselect(key="res_compare").set_value(ids[:2]).run()
+    assert not at.exception
+    diff_note = [c.value for c in at.caption if c.value.startswith("Highlighted")]
+    assert diff_note and "method" in diff_note[0] and "k" in diff_note[0] and "batch" in diff_note[0]
+    assert "temperature" not in diff_note[0].split("differences:")[1]
+    buttons = [b for b in at.get("download_button")]
+    assert len(buttons) == 4  # CSV + Parquet of the filtered table and of the compared runs
+
+
+def test_results_export_matches_store_export(workspace):
+    from ui.results_page import export_bytes
+    seed_store(workspace["store"])
+    df = ResultStore(workspace["store"]).load()
+    csv = export_bytes(df, "csv").decode()
+    assert csv.splitlines()[0].startswith("run_id") or "run_id" in csv.splitlines()[0]
+    assert len(csv.strip().splitlines()) == 4
+    pq = export_bytes(df, "parquet")
+    assert pq[:4] == b"PAR1"
+
+
+# ---- Models page ----------------------------------------------------------------------------------------------
+
+def test_models_page_lists_presets_and_validates_registration(workspace, tmp_path):
+    at = open_page("models")
+    assert not at.exception
+    assert "tiny" in at.dataframe[0].value["preset"].tolist()
+    at.text_input(key="models_reg_name").input("mine")
+    at.text_input(key="models_reg_target").input(str(tmp_path / "nowhere"))
+    at.button(key="models_reg_submit").click().run()
+    assert any("does not exist" in m for m in errors_of(at))
+    from ui import catalog
+    assert catalog.registered_models() == []
+
+    from workbench.zoo import resolve_preset
+    try:
+        paths = resolve_preset("tiny")
+    except Exception:
+        pytest.skip("tiny preset not trained here")
+    at.text_input(key="models_reg_target").input(str(paths.target_dir))
+    at.text_input(key="models_reg_draft").input(str(paths.draft_dir))
+    at.button(key="models_reg_submit").click().run()
+    assert not errors_of(at)
+    assert [m["name"] for m in catalog.registered_models()] == ["mine"]
+    assert "mine" in at.dataframe[1].value["name"].tolist()
+
+
+# ---- GPU page -------------------------------------------------------------------------------------------------
+
+def test_gpu_page_states_no_gpu(workspace):
+    at = open_page("gpu")
+    from ui.gpu_page import gpu_probe
+    if gpu_probe().get("cuda_available"):
+        assert not at.exception
+        return
+    assert any("No GPU on this machine" in i.value for i in at.info)
+
+
+# ---- jobs (no Streamlit) --------------------------------------------------------------------------------------
+
+def test_job_lifecycle_cancel_and_refresh(workspace):
+    script = "import time, sys\nfor i in range(4):\n    print(f'step {i+1}/4', flush=True); time.sleep(0.2)\nprint('{\"ok\": 1}')"
+    job = jobs.start_job("test", [sys.executable, "-c", script], "counts to four")
+    assert wait_for(job, 30) == jobs.DONE
+    assert job.result() == {"ok": 1} and job.progress()["fraction"] == 1.0
+    # a new server process sees the same job from disk
+    again = jobs.get_job(job.id)
+    assert again.status() == jobs.DONE and "step 4/4" in again.log_tail()
+
+    sleeper = jobs.start_job("test", [sys.executable, "-c", "import time\nwhile True: time.sleep(1)"], "sleeps")
+    time.sleep(0.5)
+    assert sleeper.status() == jobs.RUNNING
+    sleeper.cancel(wait_s=10)
+    assert sleeper.status() == jobs.CANCELLED
+
+    failing = jobs.start_job("test", [sys.executable, "-c", "raise SystemExit('boom')"], "fails")
+    assert wait_for(failing, 30) == jobs.FAILED and "boom" in failing.error_text()
+    assert {j.id for j in jobs.list_jobs(kind="test")} == {job.id, sleeper.id, failing.id}

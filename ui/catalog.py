@@ -1,0 +1,151 @@
+"""What the pages can offer: zoo presets, prompt files, registered local models. No Streamlit here.
+
+Engine modules are imported lazily inside the functions so a page that does not need them does not pay for them,
+and an engine module that fails to import is reported as a message on the page instead of a crash.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+from ui.jobs import REPO_ROOT, jobs_root, write_json_atomic
+
+
+# ---- zoo presets ------------------------------------------------------------------------------------------------
+
+def preset_names() -> list[str]:
+    from workbench.zoo import PRESETS
+
+    return list(PRESETS)
+
+
+def resolve(name: str):
+    """`workbench.zoo.resolve_preset(name)` -> (PresetPaths | None, error | None); an untrained preset is an error."""
+    try:
+        from workbench.zoo import resolve_preset
+
+        return resolve_preset(name), None
+    except Exception as exc:  # noqa: BLE001 - any failure becomes a message next to the preset picker
+        return None, f"preset {name!r} is not available: {exc}"
+
+
+def manifest_of(paths) -> dict:
+    manifest = getattr(paths, "manifest", None)
+    if isinstance(manifest, dict):
+        return manifest
+    candidates = [manifest] if manifest is not None else []
+    candidates.append(Path(paths.root) / "manifest.json")
+    for cand in candidates:
+        try:
+            return json.loads(Path(cand).read_text())
+        except (OSError, TypeError, ValueError):
+            continue
+    return {}
+
+
+# ---- prompts ----------------------------------------------------------------------------------------------------
+
+def load_prompt_file(path: str | os.PathLike) -> tuple[list | None, str | None]:
+    """`workbench.prompts.load_prompts(path)` -> (prompts, None) or (None, the PromptFileError message)."""
+    path = Path(str(path).strip()).expanduser()
+    if not str(path).strip() or str(path) == ".":
+        return None, "prompt file path is empty"
+    if not path.is_absolute() and (REPO_ROOT / path).exists():
+        path = REPO_ROOT / path
+    if not path.is_file():
+        return None, f"prompt file does not exist: {path}"
+    from workbench.prompts import PromptFileError, load_prompts
+
+    try:
+        prompts = load_prompts(path)
+    except PromptFileError as exc:
+        return None, str(exc)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return None, f"cannot read prompt file {path}: {exc}"
+    if not prompts:
+        return None, f"prompt file {path} holds no prompts"
+    return prompts, None
+
+
+def save_upload(name: str, data: bytes) -> Path:
+    """Keep an uploaded prompt file under the jobs folder (content-addressed) so a job can read it later."""
+    import hashlib
+
+    folder = jobs_root() / "uploads"
+    folder.mkdir(parents=True, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in Path(name).name) or "prompts.jsonl"
+    path = folder / f"{hashlib.sha256(data).hexdigest()[:12]}-{safe}"
+    if not path.exists():
+        path.write_bytes(data)
+    return path
+
+
+# ---- model sizes (read from files, no torch) --------------------------------------------------------------------
+
+def safetensors_params(path: Path) -> int | None:
+    """Parameter count from the JSON headers of a model's *.safetensors files (no tensor is read)."""
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    total = 0
+    for f in files:
+        if f.suffix != ".safetensors":
+            return None
+        try:
+            with f.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error):
+            return None
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for dim in info.get("shape", []):
+                count *= int(dim)
+            total += count
+    return total or None
+
+
+def disk_mb(path: Path) -> float | None:
+    try:
+        if path.is_file():
+            return path.stat().st_size / 2**20
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
+    except OSError:
+        return None
+
+
+def fmt_params(n: int | None) -> str:
+    if not n:
+        return "?"
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+# ---- local model registry (a small JSON file beside the jobs) ----------------------------------------------------
+
+def registry_path() -> Path:
+    return jobs_root() / "models.json"
+
+
+def registered_models() -> list[dict]:
+    try:
+        data = json.loads(registry_path().read_text())
+    except (OSError, ValueError):
+        return []
+    return data.get("models", []) if isinstance(data, dict) else []
+
+
+def register_model(name: str, target: Path, draft: Path | None, note: str = "") -> None:
+    models = [m for m in registered_models() if m.get("name") != name]
+    models.append({"name": name, "target": str(target), "draft": str(draft) if draft else None, "note": note,
+                   "registered_at": time.time()})
+    write_json_atomic(registry_path(), {"models": models})
+
+
+def unregister_model(name: str) -> None:
+    write_json_atomic(registry_path(), {"models": [m for m in registered_models() if m.get("name") != name]})

@@ -1,0 +1,345 @@
+"""Run page: choose models, a method and its settings, start a benchmark in the background, read its metrics.
+
+The benchmark is `python -m workbench bench ... --json --store DIR`, started as a job (ui.jobs): this page only builds
+its command line, polls it and reads the stored result back. Every setting is validated here first, with the error
+shown under its input, and nothing is started while any input is wrong.
+"""
+from __future__ import annotations
+
+import math
+
+import streamlit as st
+
+from ui import catalog, charts, jobs
+from ui.common import PYTHON, Errors, check_model_path, float_field, int_field, job_label, job_panel, store_root
+
+P = "run_"  # widget-key prefix of this page
+PRESET, LOCAL = "Built-in preset", "Local model paths"
+PROMPTS_PRESET, PROMPTS_UPLOAD, PROMPTS_PATH = "Preset prompts", "Upload a file", "File on disk"
+DEVICES, DTYPES = ("auto", "cpu", "cuda"), ("float32", "bfloat16", "float16")
+
+
+def _limits():
+    from studies.space import LIMITS, METHODS
+
+    return LIMITS, METHODS
+
+
+def _bounds(limits, name, low, high):
+    lim = limits.get(name)
+    return (lim.low, lim.high) if lim is not None and lim.allowed is None else (low, high)
+
+
+def model_section(errors: Errors, method: str) -> dict:
+    out: dict = {}
+    source = st.radio("Models", (PRESET, LOCAL), key=f"{P}model_source", horizontal=True)
+    if source == PRESET:
+        try:
+            names = catalog.preset_names()
+        except Exception as exc:  # noqa: BLE001
+            errors.add(f"{P}preset", f"cannot list zoo presets: {exc}")
+            return out
+        preset = st.selectbox("Preset", names, key=f"{P}preset",
+                              help="Target/draft pairs of the built-in model zoo (trained on the Models page).")
+        paths, err = catalog.resolve(preset)
+        errors.add(f"{P}preset", err)
+        out["preset"] = preset
+        out["preset_paths"] = paths
+    else:
+        registered = catalog.registered_models()
+        if registered:
+            by_name = {m["name"]: m for m in registered}
+
+            def fill() -> None:
+                m = by_name.get(st.session_state.get(f"{P}registered"))
+                if m:
+                    st.session_state[f"{P}target_path"] = m["target"]
+                    st.session_state[f"{P}draft_path"] = m.get("draft") or ""
+
+            st.selectbox("Registered model (fills the paths)", list(by_name), index=None, key=f"{P}registered",
+                         on_change=fill, placeholder="registered on the Models page")
+        target = st.text_input("Target model", key=f"{P}target_path",
+                               placeholder="folder with config.json + model.safetensors, or a .gguf file")
+        path, err = check_model_path(target, "target")
+        errors.add(f"{P}target_path", err)
+        out["model"] = path
+        draft = st.text_input("Draft model" + ("" if method == "draft" else " (only used by method 'draft')"),
+                              key=f"{P}draft_path", placeholder="folder or .gguf file")
+        if method == "draft" or draft.strip():
+            dpath, derr = check_model_path(draft, "draft")
+            errors.add(f"{P}draft_path", derr)
+            out["draft"] = dpath
+    return out
+
+
+def prompt_section(errors: Errors, preset_paths, local_models: bool) -> dict:
+    choice = st.radio("Prompts", (PROMPTS_PRESET, PROMPTS_UPLOAD, PROMPTS_PATH), key=f"{P}prompt_source",
+                      horizontal=True)
+    path = None
+    if choice == PROMPTS_PRESET:
+        if local_models:  # local models have no prompts of their own: use the tiny preset's held-out prompts
+            preset_paths, err = catalog.resolve("tiny")
+            errors.add(f"{P}prompt_source", err and f"local models need a prompt file ({err})")
+            if preset_paths is None:
+                return {}
+        if preset_paths is not None:
+            st.caption(f"held-out prompts of the preset: `{preset_paths.prompts_path}`")
+            return {"prompts": str(preset_paths.prompts_path)} if local_models else {}
+        return {}
+    if choice == PROMPTS_UPLOAD:
+        up = st.file_uploader("Prompt file (JSONL: {\"prompt\": ...} or MT-bench question.jsonl)", type=["jsonl", "json", "txt"],
+                              key=f"{P}prompt_upload")
+        if up is None:
+            errors.add(f"{P}prompt_upload", "choose a prompt file to upload")
+            return {}
+        path = catalog.save_upload(up.name, up.getvalue())
+    else:
+        text = st.text_input("Prompt file path", key=f"{P}prompt_path",
+                             placeholder="prompts.jsonl or MT-bench / Spec-Bench question.jsonl")
+        path = text
+    prompts, err = catalog.load_prompt_file(path)
+    errors.add(f"{P}prompt_file", err)
+    if prompts:
+        cats = sorted({getattr(p, "category", "") or "-" for p in prompts})
+        st.caption(f"{len(prompts)} prompts; categories: {', '.join(cats[:8])}{' ...' if len(cats) > 8 else ''}")
+        return {"prompts": str(catalog.Path(path).expanduser().resolve())}
+    return {}
+
+
+def settings_section(errors: Errors, method: str, limits, methods) -> dict:
+    s: dict = {"method": method}
+    knobs = methods[method].knobs if method in methods else ()
+    cols = st.columns(3)
+    if "k" in knobs:
+        with cols[0]:
+            s["k"] = int_field("Draft length k", f"{P}k", 4, errors, *_bounds(limits, "k", 1, 16), name="k",
+                               help="tokens proposed per step")
+    if "ngram_min" in knobs:
+        with cols[1]:
+            s["ngram_min"] = int_field("n-gram min", f"{P}ngram_min", 1, errors, *_bounds(limits, "ngram_min", 1, 8),
+                                       name="ngram_min")
+        with cols[2]:
+            s["ngram_max"] = int_field("n-gram max", f"{P}ngram_max", 3, errors, *_bounds(limits, "ngram_max", 1, 8),
+                                       name="ngram_max")
+        if s.get("ngram_min") and s.get("ngram_max") and s["ngram_max"] < s["ngram_min"]:
+            errors.add(f"{P}ngram_max", "n-gram max must be at least n-gram min")
+    cols = st.columns(4)
+    with cols[0]:
+        s["batch"] = int_field("Batch size", f"{P}batch", 2, errors, *_bounds(limits, "batch", 1, 256), name="batch")
+    with cols[1]:
+        s["max_new_tokens"] = int_field("Max new tokens", f"{P}max_new_tokens", 32, errors,
+                                        *_bounds(limits, "max_new_tokens", 1, 8192), name="max_new_tokens")
+    with cols[2]:
+        s["num_prompts"] = int_field("Prompts", f"{P}num_prompts", 4, errors,
+                                     *_bounds(limits, "num_prompts", 1, 100_000), name="number of prompts")
+    with cols[3]:
+        s["repeats"] = int_field("Repeats", f"{P}repeats", 1, errors, *_bounds(limits, "repeats", 1, 100),
+                                 name="repeats")
+    st.markdown("**Sampling**")
+    cols = st.columns(4)
+    with cols[0]:
+        s["temperature"] = float_field("Temperature", f"{P}temperature", 0.0, errors,
+                                       *_bounds(limits, "temperature", 0.0, 2.0), name="temperature",
+                                       help="0 = greedy")
+    with cols[1]:
+        s["top_k"] = int_field("Top-k", f"{P}top_k", 0, errors, *_bounds(limits, "top_k", 0, 1_000_000),
+                               name="top_k", help="0 = off")
+    with cols[2]:
+        s["top_p"] = float_field("Top-p", f"{P}top_p", 1.0, errors, *_bounds(limits, "top_p", 0.0, 1.0),
+                                 name="top_p", help="1 = off")
+    with cols[3]:
+        s["seed"] = int_field("Seed", f"{P}seed", 0, errors, *_bounds(limits, "seed", 0, 2**31 - 1), name="seed")
+    cols = st.columns(4)
+    with cols[0]:
+        s["device"] = st.selectbox("Device", DEVICES, key=f"{P}device", help="auto: cuda when available, else cpu")
+        if s["device"] == "cuda":
+            from ui.gpu_page import gpu_probe
+
+            probe = gpu_probe()
+            if not probe.get("cuda_available"):
+                errors.add(f"{P}device", f"no CUDA GPU here ({probe.get('reason') or 'torch.cuda.is_available() is False'})")
+    with cols[1]:
+        s["dtype"] = st.selectbox("Dtype", DTYPES, key=f"{P}dtype")
+    with cols[2]:
+        s["warmup"] = int_field("Warmup runs", f"{P}warmup", 1, errors, *_bounds(limits, "warmup", 0, 100),
+                                name="warmup")
+    with cols[3]:
+        s["kv_block_size"] = int_field("KV block size", f"{P}kv_block_size", 16, errors,
+                                       *_bounds(limits, "kv_block_size", 1, 4096), name="kv_block_size")
+    s["paged"] = st.toggle("Paged KV cache", value=True, key=f"{P}paged")
+    return s
+
+
+def bench_argv(settings: dict, models: dict, prompts: dict) -> list[str]:
+    """The `python -m workbench bench` command line for these (validated) settings."""
+    argv = [PYTHON, "-m", "workbench", "bench"]
+    if models.get("preset"):
+        argv += ["--preset", models["preset"]]
+    if models.get("model"):
+        argv += ["--model", str(models["model"])]
+    if models.get("draft"):
+        argv += ["--draft", str(models["draft"])]
+    if prompts.get("prompts"):
+        argv += ["--prompts", prompts["prompts"]]
+    for name, value in settings.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")
+            continue
+        argv += [f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value)]
+    return argv + ["--json", "--store", str(store_root())]
+
+
+# ---- results -----------------------------------------------------------------------------------------------------
+
+def _fmt(value, fmt: str, suffix: str = "") -> str:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return "—"
+    return "—" if math.isnan(v) else f"{v:{fmt}}{suffix}"
+
+
+def _ms(value) -> str:
+    """Milliseconds with a precision that fits a metric tile: 1,234 ms, 56.7 ms, 3.21 ms."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return "—"
+    if math.isnan(v):
+        return "—"
+    return f"{v:,.0f} ms" if v >= 100 else f"{v:.1f} ms" if v >= 10 else f"{v:.2f} ms"
+
+
+def job_record(job: jobs.Job) -> tuple[dict | None, object]:
+    """(run record, traces frame) of a finished bench job: from the store, else from the job's JSON output."""
+    out = job.result()
+    if isinstance(out, dict) and isinstance(out.get("record"), dict):
+        out = out["record"]
+    if isinstance(out, list) and out:
+        out = out[-1]
+    record = out if isinstance(out, dict) else None
+    traces = None
+    run_id = record.get("run_id") if record else None
+    if run_id:
+        try:
+            store = _store()
+            df = store.load(filters={"run_id": run_id})
+            if len(df):
+                record = df.iloc[-1].to_dict()
+            traces = store.load_traces([run_id])
+        except Exception as exc:  # noqa: BLE001 - show what the job printed even if the store cannot be read
+            st.warning(f"could not read run {run_id} from the store {store_root()}: {exc}")
+    return record, traces
+
+
+def _store():
+    from results.store import ResultStore
+
+    return ResultStore(store_root())
+
+
+def show_metrics(record: dict, traces) -> None:
+    if record.get("status") == "failed":
+        st.error(f"The run failed: {record.get('error')}", icon=":material/error:")
+        return
+    cols = st.columns(6)
+    cols[0].metric("Speedup vs AR", _fmt(record.get("speedup_vs_ar"), ".2f", "x"),
+                   help="tokens/s of this method / tokens/s of autoregressive decoding, measured in the same run")
+    cols[1].metric("Acceptance rate", _fmt(record.get("acceptance_rate"), ".0%"),
+                   help="accepted draft tokens / drafted tokens")
+    cols[2].metric("Mean accepted tokens", _fmt(record.get("mean_accepted_tokens"), ".2f"),
+                   help="tokens emitted per target step (accepted + 1)")
+    cols[3].metric("Tokens/s", _fmt(record.get("tokens_per_s"), ",.1f"),
+                   help=f"autoregressive in the same run: {_fmt(record.get('ar_tokens_per_s'), ',.1f')} tokens/s")
+    cols[4].metric("TTFT", _ms(record.get("ttft_ms")), help="time to first token")
+    cols[5].metric("TPOT p50", _ms(record.get("tpot_ms_p50")),
+                   help=f"time per output token; p90 {_ms(record.get('tpot_ms_p90'))}, "
+                        f"p99 {_ms(record.get('tpot_ms_p99'))}")
+    figs = [charts.acceptance_by_position(record), charts.accepted_per_step_histogram(traces),
+            charts.time_split(record)]
+    cols = st.columns(3)
+    for col, fig, missing in zip(cols, figs, ("no acceptance-by-position data (autoregressive run?)",
+                                              "no per-step traces stored for this run",
+                                              "no phase timings in this run")):
+        with col:
+            if fig is None:
+                st.info(missing)
+            else:
+                st.plotly_chart(fig, width="stretch", key=f"{P}chart_{missing[:12]}")
+    with st.expander("Full record"):
+        st.json({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()
+                 if k != "telemetry_timeline"}, expanded=False)
+
+
+def job_section() -> None:
+    bench_jobs = jobs.list_jobs(kind="bench")
+    if not bench_jobs:
+        st.info("No benchmark started yet: set it up above and press **Start benchmark**.")
+        return
+    ids = [j.id for j in bench_jobs]
+    pending = st.session_state.pop(f"{P}pending_job", None)
+    if pending in ids:
+        st.session_state[f"{P}job_pick"] = pending
+    elif f"{P}job_pick" not in st.session_state and st.query_params.get("job") in ids:
+        st.session_state[f"{P}job_pick"] = st.query_params["job"]
+    by_id = {j.id: j for j in bench_jobs}
+    job_id = st.selectbox("Benchmark job", ids, key=f"{P}job_pick", format_func=lambda i: job_label(by_id[i]))
+    if st.query_params.get("job") != job_id:
+        st.query_params["job"] = job_id
+    job = by_id[job_id]
+    running = job.status() == jobs.RUNNING
+    others = sum(1 for j in bench_jobs if j.id != job_id and j.status() == jobs.RUNNING)
+    if others:
+        st.caption(f"{others} other benchmark job(s) running")
+
+    @st.fragment(run_every=1.0 if running else None)
+    def watch() -> None:
+        status = job_panel(job, P)
+        if running and status != jobs.RUNNING:
+            st.rerun()  # the whole page: render the finished run's metrics
+
+    watch()
+    if job.status() == jobs.DONE:
+        record, traces = job_record(job)
+        if record is None:
+            st.warning("The job finished but printed no run record; see its log.")
+        else:
+            show_metrics(record, traces)
+
+
+def render() -> None:
+    st.title("Run a benchmark")
+    st.caption("Speculative decoding against plain autoregressive decoding, measured in the same run. "
+               "The run goes to the result store; see it on the Results page.")
+    try:
+        limits, methods = _limits()
+    except Exception as exc:  # noqa: BLE001
+        st.error(f"cannot load the engine's limits (studies.space): {exc}")
+        return
+    errors = Errors()
+    with st.container(border=True):
+        method = st.selectbox("Method", list(methods), index=list(methods).index("draft") if "draft" in methods else 0,
+                              key=f"{P}method", help="ar = plain autoregressive decoding (the baseline)")
+        models = model_section(errors, method)
+        preset_paths = models.pop("preset_paths", None)
+        prompts = prompt_section(errors, preset_paths, local_models="model" in models)
+        settings = settings_section(errors, method, limits, methods)
+    if errors:
+        st.warning(f"Fix the {len(errors)} problem(s) above to start a run.", icon=":material/warning:")
+    if st.button("Start benchmark", key=f"{P}start", type="primary", disabled=bool(errors),
+                 icon=":material/play_arrow:"):
+        argv = bench_argv(settings, models, prompts)
+        title = f"{method}" + (f" k={settings['k']}" if "k" in settings else "") + f" batch={settings['batch']}"
+        title += f" · {models.get('preset') or models.get('model').name}"
+        job = jobs.start_job("bench", argv, title, params={**settings, **{k: str(v) for k, v in models.items()},
+                                                           **prompts})
+        st.session_state[f"{P}pending_job"] = job.id
+        st.rerun()
+    st.divider()
+    job_section()
+
+
+if __name__ == "__main__":
+    render()

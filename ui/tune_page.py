@@ -1,0 +1,412 @@
+"""Tune page: launch Optuna studies as background workers, watch trials arrive, read the best settings.
+
+A study is `python -m studies.run --study NAME --script SCRIPT --trials N --storage journal:///... ` started as a job;
+several can run at once (the journal storage is safe for several processes). The page reads the study back from the
+same storage for the live trial table, Optuna's Plotly figures, the best settings and the batch-size schedule.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pandas as pd
+import streamlit as st
+
+from ui import catalog, jobs
+from ui.common import PYTHON, Errors, check_model_path, int_field, job_label, job_panel, store_root, study_storage_url
+
+P = "tune_"
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def storage_url() -> str:
+    url = study_storage_url()
+    return url if "://" in url else f"journal://{url}"
+
+
+def open_storage():
+    from studies.storage import open_storage as _open
+
+    return _open(storage_url())
+
+
+def dim_text(dim) -> str:
+    """A search-space dimension as the CLI writes it: 4, 1-8, 1,2,4."""
+    from studies.space import IntRange
+
+    if isinstance(dim, IntRange):
+        return f"{dim.low}-{dim.high}"
+    if isinstance(dim, tuple):
+        return ",".join(str(v) for v in dim)
+    return f"{dim:g}" if isinstance(dim, float) else str(dim)
+
+
+def stored_spec(storage, name: str) -> dict | None:
+    from studies.study import SPEC_KEY
+
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:
+        return None
+    return storage.get_study_user_attrs(study_id).get(SPEC_KEY, {})
+
+
+def spec_problems(cli_args: list[str], storage, name: str) -> tuple[list[str], dict | None]:
+    """What differs between an existing study `name` and the spec these studies.run flags would give it.
+
+    Uses studies.run's own parser and spec builder, so the check is the one the worker applies when it starts.
+    """
+    from studies.run import build_parser, build_spec
+    from studies.study import StudySpec
+
+    stored = stored_spec(storage, name)
+    if stored is None:
+        return [], None
+    if not stored:
+        return [f"study {name!r} exists but was not created by studies.run: pick another name"], {}
+    args = build_parser().parse_args(cli_args)
+    spec = build_spec(args, StudySpec.from_dict(stored)).to_dict()
+    return _diff(stored, spec), stored
+
+
+def _diff(stored, given, path: str = "") -> list[str]:
+    if isinstance(stored, dict) and isinstance(given, dict):
+        out: list[str] = []
+        for key in sorted(set(stored) | set(given)):
+            out += _diff(stored.get(key), given.get(key), f"{path}.{key}" if path else key)
+        return out
+    return [] if stored == given else [f"{path}: the study has {json.dumps(stored)}, this form asks for "
+                                       f"{json.dumps(given)}"]
+
+
+# ---- launch form --------------------------------------------------------------------------------------------------
+
+def launch_form() -> None:
+    from studies.scripts import SCRIPTS
+    from studies.space import METHODS, SpaceError, SearchSpace, parse_dim
+
+    errors = Errors()
+    with st.container(border=True):
+        cols = st.columns([1, 2])
+        with cols[0]:
+            script_name = st.selectbox("Study script", list(SCRIPTS), key=f"{P}script")
+        script = SCRIPTS[script_name]
+        with cols[1]:
+            st.markdown(f"**{script.question}**  \nobjective: " + ", ".join(
+                f"{d} {m}" for m, d in zip(script.objective.metrics, script.objective.directions)))
+        cols = st.columns(3)
+        with cols[0]:
+            name = st.text_input("Study name", value=f"{script_name}-1", key=f"{P}study_name",
+                                 help="a new name creates a study; an existing one resumes it (same settings only)")
+            name_box = st.container()
+        with cols[1]:
+            trials = int_field("Trials (total budget)", f"{P}trials", 10, errors, 1, 1000, name="trials")
+        with cols[2]:
+            try:
+                presets = catalog.preset_names()
+            except Exception as exc:  # noqa: BLE001
+                presets = []
+                errors.add(f"{P}preset", f"cannot list zoo presets: {exc}")
+            local = {f"local: {m['name']}": m for m in catalog.registered_models()}
+            choice = st.selectbox("Models", presets + list(local), key=f"{P}preset",
+                                  help="a zoo preset, or a local model registered on the Models page")
+            preset = choice if choice in presets else None
+            if preset:
+                errors.add(f"{P}preset", catalog.resolve(preset)[1])
+            model_flags: list[str] = []
+            if choice in local:
+                m = local[choice]
+                tpath, terr = check_model_path(m["target"], "target")
+                errors.add(f"{P}preset", terr)
+                model_flags = ["--model", str(tpath or m["target"])]
+                if m.get("draft"):
+                    model_flags += ["--draft", m["draft"]]
+        space = script.space
+        with st.expander("Search space and run settings (defaults: the script's)"):
+            cols = st.columns(4)
+            with cols[0]:
+                methods = st.multiselect("Methods", list(METHODS), default=list(space.methods),
+                                         key=f"{P}methods_{script_name}")
+                if not methods:
+                    errors.add(f"{P}methods", "pick at least one method")
+            texts = {}
+            for col, (knob, label) in zip(cols[1:], (("k", "Draft length k (range lo-hi or list)"),
+                                                     ("batch", "Batch sizes (list a,b,c)"),
+                                                     ("temperature", "Temperature"))):
+                with col:
+                    texts[knob] = st.text_input(label, value=dim_text(getattr(space, knob)),
+                                                key=f"{P}{knob}_{script_name}")
+            dims = {}
+            for knob, text in texts.items():
+                try:
+                    dims[knob] = parse_dim(knob, text, float if knob == "temperature" else int)
+                except SpaceError as exc:
+                    errors.add(f"{P}{knob}", str(exc))
+            if methods and len(dims) == len(texts):
+                try:
+                    import dataclasses
+
+                    dataclasses.replace(space, methods=tuple(methods), **dims).validate()
+                except SpaceError as exc:
+                    errors.add(f"{P}space", str(exc))
+            cols = st.columns(4)
+            with cols[0]:
+                max_new = int_field("Max new tokens", f"{P}max_new_tokens", 32, errors, 1, 8192, name="max_new_tokens")
+            with cols[1]:
+                num_prompts = int_field("Prompts per trial", f"{P}num_prompts", 4, errors, 1, 100_000,
+                                        name="num_prompts")
+            with cols[2]:
+                workers = int_field("Worker processes", f"{P}workers", 1, errors, 1, 16, name="workers",
+                                    help="processes sharing this study's trials (journal storage allows several)")
+            with cols[3]:
+                device = st.text_input("Device", value="cpu", key=f"{P}device", help="cpu, cuda:0, ...")
+        st.caption(f"Optuna storage: `{storage_url()}` · result store: `{store_root()}`")
+
+        cli = ["--study", name.strip(), "--script", script_name, "--trials", str(trials or 1),
+               "--storage", storage_url(), "--store", str(store_root()), "--device", device.strip() or "cpu"]
+        if preset:
+            cli += ["--preset", preset]
+        cli += model_flags
+        if methods:
+            cli += ["--methods", ",".join(methods)]
+        cli += [item for knob, text in texts.items() for item in (f"--{knob}", text.strip())]
+        if max_new:
+            cli += ["--max-new-tokens", str(max_new)]
+        if num_prompts:
+            cli += ["--num-prompts", str(num_prompts)]
+        with name_box:
+            if not NAME_RE.fullmatch(name.strip()):
+                errors.add(f"{P}study_name", "study name: 1-64 letters, digits, '_', '.', '-' (starting with a "
+                                             "letter or digit)")
+            elif not errors:
+                try:
+                    problems, stored = spec_problems(cli, open_storage(), name.strip())
+                except Exception as exc:  # noqa: BLE001 - a broken storage is an error here, not a crash
+                    problems, stored = [f"cannot check the study in {storage_url()}: {exc}"], None
+                if problems:
+                    errors.add(f"{P}study_name", f"study {name.strip()!r} already exists with another search space "
+                                                 f"or objective:\n\n- " + "\n- ".join(problems)
+                               + "\n\nPick another name, or the same settings to resume it.")
+                elif stored is not None:
+                    st.info("this study exists with the same settings: launching resumes it up to the budget")
+        if errors:
+            st.warning(f"Fix the {len(errors)} problem(s) above to launch.", icon=":material/warning:")
+        if st.button("Launch study", key=f"{P}launch", type="primary", disabled=bool(errors),
+                     icon=":material/rocket_launch:"):
+            export_dir = jobs.jobs_root() / "schedules" / name.strip()
+            argv = [PYTHON, "-m", "studies.run", *cli, "--workers", str(workers), "--export-dir", str(export_dir)]
+            job = jobs.start_job("study", argv, f"{name.strip()} ({script_name}, {trials} trials)",
+                                 params={"study": name.strip(), "script": script_name, "trials": trials,
+                                         "storage": storage_url(), "export_dir": str(export_dir)})
+            st.session_state[f"{P}pending_watch"] = name.strip()
+            st.session_state[f"{P}pending_job"] = job.id
+            st.rerun()
+
+
+# ---- watching -----------------------------------------------------------------------------------------------------
+
+def study_progress(storage, name: str) -> tuple[int, int | None]:
+    from studies.study import TARGET_KEY, load_study, counted_trials
+
+    study = load_study(storage, name)
+    return counted_trials(study)[0], study.user_attrs.get(TARGET_KEY)
+
+
+def jobs_section(storage) -> None:
+    study_jobs = jobs.list_jobs(kind="study")
+    if not study_jobs:
+        return
+    running = [j for j in study_jobs if j.status() == jobs.RUNNING]
+    recent = running + [j for j in study_jobs if j not in running][: max(0, 3 - len(running))]
+    st.subheader("Study jobs")
+
+    @st.fragment(run_every=2.0 if running else None)
+    def watch() -> None:
+        for job in recent:
+            with st.container(border=True):
+                status = job_panel(job, P)
+                name = job.params.get("study")
+                if status == jobs.RUNNING and name:
+                    try:
+                        done, target = study_progress(storage, name)
+                        st.caption(f"{done} of {target or '?'} trials counted in the storage")
+                    except Exception:  # noqa: BLE001 - the study may not exist yet (worker starting)
+                        pass
+        if running and any(j.status() != jobs.RUNNING for j in running):
+            st.rerun()
+
+    watch()
+
+
+def _figures(study, metrics: list[str]) -> dict:
+    """Optuna's Plotly figures; a figure that cannot be drawn yet maps to the reason (str)."""
+    import optuna.visualization as vis
+    from studies.objective import fidelity_constraint
+
+    multi = len(study.directions) > 1
+    tkw = [{"target": (lambda t, i=i: t.values[i]), "target_name": m} for i, m in enumerate(metrics)] if multi \
+        else [{"target_name": metrics[0]}]
+    out: dict = {}
+
+    def attempt(label, fn):
+        try:
+            out[label] = fn()
+        except Exception as exc:  # noqa: BLE001 - e.g. too few trials for importances
+            out[label] = f"{type(exc).__name__}: {exc}"
+
+    for kw in tkw:
+        attempt(f"History · {kw['target_name']}", lambda kw=kw: vis.plot_optimization_history(study, **kw))
+    if multi:
+        attempt("Pareto front", lambda: vis.plot_pareto_front(study, target_names=metrics,
+                                                              constraints_func=fidelity_constraint))
+    else:
+        out["Pareto front"] = "single-objective study: no Pareto front (use the pareto script)"
+    attempt("Importances", lambda: vis.plot_param_importances(study, **tkw[0]))
+    attempt("Parallel coordinates", lambda: vis.plot_parallel_coordinate(study, **tkw[0]))
+    attempt("Slice", lambda: vis.plot_slice(study, **tkw[0]))
+    return out
+
+
+def best_section(study, spec: dict) -> None:
+    from studies.objective import feasible_complete, pareto_front
+
+    ok = feasible_complete(study)
+    if not ok:
+        st.info("no feasible completed trial yet")
+        return
+    if len(study.directions) > 1:
+        front = pareto_front(study)
+        st.markdown(f"**Pareto front**: {len(front)} trial(s), none better on every objective")
+        st.dataframe(front, hide_index=True, width="stretch")
+        return
+    maximize = study.directions[0].name == "MAXIMIZE"
+    best = (max if maximize else min)(ok, key=lambda t: t.value)
+    cfg = best.user_attrs.get("config") or best.params
+    cols = st.columns(4)
+    cols[0].metric(study.metric_names[0] if study.metric_names else "value", f"{best.value:,.4g}")
+    for col, key, fmt in ((cols[1], "speedup_vs_ar", "{:.2f}x"), (cols[2], "acceptance_rate", "{:.1%}"),
+                          (cols[3], "tokens_per_s", "{:,.1f}")):
+        v = best.user_attrs.get(key)
+        col.metric(key.replace("_", " "), "—" if v is None else fmt.format(v))
+    st.markdown(f"**Best settings** (trial {best.number}):")
+    st.json({k: v for k, v in cfg.items()}, expanded=True)
+
+
+def schedule_section(study) -> None:
+    from studies.schedule import build_schedule, sglang_snippet, trtllm_snippet, vllm_snippet
+
+    try:
+        schedule = build_schedule(study)
+    except Exception as exc:  # noqa: BLE001
+        st.info(f"no schedule yet: {exc}")
+        return
+    rows = [{k: e.get(k) for k in ("batch_size", "trials", "speculate", "method", "draft_len", "ngram_min",
+                                   "ngram_max", "speedup_vs_ar", "tokens_per_s", "trial")} for e in schedule["buckets"]]
+    st.markdown("**Best setting per batch-size bucket** (bucket b covers batch sizes above the previous bucket, up to b)")
+    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    tabs = st.tabs(["vLLM", "SGLang", "TensorRT-LLM", "schedule.json"])
+    for tab, (make, lang) in zip(tabs, ((vllm_snippet, "json"), (sglang_snippet, "json"), (trtllm_snippet, "json"),
+                                        (None, "json"))):
+        with tab:
+            try:
+                obj = schedule if make is None else make(schedule)
+            except Exception as exc:  # noqa: BLE001
+                st.warning(f"cannot build this snippet: {exc}")
+                continue
+            if isinstance(obj, dict) and obj.get("cli"):
+                st.code(obj["cli"], language="bash")
+            st.code(json.dumps(obj, indent=2, default=str), language=lang)
+    st.download_button("Download schedule.json", json.dumps(schedule, indent=2, default=str),
+                       file_name=f"{study.study_name}-schedule.json", mime="application/json",
+                       key=f"{P}schedule_download", on_click="ignore")
+
+
+def study_view(storage, name: str, live: bool) -> None:
+    from studies.objective import trials_frame
+    from studies.study import SPEC_KEY, TARGET_KEY, counted_trials, load_study
+
+    study = load_study(storage, name)
+    spec = study.user_attrs.get(SPEC_KEY, {})
+    metrics = study.metric_names or [f"value{i}" for i in range(len(study.directions))]
+    done, waiting = counted_trials(study)
+    target = study.user_attrs.get(TARGET_KEY)
+    df = trials_frame(study)
+    states = df["state"].value_counts().to_dict() if len(df) else {}
+    st.markdown(f"**{name}** · script `{spec.get('script')}` · {done} of {target or '?'} trials · "
+                + ", ".join(f"{n} {s.lower()}" for s, n in states.items())
+                + (" · live" if live else ""))
+    if target:
+        st.progress(min(1.0, done / target))
+    n_finished = int(sum(n for s, n in states.items() if s in ("COMPLETE", "FAIL", "PRUNED")))
+    cache_key = f"{P}figs_{name}"
+    cached = st.session_state.get(cache_key)
+    if cached is None or cached[0] != n_finished:  # recompute the figures only when a trial finished
+        cached = (n_finished, _figures(study, metrics) if n_finished else {})
+        st.session_state[cache_key] = cached
+    figs = cached[1]
+    labels = list(figs) + ["Trials", "Best settings"] + (["Schedule"] if spec.get("script") == "batch_schedule" else [])
+    tabs = st.tabs(labels)
+    for tab, label in zip(tabs, labels):
+        with tab:
+            if label == "Trials":
+                st.dataframe(df.sort_values("trial", ascending=False) if len(df) else df, hide_index=True,
+                             width="stretch")
+            elif label == "Best settings":
+                best_section(study, spec)
+            elif label == "Schedule":
+                schedule_section(study)
+            elif isinstance(figs[label], str):
+                st.info(f"not available yet: {figs[label]}")
+            else:
+                st.plotly_chart(figs[label], width="stretch", key=f"{P}fig_{name}_{label}")
+    if not figs:
+        st.info("no finished trial yet: figures appear when the first trial completes")
+
+
+def watch_section(storage) -> None:
+    import optuna
+
+    st.subheader("Watch a study")
+    try:
+        names = sorted(optuna.get_all_study_names(storage))
+    except Exception as exc:  # noqa: BLE001
+        st.error(f"cannot list studies in {storage_url()}: {exc}")
+        return
+    if not names:
+        st.info("No study in the storage yet: launch one above.")
+        return
+    pending = st.session_state.pop(f"{P}pending_watch", None)
+    if pending in names:
+        st.session_state[f"{P}watch"] = pending
+    elif st.session_state.get(f"{P}watch") not in names:  # first visit (or after a refresh): the latest job's study
+        latest = [j.params.get("study") for j in jobs.list_jobs(kind="study") if j.params.get("study") in names]
+        st.session_state[f"{P}watch"] = latest[0] if latest else names[0]
+    name = st.selectbox("Study", names, key=f"{P}watch")
+    live = any(j.params.get("study") == name for j in jobs.list_jobs(kind="study", status=jobs.RUNNING))
+
+    @st.fragment(run_every=3.0 if live else None)
+    def view() -> None:
+        try:
+            study_view(storage, name, live)
+        except Exception as exc:  # noqa: BLE001 - a study being created, or not from studies.run
+            st.warning(f"cannot show study {name!r}: {exc}")
+
+    view()
+
+
+def render() -> None:
+    st.title("Tune")
+    st.caption("Search method, draft length and batch size with Optuna; every trial is a benchmark run stored in the "
+               "result store. Studies run as background processes: leave the page, come back, they keep going.")
+    try:
+        launch_form()
+        storage = open_storage()
+    except Exception as exc:  # noqa: BLE001
+        st.error(f"cannot set up studies: {exc}")
+        return
+    jobs_section(storage)
+    watch_section(storage)
+
+
+if __name__ == "__main__":
+    render()
