@@ -1,0 +1,194 @@
+"""`python -m studies.run`: create (or resume) a study and run it; print the best settings / Pareto front at the end.
+
+    python -m studies.run --preset tiny --study demo --trials 20                      # best_k, local SQLite
+    python -m studies.run --preset tiny --study sched --script batch_schedule --trials 24 --batch 1,2,4,8
+    python -m studies.run --preset tiny --study front --script pareto --trials 20
+    python -m studies.run --study big --script pareto --trials 200 --storage journal:///tmp/big.log --workers 0
+        (create only; then start `python -m studies.worker` processes, see studies/README.md)
+
+--trials N is the study's total: resuming a study that already has N trials runs none. Re-running with another
+script, search space, objective or models under the same --study name is refused with the differences listed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from studies.objective import POOL, ModelSpec
+from studies.scripts import SCRIPTS, UnknownScriptError, get_script
+from studies.space import METHODS, RunSettings, SpaceError, first_value, parse_dim
+from studies.storage import DEFAULT_STORAGE, StorageOpenError, is_parallel_safe, open_storage, redact
+from studies.study import (SPEC_KEY, StudyMismatchError, StudyNotFoundError, StudySpec, counted_trials,
+                           create_or_resume, preflight, run_trials)
+
+SPACE_FLAGS = {"methods": str, "k": int, "ngram_min": int, "ngram_max": int, "batch": int, "temperature": float,
+               "dtype": str}
+SETTING_FLAGS = ("max_new_tokens", "num_prompts", "repeats", "warmup", "seed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m studies.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--study", required=True, help="study name (created if new, resumed if it exists)")
+    p.add_argument("--script", help=f"one of {', '.join(SCRIPTS)} (default: the study's, or best_k for a new study)")
+    p.add_argument("--trials", type=int, default=20, help="total number of trials of the study (default 20)")
+    p.add_argument("--storage", default=DEFAULT_STORAGE,
+                   help=f"Optuna storage URL: sqlite:///F.db, journal:///F.log, postgresql://... (default "
+                        f"{DEFAULT_STORAGE})")
+    p.add_argument("--store", help="result store root (default: $WORKBENCH_STORE or results/store)")
+    p.add_argument("--device", default="cpu", help="device of the in-process worker (cpu, cuda:0, ...)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="1: run trials in this process; 0: only create the study; N > 1: start N "
+                        "`studies.worker` processes (needs a journal or PostgreSQL storage)")
+    p.add_argument("--devices", help="comma-separated devices for --workers N, assigned round-robin "
+                                     "(default: --device for all)")
+    p.add_argument("--export-dir", help="where batch_schedule writes its schedule (default out/schedules/STUDY)")
+    p.add_argument("--sampler-seed", type=int, help="seed the sampler (single-process runs only)")
+    g = p.add_argument_group("models (stored with the study)")
+    g.add_argument("--preset", help="zoo preset (default tiny unless --model is given)")
+    g.add_argument("--model", help="target model directory or .gguf file")
+    g.add_argument("--draft", help="draft model directory")
+    g = p.add_argument_group("search space (a value, a list a,b,c, or a range lo-hi; default: the script's)")
+    g.add_argument("--methods", help="e.g. ar,draft,ngram")
+    for name in ("k", "ngram_min", "ngram_max", "batch", "temperature", "dtype"):
+        g.add_argument(f"--{name.replace('_', '-')}", dest=name)
+    g.add_argument("--sampler", choices=("tpe", "nsga2"), help="default tpe")
+    g = p.add_argument_group("run settings, the same for every trial")
+    for name in SETTING_FLAGS:
+        g.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    return p
+
+
+def _models(args: argparse.Namespace, base: ModelSpec | None) -> ModelSpec:
+    if args.preset is None and args.model is None and args.draft is None:
+        return base or ModelSpec(preset="tiny")
+    return ModelSpec(preset=args.preset, model=args.model, draft=args.draft)
+
+
+def build_spec(args: argparse.Namespace, stored: StudySpec | None) -> StudySpec:
+    """The stored spec (when resuming) or the script's defaults, with every flag given on the command line applied."""
+    script = get_script(args.script) if args.script else get_script(stored.script if stored else "best_k")
+    base = stored if stored is not None and stored.script == script.name else None
+    space = base.space if base else script.space
+    changes: dict[str, Any] = {}
+    for name, cast in SPACE_FLAGS.items():
+        text = getattr(args, name)
+        if text is None:
+            continue
+        dim = parse_dim(name, text, cast)
+        if name == "methods":
+            dim = dim if isinstance(dim, tuple) else (dim,)
+        changes[name] = dim
+    space = dataclasses.replace(space, **changes)
+    settings = base.settings if base else RunSettings()
+    settings = dataclasses.replace(settings, **{n: getattr(args, n) for n in SETTING_FLAGS if getattr(args, n) is not None})
+    return StudySpec(script=script.name, objective=script.objective, space=space, settings=settings,
+                     models=_models(args, base.models if base else (stored.models if stored else None)),
+                     sampler=args.sampler or (base.sampler if base else "tpe"))
+
+
+def open_store(root: str | None) -> Any:
+    from results.store import ResultStore
+
+    return ResultStore(root=root) if root else ResultStore()
+
+
+def session_for(spec: StudySpec, device: str):
+    """dtype -> this process's (cached) engine session for the study's models on `device`."""
+    return lambda dtype: POOL.get(spec.models, device, dtype)
+
+
+def print_trial(study: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
+    """One line per finished trial: its knobs (only those its method reads) and its values or failure reason."""
+    c = t.user_attrs.get("config", {})
+    used = METHODS[c["method"]].knobs if c.get("method") in METHODS else ()
+    knobs = " ".join(f"{k}={c[k]}" for k in ("method", *used, "batch", "temperature") if k in c)
+    if t.state.name == "COMPLETE":
+        vals = ", ".join(f"{m} {v:.4g}" for m, v in zip(study.metric_names or ["value"], t.values))
+        flag = "" if t.user_attrs.get("feasible", True) else "  INFEASIBLE (output differs from autoregressive)"
+        print(f"trial {t.number:3d} {knobs}: {vals}{flag}", flush=True)
+    else:
+        print(f"trial {t.number:3d} {knobs}: {t.state.name} {t.user_attrs.get('error', '')}", flush=True)
+
+
+def spawn_workers(args: argparse.Namespace, n: int) -> list[subprocess.Popen]:
+    devices = (args.devices or args.device).split(",")
+    procs = []
+    for i in range(n):
+        cmd = [sys.executable, "-m", "studies.worker", "--storage", args.storage, "--study", args.study,
+               "--device", devices[i % len(devices)].strip()]
+        if args.store:
+            cmd += ["--store", args.store]
+        procs.append(subprocess.Popen(cmd))
+    return procs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from workbench.bench import BenchError  # the engine's "cannot run this" (e.g. untrained preset, bad model path)
+
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    logging.getLogger("optuna").setLevel(logging.ERROR)  # failed trials are printed by print_trial, not as tracebacks
+    try:
+        if args.script:
+            get_script(args.script)
+        if args.workers > 1 and not is_parallel_safe(args.storage):
+            raise StorageOpenError(f"--workers {args.workers} needs a storage several processes can share: "
+                                   f"{redact(args.storage)!r} is SQLite; use journal:///PATH.log or postgresql://...")
+        storage = open_storage(args.storage)
+        stored = None
+        try:
+            study_id = storage.get_study_id_from_name(args.study)
+            attrs = storage.get_study_user_attrs(study_id)
+            if SPEC_KEY not in attrs:
+                raise StudyMismatchError(f"study {args.study!r} exists but was not created by studies.run: pick "
+                                         f"another --study name")
+            stored = StudySpec.from_dict(attrs[SPEC_KEY])
+        except KeyError:
+            pass
+        spec = build_spec(args, stored)
+        if args.workers == 1:  # load the models before the first trial: a bad model path stops here, not per trial
+            spec.validate()
+            session = session_for(spec, args.device)(first_value(spec.space.dtype))
+            if stored is None:
+                preflight(spec, session)  # a new space's extremes must be runnable by these models
+        study, spec = create_or_resume(storage, args.study, spec, target_trials=args.trials, seed=args.sampler_seed)
+    except (UnknownScriptError, StorageOpenError, StudyMismatchError, StudyNotFoundError, SpaceError,
+            BenchError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    script = get_script(spec.script)
+    done, _ = counted_trials(study)
+    print(f"study {args.study!r} ({script.name}: {script.question}) in {redact(args.storage)}: "
+          f"{done} of {args.trials} trials done", flush=True)
+    if args.workers == 0:
+        print(f"created; join it with: python -m studies.worker --storage {args.storage} --study {args.study} "
+              f"--device cuda:0", flush=True)
+        return 0
+    store = open_store(args.store)
+    if args.workers == 1:
+        run_trials(study, spec, store=store, device=args.device, on_trial=print_trial,
+                   session_for=session_for(spec, args.device))
+    else:
+        codes = [p.wait() for p in spawn_workers(args, args.workers)]
+        if any(codes):
+            print(f"warning: worker exit codes {codes}", file=sys.stderr)
+    print(script.report(study), flush=True)
+    if script.export is not None:
+        out = Path(args.export_dir or Path("out") / "schedules" / args.study)
+        for name, path in script.export(study, out).items():
+            print(f"wrote {name}: {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
