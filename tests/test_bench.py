@@ -1,0 +1,115 @@
+"""Benchmark runner and CLI on the committed tiny preset: the JSON record, the store row, and bad input."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench.bench import BenchConfig, BenchError, BenchSession
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def session():
+    return BenchSession.load(preset="tiny", device="cpu")
+
+
+def small(**kw):
+    base = dict(k=3, batch=2, max_new_tokens=12, num_prompts=4, warmup=0)
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+@pytest.mark.parametrize("method", ["ar", "draft", "ngram"])
+def test_greedy_runs_match_autoregressive_on_real_models(session, method):
+    rec = session.run(small(method=method)).record
+    assert rec["greedy_matches_ar"] is True
+    assert rec["total_new_tokens"] == 4 * 12
+    if method == "draft":  # trained draft and target of one family: acceptance is real, not noise
+        assert rec["acceptance_rate"] > 0.2 and rec["mean_accepted_tokens"] > 1.5
+        assert len(rec["acceptance_by_position"]) == 3
+        assert rec["acceptance_by_position"] == sorted(rec["acceptance_by_position"], reverse=True)
+        assert rec["draft_target_cost_ratio"] > 0
+    assert rec["speedup_vs_ar"] > 0 and rec["tokens_per_s"] > 0
+    assert rec["sm_util_pct"] is None and rec["telemetry_reason"]  # no GPU here: None with a reason, never 0
+
+
+def test_sampled_run_reports_null_parity(session):
+    rec = session.run(small(method="draft", temperature=0.8, top_k=50, top_p=0.95)).record
+    assert rec["greedy_matches_ar"] is None
+    assert 0 <= rec["acceptance_rate"] <= 1
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(k=0), "k \\(draft length\\) must be >= 1"),
+    (dict(batch=0), "batch must be >= 1"),
+    (dict(max_new_tokens=5000), "context is 2048"),
+    (dict(method="eagle9"), "unknown method"),
+    (dict(ngram_min=3, ngram_max=2, method="ngram"), "ngram_min"),
+    (dict(temperature=-1.0), "temperature"),
+])
+def test_bad_settings_fail_before_work(session, change, message):
+    with pytest.raises(BenchError, match=message):
+        session.run(small(**change))
+
+
+def test_prompt_longer_than_context(session):
+    with pytest.raises(BenchError, match="prompt has 3000 tokens"):
+        session.run(small(), prompts=[[5] * 3000])
+
+
+def test_draft_with_other_vocabulary(tmp_path):
+    import torch
+    from workbench.models import LlamaModel, ModelConfig, save_model
+
+    cfg = ModelConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2)
+    save_model(LlamaModel(cfg), tmp_path / "other")
+    tiny = ROOT / "workbench/zoo/weights/tiny"
+    with pytest.raises(BenchError, match="vocabulary size 100"):
+        BenchSession.load(model=str(tiny / "target"), draft=str(tmp_path / "other"),
+                          prompts=str(tiny / "prompts.jsonl"), device="cpu")
+
+
+def test_missing_model_and_bad_prompt_file(tmp_path):
+    with pytest.raises(BenchError, match="does-not-exist"):
+        BenchSession.load(model=str(tmp_path / "does-not-exist"), device="cpu")
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(BenchError, match="p.jsonl:2: invalid JSON"):
+        BenchSession.load(preset="tiny", prompts=str(bad), device="cpu")
+
+
+def run_cli(*args, store):
+    return subprocess.run([sys.executable, "-m", "workbench", "bench", *args, "--store", str(store)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+def test_cli_json_record_lands_in_store(tmp_path):
+    from results.store import ResultStore
+
+    proc = run_cli("--preset", "tiny", "--method", "draft", "--k", "4", "--batch", "2", "--max-new-tokens", "16",
+                   "--temperature", "0", "--num-prompts", "2", "--json", store=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(proc.stdout)
+    for key in ["method", "k", "batch", "acceptance_rate", "mean_accepted_tokens", "acceptance_by_position",
+                "tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar", "ttft_ms", "tpot_ms_p50", "tpot_ms_p99",
+                "sm_util_pct", "gpu_busy_pct", "greedy_matches_ar", "device_name"]:
+        assert key in rec, key
+    assert rec["greedy_matches_ar"] is True and rec["k"] == 4 and rec["batch"] == 2
+    df = ResultStore(tmp_path).load()
+    assert list(df["run_id"]) == [rec["run_id"]]
+    traces = ResultStore(tmp_path).load_traces([rec["run_id"]])
+    assert len(traces) >= rec["target_steps"] and set(traces["run_id"]) == {rec["run_id"]}
+
+
+def test_cli_bad_setting_is_recorded_as_failed(tmp_path):
+    from results.store import ResultStore
+
+    proc = run_cli("--preset", "tiny", "--k", "0", "--num-prompts", "1", store=tmp_path)
+    assert proc.returncode == 2
+    assert "k (draft length) must be >= 1" in proc.stderr
+    df = ResultStore(tmp_path).load()
+    assert list(df["status"]) == ["failed"] and "k (draft length)" in df["error"].iloc[0]
