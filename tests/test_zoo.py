@@ -154,6 +154,7 @@ def test_lr_schedule():
     assert lr_at(9, 0.0, spec) == pytest.approx(1.0)
     assert lr_at(50, 0.5, spec) == pytest.approx(0.55)
     assert lr_at(99, 1.0, spec) == pytest.approx(0.1) == lr_at(99, 3.0, spec)
+    assert lr_at(4, 1.0, spec) == pytest.approx(0.05)  # a budget that ends inside the warmup: no jump up
 
 
 # ---------------------------------------------------------------- micro training run
@@ -249,6 +250,19 @@ def test_micro_run_through_workbench_models(micro_run):
             torch.testing.assert_close(logits, hf(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_regenerate_prompts_reproduces_training_prompts(micro_run, tmp_path):
+    import shutil
+
+    from workbench.zoo.heldout_prompts import regenerate
+
+    _, paths, _ = micro_run
+    copy = tmp_path / "copy"
+    shutil.copytree(paths.root, copy)
+    summary = regenerate(copy, log=lambda line: None)
+    assert summary["corpus_matches_training"] is True
+    assert (copy / "prompts.jsonl").read_text() == paths.prompts_path.read_text()
+
+
 def test_train_refuses_to_replace_a_foreign_folder(tmp_path, micro_run):
     from workbench.zoo import train_preset
 
@@ -266,7 +280,8 @@ def test_prompt_selection_is_deterministic(stdlib_corpus, small_tokenizer):
     assert a != select_prompts(files, count, 32, 256, seed=8)
     assert len(a) == 32 and len({r["id"] for r in a}) == 32
     assert {r["category"] for r in a} == {"signature", "class", "mid_function"}
-    assert all(r["prompt"].endswith("\n") and r["tokens"] <= 256 for r in a)
+    assert all(r["tokens"] <= 256 and r["prompt"] == r["prompt"].rstrip() for r in a)
+    assert all(r["first_line"] <= r["line"] <= r["end_line"] for r in a)
 
 
 # ---------------------------------------------------------------- the committed tiny preset

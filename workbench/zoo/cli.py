@@ -1,10 +1,10 @@
-"""`python -m workbench zoo list` and `python -m workbench zoo train PRESET [--out DIR] [--max-seconds S] ...`."""
+"""`python -m workbench zoo list | train PRESET [--out DIR] [--max-seconds S] ... | prompts PRESET [--dir DIR]`."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from workbench.zoo.presets import PRESETS, ZooError, preset_home, resolve_preset, train_command
+from workbench.zoo.presets import PRESETS, ZooError, preset_home, resolve_dir, resolve_preset, train_command
 
 
 def register(subparsers) -> None:
@@ -23,6 +23,11 @@ def register(subparsers) -> None:
     train.add_argument("--device", choices=["cuda", "cpu"], default=None,
                        help="default: cuda when available, else cpu")
     train.set_defaults(func=cmd_train)
+
+    prompts = sub.add_parser("prompts", help="re-cut prompts.jsonl of a trained preset from its held-out files")
+    prompts.add_argument("preset", choices=sorted(PRESETS))
+    prompts.add_argument("--dir", default=None, help="the trained preset folder (default: the preset's home)")
+    prompts.set_defaults(func=cmd_prompts)
 
 
 def _fmt_ppl(section: dict | None) -> str:
@@ -56,6 +61,18 @@ def cmd_list(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def cmd_prompts(args: argparse.Namespace) -> int:
+    from workbench.zoo.heldout_prompts import regenerate
+
+    try:
+        paths = resolve_dir(args.dir, args.preset) if args.dir else resolve_preset(args.preset)
+    except ZooError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    regenerate(paths.root)
     return 0
 
 

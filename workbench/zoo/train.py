@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.zoo.corpus import Corpus, CorpusError, load_corpus, path_bucket
-from workbench.zoo.heldout_prompts import select_prompts
+from workbench.zoo.heldout_prompts import select_prompts, summarize, write_jsonl
 from workbench.zoo.presets import (ModelSpec, PresetPaths, TrainSpec, ZooError, ZooPreset, get_preset, preset_home,
                                    resolve_dir)
 from workbench.zoo.tokenizer import EOT, encode_documents, save_tokenizer, train_tokenizer
@@ -77,11 +77,13 @@ def build_model(spec: ModelSpec, vocab_size: int, eot_id: int, seed: int):
 
 
 def lr_at(step: int, progress: float, spec: TrainSpec) -> float:
-    """Linear warmup over warmup_steps, then cosine from lr to min_lr_ratio * lr as progress goes 0 -> 1."""
-    if step < spec.warmup_steps:
-        return spec.lr * (step + 1) / spec.warmup_steps
+    """Cosine from lr to min_lr_ratio * lr as progress goes 0 -> 1, times a linear warmup over warmup_steps.
+
+    A product rather than warmup-then-cosine: a budget that ends inside the warmup still decays smoothly.
+    """
+    warmup = min(1.0, (step + 1) / spec.warmup_steps) if spec.warmup_steps > 0 else 1.0
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * cosine)
+    return spec.lr * warmup * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * cosine)
 
 
 def _optimizer(model: torch.nn.Module, spec: TrainSpec, device: torch.device) -> torch.optim.Optimizer:
@@ -358,9 +360,7 @@ def train_preset(preset: str | ZooPreset, out: str | Path | None = None, *, devi
         prompts = select_prompts([(f.relpath, f.text) for f in corpus.heldout],
                                  lambda text: len(tokenizer.encode(text).ids),
                                  preset.num_prompts, preset.prompt_max_tokens, preset.seed)
-        with open(staging / "prompts.jsonl", "w") as fh:
-            for row in prompts:
-                fh.write(json.dumps(row) + "\n")
+        write_jsonl(staging / "prompts.jsonl", prompts)
         manifest = {
             "manifest_version": MANIFEST_VERSION,
             "preset": preset.name,
@@ -386,9 +386,7 @@ def train_preset(preset: str | ZooPreset, out: str | Path | None = None, *, devi
             "target": asdict(reports["target"]),
             "draft": asdict(reports["draft"]),
             "distill": asdict(preset.distill) if preset.distill.alpha > 0 else None,
-            "prompts": {"count": len(prompts),
-                        "by_category": {c: sum(p["category"] == c for p in prompts)
-                                        for c in sorted({p["category"] for p in prompts})}},
+            "prompts": summarize(prompts),
             "total_seconds": round(time.perf_counter() - t0, 2),
         }
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, allow_nan=True) + "\n")
