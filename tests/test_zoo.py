@@ -288,6 +288,7 @@ def test_prompt_selection_is_deterministic(stdlib_corpus, small_tokenizer):
 
 def test_committed_tiny_preset():
     import torch  # noqa: F401  (imports are not what the 1 s bound is about)
+    import transformers.models.llama.modeling_llama  # noqa: F401
     from transformers import AutoModelForCausalLM
 
     from workbench.prompts import load_prompts
@@ -307,7 +308,8 @@ def test_committed_tiny_preset():
     assert sum(f.stat().st_size for f in paths.root.rglob("*") if f.is_file()) <= 16 * 2**20
     prompts = load_prompts(paths.prompts_path)
     assert len(prompts) == 64
-    assert all(len(tok.encode(p.text).ids) <= 256 for p in prompts)
+    assert all(len(tok.encode(p.text).ids) <= 256 and p.text == p.text.rstrip() for p in prompts)
+    assert m["prompts"].get("corpus_matches_training", True)
 
 
 def test_zoo_list_cli(capsys):
