@@ -262,9 +262,11 @@ def _git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+    commit = out.stdout.strip()
+    # a copied tree without history answers "HEAD" with a non-zero status
+    return commit if out.returncode == 0 and len(commit) == 40 else None
 
 
 def _tokenizer_texts(corpus: Corpus, max_bytes: int) -> list[str]:
