@@ -10,6 +10,10 @@ import sys
 import streamlit as st
 
 st.set_page_config(page_title="Speculative decoding workbench", page_icon=":material/speed:", layout="wide")
+try:  # a local workbench: no "Deploy" button in the toolbar
+    st.set_option("client.toolbarMode", "minimal")
+except Exception:  # noqa: BLE001 - cosmetic only
+    pass
 
 PAGES = [
     st.Page("ui/run_page.py", title="Run", icon=":material/play_circle:", url_path="run", default=True),

@@ -184,6 +184,24 @@ def test_tiny_run_from_run_page_lands_in_store(workspace):
     assert "Speedup vs AR" in [m.label for m in fresh.metric]
 
 
+def test_cancel_from_run_page_keeps_the_store_intact(workspace):
+    seed_store(workspace["store"])
+    before = ResultStore(workspace["store"]).load()
+    at = open_page("run")
+    at.text_input(key="run_max_new_tokens").input("4000")  # long enough to still be running when cancelled
+    at.text_input(key="run_num_prompts").input("8")
+    at.selectbox(key="run_device").set_value("cpu")
+    at.run()
+    at.button(key="run_start").click().run()
+    [job] = jobs.list_jobs(kind="bench")
+    assert job.status() == jobs.RUNNING
+    at.button(key=f"run_cancel_{job.id}").click().run()
+    assert not at.exception
+    assert wait_for(job, 30) == jobs.CANCELLED
+    after = ResultStore(workspace["store"]).load()
+    assert after["run_id"].tolist() == before["run_id"].tolist()  # nothing recorded was lost or half-written
+
+
 # ---- Tune page ------------------------------------------------------------------------------------------------
 
 def test_tune_page_rejects_bad_budget_and_name(workspace):
@@ -310,6 +328,32 @@ def test_models_page_lists_presets_and_validates_registration(workspace, tmp_pat
     assert "mine" in at.dataframe[1].value["name"].tolist()
 
 
+def test_models_page_starts_training_in_background(workspace):
+    at = open_page("models")
+    at.selectbox(key="models_train_preset").set_value("small")
+    at.selectbox(key="models_train_device").set_value("cpu").run()
+    at.button(key="models_train_start").click().run()
+    assert not at.exception
+    [job] = jobs.list_jobs(kind="train")
+    assert job.meta["argv"][1:] == ["-m", "workbench", "zoo", "train", "small", "--device", "cpu"]
+    assert job.status() == jobs.RUNNING  # the page returned at once; the trainer runs on
+    job.cancel(wait_s=20)
+    assert job.status() == jobs.CANCELLED
+
+
+def test_train_progress_reads_trainer_lines(workspace):
+    from ui.models_page import train_fraction
+    lines = ["[zoo] corpus: 10 files", "[target] step     10  ce 5.0  lr 1e-3  0.1 M tok/s    37.5 s",
+             "[draft] step     10  ce 5.0  lr 1e-3  0.1 M tok/s    15.0 s"]
+    code = "import sys\nfor line in sys.argv[1:]:\n    print(line, flush=True)"
+    job = jobs.start_job("train", [sys.executable, "-c", code, *lines[:2]], "t", params={"preset": "tiny"})
+    wait_for(job, 30)
+    assert train_fraction(job) == pytest.approx(37.5 / 105)  # tiny: 75 s target + 30 s draft
+    job = jobs.start_job("train", [sys.executable, "-c", code, *lines], "t", params={"preset": "tiny"})
+    wait_for(job, 30)
+    assert train_fraction(job) == pytest.approx((75 + 15.0) / 105)
+
+
 # ---- GPU page -------------------------------------------------------------------------------------------------
 
 def test_gpu_page_states_no_gpu(workspace):
@@ -338,6 +382,10 @@ def test_job_lifecycle_cancel_and_refresh(workspace):
     sleeper.cancel(wait_s=10)
     assert sleeper.status() == jobs.CANCELLED
 
+    several = [jobs.start_job("test", [sys.executable, "-c", "import time; time.sleep(2)"], f"s{i}") for i in range(2)]
+    assert [j.status() for j in several] == [jobs.RUNNING] * 2  # jobs run side by side
+    assert all(wait_for(j, 30) == jobs.DONE for j in several)
+
     failing = jobs.start_job("test", [sys.executable, "-c", "raise SystemExit('boom')"], "fails")
     assert wait_for(failing, 30) == jobs.FAILED and "boom" in failing.error_text()
-    assert {j.id for j in jobs.list_jobs(kind="test")} == {job.id, sleeper.id, failing.id}
+    assert {j.id for j in jobs.list_jobs(kind="test")} == {job.id, sleeper.id, failing.id, *(j.id for j in several)}

@@ -170,7 +170,7 @@ def job_panel(job: jobs.Job, key_prefix: str, show_log: bool = True) -> str:
         with cols[0]:
             st.progress(min(1.0, max(0.0, fraction or 0.0)), text=text)
         with cols[1]:
-            if st.button("Cancel", key=f"{key_prefix}_cancel_{job.id}", icon=":material/stop_circle:"):
+            if st.button("Cancel", key=f"{key_prefix}cancel_{job.id}", icon=":material/stop_circle:"):
                 job.cancel(wait_s=3.0)
                 st.rerun()
     else:

@@ -54,8 +54,12 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _pid_alive(pid: int, job_id: str) -> bool:
-    """True when `pid` is a live (not zombie) runner of this job."""
+def _pid_alive(pid: int, job_id: str, young: bool = False) -> bool:
+    """True when `pid` is a live (not zombie) runner of this job.
+
+    A runner younger than a few seconds may not have exec'd yet (its cmdline is still its parent's), so for a
+    young job any live process with that pid counts.
+    """
     proc = Path(f"/proc/{pid}")
     if proc.exists():
         try:
@@ -64,7 +68,8 @@ def _pid_alive(pid: int, job_id: str) -> bool:
         except OSError:
             return False
         state = stat.rsplit(")", 1)[-1].split()[0]
-        return state not in ("Z", "X") and job_id in cmdline  # pid reuse: the cmdline must name this job
+        # pid reuse: the cmdline must name this job
+        return state not in ("Z", "X") and (young or job_id in cmdline)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -102,20 +107,26 @@ class Job:
         popen = _RUNNERS.get(self.id)
         if popen is not None and popen.poll() is not None:
             _RUNNERS.pop(self.id, None)
+            popen = None
         info = self.exit_info()
         if info is not None:
             if info.get("cancelled"):
                 return CANCELLED
             return DONE if info.get("returncode") == 0 else FAILED
-        pid = self.meta.get("pid")
+        if popen is not None:  # started by this process and not exited (it may not have exec'd yet)
+            return RUNNING
+        meta = self.meta
+        pid = meta.get("pid")
         if pid is None:  # meta written, runner not yet recorded: it is starting
             return RUNNING
-        if _pid_alive(int(pid), self.id):
+        if _pid_alive(int(pid), self.id, young=time.time() - meta.get("created_at", 0) < 10):
             return RUNNING
         # the runner may have written exit.json between our two reads
         info = self.exit_info()
         if info is not None:
             return self.status()
+        if meta.get("cancel_requested_at"):  # killed while starting, before it could record its exit
+            return CANCELLED
         return LOST
 
     def progress(self) -> dict:

@@ -24,11 +24,11 @@ def presets_frame() -> pd.DataFrame:
     rows = []
     for name, preset in PRESETS.items():
         paths, err = catalog.resolve(name)
-        row = {"preset": name, "trained": paths is not None, "description": preset.description,
+        row = {"preset": name, "trained": paths is not None,
                "target params": catalog.fmt_params(preset.target.param_count(preset.vocab_size)),
                "draft params": catalog.fmt_params(preset.draft.param_count(preset.vocab_size)),
-               "vocab": preset.vocab_size, "target ppl (held-out)": None, "draft ppl (held-out)": None,
-               "size MB": None, "trained on": None, "where": None}
+               "target ppl (held-out)": None, "draft ppl (held-out)": None, "vocab": preset.vocab_size,
+               "size MB": None, "trained on": None, "description": preset.description, "where": None}
         if paths is not None:
             m = catalog.manifest_of(paths)
             for role in ("target", "draft"):
@@ -44,6 +44,30 @@ def presets_frame() -> pd.DataFrame:
             row["where"] = f"not trained: {err}"
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def curves_section() -> None:
+    """Training loss curves from the trained presets' manifests."""
+    import plotly.graph_objects as go
+    from workbench.zoo import PRESETS
+
+    fig = go.Figure()
+    for name in PRESETS:
+        paths, _ = catalog.resolve(name)
+        if paths is None:
+            continue
+        manifest = catalog.manifest_of(paths)
+        for role in ("target", "draft"):
+            curve = (manifest.get(role) or {}).get("train_curve") or []
+            if curve:
+                fig.add_trace(go.Scatter(x=[c.get("tokens", c.get("step")) for c in curve],
+                                         y=[c.get("train_ce") for c in curve], mode="lines", name=f"{name} {role}"))
+    if not fig.data:
+        return
+    with st.expander("Training curves"):
+        fig.update_layout(xaxis_title="training tokens", yaxis_title="train cross-entropy (nats/token)", height=320,
+                          margin=dict(t=10, b=40))
+        st.plotly_chart(fig, width="stretch", key=f"{P}curves")
 
 
 def train_fraction(job: jobs.Job) -> float | None:
@@ -190,6 +214,7 @@ def render() -> None:
                      column_config={"trained": st.column_config.CheckboxColumn("trained")})
         st.caption("Perplexity on held-out Python files the models never saw (lower is better); sizes from each "
                    "preset's manifest. The draft's quality shows up as acceptance rate on the Run page.")
+        curves_section()
         train_section()
     local_models_section()
 

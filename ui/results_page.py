@@ -48,8 +48,6 @@ def load_runs() -> pd.DataFrame:
     df = store.load()
     for path, reason in store.last_load_errors[:5]:
         st.warning(f"skipped unreadable file {path}: {reason}")
-    if len(df) and "study" in df:
-        df["study"] = df["study"].astype("object").where(df["study"].notna(), "adhoc")
     return df
 
 
@@ -57,11 +55,13 @@ def filter_frame(df: pd.DataFrame) -> pd.DataFrame:
     present = [(n, label) for n, label in FILTERS if n in df and not df[n].isna().all()]
     cols = st.columns(max(1, len(present)))
     for col, (name, label) in zip(cols, present):
-        values = sorted(df[name].dropna().unique().tolist(), key=lambda v: (str(type(v)), v))
+        # runs without a study are "adhoc" (as in the store's folders); the frame itself keeps them null
+        column = df[name].astype("object").where(df[name].notna(), "adhoc") if name == "study" else df[name]
+        values = sorted(column.dropna().unique().tolist(), key=lambda v: (str(type(v)), v))
         with col:
             chosen = st.multiselect(label, values, key=f"{P}filter_{name}", placeholder="all")
         if chosen:
-            df = df[df[name].isin(chosen)]
+            df = df[column.isin(chosen)]
     cols = st.columns([2, 1, 1])
     sortable = [c for c in TABLE_COLUMNS if c in df]
     with cols[0]:
@@ -87,7 +87,7 @@ def run_label(row: pd.Series) -> str:
 
 def compare_frame(runs: pd.DataFrame, only_diff: bool) -> tuple[pd.DataFrame, list[str]]:
     """Fields as rows, runs as columns; returns the frame and the names of the fields whose values differ."""
-    fields = [c for c in CONFIG_COLUMNS + METRIC_COLUMNS if c in runs.columns]
+    fields = [c for c in METRIC_COLUMNS + CONFIG_COLUMNS if c in runs.columns]
     table = runs.set_index(runs.apply(run_label, axis=1))[fields].T
     differs = [f for f in fields if len({_key(v) for v in table.loc[f]}) > 1]
     if only_diff:
@@ -163,7 +163,8 @@ def render() -> None:
                             placeholder="pick two or more runs (or tick rows above)")
     if len(picked) >= 1:
         runs = df[df["run_id"].isin(picked)]
-        only_diff = st.toggle("Only fields that differ (metrics always shown)", value=False, key=f"{P}only_diff")
+        only_diff = st.toggle("Only configuration fields that differ (metrics always shown)", value=True,
+                              key=f"{P}only_diff")
         table, differs = compare_frame(runs, only_diff)
         st.dataframe(_style(table, differs), width="stretch", height=min(900, 38 + 35 * len(table)))
         config_diffs = [f for f in differs if f in CONFIG_COLUMNS]

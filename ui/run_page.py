@@ -130,7 +130,7 @@ def settings_section(errors: Errors, method: str, limits, methods) -> dict:
         s["max_new_tokens"] = int_field("Max new tokens", f"{P}max_new_tokens", 32, errors,
                                         *_bounds(limits, "max_new_tokens", 1, 8192), name="max_new_tokens")
     with cols[2]:
-        s["num_prompts"] = int_field("Prompts", f"{P}num_prompts", 4, errors,
+        s["num_prompts"] = int_field("Number of prompts", f"{P}num_prompts", 4, errors,
                                      *_bounds(limits, "num_prompts", 1, 100_000), name="number of prompts")
     with cols[3]:
         s["repeats"] = int_field("Repeats", f"{P}repeats", 1, errors, *_bounds(limits, "repeats", 1, 100),

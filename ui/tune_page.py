@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import pandas as pd
 import streamlit as st
@@ -83,7 +84,7 @@ def _diff(stored, given, path: str = "") -> list[str]:
 
 def launch_form() -> None:
     from studies.scripts import SCRIPTS
-    from studies.space import METHODS, SpaceError, SearchSpace, parse_dim
+    from studies.space import LIMITS, METHODS, IntRange, SpaceError, parse_dim
 
     errors = Errors()
     with st.container(border=True):
@@ -143,12 +144,16 @@ def launch_form() -> None:
                 except SpaceError as exc:
                     errors.add(f"{P}{knob}", str(exc))
             if methods and len(dims) == len(texts):
-                try:
-                    import dataclasses
-
-                    dataclasses.replace(space, methods=tuple(methods), **dims).validate()
-                except SpaceError as exc:
-                    errors.add(f"{P}space", str(exc))
+                # studies' LIMITS, checked here without SearchSpace.validate(), which imports the engine (torch)
+                for knob, dim in dims.items():
+                    values = [dim.low, dim.high] if isinstance(dim, IntRange) else \
+                        list(dim) if isinstance(dim, tuple) else [dim]
+                    for value in values:
+                        try:
+                            LIMITS[knob].check(knob, value)
+                        except SpaceError as exc:
+                            errors.add(f"{P}{knob}", str(exc))
+                            break
             cols = st.columns(4)
             with cols[0]:
                 max_new = int_field("Max new tokens", f"{P}max_new_tokens", 32, errors, 1, 8192, name="max_new_tokens")
@@ -195,11 +200,10 @@ def launch_form() -> None:
                      icon=":material/rocket_launch:"):
             export_dir = jobs.jobs_root() / "schedules" / name.strip()
             argv = [PYTHON, "-m", "studies.run", *cli, "--workers", str(workers), "--export-dir", str(export_dir)]
-            job = jobs.start_job("study", argv, f"{name.strip()} ({script_name}, {trials} trials)",
+            jobs.start_job("study", argv, f"{name.strip()} ({script_name}, {trials} trials)",
                                  params={"study": name.strip(), "script": script_name, "trials": trials,
                                          "storage": storage_url(), "export_dir": str(export_dir)})
             st.session_state[f"{P}pending_watch"] = name.strip()
-            st.session_state[f"{P}pending_job"] = job.id
             st.rerun()
 
 
@@ -241,7 +245,6 @@ def jobs_section(storage) -> None:
 def _figures(study, metrics: list[str]) -> dict:
     """Optuna's Plotly figures; a figure that cannot be drawn yet maps to the reason (str)."""
     import optuna.visualization as vis
-    from studies.objective import fidelity_constraint
 
     multi = len(study.directions) > 1
     tkw = [{"target": (lambda t, i=i: t.values[i]), "target_name": m} for i, m in enumerate(metrics)] if multi \
@@ -250,15 +253,18 @@ def _figures(study, metrics: list[str]) -> dict:
 
     def attempt(label, fn):
         try:
-            out[label] = fn()
+            with warnings.catch_warnings():  # e.g. "few trials in a regime": the figure says enough
+                warnings.simplefilter("ignore")
+                out[label] = fn()
         except Exception as exc:  # noqa: BLE001 - e.g. too few trials for importances
             out[label] = f"{type(exc).__name__}: {exc}"
 
     for kw in tkw:
         attempt(f"History · {kw['target_name']}", lambda kw=kw: vis.plot_optimization_history(study, **kw))
     if multi:
-        attempt("Pareto front", lambda: vis.plot_pareto_front(study, target_names=metrics,
-                                                              constraints_func=fidelity_constraint))
+        # infeasible trials (greedy output differed from autoregressive) carry an Optuna constraint > 0: the plot
+        # greys them out by itself
+        attempt("Pareto front", lambda: vis.plot_pareto_front(study, target_names=metrics).update_layout(height=640))
     else:
         out["Pareto front"] = "single-objective study: no Pareto front (use the pareto script)"
     attempt("Importances", lambda: vis.plot_param_importances(study, **tkw[0]))
@@ -367,31 +373,34 @@ def watch_section(storage) -> None:
     import optuna
 
     st.subheader("Watch a study")
-    try:
-        names = sorted(optuna.get_all_study_names(storage))
-    except Exception as exc:  # noqa: BLE001
-        st.error(f"cannot list studies in {storage_url()}: {exc}")
-        return
-    if not names:
-        st.info("No study in the storage yet: launch one above.")
-        return
-    pending = st.session_state.pop(f"{P}pending_watch", None)
-    if pending in names:
-        st.session_state[f"{P}watch"] = pending
-    elif st.session_state.get(f"{P}watch") not in names:  # first visit (or after a refresh): the latest job's study
-        latest = [j.params.get("study") for j in jobs.list_jobs(kind="study") if j.params.get("study") in names]
-        st.session_state[f"{P}watch"] = latest[0] if latest else names[0]
-    name = st.selectbox("Study", names, key=f"{P}watch")
-    live = any(j.params.get("study") == name for j in jobs.list_jobs(kind="study", status=jobs.RUNNING))
+    any_running = bool(jobs.list_jobs(kind="study", status=jobs.RUNNING))
 
-    @st.fragment(run_every=3.0 if live else None)
-    def view() -> None:
+    @st.fragment(run_every=3.0 if any_running else None)
+    def body() -> None:
+        try:
+            names = sorted(optuna.get_all_study_names(storage))
+        except Exception as exc:  # noqa: BLE001
+            st.error(f"cannot list studies in {storage_url()}: {exc}")
+            return
+        pending = st.session_state.get(f"{P}pending_watch")
+        if pending in names:  # a study launched from this page: show it as soon as its worker created it
+            st.session_state[f"{P}watch"] = st.session_state.pop(f"{P}pending_watch")
+        elif pending is not None:
+            st.caption(f"waiting for study {pending!r} to appear in the storage ...")
+        if not names:
+            st.info("No study in the storage yet: launch one above.")
+            return
+        if st.session_state.get(f"{P}watch") not in names:  # first visit (or a refresh): the latest job's study
+            latest = [j.params.get("study") for j in jobs.list_jobs(kind="study") if j.params.get("study") in names]
+            st.session_state[f"{P}watch"] = latest[0] if latest else names[0]
+        name = st.selectbox("Study", names, key=f"{P}watch")
+        live = any(j.params.get("study") == name for j in jobs.list_jobs(kind="study", status=jobs.RUNNING))
         try:
             study_view(storage, name, live)
-        except Exception as exc:  # noqa: BLE001 - a study being created, or not from studies.run
+        except Exception as exc:  # noqa: BLE001 - a study being created, or one not made by studies.run
             st.warning(f"cannot show study {name!r}: {exc}")
 
-    view()
+    body()
 
 
 def render() -> None:

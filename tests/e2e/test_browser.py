@@ -55,7 +55,7 @@ def server(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.fileWatcherType", "none",
          "--server.headless", "true", "--server.address", "127.0.0.1", "--server.port", str(port),
-         "--browser.gatherUsageStats", "false"],
+         "--browser.gatherUsageStats", "false", "--client.toolbarMode", "minimal"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -92,7 +92,7 @@ def server(tmp_path):
 
 
 def _fill(page, label: str, value: str) -> None:
-    box = page.get_by_label(label, exact=True)
+    box = page.get_by_role("textbox", name=label, exact=True)
     box.fill(value)
     box.press("Enter")  # a Streamlit text input commits on Enter (or blur)
     page.wait_for_timeout(300)
@@ -130,7 +130,7 @@ def test_browser_run_results_tune_models_gpu(server):
             expect(page.get_by_role("heading", name="Run a benchmark")).to_be_visible(timeout=60_000)
             _wait_idle(page)
             for label, value in (("Draft length k", "2"), ("Batch size", "1"), ("Max new tokens", "6"),
-                                 ("Prompts", "2"), ("Warmup runs", "0")):
+                                 ("Number of prompts", "2"), ("Warmup runs", "0")):
                 _fill(page, label, value)
             _wait_idle(page)
             start = page.get_by_role("button", name="Start benchmark")
@@ -140,18 +140,6 @@ def test_browser_run_results_tune_models_gpu(server):
             expect(page.get_by_text("Acceptance by draft position")).to_be_visible(timeout=30_000)
             _wait_idle(page)
             _shot(page, "run", 1900)
-
-            # ---- Results: the run is in the table; download the CSV
-            _goto(page, server, "Results")
-            csv_button = page.get_by_role("button", name="CSV (1 runs)").first
-            expect(csv_button).to_be_visible(timeout=60_000)
-            with page.expect_download(timeout=60_000) as dl:
-                csv_button.click()
-            path = dl.value.path()
-            rows = list(csv.DictReader(io.StringIO(Path(path).read_text())))
-            assert len(rows) == 1 and rows[0]["method"] == "draft" and rows[0]["status"] == "ok", rows
-            assert float(rows[0]["tokens_per_s"]) > 0
-            _shot(page, "results", 1500)
 
             # ---- Tune: launch a 3-trial Pareto study, wait for its Pareto front
             _goto(page, server, "Tune")
@@ -171,6 +159,31 @@ def test_browser_run_results_tune_models_gpu(server):
             page.get_by_role("tab", name="Pareto front").click()
             _wait_idle(page)
             _shot(page, "tune", 2000)
+
+            # ---- Results: the benchmark and the 3 trials are in the table; compare two runs; download the CSV
+            _goto(page, server, "Results")
+            expect(page.get_by_text("4 of 4 runs", exact=False)).to_be_visible(timeout=60_000)
+            for wanted in ("draft k=2 b=1", " · "):  # the benchmark, then any trial ("Select all" has no " · ")
+                page.get_by_role("combobox", name="Runs to compare").click()
+                page.get_by_role("option").filter(has_text=wanted).first.click()
+                _wait_idle(page)
+                page.keyboard.press("Escape")
+            compare = page.get_by_role("combobox", name="Runs to compare").locator("xpath=ancestor::*[@data-testid='stMultiSelect']")
+            expect(compare.get_by_text("draft k=2 b=1", exact=False)).to_be_visible()
+            expect(page.get_by_text("Highlighted: fields whose values differ", exact=False)).to_be_visible(
+                timeout=30_000)
+            csv_button = page.get_by_role("button", name="CSV (4 runs)").first
+            expect(csv_button).to_be_visible(timeout=60_000)
+            with page.expect_download(timeout=60_000) as dl:
+                csv_button.click()
+            rows = list(csv.DictReader(io.StringIO(Path(dl.value.path()).read_text())))
+            assert len(rows) == 4, rows
+            bench = [r for r in rows if not r["study"]]
+            assert len(bench) == 1 and bench[0]["method"] == "draft" and bench[0]["status"] == "ok", bench
+            assert bench[0]["k"] == "2" and bench[0]["max_new_tokens"] == "6"
+            assert float(bench[0]["tokens_per_s"]) > 0
+            assert sorted(r["study"] for r in rows if r["study"]) == ["e2e-front"] * 3
+            _shot(page, "results", 2300)
 
             # ---- Models and GPU
             _goto(page, server, "Models")
