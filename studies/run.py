@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "`studies.worker` processes (needs a journal or PostgreSQL storage)")
     p.add_argument("--devices", help="comma-separated devices for --workers N, assigned round-robin "
                                      "(default: --device for all)")
+    p.add_argument("--threads", type=int, help="torch CPU threads per worker process (default: torch's choice; "
+                                                "on a shared CPU, cores / workers avoids oversubscription)")
     p.add_argument("--export-dir", help="where batch_schedule writes its schedule (default out/schedules/STUDY)")
     p.add_argument("--sampler-seed", type=int, help="seed the sampler (single-process runs only)")
     g = p.add_argument_group("models (stored with the study)")
@@ -101,6 +103,13 @@ def open_store(root: str | None) -> Any:
     return ResultStore(root=root) if root else ResultStore()
 
 
+def set_threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
 def session_for(spec: StudySpec, device: str):
     """dtype -> this process's (cached) engine session for the study's models on `device`."""
     return lambda dtype: POOL.get(spec.models, device, dtype)
@@ -127,6 +136,8 @@ def spawn_workers(args: argparse.Namespace, n: int) -> list[subprocess.Popen]:
                "--device", devices[i % len(devices)].strip()]
         if args.store:
             cmd += ["--store", args.store]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
         procs.append(subprocess.Popen(cmd))
     return procs
 
@@ -135,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from workbench.bench import BenchError  # the engine's "cannot run this" (e.g. untrained preset, bad model path)
 
+    set_threads(args.threads)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("optuna").setLevel(logging.ERROR)  # failed trials are printed by print_trial, not as tracebacks
@@ -156,12 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         except KeyError:
             pass
         spec = build_spec(args, stored)
+        if stored is not None:  # refuse a changed space before loading any model
+            study, spec = create_or_resume(storage, args.study, spec, target_trials=args.trials,
+                                           seed=args.sampler_seed)
         if args.workers == 1:  # load the models before the first trial: a bad model path stops here, not per trial
             spec.validate()
             session = session_for(spec, args.device)(first_value(spec.space.dtype))
             if stored is None:
                 preflight(spec, session)  # a new space's extremes must be runnable by these models
-        study, spec = create_or_resume(storage, args.study, spec, target_trials=args.trials, seed=args.sampler_seed)
+        if stored is None:
+            study, spec = create_or_resume(storage, args.study, spec, target_trials=args.trials,
+                                           seed=args.sampler_seed)
     except (UnknownScriptError, StorageOpenError, StudyMismatchError, StudyNotFoundError, SpaceError,
             BenchError) as e:
         print(f"error: {e}", file=sys.stderr)

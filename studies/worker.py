@@ -14,7 +14,7 @@ import warnings
 
 import optuna
 
-from studies.run import open_store, print_trial, session_for
+from studies.run import open_store, print_trial, session_for, set_threads
 from studies.space import first_value
 from studies.storage import StorageOpenError, open_storage, redact
 from studies.study import StudyMismatchError, StudyNotFoundError, counted_trials, create_or_resume, run_trials
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="this worker's device: cpu, cuda:0, cuda:1, ...")
     p.add_argument("--trials", type=int, help="run at most this many trials (default: until the study's total)")
     p.add_argument("--store", help="result store root (default: $WORKBENCH_STORE or results/store)")
+    p.add_argument("--threads", type=int, help="torch CPU threads for this process (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no line per trial")
     return p
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from workbench.bench import BenchError
 
+    set_threads(args.threads)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("optuna").setLevel(logging.ERROR)

@@ -307,7 +307,8 @@ def _env() -> dict[str, str]:
 
 def _workers(storage: str, study: str, store: Path, n: int, per_worker: int) -> list[subprocess.CompletedProcess]:
     procs = [subprocess.Popen([sys.executable, "-m", "studies.worker", "--storage", storage, "--study", study,
-                               "--device", "cpu", "--store", str(store), "--trials", str(per_worker)],
+                               "--device", "cpu", "--store", str(store), "--trials", str(per_worker),
+                               "--threads", "1"],
                               cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(n)]
     out = []
