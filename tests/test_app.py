@@ -206,7 +206,10 @@ def test_cancel_from_run_page_keeps_the_store_intact(workspace):
 
 def test_tune_page_rejects_bad_budget_and_name(workspace):
     at = open_page("tune")
+    at.selectbox(key="tune_script").set_value("best_k")
+    at.text_input(key="tune_device").input("gpu0")
     at.text_input(key="tune_trials").input("many").run()
+    assert error_next_to(at, "tune_device") == ["device must be cpu, cuda or cuda:N, got 'gpu0'"]
     assert error_next_to(at, "tune_trials") == ["trials must be a whole number, got 'many'"]
     at.text_input(key="tune_trials").input("5000").run()
     assert error_next_to(at, "tune_trials") == ["trials must be between 1 and 1000, got 5000"]

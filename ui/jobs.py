@@ -248,17 +248,14 @@ def get_job(job_id: str | None) -> Job | None:
 def list_jobs(kind: str | None = None, status: str | tuple[str, ...] | None = None) -> list[Job]:
     """Jobs newest first, optionally of one kind and/or in the given status(es)."""
     wanted = (status,) if isinstance(status, str) else status
-    jobs = []
-    for job_dir in sorted(jobs_root().iterdir(), reverse=True):
-        if not (job_dir / "meta.json").exists():
+    found = []
+    for job_dir in jobs_root().iterdir():
+        meta = _read_json(job_dir / "meta.json") if job_dir.is_dir() else None
+        if meta is None or (kind is not None and meta.get("kind") != kind):
             continue
-        job = Job(job_dir.name, job_dir)
-        if kind is not None and job.kind != kind:
-            continue
-        if wanted is not None and job.status() not in wanted:
-            continue
-        jobs.append(job)
-    return jobs
+        found.append((meta.get("created_at", 0.0), job_dir.name, Job(job_dir.name, job_dir)))
+    found.sort(key=lambda item: item[:2], reverse=True)
+    return [job for _, _, job in found if wanted is None or job.status() in wanted]
 
 
 # ---- progress parsing (used by the runner on every output line) ----

@@ -80,6 +80,20 @@ def _diff(stored, given, path: str = "") -> list[str]:
                                        f"{json.dumps(given)}"]
 
 
+def free_name(script_name: str) -> str:
+    """`<script>-<n>` with the smallest n that no study in the storage uses yet."""
+    import optuna
+
+    try:
+        taken = set(optuna.get_all_study_names(open_storage()))
+    except Exception:  # noqa: BLE001 - the storage problem is reported below the form
+        taken = set()
+    n = 1
+    while f"{script_name}-{n}" in taken:
+        n += 1
+    return f"{script_name}-{n}"
+
+
 # ---- launch form --------------------------------------------------------------------------------------------------
 
 def launch_form() -> None:
@@ -90,14 +104,16 @@ def launch_form() -> None:
     with st.container(border=True):
         cols = st.columns([1, 2])
         with cols[0]:
-            script_name = st.selectbox("Study script", list(SCRIPTS), key=f"{P}script")
+            names = list(SCRIPTS)
+            script_name = st.selectbox("Study script", names, index=names.index("pareto") if "pareto" in names else 0,
+                                       key=f"{P}script")
         script = SCRIPTS[script_name]
         with cols[1]:
             st.markdown(f"**{script.question}**  \nobjective: " + ", ".join(
                 f"{d} {m}" for m, d in zip(script.objective.metrics, script.objective.directions)))
         cols = st.columns(3)
         with cols[0]:
-            name = st.text_input("Study name", value=f"{script_name}-1", key=f"{P}study_name",
+            name = st.text_input("Study name", value=free_name(script_name), key=f"{P}study_name",
                                  help="a new name creates a study; an existing one resumes it (same settings only)")
             name_box = st.container()
         with cols[1]:
@@ -164,7 +180,15 @@ def launch_form() -> None:
                 workers = int_field("Worker processes", f"{P}workers", 1, errors, 1, 16, name="workers",
                                     help="processes sharing this study's trials (journal storage allows several)")
             with cols[3]:
-                device = st.text_input("Device", value="cpu", key=f"{P}device", help="cpu, cuda:0, ...")
+                device = st.text_input("Device", value="cpu", key=f"{P}device", help="cpu, cuda, cuda:0, ...")
+                if device.strip().startswith("cuda"):
+                    from ui.gpu_page import gpu_probe
+
+                    probe = gpu_probe()
+                    if not probe.get("cuda_available"):
+                        errors.add(f"{P}device", f"no CUDA GPU here ({probe.get('reason') or 'no CUDA'})")
+                elif device.strip() != "cpu":
+                    errors.add(f"{P}device", f"device must be cpu, cuda or cuda:N, got {device.strip()!r}")
         st.caption(f"Optuna storage: `{storage_url()}` · result store: `{store_root()}`")
 
         cli = ["--study", name.strip(), "--script", script_name, "--trials", str(trials or 1),
@@ -265,6 +289,12 @@ def _figures(study, metrics: list[str]) -> dict:
         # infeasible trials (greedy output differed from autoregressive) carry an Optuna constraint > 0: the plot
         # greys them out by itself
         attempt("Pareto front", lambda: vis.plot_pareto_front(study, target_names=metrics).update_layout(height=640))
+        for j in range(1, len(metrics) if len(metrics) > 2 else 1):  # 2-D projections of the full front
+            attempt(f"Pareto · {metrics[0]} vs {metrics[j]}",
+                    lambda j=j: vis.plot_pareto_front(study, targets=lambda t: (t.values[0], t.values[j]),
+                                                      target_names=[metrics[0], metrics[j]])
+                    .update_layout(height=520, title=f"{metrics[0]} vs {metrics[j]}: red = Pareto-optimal "
+                                                     f"over all {len(metrics)} objectives"))
     else:
         out["Pareto front"] = "single-objective study: no Pareto front (use the pareto script)"
     attempt("Importances", lambda: vis.plot_param_importances(study, **tkw[0]))

@@ -156,7 +156,7 @@ def test_browser_run_results_tune_models_gpu(server):
             expect(launch).to_be_enabled(timeout=30_000)
             launch.click()
             expect(page.get_by_text("3 of 3 trials", exact=False).first).to_be_visible(timeout=RUN_TIMEOUT_MS)
-            page.get_by_role("tab", name="Pareto front").click()
+            page.get_by_role("tab", name="Pareto · tokens_per_s vs tpot_ms_p99").click()
             _wait_idle(page)
             _shot(page, "tune", 2000)
 
