@@ -123,10 +123,14 @@ def report_pareto(study: optuna.Study) -> str:
     front = pareto_front(study)
     if not front.empty:
         front = front.sort_values("tokens_per_s", ascending=False)
-    return "\n".join([f"study {study.study_name!r}: {_counts(study)}",
-                      f"Pareto front ({len(front)} feasible trials; maximize tokens/s, minimize peak_mem_mb and "
-                      f"tpot_ms_p99):",
-                      _table(front, COLS + list(PARETO.metrics) + ["speedup_vs_ar"])])
+    lines = [f"study {study.study_name!r}: {_counts(study)}",
+             f"Pareto front ({len(front)} feasible trials; maximize tokens/s, minimize peak_mem_mb and tpot_ms_p99):",
+             _table(front, COLS + list(PARETO.metrics) + ["speedup_vs_ar"])]
+    if any(str(t.user_attrs.get("device", "")).startswith("cpu") for t in study.get_trials(deepcopy=False)):
+        # the engine reports the process's peak resident set on CPU: it only grows over a worker's trials
+        lines.append("note: on CPU peak_mem_mb is the worker process's peak RSS so far, not the trial's own peak; "
+                     "the memory objective is meaningful on GPU only")
+    return "\n".join(lines)
 
 
 SCRIPTS: dict[str, StudyScript] = {s.name: s for s in (
