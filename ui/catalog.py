@@ -48,13 +48,19 @@ def manifest_of(paths) -> dict:
 
 # ---- prompts ----------------------------------------------------------------------------------------------------
 
-def load_prompt_file(path: str | os.PathLike) -> tuple[list | None, str | None]:
-    """`workbench.prompts.load_prompts(path)` -> (prompts, None) or (None, the PromptFileError message)."""
-    path = Path(str(path).strip()).expanduser()
-    if not str(path).strip() or str(path) == ".":
-        return None, "prompt file path is empty"
+def prompt_path(text: str | os.PathLike) -> Path:
+    """A prompt file path as typed: ~ expanded; a relative path is taken from the repository root if it exists there."""
+    path = Path(str(text).strip()).expanduser()
     if not path.is_absolute() and (REPO_ROOT / path).exists():
         path = REPO_ROOT / path
+    return path.resolve()
+
+
+def load_prompt_file(path: str | os.PathLike) -> tuple[list | None, str | None]:
+    """`workbench.prompts.load_prompts(path)` -> (prompts, None) or (None, the PromptFileError message)."""
+    if not str(path).strip():
+        return None, "prompt file path is empty"
+    path = prompt_path(path)
     if not path.is_file():
         return None, f"prompt file does not exist: {path}"
     from workbench.prompts import PromptFileError, load_prompts

@@ -4,7 +4,6 @@ Both the probe and the live sampling run in subprocesses (`python -m ui.gpu_prob
 """
 from __future__ import annotations
 
-import json
 import subprocess
 
 import streamlit as st

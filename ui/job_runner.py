@@ -7,7 +7,6 @@ that ignores it is killed after a grace period. Never imports streamlit: it star
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

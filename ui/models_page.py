@@ -12,7 +12,7 @@ import pandas as pd
 import streamlit as st
 
 from ui import catalog, jobs
-from ui.common import PYTHON, Errors, check_model_path, int_field, job_label, job_panel
+from ui.common import PYTHON, Errors, check_model_path, int_field, job_panel
 
 P = "models_"
 STEP_RE = re.compile(r"^\[(target|draft)\] step\s+\d+.*?([\d.]+) s\s*$")

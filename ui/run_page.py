@@ -87,8 +87,8 @@ def prompt_section(errors: Errors, preset_paths, local_models: bool) -> dict:
             return {"prompts": str(preset_paths.prompts_path)} if local_models else {}
         return {}
     if choice == PROMPTS_UPLOAD:
-        up = st.file_uploader("Prompt file (JSONL: {\"prompt\": ...} or MT-bench question.jsonl)", type=["jsonl", "json", "txt"],
-                              key=f"{P}prompt_upload")
+        up = st.file_uploader("Prompt file (JSONL {\"prompt\": ...}, MT-bench question.jsonl, or .txt)",
+                              type=["jsonl", "json", "txt"], key=f"{P}prompt_upload")
         if up is None:
             errors.add(f"{P}prompt_upload", "choose a prompt file to upload")
             return {}
@@ -102,7 +102,7 @@ def prompt_section(errors: Errors, preset_paths, local_models: bool) -> dict:
     if prompts:
         cats = sorted({getattr(p, "category", "") or "-" for p in prompts})
         st.caption(f"{len(prompts)} prompts; categories: {', '.join(cats[:8])}{' ...' if len(cats) > 8 else ''}")
-        return {"prompts": str(catalog.Path(path).expanduser().resolve())}
+        return {"prompts": str(catalog.prompt_path(path))}
     return {}
 
 

@@ -14,7 +14,7 @@ import pandas as pd
 import streamlit as st
 
 from ui import catalog, jobs
-from ui.common import PYTHON, Errors, check_model_path, int_field, job_label, job_panel, store_root, study_storage_url
+from ui.common import PYTHON, Errors, check_model_path, int_field, job_panel, store_root, study_storage_url
 
 P = "tune_"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
