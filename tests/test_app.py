@@ -371,7 +371,8 @@ def test_gpu_page_states_no_gpu(workspace):
 # ---- jobs (no Streamlit) --------------------------------------------------------------------------------------
 
 def test_job_lifecycle_cancel_and_refresh(workspace):
-    script = "import time, sys\nfor i in range(4):\n    print(f'step {i+1}/4', flush=True); time.sleep(0.2)\nprint('{\"ok\": 1}')"
+    script = ("import time, sys\nfor i in range(4):\n    print(f'step {i+1}/4', flush=True); time.sleep(0.2)\n"
+              "print('{\"ok\": 1}')")
     job = jobs.start_job("test", [sys.executable, "-c", script], "counts to four")
     assert wait_for(job, 30) == jobs.DONE
     assert job.result() == {"ok": 1} and job.progress()["fraction"] == 1.0

@@ -43,7 +43,8 @@ def study_storage_url() -> str:
 
 # ---- parsing (no Streamlit) ------------------------------------------------------------------------------------
 
-def parse_int(text: str, name: str, low: float | None = None, high: float | None = None) -> tuple[int | None, str | None]:
+def parse_int(text: str, name: str, low: float | None = None,
+              high: float | None = None) -> tuple[int | None, str | None]:
     """'4' -> (4, None); 'abc' -> (None, 'k must be a whole number, got 'abc''); out of range -> (None, message).
 
     >>> parse_int("4", "k", 1, 16), parse_int("x", "k")[1], parse_int("40", "k", 1, 16)[1]
@@ -63,7 +64,8 @@ def parse_int(text: str, name: str, low: float | None = None, high: float | None
     return _range_check(value, name, low, high)
 
 
-def parse_float(text: str, name: str, low: float | None = None, high: float | None = None) -> tuple[float | None, str | None]:
+def parse_float(text: str, name: str, low: float | None = None,
+                high: float | None = None) -> tuple[float | None, str | None]:
     text = str(text).strip()
     try:
         value = float(text)

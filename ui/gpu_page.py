@@ -97,7 +97,8 @@ def render() -> None:
     for dev in info.get("devices", []):
         total, free = dev.get("memory_total_mb") or 0, dev.get("memory_free_mb") or 0
         with st.container(border=True):
-            st.markdown(f"**cuda:{dev['index']} · {dev.get('name')}** · compute capability {dev.get('capability')} · "
+            st.markdown(f"**cuda:{dev['index']} · {dev.get('name')}** · "
+                        f"compute capability {dev.get('capability')} · "
                         f"{dev.get('sm_count')} SMs")
             if total:
                 used = total - free

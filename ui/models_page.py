@@ -113,7 +113,8 @@ def train_section() -> None:
         if trained:
             retrain = st.checkbox("Retrain (overwrites its files)", key=f"{P}train_overwrite")
     st.caption(f"{PRESETS[name].description}. Runs `python -m workbench zoo train {name}` in the background.")
-    if st.button("Train", key=f"{P}train_start", disabled=bool(errors) or not retrain, icon=":material/model_training:"):
+    if st.button("Train", key=f"{P}train_start", disabled=bool(errors) or not retrain,
+                 icon=":material/model_training:"):
         argv = [PYTHON, "-m", "workbench", "zoo", "train", name]
         if device != "auto":
             argv += ["--device", device]
@@ -148,7 +149,8 @@ def local_models_section() -> None:
     if models:
         rows = []
         for m in models:
-            row = {"name": m["name"], "target": m["target"], "draft": m.get("draft") or "—", "note": m.get("note", "")}
+            row = {"name": m["name"], "target": m["target"], "draft": m.get("draft") or "—",
+                   "note": m.get("note", "")}
             for role in ("target", "draft"):
                 p = m.get(role)
                 if not p:

@@ -65,8 +65,8 @@ def filter_frame(df: pd.DataFrame) -> pd.DataFrame:
     cols = st.columns([2, 1, 1])
     sortable = [c for c in TABLE_COLUMNS if c in df]
     with cols[0]:
-        sort_by = st.selectbox("Sort by", sortable, index=sortable.index("created_at") if "created_at" in sortable else 0,
-                               key=f"{P}sort_by")
+        default = sortable.index("created_at") if "created_at" in sortable else 0
+        sort_by = st.selectbox("Sort by", sortable, index=default, key=f"{P}sort_by")
     with cols[1]:
         descending = st.toggle("Descending", value=True, key=f"{P}sort_desc")
     with cols[2]:
@@ -116,14 +116,13 @@ def export_bytes(df: pd.DataFrame, fmt: str) -> bytes:
 
 
 def downloads(df: pd.DataFrame, what: str, key: str) -> None:
+    """CSV and Parquet of `df`; the bytes are made only when a button is pressed (deferred download)."""
     cols = st.columns([1, 1, 3])
-    with cols[0]:
-        st.download_button(f"CSV ({len(df)} runs)", export_bytes(df, "csv"), file_name=f"{what}.csv", mime="text/csv",
-                           key=f"{P}{key}_csv", icon=":material/download:", on_click="ignore")
-    with cols[1]:
-        st.download_button(f"Parquet ({len(df)} runs)", export_bytes(df, "parquet"), file_name=f"{what}.parquet",
-                           mime="application/octet-stream", key=f"{P}{key}_parquet", icon=":material/download:",
-                           on_click="ignore")
+    for col, fmt, mime in ((cols[0], "csv", "text/csv"), (cols[1], "parquet", "application/octet-stream")):
+        with col:
+            st.download_button(f"{fmt.upper() if fmt == 'csv' else fmt.title()} ({len(df)} runs)",
+                               lambda fmt=fmt: export_bytes(df, fmt), file_name=f"{what}.{fmt}", mime=mime,
+                               key=f"{P}{key}_{fmt}", icon=":material/download:", on_click="ignore")
 
 
 def _add_table_selection() -> None:

@@ -157,7 +157,8 @@ def settings_section(errors: Errors, method: str, limits, methods) -> dict:
 
             probe = gpu_probe()
             if not probe.get("cuda_available"):
-                errors.add(f"{P}device", f"no CUDA GPU here ({probe.get('reason') or 'torch.cuda.is_available() is False'})")
+                reason = probe.get("reason") or "torch.cuda.is_available() is False"
+                errors.add(f"{P}device", f"no CUDA GPU here ({reason})")
     with cols[1]:
         s["dtype"] = st.selectbox("Dtype", DTYPES, key=f"{P}dtype")
     with cols[2]:

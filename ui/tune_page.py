@@ -338,7 +338,8 @@ def schedule_section(study) -> None:
         return
     rows = [{k: e.get(k) for k in ("batch_size", "trials", "speculate", "method", "draft_len", "ngram_min",
                                    "ngram_max", "speedup_vs_ar", "tokens_per_s", "trial")} for e in schedule["buckets"]]
-    st.markdown("**Best setting per batch-size bucket** (bucket b covers batch sizes above the previous bucket, up to b)")
+    st.markdown("**Best setting per batch-size bucket** "
+                "(bucket b covers batch sizes above the previous bucket, up to b)")
     st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
     tabs = st.tabs(["vLLM", "SGLang", "TensorRT-LLM", "schedule.json"])
     for tab, (make, lang) in zip(tabs, ((vllm_snippet, "json"), (sglang_snippet, "json"), (trtllm_snippet, "json"),

@@ -168,7 +168,8 @@ def test_browser_run_results_tune_models_gpu(server):
                 page.get_by_role("option").filter(has_text=wanted).first.click()
                 _wait_idle(page)
                 page.keyboard.press("Escape")
-            compare = page.get_by_role("combobox", name="Runs to compare").locator("xpath=ancestor::*[@data-testid='stMultiSelect']")
+            compare = page.get_by_role("combobox", name="Runs to compare").locator(
+                "xpath=ancestor::*[@data-testid='stMultiSelect']")
             expect(compare.get_by_text("draft k=2 b=1", exact=False)).to_be_visible()
             expect(page.get_by_text("Highlighted: fields whose values differ", exact=False)).to_be_visible(
                 timeout=30_000)
