@@ -14,7 +14,7 @@ import pandas as pd
 import streamlit as st
 
 from ui import catalog, jobs
-from ui.common import PYTHON, Errors, check_model_path, int_field, job_panel, store_root, study_storage_url
+from ui.common import PYTHON, Errors, int_field, job_panel, store_root, study_storage_url
 
 P = "tune_"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -124,20 +124,10 @@ def launch_form() -> None:
             except Exception as exc:  # noqa: BLE001
                 presets = []
                 errors.add(f"{P}preset", f"cannot list zoo presets: {exc}")
-            local = {f"local: {m['name']}": m for m in catalog.registered_models()}
-            choice = st.selectbox("Models", presets + list(local), key=f"{P}preset",
-                                  help="a zoo preset, or a local model registered on the Models page")
-            preset = choice if choice in presets else None
+            # zoo presets only: studies.objective loads --model runs without a prompt file, which the engine refuses
+            preset = st.selectbox("Models (zoo preset)", presets, key=f"{P}preset")
             if preset:
                 errors.add(f"{P}preset", catalog.resolve(preset)[1])
-            model_flags: list[str] = []
-            if choice in local:
-                m = local[choice]
-                tpath, terr = check_model_path(m["target"], "target")
-                errors.add(f"{P}preset", terr)
-                model_flags = ["--model", str(tpath or m["target"])]
-                if m.get("draft"):
-                    model_flags += ["--draft", m["draft"]]
         space = script.space
         with st.expander("Search space and run settings (defaults: the script's)"):
             cols = st.columns(4)
@@ -195,7 +185,6 @@ def launch_form() -> None:
                "--storage", storage_url(), "--store", str(store_root()), "--device", device.strip() or "cpu"]
         if preset:
             cli += ["--preset", preset]
-        cli += model_flags
         if methods:
             cli += ["--methods", ",".join(methods)]
         cli += [item for knob, text in texts.items() for item in (f"--{knob}", text.strip())]
