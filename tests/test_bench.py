@@ -113,3 +113,20 @@ def test_cli_bad_setting_is_recorded_as_failed(tmp_path):
     assert "k (draft length) must be >= 1" in proc.stderr
     df = ResultStore(tmp_path).load()
     assert list(df["status"]) == ["failed"] and "k (draft length)" in df["error"].iloc[0]
+
+
+def test_divergence_margin_is_the_fp32_logit_gap(session):
+    import torch
+
+    prompt = session.encode(1)
+    res = session.run(small(method="ar", batch=1, num_prompts=1), prompts=prompt)
+    ar = res.ar_outputs[0]
+    with torch.no_grad():
+        ids = torch.tensor([prompt[0] + ar[:3]])
+        logits = session.target.compute_logits(session.target(ids, torch.arange(ids.shape[1]).unsqueeze(0))[0, -1])
+    top2 = logits.topk(2)
+    assert int(top2.indices[0]) == ar[3]
+    ours = ar[:3] + [int(top2.indices[1])] + ar[4:]
+    margins = session.divergence_margins(prompt, [ours, ar], [ar, ar])
+    assert len(margins) == 1  # the identical sequence has no divergence
+    assert abs(margins[0] - float(top2.values[0] - top2.values[1])) < 1e-4
