@@ -216,6 +216,8 @@ class BenchSession:
         try:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
+            else:
+                _reset_peak_rss()
             warm = replace(cfg, max_new_tokens=min(cfg.max_new_tokens, 8))
             for _ in range(cfg.warmup):
                 progress(0.0, "warm-up")
@@ -297,8 +299,8 @@ class BenchSession:
             cost_ratio = (c0.phase_ms.get("draft", 0.0) / c0.draft_forwards) / ar_step_ms
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device) / 2**20
-        else:  # CPU: the process's peak resident set (Linux reports KiB)
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        else:  # CPU: this run's peak resident set (reset at its start where Linux allows)
+            peak = _peak_rss_mb()
         run_id = uuid.uuid4().hex
         n_seq = max(len(c0.tpot_ms), 1)
         record = {
@@ -328,6 +330,25 @@ class BenchSession:
             **tel.to_record(), **env, **hf,
         }
         return BenchResult(record, traces_frame(cand_runs[0], run_id), outputs, ar_outputs)
+
+
+def _reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets the process's VmHWM, so each run reports its own peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mb() -> float:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # lifetime peak (KiB on Linux)
 
 
 def failed_record(cfg: BenchConfig, error: str, *, study: str | None = None, trial_id: int | None = None,
