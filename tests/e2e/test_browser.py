@@ -14,9 +14,9 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-import tempfile
 from pathlib import Path
 
 import pytest
