@@ -130,3 +130,16 @@ def test_divergence_margin_is_the_fp32_logit_gap(session):
     margins = session.divergence_margins(prompt, [ours, ar], [ar, ar])
     assert len(margins) == 1  # the identical sequence has no divergence
     assert abs(margins[0] - float(top2.values[0] - top2.values[1])) < 1e-4
+
+
+def test_out_of_memory_is_reported_with_the_settings(session, monkeypatch):
+    import torch
+
+    from workbench.engine import SpecEngine
+
+    def boom(self, prompts):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(SpecEngine, "generate", boom)
+    with pytest.raises(BenchError, match="out of memory with method=draft k=3 batch=2 max_new_tokens=12"):
+        session.run(small(method="draft"))

@@ -174,3 +174,51 @@ def test_sampled_speculation_follows_target_distribution(kind, target, draft):
     counts = torch.bincount(sel[:, 1] * 8 + sel[:, 2], minlength=64).float()
     assert sel.shape[0] > 500
     assert chi_square_pvalue(counts, joint.flatten()) > 1e-3
+
+
+class TwoBranchDrafter(DraftModelDrafter):
+    """Test drafter that proposes a real tree: the n-gram lookup's chain (k nodes) as one branch and the draft
+    model's greedy chain as a second branch from the root, e.g. k = 3:
+        token_ids = [g1, g2, g3, d1, d2, d3]; parents = [-1, 0, 1, -1, 3, 4]; depths = [1, 2, 3, 1, 2, 3]
+    so the engine's tree path (tree mask, depth positions, KV move of an accepted second branch) runs end to end."""
+
+    def __init__(self, model, k):
+        super().__init__(model, k)
+        self.ngram = NgramDrafter(k, 1, 3)
+        self.num_nodes = 2 * k
+
+    def propose(self, state):
+        from workbench.tree import DraftTree
+
+        b = super().propose(state)
+        a = self.ngram.propose(state)
+        k = self.k
+        bsz = a.token_ids.shape[0]
+        par_b = torch.cat([torch.tensor([-1]), torch.arange(k, 2 * k - 1)])
+        parents = torch.cat([a.parents, par_b.expand(bsz, k)], 1)
+        depths = torch.cat([a.depths, b.depths], 1)
+        return DraftTree(torch.cat([a.token_ids, b.token_ids], 1), parents, depths,
+                         torch.cat([a.valid, b.valid], 1), None, is_chain=False)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_tree_drafts_reproduce_greedy_output(paged, target, monkeypatch):
+    import workbench.engine as engine_module
+
+    first_nodes = []
+    accept = engine_module.Verifier.accept
+
+    def spy(self, tree, logits):
+        acc = accept(self, tree, logits)
+        first_nodes.extend(acc.path_nodes[:, 0].tolist())
+        return acc
+
+    monkeypatch.setattr(engine_module.Verifier, "accept", spy)
+    n = 20
+    noisy = make_drafter("noisy-self-draft", None, target).model
+    engine = SpecEngine(target, TwoBranchDrafter(noisy, k=3), EngineConfig(max_new_tokens=n, paged=paged,
+                                                                            kv_block_size=4))
+    res = engine.generate(PROMPTS)
+    assert res.outputs == [reference_greedy(target, p, n) for p in PROMPTS]
+    # the second branch (node 3 on) won some steps, so accepted KV really moved down to depth slots
+    assert 3 in first_nodes
