@@ -106,7 +106,7 @@ def test_paged_cache_frees_and_reuses_blocks(target):
     engine = SpecEngine(target, None, EngineConfig(max_new_tokens=8, paged=True, kv_block_size=2))
     engine.generate(PROMPTS)  # would raise CacheFullError if blocks leaked across sequences
     cache = PagedKVCache(1, 1, 2, max_rows=2, max_len=8, dtype=torch.float32, device="cpu", block_size=2)
-    cache._ensure_capacity(torch.tensor([0, 1]), [0, 0], 7)
+    cache._ensure_capacity([0, 1], [0, 0], 7)
     assert cache.free_blocks == 8 - 8
     cache.truncate(0, 3)
     assert cache.free_blocks == 2

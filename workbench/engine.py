@@ -154,7 +154,7 @@ class SpecEngine:
 
         t_start = time.perf_counter()
         with timer.phase("prefill"):
-            cache.begin(rows, torch.zeros_like(kv_len), [0] * b, padded.shape[1])
+            cache.begin(rows, torch.zeros_like(kv_len), [0] * b, padded.shape[1], rows_host=list(range(b)))
             hidden = self.target(padded, positions, cache)
             last = hidden[rows, kv_len - 1]  # [B, H] each prompt's last real position
             first = next_token(self.target.compute_logits(last), cfg.sampling, gen)  # [B]
@@ -176,8 +176,10 @@ class SpecEngine:
         result = GenerationResult(outputs, t_start, t_first, done_at, num_nodes=n_nodes)
         kv_len_all = kv_len.clone()  # indexed by row
         step = 0
+        live_t = rows
         while live:
-            live_t = torch.tensor(live, dtype=torch.long, device=dev)
+            if len(live_t) != len(live):  # rebuilt only when sequences leave (an upload waits for the GPU)
+                live_t = torch.tensor(live, dtype=torch.long, device=dev)
             state.rows, state.rows_host = live_t, live
             state.kv_len = kv_len_all[live_t]
             state.kv_len_host = [len(state.tokens_host[r]) - 1 for r in live]
@@ -188,11 +190,13 @@ class SpecEngine:
             with timer.phase("verify"):
                 ids = torch.cat([state.root.unsqueeze(1), tree.token_ids], 1)  # [B, 1+N]
                 offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
-                cache.begin(live_t, base, base_host, ids.shape[1], verify_mask(tree))
+                cache.begin(live_t, base, base_host, ids.shape[1], verify_mask(tree), rows_host=live)
                 logits = self.target.compute_logits(self.target(ids, base.unsqueeze(1) + offsets, cache))
             with timer.phase("accept"):
                 acc = verifier.accept(tree, logits)
-                packed = torch.cat([acc.num_accepted.unsqueeze(1), acc.emitted], 1).cpu()  # the step's one read
+                drafted_dev = tree.valid.sum(-1, keepdim=True) if tree.num_nodes else torch.zeros_like(base).unsqueeze(1)
+                # the step's one device->host read: accepted counts, drafted counts, emitted tokens
+                packed = torch.cat([acc.num_accepted.unsqueeze(1), drafted_dev, acc.emitted], 1).cpu()
             t_emit = time.perf_counter()
             with timer.phase("kv"):
                 d = acc.path_nodes.shape[1]
@@ -205,18 +209,17 @@ class SpecEngine:
                 write = base.unsqueeze(1) + 1 + torch.arange(d + 1, device=dev)
                 tokens[live_t.unsqueeze(1), write] = acc.emitted
                 rec = StepRecord(step, t_emit, list(live), [], [], [])
-                drafted = tree.valid.sum(-1).tolist() if tree.num_nodes else [0] * len(live)
                 still = []
                 for j, row in enumerate(live):
                     n_acc = int(packed[j, 0])
-                    emitted = packed[j, 1:2 + n_acc].tolist()
+                    emitted = packed[j, 2:3 + n_acc].tolist()
                     room = cfg.max_new_tokens - len(outputs[row])
                     kept = emitted[:room]
                     if cfg.stop_on_eos and cfg.eos_token_id is not None and cfg.eos_token_id in kept:
                         kept = kept[:kept.index(cfg.eos_token_id) + 1]
                     outputs[row].extend(kept)
                     state.tokens_host[row].extend(emitted)
-                    rec.drafted.append(int(drafted[j]))
+                    rec.drafted.append(int(packed[j, 1]))
                     rec.accepted.append(n_acc)
                     rec.emitted.append(len(kept))
                     if self._finished(outputs[row]):

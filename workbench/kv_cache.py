@@ -36,16 +36,17 @@ class KVCache(ABC):
 
     # -- step -----------------------------------------------------------------------------------------------------
     def begin(self, rows: torch.Tensor, base_len: torch.Tensor, base_len_host: list[int], num_new: int,
-              intra_mask: torch.Tensor | None = None) -> None:
+              intra_mask: torch.Tensor | None = None, rows_host: list[int] | None = None) -> None:
         """Prepare a step that writes `num_new` tokens per row after `base_len`.
 
         rows [B] long; base_len [B] long (device) and the same values on the host; intra_mask [B, T, T] bool among
-        the step's tokens (None = causal).
+        the step's tokens (None = causal); rows_host = rows as a list (saves a device->host read when given).
+        Everything the layers need (write slots, read slots, mask) is computed here once per step.
         """
         need = max(base_len_host) + num_new
         if need > self.max_len:
             raise CacheFullError(f"step needs {need} KV slots, cache holds {self.max_len} per sequence")
-        self._ensure_capacity(rows, base_len_host, num_new)
+        self._ensure_capacity(rows.tolist() if rows_host is None else rows_host, base_len_host, num_new)
         t = torch.arange(num_new, device=self.device)
         self._rows = rows
         self._write_pos = base_len.unsqueeze(1) + t  # [B, T]
@@ -60,6 +61,7 @@ class KVCache(ABC):
         rel_idx = rel.clamp(0, max(num_new - 1, 0)).unsqueeze(1).expand(-1, num_new, -1)  # [B, T, S]
         visible = intra_mask.gather(2, rel_idx) & in_step.unsqueeze(1)
         self._mask = (before | visible).unsqueeze(1)  # [B, 1, T, S]
+        self._prepare_slots()
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, T, D]; k, v [B, Hkv, T, D] -> [B, Hq, T, D]."""
@@ -86,7 +88,10 @@ class KVCache(ABC):
 
     # -- storage (per implementation) -----------------------------------------------------------------------------
     @abstractmethod
-    def _ensure_capacity(self, rows: torch.Tensor, base_len_host: list[int], num_new: int) -> None: ...
+    def _ensure_capacity(self, rows: list[int], base_len_host: list[int], num_new: int) -> None: ...
+
+    def _prepare_slots(self) -> None:
+        """Per-step index tensors shared by all layers (after _rows, _write_pos, _span are set)."""
 
     @abstractmethod
     def _read_span(self, need: int) -> int: ...
@@ -121,10 +126,12 @@ class ContiguousKVCache(KVCache):
     def _read_span(self, need: int) -> int:
         return need
 
+    def _prepare_slots(self) -> None:
+        self._write_idx = (self._rows.unsqueeze(1).expand_as(self._write_pos), self._write_pos)
+
     def _write(self, layer, k, v):
-        idx = (self._rows.unsqueeze(1).expand_as(self._write_pos), self._write_pos)
-        self.k[layer].index_put_(idx, k)
-        self.v[layer].index_put_(idx, v)
+        self.k[layer].index_put_(self._write_idx, k)
+        self.v[layer].index_put_(self._write_idx, v)
 
     def _read(self, layer):
         s = self._span
@@ -166,7 +173,7 @@ class PagedKVCache(KVCache):
 
     def _ensure_capacity(self, rows, base_len_host, num_new):
         changed = False
-        for row, base in zip(rows.tolist(), base_len_host):
+        for row, base in zip(rows, base_len_host):
             have = self._host_table[row]
             want = math.ceil((base + num_new) / self.block_size)
             while len(have) < want:
@@ -194,16 +201,19 @@ class PagedKVCache(KVCache):
     def _read_span(self, need: int) -> int:
         return math.ceil(need / self.block_size) * self.block_size
 
-    def _write(self, layer, k, v):
-        slots = self._slots(self._rows.unsqueeze(1), self._write_pos).reshape(-1)
-        self.k[layer].index_copy_(0, slots, k.reshape(-1, *k.shape[2:]))
-        self.v[layer].index_copy_(0, slots, v.reshape(-1, *v.shape[2:]))
-
-    def _read(self, layer):
+    def _prepare_slots(self) -> None:
+        self._write_slots = self._slots(self._rows.unsqueeze(1), self._write_pos).reshape(-1)  # [B * T]
         nb = self._span // self.block_size
         blocks = self.block_table[self._rows, :nb]  # [B, nb]
-        slots = (blocks.unsqueeze(-1) * self.block_size + torch.arange(self.block_size, device=self.device)).flatten(1)
-        return self.k[layer][slots].transpose(1, 2), self.v[layer][slots].transpose(1, 2)
+        offsets = torch.arange(self.block_size, device=self.device)
+        self._read_slots = (blocks.unsqueeze(-1) * self.block_size + offsets).flatten(1)  # [B, S]
+
+    def _write(self, layer, k, v):
+        self.k[layer].index_copy_(0, self._write_slots, k.reshape(-1, *k.shape[2:]))
+        self.v[layer].index_copy_(0, self._write_slots, v.reshape(-1, *v.shape[2:]))
+
+    def _read(self, layer):
+        return self.k[layer][self._read_slots].transpose(1, 2), self.v[layer][self._read_slots].transpose(1, 2)
 
     def _copy_slots(self, rows, src, dst):
         s, d = self._slots(rows, src), self._slots(rows, dst)

@@ -35,11 +35,11 @@ class DraftModelDrafter(Drafter):
     def prefill(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor) -> None:
         b = prompt_ids.shape[0]
         zeros = torch.zeros(b, dtype=torch.long, device=prompt_ids.device)
-        self.cache.begin(state.rows, zeros, [0] * b, prompt_ids.shape[1])
+        self.cache.begin(state.rows, zeros, [0] * b, prompt_ids.shape[1], rows_host=state.rows_host)
         self.model(prompt_ids, positions, self.cache)
 
-    def _forward_last(self, rows, ids, pos, base, base_host) -> torch.Tensor:
-        self.cache.begin(rows, base, base_host, ids.shape[1])
+    def _forward_last(self, rows, ids, pos, base, base_host, rows_host=None) -> torch.Tensor:
+        self.cache.begin(rows, base, base_host, ids.shape[1], rows_host=rows_host)
         hidden = self.model(ids, pos, self.cache)
         return self.model.compute_logits(hidden[:, -1])  # [B, V]
 
@@ -48,7 +48,7 @@ class DraftModelDrafter(Drafter):
         host = [x - 1 for x in state.kv_len_host]
         prev = state.tokens[rows, L - 1]
         ids = torch.stack([prev, state.root], 1)  # [B, 2]
-        logits = self._forward_last(rows, ids, torch.stack([L - 1, L], 1), L - 1, host)
+        logits = self._forward_last(rows, ids, torch.stack([L - 1, L], 1), L - 1, host, state.rows_host)
         params, gen = self.ctx.sampling, self.ctx.generator
         tokens, probs = [], []
         for i in range(self.k):
@@ -62,7 +62,7 @@ class DraftModelDrafter(Drafter):
             if i < self.k - 1:
                 pos = L + 1 + i
                 logits = self._forward_last(rows, tok.unsqueeze(1), pos.unsqueeze(1), pos,
-                                            [x + 2 + i for x in host])
+                                            [x + 2 + i for x in host], state.rows_host)
         return DraftTree.chain(torch.stack(tokens, 1), draft_probs=torch.stack(probs, 1) if probs else None)
 
     def commit(self, state: BatchState, acc, old_kv_len_host: list[int]) -> None:
