@@ -3,7 +3,7 @@ import sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
-from workbench.bench import BenchSession, BenchConfig
+from workbench.bench import BenchSession
 from workbench.engine import SpecEngine, EngineConfig
 from workbench.drafters import DraftModelDrafter
 

@@ -103,11 +103,16 @@ def open_store(root: str | None) -> Any:
     return ResultStore(root=root) if root else ResultStore()
 
 
-def set_threads(n: int | None) -> None:
-    if n:
+def prepare_process(threads: int | None) -> None:
+    """Per worker process: torch CPU threads (if given) and quiet Optuna logging (trials are printed by print_trial,
+    failed ones with their reason, not as tracebacks)."""
+    if threads:
         import torch
 
-        torch.set_num_threads(n)
+        torch.set_num_threads(threads)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    logging.getLogger("optuna").setLevel(logging.ERROR)
 
 
 def session_for(spec: StudySpec, device: str):
@@ -146,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from workbench.bench import BenchError  # the engine's "cannot run this" (e.g. untrained preset, bad model path)
 
-    set_threads(args.threads)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    logging.getLogger("optuna").setLevel(logging.ERROR)  # failed trials are printed by print_trial, not as tracebacks
+    prepare_process(args.threads)
     try:
         if args.script:
             get_script(args.script)

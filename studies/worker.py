@@ -8,13 +8,10 @@ studies/README.md.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import warnings
 
-import optuna
 
-from studies.run import open_store, print_trial, session_for, set_threads
+from studies.run import open_store, prepare_process, print_trial, session_for
 from studies.space import first_value
 from studies.storage import StorageOpenError, open_storage, redact
 from studies.study import StudyMismatchError, StudyNotFoundError, counted_trials, create_or_resume, run_trials
@@ -37,10 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from workbench.bench import BenchError
 
-    set_threads(args.threads)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    logging.getLogger("optuna").setLevel(logging.ERROR)
+    prepare_process(args.threads)
     try:
         storage = open_storage(args.storage)
         study, spec = create_or_resume(storage, args.study, None)

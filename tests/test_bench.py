@@ -61,7 +61,6 @@ def test_prompt_longer_than_context(session):
 
 
 def test_draft_with_other_vocabulary(tmp_path):
-    import torch
     from workbench.models import LlamaModel, ModelConfig, save_model
 
     cfg = ModelConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -16,7 +16,6 @@ import resource
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
 from typing import Callable
 
 import pandas as pd
