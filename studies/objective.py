@@ -67,11 +67,13 @@ METHOD_ONLY_KNOBS = ("k", "ngram_min", "ngram_max")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Which models a study runs: a zoo preset, or explicit target / draft paths (both may be given)."""
+    """Which models a study runs: a zoo preset, or explicit target / draft paths (both may be given), and the prompt
+    file (default: the preset's held-out prompts; required with explicit paths)."""
 
     preset: str | None = "tiny"
     model: str | None = None
     draft: str | None = None
+    prompts: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -84,12 +86,12 @@ class SessionPool:
         self._sessions: dict[tuple, Any] = {}
 
     def get(self, models: ModelSpec, device: str, dtype: str) -> Any:
-        key = (models.preset, models.model, models.draft, device, dtype)
+        key = (models.preset, models.model, models.draft, models.prompts, device, dtype)
         if key not in self._sessions:
             from workbench.bench import BenchSession
 
             self._sessions[key] = BenchSession.load(preset=models.preset, model=models.model, draft=models.draft,
-                                                    device=device, dtype=dtype)
+                                                    device=device, dtype=dtype, prompts=models.prompts)
         return self._sessions[key]
 
 

@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preset", help="zoo preset (default tiny unless --model is given)")
     g.add_argument("--model", help="target model directory or .gguf file")
     g.add_argument("--draft", help="draft model directory")
+    g.add_argument("--prompts", help="prompt file (JSONL or question.jsonl); default: the preset's held-out prompts")
     g = p.add_argument_group("search space (a value, a list a,b,c, or a range lo-hi; default: the script's)")
     g.add_argument("--methods", help="e.g. ar,draft,ngram")
     for name in ("k", "ngram_min", "ngram_max", "batch", "temperature", "dtype"):
@@ -70,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _models(args: argparse.Namespace, base: ModelSpec | None) -> ModelSpec:
+    base = base or ModelSpec(preset="tiny")
     if args.preset is None and args.model is None and args.draft is None:
-        return base or ModelSpec(preset="tiny")
-    return ModelSpec(preset=args.preset, model=args.model, draft=args.draft)
+        return base if args.prompts is None else dataclasses.replace(base, prompts=args.prompts)
+    return ModelSpec(preset=args.preset, model=args.model, draft=args.draft, prompts=args.prompts)
 
 
 def build_spec(args: argparse.Namespace, stored: StudySpec | None) -> StudySpec:
