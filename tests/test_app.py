@@ -1,7 +1,8 @@
 """Dashboard tests with streamlit.testing.v1.AppTest: every page renders, bad input is reported next to its input,
 and a tiny benchmark started from the Run page (a real `python -m workbench bench` subprocess) lands in the store.
 
-Every test works in its own store / jobs folder / Optuna journal (tmp_path), never in results/.
+Every test works in its own store / jobs folder / Optuna journal / zoo cache (tmp_path), never in results/ or
+zoo_cache/.
 """
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ RUN_TIMEOUT_S = 240
 
 @pytest.fixture()
 def workspace(tmp_path, monkeypatch):
-    ws = {"store": tmp_path / "store", "jobs": tmp_path / "jobs", "journal": tmp_path / "journal.log"}
+    ws = {"store": tmp_path / "store", "jobs": tmp_path / "jobs", "journal": tmp_path / "journal.log",
+          "zoo": tmp_path / "zoo"}
     monkeypatch.setenv("WORKBENCH_STORE", str(ws["store"]))
+    # non-committed presets (trained or being trained) live here, not in the repo's zoo_cache/
+    monkeypatch.setenv("WORKBENCH_ZOO_DIR", str(ws["zoo"]))
     monkeypatch.setenv("WORKBENCH_JOBS", str(ws["jobs"]))
     monkeypatch.setenv("WORKBENCH_STUDY_STORAGE", str(ws["journal"]))
     yield ws
@@ -188,13 +192,20 @@ def test_cancel_from_run_page_keeps_the_store_intact(workspace):
     seed_store(workspace["store"])
     before = ResultStore(workspace["store"]).load()
     at = open_page("run")
-    at.text_input(key="run_max_new_tokens").input("4000")  # long enough to still be running when cancelled
+    # a valid run (prompt <= 256 tokens + 1500 fits the tiny models' 2048 context) that takes minutes on CPU: it must
+    # be cancelled mid-generation, not fail on its own (a too-long max_new_tokens would end it with a failed row)
+    at.text_input(key="run_max_new_tokens").input("1500")
     at.text_input(key="run_num_prompts").input("8")
     at.selectbox(key="run_device").set_value("cpu")
     at.run()
+    assert not errors_of(at), errors_of(at)
     at.button(key="run_start").click().run()
     [job] = jobs.list_jobs(kind="bench")
-    assert job.status() == jobs.RUNNING
+    deadline = time.time() + 120
+    while "repeat 1/" not in job.progress()["text"] and job.status() == jobs.RUNNING and time.time() < deadline:
+        time.sleep(0.2)  # until the benchmark is generating (models loaded, settings checked)
+    assert job.status() == jobs.RUNNING and "repeat 1/" in job.progress()["text"], job.log_tail()
+    at.run()
     at.button(key=f"run_cancel_{job.id}").click().run()
     assert not at.exception
     assert wait_for(job, 30) == jobs.CANCELLED
@@ -294,15 +305,24 @@ def test_results_page_filters_compares_and_exports(workspace):
     assert len(buttons) == 4  # CSV + Parquet of the filtered table and of the compared runs
 
 
-def test_results_export_matches_store_export(workspace):
+def test_results_export_matches_store_export(workspace, tmp_path):
+    import pyarrow.parquet as pq
+
+    from results import schema
+    from results.export import read_csv_export
     from ui.results_page import export_bytes
     seed_store(workspace["store"])
-    df = ResultStore(workspace["store"]).load()
-    csv = export_bytes(df, "csv").decode()
-    assert csv.splitlines()[0].startswith("run_id") or "run_id" in csv.splitlines()[0]
-    assert len(csv.strip().splitlines()) == 4
-    pq = export_bytes(df, "parquet")
-    assert pq[:4] == b"PAR1"
+    store = ResultStore(workspace["store"])
+    df = store.load()
+    csv = export_bytes(df, "csv")
+    assert csv.decode().splitlines()[0].startswith("run_id") and len(csv.decode().strip().splitlines()) == 4
+    assert csv == store.export(df, tmp_path / "ref.csv", fmt="csv").read_bytes()  # what `results export` writes
+    (tmp_path / "ui.csv").write_bytes(csv)
+    pd.testing.assert_frame_equal(read_csv_export(tmp_path / "ui.csv"), df)
+    parquet = export_bytes(df, "parquet")
+    assert parquet[:4] == b"PAR1"
+    (tmp_path / "ui.parquet").write_bytes(parquet)
+    pd.testing.assert_frame_equal(schema.table_to_frame(pq.read_table(tmp_path / "ui.parquet")), df)
 
 
 # ---- Models page ----------------------------------------------------------------------------------------------
@@ -319,10 +339,7 @@ def test_models_page_lists_presets_and_validates_registration(workspace, tmp_pat
     assert catalog.registered_models() == []
 
     from workbench.zoo import resolve_preset
-    try:
-        paths = resolve_preset("tiny")
-    except Exception:
-        pytest.skip("tiny preset not trained here")
+    paths = resolve_preset("tiny")  # committed to the repo: never a reason to skip
     at.text_input(key="models_reg_target").input(str(paths.target_dir))
     at.text_input(key="models_reg_draft").input(str(paths.draft_dir))
     at.button(key="models_reg_submit").click().run()

@@ -102,9 +102,23 @@ def test_finished_sequences_leave_the_batch(target, draft):
     assert all(len(o) == 12 for o in res.outputs)
 
 
-def test_paged_cache_frees_and_reuses_blocks(target):
-    engine = SpecEngine(target, None, EngineConfig(max_new_tokens=8, paged=True, kv_block_size=2))
-    engine.generate(PROMPTS)  # would raise CacheFullError if blocks leaked across sequences
+def test_paged_cache_frees_and_reuses_blocks(target, draft, monkeypatch):
+    import workbench.engine as engine_module
+
+    made = []
+    real_make_cache = engine_module.make_cache
+
+    def recording_make_cache(*args, **kwargs):
+        made.append(real_make_cache(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(engine_module, "make_cache", recording_make_cache)
+    engine = SpecEngine(target, make_drafter("draft", draft, target),
+                        EngineConfig(max_new_tokens=8, paged=True, kv_block_size=2))
+    engine.generate(PROMPTS)
+    [used] = made
+    assert isinstance(used, PagedKVCache)
+    assert used.free_blocks == used.num_blocks  # every finished sequence returned all of its blocks
     cache = PagedKVCache(1, 1, 2, max_rows=2, max_len=8, dtype=torch.float32, device="cpu", block_size=2)
     cache._ensure_capacity([0, 1], [0, 0], 7)
     assert cache.free_blocks == 8 - 8

@@ -20,7 +20,8 @@ def write(tmp_path, name, text, mode="w"):
 
 
 def test_docstring_examples():
-    assert doctest.testmod(workbench.prompts).failed == 0
+    result = doctest.testmod(workbench.prompts)
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_plain_jsonl(tmp_path):
@@ -47,12 +48,9 @@ def test_txt_blank_line_separated(tmp_path):
 
 
 def test_zoo_prompts_file_loads():
-    from workbench.zoo import ZooError, resolve_preset
+    from workbench.zoo import resolve_preset
 
-    try:
-        paths = resolve_preset("tiny")
-    except ZooError:
-        pytest.skip("tiny preset not trained")
+    paths = resolve_preset("tiny")  # committed to the repo: a missing preset is a failure, not a skip
     prompts = load_prompts(paths.prompts_path)
     assert len(prompts) == paths.manifest["prompts"]["count"]
     assert {p.category for p in prompts} <= {"signature", "class", "mid_function"}

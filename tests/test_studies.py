@@ -112,11 +112,9 @@ def test_bad_storage_urls_are_named(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"postgresql://bench:secret@127.0.0.1:{port}/optuna"
-    t0 = time.monotonic()
     with pytest.raises(StorageOpenError) as e:
         open_storage(url)
     assert f"127.0.0.1:{port}/optuna" in str(e.value) and "secret" not in str(e.value)
-    assert time.monotonic() - t0 < 20
     with pytest.raises(StorageOpenError, match="does not exist"):
         open_storage(f"journal://{tmp_path}/missing/x.log")
 
@@ -241,7 +239,9 @@ def test_batch_schedule_exports_json_and_engine_snippets(tmp_path, session):
     assert [b["batch_size"] for b in data["schedule"]["buckets"]] == [1, 2]
     assert all(b["trials"] == 2 for b in data["schedule"]["buckets"])
     assert set(data["vllm"]["per_batch_size"]) == {"1", "2"} and set(data["sglang"]["per_batch_size"]) == {"1", "2"}
-    assert "speculative_config" in data["trtllm"] or "note" in data["trtllm"]
+    # TensorRT-LLM gets a speculative_config exactly when some bucket speculates (its "note" is always there)
+    speculates = any(b["speculate"] for b in data["schedule"]["buckets"])
+    assert ("speculative_config" in data["trtllm"]) is speculates and data["trtllm"]["note"]
     assert "best setting per batch-size bucket" in get_script("batch_schedule").report(study)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import ctypes
 import json
 import re
+import shutil
+import subprocess
 import time
 from types import SimpleNamespace
 
@@ -203,10 +205,29 @@ def test_environment_info(tmp_path):
     assert list(env) == ["device_name", "torch_version", "cuda_version", "driver_version", "git_commit",
                          "hostname", "python_version", "platform"]
     assert env["torch_version"] and env["hostname"] and env["python_version"].count(".") == 2
-    assert env["git_commit"] == "unknown" or re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", env["git_commit"])
+    in_checkout = shutil.which("git") and (T._REPO / ".git").exists()
+    if in_checkout:
+        assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", env["git_commit"]), env["git_commit"]
+    else:
+        assert env["git_commit"] == "unknown"
     assert T._git_commit(tmp_path) == "unknown"
     from results.schema import RUN_COLUMNS
     assert set(env) <= set(RUN_COLUMNS)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs the git command")
+def test_git_commit_and_dirty_flag(tmp_path):
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.txt").write_text("1")
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    assert T._git_commit(tmp_path) == head
+    (tmp_path / "new.txt").write_text("untracked files do not count")
+    assert T._git_commit(tmp_path) == head
+    (tmp_path / "a.txt").write_text("2")
+    assert T._git_commit(tmp_path) == head + "+dirty"
 
 
 def test_self_check_cli_prints_json(capsys):

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+import workbench.verify as verify_module
 from workbench.sampling import SamplingParams, probs_from_logits
 from workbench.tree import DraftTree, ancestor_matrix, verify_mask
 from workbench.verify import Verifier, accept_greedy, accept_sampled_chain, accept_sampled_tree
@@ -108,11 +109,11 @@ PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k
           SamplingParams(temperature=1.3, top_p=0.8)]
 
 
-@pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.7-topk5", "t1.3-topp0.8"])
-def test_sampled_chain_first_two_tokens_follow_target(params):
-    """Chain of 2 drafted from q; the emitted pair (first token, and the second when the first was accepted or
-    from the next step's distribution) must follow p. We check the marginal of the first emitted token and the
-    distribution of the second emitted token given an accepted first token."""
+def chain_pvalues(params: SamplingParams, accept=None) -> list[float]:
+    """Chain of 2 drafted from q, verified by `accept` (default: the real rule). The emitted tokens must follow p:
+    p-values for the first emitted token, the second given an accepted first token, and the third (the bonus) given
+    both drafts accepted."""
+    accept = accept or accept_sampled_chain
     g = torch.Generator().manual_seed(1234)
     n = 40000
     target_logits = torch.randn(1, 3, V, generator=g).expand(n, 3, V).clone() * 1.5
@@ -121,25 +122,50 @@ def test_sampled_chain_first_two_tokens_follow_target(params):
     d1 = torch.multinomial(q[:, 0], 1, generator=g).squeeze(1)
     d2 = torch.multinomial(q[:, 1], 1, generator=g).squeeze(1)
     tree = DraftTree.chain(torch.stack([d1, d2], 1), draft_probs=q)
-    acc = accept_sampled_chain(tree, probs_from_logits(target_logits, params), g)
+    acc = accept(tree, probs_from_logits(target_logits, params), g)
     p = probs_from_logits(target_logits[0], params)
     first = torch.bincount(acc.emitted[:, 0], minlength=V).float()
-    assert chi_square_pvalue(first, p[0]) > 1e-3
     second = acc.emitted[acc.num_accepted >= 1, 1]
-    assert second.numel() > 1000
-    assert chi_square_pvalue(torch.bincount(second, minlength=V).float(), p[1]) > 1e-3
+    third = acc.emitted[acc.num_accepted == 2, 2]
+    assert second.numel() > 1000 and third.numel() > 1000
+    return [chi_square_pvalue(first, p[0]), chi_square_pvalue(torch.bincount(second, minlength=V).float(), p[1]),
+            chi_square_pvalue(torch.bincount(third, minlength=V).float(), p[2])]
 
 
-def test_sampled_chain_detects_a_biased_rule():
-    """The test above has power: accepting every draft token (a lossy rule) is caught."""
-    g = torch.Generator().manual_seed(7)
-    params = SamplingParams(temperature=1.0)
-    target = torch.randn(1, 2, V, generator=g) * 1.5
-    draft = torch.randn(1, 1, V, generator=g) * 1.5
-    q = probs_from_logits(draft, params)[0, 0]
-    biased = torch.multinomial(q, 40000, replacement=True, generator=g)
-    p = probs_from_logits(target, params)[0, 0]
-    assert chi_square_pvalue(torch.bincount(biased, minlength=V).float(), p) < 1e-6
+@pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.7-topk5", "t1.3-topp0.8"])
+def test_sampled_chain_tokens_follow_target(params):
+    """First emitted token, second given an accepted first, bonus given both accepted: each follows p."""
+    assert min(chain_pvalues(params)) > 1e-3
+
+
+def _resample_from_p(tree, target_probs, g):
+    """Lossy: after a rejection, resample from p instead of norm(max(p - q, 0))."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(verify_module, "_residual", lambda p, q: p)
+        return accept_sampled_chain(tree, target_probs, g)
+
+
+def _accept_every_draft(tree, target_probs, g):
+    """Lossy: every draft token accepted, bonus from the right row."""
+    k = tree.num_nodes
+    bonus = torch.multinomial(target_probs[:, k], 1, generator=g)[:, 0]
+    return verify_module._assemble(tree, tree.valid.clone(), bonus)
+
+
+def _bonus_from_previous_row(tree, target_probs, g):
+    """Lossy: the bonus after a fully accepted chain is drawn from the last draft's row, not the row after it."""
+    acc = accept_sampled_chain(tree, target_probs, g)
+    k = tree.num_nodes
+    full = acc.num_accepted == k
+    acc.emitted[full, k] = torch.multinomial(target_probs[full, k - 1], 1, generator=g)[:, 0]
+    return acc
+
+
+@pytest.mark.parametrize("lossy", [_resample_from_p, _accept_every_draft, _bonus_from_previous_row],
+                         ids=["resample-from-p", "accept-all", "bonus-row"])
+def test_sampled_chain_check_detects_lossy_rules(lossy):
+    """The check above has power: run through the same procedure, lossy verification rules are rejected."""
+    assert min(chain_pvalues(SamplingParams(temperature=1.0), lossy)) < 1e-6
 
 
 @pytest.mark.parametrize("iid", [True, False], ids=["iid-children", "deterministic-candidates"])

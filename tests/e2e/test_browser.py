@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -23,13 +22,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
-# the README's screenshots are refreshed only on request (WORKBENCH_SCREENSHOTS=1), so a test run leaves git clean
-SHOTS = Path(os.environ.get("WORKBENCH_SCREENSHOT_DIR") or (ROOT / "docs" / "screenshots"
-             if os.environ.get("WORKBENCH_SCREENSHOTS") == "1" else tempfile.mkdtemp(prefix="wb-shots-")))
+
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--no-first-run", "--disable-default-apps", "--disable-extensions",
                 "--disable-sync", "--mute-audio", "--disable-dev-shm-usage"]
 RUN_TIMEOUT_MS = 240_000
+
+
+def _shots_dir(tmp: Path) -> Path:
+    """The README's screenshots are refreshed only on request (WORKBENCH_SCREENSHOTS=1), so a test run leaves git
+    clean; otherwise they go to $WORKBENCH_SCREENSHOT_DIR or the test's own temp dir."""
+    if os.environ.get("WORKBENCH_SCREENSHOT_DIR"):
+        return Path(os.environ["WORKBENCH_SCREENSHOT_DIR"])
+    return ROOT / "docs" / "screenshots" if os.environ.get("WORKBENCH_SCREENSHOTS") == "1" else tmp / "screenshots"
 
 
 def _require_browser() -> None:
@@ -52,7 +57,7 @@ def server(tmp_path):
     _require_browser()
     port = _free_port()
     env = {**os.environ, "WORKBENCH_STORE": str(tmp_path / "store"), "WORKBENCH_JOBS": str(tmp_path / "jobs"),
-           "WORKBENCH_STUDY_STORAGE": str(tmp_path / "journal.log"),
+           "WORKBENCH_STUDY_STORAGE": str(tmp_path / "journal.log"), "WORKBENCH_ZOO_DIR": str(tmp_path / "zoo"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     log = open(tmp_path / "streamlit.log", "w")
     proc = subprocess.Popen(
@@ -107,11 +112,11 @@ def _wait_idle(page, timeout_ms: int = 30_000) -> None:
     page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout_ms)
 
 
-def _shot(page, name: str, height: int = 1800) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
+def _shot(page, shots: Path, name: str, height: int = 1800) -> None:
+    shots.mkdir(parents=True, exist_ok=True)
     page.set_viewport_size({"width": 1440, "height": height})
     page.wait_for_timeout(800)
-    page.screenshot(path=str(SHOTS / f"{name}.png"))
+    page.screenshot(path=str(shots / f"{name}.png"))
 
 
 def _goto(page, server, title: str) -> None:
@@ -122,6 +127,7 @@ def _goto(page, server, title: str) -> None:
 def test_browser_run_results_tune_models_gpu(server):
     from playwright.sync_api import expect, sync_playwright
 
+    shots = _shots_dir(server["tmp"])
     with sync_playwright() as pw:
         # Playwright gives the browser a fresh temporary profile (--user-data-dir) itself
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
@@ -142,7 +148,7 @@ def test_browser_run_results_tune_models_gpu(server):
             expect(page.get_by_text("Speedup vs AR", exact=True)).to_be_visible(timeout=RUN_TIMEOUT_MS)
             expect(page.get_by_text("Acceptance by draft position")).to_be_visible(timeout=30_000)
             _wait_idle(page)
-            _shot(page, "run", 1900)
+            _shot(page, shots, "run", 1900)
 
             # ---- Tune: launch a 3-trial Pareto study, wait for its Pareto front
             _goto(page, server, "Tune")
@@ -161,7 +167,7 @@ def test_browser_run_results_tune_models_gpu(server):
             expect(page.get_by_text("3 of 3 trials", exact=False).first).to_be_visible(timeout=RUN_TIMEOUT_MS)
             page.get_by_role("tab", name="Pareto · tokens_per_s vs tpot_ms_p99").click()
             _wait_idle(page)
-            _shot(page, "tune", 2000)
+            _shot(page, shots, "tune", 2000)
 
             # ---- Results: the benchmark and the 3 trials are in the table; compare two runs; download the CSV
             _goto(page, server, "Results")
@@ -187,17 +193,17 @@ def test_browser_run_results_tune_models_gpu(server):
             assert bench[0]["k"] == "2" and bench[0]["max_new_tokens"] == "6"
             assert float(bench[0]["tokens_per_s"]) > 0
             assert sorted(r["study"] for r in rows if r["study"]) == ["e2e-front"] * 3
-            _shot(page, "results", 2300)
+            _shot(page, shots, "results", 2300)
 
             # ---- Models and GPU
             _goto(page, server, "Models")
             expect(page.get_by_text("Zoo presets")).to_be_visible(timeout=30_000)
-            _shot(page, "models", 1300)
+            _shot(page, shots, "models", 1300)
             _goto(page, server, "GPU")
             expect(page.get_by_role("heading", name="GPU")).to_be_visible(timeout=30_000)
             page.wait_for_function("() => document.body.innerText.includes('No GPU on this machine') || "
                                    "document.body.innerText.includes('memory:')", timeout=120_000)
-            _shot(page, "gpu", 900)
+            _shot(page, shots, "gpu", 900)
         finally:
             context.close()
             browser.close()
