@@ -44,10 +44,10 @@ def reference_outputs(session):
 def test_greedy_runs_match_autoregressive_on_real_models(session, method, reference_outputs):
     res = session.run(small(method=method))
     rec = res.record
-    # for method "ar" the candidate *is* the baseline run, so greedy_matches_ar is True by construction; the
-    # independent check is against the cache-free reference decode
+    # the independent check is against the cache-free reference decode; for method "ar" the candidate is the
+    # baseline run itself, so the record says None (nothing was compared)
     assert res.outputs == reference_outputs and res.ar_outputs == reference_outputs
-    assert rec["greedy_matches_ar"] is True
+    assert rec["greedy_matches_ar"] is (None if method == "ar" else True)
     assert rec["total_new_tokens"] == 4 * 12
     if method == "draft":  # trained draft and target of one family: acceptance is real, not noise
         assert rec["acceptance_rate"] > 0.2 and rec["mean_accepted_tokens"] > 1.5

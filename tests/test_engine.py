@@ -236,3 +236,25 @@ def test_tree_drafts_reproduce_greedy_output(paged, target, monkeypatch):
     assert res.outputs == [reference_greedy(target, p, n) for p in PROMPTS]
     # the second branch (node 3 on) won some steps, so accepted KV really moved down to depth slots
     assert 3 in first_nodes
+
+
+def test_paged_pool_is_sized_to_the_prompts_not_the_longest_row(target, monkeypatch):
+    import workbench.engine as engine_module
+
+    made = []
+    real = engine_module.make_cache
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(engine_module, "make_cache", spy)
+    prompts = [[1] * 60, [2] * 3, [3] * 3]
+    engine = SpecEngine(target, None, EngineConfig(max_new_tokens=4, paged=True, kv_block_size=4))
+    assert engine.generate(prompts).outputs == [reference_greedy(target, p, 4) for p in prompts]
+    pool = made[0]
+    worst_case = pool.max_rows * pool.blocks_per_row
+    steps_need = sum(-(-engine.required_len(len(p)) // 4) for p in prompts)  # 17 + 3 + 3 blocks
+    prefill_need = len(prompts) * -(-60 // 4)  # the right-padded prefill: 15 blocks in each of 3 rows
+    assert pool.num_blocks == max(steps_need, prefill_need) < worst_case
+    assert pool.free_blocks == pool.num_blocks  # every block came back when the sequences finished

@@ -110,3 +110,11 @@ def test_not_utf8(tmp_path):
 def test_directory_is_not_a_file(tmp_path):
     with pytest.raises(PromptFileError, match="not a regular file"):
         load_prompts(tmp_path)
+
+
+def test_utf8_bom_is_not_content(tmp_path):
+    from workbench.prompts import load_prompts
+
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes('\ufeff{"prompt": "héllo"}\n'.encode("utf-8"))
+    assert [p.text for p in load_prompts(path)] == ["héllo"]

@@ -288,8 +288,8 @@ class BenchSession:
         tps = median([s.tokens_per_s for s in cand])
         outputs = [o for res in cand_runs[0] for o in res.outputs]
         ar_outputs = [o for res in ar_runs[0] for o in res.outputs]
-        greedy_match = None
-        if cfg.temperature == 0.0:
+        greedy_match = None  # sampling, or method "ar" (the candidate is the baseline itself: nothing to compare)
+        if cfg.temperature == 0.0 and cfg.method != "ar":
             greedy_match = all([o for res in run for o in res.outputs] == ar_outputs for run in cand_runs)
         # cost ratio c (Leviathan et al.): one drafter model pass / one target decode step (the AR step time)
         ar_step_ms = median([s.phase_ms.get("verify", 0.0) / s.target_steps for s in ar if s.target_steps])

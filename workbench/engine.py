@@ -133,9 +133,13 @@ class SpecEngine:
         n_nodes = self.drafter.num_nodes if self.drafter else 0
         gen = torch.Generator(device=dev).manual_seed(cfg.seed)
         tcfg = self.target.config
+        # paged: a pool sized to what these prompts can reach (their own lengths), not max_len for every row; the
+        # right-padded prefill briefly needs the longest prompt's blocks in every row (freed right after it)
+        blocks = lambda n: -(-n // cfg.kv_block_size)  # noqa: E731
+        num_blocks = max(sum(blocks(self.required_len(n)) for n in plen), b * blocks(max(plen)))
         cache = make_cache(cfg.paged, num_layers=tcfg.num_hidden_layers, num_kv_heads=tcfg.num_key_value_heads,
                            head_dim=tcfg.head_dim, max_rows=b, max_len=max_len, dtype=self.dtype, device=dev,
-                           block_size=cfg.kv_block_size)
+                           block_size=cfg.kv_block_size, num_blocks=num_blocks)
         timer = PhaseTimer(dev, cfg.timing)
         verifier = Verifier(cfg.sampling, gen)
 
@@ -163,6 +167,8 @@ class SpecEngine:
                 self.drafter.setup(DraftContext(max_rows=b, max_len=max_len, device=dev, sampling=cfg.sampling,
                                                 generator=gen, paged=cfg.paged, kv_block_size=cfg.kv_block_size))
                 self.drafter.prefill(state, padded, positions)
+        for i, n in enumerate(plen):
+            cache.truncate(i, n)  # drop the padding's KV (and, paged, its blocks)
         first_host = first.tolist()
         t_first = time.perf_counter()
         outputs = [[t] for t in first_host]

@@ -226,8 +226,8 @@ class PagedKVCache(KVCache):
 
 
 def make_cache(paged: bool, *, num_layers: int, num_kv_heads: int, head_dim: int, max_rows: int, max_len: int,
-               dtype: torch.dtype, device, block_size: int = 16) -> KVCache:
+               dtype: torch.dtype, device, block_size: int = 16, num_blocks: int | None = None) -> KVCache:
     if paged:
         return PagedKVCache(num_layers, num_kv_heads, head_dim, max_rows, max_len, dtype, device,
-                            block_size=block_size)
+                            block_size=block_size, num_blocks=num_blocks)
     return ContiguousKVCache(num_layers, num_kv_heads, head_dim, max_rows, max_len, dtype, device)

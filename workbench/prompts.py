@@ -55,7 +55,7 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     if not path.is_file():
         raise PromptFileError(path, "not a regular file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading BOM (Windows editors) is not content
     except UnicodeDecodeError as e:
         raise PromptFileError(path, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not text.strip():
