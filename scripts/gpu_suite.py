@@ -25,6 +25,12 @@ COLS = ["method", "k", "batch", "dtype", "acceptance_rate", "mean_accepted_token
         "tpot_ms_p99", "ttft_ms", "draft_target_cost_ratio", "sm_util_pct", "gpu_busy_pct", "peak_mem_mb"]
 
 
+def batch_plan(max_new: int, prompts: int) -> list[BenchConfig]:
+    """Speedup vs batch size: the same prompts at batch 1, 4 and 8 for both drafters (no HF runs)."""
+    return [BenchConfig(method=m, k=4, batch=b, max_new_tokens=max_new, num_prompts=prompts, repeats=2)
+            for b in (8, 4, 1) for m in ("ngram", "draft")]
+
+
 def plan(max_new: int, prompts: int) -> list[BenchConfig]:
     head = [BenchConfig(method=m, k=4, batch=1, max_new_tokens=max_new, num_prompts=prompts, repeats=3,
                         compare_hf=True) for m in ("draft", "ngram")]
@@ -50,6 +56,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--fp32-parity", action="store_true", help="also check greedy parity in float32")
+    ap.add_argument("--plan", choices=["suite", "batch"], default="suite",
+                    help="suite: headline + sweep (default); batch: speedup vs batch size only")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -57,7 +65,7 @@ def main() -> int:
     session = BenchSession.load(preset=args.preset, device="cuda", dtype=args.dtype)
     print(f"loaded {args.preset} in {time.perf_counter() - t0:.1f}s", flush=True)
     records = []
-    configs = plan(args.max_new_tokens, args.prompts)
+    configs = (batch_plan if args.plan == "batch" else plan)(args.max_new_tokens, args.prompts)
     for cfg in configs:
         if time.perf_counter() - t0 > args.budget_s:
             print(f"budget spent: skipped {cfg}", flush=True)
