@@ -174,11 +174,8 @@ class SpecEngine:
         outputs = [[t] for t in first_host]
         for i, t in enumerate(first_host):
             state.tokens_host[i].append(t)
-        done_at = [t_first if cfg.max_new_tokens <= 1 else 0.0 for _ in range(b)]
         live = [i for i in range(b) if not self._finished(outputs[i])]
-        for i in range(b):
-            if i not in live:
-                done_at[i] = t_first
+        done_at = [0.0 if i in live else t_first for i in range(b)]
         result = GenerationResult(outputs, t_start, t_first, done_at, num_nodes=n_nodes)
         kv_len_all = kv_len.clone()  # indexed by row
         step = 0
