@@ -300,8 +300,12 @@ class BenchSession:
             peak = torch.cuda.max_memory_allocated(self.device) / 2**20
         else:  # CPU: this run's peak resident set (reset at its start where Linux allows)
             peak = _peak_rss_mb()
+        # latency samples pooled over all repeats; acceptance, phase times and traces from the first repeat
+        ttft = [x for c in cand for x in c.ttft_ms]
+        tpot = [x for c in cand for x in c.tpot_ms]
+        itl = [x for c in cand for x in c.itl_ms]
         run_id = uuid.uuid4().hex
-        n_seq = max(len(c0.tpot_ms), 1)
+        n_seq = len(outputs)
         record = {
             "run_id": run_id, "study": study, "trial_id": trial_id, "status": "ok", "error": None,
             **{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "compare_hf"},
@@ -314,11 +318,11 @@ class BenchSession:
             "acceptance_by_position": c0.acceptance_by_position,
             "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
             "speedup_vs_ar": tps / ar_tps if ar_tps else None,
-            "ttft_ms": median(c0.ttft_ms),
-            "tpot_ms_p50": percentile(c0.tpot_ms, 50), "tpot_ms_p90": percentile(c0.tpot_ms, 90),
-            "tpot_ms_p99": percentile(c0.tpot_ms, 99),
-            "itl_ms_p50": percentile(c0.itl_ms, 50), "itl_ms_p90": percentile(c0.itl_ms, 90),
-            "itl_ms_p99": percentile(c0.itl_ms, 99),
+            "ttft_ms": median(ttft),
+            "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p90": percentile(tpot, 90),
+            "tpot_ms_p99": percentile(tpot, 99),
+            "itl_ms_p50": percentile(itl, 50), "itl_ms_p90": percentile(itl, 90),
+            "itl_ms_p99": percentile(itl, 99),
             "time_draft_ms": c0.phase_ms.get("draft"), "time_verify_ms": c0.phase_ms.get("verify"),
             "time_accept_ms": c0.phase_ms.get("accept"), "time_kv_ms": c0.phase_ms.get("kv"),
             "time_prefill_ms": c0.phase_ms.get("prefill"),
