@@ -410,3 +410,28 @@ def test_job_lifecycle_cancel_and_refresh(workspace):
     failing = jobs.start_job("test", [sys.executable, "-c", "raise SystemExit('boom')"], "fails")
     assert wait_for(failing, 30) == jobs.FAILED and "boom" in failing.error_text()
     assert {j.id for j in jobs.list_jobs(kind="test")} == {job.id, sleeper.id, failing.id, *(j.id for j in several)}
+
+
+def test_tune_page_local_models_validated_and_launchable(workspace):
+    tiny = ROOT / "workbench" / "zoo" / "weights" / "tiny"
+    at = open_page("tune")
+    at.radio(key="tune_model_source").set_value("Local model paths").run()
+    msgs = errors_of(at)
+    assert any("target model path is empty" in m for m in msgs), msgs
+    assert at.button(key="tune_launch").disabled
+    at.text_input(key="tune_target_path").input(str(tiny / "nope")).run()
+    assert any("does not exist" in m for m in errors_of(at)), errors_of(at)
+    at.text_input(key="tune_target_path").input(str(tiny / "target"))
+    at.text_input(key="tune_draft_path").input(str(tiny / "draft"))
+    at.text_input(key="tune_prompt_path").input(str(tiny / "prompts.jsonl"))
+    at.text_input(key="tune_study_name").input("local-ui")
+    at.text_input(key="tune_trials").input("1")
+    at.text_input(key="tune_max_new_tokens").input("4")
+    at.text_input(key="tune_num_prompts").input("1")
+    at.run()
+    assert not errors_of(at), errors_of(at)
+    at.button(key="tune_launch").click().run()
+    [job] = jobs.list_jobs(kind="study")
+    assert wait_for(job, RUN_TIMEOUT_S) == jobs.DONE, job.log_tail()
+    [row] = ResultStore(workspace["store"]).load(study="local-ui").to_dict("records")
+    assert row["target_path"] == str(tiny / "target") and row["prompts_source"] == str(tiny / "prompts.jsonl")

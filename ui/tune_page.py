@@ -14,7 +14,7 @@ import pandas as pd
 import streamlit as st
 
 from ui import catalog, jobs
-from ui.common import PYTHON, Errors, int_field, job_panel, store_root, study_storage_url
+from ui.common import PYTHON, Errors, check_model_path, int_field, job_panel, store_root, study_storage_url
 
 P = "tune_"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -29,6 +29,29 @@ def open_storage():
     from studies.storage import open_storage as _open
 
     return _open(storage_url())
+
+
+def local_models_section(errors: Errors) -> dict:
+    """Target (+ draft) paths and the prompt file a study over local models needs; errors under each input."""
+    out: dict = {}
+    target = st.text_input("Target model", key=f"{P}target_path", placeholder="HF folder or .gguf file")
+    path, err = check_model_path(target, "target")
+    errors.add(f"{P}target_path", err)
+    if path:
+        out["model"] = path
+    draft = st.text_input("Draft model (for method draft)", key=f"{P}draft_path", placeholder="HF folder")
+    if draft.strip():
+        dpath, derr = check_model_path(draft, "draft")
+        errors.add(f"{P}draft_path", derr)
+        if dpath:
+            out["draft"] = dpath
+    prompts = st.text_input("Prompt file", key=f"{P}prompt_path",
+                            placeholder="prompts.jsonl or MT-bench / Spec-Bench question.jsonl")
+    loaded, perr = catalog.load_prompt_file(prompts)
+    errors.add(f"{P}prompt_path", perr)
+    if loaded:
+        out["prompts"] = catalog.prompt_path(prompts)
+    return out
 
 
 def dim_text(dim) -> str:
@@ -124,10 +147,15 @@ def launch_form() -> None:
             except Exception as exc:  # noqa: BLE001
                 presets = []
                 errors.add(f"{P}preset", f"cannot list zoo presets: {exc}")
-            # zoo presets only: studies.objective loads --model runs without a prompt file, which the engine refuses
-            preset = st.selectbox("Models (zoo preset)", presets, key=f"{P}preset")
-            if preset:
-                errors.add(f"{P}preset", catalog.resolve(preset)[1])
+            source = st.radio("Models", ("Zoo preset", "Local model paths"), key=f"{P}model_source",
+                              horizontal=True)
+            preset, local = None, {}
+            if source == "Zoo preset":
+                preset = st.selectbox("Models (zoo preset)", presets, key=f"{P}preset")
+                if preset:
+                    errors.add(f"{P}preset", catalog.resolve(preset)[1])
+            else:
+                local = local_models_section(errors)
         space = script.space
         with st.expander("Search space and run settings (defaults: the script's)"):
             cols = st.columns(4)
@@ -185,6 +213,8 @@ def launch_form() -> None:
                "--storage", storage_url(), "--store", str(store_root()), "--device", device.strip() or "cpu"]
         if preset:
             cli += ["--preset", preset]
+        for flag, value in local.items():
+            cli += [f"--{flag}", str(value)]
         if methods:
             cli += ["--methods", ",".join(methods)]
         cli += [item for knob, text in texts.items() for item in (f"--{knob}", text.strip())]
