@@ -6,7 +6,8 @@ Runs, in priority order until the time budget is spent (so a lease never ends wi
   1. headline, batch 1: our AR baseline, draft_model k=4 and ngram k=4, each with HF generate() plain and
      assisted (assistant_model) / prompt lookup on the same weights and prompts;
   2. a sweep over draft length and batch size.
-Every record goes to <out>/bench.jsonl as it finishes; a table is printed at the end.
+Every record goes to <out>/bench.jsonl as it finishes; a table is printed at the end. Greedy parity per dtype, with
+the first divergence, is scripts/gpu_parity.py's job.
 """
 from __future__ import annotations
 
@@ -55,7 +56,6 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--fp32-parity", action="store_true", help="also check greedy parity in float32")
     ap.add_argument("--plan", choices=["suite", "batch"], default="suite",
                     help="suite: headline + sweep (default); batch: speedup vs batch size only")
     args = ap.parse_args()
@@ -79,14 +79,6 @@ def main() -> int:
         with open(out / "bench.jsonl", "a") as f:
             f.write(json.dumps(rec, default=str) + "\n")
         print(" ".join(f"{c}={fmt(rec.get(c))}" for c in COLS[:12]), flush=True)
-    if args.fp32_parity and time.perf_counter() - t0 < args.budget_s:
-        s32 = BenchSession.load(preset=args.preset, device="cuda", dtype="float32")
-        for m in ("draft", "ngram"):
-            rec = s32.run(BenchConfig(method=m, k=4, batch=4, max_new_tokens=64, num_prompts=8)).record
-            print(f"fp32 parity {m}: greedy_matches_ar={rec['greedy_matches_ar']} tokens_per_s={rec['tokens_per_s']:.1f}"
-                  f" speedup={rec['speedup_vs_ar']:.2f}", flush=True)
-            with open(out / "bench.jsonl", "a") as f:
-                f.write(json.dumps({k: v for k, v in rec.items() if k != "telemetry_timeline"}, default=str) + "\n")
     print("\n| " + " | ".join(COLS) + " |")
     print("|" + "---|" * len(COLS))
     for rec in records:

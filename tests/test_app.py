@@ -254,10 +254,10 @@ def test_tune_page_refuses_existing_study_with_other_space(workspace):
     assert optuna.get_all_study_names(open_storage(url)) == ["taken"]
 
 
-def test_tune_page_runs_a_study_and_shows_it(workspace):
-    at = open_page("tune")
-    at.text_input(key="tune_study_name").input("ui-study")
-    at.text_input(key="tune_trials").input("2")
+def launch_small_study(at: AppTest, name: str, trials: int) -> None:
+    """Fill the Tune page's budget with a tiny study, launch it, and wait until its job is done."""
+    at.text_input(key="tune_study_name").input(name)
+    at.text_input(key="tune_trials").input(str(trials))
     at.text_input(key="tune_max_new_tokens").input("4")
     at.text_input(key="tune_num_prompts").input("1")
     at.run()
@@ -265,6 +265,11 @@ def test_tune_page_runs_a_study_and_shows_it(workspace):
     at.button(key="tune_launch").click().run()
     [job] = jobs.list_jobs(kind="study")
     assert wait_for(job, RUN_TIMEOUT_S) == jobs.DONE, job.log_tail()
+
+
+def test_tune_page_runs_a_study_and_shows_it(workspace):
+    at = open_page("tune")
+    launch_small_study(at, "ui-study", trials=2)
     at.run()
     assert not at.exception
     assert at.selectbox(key="tune_watch").value == "ui-study"
@@ -424,14 +429,6 @@ def test_tune_page_local_models_validated_and_launchable(workspace):
     at.text_input(key="tune_target_path").input(str(tiny / "target"))
     at.text_input(key="tune_draft_path").input(str(tiny / "draft"))
     at.text_input(key="tune_prompt_path").input(str(tiny / "prompts.jsonl"))
-    at.text_input(key="tune_study_name").input("local-ui")
-    at.text_input(key="tune_trials").input("1")
-    at.text_input(key="tune_max_new_tokens").input("4")
-    at.text_input(key="tune_num_prompts").input("1")
-    at.run()
-    assert not errors_of(at), errors_of(at)
-    at.button(key="tune_launch").click().run()
-    [job] = jobs.list_jobs(kind="study")
-    assert wait_for(job, RUN_TIMEOUT_S) == jobs.DONE, job.log_tail()
+    launch_small_study(at, "local-ui", trials=1)
     [row] = ResultStore(workspace["store"]).load(study="local-ui").to_dict("records")
     assert row["target_path"] == str(tiny / "target") and row["prompts_source"] == str(tiny / "prompts.jsonl")

@@ -276,8 +276,6 @@ class BenchSession:
             hidden = ref(ids, torch.arange(ids.shape[1], device=self.device).unsqueeze(0))
             logits = ref.compute_logits(hidden[0, -1]).float()
             margins.append(abs(float(logits[ours[i]] - logits[theirs[i]])))
-        if ref is not self.target:
-            del ref
         return margins
 
     def _result(self, cfg, ar_runs, cand_runs, wall, tel, hf, study, trial_id, env) -> BenchResult:
@@ -308,11 +306,11 @@ class BenchSession:
         n_seq = len(outputs)
         record = {
             "run_id": run_id, "study": study, "trial_id": trial_id, "status": "ok", "error": None,
-            **{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "compare_hf"},
+            **_config_columns(cfg),
             "k": cfg.k if cfg.method != "ar" else 0,
             "dtype": self.dtype, "device": str(self.device), "preset": self.preset,
             "target_path": self.target_path, "draft_path": self.draft_path if cfg.method == "draft" else None,
-            "prompts_source": self.prompts_source, "config_json": json.dumps(asdict(cfg), sort_keys=True),
+            "prompts_source": self.prompts_source,
             "acceptance_rate": c0.acceptance_rate if cfg.method != "ar" else None,
             "mean_accepted_tokens": c0.mean_accepted_tokens,
             "acceptance_by_position": c0.acceptance_by_position,
@@ -333,6 +331,13 @@ class BenchSession:
             **tel.to_record(), **env, **hf,
         }
         return BenchResult(record, traces_frame(cand_runs[0], run_id), outputs, ar_outputs)
+
+
+def _config_columns(cfg: BenchConfig) -> dict:
+    """A run's settings as record columns, plus the whole config as JSON (`config_json`)."""
+    cols = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "compare_hf"}
+    cols["config_json"] = json.dumps(asdict(cfg), sort_keys=True)
+    return cols
 
 
 def _reset_peak_rss() -> None:
@@ -359,9 +364,9 @@ def failed_record(cfg: BenchConfig, error: str, *, study: str | None = None, tri
     """A result-store row for a run that could not complete: its settings and the reason."""
     from workbench.telemetry import environment_info
 
-    rec = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "compare_hf"}
+    rec = _config_columns(cfg)
     rec.update(run_id=uuid.uuid4().hex, study=study, trial_id=trial_id, status="failed", error=error,
-               config_json=json.dumps(asdict(cfg), sort_keys=True), **environment_info())
+               **environment_info())
     if session is not None:
         rec.update(dtype=session.dtype, device=str(session.device), preset=session.preset,
                    target_path=session.target_path, draft_path=session.draft_path,

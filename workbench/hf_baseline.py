@@ -39,15 +39,14 @@ def hf_generate_tokens_per_s(session, cfg, prompt_ids: list[list[int]]) -> dict:
     common = dict(max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.max_new_tokens, pad_token_id=0, **sampling)
     out: dict = {}
 
-    def timed(run_one, batch: int) -> tuple[float, list[list[int]]]:
+    def timed(run_one, batch: int) -> float:
+        """Generated tokens per second over all prompts, in chunks of `batch`, after one warm-up call."""
         run_one(prompt_ids[:1])  # warm-up
         _sync(dev)
         t0 = time.perf_counter()
-        texts = []
-        for i in range(0, len(prompt_ids), batch):
-            texts.extend(run_one(prompt_ids[i:i + batch]))
+        generated = sum(len(t) for i in range(0, len(prompt_ids), batch) for t in run_one(prompt_ids[i:i + batch]))
         _sync(dev)
-        return sum(len(t) for t in texts) / (time.perf_counter() - t0), texts
+        return generated / (time.perf_counter() - t0)
 
     def plain(chunk):
         width = max(len(p) for p in chunk)
@@ -60,26 +59,23 @@ def hf_generate_tokens_per_s(session, cfg, prompt_ids: list[list[int]]) -> dict:
             gen = target.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **common)
         return [row[width:].tolist() for row in gen]
 
+    def one_prompt(**speculation):  # transformers' speculative modes take batch 1 only
+        def run(chunk):
+            ids = torch.tensor([chunk[0]], device=dev)
+            with torch.inference_mode():
+                gen = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **speculation, **common)
+            return [gen[0, ids.shape[1]:].tolist()]
+        return run
+
     torch.manual_seed(cfg.seed)
-    out["hf_tokens_per_s"], hf_outputs = timed(plain, cfg.batch)
+    out["hf_tokens_per_s"] = timed(plain, cfg.batch)
     if cfg.method == "draft" and session.draft_path:
         assistant = _load(session.draft_path, dtype, dev)
-
-        def assisted(chunk):
-            ids = torch.tensor([chunk[0]], device=dev)
-            with torch.inference_mode():
-                gen = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
-                                      num_assistant_tokens=cfg.k, num_assistant_tokens_schedule="constant",
-                                      assistant_confidence_threshold=0.0, **common)
-            return [gen[0, ids.shape[1]:].tolist()]
-        out["hf_spec_tokens_per_s"], _ = timed(assisted, 1)
+        out["hf_spec_tokens_per_s"] = timed(one_prompt(
+            assistant_model=assistant, num_assistant_tokens=cfg.k, num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0), 1)
     elif cfg.method == "ngram":
-        def lookup(chunk):
-            ids = torch.tensor([chunk[0]], device=dev)
-            with torch.inference_mode():
-                gen = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                      prompt_lookup_num_tokens=cfg.k, max_matching_ngram_size=cfg.ngram_max, **common)
-            return [gen[0, ids.shape[1]:].tolist()]
-        out["hf_spec_tokens_per_s"], _ = timed(lookup, 1)
+        out["hf_spec_tokens_per_s"] = timed(one_prompt(
+            prompt_lookup_num_tokens=cfg.k, max_matching_ngram_size=cfg.ngram_max), 1)
     out["hf_batch"] = cfg.batch
     return out
