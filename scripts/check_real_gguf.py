@@ -123,7 +123,7 @@ def check_dequant(gguf_path: Path) -> None:
 
 def build_prompts(gguf_path: Path, prompts_file: str | None) -> list[str]:
     if prompts_file:
-        from workbench.prompts import load_prompts
+        from workbench.harness.prompts import load_prompts
         return [p.text for p in load_prompts(prompts_file)]
     from transformers import AutoTokenizer
 

@@ -7,7 +7,7 @@ an argmax; fp32 must match exactly.
 import argparse, json, sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from workbench.bench import BenchConfig, BenchSession
+from workbench.harness.bench import BenchConfig, BenchSession
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--preset", default="small")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workbench.bench import BenchConfig, BenchError, BenchSession  # noqa: E402
+from workbench.harness.bench import BenchConfig, BenchError, BenchSession  # noqa: E402
 
 COLS = ["method", "k", "batch", "dtype", "acceptance_rate", "mean_accepted_tokens", "tokens_per_s", "ar_tokens_per_s",
         "speedup_vs_ar", "hf_tokens_per_s", "hf_spec_tokens_per_s", "greedy_matches_ar", "tpot_ms_p50",

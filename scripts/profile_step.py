@@ -3,9 +3,9 @@ import sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
-from workbench.bench import BenchSession
+from workbench.harness.bench import BenchSession
 from workbench.engine import SpecEngine, EngineConfig
-from workbench.drafters import DraftModelDrafter
+from workbench.engine.drafters import DraftModelDrafter
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "tiny"
 s = BenchSession.load(preset=preset, device="cuda", dtype="bfloat16")

@@ -88,7 +88,7 @@ class SessionPool:
     def get(self, models: ModelSpec, device: str, dtype: str) -> Any:
         key = (models.preset, models.model, models.draft, models.prompts, device, dtype)
         if key not in self._sessions:
-            from workbench.bench import BenchSession
+            from workbench.harness.bench import BenchSession
 
             self._sessions[key] = BenchSession.load(preset=models.preset, model=models.model, draft=models.draft,
                                                     device=device, dtype=dtype, prompts=models.prompts)
@@ -183,7 +183,7 @@ class BenchObjective:
     def _check_fidelity(self, trial: optuna.Trial, params: dict[str, Any], record: dict[str, Any]) -> None:
         greedy = float(params.get("temperature", record.get("temperature", 0.0)) or 0.0) == 0.0
         matches = _plain(record.get("greedy_matches_ar"))
-        # bf16/fp16: a divergence only at numerical near-ties (workbench.bench.NEAR_TIE_LOGITS) is not a fidelity loss
+        # bf16/fp16: a divergence only at numerical near-ties (workbench.harness.bench.NEAR_TIE_LOGITS) is not a fidelity loss
         near_tie = bool(_plain(record.get("greedy_near_tie")) or False)
         violated = greedy and matches is not None and not bool(matches) and not near_tie
         if greedy and matches is False and near_tie:
@@ -219,13 +219,13 @@ def failed_record(params: dict[str, Any], error: str, *, study: str, trial_id: i
                   models: ModelSpec, config: Any = None, session: Any = None) -> dict[str, Any]:
     """A result-store row for a run that produced no measurements: its settings, the reason, the environment.
 
-    Built by the engine's `workbench.bench.failed_record` when the config was built (so the row matches the
+    Built by the engine's `workbench.harness.bench.failed_record` when the config was built (so the row matches the
     engine's own failure rows); what it cannot know (no session loaded yet) is filled from this worker's settings.
     """
     record: dict[str, Any] = {}
     if config is not None:
         try:
-            from workbench.bench import BenchSession, failed_record as engine_failed_record
+            from workbench.harness.bench import BenchSession, failed_record as engine_failed_record
 
             real_session = session if isinstance(session, BenchSession) else None
             record = engine_failed_record(config, error, study=study, trial_id=trial_id, session=real_session)
@@ -233,7 +233,7 @@ def failed_record(params: dict[str, Any], error: str, *, study: str, trial_id: i
             record = {}
     if not record:
         try:
-            from workbench.telemetry import environment_info
+            from workbench.harness.telemetry import environment_info
 
             record.update(environment_info())
         except Exception:  # noqa: BLE001 - the environment is nice to have on a failure row, never required

@@ -151,7 +151,7 @@ def spawn_workers(args: argparse.Namespace, n: int) -> list[subprocess.Popen]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from workbench.bench import BenchError  # the engine's "cannot run this" (e.g. untrained preset, bad model path)
+    from workbench.harness.bench import BenchError  # the engine's "cannot run this" (e.g. untrained preset, bad model path)
 
     prepare_process(args.threads)
     try:

@@ -19,7 +19,7 @@ Extension points (later issues):
   - a knob that picks the loaded models rather than a run setting (dtype today; weight quantization later) is listed
     in `SESSION_KNOBS`: it selects a `BenchSession` (loaded once per worker and value) instead of a BenchConfig field.
 Every value a space can produce is checked against `LIMITS` (what the engine supports; `engine_limits()` refreshes
-methods and dtypes from `workbench.bench`) by `validate()`, and every other knob must be a field of the engine's
+methods and dtypes from `workbench.harness.bench`) by `validate()`, and every other knob must be a field of the engine's
 `BenchConfig`: a bad one raises `SpaceError` naming it.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Limit:
         return f"{lo}..{hi}"
 
 
-# What the engine supports (workbench.bench). Keep in step with BenchConfig's own checks; a knob added by a later
+# What the engine supports (workbench.harness.bench). Keep in step with BenchConfig's own checks; a knob added by a later
 # issue adds its Limit here.
 LIMITS: dict[str, Limit] = {
     "method": Limit(allowed=("ar", "draft", "ngram")),
@@ -128,10 +128,10 @@ def split_params(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
 
 
 def engine_limits() -> dict[str, Limit]:
-    """LIMITS, with the methods and dtypes the installed engine declares (workbench.bench.METHODS / DTYPES)."""
+    """LIMITS, with the methods and dtypes the installed engine declares (workbench.harness.bench.METHODS / DTYPES)."""
     limits = dict(LIMITS)
     try:
-        from workbench import bench
+        from workbench.harness import bench
     except ImportError:
         return limits
     if isinstance(getattr(bench, "METHODS", None), Mapping):
@@ -253,7 +253,7 @@ class SearchSpace:
 def make_config(params: Mapping[str, Any]) -> Any:
     """BenchConfig from a trial's parameters (session knobs such as dtype left out); the engine is imported here
     so that importing `studies` stays light."""
-    from workbench.bench import BenchConfig
+    from workbench.harness.bench import BenchConfig
 
     return BenchConfig(**split_params(params)[0])
 
@@ -319,7 +319,7 @@ def parse_dim(name: str, text: str, cast: Callable[[str], Any] = int) -> Dim:
 def bench_config_fields() -> set[str] | None:
     """Field names of the engine's BenchConfig, or None when the engine cannot be imported here."""
     try:
-        from workbench.bench import BenchConfig
+        from workbench.harness.bench import BenchConfig
     except ImportError:
         return None
     return {f.name for f in dataclasses.fields(BenchConfig)} if dataclasses.is_dataclass(BenchConfig) else None

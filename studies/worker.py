@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from workbench.bench import BenchError
+    from workbench.harness.bench import BenchError
 
     prepare_process(args.threads)
     try:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.bench import BenchConfig, BenchError, BenchSession
+from workbench.harness.bench import BenchConfig, BenchError, BenchSession
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from tests.test_verify import chi_square_pvalue
-from workbench.drafters import DraftModelDrafter, NgramDrafter
+from workbench.engine.drafters import DraftModelDrafter, NgramDrafter
 from workbench.engine import EngineConfig, SpecEngine
-from workbench.kv_cache import ContiguousKVCache, PagedKVCache
+from workbench.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from workbench.models import CausalAttention, LlamaModel, ModelConfig
-from workbench.sampling import SamplingParams, probs_from_logits
+from workbench.engine.sampling import SamplingParams, probs_from_logits
 
 
 def random_model(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, seed=0, std=0.3) -> LlamaModel:
@@ -103,7 +103,7 @@ def test_finished_sequences_leave_the_batch(target, draft):
 
 
 def test_paged_cache_frees_and_reuses_blocks(target, draft, monkeypatch):
-    import workbench.engine as engine_module
+    import workbench.engine.step as engine_module
 
     made = []
     real_make_cache = engine_module.make_cache
@@ -202,7 +202,7 @@ class TwoBranchDrafter(DraftModelDrafter):
         self.num_nodes = 2 * k
 
     def propose(self, state):
-        from workbench.tree import DraftTree
+        from workbench.engine.tree import DraftTree
 
         b = super().propose(state)
         a = self.ngram.propose(state)
@@ -217,7 +217,7 @@ class TwoBranchDrafter(DraftModelDrafter):
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 def test_tree_drafts_reproduce_greedy_output(paged, target, monkeypatch):
-    import workbench.engine as engine_module
+    import workbench.engine.step as engine_module
 
     first_nodes = []
     accept = engine_module.Verifier.accept
@@ -239,7 +239,7 @@ def test_tree_drafts_reproduce_greedy_output(paged, target, monkeypatch):
 
 
 def test_paged_pool_is_sized_to_the_prompts_not_the_longest_row(target, monkeypatch):
-    import workbench.engine as engine_module
+    import workbench.engine.step as engine_module
 
     made = []
     real = engine_module.make_cache

@@ -1,4 +1,4 @@
-"""workbench.prompts: both JSONL formats, .txt, and a line-numbered error for every kind of bad input."""
+"""workbench.harness.prompts: both JSONL formats, .txt, and a line-numbered error for every kind of bad input."""
 from __future__ import annotations
 
 import doctest
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-import workbench.prompts
-from workbench.prompts import Prompt, PromptFileError, load_prompts
+import workbench.harness.prompts
+from workbench.harness.prompts import Prompt, PromptFileError, load_prompts
 
 
 def write(tmp_path, name, text, mode="w"):
@@ -20,7 +20,7 @@ def write(tmp_path, name, text, mode="w"):
 
 
 def test_docstring_examples():
-    result = doctest.testmod(workbench.prompts)
+    result = doctest.testmod(workbench.harness.prompts)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -113,7 +113,7 @@ def test_directory_is_not_a_file(tmp_path):
 
 
 def test_utf8_bom_is_not_content(tmp_path):
-    from workbench.prompts import load_prompts
+    from workbench.harness.prompts import load_prompts
 
     path = tmp_path / "bom.jsonl"
     path.write_bytes('\ufeff{"prompt": "héllo"}\n'.encode("utf-8"))

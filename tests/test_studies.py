@@ -49,7 +49,7 @@ def make_spec(script: str = "best_k", **space: object) -> StudySpec:
 
 @pytest.fixture(scope="module")
 def session():
-    from workbench.bench import BenchSession
+    from workbench.harness.bench import BenchSession
 
     return BenchSession.load(preset="tiny", device="cpu", dtype="float32")
 
@@ -205,7 +205,7 @@ def test_failed_trials_are_recorded_and_the_study_goes_on(tmp_path, session):
         if calls["n"] == 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         if calls["n"] == 3:
-            from workbench.bench import BenchError
+            from workbench.harness.bench import BenchError
 
             raise BenchError(f"k={config.k} is too long for this draft model")
         return session.run(config)

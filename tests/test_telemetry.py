@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from workbench import telemetry as T
-from workbench.telemetry import METRIC_KEYS, GpuTelemetry, environment_info
+from workbench.harness import telemetry as T
+from workbench.harness.telemetry import METRIC_KEYS, GpuTelemetry, environment_info
 
 
 class FakeNvml:

@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
-import workbench.verify as verify_module
-from workbench.sampling import SamplingParams, probs_from_logits
-from workbench.tree import DraftTree, ancestor_matrix, verify_mask
-from workbench.verify import Verifier, accept_greedy, accept_sampled_chain, accept_sampled_tree
+import workbench.engine.verify as verify_module
+from workbench.engine.sampling import SamplingParams, probs_from_logits
+from workbench.engine.tree import DraftTree, ancestor_matrix, verify_mask
+from workbench.engine.verify import Verifier, accept_greedy, accept_sampled_chain, accept_sampled_tree
 
 V = 12
 

@@ -288,7 +288,7 @@ def test_prompt_selection_is_deterministic(stdlib_corpus, small_tokenizer):
 def test_committed_tiny_preset():
     from transformers import AutoModelForCausalLM
 
-    from workbench.prompts import load_prompts
+    from workbench.harness.prompts import load_prompts
 
     paths = resolve_preset("tiny")
     target = AutoModelForCausalLM.from_pretrained(str(paths.target_dir))

@@ -57,13 +57,13 @@ def prompt_path(text: str | os.PathLike) -> Path:
 
 
 def load_prompt_file(path: str | os.PathLike) -> tuple[list | None, str | None]:
-    """`workbench.prompts.load_prompts(path)` -> (prompts, None) or (None, the PromptFileError message)."""
+    """`workbench.harness.prompts.load_prompts(path)` -> (prompts, None) or (None, the PromptFileError message)."""
     if not str(path).strip():
         return None, "prompt file path is empty"
     path = prompt_path(path)
     if not path.is_file():
         return None, f"prompt file does not exist: {path}"
-    from workbench.prompts import PromptFileError, load_prompts
+    from workbench.harness.prompts import PromptFileError, load_prompts
 
     try:
         prompts = load_prompts(path)

@@ -39,7 +39,7 @@ def environment_table(info: dict) -> None:
     if rows:
         st.dataframe(rows, hide_index=True, width="stretch")
     if info.get("environment_error"):
-        st.warning(f"workbench.telemetry.environment_info failed: {info['environment_error']}")
+        st.warning(f"workbench.harness.telemetry.environment_info failed: {info['environment_error']}")
 
 
 def live_section(info: dict) -> None:

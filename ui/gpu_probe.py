@@ -2,7 +2,7 @@
 
 Runs in its own process so the Streamlit server never imports torch. Without --watch it prints one object:
 environment_info() plus cuda_available, device count and per-device memory. With --watch it prints one JSON line
-per second of telemetry (workbench.telemetry.GpuTelemetry means over that second, plus t_s) until the time is up or
+per second of telemetry (workbench.harness.telemetry.GpuTelemetry means over that second, plus t_s) until the time is up or
 it is cancelled; the GPU page starts it as a background job and plots the lines.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 def probe() -> dict:
     info: dict = {"cuda_available": False, "devices": [], "reason": None}
     try:
-        from workbench.telemetry import environment_info
+        from workbench.harness.telemetry import environment_info
 
         info.update(environment_info())
     except Exception as exc:  # noqa: BLE001 - report, do not crash: the page shows the reason
@@ -40,7 +40,7 @@ def probe() -> dict:
 
 
 def watch(seconds: float, interval: float, device: int) -> None:
-    from workbench.telemetry import GpuTelemetry
+    from workbench.harness.telemetry import GpuTelemetry
 
     start = time.time()
     while time.time() - start < seconds:

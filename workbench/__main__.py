@@ -9,7 +9,7 @@ import sys
 COMMANDS = {
     "zoo": "workbench.zoo.cli",
     "models": "workbench.models.cli",
-    "bench": "workbench.bench_cli",
+    "bench": "workbench.harness.bench_cli",
 }
 
 

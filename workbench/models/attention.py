@@ -1,6 +1,6 @@
 """The attention extension point: the model computes q/k/v and RoPE, a backend owns the KV and the masking.
 
-The engine injects its own backend (KV cache, tree masks, paged blocks; see workbench/kv_cache.py). `CausalAttention`
+The engine injects its own backend (KV cache, tree masks, paged blocks; see workbench/engine/kv_cache.py). `CausalAttention`
 is the cache-free reference used when no backend is given: parity tests and one-shot scoring.
 """
 from __future__ import annotations

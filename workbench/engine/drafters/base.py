@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workbench.sampling import SamplingParams
-from workbench.tree import DraftTree
+from workbench.engine.sampling import SamplingParams
+from workbench.engine.tree import DraftTree
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Draft token trees: what every drafter proposes and the verifier checks.
 
-Vocabulary (the engine's; see workbench/engine.py for the whole list):
+Vocabulary (the engine's; see workbench/engine/step.py for the whole list):
 - **root**: the last committed token of a sequence; its target logits predict draft depth 1. Its KV is written in the
   verify pass, which runs the target over `[root, node_0, ..., node_{N-1}]`.
 - **draft tree**: N nodes per sequence, each with a token id, a parent index (-1 = child of the root) and a 1-based

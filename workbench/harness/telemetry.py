@@ -11,7 +11,7 @@ Also per sample: gpu_mem_used_mb (MiB, device-wide, all processes), gpu_power_w,
     summary.means["sm_util_pct"]     # float, or None with summary.reasons["sm_util_pct"] saying why
 
 Nothing measured is never reported as zero: a metric that could not be read is None and its reason is kept.
-Self-check on a GPU box: `python -m workbench.telemetry --seconds 2` (runs matmuls, prints the summary as JSON).
+Self-check on a GPU box: `python -m workbench.harness.telemetry --seconds 2` (runs matmuls, prints the summary as JSON).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ METRIC_KEYS = ("sm_util_pct", "sm_occupancy_pct", "gpu_busy_pct", "gpu_mem_used_
 GPM_KEYS = ("sm_util_pct", "sm_occupancy_pct")
 GPM_MIN_GAP_S = 0.1   # NVML needs GPM samples at least 100 ms apart for meaningful rates
 _MIB = 1 << 20
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -433,7 +433,7 @@ def _busy_work(device: str, seconds: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbench.telemetry", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m workbench.harness.telemetry", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=2.0, help="length of the busy workload")
     parser.add_argument("--device", default="cuda:0")

@@ -28,7 +28,7 @@ def _sync(device: torch.device) -> None:
 
 
 def hf_generate_tokens_per_s(session, cfg, prompt_ids: list[list[int]]) -> dict:
-    from workbench.bench import DTYPES
+    from workbench.harness.bench import DTYPES
 
     if session.target_path.endswith(".gguf"):
         return {"hf_reason": "HF comparison skipped for GGUF models"}

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from workbench.drafters.base import BatchState, Drafter
-from workbench.tree import DraftTree
+from workbench.engine.drafters.base import BatchState, Drafter
+from workbench.engine.tree import DraftTree
 
 
 def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

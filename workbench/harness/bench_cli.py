@@ -10,7 +10,7 @@ import json
 import sys
 from dataclasses import fields
 
-from workbench.bench import METHODS, BenchConfig
+from workbench.harness.bench import METHODS, BenchConfig
 
 HEADLINE = ["method", "k", "batch", "acceptance_rate", "mean_accepted_tokens", "tokens_per_s", "ar_tokens_per_s",
             "speedup_vs_ar", "ttft_ms", "tpot_ms_p50", "tpot_ms_p99", "greedy_matches_ar", "sm_util_pct",
@@ -57,7 +57,7 @@ def _store(args):
 
 
 def main(args: argparse.Namespace) -> int:
-    from workbench.bench import BenchError, BenchSession, failed_record
+    from workbench.harness.bench import BenchError, BenchSession, failed_record
 
     cfg_kwargs = {f.name: getattr(args, f.name) for f in fields(BenchConfig)}
     cfg = BenchConfig(**cfg_kwargs)

@@ -21,10 +21,10 @@ from typing import Callable
 import pandas as pd
 import torch
 
-from workbench.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from workbench.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
 from workbench.engine import EngineConfig, GenerationResult, SpecEngine
-from workbench.metrics import median, percentile, summarize, traces_frame
-from workbench.sampling import SamplingParams
+from workbench.harness.metrics import median, percentile, summarize, traces_frame
+from workbench.engine.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,7 +96,7 @@ class BenchSession:
     def load(cls, preset: str | None = None, model: str | None = None, draft: str | None = None,
              device: str = "auto", dtype: str = "float32", prompts: str | None = None) -> "BenchSession":
         from workbench.models import ModelLoadError, load_model, load_tokenizer, tokenizer_fingerprint
-        from workbench.prompts import PromptFileError, load_prompts
+        from workbench.harness.prompts import PromptFileError, load_prompts
         from workbench.zoo import ZooError, resolve_preset
 
         if dtype not in DTYPES:
@@ -205,7 +205,7 @@ class BenchSession:
 
     def run(self, cfg: BenchConfig, prompts: list[list[int]] | None = None, *, study: str | None = None,
             trial_id: int | None = None, progress: Callable[[float, str], None] | None = None) -> BenchResult:
-        from workbench.telemetry import GpuTelemetry, environment_info
+        from workbench.harness.telemetry import GpuTelemetry, environment_info
 
         prompt_ids = prompts if prompts is not None else self.encode(cfg.num_prompts)
         self.check(cfg, prompt_ids)
@@ -240,7 +240,7 @@ class BenchSession:
             hf = {}
             if cfg.compare_hf:
                 progress(0.95, "Hugging Face transformers baseline")
-                from workbench.hf_baseline import hf_generate_tokens_per_s
+                from workbench.harness.hf_baseline import hf_generate_tokens_per_s
                 hf = hf_generate_tokens_per_s(self, cfg, prompt_ids)
         except torch.cuda.OutOfMemoryError as e:
             raise BenchError(f"GPU out of memory with method={cfg.method} k={cfg.k} batch={cfg.batch} "
@@ -362,7 +362,7 @@ def _peak_rss_mb() -> float:
 def failed_record(cfg: BenchConfig, error: str, *, study: str | None = None, trial_id: int | None = None,
                   session: BenchSession | None = None) -> dict:
     """A result-store row for a run that could not complete: its settings and the reason."""
-    from workbench.telemetry import environment_info
+    from workbench.harness.telemetry import environment_info
 
     rec = _config_columns(cfg)
     rec.update(run_id=uuid.uuid4().hex, study=study, trial_id=trial_id, status="failed", error=error,

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.sampling import SamplingParams, probs_from_logits, sample
-from workbench.tree import DraftTree, ancestor_matrix
+from workbench.engine.sampling import SamplingParams, probs_from_logits, sample
+from workbench.engine.tree import DraftTree, ancestor_matrix
 
 
 @dataclass

@@ -4,8 +4,8 @@ Vocabulary (used the same way in every module):
 - **committed tokens**: a sequence's tokens whose target KV is final; `kv_len` counts them.
 - **root**: the token at index kv_len, the last one emitted; its KV is written in the next verify pass and its target
   logits predict draft depth 1.
-- **draft tree**: N nodes per sequence (token, parent, depth); a chain is the degenerate tree (workbench/tree.py).
-- **accepted tokens** / **recovered token** / **bonus token**: see workbench/verify.py. A step emits accepted + 1.
+- **draft tree**: N nodes per sequence (token, parent, depth); a chain is the degenerate tree (workbench/engine/tree.py).
+- **accepted tokens** / **recovered token** / **bonus token**: see workbench/engine/verify.py. A step emits accepted + 1.
 - **target step**: one verify pass of the target model; autoregressive decoding is the same loop with N = 0.
 
 One step, as named phases (each timed when `timing` is on):
@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workbench.drafters.base import BatchState, DraftContext, Drafter
-from workbench.kv_cache import make_cache
-from workbench.sampling import SamplingParams, next_token
-from workbench.tree import DraftTree, verify_mask
-from workbench.verify import Verifier
+from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
+from workbench.engine.kv_cache import make_cache
+from workbench.engine.sampling import SamplingParams, next_token
+from workbench.engine.tree import DraftTree, verify_mask
+from workbench.engine.verify import Verifier
 
 PHASES = ("prefill", "draft", "verify", "accept", "kv")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from workbench.drafters.base import BatchState, DraftContext, Drafter
-from workbench.kv_cache import make_cache
-from workbench.sampling import probs_from_logits, sample
-from workbench.tree import DraftTree
+from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
+from workbench.engine.kv_cache import make_cache
+from workbench.engine.sampling import probs_from_logits, sample
+from workbench.engine.tree import DraftTree
 
 
 class DraftModelDrafter(Drafter):

@@ -1,0 +1,6 @@
+"""Drafters: one module each, all behind the `Drafter` contract in base.py."""
+from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
+from workbench.engine.drafters.draft_model import DraftModelDrafter
+from workbench.engine.drafters.ngram import NgramDrafter, lookup
+
+__all__ = ["BatchState", "DraftContext", "Drafter", "DraftModelDrafter", "NgramDrafter", "lookup"]
