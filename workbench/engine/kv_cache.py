@@ -8,7 +8,15 @@ slots the positions say (a no-op for chains), and `truncate` rewinds rejected to
 blocks past the new length).
 
 A cache has `max_rows` rows (sequence slots); the engine maps each live sequence to a row and passes the rows of the
-live sequences each step, so finished sequences leave the batch without moving any data.
+live sequences each step, so finished sequences leave the batch without moving any data. One extra row, `pad_row`,
+is scratch space for the padding rows of a fixed-shape (graph-bucketed) step: they write and read only there.
+
+A step has two halves, so that the device half can be captured in a CUDA graph:
+    plan(rows_host, base_host, num_new)           host: capacity checks, block allocation (block table updated in place)
+    prepare(rows, base_len, num_new, mask, span)  device only: write slots, read slots and the [B, 1, T, S] mask,
+                                                  for a read span S that is either the live need (eager) or fixed
+                                                  (`static_span`, the whole reserved length: fixed-shape steps)
+`begin` is both, with the live span.
 """
 from __future__ import annotations
 
@@ -33,24 +41,55 @@ class KVCache(ABC):
         self._write_pos: torch.Tensor | None = None  # [B, T] slot positions written this step
         self._mask: torch.Tensor | None = None  # [B, 1, T, S] bool
         self._span = 0  # S: key positions read this step
+        self._base: torch.Tensor | None = None  # [B] committed length before this step
+        self._intra_mask: torch.Tensor | None = None  # [B, T, T] bool or None (causal)
+
+    @property
+    def pad_row(self) -> int:
+        """The scratch row that padding rows of a fixed-shape step use."""
+        return self.max_rows
+
+    @property
+    def static_span(self) -> int:
+        """The read span S of a fixed-shape step: every slot a row can hold."""
+        return self._read_span(self.max_len)
 
     # -- step -----------------------------------------------------------------------------------------------------
     def begin(self, rows: torch.Tensor, base_len: torch.Tensor, base_len_host: list[int], num_new: int,
               intra_mask: torch.Tensor | None = None, rows_host: list[int] | None = None) -> None:
-        """Prepare a step that writes `num_new` tokens per row after `base_len`.
+        """Prepare a step that writes `num_new` tokens per row after `base_len` (eager: plan, then prepare).
 
         rows [B] long; base_len [B] long (device) and the same values on the host; intra_mask [B, T, T] bool among
         the step's tokens (None = causal); rows_host = rows as a list (saves a device->host read when given).
         Everything the layers need (write slots, read slots, mask) is computed here once per step.
         """
+        need = self.plan(rows.tolist() if rows_host is None else rows_host, base_len_host, num_new)
+        self.prepare(rows, base_len, num_new, intra_mask, self._read_span(need))
+
+    def plan(self, rows_host: list[int], base_len_host: list[int], num_new: int) -> int:
+        """Host half of a step: check room and allocate storage for positions < base + num_new. Returns the need."""
         need = max(base_len_host) + num_new
         if need > self.max_len:
             raise CacheFullError(f"step needs {need} KV slots, cache holds {self.max_len} per sequence")
-        self._ensure_capacity(rows.tolist() if rows_host is None else rows_host, base_len_host, num_new)
+        self._ensure_capacity(rows_host, base_len_host, num_new)
+        return need
+
+    def plan_padding(self, num_new: int) -> None:
+        """Storage for a padding row's `num_new` tokens at positions 0.. of `pad_row` (kept between steps)."""
+        self._ensure_capacity([self.pad_row], [0], num_new)
+
+    def prepare(self, rows: torch.Tensor, base_len: torch.Tensor, num_new: int, intra_mask: torch.Tensor | None,
+                span: int) -> None:
+        """Device half of a step: index tensors and mask shared by all layers; no host reads (graph-capturable).
+
+        rows [B], base_len [B] long; intra_mask [B, T, T] bool or None (causal); span: key slots read per row.
+        """
         t = torch.arange(num_new, device=self.device)
         self._rows = rows
+        self._base = base_len
+        self._intra_mask = intra_mask
         self._write_pos = base_len.unsqueeze(1) + t  # [B, T]
-        self._span = self._read_span(need)
+        self._span = span
         key_pos = torch.arange(self._span, device=self.device)  # [S]
         before = key_pos.view(1, 1, -1) < base_len.view(-1, 1, 1)  # [B, 1, S]
         rel = key_pos.view(1, -1) - base_len.view(-1, 1)  # [B, S]
@@ -86,6 +125,16 @@ class KVCache(ABC):
         """The sequence in `row` finished: release its storage."""
         self.truncate(row, 0)
 
+    def reset(self) -> None:
+        """Every sequence row released (the padding row keeps its storage): ready for the next generation."""
+        for row in range(self.max_rows):
+            self.free(row)
+
+    def fits(self, max_rows: int, max_len: int, num_blocks: int | None = None) -> bool:
+        """Whether this cache can serve a generation of max_rows sequences of up to max_len slots each
+        (and, paged, num_blocks blocks in all)."""
+        return max_rows <= self.max_rows and max_len <= self.max_len
+
     # -- storage (per implementation) -----------------------------------------------------------------------------
     @abstractmethod
     def _ensure_capacity(self, rows: list[int], base_len_host: list[int], num_new: int) -> None: ...
@@ -116,8 +165,8 @@ class ContiguousKVCache(KVCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        shape = (self.num_layers, self.max_rows, self.max_len, self.num_kv_heads, self.head_dim)
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, R, S, Hkv, D]
+        shape = (self.num_layers, self.max_rows + 1, self.max_len, self.num_kv_heads, self.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, R + 1, S, Hkv, D] (+1: pad_row)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _ensure_capacity(self, rows, base_len_host, num_new):
@@ -159,17 +208,26 @@ class PagedKVCache(KVCache):
             raise ValueError(f"kv block size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.blocks_per_row = math.ceil(self.max_len / block_size)
-        self.num_blocks = num_blocks or self.max_rows * self.blocks_per_row
-        shape = (self.num_layers, self.num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        self.num_blocks = num_blocks or self.max_rows * self.blocks_per_row  # blocks shared by the sequences
+        # the pool also holds the padding row's own blocks, after the shared ones (never handed to sequences)
+        shape = (self.num_layers, (self.num_blocks + self.blocks_per_row) * block_size, self.num_kv_heads,
+                 self.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, blocks * block_size, Hkv, D]
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.block_table = torch.zeros(self.max_rows, self.blocks_per_row, dtype=torch.long, device=self.device)
+        # [R + 1, blocks per row]: row R is pad_row; unused entries point at block 0 (read only under a False mask)
+        self.block_table = torch.zeros(self.max_rows + 1, self.blocks_per_row, dtype=torch.long, device=self.device)
         self._host_table: list[list[int]] = [[] for _ in range(self.max_rows)]
+        self._host_table.append(list(range(self.num_blocks, self.num_blocks + self.blocks_per_row)))
+        self.block_table[self.pad_row] = torch.tensor(self._host_table[-1], dtype=torch.long)
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
 
     @property
     def free_blocks(self) -> int:
         return len(self._free)
+
+    def fits(self, max_rows: int, max_len: int, num_blocks: int | None = None) -> bool:
+        need = num_blocks if num_blocks is not None else max_rows * math.ceil(max_len / self.block_size)
+        return super().fits(max_rows, max_len) and need <= self.num_blocks
 
     def _ensure_capacity(self, rows, base_len_host, num_new):
         changed = False
@@ -181,8 +239,8 @@ class PagedKVCache(KVCache):
                     raise CacheFullError(f"paged KV cache out of blocks ({self.num_blocks} of {self.block_size})")
                 have.append(self._free.pop())
                 changed = True
-        if changed:
-            table = torch.zeros(self.max_rows, self.blocks_per_row, dtype=torch.long)
+        if changed:  # in place: a captured graph reads this very tensor
+            table = torch.zeros(self.max_rows + 1, self.blocks_per_row, dtype=torch.long)
             for r, blocks in enumerate(self._host_table):
                 table[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
             self.block_table.copy_(table)

@@ -13,6 +13,13 @@ One step, as named phases (each timed when `timing` is on):
     verify : target over [root, nodes] at positions kv_len + [0, depths], tree mask -> logits [B, 1+N, V]
     accept : verifier.accept(tree, logits) -> Acceptance;  then the step's one host read (accepted counts + tokens)
     kv     : move the accepted path's KV (trees only), advance kv_len, drafter.commit, retire finished sequences
+
+State that lives across `generate` calls (and across benchmark repeats and study trials that reuse the engine): the
+target's KV cache, sized for a maximum batch and length and grown only when a call needs more, and the target's
+`ModelStep` with its fixed-shape buckets and captured CUDA graphs (workbench/engine/graphs.py). Each step splits into
+host planning (block allocation, row bookkeeping, retiring finished rows) and a device step that reads only
+persistent buffers, so with `cuda_graphs` the verify pass (per batch bucket and node count) and the draft model's
+forwards replay captured graphs.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
+from workbench.engine.graphs import DEFAULT_BUCKETS, GraphSettings, GraphStats, ModelStep
 from workbench.engine.kv_cache import make_cache
 from workbench.engine.sampling import SamplingParams, next_token
 from workbench.engine.tree import DraftTree, verify_mask
@@ -41,8 +49,16 @@ class EngineConfig:
     stop_on_eos: bool = False  # benchmarks decode a fixed length, like vLLM's bench with ignore_eos
     eos_token_id: int | None = None
     timing: bool = False  # per-phase timers (CUDA events on GPU, no extra host syncs)
+    cuda_graphs: bool = False  # fixed-shape bucketed steps, captured in CUDA graphs on a GPU (eager on CPU)
+    graph_batch_sizes: tuple[int, ...] = DEFAULT_BUCKETS  # the buckets a live batch pads up to
+    compile: str = "off"  # torch.compile of the fixed-shape steps: "off" | "default" | "max-autotune"
+
+    @property
+    def graphs(self) -> GraphSettings:
+        return GraphSettings(self.cuda_graphs, tuple(self.graph_batch_sizes), self.compile)
 
     def __post_init__(self) -> None:
+        self.graphs  # noqa: B018 - validates the graph settings (GraphSettingsError names the bad one)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.kv_block_size < 1:
@@ -103,15 +119,22 @@ class GenerationResult:
     phase_ms: dict[str, float] = field(default_factory=dict)
     draft_forwards_per_step: int = 0
     num_nodes: int = 0
+    graph_stats: GraphStats | None = None  # fixed-shape steps of this call (target + drafter), None when eager
 
 
 class SpecEngine:
-    """Runs a batch of prompts to completion with one target model and an optional drafter (None = autoregressive)."""
+    """Runs a batch of prompts to completion with one target model and an optional drafter (None = autoregressive).
+
+    The KV cache and the fixed-shape step (buckets, captured graphs) persist across `generate` calls: the cache is
+    reallocated (and graphs dropped) only when a call needs more rows or a longer length than it holds.
+    """
 
     def __init__(self, target, drafter: Drafter | None, config: EngineConfig, device: torch.device | str = "cpu"):
         self.target, self.drafter, self.config = target, drafter, config
         self.device = torch.device(device)
         self.dtype = next(target.parameters()).dtype
+        self.cache = None
+        self.target_step: ModelStep | None = None
 
     def max_context(self) -> int:
         return int(self.target.config.max_position_embeddings)
@@ -119,6 +142,34 @@ class SpecEngine:
     def required_len(self, prompt_len: int) -> int:
         n = self.drafter.num_nodes if self.drafter else 0
         return prompt_len + self.config.max_new_tokens + n + 2
+
+    def graph_stats(self) -> GraphStats:
+        """Cumulative fixed-shape statistics of the target step and the drafter's steps (since construction)."""
+        stats = GraphStats().add(self.target_step.stats) if self.target_step else GraphStats()  # a copy
+        for step in getattr(self.drafter, "model_steps", lambda: [])():
+            stats = stats.add(step.stats)
+        return stats
+
+    def _reserve(self, plen: list[int]) -> None:
+        """The target's cache (and step) for these prompts; the one held is kept if it fits them."""
+        cfg, tcfg = self.config, self.target.config
+        rows, max_len = len(plen), self.required_len(max(plen))
+        # paged: a pool sized to what these prompts can reach (their own lengths), not max_len for every row; the
+        # right-padded prefill briefly needs the longest prompt's blocks in every row (freed right after it)
+        blocks = lambda n: -(-n // cfg.kv_block_size)  # noqa: E731
+        num_blocks = max(sum(blocks(self.required_len(n)) for n in plen), rows * blocks(max(plen)))
+        if self.cache is not None and self.cache.fits(rows, max_len, num_blocks):
+            self.cache.reset()
+            return
+        if self.cache is not None:  # grow: never below what it held, so alternating sizes settle on one cache
+            rows, max_len = max(rows, self.cache.max_rows), max(max_len, self.cache.max_len)
+            num_blocks = max(num_blocks, getattr(self.cache, "num_blocks", 0))
+        self.cache = None  # free the old pool (and the graphs that read it) before allocating the new one
+        self.target_step = None
+        self.cache = make_cache(cfg.paged, num_layers=tcfg.num_hidden_layers, num_kv_heads=tcfg.num_key_value_heads,
+                                head_dim=tcfg.head_dim, max_rows=rows, max_len=max_len, dtype=self.dtype,
+                                device=self.device, block_size=cfg.kv_block_size, num_blocks=num_blocks)
+        self.target_step = ModelStep(self.target, self.cache, cfg.graphs, self.device, "target")
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]]) -> GenerationResult:
@@ -129,22 +180,16 @@ class SpecEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every prompt needs at least one token")
         plen = [len(p) for p in prompts]
-        max_len = self.required_len(max(plen))
         n_nodes = self.drafter.num_nodes if self.drafter else 0
         gen = torch.Generator(device=dev).manual_seed(cfg.seed)
-        tcfg = self.target.config
-        # paged: a pool sized to what these prompts can reach (their own lengths), not max_len for every row; the
-        # right-padded prefill briefly needs the longest prompt's blocks in every row (freed right after it)
-        blocks = lambda n: -(-n // cfg.kv_block_size)  # noqa: E731
-        num_blocks = max(sum(blocks(self.required_len(n)) for n in plen), b * blocks(max(plen)))
-        cache = make_cache(cfg.paged, num_layers=tcfg.num_hidden_layers, num_kv_heads=tcfg.num_key_value_heads,
-                           head_dim=tcfg.head_dim, max_rows=b, max_len=max_len, dtype=self.dtype, device=dev,
-                           block_size=cfg.kv_block_size, num_blocks=num_blocks)
+        self._reserve(plen)
+        cache, target_step = self.cache, self.target_step
+        stats_before = self.graph_stats()
         timer = PhaseTimer(dev, cfg.timing)
         verifier = Verifier(cfg.sampling, gen)
 
         # buffers: every row's tokens; room for a full step's writes past the longest possible root
-        tokens = torch.zeros(b, max_len + n_nodes + 2, dtype=torch.long, device=dev)
+        tokens = torch.zeros(b, cache.max_len + n_nodes + 2, dtype=torch.long, device=dev)
         padded = torch.zeros(b, max(plen), dtype=torch.long)
         for i, p in enumerate(prompts):
             padded[i, :len(p)] = torch.tensor(p, dtype=torch.long)
@@ -164,8 +209,9 @@ class SpecEngine:
             first = next_token(self.target.compute_logits(last), cfg.sampling, gen)  # [B]
             tokens[rows, kv_len] = first
             if self.drafter is not None:
-                self.drafter.setup(DraftContext(max_rows=b, max_len=max_len, device=dev, sampling=cfg.sampling,
-                                                generator=gen, paged=cfg.paged, kv_block_size=cfg.kv_block_size))
+                self.drafter.setup(DraftContext(max_rows=b, max_len=cache.max_len, device=dev, sampling=cfg.sampling,
+                                                generator=gen, paged=cfg.paged, kv_block_size=cfg.kv_block_size,
+                                                graphs=cfg.graphs))
                 self.drafter.prefill(state, padded, positions)
         for i, n in enumerate(plen):
             cache.truncate(i, n)  # drop the padding's KV (and, paged, its blocks)
@@ -193,8 +239,8 @@ class SpecEngine:
             with timer.phase("verify"):
                 ids = torch.cat([state.root.unsqueeze(1), tree.token_ids], 1)  # [B, 1+N]
                 offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
-                cache.begin(live_t, base, base_host, ids.shape[1], verify_mask(tree), rows_host=live)
-                logits = self.target.compute_logits(self.target(ids, base.unsqueeze(1) + offsets, cache))
+                logits = target_step(live_t, live, ids, base.unsqueeze(1) + offsets, base, base_host,
+                                     verify_mask(tree))  # [B, 1+N, V]
             with timer.phase("accept"):
                 acc = verifier.accept(tree, logits)
                 drafted_dev = tree.valid.sum(-1, keepdim=True) if tree.num_nodes else torch.zeros_like(base).unsqueeze(1)
@@ -243,6 +289,8 @@ class SpecEngine:
             step += 1
         result.phase_ms = timer.resolve()
         result.draft_forwards_per_step = self.drafter.model_forwards_per_step if self.drafter else 0
+        if cfg.graphs.fixed_shape:
+            result.graph_stats = _stats_delta(self.graph_stats(), stats_before)
         return result
 
     def _finished(self, out: list[int]) -> bool:
@@ -250,3 +298,10 @@ class SpecEngine:
         if len(out) >= cfg.max_new_tokens:
             return True
         return cfg.stop_on_eos and cfg.eos_token_id is not None and bool(out) and out[-1] == cfg.eos_token_id
+
+
+def _stats_delta(now: GraphStats, before: GraphStats) -> GraphStats:
+    """What one generate call added (captures made during it, its hits, misses and rows)."""
+    return GraphStats(now.capture_s - before.capture_s, now.memory_bytes - before.memory_bytes,
+                      now.hits - before.hits, now.misses - before.misses, now.real_rows - before.real_rows,
+                      now.padded_rows - before.padded_rows, now.captured[len(before.captured):])

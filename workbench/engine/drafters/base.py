@@ -4,7 +4,9 @@ A drafter proposes a draft tree for every live sequence of a step and keeps what
 a token history, recurrent state) in step with what the verifier accepted. The engine never asks which drafter it
 runs: it calls these methods in this order, for one generation:
 
-    setup(ctx)                    once: sizes, device, sampling settings, random generator
+    setup(ctx)                    once per generation: sizes, device, sampling settings, random generator, graph
+                                  settings; a drafter keeps what it allocated (its KV cache, captured graphs) across
+                                  generations when the new sizes fit
     prefill(state, ids, pos)      once: the prompts (right-padded ids [B, P], positions [B, P]); state.kv_len = lengths
     repeat until every sequence is done:
         tree = propose(state)     -> DraftTree over state.rows (same order); no host sync expected (ngram excepted)
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workbench.engine.graphs import GraphSettings
 from workbench.engine.sampling import SamplingParams
 from workbench.engine.tree import DraftTree
 
@@ -38,6 +41,7 @@ class DraftContext:
     generator: torch.Generator | None
     paged: bool = True
     kv_block_size: int = 16
+    graphs: GraphSettings = GraphSettings()  # fixed-shape buckets / CUDA graphs / compile for the drafter's forwards
 
 
 @dataclass
@@ -74,6 +78,10 @@ class Drafter(ABC):
 
     def release(self, row: int) -> None:
         pass
+
+    def model_steps(self) -> list:
+        """The drafter's `ModelStep`s (for graph statistics and per-phase profiling); none for model-free drafters."""
+        return []
 
     @property
     def settings(self) -> dict:

@@ -1,0 +1,136 @@
+"""The fixed-shape step (workbench/engine/graphs.py) on CPU: bucketed, padded, persistent buffers, run eagerly.
+
+On a GPU the same step is captured in CUDA graphs (scripts/gpu_fastpath.py records that parity); here we check what
+does not need a GPU: every drafter still reproduces greedy decoding token for token through the padded step, padding
+rows never change real rows, a batch above every bucket falls back and is counted, state persists across calls, and
+bad settings are named.
+"""
+import pytest
+import torch
+
+from tests.test_engine import (DRAFTERS, PROMPTS, TwoBranchDrafter, draft, make_drafter,  # noqa: F401 (fixtures)
+                               reference_greedy, target)
+from workbench.engine import EngineConfig, SpecEngine
+from workbench.engine.drafters import DraftModelDrafter
+from workbench.engine.graphs import GraphSettings, GraphSettingsError
+from workbench.engine.sampling import SamplingParams
+
+
+def fast(**kw) -> EngineConfig:
+    kw.setdefault("graph_batch_sizes", (1, 2, 4))
+    return EngineConfig(cuda_graphs=True, kv_block_size=4, **kw)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_fixed_shape_greedy_equals_autoregressive(kind, paged, target, draft):
+    n = 20
+    expected = [reference_greedy(target, p, n) for p in PROMPTS]
+    engine = SpecEngine(target, make_drafter(kind, draft, target), fast(max_new_tokens=n, paged=paged))
+    for p, e in zip(PROMPTS, expected):  # batch 1: bucket 1, no padding
+        assert engine.generate([p]).outputs == [e]
+    res = engine.generate(PROMPTS)  # batch 3 -> bucket 4 (one padding row), shrinking as rows finish
+    assert res.outputs == expected
+    stats = res.graph_stats
+    assert stats.misses == 0 and stats.hits >= len(res.steps)
+    assert stats.padded_rows > 0 and 0 < stats.padding_waste < 1
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_fixed_shape_tree_drafts_equal_autoregressive(paged, target):
+    n = 20
+    noisy = make_drafter("noisy-self-draft", None, target).model
+    engine = SpecEngine(target, TwoBranchDrafter(noisy, k=3), fast(max_new_tokens=n, paged=paged))
+    assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
+
+
+@torch.inference_mode()
+def test_padding_rows_never_change_real_rows(target, draft):
+    """The same batch through bucket 4, bucket 8 (five padding rows) and the eager step: identical outputs, and
+    the rows' verify logits agree (padding rows write only to the scratch row)."""
+    outs = []
+    for sizes in [(4,), (8,)]:
+        engine = SpecEngine(target, DraftModelDrafter(draft, k=3), fast(max_new_tokens=12, graph_batch_sizes=sizes))
+        res = engine.generate(PROMPTS)
+        assert res.graph_stats.padded_rows >= (sizes[0] - 3) * len(res.steps)
+        outs.append(res.outputs)
+    eager = SpecEngine(target, DraftModelDrafter(draft, k=3), EngineConfig(max_new_tokens=12, kv_block_size=4))
+    outs.append(eager.generate(PROMPTS).outputs)
+    assert outs[0] == outs[1] == outs[2]
+
+    # logits of a verify pass: rows 0..2 real, padded to 8, against the same rows run unpadded
+    engine = SpecEngine(target, None, fast(max_new_tokens=4, graph_batch_sizes=(8,)))
+    engine.generate(PROMPTS)  # allocates the cache
+    step, cache = engine.target_step, engine.cache
+    prompts = [[4, 5, 6, 7], [8, 9], [10, 11, 12]]
+    logits = []
+    for padded in (True, False):
+        cache.reset()
+        rows = torch.arange(3)
+        base = torch.zeros(3, dtype=torch.long)
+        ids = torch.tensor([[p[0]] for p in prompts])
+        if padded:
+            out = step(rows, [0, 1, 2], ids, torch.zeros(3, 1, dtype=torch.long), base, [0, 0, 0])
+        else:
+            cache.begin(rows, base, [0, 0, 0], 1, rows_host=[0, 1, 2])
+            out = target.compute_logits(target(ids, torch.zeros(3, 1, dtype=torch.long), cache))
+        logits.append(out)
+    torch.testing.assert_close(logits[0], logits[1])
+
+
+def test_bucket_miss_falls_back_to_eager_and_is_counted(target, draft):
+    n = 10
+    engine = SpecEngine(target, DraftModelDrafter(draft, k=3), fast(max_new_tokens=n, graph_batch_sizes=(1, 2)))
+    res = engine.generate(PROMPTS)  # batch 3 > largest bucket 2: misses until a row leaves
+    assert res.outputs == [reference_greedy(target, p, n) for p in PROMPTS]
+    assert res.graph_stats.misses >= 1
+    assert res.graph_stats.hits + res.graph_stats.misses >= len(res.steps)
+
+
+def test_state_persists_across_generate_calls(target, draft):
+    engine = SpecEngine(target, DraftModelDrafter(draft, k=3), fast(max_new_tokens=8))
+    engine.generate(PROMPTS)
+    cache, step, draft_cache = engine.cache, engine.target_step, engine.drafter.cache
+    engine.generate(PROMPTS[:2])
+    engine.generate([PROMPTS[1]])
+    assert engine.cache is cache and engine.target_step is step and engine.drafter.cache is draft_cache
+    assert engine.graph_stats().hits > 0
+    engine.generate([[1] * 300])  # longer than the cache holds: it grows, the step and its buckets are rebuilt
+    assert engine.cache is not cache and engine.cache.max_len >= 300
+
+
+def test_sampled_fixed_shape_matches_eager_sampling(target, draft):
+    """Same seed, same prompts: the padded step draws exactly the tokens the eager step draws (sampling runs outside
+    the fixed-shape forward on the same generator, so padding cannot shift the random stream)."""
+    params = SamplingParams(temperature=1.0)
+    outs = []
+    for cfg in [fast(max_new_tokens=12, sampling=params, seed=3),
+                EngineConfig(max_new_tokens=12, sampling=params, seed=3, kv_block_size=4)]:
+        outs.append(SpecEngine(target, DraftModelDrafter(draft, k=3), cfg).generate(PROMPTS).outputs)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(compile="fast"), "unknown compile mode 'fast'"),
+    (dict(graph_batch_sizes=()), "graph_batch_sizes is empty"),
+    (dict(graph_batch_sizes=(4, 2)), "strictly increasing"),
+    (dict(graph_batch_sizes=(1, 1, 2)), "strictly increasing"),
+    (dict(graph_batch_sizes=(0, 2)), "integers >= 1"),
+])
+def test_bad_graph_settings_are_named(kwargs, message):
+    with pytest.raises(GraphSettingsError, match=message):
+        EngineConfig(cuda_graphs=True, **kwargs)
+
+
+def test_bucket_choice():
+    s = GraphSettings(True, (1, 2, 4, 8))
+    assert [s.bucket(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    assert not GraphSettings().fixed_shape and GraphSettings(compile="default").fixed_shape
+
+
+def test_compiled_fixed_shape_step_equals_eager(target):
+    """torch.compile (inductor) over the fixed-shape step: the same greedy tokens as the reference."""
+    n = 6
+    engine = SpecEngine(target, None, EngineConfig(max_new_tokens=n, compile="default", graph_batch_sizes=(1, 4),
+                                                   kv_block_size=4))
+    assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
