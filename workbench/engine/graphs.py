@@ -100,6 +100,7 @@ class _Bucket:
         self.rows = torch.full((size,), pad_row, dtype=torch.long, device=device)  # [Bb]
         self.base = z(size)  # [Bb]
         self.mask = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril().repeat(size, 1, 1)  # [Bb, T, T]
+        self.causal = True  # mask holds the causal pattern in every row
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # the graph's output buffer
         self.pad_row = pad_row
@@ -112,6 +113,10 @@ class _Bucket:
         self.base[:b].copy_(base)
         if mask is not None:
             self.mask[:b].copy_(mask)
+            self.causal = False
+        elif not self.causal:  # a chain after a tree step: back to the causal mask
+            self.mask.copy_(torch.ones_like(self.mask[0]).tril().expand_as(self.mask))
+            self.causal = True
         if b < self.size:  # padding rows: scratch row, position 0.., causal (a bucket may shrink between steps)
             self.rows[b:].fill_(self.pad_row)
             self.base[b:].zero_()
@@ -174,6 +179,19 @@ class ModelStep:
             self._record(bucket, args)
         bucket.graph.replay()
         return bucket.out[:b]
+
+    def capture(self, size: int, num_new: int) -> None:
+        """Capture (GPU) the (size, num_new) bucket ahead of use, with padding rows only, so that no capture lands in
+        a timed step. A no-op for eager steps, on a CPU, or when already captured."""
+        if not self._capture or size not in self.settings.batch_sizes:
+            return
+        self.cache.plan_padding(num_new)
+        bucket = self._buckets.get((size, num_new))
+        if bucket is None:
+            bucket = self._buckets[(size, num_new)] = _Bucket(size, num_new, self.device, self.cache.pad_row)
+        if bucket.graph is None:
+            bucket.load(*(x[:0] for x in (bucket.ids, bucket.positions, bucket.rows, bucket.base, bucket.mask)))
+            self._record(bucket, (bucket.ids, bucket.positions, bucket.rows, bucket.base, bucket.mask))
 
     def _record(self, bucket: _Bucket, args) -> None:
         t0 = time.perf_counter()

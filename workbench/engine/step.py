@@ -150,6 +150,25 @@ class SpecEngine:
             stats = stats.add(step.stats)
         return stats
 
+    def capture_graphs(self, max_batch: int) -> None:
+        """Capture every bucket a batch of up to max_batch can shrink through (target verify and drafter forwards),
+        so that timed generations replay graphs only. Needs a first `generate` (it sizes the caches)."""
+        if self.target_step is None or not self.config.cuda_graphs:
+            return
+        top = self.config.graphs.bucket(max_batch)
+        sizes = [s for s in self.config.graph_batch_sizes if top is not None and s <= top]
+        n = self.drafter.num_nodes if self.drafter else 0
+        with torch.inference_mode():
+            for size in sizes:
+                self.target_step.capture(size, 1 + n)
+            if self.drafter is not None:
+                self.drafter.capture_graphs(sizes)
+
+    def reserve(self, rows: int, max_prompt_len: int) -> None:
+        """Size the caches now for batches of up to `rows` prompts of up to `max_prompt_len` tokens at the configured
+        max_new_tokens (e.g. before a short warm-up, so that graphs captured then stay valid for the timed runs)."""
+        self._reserve([max_prompt_len] * rows)
+
     def _reserve(self, plen: list[int]) -> None:
         """The target's cache (and step) for these prompts; the one held is kept if it fits them."""
         cfg, tcfg = self.config, self.target.config

@@ -33,6 +33,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # numerical near-tie when the two competing tokens' fp32 logits differ by at most this much. float32 runs get no
 # such allowance (they must match exactly; measured on the H200: they do).
 NEAR_TIE_LOGITS = 0.25
+ENGINE_CACHE_SIZE = 4  # engines a session keeps between runs (each holds KV caches and captured graphs)
 
 
 class BenchError(Exception):
@@ -91,6 +92,7 @@ class BenchSession:
         self.target, self.draft, self.tokenizer, self.prompts = target, draft, tokenizer, prompts
         self.device, self.dtype, self.preset = device, dtype, preset
         self.target_path, self.draft_path, self.prompts_source = target_path, draft_path, prompts_source
+        self._engines: dict[tuple, SpecEngine] = {}  # engines (caches, graphs) reused across runs and trials
 
     @classmethod
     def load(cls, preset: str | None = None, model: str | None = None, draft: str | None = None,
@@ -186,11 +188,26 @@ class BenchSession:
         return out
 
     # -- running ------------------------------------------------------------------------------------------------
-    def _engine(self, cfg: BenchConfig, drafter: Drafter | None) -> SpecEngine:
+    def _engine(self, cfg: BenchConfig, drafter: bool) -> SpecEngine:
+        """The engine for these settings: kept across runs (its KV caches and captured graphs with it) as long as
+        the settings that shape them are the same; per-run settings (tokens, sampling, seed) are swapped in."""
         ecfg = EngineConfig(max_new_tokens=cfg.max_new_tokens,
                             sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p), paged=cfg.paged,
-                            kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True)
-        return SpecEngine(self.target, drafter, ecfg, self.device)
+                            kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
+                            cuda_graphs=getattr(cfg, "cuda_graphs", False),
+                            graph_batch_sizes=tuple(getattr(cfg, "graph_batch_sizes", EngineConfig.graph_batch_sizes)),
+                            compile=getattr(cfg, "compile", "off"))
+        key = (cfg.method if drafter else "ar", cfg.k, cfg.ngram_min, cfg.ngram_max, cfg.paged, cfg.kv_block_size,
+               ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile) if drafter else \
+            ("ar", cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile)
+        engine = self._engines.pop(key, None)
+        if engine is None:
+            engine = SpecEngine(self.target, _drafter_for(cfg, self) if drafter else None, ecfg, self.device)
+            while len(self._engines) >= ENGINE_CACHE_SIZE:  # oldest first: its caches and graphs are freed
+                self._engines.pop(next(iter(self._engines)))
+        engine.config = ecfg
+        self._engines[key] = engine  # most recent last
+        return engine
 
     def _pass(self, engine: SpecEngine, prompt_ids: list[list[int]], batch: int) -> list[GenerationResult]:
         out = []
@@ -210,20 +227,28 @@ class BenchSession:
         prompt_ids = prompts if prompts is not None else self.encode(cfg.num_prompts)
         self.check(cfg, prompt_ids)
         progress = progress or (lambda frac, msg: None)
-        ar_engine = self._engine(cfg, None)
-        cand_engine = self._engine(cfg, _drafter_for(cfg, self)) if cfg.method != "ar" else ar_engine
         try:
+            ar_engine = self._engine(cfg, drafter=False)
+            cand_engine = self._engine(cfg, drafter=True) if cfg.method != "ar" else ar_engine
+            engines = list({id(ar_engine): ar_engine, id(cand_engine): cand_engine}.values())
+            stats_before = [e.graph_stats() for e in engines]
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             else:
                 _reset_peak_rss()
-            warm = replace(cfg, max_new_tokens=min(cfg.max_new_tokens, 8))
-            for _ in range(cfg.warmup):
+            for w in range(cfg.warmup):
                 progress(0.0, "warm-up")
-                for eng in {id(ar_engine): ar_engine, id(cand_engine): cand_engine}.values():
-                    w = SpecEngine(eng.target, eng.drafter, replace(eng.config, max_new_tokens=warm.max_new_tokens),
-                                   self.device)
-                    self._pass(w, prompt_ids[:cfg.batch], cfg.batch)
+                for eng in engines:  # caches sized for the timed runs, a short pass, then every bucket captured
+                    if w == 0:
+                        eng.reserve(cfg.batch, max(len(p) for p in prompt_ids))
+                    full = eng.config
+                    eng.config = replace(full, max_new_tokens=min(cfg.max_new_tokens, 8))
+                    try:
+                        self._pass(eng, prompt_ids[:cfg.batch], cfg.batch)
+                    finally:
+                        eng.config = full
+                    if w == 0:
+                        eng.capture_graphs(cfg.batch)
             telemetry = GpuTelemetry(str(self.device) if self.device.type == "cuda" else 0).start()
             t0 = time.perf_counter()
             ar_runs, cand_runs = [], []
@@ -242,6 +267,8 @@ class BenchSession:
                 progress(0.95, "Hugging Face transformers baseline")
                 from workbench.harness.hf_baseline import hf_generate_tokens_per_s
                 hf = hf_generate_tokens_per_s(self, cfg, prompt_ids)
+            graphs = _graph_columns([e.graph_stats() for e in engines], stats_before,
+                                    getattr(cfg, "cuda_graphs", False) or getattr(cfg, "compile", "off") != "off")
         except torch.cuda.OutOfMemoryError as e:
             raise BenchError(f"GPU out of memory with method={cfg.method} k={cfg.k} batch={cfg.batch} "
                              f"max_new_tokens={cfg.max_new_tokens} dtype={self.dtype}: lower batch or max_new_tokens "
@@ -250,6 +277,7 @@ class BenchSession:
         result = self._result(cfg, ar_runs, cand_runs, wall, tel, hf, study, trial_id, environment_info(
             str(self.device) if self.device.type == "cuda" else None))
         rec = result.record
+        rec.update(graphs)
         if rec["greedy_matches_ar"] is False:
             margins = self.divergence_margins(prompt_ids, result.outputs, result.ar_outputs)
             rec["greedy_divergent_sequences"] = len(margins)
@@ -331,6 +359,21 @@ class BenchSession:
             **tel.to_record(), **env, **hf,
         }
         return BenchResult(record, traces_frame(cand_runs[0], run_id), outputs, ar_outputs)
+
+
+def _graph_columns(now, before, fixed_shape: bool) -> dict:
+    """Fixed-shape / CUDA-graph statistics of one run (both engines, warm-up included: captures happen there)."""
+    if not fixed_shape:
+        return {}
+    from workbench.engine.step import _stats_delta
+
+    total = None
+    for n, b in zip(now, before):
+        d = _stats_delta(n, b)
+        total = d if total is None else total.add(d)
+    return {"graph_capture_s": total.capture_s, "graph_memory_mb": total.memory_bytes / 2**20,
+            "graph_bucket_hits": total.hits, "graph_bucket_misses": total.misses,
+            "graph_padding_waste": total.padding_waste, "graph_buckets_captured": ",".join(total.captured)}
 
 
 def _config_columns(cfg: BenchConfig) -> dict:

@@ -79,6 +79,9 @@ class Drafter(ABC):
     def release(self, row: int) -> None:
         pass
 
+    def capture_graphs(self, sizes: list[int]) -> None:
+        """Capture the drafter's forwards for these batch buckets ahead of use (after a first `setup`)."""
+
     def model_steps(self) -> list:
         """The drafter's `ModelStep`s (for graph statistics and per-phase profiling); none for model-free drafters."""
         return []

@@ -79,6 +79,11 @@ class DraftModelDrafter(Drafter):
     def release(self, row: int) -> None:
         self.cache.free(row)
 
+    def capture_graphs(self, sizes: list[int]) -> None:
+        for size in sizes:
+            for num_new in (2, 1):  # the [t_(L-1), root] forward, then the single-token ones
+                self.step.capture(size, num_new)
+
     def model_steps(self) -> list:
         return [self.step] if self.step is not None else []
 

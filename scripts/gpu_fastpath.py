@@ -1,0 +1,224 @@
+"""GPU check of the fast path: greedy parity of CUDA graphs / compile against the eager step, and tokens/s of each.
+
+    python scripts/gpu_fastpath.py --out DIR [--parts parity,speed,floor,sweep] [--preset tiny]
+
+parity : tiny preset, fp32 and bf16, ar / draft k=4 / ngram k=4, batch 1 and 4: outputs with graphs (and with
+         compile) against the eager step's (fp32 must be equal; bf16 differences are counted, not hidden)
+speed  : batch 1, equal-length prompts, interleaved repeats: tokens/s per method and step mode, mean accepted tokens,
+         per-phase ms per step
+floor  : random-weight Llama 1.45 B / 6.7 B, AR batch 1: ms/token against the HBM floor (weights + KV bytes / 4.3 TB/s)
+sweep  : batch 1..64 with graphs: tokens/s for AR, draft and ngram, speedup vs AR at each batch
+Writes one JSON per part into DIR and prints a table. Absolute times mean something only on the GPU it ran on.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
+from workbench.engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12
+MODES = {"eager": {}, "graphs": {"cuda_graphs": True},
+         "graphs+compile": {"cuda_graphs": True, "compile": "default"}}
+RANDOM_CONFIGS = {"1.45b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                num_attention_heads=32, num_key_value_heads=4),
+                  "6.7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32)}
+
+
+def load_preset(name: str, dtype: torch.dtype):
+    from workbench.harness.prompts import load_prompts
+    from workbench.models import load_model, load_tokenizer
+    from workbench.zoo import resolve_preset
+
+    paths = resolve_preset(name)
+    target = load_model(str(paths.target_dir), dtype=dtype, device="cuda").eval()
+    draft = load_model(str(paths.draft_dir), dtype=dtype, device="cuda").eval()
+    tok = load_tokenizer(str(paths.target_dir))
+    prompts = [tok.encode(p.text).ids for p in load_prompts(str(paths.prompts_path))]
+    return target, draft, prompts
+
+
+def equal_length(prompts: list[list[int]], n: int, length: int) -> list[list[int]]:
+    out = [p[:length] for p in prompts if len(p) >= length]
+    return (out * n)[:n]
+
+
+def make_drafter(method: str, draft, k: int = 4):
+    return None if method == "ar" else DraftModelDrafter(draft, k) if method == "draft" else NgramDrafter(k, 1, 3)
+
+
+def timed_generate(engine: SpecEngine, prompts, batch: int) -> tuple[float, list, list]:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    results = [engine.generate(prompts[i:i + batch]) for i in range(0, len(prompts), batch)]
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, results, [o for r in results for o in r.outputs]
+
+
+def engine_for(target, draft, method, mode, max_new, batch, timing=False):
+    cfg = EngineConfig(max_new_tokens=max_new, timing=timing, **MODES[mode])
+    engine = SpecEngine(target, make_drafter(method, draft), cfg, "cuda")
+    return engine
+
+
+def warm(engine: SpecEngine, prompts, batch: int) -> None:
+    engine.reserve(batch, max(len(p) for p in prompts))
+    engine.generate(prompts[:batch])
+    engine.capture_graphs(batch)
+    engine.generate(prompts[:batch])
+
+
+def part_parity(args) -> dict:
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        target, draft, prompts = load_preset(args.preset, dtype)
+        prompts = prompts[:8]
+        for method in ("ar", "draft", "ngram"):
+            for batch in (1, 4):
+                outs = {}
+                for mode in MODES:
+                    if mode == "graphs+compile" and (batch != 1 or dtype != torch.bfloat16):
+                        continue  # compile per shape is slow: one setting per method is enough here
+                    eng = engine_for(target, draft, method, mode, 48, batch)
+                    warm(eng, prompts, batch)
+                    _, res, outs[mode] = timed_generate(eng, prompts, batch)
+                    stats = res[-1].graph_stats
+                    if mode != "eager":
+                        rows.append({"dtype": str(dtype), "method": method, "batch": batch, "mode": mode,
+                                     "equal_sequences": sum(a == b for a, b in zip(outs[mode], outs["eager"])),
+                                     "sequences": len(outs["eager"]),
+                                     "misses": stats.misses if stats else None})
+                        print(rows[-1], flush=True)
+    return {"rows": rows}
+
+
+def part_speed(args) -> dict:
+    target, draft, prompts = load_preset(args.preset, torch.bfloat16)
+    prompts = equal_length(prompts, args.num_prompts, args.prompt_len)
+    engines = {(m, mode): engine_for(target, draft, m, mode, args.max_new_tokens, 1, timing=False)
+               for m in ("ar", "draft", "ngram") for mode in args.modes.split(",")}
+    for eng in engines.values():
+        warm(eng, prompts, 1)
+    times = {key: [] for key in engines}
+    accepted = {}
+    for _ in range(args.repeats):  # interleaved: every setting once per repeat
+        for key, eng in engines.items():
+            wall, res, _ = timed_generate(eng, prompts, 1)
+            times[key].append(sum(len(o) for r in res for o in r.outputs) / wall)
+            steps = [a for r in res for s in r.steps for a in s.accepted]
+            accepted[key] = (sum(steps) + len(steps)) / len(steps)
+    phase = {}
+    for key, eng in engines.items():  # one extra pass with phase timers (CUDA events) for where the time goes
+        eng.config = dataclasses.replace(eng.config, timing=True)
+        _, res, _ = timed_generate(eng, prompts, 1)
+        n_steps = sum(len(r.steps) for r in res)
+        phase[key] = {p: sum(r.phase_ms.get(p, 0.0) for r in res) / n_steps for p in ("draft", "verify", "accept", "kv")}
+    rows = []
+    for (m, mode), tps in times.items():
+        ar = statistics.median(times[("ar", mode)])
+        rows.append({"method": m, "mode": mode, "tok_s_median": statistics.median(tps), "tok_s_min": min(tps),
+                     "tok_s_max": max(tps), "speedup_vs_ar_same_mode": statistics.median(tps) / ar,
+                     "mean_accepted_tokens": accepted[(m, mode)], "phase_ms_per_step": phase[(m, mode)]})
+        print(rows[-1], flush=True)
+    return {"rows": rows, "prompt_len": args.prompt_len, "num_prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
+
+
+def part_floor(args) -> dict:
+    from workbench.models import LlamaModel, ModelConfig
+
+    rows = []
+    for name in args.floor_configs.split(","):
+        cfg = ModelConfig(vocab_size=32000, max_position_embeddings=4096, **RANDOM_CONFIGS[name])
+        with torch.device("cuda"):
+            model = LlamaModel(cfg, init_weights=False).to(torch.bfloat16)
+        model.reset_parameters()
+        model.eval()
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        prompts = [list(range(100, 100 + args.prompt_len))]
+        for mode in args.floor_modes.split(","):
+            eng = engine_for(model, None, "ar", mode, args.max_new_tokens, 1)
+            warm(eng, prompts, 1)
+            ms = []
+            for _ in range(args.repeats):
+                wall, res, _ = timed_generate(eng, prompts, 1)
+                r = res[0]
+                decode_s = r.t_done[0] - r.t_first_token  # decode steps only (prefill excluded)
+                ms.append(decode_s * 1e3 / (len(r.outputs[0]) - 1))
+            kv_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+                        * (args.prompt_len + args.max_new_tokens / 2))
+            floor = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S * 1e3
+            med = statistics.median(ms)
+            rows.append({"config": name, "mode": mode, "params": sum(p.numel() for p in model.parameters()),
+                         "ms_per_token_median": med, "ms_min": min(ms), "ms_max": max(ms), "floor_ms": floor,
+                         "fraction_of_floor": floor / med})
+            print(rows[-1], flush=True)
+            del eng
+        del model
+        torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+def part_sweep(args) -> dict:
+    target, draft, prompts = load_preset(args.preset, torch.bfloat16)
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ps = equal_length(prompts, batch, args.prompt_len) if batch > 1 else equal_length(prompts, 1, args.prompt_len)
+        tps = {}
+        for m in ("ar", "draft", "ngram"):
+            eng = engine_for(target, draft, m, "graphs", args.max_new_tokens, batch)
+            warm(eng, ps, batch)
+            vals = []
+            for _ in range(args.repeats):
+                wall, res, _ = timed_generate(eng, ps, batch)
+                vals.append(sum(len(o) for o in res[0].outputs) / wall)
+            tps[m] = statistics.median(vals)
+        rows.append({"batch": batch, **{f"{m}_tok_s": v for m, v in tps.items()},
+                     "draft_speedup": tps["draft"] / tps["ar"], "ngram_speedup": tps["ngram"] / tps["ar"]})
+        print(rows[-1], flush=True)
+    return {"rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="parity,speed,floor,sweep")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--modes", default="eager,graphs,graphs+compile")
+    ap.add_argument("--floor-configs", default="1.45b,6.7b")
+    ap.add_argument("--floor-modes", default="graphs,graphs+compile")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for part in args.parts.split(","):
+        t0 = time.perf_counter()
+        try:
+            data = globals()[f"part_{part}"](args)
+        except Exception as e:  # noqa: BLE001 - one failing part must not lose the others
+            import traceback
+            traceback.print_exc()
+            data = {"error": f"{type(e).__name__}: {e}"}
+        data.update(env, part=part, seconds=time.perf_counter() - t0, args=vars(args))
+        (out / f"fastpath_{part}_{args.preset}.json").write_text(json.dumps(data, indent=1))
+        print(f"== {part}: {data['seconds']:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
