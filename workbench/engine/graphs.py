@@ -100,13 +100,18 @@ class _Bucket:
         self.rows = torch.full((size,), pad_row, dtype=torch.long, device=device)  # [Bb]
         self.base = z(size)  # [Bb]
         self.mask = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril().repeat(size, 1, 1)  # [Bb, T, T]
+        self.valid = torch.zeros(size, num_new - 1, dtype=torch.bool, device=device)  # [Bb, T - 1] real draft nodes
         self.causal = True  # mask holds the causal pattern in every row
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # the graph's output buffer
         self.pad_row = pad_row
 
-    def load(self, ids, positions, rows, base, mask) -> None:
+    def args(self) -> tuple:
+        return self.ids, self.positions, self.rows, self.base, self.mask, self.valid
+
+    def load(self, ids, positions, rows, base, mask, valid) -> None:
         b = ids.shape[0]
+        self.valid[:b].copy_(valid)
         self.ids[:b].copy_(ids)
         self.positions[:b].copy_(positions)
         self.rows[:b].copy_(rows)
@@ -118,6 +123,7 @@ class _Bucket:
             self.mask.copy_(torch.ones_like(self.mask[0]).tril().expand_as(self.mask))
             self.causal = True
         if b < self.size:  # padding rows: scratch row, position 0.., causal (a bucket may shrink between steps)
+            self.valid[b:].zero_()
             self.rows[b:].fill_(self.pad_row)
             self.base[b:].zero_()
             self.positions[b:].copy_(torch.arange(self.num_new, device=self.ids.device).expand(self.size - b, -1))
@@ -132,9 +138,10 @@ class ModelStep:
     """
 
     def __init__(self, model, cache, settings: GraphSettings, device: torch.device, name: str,
-                 last_only: bool = False, pool=None):
+                 last_only: bool = False, post=None, pool=None):
         self.model, self.cache, self.settings, self.device = model, cache, settings, torch.device(device)
         self.name, self.last_only = name, last_only
+        self.post = post  # optional (logits, ids, valid) -> Tensor run in the same graph (e.g. greedy acceptance)
         self.stats = GraphStats()
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._capture = settings.cuda_graphs and self.device.type == "cuda"
@@ -148,31 +155,37 @@ class ModelStep:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden[:, -1] if self.last_only else hidden)
 
-    def _fixed_shape(self, ids, positions, rows, base, mask) -> torch.Tensor:
+    def _fixed_shape(self, ids, positions, rows, base, mask, valid) -> torch.Tensor:
         """Reads only its arguments and the cache's persistent tensors: what a CUDA graph captures."""
         self.cache.prepare(rows, base, ids.shape[1], mask, self.cache.static_span)
-        return self._logits(self.model(ids, positions, self.cache))
+        logits = self._logits(self.model(ids, positions, self.cache))
+        return logits if self.post is None else self.post(logits, ids, valid)
 
     def __call__(self, rows: torch.Tensor, rows_host: list[int], ids: torch.Tensor, positions: torch.Tensor,
-                 base: torch.Tensor, base_host: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
-        """rows [B], ids/positions [B, T], base [B] (+ host copies), mask [B, T, T] bool or None (causal)."""
+                 base: torch.Tensor, base_host: list[int], mask: torch.Tensor | None = None,
+                 valid: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [B], ids/positions [B, T], base [B] (+ host copies), mask [B, T, T] bool or None (causal),
+        valid [B, T - 1] bool (draft nodes that are real; for `post`) -> logits, or post's output."""
         b, t = ids.shape
+        if valid is None:
+            valid = torch.ones(b, t - 1, dtype=torch.bool, device=ids.device)
         size = self.settings.bucket(b) if self.settings.fixed_shape else None
         if size is None:
             if self.settings.fixed_shape:
                 self.stats.misses += 1
             self.cache.begin(rows, base, base_host, t, mask, rows_host=rows_host)
-            return self._logits(self.model(ids, positions, self.cache))
+            logits = self._logits(self.model(ids, positions, self.cache))
+            return logits if self.post is None else self.post(logits, ids, valid)
         self.cache.plan(rows_host, base_host, t)
         self.cache.plan_padding(t)
         bucket = self._buckets.get((size, t))
         if bucket is None:
             bucket = self._buckets[(size, t)] = _Bucket(size, t, self.device, self.cache.pad_row)
-        bucket.load(ids, positions, rows, base, mask)
+        bucket.load(ids, positions, rows, base, mask, valid)
         self.stats.hits += 1
         self.stats.real_rows += b
         self.stats.padded_rows += size - b
-        args = (bucket.ids, bucket.positions, bucket.rows, bucket.base, bucket.mask)
+        args = bucket.args()
         if not self._capture:
             return self._fn(*args)[:b]
         if bucket.graph is None:
@@ -190,8 +203,8 @@ class ModelStep:
         if bucket is None:
             bucket = self._buckets[(size, num_new)] = _Bucket(size, num_new, self.device, self.cache.pad_row)
         if bucket.graph is None:
-            bucket.load(*(x[:0] for x in (bucket.ids, bucket.positions, bucket.rows, bucket.base, bucket.mask)))
-            self._record(bucket, (bucket.ids, bucket.positions, bucket.rows, bucket.base, bucket.mask))
+            bucket.load(*(x[:0] for x in bucket.args()))
+            self._record(bucket, bucket.args())
 
     def _record(self, bucket: _Bucket, args) -> None:
         t0 = time.perf_counter()

@@ -34,7 +34,7 @@ from workbench.engine.graphs import DEFAULT_BUCKETS, GraphSettings, GraphStats, 
 from workbench.engine.kv_cache import make_cache
 from workbench.engine.sampling import SamplingParams, next_token
 from workbench.engine.tree import DraftTree, verify_mask
-from workbench.engine.verify import Verifier
+from workbench.engine.verify import Acceptance, Verifier, accept_greedy
 
 PHASES = ("prefill", "draft", "verify", "accept", "kv")
 
@@ -134,7 +134,8 @@ class SpecEngine:
         self.device = torch.device(device)
         self.dtype = next(target.parameters()).dtype
         self.cache = None
-        self.target_step: ModelStep | None = None
+        self.target_step: ModelStep | None = None  # verify pass -> logits
+        self.accept_step: ModelStep | None = None  # verify pass + greedy chain acceptance -> packed result
 
     def max_context(self) -> int:
         return int(self.target.config.max_position_embeddings)
@@ -145,7 +146,10 @@ class SpecEngine:
 
     def graph_stats(self) -> GraphStats:
         """Cumulative fixed-shape statistics of the target step and the drafter's steps (since construction)."""
-        stats = GraphStats().add(self.target_step.stats) if self.target_step else GraphStats()  # a copy
+        stats = GraphStats()  # a fresh sum, never one step's own counters
+        for step in (self.target_step, self.accept_step):
+            if step is not None:
+                stats = stats.add(step.stats)
         for step in getattr(self.drafter, "model_steps", lambda: [])():
             stats = stats.add(step.stats)
         return stats
@@ -158,9 +162,10 @@ class SpecEngine:
         top = self.config.graphs.bucket(max_batch)
         sizes = [s for s in self.config.graph_batch_sizes if top is not None and s <= top]
         n = self.drafter.num_nodes if self.drafter else 0
+        verify = self.accept_step if self._fused_accept(chain=True) else self.target_step
         with torch.inference_mode():
             for size in sizes:
-                self.target_step.capture(size, 1 + n)
+                verify.capture(size, 1 + n)
             if self.drafter is not None:
                 self.drafter.capture_graphs(sizes)
 
@@ -168,6 +173,10 @@ class SpecEngine:
         """Size the caches now for batches of up to `rows` prompts of up to `max_prompt_len` tokens at the configured
         max_new_tokens (e.g. before a short warm-up, so that graphs captured then stay valid for the timed runs)."""
         self._reserve([max_prompt_len] * rows)
+
+    def _fused_accept(self, chain: bool) -> bool:
+        """Greedy acceptance of a chain runs inside the fixed-shape verify step (one graph, no extra launches)."""
+        return chain and self.config.sampling.greedy and self.config.graphs.fixed_shape
 
     def _reserve(self, plen: list[int]) -> None:
         """The target's cache (and step) for these prompts; the one held is kept if it fits them."""
@@ -184,11 +193,14 @@ class SpecEngine:
             rows, max_len = max(rows, self.cache.max_rows), max(max_len, self.cache.max_len)
             num_blocks = max(num_blocks, getattr(self.cache, "num_blocks", 0))
         self.cache = None  # free the old pool (and the graphs that read it) before allocating the new one
-        self.target_step = None
+        self.target_step = self.accept_step = None
         self.cache = make_cache(cfg.paged, num_layers=tcfg.num_hidden_layers, num_kv_heads=tcfg.num_key_value_heads,
                                 head_dim=tcfg.head_dim, max_rows=rows, max_len=max_len, dtype=self.dtype,
                                 device=self.device, block_size=cfg.kv_block_size, num_blocks=num_blocks)
         self.target_step = ModelStep(self.target, self.cache, cfg.graphs, self.device, "target")
+        # greedy chains: acceptance runs in the verify step's own graph and returns the packed host read
+        self.accept_step = ModelStep(self.target, self.cache, cfg.graphs, self.device, "target+accept",
+                                     post=greedy_chain_packed)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]]) -> GenerationResult:
@@ -255,19 +267,25 @@ class SpecEngine:
 
             with timer.phase("draft"):
                 tree = self.drafter.propose(state) if self.drafter else DraftTree.empty(len(live), dev)
+            fused = self._fused_accept(tree.is_chain)
             with timer.phase("verify"):
                 ids = torch.cat([state.root.unsqueeze(1), tree.token_ids], 1)  # [B, 1+N]
                 offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
-                logits = target_step(live_t, live, ids, base.unsqueeze(1) + offsets, base, base_host,
-                                     verify_mask(tree))  # [B, 1+N, V]
+                step_fn = self.accept_step if fused else target_step
+                out = step_fn(live_t, live, ids, base.unsqueeze(1) + offsets, base, base_host, verify_mask(tree),
+                              tree.valid)  # logits [B, 1+N, V], or (fused) the packed acceptance [B, 3+N]
             with timer.phase("accept"):
-                acc = verifier.accept(tree, logits)
-                drafted_dev = tree.valid.sum(-1, keepdim=True) if tree.num_nodes else torch.zeros_like(base).unsqueeze(1)
-                # the step's one device->host read: accepted counts, drafted counts, emitted tokens
-                packed = torch.cat([acc.num_accepted.unsqueeze(1), drafted_dev, acc.emitted], 1).cpu()
+                if fused:
+                    packed_dev = out
+                    # a chain's accepted path is its first num_accepted nodes: no path_nodes needed (no KV move)
+                    acc = Acceptance(packed_dev[:, 0], tree.parents[:, :0], packed_dev[:, 2:])
+                else:
+                    acc = verifier.accept(tree, out)
+                    packed_dev = _pack(acc, tree)
+                packed = packed_dev.cpu()  # the step's one device->host read: accepted, drafted, emitted tokens
             t_emit = time.perf_counter()
             with timer.phase("kv"):
-                d = acc.path_nodes.shape[1]
+                d = acc.emitted.shape[1] - 1  # deepest path the step could accept
                 if not tree.is_chain and d:
                     src = torch.where(acc.path_nodes >= 0, base.unsqueeze(1) + 1 + acc.path_nodes,
                                       torch.full_like(acc.path_nodes, -1))
@@ -317,6 +335,19 @@ class SpecEngine:
         if len(out) >= cfg.max_new_tokens:
             return True
         return cfg.stop_on_eos and cfg.eos_token_id is not None and bool(out) and out[-1] == cfg.eos_token_id
+
+
+def _pack(acc: Acceptance, tree: DraftTree) -> torch.Tensor:
+    """[B, 3 + D] long: accepted count, drafted count, then the emitted tokens (what the host reads per step)."""
+    drafted = tree.valid.sum(-1, keepdim=True) if tree.num_nodes else torch.zeros_like(acc.num_accepted).unsqueeze(1)
+    return torch.cat([acc.num_accepted.unsqueeze(1), drafted, acc.emitted], 1)
+
+
+def greedy_chain_packed(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The fused verify step's tail: logits [B, 1+N, V], ids [B, 1+N] (root, then the chain), valid [B, N]
+    -> `_pack` of greedy acceptance. Pure device ops, so it is captured in the verify graph."""
+    tree = DraftTree.chain(ids[:, 1:], valid)
+    return _pack(accept_greedy(tree, logits), tree)
 
 
 def _stats_delta(now: GraphStats, before: GraphStats) -> GraphStats:
