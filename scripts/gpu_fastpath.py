@@ -30,7 +30,7 @@ from workbench.engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E
 HBM_BYTES_PER_S = 4.3e12
 MODES = {"eager": {}, "graphs": {"cuda_graphs": True},
          "graphs+compile": {"cuda_graphs": True, "compile": "default"}}
-RANDOM_CONFIGS = {"1.45b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+RANDOM_CONFIGS = {"1.45b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=22,
                                 num_attention_heads=32, num_key_value_heads=4),
                   "6.7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                                num_attention_heads=32, num_key_value_heads=32)}

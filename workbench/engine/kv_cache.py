@@ -43,6 +43,7 @@ class KVCache(ABC):
         self._span = 0  # S: key positions read this step
         self._base: torch.Tensor | None = None  # [B] committed length before this step
         self._intra_mask: torch.Tensor | None = None  # [B, T, T] bool or None (causal)
+        self.kernel = None  # attention kernel over the pool (paged caches, "triton" backend); None = gather + SDPA
 
     @property
     def pad_row(self) -> int:
@@ -105,6 +106,9 @@ class KVCache(ABC):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, T, D]; k, v [B, Hkv, T, D] -> [B, Hq, T, D]."""
         self._write(layer_idx, k.transpose(1, 2), v.transpose(1, 2))
+        if self.kernel is not None:  # reads the pool in place through the block table: no gather, no mask tensor
+            return self.kernel(q, self.k[layer_idx], self.v[layer_idx], self.block_table, self._rows, self._base,
+                               self._intra_mask, self.block_size)
         keys, values = self._read(layer_idx)  # [B, Hkv, S, D]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask,
                                               enable_gqa=q.shape[1] != keys.shape[1])
@@ -283,9 +287,34 @@ class PagedKVCache(KVCache):
         return 2 * self.k.numel() * self.k.element_size()
 
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+
+
+def resolve_attention(name: str, paged: bool, device: torch.device | str) -> str:
+    """"auto" -> "triton" for paged caches on a GPU where the kernel imports, else "sdpa" (gather + SDPA)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    if name == "sdpa":
+        return name
+    from kernels.paged_attention import TRITON_AVAILABLE
+
+    usable = paged and torch.device(device).type == "cuda" and TRITON_AVAILABLE
+    if name == "triton" and not usable:
+        raise ValueError("attention backend 'triton' needs a paged KV cache on a CUDA GPU with triton installed; "
+                         "use 'sdpa' (or 'auto') here")
+    return "triton" if usable else "sdpa"
+
+
 def make_cache(paged: bool, *, num_layers: int, num_kv_heads: int, head_dim: int, max_rows: int, max_len: int,
-               dtype: torch.dtype, device, block_size: int = 16, num_blocks: int | None = None) -> KVCache:
+               dtype: torch.dtype, device, block_size: int = 16, num_blocks: int | None = None,
+               attention: str = "sdpa") -> KVCache:
     if paged:
-        return PagedKVCache(num_layers, num_kv_heads, head_dim, max_rows, max_len, dtype, device,
-                            block_size=block_size, num_blocks=num_blocks)
-    return ContiguousKVCache(num_layers, num_kv_heads, head_dim, max_rows, max_len, dtype, device)
+        cache = PagedKVCache(num_layers, num_kv_heads, head_dim, max_rows, max_len, dtype, device,
+                             block_size=block_size, num_blocks=num_blocks)
+    else:
+        cache = ContiguousKVCache(num_layers, num_kv_heads, head_dim, max_rows, max_len, dtype, device)
+    if resolve_attention(attention, paged, device) == "triton":
+        from kernels.paged_attention import paged_attention_triton
+
+        cache.kernel = paged_attention_triton
+    return cache

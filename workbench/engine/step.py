@@ -31,7 +31,7 @@ import torch
 
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
 from workbench.engine.graphs import DEFAULT_BUCKETS, GraphSettings, GraphStats, ModelStep
-from workbench.engine.kv_cache import make_cache
+from workbench.engine.kv_cache import ATTENTION_BACKENDS, make_cache
 from workbench.engine.sampling import SamplingParams, next_token
 from workbench.engine.tree import DraftTree, verify_mask
 from workbench.engine.verify import Acceptance, Verifier, accept_greedy
@@ -52,6 +52,7 @@ class EngineConfig:
     cuda_graphs: bool = False  # fixed-shape bucketed steps, captured in CUDA graphs on a GPU (eager on CPU)
     graph_batch_sizes: tuple[int, ...] = DEFAULT_BUCKETS  # the buckets a live batch pads up to
     compile: str = "off"  # torch.compile of the fixed-shape steps: "off" | "default" | "max-autotune"
+    attention: str = "auto"  # "sdpa" (gather + SDPA) | "triton" (kernels/paged_attention.py) | "auto"
 
     @property
     def graphs(self) -> GraphSettings:
@@ -59,6 +60,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.graphs  # noqa: B018 - validates the graph settings (GraphSettingsError names the bad one)
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {self.attention!r}; choose one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.kv_block_size < 1:
@@ -196,7 +200,8 @@ class SpecEngine:
         self.target_step = self.accept_step = None
         self.cache = make_cache(cfg.paged, num_layers=tcfg.num_hidden_layers, num_kv_heads=tcfg.num_key_value_heads,
                                 head_dim=tcfg.head_dim, max_rows=rows, max_len=max_len, dtype=self.dtype,
-                                device=self.device, block_size=cfg.kv_block_size, num_blocks=num_blocks)
+                                device=self.device, block_size=cfg.kv_block_size, num_blocks=num_blocks,
+                                attention=cfg.attention)
         self.target_step = ModelStep(self.target, self.cache, cfg.graphs, self.device, "target")
         # greedy chains: acceptance runs in the verify step's own graph and returns the packed host read
         self.accept_step = ModelStep(self.target, self.cache, cfg.graphs, self.device, "target+accept",
@@ -242,7 +247,7 @@ class SpecEngine:
             if self.drafter is not None:
                 self.drafter.setup(DraftContext(max_rows=b, max_len=cache.max_len, device=dev, sampling=cfg.sampling,
                                                 generator=gen, paged=cfg.paged, kv_block_size=cfg.kv_block_size,
-                                                graphs=cfg.graphs))
+                                                graphs=cfg.graphs, attention=cfg.attention))
                 self.drafter.prefill(state, padded, positions)
         for i, n in enumerate(plen):
             cache.truncate(i, n)  # drop the padding's KV (and, paged, its blocks)

@@ -42,6 +42,7 @@ class DraftContext:
     paged: bool = True
     kv_block_size: int = 16
     graphs: GraphSettings = GraphSettings()  # fixed-shape buckets / CUDA graphs / compile for the drafter's forwards
+    attention: str = "sdpa"  # the attention backend of the drafter's KV cache (workbench/engine/kv_cache.py)
 
 
 @dataclass

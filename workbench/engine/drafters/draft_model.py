@@ -40,7 +40,7 @@ class DraftModelDrafter(Drafter):
         self.cache = make_cache(ctx.paged, num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
                                 head_dim=c.head_dim, max_rows=ctx.max_rows, max_len=need,
                                 dtype=next(self.model.parameters()).dtype, device=ctx.device,
-                                block_size=ctx.kv_block_size)
+                                block_size=ctx.kv_block_size, attention=ctx.attention)
         self.step = ModelStep(self.model, self.cache, ctx.graphs, ctx.device, "draft", last_only=True)
 
     def prefill(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor) -> None:
