@@ -72,10 +72,9 @@ HBM_BYTES_PER_S = 4.3e12  # measured copy bandwidth of the H200 (docs: ENVIRONME
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPILE_MODES = ("off", "default", "max-autotune")
 METHODS = ("ar", "draft")
-# Random-weight Llamas for cost-only runs (acceptance from random weights means nothing). Parameter counts: "1.45b" as
-# specified here is 1.10 G (the TinyLlama shape; intermediate 8192 would make it 1.45 G), "6.7b" is 6.74 G.
+# Random-weight Llamas for cost-only runs (acceptance from random weights means nothing): 1.45 G and 6.74 G parameters.
 RANDOM_CONFIGS = {
-    "1.45b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+    "1.45b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=22,
                   num_attention_heads=32, num_key_value_heads=4, rms_norm_eps=1e-5),
     "6.7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5),

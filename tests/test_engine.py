@@ -196,6 +196,8 @@ class TwoBranchDrafter(DraftModelDrafter):
         token_ids = [g1, g2, g3, d1, d2, d3]; parents = [-1, 0, 1, -1, 3, 4]; depths = [1, 2, 3, 1, 2, 3]
     so the engine's tree path (tree mask, depth positions, KV move of an accepted second branch) runs end to end."""
 
+    proposes_chains = False
+
     def __init__(self, model, k):
         super().__init__(model, k)
         self.ngram = NgramDrafter(k, 1, 3)

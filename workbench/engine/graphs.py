@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 COMPILE_MODES = ("off", "default", "max-autotune")
+PAD_LEN = 1  # padding rows act as a sequence of one committed token in the cache's scratch row
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -89,124 +90,87 @@ class GraphStats:
                           self.padded_rows + other.padded_rows, self.captured + other.captured)
 
 
-class _Bucket:
-    """Persistent inputs, the fixed-shape function and (on CUDA) its captured graph, for one (bucket, T)."""
+class _Buffers:
+    """Persistent inputs of one (bucket, key): each [Bb, ...], rows past the live batch hold their padding value."""
 
-    def __init__(self, size: int, num_new: int, device: torch.device, pad_row: int):
-        self.size, self.num_new = size, num_new
-        z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
-        self.ids = z(size, num_new)  # [Bb, T]
-        self.positions = z(size, num_new)  # [Bb, T]
-        self.rows = torch.full((size,), pad_row, dtype=torch.long, device=device)  # [Bb]
-        self.base = z(size)  # [Bb]
-        self.mask = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril().repeat(size, 1, 1)  # [Bb, T, T]
-        self.valid = torch.zeros(size, num_new - 1, dtype=torch.bool, device=device)  # [Bb, T - 1] real draft nodes
-        self.causal = True  # mask holds the causal pattern in every row
+    def __init__(self, size: int, pads: dict[str, torch.Tensor]):
+        self.size, self.pads = size, pads
+        self.buf = {n: pad.unsqueeze(0).repeat(size, *([1] * pad.dim())) for n, pad in pads.items()}
+        self.real = 0  # rows [0, real) may hold a live row's values
+        self.rows_host: list[int] | None = None  # what buf["rows"] holds for the live rows (skips equal copies)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None  # the graph's output buffer
-        self.pad_row = pad_row
+        self.out: torch.Tensor | None = None  # the graph's output
 
-    def args(self) -> tuple:
-        return self.ids, self.positions, self.rows, self.base, self.mask, self.valid
-
-    def load(self, ids, positions, rows, base, mask, valid) -> None:
-        b = ids.shape[0]
-        self.valid[:b].copy_(valid)
-        self.ids[:b].copy_(ids)
-        self.positions[:b].copy_(positions)
-        self.rows[:b].copy_(rows)
-        self.base[:b].copy_(base)
-        if mask is not None:
-            self.mask[:b].copy_(mask)
-            self.causal = False
-        elif not self.causal:  # a chain after a tree step: back to the causal mask
-            self.mask.copy_(torch.ones_like(self.mask[0]).tril().expand_as(self.mask))
-            self.causal = True
-        if b < self.size:  # padding rows: scratch row, position 0.., causal (a bucket may shrink between steps)
-            self.valid[b:].zero_()
-            self.rows[b:].fill_(self.pad_row)
-            self.base[b:].zero_()
-            self.positions[b:].copy_(torch.arange(self.num_new, device=self.ids.device).expand(self.size - b, -1))
-            if mask is not None:
-                self.mask[b:].copy_(torch.ones_like(self.mask[0]).tril())
+    def load(self, b: int, inputs: dict[str, torch.Tensor | None], rows_host: list[int] | None) -> None:
+        """inputs name -> [b, ...] (None: keep what the buffer holds, e.g. a constant); rows past b padded."""
+        for name, x in inputs.items():
+            if x is None or (name == "rows" and rows_host is not None and rows_host == self.rows_host):
+                continue
+            self.buf[name][:b].copy_(x)
+        self.rows_host = list(rows_host) if rows_host is not None else None
+        if b < self.real:  # rows that were live last time become padding again
+            for name, pad in self.pads.items():
+                self.buf[name][b:self.real].copy_(pad.expand(self.real - b, *pad.shape))
+        self.real = b
 
 
-class ModelStep:
-    """model + its KV cache as a step function: (rows, ids, positions, base_len, mask) -> logits.
+class FixedShapeStep:
+    """`body(**buffers) -> Tensor` over persistent per-row buffers padded to a batch bucket.
 
-    `last_only` returns the logits of each row's last token ([B, V], drafting) instead of all ([B, T, V], verify).
+    `pads(key)` gives, per input name, the value a padding row holds (one row's shape; `key` names what else fixes the
+    shapes, e.g. T). On a GPU with `cuda_graphs` each (bucket, key) is captured once and replayed; otherwise the body
+    runs eagerly on the padded buffers. A batch above every bucket is a miss: the body runs on the unpadded inputs.
     """
 
-    def __init__(self, model, cache, settings: GraphSettings, device: torch.device, name: str,
-                 last_only: bool = False, post=None, pool=None):
-        self.model, self.cache, self.settings, self.device = model, cache, settings, torch.device(device)
-        self.name, self.last_only = name, last_only
-        self.post = post  # optional (logits, ids, valid) -> Tensor run in the same graph (e.g. greedy acceptance)
+    def __init__(self, name: str, body, pads, settings: GraphSettings, device: torch.device, pool=None):
+        self.name, self.body, self.pads, self.settings = name, body, pads, settings
+        self.device = torch.device(device)
         self.stats = GraphStats()
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._buffers: dict[tuple, _Buffers] = {}
         self._capture = settings.cuda_graphs and self.device.type == "cuda"
         self._pool = pool
-        self._fn = self._fixed_shape
+        self._fn = body
         if settings.compile != "off":
             mode = None if settings.compile == "default" else "max-autotune-no-cudagraphs"
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self._fn = torch.compile(self._fixed_shape, mode=mode, dynamic=False)
+            self._fn = torch.compile(body, mode=mode, dynamic=False)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden[:, -1] if self.last_only else hidden)
+    def _get(self, size: int, key) -> _Buffers:
+        bufs = self._buffers.get((size, key))
+        if bufs is None:
+            bufs = self._buffers[(size, key)] = _Buffers(size, self.pads(key))
+        return bufs
 
-    def _fixed_shape(self, ids, positions, rows, base, mask, valid) -> torch.Tensor:
-        """Reads only its arguments and the cache's persistent tensors: what a CUDA graph captures."""
-        self.cache.prepare(rows, base, ids.shape[1], mask, self.cache.static_span)
-        logits = self._logits(self.model(ids, positions, self.cache))
-        return logits if self.post is None else self.post(logits, ids, valid)
-
-    def __call__(self, rows: torch.Tensor, rows_host: list[int], ids: torch.Tensor, positions: torch.Tensor,
-                 base: torch.Tensor, base_host: list[int], mask: torch.Tensor | None = None,
-                 valid: torch.Tensor | None = None) -> torch.Tensor:
-        """rows [B], ids/positions [B, T], base [B] (+ host copies), mask [B, T, T] bool or None (causal),
-        valid [B, T - 1] bool (draft nodes that are real; for `post`) -> logits, or post's output."""
-        b, t = ids.shape
-        if valid is None:
-            valid = torch.ones(b, t - 1, dtype=torch.bool, device=ids.device)
-        size = self.settings.bucket(b) if self.settings.fixed_shape else None
+    def __call__(self, key, b: int, inputs: dict[str, torch.Tensor | None],
+                 rows_host: list[int] | None = None) -> torch.Tensor:
+        size = self.settings.bucket(b)
         if size is None:
-            if self.settings.fixed_shape:
-                self.stats.misses += 1
-            self.cache.begin(rows, base, base_host, t, mask, rows_host=rows_host)
-            logits = self._logits(self.model(ids, positions, self.cache))
-            return logits if self.post is None else self.post(logits, ids, valid)
-        self.cache.plan(rows_host, base_host, t)
-        self.cache.plan_padding(t)
-        bucket = self._buckets.get((size, t))
-        if bucket is None:
-            bucket = self._buckets[(size, t)] = _Bucket(size, t, self.device, self.cache.pad_row)
-        bucket.load(ids, positions, rows, base, mask, valid)
+            self.stats.misses += 1
+            pads = self.pads(key)
+            full = {n: x if x is not None else pads[n].expand(b, *pads[n].shape) for n, x in inputs.items()}
+            return self.body(**full)
+        bufs = self._get(size, key)
+        bufs.load(b, inputs, rows_host)
         self.stats.hits += 1
         self.stats.real_rows += b
         self.stats.padded_rows += size - b
-        args = bucket.args()
         if not self._capture:
-            return self._fn(*args)[:b]
-        if bucket.graph is None:
-            self._record(bucket, args)
-        bucket.graph.replay()
-        return bucket.out[:b]
+            return self._fn(**bufs.buf)[:b]
+        if bufs.graph is None:
+            self._record(bufs, key)
+        bufs.graph.replay()
+        return bufs.out[:b]
 
-    def capture(self, size: int, num_new: int) -> None:
-        """Capture (GPU) the (size, num_new) bucket ahead of use, with padding rows only, so that no capture lands in
-        a timed step. A no-op for eager steps, on a CPU, or when already captured."""
-        if not self._capture or size not in self.settings.batch_sizes:
-            return
-        self.cache.plan_padding(num_new)
-        bucket = self._buckets.get((size, num_new))
-        if bucket is None:
-            bucket = self._buckets[(size, num_new)] = _Bucket(size, num_new, self.device, self.cache.pad_row)
-        if bucket.graph is None:
-            bucket.load(*(x[:0] for x in bucket.args()))
-            self._record(bucket, bucket.args())
+    def capture(self, size: int, key) -> None:
+        """Capture (GPU) the (size, key) bucket ahead of use, with padding rows only, so that no capture lands in a
+        timed step. A no-op for eager steps, on a CPU, or when already captured."""
+        if self._capture and size in self.settings.batch_sizes:
+            bufs = self._get(size, key)
+            if bufs.graph is None:
+                bufs.load(0, {}, None)
+                self._record(bufs, key)
 
-    def _record(self, bucket: _Bucket, args) -> None:
+    def _record(self, bufs: _Buffers, key) -> None:
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -214,17 +178,75 @@ class ModelStep:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up off the capture (compiles, autotunes, allocates workspaces)
             for _ in range(2):
-                self._fn(*args)
+                self._fn(**bufs.buf)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            bucket.out = self._fn(*args)
-        bucket.graph = graph
+            bufs.out = self._fn(**bufs.buf)
+        bufs.graph = graph
         torch.cuda.synchronize(self.device)
         self.stats.capture_s += time.perf_counter() - t0
         self.stats.memory_bytes += max(torch.cuda.memory_allocated(self.device) - before, 0)
-        self.stats.captured.append(f"{self.name}:{bucket.size}x{bucket.num_new}")
+        self.stats.captured.append(f"{self.name}:{bufs.size}x{key}")
 
-    def replay_callables(self) -> dict[str, callable]:
+    def replay_callables(self) -> dict:
         """name -> a zero-argument callable replaying one captured graph (for per-phase GPU profiling)."""
-        return {f"{self.name}:{b.size}x{b.num_new}": b.graph.replay for b in self._buckets.values() if b.graph}
+        return {f"{self.name}:{size}x{key}": b.graph.replay for (size, key), b in self._buffers.items() if b.graph}
+
+
+def model_step_pads(num_new: int, pad_row: int, device) -> dict[str, torch.Tensor]:
+    """Padding rows of a model step: scratch cache row, committed length PAD_LEN, causal mask, no real nodes."""
+    z = torch.zeros(num_new, dtype=torch.long, device=device)
+    return {"ids": z, "positions": PAD_LEN + torch.arange(num_new, device=device),
+            "rows": torch.tensor(pad_row, device=device), "base": torch.tensor(PAD_LEN, device=device),
+            "mask": torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril(),
+            "valid": torch.zeros(num_new - 1, dtype=torch.bool, device=device)}
+
+
+class ModelStep:
+    """model + its KV cache as a step function: (rows, ids, positions, base_len, mask) -> logits.
+
+    Eager when the settings are not fixed-shape (the cache plans and prepares the live span), else a
+    `FixedShapeStep` over the cache's `static_span`. `last_only` returns each row's last-token logits ([B, V],
+    drafting) instead of all ([B, T, V], verify).
+    """
+
+    def __init__(self, model, cache, settings: GraphSettings, device: torch.device, name: str,
+                 last_only: bool = False):
+        self.model, self.cache, self.settings, self.device = model, cache, settings, torch.device(device)
+        self.last_only = last_only
+        self.fixed = FixedShapeStep(name, self._fixed_shape, self._pads, settings, device)
+
+    @property
+    def stats(self) -> GraphStats:
+        return self.fixed.stats
+
+    def _pads(self, num_new: int) -> dict[str, torch.Tensor]:
+        return model_step_pads(num_new, self.cache.pad_row, self.device)
+
+    def logits(self, ids, positions) -> torch.Tensor:
+        """The model over the prepared cache -> logits [B, T, V] (or [B, V] with last_only)."""
+        hidden = self.model(ids, positions, self.cache)
+        return self.model.compute_logits(hidden[:, -1] if self.last_only else hidden)
+
+    def _fixed_shape(self, ids, positions, rows, base, mask, valid) -> torch.Tensor:
+        """Reads only its arguments and the cache's persistent tensors: what a CUDA graph captures."""
+        self.cache.prepare(rows, base, ids.shape[1], mask, self.cache.static_span)
+        return self.logits(ids, positions)
+
+    def __call__(self, rows: torch.Tensor, rows_host: list[int], ids: torch.Tensor, positions: torch.Tensor,
+                 base: torch.Tensor, base_host: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [B], ids/positions [B, T], base [B] (+ host copies), mask [B, T, T] bool or None (causal)."""
+        b, t = ids.shape
+        if not self.settings.fixed_shape:
+            self.cache.begin(rows, base, base_host, t, mask, rows_host=rows_host)
+            return self.logits(ids, positions)
+        self.cache.plan(rows_host, base_host, t)
+        return self.fixed(t, b, {"ids": ids, "positions": positions, "rows": rows, "base": base, "mask": mask,
+                                 "valid": None}, rows_host)
+
+    def capture(self, size: int, num_new: int) -> None:
+        self.fixed.capture(size, num_new)
+
+    def replay_callables(self) -> dict:
+        return self.fixed.replay_callables()

@@ -75,10 +75,6 @@ class KVCache(ABC):
         self._ensure_capacity(rows_host, base_len_host, num_new)
         return need
 
-    def plan_padding(self, num_new: int) -> None:
-        """Storage for a padding row's `num_new` tokens at positions 0.. of `pad_row` (kept between steps)."""
-        self._ensure_capacity([self.pad_row], [0], num_new)
-
     def prepare(self, rows: torch.Tensor, base_len: torch.Tensor, num_new: int, intra_mask: torch.Tensor | None,
                 span: int) -> None:
         """Device half of a step: index tensors and mask shared by all layers; no host reads (graph-capturable).

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
-from workbench.engine.graphs import DEFAULT_BUCKETS, GraphSettings, GraphStats, ModelStep
+from workbench.engine.graphs import DEFAULT_BUCKETS, PAD_LEN, FixedShapeStep, GraphSettings, GraphStats, ModelStep
 from workbench.engine.kv_cache import ATTENTION_BACKENDS, make_cache
 from workbench.engine.sampling import SamplingParams, next_token
 from workbench.engine.tree import DraftTree, verify_mask
@@ -129,8 +129,13 @@ class GenerationResult:
 class SpecEngine:
     """Runs a batch of prompts to completion with one target model and an optional drafter (None = autoregressive).
 
-    The KV cache and the fixed-shape step (buckets, captured graphs) persist across `generate` calls: the cache is
-    reallocated (and graphs dropped) only when a call needs more rows or a longer length than it holds.
+    Persistent state (kept across `generate` calls while it fits; grown, and its graphs dropped, when not):
+        cache   the target's KV cache, `max_rows` sequence rows + one scratch `pad_row`
+        tokens  [R + 1, S] long: every row's tokens (prompt + emitted); the root of row r is tokens[r, kv_len[r]]
+        kv_len  [R + 1] long: committed tokens per row (padding and unused rows hold PAD_LEN)
+    With greedy settings, chains and fixed shapes, one captured step reads the roots from `tokens`, verifies, accepts,
+    writes the emitted tokens and the new lengths back, and returns the packed host read: a step is then host
+    planning + one graph (+ the drafter's) + one device->host copy.
     """
 
     def __init__(self, target, drafter: Drafter | None, config: EngineConfig, device: torch.device | str = "cpu"):
@@ -138,24 +143,27 @@ class SpecEngine:
         self.device = torch.device(device)
         self.dtype = next(target.parameters()).dtype
         self.cache = None
+        self.tokens: torch.Tensor | None = None  # [R + 1, S] long
+        self.kv_len: torch.Tensor | None = None  # [R + 1] long
         self.target_step: ModelStep | None = None  # verify pass -> logits
-        self.accept_step: ModelStep | None = None  # verify pass + greedy chain acceptance -> packed result
+        self.accept_step: FixedShapeStep | None = None  # verify + greedy chain acceptance + state update -> packed
 
     def max_context(self) -> int:
         return int(self.target.config.max_position_embeddings)
 
+    @property
+    def num_nodes(self) -> int:
+        return self.drafter.num_nodes if self.drafter else 0
+
     def required_len(self, prompt_len: int) -> int:
-        n = self.drafter.num_nodes if self.drafter else 0
-        return prompt_len + self.config.max_new_tokens + n + 2
+        return prompt_len + self.config.max_new_tokens + self.num_nodes + 2
 
     def graph_stats(self) -> GraphStats:
-        """Cumulative fixed-shape statistics of the target step and the drafter's steps (since construction)."""
+        """Cumulative fixed-shape statistics of the target's steps and the drafter's (since construction)."""
         stats = GraphStats()  # a fresh sum, never one step's own counters
-        for step in (self.target_step, self.accept_step):
+        for step in [self.target_step, self.accept_step] + (self.drafter.model_steps() if self.drafter else []):
             if step is not None:
                 stats = stats.add(step.stats)
-        for step in getattr(self.drafter, "model_steps", lambda: [])():
-            stats = stats.add(step.stats)
         return stats
 
     def capture_graphs(self, max_batch: int) -> None:
@@ -165,11 +173,12 @@ class SpecEngine:
             return
         top = self.config.graphs.bucket(max_batch)
         sizes = [s for s in self.config.graph_batch_sizes if top is not None and s <= top]
-        n = self.drafter.num_nodes if self.drafter else 0
-        verify = self.accept_step if self._fused_accept(chain=True) else self.target_step
         with torch.inference_mode():
             for size in sizes:
-                verify.capture(size, 1 + n)
+                if self._fused_accept(chain=True):
+                    self.accept_step.capture(size, self.num_nodes)
+                else:
+                    self.target_step.capture(size, 1 + self.num_nodes)
             if self.drafter is not None:
                 self.drafter.capture_graphs(sizes)
 
@@ -183,7 +192,7 @@ class SpecEngine:
         return chain and self.config.sampling.greedy and self.config.graphs.fixed_shape
 
     def _reserve(self, plen: list[int]) -> None:
-        """The target's cache (and step) for these prompts; the one held is kept if it fits them."""
+        """The target's cache, state buffers and steps for these prompts; those held are kept if they fit."""
         cfg, tcfg = self.config, self.target.config
         rows, max_len = len(plen), self.required_len(max(plen))
         # paged: a pool sized to what these prompts can reach (their own lengths), not max_len for every row; the
@@ -196,16 +205,39 @@ class SpecEngine:
         if self.cache is not None:  # grow: never below what it held, so alternating sizes settle on one cache
             rows, max_len = max(rows, self.cache.max_rows), max(max_len, self.cache.max_len)
             num_blocks = max(num_blocks, getattr(self.cache, "num_blocks", 0))
-        self.cache = None  # free the old pool (and the graphs that read it) before allocating the new one
-        self.target_step = self.accept_step = None
+        # free the old pool, state and the graphs that read them before allocating the new ones
+        self.cache = self.tokens = self.kv_len = self.target_step = self.accept_step = None
         self.cache = make_cache(cfg.paged, num_layers=tcfg.num_hidden_layers, num_kv_heads=tcfg.num_key_value_heads,
                                 head_dim=tcfg.head_dim, max_rows=rows, max_len=max_len, dtype=self.dtype,
                                 device=self.device, block_size=cfg.kv_block_size, num_blocks=num_blocks,
                                 attention=cfg.attention)
+        self.tokens = torch.zeros(rows + 1, max_len + self.num_nodes + 2, dtype=torch.long, device=self.device)
+        self.kv_len = torch.full((rows + 1,), PAD_LEN, dtype=torch.long, device=self.device)
         self.target_step = ModelStep(self.target, self.cache, cfg.graphs, self.device, "target")
-        # greedy chains: acceptance runs in the verify step's own graph and returns the packed host read
-        self.accept_step = ModelStep(self.target, self.cache, cfg.graphs, self.device, "target+accept",
-                                     post=greedy_chain_packed)
+        self.accept_step = FixedShapeStep("target+accept", self._verify_accept, self._verify_pads, cfg.graphs,
+                                          self.device)
+
+    def _verify_pads(self, n: int) -> dict[str, torch.Tensor]:
+        dev = self.device
+        return {"draft": torch.zeros(n, dtype=torch.long, device=dev),
+                "rows": torch.tensor(self.cache.pad_row, device=dev),
+                "valid": torch.zeros(n, dtype=torch.bool, device=dev)}
+
+    def _verify_accept(self, draft: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The fused greedy step for chains, reading only persistent state: draft [B, N] tokens, rows [B], valid [B, N]
+        -> packed [B, 3 + N] (accepted, drafted, emitted tokens); writes tokens and kv_len of `rows`."""
+        n = draft.shape[1]
+        base = self.kv_len[rows]  # [B]
+        ids = torch.cat([self.tokens[rows, base].unsqueeze(1), draft], 1)  # [B, 1+N]: root, then the chain
+        offsets = torch.arange(n + 1, device=draft.device)
+        self.cache.prepare(rows, base, n + 1, None, self.cache.static_span)
+        logits = self.target.compute_logits(self.target(ids, base.unsqueeze(1) + offsets, self.cache))
+        tree = DraftTree.chain(draft, valid)
+        acc = accept_greedy(tree, logits)
+        self.tokens[rows.unsqueeze(1), base.unsqueeze(1) + 1 + offsets] = acc.emitted
+        self.kv_len[rows] = base + 1 + acc.num_accepted
+        self.kv_len[self.cache.pad_row] = PAD_LEN  # padding rows wrote theirs too: keep them at PAD_LEN
+        return _pack(acc, tree)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]]) -> GenerationResult:
@@ -216,26 +248,28 @@ class SpecEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every prompt needs at least one token")
         plen = [len(p) for p in prompts]
-        n_nodes = self.drafter.num_nodes if self.drafter else 0
+        n_nodes = self.num_nodes
         gen = torch.Generator(device=dev).manual_seed(cfg.seed)
         self._reserve(plen)
-        cache, target_step = self.cache, self.target_step
+        cache, target_step, tokens, kv_len_all = self.cache, self.target_step, self.tokens, self.kv_len
         stats_before = self.graph_stats()
         timer = PhaseTimer(dev, cfg.timing)
         verifier = Verifier(cfg.sampling, gen)
 
-        # buffers: every row's tokens; room for a full step's writes past the longest possible root
-        tokens = torch.zeros(b, cache.max_len + n_nodes + 2, dtype=torch.long, device=dev)
         padded = torch.zeros(b, max(plen), dtype=torch.long)
         for i, p in enumerate(prompts):
             padded[i, :len(p)] = torch.tensor(p, dtype=torch.long)
         padded = padded.to(dev)
-        tokens[:, :padded.shape[1]] = padded
+        tokens[:b].zero_()
+        tokens[:b, :padded.shape[1]] = padded
+        kv_len_all.fill_(PAD_LEN)
+        kv_len_all[:b] = torch.tensor(plen, dtype=torch.long)
         rows = torch.arange(b, device=dev)
-        kv_len = torch.tensor(plen, dtype=torch.long, device=dev)
+        kv_len = kv_len_all[:b].clone()
         positions = torch.arange(padded.shape[1], device=dev).expand(b, -1)
         state = BatchState(rows=rows, rows_host=list(range(b)), tokens=tokens,
-                           tokens_host=[list(p) for p in prompts], kv_len=kv_len, kv_len_host=list(plen))
+                           tokens_host=[list(p) for p in prompts], kv_len=kv_len, kv_len_host=list(plen),
+                           kv_len_all=kv_len_all)
 
         t_start = time.perf_counter()
         with timer.phase("prefill"):
@@ -245,9 +279,10 @@ class SpecEngine:
             first = next_token(self.target.compute_logits(last), cfg.sampling, gen)  # [B]
             tokens[rows, kv_len] = first
             if self.drafter is not None:
-                self.drafter.setup(DraftContext(max_rows=b, max_len=cache.max_len, device=dev, sampling=cfg.sampling,
-                                                generator=gen, paged=cfg.paged, kv_block_size=cfg.kv_block_size,
-                                                graphs=cfg.graphs, attention=cfg.attention))
+                self.drafter.setup(DraftContext(max_rows=cache.max_rows, max_len=cache.max_len, device=dev,
+                                                sampling=cfg.sampling, generator=gen, paged=cfg.paged,
+                                                kv_block_size=cfg.kv_block_size, graphs=cfg.graphs,
+                                                attention=cfg.attention))
                 self.drafter.prefill(state, padded, positions)
         for i, n in enumerate(plen):
             cache.truncate(i, n)  # drop the padding's KV (and, paged, its blocks)
@@ -259,46 +294,50 @@ class SpecEngine:
         live = [i for i in range(b) if not self._finished(outputs[i])]
         done_at = [0.0 if i in live else t_first for i in range(b)]
         result = GenerationResult(outputs, t_start, t_first, done_at, num_nodes=n_nodes)
-        kv_len_all = kv_len.clone()  # indexed by row
         step = 0
         live_t = rows
         while live:
             if len(live_t) != len(live):  # rebuilt only when sequences leave (an upload waits for the GPU)
                 live_t = torch.tensor(live, dtype=torch.long, device=dev)
             state.rows, state.rows_host = live_t, live
-            state.kv_len = kv_len_all[live_t]
             state.kv_len_host = [len(state.tokens_host[r]) - 1 for r in live]
-            base, base_host = state.kv_len, state.kv_len_host
+            base_host = state.kv_len_host
+            fused = self._fused_accept(self.drafter is None or self.drafter.proposes_chains)
+            if not fused or (self.drafter is not None and self.drafter.reads_kv_len):
+                state.kv_len = kv_len_all[live_t]
+            base = state.kv_len
 
             with timer.phase("draft"):
                 tree = self.drafter.propose(state) if self.drafter else DraftTree.empty(len(live), dev)
-            fused = self._fused_accept(tree.is_chain)
             with timer.phase("verify"):
-                ids = torch.cat([state.root.unsqueeze(1), tree.token_ids], 1)  # [B, 1+N]
-                offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
-                step_fn = self.accept_step if fused else target_step
-                out = step_fn(live_t, live, ids, base.unsqueeze(1) + offsets, base, base_host, verify_mask(tree),
-                              tree.valid)  # logits [B, 1+N, V], or (fused) the packed acceptance [B, 3+N]
-            with timer.phase("accept"):
                 if fused:
-                    packed_dev = out
-                    # a chain's accepted path is its first num_accepted nodes: no path_nodes needed (no KV move)
+                    cache.plan(live, base_host, 1 + n_nodes)
+                    packed_dev = self.accept_step(n_nodes, len(live), {
+                        "draft": tree.token_ids if n_nodes else None, "rows": live_t,
+                        "valid": tree.valid if n_nodes else None}, live)  # [B, 3 + N], state already updated
+                else:
+                    ids = torch.cat([state.root.unsqueeze(1), tree.token_ids], 1)  # [B, 1+N]
+                    offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
+                    logits = target_step(live_t, live, ids, base.unsqueeze(1) + offsets, base, base_host,
+                                         verify_mask(tree))  # [B, 1+N, V]
+            with timer.phase("accept"):
+                if fused:  # a chain's accepted path is its first num_accepted nodes: no path needed (no KV move)
                     acc = Acceptance(packed_dev[:, 0], tree.parents[:, :0], packed_dev[:, 2:])
                 else:
-                    acc = verifier.accept(tree, out)
+                    acc = verifier.accept(tree, logits)
                     packed_dev = _pack(acc, tree)
                 packed = packed_dev.cpu()  # the step's one device->host read: accepted, drafted, emitted tokens
             t_emit = time.perf_counter()
             with timer.phase("kv"):
-                d = acc.emitted.shape[1] - 1  # deepest path the step could accept
-                if not tree.is_chain and d:
-                    src = torch.where(acc.path_nodes >= 0, base.unsqueeze(1) + 1 + acc.path_nodes,
-                                      torch.full_like(acc.path_nodes, -1))
-                    cache.move(live_t, src, base.unsqueeze(1) + 1 + torch.arange(d, device=dev))
-                new_len = base + 1 + acc.num_accepted
-                kv_len_all[live_t] = new_len
-                write = base.unsqueeze(1) + 1 + torch.arange(d + 1, device=dev)
-                tokens[live_t.unsqueeze(1), write] = acc.emitted
+                if not fused:
+                    d = acc.emitted.shape[1] - 1  # deepest path the step could accept
+                    if not tree.is_chain and d:
+                        src = torch.where(acc.path_nodes >= 0, base.unsqueeze(1) + 1 + acc.path_nodes,
+                                          torch.full_like(acc.path_nodes, -1))
+                        cache.move(live_t, src, base.unsqueeze(1) + 1 + torch.arange(d, device=dev))
+                    kv_len_all[live_t] = base + 1 + acc.num_accepted
+                    write = base.unsqueeze(1) + 1 + torch.arange(d + 1, device=dev)
+                    tokens[live_t.unsqueeze(1), write] = acc.emitted
                 rec = StepRecord(step, t_emit, list(live), [], [], [])
                 still = []
                 for j, row in enumerate(live):
@@ -321,7 +360,6 @@ class SpecEngine:
                     else:
                         still.append(row)
                 if self.drafter is not None:
-                    state.kv_len = new_len
                     state.kv_len_host = [len(state.tokens_host[r]) - 1 for r in live]
                     self.drafter.commit(state, acc, base_host)
                 for row in still:
@@ -346,13 +384,6 @@ def _pack(acc: Acceptance, tree: DraftTree) -> torch.Tensor:
     """[B, 3 + D] long: accepted count, drafted count, then the emitted tokens (what the host reads per step)."""
     drafted = tree.valid.sum(-1, keepdim=True) if tree.num_nodes else torch.zeros_like(acc.num_accepted).unsqueeze(1)
     return torch.cat([acc.num_accepted.unsqueeze(1), drafted, acc.emitted], 1)
-
-
-def greedy_chain_packed(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The fused verify step's tail: logits [B, 1+N, V], ids [B, 1+N] (root, then the chain), valid [B, N]
-    -> `_pack` of greedy acceptance. Pure device ops, so it is captured in the verify graph."""
-    tree = DraftTree.chain(ids[:, 1:], valid)
-    return _pack(accept_greedy(tree, logits), tree)
 
 
 def _stats_delta(now: GraphStats, before: GraphStats) -> GraphStats:

@@ -52,8 +52,10 @@ class BatchState:
     rows_host: list[int]
     tokens: torch.Tensor  # [R, S] long, device: every sequence's tokens (prompt + emitted); beyond the root: garbage
     tokens_host: list[list[int]]  # per row, the same tokens up to and including the root
-    kv_len: torch.Tensor  # [B] long: tokens whose target KV is written (= the root's index)
+    kv_len: torch.Tensor  # [B] long: tokens whose target KV is written (= the root's index); may be stale when the
+    # drafter declares reads_kv_len = False
     kv_len_host: list[int] = field(default_factory=list)
+    kv_len_all: torch.Tensor | None = None  # [R + 1] long, persistent: kv_len of every row (the engine's own buffer)
 
     @property
     def root(self) -> torch.Tensor:  # [B]
@@ -64,6 +66,8 @@ class Drafter(ABC):
     name: str = "drafter"
     num_nodes: int = 0  # N: draft nodes per sequence per step (static)
     model_forwards_per_step: int = 0  # drafter model passes per step (for the draft/target cost ratio)
+    proposes_chains: bool = True  # every DraftTree it returns is a chain (lets greedy acceptance fuse into verify)
+    reads_kv_len: bool = True  # propose reads state.kv_len (else the engine skips gathering it)
 
     def setup(self, ctx: DraftContext) -> None:
         self.ctx = ctx

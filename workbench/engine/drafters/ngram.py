@@ -33,6 +33,7 @@ def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    reads_kv_len = False  # it works on the host copy of the tokens
 
     def __init__(self, k: int, min_n: int = 1, max_n: int = 3):
         if k < 1:
