@@ -1,0 +1,207 @@
+"""Paged attention for decode (T = 1) and tree verify (T = 1 + N): a Triton kernel beside its PyTorch reference.
+
+One layer's KV lives in a pool of fixed-size blocks; `block_table[r, j]` is the physical block holding logical
+positions [j * block_size, (j + 1) * block_size) of cache row r. A step's T query tokens of row b attend to every
+committed position p < base_len[b] and, among the step's own tokens (already written at base_len[b] + j), to those
+`intra_mask[b, t, j]` allows (None = causal).
+
+The kernel is flash-decoding (split-K) so that batch 1 with a few KV heads still fills the GPU:
+1. `_partial_kernel`, grid (B * Hkv * m_tiles, num_splits): a program takes one KV head and the rows of one tile,
+   M = (Hq / Hkv) * T (every query head of the GQA group times every query token, so each KV tile is read once for
+   all of them). Row b's KV tiles 0 .. ceil((base_len[b] + T) / BLOCK_N) - 1 are split evenly over the num_splits
+   programs; each runs an online softmax over its share (tiles past the row's length are never visited) and writes
+   its normalized partial output and its log-sum-exp (base 2).
+2. `_combine_kernel`, grid (B * Hq * T): out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max).
+With one split the partial is already the answer and goes straight to the output.
+
+The grid, the scratch sizes and num_splits depend only on shapes (B, Hq, Hkv, T, max_blocks, the SM count); lengths
+and block tables are read on the device, so a step is CUDA-graph capturable. Accumulation is fp32 in any input dtype.
+
+Verified under the Triton interpreter (TRITON_INTERPRET=1, CPU, triton 3.6.0 and 3.9.0): tests/test_kernels.py
+matches the reference within 1e-5 (fp32) and 2e-2 (bf16, fp16) over decode, causal, tree masks, GQA / MHA, head
+dims 64 and 128, block sizes 16 / 32 / 64, ragged lengths, permuted rows, shuffled int32/int64 block tables and 1 to
+64 splits. On a GPU run scripts/gpu_kernels.py.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+    TRITON_AVAILABLE = True
+except ImportError:
+    TRITON_AVAILABLE = False
+
+
+def paged_attention_reference(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None):
+    """Gather every position of the block table, mask, and run SDPA (the engine's path; the kernels' reference).
+
+    q [B, Hq, T, D]; k_pool, v_pool [num_slots, Hkv, D]; block_table [R, max_blocks] int; rows [B] long;
+    base_len [B] long; intra_mask [B, T, T] bool or None (causal) -> [B, Hq, T, D] in q's dtype.
+    """
+    b, hq, t, _ = q.shape
+    span = block_table.shape[1] * block_size
+    pos = torch.arange(span, device=q.device)  # [S]
+    slots = block_table[rows][:, pos // block_size] * block_size + pos % block_size  # [B, S]
+    keys = k_pool[slots].transpose(1, 2)  # [B, Hkv, S, D]
+    values = v_pool[slots].transpose(1, 2)
+    rel = pos.view(1, -1) - base_len.view(-1, 1)  # [B, S]: position relative to the step's first token
+    if intra_mask is None:
+        intra_mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril().expand(b, t, t)
+    in_step = intra_mask.gather(2, rel.clamp(0, t - 1).unsqueeze(1).expand(b, t, span))  # [B, T, S]
+    visible = (rel < 0).unsqueeze(1) | (in_step & (rel < t).unsqueeze(1))  # [B, T, S]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible.unsqueeze(1), scale=scale,
+                                          enable_gqa=hq != keys.shape[1])
+
+
+if TRITON_AVAILABLE:
+    @triton.jit
+    def _partial_kernel(
+            q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, base_ptr, intra_ptr, o_ptr, lse_ptr,
+            sq_b, sq_h, sq_t,  # q [B, Hq, T, D] (last stride 1)
+            sk_s, sk_h, sv_s, sv_h,  # k_pool, v_pool [num_slots, Hkv, D] (last stride 1)
+            st_r, st_j,  # block_table [R, max_blocks]
+            si_b, si_t,  # intra_mask [B, T, T] (last stride 1; unused when CAUSAL)
+            so_b, so_h, so_t, so_s,  # o [B, Hq, T, splits, D] (last stride 1)
+            sl_b, sl_h, sl_t,  # lse [B, Hq, T, splits] (last stride 1)
+            qk_scale_log2, M_TILES,
+            T: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        m_tile = pid % M_TILES
+        kv_head = (pid // M_TILES) % HKV
+        b = pid // (M_TILES * HKV)
+
+        m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # tile row = (query head in group, query token)
+        row_ok = m < GROUP * T
+        head = kv_head * GROUP + m // T
+        tok = m % T
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + tok[:, None] * sq_t + d[None, :],
+                    mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+
+        row = tl.load(rows_ptr + b)
+        base = tl.load(base_ptr + b)
+        length = base + T
+        tiles = tl.cdiv(length, BLOCK_N)
+        per_split = tl.cdiv(tiles, NUM_SPLITS)
+        first = split * per_split
+        last = tl.minimum(first + per_split, tiles)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for tile in range(first, last):
+            pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical positions
+            pos_ok = pos < length
+            block = tl.load(table_ptr + row * st_r + (pos // BLOCK_SIZE) * st_j, mask=pos_ok, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+            k = tl.load(k_ptr + slot[None, :] * sk_s + kv_head * sk_h + d[:, None],
+                        mask=pos_ok[None, :], other=0.0)  # [D, BLOCK_N]
+            v = tl.load(v_ptr + slot[:, None] * sv_s + kv_head * sv_h + d[None, :],
+                        mask=pos_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+
+            j = pos - base  # index among the step's tokens (negative = committed before the step)
+            if CAUSAL:
+                in_step = j[None, :] <= tok[:, None]
+            else:
+                in_step = tl.load(intra_ptr + b * si_b + tok[:, None] * si_t + j[None, :],
+                                  mask=(j[None, :] >= 0) & pos_ok[None, :] & row_ok[:, None], other=0) != 0
+            visible = ((j < 0)[None, :] | in_step) & pos_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        seen = l_i > 0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(o_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_t + split * so_s + d[None, :], o,
+                 mask=row_ok[:, None])
+        tl.store(lse_ptr + b * sl_b + head * sl_h + tok * sl_t + split, lse, mask=row_ok)
+
+    @triton.jit
+    def _combine_kernel(o_ptr, lse_ptr, out_ptr,
+                        NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, D: tl.constexpr):
+        # o [B * Hq * T, splits, D], lse [B * Hq * T, splits], out [B * Hq * T, D], all contiguous
+        r = tl.program_id(0).to(tl.int64)
+        s = tl.arange(0, SPLITS_POW2)
+        d = tl.arange(0, D)
+        lse = tl.load(lse_ptr + r * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+        top = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0
+        o = tl.load(o_ptr + (r * NUM_SPLITS + s[:, None]) * D + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+        out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+        tl.store(out_ptr + r * D + d, out)
+
+
+BLOCK_N = 64  # keys per inner iteration (several 16-slot pages; each key's page is looked up on its own)
+MAX_BLOCK_M = 64  # rows of one tile; larger groups x tokens take several tiles
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def num_splits_for(batch: int, kv_heads: int, m_tiles: int, max_positions: int, sm_count: int) -> int:
+    """Enough programs for ~2 waves over the SMs, but never more splits than KV tiles the longest row can have."""
+    programs = batch * kv_heads * m_tiles
+    return max(1, min(math.ceil(2 * sm_count / programs), math.ceil(max_positions / BLOCK_N)))
+
+
+def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
+                           num_splits: int | None = None):
+    """Same contract as `paged_attention_reference`; `num_splits` overrides the shape-derived split count."""
+    b, hq, t, dim = q.shape
+    hkv = k_pool.shape[1]
+    group = hq // hkv
+    assert hq == group * hkv and dim in (16, 32, 64, 128, 256) and block_size & (block_size - 1) == 0
+    q, k_pool, v_pool = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_pool, v_pool))
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(group * t)))
+    m_tiles = triton.cdiv(group * t, block_m)
+    if num_splits is None:
+        num_splits = num_splits_for(b, hkv, m_tiles, block_table.shape[1] * block_size, _sm_count(q.device))
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, T, D]
+    lse = torch.empty(b, hq, t, num_splits, dtype=torch.float32, device=q.device)
+    o = out.unsqueeze(3) if num_splits == 1 else torch.empty(b, hq, t, num_splits, dim, dtype=torch.float32,
+                                                             device=q.device)  # [B, Hq, T, splits, D]
+    causal = intra_mask is None
+    intra = block_table if causal else intra_mask.contiguous().view(torch.uint8)  # when causal: never read
+    _partial_kernel[(b * hkv * m_tiles, num_splits)](
+        q, k_pool, v_pool, block_table, rows, base_len, intra, o, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        block_table.stride(0), block_table.stride(1),
+        0 if causal else intra.stride(0), 0 if causal else intra.stride(1),
+        o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        scale * math.log2(math.e), m_tiles,
+        T=t, GROUP=group, HKV=hkv, D=dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        NUM_SPLITS=num_splits, CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4)
+    if num_splits > 1:
+        _combine_kernel[(b * hq * t,)](o, lse, out, NUM_SPLITS=num_splits,
+                                       SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim)
+    return out
+
+
+def paged_attention(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None):
+    """The Triton kernel on CUDA when triton imports, else the reference (same arguments)."""
+    fn = paged_attention_triton if TRITON_AVAILABLE and q.is_cuda else paged_attention_reference
+    return fn(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale)

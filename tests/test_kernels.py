@@ -1,0 +1,146 @@
+"""kernels/paged_attention: the reference against a naive loop (always, on CPU), the engine's paged cache against the
+reference, and the Triton kernel against the reference under the Triton interpreter (TRITON_INTERPRET=1)."""
+import math
+import os
+
+import pytest
+import torch
+
+from kernels.paged_attention import (TRITON_AVAILABLE, paged_attention, paged_attention_reference,
+                                     paged_attention_triton)
+from workbench.engine.kv_cache import PagedKVCache
+from workbench.engine.tree import DraftTree, verify_mask
+
+# The tree of workbench/engine/tree.py's docstring: root, then "a b" and "c" as two branches.
+#   root: root | a: root a | b: root a b | c: root c
+TWO_BRANCHES = torch.tensor([[1, 0, 0, 0],
+                             [1, 1, 0, 0],
+                             [1, 1, 1, 0],
+                             [1, 0, 0, 1]], dtype=torch.bool)
+
+
+def make_case(*, base_lens=(7, 20), hq=4, hkv=4, t=1, dim=16, block_size=4, tree=False, dtype=torch.float32,
+              permute_rows=True, shuffle_table=True, table_dtype=torch.long, spare_blocks=1, seed=0):
+    """Random inputs in the kernels' layout. Every slot of the pool holds noise, so anything read past a row's
+    length or through a wrong block shows up in the output."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(base_lens)
+    num_rows = batch + 1
+    max_blocks = math.ceil((max(base_lens) + t) / block_size) + spare_blocks
+    num_blocks = num_rows * max_blocks
+    table = torch.randperm(num_blocks, generator=g) if shuffle_table else torch.arange(num_blocks)
+    rows = torch.randperm(num_rows, generator=g)[:batch] if permute_rows else torch.arange(batch)
+    intra = None
+    if tree:
+        assert t == TWO_BRANCHES.shape[0]
+        intra = torch.stack([TWO_BRANCHES, TWO_BRANCHES.tril()])[torch.arange(batch) % 2]  # trees and chains mixed
+    return dict(
+        q=torch.randn(batch, hq, t, dim, generator=g).to(dtype),  # [B, Hq, T, D]
+        k_pool=torch.randn(num_blocks * block_size, hkv, dim, generator=g).to(dtype),  # [slots, Hkv, D]
+        v_pool=torch.randn(num_blocks * block_size, hkv, dim, generator=g).to(dtype),
+        block_table=table.view(num_rows, max_blocks).to(table_dtype),  # [R, max_blocks]
+        rows=rows,  # [B]
+        base_len=torch.tensor(base_lens),  # [B]
+        intra_mask=intra,  # [B, T, T] or None
+        block_size=block_size)
+
+
+def naive_attention(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size):
+    """One query at a time, in float64: list the positions it may see, look each one up, softmax, weigh."""
+    batch, hq, t, dim = q.shape
+    group = hq // k_pool.shape[1]
+    out = torch.zeros(batch, hq, t, dim, dtype=torch.float64)
+    for b in range(batch):
+        base, row = int(base_len[b]), int(rows[b])
+        for tok in range(t):
+            step = [j for j in range(t) if (j <= tok if intra_mask is None else bool(intra_mask[b, tok, j]))]
+            positions = list(range(base)) + [base + j for j in step]
+            slots = [int(block_table[row, p // block_size]) * block_size + p % block_size for p in positions]
+            for h in range(hq):
+                keys = k_pool[slots, h // group].double()  # [n, D]
+                values = v_pool[slots, h // group].double()
+                weights = torch.softmax(keys @ q[b, h, tok].double() / math.sqrt(dim), 0)
+                out[b, h, tok] = weights @ values
+    return out
+
+
+CASES = {
+    "decode": dict(t=1),
+    "causal_chunk": dict(t=5),
+    "tree_two_branches": dict(t=4, tree=True),
+    "gqa": dict(hq=8, hkv=2, t=5),
+    "gqa_tree": dict(hq=8, hkv=2, t=4, tree=True),
+    "ragged_from_empty": dict(base_lens=(0, 3, 17), t=5),
+    "contiguous_table": dict(t=5, permute_rows=False, shuffle_table=False),
+}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+def test_two_branch_mask_is_the_engines():
+    tree = DraftTree(torch.tensor([[5, 6, 7]]), parents=torch.tensor([[-1, 0, -1]]),
+                     depths=torch.tensor([[1, 2, 1]]), valid=torch.ones(1, 3, dtype=torch.bool))
+    assert torch.equal(verify_mask(tree)[0], TWO_BRANCHES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", CASES)
+def test_reference_matches_naive(name, dtype):
+    case = make_case(**CASES[name], dtype=dtype)
+    got = paged_attention_reference(**case)
+    assert got.dtype == dtype and got.shape == case["q"].shape
+    torch.testing.assert_close(got.double(), naive_attention(**case), atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_reference_is_what_the_paged_cache_computes():
+    """The engine's PagedKVCache (gather only the step's span, SDPA) and the reference agree on the same pool."""
+    batch, hq, hkv, t, dim, bs = 3, 8, 2, 4, 16, 4
+    cache = PagedKVCache(1, hkv, dim, max_rows=5, max_len=64, dtype=torch.float32, device="cpu", block_size=bs)
+    cache.k.normal_(generator=torch.Generator().manual_seed(1))
+    cache.v.normal_(generator=torch.Generator().manual_seed(2))
+    cache._free.reverse()  # hand out blocks out of order, so the block table is not the identity
+    rows, base_len = torch.tensor([3, 0, 4]), torch.tensor([9, 0, 22])
+    intra = torch.stack([TWO_BRANCHES] * batch)
+    cache.begin(rows, base_len, base_len.tolist(), t, intra)
+    q, k_new, v_new = (torch.randn(batch, h, t, dim) for h in (hq, hkv, hkv))
+    got = cache.attend(0, q, k_new, v_new)
+    want = paged_attention_reference(q, cache.k[0], cache.v[0], cache.block_table, rows, base_len, intra, bs)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_dispatcher_uses_the_reference_on_cpu():
+    case = make_case(t=5, hq=8, hkv=2)
+    assert torch.equal(paged_attention(**case), paged_attention_reference(**case))
+
+
+interpreter = pytest.mark.skipif(
+    not (TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="the Triton kernel runs here only under the interpreter: install triton and set TRITON_INTERPRET=1 "
+           "(on a GPU: scripts/gpu_kernels.py)")
+
+TRITON_CASES = {
+    "decode_d64": dict(base_lens=(37, 150), hq=8, hkv=2, dim=64, block_size=16),
+    "decode_d128_mha": dict(base_lens=(100,), hq=2, hkv=2, dim=128, block_size=16),
+    "causal_chunk": dict(base_lens=(0, 70, 129), hq=4, hkv=1, t=5, dim=64, block_size=16),
+    "tree_two_branches": dict(base_lens=(65, 12), hq=8, hkv=2, t=4, tree=True, dim=64, block_size=16),
+    "block32_int32_table": dict(base_lens=(90, 31), hq=4, hkv=2, t=5, dim=64, block_size=32,
+                                table_dtype=torch.int32),
+    "block64_contiguous": dict(base_lens=(200,), hq=4, hkv=4, t=5, dim=64, block_size=64, permute_rows=False,
+                               shuffle_table=False),
+    "many_m_tiles_t64": dict(base_lens=(30, 95), hq=4, hkv=2, t=64, dim=64, block_size=16),
+}
+
+
+@interpreter
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", TRITON_CASES)
+def test_triton_matches_reference(name, dtype, num_splits):
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter's tl.dot multiplies bf16 bit patterns as integers (triton 3.9 create_dot)")
+    case = make_case(**TRITON_CASES[name], dtype=dtype, seed=3)
+    got = paged_attention_triton(**case, num_splits=num_splits)
+    assert got.dtype == dtype and got.shape == case["q"].shape
+    # against the float32 reference: the kernel accumulates in float32 whatever the input dtype
+    want = paged_attention_reference(**{k: v.float() if k in ("q", "k_pool", "v_pool") else v
+                                        for k, v in case.items()})
+    torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=0)
