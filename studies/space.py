@@ -119,10 +119,10 @@ class _SpaceMethods:
                 raise SpaceError(f"method {m!r} is not supported by the engine; allowed: {', '.join(METHODS)}")
         dims = self.dims()
         for name in self.knobs_used()[1:]:
-            for value in _values(name, dims[name]):
+            for value in dim_values(name, dims[name]):
                 check_value(name, value)
         if "ngram" in self.methods:
-            lo_min, hi_max = min(_values("ngram_min", self.ngram_min)), max(_values("ngram_max", self.ngram_max))
+            lo_min, hi_max = min(dim_values("ngram_min", self.ngram_min)), max(dim_values("ngram_max", self.ngram_max))
             if hi_max < lo_min:
                 raise SpaceError(f"ngram_max (at most {hi_max}) is below ngram_min (at least {lo_min})")
 
@@ -183,7 +183,7 @@ def first_value(dim: Dim) -> Any:
     return dim.low if isinstance(dim, IntRange) else dim[0] if isinstance(dim, tuple) else dim
 
 
-def _values(name: str, dim: Dim) -> list[Any]:
+def dim_values(name: str, dim: Dim) -> list[Any]:
     """Every value (or both bounds, for a range) a dimension can produce."""
     if isinstance(dim, IntRange):
         return [dim.low, dim.high]

@@ -16,7 +16,7 @@ import optuna
 from optuna.trial import TrialState
 
 from studies.objective import OBJECTIVES, BenchObjective, ModelSpec, ObjectiveSpec, TrialFailed
-from studies.space import (GLOBAL_KNOBS, METHODS, RunSettings, SearchSpace, SpaceError, _values, make_config)
+from studies.space import GLOBAL_KNOBS, METHODS, RunSettings, SearchSpace, SpaceError, dim_values, make_config
 from workbench.settings import SettingError, check as check_settings
 
 SPEC_KEY = "workbench_spec"
@@ -72,7 +72,7 @@ def hardest(spec: StudySpec, method: str) -> dict[str, Any]:
     dims = spec.space.dims()
     params: dict[str, Any] = {**spec.settings.to_dict(), "method": method}
     for knob in (*METHODS[method].knobs, *GLOBAL_KNOBS):
-        values = _values(knob, dims[knob])
+        values = dim_values(knob, dims[knob])
         numeric = all(isinstance(v, (int, float)) for v in values)
         params[knob] = (min if knob == "ngram_min" else max)(values) if numeric else values[0]
     return params

@@ -134,7 +134,8 @@ def test_methods_declare_the_knobs_they_read():
     ({"graph_batch_sizes": (1, 1, 2)}, "graph_batch_sizes=1,1,2 must be strictly increasing"),
     ({"graph_batch_sizes": (1, 2.5)}, "graph_batch_sizes=1,2.5 must hold whole numbers >= 1"),
     ({"batch": 32, "cuda_graphs": True, "graph_batch_sizes": (1, 2, 4, 8)},
-     "batch 32 exceeds the largest graph bucket 8: add a bucket >= 32 to --graph-batch-sizes or turn --cuda-graphs off"),
+     "batch 32 exceeds the largest graph bucket 8: add a bucket >= 32 to --graph-batch-sizes "
+     "or turn --cuda-graphs off"),
     ({"cuda_graphs": "yes"}, "cuda_graphs='yes' is not supported by the engine; allowed: False, True"),
     ({"k": 17}, "k=17 is outside what the engine supports: 1..16"),
     ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "n-gram sizes need 1 <= ngram_min <= ngram_max, got 3, 2"),
