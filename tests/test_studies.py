@@ -123,6 +123,22 @@ def test_bad_storage_urls_are_named(tmp_path):
         open_storage(f"journal://{tmp_path}/missing/x.log")
 
 
+def test_a_study_stored_before_a_knob_existed_resumes(tmp_path):
+    """Specs written before cuda_graphs, compile, graph_batch_sizes (and with the old "extra" field) read back with
+    the knobs' defaults, which is what their trials ran, so resuming them is not refused as a changed space."""
+    db = f"sqlite:///{tmp_path}/s.db"
+    study, spec = create_or_resume(open_storage(db), "old", make_spec())
+    old = spec.to_dict()
+    for knob in ("paged", "kv_block_size", "cuda_graphs", "compile"):
+        del old["space"][knob]
+    old["space"]["extra"] = {}
+    del old["settings"]["graph_batch_sizes"], old["settings"]["compare_hf"]
+    study.set_user_attr(SPEC_KEY, old)
+    assert create_or_resume(open_storage(db), "old", make_spec())[1] == spec
+    with pytest.raises(StudyMismatchError, match="space.cuda_graphs"):
+        create_or_resume(open_storage(db), "old", make_spec(cuda_graphs=(False, True)))
+
+
 def test_cli_refuses_unknown_script_storage_and_changed_space(tmp_path, capsys):
     db = f"sqlite:///{tmp_path}/s.db"
     assert run_main(["--study", "x", "--script", "best_kk", "--storage", db]) == 2
