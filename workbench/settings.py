@@ -50,7 +50,7 @@ BOOL_TEXT = {"on": True, "off": False, "true": True, "false": False, "yes": True
 
 class SettingError(ValueError):
     """A setting the engine does not accept; the message names the knob, the value and what is allowed.
-    `knob` names the setting to blame (a form shows the message next to it)."""
+    `knob` names the setting to blame (a form files the message under that field's key)."""
 
     def __init__(self, message: str, knob: str | None = None) -> None:
         super().__init__(message)
