@@ -59,7 +59,7 @@ def _pandas_dtype(kind: str) -> Any:
 class ColumnSpec:
     name: str
     kind: str      # one of KINDS
-    group: str     # identity | config | metrics | telemetry | environment | trace | extension
+    group: str     # identity | config | metrics | graphs | profile | telemetry | environment | trace | extension
     doc: str = ""
 
     def __post_init__(self) -> None:
@@ -97,6 +97,10 @@ _RUN_SPECS: list[ColumnSpec] = [
     *_cols("config", "string", "dtype device"),
     ColumnSpec("paged", "bool", "config"),
     *_cols("config", "int", "kv_block_size num_prompts repeats warmup"),
+    ColumnSpec("cuda_graphs", "bool", "config", "target verify and draft forwards captured in CUDA graphs"),
+    ColumnSpec("graph_batch_sizes", "string", "config", 'captured batch buckets as text, e.g. "1,2,4,8"'),
+    ColumnSpec("compile", "string", "config", '"off" | "default" | "max-autotune" (torch.compile mode)'),
+    ColumnSpec("compare_hf", "bool", "config", "Hugging Face generate() timed too (hf_* columns)"),
     *_cols("config", "string", "preset target_path draft_path prompts_source"),
     ColumnSpec("config_json", "string", "config", "the full engine config as JSON"),
     *_cols("metrics", "float", "acceptance_rate mean_accepted_tokens"),
@@ -108,6 +112,15 @@ _RUN_SPECS: list[ColumnSpec] = [
     *_cols("metrics", "int", "total_new_tokens target_steps"),
     ColumnSpec("wall_s", "float", "metrics"),
     ColumnSpec("greedy_matches_ar", "bool", "metrics", "None when not checked"),
+    ColumnSpec("graph_capture_s", "float", "graphs", "time spent capturing CUDA graphs"),
+    ColumnSpec("graph_memory_mb", "float", "graphs", "GPU memory held by the captured graphs' pools"),
+    *_cols("graphs", "int", "graph_bucket_hits graph_bucket_misses"),
+    ColumnSpec("graph_padding_waste", "float", "graphs", "fraction of computed rows that were batch padding"),
+    ColumnSpec("graph_buckets_captured", "string", "graphs", 'buckets actually captured, e.g. "1,2,4"'),
+    *_cols("profile", "float", "phase_sm_util_draft phase_sm_util_verify phase_sm_util_accept "
+                               "phase_bw_gbps_draft phase_bw_gbps_verify phase_bw_gbps_accept "
+                               "phase_ms_draft phase_ms_verify phase_ms_accept"),
+    ColumnSpec("phase_profile_note", "string", "profile", "how the phase profile was measured, or why it was not"),
     ColumnSpec("sm_util_pct", "float", "telemetry", "NVML GPM SM_UTIL (% of SMs busy); None without GPM"),
     ColumnSpec("sm_occupancy_pct", "float", "telemetry", "NVML GPM SM_OCCUPANCY"),
     ColumnSpec("gpu_busy_pct", "float", "telemetry", "NVML utilization rate: % of time any kernel ran"),

@@ -31,7 +31,7 @@ from typing import Any
 import optuna
 import pandas as pd
 
-from studies.space import METHODS, RunSettings, SearchSpace, make_config, split_params
+from studies.space import METHOD_KNOBS, METHODS, SEARCH_KNOBS, RunSettings, SearchSpace, make_config, split_params
 
 
 class TrialFailed(Exception):
@@ -61,8 +61,7 @@ SUMMARY_FIELDS = ("tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar", "peak_mem_
 
 
 FIDELITY = "fidelity"  # constraint name: > 0 when temperature-0 output differs from autoregressive decoding
-REPORT_KNOBS = ("method", "k", "ngram_min", "ngram_max", "batch", "temperature", "dtype")
-METHOD_ONLY_KNOBS = ("k", "ngram_min", "ngram_max")
+REPORT_KNOBS = ("method", *SEARCH_KNOBS)  # the searchable knobs, shown per trial in reports
 
 
 @dataclass(frozen=True)
@@ -258,7 +257,7 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
         config = t.user_attrs.get("config") or t.params
         row.update({k: config[k] for k in REPORT_KNOBS if k in config})
         used = METHODS[config["method"]].knobs if config.get("method") in METHODS else ()
-        for k in METHOD_ONLY_KNOBS:
+        for k in METHOD_KNOBS:
             if k in row and k not in used:
                 row[k] = None  # e.g. k of an autoregressive run: set in BenchConfig but meaningless
         for i, m in enumerate(metrics):

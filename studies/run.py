@@ -3,6 +3,8 @@
     python -m studies.run --preset tiny --study demo --trials 20                      # best_k, local SQLite
     python -m studies.run --preset tiny --study sched --script batch_schedule --trials 24 --batch 1,2,4,8
     python -m studies.run --preset tiny --study front --script pareto --trials 20
+    python -m studies.run --study graphs --cuda-graphs off,on --compile off,default --graph-batch-sizes 1,2,4,8
+        (search CUDA graphs and torch.compile as two more dimensions; the buckets are a fixed setting)
     python -m studies.run --study big --script pareto --trials 200 --storage journal:///tmp/big.log --workers 0
         (create only; then start `python -m studies.worker` processes, see studies/README.md)
 
@@ -17,6 +19,7 @@ import logging
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +27,12 @@ import optuna
 
 from studies.objective import POOL, ModelSpec
 from studies.scripts import SCRIPTS, UnknownScriptError, get_script
-from studies.space import METHODS, RunSettings, SpaceError, first_value, parse_dim
+from studies.space import (GLOBAL_KNOBS, METHODS, SEARCH_KNOBS, SETTING_KNOBS, RunSettings, SpaceError, first_value,
+                           parse_dim)
 from studies.storage import DEFAULT_STORAGE, StorageOpenError, is_parallel_safe, open_storage, redact
 from studies.study import (SPEC_KEY, StudyMismatchError, StudyNotFoundError, StudySpec, counted_trials,
                            create_or_resume, preflight, run_trials)
-
-SPACE_FLAGS = {"methods": str, "k": int, "ngram_min": int, "ngram_max": int, "batch": int, "temperature": float,
-               "dtype": str}
-SETTING_FLAGS = ("max_new_tokens", "num_prompts", "repeats", "warmup", "seed")
+from workbench.settings import KNOBS, SettingError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,15 +60,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="target model directory or .gguf file")
     g.add_argument("--draft", help="draft model directory")
     g.add_argument("--prompts", help="prompt file (JSONL or question.jsonl); default: the preset's held-out prompts")
-    g = p.add_argument_group("search space (a value, a list a,b,c, or a range lo-hi; default: the script's)")
-    g.add_argument("--methods", help="e.g. ar,draft,ngram")
-    for name in ("k", "ngram_min", "ngram_max", "batch", "temperature", "dtype"):
-        g.add_argument(f"--{name.replace('_', '-')}", dest=name)
+    g = p.add_argument_group("search space: a value, a list a,b,c, or a range lo-hi; booleans off/on "
+                             "(default: the script's)")
+    g.add_argument("--methods", help=f"some of {','.join(METHODS)}")
+    for name in SEARCH_KNOBS:
+        g.add_argument(KNOBS[name].flag, dest=name, help=KNOBS[name].help)
     g.add_argument("--sampler", choices=("tpe", "nsga2"), help="default tpe")
-    g = p.add_argument_group("run settings, the same for every trial")
-    for name in SETTING_FLAGS:
-        g.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    g = p.add_argument_group("run settings, the same for every trial (booleans off/on)")
+    for name in SETTING_KNOBS:
+        g.add_argument(KNOBS[name].flag, dest=name, type=_setting_type(name),
+                       help=f"{KNOBS[name].help} (default {KNOBS[name].format(KNOBS[name].quick)})")
     return p
+
+
+def _setting_type(name: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return KNOBS[name].parse(text)
+        except SettingError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 def _models(args: argparse.Namespace, base: ModelSpec | None) -> ModelSpec:
@@ -82,18 +95,14 @@ def build_spec(args: argparse.Namespace, stored: StudySpec | None) -> StudySpec:
     script = get_script(args.script) if args.script else get_script(stored.script if stored else "best_k")
     base = stored if stored is not None and stored.script == script.name else None
     space = base.space if base else script.space
-    changes: dict[str, Any] = {}
-    for name, cast in SPACE_FLAGS.items():
-        text = getattr(args, name)
-        if text is None:
-            continue
-        dim = parse_dim(name, text, cast)
-        if name == "methods":
-            dim = dim if isinstance(dim, tuple) else (dim,)
-        changes[name] = dim
+    changes: dict[str, Any] = {name: parse_dim(name, getattr(args, name)) for name in SEARCH_KNOBS
+                               if getattr(args, name) is not None}
+    if args.methods is not None:
+        changes["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     space = dataclasses.replace(space, **changes)
     settings = base.settings if base else RunSettings()
-    settings = dataclasses.replace(settings, **{n: getattr(args, n) for n in SETTING_FLAGS if getattr(args, n) is not None})
+    settings = dataclasses.replace(settings, **{n: getattr(args, n) for n in SETTING_KNOBS
+                                                if getattr(args, n) is not None})
     return StudySpec(script=script.name, objective=script.objective, space=space, settings=settings,
                      models=_models(args, base.models if base else (stored.models if stored else None)),
                      sampler=args.sampler or (base.sampler if base else "tpe"))
@@ -126,7 +135,7 @@ def print_trial(study: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
     """One line per finished trial: its knobs (only those its method reads) and its values or failure reason."""
     c = t.user_attrs.get("config", {})
     used = METHODS[c["method"]].knobs if c.get("method") in METHODS else ()
-    knobs = " ".join(f"{k}={c[k]}" for k in ("method", *used, "batch", "temperature") if k in c)
+    knobs = " ".join(f"{k}={c[k]}" for k in ("method", *used, *GLOBAL_KNOBS) if k in c)
     if t.state.name == "COMPLETE":
         vals = ", ".join(f"{m} {v:.4g}" for m, v in zip(study.metric_names or ["value"], t.values))
         flag = "" if t.user_attrs.get("feasible", True) else "  INFEASIBLE (output differs from autoregressive)"

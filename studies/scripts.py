@@ -17,8 +17,9 @@ from typing import Any
 import optuna
 import pandas as pd
 
-from studies.objective import PARETO, SPEEDUP, THROUGHPUT, ObjectiveSpec, feasible_complete, pareto_front, trials_frame
-from studies.space import IntRange, SearchSpace
+from studies.objective import (PARETO, REPORT_KNOBS, SPEEDUP, THROUGHPUT, ObjectiveSpec, feasible_complete,
+                               pareto_front, trials_frame)
+from studies.space import GLOBAL_KNOBS, IntRange, SearchSpace
 
 
 class UnknownScriptError(KeyError):
@@ -53,7 +54,7 @@ def _counts(study: optuna.Study) -> str:
             f"{c.get('FAIL', 0)} failed, {c.get('RUNNING', 0)} running, {c.get('WAITING', 0)} waiting")
 
 
-COLS = ["trial", "method", "k", "ngram_min", "ngram_max", "batch", "temperature", "dtype"]
+COLS = ["trial", *REPORT_KNOBS]
 
 
 def report_best_k(study: optuna.Study) -> str:
@@ -65,7 +66,7 @@ def report_best_k(study: optuna.Study) -> str:
     df = trials_frame(study)
     df = df[df["trial"].isin({t.number for t in ok})]
     cfg = best.user_attrs["config"]
-    knobs = ("method", *_used(best), "batch", "temperature")
+    knobs = ("method", *_used(best), *GLOBAL_KNOBS)
     lines.append(f"best setting (trial {best.number}): " + ", ".join(f"{k}={cfg.get(k)}" for k in knobs))
     lines.append(f"  tokens/s {best.value:.4g}, speedup vs autoregressive "
                  f"{_fmt(best.user_attrs.get('speedup_vs_ar'))}x, acceptance {_fmt(best.user_attrs.get('acceptance_rate'))}")

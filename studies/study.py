@@ -16,8 +16,8 @@ import optuna
 from optuna.trial import TrialState
 
 from studies.objective import OBJECTIVES, BenchObjective, ModelSpec, ObjectiveSpec, TrialFailed
-from studies.space import (METHODS, RunSettings, SearchSpace, SpaceError, _values, bench_config_fields,
-                           make_config)
+from studies.space import GLOBAL_KNOBS, METHODS, RunSettings, SearchSpace, SpaceError, dim_values, make_config
+from workbench.settings import SettingError, check as check_settings
 
 SPEC_KEY = "workbench_spec"
 TARGET_KEY = "target_trials"
@@ -55,8 +55,27 @@ class StudySpec:
                    sampler=d.get("sampler", "tpe"))
 
     def validate(self) -> None:
-        self.space.validate(bench_config_fields())
+        """Each knob's values, then the rules between knobs (e.g. a batch above the largest CUDA-graph bucket) on
+        each method's hardest setting (`hardest`): a study that could only fail is refused before it is created."""
+        self.space.validate()
         self.settings.validate()
+        for method in self.space.methods:
+            try:
+                check_settings(hardest(self, method))
+            except SettingError as e:
+                raise SpaceError(str(e)) from None
+
+
+def hardest(spec: StudySpec, method: str) -> dict[str, Any]:
+    """The run settings plus the most demanding value of every dimension for `method`: the largest of each number
+    (smallest ngram_min) and True for a boolean that can be on; a text knob (dtype, compile) keeps its first choice."""
+    dims = spec.space.dims()
+    params: dict[str, Any] = {**spec.settings.to_dict(), "method": method}
+    for knob in (*METHODS[method].knobs, *GLOBAL_KNOBS):
+        values = dim_values(knob, dims[knob])
+        numeric = all(isinstance(v, (int, float)) for v in values)
+        params[knob] = (min if knob == "ngram_min" else max)(values) if numeric else values[0]
+    return params
 
 
 def make_sampler(spec: StudySpec, seed: int | None = None) -> optuna.samplers.BaseSampler:
@@ -111,7 +130,7 @@ def create_or_resume(storage: optuna.storages.BaseStorage, name: str, spec: Stud
     stored = StudySpec.from_dict(study.user_attrs[SPEC_KEY])
     if spec is not None:
         given = spec.to_dict()
-        stored_d = study.user_attrs[SPEC_KEY]
+        stored_d = stored.to_dict()  # read back: knobs the study predates show their defaults, which its trials ran
         dirs = [d.name.lower() for d in study.directions]
         problems = _diff(stored_d, given)
         if dirs != list(spec.objective.directions):
@@ -144,14 +163,9 @@ def preflight(spec: StudySpec, session: Any) -> None:
     check, encode = getattr(session, "check", None), getattr(session, "encode", None)
     if check is None or encode is None:
         return
-    dims = spec.space.dims()
     prompt_ids = encode(spec.settings.num_prompts)
     for method in spec.space.methods:
-        params: dict[str, Any] = {**spec.settings.to_dict(), "method": method,
-                                  "batch": max(_values("batch", dims["batch"])),
-                                  "temperature": max(_values("temperature", dims["temperature"]))}
-        for knob in METHODS[method].knobs:
-            params[knob] = (min if knob == "ngram_min" else max)(_values(knob, dims[knob]))
+        params = hardest(spec, method)
         try:
             check(make_config(params), prompt_ids)
         except Exception as e:  # noqa: BLE001 - BenchError, or the engine's ValueError for a bad config

@@ -127,6 +127,55 @@ def test_run_page_rejects_bad_numbers(workspace):
     assert not at.button(key="run_start").disabled
 
 
+def widget_keys(at: AppTest) -> set[str]:
+    def walk(block):
+        for node in getattr(block, "children", {}).values():
+            if getattr(node, "key", None):
+                yield node.key
+            yield from walk(node)
+
+    return set(walk(at._tree))
+
+
+def test_forms_offer_every_knob_of_the_registry(workspace):
+    """The Run and Tune forms are generated from workbench.settings: a knob added there gets a field on both."""
+    from studies.space import SEARCH_KNOBS, SETTING_KNOBS
+    from workbench.settings import KNOBS
+
+    at = open_page("run")
+    at.selectbox(key="run_method").set_value("ngram").run()  # ngram reads every knob
+    assert {f"run_{name}" for name in KNOBS} <= widget_keys(at)
+    at = open_page("tune")
+    script = at.selectbox(key="tune_script").value
+    assert {f"tune_{name}_{script}" for name in SEARCH_KNOBS} | {f"tune_{name}" for name in SETTING_KNOBS} \
+        <= widget_keys(at)
+
+
+def test_graph_settings_are_checked_on_both_forms(workspace):
+    at = open_page("run")
+    at.text_input(key="run_graph_batch_sizes").input("4,2").run()
+    assert error_next_to(at, "run_graph_batch_sizes") == [
+        "graph_batch_sizes=4,2 must be strictly increasing (sorted, no duplicates), e.g. 2,4"]
+    at.text_input(key="run_graph_batch_sizes").input("1,2")
+    at.text_input(key="run_batch").input("4")
+    at.toggle(key="run_cuda_graphs").set_value(True).run()
+    assert any(m.startswith("batch 4 exceeds the largest graph bucket 2") for m in errors_of(at)), errors_of(at)
+    assert at.button(key="run_start").disabled
+    at.toggle(key="run_cuda_graphs").set_value(False).run()
+    assert not errors_of(at) and not at.button(key="run_start").disabled
+
+    at = open_page("tune")
+    at.selectbox(key="tune_script").set_value("pareto").run()  # batch 1,2,4
+    at.text_input(key="tune_graph_batch_sizes").input("1,2")
+    at.multiselect(key="tune_cuda_graphs_pareto").set_value([False, True])
+    at.multiselect(key="tune_compile_pareto").set_value(["off", "default"]).run()
+    assert any(m.startswith("batch 4 exceeds the largest graph bucket 2") for m in errors_of(at)), errors_of(at)
+    assert at.button(key="tune_launch").disabled
+    at.text_input(key="tune_graph_batch_sizes").input("1,2,4").run()
+    assert not errors_of(at), errors_of(at)
+    assert not at.button(key="tune_launch").disabled
+
+
 def test_run_page_rejects_missing_model_and_bad_prompts(workspace, tmp_path):
     at = open_page("run")
     at.radio(key="run_model_source").set_value("Local model paths").run()

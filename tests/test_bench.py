@@ -1,5 +1,6 @@
 """Benchmark runner and CLI on the committed tiny preset: the JSON record, the store row, and bad input."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,16 +66,34 @@ def test_sampled_run_reports_null_parity(session):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(k=0), "k \\(draft length\\) must be >= 1"),
-    (dict(batch=0), "batch must be >= 1"),
+    (dict(k=0), "k=0 is outside what the engine supports: 1..16"),
+    (dict(batch=0), "batch=0 is outside what the engine supports: 1..256"),
     (dict(max_new_tokens=5000), "context is 2048"),
-    (dict(method="eagle9"), "unknown method"),
+    (dict(method="eagle9"), "method='eagle9' is not supported by the engine; allowed: 'ar', 'draft', 'ngram'"),
     (dict(ngram_min=3, ngram_max=2, method="ngram"), "ngram_min"),
     (dict(temperature=-1.0), "temperature"),
 ])
 def test_bad_settings_fail_before_work(session, change, message):
     with pytest.raises(BenchError, match=message):
         session.run(small(**change))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(compile="fast"), "compile='fast' is not supported by the engine; allowed: 'off', 'default', 'max-autotune'"),
+    (dict(graph_batch_sizes=()), "graph_batch_sizes is empty: give at least one batch bucket"),
+    (dict(graph_batch_sizes=(4, 2, 8)), "graph_batch_sizes=4,2,8 must be strictly increasing (sorted, no duplicates)"),
+    (dict(graph_batch_sizes=(1, 2, 2)), "graph_batch_sizes=1,2,2 must be strictly increasing"),
+    (dict(graph_batch_sizes=(0, 2)), "graph_batch_sizes=0,2 must hold whole numbers >= 1"),
+    (dict(cuda_graphs=True, graph_batch_sizes=(1,)), "batch 2 exceeds the largest graph bucket 1: add a bucket >= 2 "
+                                                     "to --graph-batch-sizes or turn --cuda-graphs off"),
+])
+def test_bad_graph_and_compile_settings_are_named(session, change, message):
+    with pytest.raises(BenchError, match=re.escape(message)):
+        session.run(small(**change))
+
+
+def test_graph_buckets_bound_the_batch_only_with_graphs_on(session):
+    session.check(small(cuda_graphs=False, graph_batch_sizes=(1,)), session.encode(1))
 
 
 def test_prompt_longer_than_context(session):
@@ -131,9 +150,9 @@ def test_cli_bad_setting_is_recorded_as_failed(tmp_path):
 
     proc = run_cli("--preset", "tiny", "--k", "0", "--num-prompts", "1", store=tmp_path)
     assert proc.returncode == 2
-    assert "k (draft length) must be >= 1" in proc.stderr
+    assert "k=0 is outside what the engine supports: 1..16" in proc.stderr
     df = ResultStore(tmp_path).load()
-    assert list(df["status"]) == ["failed"] and "k (draft length)" in df["error"].iloc[0]
+    assert list(df["status"]) == ["failed"] and "k=0 is outside" in df["error"].iloc[0]
 
 
 def test_divergence_margin_is_the_fp32_logit_gap(session):

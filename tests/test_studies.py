@@ -30,7 +30,7 @@ from studies.run import main as run_main
 from studies.worker import main as worker_main
 from studies.schedule import build_schedule, export_schedule, sglang_snippet, trtllm_snippet, vllm_snippet
 from studies.scripts import get_script
-from studies.space import LIMITS, IntRange, RunSettings, SearchSpace, SpaceError, parse_dim
+from studies.space import IntRange, RunSettings, SearchSpace, SpaceError, parse_dim
 from studies.storage import StorageOpenError, open_storage
 from studies.study import SPEC_KEY, StudyMismatchError, StudySpec, create_or_resume, run_trials
 
@@ -69,27 +69,31 @@ def test_space_rejects_values_outside_engine_limits():
         SearchSpace(dtype=("float32", "int3")).validate()
     with pytest.raises(SpaceError, match=r"batch=0 is outside"):
         SearchSpace(batch=(0, 1)).validate()
-    with pytest.raises(SpaceError, match=r"knob 'cuda_graphs' is not a field of the engine's BenchConfig"):
-        LIMITS["cuda_graphs"] = LIMITS["paged"]
-        try:
-            SearchSpace(extra={"cuda_graphs": (False, True)}).validate(config_fields={"method", "k", "batch",
-                                                                                     "temperature", "dtype",
-                                                                                     "ngram_min", "ngram_max"})
-        finally:
-            del LIMITS["cuda_graphs"]
+    with pytest.raises(SpaceError, match=r"compile='fast' is not supported by the engine; allowed: 'off', 'default'"):
+        SearchSpace(compile=("off", "fast")).validate()
+    with pytest.raises(SpaceError, match=r"batch 8 exceeds the largest graph bucket 4: add a bucket >= 8"):
+        dataclasses.replace(make_spec(batch=(1, 8), cuda_graphs=(False, True)),
+                            settings=dataclasses.replace(FAST, graph_batch_sizes=(1, 2, 4))).validate()
+    make_spec(batch=(1, 8), cuda_graphs=False).validate()  # graphs off: the buckets do not bound the batch
+    with pytest.raises(SpaceError, match=r"graph_batch_sizes=4,2 must be strictly increasing"):
+        RunSettings(graph_batch_sizes=(4, 2)).validate()
     with pytest.raises(SpaceError, match=r"max_new_tokens=0 is outside"):
         RunSettings(max_new_tokens=0).validate()
     with pytest.raises(SpaceError, match=r"cannot read --k 'x-3'"):
         parse_dim("k", "x-3")
     assert parse_dim("k", "2-6") == IntRange(2, 6) and parse_dim("batch", "1,4") == (1, 4)
-    assert parse_dim("temperature", "0.7", float) == 0.7
+    assert parse_dim("temperature", "0.7") == 0.7
+    assert parse_dim("cuda_graphs", "off,on") == (False, True) and parse_dim("compile", "default") == "default"
+    with pytest.raises(SpaceError, match=r"cannot read --cuda-graphs 'maybe': use on or off"):
+        parse_dim("cuda_graphs", "maybe")
 
 
 def test_space_suggests_only_the_knobs_of_the_method():
     space = SearchSpace(methods=("ar", "draft", "ngram"), k=IntRange(1, 8), ngram_min=IntRange(2, 3),
                         ngram_max=IntRange(1, 4), batch=(1, 4))
     assert space.suggest(optuna.trial.FixedTrial({"method": "ar", "batch": 4})) == {
-        "method": "ar", "batch": 4, "temperature": 0.0, "dtype": "float32"}
+        "method": "ar", "batch": 4, "temperature": 0.0, "dtype": "float32", "paged": True, "kv_block_size": 16,
+        "cuda_graphs": False, "compile": "off"}  # fixed knobs pass through; ar reads no k
     got = space.suggest(optuna.trial.FixedTrial({"method": "ngram", "k": 3, "ngram_min": 3, "ngram_max": 3,
                                                  "batch": 1}))
     assert got["k"] == 3 and got["ngram_min"] == 3 and got["ngram_max"] == 3
@@ -117,6 +121,22 @@ def test_bad_storage_urls_are_named(tmp_path):
     assert f"127.0.0.1:{port}/optuna" in str(e.value) and "secret" not in str(e.value)
     with pytest.raises(StorageOpenError, match="does not exist"):
         open_storage(f"journal://{tmp_path}/missing/x.log")
+
+
+def test_a_study_stored_before_a_knob_existed_resumes(tmp_path):
+    """Specs written before cuda_graphs, compile, graph_batch_sizes (and with the old "extra" field) read back with
+    the knobs' defaults, which is what their trials ran, so resuming them is not refused as a changed space."""
+    db = f"sqlite:///{tmp_path}/s.db"
+    study, spec = create_or_resume(open_storage(db), "old", make_spec())
+    old = spec.to_dict()
+    for knob in ("paged", "kv_block_size", "cuda_graphs", "compile"):
+        del old["space"][knob]
+    old["space"]["extra"] = {}
+    del old["settings"]["graph_batch_sizes"], old["settings"]["compare_hf"]
+    study.set_user_attr(SPEC_KEY, old)
+    assert create_or_resume(open_storage(db), "old", make_spec())[1] == spec
+    with pytest.raises(StudyMismatchError, match="space.cuda_graphs"):
+        create_or_resume(open_storage(db), "old", make_spec(cuda_graphs=(False, True)))
 
 
 def test_cli_refuses_unknown_script_storage_and_changed_space(tmp_path, capsys):

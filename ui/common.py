@@ -84,6 +84,23 @@ def _range_check(value, name, low, high):
     return value, None
 
 
+def parse_knob(knob, text: str):
+    """A list knob's text (workbench.settings.Knob of kind "ints") -> (value, None) or (None, the registry's message).
+
+    >>> from workbench.settings import KNOBS
+    >>> parse_knob(KNOBS["graph_batch_sizes"], "1,2,4"), parse_knob(KNOBS["graph_batch_sizes"], "4,2")[1]
+    (((1, 2, 4), None), 'graph_batch_sizes=4,2 must be strictly increasing (sorted, no duplicates), e.g. 2,4')
+    """
+    from workbench.settings import SettingError
+
+    try:
+        value = knob.parse(text)
+        knob.check(value)
+    except SettingError as e:
+        return None, str(e)
+    return value, None
+
+
 def check_model_path(text: str, role: str) -> tuple[Path | None, str | None]:
     """A Hugging Face style model folder (config.json + *.safetensors) or a .gguf file; message names what is wrong."""
     text = str(text).strip()
@@ -134,6 +151,24 @@ def float_field(label: str, key: str, default: float, errors: Errors, low=None, 
     with st.container():
         text = st.text_input(label, value=f"{default:g}", key=key, help=help)
         value, err = parse_float(text, name or label, low, high)
+        errors.add(key, err)
+    return value
+
+
+def knob_field(knob, key: str, errors: Errors, default=None):
+    """The widget a setting of workbench.settings asks for, with its label, help, bounds and default (its quick
+    default unless given): a toggle for a boolean, a select box for choices, a text input for a number or a list
+    (a bad value shows its error right below)."""
+    default = knob.quick if default is None else default
+    if knob.kind == "bool":
+        return st.toggle(knob.label, value=bool(default), key=key, help=knob.help)
+    if knob.choices:
+        return st.selectbox(knob.label, knob.choices, index=knob.choices.index(default), key=key, help=knob.help)
+    if knob.kind in ("int", "float"):
+        field = int_field if knob.kind == "int" else float_field
+        return field(knob.label, key, default, errors, knob.low, knob.high, help=knob.help, name=knob.name)
+    with st.container():
+        value, err = parse_knob(knob, st.text_input(knob.label, value=knob.format(default), key=key, help=knob.help))
         errors.add(key, err)
     return value
 

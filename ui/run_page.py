@@ -1,8 +1,9 @@
 """Run page: choose models, a method and its settings, start a benchmark in the background, read its metrics.
 
 The benchmark is `python -m workbench bench ... --json --store DIR`, started as a job (ui.jobs): this page only builds
-its command line, polls it and reads the stored result back. Every setting is validated here first, with the error
-shown under its input, and nothing is started while any input is wrong.
+its command line, polls it and reads the stored result back. The form has one field per knob the method reads
+(workbench.settings: label, widget kind, bounds, default and help come from there). Every setting is validated here
+first, with the error shown under its input, and nothing is started while any input is wrong.
 """
 from __future__ import annotations
 
@@ -11,23 +12,15 @@ import math
 import streamlit as st
 
 from ui import catalog, charts, jobs
-from ui.common import PYTHON, Errors, check_model_path, float_field, int_field, job_label, job_panel, store_root
+from ui.common import PYTHON, Errors, check_model_path, job_label, job_panel, knob_field, store_root
+from workbench.settings import KNOBS, SettingError, check
 
 P = "run_"  # widget-key prefix of this page
 PRESET, LOCAL = "Built-in preset", "Local model paths"
 PROMPTS_PRESET, PROMPTS_UPLOAD, PROMPTS_PATH = "Preset prompts", "Upload a file", "File on disk"
-DEVICES, DTYPES = ("auto", "cpu", "cuda"), ("float32", "bfloat16", "float16")
-
-
-def _limits():
-    from studies.space import LIMITS, METHODS
-
-    return LIMITS, METHODS
-
-
-def _bounds(limits, name, low, high):
-    lim = limits.get(name)
-    return (lim.low, lim.high) if lim is not None and lim.allowed is None else (low, high)
+DEVICES = ("auto", "cpu", "cuda")
+GROUPS = {"method": None, "run": None, "sampling": "Sampling", "system": "System"}  # knob group -> heading
+COLUMNS = 4
 
 
 def model_section(errors: Errors, method: str) -> dict:
@@ -106,51 +99,18 @@ def prompt_section(errors: Errors, preset_paths, local_models: bool) -> dict:
     return {}
 
 
-def settings_section(errors: Errors, method: str, limits, methods) -> dict:
+def settings_section(errors: Errors, method: str) -> dict:
+    """One field per knob the method reads (workbench.settings), grouped; then the rules between knobs."""
     s: dict = {"method": method}
-    knobs = methods[method].knobs if method in methods else ()
-    cols = st.columns(3)
-    if "k" in knobs:
-        with cols[0]:
-            s["k"] = int_field("Draft length k", f"{P}k", 4, errors, *_bounds(limits, "k", 1, 16), name="k",
-                               help="tokens proposed per step")
-    if "ngram_min" in knobs:
-        with cols[1]:
-            s["ngram_min"] = int_field("n-gram min", f"{P}ngram_min", 1, errors, *_bounds(limits, "ngram_min", 1, 8),
-                                       name="ngram_min")
-        with cols[2]:
-            s["ngram_max"] = int_field("n-gram max", f"{P}ngram_max", 3, errors, *_bounds(limits, "ngram_max", 1, 8),
-                                       name="ngram_max")
-        if s.get("ngram_min") and s.get("ngram_max") and s["ngram_max"] < s["ngram_min"]:
-            errors.add(f"{P}ngram_max", "n-gram max must be at least n-gram min")
-    cols = st.columns(4)
-    with cols[0]:
-        s["batch"] = int_field("Batch size", f"{P}batch", 2, errors, *_bounds(limits, "batch", 1, 256), name="batch")
-    with cols[1]:
-        s["max_new_tokens"] = int_field("Max new tokens", f"{P}max_new_tokens", 32, errors,
-                                        *_bounds(limits, "max_new_tokens", 1, 8192), name="max_new_tokens")
-    with cols[2]:
-        s["num_prompts"] = int_field("Number of prompts", f"{P}num_prompts", 4, errors,
-                                     *_bounds(limits, "num_prompts", 1, 100_000), name="number of prompts")
-    with cols[3]:
-        s["repeats"] = int_field("Repeats", f"{P}repeats", 1, errors, *_bounds(limits, "repeats", 1, 100),
-                                 name="repeats")
-    st.markdown("**Sampling**")
-    cols = st.columns(4)
-    with cols[0]:
-        s["temperature"] = float_field("Temperature", f"{P}temperature", 0.0, errors,
-                                       *_bounds(limits, "temperature", 0.0, 2.0), name="temperature",
-                                       help="0 = greedy")
-    with cols[1]:
-        s["top_k"] = int_field("Top-k", f"{P}top_k", 0, errors, *_bounds(limits, "top_k", 0, 1_000_000),
-                               name="top_k", help="0 = off")
-    with cols[2]:
-        s["top_p"] = float_field("Top-p", f"{P}top_p", 1.0, errors, *_bounds(limits, "top_p", 0.0, 1.0),
-                                 name="top_p", help="1 = off")
-    with cols[3]:
-        s["seed"] = int_field("Seed", f"{P}seed", 0, errors, *_bounds(limits, "seed", 0, 2**31 - 1), name="seed")
-    cols = st.columns(4)
-    with cols[0]:
+    for group, heading in GROUPS.items():
+        knobs = [k for k in KNOBS.values() if k.group == group and k.name != "method" and k.reads(method)]
+        if heading:
+            st.markdown(f"**{heading}**")
+        for row in range(0, len(knobs), COLUMNS):
+            for col, knob in zip(st.columns(COLUMNS), knobs[row:row + COLUMNS]):
+                with col:
+                    s[knob.name] = knob_field(knob, f"{P}{knob.name}", errors)
+    with st.columns(COLUMNS)[0]:
         s["device"] = st.selectbox("Device", DEVICES, key=f"{P}device", help="auto: cuda when available, else cpu")
         if s["device"] == "cuda":
             from ui.gpu_page import gpu_probe
@@ -159,15 +119,11 @@ def settings_section(errors: Errors, method: str, limits, methods) -> dict:
             if not probe.get("cuda_available"):
                 reason = probe.get("reason") or "torch.cuda.is_available() is False"
                 errors.add(f"{P}device", f"no CUDA GPU here ({reason})")
-    with cols[1]:
-        s["dtype"] = st.selectbox("Dtype", DTYPES, key=f"{P}dtype")
-    with cols[2]:
-        s["warmup"] = int_field("Warmup runs", f"{P}warmup", 1, errors, *_bounds(limits, "warmup", 0, 100),
-                                name="warmup")
-    with cols[3]:
-        s["kv_block_size"] = int_field("KV block size", f"{P}kv_block_size", 16, errors,
-                                       *_bounds(limits, "kv_block_size", 1, 4096), name="kv_block_size")
-    s["paged"] = st.toggle("Paged KV cache", value=True, key=f"{P}paged")
+    if not errors:
+        try:
+            check(s)
+        except SettingError as e:
+            errors.add(f"{P}{e.knob}", str(e))
     return s
 
 
@@ -188,7 +144,7 @@ def bench_argv(settings: dict, models: dict, prompts: dict) -> list[str]:
         if isinstance(value, bool):
             argv.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")
             continue
-        argv += [f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value)]
+        argv += [f"--{name.replace('_', '-')}", KNOBS[name].format(value) if name in KNOBS else str(value)]
     return argv + ["--json", "--store", str(store_root())]
 
 
@@ -314,19 +270,13 @@ def render() -> None:
     st.title("Run a benchmark")
     st.caption("Speculative decoding against plain autoregressive decoding, measured in the same run. "
                "The run goes to the result store; see it on the Results page.")
-    try:
-        limits, methods = _limits()
-    except Exception as exc:  # noqa: BLE001
-        st.error(f"cannot load the engine's limits (studies.space): {exc}")
-        return
     errors = Errors()
     with st.container(border=True):
-        method = st.selectbox("Method", list(methods), index=list(methods).index("draft") if "draft" in methods else 0,
-                              key=f"{P}method", help="ar = plain autoregressive decoding (the baseline)")
+        method = knob_field(KNOBS["method"], f"{P}method", errors)
         models = model_section(errors, method)
         preset_paths = models.pop("preset_paths", None)
         prompts = prompt_section(errors, preset_paths, local_models="model" in models)
-        settings = settings_section(errors, method, limits, methods)
+        settings = settings_section(errors, method)
     if errors:
         st.warning(f"Fix the {len(errors)} problem(s) above to start a run.", icon=":material/warning:")
     if st.button("Start benchmark", key=f"{P}start", type="primary", disabled=bool(errors),

@@ -3,6 +3,7 @@
 A study is `python -m studies.run --study NAME --script SCRIPT --trials N --storage journal:///... ` started as a job;
 several can run at once (the journal storage is safe for several processes). The page reads the study back from the
 same storage for the live trial table, Optuna's Plotly figures, the best settings and the batch-size schedule.
+The launch form has one field per searchable knob and per run setting of workbench.settings.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pandas as pd
 import streamlit as st
 
 from ui import catalog, jobs
-from ui.common import PYTHON, Errors, check_model_path, int_field, job_panel, store_root, study_storage_url
+from ui.common import PYTHON, Errors, check_model_path, int_field, job_panel, knob_field, store_root, study_storage_url
+from workbench.settings import KNOBS, METHODS
 
 P = "tune_"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -54,15 +56,38 @@ def local_models_section(errors: Errors) -> dict:
     return out
 
 
-def dim_text(dim) -> str:
-    """A search-space dimension as the CLI writes it: 4, 1-8, 1,2,4."""
+def dim_text(name: str, dim) -> str:
+    """A search-space dimension as the CLI writes it: 4, 1-8, 1,2,4, off,on."""
     from studies.space import IntRange
 
     if isinstance(dim, IntRange):
         return f"{dim.low}-{dim.high}"
-    if isinstance(dim, tuple):
-        return ",".join(str(v) for v in dim)
-    return f"{dim:g}" if isinstance(dim, float) else str(dim)
+    return ",".join(KNOBS[name].format(v) for v in (dim if isinstance(dim, tuple) else (dim,)))
+
+
+def dim_field(name: str, dim, key: str, errors: Errors) -> str | None:
+    """A search-space dimension of a study: a multiselect of the choices for a knob that has them (one = fixed,
+    several = searched), else a text input (a value, a list a,b,c, or a range lo-hi); each value checked against the
+    knob (workbench.settings), the error under the field. Returns the dimension as the CLI writes it, or None."""
+    from studies.space import SpaceError, check_value, dim_values, parse_dim
+
+    knob = KNOBS[name]
+    if knob.allowed is not None:
+        picked = st.multiselect(knob.label, knob.allowed, default=dim_values(name, dim), key=key, help=knob.help,
+                                format_func=knob.format)
+        if not picked:
+            errors.add(key, f"{name}: pick at least one value")
+            return None
+        return dim_text(name, tuple(picked))
+    grammar = "a value, a list a,b,c" + (", or a range lo-hi" if knob.kind == "int" else "")
+    text = st.text_input(knob.label, value=dim_text(name, dim), key=key, help=f"{knob.help}. {grammar}")
+    try:
+        for value in dim_values(name, parse_dim(name, text)):
+            check_value(name, value)
+    except SpaceError as exc:
+        errors.add(key, str(exc))
+        return None
+    return text.strip()
 
 
 def stored_spec(storage, name: str) -> dict | None:
@@ -89,8 +114,8 @@ def spec_problems(cli_args: list[str], storage, name: str) -> tuple[list[str], d
     if not stored:
         return [f"study {name!r} exists but was not created by studies.run: pick another name"], {}
     args = build_parser().parse_args(cli_args)
-    spec = build_spec(args, StudySpec.from_dict(stored)).to_dict()
-    return _diff(stored, spec), stored
+    base = StudySpec.from_dict(stored)  # knobs the study predates read back as the defaults its trials ran
+    return _diff(base.to_dict(), build_spec(args, base).to_dict()), stored
 
 
 def _diff(stored, given, path: str = "") -> list[str]:
@@ -121,7 +146,7 @@ def free_name(script_name: str) -> str:
 
 def launch_form() -> None:
     from studies.scripts import SCRIPTS
-    from studies.space import LIMITS, METHODS, IntRange, SpaceError, parse_dim
+    from studies.space import SEARCH_KNOBS, SETTING_KNOBS, SpaceError
 
     errors = Errors()
     with st.container(border=True):
@@ -158,46 +183,26 @@ def launch_form() -> None:
                 local = local_models_section(errors)
         space = script.space
         with st.expander("Search space and run settings (defaults: the script's)"):
-            cols = st.columns(4)
-            with cols[0]:
-                methods = st.multiselect("Methods", list(METHODS), default=list(space.methods),
-                                         key=f"{P}methods_{script_name}")
-                if not methods:
-                    errors.add(f"{P}methods", "pick at least one method")
-            texts = {}
-            for col, (knob, label) in zip(cols[1:], (("k", "Draft length k (range lo-hi or list)"),
-                                                     ("batch", "Batch sizes (list a,b,c)"),
-                                                     ("temperature", "Temperature"))):
-                with col:
-                    texts[knob] = st.text_input(label, value=dim_text(getattr(space, knob)),
-                                                key=f"{P}{knob}_{script_name}")
+            methods = st.multiselect("Methods", list(METHODS), default=list(space.methods),
+                                     key=f"{P}methods_{script_name}", help=KNOBS["method"].help)
+            if not methods:
+                errors.add(f"{P}methods", "pick at least one method")
             dims = {}
-            for knob, text in texts.items():
-                try:
-                    dims[knob] = parse_dim(knob, text, float if knob == "temperature" else int)
-                except SpaceError as exc:
-                    errors.add(f"{P}{knob}", str(exc))
-            if methods and len(dims) == len(texts):
-                # studies' LIMITS, checked here without SearchSpace.validate(), which imports the engine (torch)
-                for knob, dim in dims.items():
-                    values = [dim.low, dim.high] if isinstance(dim, IntRange) else \
-                        list(dim) if isinstance(dim, tuple) else [dim]
-                    for value in values:
-                        try:
-                            LIMITS[knob].check(knob, value)
-                        except SpaceError as exc:
-                            errors.add(f"{P}{knob}", str(exc))
-                            break
+            for row in range(0, len(SEARCH_KNOBS), 4):
+                for col, knob in zip(st.columns(4), SEARCH_KNOBS[row:row + 4]):
+                    with col:
+                        dims[knob] = dim_field(knob, getattr(space, knob), f"{P}{knob}_{script_name}", errors)
+            st.markdown("**Run settings, the same for every trial**")
+            run_settings = {}
+            for row in range(0, len(SETTING_KNOBS), 4):
+                for col, knob in zip(st.columns(4), SETTING_KNOBS[row:row + 4]):
+                    with col:
+                        run_settings[knob] = knob_field(KNOBS[knob], f"{P}{knob}", errors)
             cols = st.columns(4)
             with cols[0]:
-                max_new = int_field("Max new tokens", f"{P}max_new_tokens", 32, errors, 1, 8192, name="max_new_tokens")
-            with cols[1]:
-                num_prompts = int_field("Prompts per trial", f"{P}num_prompts", 4, errors, 1, 100_000,
-                                        name="num_prompts")
-            with cols[2]:
                 workers = int_field("Worker processes", f"{P}workers", 1, errors, 1, 16, name="workers",
                                     help="processes sharing this study's trials (journal storage allows several)")
-            with cols[3]:
+            with cols[1]:
                 device = st.text_input("Device", value="cpu", key=f"{P}device", help="cpu, cuda, cuda:0, ...")
                 if device.strip().startswith("cuda"):
                     from ui.gpu_page import gpu_probe
@@ -217,11 +222,16 @@ def launch_form() -> None:
             cli += [f"--{flag}", str(value)]
         if methods:
             cli += ["--methods", ",".join(methods)]
-        cli += [item for knob, text in texts.items() for item in (f"--{knob}", text.strip())]
-        if max_new:
-            cli += ["--max-new-tokens", str(max_new)]
-        if num_prompts:
-            cli += ["--num-prompts", str(num_prompts)]
+        cli += [item for knob, text in dims.items() if text is not None for item in (KNOBS[knob].flag, text)]
+        cli += [item for knob, value in run_settings.items() if value is not None
+                for item in (KNOBS[knob].flag, KNOBS[knob].format(value))]
+        if not errors:  # rules between knobs (batch vs the largest CUDA-graph bucket, ...), as the study applies them
+            try:
+                from studies.run import build_parser, build_spec
+
+                build_spec(build_parser().parse_args(cli), None).validate()
+            except SpaceError as exc:
+                errors.add(f"{P}space", str(exc))
         with name_box:
             if not NAME_RE.fullmatch(name.strip()):
                 errors.add(f"{P}study_name", "study name: 1-64 letters, digits, '_', '.', '-' (starting with a "

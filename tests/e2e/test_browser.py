@@ -159,7 +159,7 @@ def test_browser_run_results_tune_models_gpu(server):
             _fill(page, "Trials (total budget)", "3")
             page.get_by_text("Search space and run settings").click()
             _fill(page, "Max new tokens", "6")
-            _fill(page, "Prompts per trial", "2")
+            _fill(page, "Number of prompts", "2")
             _wait_idle(page)
             launch = page.get_by_role("button", name="Launch study")
             expect(launch).to_be_enabled(timeout=30_000)

@@ -21,12 +21,13 @@ from typing import Callable
 import pandas as pd
 import torch
 
+from workbench import settings
 from workbench.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
 from workbench.engine import EngineConfig, GenerationResult, SpecEngine
 from workbench.harness.metrics import median, percentile, summarize, traces_frame
 from workbench.engine.sampling import SamplingParams
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in settings.KNOBS["dtype"].choices}
 
 # Greedy parity in bf16/fp16 is not exact: a 1-token decode and a (k+1)-token verify reduce in different orders, so
 # two nearly tied logits can swap. Where outputs diverge we re-score the divergence point in float32 and call it a
@@ -40,25 +41,13 @@ class BenchError(Exception):
     """A setting the engine cannot run, a bad model/prompt input, or a run that failed (e.g. out of memory)."""
 
 
-@dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark's settings; the single source of defaults (the CLI and studies read them from here)."""
-    method: str = "draft"  # "ar" | "draft" | "ngram"
-    k: int = 4  # draft length (tokens per step the drafter proposes)
-    ngram_min: int = 1
-    ngram_max: int = 3
-    batch: int = 1
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    paged: bool = True
-    kv_block_size: int = 16
-    num_prompts: int = 8
-    repeats: int = 1
-    warmup: int = 1
-    compare_hf: bool = False  # also time Hugging Face generate() on the same prompts (slow; GPU benchmarks)
+BenchConfig = settings.dataclass_of("BenchConfig", settings.RUN_KNOBS, module=__name__, doc="""One benchmark's
+settings: one frozen, keyword-only field per run knob of `workbench.settings.KNOBS` (type, default, bounds and help live
+there; the CLI, studies, the dashboard and the result schema are generated from the same declarations).
+
+    >>> BenchConfig(method="ngram", k=3).k, BenchConfig().graph_batch_sizes
+    (3, (1, 2, 4, 8, 16, 32, 64))
+""")
 
 
 def _drafter_for(cfg: BenchConfig, session: "BenchSession") -> Drafter | None:
@@ -72,8 +61,7 @@ def _drafter_for(cfg: BenchConfig, session: "BenchSession") -> Drafter | None:
     raise BenchError(f"unknown method {cfg.method!r}; choose one of {sorted(METHODS)}")
 
 
-METHODS: dict[str, str] = {"ar": "autoregressive baseline (no drafter)", "draft": "independent draft model, chain of k",
-                           "ngram": "prompt lookup (n-gram), chain of up to k"}
+METHODS = settings.METHODS  # name -> Method (description, knobs it reads)
 
 
 @dataclass
@@ -95,8 +83,8 @@ class BenchSession:
         self._engines: dict[tuple, SpecEngine] = {}  # engines (caches, graphs) reused across runs and trials
 
     @classmethod
-    def load(cls, preset: str | None = None, model: str | None = None, draft: str | None = None,
-             device: str = "auto", dtype: str = "float32", prompts: str | None = None) -> "BenchSession":
+    def load(cls, preset: str | None = None, model: str | None = None, draft: str | None = None, device: str = "auto",
+             dtype: str = settings.KNOBS["dtype"].default, prompts: str | None = None) -> "BenchSession":
         from workbench.models import ModelLoadError, load_model, load_tokenizer, tokenizer_fingerprint
         from workbench.harness.prompts import PromptFileError, load_prompts
         from workbench.zoo import ZooError, resolve_preset
@@ -145,23 +133,13 @@ class BenchSession:
     # -- validation ---------------------------------------------------------------------------------------------
     def check(self, cfg: BenchConfig, prompt_ids: list[list[int]]) -> None:
         """Every setting checked before work starts; BenchError names the bad value and the allowed range."""
-        if cfg.method not in METHODS:
-            raise BenchError(f"unknown method {cfg.method!r}; choose one of {sorted(METHODS)}")
-        if cfg.method != "ar" and cfg.k < 1:
-            raise BenchError(f"k (draft length) must be >= 1, got {cfg.k}")
-        if cfg.method == "draft" and self.draft is None:
-            raise BenchError("method 'draft' needs a draft model: give --draft PATH or use a --preset")
-        if cfg.method == "ngram" and not 1 <= cfg.ngram_min <= cfg.ngram_max:
-            raise BenchError(f"n-gram sizes need 1 <= ngram_min <= ngram_max, got {cfg.ngram_min}, {cfg.ngram_max}")
-        for name in ("batch", "max_new_tokens", "num_prompts", "repeats", "kv_block_size"):
-            if getattr(cfg, name) < 1:
-                raise BenchError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-        if cfg.warmup < 0:
-            raise BenchError(f"warmup must be >= 0, got {cfg.warmup}")
         try:
-            SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+            settings.check({f.name: getattr(cfg, f.name) for f in fields(cfg)})  # bounds, choices, cross rules
+            SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)  # the sampler's own rule (top_p > 0)
         except ValueError as e:
             raise BenchError(str(e)) from None
+        if cfg.method == "draft" and self.draft is None:
+            raise BenchError("method 'draft' needs a draft model: give --draft PATH or use a --preset")
         k = cfg.k if cfg.method != "ar" else 0
         models = [("target", self.target)] + ([("draft", self.draft)] if cfg.method == "draft" else [])
         longest = max(len(p) for p in prompt_ids)
@@ -377,8 +355,8 @@ def _graph_columns(now, before, fixed_shape: bool) -> dict:
 
 
 def _config_columns(cfg: BenchConfig) -> dict:
-    """A run's settings as record columns, plus the whole config as JSON (`config_json`)."""
-    cols = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "compare_hf"}
+    """A run's settings as record columns (one per run knob), plus the whole config as JSON (`config_json`)."""
+    cols = {k.name: k.column(getattr(cfg, k.name)) for k in settings.RUN_KNOBS}
     cols["config_json"] = json.dumps(asdict(cfg), sort_keys=True)
     return cols
 

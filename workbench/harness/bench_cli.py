@@ -10,15 +10,31 @@ import json
 import sys
 from dataclasses import fields
 
-from workbench.harness.bench import METHODS, BenchConfig
+from workbench import settings
+from workbench.harness.bench import BenchConfig
 
 HEADLINE = ["method", "k", "batch", "acceptance_rate", "mean_accepted_tokens", "tokens_per_s", "ar_tokens_per_s",
             "speedup_vs_ar", "ttft_ms", "tpot_ms_p50", "tpot_ms_p99", "greedy_matches_ar", "sm_util_pct",
             "gpu_busy_pct", "device_name"]
+GROUPS = {"method": "method", "run": "run settings", "sampling": "sampling", "system": "system"}
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def add_knob(group: argparse._ArgumentGroup, knob: settings.Knob) -> None:
+    """One flag per knob (workbench.settings): a boolean is a --x / --no-x pair, a list is comma-separated."""
+    if knob.kind == "bool":
+        group.add_argument(knob.flag, default=knob.default, action=argparse.BooleanOptionalAction, help=knob.help)
+        return
+
+    def parse(text: str):
+        try:
+            return knob.parse(text)
+        except settings.SettingError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    metavar = "N,N,..." if knob.kind == "ints" else None
+    # a string default goes through `parse` like a typed value, and --help shows it as it would be typed
+    group.add_argument(knob.flag, dest=knob.name, type=parse, default=knob.format(knob.default), choices=knob.choices,
+                       metavar=metavar, help=knob.help)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,17 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     models.add_argument("--draft", help="draft model folder (method draft)")
     models.add_argument("--prompts", help="prompt file: JSONL {\"prompt\": ...} or MT-bench/Spec-Bench question.jsonl")
     models.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    models.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    defaults = BenchConfig()
-    run = p.add_argument_group("run settings")
-    for f in fields(BenchConfig):
-        default = getattr(defaults, f.name)
-        if f.name == "method":
-            run.add_argument("--method", default=default, choices=sorted(METHODS))
-        elif isinstance(default, bool):
-            run.add_argument(_flag(f.name), default=default, action=argparse.BooleanOptionalAction)
-        else:
-            run.add_argument(_flag(f.name), type=type(default), default=default)
+    for knob in settings.SESSION_KNOBS:
+        add_knob(models, knob)
+    groups = {name: p.add_argument_group(title) for name, title in GROUPS.items()}
+    for knob in settings.RUN_KNOBS:
+        add_knob(groups[knob.group], knob)
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the run record as one JSON object")
     out.add_argument("--store", help="result store folder (default: results/store or $WORKBENCH_STORE)")

@@ -1,0 +1,284 @@
+"""Every run setting ("knob") and every decoding method, declared once; the rest of the workbench is generated from it.
+
+A `Knob` names a setting's type, default, bounds or choices, help text, the methods that read it, whether studies may
+search it, and its CLI flag. From `KNOBS` and `METHODS` come:
+
+    BenchConfig                      workbench.harness.bench: one frozen-dataclass field per run knob (`dataclass_of`)
+    `python -m workbench bench`      workbench.harness.bench_cli: flag, default, help, choices per knob
+    studies                          studies.space: LIMITS, METHODS, RunSettings (quick defaults), SearchSpace dims;
+                                     studies.run: one flag per searchable knob and per run setting
+    dashboard forms                  ui/run_page.py, ui/tune_page.py: widget kind, label, bounds, default, help
+    result schema                    one config column per knob (below)
+
+    >>> KNOBS["graph_batch_sizes"].parse("1,2,4")
+    (1, 2, 4)
+    >>> KNOBS["compile"].check("fast")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    workbench.settings.SettingError: compile='fast' is not supported by the engine; allowed: 'off', ...
+    >>> check({"batch": 16, "cuda_graphs": True, "graph_batch_sizes": (1, 2, 4, 8)})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    workbench.settings.SettingError: batch 16 exceeds the largest graph bucket 8: add a bucket >= 16 to ...
+
+Columns: `results/` is a leaf that imports nothing of the project, and it is read by processes that never import the
+engine (`python -m results`, the Results page): it must type every column by itself, so `results.schema` keeps its own
+name and kind for each config column. This module registers each knob's column through `results.schema.register_column`
+at import (a no-op when results already declares it with the same kind, a ValueError at import when the kinds
+disagree), and tests/test_settings.py checks that results declares every knob with the kind `Knob.column_kind` says:
+a knob added here and forgotten there fails a test, and a row written before results knows it is still typed.
+
+Bench vs studies booleans: `bench` writes a boolean as a flag pair (`--cuda-graphs` / `--no-cuda-graphs`); studies,
+where every space flag is a value or a list, write it as `on` / `off` (`--cuda-graphs off,on` searches both).
+
+This module must not import torch (directly or through `workbench/__init__.py`): the dashboard and studies import it in
+processes that stay light; tests/test_settings.py checks it in a fresh interpreter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from results.schema import register_column
+
+ALL = "all"  # Knob.methods: read by every method
+KINDS = {"int": int, "float": float, "bool": bool, "str": str, "ints": tuple}  # "ints": a tuple of whole numbers
+COLUMN_KINDS = {"int": "int", "float": "float", "bool": "bool", "str": "string", "ints": "string"}
+BOOL_TEXT = {"on": True, "off": False, "true": True, "false": False, "yes": True, "no": False, "1": True, "0": False}
+
+
+class SettingError(ValueError):
+    """A setting the engine does not accept; the message names the knob, the value and what is allowed.
+    `knob` names the setting to blame (a form files the message under that field's key)."""
+
+    def __init__(self, message: str, knob: str | None = None) -> None:
+        super().__init__(message)
+        self.knob = knob
+
+
+@dataclass(frozen=True)
+class Method:
+    """A decoding method. The knobs it reads are declared on the knobs (`Knob.methods`); `knobs` lists its own."""
+
+    name: str
+    description: str
+    speculative: bool = True
+
+    @property
+    def knobs(self) -> tuple[str, ...]:
+        """The method-specific knobs it reads (those every method reads are left out): ngram -> k, ngram_min, ..."""
+        return tuple(k.name for k in KNOBS.values() if k.methods != ALL and self.name in k.methods)
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("ar", "autoregressive baseline (no drafter)", speculative=False),
+    Method("draft", "independent draft model, chain of k"),
+    Method("ngram", "prompt lookup (n-gram), chain of up to k"),
+)}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One setting. `quick_default` is the default of studies and the dashboard where it differs from the engine's
+    (a trial or a click should take seconds); `search_range` is the range a study searches by default (int knobs);
+    scope "session" knobs pick the loaded models (`BenchSession.load`) instead of being a BenchConfig field."""
+
+    name: str
+    kind: str                               # a key of KINDS
+    default: Any
+    help: str
+    label: str                              # the dashboard's field label
+    group: str                              # "method" | "run" | "sampling" | "system": where forms place it
+    low: float | None = None                # bounds; for "ints", of every element
+    high: float | None = None
+    choices: tuple | None = None            # allowed values (a bool knob allows (False, True))
+    methods: tuple[str, ...] | str = ALL    # methods that read it
+    searchable: bool = False                # studies may search it (a SearchSpace dimension)
+    search_range: tuple[int, int] | None = None
+    quick_default: Any = None
+    scope: str = "run"                      # "run" | "session"
+
+    def __post_init__(self) -> None:
+        assert self.kind in KINDS and self.scope in ("run", "session"), self
+        assert self.methods == ALL or set(self.methods) <= set(METHODS), self
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def quick(self) -> Any:
+        return self.default if self.quick_default is None else self.quick_default
+
+    @property
+    def allowed(self) -> tuple | None:
+        return (False, True) if self.kind == "bool" else self.choices
+
+    @property
+    def column_kind(self) -> str:
+        """The result-store column kind (results.schema.KINDS); a list of ints is stored as text "1,2,4"."""
+        return COLUMN_KINDS[self.kind]
+
+    def reads(self, method: str) -> bool:
+        return self.methods == ALL or method in self.methods
+
+    # ---- text <-> value (CLI flags, form fields) -------------------------------------------------------------
+    def parse(self, text: str) -> Any:
+        """'4' -> 4 (int), 'on' -> True (bool), '1,2,4' -> (1, 2, 4) (ints); SettingError names the flag."""
+        text = str(text).strip()
+        try:
+            if self.kind == "bool":
+                if text.lower() not in BOOL_TEXT:
+                    raise ValueError("use on or off")
+                return BOOL_TEXT[text.lower()]
+            if self.kind == "ints":
+                return tuple(int(t) for t in text.split(",") if t.strip())
+            return KINDS[self.kind](text)
+        except ValueError as e:
+            raise SettingError(f"cannot read {self.flag} {text!r}: {e}", self.name) from None
+
+    def format(self, value: Any) -> str:
+        """The inverse of `parse`: True -> 'on', (1, 2, 4) -> '1,2,4', 0.5 -> '0.5'."""
+        if self.kind == "bool":
+            return "on" if value else "off"
+        if self.kind == "ints":
+            return ",".join(str(v) for v in value)
+        return f"{value:g}" if self.kind == "float" else str(value)
+
+    def column(self, value: Any) -> Any:
+        """The value as stored in the result row."""
+        return self.format(value) if self.kind == "ints" else value
+
+    # ---- validation --------------------------------------------------------------------------------------------
+    def check(self, value: Any) -> None:
+        """Raise SettingError unless the engine accepts `value` for this knob (alone; `check` adds the cross rules)."""
+        if self.kind == "ints":
+            return self._check_list(value)
+        if self.allowed is not None:
+            if value not in self.allowed or isinstance(value, bool) != (self.kind == "bool"):
+                raise SettingError(f"{self.name}={value!r} is not supported by the engine; allowed: "
+                                   f"{', '.join(map(repr, self.allowed))}", self.name)
+            return
+        number = numbers.Integral if self.kind == "int" else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, number):
+            raise SettingError(f"{self.name}={value!r} must be a {'whole ' if self.kind == 'int' else ''}number "
+                               f"in {self.describe()}", self.name)
+        if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+            raise SettingError(f"{self.name}={value!r} is outside what the engine supports: {self.describe()}",
+                               self.name)
+
+    def _check_list(self, value: Any) -> None:
+        shown = self.format(value) if isinstance(value, Iterable) and not isinstance(value, str) else repr(value)
+        if isinstance(value, str) or not isinstance(value, Iterable):
+            raise SettingError(f"{self.name}={value!r} must be a list of whole numbers, e.g. 1,2,4,8", self.name)
+        value = tuple(value)
+        if not value:
+            raise SettingError(f"{self.name} is empty: give at least one batch bucket, e.g. 1,2,4,8", self.name)
+        if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < (self.low or 0) for v in value):
+            raise SettingError(f"{self.name}={shown} must hold whole numbers >= {self.low:g}", self.name)
+        if any(b <= a for a, b in zip(value, value[1:])):
+            raise SettingError(f"{self.name}={shown} must be strictly increasing (sorted, no duplicates), e.g. "
+                               f"{self.format(sorted(set(value)))}", self.name)
+
+    def describe(self) -> str:
+        if self.allowed is not None:
+            return ", ".join(map(repr, self.allowed))
+        lo = "-inf" if self.low is None else f"{self.low:g}"
+        hi = "inf" if self.high is None else f"{self.high:g}"
+        return f"{lo}..{hi}"
+
+
+KNOBS: dict[str, Knob] = {k.name: k for k in (
+    Knob("method", "str", "draft", "decoding method: " + "; ".join(f"{m.name} = {m.description}"
+                                                                  for m in METHODS.values()),
+         "Method", "method", choices=tuple(METHODS), searchable=True),
+    Knob("k", "int", 4, "draft length: tokens the drafter proposes per step", "Draft length k", "method", 1, 16,
+         methods=("draft", "ngram"), searchable=True, search_range=(1, 8)),
+    Knob("ngram_min", "int", 1, "shortest n-gram matched against the sequence's history", "n-gram min", "method",
+         1, 8, methods=("ngram",), searchable=True, search_range=(1, 3)),
+    Knob("ngram_max", "int", 3, "longest n-gram matched (tried first)", "n-gram max", "method", 1, 8,
+         methods=("ngram",), searchable=True, search_range=(1, 4)),
+    Knob("batch", "int", 1, "sequences decoded together", "Batch size", "run", 1, 256, searchable=True),
+    Knob("max_new_tokens", "int", 64, "tokens generated per prompt", "Max new tokens", "run", 1, 8192,
+         quick_default=32),
+    Knob("num_prompts", "int", 8, "prompts per run (the prompt set is cycled if smaller)", "Number of prompts",
+         "run", 1, 100_000, quick_default=4),
+    Knob("repeats", "int", 1, "timed repeats; tokens/s is their median", "Repeats", "run", 1, 100),
+    Knob("warmup", "int", 1, "untimed warm-up passes (8 tokens) before timing", "Warmup runs", "run", 0, 100),
+    Knob("temperature", "float", 0.0, "0 = greedy", "Temperature", "sampling", 0.0, 2.0, searchable=True),
+    Knob("top_k", "int", 0, "0 = off", "Top-k", "sampling", 0, 1_000_000),
+    Knob("top_p", "float", 1.0, "1 = off", "Top-p", "sampling", 0.0, 1.0),
+    Knob("seed", "int", 0, "seed of the sampler's generator", "Seed", "sampling", 0, 2**31 - 1),
+    Knob("dtype", "str", "float32", "dtype the models are loaded in", "Dtype", "system",
+         choices=("float32", "bfloat16", "float16"), searchable=True, scope="session"),
+    Knob("paged", "bool", True, "paged KV cache (blocks of kv_block_size tokens) instead of one contiguous buffer",
+         "Paged KV cache", "system", searchable=True),
+    Knob("kv_block_size", "int", 16, "tokens per KV block of the paged cache", "KV block size", "system", 1, 4096,
+         searchable=True),
+    Knob("cuda_graphs", "bool", False, "capture the target verify pass and the draft model's forwards in CUDA graphs "
+         "per batch bucket (GPU; on CPU the same padded fixed-shape step runs eagerly)", "CUDA graphs", "system",
+         searchable=True),
+    Knob("graph_batch_sizes", "ints", (1, 2, 4, 8, 16, 32, 64), "batch buckets captured with --cuda-graphs, "
+         "comma-separated and increasing; a batch runs padded to the smallest bucket that holds it",
+         "Graph batch buckets", "system", low=1),
+    Knob("compile", "str", "off", "torch.compile mode of the step: off, default or max-autotune", "torch.compile",
+         "system", choices=("off", "default", "max-autotune"), searchable=True),
+    Knob("compare_hf", "bool", False, "also time Hugging Face generate() on the same prompts (slow; GPU benchmarks)",
+         "Compare with HF generate()", "system"),
+)}
+
+RUN_KNOBS = tuple(k for k in KNOBS.values() if k.scope == "run")          # the fields of BenchConfig
+SESSION_KNOBS = tuple(k for k in KNOBS.values() if k.scope == "session")  # arguments of BenchSession.load
+
+
+def check(values: Mapping[str, Any]) -> None:
+    """Check a run's settings: each knob the method reads, then the rules between knobs (a missing knob takes its
+    default). Raise SettingError for the first problem.
+
+    >>> check({"method": "ngram", "ngram_min": 3, "ngram_max": 2})
+    Traceback (most recent call last):
+    workbench.settings.SettingError: n-gram sizes need 1 <= ngram_min <= ngram_max, got 3, 2
+    """
+    method = values.get("method", KNOBS["method"].default)
+    KNOBS["method"].check(method)
+    for name, value in values.items():
+        if name in KNOBS and KNOBS[name].reads(method):
+            KNOBS[name].check(value)
+    v = {name: values.get(name, knob.default) for name, knob in KNOBS.items()}
+    if KNOBS["ngram_min"].reads(method) and v["ngram_min"] > v["ngram_max"]:
+        raise SettingError(f"n-gram sizes need 1 <= ngram_min <= ngram_max, got {v['ngram_min']}, {v['ngram_max']}",
+                           "ngram_max")
+    if v["cuda_graphs"] and v["batch"] > max(v["graph_batch_sizes"]):
+        raise SettingError(f"batch {v['batch']} exceeds the largest graph bucket {max(v['graph_batch_sizes'])}: add "
+                           f"a bucket >= {v['batch']} to --graph-batch-sizes or turn --cuda-graphs off",
+                           "graph_batch_sizes")
+
+
+def dataclass_of(name: str, knobs: Iterable[Knob], *, quick: bool = False, module: str, doc: str,
+                 bases: tuple[type, ...] = ()) -> type:
+    """A frozen, keyword-only dataclass with one field per knob, defaulting to the knob's default (or its quick
+    default). A list given for an "ints" knob is stored as a tuple, so configs stay hashable and compare equal.
+
+    >>> Cfg = dataclass_of("Cfg", [KNOBS["k"], KNOBS["graph_batch_sizes"]], module=__name__, doc="")
+    >>> Cfg(graph_batch_sizes=[1, 2])
+    Cfg(k=4, graph_batch_sizes=(1, 2))
+    """
+    knobs = tuple(knobs)
+    lists = tuple(k.name for k in knobs if k.kind == "ints")
+
+    def __post_init__(self) -> None:
+        for field_name in lists:
+            value = getattr(self, field_name)
+            if isinstance(value, list):
+                object.__setattr__(self, field_name, tuple(value))
+
+    fields = [(k.name, KINDS[k.kind], dataclasses.field(default=k.quick if quick else k.default)) for k in knobs]
+    cls = dataclasses.make_dataclass(name, fields, bases=bases, frozen=True, kw_only=True,
+                                     namespace={"__doc__": doc, "__post_init__": __post_init__})
+    cls.__module__ = module  # where it is defined, so pickling finds it (make_dataclass takes module= from 3.12)
+    return cls
+
+
+for _knob in KNOBS.values():
+    register_column(_knob.name, _knob.column_kind, "config", _knob.help)
