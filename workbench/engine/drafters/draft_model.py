@@ -4,14 +4,16 @@ Each step feeds the draft model [t_{L-1}, root] at positions [L-1, L] (L = commi
 may be missing when the whole previous draft was accepted, and recomputing it otherwise is harmless (same token,
 same position, same context). Then k-1 single-token steps; rejected drafts are simply overwritten next step.
 The draft cache is planned once per step for all k forwards (positions L-1 .. L+k-1), so each forward is a pure
-device step: with CUDA graphs, one graph for the 2-token forward and one for the 1-token forward per batch bucket.
+device step. Greedy drafting with fixed shapes runs the whole chain (k forwards and the argmax between them) as one
+step that reads the roots from the engine's persistent token and length buffers: one CUDA graph per batch bucket.
+Sampled drafting replays one graph per forward (the 2-token one, then the 1-token one) and samples in between.
 """
 from __future__ import annotations
 
 import torch
 
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
-from workbench.engine.graphs import ModelStep
+from workbench.engine.graphs import FixedShapeStep, ModelStep
 from workbench.engine.kv_cache import make_cache
 from workbench.engine.sampling import probs_from_logits, sample
 from workbench.engine.tree import DraftTree
@@ -27,21 +29,53 @@ class DraftModelDrafter(Drafter):
         self.num_nodes = k
         self.model_forwards_per_step = k
         self.cache = None
-        self.step: ModelStep | None = None
+        self.step: ModelStep | None = None  # one forward -> last-token logits
+        self.chain_step: FixedShapeStep | None = None  # greedy: the whole chain in one step
+        self._state: tuple | None = None  # (tokens, kv_len_all): the engine's persistent buffers the chain reads
+
+    @property
+    def reads_kv_len(self) -> bool:
+        return not self._fused()
+
+    def _fused(self) -> bool:
+        return self.ctx.sampling.greedy and self.ctx.graphs.fixed_shape
 
     def setup(self, ctx: DraftContext) -> None:
         super().setup(ctx)
         need = ctx.max_len + self.k + 2
-        if self.cache is not None and self.cache.fits(ctx.max_rows, need) and self.step.settings == ctx.graphs:
+        if self.cache is not None and self.cache.fits(ctx.max_rows, need) and self.step.settings == ctx.graphs \
+                and self.cache.max_rows == ctx.max_rows:
             self.cache.reset()
             return
         c = self.model.config
-        self.cache = self.step = None  # free the old pool and its graphs first
+        self.cache = self.step = self.chain_step = self._state = None  # free the old pool and its graphs first
+        # as many rows as the target's cache, so that both caches' scratch pad_row is the same row index
         self.cache = make_cache(ctx.paged, num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
                                 head_dim=c.head_dim, max_rows=ctx.max_rows, max_len=need,
                                 dtype=next(self.model.parameters()).dtype, device=ctx.device,
                                 block_size=ctx.kv_block_size, attention=ctx.attention)
         self.step = ModelStep(self.model, self.cache, ctx.graphs, ctx.device, "draft", last_only=True)
+
+    def _chain_pads(self, key) -> dict[str, torch.Tensor]:
+        return {"rows": torch.tensor(self.cache.pad_row, device=self.ctx.device)}
+
+    def _greedy_chain(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [B] -> draft tokens [B, k]: k greedy forwards, reading roots and lengths from the engine's state."""
+        tokens, kv_len_all = self._state
+        span = self.cache.static_span
+        L = kv_len_all[rows]  # [B]
+        ids = torch.stack([tokens[rows, L - 1], tokens[rows, L]], 1)  # [B, 2]: t_(L-1), root
+        self.cache.prepare(rows, L - 1, 2, None, span)
+        logits = self.step.logits(ids, torch.stack([L - 1, L], 1))  # [B, V]
+        drafted = []
+        for i in range(self.k):
+            tok = logits.argmax(-1)  # [B]
+            drafted.append(tok)
+            if i < self.k - 1:
+                pos = L + 1 + i
+                self.cache.prepare(rows, pos, 1, None, span)
+                logits = self.step.logits(tok.unsqueeze(1), pos.unsqueeze(1))
+        return torch.stack(drafted, 1)
 
     def prefill(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor) -> None:
         b = prompt_ids.shape[0]
@@ -50,9 +84,16 @@ class DraftModelDrafter(Drafter):
         self.model(prompt_ids, positions, self.cache)
 
     def propose(self, state: BatchState) -> DraftTree:
-        rows, L = state.rows, state.kv_len
         host = [x - 1 for x in state.kv_len_host]
         self.cache.plan(state.rows_host, host, self.k + 1)  # room for every forward of this step, planned once
+        if self._fused():
+            if self._state is None or self._state[0] is not state.tokens:
+                self._state = (state.tokens, state.kv_len_all)
+                self.chain_step = FixedShapeStep("draft-chain", self._greedy_chain, self._chain_pads,
+                                                 self.ctx.graphs, self.ctx.device)
+            drafted = self.chain_step(0, len(state.rows_host), {"rows": state.rows}, state.rows_host)
+            return DraftTree.chain(drafted)
+        rows, L = state.rows, state.kv_len
         prev = state.tokens[rows, L - 1]
         ids = torch.stack([prev, state.root], 1)  # [B, 2]
         logits = self.step(rows, state.rows_host, ids, torch.stack([L - 1, L], 1), L - 1, host)  # [B, V]
@@ -81,11 +122,15 @@ class DraftModelDrafter(Drafter):
 
     def capture_graphs(self, sizes: list[int]) -> None:
         for size in sizes:
-            for num_new in (2, 1):  # the [t_(L-1), root] forward, then the single-token ones
-                self.step.capture(size, num_new)
+            if self._fused():
+                if self.chain_step is not None:
+                    self.chain_step.capture(size, 0)
+            else:
+                for num_new in (2, 1):  # the [t_(L-1), root] forward, then the single-token ones
+                    self.step.capture(size, num_new)
 
     def model_steps(self) -> list:
-        return [self.step] if self.step is not None else []
+        return [s for s in (self.step, self.chain_step) if s is not None]
 
     @property
     def settings(self) -> dict:
