@@ -100,6 +100,8 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("cuda_graphs", "bool", "config", "target verify and draft forwards captured in CUDA graphs"),
     ColumnSpec("graph_batch_sizes", "string", "config", 'captured batch buckets as text, e.g. "1,2,4,8"'),
     ColumnSpec("compile", "string", "config", '"off" | "default" | "max-autotune" (torch.compile mode)'),
+    ColumnSpec("attention", "string", "config", '"auto" | "sdpa" | "triton" (attention backend of the KV cache)'),
+    ColumnSpec("phase_profile", "bool", "config", "per-phase GPU profile asked for (phase_* columns)"),
     ColumnSpec("compare_hf", "bool", "config", "Hugging Face generate() timed too (hf_* columns)"),
     *_cols("config", "string", "preset target_path draft_path prompts_source"),
     ColumnSpec("config_json", "string", "config", "the full engine config as JSON"),

@@ -28,8 +28,11 @@ from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
-MODES = {"eager": {}, "graphs": {"cuda_graphs": True},
-         "graphs+compile": {"cuda_graphs": True, "compile": "default"}}
+MODES = {"eager": {"attention": "sdpa"},  # the engine before the fast path
+         "graphs": {"cuda_graphs": True},  # attention "auto": the Triton paged kernel on a GPU
+         "graphs+compile": {"cuda_graphs": True, "compile": "default"},
+         "graphs-sdpa": {"cuda_graphs": True, "attention": "sdpa"},
+         "graphs+compile-sdpa": {"cuda_graphs": True, "compile": "default", "attention": "sdpa"}}
 RANDOM_CONFIGS = {"1.45b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=22,
                                 num_attention_heads=32, num_key_value_heads=4),
                   "6.7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -87,7 +90,7 @@ def part_parity(args) -> dict:
         for method in ("ar", "draft", "ngram"):
             for batch in (1, 4):
                 outs = {}
-                for mode in MODES:
+                for mode in ("eager", "graphs", "graphs-sdpa", "graphs+compile"):
                     if mode == "graphs+compile" and (batch != 1 or dtype != torch.bfloat16):
                         continue  # compile per shape is slow: one setting per method is enough here
                     eng = engine_for(target, draft, method, mode, 48, batch)

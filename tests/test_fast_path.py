@@ -134,3 +134,10 @@ def test_compiled_fixed_shape_step_equals_eager(target):
     engine = SpecEngine(target, None, EngineConfig(max_new_tokens=n, compile="default", graph_batch_sizes=(1, 4),
                                                    kv_block_size=4))
     assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
+
+
+def test_triton_attention_without_a_gpu_is_a_named_error(target):
+    with pytest.raises(ValueError, match="attention backend 'triton' needs a paged KV cache on a CUDA GPU"):
+        SpecEngine(target, None, EngineConfig(attention="triton")).generate([[1, 2, 3]])
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        EngineConfig(attention="flash")

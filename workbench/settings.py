@@ -224,6 +224,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "Graph batch buckets", "system", low=1),
     Knob("compile", "str", "off", "torch.compile mode of the step: off, default or max-autotune", "torch.compile",
          "system", choices=("off", "default", "max-autotune"), searchable=True),
+    Knob("attention", "str", "auto", "attention backend: sdpa (gather the KV through the block table, then SDPA), "
+         "triton (kernels/paged_attention.py: reads the paged pool in place; GPU, paged cache) or auto (triton where "
+         "it can run, else sdpa)", "Attention backend", "system", choices=("auto", "sdpa", "triton"), searchable=True),
+    Knob("phase_profile", "bool", False, "after the timed runs, replay each captured phase (draft, verify) for "
+         ">= 0.25 s under the NVML GPM sampler: SM utilization, ms and achieved bandwidth per phase (GPU, "
+         "--cuda-graphs)", "Per-phase GPU profile", "system"),
     Knob("compare_hf", "bool", False, "also time Hugging Face generate() on the same prompts (slow; GPU benchmarks)",
          "Compare with HF generate()", "system"),
 )}

@@ -221,6 +221,10 @@ class ModelStep:
     def stats(self) -> GraphStats:
         return self.fixed.stats
 
+    @property
+    def name(self) -> str:
+        return self.fixed.name
+
     def _pads(self, num_new: int) -> dict[str, torch.Tensor]:
         return model_step_pads(num_new, self.cache.pad_row, self.device)
 

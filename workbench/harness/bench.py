@@ -25,6 +25,7 @@ from workbench import settings
 from workbench.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
 from workbench.engine import EngineConfig, GenerationResult, SpecEngine
 from workbench.harness.metrics import median, percentile, summarize, traces_frame
+from workbench.engine.kv_cache import resolve_attention
 from workbench.engine.sampling import SamplingParams
 
 DTYPES = {name: getattr(torch, name) for name in settings.KNOBS["dtype"].choices}
@@ -136,6 +137,7 @@ class BenchSession:
         try:
             settings.check({f.name: getattr(cfg, f.name) for f in fields(cfg)})  # bounds, choices, cross rules
             SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)  # the sampler's own rule (top_p > 0)
+            resolve_attention(cfg.attention, cfg.paged, self.device)  # "triton" needs a paged cache on a GPU
         except ValueError as e:
             raise BenchError(str(e)) from None
         if cfg.method == "draft" and self.draft is None:
@@ -172,12 +174,10 @@ class BenchSession:
         ecfg = EngineConfig(max_new_tokens=cfg.max_new_tokens,
                             sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p), paged=cfg.paged,
                             kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
-                            cuda_graphs=getattr(cfg, "cuda_graphs", False),
-                            graph_batch_sizes=tuple(getattr(cfg, "graph_batch_sizes", EngineConfig.graph_batch_sizes)),
-                            compile=getattr(cfg, "compile", "off"))
-        key = (cfg.method if drafter else "ar", cfg.k, cfg.ngram_min, cfg.ngram_max, cfg.paged, cfg.kv_block_size,
-               ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile) if drafter else \
-            ("ar", cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile)
+                            cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
+                            compile=cfg.compile, attention=cfg.attention)
+        shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention)
+        key = (cfg.method, cfg.k, cfg.ngram_min, cfg.ngram_max, *shape) if drafter else ("ar", *shape)
         engine = self._engines.pop(key, None)
         if engine is None:
             engine = SpecEngine(self.target, _drafter_for(cfg, self) if drafter else None, ecfg, self.device)
@@ -246,7 +246,13 @@ class BenchSession:
                 from workbench.harness.hf_baseline import hf_generate_tokens_per_s
                 hf = hf_generate_tokens_per_s(self, cfg, prompt_ids)
             graphs = _graph_columns([e.graph_stats() for e in engines], stats_before,
-                                    getattr(cfg, "cuda_graphs", False) or getattr(cfg, "compile", "off") != "off")
+                                    cfg.cuda_graphs or cfg.compile != "off")
+            if cfg.phase_profile:
+                progress(0.97, "per-phase GPU profile")
+                from workbench.harness.phase_profile import profile_phases
+
+                live = sum(len(p) for p in prompt_ids) // len(prompt_ids) + cfg.max_new_tokens // 2
+                graphs.update(profile_phases(cand_engine, cfg.batch, live))
         except torch.cuda.OutOfMemoryError as e:
             raise BenchError(f"GPU out of memory with method={cfg.method} k={cfg.k} batch={cfg.batch} "
                              f"max_new_tokens={cfg.max_new_tokens} dtype={self.dtype}: lower batch or max_new_tokens "
