@@ -1,6 +1,12 @@
 """Optional fast paths (Triton / CUDA), each beside the PyTorch reference it must match.
 
-Empty so far on purpose: the engine's eager PyTorch path is the reference, and BENCHMARKS.md shows where time goes
-(host/launch overhead, not arithmetic), so CUDA graphs come before custom kernels. A kernel added here must ship with
-a test comparing it to its reference on fresh random inputs (GPU-only tests skip on CPU CI) and a benchmark row.
+The engine's eager PyTorch path is the reference, and BENCHMARKS.md shows where time goes (host/launch overhead, not
+arithmetic), so CUDA graphs come before custom kernels. A kernel added here must ship with a test comparing it to its
+reference on fresh random inputs (GPU-only tests skip on CPU CI) and a benchmark row.
+
+Kernels:
+- `paged_attention.py`: decode / tree-verify attention over a paged KV pool (flash-decoding split-K, fixed-shape and
+  CUDA-graph capturable). `paged_attention_triton` beside `paged_attention_reference` (gather + SDPA);
+  `paged_attention` picks the kernel on CUDA when triton imports. Tests: tests/test_kernels.py (the Triton half runs
+  under TRITON_INTERPRET=1); GPU parity and timing: scripts/gpu_kernels.py. Not wired into the engine yet.
 """

@@ -10,17 +10,21 @@ The kernel is flash-decoding (split-K) so that batch 1 with a few KV heads still
    M = (Hq / Hkv) * T (every query head of the GQA group times every query token, so each KV tile is read once for
    all of them). Row b's KV tiles 0 .. ceil((base_len[b] + T) / BLOCK_N) - 1 are split evenly over the num_splits
    programs; each runs an online softmax over its share (tiles past the row's length are never visited) and writes
-   its normalized partial output and its log-sum-exp (base 2).
+   its normalized partial output and its log-sum-exp (base 2). A tree mask reaches the kernel as one int64 per
+   query token (bit j = sees step token j, so T <= 64); causal steps need none.
 2. `_combine_kernel`, grid (B * Hq * T): out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max).
 With one split the partial is already the answer and goes straight to the output.
 
 The grid, the scratch sizes and num_splits depend only on shapes (B, Hq, Hkv, T, max_blocks, the SM count); lengths
 and block tables are read on the device, so a step is CUDA-graph capturable. Accumulation is fp32 in any input dtype.
 
-Verified under the Triton interpreter (TRITON_INTERPRET=1, CPU, triton 3.6.0 and 3.9.0): tests/test_kernels.py
-matches the reference within 1e-5 (fp32) and 2e-2 (bf16, fp16) over decode, causal, tree masks, GQA / MHA, head
-dims 64 and 128, block sizes 16 / 32 / 64, ragged lengths, permuted rows, shuffled int32/int64 block tables and 1 to
-64 splits. On a GPU run scripts/gpu_kernels.py.
+Verified on CPU only, under the Triton interpreter (TRITON_INTERPRET=1, triton 3.9.0; 3.6.0's interpreter cannot
+run a loop with tensor bounds): tests/test_kernels.py matches the float32 reference within 1e-5 (fp32 inputs; seen
+<= 4.2e-7), 3e-3 (fp16; seen <= 8.7e-4) and 3e-2 (bf16, the interpreter's bf16 tl.dot patched to widen first; seen
+<= 1.5e-2 at |out| ~3) over decode, causal chunks, tree masks, GQA / MHA, head dims 64 / 128, block sizes 16 / 32 /
+64, T up to 64 (4 row tiles), ragged lengths, permuted rows, shuffled int32 / int64 block tables and 1 to 64 splits.
+Triton 3.6 compiles it for sm_90 on a CPU (ptxas: no register spills at 8 warps except 16 bytes at D = 128 with
+64-row tiles). Speed and graph capture on a GPU are scripts/gpu_kernels.py's to show.
 """
 from __future__ import annotations
 
@@ -60,24 +64,22 @@ def paged_attention_reference(q, k_pool, v_pool, block_table, rows, base_len, in
 
 
 if TRITON_AVAILABLE:
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
     def _partial_kernel(
-            q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, base_ptr, intra_ptr, o_ptr, lse_ptr,
+            q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, base_ptr, intra_bits_ptr, o_ptr, lse_ptr,  # intra_bits [B, T]
             sq_b, sq_h, sq_t,  # q [B, Hq, T, D] (last stride 1)
             sk_s, sk_h, sv_s, sv_h,  # k_pool, v_pool [num_slots, Hkv, D] (last stride 1)
             st_r, st_j,  # block_table [R, max_blocks]
-            si_b, si_t,  # intra_mask [B, T, T] (last stride 1; unused when CAUSAL)
-            so_b, so_h, so_t, so_s,  # o [B, Hq, T, splits, D] (last stride 1)
-            sl_b, sl_h, sl_t,  # lse [B, Hq, T, splits] (last stride 1)
-            qk_scale_log2, M_TILES,
+            so_b, so_h, so_t, so_s,  # o [B, Hq, T, splits, D] (last stride 1); lse [B, Hq, T, splits] contiguous
+            qk_scale_log2, m_tiles, num_splits,
             T: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
         pid = tl.program_id(0)
         split = tl.program_id(1)
-        m_tile = pid % M_TILES
-        kv_head = (pid // M_TILES) % HKV
-        b = pid // (M_TILES * HKV)
+        m_tile = pid % m_tiles
+        kv_head = (pid // m_tiles) % HKV
+        b = pid // (m_tiles * HKV)
 
         m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # tile row = (query head in group, query token)
         row_ok = m < GROUP * T
@@ -86,12 +88,14 @@ if TRITON_AVAILABLE:
         d = tl.arange(0, D)
         q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + tok[:, None] * sq_t + d[None, :],
                     mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+        if not CAUSAL:
+            intra_bits = tl.load(intra_bits_ptr + b * T + tok)  # [BLOCK_M] int64: bit j = sees step token j
 
         row = tl.load(rows_ptr + b)
-        base = tl.load(base_ptr + b)
+        base = tl.load(base_ptr + b).to(tl.int32)
         length = base + T
         tiles = tl.cdiv(length, BLOCK_N)
-        per_split = tl.cdiv(tiles, NUM_SPLITS)
+        per_split = tl.cdiv(tiles, num_splits)
         first = split * per_split
         last = tl.minimum(first + per_split, tiles)
 
@@ -113,8 +117,7 @@ if TRITON_AVAILABLE:
             if CAUSAL:
                 in_step = j[None, :] <= tok[:, None]
             else:
-                in_step = tl.load(intra_ptr + b * si_b + tok[:, None] * si_t + j[None, :],
-                                  mask=(j[None, :] >= 0) & pos_ok[None, :] & row_ok[:, None], other=0) != 0
+                in_step = ((intra_bits[:, None] >> tl.maximum(j, 0).to(tl.int64)[None, :]) & 1) != 0
             visible = ((j < 0)[None, :] | in_step) & pos_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
 
@@ -131,19 +134,18 @@ if TRITON_AVAILABLE:
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         tl.store(o_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_t + split * so_s + d[None, :], o,
                  mask=row_ok[:, None])
-        tl.store(lse_ptr + b * sl_b + head * sl_h + tok * sl_t + split, lse, mask=row_ok)
+        tl.store(lse_ptr + ((b * GROUP * HKV + head) * T + tok) * num_splits + split, lse, mask=row_ok)
 
-    @triton.jit
-    def _combine_kernel(o_ptr, lse_ptr, out_ptr,
-                        NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, D: tl.constexpr):
+    @triton.jit(do_not_specialize=["num_splits"])
+    def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, SPLITS_POW2: tl.constexpr, D: tl.constexpr):
         # o [B * Hq * T, splits, D], lse [B * Hq * T, splits], out [B * Hq * T, D], all contiguous
         r = tl.program_id(0).to(tl.int64)
         s = tl.arange(0, SPLITS_POW2)
         d = tl.arange(0, D)
-        lse = tl.load(lse_ptr + r * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+        lse = tl.load(lse_ptr + r * num_splits + s, mask=s < num_splits, other=float("-inf"))
         top = tl.max(lse, 0)
         w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0
-        o = tl.load(o_ptr + (r * NUM_SPLITS + s[:, None]) * D + d[None, :], mask=(s < NUM_SPLITS)[:, None], other=0.0)
+        o = tl.load(o_ptr + (r * num_splits + s[:, None]) * D + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
         out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
         tl.store(out_ptr + r * D + d, out)
 
@@ -154,13 +156,19 @@ MAX_BLOCK_M = 64  # rows of one tile; larger groups x tokens take several tiles
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132  # H200
 
 
-def num_splits_for(batch: int, kv_heads: int, m_tiles: int, max_positions: int, sm_count: int) -> int:
-    """Enough programs for ~2 waves over the SMs, but never more splits than KV tiles the longest row can have."""
+def launch_plan(batch: int, q_heads: int, kv_heads: int, t: int, max_positions: int,
+                device: torch.device) -> tuple[int, int, int]:
+    """(block_m, m_tiles, num_splits), from shapes only. M = (Hq / Hkv) * T rows go in tiles of BLOCK_M (a power of
+    two, 16 .. 64); splits give ~2 waves of programs over the SMs, never more than the KV tiles of a full table row."""
+    rows = q_heads // kv_heads * t
+    block_m = min(MAX_BLOCK_M, max(16, 1 << (rows - 1).bit_length()))
+    m_tiles = math.ceil(rows / block_m)
     programs = batch * kv_heads * m_tiles
-    return max(1, min(math.ceil(2 * sm_count / programs), math.ceil(max_positions / BLOCK_N)))
+    num_splits = max(1, min(math.ceil(2 * _sm_count(device) / programs), math.ceil(max_positions / BLOCK_N)))
+    return block_m, m_tiles, num_splits
 
 
 def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
@@ -171,10 +179,8 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
     group = hq // hkv
     assert hq == group * hkv and dim in (16, 32, 64, 128, 256) and block_size & (block_size - 1) == 0
     q, k_pool, v_pool = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_pool, v_pool))
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(group * t)))
-    m_tiles = triton.cdiv(group * t, block_m)
-    if num_splits is None:
-        num_splits = num_splits_for(b, hkv, m_tiles, block_table.shape[1] * block_size, _sm_count(q.device))
+    block_m, m_tiles, default_splits = launch_plan(b, hq, hkv, t, block_table.shape[1] * block_size, q.device)
+    num_splits = num_splits or default_splits
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
 
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, T, D]
@@ -182,22 +188,23 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
     o = out.unsqueeze(3) if num_splits == 1 else torch.empty(b, hq, t, num_splits, dim, dtype=torch.float32,
                                                              device=q.device)  # [B, Hq, T, splits, D]
     causal = intra_mask is None
-    intra = block_table if causal else intra_mask.contiguous().view(torch.uint8)  # when causal: never read
+    if causal:
+        intra_bits = base_len  # any tensor: never read
+    else:
+        assert t <= 64, "a tree mask row is packed into one int64"
+        intra_bits = (intra_mask.long() << torch.arange(t, device=q.device)).sum(-1)  # [B, T]
     _partial_kernel[(b * hkv * m_tiles, num_splits)](
-        q, k_pool, v_pool, block_table, rows, base_len, intra, o, lse,
+        q, k_pool, v_pool, block_table, rows, base_len, intra_bits, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         block_table.stride(0), block_table.stride(1),
-        0 if causal else intra.stride(0), 0 if causal else intra.stride(1),
         o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        scale * math.log2(math.e), m_tiles,
+        scale * math.log2(math.e), m_tiles, num_splits,
         T=t, GROUP=group, HKV=hkv, D=dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        NUM_SPLITS=num_splits, CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4)
+        CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8)  # ptxas for sm_90: 4 warps spill registers at D = 128 or 64-row tiles, 8 do not
     if num_splits > 1:
-        _combine_kernel[(b * hq * t,)](o, lse, out, NUM_SPLITS=num_splits,
-                                       SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim)
+        _combine_kernel[(b * hq * t,)](o, lse, out, num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim)
     return out
 
 

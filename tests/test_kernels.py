@@ -31,9 +31,12 @@ def make_case(*, base_lens=(7, 20), hq=4, hkv=4, t=1, dim=16, block_size=4, tree
     table = torch.randperm(num_blocks, generator=g) if shuffle_table else torch.arange(num_blocks)
     rows = torch.randperm(num_rows, generator=g)[:batch] if permute_rows else torch.arange(batch)
     intra = None
-    if tree:
-        assert t == TWO_BRANCHES.shape[0]
+    if tree and t == TWO_BRANCHES.shape[0]:
         intra = torch.stack([TWO_BRANCHES, TWO_BRANCHES.tril()])[torch.arange(batch) % 2]  # trees and chains mixed
+    elif tree:
+        parents = torch.stack([torch.randint(-1, i, (batch,), generator=g) for i in range(t - 1)], 1)  # [B, t-1]
+        intra = verify_mask(DraftTree(torch.zeros_like(parents), parents, torch.ones_like(parents),
+                                      torch.ones_like(parents).bool()))  # random trees of t-1 nodes
     return dict(
         q=torch.randn(batch, hq, t, dim, generator=g).to(dtype),  # [B, Hq, T, D]
         k_pool=torch.randn(num_blocks * block_size, hkv, dim, generator=g).to(dtype),  # [slots, Hkv, D]
@@ -70,6 +73,7 @@ CASES = {
     "tree_two_branches": dict(t=4, tree=True),
     "gqa": dict(hq=8, hkv=2, t=5),
     "gqa_tree": dict(hq=8, hkv=2, t=4, tree=True),
+    "random_trees": dict(base_lens=(3, 9, 0), t=9, tree=True),
     "ragged_from_empty": dict(base_lens=(0, 3, 17), t=5),
     "contiguous_table": dict(t=5, permute_rows=False, shuffle_table=False),
 }
@@ -127,16 +131,29 @@ TRITON_CASES = {
     "block64_contiguous": dict(base_lens=(200,), hq=4, hkv=4, t=5, dim=64, block_size=64, permute_rows=False,
                                shuffle_table=False),
     "many_m_tiles_t64": dict(base_lens=(30, 95), hq=4, hkv=2, t=64, dim=64, block_size=16),
+    "random_trees_t64": dict(base_lens=(5, 80), hq=2, hkv=1, t=64, tree=True, dim=64, block_size=16),
 }
+
+
+@pytest.fixture
+def interpreter_bf16_dot(monkeypatch):
+    """The interpreter's tl.dot (triton 3.9) multiplies bf16 operands' bit patterns (stored as uint16) as integers;
+    widen them to float32 first, which is exact, as the GPU's tensor cores are for bf16 products."""
+    import triton.language as tl
+    from triton.runtime.interpreter import interpreter_builder as builder
+
+    def widen(handle):
+        return builder.cast_impl(handle, tl.float32) if handle.dtype == tl.bfloat16 else handle
+
+    dot = builder.create_dot
+    monkeypatch.setattr(builder, "create_dot", lambda a, b, acc, *rest: dot(widen(a), widen(b), acc, *rest))
 
 
 @interpreter
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", TRITON_CASES)
-def test_triton_matches_reference(name, dtype, num_splits):
-    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter's tl.dot multiplies bf16 bit patterns as integers (triton 3.9 create_dot)")
+def test_triton_matches_reference(name, dtype, num_splits, interpreter_bf16_dot):
     case = make_case(**TRITON_CASES[name], dtype=dtype, seed=3)
     got = paged_attention_triton(**case, num_splits=num_splits)
     assert got.dtype == dtype and got.shape == case["q"].shape
