@@ -312,5 +312,7 @@ def make_cache(paged: bool, *, num_layers: int, num_kv_heads: int, head_dim: int
     if resolve_attention(attention, paged, device) == "triton":
         from kernels.paged_attention import paged_attention_triton
 
-        cache.kernel = paged_attention_triton
+        # launched as is, never traced by torch.compile (inductor re-types user kernels' scalar arguments); inside a
+        # captured step the graph boundary costs nothing at replay
+        cache.kernel = torch.compiler.disable(paged_attention_triton)
     return cache

@@ -236,7 +236,7 @@ class SpecEngine:
         acc = accept_greedy(tree, logits)
         self.tokens[rows.unsqueeze(1), base.unsqueeze(1) + 1 + offsets] = acc.emitted
         self.kv_len[rows] = base + 1 + acc.num_accepted
-        self.kv_len[self.cache.pad_row] = PAD_LEN  # padding rows wrote theirs too: keep them at PAD_LEN
+        self.kv_len[self.cache.pad_row:].fill_(PAD_LEN)  # padding rows wrote theirs too: back to PAD_LEN
         return _pack(acc, tree)
 
     @torch.inference_mode()

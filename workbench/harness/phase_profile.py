@@ -9,6 +9,8 @@ replayed back to back for at least `min_seconds`, and we record per phase:
     phase_bw_gbps_<p>  achieved bandwidth: the bytes one replay must read (weights of the model(s) it runs, plus the
                        KV it reads: the whole static span with the sdpa backend, the live length with the kernel)
                        / phase_ms. Compare with ~4,300 GB/s measured copy bandwidth on an H200.
+Each replay is preceded by one tiny copy that pins every row's kv_len at the typical length (the fused verify graph
+advances it), which is included in phase_ms.
 
 With greedy chains, acceptance runs inside the verify graph: `accept` then has no graph of its own (its columns stay
 None and `phase_profile_note` says so). Needs a GPU, `cuda_graphs` on and a run that captured its graphs.
@@ -19,6 +21,7 @@ import time
 
 import torch
 
+from workbench.engine.graphs import PAD_LEN
 from workbench.harness.telemetry import GpuTelemetry
 
 
@@ -71,12 +74,18 @@ def profile_phases(engine, batch: int, live_len: int, min_seconds: float = 0.25)
         if len(replays) == 1:  # the fused greedy chain: k forwards in one graph
             phases["draft"] = (replays[0], forwards * (_weight_bytes(drafter.model)
                                                        + _kv_bytes(drafter.cache, size, live_len)))
+    # the fused verify graph advances kv_len (and writes tokens after it) on every replay: pin every row at live_len
+    # and restore that before each replay, so that each replay does the work of one step at a typical context
+    kv_len = engine.kv_len
+    live_len = min(live_len, engine.cache.max_len - engine.num_nodes - 2)
+    pinned = torch.full_like(kv_len, live_len)
+    pinned[engine.cache.pad_row:] = PAD_LEN
     notes = []
     for phase, (fn, nbytes) in phases.items():
         if fn is None:
             notes.append(f"{phase}: no captured graph for bucket {size}")
             continue
-        ms, means = _replay(fn, min_seconds, engine.device)
+        ms, means = _replay(lambda fn=fn: (kv_len.copy_(pinned), fn()), min_seconds, engine.device)
         cols[f"phase_ms_{phase}"] = ms
         cols[f"phase_sm_util_{phase}"] = means.get("sm_util_pct")
         cols[f"phase_bw_gbps_{phase}"] = nbytes / (ms * 1e-3) / 1e9
