@@ -141,3 +141,19 @@ def test_triton_attention_without_a_gpu_is_a_named_error(target):
         SpecEngine(target, None, EngineConfig(attention="triton")).generate([[1, 2, 3]])
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         EngineConfig(attention="flash")
+
+
+@torch.inference_mode()
+def test_warm_up_before_a_capture_leaves_the_state_as_it_was(target, draft):
+    """The fused verify step advances kv_len and writes tokens; the warm-up runs that precede a CUDA-graph capture
+    (which happens on first use, mid-generation) must not advance them, or that step would count three times."""
+    engine = SpecEngine(target, DraftModelDrafter(draft, k=3), fast(max_new_tokens=8))
+    engine.generate(PROMPTS)
+    step = engine.accept_step
+    [(key, bufs)] = [(k, b) for k, b in step._buffers.items() if k[0] == 4]
+    engine.kv_len[:3] = torch.tensor([10, 11, 12])
+    before = engine.kv_len.clone(), engine.tokens.clone()
+    step.warm_up(bufs, times=2)
+    assert torch.equal(engine.kv_len, before[0]) and torch.equal(engine.tokens, before[1])
+    step.body(**bufs.buf)  # without the restore, one run does advance the state (so the check above can fail)
+    assert not torch.equal(engine.kv_len, before[0])

@@ -122,8 +122,12 @@ class FixedShapeStep:
     runs eagerly on the padded buffers. A batch above every bucket is a miss: the body runs on the unpadded inputs.
     """
 
-    def __init__(self, name: str, body, pads, settings: GraphSettings, device: torch.device, pool=None):
+    def __init__(self, name: str, body, pads, settings: GraphSettings, device: torch.device, pool=None,
+                 state=None):
         self.name, self.body, self.pads, self.settings = name, body, pads, settings
+        # state() -> the persistent tensors body advances (e.g. lengths); the warm-up runs before a capture restore
+        # them, so a step captured on first use still advances them exactly once
+        self.state = state or (lambda: [])
         self.device = torch.device(device)
         self.stats = GraphStats()
         self._buffers: dict[tuple, _Buffers] = {}
@@ -170,15 +174,22 @@ class FixedShapeStep:
                 bufs.load(0, {}, None)
                 self._record(bufs, key)
 
+    def warm_up(self, bufs: _Buffers, times: int = 2) -> None:
+        """Run the body `times` times (compiles, autotunes, allocates workspaces) and put the state back as it was."""
+        saved = [t.clone() for t in self.state()]
+        for _ in range(times):
+            self._fn(**bufs.buf)
+        for t, s in zip(self.state(), saved):
+            t.copy_(s)
+
     def _record(self, bufs: _Buffers, key) -> None:
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up off the capture (compiles, autotunes, allocates workspaces)
-            for _ in range(2):
-                self._fn(**bufs.buf)
+        with torch.cuda.stream(stream):  # warm-up off the capture
+            self.warm_up(bufs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):

@@ -215,7 +215,7 @@ class SpecEngine:
         self.kv_len = torch.full((rows + 1,), PAD_LEN, dtype=torch.long, device=self.device)
         self.target_step = ModelStep(self.target, self.cache, cfg.graphs, self.device, "target")
         self.accept_step = FixedShapeStep("target+accept", self._verify_accept, self._verify_pads, cfg.graphs,
-                                          self.device)
+                                          self.device, state=lambda: [self.tokens, self.kv_len])
 
     def _verify_pads(self, n: int) -> dict[str, torch.Tensor]:
         dev = self.device
