@@ -111,7 +111,8 @@ if TRITON_AVAILABLE:
                         mask=pos_ok[None, :], other=0.0)  # [D, BLOCK_N]
             v = tl.load(v_ptr + slot[:, None] * sv_s + kv_head * sv_h + d[None, :],
                         mask=pos_ok[:, None], other=0.0)  # [BLOCK_N, D]
-            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2.to(tl.float32)  # [BLOCK_M, BLOCK_N], log2 units
+            # [BLOCK_M, BLOCK_N] in log2 units; the scale cast to fp32 (inductor may hand a Python float as fp64)
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2.to(tl.float32)
 
             j = pos - base  # index among the step's tokens (negative = committed before the step)
             if CAUSAL:

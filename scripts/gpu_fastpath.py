@@ -127,7 +127,8 @@ def part_speed(args) -> dict:
         eng.config = dataclasses.replace(eng.config, timing=True)
         _, res, _ = timed_generate(eng, prompts, 1)
         n_steps = sum(len(r.steps) for r in res)
-        phase[key] = {p: sum(r.phase_ms.get(p, 0.0) for r in res) / n_steps for p in ("draft", "verify", "accept", "kv")}
+        phase[key] = {p: sum(r.phase_ms.get(p, 0.0) for r in res) / n_steps
+                      for p in ("draft", "verify", "accept", "kv")}
     rows = []
     for (m, mode), tps in times.items():
         ar = statistics.median(times[("ar", mode)])

@@ -1,18 +1,20 @@
-"""Fixed-shape model steps: batch buckets, padding, torch.compile and CUDA graphs.
+"""Fixed-shape steps: batch buckets, padding, torch.compile and CUDA graphs.
 
-A `ModelStep` runs one model over this step's tokens (`ids [B, T]` at explicit positions, KV written after
-`base_len`) for the live rows of a batch. It has two modes:
+`FixedShapeStep(name, body, pads, settings, device, state=)` runs `body(**buffers)` over persistent per-row buffers:
+the live batch pads up to the next *bucket* of `batch_sizes`, padding rows hold the values `pads(key)` gives (for model
+steps: the cache's scratch `pad_row`, so they never touch a real sequence). On a GPU with `cuda_graphs` each
+(bucket, key) is captured once and replayed; on a CPU, or with only `compile`, the same padded step runs eagerly (so
+tests exercise padding and buckets). A batch above every bucket is a *miss*: the body runs on the unpadded batch
+without a graph, and is counted. `compile` wraps the body in torch.compile (inductor without cudagraphs of its own:
+the capture here is ours). A body that advances persistent state (lengths, tokens) names it in `state`, so that the
+warm-up runs before a capture leave it as it was.
 
-- **eager** (`GraphSettings.fixed_shape` False): the KV cache plans and prepares the step for the live span and the model
-  runs on exactly the live rows (the engine's original path).
-- **fixed-shape** (`cuda_graphs` on, or `compile` not "off"): the live batch pads up to the next *bucket* of `batch_sizes`; padding rows point
-  at the cache's scratch `pad_row`, so they never touch a real sequence. The host plans storage first (block
-  allocation), then copies the step's inputs into persistent buffers and runs a function that reads only those
-  buffers and fixed-size metadata (block table, lengths, a [B, T, T] mask) over the cache's whole `static_span`. On a
-  GPU that function is captured once per (bucket, T) in a CUDA graph and replayed; on a CPU the same padded step runs
-  eagerly (so tests exercise padding and buckets). A batch larger than every bucket is a *miss*: it falls back to the
-  eager path and is counted. `compile` wraps the fixed-shape function in torch.compile (inductor, no cudagraphs of its
-  own: the graph capture here is ours).
+`ModelStep` is one model + its KV cache as a step, (rows, ids, positions, base_len, mask) -> logits:
+- **eager** (`GraphSettings.fixed_shape` False): the cache plans and prepares the live span and the model runs on
+  exactly the live rows (the engine's original path);
+- **fixed-shape** (`cuda_graphs` on, or `compile` not "off"): the host plans storage (block allocation), then a
+  `FixedShapeStep` reads only its buffers and fixed-size metadata (block table, lengths, a [B, T, T] mask) over the
+  cache's whole `static_span`.
 
 Statistics (`GraphStats`): capture time and memory, bucket hits and misses, padded rows over computed rows.
 """

@@ -4,8 +4,8 @@ Vocabulary (used the same way in every module):
 - **committed tokens**: a sequence's tokens whose target KV is final; `kv_len` counts them.
 - **root**: the token at index kv_len, the last one emitted; its KV is written in the next verify pass and its target
   logits predict draft depth 1.
-- **draft tree**: N nodes per sequence (token, parent, depth); a chain is the degenerate tree (workbench/engine/tree.py).
-- **accepted tokens** / **recovered token** / **bonus token**: see workbench/engine/verify.py. A step emits accepted + 1.
+- **draft tree**: N nodes per sequence (token, parent, depth); a chain is the degenerate tree (engine/tree.py).
+- **accepted tokens** / **recovered token** / **bonus token**: see engine/verify.py. A step emits accepted + 1.
 - **target step**: one verify pass of the target model; autoregressive decoding is the same loop with N = 0.
 
 One step, as named phases (each timed when `timing` is on):
@@ -15,11 +15,12 @@ One step, as named phases (each timed when `timing` is on):
     kv     : move the accepted path's KV (trees only), advance kv_len, drafter.commit, retire finished sequences
 
 State that lives across `generate` calls (and across benchmark repeats and study trials that reuse the engine): the
-target's KV cache, sized for a maximum batch and length and grown only when a call needs more, and the target's
-`ModelStep` with its fixed-shape buckets and captured CUDA graphs (workbench/engine/graphs.py). Each step splits into
-host planning (block allocation, row bookkeeping, retiring finished rows) and a device step that reads only
-persistent buffers, so with `cuda_graphs` the verify pass (per batch bucket and node count) and the draft model's
-forwards replay captured graphs.
+target's KV cache, sized for a maximum batch and length and grown only when a call needs more, the `tokens` and
+`kv_len` buffers, and the fixed-shape steps with their captured CUDA graphs (engine/graphs.py). Each step splits into
+host planning (block allocation, row bookkeeping, retiring finished rows) and device steps that read only persistent
+buffers, so with `cuda_graphs` the verify pass (per batch bucket and node count) and the draft model's forwards replay
+captured graphs. Greedy chains go further: verify, accept and the state update are one captured step (so `accept`
+above then only unpacks its result).
 """
 from __future__ import annotations
 

@@ -52,8 +52,8 @@ class BatchState:
     rows_host: list[int]
     tokens: torch.Tensor  # [R, S] long, device: every sequence's tokens (prompt + emitted); beyond the root: garbage
     tokens_host: list[list[int]]  # per row, the same tokens up to and including the root
-    kv_len: torch.Tensor  # [B] long: tokens whose target KV is written (= the root's index); may be stale when the
-    # drafter declares reads_kv_len = False
+    # [B] long: tokens whose target KV is written (= the root's index); not refreshed for drafters with reads_kv_len
+    kv_len: torch.Tensor
     kv_len_host: list[int] = field(default_factory=list)
     kv_len_all: torch.Tensor | None = None  # [R + 1] long, persistent: kv_len of every row (the engine's own buffer)
 
