@@ -2,7 +2,10 @@
 
     python -m results list [--store DIR]
     python -m results export --format csv|parquet --out FILE [--study NAME] [--store DIR]
-    python -m results compact [--study NAME] [--store DIR]
+    python -m results compact [--study NAME] [--grace SECONDS] [--store DIR]
+
+`export` and `list` read a consistent snapshot even while `compact` runs (or fail with exit 1, never a partial set);
+`compact` also removes temp files and orphan traces older than --grace seconds (default 3600).
 
 Exit codes: 0 ok, 2 usage error (including an unknown study name), 1 store error.
 """
@@ -13,7 +16,7 @@ import sys
 import warnings
 
 from results.export import FORMATS
-from results.store import ResultStore, StoreError, StoreWarning
+from results.store import GRACE_S, ResultStore, StoreError, StoreWarning
 
 
 class _UsageError(Exception):
@@ -68,12 +71,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     store = _store(args)
     _check_study(store, args.study)
-    done = store.compact(args.study)
+    done = store.compact(args.study, grace_s=args.grace)
     _report_skips(store)
     if not done:
         print("nothing to compact")
     for name, rows in done.items():
         print(f"{name}: {rows} rows in one file")
+    cleanup = store.last_cleanup
+    if any(cleanup.values()):
+        print(f"removed {cleanup['tmp_files']} stale temp file(s) and {cleanup['orphan_traces']} orphan trace file(s)")
     return 0
 
 
@@ -92,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("compact", parents=[common], help="merge each study's per-run files into one")
     p.add_argument("--study", default=None)
+    p.add_argument("--grace", type=float, default=GRACE_S,
+                   help="seconds: temp files and orphan traces younger than this are kept (a writer may be live)")
     p.set_defaults(func=cmd_compact)
     return parser
 

@@ -4,22 +4,46 @@ Layout under the root (default `<repo>/results/store`, `$WORKBENCH_STORE` overri
 
     runs/<study>/<run_id>.parquet        one run-record row; <study> is the study name percent-encoded,
                                          "adhoc" for runs without a study
-    runs/<study>/compact-<ts>-<rand>.parquet   many rows, written by `compact`
+    runs/<study>/compact-<ts>-<rand>.parquet   many rows, written by `compact`; its Parquet key-value metadata
+                                         `workbench.replaces` lists the file names it merged (the manifest)
+    runs/.generation                     a random token that `compact` replaces before it deletes anything
+    runs/.snapshot.lock                  flock: `compact` deletes under it exclusively; a reader's last try shares it
     traces/<run_id>.parquet              per-step rows of one run (run_id, seq, step, drafted, accepted, emitted)
 
 Writers never touch an existing file: each writes `.<name>.<pid>.<rand>.tmp` in the target folder, fsyncs it and
 `os.replace`s it to its final name, so any number of processes may append at once and a reader sees either the
 whole file or none of it. Readers skip dot-files and anything not ending in `.parquet`.
 
-`load` reads every file of the wanted studies, casts declared columns to `results.schema` types, fills columns that
-older files lack with nulls, keeps undeclared columns, and drops duplicate run_ids (a crash between `compact`'s
-write and its deletes leaves duplicates; they are identical). A file that cannot be read is skipped, named in
-`last_load_errors` and in a `StoreWarning`; `strict=True` raises `StoreError` instead.
+Snapshot reads while `compact` runs. Compaction (1) writes the merged file with its manifest, atomically, (2)
+replaces `runs/.generation`, (3) deletes the files it merged. `load` reads the generation, lists the files, reads
+them (compact files first), and reads the generation again. The set is consistent when the generation did not
+change and every listed file that vanished is named in the manifest of a compact file it read: a run file written
+before the load started is then either read or inside a merged file that was read (a merged file exists before the
+generation changes, and the generation changes before any delete). Otherwise `load` tries again; its last try holds
+the shared lock (POSIX), so deletes wait for it. A load that still cannot get a consistent set raises StoreError:
+it never returns a partial set. A run seen twice (in a merged file and as its own file during the window, or after
+a crash between write and delete) is kept once, by run_id. `compact` also removes temp files and orphan traces
+(traces of no stored run) older than a grace period (default an hour), so a live writer's files are never touched.
+
+Why our own protocol and not a table format (Delta Lake via `deltalake`, 2026-12-01): `deltalake` 1.6.6 installs
+here (a 52 MB wheel of Rust) and gives snapshot reads and atomic appends, but (a) each append is a commit to one
+shared log: concurrent appenders on a local file system race for the next log version and retry (conflicts are
+the writers' problem to handle), where our appends are independent renames that never conflict; (b) compaction
+(`optimize`) and vacuum add a second concurrency model to learn, and files keep their run-per-file shape only until
+vacuum; (c) it would be the store's one compiled dependency, against "results/ is a leaf on pandas + pyarrow";
+(d) our rows are small and few (thousands), so the protocol above is short. The deciding test is
+tests/test_results_store_concurrency.py (writers + repeated compaction + repeated readers), which this store
+passes; see docs/INTERFACES.md for the Delta trial's numbers.
+
+`load` casts declared columns to `results.schema` types, fills columns that older files lack with nulls, keeps
+undeclared columns. A file that cannot be read is skipped, named in `last_load_errors` and in a `StoreWarning`;
+`strict=True` raises `StoreError` instead.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import os
 import secrets
 import time
@@ -38,7 +62,9 @@ from results import schema as S
 
 ADHOC = "adhoc"
 ENV_VAR = "WORKBENCH_STORE"
-_TMP_MAX_AGE_S = 3600.0   # temp files older than this are leftovers of a crashed writer; compact removes them
+GRACE_S = 3600.0   # temp files and orphan traces older than this are a killed writer's leftovers; compact removes them
+MANIFEST_KEY = b"workbench.replaces"   # Parquet key-value metadata of a compact file: JSON list of merged file names
+LOAD_ATTEMPTS = 4   # tries for a consistent snapshot; the last one holds the shared snapshot lock
 
 
 class StoreError(RuntimeError):
@@ -89,6 +115,20 @@ def _write_atomic(table: pa.Table, path: Path) -> None:
         raise
 
 
+def _write_text_atomic(text: str, path: Path) -> None:
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
 def _parquet_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
         return []
@@ -106,6 +146,7 @@ class ResultStore:
     def __init__(self, root: str | os.PathLike | None = None):
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.last_load_errors: list[tuple[str, str]] = []
+        self.last_cleanup: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"ResultStore({str(self.root)!r})"
@@ -141,9 +182,13 @@ class ResultStore:
         study = rec.get("study")
         folder = self.runs_dir / study_dirname(study)
         table = S.record_to_table(rec)
-        if traces is not None:
-            self._write_traces(run_id, traces)
-        _write_atomic(table, folder / f"{run_id}.parquet")
+        try:
+            if traces is not None:
+                self._write_traces(run_id, traces)
+            _write_atomic(table, folder / f"{run_id}.parquet")
+        except OSError as exc:   # a store that is a file, read-only, or full: say which store and why
+            raise StoreError(f"cannot write run {run_id} to the result store {self.root}: "
+                             f"{type(exc).__name__}: {exc}") from exc
         return run_id
 
     def _write_traces(self, run_id: str, traces: pd.DataFrame) -> None:
@@ -177,12 +222,16 @@ class ResultStore:
                 for p in _parquet_files(d)]
 
     def _read_tables(self, files: Iterable[Path], specs: Mapping[str, S.ColumnSpec], columns: list[str] | None,
-                     strict: bool, errors: list[tuple[str, str]]) -> list[pa.Table]:
+                     strict: bool, errors: list[tuple[str, str]], vanished: list[Path] | None = None,
+                     covered: set[Path] | None = None) -> list[pa.Table]:
+        """Read and conform `files`; files that vanished go to `vanished`, files named by a manifest to `covered`."""
         tables = []
         for path in files:
             problems: list[str] = []
             try:
                 pf = pq.ParquetFile(path)
+                if covered is not None:
+                    covered.update(path.parent / name for name in _manifest(pf))
                 if columns is None:
                     table = pf.read()
                 else:
@@ -194,7 +243,9 @@ class ResultStore:
                     table = _upgrade(table)
                 table = S.conform_table(table, specs, on_problem=problems.append)
             except FileNotFoundError:
-                continue   # compacted away between listing and reading; its rows are in the compact file
+                if vanished is not None:
+                    vanished.append(path)
+                continue   # compacted away between listing and reading; `load` decides whether that is safe
             except Exception as exc:   # noqa: BLE001 - any unreadable file is reported, never fatal by default
                 reason = f"{type(exc).__name__}: {exc}"
                 if strict:
@@ -230,8 +281,7 @@ class ResultStore:
         if wanted is not None:
             extra = ["run_id", "created_at", "schema_version", *(filters or {})]
             read_cols = list(dict.fromkeys(wanted + extra))
-        errors: list[tuple[str, str]] = []
-        tables = self._read_tables(self.run_files(study), specs, read_cols, strict, errors)
+        tables, errors = self._read_snapshot(study, specs, read_cols, strict)
         self._report(errors)
         table = S.concat_tables(tables) if tables else pa.table({})
         table = S.complete_table(table, specs)
@@ -243,6 +293,33 @@ class ResultStore:
         if wanted is not None:
             df = df[[c for c in wanted if c in df.columns]]
         return df.reset_index(drop=True)
+
+    def _generation(self) -> str:
+        try:
+            return (self.runs_dir / ".generation").read_text()
+        except (FileNotFoundError, NotADirectoryError):
+            return ""
+
+    def _read_snapshot(self, study: str | None, specs: Mapping[str, S.ColumnSpec], columns: list[str] | None,
+                       strict: bool) -> tuple[list[pa.Table], list[tuple[str, str]]]:
+        """Tables of one consistent set of run files (see "Snapshot reads" in the module docstring)."""
+        for attempt in range(LOAD_ATTEMPTS):
+            last = attempt == LOAD_ATTEMPTS - 1
+            with _snapshot_lock(self.runs_dir, shared=True) if last else contextlib.nullcontext():
+                before = self._generation()
+                # compact files first, so their manifests tell which vanished originals they hold
+                files = sorted(self.run_files(study), key=lambda p: not p.name.startswith("compact-"))
+                errors: list[tuple[str, str]] = []
+                vanished: list[Path] = []
+                covered: set[Path] = set()
+                tables = self._read_tables(files, specs, columns, strict, errors, vanished, covered)
+                lost = [p for p in vanished if p not in covered]
+                if not lost and self._generation() == before:
+                    return tables, errors
+            time.sleep(0.01 * (attempt + 1))
+        raise StoreError(f"result store {self.root}: no consistent set of run files after {LOAD_ATTEMPTS} tries "
+                         f"(files vanished while reading: {', '.join(p.name for p in lost[:5]) or 'none'}; "
+                         f"compaction generation changed: {self._generation() != before}); try again")
 
     def load_traces(self, run_ids: Iterable[str] | None = None, strict: bool = False) -> pd.DataFrame:
         """Trace rows of the given runs (None = all), typed per results.schema.TRACE_SPECS."""
@@ -264,43 +341,77 @@ class ResultStore:
 
     # ---------------------------------------------------------------------------------------------- housekeeping
 
-    def compact(self, study: str | None = None) -> dict[str, int]:
+    def compact(self, study: str | None = None, grace_s: float = GRACE_S) -> dict[str, int]:
         """Merge each study's files (per-run and earlier compact files) into one `compact-<ts>-<rand>.parquet`.
 
-        Only files listed at the start are merged and then deleted, so runs appended meanwhile stay as they are.
-        Unreadable files are left in place (and reported as by load). Concurrent compactions of one study are
-        serialised by a lock file where fcntl exists. Returns {study: rows in the new file} for studies that had
-        two or more files.
+        Only files listed at the start are merged; the merged file (with the manifest of what it replaces) is
+        written before the generation marker changes and before any original is deleted, so a concurrent `load`
+        sees every run (see the module docstring); runs appended meanwhile stay as they are. Unreadable files are
+        left in place (and reported as by load). Concurrent compactions of one study are serialised by a lock file
+        where fcntl exists. Also removes temp files (`.*.tmp`) and orphan traces (no stored run has their run_id)
+        older than `grace_s` seconds; counts go to `last_cleanup`. Returns {study: rows in the new file} for
+        studies that had two or more files.
         """
         names = [study] if study is not None else self.studies()
         out = {}
+        removed_tmp = _remove_stale_tmp(self.runs_dir, grace_s)
         for name in names:
             folder = self.runs_dir / study_dirname(name)
             with _folder_lock(folder) as got:
                 if not got:
                     continue
-                _remove_stale_tmp(folder)
+                removed_tmp += _remove_stale_tmp(folder, grace_s)
                 files = _parquet_files(folder)
                 if len(files) < 2:
                     continue
                 errors: list[tuple[str, str]] = []
-                tables = self._read_tables(files, S.run_specs(), None, False, errors)
+                vanished: list[Path] = []
+                tables = self._read_tables(files, S.run_specs(), None, False, errors, vanished)
                 self._report(errors)
-                bad = {p for p, _ in errors}
-                merged = [p for p in files if str(p) not in bad]
+                skipped = {p for p, _ in errors} | {str(p) for p in vanished}
+                merged = [p for p in files if str(p) not in skipped]
                 if len(merged) < 2:
                     continue
                 table = S.complete_table(S.concat_tables(tables))
                 df_ids = table.column("run_id").to_pylist()
                 if len(set(df_ids)) != len(df_ids):
                     table = _dedupe_table(table)
+                manifest = json.dumps(sorted(p.name for p in merged)).encode()
+                table = table.replace_schema_metadata({**(table.schema.metadata or {}), MANIFEST_KEY: manifest})
                 ts = _utc_now().strftime("%Y%m%dT%H%M%S%fZ")
                 _write_atomic(table, folder / f"compact-{ts}-{secrets.token_hex(3)}.parquet")
-                for p in merged:
-                    with contextlib.suppress(FileNotFoundError):
-                        p.unlink()
+                with _snapshot_lock(self.runs_dir, shared=False):
+                    _write_text_atomic(secrets.token_hex(8), self.runs_dir / ".generation")
+                    for p in merged:
+                        with contextlib.suppress(FileNotFoundError):
+                            p.unlink()
                 out[name] = table.num_rows
+        removed_tmp += _remove_stale_tmp(self.traces_dir, grace_s)
+        self.last_cleanup = {"tmp_files": removed_tmp, "orphan_traces": self._remove_orphan_traces(grace_s)}
         return out
+
+    def _remove_orphan_traces(self, grace_s: float) -> int:
+        """Delete trace files older than grace_s whose run is in no run file; none when any run file is unreadable."""
+        now = time.time()
+        old = []
+        for p in _parquet_files(self.traces_dir):
+            with contextlib.suppress(OSError):
+                if now - p.stat().st_mtime > grace_s:
+                    old.append(p)
+        if not old:
+            return 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StoreWarning)
+            known = set(self.load(columns=["run_id"])["run_id"])
+        if self.last_load_errors:   # an unreadable run file may hold these runs: keep their traces
+            return 0
+        removed = 0
+        for p in old:
+            if p.stem not in known:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                    removed += 1
+        return removed
 
     # ------------------------------------------------------------------------------------------------ export
 
@@ -365,12 +476,47 @@ def _apply_filters(df: pd.DataFrame, filters: Mapping[str, Any] | None) -> pd.Da
     return df[mask]
 
 
-def _remove_stale_tmp(folder: Path) -> None:
+def _manifest(pf: pq.ParquetFile) -> list[str]:
+    """File names a compact file replaces (its `workbench.replaces` metadata); [] for other files."""
+    raw = (pf.schema_arrow.metadata or {}).get(MANIFEST_KEY)
+    return [str(n) for n in json.loads(raw)] if raw else []
+
+
+def _remove_stale_tmp(folder: Path, grace_s: float) -> int:
+    """Delete `.*.tmp` files in `folder` not modified for grace_s seconds (a live writer's are fresh); returns count."""
+    if not folder.is_dir():
+        return 0
     now = time.time()
+    removed = 0
     for p in folder.glob(".*.tmp"):
         with contextlib.suppress(OSError):
-            if now - p.stat().st_mtime > _TMP_MAX_AGE_S:
+            if now - p.stat().st_mtime > grace_s:
                 p.unlink()
+                removed += 1
+    return removed
+
+
+@contextlib.contextmanager
+def _snapshot_lock(runs_dir: Path, shared: bool):
+    """Blocking flock on `runs/.snapshot.lock`: compact deletes under it exclusively, a reader's last try shares it.
+
+    No-op where fcntl is missing or the file cannot be opened (a read-only store): then retries alone protect reads."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        fh = open(runs_dir / ".snapshot.lock", "a+")
+    except OSError:
+        yield
+        return
+    with fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,8 @@
 
 Every run lands as a row in the result store (default `results/store`, `--store DIR`, `--no-store` to skip);
 a run that fails (bad settings, out of memory) is stored as a failed row with its reason and exits with status 2.
+The record is printed before it is stored: a store that cannot be written (a file, read-only, full) is named on
+stderr after the printed record and the exit status is 3, so the measurement is not lost.
 """
 from __future__ import annotations
 
@@ -66,6 +68,17 @@ def _store(args):
     return ResultStore(args.store) if args.store else ResultStore()
 
 
+def _store_or_report(store, record, traces=None) -> bool:
+    """Append to the store; on failure name the store problem on stderr and return False (no traceback)."""
+    from results.store import StoreError
+    try:
+        store.append(record, traces)
+    except (StoreError, OSError) as e:
+        print(f"error: the run was not stored: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(args: argparse.Namespace) -> int:
     from workbench.harness.bench import BenchError, BenchSession, failed_record
 
@@ -85,15 +98,16 @@ def main(args: argparse.Namespace) -> int:
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         if store is not None:
-            store.append(failed_record(cfg, str(e), study=args.study, session=session))
+            _store_or_report(store, failed_record(cfg, str(e), study=args.study, session=session))
         return 2
     rec = result.record
-    if store is not None:
-        store.append(rec, result.traces)
     if args.json:
         shown = {k: v for k, v in rec.items() if k != "telemetry_timeline"}
-        print(json.dumps(shown, default=str))
+        print(json.dumps(shown, default=str), flush=True)
     else:
         for key in HEADLINE:
             print(f"{key:>22}: {rec.get(key)}")
+        sys.stdout.flush()
+    if store is not None and not _store_or_report(store, rec, result.traces):
+        return 3
     return 0
