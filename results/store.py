@@ -25,15 +25,15 @@ it never returns a partial set. A run seen twice (in a merged file and as its ow
 a crash between write and delete) is kept once, by run_id. `compact` also removes temp files and orphan traces
 (traces of no stored run) older than a grace period (default an hour), so a live writer's files are never touched.
 
-Why our own protocol and not a table format (Delta Lake via `deltalake`, 2026-12-01): `deltalake` 1.6.6 installs
-here (a 52 MB wheel of Rust) and gives snapshot reads and atomic appends, but (a) each append is a commit to one
-shared log: concurrent appenders on a local file system race for the next log version and retry (conflicts are
-the writers' problem to handle), where our appends are independent renames that never conflict; (b) compaction
-(`optimize`) and vacuum add a second concurrency model to learn, and files keep their run-per-file shape only until
-vacuum; (c) it would be the store's one compiled dependency, against "results/ is a leaf on pandas + pyarrow";
-(d) our rows are small and few (thousands), so the protocol above is short. The deciding test is
-tests/test_results_store_concurrency.py (writers + repeated compaction + repeated readers), which this store
-passes; see docs/INTERFACES.md for the Delta trial's numbers.
+Why our own protocol and not a table format (Delta Lake via `deltalake`, tried 2026-12-01): `deltalake` 1.6.6 installs
+here (52 MB wheel, 142 MB installed, Rust) and, in the same writers + compactor + readers trial, appended without
+conflicts and read consistent snapshots, but only while compaction did not vacuum: vacuuming the replaced files
+right away made 2 of 282 loads fail (FileNotFoundError), so replaced files must stay for a retention period and
+the store grows a file per append plus a log entry each until then. Its appends reject a record with a new column
+unless `schema_mode="merge"`, and even then a column whose type differs from an earlier row fails the append
+(string into float), where each of our per-run files keeps its own types (declared columns are checked on
+append). It would also be the one compiled dependency of a leaf package (pandas + pyarrow). Our protocol passes the
+same trial (tests/test_results_store_concurrency.py) with about 100 lines, so we keep it; see docs/INTERFACES.md.
 
 `load` casts declared columns to `results.schema` types, fills columns that older files lack with nulls, keeps
 undeclared columns. A file that cannot be read is skipped, named in `last_load_errors` and in a `StoreWarning`;
