@@ -89,3 +89,39 @@ def test_real_tiny_bench_record_has_the_trust_columns(tmp_path):
     store.append(rec)
     row = store.load().iloc[0]
     assert row["plausible"] == rec["plausible"] and list(row["tokens_per_s_repeats"]) == rec["tokens_per_s_repeats"]
+
+
+def test_bench_cli_threads_flag_and_trust_columns(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-m", "workbench", "bench", "--preset", "tiny", "--device", "cpu",
+                          "--threads", "1", "--method", "ngram", "--max-new-tokens", "4", "--num-prompts", "1",
+                          "--repeats", "2", "--warmup", "0", "--no-store", "--json"],
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rec["repeats"] == 2 and len(rec["tokens_per_s_repeats"]) == 2 and isinstance(rec["noisy"], bool)
+
+
+def test_dashboard_jobs_run_with_a_thread_limit(tmp_path, monkeypatch):
+    from ui import jobs
+
+    seen = {}
+
+    class FakePopen:
+        pid = 12345
+
+        def __init__(self, argv, env, **kw):
+            seen.update(env)
+
+    monkeypatch.setenv("WORKBENCH_JOBS", str(tmp_path))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(jobs.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(jobs, "_RUNNERS", {})
+    jobs.start_job("bench", ["true"], "t")
+    assert seen["OMP_NUM_THREADS"] == str(jobs.JOB_THREADS) and int(seen["OMP_NUM_THREADS"]) >= 1
+    jobs.start_job("bench", ["true"], "t", env={"OMP_NUM_THREADS": "3"})  # an explicit choice is kept
+    assert seen["OMP_NUM_THREADS"] == "3"

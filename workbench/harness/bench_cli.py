@@ -46,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     models.add_argument("--draft", help="draft model folder (method draft)")
     models.add_argument("--prompts", help="prompt file: JSONL {\"prompt\": ...} or MT-bench/Spec-Bench question.jsonl")
     models.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    models.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; fewer threads "
+                        "than cores keeps CPU timings steadier when other work shares the machine)")
     for knob in settings.SESSION_KNOBS:
         add_knob(models, knob)
     groups = {name: p.add_argument_group(title) for name, title in GROUPS.items()}
@@ -69,6 +71,10 @@ def _store(args):
 def main(args: argparse.Namespace) -> int:
     from workbench.harness.bench import BenchError, BenchSession, failed_record
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     cfg_kwargs = {f.name: getattr(args, f.name) for f in fields(BenchConfig)}
     cfg = BenchConfig(**cfg_kwargs)
     store = _store(args)
