@@ -125,3 +125,21 @@ def test_dashboard_jobs_run_with_a_thread_limit(tmp_path, monkeypatch):
     assert seen["OMP_NUM_THREADS"] == str(jobs.JOB_THREADS) and int(seen["OMP_NUM_THREADS"]) >= 1
     jobs.start_job("bench", ["true"], "t", env={"OMP_NUM_THREADS": "3"})  # an explicit choice is kept
     assert seen["OMP_NUM_THREADS"] == "3"
+
+
+def test_run_page_shows_the_flags_with_their_reasons():
+    from streamlit.testing.v1 import AppTest
+
+    def page():
+        import pandas as pd
+
+        from ui.run_page import show_metrics
+
+        show_metrics({"status": "ok", "method": "ngram", "k": 1, "speedup_vs_ar": 3.19, "plausible": False,
+                      "implausible_reason": "speedup 3.19x > bound 2.2x", "noisy": True,
+                      "noisy_reason": "AR tokens/s CV 0.31 > 0.15", "speedup_ci_low": 0.9, "speedup_ci_high": 4.0},
+                     pd.DataFrame())
+
+    at = AppTest.from_function(page).run(timeout=60)
+    assert not at.exception
+    assert "speedup 3.19x > bound 2.2x" in at.error[0].value and "CV 0.31" in at.warning[0].value

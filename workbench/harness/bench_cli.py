@@ -14,7 +14,7 @@ from workbench import settings
 from workbench.harness.bench import BenchConfig
 
 HEADLINE = ["method", "k", "batch", "acceptance_rate", "mean_accepted_tokens", "tokens_per_s", "ar_tokens_per_s",
-            "speedup_vs_ar", "ttft_ms", "tpot_ms_p50", "tpot_ms_p99", "greedy_matches_ar", "sm_util_pct",
+            "speedup_vs_ar", "speedup_ci_low", "speedup_ci_high", "noisy_reason", "implausible_reason", "ttft_ms", "tpot_ms_p50", "tpot_ms_p99", "greedy_matches_ar", "sm_util_pct",
             "gpu_busy_pct", "device_name"]
 GROUPS = {"method": "method", "run": "run settings", "sampling": "sampling", "system": "system"}
 
