@@ -59,7 +59,7 @@ def _pandas_dtype(kind: str) -> Any:
 class ColumnSpec:
     name: str
     kind: str      # one of KINDS
-    group: str     # identity | config | metrics | graphs | profile | telemetry | environment | trace | extension
+    group: str     # identity | config | metrics | trust | graphs | profile | telemetry | environment | trace | extension
     doc: str = ""
 
     def __post_init__(self) -> None:
@@ -114,6 +114,16 @@ _RUN_SPECS: list[ColumnSpec] = [
     *_cols("metrics", "int", "total_new_tokens target_steps"),
     ColumnSpec("wall_s", "float", "metrics"),
     ColumnSpec("greedy_matches_ar", "bool", "metrics", "None when not checked"),
+    ColumnSpec("ar_tokens_per_s_repeats", "list_float", "trust", "AR tokens/s of each timed repeat, in order"),
+    ColumnSpec("tokens_per_s_repeats", "list_float", "trust", "candidate tokens/s of each timed repeat, in order"),
+    ColumnSpec("ar_tokens_per_s_cv", "float", "trust", "coefficient of variation over repeats; None with 1 repeat"),
+    ColumnSpec("tokens_per_s_cv", "float", "trust", "coefficient of variation over repeats; None with 1 repeat"),
+    ColumnSpec("speedup_ci_low", "float", "trust", "seeded paired-bootstrap 95% interval of speedup_vs_ar, low"),
+    ColumnSpec("speedup_ci_high", "float", "trust", "... and high; None with 1 repeat"),
+    ColumnSpec("noisy", "bool", "trust", "spread too wide for the headline; None with 1 repeat"),
+    ColumnSpec("noisy_reason", "string", "trust", "why noisy (or \"1 repeat: no spread\")"),
+    ColumnSpec("plausible", "bool", "trust", "speedup, acceptance and AR drift within physical bounds"),
+    ColumnSpec("implausible_reason", "string", "trust", "which bound failed, with the numbers"),
     ColumnSpec("graph_capture_s", "float", "graphs", "time spent capturing CUDA graphs"),
     ColumnSpec("graph_memory_mb", "float", "graphs", "GPU memory held by the captured graphs' pools"),
     *_cols("graphs", "int", "graph_bucket_hits graph_bucket_misses"),

@@ -12,6 +12,11 @@ Fidelity is a constraint, not a penalty: at temperature 0 a run whose `greedy_ma
 stays COMPLETE with its measurements but never counts as best (`study.best_trial`) or on the Pareto front
 (`study.best_trials`). Every complete trial gets the constraint (0.0 when feasible).
 
+Trust is a filter on the reports, not a constraint: the run record's `noisy` / `noisy_reason` / `plausible` /
+`implausible_reason` (workbench.harness.trust) are copied into user attrs; the objective values and the sampler are
+untouched, but a flagged trial is *unreliable*: best settings, the Pareto front table and schedules skip it and say so
+(`reliable_complete`, `exclusion_notes`).
+
 A failing run (out of memory, a BenchError for a bad setting, any other exception) is a FAILED trial with its reason
 in user attrs `error` / `error_type` and a row with status "failed" in the store; the objective raises `TrialFailed`,
 which the study loop catches (`optimize(catch=(TrialFailed,))`) so the study goes on.
@@ -57,7 +62,11 @@ OBJECTIVES = {o.name: o for o in (THROUGHPUT, SPEEDUP, PARETO)}
 
 # run-record fields copied into every trial's user attrs (what reports and the UI show without the store)
 SUMMARY_FIELDS = ("tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar", "peak_mem_mb", "tpot_ms_p99", "acceptance_rate",
-                  "mean_accepted_tokens", "greedy_matches_ar")
+                  "mean_accepted_tokens", "greedy_matches_ar", "speedup_ci_low", "speedup_ci_high", "noisy",
+                  "noisy_reason", "plausible", "implausible_reason")
+
+# Optuna's fANOVA importances from fewer completed trials than this rank noise as often as knobs: say so beside them.
+IMPORTANCE_MIN_TRIALS = 20
 
 
 FIDELITY = "fidelity"  # constraint name: > 0 when temperature-0 output differs from autoregressive decoding
@@ -262,7 +271,7 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
                 row[k] = None  # e.g. k of an autoregressive run: set in BenchConfig but meaningless
         for i, m in enumerate(metrics):
             row[m] = t.values[i] if t.values is not None else None
-        for k in ("speedup_vs_ar", "acceptance_rate", "feasible", "error"):
+        for k in ("speedup_vs_ar", "acceptance_rate", "feasible", "noisy", "plausible", "error"):
             if k in t.user_attrs and k not in row:
                 row[k] = t.user_attrs[k]
         rows.append(row)
@@ -274,8 +283,51 @@ def feasible_complete(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
             if t.user_attrs.get("feasible", True)]
 
 
+def unreliable_reason(t: optuna.trial.FrozenTrial) -> str | None:
+    """Why a trial's numbers cannot be trusted (its run was implausible and/or noisy), or None.
+
+    A trial recorded before these flags existed (no user attrs) counts as reliable.
+    """
+    reasons = []
+    if t.user_attrs.get("plausible") is False:
+        reasons.append(f"implausible: {t.user_attrs.get('implausible_reason') or 'no reason recorded'}")
+    if t.user_attrs.get("noisy") is True:
+        reasons.append(f"noisy: {t.user_attrs.get('noisy_reason') or 'no reason recorded'}")
+    return "; ".join(reasons) or None
+
+
+def reliable_complete(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Feasible completed trials whose run was neither implausible nor noisy: what best settings may come from."""
+    return [t for t in feasible_complete(study) if unreliable_reason(t) is None]
+
+
+def exclusion_notes(study: optuna.Study) -> list[str]:
+    """One line per feasible completed trial left out of best settings, e.g.
+    "excluded: trial 7 (implausible: speedup 3.19x > bound 2.2x (...))"."""
+    return [f"excluded: trial {t.number} ({why})" for t in feasible_complete(study)
+            if (why := unreliable_reason(t)) is not None]
+
+
+def importance_caveat(study: optuna.Study) -> str | None:
+    """A warning to show beside parameter importances computed from too few completed trials, else None."""
+    n = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+    if n >= IMPORTANCE_MIN_TRIALS:
+        return None
+    return (f"importances from {n} completed trial(s) (fewer than {IMPORTANCE_MIN_TRIALS}): a rough hint, not a "
+            "ranking; they change as trials are added")
+
+
+def _dominates(a: list[float], b: list[float], signs: list[int]) -> bool:
+    return all(s * x >= s * y for s, x, y in zip(signs, a, b)) and any(s * x > s * y for s, x, y in zip(signs, a, b))
+
+
 def pareto_front(study: optuna.Study) -> pd.DataFrame:
-    """The feasible Pareto-optimal trials (Optuna's best_trials, which honour the constraints), as a table."""
-    numbers = {t.number for t in study.best_trials}
+    """The Pareto-optimal trials among the reliable feasible ones (`reliable_complete`), as a table.
+
+    Computed here rather than taken from Optuna's best_trials so a flagged trial on Optuna's front does not hide the
+    reliable trials it dominates."""
+    signs = [1 if d == optuna.study.StudyDirection.MAXIMIZE else -1 for d in study.directions]
+    ok = [t for t in reliable_complete(study) if t.values is not None]
+    numbers = {t.number for t in ok if not any(_dominates(o.values, t.values, signs) for o in ok)}
     df = trials_frame(study)
     return df[df["trial"].isin(numbers)].reset_index(drop=True) if len(df) else df

@@ -1,8 +1,9 @@
 """Batch-size schedule: the best speculation setting per batch-size bucket, and the serving-engine configs it implies.
 
-A bucket `b` covers batch sizes (previous bucket, b]. For each bucket the best feasible trial (highest speedup over
-autoregressive decoding measured in the same run) is chosen; a bucket whose best speedup is <= 1 (or whose best
-method is autoregressive) is "off": speculation loses there.
+A bucket `b` covers batch sizes (previous bucket, b]. For each bucket the best reliable feasible trial (highest
+speedup over autoregressive decoding measured in the same run) is chosen; a bucket whose best speedup is <= 1 (or
+whose best method is autoregressive) is "off": speculation loses there. Trials whose run was noisy or implausible
+are skipped and listed under "excluded" (`studies.objective.exclusion_notes`).
 
 Exports (`export_schedule`): `schedule.json` plus config snippets in the shape each engine takes:
   - TensorRT-LLM: `speculative_config.draft_len_schedule` {batch_size: draft_len} (batch sizes up to the key use that
@@ -22,7 +23,7 @@ from typing import Any
 
 import optuna
 
-from studies.objective import feasible_complete
+from studies.objective import exclusion_notes, reliable_complete
 
 SCHEDULE_VERSION = 1
 
@@ -47,7 +48,7 @@ def buckets_of(study: optuna.Study) -> list[int]:
 def _entry(batch: int, t: optuna.trial.FrozenTrial | None, n: int) -> dict[str, Any]:
     if t is None:
         return {"batch_size": batch, "trials": n, "speculate": None, "method": None, "draft_len": None,
-                "note": "no feasible completed trial in this bucket"}
+                "note": "no reliable feasible completed trial in this bucket"}
     c = _config(t)
     on = c["method"] != "ar" and _speedup(t) > 1.0
     return {"batch_size": batch, "trials": n, "speculate": on, "method": c["method"] if on else "ar",
@@ -63,7 +64,7 @@ def build_schedule(study: optuna.Study) -> dict[str, Any]:
     """Best feasible setting per batch bucket, plus per-method best draft length (for single-method engines)."""
     from studies.study import SPEC_KEY
 
-    trials = feasible_complete(study)
+    trials = reliable_complete(study)
     buckets = buckets_of(study)
     entries, per_method = [], {}
     for b in buckets:
@@ -78,7 +79,7 @@ def build_schedule(study: optuna.Study) -> dict[str, Any]:
     return {"schedule_version": SCHEDULE_VERSION, "study": study.study_name, "models": spec["models"],
             "settings": spec["settings"], "objective": "speedup_vs_ar (same prompts, same process)",
             "bucket_semantics": "bucket b covers batch sizes (previous bucket, b]",
-            "buckets": entries,
+            "buckets": entries, "excluded": exclusion_notes(study),
             "per_method": {m: {str(b): {"speedup_vs_ar": s, "k": c["k"], "ngram_min": c.get("ngram_min"),
                                         "ngram_max": c.get("ngram_max")} for b, (s, c) in sorted(v.items())}
                            for m, v in per_method.items()}}

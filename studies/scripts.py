@@ -17,8 +17,8 @@ from typing import Any
 import optuna
 import pandas as pd
 
-from studies.objective import (PARETO, REPORT_KNOBS, SPEEDUP, THROUGHPUT, ObjectiveSpec, feasible_complete,
-                               pareto_front, trials_frame)
+from studies.objective import (PARETO, REPORT_KNOBS, SPEEDUP, THROUGHPUT, ObjectiveSpec, exclusion_notes,
+                               pareto_front, reliable_complete, trials_frame)
 from studies.space import GLOBAL_KNOBS, IntRange, SearchSpace
 
 
@@ -57,12 +57,21 @@ def _counts(study: optuna.Study) -> str:
 COLS = ["trial", *REPORT_KNOBS]
 
 
-def report_best_k(study: optuna.Study) -> str:
-    lines = [f"study {study.study_name!r}: {_counts(study)}"]
-    ok = feasible_complete(study)
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The best reliable feasible trial of a single-objective study (flagged trials skipped), or None."""
+    ok = reliable_complete(study)
     if not ok:
-        return "\n".join(lines + ["no feasible completed trial: nothing to recommend"])
-    best = study.best_trial
+        return None
+    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    return (max if maximize else min)(ok, key=lambda t: t.value)
+
+
+def report_best_k(study: optuna.Study) -> str:
+    lines = [f"study {study.study_name!r}: {_counts(study)}", *exclusion_notes(study)]
+    ok = reliable_complete(study)
+    best = best_trial(study)
+    if best is None:
+        return "\n".join(lines + ["no reliable feasible completed trial: nothing to recommend"])
     df = trials_frame(study)
     df = df[df["trial"].isin({t.number for t in ok})]
     cfg = best.user_attrs["config"]
@@ -110,8 +119,8 @@ def report_schedule(study: optuna.Study) -> str:
     rows = pd.DataFrame([{k: e.get(k) for k in ("batch_size", "trials", "speculate", "method", "draft_len",
                                                    "ngram_min", "ngram_max", "speedup_vs_ar", "tokens_per_s", "trial")}
                          for e in sched["buckets"]])
-    return "\n".join([f"study {study.study_name!r}: {_counts(study)}", "best setting per batch-size bucket:",
-                      _table(rows)])
+    return "\n".join([f"study {study.study_name!r}: {_counts(study)}", *sched.get("excluded", []),
+                      "best setting per batch-size bucket:", _table(rows)])
 
 
 def export_schedule(study: optuna.Study, out_dir: Path) -> dict[str, Path]:
@@ -124,8 +133,8 @@ def report_pareto(study: optuna.Study) -> str:
     front = pareto_front(study)
     if not front.empty:
         front = front.sort_values("tokens_per_s", ascending=False)
-    lines = [f"study {study.study_name!r}: {_counts(study)}",
-             f"Pareto front ({len(front)} feasible trials; maximize tokens/s, minimize peak_mem_mb and tpot_ms_p99):",
+    lines = [f"study {study.study_name!r}: {_counts(study)}", *exclusion_notes(study),
+             f"Pareto front ({len(front)} reliable feasible trials; maximize tokens/s, minimize peak_mem_mb and tpot_ms_p99):",
              _table(front, COLS + list(PARETO.metrics) + ["speedup_vs_ar"])]
     if any(str(t.user_attrs.get("device", "")).startswith("cpu") for t in study.get_trials(deepcopy=False)):
         # the engine reports the process's peak resident set on CPU: it only grows over a worker's trials

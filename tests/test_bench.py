@@ -18,7 +18,7 @@ def session():
 
 
 def small(**kw):
-    base = dict(k=3, batch=2, max_new_tokens=12, num_prompts=4, warmup=0)
+    base = dict(k=3, batch=2, max_new_tokens=12, num_prompts=4, warmup=0, repeats=1)
     base.update(kw)
     return BenchConfig(**base)
 

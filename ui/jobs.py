@@ -213,9 +213,15 @@ def new_job_id(kind: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}-{secrets.token_hex(3)}"
 
 
+# CPU threads of a job's torch (OMP_NUM_THREADS, unless the caller's environment sets it): half the cores, so the
+# dashboard and a second job do not oversubscribe the CPU and turn timings into noise (like `--threads` of studies).
+JOB_THREADS = max(1, (os.cpu_count() or 2) // 2)
+
+
 def start_job(kind: str, argv: list[str], title: str, params: dict | None = None,
               env: dict[str, str] | None = None) -> Job:
-    """Launch `argv` (run from the repository root) in the background; returns at once."""
+    """Launch `argv` (run from the repository root) in the background, with a CPU thread limit (JOB_THREADS);
+    returns at once."""
     job_id = new_job_id(kind)
     job_dir = jobs_root() / job_id
     job_dir.mkdir(parents=True)
@@ -223,6 +229,8 @@ def start_job(kind: str, argv: list[str], title: str, params: dict | None = None
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), child_env.get("PYTHONPATH", "")) if p)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # torch reads these when it starts
+        child_env.setdefault(var, str(JOB_THREADS))
     meta = {"id": job_id, "kind": kind, "title": title, "argv": [str(a) for a in argv], "params": params or {},
             "cwd": str(REPO_ROOT), "created_at": time.time(), "pid": None}
     write_json_atomic(job_dir / "meta.json", meta)

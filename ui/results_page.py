@@ -13,7 +13,8 @@ from ui import charts
 from ui.common import get_store, store_root
 
 P = "res_"
-TABLE_COLUMNS = ["created_at", "status", "method", "k", "batch", "temperature", "speedup_vs_ar", "acceptance_rate",
+TABLE_COLUMNS = ["created_at", "status", "method", "k", "batch", "temperature", "speedup_vs_ar", "noisy", "plausible",
+                 "acceptance_rate",
                  "mean_accepted_tokens", "tokens_per_s", "ar_tokens_per_s", "ttft_ms", "tpot_ms_p50", "study",
                  "trial_id", "ngram_min", "ngram_max", "max_new_tokens", "preset", "device", "dtype", "device_name",
                  "run_id"]
@@ -24,7 +25,9 @@ CONFIG_COLUMNS = ["method", "k", "ngram_min", "ngram_max", "batch", "max_new_tok
 METRIC_COLUMNS = ["status", "error", "speedup_vs_ar", "acceptance_rate", "mean_accepted_tokens", "tokens_per_s",
                   "ar_tokens_per_s", "ttft_ms", "tpot_ms_p50", "tpot_ms_p90", "itl_ms_p50", "time_draft_ms",
                   "time_verify_ms", "time_accept_ms", "time_kv_ms", "peak_mem_mb", "total_new_tokens", "target_steps",
-                  "wall_s", "greedy_matches_ar", "sm_util_pct", "gpu_busy_pct"]
+                  "wall_s", "greedy_matches_ar", "speedup_ci_low", "speedup_ci_high", "ar_tokens_per_s_cv",
+                  "tokens_per_s_cv", "noisy", "noisy_reason", "plausible", "implausible_reason", "sm_util_pct",
+                  "gpu_busy_pct"]
 FILTERS = [("study", "Study"), ("method", "Method"), ("preset", "Preset"), ("status", "Status"), ("device", "Device"),
            ("batch", "Batch size")]
 HIGHLIGHT = "background-color: rgba(255, 196, 0, 0.30)"

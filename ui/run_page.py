@@ -150,6 +150,13 @@ def bench_argv(settings: dict, models: dict, prompts: dict) -> list[str]:
 
 # ---- results -----------------------------------------------------------------------------------------------------
 
+def _flag(value) -> bool | None:
+    """A record's bool column as True / False / None (a store row holds numpy bools or pd.NA)."""
+    import pandas as pd
+
+    return None if value is None or value is pd.NA else bool(value)
+
+
 def _fmt(value, fmt: str, suffix: str = "") -> str:
     try:
         v = float(value)
@@ -202,8 +209,11 @@ def show_metrics(record: dict, traces) -> None:
         st.error(f"The run failed: {record.get('error')}", icon=":material/error:")
         return
     cols = st.columns(6)
+    lo, hi = _fmt(record.get("speedup_ci_low"), ".2f", "x"), _fmt(record.get("speedup_ci_high"), ".2f", "x")
+    interval = f"; 95% interval over repeats {lo} to {hi}" if lo != "—" else "; no interval (1 repeat)"
     cols[0].metric("Speedup vs AR", _fmt(record.get("speedup_vs_ar"), ".2f", "x"),
-                   help="tokens/s of this method / tokens/s of autoregressive decoding, measured in the same run")
+                   help="tokens/s of this method / tokens/s of autoregressive decoding, measured in the same run"
+                        + interval)
     cols[1].metric("Acceptance rate", _fmt(record.get("acceptance_rate"), ".0%"),
                    help="accepted draft tokens / drafted tokens")
     cols[2].metric("Mean accepted tokens", _fmt(record.get("mean_accepted_tokens"), ".2f"),
@@ -214,6 +224,11 @@ def show_metrics(record: dict, traces) -> None:
     cols[5].metric("TPOT p50", _ms(record.get("tpot_ms_p50")),
                    help=f"time per output token; p90 {_ms(record.get('tpot_ms_p90'))}, "
                         f"p99 {_ms(record.get('tpot_ms_p99'))}")
+    if _flag(record.get("plausible")) is False:
+        st.error(f"Implausible numbers: {record.get('implausible_reason')}", icon=":material/error:")
+    if _flag(record.get("noisy")):
+        st.warning(f"Noisy run, the headline is not supported by its repeats: {record.get('noisy_reason')}",
+                   icon=":material/warning:")
     figs = [charts.acceptance_by_position(record), charts.accepted_per_step_histogram(traces),
             charts.time_split(record)]
     cols = st.columns(3)

@@ -333,11 +333,14 @@ def _figures(study, metrics: list[str]) -> dict:
 
 
 def best_section(study, spec: dict) -> None:
-    from studies.objective import feasible_complete, pareto_front
+    from studies.objective import exclusion_notes, pareto_front, reliable_complete
 
-    ok = feasible_complete(study)
+    notes = exclusion_notes(study)
+    if notes:  # noisy or implausible runs: measured, but not trusted enough to recommend
+        st.caption("Left out of the best settings: " + "; ".join(n.removeprefix("excluded: ") for n in notes))
+    ok = reliable_complete(study)
     if not ok:
-        st.info("no feasible completed trial yet")
+        st.info("no reliable feasible completed trial yet")
         return
     if len(study.directions) > 1:
         front = pareto_front(study)
@@ -370,6 +373,9 @@ def schedule_section(study) -> None:
     st.markdown("**Best setting per batch-size bucket** "
                 "(bucket b covers batch sizes above the previous bucket, up to b)")
     st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    if schedule.get("excluded"):
+        st.caption("Left out (noisy or implausible runs): "
+                   + "; ".join(n.removeprefix("excluded: ") for n in schedule["excluded"]))
     tabs = st.tabs(["vLLM", "SGLang", "TensorRT-LLM", "schedule.json"])
     for tab, (make, lang) in zip(tabs, ((vllm_snippet, "json"), (sglang_snippet, "json"), (trtllm_snippet, "json"),
                                         (None, "json"))):
@@ -388,7 +394,7 @@ def schedule_section(study) -> None:
 
 
 def study_view(storage, name: str, live: bool) -> None:
-    from studies.objective import trials_frame
+    from studies.objective import importance_caveat, trials_frame
     from studies.study import SPEC_KEY, TARGET_KEY, counted_trials, load_study
 
     study = load_study(storage, name)
@@ -424,6 +430,8 @@ def study_view(storage, name: str, live: bool) -> None:
             elif isinstance(figs[label], str):
                 st.info(f"not available yet: {figs[label]}")
             else:
+                if label == "Importances" and (caveat := importance_caveat(study)):
+                    st.warning(caveat)
                 st.plotly_chart(figs[label], width="stretch", key=f"{P}fig_{name}_{label}")
     if not figs:
         st.info("no finished trial yet: figures appear when the first trial completes")

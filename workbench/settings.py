@@ -204,7 +204,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          quick_default=32),
     Knob("num_prompts", "int", 8, "prompts per run (the prompt set is cycled if smaller)", "Number of prompts",
          "run", 1, 100_000, quick_default=4),
-    Knob("repeats", "int", 1, "timed repeats; tokens/s is their median", "Repeats", "run", 1, 100),
+    # 3 repeats: the least that gives a median, a spread and a bootstrap interval (workbench.harness.trust); studies
+    # run 2 (a spread, noisy/plausible flags) to keep trials short.
+    Knob("repeats", "int", 3, "timed repeats, AR and candidate interleaved (ABAB...); tokens/s is their median, and "
+         "2 or more give a spread (CV, speedup interval, noisy flag)", "Repeats", "run", 1, 100, quick_default=2),
     Knob("warmup", "int", 1, "untimed warm-up passes (8 tokens) before timing", "Warmup runs", "run", 0, 100),
     Knob("temperature", "float", 0.0, "0 = greedy", "Temperature", "sampling", 0.0, 2.0, searchable=True),
     Knob("top_k", "int", 0, "0 = off", "Top-k", "sampling", 0, 1_000_000),

@@ -6,7 +6,10 @@
     result.traces   # DataFrame, one row per (sequence, target step)
 
 Per repeat, our autoregressive baseline (the same engine with no drafter) and the candidate run over the same
-prompts in the same batches; tokens/s are medians over repeats and speedup is their ratio. Settings are checked
+prompts in the same batches, interleaved: AR, candidate, AR, candidate, ... (ABAB), so a machine that slows down or
+speeds up during the run moves both sides of each pair alike. tokens/s are medians over repeats and speedup is their
+ratio; every record also carries the spread (per-repeat tokens/s, their CVs, a seeded bootstrap interval of the
+speedup, `noisy`) and plausibility checks (`plausible`), from `workbench.harness.trust`. Settings are checked
 before any work starts; running out of GPU memory becomes a BenchError that names the settings.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ from workbench import settings
 from workbench.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
 from workbench.engine import EngineConfig, GenerationResult, SpecEngine
 from workbench.harness.metrics import median, percentile, summarize, traces_frame
+from workbench.harness.trust import trust_columns
 from workbench.engine.kv_cache import resolve_attention
 from workbench.engine.sampling import SamplingParams
 
@@ -230,7 +234,7 @@ class BenchSession:
             telemetry = GpuTelemetry(str(self.device) if self.device.type == "cuda" else 0).start()
             t0 = time.perf_counter()
             ar_runs, cand_runs = [], []
-            for r in range(cfg.repeats):
+            for r in range(cfg.repeats):  # interleaved (ABAB...): each repeat is an AR pass, then a candidate pass
                 progress(r / cfg.repeats, f"repeat {r + 1}/{cfg.repeats}: autoregressive baseline")
                 ar_runs.append(self._pass(ar_engine, prompt_ids, cfg.batch))
                 if cfg.method == "ar":
@@ -316,6 +320,11 @@ class BenchSession:
         itl = [x for c in cand for x in c.itl_ms]
         run_id = uuid.uuid4().hex
         n_seq = len(outputs)
+        speedup = tps / ar_tps if ar_tps else None
+        trust = trust_columns([s.tokens_per_s for s in ar], [s.tokens_per_s for s in cand], speedup,
+                              c0.mean_accepted_tokens, c0.acceptance_rate if cfg.method != "ar" else None,
+                              cost_ratio=cost_ratio,
+                              draft_forwards_per_step=c0.draft_forwards / c0.target_steps if c0.target_steps else None)
         record = {
             "run_id": run_id, "study": study, "trial_id": trial_id, "status": "ok", "error": None,
             **_config_columns(cfg),
@@ -327,7 +336,7 @@ class BenchSession:
             "mean_accepted_tokens": c0.mean_accepted_tokens,
             "acceptance_by_position": c0.acceptance_by_position,
             "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
-            "speedup_vs_ar": tps / ar_tps if ar_tps else None,
+            "speedup_vs_ar": speedup,
             "ttft_ms": median(ttft),
             "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p90": percentile(tpot, 90),
             "tpot_ms_p99": percentile(tpot, 99),
@@ -339,7 +348,7 @@ class BenchSession:
             "peak_mem_mb": peak, "draft_target_cost_ratio": cost_ratio,
             "total_new_tokens": c0.total_new_tokens, "target_steps": c0.target_steps,
             "ar_target_steps": ar[0].target_steps, "wall_s": wall,
-            "greedy_matches_ar": greedy_match, "sequences": n_seq,
+            "greedy_matches_ar": greedy_match, "sequences": n_seq, **trust,
             **tel.to_record(), **env, **hf,
         }
         return BenchResult(record, traces_frame(cand_runs[0], run_id), outputs, ar_outputs)

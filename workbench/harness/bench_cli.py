@@ -16,7 +16,7 @@ from workbench import settings
 from workbench.harness.bench import BenchConfig
 
 HEADLINE = ["method", "k", "batch", "acceptance_rate", "mean_accepted_tokens", "tokens_per_s", "ar_tokens_per_s",
-            "speedup_vs_ar", "ttft_ms", "tpot_ms_p50", "tpot_ms_p99", "greedy_matches_ar", "sm_util_pct",
+            "speedup_vs_ar", "speedup_ci_low", "speedup_ci_high", "noisy_reason", "implausible_reason", "ttft_ms", "tpot_ms_p50", "tpot_ms_p99", "greedy_matches_ar", "sm_util_pct",
             "gpu_busy_pct", "device_name"]
 GROUPS = {"method": "method", "run": "run settings", "sampling": "sampling", "system": "system"}
 
@@ -48,6 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     models.add_argument("--draft", help="draft model folder (method draft)")
     models.add_argument("--prompts", help="prompt file: JSONL {\"prompt\": ...} or MT-bench/Spec-Bench question.jsonl")
     models.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    models.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; fewer threads "
+                        "than cores keeps CPU timings steadier when other work shares the machine)")
     for knob in settings.SESSION_KNOBS:
         add_knob(models, knob)
     groups = {name: p.add_argument_group(title) for name, title in GROUPS.items()}
@@ -82,6 +84,10 @@ def _store_or_report(store, record, traces=None) -> bool:
 def main(args: argparse.Namespace) -> int:
     from workbench.harness.bench import BenchError, BenchSession, failed_record
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     cfg_kwargs = {f.name: getattr(args, f.name) for f in fields(BenchConfig)}
     cfg = BenchConfig(**cfg_kwargs)
     store = _store(args)
