@@ -405,14 +405,15 @@ def failed_record(cfg: BenchConfig, error: str, *, study: str | None = None, tri
     target_path, draft_path, dtype, device, prompts_source), so the row says which models failed."""
     from workbench.harness.telemetry import environment_info
 
-    rec = _config_columns(cfg)
-    for knob in settings.RUN_KNOBS:  # a value the column cannot hold (seed=10**20, k="x") stays in config_json only
-        value = rec[knob.name]
-        storable = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63,
-                    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-                    "bool": lambda v: isinstance(v, bool)}.get(knob.kind, lambda v: True)
-        if not storable(value):
-            rec[knob.name] = None
+    storable = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63,
+                "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+                "ints": lambda v: isinstance(v, tuple) and all(storable["int"](x) for x in v)}
+    rec = {}
+    for knob in settings.RUN_KNOBS:  # a value its column cannot hold (seed=10**20, k="x") stays in config_json only
+        value = getattr(cfg, knob.name)
+        rec[knob.name] = knob.column(value) if storable[knob.kind](value) else None
+    rec["config_json"] = json.dumps(asdict(cfg), sort_keys=True, default=repr)
     rec.update(run_id=uuid.uuid4().hex, study=study, trial_id=trial_id, status="failed", error=error,
                **environment_info())
     if session is not None:
