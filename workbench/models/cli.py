@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -63,7 +62,7 @@ def _info(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"path": args.path, "error": str(e)}))
         else:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e}")
         return 1
     if args.json:
         print(json.dumps(info))
