@@ -34,7 +34,7 @@ EXAMPLES = hsettings(max_examples=150, deadline=None, suppress_health_check=[Hea
 
 WILD = st.one_of(
     st.none(), st.booleans(), st.integers(), st.integers(min_value=-2**70, max_value=2**70),
-    st.sampled_from([math.inf, -math.inf, math.nan, 2**31, 2**63, -1, 0, 10_000, 1e308]),
+    st.sampled_from([math.inf, -math.inf, math.nan, 2**31, 2**63, -1, 0, 10_000, 1e308, 10**400]),
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6),
     st.lists(st.one_of(st.integers(-3, 300), st.floats(), st.text(max_size=2)), max_size=4),
     st.tuples(st.integers(-3, 100), st.integers(-3, 100)),
@@ -60,6 +60,7 @@ KNOB_VALUES = st.fixed_dictionaries({}, optional={name: st.one_of(valid(k), WILD
 @example({"temperature": math.nan})
 @example({"top_p": math.nan})
 @example({"seed": 10**20})
+@example({"temperature": 10**400, "top_p": -10**400})  # math.isfinite of such an int raises OverflowError
 @example({"k": 10_000})
 @example({"graph_batch_sizes": 5, "cuda_graphs": True})
 def test_settings_check_accepts_or_names_the_knob(values):
@@ -86,6 +87,7 @@ COLUMN_TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str, "in
 @given(KNOB_VALUES, st.integers(1, 3000))
 @example({"k": 16, "max_new_tokens": 8192}, 2040)  # no max_new_tokens fits: advice must not be "<= -N"
 @example({"seed": 10**20}, 3)
+@example({"temperature": 10**400}, 3)
 def test_bench_check_accepts_or_raises_bench_error_and_the_failed_row_is_storable(session, values, prompt_len):
     cfg = BenchConfig(**{k: v for k, v in values.items() if settings.KNOBS[k].scope == "run"})
     try:
@@ -96,7 +98,7 @@ def test_bench_check_accepts_or_raises_bench_error_and_the_failed_row_is_storabl
         for knob in settings.RUN_KNOBS:  # a column holds its kind or nothing (the value stays in config_json)
             value = row[knob.name]
             assert value is None or (isinstance(value, COLUMN_TYPES[knob.kind]) and
-                                     (knob.kind != "int" or -2**63 <= value < 2**63)), (knob.name, value)
+                                     (not isinstance(value, int) or -2**63 <= value < 2**63)), (knob.name, value)
         assert json.loads(row["config_json"]).keys() == {k.name for k in settings.RUN_KNOBS}
         assert row["device"] == "cpu" and row["preset"] == "tiny" and row["status"] == "failed"
 

@@ -165,7 +165,7 @@ class Knob:
         if isinstance(value, bool) or not isinstance(value, number):
             raise SettingError(f"{self.name}={value!r} must be a {'whole ' if self.kind == 'int' else ''}number "
                                f"in {self.describe()}", self.name)
-        if not math.isfinite(value):  # nan passes every bound comparison
+        if not isinstance(value, numbers.Integral) and not math.isfinite(value):  # nan passes every bound test
             raise SettingError(f"{self.name}={value!r} must be a finite number in {self.describe()}", self.name)
         if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
             raise SettingError(f"{self.name}={value!r} is outside what the engine supports: {self.describe()}",

@@ -406,7 +406,7 @@ def failed_record(cfg: BenchConfig, error: str, *, study: str | None = None, tri
     from workbench.harness.telemetry import environment_info
 
     storable = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63,
-                "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                "float": lambda v: isinstance(v, float) or storable["int"](v),
                 "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
                 "ints": lambda v: isinstance(v, tuple) and all(storable["int"](x) for x in v)}
     rec = {}
