@@ -19,8 +19,9 @@ if [ -n "${WORKBENCH_DRY_RUN:-}" ]; then
   printf '%q ' "${cmd[@]}"; echo
   exit 0
 fi
-if [ "${address[1]:-}" != "127.0.0.1" ]; then
-  echo "start.sh: the dashboard listens on ${address[1]:-the address you passed}: anyone who can reach the port can" \
-       "run benchmarks and studies on paths this user can read" >&2
-fi
+case "${address[1]:-passed}" in
+  127.0.0.1|localhost|::1|passed) ;;
+  *) echo "start.sh: the dashboard listens on ${address[1]}: anyone who can reach the port can run benchmarks and" \
+          "studies on paths this user can read" >&2 ;;
+esac
 exec "${cmd[@]}"

@@ -249,10 +249,14 @@ def test_models_page_reads_no_garbage_header_length(tmp_path):
 
 @pytest.fixture()
 def fake_venv(tmp_path):
-    """A venv folder venv.sh takes as installed (python + matching requirements stamp): sourcing it installs nothing."""
+    """A venv folder venv.sh takes as installed (python + matching requirements stamp): sourcing it installs nothing.
+    Its python refuses pip, so a stale stamp fails the test instead of installing into the interpreter it wraps."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\ncase " $* " in *" pip "*) echo "fake venv: no installs" >&2; exit 1;; esac\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
     (venv / ".requirements.sha").write_text(hashlib.sha256((ROOT / "requirements.txt").read_bytes()).hexdigest()
                                             + "\n")
     return venv
