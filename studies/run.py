@@ -40,21 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--study", required=True, help="study name (created if new, resumed if it exists)")
     p.add_argument("--script", help=f"one of {', '.join(SCRIPTS)} (default: the study's, or best_k for a new study)")
-    p.add_argument("--trials", type=int, default=20, help="total number of trials of the study (default 20)")
+    p.add_argument("--trials", type=_count("--trials", 1), default=20, help="total number of trials of the study (default 20)")
     p.add_argument("--storage", default=DEFAULT_STORAGE,
                    help=f"Optuna storage URL: sqlite:///F.db, journal:///F.log, postgresql://... (default "
                         f"{DEFAULT_STORAGE})")
     p.add_argument("--store", help="result store root (default: $WORKBENCH_STORE or results/store)")
     p.add_argument("--device", default="cpu", help="device of the in-process worker (cpu, cuda:0, ...)")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=_count("--workers", 0), default=1,
                    help="1: run trials in this process; 0: only create the study; N > 1: start N "
                         "`studies.worker` processes (needs a journal or PostgreSQL storage)")
     p.add_argument("--devices", help="comma-separated devices for --workers N, assigned round-robin "
                                      "(default: --device for all)")
-    p.add_argument("--threads", type=int, help="torch CPU threads per worker process (default: torch's choice; "
+    p.add_argument("--threads", type=_count("--threads", 1), help="torch CPU threads per worker process (default: torch's choice; "
                                                 "on a shared CPU, cores / workers avoids oversubscription)")
     p.add_argument("--export-dir", help="where batch_schedule writes its schedule (default out/schedules/STUDY)")
-    p.add_argument("--sampler-seed", type=int, help="seed the sampler (single-process runs only)")
+    p.add_argument("--sampler-seed", type=_count("--sampler-seed", 0, 2**32 - 1), help="seed the sampler (single-process runs only)")
     g = p.add_argument_group("models (stored with the study)")
     g.add_argument("--preset", help="zoo preset (default tiny unless --model is given)")
     g.add_argument("--model", help="target model directory or .gguf file")
@@ -71,6 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(KNOBS[name].flag, dest=name, type=_setting_type(name),
                        help=f"{KNOBS[name].help} (default {KNOBS[name].format(KNOBS[name].quick)})")
     return p
+
+
+def _count(flag: str, low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in low..high, else an error that names the flag, the value and the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            wanted = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: give a whole number {wanted}")
+        return value
+
+    return parse
 
 
 def _setting_type(name: str) -> Callable[[str], Any]:

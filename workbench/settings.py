@@ -35,6 +35,7 @@ processes that stay light; tests/test_settings.py checks it in a fresh interpret
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -164,6 +165,8 @@ class Knob:
         if isinstance(value, bool) or not isinstance(value, number):
             raise SettingError(f"{self.name}={value!r} must be a {'whole ' if self.kind == 'int' else ''}number "
                                f"in {self.describe()}", self.name)
+        if not isinstance(value, numbers.Integral) and not math.isfinite(value):  # nan passes every bound test
+            raise SettingError(f"{self.name}={value!r} must be a finite number in {self.describe()}", self.name)
         if (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
             raise SettingError(f"{self.name}={value!r} is outside what the engine supports: {self.describe()}",
                                self.name)
@@ -184,8 +187,9 @@ class Knob:
     def describe(self) -> str:
         if self.allowed is not None:
             return ", ".join(map(repr, self.allowed))
-        lo = "-inf" if self.low is None else f"{self.low:g}"
-        hi = "inf" if self.high is None else f"{self.high:g}"
+        shown = (lambda x: str(int(x))) if self.kind in ("int", "ints") else (lambda x: f"{x:g}")  # 2147483647
+        lo = "-inf" if self.low is None else shown(self.low)
+        hi = "inf" if self.high is None else shown(self.high)
         return f"{lo}..{hi}"
 
 

@@ -96,10 +96,17 @@ class BenchSession:
 
         if dtype not in DTYPES:
             raise BenchError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        kind, _, index = str(device).partition(":")  # the devices the engine runs on: auto, cpu, cuda, cuda:N
+        if not (device in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit())):
+            raise BenchError(f"device={device!r} is not a device the engine runs on; use --device auto, cpu, cuda "
+                             "or cuda:N (N a GPU index)")
         dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                            "cpu" if device == "auto" else device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise BenchError(f"device {device!r} asked for, but no CUDA GPU is visible; use --device cpu")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise BenchError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                             f"numbered from 0; use --device cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
         prompts_path = prompts
         if preset is not None:
             if model is not None:
@@ -152,8 +159,13 @@ class BenchSession:
         for role, model in models:
             ctx = int(model.config.max_position_embeddings)
             if longest >= ctx:
-                raise BenchError(f"a prompt has {longest} tokens; the {role} model's context is {ctx}")
+                raise BenchError(f"a prompt has {longest} tokens; the {role} model's context is {ctx}: use shorter "
+                                 "prompts (--prompts FILE)")
             need = longest + cfg.max_new_tokens + k + 2
+            if need > ctx and ctx - longest - k - 2 < 1:  # no max_new_tokens fits: advise the prompt or k instead
+                raise BenchError(f"a {longest}-token prompt with k={k} leaves no room for new tokens in the {role} "
+                                 f"model's {ctx}-position context: use shorter prompts (--prompts FILE) or a "
+                                 f"smaller k")
             if need > ctx:
                 raise BenchError(f"max_new_tokens={cfg.max_new_tokens} with a {longest}-token prompt and k={k} needs "
                                  f"{need} positions; the {role} model's context is {ctx}: lower max_new_tokens to "
@@ -396,15 +408,29 @@ def _peak_rss_mb() -> float:
 
 
 def failed_record(cfg: BenchConfig, error: str, *, study: str | None = None, trial_id: int | None = None,
-                  session: BenchSession | None = None) -> dict:
-    """A result-store row for a run that could not complete: its settings and the reason."""
+                  session: BenchSession | None = None, asked: dict | None = None) -> dict:
+    """A result-store row for a run that could not complete: its settings and the reason. Without a loaded
+    `session` (loading failed), `asked` fills the model columns with what was asked for (keys preset,
+    target_path, draft_path, dtype, device, prompts_source), so the row says which models failed."""
     from workbench.harness.telemetry import environment_info
 
-    rec = _config_columns(cfg)
+    storable = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63,
+                "float": lambda v: isinstance(v, float) or storable["int"](v),
+                "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
+                "ints": lambda v: isinstance(v, tuple) and all(storable["int"](x) for x in v)}
+    rec = {}
+    for knob in settings.RUN_KNOBS:  # a value its column cannot hold (seed=10**20, k="x") stays in config_json only
+        value = getattr(cfg, knob.name)
+        rec[knob.name] = knob.column(value) if storable[knob.kind](value) else None
+    rec["config_json"] = json.dumps(asdict(cfg), sort_keys=True, default=repr)
     rec.update(run_id=uuid.uuid4().hex, study=study, trial_id=trial_id, status="failed", error=error,
                **environment_info())
     if session is not None:
         rec.update(dtype=session.dtype, device=str(session.device), preset=session.preset,
                    target_path=session.target_path, draft_path=session.draft_path,
                    prompts_source=session.prompts_source)
+    else:
+        columns = ("preset", "target_path", "draft_path", "dtype", "device", "prompts_source")
+        rec.update({key: None if value is None else str(value) for key, value in (asked or {}).items()
+                    if key in columns})
     return rec

@@ -104,7 +104,9 @@ def main(args: argparse.Namespace) -> int:
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         if store is not None:
-            _store_or_report(store, failed_record(cfg, str(e), study=args.study, session=session))
+            asked = dict(preset=preset, target_path=args.model, draft_path=args.draft, dtype=args.dtype,
+                         device=args.device, prompts_source=args.prompts)  # a row that failed to load says what
+            _store_or_report(store, failed_record(cfg, str(e), study=args.study, session=session, asked=asked))
         return 2
     rec = result.record
     if args.json:

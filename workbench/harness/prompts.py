@@ -76,13 +76,16 @@ def _load_txt(path: Path, text: str) -> list[Prompt]:
 
 def _load_jsonl(path: Path, text: str) -> list[Prompt]:
     prompts = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # "\n" only: str.splitlines also splits on U+2028, \x1c, ..., which a JSON string may hold raw
+    for lineno, line in enumerate(text.replace("\r\n", "\n").split("\n"), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise PromptFileError(path, f"invalid JSON ({e.msg} at column {e.colno})", lineno) from None
+        except (ValueError, RecursionError) as e:  # an integer of > 4300 digits; arrays nested too deep
+            raise PromptFileError(path, f"invalid JSON ({type(e).__name__}: {str(e)[:80]})", lineno) from None
         prompts.append(_parse_row(path, lineno, row))
     return prompts
 

@@ -78,22 +78,31 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _safetensors_dtypes(files: list[Path]) -> list[str]:
-    from safetensors import safe_open
+    from .loader import safetensors_header
 
     dtypes: set[str] = set()
     for file in files:
-        with safe_open(str(file), "pt") as f:
-            dtypes.update(f.get_slice(name).get_dtype() for name in f.keys())
+        header = safetensors_header(file)  # ModelLoadError for a truncated file or a garbage header length
+        dtypes.update(str(info.get("dtype")) for name, info in header.items()
+                      if name != "__metadata__" and isinstance(info, dict))
     return sorted(dtypes)
 
 
-def _gguf_dtypes(p: Path) -> list[str]:
-    import gguf
+def _gguf_reader(p: Path):
+    from .config import ModelLoadError
 
-    return sorted({t.tensor_type.name for t in gguf.GGUFReader(str(p)).tensors})
+    try:
+        import gguf
+
+        return gguf.GGUFReader(str(p))
+    except Exception as e:  # gguf raises ValueError, struct errors, ... for a truncated or corrupt file
+        raise ModelLoadError(p, f"cannot read GGUF ({type(e).__name__}: {e}); the file is corrupt or truncated, "
+                                "re-download it") from None
+
+
+def _gguf_dtypes(p: Path) -> list[str]:
+    return sorted({t.tensor_type.name for t in _gguf_reader(p).tensors})
 
 
 def _gguf_has_vocab(p: Path) -> bool:
-    import gguf
-
-    return "tokenizer.ggml.tokens" in gguf.GGUFReader(str(p)).fields
+    return "tokenizer.ggml.tokens" in _gguf_reader(p).fields

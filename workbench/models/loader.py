@@ -142,12 +142,37 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
+def safetensors_header(file: Path) -> dict:
+    """The JSON header of a .safetensors file (tensor name -> dtype, shape, offsets; "__metadata__"), read without
+    its tensors. The file starts with the header's length (8 bytes, little-endian), checked against the file size
+    before anything is read: a garbage length must not become a read of exabytes. Raises ModelLoadError."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as fh:
+            head = fh.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else None
+            if length is None or not 2 <= length <= size - 8:
+                raise ModelLoadError(file, f"not a safetensors file: {size} bytes, header length "
+                                           f"{'missing' if length is None else length}; the file is truncated or "
+                                           "corrupt, re-download or re-export it")
+            header = json.loads(fh.read(length))
+    except OSError as e:
+        raise ModelLoadError(file, f"cannot read ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelLoadError(file, f"safetensors header is not valid JSON ({e}); the file is corrupt, "
+                                   "re-download or re-export it") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(file, "safetensors header is not a JSON object; the file is corrupt")
+    return header
+
+
 def _read_safetensors_dir(directory: Path, device) -> tuple[dict[str, Tensor], dict[str, Path]]:
     from safetensors.torch import load_file
 
     tensors: dict[str, Tensor] = {}
     origin: dict[str, Path] = {}  # tensor name -> file it came from, for error messages
     for file in safetensors_files(directory):
+        safetensors_header(file)  # a named error for a truncated file or a garbage header length
         try:
             loaded = load_file(str(file), device=str(device))
         except Exception as e:  # SafetensorError, OSError, or a header JSON error
