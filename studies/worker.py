@@ -8,13 +8,15 @@ studies/README.md.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
-from studies.run import open_store, prepare_process, print_trial, session_for
+from studies.run import CANCELLED_MESSAGE, open_store, prepare_process, print_trial, session_for
 from studies.space import first_value
 from studies.storage import StorageOpenError, open_storage, redact
-from studies.study import StudyMismatchError, StudyNotFoundError, counted_trials, create_or_resume, run_trials
+from studies.study import (Cancelled, StudyMismatchError, StudyNotFoundError, counted_trials, create_or_resume,
+                           run_trials)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,8 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: study {args.study!r} has no total number of trials; give --trials", file=sys.stderr)
         return 2
     store = open_store(args.store)
-    ran = run_trials(study, spec, store=store, device=args.device, n_trials=args.trials,
-                     on_trial=None if args.quiet else print_trial, session_for=session_for(spec, args.device))
+    try:
+        ran = run_trials(study, spec, store=store, device=args.device, n_trials=args.trials,
+                         on_trial=None if args.quiet else print_trial, session_for=session_for(spec, args.device))
+    except Cancelled:
+        print(CANCELLED_MESSAGE, file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
     done, _ = counted_trials(study)
     print(f"worker on {args.device} ran {ran} trials of study {args.study!r} in {redact(args.storage)} "
           f"({done} of {target if target is not None else '?'} done)", flush=True)
