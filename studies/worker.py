@@ -16,7 +16,7 @@ from studies.run import CANCELLED_MESSAGE, open_store, prepare_process, print_tr
 from studies.space import first_value
 from studies.storage import StorageOpenError, open_storage, redact
 from studies.study import (Cancelled, StudyMismatchError, StudyNotFoundError, counted_trials, create_or_resume,
-                           run_trials)
+                           load_study, run_trials, sweep_stale_trials)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help="result store root (default: $WORKBENCH_STORE or results/store)")
     p.add_argument("--threads", type=int, help="torch CPU threads for this process (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no line per trial")
+    p.add_argument("--sweep", action="store_true",
+                   help="only fail and re-queue the study's RUNNING trials whose worker on this host is gone, then exit "
+                        "(what every worker does before its first trial; the dashboard runs it after a Cancel)")
     return p
 
 
@@ -37,6 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     from workbench.harness.bench import BenchError
 
     prepare_process(args.threads)
+    if args.sweep:
+        try:
+            failed = sweep_stale_trials(load_study(open_storage(args.storage), args.study))
+        except (StorageOpenError, StudyMismatchError, StudyNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"study {args.study!r}: {len(failed)} stale trial(s) failed and re-queued", flush=True)
+        return 0
     try:
         storage = open_storage(args.storage)
         study, spec = create_or_resume(storage, args.study, None)

@@ -38,9 +38,14 @@ def _env() -> dict[str, str]:
     return env
 
 
+_STORAGES: dict[str, optuna.storages.BaseStorage] = {}
+
+
 def _trials(storage: str) -> list[optuna.trial.FrozenTrial]:
+    if storage not in _STORAGES:  # one per URL: a journal is replayed incrementally, not from the start per poll
+        _STORAGES[storage] = open_storage(storage)
     try:
-        return optuna.load_study(study_name=STUDY, storage=open_storage(storage)).get_trials(deepcopy=False)
+        return optuna.load_study(study_name=STUDY, storage=_STORAGES[storage]).get_trials(deepcopy=False)
     except KeyError:  # not created yet
         return []
 
@@ -59,7 +64,7 @@ def _start_and_stop_mid_trial(storage: str, store: Path, trials: int, sig: int) 
             running = busy[0].number
             proc.send_signal(sig)
         else:
-            time.sleep(0.05)
+            time.sleep(0.1)
     out, _ = proc.communicate(timeout=60)
     assert running is not None, f"no trial was seen running after a complete one:\n{out}"
     return proc, running, out
@@ -73,14 +78,21 @@ def _by_number(storage: str) -> dict[int, optuna.trial.FrozenTrial]:
 def test_a_killed_study_fails_its_stale_trial_and_still_reaches_its_total(tmp_path, kind):
     storage = f"sqlite:///{tmp_path}/st.db" if kind == "sqlite" else f"journal:///{tmp_path}/st.log"
     store = tmp_path / "store"
-    proc, stale, out = _start_and_stop_mid_trial(storage, store, 3, signal.SIGKILL)
+    proc, stale, out = _start_and_stop_mid_trial(storage, store, 2, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
     assert _by_number(storage)[stale].state == TrialState.RUNNING, out  # what a SIGKILL leaves behind
 
-    again = subprocess.run(_args(storage, store, 3), cwd=REPO, env=_env(), capture_output=True, text=True,
+    swept = ""
+    if kind == "journal":  # the sweep alone, as the dashboard runs it after a Cancel (studies.run does it too)
+        sweep = subprocess.run([sys.executable, "-m", "studies.worker", "--storage", storage, "--study", STUDY,
+                                "--sweep"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+        assert sweep.returncode == 0 and "1 stale trial(s) failed and re-queued" in sweep.stdout, sweep.stderr
+        swept = sweep.stdout
+    again = subprocess.run(_args(storage, store, 2), cwd=REPO, env=_env(), capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert f"trial {stale} was RUNNING in worker {socket.gethostname()}:{proc.pid}, which is gone" in again.stdout
+    assert (f"trial {stale} was RUNNING in worker {socket.gethostname()}:{proc.pid}, which is gone"
+            in swept + again.stdout)
 
     trials = _by_number(storage)
     dead = trials[stale]
@@ -89,7 +101,7 @@ def test_a_killed_study_fails_its_stale_trial_and_still_reaches_its_total(tmp_pa
     requeued = [t for t in trials.values() if t.user_attrs.get(REQUEUED_KEY) == stale]
     assert len(requeued) == 1 and requeued[0].state == TrialState.COMPLETE
     assert dead.params.items() <= requeued[0].params.items()  # empty when killed before its first suggest
-    assert sum(t.state == TrialState.COMPLETE for t in trials.values()) == 3
+    assert sum(t.state == TrialState.COMPLETE for t in trials.values()) == 2
     assert not [t for t in trials.values() if t.state in (TrialState.RUNNING, TrialState.WAITING)]
 
 
@@ -108,7 +120,7 @@ def test_sigterm_fails_and_requeues_the_running_trial(tmp_path):
                                                       f"SIGTERM")
     waiting = [t for t in trials.values() if t.state == TrialState.WAITING]
     assert len(waiting) == 1 and waiting[0].user_attrs[REQUEUED_KEY] == running
-    study = optuna.load_study(study_name=STUDY, storage=open_storage(storage))
+    study = optuna.load_study(study_name=STUDY, storage=_STORAGES[storage])
     assert counted_trials(study) == (1, 1)  # the cancelled trial does not count; its copy waits
 
     again = subprocess.run(_args(storage, store, 2), cwd=REPO, env=_env(), capture_output=True, text=True,
@@ -155,3 +167,28 @@ def test_sweep_leaves_live_and_unknown_trials_and_logs_the_unknown(tmp_path):
     assert trials[0].state == TrialState.FAIL and trials[0].user_attrs[REASON_KEY].startswith("stale: worker")
     assert trials[2].state == TrialState.WAITING and trials[2].user_attrs[REQUEUED_KEY] == 0
     assert counted_trials(study) == (1, 1)
+
+
+def test_dashboard_cancel_leaves_no_running_trial(tmp_path, monkeypatch):
+    """ui.jobs Cancel (SIGTERM to the job's process group), then the runner's sweep (`studies.worker --sweep`)."""
+    from ui import jobs
+
+    monkeypatch.setenv("WORKBENCH_JOBS", str(tmp_path / "jobs"))
+    storage = f"journal:///{tmp_path}/st.log"
+    job = jobs.start_job("study", _args(storage, tmp_path / "store", 2), "k2", env={"OMP_NUM_THREADS": "1"},
+                         params={"study": STUDY, "storage": storage})
+    deadline = time.time() + 60
+    while time.time() < deadline and job.status() == jobs.RUNNING:
+        ts = _trials(storage)
+        if any(t.state == TrialState.COMPLETE for t in ts) and any(
+                t.state == TrialState.RUNNING and "worker_pid" in t.user_attrs for t in ts):
+            job.cancel(wait_s=30)
+            break
+        time.sleep(0.1)
+    assert job.status() == jobs.CANCELLED, job.log_tail()
+    trials = _trials(storage)
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    cancelled = [t for t in trials if t.state == TrialState.FAIL]
+    assert len(cancelled) == 1 and cancelled[0].user_attrs[REASON_KEY].startswith("cancelled: worker")
+    assert [t.user_attrs[REQUEUED_KEY] for t in trials if t.state == TrialState.WAITING] == [cancelled[0].number]
+    assert "0 stale trial(s) failed and re-queued" in (tmp_path / "jobs" / job.id / "log.txt").read_text()
