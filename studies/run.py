@@ -137,6 +137,8 @@ def print_trial(study: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
     c = t.user_attrs.get("config", {})
     used = METHODS[c["method"]].knobs if c.get("method") in METHODS else ()
     knobs = " ".join(f"{k}={c[k]}" for k in ("method", *used, *GLOBAL_KNOBS) if k in c)
+    if t.user_attrs.get("requeued_from") is not None:
+        knobs += f" (re-run of trial {t.user_attrs['requeued_from']})"
     if t.state.name == "COMPLETE":
         vals = ", ".join(f"{m} {v:.4g}" for m, v in zip(study.metric_names or ["value"], t.values))
         flag = "" if t.user_attrs.get("feasible", True) else "  INFEASIBLE (output differs from autoregressive)"

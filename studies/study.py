@@ -191,7 +191,8 @@ def _process_start(pid: int) -> int | None:
     """Start time of process `pid` in clock ticks since boot (/proc/<pid>/stat field 22), None when unknown or the
     process is gone or a zombie. Told apart from a later process that got the same pid."""
     try:
-        stat = open(f"/proc/{pid}/stat").read()
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[-1].split()  # fields[0] is field 3 (state): the name may hold spaces and ")"
@@ -234,8 +235,14 @@ def fail_and_requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial, reaso
         storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
     except optuna.exceptions.UpdateFinishedTrialError:
         return False
-    study.enqueue_trial(dict(trial.params), user_attrs={REQUEUED_KEY: trial.number})
+    requeue(study, trial)
     return True
+
+
+def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    """Enqueue the parameters `trial` was given (a script's fixed ones too, even if it died before asking for them)."""
+    params = {**trial.system_attrs.get("fixed_params", {}), **trial.params}
+    study.enqueue_trial(params, user_attrs={REQUEUED_KEY: trial.number})
 
 
 def sweep_stale_trials(study: optuna.Study, log: Callable[[str], None] = print) -> list[int]:
@@ -268,8 +275,6 @@ class Cancelled(KeyboardInterrupt):
 
     def __init__(self, signum: int = signal.SIGTERM) -> None:
         super().__init__(signum)
-
-
 
 
 # ---- the worker loop (shared by studies.run and studies.worker) ----------------------------------------------
@@ -370,4 +375,4 @@ def _requeue_interrupted(study: optuna.Study, current: list[int]) -> None:
     if t.state == TrialState.RUNNING:
         fail_and_requeue(study, t, f"cancelled: worker {socket.gethostname()}:{os.getpid()} was interrupted")
     elif t.state == TrialState.FAIL and REASON_KEY in t.user_attrs:
-        study.enqueue_trial(dict(t.params), user_attrs={REQUEUED_KEY: t.number})
+        requeue(study, t)
