@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import signal
 import subprocess
 import sys
 import warnings
@@ -30,8 +31,8 @@ from studies.scripts import SCRIPTS, UnknownScriptError, get_script
 from studies.space import (GLOBAL_KNOBS, METHODS, SEARCH_KNOBS, SETTING_KNOBS, RunSettings, SpaceError, first_value,
                            parse_dim)
 from studies.storage import DEFAULT_STORAGE, StorageOpenError, is_parallel_safe, open_storage, redact
-from studies.study import (SPEC_KEY, StudyMismatchError, StudyNotFoundError, StudySpec, counted_trials,
-                           create_or_resume, preflight, run_trials)
+from studies.study import (SPEC_KEY, Cancelled, StudyMismatchError, StudyNotFoundError, StudySpec, counted_trials,
+                           create_or_resume, preflight, run_trials, sweep_stale_trials)
 from workbench.settings import KNOBS, SettingError
 
 
@@ -151,12 +152,18 @@ def print_trial(study: optuna.Study, t: optuna.trial.FrozenTrial) -> None:
     c = t.user_attrs.get("config", {})
     used = METHODS[c["method"]].knobs if c.get("method") in METHODS else ()
     knobs = " ".join(f"{k}={c[k]}" for k in ("method", *used, *GLOBAL_KNOBS) if k in c)
+    if t.user_attrs.get("requeued_from") is not None:
+        knobs += f" (re-run of trial {t.user_attrs['requeued_from']})"
     if t.state.name == "COMPLETE":
         vals = ", ".join(f"{m} {v:.4g}" for m, v in zip(study.metric_names or ["value"], t.values))
         flag = "" if t.user_attrs.get("feasible", True) else "  INFEASIBLE (output differs from autoregressive)"
         print(f"trial {t.number:3d} {knobs}: {vals}{flag}", flush=True)
     else:
         print(f"trial {t.number:3d} {knobs}: {t.state.name} {t.user_attrs.get('error', '')}", flush=True)
+
+
+CANCELLED_MESSAGE = ("cancelled (SIGTERM): the running trial is FAIL (user attr failed_reason) and its parameters are "
+                     "re-queued; run the same command to resume the study")
 
 
 def spawn_workers(args: argparse.Namespace, n: int) -> list[subprocess.Popen]:
@@ -212,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     script = get_script(spec.script)
+    sweep_stale_trials(study)  # trials left RUNNING by a killed run must not count toward --trials
     done, _ = counted_trials(study)
     print(f"study {args.study!r} ({script.name}: {script.question}) in {redact(args.storage)}: "
           f"{done} of {args.trials} trials done", flush=True)
@@ -221,8 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     store = open_store(args.store)
     if args.workers == 1:
-        run_trials(study, spec, store=store, device=args.device, on_trial=print_trial,
-                   session_for=session_for(spec, args.device))
+        try:
+            run_trials(study, spec, store=store, device=args.device, on_trial=print_trial,
+                       session_for=session_for(spec, args.device), sweep=False)
+        except Cancelled:
+            print(CANCELLED_MESSAGE, file=sys.stderr, flush=True)
+            return 128 + signal.SIGTERM
     else:
         codes = [p.wait() for p in spawn_workers(args, args.workers)]
         if any(codes):

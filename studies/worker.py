@@ -8,13 +8,15 @@ studies/README.md.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
-from studies.run import open_store, prepare_process, print_trial, session_for
+from studies.run import CANCELLED_MESSAGE, open_store, prepare_process, print_trial, session_for
 from studies.space import first_value
 from studies.storage import StorageOpenError, open_storage, redact
-from studies.study import StudyMismatchError, StudyNotFoundError, counted_trials, create_or_resume, run_trials
+from studies.study import (Cancelled, StudyMismatchError, StudyNotFoundError, counted_trials, create_or_resume,
+                           load_study, run_trials, sweep_stale_trials)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help="result store root (default: $WORKBENCH_STORE or results/store)")
     p.add_argument("--threads", type=int, help="torch CPU threads for this process (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="no line per trial")
+    p.add_argument("--sweep", action="store_true",
+                   help="only fail and re-queue the study's RUNNING trials whose worker on this host is gone, then exit "
+                        "(what every worker does before its first trial; the dashboard runs it after a Cancel)")
     return p
 
 
@@ -35,6 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     from workbench.harness.bench import BenchError
 
     prepare_process(args.threads)
+    if args.sweep:
+        try:
+            failed = sweep_stale_trials(load_study(open_storage(args.storage), args.study))
+        except (StorageOpenError, StudyMismatchError, StudyNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"study {args.study!r}: {len(failed)} stale trial(s) failed and re-queued", flush=True)
+        return 0
     try:
         storage = open_storage(args.storage)
         study, spec = create_or_resume(storage, args.study, None)
@@ -47,8 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: study {args.study!r} has no total number of trials; give --trials", file=sys.stderr)
         return 2
     store = open_store(args.store)
-    ran = run_trials(study, spec, store=store, device=args.device, n_trials=args.trials,
-                     on_trial=None if args.quiet else print_trial, session_for=session_for(spec, args.device))
+    try:
+        ran = run_trials(study, spec, store=store, device=args.device, n_trials=args.trials,
+                         on_trial=None if args.quiet else print_trial, session_for=session_for(spec, args.device))
+    except Cancelled:
+        print(CANCELLED_MESSAGE, file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
     done, _ = counted_trials(study)
     print(f"worker on {args.device} ran {ran} trials of study {args.study!r} in {redact(args.storage)} "
           f"({done} of {target if target is not None else '?'} done)", flush=True)

@@ -3,7 +3,8 @@
 Started by `ui.jobs.start_job` as the leader of a new process group. It reads `meta.json`, runs `argv`, copies the
 command's stdout and stderr into log.txt (stdout also into out.txt), keeps progress.json current, and writes exit.json
 when the command ends. SIGTERM (a cancel: `killpg` reaches the command too) is recorded as a cancellation; a command
-that ignores it is killed after a grace period. Never imports streamlit: it starts in milliseconds.
+that ignores it is killed after a grace period; after a cancelled study job it runs the study's stale-trial sweep, so
+no trial of the killed worker stays RUNNING. Never imports streamlit: it starts in milliseconds.
 """
 from __future__ import annotations
 
@@ -38,6 +39,22 @@ def _pump(stream, sinks: list, lock: threading.Lock, on_line) -> None:
                 on_line(part.decode(errors="replace"))
     if pending.strip():
         on_line(pending.decode(errors="replace"))
+
+
+def _sweep_study(meta: dict, log) -> None:
+    """After a cancelled study job: fail and re-queue the trial a worker could not clean up itself (it ignored
+    SIGTERM past the grace period and was killed). `studies.worker --sweep` leaves live workers' trials alone."""
+    params = meta.get("params") or {}
+    if meta.get("kind") != "study" or not params.get("study") or not params.get("storage"):
+        return
+    argv = [sys.executable, "-m", "studies.worker", "--storage", params["storage"], "--study", params["study"],
+            "--sweep"]
+    log.flush()
+    try:
+        subprocess.run(argv, cwd=meta.get("cwd"), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                       timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.write(f"stale-trial sweep failed: {exc}\n".encode())
 
 
 def main(job_dir: str) -> int:
@@ -101,6 +118,7 @@ def main(job_dir: str) -> int:
             t.join(timeout=2.0)
         if cancelled.is_set():
             log.write(b"\n[cancelled]\n")
+            _sweep_study(meta, log)
     write_json_atomic(job_dir / "progress.json", progress)
     write_json_atomic(job_dir / "exit.json", {"returncode": returncode, "cancelled": cancelled.is_set(),
                                              "ended_at": time.time()})
