@@ -118,7 +118,7 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("tokens_per_s_repeats", "list_float", "trust", "candidate tokens/s of each timed repeat, in order"),
     ColumnSpec("ar_tokens_per_s_cv", "float", "trust", "coefficient of variation over repeats; None with 1 repeat"),
     ColumnSpec("tokens_per_s_cv", "float", "trust", "coefficient of variation over repeats; None with 1 repeat"),
-    ColumnSpec("speedup_ci_low", "float", "trust", "seeded paired-bootstrap 95% interval of speedup_vs_ar, low"),
+    ColumnSpec("speedup_ci_low", "float", "trust", "Student-t 95% interval of the paired speedup (geometric mean of per-repeat ratios), low"),
     ColumnSpec("speedup_ci_high", "float", "trust", "... and high; None with 1 repeat"),
     ColumnSpec("noisy", "bool", "trust", "spread too wide for the headline; None with 1 repeat"),
     ColumnSpec("noisy_reason", "string", "trust", "why noisy (or \"1 repeat: no spread\")"),

@@ -208,10 +208,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          quick_default=32),
     Knob("num_prompts", "int", 8, "prompts per run (the prompt set is cycled if smaller)", "Number of prompts",
          "run", 1, 100_000, quick_default=4),
-    # 3 repeats: the least that gives a median, a spread and a bootstrap interval (workbench.harness.trust); studies
-    # run 2 (a spread, noisy/plausible flags) to keep trials short.
+    # 3 repeats everywhere: the least that gives a median and a speedup interval that is not absurdly wide (Student-t
+    # at 2 repeats multiplies the spread by 12.7, at 3 by 4.3; workbench.harness.trust)
     Knob("repeats", "int", 3, "timed repeats, AR and candidate interleaved (ABAB...); tokens/s is their median, and "
-         "2 or more give a spread (CV, speedup interval, noisy flag)", "Repeats", "run", 1, 100, quick_default=2),
+         "2 or more give a spread (CV, speedup interval, noisy flag)", "Repeats", "run", 1, 100),
     Knob("warmup", "int", 1, "untimed warm-up passes (8 tokens) before timing", "Warmup runs", "run", 0, 100),
     Knob("temperature", "float", 0.0, "0 = greedy", "Temperature", "sampling", 0.0, 2.0, searchable=True),
     Knob("top_k", "int", 0, "0 = off", "Top-k", "sampling", 0, 1_000_000),

@@ -8,7 +8,7 @@
 Per repeat, our autoregressive baseline (the same engine with no drafter) and the candidate run over the same
 prompts in the same batches, interleaved: AR, candidate, AR, candidate, ... (ABAB), so a machine that slows down or
 speeds up during the run moves both sides of each pair alike. tokens/s are medians over repeats and speedup is their
-ratio; every record also carries the spread (per-repeat tokens/s, their CVs, a seeded bootstrap interval of the
+ratio; every record also carries the spread (per-repeat tokens/s, their CVs, a Student-t interval of the
 speedup, `noisy`) and plausibility checks (`plausible`), from `workbench.harness.trust`. Settings are checked
 before any work starts; running out of GPU memory becomes a BenchError that names the settings.
 """
