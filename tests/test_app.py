@@ -176,6 +176,31 @@ def test_graph_settings_are_checked_on_both_forms(workspace):
     assert not at.button(key="tune_launch").disabled
 
 
+def _show_metrics_app(record: dict) -> AppTest:
+    def app(record):
+        from ui.run_page import show_metrics
+
+        show_metrics(record, None)
+
+    return AppTest.from_function(app, args=(record,), default_timeout=60).run()
+
+
+def test_run_result_shows_ar_baseline_greedy_match_and_explains_a_slowdown(workspace):
+    slow = {"status": "ok", "method": "draft", "speedup_vs_ar": 0.7, "tokens_per_s": 35.0, "ar_tokens_per_s": 50.0,
+            "greedy_matches_ar": True, "plausible": True, "noisy": False}
+    at = _show_metrics_app(slow)
+    assert not at.exception, at.exception
+    text = all_text(at)
+    assert "Autoregressive baseline in the same run: **50.0 tokens/s**" in text
+    assert "identical to autoregressive: **yes**" in text
+    assert any(i.value.startswith("Slower than autoregressive decoding") for i in at.info)
+    at = _show_metrics_app({**slow, "speedup_vs_ar": 1.4, "greedy_matches_ar": False})
+    assert not any(i.value.startswith("Slower") for i in at.info)
+    assert any("differs from plain autoregressive" in e.value for e in at.error)
+    at = _show_metrics_app({**slow, "greedy_matches_ar": None})
+    assert "not checked" in all_text(at)
+
+
 def test_run_page_rejects_missing_model_and_bad_prompts(workspace, tmp_path):
     at = open_page("run")
     at.radio(key="run_model_source").set_value("Local model paths").run()
