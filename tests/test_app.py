@@ -34,6 +34,8 @@ def workspace(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_ZOO_DIR", str(ws["zoo"]))
     monkeypatch.setenv("WORKBENCH_JOBS", str(ws["jobs"]))
     monkeypatch.setenv("WORKBENCH_STUDY_STORAGE", str(ws["journal"]))
+    # the CLI's default SQLite storage: a file of this test (absent unless a test makes it), never results/studies.db
+    monkeypatch.setenv("WORKBENCH_CLI_STUDY_STORAGE", f"sqlite:///{tmp_path / 'studies.db'}")
     yield ws
     for job in jobs.list_jobs(status=jobs.RUNNING):  # never leave a subprocess behind
         job.cancel(wait_s=10)
@@ -350,6 +352,34 @@ def test_tune_page_runs_a_study_and_shows_it(workspace):
     tabs = [t.label for t in at.tabs]
     assert {"Trials", "Best settings", "Importances", "Parallel coordinates", "Slice"} <= set(tabs), tabs
     assert len(ResultStore(workspace["store"]).load(study="ui-study")) == 2
+
+
+def test_tune_page_name_follows_script_unless_typed(workspace):
+    at = open_page("tune")
+    assert at.text_input(key="tune_study_name").value == "pareto-1"
+    other = next(o for o in at.selectbox(key="tune_script").options if o != "pareto")
+    at.selectbox(key="tune_script").set_value(other).run()
+    assert at.text_input(key="tune_study_name").value == f"{other}-1"
+    at.text_input(key="tune_study_name").input("my-study").run()
+    at.selectbox(key="tune_script").set_value("pareto").run()
+    assert at.text_input(key="tune_study_name").value == "my-study"
+
+
+def test_tune_page_lists_studies_of_the_cli_default_storage(workspace, tmp_path):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    from studies.study import SPEC_KEY
+
+    study = optuna.create_study(study_name="from-cli", storage=f"sqlite:///{tmp_path / 'studies.db'}")
+    study.set_user_attr(SPEC_KEY, {"script": "speed"})  # what studies.run stores (enough for the view)
+    at = open_page("tune")
+    assert not at.exception, at.exception
+    watch = at.selectbox(key="tune_watch")
+    assert "from-cli · CLI storage" in watch.options
+    watch.set_value("from-cli · CLI storage").run()
+    assert not at.exception, at.exception
+    assert any(m.value.startswith("**from-cli**") for m in at.markdown)
 
 
 # ---- Results page ---------------------------------------------------------------------------------------------

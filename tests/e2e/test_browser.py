@@ -58,6 +58,7 @@ def server(tmp_path):
     port = _free_port()
     env = {**os.environ, "WORKBENCH_STORE": str(tmp_path / "store"), "WORKBENCH_JOBS": str(tmp_path / "jobs"),
            "WORKBENCH_STUDY_STORAGE": str(tmp_path / "journal.log"), "WORKBENCH_ZOO_DIR": str(tmp_path / "zoo"),
+           "WORKBENCH_CLI_STUDY_STORAGE": f"sqlite:///{tmp_path / 'studies.db'}",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     log = open(tmp_path / "streamlit.log", "w")
     proc = subprocess.Popen(
