@@ -456,13 +456,13 @@ def seed_trust_store(root: Path, prompts: Path) -> dict[str, str]:
              "speedup_ci_low": speedup - 0.05, "speedup_ci_high": speedup + 0.05,
              "acceptance_by_position": [0.9, 0.5, 0.2, 0.1][:k]}, traces)
     ids["no interval"] = store.append({**base, "method": "draft", "k": 6, "batch": 1, "speedup_vs_ar": 1.2,
-                                       "acceptance_by_position": [0.8] * 6})
+                                       "acceptance_by_position": [0.8] * 6}, traces)
     ids["noisy"] = store.append({**base, "method": "draft", "k": 4, "batch": 1, "speedup_vs_ar": 3.0,
                                  "speedup_ci_low": 0.5, "speedup_ci_high": 5.0, "noisy": True,
-                                 "noisy_reason": "fixture: the interval spans 1"})
+                                 "noisy_reason": "fixture: the interval spans 1"}, traces)
     ids["implausible"] = store.append({**base, "method": "ngram", "k": 3, "batch": 1, "speedup_vs_ar": 9.0,
                                        "speedup_ci_low": 8.9, "speedup_ci_high": 9.1, "plausible": False,
-                                       "implausible_reason": "fixture: faster than the bound"})
+                                       "implausible_reason": "fixture: faster than the bound"}, traces)
     ids["ar"] = store.append({**base, "method": "ar", "k": 0, "batch": 1, "speedup_vs_ar": 1.0,
                               "acceptance_rate": None})
     return ids

@@ -284,6 +284,7 @@ def category_section(df: pd.DataFrame) -> None:
     if spec.empty:
         st.info("no finished speculative run")
         return
+    spec = pd.concat([spec[analysis.trusted_mask(spec)], spec[~analysis.trusted_mask(spec)]])  # trusted first
     labels = {rid: run_label(row) for rid, row in spec.set_index("run_id", drop=False).iterrows()}
     rid = st.selectbox("Run", list(labels), key=f"{P}category_run", format_func=labels.get)
     row = spec[spec["run_id"] == rid].iloc[0]
