@@ -34,6 +34,8 @@ def workspace(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_ZOO_DIR", str(ws["zoo"]))
     monkeypatch.setenv("WORKBENCH_JOBS", str(ws["jobs"]))
     monkeypatch.setenv("WORKBENCH_STUDY_STORAGE", str(ws["journal"]))
+    # the CLI's default SQLite storage: a file of this test (absent unless a test makes it), never results/studies.db
+    monkeypatch.setenv("WORKBENCH_CLI_STUDY_STORAGE", f"sqlite:///{tmp_path / 'studies.db'}")
     yield ws
     for job in jobs.list_jobs(status=jobs.RUNNING):  # never leave a subprocess behind
         job.cancel(wait_s=10)
@@ -174,6 +176,31 @@ def test_graph_settings_are_checked_on_both_forms(workspace):
     at.text_input(key="tune_graph_batch_sizes").input("1,2,4").run()
     assert not errors_of(at), errors_of(at)
     assert not at.button(key="tune_launch").disabled
+
+
+def _show_metrics_app(record: dict) -> AppTest:
+    def app(record):
+        from ui.run_page import show_metrics
+
+        show_metrics(record, None)
+
+    return AppTest.from_function(app, args=(record,), default_timeout=60).run()
+
+
+def test_run_result_shows_ar_baseline_greedy_match_and_explains_a_slowdown(workspace):
+    slow = {"status": "ok", "method": "draft", "speedup_vs_ar": 0.7, "tokens_per_s": 35.0, "ar_tokens_per_s": 50.0,
+            "greedy_matches_ar": True, "plausible": True, "noisy": False}
+    at = _show_metrics_app(slow)
+    assert not at.exception, at.exception
+    text = all_text(at)
+    assert "Autoregressive baseline in the same run: **50.0 tokens/s**" in text
+    assert "identical to autoregressive: **yes**" in text
+    assert any(i.value.startswith("Slower than autoregressive decoding") for i in at.info)
+    at = _show_metrics_app({**slow, "speedup_vs_ar": 1.4, "greedy_matches_ar": False})
+    assert not any(i.value.startswith("Slower") for i in at.info)
+    assert any("differs from plain autoregressive" in e.value for e in at.error)
+    at = _show_metrics_app({**slow, "greedy_matches_ar": None})
+    assert "not checked" in all_text(at)
 
 
 def test_run_page_rejects_missing_model_and_bad_prompts(workspace, tmp_path):
@@ -327,6 +354,34 @@ def test_tune_page_runs_a_study_and_shows_it(workspace):
     assert len(ResultStore(workspace["store"]).load(study="ui-study")) == 2
 
 
+def test_tune_page_name_follows_script_unless_typed(workspace):
+    at = open_page("tune")
+    assert at.text_input(key="tune_study_name").value == "pareto-1"
+    other = next(o for o in at.selectbox(key="tune_script").options if o != "pareto")
+    at.selectbox(key="tune_script").set_value(other).run()
+    assert at.text_input(key="tune_study_name").value == f"{other}-1"
+    at.text_input(key="tune_study_name").input("my-study").run()
+    at.selectbox(key="tune_script").set_value("pareto").run()
+    assert at.text_input(key="tune_study_name").value == "my-study"
+
+
+def test_tune_page_lists_studies_of_the_cli_default_storage(workspace, tmp_path):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    from studies.study import SPEC_KEY
+
+    study = optuna.create_study(study_name="from-cli", storage=f"sqlite:///{tmp_path / 'studies.db'}")
+    study.set_user_attr(SPEC_KEY, {"script": "speed"})  # what studies.run stores (enough for the view)
+    at = open_page("tune")
+    assert not at.exception, at.exception
+    watch = at.selectbox(key="tune_watch")
+    assert "from-cli · CLI storage" in watch.options
+    watch.set_value("from-cli · CLI storage").run()
+    assert not at.exception, at.exception
+    assert any(m.value.startswith("**from-cli**") for m in at.markdown)
+
+
 # ---- Results page ---------------------------------------------------------------------------------------------
 
 def seed_store(root: Path) -> list[str]:
@@ -352,7 +407,7 @@ def test_results_page_filters_compares_and_exports(workspace):
     assert any("2 of 3 runs" in c.value for c in at.caption)
     at.multiselect(key="res_compare").set_value(ids[:2]).run()
     assert not at.exception
-    diff_note = [c.value for c in at.caption if c.value.startswith("Highlighted")]
+    diff_note = [c.value for c in at.caption if c.value.startswith("Yellow")]
     assert diff_note and "method" in diff_note[0] and "k" in diff_note[0] and "batch" in diff_note[0]
     assert "temperature" not in diff_note[0].split("differences:")[1]
     buttons = [b for b in at.get("download_button")]
@@ -377,6 +432,131 @@ def test_results_export_matches_store_export(workspace, tmp_path):
     assert parquet[:4] == b"PAR1"
     (tmp_path / "ui.parquet").write_bytes(parquet)
     pd.testing.assert_frame_equal(schema.table_to_frame(pq.read_table(tmp_path / "ui.parquet")), df)
+
+
+def seed_trust_store(root: Path, prompts: Path) -> dict[str, str]:
+    """Hand-made runs for the trust views (values are fixtures, not measurements): draft runs over k x batch with
+    intervals, one draft run of one repeat (no interval), a noisy run and an implausible run with the highest
+    speedups (never "best"), an AR run; the prompt file has two categories, sequence i is prompt i."""
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"q{i}"]})
+                                 for i, c in enumerate(["writing", "math", "writing", "math"])) + "\n")
+    store = ResultStore(root)
+    base = {"status": "ok", "temperature": 0.0, "max_new_tokens": 8, "preset": "tiny", "device": "cpu",
+            "dtype": "float32", "acceptance_rate": 0.6, "mean_accepted_tokens": 2.0, "tokens_per_s": 120.0,
+            "ar_tokens_per_s": 100.0, "tokens_per_s_cv": 0.01, "ar_tokens_per_s_cv": 0.01, "noisy": False,
+            "plausible": True, "tpot_ms_p50": 3.0, "tpot_ms_p90": 4.0, "tpot_ms_p99": 6.0, "itl_ms_p50": 2.0,
+            "itl_ms_p90": 5.0, "itl_ms_p99": 9.0, "prompts_source": str(prompts)}
+    ids = {}
+    # writing prompts (seq 0, 2) accept everything, math prompts (seq 1, 3) nothing
+    traces = pd.DataFrame({"seq": [0, 1, 2, 3], "step": [0, 0, 0, 0], "drafted": [2, 2, 2, 2],
+                           "accepted": [2, 0, 2, 0], "emitted": [3, 1, 3, 1]})
+    for k, batch, speedup in ((2, 1, 1.10), (2, 1, 1.30), (4, 1, 1.40), (2, 2, 0.90), (4, 2, 1.05)):
+        ids[f"draft k{k} b{batch} {speedup}"] = store.append(
+            {**base, "method": "draft", "k": k, "batch": batch, "speedup_vs_ar": speedup,
+             "speedup_ci_low": speedup - 0.05, "speedup_ci_high": speedup + 0.05,
+             "acceptance_by_position": [0.9, 0.5, 0.2, 0.1][:k]}, traces)
+    ids["no interval"] = store.append({**base, "method": "draft", "k": 6, "batch": 1, "speedup_vs_ar": 1.2,
+                                       "acceptance_by_position": [0.8] * 6}, traces)
+    ids["noisy"] = store.append({**base, "method": "draft", "k": 4, "batch": 1, "speedup_vs_ar": 3.0,
+                                 "speedup_ci_low": 0.5, "speedup_ci_high": 5.0, "noisy": True,
+                                 "noisy_reason": "fixture: the interval spans 1"}, traces)
+    ids["implausible"] = store.append({**base, "method": "ngram", "k": 3, "batch": 1, "speedup_vs_ar": 9.0,
+                                       "speedup_ci_low": 8.9, "speedup_ci_high": 9.1, "plausible": False,
+                                       "implausible_reason": "fixture: faster than the bound"}, traces)
+    ids["ar"] = store.append({**base, "method": "ar", "k": 0, "batch": 1, "speedup_vs_ar": 1.0,
+                              "acceptance_rate": None})
+    return ids
+
+
+def all_text(at: AppTest) -> str:
+    parts = [e.value for kind in ("markdown", "caption", "info", "warning", "success", "error") for e in at.get(kind)]
+    return "\n".join(str(p) for p in parts)
+
+
+def plotly_figs(at: AppTest) -> list[dict]:
+    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def test_results_page_marks_flags_and_never_crowns_them(workspace, tmp_path):
+    ids = seed_trust_store(workspace["store"], tmp_path / "question.jsonl")
+    at = open_page("results")
+    assert not at.exception, at.exception
+    best = [s.value for s in at.success]
+    assert len(best) == 1 and "Best trusted speedup: **1.40x [1.35, 1.45]**" in best[0] and "k=4 b=1" in best[0]
+    assert "2 flagged run(s) not considered" in best[0]
+    table = at.dataframe[0].value
+    by_id = table.set_index("run_id")
+    assert by_id.at[ids["noisy"], "flags"] == "noisy: fixture: the interval spans 1"
+    assert by_id.at[ids["implausible"], "flags"] == "implausible: fixture: faster than the bound"
+    assert by_id.at[ids["draft k2 b1 1.1"], "flags"] == ""
+    assert by_id.at[ids["draft k2 b1 1.1"], "speedup_interval"] == "1.10x [1.05, 1.15]"
+    assert by_id.at[ids["no interval"], "speedup_interval"] == "1.20x (no interval)"
+    assert any("2 flagged run(s)" in e.label for e in at.expander)
+    # filtering to the flagged runs only: no best at all
+    at.multiselect(key="res_filter_method").set_value(["ngram"]).run()
+    assert not at.success and any("No trusted run" in i.value for i in at.info)
+
+
+def test_results_page_heatmap_and_grouped_lines(workspace, tmp_path):
+    ids = seed_trust_store(workspace["store"], tmp_path / "question.jsonl")
+    at = open_page("results")
+    figs = {f["layout"]["title"]["text"]: f for f in plotly_figs(at)}
+    heat = figs["Speedup heatmap · draft · median over runs · 1 flagged run(s) left out"]
+    cells = {(y, x): t for y, row in zip(heat["data"][0]["y"], heat["data"][0]["text"])
+             for x, t in zip(heat["data"][0]["x"], row)}
+    assert cells[("2", "1")] == "1.20x<br>n=2"  # median of 1.10 and 1.30; the noisy 3.0 at k=4 is left out
+    assert cells[("4", "1")] == "1.40x<br>n=1" and cells[("2", "2")] == "0.90x<br>n=1"
+    assert "Speedup heatmap · ngram · median over runs · 1 flagged run(s) left out" not in figs  # nothing trusted
+    assert any("ngram: no trusted run" in i.value for i in at.info)
+    by_k = figs["Speedup vs draft length, one line per method, batch"]
+    lines = {t["name"] for t in by_k["data"] if t.get("mode") == "lines"}
+    assert lines == {"draft · b=1", "draft · b=2"}
+    flagged = [t for t in by_k["data"] if t["name"].startswith("flagged")]
+    assert flagged and flagged[0]["name"].endswith(": 2")
+    with_bars = [t for t in by_k["data"] if t.get("error_y", {}).get("array")]
+    assert with_bars and all(t["marker"]["symbol"] == "circle" for t in with_bars)
+    assert any(t.get("marker", {}).get("symbol") == "circle-open" for t in by_k["data"])  # the no-interval run
+    assert "Acceptance by draft position, per run" in figs
+    assert "TPOT (time per output token) percentiles per run" in figs
+    assert "ITL (inter-token latency) percentiles per run" in figs
+
+
+def test_results_compare_shows_deltas_and_highlights_only_real_moves(workspace, tmp_path):
+    from ui.results_page import HIGHLIGHT, _style, compare_frame
+
+    ids = seed_trust_store(workspace["store"], tmp_path / "question.jsonl")
+    runs = ResultStore(workspace["store"]).load()
+    pair = runs[runs["run_id"].isin([ids["draft k2 b1 1.1"], ids["draft k2 b1 1.3"]])]
+    table, differs, marked = compare_frame(pair, True, ids["draft k2 b1 1.1"])
+    delta = [c for c in table.columns if c.startswith("Δ ")]
+    ratio = [c for c in table.columns if c.startswith("ratio ")]
+    assert len(delta) == 1 and len(ratio) == 1
+    assert table.at["speedup_vs_ar", delta[0]] == pytest.approx(0.2)
+    assert table.at["speedup_vs_ar", ratio[0]] == pytest.approx(1.3 / 1.1)
+    fields = {f for f, _ in marked}
+    assert "speedup_vs_ar" in fields  # +18 %, intervals +-4 %
+    assert "tokens_per_s" not in fields and "acceptance_rate" not in fields  # equal
+    at = open_page("results")
+    at.multiselect(key="res_compare").set_value([ids["draft k2 b1 1.1"], ids["draft k2 b1 1.3"]]).run()
+    assert not at.exception, at.exception
+    note = [c.value for c in at.caption if c.value.startswith("Yellow")]
+    assert note and "Metrics beyond the spread: speedup_ci_high, speedup_ci_low, speedup_vs_ar." in note[0]
+    assert len(marked) == 9  # value, delta and ratio cells of the 3 moved metrics, nothing else
+    css = _style(table, differs, marked)._compute().ctx  # cell -> CSS the Styler sends
+    assert sum(1 for props in css.values() if ("background-color", HIGHLIGHT.split(": ")[1]) in props) == 9
+
+
+def test_results_page_per_category_breakdown(workspace, tmp_path):
+    ids = seed_trust_store(workspace["store"], tmp_path / "question.jsonl")
+    at = open_page("results")
+    at.selectbox(key="res_category_run").set_value(ids["draft k2 b1 1.1"]).run()
+    assert not at.exception, at.exception
+    figs = {f["layout"]["title"]["text"]: f for f in plotly_figs(at)}
+    bars = figs["Acceptance by prompt category"]["data"][0]
+    assert dict(zip(bars["x"], bars["y"])) == {"math": 0.0, "writing": 1.0}
+    (tmp_path / "question.jsonl").unlink()
+    at.run()
+    assert any("prompt file is not here any more" in i.value for i in at.info)
 
 
 # ---- Models page ----------------------------------------------------------------------------------------------

@@ -62,10 +62,9 @@ def time_split(record: dict) -> go.Figure | None:
 
 
 def _speedup_frame(df: pd.DataFrame, x: str) -> pd.DataFrame:
-    cols = [c for c in ("run_id", "method", x, "speedup_vs_ar", "batch", "k", "temperature", "preset", "study")
-            if c in df.columns]
-    out = df[list(dict.fromkeys(cols))].copy()
-    out = out[out["speedup_vs_ar"].notna() & out[x].notna()] if "speedup_vs_ar" in out else out.iloc[0:0]
+    out = df[df["speedup_vs_ar"].notna() & df[x].notna()] if {"speedup_vs_ar", x} <= set(df.columns) else df.iloc[0:0]
+    if "status" in out:
+        out = out[out["status"].eq("ok").fillna(False)]
     return out
 
 
@@ -79,26 +78,146 @@ def _mean_line(df: pd.DataFrame, x: str, y: str, color: str, title: str, x_title
     fig = px.line(agg, x=x, y=y, color=color, markers=True, title=title)
     fig.add_trace(go.Scatter(x=df[x], y=df[y], mode="markers", marker=dict(size=5, color="rgba(120,120,120,0.35)"),
                              name="single runs", hovertext=df.get("run_id"), showlegend=True))
-    fig.update_layout(xaxis_title=x_title, yaxis_title=y_title, margin=dict(t=40, b=40), height=380,
-                      legend=dict(orientation="h", yanchor="top", y=-0.25, xanchor="left", x=0, title_text=""))
-    if x in ("k", "batch"):
-        fig.update_xaxes(dtick=1 if df[x].nunique() < 12 else None)
+    _layout(fig, x, df, x_title, y_title)
     if y_format:
         fig.update_layout(yaxis_tickformat=y_format)
     return fig
 
 
+def _layout(fig: go.Figure, x: str, df: pd.DataFrame, x_title: str, y_title: str, height: int = 380) -> None:
+    fig.update_layout(xaxis_title=x_title, yaxis_title=y_title, margin=dict(t=40, b=40), height=height,
+                      legend=dict(orientation="h", yanchor="top", y=-0.25, xanchor="left", x=0, title_text=""))
+    if x in ("k", "batch"):
+        fig.update_xaxes(dtick=1 if df[x].nunique() < 12 else None)
+
+
+def speedup_lines(df: pd.DataFrame, x: str) -> go.Figure | None:
+    """Speedup against `x` ("k" or "batch"): one line per combination of the other settings that differ (method,
+    the other of k / batch, temperature, ...), through the median of the trusted runs; every run is a dot with its
+    95 % interval as an error bar (hollow: no interval); flagged runs are red crosses, left out of the lines."""
+    from ui import analysis
+
+    data = _speedup_frame(df, x)
+    if "method" in data:
+        data = data[data["method"] != "ar"]
+    if data.empty:
+        return None
+    other = {"k": "batch", "batch": "k"}[x]
+    keys = ["method"] + [c for c in (other,) if c in data and data[c].nunique() > 1] \
+        + analysis.differing_settings(data)
+    data = data.assign(_series=[analysis.series_label(r, keys) for r in data.to_dict("records")],
+                       _flagged=analysis.flag_mask(data).values,
+                       _lo=pd.to_numeric(data.get("speedup_ci_low"), errors="coerce"),
+                       _hi=pd.to_numeric(data.get("speedup_ci_high"), errors="coerce"),
+                       speedup_vs_ar=data["speedup_vs_ar"].astype(float))
+    fig = go.Figure()
+    palette = px.colors.qualitative.Plotly
+    for i, (name, group) in enumerate(sorted(data.groupby("_series"), key=lambda kv: kv[0])):
+        color = palette[i % len(palette)]
+        clean = group[~group["_flagged"]]
+        if not clean.empty:
+            med = clean.groupby(x)["speedup_vs_ar"].median().sort_index()
+            fig.add_trace(go.Scatter(x=med.index, y=med.values, mode="lines", name=name, legendgroup=name,
+                                     line=dict(color=color)))
+            for has_ci, part in clean.groupby(clean["_lo"].notna() & clean["_hi"].notna()):
+                fig.add_trace(go.Scatter(
+                    x=part[x], y=part["speedup_vs_ar"], mode="markers", legendgroup=name, showlegend=False,
+                    name=name + ("" if has_ci else " (no interval)"), hovertext=part.get("run_id"),
+                    marker=dict(color=color, size=8, symbol="circle" if has_ci else "circle-open"),
+                    error_y=dict(type="data", symmetric=False, array=(part["_hi"] - part["speedup_vs_ar"]).tolist(),
+                                 arrayminus=(part["speedup_vs_ar"] - part["_lo"]).tolist(), visible=True)
+                    if has_ci else None))
+    flagged = data[data["_flagged"]]
+    if not flagged.empty:
+        fig.add_trace(go.Scatter(x=flagged[x], y=flagged["speedup_vs_ar"], mode="markers",
+                                 name=f"flagged (noisy / implausible): {len(flagged)}",
+                                 marker=dict(symbol="x", size=9, color="crimson"), hovertext=flagged.get("run_id")))
+    fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
+    what = {"k": "draft length", "batch": "batch size"}[x]
+    fig.update_layout(title=f"Speedup vs {what}, one line per " + ", ".join(keys))
+    _layout(fig, x, data, {"k": "draft length k", "batch": "batch size"}[x], "speedup over autoregressive (x)", 420)
+    return fig
+
+
 def speedup_vs_k(df: pd.DataFrame) -> go.Figure | None:
-    data = _speedup_frame(df, "k")
-    data = data[data["method"] != "ar"] if "method" in data else data
-    return _mean_line(data, "k", "speedup_vs_ar", "method", "Speedup vs draft length, by method",
-                      "draft length k", "speedup over autoregressive (x)")
+    return speedup_lines(df, "k")
 
 
 def speedup_vs_batch(df: pd.DataFrame) -> go.Figure | None:
-    data = _speedup_frame(df, "batch")
-    return _mean_line(data, "batch", "speedup_vs_ar", "method", "Speedup vs batch size, by method",
-                      "batch size", "speedup over autoregressive (x)")
+    return speedup_lines(df, "batch")
+
+
+def speedup_heatmap(df: pd.DataFrame, method: str) -> go.Figure | None:
+    """Median speedup of one method over draft length k x batch size; the cell text is the value and the run count;
+    flagged runs are left out, their number in the title."""
+    from ui import analysis
+
+    median, count, flagged = analysis.heatmap_table(df, method)
+    if median.empty:
+        return None
+    text = [[f"{m:.2f}x<br>n={int(c)}" if not math.isnan(m) else "" for m, c in zip(mr, cr)]
+            for mr, cr in zip(median.values, count.fillna(0).values)]
+    fig = go.Figure(go.Heatmap(
+        z=median.values, x=[str(b) for b in median.columns], y=[str(k) for k in median.index], text=text,
+        texttemplate="%{text}", colorscale="RdYlGn", zmid=1.0, colorbar=dict(title="speedup"),
+        hovertemplate="k=%{y} batch=%{x}<br>median speedup %{z:.2f}x<extra></extra>"))
+    note = f"{flagged} flagged run(s) left out" if flagged else "no flagged runs"
+    fig.update_layout(title=f"Speedup heatmap · {method} · median over runs · {note}", xaxis_title="batch size",
+                      yaxis_title="draft length k", xaxis_type="category", yaxis_type="category",
+                      margin=dict(t=50, b=40), height=120 + 45 * len(median.index))
+    return fig
+
+
+def acceptance_by_position_runs(df: pd.DataFrame, labels: dict) -> go.Figure | None:
+    """Acceptance by draft position, one line per run (`labels`: run_id -> legend text)."""
+    if "acceptance_by_position" not in df:
+        return None
+    fig = go.Figure()
+    for _, row in df.iterrows():
+        values = row["acceptance_by_position"]
+        if values is None or (not isinstance(values, (list, tuple)) and not hasattr(values, "__len__")) \
+                or len(values) == 0:
+            continue
+        values = [float(v) for v in values]
+        fig.add_trace(go.Scatter(x=list(range(1, len(values) + 1)), y=values, mode="lines+markers",
+                                 name=labels.get(row["run_id"], str(row["run_id"]))))
+    if not fig.data:
+        return None
+    fig.update_layout(title="Acceptance by draft position, per run", xaxis_title="draft position (depth)",
+                      yaxis_title="steps reaching it", yaxis_range=[0, 1.05], yaxis_tickformat=".0%", xaxis_dtick=1,
+                      margin=dict(t=40, b=40), height=380,
+                      legend=dict(orientation="h", yanchor="top", y=-0.25, xanchor="left", x=0))
+    return fig
+
+
+def latency_percentiles(df: pd.DataFrame, labels: dict, metric: str) -> go.Figure | None:
+    """p50 / p90 / p99 of `metric` ("tpot" or "itl") per run, as grouped bars (ms)."""
+    cols = [f"{metric}_ms_p{p}" for p in (50, 90, 99)]
+    present = [c for c in cols if c in df]
+    if not present or df[present].isna().all().all():
+        return None
+    names = [labels.get(r, str(r)) for r in df["run_id"]]
+    fig = go.Figure([go.Bar(name=c.rsplit("_", 1)[1], x=names, y=pd.to_numeric(df[c], errors="coerce"))
+                     for c in present])
+    long = {"tpot": "TPOT (time per output token)", "itl": "ITL (inter-token latency)"}[metric]
+    fig.update_layout(title=f"{long} percentiles per run", barmode="group", yaxis_title="ms",
+                      margin=dict(t=40, b=40), height=380,
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1))
+    return fig
+
+
+def category_bars(table: pd.DataFrame) -> go.Figure | None:
+    """Acceptance rate per prompt category (from analysis.category_breakdown)."""
+    if table is None or table.empty:
+        return None
+    fig = go.Figure(go.Bar(x=table["category"].tolist(), y=table["acceptance_rate"].tolist(),
+                           text=[f"{a:.0%} · {m:.2f} tok/step · {n} seq" for a, m, n in
+                                 zip(table["acceptance_rate"].fillna(0), table["mean_accepted_tokens"],
+                                     table["sequences"])],
+                           textposition="outside"))
+    fig.update_layout(title="Acceptance by prompt category", xaxis_title="category", yaxis_title="acceptance rate",
+                      yaxis_tickformat=".0%", yaxis_range=[0, 1.15], margin=dict(t=40, b=40), height=380)
+    return fig
 
 
 def acceptance_vs_temperature(df: pd.DataFrame) -> go.Figure | None:

@@ -9,12 +9,12 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from ui import charts
+from ui import analysis, charts
 from ui.common import get_store, store_root
 
 P = "res_"
-TABLE_COLUMNS = ["created_at", "status", "method", "k", "batch", "temperature", "speedup_vs_ar", "noisy", "plausible",
-                 "acceptance_rate",
+TABLE_COLUMNS = ["created_at", "status", "flags", "method", "k", "batch", "temperature", "speedup_vs_ar",
+                 "speedup_interval", "noisy", "plausible", "acceptance_rate",
                  "mean_accepted_tokens", "tokens_per_s", "ar_tokens_per_s", "ttft_ms", "tpot_ms_p50", "study",
                  "trial_id", "ngram_min", "ngram_max", "max_new_tokens", "preset", "device", "dtype", "device_name",
                  "run_id"]
@@ -30,7 +30,10 @@ METRIC_COLUMNS = ["status", "error", "speedup_vs_ar", "acceptance_rate", "mean_a
                   "gpu_busy_pct"]
 FILTERS = [("study", "Study"), ("method", "Method"), ("preset", "Preset"), ("status", "Status"), ("device", "Device"),
            ("batch", "Batch size")]
-HIGHLIGHT = "background-color: rgba(255, 196, 0, 0.30)"
+HIGHLIGHT = "background-color: rgba(255, 196, 0, 0.30)"  # a metric that moved beyond 5 % and the runs' spread
+CONFIG_HIGHLIGHT = "background-color: rgba(90, 160, 255, 0.20)"  # a setting that differs
+TRUST_TEXT = ("speedup_interval", "flags")  # display-only columns (analysis.with_trust_columns), not exported
+MAX_RUN_LINES = 12  # per-run charts (acceptance by position, latency percentiles) show at most this many runs
 
 
 def _missing(v) -> bool:
@@ -88,26 +91,59 @@ def run_label(row: pd.Series) -> str:
     return f"{when} · {' '.join(parts)} · {str(row.get('run_id'))[-6:]}"
 
 
-def compare_frame(runs: pd.DataFrame, only_diff: bool) -> tuple[pd.DataFrame, list[str]]:
-    """Fields as rows, runs as columns; returns the frame and the names of the fields whose values differ."""
+def _short(label: str) -> str:
+    """The run-id tail of a run label ('... · 3fa9c1'), what the delta columns are named after."""
+    return label.rsplit(" · ", 1)[-1]
+
+
+def compare_frame(runs: pd.DataFrame, only_diff: bool, baseline_id: str | None = None):
+    """Fields as rows, runs as columns (the baseline first), then per other run a `Δ <id>` (run - baseline) and a
+    `ratio <id>` (run / baseline) column for numeric fields. Returns (table, the fields whose values differ, the
+    (field, column) cells to highlight: metrics that moved beyond 5 % and beyond either run's own spread)."""
+    if baseline_id is None or baseline_id not in set(runs["run_id"]):
+        baseline_id = runs["run_id"].iloc[0]
+    runs = pd.concat([runs[runs["run_id"] == baseline_id], runs[runs["run_id"] != baseline_id]])
     fields = [c for c in METRIC_COLUMNS + CONFIG_COLUMNS if c in runs.columns]
-    table = runs.set_index(runs.apply(run_label, axis=1))[fields].T
+    labels = runs.apply(run_label, axis=1)
+    table = runs.set_index(labels)[fields].T.astype("object")
     differs = [f for f in fields if len({_key(v) for v in table.loc[f]}) > 1]
     if only_diff:
         table = table.loc[[f for f in fields if f in differs or f in METRIC_COLUMNS]]
-    return table, differs
+    marked: set[tuple[str, str]] = set()
+    numeric = [f for f in table.index if f not in ("status", "error", "noisy", "plausible", "greedy_matches_ar")]
+    deltas = analysis.compare_deltas(runs, baseline_id, numeric)
+    for rid, label in zip(runs["run_id"].iloc[1:], labels.iloc[1:]):
+        d = deltas[deltas["run_id"] == rid].set_index("field")
+        dcol, rcol = f"Δ {_short(label)}", f"ratio {_short(label)}"
+        table[dcol] = [d.at[f, "delta"] if f in d.index else None for f in table.index]
+        table[rcol] = [d.at[f, "ratio"] if f in d.index else None for f in table.index]
+        for f in d.index[d["significant"]]:
+            marked |= {(f, label), (f, dcol), (f, rcol)}
+    return table, differs, marked
 
 
-def _style(table: pd.DataFrame, differs: list[str]):
-    def cell(v) -> str:
-        if isinstance(v, (list, tuple, np.ndarray)):
-            return "[" + ", ".join(f"{x:.3g}" if isinstance(x, float) else str(x) for x in list(v)) + "]"
-        if _missing(v):
-            return "—"
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
+def _cell(v) -> str:
+    if isinstance(v, (list, tuple, np.ndarray)):
+        return "[" + ", ".join(f"{x:.3g}" if isinstance(x, float) else str(x) for x in list(v)) + "]"
+    if _missing(v):
+        return "—"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
-    shown = table.map(cell)
-    return shown.style.apply(lambda row: [HIGHLIGHT if row.name in differs else "" for _ in row], axis=1)
+
+def _style(table: pd.DataFrame, differs: list[str], marked: set[tuple[str, str]]):
+    shown = table.map(_cell)
+
+    def css(frame: pd.DataFrame) -> pd.DataFrame:
+        out = pd.DataFrame("", index=frame.index, columns=frame.columns)
+        for f in frame.index:
+            if f in differs and f in CONFIG_COLUMNS:
+                out.loc[f, :] = CONFIG_HIGHLIGHT
+        for f, col in marked:
+            if f in out.index and col in out.columns:
+                out.loc[f, col] = HIGHLIGHT
+        return out
+
+    return shown.style.apply(css, axis=None)
 
 
 def export_bytes(df: pd.DataFrame, fmt: str) -> bytes:
@@ -136,6 +172,149 @@ def _add_table_selection() -> None:
     st.session_state[f"{P}compare"] = list(dict.fromkeys(st.session_state.get(f"{P}compare", []) + picked))
 
 
+def best_section(view: pd.DataFrame) -> None:
+    """The best speedup among the filtered runs, flagged (noisy / implausible) runs never counted."""
+    best, flagged = analysis.best_run(view)
+    skipped = f" ({flagged} flagged run(s) not considered)" if flagged else ""
+    if best is None:
+        st.info("No trusted run with a speedup in this view: a best run needs status ok and no noisy / implausible "
+                f"flag{skipped}.", icon=":material/info:")
+        return
+    st.success(f"Best trusted speedup: **{analysis.speedup_text(best)}** · {run_label(best)}{skipped}",
+               icon=":material/verified:")
+
+
+def flags_note(view: pd.DataFrame) -> None:
+    flagged = view[analysis.flag_mask(view)]
+    if flagged.empty:
+        return
+    with st.expander(f":material/warning: {len(flagged)} flagged run(s): noisy or implausible, excluded from "
+                     "best / heatmap / lines", expanded=False):
+        for _, row in flagged.head(20).iterrows():
+            st.markdown(f"- {run_label(row)}: {analysis.flag_text(row)}")
+
+
+def compare_section(df: pd.DataFrame) -> None:
+    st.subheader("Compare runs")
+    labels = {rid: run_label(row) for rid, row in df.set_index("run_id", drop=False).iterrows()}
+    current = [r for r in st.session_state.get(f"{P}compare", []) if r in labels]
+    st.session_state[f"{P}compare"] = current
+    picked = st.multiselect("Runs to compare", list(labels), key=f"{P}compare", format_func=labels.get,
+                            placeholder="pick two or more runs (or tick rows above)")
+    if len(picked) < 1:
+        return
+    runs = df[df["run_id"].isin(picked)]
+    cols = st.columns([2, 3])
+    with cols[0]:
+        if st.session_state.get(f"{P}baseline") not in picked:
+            st.session_state[f"{P}baseline"] = picked[0]
+        baseline = st.selectbox("Baseline", picked, key=f"{P}baseline", format_func=labels.get,
+                                help="Δ columns: run - baseline; ratio columns: run / baseline")
+    with cols[1]:
+        only_diff = st.toggle("Only configuration fields that differ (metrics always shown)", value=True,
+                              key=f"{P}only_diff")
+    table, differs, marked = compare_frame(runs, only_diff, baseline)
+    st.dataframe(_style(table, differs, marked), width="stretch", height=min(900, 38 + 35 * len(table)))
+    config_diffs = [f for f in differs if f in CONFIG_COLUMNS]
+    moved = sorted({f for f, _ in marked})
+    st.caption(f"Yellow: metrics that differ from the baseline by more than {analysis.REL_TOLERANCE:.0%} and more "
+               "than either run's own spread (speedup interval, tokens/s CV); blue: settings that differ. "
+               "Metrics beyond the spread: " + (", ".join(moved) if moved else "none")
+               + ". Configuration differences: " + (", ".join(config_diffs) if config_diffs else "none"))
+    flagged = runs[analysis.flag_mask(runs)]
+    if not flagged.empty:
+        st.warning("Flagged among the compared runs: " + "; ".join(
+            f"{labels[r['run_id']]}: {analysis.flag_text(r)}" for _, r in flagged.iterrows()),
+            icon=":material/warning:")
+    downloads(runs.drop(columns=list(TRUST_TEXT), errors="ignore"), "compared_runs", "compare")
+
+
+def _chart(fig, missing: str, key: str) -> None:
+    if fig is None:
+        st.info(missing)
+    else:
+        st.plotly_chart(fig, width="stretch", key=f"{P}chart_{key}")
+
+
+def charts_section(view: pd.DataFrame, df: pd.DataFrame) -> None:
+    st.subheader("Charts")
+    st.caption("Over the filtered runs. Lines are medians of trusted runs, one per combination of the settings "
+               "that differ; dots are single runs with their 95 % interval (hollow: no interval, one repeat); red "
+               "crosses are flagged runs, left out of lines and heatmaps.")
+    cols = st.columns(2)
+    with cols[0]:
+        _chart(charts.speedup_vs_k(view), "no runs with data for speedup vs draft length", "speedup_k")
+    with cols[1]:
+        _chart(charts.speedup_vs_batch(view), "no runs with data for speedup vs batch size", "speedup_batch")
+
+    st.markdown("**Speedup heatmap: draft length k x batch size**")
+    methods = sorted(m for m in view["method"].dropna().unique() if m != "ar") if "method" in view else []
+    if not methods:
+        st.info("no speculative runs in this view")
+    else:
+        cols = st.columns(min(2, len(methods)))
+        for i, method in enumerate(methods):
+            with cols[i % len(cols)]:
+                _chart(charts.speedup_heatmap(view, method),
+                       f"{method}: no trusted run with a speedup (flagged runs are left out)", f"heat_{method}")
+
+    picked = [r for r in st.session_state.get(f"{P}compare", []) if r in set(df["run_id"])]
+    runs = df[df["run_id"].isin(picked)] if picked else view.head(MAX_RUN_LINES)
+    where = "the compared runs" if picked else f"the first {len(runs)} runs of the table (pick runs to compare " \
+                                               "to choose)"
+    st.markdown(f"**Per run: acceptance by position and latency** · {where}")
+    labels = {r["run_id"]: run_label(r) for _, r in runs.iterrows()}
+    cols = st.columns(3)
+    with cols[0]:
+        _chart(charts.acceptance_by_position_runs(runs, labels), "no acceptance-by-position data", "acc_pos")
+    with cols[1]:
+        _chart(charts.latency_percentiles(runs, labels, "tpot"), "no TPOT percentiles", "tpot")
+    with cols[2]:
+        _chart(charts.latency_percentiles(runs, labels, "itl"), "no ITL percentiles", "itl")
+    _chart(charts.acceptance_vs_temperature(view), "no runs with data for acceptance vs temperature", "acc_temp")
+
+
+def category_section(df: pd.DataFrame) -> None:
+    """Acceptance per prompt category of one run: its traces' sequences joined to its prompt file's categories."""
+    st.subheader("Per prompt category")
+    st.caption("Sequence i of a run is prompt i of its prompt file (cycled), so a run's per-step traces give the "
+               "acceptance per category (e.g. Spec-Bench / MT-bench question.jsonl). Traces carry no timings: "
+               "there is no per-category speedup.")
+    spec = df[(df["method"] != "ar") & df["status"].eq("ok").fillna(False)] if "method" in df else df.iloc[0:0]
+    if spec.empty:
+        st.info("no finished speculative run")
+        return
+    spec = pd.concat([spec[analysis.trusted_mask(spec)], spec[~analysis.trusted_mask(spec)]])  # trusted first
+    labels = {rid: run_label(row) for rid, row in spec.set_index("run_id", drop=False).iterrows()}
+    rid = st.selectbox("Run", list(labels), key=f"{P}category_run", format_func=labels.get)
+    row = spec[spec["run_id"] == rid].iloc[0]
+    categories, why = analysis.prompt_categories(row.get("prompts_source"))
+    if categories is None:
+        st.info(f"No per-category breakdown: {why}")
+        return
+    if len(set(categories)) < 2:
+        st.info(f"The prompt file has a single category ({categories[0] if categories else '—'}): nothing to "
+                "break down.")
+        return
+    try:
+        traces = get_store().load_traces([rid])
+    except Exception as exc:  # noqa: BLE001
+        st.warning(f"cannot read the traces of run {rid}: {exc}")
+        return
+    table = analysis.category_breakdown(traces, categories)
+    if table.empty:
+        st.info("No per-step traces stored for this run.")
+        return
+    cols = st.columns([3, 2])
+    with cols[0]:
+        _chart(charts.category_bars(table), "no data", "category")
+    with cols[1]:
+        st.dataframe(table, hide_index=True, width="stretch",
+                     column_config={"acceptance_rate": st.column_config.NumberColumn("acceptance", format="percent"),
+                                    "mean_accepted_tokens": st.column_config.NumberColumn("tokens/step",
+                                                                                          format="%.2f")})
+
+
 def render() -> None:
     st.title("Results")
     st.caption(f"Store: `{store_root()}`")
@@ -147,44 +326,25 @@ def render() -> None:
     if df.empty:
         st.info("The store is empty: start a benchmark on the Run page or a study on the Tune page.")
         return
+    df = analysis.with_trust_columns(df)
     view = filter_frame(df)
+    best_section(view)
     st.session_state[f"{P}view_ids"] = view["run_id"].tolist()
     columns = list(view.columns) if st.session_state.get(f"{P}all_columns") else [c for c in TABLE_COLUMNS if c in view]
     st.dataframe(view[columns], hide_index=True, width="stretch", height=min(420, 38 + 35 * len(view)),
                  key=f"{P}table", on_select=_add_table_selection, selection_mode="multi-row",
                  column_config={"speedup_vs_ar": st.column_config.NumberColumn("speedup", format="%.2fx"),
+                                "speedup_interval": st.column_config.TextColumn(
+                                    "speedup [95% interval]", help="over repeats; (no interval): one repeat"),
+                                "flags": st.column_config.TextColumn(
+                                    "flags", help="noisy or implausible runs: do not act on them"),
                                 "acceptance_rate": st.column_config.NumberColumn("acceptance", format="percent")})
     st.caption(f"{len(view)} of {len(df)} runs · click a column header to sort · tick rows to compare them")
-    downloads(view, "runs", "view")
-
-    st.subheader("Compare runs")
-    labels = {rid: run_label(row) for rid, row in df.set_index("run_id", drop=False).iterrows()}
-    current = [r for r in st.session_state.get(f"{P}compare", []) if r in labels]
-    st.session_state[f"{P}compare"] = current
-    picked = st.multiselect("Runs to compare", list(labels), key=f"{P}compare", format_func=labels.get,
-                            placeholder="pick two or more runs (or tick rows above)")
-    if len(picked) >= 1:
-        runs = df[df["run_id"].isin(picked)]
-        only_diff = st.toggle("Only configuration fields that differ (metrics always shown)", value=True,
-                              key=f"{P}only_diff")
-        table, differs = compare_frame(runs, only_diff)
-        st.dataframe(_style(table, differs), width="stretch", height=min(900, 38 + 35 * len(table)))
-        config_diffs = [f for f in differs if f in CONFIG_COLUMNS]
-        st.caption("Highlighted: fields whose values differ. Configuration differences: "
-                   + (", ".join(config_diffs) if config_diffs else "none"))
-        downloads(runs, "compared_runs", "compare")
-
-    st.subheader("Charts")
-    st.caption("Over the filtered runs; lines are means per setting, grey dots single runs.")
-    cols = st.columns(3)
-    for col, (fig, what) in zip(cols, ((charts.speedup_vs_k(view), "speedup vs draft length"),
-                                       (charts.speedup_vs_batch(view), "speedup vs batch size"),
-                                       (charts.acceptance_vs_temperature(view), "acceptance vs temperature"))):
-        with col:
-            if fig is None:
-                st.info(f"no runs with data for {what}")
-            else:
-                st.plotly_chart(fig, width="stretch", key=f"{P}chart_{what}")
+    flags_note(view)
+    downloads(view.drop(columns=list(TRUST_TEXT), errors="ignore"), "runs", "view")
+    compare_section(df)
+    charts_section(view, df)
+    category_section(view)
 
 
 if __name__ == "__main__":

@@ -176,6 +176,15 @@ def _ms(value) -> str:
     return f"{v:,.0f} ms" if v >= 100 else f"{v:.1f} ms" if v >= 10 else f"{v:.2f} ms"
 
 
+SLOWDOWN_NOTE = (
+    "Slower than autoregressive decoding. Speculation pays only when a draft token is much cheaper than a target "
+    "step and most drafts are accepted: each step runs the draft k times plus one target pass over k+1 tokens. "
+    "The default settings use tiny models on the CPU, where a step is bound by per-call latency (Python, kernel "
+    "launches), not by the target's size, so the draft costs almost as much as the target and the extra work "
+    "shows as a slowdown. Try a larger target with a small draft (or the ngram method, whose draft is nearly free), "
+    "a GPU, and a smaller k when the acceptance rate is low.")
+
+
 def job_record(job: jobs.Job) -> tuple[dict | None, object]:
     """(run record, traces frame) of a finished bench job: from the store, else from the job's JSON output."""
     out = job.result()
@@ -224,6 +233,19 @@ def show_metrics(record: dict, traces) -> None:
     cols[5].metric("TPOT p50", _ms(record.get("tpot_ms_p50")),
                    help=f"time per output token; p90 {_ms(record.get('tpot_ms_p90'))}, "
                         f"p99 {_ms(record.get('tpot_ms_p99'))}")
+    greedy = _flag(record.get("greedy_matches_ar"))
+    greedy_text = {True: "greedy output identical to autoregressive: **yes**",
+                   False: "greedy output identical to autoregressive: **NO** (a correctness problem, or a near tie "
+                          "in reduced precision)",
+                   None: "greedy match to autoregressive: not checked (sampling, or method ar)"}[greedy]
+    st.markdown(f"Autoregressive baseline in the same run: **{_fmt(record.get('ar_tokens_per_s'), ',.1f')} "
+                f"tokens/s** · {greedy_text}")
+    if greedy is False:
+        st.error("The speculative output differs from plain autoregressive decoding at temperature 0.",
+                 icon=":material/error:")
+    speedup = record.get("speedup_vs_ar")
+    if _fmt(speedup, ".2f") != "—" and float(speedup) < 1.0 and record.get("method") != "ar":
+        st.info(SLOWDOWN_NOTE, icon=":material/lightbulb:")
     if _flag(record.get("plausible")) is False:
         st.error(f"Implausible numbers: {record.get('implausible_reason')}", icon=":material/error:")
     if _flag(record.get("noisy")):

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
 from ui import catalog, jobs
-from ui.common import PYTHON, Errors, check_model_path, int_field, job_panel, knob_field, store_root, study_storage_url
+from ui.common import PYTHON, REPO_ROOT, Errors, check_model_path, int_field, job_panel, knob_field, store_root, study_storage_url
 from workbench.settings import KNOBS, METHODS
 
 P = "tune_"
@@ -31,6 +32,31 @@ def open_storage():
     from studies.storage import open_storage as _open
 
     return _open(storage_url())
+
+
+def cli_storage_url() -> str | None:
+    """The storage `python -m studies.run` uses when given no --storage (studies.storage.DEFAULT_STORAGE, a SQLite
+    file relative to the repo root), or `$WORKBENCH_CLI_STUDY_STORAGE`; None when that file does not exist or it is
+    the dashboard's own storage. The Tune page lists its studies read-only beside the dashboard's."""
+    import os
+
+    from studies.storage import DEFAULT_STORAGE
+
+    url = os.environ.get("WORKBENCH_CLI_STUDY_STORAGE") or DEFAULT_STORAGE
+    if url.startswith("sqlite:///"):
+        path = Path(url[len("sqlite:///"):])
+        path = path if path.is_absolute() else REPO_ROOT / path
+        if not path.is_file():
+            return None
+        url = f"sqlite:///{path}"
+    return None if url == storage_url() else url
+
+
+@st.cache_resource(show_spinner=False)
+def _open_cli_storage(url: str):
+    from studies.storage import open_storage as _open
+
+    return _open(url)
 
 
 def local_models_section(errors: Errors) -> dict:
@@ -144,6 +170,14 @@ def free_name(script_name: str) -> str:
 
 # ---- launch form --------------------------------------------------------------------------------------------------
 
+def _name_follows_script(script_names: list[str]) -> None:
+    """A new script gets a fresh default name, unless the user typed a name of their own."""
+    name = str(st.session_state.get(f"{P}study_name", "")).strip()
+    default = re.fullmatch(r"(" + "|".join(re.escape(n) for n in script_names) + r")-\d+", name)
+    if not name or default:
+        st.session_state[f"{P}study_name"] = free_name(st.session_state[f"{P}script"])
+
+
 def launch_form() -> None:
     from studies.scripts import SCRIPTS
     from studies.space import SEARCH_KNOBS, SETTING_KNOBS, SpaceError
@@ -154,7 +188,7 @@ def launch_form() -> None:
         with cols[0]:
             names = list(SCRIPTS)
             script_name = st.selectbox("Study script", names, index=names.index("pareto") if "pareto" in names else 0,
-                                       key=f"{P}script")
+                                       key=f"{P}script", on_change=_name_follows_script, args=(names,))
         script = SCRIPTS[script_name]
         with cols[1]:
             st.markdown(f"**{script.question}**  \nobjective: " + ", ".join(
@@ -393,7 +427,7 @@ def schedule_section(study) -> None:
                        key=f"{P}schedule_download", on_click="ignore")
 
 
-def study_view(storage, name: str, live: bool) -> None:
+def study_view(storage, name: str, live: bool, cache_id: str | None = None) -> None:
     from studies.objective import importance_caveat, trials_frame
     from studies.study import SPEC_KEY, TARGET_KEY, counted_trials, load_study
 
@@ -410,7 +444,7 @@ def study_view(storage, name: str, live: bool) -> None:
     if target:
         st.progress(min(1.0, done / target))
     n_finished = int(sum(n for s, n in states.items() if s in ("COMPLETE", "FAIL", "PRUNED")))
-    cache_key = f"{P}figs_{name}"
+    cache_key = f"{P}figs_{cache_id or name}"
     cached = st.session_state.get(cache_key)
     if cached is None or cached[0] != n_finished:  # recompute the figures only when a trial finished
         cached = (n_finished, _figures(study, metrics) if n_finished else {})
@@ -437,6 +471,9 @@ def study_view(storage, name: str, live: bool) -> None:
         st.info("no finished trial yet: figures appear when the first trial completes")
 
 
+CLI_SUFFIX = " · CLI storage"
+
+
 def watch_section(storage) -> None:
     import optuna
 
@@ -450,21 +487,36 @@ def watch_section(storage) -> None:
         except Exception as exc:  # noqa: BLE001
             st.error(f"cannot list studies in {storage_url()}: {exc}")
             return
+        where = {n: storage for n in names}  # option shown -> (its storage); CLI studies carry a suffix
+        cli_url = cli_storage_url()
+        if cli_url:
+            try:
+                cli = _open_cli_storage(cli_url)
+                for n in sorted(optuna.get_all_study_names(cli)):
+                    where[n + CLI_SUFFIX] = cli
+            except Exception as exc:  # noqa: BLE001 - the dashboard's own studies still show
+                st.warning(f"cannot list the studies started from the CLI in {cli_url}: {exc}")
+        options = list(where)
         pending = st.session_state.get(f"{P}pending_watch")
         if pending in names:  # a study launched from this page: show it as soon as its worker created it
             st.session_state[f"{P}watch"] = st.session_state.pop(f"{P}pending_watch")
         elif pending is not None:
             st.caption(f"waiting for study {pending!r} to appear in the storage ...")
-        if not names:
+        if not options:
             st.info("No study in the storage yet: launch one above.")
             return
-        if st.session_state.get(f"{P}watch") not in names:  # first visit (or a refresh): the latest job's study
+        if st.session_state.get(f"{P}watch") not in options:  # first visit (or a refresh): the latest job's study
             latest = [j.params.get("study") for j in jobs.list_jobs(kind="study") if j.params.get("study") in names]
-            st.session_state[f"{P}watch"] = latest[0] if latest else names[0]
-        name = st.selectbox("Study", names, key=f"{P}watch")
-        live = any(j.params.get("study") == name for j in jobs.list_jobs(kind="study", status=jobs.RUNNING))
+            st.session_state[f"{P}watch"] = latest[0] if latest else options[0]
+        choice = st.selectbox("Study", options, key=f"{P}watch",
+                              help=f"studies of this dashboard ({storage_url()})"
+                                   + (f" and, marked 'CLI storage', those in {cli_url} (the default storage of "
+                                      "`python -m studies.run`)" if cli_url else ""))
+        name = choice[:-len(CLI_SUFFIX)] if choice.endswith(CLI_SUFFIX) and where[choice] is not storage else choice
+        live = any(j.params.get("study") == name for j in jobs.list_jobs(kind="study", status=jobs.RUNNING)) \
+            and where[choice] is storage
         try:
-            study_view(storage, name, live)
+            study_view(where[choice], name, live, cache_id=choice)
         except Exception as exc:  # noqa: BLE001 - a study being created, or one not made by studies.run
             st.warning(f"cannot show study {name!r}: {exc}")
 

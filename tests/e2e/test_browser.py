@@ -58,6 +58,7 @@ def server(tmp_path):
     port = _free_port()
     env = {**os.environ, "WORKBENCH_STORE": str(tmp_path / "store"), "WORKBENCH_JOBS": str(tmp_path / "jobs"),
            "WORKBENCH_STUDY_STORAGE": str(tmp_path / "journal.log"), "WORKBENCH_ZOO_DIR": str(tmp_path / "zoo"),
+           "WORKBENCH_CLI_STUDY_STORAGE": f"sqlite:///{tmp_path / 'studies.db'}",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     log = open(tmp_path / "streamlit.log", "w")
     proc = subprocess.Popen(
@@ -180,7 +181,7 @@ def test_browser_run_results_tune_models_gpu(server):
             compare = page.get_by_role("combobox", name="Runs to compare").locator(
                 "xpath=ancestor::*[@data-testid='stMultiSelect']")
             expect(compare.get_by_text("draft k=2 b=1", exact=False)).to_be_visible()
-            expect(page.get_by_text("Highlighted: fields whose values differ", exact=False)).to_be_visible(
+            expect(page.get_by_text("Yellow: metrics that differ from the baseline", exact=False)).to_be_visible(
                 timeout=30_000)
             csv_button = page.get_by_role("button", name="CSV (4 runs)").first
             expect(csv_button).to_be_visible(timeout=60_000)
@@ -204,6 +205,42 @@ def test_browser_run_results_tune_models_gpu(server):
             page.wait_for_function("() => document.body.innerText.includes('No GPU on this machine') || "
                                    "document.body.innerText.includes('memory:')", timeout=120_000)
             _shot(page, shots, "gpu", 900)
+        finally:
+            context.close()
+            browser.close()
+
+
+def test_browser_results_trust_views_and_direct_links(server):
+    """Hand-made runs (tests.test_app.seed_trust_store): the best run is a trusted one with its interval, the heatmap,
+    the interval error bars and the per-category view render; direct links to pages work."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.test_app import seed_trust_store
+
+    seed_trust_store(server["tmp"] / "store", server["tmp"] / "question.jsonl")
+    shots = _shots_dir(server["tmp"])
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        context = browser.new_context(viewport={"width": 1440, "height": 2600})
+        page = context.new_page()
+        try:
+            page.goto(f"{server['url']}/results", wait_until="domcontentloaded")  # a direct link
+            expect(page.get_by_role("heading", name="Results")).to_be_visible(timeout=60_000)
+            _wait_idle(page)
+            expect(page.get_by_text("Best trusted speedup:", exact=False)).to_be_visible(timeout=30_000)
+            expect(page.get_by_text("1.40x [1.35, 1.45]", exact=False)).to_be_visible()
+            expect(page.get_by_text("2 flagged run(s) not considered", exact=False)).to_be_visible()
+            heat = page.get_by_text("Speedup heatmap · draft · median over runs · 1 flagged run(s) left out")
+            expect(heat).to_be_visible(timeout=30_000)
+            expect(page.get_by_text("n=2", exact=True).first).to_be_attached()
+            expect(page.get_by_text("Speedup vs draft length, one line per method, batch")).to_be_visible()
+            assert page.locator("g.errorbar").count() > 0  # the runs' 95 % intervals
+            expect(page.get_by_text("Acceptance by prompt category")).to_be_visible(timeout=30_000)
+            _shot(page, shots, "results-trust", 3400)
+            for path, heading in (("run", "Run a benchmark"), ("tune", "Tune")):
+                page.goto(f"{server['url']}/{path}", wait_until="domcontentloaded")
+                expect(page.get_by_role("heading", name=heading)).to_be_visible(timeout=60_000)
+                assert "Page not found" not in page.inner_text("body")
         finally:
             context.close()
             browser.close()
