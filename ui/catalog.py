@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import time
 from pathlib import Path
 
@@ -92,25 +91,30 @@ def save_upload(name: str, data: bytes) -> Path:
 # ---- model sizes (read from files, no torch) --------------------------------------------------------------------
 
 def safetensors_params(path: Path) -> int | None:
-    """Parameter count from the JSON headers of a model's *.safetensors files (no tensor is read)."""
+    """Parameter count from the JSON headers of a model's *.safetensors files (no tensor is read, no torch); None
+    when a file is not a readable safetensors file. A header's 8-byte length is checked against the file's size
+    before it is read: a garbage length (a truncated or foreign file) must not become a read of exabytes."""
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
     total = 0
     for f in files:
         if f.suffix != ".safetensors":
             return None
         try:
+            size = f.stat().st_size
             with f.open("rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-        except (OSError, ValueError, struct.error):
+                head = fh.read(8)
+                length = int.from_bytes(head, "little")
+                if len(head) < 8 or not 2 <= length <= size - 8:
+                    return None
+                header = json.loads(fh.read(length))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    count = 1
+                    for dim in info.get("shape", []):
+                        count *= int(dim)
+                    total += count
+        except (OSError, ValueError, TypeError, AttributeError):  # unreadable, not JSON, or not a tensor table
             return None
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            count = 1
-            for dim in info.get("shape", []):
-                count *= int(dim)
-            total += count
     return total or None
 
 

@@ -5,7 +5,6 @@ against the preset's time budget (the trainer stops on time).
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -17,36 +16,6 @@ from ui.common import PYTHON, Errors, check_model_path, int_field, job_panel
 
 P = "models_"
 STEP_RE = re.compile(r"^\[(target|draft)\] step\s+\d+.*?([\d.]+) s\s*$")
-
-
-def safetensors_params(path: Path) -> int | None:
-    """Parameter count from the JSON headers of a model's *.safetensors files (no tensor is read, no torch); None
-    when a file is not a readable safetensors file. A header's 8-byte length is checked against the file's size
-    before it is read: a garbage length (a truncated or foreign file) must not become a read of exabytes.
-
-    Replaces catalog.safetensors_params, which trusted the length (MemoryError on such a file)."""
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    total = 0
-    for f in files:
-        if f.suffix != ".safetensors":
-            return None
-        try:
-            size = f.stat().st_size
-            with f.open("rb") as fh:
-                head = fh.read(8)
-                length = int.from_bytes(head, "little")
-                if len(head) < 8 or not 2 <= length <= size - 8:
-                    return None
-                header = json.loads(fh.read(length))
-            for name, info in header.items():
-                if name != "__metadata__":
-                    count = 1
-                    for dim in info.get("shape", []):
-                        count *= int(dim)
-                    total += count
-        except (OSError, ValueError, TypeError, AttributeError):  # unreadable, not JSON, or not a tensor table
-            return None
-    return total or None
 
 
 def presets_frame() -> pd.DataFrame:
@@ -188,7 +157,7 @@ def local_models_section() -> None:
                     continue
                 path = Path(p)
                 ok = path.exists()
-                row[f"{role} params"] = catalog.fmt_params(safetensors_params(path)) if ok else "missing"
+                row[f"{role} params"] = catalog.fmt_params(catalog.safetensors_params(path)) if ok else "missing"
                 row[f"{role} MB"] = round(catalog.disk_mb(path) or 0, 1) if ok else None
             rows.append(row)
         st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
