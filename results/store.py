@@ -101,11 +101,11 @@ def _study_from_dirname(name: str) -> str:
     return urllib.parse.unquote(name)
 
 
-def _write_atomic(table: pa.Table, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _replace_atomic(path: Path, write) -> None:
+    """write(tmp), fsync it, then rename it over `path`: a reader sees the old file or the new one, never a part."""
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        pq.write_table(table, tmp, compression="zstd")
+        write(tmp)
         with open(tmp, "rb+") as fh:   # the bytes must be on disk before the name points at them
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -115,18 +115,13 @@ def _write_atomic(table: pa.Table, path: Path) -> None:
         raise
 
 
+def _write_atomic(table: pa.Table, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _replace_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+
+
 def _write_text_atomic(text: str, path: Path) -> None:
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    _replace_atomic(path, lambda tmp: tmp.write_text(text))
 
 
 def _parquet_files(folder: Path) -> list[Path]:
