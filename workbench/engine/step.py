@@ -24,6 +24,7 @@ above then only unpacks its result).
 """
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,8 +56,8 @@ class EngineConfig:
     compile: str = "off"  # torch.compile of the fixed-shape steps: "off" | "default" | "max-autotune"
     attention: str = "auto"  # "sdpa" (gather + SDPA) | "triton" (kernels/paged_attention.py) | "auto"
 
-    @property
-    def graphs(self) -> GraphSettings:
+    @functools.cached_property
+    def graphs(self) -> GraphSettings:  # read every step: built (and validated) once
         return GraphSettings(self.cuda_graphs, tuple(self.graph_batch_sizes), self.compile)
 
     def __post_init__(self) -> None:
