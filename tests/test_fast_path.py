@@ -157,3 +157,26 @@ def test_warm_up_before_a_capture_leaves_the_state_as_it_was(target, draft):
     assert torch.equal(engine.kv_len, before[0]) and torch.equal(engine.tokens, before[1])
     step.body(**bufs.buf)  # without the restore, one run does advance the state (so the check above can fail)
     assert not torch.equal(engine.kv_len, before[0])
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shape"])
+def test_kernel_backend_path_equals_greedy_and_skips_prefill(fixed, target, draft, monkeypatch):
+    """The engine's kernel path (cache.kernel, taken by attention="triton" on a GPU), run on CPU with the kernel's
+    PyTorch reference standing in: the same greedy tokens, and never called for a prompt-length prefill (the Triton
+    kernel specializes on T, so each new prompt length would compile: seen on the H200 as an 8.7x slower first repeat)."""
+    import kernels.paged_attention as pa
+    import workbench.engine.kv_cache as kv
+
+    seen = []
+
+    def spy(q, *args, **kwargs):
+        seen.append(q.shape[2])
+        return pa.paged_attention_reference(q, *args, **kwargs)
+
+    monkeypatch.setattr(pa, "paged_attention_triton", spy)
+    monkeypatch.setattr(kv, "resolve_attention", lambda name, paged, device: "triton" if paged else "sdpa")
+    n = 12
+    cfg = fast(max_new_tokens=n) if fixed else EngineConfig(max_new_tokens=n, kv_block_size=4)
+    engine = SpecEngine(target, DraftModelDrafter(draft, k=3), cfg)
+    assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
+    assert seen and set(seen) <= {1, 2, 4}  # draft forwards (2, 1) and verify (1 + k); no prompt lengths (3, 9, 12)

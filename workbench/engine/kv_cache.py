@@ -44,6 +44,7 @@ class KVCache(ABC):
         self._base: torch.Tensor | None = None  # [B] committed length before this step
         self._intra_mask: torch.Tensor | None = None  # [B, T, T] bool or None (causal)
         self.kernel = None  # attention kernel over the pool (paged caches, "triton" backend); None = gather + SDPA
+        self._use_kernel = False  # this step uses it (never for prefill)
 
     @property
     def pad_row(self) -> int:
@@ -57,15 +58,18 @@ class KVCache(ABC):
 
     # -- step -----------------------------------------------------------------------------------------------------
     def begin(self, rows: torch.Tensor, base_len: torch.Tensor, base_len_host: list[int], num_new: int,
-              intra_mask: torch.Tensor | None = None, rows_host: list[int] | None = None) -> None:
+              intra_mask: torch.Tensor | None = None, rows_host: list[int] | None = None,
+              prefill: bool = False) -> None:
         """Prepare a step that writes `num_new` tokens per row after `base_len` (eager: plan, then prepare).
 
         rows [B] long; base_len [B] long (device) and the same values on the host; intra_mask [B, T, T] bool among
-        the step's tokens (None = causal); rows_host = rows as a list (saves a device->host read when given).
+        the step's tokens (None = causal); rows_host = rows as a list (saves a device->host read when given);
+        prefill: a prompt-length step, which always uses gather + SDPA (the kernel specializes on T: one compile per
+        prompt length, seen on the H200 as an 8.7x slower first timed repeat).
         Everything the layers need (write slots, read slots, mask) is computed here once per step.
         """
         need = self.plan(rows.tolist() if rows_host is None else rows_host, base_len_host, num_new)
-        self.prepare(rows, base_len, num_new, intra_mask, self._read_span(need))
+        self.prepare(rows, base_len, num_new, intra_mask, self._read_span(need), kernel=not prefill)
 
     def plan(self, rows_host: list[int], base_len_host: list[int], num_new: int) -> int:
         """Host half of a step: check room and allocate storage for positions < base + num_new. Returns the need."""
@@ -76,7 +80,7 @@ class KVCache(ABC):
         return need
 
     def prepare(self, rows: torch.Tensor, base_len: torch.Tensor, num_new: int, intra_mask: torch.Tensor | None,
-                span: int) -> None:
+                span: int, kernel: bool = True) -> None:
         """Device half of a step: index tensors and mask shared by all layers; no host reads (graph-capturable).
 
         rows [B], base_len [B] long; intra_mask [B, T, T] bool or None (causal); span: key slots read per row.
@@ -85,6 +89,7 @@ class KVCache(ABC):
         self._rows = rows
         self._base = base_len
         self._intra_mask = intra_mask
+        self._use_kernel = kernel and self.kernel is not None
         self._write_pos = base_len.unsqueeze(1) + t  # [B, T]
         self._span = span
         key_pos = torch.arange(self._span, device=self.device)  # [S]
@@ -102,7 +107,7 @@ class KVCache(ABC):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, T, D]; k, v [B, Hkv, T, D] -> [B, Hq, T, D]."""
         self._write(layer_idx, k.transpose(1, 2), v.transpose(1, 2))
-        if self.kernel is not None:  # reads the pool in place through the block table: no gather, no mask tensor
+        if self._use_kernel:  # reads the pool in place through the block table: no gather, no mask tensor
             return self.kernel(q, self.k[layer_idx], self.v[layer_idx], self.block_table, self._rows, self._base,
                                self._intra_mask, self.block_size)
         keys, values = self._read(layer_idx)  # [B, Hkv, S, D]

@@ -275,7 +275,8 @@ class SpecEngine:
 
         t_start = time.perf_counter()
         with timer.phase("prefill"):
-            cache.begin(rows, torch.zeros_like(kv_len), [0] * b, padded.shape[1], rows_host=list(range(b)))
+            cache.begin(rows, torch.zeros_like(kv_len), [0] * b, padded.shape[1], rows_host=list(range(b)),
+                        prefill=True)
             hidden = self.target(padded, positions, cache)
             last = hidden[rows, kv_len - 1]  # [B, H] each prompt's last real position
             first = next_token(self.target.compute_logits(last), cfg.sampling, gen)  # [B]

@@ -80,7 +80,7 @@ class DraftModelDrafter(Drafter):
     def prefill(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor) -> None:
         b = prompt_ids.shape[0]
         zeros = torch.zeros(b, dtype=torch.long, device=prompt_ids.device)
-        self.cache.begin(state.rows, zeros, [0] * b, prompt_ids.shape[1], rows_host=state.rows_host)
+        self.cache.begin(state.rows, zeros, [0] * b, prompt_ids.shape[1], rows_host=state.rows_host, prefill=True)
         self.model(prompt_ids, positions, self.cache)
 
     def propose(self, state: BatchState) -> DraftTree:
