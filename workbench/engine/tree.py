@@ -29,6 +29,8 @@ class DraftTree:
     # are deterministic candidates (greedy drafts, n-gram lookups), treated as one-hot q by lossless verification.
     draft_probs: torch.Tensor | None = None
     is_chain: bool = False  # parents == [-1, 0, ..., N-2] for every sequence: KV commit is a no-op
+    # Static bound on depths known to the drafter (beam length L, tree depth); None = read depths.max() (a host sync).
+    depth_bound: int | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -36,7 +38,12 @@ class DraftTree:
 
     @property
     def max_depth(self) -> int:
-        return self.num_nodes if self.is_chain else int(self.depths.max().item()) if self.num_nodes else 0
+        """Deepest path the tree can hold: static for chains and trees with depth_bound, else read on the host."""
+        if self.is_chain:
+            return self.num_nodes
+        if self.depth_bound is not None:
+            return self.depth_bound
+        return int(self.depths.max().item()) if self.num_nodes else 0
 
     @staticmethod
     def chain(token_ids: torch.Tensor, valid: torch.Tensor | None = None,
@@ -54,6 +61,73 @@ class DraftTree:
     def empty(batch: int, device: torch.device | str) -> "DraftTree":
         z = torch.zeros(batch, 0, dtype=torch.long, device=device)
         return DraftTree(z, z, z, z.bool(), None, is_chain=True)
+
+
+    @staticmethod
+    def from_beams(beam_tokens: torch.Tensor,
+                   beam_valid: torch.Tensor | None = None) -> tuple["DraftTree", torch.Tensor]:
+        """Deduplicate W beams of length L into one prefix tree per sequence, vectorised (no host sync).
+
+        beam_tokens [B, W, L] long; beam_valid [B, W, L] bool (a prefix mask per beam; None = all valid)
+        -> (tree with N = W * L nodes, beam_node [B, W, L] long: the node holding beam w's token at depth d+1, -1 where
+        the beam is invalid). Nodes are beam-major: (w, d) is a duplicate of (w', d) for the smallest w' whose first
+        d + 1 tokens are equal; the first occurrences keep their beam-major order (so parents come before children)
+        and padding (valid = False, parent -1, depth 1) fills the tail. Beams are deterministic candidates (no q).
+        W = 1 gives `DraftTree.chain`.
+
+        Example: beams [[a, b], [a, c], [d, e]] -> nodes a, b, c, d, e (+ 1 padding) with parents -1, 0, 0, -1, 3:
+        >>> tree, beam_node = DraftTree.from_beams(torch.tensor([[[1, 2], [1, 3], [4, 5]]]))
+        >>> tree.token_ids.tolist(), tree.parents.tolist(), tree.depths.tolist()
+        ([[1, 2, 3, 4, 5, 0]], [[-1, 0, 0, -1, 3, -1]], [[1, 2, 2, 1, 2, 1]])
+        >>> tree.valid.int().tolist()
+        [[1, 1, 1, 1, 1, 0]]
+        >>> beam_node.tolist()
+        [[[0, 1], [0, 2], [3, 4]]]
+        """
+        b, w, l = beam_tokens.shape
+        dev = beam_tokens.device
+        if beam_valid is None:
+            beam_valid = torch.ones(b, w, l, dtype=torch.bool, device=dev)
+        valid = beam_valid.long().cumprod(-1).bool()  # [B, W, L]: enforce the prefix mask
+        if w == 1:
+            nodes = torch.arange(l, device=dev).expand(b, 1, l)
+            tree = DraftTree.chain(beam_tokens[:, 0], valid[:, 0])
+            return tree, torch.where(valid, nodes, torch.full_like(nodes, -1))
+        n = w * l
+        # same[b, i, j, d]: beams i and j agree on their first d + 1 tokens and both are valid there
+        same = (beam_tokens.unsqueeze(2) == beam_tokens.unsqueeze(1)).long().cumprod(-1).bool()  # [B, W, W, L]
+        same &= valid.unsqueeze(2) & valid.unsqueeze(1)
+        beam_idx = torch.arange(w, device=dev)  # [W]
+        rep = torch.where(same, beam_idx.view(1, 1, w, 1), w).amin(2)  # [B, W, L]: first beam sharing the prefix
+        rep = torch.where(valid, rep, beam_idx.view(1, w, 1))  # invalid (w, d) match nothing: point at themselves
+        keep = valid & (rep == beam_idx.view(1, w, 1))  # [B, W, L]: first occurrences become nodes
+        new_idx = keep.view(b, n).long().cumsum(-1) - 1  # [B, W*L]: node index of each kept (w, d)
+        depth_idx = torch.arange(l, device=dev)  # [L]
+        beam_node = new_idx.gather(1, (rep * l + depth_idx).view(b, n)).view(b, w, l)  # [B, W, L]
+        beam_node = torch.where(valid, beam_node, torch.full_like(beam_node, -1))
+        parent = torch.cat([torch.full_like(beam_node[..., :1], -1), beam_node[..., :-1]], -1)  # [B, W, L]
+        dest = torch.where(keep.view(b, n), new_idx, n)  # [B, W*L]: duplicates and padding -> dropped column n
+
+        def place(values: torch.Tensor, fill: int) -> torch.Tensor:
+            """values [B, W, L] -> [B, N]: kept (w, d) written at their node index, `fill` elsewhere."""
+            out = torch.full((b, n + 1), fill, dtype=values.dtype, device=dev)
+            return out.scatter_(1, dest, values.reshape(b, n))[:, :n]
+
+        depths = (depth_idx + 1).expand(b, w, l)
+        tree = DraftTree(place(beam_tokens, 0), place(parent, -1), place(depths, 1), place(keep, False),
+                         depth_bound=l)
+        return tree, beam_node
+
+
+def beam_diversity(tree: DraftTree, beams: int, length: int) -> torch.Tensor:
+    """Distinct valid prefix-tree nodes / (W x L), per sequence [B] float: 1 = all beams differ from the first token,
+    1 / W = all beams identical.
+
+    >>> tree, _ = DraftTree.from_beams(torch.tensor([[[1, 2], [1, 3], [4, 5]], [[1, 2], [1, 2], [1, 2]]]))
+    >>> [round(x, 3) for x in beam_diversity(tree, 3, 2).tolist()]  # 5 of 6 nodes distinct; one chain of 2
+    [0.833, 0.333]
+    """
+    return tree.valid.sum(-1).float() / (beams * length)
 
 
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:

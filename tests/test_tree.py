@@ -1,0 +1,94 @@
+"""Draft trees: beams deduplicated into prefix trees (hand-built cases and the docstring examples)."""
+import doctest
+
+import torch
+
+import workbench.engine.tree as tree_module
+from workbench.engine.tree import DraftTree, ancestor_matrix, beam_diversity
+
+
+def test_docstring_examples():
+    assert doctest.testmod(tree_module).failed == 0
+
+
+def beams(rows: list[list[list[int]]]) -> torch.Tensor:
+    return torch.tensor(rows)  # [B, W, L]
+
+
+def test_identical_beams_collapse_to_one_chain():
+    tree, beam_node = DraftTree.from_beams(beams([[[4, 5, 6]] * 3]))
+    assert tree.num_nodes == 9
+    assert tree.valid[0].int().tolist() == [1, 1, 1] + [0] * 6
+    assert tree.token_ids[0, :3].tolist() == [4, 5, 6]
+    assert tree.parents[0, :3].tolist() == [-1, 0, 1] and tree.depths[0, :3].tolist() == [1, 2, 3]
+    assert beam_node.tolist() == [[[0, 1, 2]] * 3]
+    assert beam_diversity(tree, 3, 3).tolist() == [torch.tensor(1 / 3).item()]
+
+
+def test_shared_prefixes_share_nodes():
+    # beams: a b c | a b d | a e f -> a(0) b(1) c(2) d(3) e(4) f(5)
+    tree, beam_node = DraftTree.from_beams(beams([[[1, 2, 3], [1, 2, 4], [1, 5, 6]]]))
+    n = 6
+    assert tree.token_ids[0, :n].tolist() == [1, 2, 3, 4, 5, 6]
+    assert tree.parents[0, :n].tolist() == [-1, 0, 1, 1, 0, 4]
+    assert tree.depths[0, :n].tolist() == [1, 2, 3, 3, 2, 3]
+    assert tree.valid[0].int().tolist() == [1] * n + [0] * 3
+    assert beam_node.tolist() == [[[0, 1, 2], [0, 1, 3], [0, 4, 5]]]
+    assert tree.max_depth == 3  # static: no host read
+
+
+def test_same_token_under_different_prefixes_is_not_merged():
+    # a b | c b: both beams hold b at depth 2, under different parents
+    tree, beam_node = DraftTree.from_beams(beams([[[1, 2], [3, 2]]]))
+    assert tree.parents[0].tolist() == [-1, 0, -1, 2]
+    assert beam_node.tolist() == [[[0, 1], [2, 3]]]
+    assert beam_diversity(tree, 2, 2).tolist() == [1.0]
+
+
+def test_one_beam_is_the_chain():
+    tokens = beams([[[7, 8, 9, 10]], [[1, 1, 1, 1]]])
+    tree, beam_node = DraftTree.from_beams(tokens)
+    chain = DraftTree.chain(tokens[:, 0])
+    assert tree.is_chain
+    assert torch.equal(tree.parents, chain.parents) and torch.equal(tree.depths, chain.depths)
+    assert torch.equal(tree.token_ids, chain.token_ids)
+    assert beam_node.tolist() == [[[0, 1, 2, 3]], [[0, 1, 2, 3]]]
+
+
+def test_invalid_tails_are_padding():
+    # beam 1 stops after one token (and its tail token would otherwise be new); beam 2 is wholly invalid
+    tokens = beams([[[1, 2, 3], [1, 9, 9], [5, 6, 7]]])
+    valid = torch.tensor([[[True, True, True], [True, False, True], [False, False, False]]])  # not a prefix mask
+    tree, beam_node = DraftTree.from_beams(tokens, valid)
+    assert tree.valid[0].int().tolist() == [1, 1, 1] + [0] * 6
+    assert tree.token_ids[0, :3].tolist() == [1, 2, 3]
+    assert beam_node.tolist() == [[[0, 1, 2], [0, -1, -1], [-1, -1, -1]]]
+    assert (tree.parents[0, 3:] == -1).all() and (tree.depths[0, 3:] == 1).all()
+
+
+def test_batch_of_two_sequences_with_different_structures():
+    tokens = beams([[[1, 2], [1, 3], [4, 5]],  # a b | a c | d e
+                    [[6, 7], [8, 9], [6, 7]]])  # f g | h i | f g
+    tree, beam_node = DraftTree.from_beams(tokens)
+    assert tree.token_ids.tolist() == [[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 0, 0]]
+    assert tree.parents.tolist() == [[-1, 0, 0, -1, 3, -1], [-1, 0, -1, 2, -1, -1]]
+    assert tree.valid.int().tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]]
+    assert beam_node.tolist() == [[[0, 1], [0, 2], [3, 4]], [[0, 1], [2, 3], [0, 1]]]
+    assert torch.allclose(beam_diversity(tree, 3, 2), torch.tensor([5 / 6, 4 / 6]))
+
+
+def test_beam_node_holds_the_beam_and_its_ancestors_are_the_beam_prefix():
+    """Random beams over a small vocabulary (many shared prefixes): every beam is the token path to its nodes."""
+    g = torch.Generator().manual_seed(5)
+    b, w, l = 4, 5, 4
+    tokens = torch.randint(0, 2, (b, w, l), generator=g)
+    tree, beam_node = DraftTree.from_beams(tokens)
+    assert torch.equal(tree.token_ids.gather(1, beam_node.view(b, -1)).view(b, w, l), tokens)
+    parents_of = tree.parents.gather(1, beam_node.view(b, -1)).view(b, w, l)
+    assert torch.equal(parents_of[..., 1:], beam_node[..., :-1]) and (parents_of[..., 0] == -1).all()
+    assert (tree.parents < torch.arange(w * l)).all()  # parents before children
+    anc = ancestor_matrix(tree.parents)  # distinct valid nodes = distinct token paths
+    for s in range(b):
+        paths = {tuple(tree.token_ids[s, anc[s, i]].tolist()) for i in range(w * l) if tree.valid[s, i]}
+        assert len(paths) == int(tree.valid[s].sum())
+        assert len(paths) == len({tuple(tokens[s, j, :d + 1].tolist()) for j in range(w) for d in range(l)})
