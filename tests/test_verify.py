@@ -208,3 +208,108 @@ def test_verifier_greedy_equals_sampled_rule_at_temperature_zero():
     a = Verifier(SamplingParams()).accept(tree, logits)
     b = accept_sampled_chain(tree, probs_from_logits(logits, SamplingParams()), torch.Generator().manual_seed(0))
     assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.emitted, b.emitted)
+
+
+def test_verifier_greedy_settings_route_trees_to_accept_greedy(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("greedy settings must not sample")
+
+    monkeypatch.setattr(verify_module, "accept_sampled_tree", refuse)
+    tree = tree_two_branches()
+    logits = onehot_logits([8, 6, 1, 2, 3, 11])
+    a, b = Verifier(SamplingParams()).accept(tree, logits), accept_greedy(tree, logits)
+    assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.emitted, b.emitted)
+    assert torch.equal(a.path_nodes, b.path_nodes)
+
+
+def beam_tree_with_onehot_target(seed: int) -> tuple[DraftTree, torch.Tensor]:
+    """Random beams over 3 tokens, deduplicated (no two siblings share a token), and a one-hot target [B, 1+N, 3]."""
+    g = torch.Generator().manual_seed(seed)
+    tree, _ = DraftTree.from_beams(torch.randint(0, 3, (6, 4, 3), generator=g))
+    target_logits = torch.randn(6, 1 + tree.num_nodes, 3, generator=g)
+    return tree, torch.nn.functional.one_hot(target_logits.argmax(-1), 3).float()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sampled_tree_with_onehot_target_is_the_greedy_rule(seed):
+    """A one-hot target leaves nothing to chance: the sampled rule must take the greedy path and token."""
+    tree, target_probs = beam_tree_with_onehot_target(seed)
+    a = accept_sampled_tree(tree, target_probs, torch.Generator().manual_seed(seed))
+    b = accept_greedy(tree, target_probs)
+    assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.emitted, b.emitted)
+    assert torch.equal(a.path_nodes, b.path_nodes)
+
+
+@pytest.mark.parametrize("draft_probs", [False, True], ids=["candidates", "drafted-from-q"])
+def test_sampled_tree_makes_no_host_sync(monkeypatch, draft_probs):
+    """No .tolist() / .item() / bool(tensor) / int(tensor) during acceptance of a tree with a static depth bound."""
+    tree, target_probs = beam_tree_with_onehot_target(0)
+    target_probs = (target_probs + 0.1).softmax(-1)
+    if draft_probs:
+        tree.draft_probs = torch.full(tree.token_ids.shape + (3,), 1 / 3)
+
+    def sync(*args):
+        raise AssertionError("host sync")
+
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    accept_sampled_tree(tree, target_probs, torch.Generator().manual_seed(0))
+    monkeypatch.undo()
+
+
+# beams as sibling ranks: root -> 3 children; the first -> 2 children; its first -> 2 children (depth 3)
+BEAM_RANKS = torch.tensor([[0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [2, 0, 0]])  # [W, L]
+
+
+def beam_tree_pvalues(accept=None) -> list[float]:
+    """Deterministic top-k-like beams (the beam / top-k drafter case), deduplicated by DraftTree.from_beams, verified by
+    `accept` (default: the real rule). p-values for: the first emitted token; the second given the path went through
+    the root's first child a; the third given a then its first child d; the bonus after d's first child f."""
+    g = torch.Generator().manual_seed(7)
+    params = SamplingParams(temperature=1.0)
+    n = 20000
+    w, l = BEAM_RANKS.shape
+    _, beam_node = DraftTree.from_beams(BEAM_RANKS.unsqueeze(0) * 10 + torch.arange(l))  # the shape: rank paths
+    target_logits = torch.randn(1, 1 + w * l, V, generator=g) * 2.0
+    p = probs_from_logits(target_logits[0], params)  # [1+N, V]
+    parent_row = torch.cat([torch.zeros(w, 1, dtype=torch.long), beam_node[0, :, :-1] + 1], 1)  # [W, L]
+    beams = p[parent_row].argsort(-1, descending=True).gather(-1, BEAM_RANKS.unsqueeze(-1)).squeeze(-1)  # top-k
+    tree, node = DraftTree.from_beams(beams.unsqueeze(0).expand(n, w, l))
+    assert torch.equal(node[0], beam_node[0])
+    acc = (accept or accept_sampled_tree)(tree, probs_from_logits(target_logits.expand(n, -1, -1), params), g)
+    a, d, f = beam_node[0, 0].tolist()
+    pvalues = [chi_square_pvalue(torch.bincount(acc.emitted[:, 0], minlength=V).float(), p[0])]
+    for depth, (cond, row) in enumerate([(acc.path_nodes[:, 0] == a, a + 1), (acc.path_nodes[:, 1] == d, d + 1),
+                                         (acc.path_nodes[:, 2] == f, f + 1)], start=1):
+        following = acc.emitted[cond, depth]
+        assert following.numel() > 500
+        pvalues.append(chi_square_pvalue(torch.bincount(following, minlength=V).float(), p[row]))
+    return pvalues
+
+
+def test_sampled_beam_tree_follows_target():
+    """3 candidates at the root, 2 under the first, 2 under its first (depth 3): every emitted token follows p."""
+    assert min(beam_tree_pvalues()) > 1e-3
+
+
+def _tree_resample_from_p(tree, target_probs, g):
+    """Lossy: after a rejection, keep p instead of norm(max(p - q, 0)) (a rejected candidate may come back)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(verify_module, "_residual", lambda p, q: p)
+        return accept_sampled_tree(tree, target_probs, g)
+
+
+def _tree_bonus_from_parent_row(tree, target_probs, g):
+    """Lossy: the bonus after a path accepted to depth 3 is drawn from the row of the leaf's parent."""
+    acc = accept_sampled_tree(tree, target_probs, g)
+    full = acc.num_accepted == 3
+    parent_rows = target_probs[full].gather(1, (acc.path_nodes[full, 1] + 1).view(-1, 1, 1).expand(-1, 1, V))
+    acc.emitted[full, 3] = torch.multinomial(parent_rows.squeeze(1), 1, generator=g)[:, 0]
+    return acc
+
+
+@pytest.mark.parametrize("lossy", [_tree_resample_from_p, _tree_bonus_from_parent_row],
+                         ids=["resample-from-p", "bonus-row"])
+def test_sampled_beam_tree_check_detects_lossy_rules(lossy):
+    """The beam-tree check has power: lossy tree rules are rejected."""
+    assert min(beam_tree_pvalues(lossy)) < 1e-6

@@ -117,50 +117,60 @@ def accept_sampled_chain(tree: DraftTree, target_probs: torch.Tensor,
     return _assemble(tree, on_path, sample(final, generator))
 
 
+def _row(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows [B, M, V], index [B] -> rows[b, index[b]] [B, V]."""
+    return rows.gather(1, index.view(-1, 1, 1).expand(-1, 1, rows.shape[-1])).squeeze(1)
+
+
 def accept_sampled_tree(tree: DraftTree, target_probs: torch.Tensor,
                         generator: torch.Generator | None) -> Acceptance:
-    """Multi-candidate rejection sampling over a general tree (SpecInfer-style), walking each sequence's tree.
+    """Multi-candidate rejection sampling over a general tree (SpecInfer-style), vectorised (no host sync).
 
-    This walk reads the tree on the host: one sync per step, acceptable for trees; chains use the vectorised rule.
+    target_probs [B, 1+N, V]; tree.draft_probs [B, N, V] or None (one-hot candidates). Every sequence walks down from
+    the root in lockstep, one depth per round; within a round the current node's children are tried in node order,
+    one sibling rank per inner round, with masked updates. A Python loop over depth and sibling rank only: both
+    bounds are static (tree.max_depth, and N - depth + 1 since a node's ancestors are not its siblings).
     """
     b, n = tree.token_ids.shape
-    parents = tree.parents.tolist()
-    tokens = tree.token_ids.tolist()
-    valid = tree.valid.tolist()
-    on_path = torch.zeros(b, n, dtype=torch.bool)
-    last = torch.zeros(b, dtype=torch.long)
-    dev = target_probs.device
-    for s in range(b):
-        children: dict[int, list[int]] = {}
-        for i in range(n):
-            if valid[s][i]:
-                children.setdefault(parents[s][i], []).append(i)
-        node = -1
-        p = target_probs[s, 0]
-        while True:
-            kids = children.get(node, [])
-            moved = False
-            for c in kids:
-                x = tokens[s][c]
-                q = tree.draft_probs[s, c] if tree.draft_probs is not None else None
-                q_x = q[x] if q is not None else torch.ones((), device=dev)
-                u = torch.rand((), device=dev, generator=generator)
-                if bool(u * q_x < p[x]):
-                    on_path[s, c] = True
-                    node = c
-                    p = target_probs[s, c + 1]
-                    moved = True
-                    break
-                q_full = q if q is not None else torch.nn.functional.one_hot(torch.tensor(x, device=dev), p.shape[-1]).float()
-                p = _residual(p, q_full)
-            if not moved:
-                last[s] = sample(p, generator)
-                break
-    return _assemble(tree, on_path.to(dev), last.to(dev))
+    dev = tree.token_ids.device
+    node_idx = torch.arange(n, device=dev)  # [N]
+    current = torch.full((b,), -1, dtype=torch.long, device=dev)  # [B] node the walk stands on, -1 = root
+    p = target_probs[:, 0]  # [B, V]: target distribution at the current node, less the rejected children's q
+    walking = torch.ones(b, dtype=torch.bool, device=dev)  # [B] still moving down
+    final = p  # [B, V]: where the recovered / bonus token is sampled from
+    on_path = torch.zeros(b, n, dtype=torch.bool, device=dev)  # [B, N]
+    for depth in range(1, tree.max_depth + 1):
+        children = tree.valid & (tree.parents == current.unsqueeze(1)) & walking.unsqueeze(1)  # [B, N]
+        rank = children.long().cumsum(-1) - 1  # [B, N]: sibling order = node order
+        moved_to = torch.full_like(current, -1)  # [B] accepted child, -1 = none yet
+        for r in range(n - depth + 1):
+            is_r = children & (rank == r)  # [B, N]: at most one True per row
+            trying = is_r.any(-1) & (moved_to < 0)  # [B]
+            child = _first_max_index(is_r.long())  # [B]; meaningless where not trying
+            draft_token_ids = tree.token_ids.gather(1, child.unsqueeze(1))  # [B, 1]
+            if tree.draft_probs is not None:
+                q = _row(tree.draft_probs, child)  # [B, V]
+            else:
+                q = torch.nn.functional.one_hot(draft_token_ids.squeeze(1), p.shape[-1]).to(p.dtype)
+            p_x = p.gather(1, draft_token_ids).squeeze(1)  # [B]
+            q_x = q.gather(1, draft_token_ids).squeeze(1)  # [B]
+            u = torch.rand(b, device=dev, generator=generator)
+            accepted = trying & (u * q_x < p_x)  # [B]
+            moved_to = torch.where(accepted, child, moved_to)
+            p = torch.where((trying & ~accepted).unsqueeze(1), _residual(p, q), p)
+        moved = moved_to >= 0  # [B]
+        stopping = walking & ~moved  # [B]: every child rejected (recovered token) or a leaf (bonus token)
+        final = torch.where(stopping.unsqueeze(1), p, final)
+        on_path |= moved.unsqueeze(1) & (node_idx == moved_to.unsqueeze(1))
+        current = torch.where(moved, moved_to, current)
+        p = torch.where(moved.unsqueeze(1), _row(target_probs, current + 1), p)
+        walking = moved
+    final = torch.where(walking.unsqueeze(1), p, final)  # accepted down to the deepest level: bonus token
+    return _assemble(tree, on_path, sample(final, generator))
 
 
 class Verifier:
-    """Picks the rule for the step: greedy, vectorised chain sampling, or the tree walk."""
+    """Picks the rule for the step: greedy, vectorised chain sampling, or vectorised tree sampling."""
 
     def __init__(self, params: SamplingParams, generator: torch.Generator | None = None):
         self.params = params
