@@ -101,7 +101,7 @@ class _Buffers:
         self.real = 0  # rows [0, real) may hold a live row's values
         self.rows_host: list[int] | None = None  # what buf["rows"] holds for the live rows (skips equal copies)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None  # the graph's output
+        self.out: torch.Tensor | tuple | None = None  # the graph's output (a tensor or a tuple of tensors)
 
     def load(self, b: int, inputs: dict[str, torch.Tensor | None], rows_host: list[int] | None) -> None:
         """inputs name -> [b, ...] (None: keep what the buffer holds, e.g. a constant); rows past b padded."""
@@ -116,8 +116,13 @@ class _Buffers:
         self.real = b
 
 
+def _rows(out, b: int):
+    """The first b rows of a step's output: a tensor, or each tensor of a tuple (e.g. (logits, hidden))."""
+    return tuple(o[:b] for o in out) if isinstance(out, tuple) else out[:b]
+
+
 class FixedShapeStep:
-    """`body(**buffers) -> Tensor` over persistent per-row buffers padded to a batch bucket.
+    """`body(**buffers) -> Tensor` (or a tuple of tensors) over persistent per-row buffers padded to a batch bucket.
 
     `pads(key)` gives, per input name, the value a padding row holds (one row's shape; `key` names what else fixes the
     shapes, e.g. T). On a GPU with `cuda_graphs` each (bucket, key) is captured once and replayed; otherwise the body
@@ -161,11 +166,11 @@ class FixedShapeStep:
         self.stats.real_rows += b
         self.stats.padded_rows += size - b
         if not self._capture:
-            return self._fn(**bufs.buf)[:b]
+            return _rows(self._fn(**bufs.buf), b)
         if bufs.graph is None:
             self._record(bufs, key)
         bufs.graph.replay()
-        return bufs.out[:b]
+        return _rows(bufs.out, b)
 
     def capture(self, size: int, key) -> None:
         """Capture (GPU) the (size, key) bucket ahead of use, with padding rows only, so that no capture lands in a
@@ -221,13 +226,14 @@ class ModelStep:
 
     Eager when the settings are not fixed-shape (the cache plans and prepares the live span), else a
     `FixedShapeStep` over the cache's `static_span`. `last_only` returns each row's last-token logits ([B, V],
-    drafting) instead of all ([B, T, V], verify).
+    drafting) instead of all ([B, T, V], verify). `with_hidden` returns (logits, hidden [B, T, H]) (or [B, H] with
+    last_only): the final hidden states that feature-based drafters read.
     """
 
     def __init__(self, model, cache, settings: GraphSettings, device: torch.device, name: str,
-                 last_only: bool = False):
+                 last_only: bool = False, with_hidden: bool = False):
         self.model, self.cache, self.settings, self.device = model, cache, settings, torch.device(device)
-        self.last_only = last_only
+        self.last_only, self.with_hidden = last_only, with_hidden
         self.fixed = FixedShapeStep(name, self._fixed_shape, self._pads, settings, device)
 
     @property
@@ -241,10 +247,14 @@ class ModelStep:
     def _pads(self, num_new: int) -> dict[str, torch.Tensor]:
         return model_step_pads(num_new, self.cache.pad_row, self.device)
 
-    def logits(self, ids, positions) -> torch.Tensor:
-        """The model over the prepared cache -> logits [B, T, V] (or [B, V] with last_only)."""
+    def logits(self, ids, positions) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The model over the prepared cache -> logits [B, T, V] (or [B, V] with last_only); with `with_hidden`,
+        (logits, hidden) with hidden [B, T, H] (or [B, H])."""
         hidden = self.model(ids, positions, self.cache)
-        return self.model.compute_logits(hidden[:, -1] if self.last_only else hidden)
+        if self.last_only:
+            hidden = hidden[:, -1]
+        logits = self.model.compute_logits(hidden)
+        return (logits, hidden) if self.with_hidden else logits
 
     def _fixed_shape(self, ids, positions, rows, base, mask, valid) -> torch.Tensor:
         """Reads only its arguments and the cache's persistent tensors: what a CUDA graph captures."""

@@ -21,6 +21,10 @@ host planning (block allocation, row bookkeeping, retiring finished rows) and de
 buffers, so with `cuda_graphs` the verify pass (per batch bucket and node count) and the draft model's forwards replay
 captured graphs. Greedy chains go further: verify, accept and the state update are one captured step (so `accept`
 above then only unpacks its result).
+
+Feature-based drafters (`Drafter.wants_hidden`, e.g. ReDrafter) get the target's final hidden states: the prompts' at
+prefill, and after each step those of the tokens it committed (verify rows 0 and 1 + path nodes); their steps take the
+unfused path, whose verify step then returns (logits, hidden).
 """
 from __future__ import annotations
 
@@ -177,7 +181,7 @@ class SpecEngine:
         sizes = [s for s in self.config.graph_batch_sizes if top is not None and s <= top]
         with torch.inference_mode():
             for size in sizes:
-                if self._fused_accept(chain=True):
+                if self._fused_accept(self._chains()):
                     self.accept_step.capture(size, self.num_nodes)
                 else:
                     self.target_step.capture(size, 1 + self.num_nodes)
@@ -188,6 +192,13 @@ class SpecEngine:
         """Size the caches now for batches of up to `rows` prompts of up to `max_prompt_len` tokens at the configured
         max_new_tokens (e.g. before a short warm-up, so that graphs captured then stay valid for the timed runs)."""
         self._reserve([max_prompt_len] * rows)
+
+    def _wants_hidden(self) -> bool:
+        return self.drafter is not None and self.drafter.wants_hidden
+
+    def _chains(self) -> bool:
+        """Every step's tree is a chain whose verify needs no hidden states (what the fused step can serve)."""
+        return self.drafter is None or (self.drafter.proposes_chains and not self.drafter.wants_hidden)
 
     def _fused_accept(self, chain: bool) -> bool:
         """Greedy acceptance of a chain runs inside the fixed-shape verify step (one graph, no extra launches)."""
@@ -215,7 +226,8 @@ class SpecEngine:
                                 attention=cfg.attention)
         self.tokens = torch.zeros(rows + 1, max_len + self.num_nodes + 2, dtype=torch.long, device=self.device)
         self.kv_len = torch.full((rows + 1,), PAD_LEN, dtype=torch.long, device=self.device)
-        self.target_step = ModelStep(self.target, self.cache, cfg.graphs, self.device, "target")
+        self.target_step = ModelStep(self.target, self.cache, cfg.graphs, self.device, "target",
+                                     with_hidden=self._wants_hidden())
         self.accept_step = FixedShapeStep("target+accept", self._verify_accept, self._verify_pads, cfg.graphs,
                                           self.device, state=lambda: [self.tokens, self.kv_len])
 
@@ -286,7 +298,10 @@ class SpecEngine:
                                                 sampling=cfg.sampling, generator=gen, paged=cfg.paged,
                                                 kv_block_size=cfg.kv_block_size, graphs=cfg.graphs,
                                                 attention=cfg.attention))
-                self.drafter.prefill(state, padded, positions)
+                if self._wants_hidden():
+                    self.drafter.prefill(state, padded, positions, hidden=hidden)
+                else:
+                    self.drafter.prefill(state, padded, positions)
         for i, n in enumerate(plen):
             cache.truncate(i, n)  # drop the padding's KV (and, paged, its blocks)
         first_host = first.tolist()
@@ -305,7 +320,7 @@ class SpecEngine:
             state.rows, state.rows_host = live_t, live
             state.kv_len_host = [len(state.tokens_host[r]) - 1 for r in live]
             base_host = state.kv_len_host
-            fused = self._fused_accept(self.drafter is None or self.drafter.proposes_chains)
+            fused = self._fused_accept(self._chains())
             if not fused or (self.drafter is not None and self.drafter.reads_kv_len):
                 state.kv_len = kv_len_all[live_t]
             base = state.kv_len
@@ -323,6 +338,8 @@ class SpecEngine:
                     offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
                     logits = target_step(live_t, live, ids, base.unsqueeze(1) + offsets, base, base_host,
                                          verify_mask(tree))  # [B, 1+N, V]
+                    if self._wants_hidden():
+                        logits, verify_hidden = logits  # verify_hidden [B, 1+N, H]
             with timer.phase("accept"):
                 if fused:  # a chain's accepted path is its first num_accepted nodes: no path needed (no KV move)
                     acc = Acceptance(packed_dev[:, 0], tree.parents[:, :0], packed_dev[:, 2:])
@@ -364,7 +381,12 @@ class SpecEngine:
                         still.append(row)
                 if self.drafter is not None:
                     state.kv_len_host = [len(state.tokens_host[r]) - 1 for r in live]
-                    self.drafter.commit(state, acc, base_host)
+                    if self._wants_hidden():  # the committed tokens' hidden: root (row 0), accepted nodes (1 + node)
+                        src = torch.cat([torch.zeros_like(acc.path_nodes[:, :1]), 1 + acc.path_nodes], 1)  # -1 -> 0
+                        committed = verify_hidden.gather(1, src.unsqueeze(-1).expand(-1, -1, verify_hidden.shape[-1]))
+                        self.drafter.commit(state, acc, base_host, hidden=committed)  # [B, 1 + D, H]
+                    else:
+                        self.drafter.commit(state, acc, base_host)
                 for row in still:
                     cache.truncate(row, len(state.tokens_host[row]) - 1)
             result.steps.append(rec)

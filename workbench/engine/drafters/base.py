@@ -8,10 +8,14 @@ runs: it calls these methods in this order, for one generation:
                                   settings; a drafter keeps what it allocated (its KV cache, captured graphs) across
                                   generations when the new sizes fit
     prefill(state, ids, pos)      once: the prompts (right-padded ids [B, P], positions [B, P]); state.kv_len = lengths
+                                  (a drafter with `wants_hidden` also gets hidden= the target's [B, P, H], right-padded)
     repeat until every sequence is done:
         tree = propose(state)     -> DraftTree over state.rows (same order); no host sync expected (ngram excepted)
         ...target verifies...
         commit(state, acc, old)   after the engine moved state.kv_len forward; `old` is the kv_len before the step
+                                  (with `wants_hidden` also hidden= [B, 1 + D, H]: the target's final hidden states
+                                  of the tokens the step committed, the root then the accepted nodes; entry
+                                  acc.num_accepted is the last committed token's, entries past it are padding)
     release(row)                  a sequence finished: free its storage
 
 Rules every drafter must keep (the conformance tests check them):
@@ -68,18 +72,26 @@ class Drafter(ABC):
     model_forwards_per_step: int = 0  # drafter model passes per step (for the draft/target cost ratio)
     proposes_chains: bool = True  # every DraftTree it returns is a chain (lets greedy acceptance fuse into verify)
     reads_kv_len: bool = True  # propose reads state.kv_len (else the engine skips gathering it)
+    # feature-based drafters (ReDrafter, EAGLE): prefill and commit receive the target's final hidden states (hidden=);
+    # the engine then verifies through its unfused path (the fused greedy chain step returns no hidden states)
+    wants_hidden: bool = False
 
     def setup(self, ctx: DraftContext) -> None:
         self.ctx = ctx
 
-    def prefill(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """prompt_ids, positions [B, P] right-padded; the true lengths are state.kv_len."""
+    def prefill(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> None:
+        """prompt_ids, positions [B, P] right-padded; the true lengths are state.kv_len. With `wants_hidden`: also
+        hidden= [B, P, H], the target's final hidden states of the prompts (right-padded like the ids)."""
 
     @abstractmethod
     def propose(self, state: BatchState) -> DraftTree: ...
 
-    def commit(self, state: BatchState, acc, old_kv_len_host: list[int]) -> None:
-        """state already reflects the accepted tokens; acc is the verifier's Acceptance for state.rows."""
+    def commit(self, state: BatchState, acc, old_kv_len_host: list[int],
+               hidden: torch.Tensor | None = None) -> None:
+        """state already reflects the accepted tokens; acc is the verifier's Acceptance for state.rows. With
+        `wants_hidden`: also hidden= [B, 1 + D, H], the committed tokens' target hidden states (root, accepted
+        nodes)."""
 
     def release(self, row: int) -> None:
         pass
