@@ -2,5 +2,7 @@
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
 from workbench.engine.drafters.draft_model import DraftModelDrafter
 from workbench.engine.drafters.ngram import NgramDrafter, lookup
+from workbench.engine.drafters.redrafter import RedrafterDrafter, RedrafterHead
 
-__all__ = ["BatchState", "DraftContext", "Drafter", "DraftModelDrafter", "NgramDrafter", "lookup"]
+__all__ = ["BatchState", "DraftContext", "Drafter", "DraftModelDrafter", "NgramDrafter", "RedrafterDrafter", "RedrafterHead",
+           "lookup"]

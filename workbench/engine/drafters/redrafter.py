@@ -1,0 +1,236 @@
+"""ReDrafter (Cheng et al. 2024, arXiv 2403.09919): a small recurrent head over the target's hidden states drafts W
+beams of L tokens by beam search; the beams are merged into one prefix tree (`DraftTree.from_beams`) and verified.
+
+The head's recurrence, per beam, from the target's final hidden state h of the last committed token:
+    s_0 = h;   s_d, f_d = head(s_{d-1}, embed(x_{d-1}), h)   with x_0 = the root and embed = the TARGET's embedding
+    logits_d = target.compute_logits(f_d)                       (the TARGET's LM head: the head owns no vocabulary)
+Beam search keeps the W best prefixes by summed log-probability at every depth. With greedy settings the log-probs are
+the plain log-softmax; with sampled settings they come from `sampling.probs_from_logits` with the target's own
+temperature / top-k / top-p ("temperature consistency"). Either way the beams are deterministic candidates
+(`draft_probs` None), which the verifier treats as one-hot q: lossless. `diversity_penalty` > 0 picks a depth's W
+beams one at a time, each candidate's score lowered by penalty x (number of beams already picked at this depth with
+the same token); a beam keeps its log-probability as its score.
+
+Example: W = 2, L = 2, depth 1 picks tokens a, b (beams [a], [b]); depth 2 extends them to the 2 best of all
+children, say [a, c] and [a, d] -> tree nodes a, c, d with parents -1, 0, 0 (the beam [b] fell out). W = 1 is a
+chain (plain greedy drafting with the head).
+
+The drafter keeps one tensor of state, `last_hidden` [R + 1, H]: per cache row, the target's hidden state of its
+last committed token (set at prefill and by every commit, from what the engine hands over with `wants_hidden`). The
+whole beam search reads only `last_hidden`, the row ids and the roots, so with fixed shapes it is one step (one CUDA
+graph per batch bucket on a GPU). The head here is untrained unless loaded (`RedrafterHead.load`); an untrained head
+drafts poorly (little is accepted) but the output is still exactly the target's.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
+from workbench.engine.graphs import FixedShapeStep
+from workbench.engine.sampling import probs_from_logits
+from workbench.engine.tree import DraftTree
+
+HEAD_CONFIG, HEAD_WEIGHTS = "config.json", "model.safetensors"
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int  # H: the target's hidden size (the recurrent state and the features have it)
+    embed_size: int  # the target's token-embedding width (= H for Llama-family models)
+
+
+class RedrafterHead(nn.Module):
+    """The recurrent draft head: a GRU cell over the previous token's (target) embedding, and a residual MLP over
+    [s_d; h] that makes the features the target's LM head reads.
+
+        s_d = GRUCell(embed(x_{d-1}), s_{d-1})               # [..., H]
+        f_d = s_d + W_2 silu(W_1 [s_d; h])                   # [..., H]
+    """
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        h, e = config.hidden_size, config.embed_size
+        self.cell = nn.GRUCell(e, h)
+        self.up = nn.Linear(2 * h, h)
+        self.down = nn.Linear(h, h)
+
+    @classmethod
+    def for_target(cls, target, seed: int = 0, std: float = 0.02) -> "RedrafterHead":
+        """An untrained head sized for `target`, initialised deterministically from `seed`, in its dtype and device."""
+        c = target.config
+        head = cls(HeadConfig(c.hidden_size, c.hidden_size))
+        head.reset_parameters(seed, std)
+        p = next(target.parameters())
+        return head.to(device=p.device, dtype=p.dtype).eval()
+
+    def reset_parameters(self, seed: int = 0, std: float = 0.02) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for w in self.parameters():
+                w.copy_(torch.randn(w.shape, generator=g) * std)
+
+    def forward(self, state: torch.Tensor, prev_embed: torch.Tensor,
+                anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """state [M, H], prev_embed [M, E], anchor [M, H] (the target's hidden h) -> (state [M, H], features [M, H])."""
+        state = self.cell(prev_embed, state)
+        features = state + self.down(nn.functional.silu(self.up(torch.cat([state, anchor], -1))))
+        return state, features
+
+    def save(self, path: str | Path) -> None:
+        """<path>/config.json + <path>/model.safetensors (float32 copies are not made: the dtype is kept)."""
+        from safetensors.torch import save_file
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / HEAD_CONFIG).write_text(json.dumps({"type": "redrafter", **asdict(self.config)}, indent=2) + "\n")
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / HEAD_WEIGHTS))
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str = "cpu",
+             dtype: torch.dtype | None = None) -> "RedrafterHead":
+        from safetensors.torch import load_file
+
+        src = Path(path)
+        for name in (HEAD_CONFIG, HEAD_WEIGHTS):
+            if not (src / name).is_file():
+                raise FileNotFoundError(f"ReDrafter head {src}: missing {name} (a head folder holds {HEAD_CONFIG} "
+                                        f"and {HEAD_WEIGHTS}, as RedrafterHead.save writes them)")
+        raw = json.loads((src / HEAD_CONFIG).read_text())
+        head = cls(HeadConfig(int(raw["hidden_size"]), int(raw["embed_size"])))
+        head.load_state_dict(load_file(str(src / HEAD_WEIGHTS)))
+        return head.to(device=device, dtype=dtype).eval()
+
+
+class RedrafterDrafter(Drafter):
+    name = "redrafter"
+    wants_hidden = True
+
+    def __init__(self, head: RedrafterHead, target, beam_width: int = 2, beam_length: int = 4,
+                 diversity_penalty: float = 0.0):
+        if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
+            raise ValueError(f"beam_width (beams W) must be a whole number >= 1, got {beam_width!r}")
+        if isinstance(beam_length, bool) or not isinstance(beam_length, int) or beam_length < 1:
+            raise ValueError(f"beam_length (draft depth L) must be a whole number >= 1, got {beam_length!r}")
+        if not (isinstance(diversity_penalty, (int, float)) and math.isfinite(diversity_penalty)
+                and diversity_penalty >= 0):
+            raise ValueError(f"diversity_penalty must be a finite number >= 0, got {diversity_penalty!r}")
+        if head.config.hidden_size != target.config.hidden_size:
+            raise ValueError(f"ReDrafter head has hidden size {head.config.hidden_size}, the target "
+                             f"{target.config.hidden_size}: the head must be trained for this target")
+        self.head, self.target = head, target
+        self.beam_width, self.beam_length, self.diversity_penalty = beam_width, beam_length, float(diversity_penalty)
+        self.num_nodes = beam_width * beam_length
+        self.model_forwards_per_step = beam_length  # head evaluations (each over W beams)
+        self.proposes_chains = beam_width == 1
+        self.last_hidden: torch.Tensor | None = None  # [R + 1, H]: the last committed token's target hidden state
+        self.step: FixedShapeStep | None = None  # the whole beam search as one fixed-shape step
+        self._step_key = None
+
+    def setup(self, ctx: DraftContext) -> None:
+        super().setup(ctx)
+        c = self.target.config
+        dtype = next(self.target.parameters()).dtype
+        if self.last_hidden is None or self.last_hidden.shape[0] != ctx.max_rows + 1 \
+                or self.last_hidden.device != torch.device(ctx.device):
+            self.step = self._step_key = None  # a captured search reads the old buffer: drop it first
+            self.last_hidden = torch.zeros(ctx.max_rows + 1, c.hidden_size, dtype=dtype, device=ctx.device)
+        key = (ctx.graphs, ctx.sampling)  # the search bakes the sampling settings in (greedy vs tempered log-probs)
+        if ctx.graphs.fixed_shape and key != self._step_key:
+            self.step = FixedShapeStep("redrafter", self._search, self._pads, ctx.graphs, ctx.device)
+            self._step_key = key
+        elif not ctx.graphs.fixed_shape:
+            self.step = self._step_key = None
+
+    def _pads(self, key) -> dict[str, torch.Tensor]:
+        dev = self.ctx.device
+        return {"rows": torch.tensor(self.ctx.max_rows, device=dev), "root": torch.tensor(0, device=dev)}
+
+    def prefill(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> None:
+        b = prompt_ids.shape[0]
+        self.last_hidden[state.rows] = hidden[torch.arange(b, device=hidden.device), state.kv_len - 1]
+
+    def commit(self, state: BatchState, acc, old_kv_len_host: list[int],
+               hidden: torch.Tensor | None = None) -> None:
+        b = hidden.shape[0]
+        self.last_hidden[state.rows] = hidden[torch.arange(b, device=hidden.device), acc.num_accepted]
+
+    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] -> float32 log-probabilities that score the beams (-inf where top-k / top-p cut)."""
+        if self.ctx.sampling.greedy:
+            return torch.log_softmax(logits.float(), -1)
+        return probs_from_logits(logits, self.ctx.sampling).log()
+
+    def _select(self, cand: torch.Tensor, vocab: int) -> torch.Tensor:
+        """cand [B, W*V] scores of (parent beam, token) -> [B, W] indices of the kept candidates, best first."""
+        w = self.beam_width
+        if self.diversity_penalty == 0.0:
+            return cand.topk(w, -1).indices
+        b = cand.shape[0]
+        finite = torch.where(torch.isneginf(cand), torch.full_like(cand, -1e30), cand)  # -inf: below any real one
+        taken = torch.zeros_like(cand, dtype=torch.bool)
+        same_token = torch.zeros(b, vocab, device=cand.device)  # [B, V]: beams picked at this depth per token
+        picked = []
+        for _ in range(w):
+            score = finite - self.diversity_penalty * same_token.repeat(1, w)
+            idx = score.masked_fill(taken, float("-inf")).argmax(-1)  # [B]
+            picked.append(idx)
+            taken.scatter_(1, idx.unsqueeze(1), True)
+            same_token.scatter_add_(1, (idx % vocab).unsqueeze(1), torch.ones(b, 1, device=cand.device))
+        return torch.stack(picked, 1)
+
+    def _search(self, rows: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+        """rows [B], root [B] -> beam tokens [B, W, L]. Reads only `last_hidden` (what a CUDA graph captures)."""
+        w, length = self.beam_width, self.beam_length
+        embed = self.target.model.embed_tokens
+        anchor = self.last_hidden[rows]  # [B, H]
+        b, h = anchor.shape
+        anchor = anchor.unsqueeze(1).expand(b, w, h).reshape(b * w, h)  # [B*W, H]
+        state = anchor  # s_0 = h
+        prev = root.unsqueeze(1).expand(b, w).reshape(b * w)  # [B*W]
+        # [B, W]: only beam 0 is live before depth 1, so depth 1 picks W distinct children of the root
+        score = torch.full((b, w), float("-inf"), device=rows.device)
+        score[:, 0] = 0.0
+        beams = torch.zeros(b, w, 0, dtype=torch.long, device=rows.device)
+        for d in range(length):
+            state, features = self.head(state, embed(prev), anchor)  # [B*W, H] each
+            logp = self.log_probs(self.target.compute_logits(features)).view(b, w, -1)  # [B, W, V]
+            vocab = logp.shape[-1]
+            cand = (score.unsqueeze(-1) + logp).view(b, w * vocab)  # [B, W*V]
+            idx = self._select(cand, vocab)  # [B, W]
+            parent, token = idx // vocab, idx % vocab
+            score = cand.gather(1, idx)
+            beams = torch.cat([beams.gather(1, parent.unsqueeze(-1).expand(-1, -1, d)), token.unsqueeze(-1)], -1)
+            state = state.view(b, w, h).gather(1, parent.unsqueeze(-1).expand(-1, -1, h)).reshape(b * w, h)
+            prev = token.reshape(b * w)
+        return beams
+
+    def beam_tokens(self, state: BatchState) -> torch.Tensor:
+        """The step's W beams of L tokens for state.rows: [B, W, L] long."""
+        if self.step is not None:
+            return self.step(0, len(state.rows_host), {"rows": state.rows, "root": state.root}, state.rows_host)
+        return self._search(state.rows, state.root)
+
+    def propose(self, state: BatchState) -> DraftTree:
+        tree, _ = DraftTree.from_beams(self.beam_tokens(state))
+        return tree
+
+    def capture_graphs(self, sizes: list[int]) -> None:
+        if self.step is not None:
+            for size in sizes:
+                self.step.capture(size, 0)
+
+    def model_steps(self) -> list:
+        return [self.step] if self.step is not None else []
+
+    @property
+    def settings(self) -> dict:
+        return {"beam_width": self.beam_width, "beam_length": self.beam_length,
+                "diversity_penalty": self.diversity_penalty}
