@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.test_verify import chi_square_pvalue
-from workbench.engine.drafters import DraftModelDrafter, NgramDrafter
+from workbench.engine.drafters import DraftModelDrafter, NgramDrafter, RedrafterDrafter, RedrafterHead
 from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from workbench.models import CausalAttention, LlamaModel, ModelConfig
@@ -62,10 +62,16 @@ def make_drafter(kind, draft_model, target_model):
         return DraftModelDrafter(noisy, k=4)
     if kind == "ngram":
         return NgramDrafter(k=3, min_n=1, max_n=3)
+    if kind.startswith("redrafter"):  # an untrained head: few drafts accepted, but trees, hidden states, KV moves run
+        w, length, penalty = {"redrafter-w1": (1, 4, 0.0), "redrafter-w3": (3, 3, 0.0),
+                              "redrafter-diverse": (3, 2, 1.0)}[kind]
+        return RedrafterDrafter(RedrafterHead.for_target(target_model, seed=4, std=0.3), target_model, w, length,
+                                penalty)
     raise ValueError(kind)
 
 
-DRAFTERS = ["ar", "draft", "self-draft", "noisy-self-draft", "ngram"]
+DRAFTERS = ["ar", "draft", "self-draft", "noisy-self-draft", "ngram", "redrafter-w1", "redrafter-w3",
+            "redrafter-diverse"]
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
@@ -162,7 +168,7 @@ def test_bad_settings_raise_before_work(target, draft):
         SamplingParams(temperature=1.0, top_p=0.0)
 
 
-@pytest.mark.parametrize("kind", ["draft", "ngram"])
+@pytest.mark.parametrize("kind", ["draft", "ngram", "redrafter"])
 def test_sampled_speculation_follows_target_distribution(kind, target, draft):
     """End to end, temperature 1: the joint of the first two generated tokens after the prefill token, from a batch
     of identical prompts, matches the target's exact joint distribution (chi-square)."""
@@ -171,7 +177,11 @@ def test_sampled_speculation_follows_target_distribution(kind, target, draft):
     params = SamplingParams(temperature=1.0)
     prompt = [1, 2, 3, 1, 2]
     n = 3000
-    drafter = DraftModelDrafter(small_draft, k=3) if kind == "draft" else NgramDrafter(k=3, min_n=1, max_n=2)
+    drafter = {"draft": lambda: DraftModelDrafter(small_draft, k=3),
+               "ngram": lambda: NgramDrafter(k=3, min_n=1, max_n=2),
+               # beams of deterministic candidates (3 of the 8 tokens at depth 1): the sampled tree rule end to end
+               "redrafter": lambda: RedrafterDrafter(RedrafterHead.for_target(small_target, seed=7, std=0.5),
+                                                     small_target, beam_width=3, beam_length=2)}[kind]()
     engine = SpecEngine(small_target, drafter, EngineConfig(max_new_tokens=3, sampling=params, seed=11))
     res = engine.generate([prompt] * n)
     outs = torch.tensor(res.outputs)  # [n, 3]: token 0 from prefill, tokens 1-2 from speculative steps
@@ -188,6 +198,7 @@ def test_sampled_speculation_follows_target_distribution(kind, target, draft):
     counts = torch.bincount(sel[:, 1] * 8 + sel[:, 2], minlength=64).float()
     assert sel.shape[0] > 500
     assert chi_square_pvalue(counts, joint.flatten()) > 1e-3
+    assert sum(sum(s.accepted) for s in res.steps) > 0  # drafts were really accepted (not only recovered tokens)
 
 
 class TwoBranchDrafter(DraftModelDrafter):

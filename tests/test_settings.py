@@ -121,7 +121,8 @@ def test_studies_space_settings_and_flags_come_from_the_registry():
 
 def test_methods_declare_the_knobs_they_read():
     assert {m: METHODS[m].knobs for m in METHODS} == {"ar": (), "draft": ("k",), "ngram": ("k", "ngram_min",
-                                                                                           "ngram_max")}
+                                                                                           "ngram_max"),
+                                                      "redrafter": ("beam_width", "beam_length", "diversity_penalty")}
     assert KNOBS["method"].choices == tuple(METHODS)
 
 
@@ -139,6 +140,11 @@ def test_methods_declare_the_knobs_they_read():
     ({"cuda_graphs": "yes"}, "cuda_graphs='yes' is not supported by the engine; allowed: False, True"),
     ({"k": 17}, "k=17 is outside what the engine supports: 1..16"),
     ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "n-gram sizes need 1 <= ngram_min <= ngram_max, got 3, 2"),
+    ({"method": "redrafter", "beam_width": 0}, "beam_width=0 is outside what the engine supports: 1..8"),
+    ({"method": "redrafter", "beam_length": 9}, "beam_length=9 is outside what the engine supports: 1..8"),
+    ({"method": "redrafter", "diversity_penalty": -1.0},
+     "diversity_penalty=-1.0 is outside what the engine supports: 0..5"),
+    ({"method": "redrafter", "beam_width": 2.5}, "beam_width=2.5 must be a whole number in 1..8"),
 ])
 def test_bad_values_give_named_errors(values, message):
     with pytest.raises(SettingError) as e:
@@ -148,6 +154,7 @@ def test_bad_values_give_named_errors(values, message):
 
 def test_checks_follow_the_method_and_the_graph_switch():
     check({"method": "ar", "k": 0})  # ar reads no k
+    check({"method": "draft", "beam_width": 0})  # only redrafter reads the beam knobs
     check({"batch": 32, "cuda_graphs": False, "graph_batch_sizes": (1, 2)})  # buckets only bound a graphed batch
     check({"batch": 64, "cuda_graphs": True})  # the default buckets reach 64
 

@@ -76,6 +76,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("ar", "autoregressive baseline (no drafter)", speculative=False),
     Method("draft", "independent draft model, chain of k"),
     Method("ngram", "prompt lookup (n-gram), chain of up to k"),
+    Method("redrafter", "ReDrafter: a recurrent head over the target's hidden state, beam search of beam_width x "
+           "beam_length merged into a tree (for now an untrained head from a fixed seed: correct output, poor drafts)"),
 )}
 
 
@@ -203,6 +205,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          1, 8, methods=("ngram",), searchable=True, search_range=(1, 3)),
     Knob("ngram_max", "int", 3, "longest n-gram matched (tried first)", "n-gram max", "method", 1, 8,
          methods=("ngram",), searchable=True, search_range=(1, 4)),
+    Knob("beam_width", "int", 2, "ReDrafter beams W (1 = a chain)", "Beam width W", "method", 1, 8,
+         methods=("redrafter",), searchable=True, search_range=(1, 4)),
+    Knob("beam_length", "int", 4, "ReDrafter beam length L: tokens per beam (the tree's depth)", "Beam length L",
+         "method", 1, 8, methods=("redrafter",), searchable=True, search_range=(1, 6)),
+    Knob("diversity_penalty", "float", 0.0, "ReDrafter: a candidate's beam-search score is lowered by this much per "
+         "earlier beam that chose the same token at the same depth (0 = plain beam search)", "Diversity penalty",
+         "method", 0.0, 5.0, methods=("redrafter",), searchable=True),
     Knob("batch", "int", 1, "sequences decoded together", "Batch size", "run", 1, 256, searchable=True),
     Knob("max_new_tokens", "int", 64, "tokens generated per prompt", "Max new tokens", "run", 1, 8192,
          quick_default=32),

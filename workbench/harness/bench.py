@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from workbench import settings
-from workbench.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from workbench.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter, RedrafterDrafter, RedrafterHead
 from workbench.engine import EngineConfig, GenerationResult, SpecEngine
 from workbench.harness.metrics import median, percentile, summarize, traces_frame
 from workbench.harness.trust import trust_columns
@@ -39,6 +39,7 @@ DTYPES = {name: getattr(torch, name) for name in settings.KNOBS["dtype"].choices
 # numerical near-tie when the two competing tokens' fp32 logits differ by at most this much. float32 runs get no
 # such allowance (they must match exactly; measured on the H200: they do).
 NEAR_TIE_LOGITS = 0.25
+REDRAFTER_HEAD_SEED = 0  # the untrained ReDrafter head's initialisation (the same head in every run)
 ENGINE_CACHE_SIZE = 4  # engines a session keeps between runs (each holds KV caches and captured graphs)
 
 
@@ -63,6 +64,9 @@ def _drafter_for(cfg: BenchConfig, session: "BenchSession") -> Drafter | None:
         return DraftModelDrafter(session.draft, cfg.k)
     if cfg.method == "ngram":
         return NgramDrafter(cfg.k, cfg.ngram_min, cfg.ngram_max)
+    if cfg.method == "redrafter":  # an untrained head from a fixed seed until trained heads are committed
+        head = RedrafterHead.for_target(session.target, seed=REDRAFTER_HEAD_SEED)
+        return RedrafterDrafter(head, session.target, cfg.beam_width, cfg.beam_length, cfg.diversity_penalty)
     raise BenchError(f"unknown method {cfg.method!r}; choose one of {sorted(METHODS)}")
 
 
@@ -193,7 +197,8 @@ class BenchSession:
                             cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
                             compile=cfg.compile, attention=cfg.attention)
         shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention)
-        key = (cfg.method, cfg.k, cfg.ngram_min, cfg.ngram_max, *shape) if drafter else ("ar", *shape)
+        method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs) if cfg.method in METHODS else ()
+        key = (cfg.method, *method_knobs, *shape) if drafter else ("ar", *shape)
         engine = self._engines.pop(key, None)
         if engine is None:
             engine = SpecEngine(self.target, _drafter_for(cfg, self) if drafter else None, ecfg, self.device)
