@@ -137,6 +137,7 @@ class RedrafterDrafter(Drafter):
         super().setup(ctx)
         c = self.target.config
         dtype = next(self.target.parameters()).dtype
+        stats = self.step.stats if self.step is not None else None  # cumulative across rebuilds, like the engine's
         if self.last_hidden is None or self.last_hidden.shape[0] != ctx.max_rows + 1 \
                 or self.last_hidden.device != torch.device(ctx.device):
             self.step = self._step_key = None  # a captured search reads the old buffer: drop it first
@@ -144,6 +145,7 @@ class RedrafterDrafter(Drafter):
         key = (ctx.graphs, ctx.sampling)  # the search bakes the sampling settings in (greedy vs tempered log-probs)
         if ctx.graphs.fixed_shape and key != self._step_key:
             self.step = FixedShapeStep("redrafter", self._search, self._pads, ctx.graphs, ctx.device)
+            self.step.stats = stats if stats is not None else self.step.stats
             self._step_key = key
         elif not ctx.graphs.fixed_shape:
             self.step = self._step_key = None
