@@ -65,7 +65,8 @@ def test_diversity_penalty_spreads_the_beams(target):
     picks = {p: drafter_for(target, 2, 1, p)._select(cand, 3).tolist() for p in (0.0, 0.05, 1.0)}
     assert picks == {0.0: [[0, 3]], 0.05: [[0, 3]], 1.0: [[0, 5]]}
     sampled = drafter_for(target, 3, 2, sampling=SamplingParams(temperature=0.7, top_k=2))
-    beams = sampled._search(torch.arange(4), torch.tensor([1, 2, 3, 4]))  # top-k 2 < W: a third candidate has -inf score, the search still runs
+    # top-k 2 < W: a third candidate has score -inf, and the search still runs
+    beams = sampled._search(torch.arange(4), torch.tensor([1, 2, 3, 4]))
     assert beams.shape == (4, 3, 2) and (beams >= 0).all()
 
 
