@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
-from workbench.settings import KNOBS, METHODS, Knob, SettingError, dataclass_of
+from workbench.settings import DEFAULT_SEARCH_METHODS, KNOBS, METHODS, Knob, SettingError, dataclass_of
 
 Scalar = Union[int, float, str, bool]
 
@@ -163,7 +163,7 @@ class _SpaceMethods:
 
 
 SearchSpace = dataclasses.make_dataclass(
-    "SearchSpace", [("methods", tuple, dataclasses.field(default=tuple(METHODS))),
+    "SearchSpace", [("methods", tuple, dataclasses.field(default=DEFAULT_SEARCH_METHODS)),
                     *[(name, Dim, dataclasses.field(default=default_dim(KNOBS[name]))) for name in SEARCH_KNOBS]],
     bases=(_SpaceMethods,), frozen=True, kw_only=True)
 SearchSpace.__module__ = __name__

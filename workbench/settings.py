@@ -65,6 +65,7 @@ class Method:
     name: str
     description: str
     speculative: bool = True
+    searched_by_default: bool = True  # in a study's method list unless the user names the methods
 
     @property
     def knobs(self) -> tuple[str, ...]:
@@ -77,8 +78,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("draft", "independent draft model, chain of k"),
     Method("ngram", "prompt lookup (n-gram), chain of up to k"),
     Method("redrafter", "ReDrafter: a recurrent head over the target's hidden state, beam search of beam_width x "
-           "beam_length merged into a tree (for now an untrained head from a fixed seed: correct output, poor drafts)"),
+           "beam_length merged into a tree (for now an untrained head from a fixed seed: correct output, poor drafts)",
+           searched_by_default=False),  # an untrained head would only waste a default study's trials
 )}
+DEFAULT_SEARCH_METHODS = tuple(m.name for m in METHODS.values() if m.searched_by_default)
 
 
 @dataclass(frozen=True)
