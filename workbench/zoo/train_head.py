@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -215,7 +216,7 @@ def train_redrafter_head(preset: str, *, out: str | Path | None = None, preset_d
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python_version": sys.version.split()[0],
         "torch_version": torch.__version__,
-        "target": {"path": str(paths.target_dir), **target_fingerprint(paths.target_dir)},
+        "target": {"path": os.path.relpath(paths.target_dir, out), **target_fingerprint(paths.target_dir)},
         "tokenizer": {"sha256": tokenizer_fingerprint(paths.target_dir)},
         "corpus": {k: v for k, v in corpus.manifest().items() if k != "skipped"},
         "train": {"windows": len(train_w), **report},
