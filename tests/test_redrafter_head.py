@@ -101,3 +101,19 @@ def test_without_a_head_the_seeded_one_is_used(tmp_path):
     session = BenchSession.load(model=str(root / "target"), device="cpu", prompts=str(TINY / "prompts.jsonl"))
     rec = session.run(small()).record
     assert rec["greedy_matches_ar"] is True and rec["draft_path"] == "untrained (seed 0)"
+
+
+def test_training_is_deterministic_given_the_seed():
+    from workbench.zoo.train_head import HeadTrainSpec, train_head
+
+    target = load_model(TINY / "target")
+    windows = torch.randint(1, target.config.vocab_size, (6, 24), generator=torch.Generator().manual_seed(0))
+    spec = HeadTrainSpec(seq_len=24, batch_size=2, max_steps=3, warmup_steps=1, seed=7)
+    heads = []
+    for _ in range(2):
+        head = RedrafterHead.for_target(target, seed=spec.seed)
+        report = train_head(head, target, windows, spec, log=lambda _: None)
+        assert report["steps"] == 3
+        heads.append(head.state_dict())
+    assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
+    assert not torch.equal(heads[0]["up.weight"], RedrafterHead.for_target(target, seed=7).state_dict()["up.weight"])
