@@ -19,6 +19,7 @@ import resource
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Callable
 
 import pandas as pd
@@ -64,9 +65,9 @@ def _drafter_for(cfg: BenchConfig, session: "BenchSession") -> Drafter | None:
         return DraftModelDrafter(session.draft, cfg.k)
     if cfg.method == "ngram":
         return NgramDrafter(cfg.k, cfg.ngram_min, cfg.ngram_max)
-    if cfg.method == "redrafter":  # an untrained head from a fixed seed until trained heads are committed
-        head = RedrafterHead.for_target(session.target, seed=REDRAFTER_HEAD_SEED)
-        return RedrafterDrafter(head, session.target, cfg.beam_width, cfg.beam_length, cfg.diversity_penalty)
+    if cfg.method == "redrafter":
+        return RedrafterDrafter(session.redrafter_head(), session.target, cfg.beam_width, cfg.beam_length,
+                                cfg.diversity_penalty)
     raise BenchError(f"unknown method {cfg.method!r}; choose one of {sorted(METHODS)}")
 
 
@@ -90,6 +91,7 @@ class BenchSession:
         self.device, self.dtype, self.preset = device, dtype, preset
         self.target_path, self.draft_path, self.prompts_source = target_path, draft_path, prompts_source
         self._engines: dict[tuple, SpecEngine] = {}  # engines (caches, graphs) reused across runs and trials
+        self._redrafter: tuple[RedrafterHead, str] | None = None  # (head, where it came from), loaded once
 
     @classmethod
     def load(cls, preset: str | None = None, model: str | None = None, draft: str | None = None, device: str = "auto",
@@ -145,6 +147,32 @@ class BenchSession:
             raise BenchError(str(e)) from None
         return cls(target, draft_model, tokenizer, prompt_list, device=dev, dtype=dtype, preset=preset,
                    target_path=str(model), draft_path=str(draft) if draft else None, prompts_source=str(prompts_path))
+
+    def redrafter_head(self) -> RedrafterHead:
+        """The trained head beside the target folder (`<preset>/redrafter`, written by `zoo train-head`) after
+        checking it was trained for this target and tokenizer; else an untrained head from a fixed seed."""
+        if self._redrafter is None:
+            from workbench.models import tokenizer_fingerprint
+            from workbench.zoo.heads import check_head, has_head, head_dir_for_target
+            from workbench.zoo.presets import ZooError
+
+            folder = head_dir_for_target(self.target_path) if Path(self.target_path).is_dir() else None
+            if folder is not None and has_head(folder):
+                try:
+                    check_head(folder, self.target_path, tokenizer_fingerprint(self.tokenizer))
+                except ZooError as e:
+                    raise BenchError(str(e)) from None
+                p = next(self.target.parameters())
+                self._redrafter = (RedrafterHead.load(folder, device=p.device, dtype=p.dtype), str(folder))
+            else:
+                head = RedrafterHead.for_target(self.target, seed=REDRAFTER_HEAD_SEED)
+                self._redrafter = (head, f"untrained (seed {REDRAFTER_HEAD_SEED})")
+        return self._redrafter[0]
+
+    @property
+    def redrafter_head_source(self) -> str | None:
+        """The loaded ReDrafter head's folder, "untrained (seed N)", or None before any redrafter run."""
+        return self._redrafter[1] if self._redrafter is not None else None
 
     # -- validation ---------------------------------------------------------------------------------------------
     def check(self, cfg: BenchConfig, prompt_ids: list[list[int]]) -> None:
@@ -347,7 +375,8 @@ class BenchSession:
             **_config_columns(cfg),
             "k": cfg.k if cfg.method != "ar" else 0,
             "dtype": self.dtype, "device": str(self.device), "preset": self.preset,
-            "target_path": self.target_path, "draft_path": self.draft_path if cfg.method == "draft" else None,
+            "target_path": self.target_path, "draft_path": self.draft_path if cfg.method == "draft"
+            else self.redrafter_head_source if cfg.method == "redrafter" else None,  # the head's folder or "untrained"
             "prompts_source": self.prompts_source,
             "acceptance_rate": c0.acceptance_rate if cfg.method != "ar" else None,
             "mean_accepted_tokens": c0.mean_accepted_tokens,

@@ -1,4 +1,5 @@
-"""`python -m workbench zoo list | train PRESET [--out DIR] [--max-seconds S] ... | prompts PRESET [--dir DIR]`."""
+"""`python -m workbench zoo list | train PRESET [--out DIR] [--max-seconds S] ... | prompts PRESET [--dir DIR]
+| train-head --kind redrafter --preset PRESET [--max-seconds S] [--device cpu] [--seed N] [--out DIR]`."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,19 @@ def register(subparsers) -> None:
     prompts.add_argument("preset", choices=sorted(PRESETS))
     prompts.add_argument("--dir", default=None, help="the trained preset folder (default: the preset's home)")
     prompts.set_defaults(func=cmd_prompts)
+
+    head = sub.add_parser("train-head", help="distil a draft head (ReDrafter) from a trained preset's frozen target")
+    head.add_argument("--kind", choices=["redrafter"], default="redrafter")
+    head.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    head.add_argument("--dir", default=None, help="the trained preset folder (default: the preset's home)")
+    head.add_argument("--out", default=None, help="head folder (default: <preset folder>/redrafter)")
+    head.add_argument("--max-seconds", type=float, default=None, help="training budget (default: the recipe's)")
+    head.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (smoke runs)")
+    head.add_argument("--train-windows", type=int, default=None, help="training windows (default: the recipe's)")
+    head.add_argument("--eval-windows", type=int, default=None, help="held-out windows (default: the recipe's)")
+    head.add_argument("--seed", type=int, default=None, help="initialisation and batch order (default: the recipe's)")
+    head.add_argument("--device", choices=["cuda", "cpu"], default="cpu")
+    head.set_defaults(func=cmd_train_head)
 
 
 def _fmt_ppl(section: dict | None) -> str:
@@ -87,4 +101,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 2
     m = paths.manifest
     print(f"trained {args.preset} -> {paths.root}: target ppl {_fmt_ppl(m['target'])}, draft ppl {_fmt_ppl(m['draft'])}")
+    return 0
+
+
+def cmd_train_head(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from workbench.zoo.train_head import HeadTrainSpec, train_redrafter_head
+
+    overrides = {"max_seconds": args.max_seconds, "max_steps": args.max_steps, "train_windows": args.train_windows,
+                 "eval_windows": args.eval_windows, "seed": args.seed}
+    spec = replace(HeadTrainSpec(), **{k: v for k, v in overrides.items() if v is not None})
+    try:
+        out = train_redrafter_head(args.preset, out=args.out, preset_dir=args.dir, device=args.device, spec=spec)
+    except ZooError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"trained a {args.kind} head for {args.preset} -> {out}")
     return 0

@@ -19,7 +19,9 @@ The drafter keeps one tensor of state, `last_hidden` [R + 1, H]: per cache row, 
 last committed token (set at prefill and by every commit, from what the engine hands over with `wants_hidden`). The
 whole beam search reads only `last_hidden`, the row ids and the roots, so with fixed shapes it is one step (one CUDA
 graph per batch bucket on a GPU). The head here is untrained unless loaded (`RedrafterHead.load`); an untrained head
-drafts poorly (little is accepted) but the output is still exactly the target's.
+drafts poorly (little is accepted) but the output is still exactly the target's. `python -m workbench zoo train-head
+--kind redrafter --preset P` distils one from the frozen target (workbench/zoo/train_head.py) and saves it beside
+the target as <preset>/redrafter/, where the bench finds it (workbench/zoo/heads.py checks it fits the target).
 """
 from __future__ import annotations
 
