@@ -107,7 +107,15 @@ _RUN_SPECS: list[ColumnSpec] = [
     *_cols("config", "string", "preset target_path draft_path prompts_source"),
     ColumnSpec("config_json", "string", "config", "the full engine config as JSON"),
     *_cols("metrics", "float", "acceptance_rate mean_accepted_tokens"),
-    ColumnSpec("acceptance_by_position", "list_float", "metrics", "fraction of steps whose path reached depth d"),
+    ColumnSpec("acceptance_by_position", "list_float", "metrics",
+               "fraction of steps whose path reached depth d (per tree depth for trees)"),
+    ColumnSpec("tree_size_mean", "float", "metrics", "valid draft nodes verified per sequence per step"),
+    ColumnSpec("wasted_node_fraction", "float", "metrics",
+               "1 - accepted / verified draft nodes (= 1 - acceptance_rate)"),
+    ColumnSpec("accepted_path_length_mean", "float", "metrics",
+               "accepted draft tokens per sequence per step, bonus excluded (= mean_accepted_tokens - 1)"),
+    ColumnSpec("beam_diversity_mean", "float", "metrics",
+               "beam drafters: distinct valid prefix-tree nodes / (W x L), mean over steps and sequences"),
     *_cols("metrics", "float", "tokens_per_s ar_tokens_per_s speedup_vs_ar ttft_ms "
                                "tpot_ms_p50 tpot_ms_p90 tpot_ms_p99 itl_ms_p50 itl_ms_p90 itl_ms_p99 "
                                "time_draft_ms time_verify_ms time_accept_ms time_kv_ms peak_mem_mb "

@@ -129,6 +129,7 @@ class GenerationResult:
     phase_ms: dict[str, float] = field(default_factory=dict)
     draft_forwards_per_step: int = 0
     num_nodes: int = 0
+    beams: bool = False  # merged beams (Drafter.proposes_beams): drafted / num_nodes = diversity
     graph_stats: GraphStats | None = None  # fixed-shape steps of this call (target + drafter), None when eager
 
 
@@ -311,7 +312,8 @@ class SpecEngine:
             state.tokens_host[i].append(t)
         live = [i for i in range(b) if not self._finished(outputs[i])]
         done_at = [0.0 if i in live else t_first for i in range(b)]
-        result = GenerationResult(outputs, t_start, t_first, done_at, num_nodes=n_nodes)
+        result = GenerationResult(outputs, t_start, t_first, done_at, num_nodes=n_nodes,
+                                  beams=self.drafter is not None and self.drafter.proposes_beams)
         step = 0
         live_t = rows
         while live:

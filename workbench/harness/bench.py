@@ -381,6 +381,7 @@ class BenchSession:
             "acceptance_rate": c0.acceptance_rate if cfg.method != "ar" else None,
             "mean_accepted_tokens": c0.mean_accepted_tokens,
             "acceptance_by_position": c0.acceptance_by_position,
+            **_tree_columns(c0, cfg.method != "ar"),
             "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
             "speedup_vs_ar": speedup,
             "ttft_ms": median(ttft),
@@ -398,6 +399,12 @@ class BenchSession:
             **tel.to_record(), **env, **hf,
         }
         return BenchResult(record, traces_frame(cand_runs[0], run_id), outputs, ar_outputs)
+
+
+def _tree_columns(summary, drafts: bool) -> dict:
+    """Draft-tree / beam figures of the first repeat (metrics.py defines them); None for AR (nothing drafted)."""
+    keys = ("tree_size_mean", "wasted_node_fraction", "accepted_path_length_mean", "beam_diversity_mean")
+    return {k: getattr(summary, k) if drafts else None for k in keys}
 
 
 def _graph_columns(now, before, fixed_shape: bool) -> dict:

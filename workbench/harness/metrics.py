@@ -2,7 +2,14 @@
 
 - acceptance rate = accepted draft tokens / drafted tokens (drafted = valid draft nodes proposed for a sequence);
 - mean accepted tokens per target step = mean over (sequence, step) of accepted + 1 (the bonus/recovered token);
-- acceptance by position d = fraction of (sequence, step) pairs whose accepted path reached depth d;
+- acceptance by position d = fraction of (sequence, step) pairs whose accepted path reached depth d (for trees too:
+  it counts accepted path lengths, so it is acceptance per tree depth);
+- tree size = mean over (sequence, step) of drafted (valid draft nodes verified; a chain's drafted tokens);
+- wasted node fraction = 1 - accepted / drafted: verified nodes off the accepted path (identical to 1 - acceptance
+  rate, named for trees);
+- accepted path length = mean over (sequence, step) of accepted (bonus excluded) = mean accepted tokens - 1;
+- beam diversity (beam drafters only) = mean over (sequence, step) of drafted / (W x L): distinct valid prefix-tree
+  nodes of the merged beams (engine/tree.py `beam_diversity`), read from the drafted counts the step records already;
 - TTFT = prefill end - batch start; TPOT = (last token time - first token time) / (tokens - 1), per sequence;
 - ITL = gaps between successive emissions to a sequence (a speculative step emits several tokens at once);
 - tokens/s = generated tokens / wall time of the batches that produced them.
@@ -47,6 +54,10 @@ class RunSummary:
     acceptance_rate: float | None
     mean_accepted_tokens: float | None
     acceptance_by_position: list[float]
+    tree_size_mean: float | None  # valid draft nodes per (sequence, step)
+    wasted_node_fraction: float | None  # 1 - accepted / drafted; None when nothing was drafted
+    accepted_path_length_mean: float | None  # accepted draft tokens per (sequence, step), bonus excluded
+    beam_diversity_mean: float | None  # drafted / (W x L) per (sequence, step); None unless every result is beams
     ttft_ms: list[float]
     tpot_ms: list[float]
     itl_ms: list[float]
@@ -66,6 +77,7 @@ def summarize(results: list[GenerationResult]) -> RunSummary:
     reached = [0] * max_depth
     pairs = 0
     acc_plus_one = 0
+    diversity, beam_pairs = 0.0, 0
     ttft, tpot, itl = [], [], []
     phase: dict[str, float] = {}
     draft_forwards = 0
@@ -81,6 +93,9 @@ def summarize(results: list[GenerationResult]) -> RunSummary:
                 accepted += a
                 pairs += 1
                 acc_plus_one += a + 1
+                if r.beams and r.num_nodes:
+                    diversity += d / r.num_nodes
+                    beam_pairs += 1
                 for depth in range(min(a, max_depth)):
                     reached[depth] += 1
                 if e:
@@ -98,6 +113,10 @@ def summarize(results: list[GenerationResult]) -> RunSummary:
         acceptance_rate=accepted / drafted if drafted else None,
         mean_accepted_tokens=acc_plus_one / pairs if pairs else None,
         acceptance_by_position=[c / pairs for c in reached] if pairs else [],
+        tree_size_mean=drafted / pairs if pairs else None,
+        wasted_node_fraction=1 - accepted / drafted if drafted else None,
+        accepted_path_length_mean=accepted / pairs if pairs else None,
+        beam_diversity_mean=diversity / beam_pairs if beam_pairs and all(r.beams for r in results) else None,
         ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, phase_ms=phase, draft_forwards=draft_forwards)
 
 

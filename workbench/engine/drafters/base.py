@@ -71,6 +71,9 @@ class Drafter(ABC):
     num_nodes: int = 0  # N: draft nodes per sequence per step (static)
     model_forwards_per_step: int = 0  # drafter model passes per step (for the draft/target cost ratio)
     proposes_chains: bool = True  # every DraftTree it returns is a chain (lets greedy acceptance fuse into verify)
+    # W beams of L tokens merged by DraftTree.from_beams (num_nodes = W x L, all beams valid): a step's drafted count
+    # is then its distinct prefix-tree nodes, so drafted / num_nodes is its beam diversity (no extra device read)
+    proposes_beams: bool = False
     reads_kv_len: bool = True  # propose reads state.kv_len (else the engine skips gathering it)
     # feature-based drafters (ReDrafter, EAGLE): prefill and commit receive the target's final hidden states (hidden=);
     # the engine then verifies through its unfused path (the fused greedy chain step returns no hidden states)

@@ -113,6 +113,7 @@ class RedrafterHead(nn.Module):
 class RedrafterDrafter(Drafter):
     name = "redrafter"
     wants_hidden = True
+    proposes_beams = True
 
     def __init__(self, head: RedrafterHead, target, beam_width: int = 2, beam_length: int = 4,
                  diversity_penalty: float = 0.0):
