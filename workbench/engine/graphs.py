@@ -91,6 +91,12 @@ class GraphStats:
                           self.hits + other.hits, self.misses + other.misses, self.real_rows + other.real_rows,
                           self.padded_rows + other.padded_rows, self.captured + other.captured)
 
+    def since(self, before: "GraphStats") -> "GraphStats":
+        """What was added after `before` (an earlier snapshot of the same counters): captures, hits, misses, rows."""
+        return GraphStats(self.capture_s - before.capture_s, self.memory_bytes - before.memory_bytes,
+                          self.hits - before.hits, self.misses - before.misses, self.real_rows - before.real_rows,
+                          self.padded_rows - before.padded_rows, self.captured[len(before.captured):])
+
 
 class _Buffers:
     """Persistent inputs of one (bucket, key): each [Bb, ...], rows past the live batch hold their padding value."""
@@ -213,12 +219,11 @@ class FixedShapeStep:
 
 
 def model_step_pads(num_new: int, pad_row: int, device) -> dict[str, torch.Tensor]:
-    """Padding rows of a model step: scratch cache row, committed length PAD_LEN, causal mask, no real nodes."""
+    """Padding rows of a model step: scratch cache row, committed length PAD_LEN, causal mask."""
     z = torch.zeros(num_new, dtype=torch.long, device=device)
     return {"ids": z, "positions": PAD_LEN + torch.arange(num_new, device=device),
             "rows": torch.tensor(pad_row, device=device), "base": torch.tensor(PAD_LEN, device=device),
-            "mask": torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril(),
-            "valid": torch.zeros(num_new - 1, dtype=torch.bool, device=device)}
+            "mask": torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril()}
 
 
 class ModelStep:
@@ -256,7 +261,7 @@ class ModelStep:
         logits = self.model.compute_logits(hidden)
         return (logits, hidden) if self.with_hidden else logits
 
-    def _fixed_shape(self, ids, positions, rows, base, mask, valid) -> torch.Tensor:
+    def _fixed_shape(self, ids, positions, rows, base, mask) -> torch.Tensor:
         """Reads only its arguments and the cache's persistent tensors: what a CUDA graph captures."""
         self.cache.prepare(rows, base, ids.shape[1], mask, self.cache.static_span)
         return self.logits(ids, positions)
@@ -269,8 +274,8 @@ class ModelStep:
             self.cache.begin(rows, base, base_host, t, mask, rows_host=rows_host)
             return self.logits(ids, positions)
         self.cache.plan(rows_host, base_host, t)
-        return self.fixed(t, b, {"ids": ids, "positions": positions, "rows": rows, "base": base, "mask": mask,
-                                 "valid": None}, rows_host)
+        return self.fixed(t, b, {"ids": ids, "positions": positions, "rows": rows, "base": base, "mask": mask},
+                          rows_host)
 
     def capture(self, size: int, num_new: int) -> None:
         self.fixed.capture(size, num_new)

@@ -180,14 +180,19 @@ class SpecEngine:
             return
         top = self.config.graphs.bucket(max_batch)
         sizes = [s for s in self.config.graph_batch_sizes if top is not None and s <= top]
+        verify, key = self.verify_step()
         with torch.inference_mode():
             for size in sizes:
-                if self._fused_accept(self._chains()):
-                    self.accept_step.capture(size, self.num_nodes)
-                else:
-                    self.target_step.capture(size, 1 + self.num_nodes)
+                verify.capture(size, key)
             if self.drafter is not None:
                 self.drafter.capture_graphs(sizes)
+
+    def verify_step(self) -> tuple[FixedShapeStep | ModelStep | None, int]:
+        """The step the verify pass runs under the current settings, and its shape key: the fused greedy step and
+        the node count N, or the target's model step and T = 1 + N."""
+        if self._fused_accept(self._chains()):
+            return self.accept_step, self.num_nodes
+        return self.target_step, 1 + self.num_nodes
 
     def reserve(self, rows: int, max_prompt_len: int) -> None:
         """Size the caches now for batches of up to `rows` prompts of up to `max_prompt_len` tokens at the configured
@@ -397,7 +402,7 @@ class SpecEngine:
         result.phase_ms = timer.resolve()
         result.draft_forwards_per_step = self.drafter.model_forwards_per_step if self.drafter else 0
         if cfg.graphs.fixed_shape:
-            result.graph_stats = _stats_delta(self.graph_stats(), stats_before)
+            result.graph_stats = self.graph_stats().since(stats_before)
         return result
 
     def _finished(self, out: list[int]) -> bool:
@@ -411,10 +416,3 @@ def _pack(acc: Acceptance, tree: DraftTree) -> torch.Tensor:
     """[B, 3 + D] long: accepted count, drafted count, then the emitted tokens (what the host reads per step)."""
     drafted = tree.valid.sum(-1, keepdim=True) if tree.num_nodes else torch.zeros_like(acc.num_accepted).unsqueeze(1)
     return torch.cat([acc.num_accepted.unsqueeze(1), drafted, acc.emitted], 1)
-
-
-def _stats_delta(now: GraphStats, before: GraphStats) -> GraphStats:
-    """What one generate call added (captures made during it, its hits, misses and rows)."""
-    return GraphStats(now.capture_s - before.capture_s, now.memory_bytes - before.memory_bytes,
-                      now.hits - before.hits, now.misses - before.misses, now.real_rows - before.real_rows,
-                      now.padded_rows - before.padded_rows, now.captured[len(before.captured):])

@@ -411,11 +411,9 @@ def _graph_columns(now, before, fixed_shape: bool) -> dict:
     """Fixed-shape / CUDA-graph statistics of one run (both engines, warm-up included: captures happen there)."""
     if not fixed_shape:
         return {}
-    from workbench.engine.step import _stats_delta
-
     total = None
     for n, b in zip(now, before):
-        d = _stats_delta(n, b)
+        d = n.since(b)
         total = d if total is None else total.add(d)
     return {"graph_capture_s": total.capture_s, "graph_memory_mb": total.memory_bytes / 2**20,
             "graph_bucket_hits": total.hits, "graph_bucket_misses": total.misses,

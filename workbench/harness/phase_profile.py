@@ -61,9 +61,8 @@ def profile_phases(engine, batch: int, live_len: int, min_seconds: float = 0.25)
     if engine.device.type != "cuda" or not engine.config.cuda_graphs or size is None or engine.cache is None:
         cols["phase_profile_note"] = "not measured: needs a GPU, cuda_graphs on and a batch within the buckets"
         return cols
-    fused = engine._fused_accept(engine.drafter is None or engine.drafter.proposes_chains)
-    verify_step = engine.accept_step if fused else engine.target_step
-    verify_key = engine.num_nodes if fused else 1 + engine.num_nodes
+    verify_step, verify_key = engine.verify_step()
+    fused = verify_step is engine.accept_step
     phases = {"verify": (verify_step.replay_callables().get(f"{verify_step.name}:{size}x{verify_key}"),
                          _weight_bytes(engine.target) + _kv_bytes(engine.cache, size, live_len))}
     drafter = engine.drafter
