@@ -9,7 +9,6 @@ Vocabulary:
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -48,7 +47,8 @@ def trusted_mask(df: pd.DataFrame) -> pd.Series:
     return (ok & has & ~flag_mask(df)).astype(bool)
 
 
-def _num(v) -> float | None:
+def as_float(v) -> float | None:
+    """A cell as a float; None for missing, NaN or non-numeric values."""
     try:
         v = float(v)
     except (TypeError, ValueError):
@@ -64,10 +64,10 @@ def speedup_text(row) -> str:
     >>> speedup_text({"speedup_vs_ar": 0.8})
     '0.80x (no interval)'
     """
-    s = _num(row.get("speedup_vs_ar"))
+    s = as_float(row.get("speedup_vs_ar"))
     if s is None:
         return "—"
-    lo, hi = _num(row.get("speedup_ci_low")), _num(row.get("speedup_ci_high"))
+    lo, hi = as_float(row.get("speedup_ci_low")), as_float(row.get("speedup_ci_high"))
     return f"{s:.2f}x [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else f"{s:.2f}x (no interval)"
 
 
@@ -148,10 +148,10 @@ def relative_spread(row, field: str) -> float:
     """A run's own relative spread of `field`: half its speedup interval / speedup, or its repeat CV; 0 if unknown."""
     how = SPREAD_OF.get(field)
     if how == "ci":
-        s, lo, hi = _num(row.get("speedup_vs_ar")), _num(row.get("speedup_ci_low")), _num(row.get("speedup_ci_high"))
+        s, lo, hi = as_float(row.get("speedup_vs_ar")), as_float(row.get("speedup_ci_low")), as_float(row.get("speedup_ci_high"))
         return (hi - lo) / 2 / abs(s) if s and lo is not None and hi is not None else 0.0
     if how:
-        return _num(row.get(how)) or 0.0
+        return as_float(row.get(how)) or 0.0
     return 0.0
 
 
@@ -168,7 +168,7 @@ def compare_deltas(runs: pd.DataFrame, baseline_id: str, fields: list[str]) -> p
     rows = []
     for _, cand in runs[runs["run_id"] != baseline_id].iterrows():
         for field in fields:
-            b, c = _num(base.get(field)), _num(cand.get(field))
+            b, c = as_float(base.get(field)), as_float(cand.get(field))
             if isinstance(base.get(field), (bool, np.bool_)) or b is None or c is None:
                 continue
             ratio = c / b if b else None
@@ -186,15 +186,13 @@ def prompt_categories(prompts_source: str | None) -> tuple[list[str] | None, str
     """Categories of the prompts in `prompts_source`, in file order, or (None, why not)."""
     if prompts_source is None or prompts_source is pd.NA or not str(prompts_source):
         return None, "the run stores no prompt file (prompts_source is empty)"
-    path = Path(prompts_source)
-    if not path.is_file():
-        return None, f"the run's prompt file is not here any more: {path}"
-    from workbench.harness.prompts import PromptFileError, load_prompts
+    from ui.catalog import load_prompt_file, prompt_path
 
-    try:
-        prompts = load_prompts(path)
-    except PromptFileError as e:
-        return None, str(e)
+    if not prompt_path(prompts_source).is_file():
+        return None, f"the run's prompt file is not here any more: {prompt_path(prompts_source)}"
+    prompts, why = load_prompt_file(prompts_source)
+    if prompts is None:
+        return None, why
     return [p.category for p in prompts], None
 
 

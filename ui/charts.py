@@ -7,16 +7,10 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
+from ui.analysis import as_float
+
 PHASES = (("draft", "time_draft_ms"), ("verify", "time_verify_ms"), ("accept", "time_accept_ms"),
           ("kv cache", "time_kv_ms"))
-
-
-def _num(value) -> float | None:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(value) else value
 
 
 def acceptance_by_position(record: dict) -> go.Figure | None:
@@ -50,7 +44,7 @@ def time_split(record: dict) -> go.Figure | None:
     """Where the step time went: draft / verify / accept / KV cache (ms, summed over the run)."""
     names, values = [], []
     for name, col in PHASES:
-        v = _num(record.get(col))
+        v = as_float(record.get(col))
         if v is not None and v > 0:
             names.append(name)
             values.append(v)
