@@ -202,7 +202,7 @@ class RedrafterDrafter(Drafter):
         prev = root.unsqueeze(1).expand(b, w).reshape(b * w)  # [B*W]
         # [B, W]: only beam 0 is live before depth 1, so depth 1 picks W distinct children of the root
         score = torch.full((b, w), float("-inf"), device=rows.device)
-        score[:, 0] = 0.0
+        score[:, 0].zero_()  # a kernel: assigning a Python number copies from the host, which CUDA-graph capture refuses
         beams = torch.zeros(b, w, 0, dtype=torch.long, device=rows.device)
         for d in range(length):
             state, features = self.head(state, embed(prev), anchor)  # [B*W, H] each
