@@ -92,6 +92,9 @@ class KVCache(ABC):
         self._use_kernel = kernel and self.kernel is not None
         self._write_pos = base_len.unsqueeze(1) + t  # [B, T]
         self._span = span
+        self._prepare_slots()
+        if self._use_kernel:  # the kernel masks from lengths and the intra mask itself: no [B, 1, T, S] mask
+            return
         key_pos = torch.arange(self._span, device=self.device)  # [S]
         before = key_pos.view(1, 1, -1) < base_len.view(-1, 1, 1)  # [B, 1, S]
         rel = key_pos.view(1, -1) - base_len.view(-1, 1)  # [B, S]
@@ -102,7 +105,6 @@ class KVCache(ABC):
         rel_idx = rel.clamp(0, max(num_new - 1, 0)).unsqueeze(1).expand(-1, num_new, -1)  # [B, T, S]
         visible = intra_mask.gather(2, rel_idx) & in_step.unsqueeze(1)
         self._mask = (before | visible).unsqueeze(1)  # [B, 1, T, S]
-        self._prepare_slots()
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, T, D]; k, v [B, Hkv, T, D] -> [B, Hq, T, D]."""
@@ -145,7 +147,7 @@ class KVCache(ABC):
     def _ensure_capacity(self, rows: list[int], base_len_host: list[int], num_new: int) -> None: ...
 
     def _prepare_slots(self) -> None:
-        """Per-step index tensors shared by all layers (after _rows, _write_pos, _span are set)."""
+        """Per-step index tensors shared by all layers (after _rows, _write_pos, _span, _use_kernel are set)."""
 
     @abstractmethod
     def _read_span(self, need: int) -> int: ...
@@ -266,6 +268,8 @@ class PagedKVCache(KVCache):
 
     def _prepare_slots(self) -> None:
         self._write_slots = self._slots(self._rows.unsqueeze(1), self._write_pos).reshape(-1)  # [B * T]
+        if self._use_kernel:  # the kernel reads the pool through the block table: no gather indices
+            return
         nb = self._span // self.block_size
         blocks = self.block_table[self._rows, :nb]  # [B, nb]
         offsets = torch.arange(self.block_size, device=self.device)
