@@ -55,7 +55,7 @@ EOF
 # issue 9: redrafter on the GPU with graphs (never run there before)
 for w in 1 4; do
   step "redrafter_w$w" 30 $PY -m workbench bench --preset small --method redrafter --beam-width $w --beam-length 4 \
-    --cuda-graphs on --num-prompts 8 --max-new-tokens 64 --json --no-store
+    --cuda-graphs --num-prompts 8 --max-new-tokens 64 --json --no-store
 done
 # issue 8: step modes on small (speculative overhead per mode, phase ms) and parity of graphs/compile vs eager (tiny)
 step speed 60 $PY scripts/gpu_fastpath.py --out "$R/fastpath" --parts speed --preset small --modes graphs,graphs+compile

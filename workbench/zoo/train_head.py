@@ -118,7 +118,7 @@ def evaluate_head(head, target, windows: torch.Tensor, depth: int, batch: int = 
         n = ids.shape[1] - depth
         hits = torch.stack([q.argmax(-1) == target_logp[:, d + 1 : d + 1 + n].argmax(-1)
                             for d, q in enumerate(_head_log_probs(head, target, ids, hidden, depth))], -1)  # [B,N,L]
-        agree += hits.double().sum((0, 1))
+        agree += hits.double().sum((0, 1)).cpu()
         run_total += hits.long().cumprod(-1).sum().item()  # leading run of agreeing depths, summed over anchors
         anchors += hits.shape[0] * hits.shape[1]
     return HeadEval([round(x, 4) for x in (agree / anchors).tolist()], round(run_total / anchors, 4), anchors)
