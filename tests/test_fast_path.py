@@ -180,3 +180,60 @@ def test_kernel_backend_path_equals_greedy_and_skips_prefill(fixed, target, draf
     engine = SpecEngine(target, DraftModelDrafter(draft, k=3), cfg)
     assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
     assert seen and set(seen) <= {1, 2, 4}  # draft forwards (2, 1) and verify (1 + k); no prompt lengths (3, 9, 12)
+
+
+OVERLAP_KINDS = ["ar", "draft", "self-draft", "noisy-self-draft"]
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("kind", OVERLAP_KINDS)
+def test_overlapped_steps_equal_synchronous_steps(kind, paged, target, draft):
+    """Step t + 1 launched before step t is read: the same tokens and the same per-step records as the synchronous
+    loop (the wasted step after a sequence finishes is not recorded), for batch 1 and a ragged batch."""
+    n = 19
+    expected = [reference_greedy(target, p, n) for p in PROMPTS]
+    runs = {}
+    for overlap in (False, True):
+        engine = SpecEngine(target, make_drafter(kind, draft, target), fast(max_new_tokens=n, paged=paged,
+                                                                           overlap=overlap))
+        singles = [engine.generate([p]) for p in PROMPTS]
+        batch = engine.generate(PROMPTS)
+        assert engine.overlaps() is overlap
+        assert [r.outputs[0] for r in singles] == expected
+        assert batch.outputs == expected
+        runs[overlap] = [[(s.rows, s.drafted, s.accepted, s.emitted) for s in r.steps] for r in singles + [batch]]
+    assert runs[True] == runs[False]
+
+
+def test_overlapped_steps_stop_on_eos_and_free_storage(target, draft):
+    """A sequence that stops at EOS mid-batch: same outputs as the synchronous loop, and as many blocks back in the
+    pool afterwards (the wasted step's and the kept rejected drafts' too; the padding row keeps its own)."""
+    n = 24
+    plain = SpecEngine(target, DraftModelDrafter(draft, k=3), fast(max_new_tokens=n))
+    full = plain.generate(PROMPTS).outputs
+    eos = full[1][5]  # a token the second sequence emits early: it stops there, the others may too
+    outs, free = {}, {}
+    for overlap in (False, True):
+        engine = SpecEngine(target, DraftModelDrafter(draft, k=3),
+                            fast(max_new_tokens=n, overlap=overlap, stop_on_eos=True, eos_token_id=eos))
+        outs[overlap] = engine.generate(PROMPTS).outputs
+        free[overlap] = (engine.cache.num_blocks - engine.cache.free_blocks,
+                         engine.drafter.cache.num_blocks - engine.drafter.cache.free_blocks)
+    assert outs[True] == outs[False]
+    assert free[True] == free[False] and max(free[True]) <= 2  # blocks still held: the padding rows' only
+    assert len(outs[True][1]) < n and outs[True][1][-1] == eos
+
+
+def test_overlap_applies_only_where_the_device_holds_the_next_step(target, draft):
+    """ngram proposes from host tokens, sampling accepts outside the fused step, the eager step has no fused step:
+    none of them overlaps (they run the synchronous loop and still match the reference)."""
+    n = 12
+    expected = [reference_greedy(target, p, n) for p in PROMPTS]
+    ngram = SpecEngine(target, make_drafter("ngram", draft, target), fast(max_new_tokens=n, overlap=True))
+    assert ngram.generate(PROMPTS).outputs == expected and not ngram.overlaps()
+    eager = SpecEngine(target, DraftModelDrafter(draft, k=3), EngineConfig(max_new_tokens=n, overlap=True))
+    assert eager.generate(PROMPTS).outputs == expected and not eager.overlaps()
+    sampled = SpecEngine(target, None, fast(max_new_tokens=n, overlap=True,
+                                            sampling=SamplingParams(temperature=0.8)))
+    sampled.generate(PROMPTS)
+    assert not sampled.overlaps()

@@ -25,6 +25,12 @@ above then only unpacks its result).
 Feature-based drafters (`Drafter.wants_hidden`, e.g. ReDrafter) get the target's final hidden states: the prompts' at
 prefill, and after each step those of the tokens it committed (verify rows 0 and 1 + path nodes); their steps take the
 unfused path, whose verify step then returns (logits, hidden).
+
+Overlapped steps (`overlap`, greedy chains with fixed shapes: AR and the draft model's fused chain): step t + 1 is
+launched before step t's tokens are read, so the host's bookkeeping runs while the GPU computes (the idea of SGLang's
+overlap scheduler). Everything step t + 1 reads on the device (roots, lengths) step t wrote there; the host only plans
+storage, from upper bounds (a step emits at most 1 + N tokens). Costs: a sequence that finishes runs one wasted step,
+and blocks of rejected drafts are kept until the sequence finishes (no per-step truncation).
 """
 from __future__ import annotations
 
@@ -59,6 +65,7 @@ class EngineConfig:
     graph_batch_sizes: tuple[int, ...] = DEFAULT_BUCKETS  # the buckets a live batch pads up to
     compile: str = "off"  # torch.compile of the fixed-shape steps: "off" | "default" | "max-autotune"
     attention: str = "auto"  # "sdpa" (gather + SDPA) | "triton" (kernels/paged_attention.py) | "auto"
+    overlap: bool = False  # launch step t + 1 before reading step t (greedy chains with fixed shapes; see above)
 
     @functools.cached_property
     def graphs(self) -> GraphSettings:  # read every step: built (and validated) once
@@ -163,7 +170,8 @@ class SpecEngine:
         return self.drafter.num_nodes if self.drafter else 0
 
     def required_len(self, prompt_len: int) -> int:
-        return prompt_len + self.config.max_new_tokens + self.num_nodes + 2
+        ahead = 1 + self.num_nodes if self.config.overlap else 0  # the step launched before the last one is read
+        return prompt_len + self.config.max_new_tokens + self.num_nodes + 2 + ahead
 
     def graph_stats(self) -> GraphStats:
         """Cumulative fixed-shape statistics of the target's steps and the drafter's (since construction)."""
@@ -205,6 +213,11 @@ class SpecEngine:
     def _chains(self) -> bool:
         """Every step's tree is a chain whose verify needs no hidden states (what the fused step can serve)."""
         return self.drafter is None or (self.drafter.proposes_chains and not self.drafter.wants_hidden)
+
+    def overlaps(self) -> bool:
+        """Whether `generate` runs overlapped steps under the current settings (see the module docstring)."""
+        return (self.config.overlap and self._fused_accept(self._chains())
+                and (self.drafter is None or self.drafter.overlaps))
 
     def _fused_accept(self, chain: bool) -> bool:
         """Greedy acceptance of a chain runs inside the fixed-shape verify step (one graph, no extra launches)."""
@@ -319,6 +332,9 @@ class SpecEngine:
         done_at = [0.0 if i in live else t_first for i in range(b)]
         result = GenerationResult(outputs, t_start, t_first, done_at, num_nodes=n_nodes,
                                   beams=self.drafter is not None and self.drafter.proposes_beams)
+        if self.overlaps():
+            self._decode_overlapped(state, live, outputs, done_at, result)
+            live = []
         step = 0
         live_t = rows
         while live:
@@ -404,6 +420,77 @@ class SpecEngine:
         if cfg.graphs.fixed_shape:
             result.graph_stats = self.graph_stats().since(stats_before)
         return result
+
+    def _decode_overlapped(self, state: BatchState, live: list[int], outputs: list[list[int]], done_at: list[float],
+                           result: GenerationResult) -> None:
+        """The decode loop with step t + 1 launched before step t is read (greedy chains, fused verify + accept).
+
+        Host lengths are upper bounds while a step is in flight (known root index + 1 + N); they size storage only.
+        The drafter's propose reads its roots and lengths from the device (Drafter.overlaps); commit is not called
+        (it would only free blocks, which the next step may still write): storage is freed when a sequence finishes.
+        """
+        cfg, dev, cache, drafter = self.config, self.device, self.cache, self.drafter
+        n = self.num_nodes
+        cuda = dev.type == "cuda"
+        known = {r: len(state.tokens_host[r]) - 1 for r in live}  # root index after the last step read
+        finished: set[int] = set()
+        bufs = [torch.empty(cache.max_rows, 3 + n, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        inflight = None  # (rows, packed host buffer, event)
+        launch, launch_t = list(live), state.rows
+        step = 0
+        while launch or inflight is not None:
+            launched = None
+            if launch:
+                if len(launch_t) != len(launch):
+                    launch_t = torch.tensor(launch, dtype=torch.long, device=dev)
+                ahead = set(inflight[0]) if inflight is not None else set()
+                hi = [known[r] + (1 + n if r in ahead else 0) for r in launch]
+                state.rows, state.rows_host, state.kv_len_host = launch_t, launch, hi
+                tree = drafter.propose(state) if drafter else None
+                cache.plan(launch, hi, 1 + n)
+                packed_dev = self.accept_step(n, len(launch), {
+                    "draft": tree.token_ids if n else None, "rows": launch_t,
+                    "valid": tree.valid if n else None}, launch)  # [B, 3 + N]; overwritten by the next replay
+                buf = bufs[step % 2][:len(launch)]
+                buf.copy_(packed_dev, non_blocking=cuda)
+                event = None
+                if cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                launched = (launch, buf, event)
+            if inflight is not None:
+                rows, packed, event = inflight
+                if event is not None:
+                    event.synchronize()  # step t's tokens; step t + 1 keeps the GPU busy meanwhile
+                t_emit = time.perf_counter()
+                rec = StepRecord(len(result.steps), t_emit, [], [], [], [])
+                for j, row in enumerate(rows):
+                    if row in finished:  # the wasted step after it finished
+                        continue
+                    n_acc = int(packed[j, 0])
+                    emitted = packed[j, 2:3 + n_acc].tolist()
+                    known[row] += len(emitted)
+                    room = cfg.max_new_tokens - len(outputs[row])
+                    kept = emitted[:room]
+                    if cfg.stop_on_eos and cfg.eos_token_id is not None and cfg.eos_token_id in kept:
+                        kept = kept[:kept.index(cfg.eos_token_id) + 1]
+                    outputs[row].extend(kept)
+                    state.tokens_host[row].extend(emitted)
+                    rec.rows.append(row)
+                    rec.drafted.append(int(packed[j, 1]))
+                    rec.accepted.append(n_acc)
+                    rec.emitted.append(len(kept))
+                    if self._finished(outputs[row]):
+                        finished.add(row)
+                        done_at[row] = t_emit
+                        cache.free(row)  # a launched step may still write these blocks: stream order keeps
+                        if drafter is not None:  # them ahead of any later step that reuses them
+                            drafter.release(row)
+                if rec.rows:
+                    result.steps.append(rec)
+            inflight = launched
+            launch = [r for r in launched[0] if r not in finished] if launched is not None else []
+            step += 1
 
     def _finished(self, out: list[int]) -> bool:
         cfg = self.config

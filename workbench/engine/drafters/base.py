@@ -78,6 +78,9 @@ class Drafter(ABC):
     # feature-based drafters (ReDrafter, EAGLE): prefill and commit receive the target's final hidden states (hidden=);
     # the engine then verifies through its unfused path (the fused greedy chain step returns no hidden states)
     wants_hidden: bool = False
+    # overlapped steps (EngineConfig.overlap): propose reads roots and lengths from the device only (state.kv_len_host
+    # are then upper bounds, for storage planning) and commit does nothing but free storage (it is not called)
+    overlaps: bool = False
 
     def setup(self, ctx: DraftContext) -> None:
         self.ctx = ctx

@@ -34,6 +34,10 @@ class DraftModelDrafter(Drafter):
         self._state: tuple | None = None  # (tokens, kv_len_all): the engine's persistent buffers the chain reads
 
     @property
+    def overlaps(self) -> bool:  # the fused greedy chain reads roots and lengths from the engine's device buffers
+        return self._fused()
+
+    @property
     def reads_kv_len(self) -> bool:
         return not self._fused()
 
