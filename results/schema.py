@@ -102,6 +102,7 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("graph_batch_sizes", "string", "config", 'captured batch buckets as text, e.g. "1,2,4,8"'),
     ColumnSpec("compile", "string", "config", '"off" | "default" | "max-autotune" (torch.compile mode)'),
     ColumnSpec("attention", "string", "config", '"auto" | "sdpa" | "triton" (attention backend of the KV cache)'),
+    ColumnSpec("overlap", "bool", "config", "overlapped steps asked for (step t+1 launched before step t is read)"),
     ColumnSpec("phase_profile", "bool", "config", "per-phase GPU profile asked for (phase_* columns)"),
     ColumnSpec("compare_hf", "bool", "config", "Hugging Face generate() timed too (hf_* columns)"),
     *_cols("config", "string", "preset target_path draft_path prompts_source"),
@@ -133,6 +134,8 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("noisy_reason", "string", "trust", "why noisy (or \"1 repeat: no spread\")"),
     ColumnSpec("plausible", "bool", "trust", "speedup, acceptance and AR drift within physical bounds"),
     ColumnSpec("implausible_reason", "string", "trust", "which bound failed, with the numbers"),
+    ColumnSpec("overlap_applied", "bool", "graphs", "the candidate ran overlapped steps (overlap on, greedy chains "
+               "with fixed shapes); None with overlap off"),
     ColumnSpec("graph_capture_s", "float", "graphs", "time spent capturing CUDA graphs"),
     ColumnSpec("graph_memory_mb", "float", "graphs", "GPU memory held by the captured graphs' pools"),
     *_cols("graphs", "int", "graph_bucket_hits graph_bucket_misses"),

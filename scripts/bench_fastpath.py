@@ -341,6 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--cuda-graphs", action="store_true", help="ours: cuda_graphs=True, graph_batch_sizes=(1,)")
     ap.add_argument("--compile", choices=COMPILE_MODES, default=None, help="ours: EngineConfig.compile")
+    ap.add_argument("--overlap", action="store_true", help="ours: EngineConfig.overlap (launch step t+1 before "
+                    "reading step t)")
     ap.add_argument("--gpt-fast", default=str(ROOT / ".anchors" / "gpt-fast"), help="gpt-fast checkout")
     ap.add_argument("--gpt-fast-eager", action="store_true", help="do not torch.compile gpt-fast (never on CPU)")
     ap.add_argument("--gpt-fast-compile-prefill", action="store_true", help="its --compile_prefill")
@@ -374,6 +376,8 @@ def fast_settings(args: argparse.Namespace) -> tuple[dict, dict]:
         asked.update(cuda_graphs=True, graph_batch_sizes=(1,))
     if args.compile is not None:
         asked["compile"] = args.compile
+    if args.overlap:
+        asked["overlap"] = True
     have = {f.name for f in dataclasses.fields(EngineConfig)}
     return {k: v for k, v in asked.items() if k in have}, {k: v for k, v in asked.items() if k not in have}
 

@@ -248,6 +248,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("attention", "str", "auto", "attention backend: sdpa (gather the KV through the block table, then SDPA), "
          "triton (kernels/paged_attention.py: reads the paged pool in place; GPU, paged cache) or auto (triton where "
          "it can run, else sdpa)", "Attention backend", "system", choices=("auto", "sdpa", "triton"), searchable=True),
+    Knob("overlap", "bool", True, "launch step t+1 before reading step t's tokens, so host bookkeeping overlaps the GPU "
+         "(greedy chains with --cuda-graphs: AR and the draft model; other methods run one synchronous read per step)",
+         "Overlap host and GPU", "system", searchable=True),
     Knob("phase_profile", "bool", False, "after the timed runs, replay each captured phase (draft, verify) for "
          ">= 0.25 s under the NVML GPM sampler: SM utilization, ms and achieved bandwidth per phase (GPU, "
          "--cuda-graphs)", "Per-phase GPU profile", "system"),

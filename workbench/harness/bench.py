@@ -223,7 +223,7 @@ class BenchSession:
                             sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p), paged=cfg.paged,
                             kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
                             cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
-                            compile=cfg.compile, attention=cfg.attention)
+                            compile=cfg.compile, attention=cfg.attention, overlap=cfg.overlap)
         shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention)
         method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs) if cfg.method in METHODS else ()
         key = (cfg.method, *method_knobs, *shape) if drafter else ("ar", *shape)
@@ -294,7 +294,8 @@ class BenchSession:
                 progress(0.95, "Hugging Face transformers baseline")
                 from workbench.harness.hf_baseline import hf_generate_tokens_per_s
                 hf = hf_generate_tokens_per_s(self, cfg, prompt_ids)
-            graphs = _graph_columns([e.graph_stats() for e in engines], stats_before,
+            graphs = {"overlap_applied": cand_engine.overlaps()} if cfg.overlap else {}
+            graphs |= _graph_columns([e.graph_stats() for e in engines], stats_before,
                                     cfg.cuda_graphs or cfg.compile != "off")
             if cfg.phase_profile:
                 progress(0.97, "per-phase GPU profile")
