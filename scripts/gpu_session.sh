@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU runs of issues 8-11 in two device calls made back to back (the machine stays warm ~30 s between calls, so
+# part b finds part a's trained `small` preset in zoo_cache/; if it does not, it trains it again first).
+# Run from the repo root with $OUT set, carrying .anchors/gpt-fast and .whl (optuna wheels):
+#   PART=a bash scripts/gpu_session.sh 2>&1 | tee $OUT/log.txt
+#   PART=b bash scripts/gpu_session.sh 2>&1 | tee $OUT/log.txt
+# Steps run in priority order; each gets what is left of BUDGET seconds and is skipped when too little is left.
+# Everything lands in $OUT/<part>/ and is packed into $OUT/<part>.tgz at the end.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+PY=${PYTHON:-python3}
+PART=${PART:-a}
+R=$OUT/$PART
+mkdir -p "$R"
+t0=$(date +%s)
+BUDGET=${BUDGET:-570}
+left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
+step() {  # step NAME MIN_SECONDS CMD...: run CMD under the time left, log its exit status
+  local name=$1 need=$2; shift 2
+  local l; l=$(left)
+  if [ "$l" -lt "$need" ]; then echo "[skip] $name: $l s left < $need s" | tee -a "$R/steps.txt"; return; fi
+  local s; s=$(date +%s)
+  timeout "$l" "$@" > "$R/$name.log" 2>&1
+  local rc=$?
+  echo "[done] $name rc=$rc in $(( $(date +%s) - s )) s" | tee -a "$R/steps.txt"
+}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$R/machine.txt"
+$PY -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" >> "$R/machine.txt"
+if [ -d .whl ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+if [ ! -f zoo_cache/small/manifest.json ]; then
+  echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
+  step train 200 $PY -m workbench zoo train small --device cuda --max-seconds "${SMALL_SECONDS:-120}"
+  grep -v " step " "$R/train.log" > "$R/train_summary.log" 2>/dev/null
+fi
+heads() {
+  [ -f zoo_cache/small/redrafter/manifest.json ] || \
+    step head_redrafter 40 $PY -m workbench zoo train-head --kind redrafter --preset small --device cuda --max-seconds 25
+  [ -f zoo_cache/small/eagle/manifest.json ] || \
+    step head_eagle 50 $PY -m workbench zoo train-head --kind eagle --preset small --device cuda --max-seconds 35
+}
+
+if [ "$PART" = a ]; then
+  heads
+  # issue 8: our AR with overlapped steps beside gpt-fast's (same process, same weights and prompts)
+  step gptfast_ar 80 $PY scripts/bench_fastpath.py --preset small --methods ar --cuda-graphs --compile default \
+    --overlap --num-prompts 8 --max-new-tokens 128 --repeats 3 --out "$R/gptfast_ar"
+  # issue 8: step modes with and without overlap (speculative overhead), one process
+  step speed 50 $PY scripts/gpu_fastpath.py --out "$R/fastpath" --parts speed --preset small \
+    --modes graphs+compile,graphs+compile+overlap
+  # issue 9: trees and beams against chains and AR, batch 1 and 8, per-category best beam width
+  step trees 60 $PY scripts/bench_trees.py --preset small --device cuda --out "$R/trees" --budget-s "${TREES_S:-140}"
+else
+  heads
+  # issue 8: study throughput, one worker, 8 prompts x 128 new tokens, graphs on
+  step study 60 timeout "${STUDY_S:-90}" $PY -m studies.run --preset small --study thr --trials 1000 \
+    --device cuda --cuda-graphs on --num-prompts 8 --max-new-tokens 128 --storage sqlite:////tmp/thr.db --store /tmp/thr
+  $PY scripts/store_counts.py /tmp/thr > "$R/study_count.txt" 2>&1
+  # issue 10: weight formats (random-weight floors, then the small preset's precision grid) and KV formats
+  step quant 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant" --preset small ${QUANT_ARGS:-}
+  step kvquant 40 $PY scripts/gpu_kvquant.py --device cuda --out "$R/kvquant" ${KVQUANT_ARGS:-}
+  # issue 11: serving rate sweep
+  step serving 60 $PY scripts/gpu_serving.py --device cuda --preset small --cuda-graphs --out "$R/serving" \
+    ${SERVING_ARGS:-}
+fi
+tar -czf "$OUT/$PART.tgz" -C "$OUT" "$PART"
+echo "total $(( $(date +%s) - t0 )) s"
