@@ -344,13 +344,19 @@ def check_serve(values: Mapping[str, Any]) -> None:
     the first problem."""
     check({k: v for k, v in values.items() if k in KNOBS})
     for name, value in values.items():
-        if name in SERVE_KNOBS:
+        if name == "k_by_batch":  # free text, checked by its parser below
+            if not isinstance(value, str):
+                raise SettingError(f"k_by_batch={value!r} must be text like '1-4:4,5-8:2'", name)
+        elif name in SERVE_KNOBS:
             SERVE_KNOBS[name].check(value)
-    v = {name: values.get(name, knob.default) for name, knob in SERVE_KNOBS.items()}
+    v = {name: values.get(name, knob.default) for name, knob in {**KNOBS, **SERVE_KNOBS}.items()}
     parse_k_by_batch(v["k_by_batch"])
     if v["arrival"] == "concurrency" and v["max_concurrency"] < 1:
         raise SettingError("arrival concurrency needs --max-concurrency N (N >= 1 requests in flight)",
                            "max_concurrency")
+    if v["cuda_graphs"] and v["max_num_seqs"] > max(v["graph_batch_sizes"]):
+        raise SettingError(f"max_num_seqs {v['max_num_seqs']} exceeds the largest graph bucket: add a bucket >= "
+                           f"{v['max_num_seqs']} to --graph-batch-sizes or lower --max-num-seqs", "graph_batch_sizes")
     if v["arrival"] == "gamma" and v["rate"] == 0:
         raise SettingError("arrival gamma needs --rate > 0 (requests/s)", "rate")
 

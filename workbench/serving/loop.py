@@ -32,6 +32,9 @@ from workbench.serving.scheduler import CapacityScheduler
 
 class RealClock:
     def __init__(self):
+        self.start()
+
+    def start(self) -> None:
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
@@ -49,6 +52,9 @@ class StepClock:
 
     def __init__(self, dt: float = 1.0):
         self.t, self.dt = 0.0, dt
+
+    def start(self) -> None:
+        self.t = 0.0
 
     def now(self) -> float:
         return self.t
@@ -172,6 +178,7 @@ class ServingLoop:
         self.running: list[RequestState] = []
         result = ServeResult(states, num_blocks=self.num_blocks)
         it = 0
+        self.clock.start()  # arrival times count from here (after any graph capture)
         while pending or waiting or self.running:
             now = self.clock.now()
             in_system = len(waiting) + len(self.running)
