@@ -276,3 +276,27 @@ def test_serve_bench_cli_names_an_oversized_request(tmp_path):
            "2", "--max-new-tokens", "8", "--kv-blocks", "2", "--device", "cpu", "--no-store"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "raise --kv-blocks" in out.stderr
+
+
+# ---- replay ------------------------------------------------------------------------------------------------------
+def test_match_lengths_worked_example():
+    from types import SimpleNamespace as T
+
+    from workbench.serving.replay import _match_at, match_lengths
+
+    # k = 3: step at position 1 accepts 3 (all), at 5 accepts 1, at 7 accepts 0
+    rows = [T(request=0, step=s, accepted=a) for s, a in ((0, 3), (1, 1), (2, 0))]
+    runs = match_lengths(rows, 3)[0]
+    assert runs == [(1, 3 + 1 + 1), (5, 1), (7, 0)]
+    assert _match_at(runs, 2) == 4 and _match_at(runs, 5) == 1 and _match_at(runs, 6) == 0
+
+
+def test_replay_at_the_recorded_setting_predicts_the_run(target, draft):
+    from workbench.serving import metrics, replay
+
+    reqs = [Request(i, [3 + i, 9, 4, 1, 3, 9], 20, arrival_s=float(i)) for i in range(8)]
+    res = serve(make_engine("draft", target, draft), reqs)
+    costs = replay.fit_costs(res.iterations)  # StepClock: every iteration costs 1 s
+    pred = replay.replay(res.states, res.traces, 3, costs, lambda b: 3, max_num_seqs=4)
+    real = metrics.summarize(res)
+    assert abs(pred["output_throughput"] / real["output_throughput"] - 1) < 0.25
