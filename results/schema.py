@@ -160,6 +160,35 @@ TRACE_SPECS: list[ColumnSpec] = [
     *_cols("trace", "int", "seq step drafted accepted emitted"),
 ]
 
+# Serving runs (`python -m workbench serve-bench`, workbench/serving): their own settings, then metrics named as
+# `vllm bench serve` names them (`ttft_ms_p99` here is vLLM's `p99_ttft_ms`, `goodput` its `request_goodput`).
+# Bench rows leave these null; serving rows fill the shared columns they mean the same way (method, k, tpot_ms_p99).
+SERVING_SPECS: list[ColumnSpec] = [
+    ColumnSpec("run_kind", "string", "identity", '"serve" for serving runs (None = a bench run)'),
+    ColumnSpec("rate", "float", "config", "request arrival rate, requests/s (0 = all at once)"),
+    *_cols("config", "string", "arrival lengths sched_policy k_by_batch"),
+    *_cols("config", "float", "burstiness range_ratio slo_ttft_ms slo_tpot_ms spec_off_acceptance"),
+    *_cols("config", "int", "max_concurrency num_requests warmup_requests input_len shared_prefix_len kv_blocks "
+                            "max_num_seqs prefill_chunk spec_window spec_max_context long_context_k"),
+    ColumnSpec("prefix_caching", "bool", "config", "full prompt blocks shared between requests"),
+    *_cols("serving", "int", "completed preemptions"),
+    *_cols("serving", "float", "duration_s request_throughput output_throughput total_token_throughput goodput "
+                               "ttft_ms_mean ttft_ms_p50 ttft_ms_p90 ttft_ms_p99 tpot_ms_mean "
+                               "itl_ms_mean e2el_ms_mean e2el_ms_p50 e2el_ms_p90 e2el_ms_p99 "
+                               "queue_ms_mean queue_ms_p50 queue_ms_p99 kv_cache_util_mean kv_cache_util_max "
+                               "prefix_hit_rate mean_batch_size"),
+    ColumnSpec("acceptance_by_batch_size", "string", "serving", 'JSON {"batch size": acceptance rate}'),
+    ColumnSpec("acceptance_by_context", "string", "serving", 'JSON {"context bin start": acceptance rate}'),
+]
+
+# One row per request of a serving run (`ResultStore.append(..., requests=)`, requests/<run_id>.parquet).
+REQUEST_SPECS: list[ColumnSpec] = [
+    ColumnSpec("run_id", "string", "request"),
+    *_cols("request", "int", "request prompt_len output_len preemptions prefix_hit_tokens steps"),
+    ColumnSpec("measured", "bool", "request", "False for warm-up requests"),
+    *_cols("request", "float", "arrival_s queue_ms ttft_ms tpot_ms e2el_ms itl_ms_mean acceptance_rate"),
+]
+
 # name -> spec for every known run column (RUN_COLUMNS plus registered extensions), in display order.
 _REGISTRY: dict[str, ColumnSpec] = {}
 
@@ -180,7 +209,7 @@ def register_column(name: str, kind: str, group: str = "extension", doc: str = "
     return spec
 
 
-for _spec in _RUN_SPECS:
+for _spec in _RUN_SPECS + SERVING_SPECS:
     _REGISTRY[_spec.name] = _spec
 
 RUN_COLUMNS: tuple[str, ...] = tuple(s.name for s in _RUN_SPECS)   # the INTERFACES.md record, fixed
@@ -195,6 +224,10 @@ def run_specs() -> dict[str, ColumnSpec]:
 
 def trace_specs() -> dict[str, ColumnSpec]:
     return dict(_TRACE_REGISTRY)
+
+
+def request_specs() -> dict[str, ColumnSpec]:
+    return {s.name: s for s in REQUEST_SPECS}
 
 
 def arrow_schema(specs: Mapping[str, ColumnSpec] | None = None) -> pa.Schema:

@@ -154,9 +154,14 @@ class ResultStore:
     def traces_dir(self) -> Path:
         return self.root / "traces"
 
+    @property
+    def requests_dir(self) -> Path:
+        return self.root / "requests"
+
     # ------------------------------------------------------------------------------------------------ writing
 
-    def append(self, record: Mapping[str, Any], traces: pd.DataFrame | None = None) -> str:
+    def append(self, record: Mapping[str, Any], traces: pd.DataFrame | None = None,
+               requests: pd.DataFrame | None = None) -> str:
         """Store one run record (and its trace rows); returns its run_id.
 
         Fills run_id, created_at and schema_version when missing. The record's declared columns must fit their
@@ -180,20 +185,23 @@ class ResultStore:
         try:
             if traces is not None:
                 self._write_traces(run_id, traces)
+            if requests is not None:  # serving runs: one row per request, beside the traces
+                self._write_traces(run_id, requests, self.requests_dir, S.request_specs())
             _write_atomic(table, folder / f"{run_id}.parquet")
         except OSError as exc:   # a store that is a file, read-only, or full: say which store and why
             raise StoreError(f"cannot write run {run_id} to the result store {self.root}: "
                              f"{type(exc).__name__}: {exc}") from exc
         return run_id
 
-    def _write_traces(self, run_id: str, traces: pd.DataFrame) -> None:
+    def _write_traces(self, run_id: str, traces: pd.DataFrame, folder: Path | None = None,
+                      specs: Mapping[str, S.ColumnSpec] | None = None) -> None:
         tr = traces.copy()
         if "run_id" in tr.columns and tr["run_id"].notna().any() and (tr["run_id"].dropna() != run_id).any():
             raise StoreError(f"traces for run {run_id} carry other run_ids: {sorted(set(tr['run_id'].dropna()))[:3]}")
         tr["run_id"] = run_id
         tr = tr[["run_id"] + [c for c in tr.columns if c != "run_id"]]
-        table = S.frame_to_table(tr.reset_index(drop=True), S.trace_specs())
-        _write_atomic(table, self.traces_dir / f"{run_id}.parquet")
+        table = S.frame_to_table(tr.reset_index(drop=True), specs or S.trace_specs())
+        _write_atomic(table, (folder or self.traces_dir) / f"{run_id}.parquet")
 
     # ------------------------------------------------------------------------------------------------ reading
 
@@ -332,6 +340,23 @@ class ResultStore:
         df = S.table_to_frame(table, specs)
         if len(df):
             df = df.sort_values(["run_id", "seq", "step"], kind="stable").reset_index(drop=True)
+        return df
+
+    def load_requests(self, run_ids: Iterable[str] | None = None, strict: bool = False) -> pd.DataFrame:
+        """Per-request rows of serving runs (None = all), typed per results.schema.REQUEST_SPECS."""
+        specs = S.request_specs()
+        if run_ids is None:
+            files = _parquet_files(self.requests_dir)
+        else:
+            files = [self.requests_dir / f"{r}.parquet" for r in dict.fromkeys(str(r) for r in run_ids)]
+            files = [p for p in files if p.is_file()]
+        errors: list[tuple[str, str]] = []
+        tables = self._read_tables(files, specs, None, strict, errors)
+        self._report(errors)
+        table = S.complete_table(S.concat_tables(tables) if tables else pa.table({}), specs)
+        df = S.table_to_frame(table, specs)
+        if len(df):
+            df = df.sort_values(["run_id", "request"], kind="stable").reset_index(drop=True)
         return df
 
     # ---------------------------------------------------------------------------------------------- housekeeping

@@ -160,6 +160,10 @@ def vllm_snippet(schedule: dict[str, Any]) -> dict[str, Any]:
                 "note": "speculation did not pay at any measured batch size: leave speculative_config unset"}
     first = on[0]
     recommended = _vllm_config(first["method"], first["draft_len"], first, schedule["models"])
+    ranges = batch_ranges(schedule, first["method"])
+    if ranges:  # vLLM's per-batch-size key (workbench/serving/exports.py says which version it assumes)
+        recommended["num_speculative_tokens"] = max(k for _, _, k in ranges)
+        recommended["num_speculative_tokens_per_batch_size"] = ranges
     off_after = [e["batch_size"] for e in schedule["buckets"] if e.get("speculate") is False
                  and e["batch_size"] > first["batch_size"]]
     if off_after:
@@ -167,6 +171,21 @@ def vllm_snippet(schedule: dict[str, Any]) -> dict[str, Any]:
     return {"speculative_config": recommended, "per_batch_size": per_bucket,
             "note": "vLLM takes one num_speculative_tokens per server: speculative_config is the smallest batch "
                     "bucket's best setting (null entries: speculation off). --speculative-config '<json>'"}
+
+
+def batch_ranges(schedule: dict[str, Any], method: str) -> list[list[int]]:
+    """The method's best k per bucket as inclusive ranges [[start_bs, end_bs, k], ...] (bucket b covers
+    (previous bucket, b]); `python -m workbench serve-bench --k-by-batch` reads the same ranges as text."""
+    per, out, lo = _method_schedule(schedule, method), [], 1
+    for b in sorted(per):
+        out.append([lo, b, int(per[b]["k"])])
+        lo = b + 1
+    return out
+
+
+def k_by_batch_text(ranges: list[list[int]]) -> str:
+    """[[1, 2, 4], [3, 8, 0]] -> '1-2:4,3-8:0' (the serve-bench --k-by-batch form)."""
+    return ",".join(f"{lo}-{hi}:{k}" for lo, hi, k in ranges)
 
 
 def _sglang_args(e: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:

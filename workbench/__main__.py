@@ -10,6 +10,7 @@ COMMANDS = {
     "zoo": "workbench.zoo.cli",
     "models": "workbench.models.cli",
     "bench": "workbench.harness.bench_cli",
+    "serve-bench": "workbench.serving.cli",
 }
 
 

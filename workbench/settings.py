@@ -258,6 +258,112 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "Compare with HF generate()", "system"),
 )}
 
+# Serving (`python -m workbench serve-bench`, workbench/serving): in-flight batching under a request load. Declared
+# here like every knob, in their own table: `bench`, studies and the Run form never read them (a knob in KNOBS must
+# reach all of those); `ServeConfig` (workbench.serving.config) has one field per SERVE_RUN_KNOBS + SERVE_KNOBS knob,
+# the serve-bench flags come from the same declarations, and results.schema declares their columns.
+SERVE_RUN_KNOBS = ("method", "k", "ngram_min", "ngram_max", "beam_width", "beam_length", "diversity_penalty",
+                   "max_new_tokens", "temperature", "top_k", "top_p", "seed", "kv_block_size", "cuda_graphs",
+                   "graph_batch_sizes", "compile", "attention")  # the bench knobs serving reads too
+SCHED_POLICIES = ("no_evict", "max_util")
+SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
+    Knob("rate", "float", 0.0, "request arrival rate in requests/s (0 = all requests arrive at once)", "Request rate",
+         "load", 0.0, 1e6),
+    Knob("arrival", "str", "poisson", "arrival process: poisson (exponential gaps), gamma (gaps ~ Gamma(burstiness, "
+         "1 / (rate x burstiness)); burstiness < 1 is burstier), or concurrency (a new request is sent whenever fewer "
+         "than max_concurrency are in the system)", "Arrivals", "load", choices=("poisson", "gamma", "concurrency")),
+    Knob("burstiness", "float", 1.0, "gamma shape of the arrival gaps (1 = poisson)", "Burstiness", "load", 0.01,
+         100.0),
+    Knob("max_concurrency", "int", 0, "at most this many requests in the system (0 = no limit; arrival "
+         "concurrency needs it)", "Max concurrency", "load", 0, 100_000),
+    Knob("num_requests", "int", 32, "measured requests", "Requests", "load", 1, 1_000_000),
+    Knob("warmup_requests", "int", 0, "requests served before the measured ones and left out of every metric",
+         "Warm-up requests", "load", 0, 100_000),
+    Knob("lengths", "str", "file", "prompt lengths: file (the prompt file's prompts, cycled; output max_new_tokens "
+         "each) or random (random tokens, input_len and max_new_tokens scaled by a uniform factor in "
+         "[1 - range_ratio, 1 + range_ratio])", "Lengths", "load", choices=("file", "random")),
+    Knob("input_len", "int", 64, "random lengths: mean prompt tokens", "Input length", "load", 1, 1_000_000),
+    Knob("range_ratio", "float", 0.0, "random lengths: spread of prompt and output lengths", "Range ratio", "load",
+         0.0, 1.0),
+    Knob("shared_prefix_len", "int", 0, "random lengths: tokens of one common prefix every prompt starts with "
+         "(exercises prefix reuse)", "Shared prefix", "load", 0, 1_000_000),
+    Knob("slo_ttft_ms", "float", 0.0, "goodput SLO: time to first token <= this (0 = no bound)", "SLO TTFT ms",
+         "load", 0.0, 1e9),
+    Knob("slo_tpot_ms", "float", 0.0, "goodput SLO: time per output token <= this (0 = no bound)", "SLO TPOT ms",
+         "load", 0.0, 1e9),
+    Knob("sched_policy", "str", "no_evict", "capacity scheduler: no_evict admits a request only when its worst-case "
+         "KV blocks fit beside everyone's; max_util admits greedily and, when blocks run out, preempts the most "
+         "recently admitted request and recomputes it later", "Scheduler policy", "serving", choices=SCHED_POLICIES),
+    Knob("kv_blocks", "int", 0, "KV blocks in the target's pool (0 = enough for max_num_seqs worst-case requests)",
+         "KV blocks", "serving", 0, 10_000_000),
+    Knob("max_num_seqs", "int", 16, "most sequences in a step (rows of the KV cache)", "Max sequences", "serving", 1,
+         4096),
+    Knob("prefill_chunk", "int", 0, "prompt tokens prefilled per engine iteration, between decode steps (0 = whole "
+         "prompts at once)", "Prefill chunk", "serving", 0, 1_000_000),
+    Knob("prefix_caching", "bool", False, "share full prompt blocks between requests with the same prefix (hashed "
+         "blocks, reference counts)", "Prefix caching", "serving"),
+    Knob("k_by_batch", "str", "", "adaptive draft length by live batch size, vLLM-style inclusive ranges "
+         "'start-end:k,...' (e.g. '1-4:4,5-8:2,9-64:0'; sizes not covered use k; empty = always k)",
+         "Draft length by batch size", "adaptive", searchable=False),
+    Knob("spec_off_acceptance", "float", 0.0, "a request stops drafting when its acceptance rate over the last "
+         "spec_window steps falls below this (0 = never)", "Switch-off acceptance", "adaptive", 0.0, 1.0),
+    Knob("spec_window", "int", 8, "steps in a request's acceptance window", "Acceptance window", "adaptive", 1,
+         100_000),
+    Knob("spec_max_context", "int", 0, "past this context length a request drafts at most long_context_k tokens "
+         "(0 = no limit)", "Long-context limit", "adaptive", 0, 10_000_000),
+    Knob("long_context_k", "int", 0, "draft length past spec_max_context (0 = no drafts)", "Long-context k",
+         "adaptive", 0, 16),
+)}
+
+
+def parse_k_by_batch(text: str) -> list[tuple[int, int, int]]:
+    """'1-4:4,5-8:2,9-64:0' -> [(1, 4, 4), (5, 8, 2), (9, 64, 0)]: inclusive batch-size ranges, increasing and
+    disjoint (vLLM's `[[start_bs, end_bs, k], ...]`). A single size may be written '3:2'.
+
+    >>> parse_k_by_batch("1-2:3, 3:1")
+    [(1, 2, 3), (3, 3, 1)]
+    """
+    out = []
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        try:
+            sizes, _, k = part.partition(":")
+            lo, _, hi = sizes.partition("-")
+            item = (int(lo), int(hi or lo), int(k))
+        except ValueError:
+            raise SettingError(f"k_by_batch part {part!r} is not 'start-end:k' (e.g. '1-4:4')", "k_by_batch") from None
+        if item[0] < 1 or item[1] < item[0] or not 0 <= item[2] <= 16:
+            raise SettingError(f"k_by_batch part {part!r}: need 1 <= start <= end and 0 <= k <= 16", "k_by_batch")
+        if out and item[0] <= out[-1][1]:
+            raise SettingError(f"k_by_batch ranges must increase without overlap: {part!r} starts at or before "
+                               f"{out[-1][1]}", "k_by_batch")
+        out.append(item)
+    return out
+
+
+def check_serve(values: Mapping[str, Any]) -> None:
+    """The run knobs serving reads (through `check`) plus the serving knobs and their rules; SettingError names
+    the first problem."""
+    check({k: v for k, v in values.items() if k in KNOBS})
+    for name, value in values.items():
+        if name == "k_by_batch":  # free text, checked by its parser below
+            if not isinstance(value, str):
+                raise SettingError(f"k_by_batch={value!r} must be text like '1-4:4,5-8:2'", name)
+        elif name in SERVE_KNOBS:
+            SERVE_KNOBS[name].check(value)
+    v = {name: values.get(name, knob.default) for name, knob in {**KNOBS, **SERVE_KNOBS}.items()}
+    parse_k_by_batch(v["k_by_batch"])
+    if v["arrival"] == "concurrency" and v["max_concurrency"] < 1:
+        raise SettingError("arrival concurrency needs --max-concurrency N (N >= 1 requests in flight)",
+                           "max_concurrency")
+    if v["cuda_graphs"] and v["max_num_seqs"] > max(v["graph_batch_sizes"]):
+        raise SettingError(f"max_num_seqs {v['max_num_seqs']} exceeds the largest graph bucket: add a bucket >= "
+                           f"{v['max_num_seqs']} to --graph-batch-sizes or lower --max-num-seqs", "graph_batch_sizes")
+    if v["arrival"] == "gamma" and v["rate"] == 0:
+        raise SettingError("arrival gamma needs --rate > 0 (requests/s)", "rate")
+
+
 RUN_KNOBS = tuple(k for k in KNOBS.values() if k.scope == "run")          # the fields of BenchConfig
 SESSION_KNOBS = tuple(k for k in KNOBS.values() if k.scope == "session")  # arguments of BenchSession.load
 
@@ -311,4 +417,6 @@ def dataclass_of(name: str, knobs: Iterable[Knob], *, quick: bool = False, modul
 
 
 for _knob in KNOBS.values():
+    register_column(_knob.name, _knob.column_kind, "config", _knob.help)
+for _knob in SERVE_KNOBS.values():
     register_column(_knob.name, _knob.column_kind, "config", _knob.help)

@@ -498,6 +498,173 @@ class SpecEngine:
             return True
         return cfg.stop_on_eos and cfg.eos_token_id is not None and bool(out) and out[-1] == cfg.eos_token_id
 
+    # -- in-flight batching: rows join (prefill_row) and leave (release_row) between steps (workbench/serving) ------
+    # `generate` does not use these: it keeps its own loop (same phases, same device steps), so its behaviour and
+    # tests stay as they were; `decode_step` is the loop body over whatever rows are live.
+    def setup_rows(self, cache, max_len: int) -> None:
+        """Adopt `cache` (its `max_rows` rows + pad_row, its own block pool; e.g. a prefix-caching pool) and allocate
+        the persistent tokens [R + 1, S] / kv_len [R + 1] buffers and the steps around it; set the drafter up for
+        the same rows. Drops whatever `generate` had reserved (and its graphs)."""
+        cfg = self.config
+        self.cache = self.tokens = self.kv_len = self.target_step = self.accept_step = None
+        self.cache = cache
+        rows = cache.max_rows
+        self.tokens = torch.zeros(rows + 1, max_len + self.num_nodes + 2, dtype=torch.long, device=self.device)
+        self.kv_len = torch.full((rows + 1,), PAD_LEN, dtype=torch.long, device=self.device)
+        self.target_step = ModelStep(self.target, cache, cfg.graphs, self.device, "target",
+                                     with_hidden=self._wants_hidden())
+        self.accept_step = FixedShapeStep("target+accept", self._verify_accept, self._verify_pads, cfg.graphs,
+                                          self.device, state=lambda: [self.tokens, self.kv_len])
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.verifier = Verifier(cfg.sampling, self.generator)
+        if self.drafter is not None:
+            self.drafter.setup(DraftContext(max_rows=rows, max_len=cache.max_len, device=self.device,
+                                            sampling=cfg.sampling, generator=self.generator, paged=cfg.paged,
+                                            kv_block_size=cfg.kv_block_size, graphs=cfg.graphs,
+                                            attention=cfg.attention))
+
+    def prefill_row(self, row: int, ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill one chunk of one row: tokens `ids` at positions start.. (the row's KV before `start` is already
+        in the cache: earlier chunks, or prefix blocks shared with other requests). Writes the tokens into the
+        row's `tokens` buffer. Returns (logits [V] at the chunk's last position, hidden [T, H] of the chunk)."""
+        dev, t = self.device, len(ids)
+        chunk = torch.tensor([ids], dtype=torch.long, device=dev)  # [1, T]
+        self.tokens[row, start:start + t] = chunk[0]
+        rows = torch.tensor([row], dtype=torch.long, device=dev)
+        self.cache.begin(rows, torch.tensor([start], device=dev), [start], t, rows_host=[row], prefill=True)
+        hidden = self.target(chunk, torch.arange(start, start + t, device=dev).unsqueeze(0), self.cache)  # [1, T, H]
+        return self.target.compute_logits(hidden[0, -1]), hidden[0]
+
+    def start_row(self, row: int, context: list[int], root: int, hidden: torch.Tensor | None = None) -> None:
+        """The row's prefill is complete: `context` (its committed tokens, KV written) and `root` (the next token,
+        sampled from the prefill or known from before a preemption) become its state, and the drafter prefills it
+        (hidden [len(context), H]: the target's final hidden states of the context, for `wants_hidden` drafters)."""
+        dev, n = self.device, len(context)
+        self.tokens[row, :n] = torch.tensor(context, dtype=torch.long, device=dev)
+        self.tokens[row, n] = root
+        self.kv_len[row] = n
+        self.sync_drafter(row, n, hidden)
+
+    def sync_drafter(self, row: int, n: int, hidden: torch.Tensor | None = None) -> None:
+        """(Re)prefill the drafter with the row's first n committed tokens (after the target's prefill, or after
+        steps that skipped drafting left a draft model's own KV behind)."""
+        if self.drafter is None:
+            return
+        dev = self.device
+        rows = torch.tensor([row], dtype=torch.long, device=dev)
+        state = BatchState(rows=rows, rows_host=[row], tokens=self.tokens, tokens_host=[],
+                           kv_len=torch.tensor([n], device=dev), kv_len_host=[n], kv_len_all=self.kv_len)
+        ids = self.tokens[row, :n].unsqueeze(0)  # [1, n]
+        positions = torch.arange(n, device=dev).unsqueeze(0)
+        if self._wants_hidden():
+            self.drafter.prefill(state, ids, positions, hidden=hidden.unsqueeze(0))
+        else:
+            self.drafter.prefill(state, ids, positions)
+
+    def release_row(self, row: int) -> None:
+        """The row's sequence finished or was preempted: its cache blocks and the drafter's state are released."""
+        self.cache.free(row)
+        self.kv_len[row] = PAD_LEN
+        if self.drafter is not None:
+            self.drafter.release(row)
+
+    def decode_step(self, live: list[int], tokens_host: list[list[int] | None], timer: PhaseTimer,
+                    num_nodes: int | None = None, row_nodes: list[int] | None = None) -> "DecodeStep":
+        """One step (draft -> verify -> accept -> kv) over the live rows, as in `generate`: afterwards the device
+        state (tokens, kv_len, cache) holds the accepted tokens, `tokens_host[row]` is extended by the emitted
+        tokens, rejected drafts' blocks are truncated and the drafter has committed.
+
+        tokens_host: per cache row, the row's committed tokens up to and including the root (None = not live).
+        num_nodes: draft nodes verified this step (chains: the first `num_nodes` drafted tokens; 0 = no drafting,
+        an autoregressive step; None = the drafter's N). row_nodes: per live row, a smaller count for that row
+        (its drafts past it are marked invalid, so they are never accepted)."""
+        dev, cache = self.device, self.cache
+        full = self.num_nodes
+        n_nodes = full if num_nodes is None else num_nodes
+        if n_nodes not in (0, full) and not (self.drafter is not None and self.drafter.proposes_chains):
+            raise ValueError(f"num_nodes={n_nodes}: only chains can be verified shorter than their N={full}")
+        live_t = torch.tensor(live, dtype=torch.long, device=dev)
+        base_host = [len(tokens_host[r]) - 1 for r in live]
+        state = BatchState(rows=live_t, rows_host=list(live), tokens=self.tokens, tokens_host=tokens_host,
+                           kv_len=self.kv_len[live_t], kv_len_host=base_host, kv_len_all=self.kv_len)
+        base = state.kv_len
+        fused = self._fused_accept(self._chains())
+        with timer.phase("draft"):
+            if n_nodes and self.drafter is not None:
+                tree = self.drafter.propose(state)
+                if n_nodes < full or row_nodes is not None:
+                    keep = torch.arange(n_nodes, device=dev).unsqueeze(0)  # [1, n]
+                    limit = torch.tensor(row_nodes if row_nodes is not None else [n_nodes] * len(live), device=dev)
+                    valid = tree.valid[:, :n_nodes] & (keep < limit.unsqueeze(1))
+                    probs = tree.draft_probs[:, :n_nodes] if tree.draft_probs is not None else None
+                    tree = DraftTree.chain(tree.token_ids[:, :n_nodes], valid, probs) if tree.is_chain else \
+                        DraftTree(tree.token_ids, tree.parents, tree.depths, valid, probs, depth_bound=tree.depth_bound)
+            else:
+                tree = DraftTree.empty(len(live), dev)
+        n = tree.num_nodes
+        verify_hidden = None
+        with timer.phase("verify"):
+            if fused:
+                cache.plan(live, base_host, 1 + n)
+                packed_dev = self.accept_step(n, len(live), {"draft": tree.token_ids if n else None, "rows": live_t,
+                                                             "valid": tree.valid if n else None}, live)
+            else:
+                ids = torch.cat([state.root.unsqueeze(1), tree.token_ids], 1)  # [B, 1+N]
+                offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
+                logits = self.target_step(live_t, live, ids, base.unsqueeze(1) + offsets, base, base_host,
+                                          verify_mask(tree))  # [B, 1+N, V]
+                if self._wants_hidden():
+                    logits, verify_hidden = logits  # [B, 1+N, H]
+        with timer.phase("accept"):
+            if fused:
+                acc = Acceptance(packed_dev[:, 0], tree.parents[:, :0], packed_dev[:, 2:])
+            else:
+                acc = self.verifier.accept(tree, logits)
+                packed_dev = _pack(acc, tree)
+            packed = packed_dev.cpu()  # the step's one device->host read
+        t_emit = time.perf_counter()
+        with timer.phase("kv"):
+            if not fused:
+                d = acc.emitted.shape[1] - 1
+                if not tree.is_chain and d:
+                    src = torch.where(acc.path_nodes >= 0, base.unsqueeze(1) + 1 + acc.path_nodes,
+                                      torch.full_like(acc.path_nodes, -1))
+                    cache.move(live_t, src, base.unsqueeze(1) + 1 + torch.arange(d, device=dev))
+                self.kv_len[live_t] = base + 1 + acc.num_accepted
+                write = base.unsqueeze(1) + 1 + torch.arange(d + 1, device=dev)
+                self.tokens[live_t.unsqueeze(1), write] = acc.emitted
+            accepted, drafted, emitted = [], [], []
+            for j, row in enumerate(live):
+                n_acc = int(packed[j, 0])
+                toks = packed[j, 2:3 + n_acc].tolist()
+                tokens_host[row].extend(toks)
+                accepted.append(n_acc)
+                drafted.append(int(packed[j, 1]))
+                emitted.append(toks)
+            state.kv_len_host = [len(tokens_host[r]) - 1 for r in live]
+            if self.drafter is not None:
+                if self._wants_hidden():
+                    src = torch.cat([torch.zeros_like(acc.path_nodes[:, :1]), 1 + acc.path_nodes], 1)
+                    committed = verify_hidden.gather(1, src.unsqueeze(-1).expand(-1, -1, verify_hidden.shape[-1]))
+                    self.drafter.commit(state, acc, base_host, hidden=committed)
+                else:
+                    self.drafter.commit(state, acc, base_host)
+            for row, new_len in zip(live, state.kv_len_host):
+                cache.truncate(row, new_len)
+        return DecodeStep(t_emit, list(live), base_host, n, drafted, accepted, emitted)
+
+
+@dataclass
+class DecodeStep:
+    """What one `SpecEngine.decode_step` did, per live row (in `rows` order)."""
+    t_emit: float  # host perf_counter when the step's tokens were known
+    rows: list[int]
+    context_len: list[int]  # committed tokens before the step (kv_len)
+    num_nodes: int  # draft nodes verified per row this step (0: an autoregressive step)
+    drafted: list[int]  # valid draft nodes per row
+    accepted: list[int]
+    emitted: list[list[int]]  # accepted + 1 tokens per row (not capped by any output length)
+
 
 def _pack(acc: Acceptance, tree: DraftTree) -> torch.Tensor:
     """[B, 3 + D] long: accepted count, drafted count, then the emitted tokens (what the host reads per step)."""

@@ -1,0 +1,302 @@
+"""In-flight batching: outputs equal each request's solo greedy output under any arrival order, chunked prefill,
+preemption + recompute and prefix reuse; the scheduler never exceeds the pool; no_evict never preempts; named errors;
+Poisson arrivals pass a goodness-of-fit test; exported snippets parse; serve-bench writes its rows."""
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_engine import random_model
+from tests.test_verify import chi_square_pvalue
+from workbench.engine import EngineConfig, SpecEngine
+from workbench.engine.drafters import DraftModelDrafter, NgramDrafter
+from workbench.serving.adaptive import AdaptiveSpeculation
+from workbench.serving.config import RequestTooLargeError, ServeConfig, ServeError, check_config
+from workbench.serving.loadgen import arrival_times, make_requests
+from workbench.serving.loop import ServingLoop, StepClock
+from workbench.serving.prefix_cache import PrefixCachingKVCache
+from workbench.serving.request import Request
+
+ROOT = Path(__file__).resolve().parents[1]
+BS = 4  # small KV blocks: prompts span several, so sharing and preemption happen with few tokens
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_model(seed=1)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return random_model(hidden=16, layers=1, heads=2, kv_heads=1, seed=2)
+
+
+def random_requests(seed: int, n: int = 8, shared: list[int] | None = None) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(i, (shared or []) + [rng.randrange(64) for _ in range(rng.randint(1, 14))], rng.randint(1, 12),
+                    arrival_s=float(rng.randint(0, 12))) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def solo(target):
+    """Each request alone through `generate` with no drafter: the reference output."""
+    engine = SpecEngine(target, None, EngineConfig(max_new_tokens=1, kv_block_size=BS))
+    memo = {}
+
+    def run(req: Request) -> list[int]:
+        key = (tuple(req.prompt), req.max_new_tokens)
+        if key not in memo:
+            engine.config = EngineConfig(max_new_tokens=req.max_new_tokens, kv_block_size=BS)
+            memo[key] = engine.generate([req.prompt]).outputs[0]
+        return memo[key]
+    return run
+
+
+def make_engine(kind, target, draft, **kw):
+    drafter = {"ar": None, "ngram": NgramDrafter(3), "draft": DraftModelDrafter(draft, 3)}[kind]
+    return SpecEngine(target, drafter, EngineConfig(max_new_tokens=64, kv_block_size=BS, **kw))
+
+
+def serve(engine, requests, **kw):
+    return ServingLoop(engine, requests, clock=StepClock(), **{"max_num_seqs": 4, **kw}).run()
+
+
+def assert_solo(result, requests, solo):
+    for r in requests:
+        assert result.outputs[r.id] == solo(r), f"request {r.id} differs from its solo greedy output"
+
+
+# ---- outputs equal solo greedy outputs -------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_in_flight_outputs_equal_solo_greedy_in_random_arrival_orders(target, draft, solo, kind, seed):
+    reqs = random_requests(seed)
+    res = serve(make_engine(kind, target, draft), reqs)
+    assert_solo(res, reqs, solo)
+    assert max(i.batch_size for i in res.iterations) > 1  # requests really shared steps
+    assert len({i.batch_size for i in res.iterations if i.batch_size}) > 1  # rows joined and left
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_chunked_prefill_interleaves_with_decode_and_keeps_outputs(target, draft, solo, kind, chunk):
+    reqs = random_requests(3)
+    res = serve(make_engine(kind, target, draft), reqs, prefill_chunk=chunk)
+    assert_solo(res, reqs, solo)
+    assert all(i.prefill_tokens <= chunk for i in res.iterations)
+    assert any(i.prefill_tokens and i.batch_size for i in res.iterations)  # a chunk beside a decode step
+
+
+@pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
+def test_max_util_preempts_recomputes_and_keeps_outputs(target, draft, solo, kind):
+    reqs = random_requests(4)
+    pool = max(math.ceil((len(r.prompt) + r.max_new_tokens + 5) / BS) for r in reqs)  # the largest worst case
+    res = serve(make_engine(kind, target, draft), reqs, policy="max_util", num_blocks=pool, prefill_chunk=6)
+    assert res.preemptions > 0 and any(s.preemptions for s in res.states)
+    assert_solo(res, reqs, solo)
+    assert res.max_used_blocks <= pool
+
+
+@pytest.mark.parametrize("kind", ["ar", "ngram"])
+def test_prefix_reuse_hits_and_keeps_outputs(target, draft, solo, kind):
+    shared = [random.Random(9).randrange(64) for _ in range(11)]  # two full blocks of 4 plus 3 tokens
+    reqs = random_requests(5, shared=shared)
+    res = serve(make_engine(kind, target, draft), reqs, prefix_caching=True, prefill_chunk=4)
+    assert_solo(res, reqs, solo)
+    assert res.prefix_hit_rate and res.prefix_hit_rate > 0.2
+    assert sum(s.prefix_hit_tokens for s in res.states) >= 8 * (len(reqs) - 1) * 0.5
+
+
+def test_prefix_reuse_with_preemption_keeps_outputs(target, draft, solo):
+    shared = [random.Random(11).randrange(64) for _ in range(9)]
+    reqs = random_requests(6, shared=shared)
+    res = serve(make_engine("ngram", target, draft), reqs, prefix_caching=True, policy="max_util", num_blocks=13)
+    assert_solo(res, reqs, solo)
+    assert res.max_used_blocks <= 13
+
+
+def test_adaptive_draft_length_keeps_outputs_and_follows_the_schedule(target, draft, solo):
+    reqs = random_requests(7)
+    adaptive = AdaptiveSpeculation(3, k_by_batch=[(1, 1, 3), (2, 2, 1), (3, 64, 0)], max_context=15,
+                                   long_context_k=1)
+    res = serve(make_engine("draft", target, draft), reqs, adaptive=adaptive)
+    assert_solo(res, reqs, solo)
+    for t in res.traces:
+        want = {1: 3, 2: 1}.get(t.batch_size, 0)
+        assert t.k == (min(want, 1) if t.context_len > 15 else want) and t.drafted <= t.k
+    assert {t.num_nodes for t in res.traces} >= {0, 1}
+
+
+def test_switch_off_by_acceptance(target, draft, solo):
+    reqs = random_requests(8)
+    adaptive = AdaptiveSpeculation(3, off_acceptance=1.01, window=2)  # nothing reaches 101 %: off after 2 steps
+    res = serve(make_engine("ngram", target, draft), reqs, adaptive=adaptive)
+    assert_solo(res, reqs, solo)
+    for s in res.states:
+        drafting = [t for t in res.traces if t.request == s.req.id and t.drafted]
+        assert len(drafting) <= 2
+
+
+# ---- capacity ----------------------------------------------------------------------------------------------------
+def test_no_evict_never_preempts_and_never_exceeds_the_pool(target, draft, solo):
+    reqs = random_requests(10, n=10)
+    res = serve(make_engine("ngram", target, draft), reqs, policy="no_evict", num_blocks=12)
+    assert res.preemptions == 0 and all(s.preemptions == 0 for s in res.states)
+    assert res.max_used_blocks <= 12
+    assert any(s.t_admitted > s.t_arrival for s in res.states)  # some waited for room
+    assert_solo(res, reqs, solo)
+
+
+def test_scheduler_budget_invariant_per_iteration(target, draft):
+    reqs = random_requests(12, n=10)
+    for policy in ("no_evict", "max_util"):
+        res = serve(make_engine("draft", target, draft), reqs, policy=policy, num_blocks=10)
+        assert all(i.used_blocks <= 10 for i in res.iterations)
+
+
+def test_request_larger_than_the_pool_is_a_named_error(target, draft):
+    reqs = [Request(0, list(range(30)), 20)]
+    with pytest.raises(RequestTooLargeError, match=r"needs up to \d+ KV blocks .* raise --kv-blocks"):
+        ServingLoop(make_engine("ngram", target, draft), reqs, num_blocks=5, clock=StepClock())
+
+
+def test_bad_serving_settings_are_named_errors():
+    with pytest.raises(ServeError, match="max-concurrency"):
+        check_config(ServeConfig(arrival="concurrency"))
+    with pytest.raises(ServeError, match="k_by_batch"):
+        check_config(ServeConfig(k_by_batch="4-1:2"))
+    with pytest.raises(ServeError, match="sched_policy"):
+        check_config(ServeConfig(sched_policy="lru"))
+    with pytest.raises(ServeError, match="graph bucket"):
+        check_config(ServeConfig(cuda_graphs=True, graph_batch_sizes=(1, 2), max_num_seqs=4))
+
+
+def test_prefix_cache_refcounts_and_eviction():
+    cache = PrefixCachingKVCache(1, 1, 2, 3, 16, torch.float32, "cpu", block_size=2, num_blocks=6)
+    toks = [1, 2, 3, 4, 5]
+    cache.begin(torch.tensor([0]), torch.tensor([0]), [0], 5, prefill=True)  # row 0 holds 3 blocks
+    cache.register(0, toks, 5)  # two full blocks hashed
+    hits = cache.match([1, 2, 3, 4, 9], 2)
+    assert len(hits) == 2 and hits == cache._host_table[0][:2]
+    cache.attach(1, hits)
+    assert cache.used_blocks == 3  # shared blocks counted once
+    cache.free(0)
+    assert cache.used_blocks == 2  # row 1 still holds the shared ones
+    cache.free(1)
+    assert cache.used_blocks == 0 and len(cache._cached) == 2  # cached, evictable
+    cache.begin(torch.tensor([2]), torch.tensor([0]), [0], 12, prefill=True)  # needs all 6: evicts the cached
+    assert cache.used_blocks == 6 and not cache._cached and cache.match([1, 2, 3, 4], 2) == []
+
+
+# ---- load generator ----------------------------------------------------------------------------------------------
+def test_poisson_arrival_counts_pass_a_goodness_of_fit_test():
+    rate, n = 5.0, 4000
+    times = arrival_times(n, rate, "poisson", seed=123)
+    horizon = int(times[-1])
+    counts = [0] * horizon
+    for t in times:
+        if t < horizon:
+            counts[int(t)] += 1
+    top = 15
+    observed = torch.zeros(top + 1)
+    for c in counts:
+        observed[min(c, top)] += 1
+    pmf = torch.tensor([math.exp(-rate) * rate ** i / math.factorial(i) for i in range(top)])
+    probs = torch.cat([pmf, (1 - pmf.sum()).view(1)])
+    assert chi_square_pvalue(observed, probs) > 0.001
+    # the test has power: arrivals at the right mean but evenly spaced fail it
+    even = torch.zeros(top + 1)
+    even[int(rate)] = horizon
+    assert chi_square_pvalue(even, probs) < 1e-6
+
+
+def test_gamma_arrivals_keep_the_mean_rate_and_loadgen_is_seeded():
+    times = arrival_times(3000, 10.0, "gamma", burstiness=0.5, seed=1)
+    assert abs(len(times) / times[-1] - 10.0) < 1.0
+    cfg = ServeConfig(lengths="random", input_len=20, range_ratio=0.5, num_requests=6, warmup_requests=2, rate=4.0,
+                      shared_prefix_len=3)
+    a, b = make_requests(cfg, [], 64), make_requests(cfg, [], 64)
+    assert a == b and len(a) == 8 and [r.measured for r in a[:3]] == [False, False, True]
+    assert len({tuple(r.prompt[:3]) for r in a}) == 1 and 10 <= min(len(r.prompt) for r in a)
+
+
+def test_fixed_concurrency_caps_requests_in_the_system(target, draft):
+    reqs = [Request(i, [1 + i, 2, 3], 6) for i in range(6)]
+    res = ServingLoop(make_engine("ar", target, draft), reqs, max_concurrency=2, clock=StepClock()).run()
+    assert max(i.batch_size for i in res.iterations) <= 2
+    assert all(s.t_admitted == s.t_arrival for s in res.states)  # a client-side wait, not queue time
+
+
+# ---- exports -----------------------------------------------------------------------------------------------------
+def test_exported_snippets_parse_and_carry_the_engines_keys():
+    from workbench.serving.exports import export_snippets
+
+    snippets = export_snippets([(1, 2, 4), (3, 8, 2), (9, 64, 0)], method="ngram", ngram=(1, 3))
+    vllm = json.loads(snippets["vllm"])
+    assert vllm["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 2, 4], [3, 8, 2], [9, 64, 0]]
+    trt = json.loads(snippets["trtllm"])
+    assert trt["speculative_config"]["draft_len_schedule"] == {"2": 4, "8": 2, "64": 0}
+    assert trt["speculative_config"]["max_draft_len"] == 4
+    sgl = json.loads(snippets["sglang"])
+    assert sgl["server_args"]["speculative_num_steps"] == 4 and "engine_version" in sgl
+    for s in (vllm, trt, sgl):
+        assert s["engine_version"]
+
+
+# ---- the CLI -----------------------------------------------------------------------------------------------------
+def test_serve_bench_cli_prints_one_record_and_stores_rows(tmp_path):
+    cmd = [sys.executable, "-m", "workbench", "serve-bench", "--preset", "tiny", "--method", "ngram", "--k", "3",
+           "--rate", "20", "--num-requests", "6", "--max-new-tokens", "8", "--json", "--device", "cpu",
+           "--store", str(tmp_path), "--prefill-chunk", "32"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("request_throughput", "output_throughput", "ttft_ms_p99", "tpot_ms_p99", "itl_ms_p99", "e2el_ms_p99",
+                "goodput", "queue_ms_mean", "preemptions", "kv_cache_util_mean", "mean_batch_size",
+                "acceptance_by_batch_size", "acceptance_by_context"):
+        assert key in rec, key
+    assert rec["completed"] == 6 and rec["run_kind"] == "serve"
+    from results.store import ResultStore
+
+    store = ResultStore(tmp_path)
+    df = store.load()
+    assert len(df) == 1 and df["run_kind"].iloc[0] == "serve" and df["prefill_chunk"].iloc[0] == 32
+    req = store.load_requests([rec["run_id"]])
+    assert len(req) == 6 and req["ttft_ms"].notna().all()
+    assert len(store.load_traces([rec["run_id"]])) > 0
+
+
+def test_serve_bench_cli_names_an_oversized_request(tmp_path):
+    cmd = [sys.executable, "-m", "workbench", "serve-bench", "--preset", "tiny", "--method", "ar", "--num-requests",
+           "2", "--max-new-tokens", "8", "--kv-blocks", "2", "--device", "cpu", "--no-store"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "raise --kv-blocks" in out.stderr
+
+
+# ---- replay ------------------------------------------------------------------------------------------------------
+def test_match_lengths_worked_example():
+    from types import SimpleNamespace as T
+
+    from workbench.serving.replay import _match_at, match_lengths
+
+    # k = 3: step at position 1 accepts 3 (all), at 5 accepts 1, at 7 accepts 0
+    rows = [T(request=0, step=s, accepted=a) for s, a in ((0, 3), (1, 1), (2, 0))]
+    runs = match_lengths(rows, 3)[0]
+    assert runs == [(1, 3 + 1 + 1), (5, 1), (7, 0)]
+    assert _match_at(runs, 2) == 4 and _match_at(runs, 5) == 1 and _match_at(runs, 6) == 0
+
+
+def test_replay_at_the_recorded_setting_predicts_the_run(target, draft):
+    from workbench.serving import metrics, replay
+
+    reqs = [Request(i, [3 + i, 9, 4, 1, 3, 9], 20, arrival_s=float(i)) for i in range(8)]
+    res = serve(make_engine("draft", target, draft), reqs)
+    costs = replay.fit_costs(res.iterations)  # StepClock: every iteration costs 1 s
+    pred = replay.replay(res.states, res.traces, 3, costs, lambda b: 3, max_num_seqs=4)
+    real = metrics.summarize(res)
+    assert abs(pred["output_throughput"] / real["output_throughput"] - 1) < 0.25

@@ -1,0 +1,127 @@
+"""One serving benchmark: load the requests, serve them in flight, summarize; one result-store row per run.
+
+    session = BenchSession.load(preset="tiny", device="cpu")       # the same loader as `bench`
+    out = serve_bench(session, ServeConfig(method="ngram", k=3, rate=20.0, num_requests=12, max_new_tokens=16))
+    out.record     # flat dict: the run row (config columns, vLLM-named serving metrics, environment)
+    out.traces     # DataFrame: one row per (request, decode step): batch size, k, context length, drafted, accepted
+    out.requests   # DataFrame: one row per request: prompt/output length, queue, TTFT, TPOT, E2EL, preemptions
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, fields
+
+import pandas as pd
+import torch
+
+from workbench import settings
+from workbench.engine import EngineConfig, SpecEngine
+from workbench.engine.sampling import SamplingParams
+from workbench.serving import metrics
+from workbench.serving.adaptive import AdaptiveSpeculation
+from workbench.serving.config import SERVE_CONFIG_KNOBS, ServeConfig, ServeError, check_config
+from workbench.serving.loadgen import make_requests
+from workbench.serving.loop import RealClock, ServeResult, ServingLoop
+
+TRACE_COLUMNS = ["run_id", "seq", "step", "drafted", "accepted", "emitted", "batch_size", "k", "num_nodes",
+                 "context_len", "step_ms"]
+
+
+@dataclass
+class ServeBenchResult:
+    record: dict
+    traces: pd.DataFrame
+    requests: pd.DataFrame
+    result: ServeResult
+
+
+def engine_for(session, cfg) -> SpecEngine:
+    from workbench.harness.bench import _drafter_for
+
+    ecfg = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingParams(cfg.temperature, cfg.top_k,
+                        cfg.top_p), paged=True, kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
+                        cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
+                        compile=cfg.compile, attention=cfg.attention)
+    if cfg.method == "draft" and session.draft is None:
+        raise ServeError("method 'draft' needs a draft model: give --draft PATH or use a --preset")
+    return SpecEngine(session.target, _drafter_for(cfg, session), ecfg, session.device)
+
+
+def adaptive_for(cfg, num_nodes: int) -> AdaptiveSpeculation:
+    return AdaptiveSpeculation(num_nodes, settings.parse_k_by_batch(cfg.k_by_batch), cfg.spec_off_acceptance,
+                               cfg.spec_window, cfg.spec_max_context, cfg.long_context_k)
+
+
+def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: SpecEngine | None = None,
+                requests=None) -> ServeBenchResult:
+    """Serve cfg's load on the session's models; ServeError for bad settings or requests (before any work)."""
+    from workbench.harness.telemetry import environment_info
+
+    check_config(cfg)
+    try:
+        SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+    except ValueError as e:
+        raise ServeError(str(e)) from None
+    if requests is None:
+        prompt_ids = session.encode(len(session.prompts)) if cfg.lengths == "file" else []
+        requests = make_requests(cfg, prompt_ids, int(session.target.config.vocab_size))
+    engine = engine or engine_for(session, cfg)
+    loop = ServingLoop(engine, requests, policy=cfg.sched_policy, num_blocks=cfg.kv_blocks,
+                       max_num_seqs=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
+                       prefix_caching=cfg.prefix_caching, adaptive=adaptive_for(cfg, engine.num_nodes),
+                       max_concurrency=cfg.max_concurrency, clock=clock or RealClock(), timing=True)
+    if cfg.cuda_graphs:
+        engine.capture_graphs(cfg.max_num_seqs)  # before the clock starts: no capture inside a timed step
+    t0 = time.perf_counter()
+    try:
+        result = loop.run()
+    except torch.cuda.OutOfMemoryError as e:
+        raise ServeError(f"GPU out of memory serving max_num_seqs={cfg.max_num_seqs} kv_blocks={loop.num_blocks}: "
+                         f"lower them ({str(e).splitlines()[0]})") from None
+    if session.device.type == "cuda":
+        torch.cuda.synchronize(session.device)
+    wall = time.perf_counter() - t0
+    run_id = uuid.uuid4().hex
+    rec = {"run_id": run_id, "study": study, "trial_id": None, "status": "ok", "error": None, "run_kind": "serve",
+           **config_columns(cfg), "k": cfg.k if cfg.method != "ar" else 0,
+           "kv_blocks": loop.num_blocks,  # the pool actually used (0 asks for the automatic size)
+           "dtype": session.dtype, "device": str(session.device), "preset": session.preset,
+           "target_path": session.target_path, "draft_path": session.draft_path if cfg.method == "draft" else None,
+           "prompts_source": session.prompts_source if cfg.lengths == "file" else "random", "paged": True,
+           "num_prompts": len(requests), "batch": cfg.max_num_seqs, "wall_s": wall,
+           **metrics.summarize(result, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+           **environment_info(str(session.device) if session.device.type == "cuda" else None)}
+    if cfg.method == "ar":
+        for key in ("acceptance_rate", "mean_accepted_tokens", "tree_size_mean", "accepted_path_length_mean"):
+            rec[key] = None
+    if cfg.cuda_graphs or cfg.compile != "off":
+        g = engine.graph_stats()
+        rec.update(graph_capture_s=g.capture_s, graph_memory_mb=g.memory_bytes / 2**20, graph_bucket_hits=g.hits,
+                   graph_bucket_misses=g.misses, graph_padding_waste=g.padding_waste)
+    traces = pd.DataFrame([{"run_id": run_id, "seq": t.request, **{k: getattr(t, k) for k in (
+        "step", "drafted", "accepted", "emitted", "batch_size", "k", "num_nodes", "context_len", "step_ms")}}
+        for t in result.traces], columns=TRACE_COLUMNS)
+    requests_df = metrics.request_rows(result)
+    requests_df.insert(0, "run_id", run_id)
+    return ServeBenchResult(rec, traces, requests_df, result)
+
+
+def config_columns(cfg) -> dict:
+    cols = {k.name: k.column(getattr(cfg, k.name)) for k in SERVE_CONFIG_KNOBS}
+    cols["config_json"] = json.dumps(asdict(cfg), sort_keys=True)
+    return cols
+
+
+def failed_record(cfg, error: str, study: str | None = None) -> dict:
+    from workbench.harness.telemetry import environment_info
+
+    rec = {f.name: (getattr(cfg, f.name) if not isinstance(getattr(cfg, f.name), tuple)
+                    else ",".join(map(str, getattr(cfg, f.name)))) for f in fields(cfg)}
+    return {**rec, "run_id": uuid.uuid4().hex, "study": study, "status": "failed", "error": error,
+            "run_kind": "serve", "config_json": json.dumps(asdict(cfg), sort_keys=True, default=repr),
+            **environment_info()}
+
+
+__all__ = ["ServeBenchResult", "ServeConfig", "serve_bench", "engine_for", "adaptive_for", "config_columns"]

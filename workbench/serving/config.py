@@ -1,0 +1,33 @@
+"""`ServeConfig`: one frozen field per knob serving reads (workbench.settings SERVE_RUN_KNOBS + SERVE_KNOBS).
+
+    >>> ServeConfig(method="ngram", k=3, rate=20.0).sched_policy
+    'no_evict'
+"""
+from __future__ import annotations
+
+from workbench import settings
+
+
+class ServeError(ValueError):
+    """A serving setting or request the engine cannot serve; the message names it and what to do."""
+
+
+class RequestTooLargeError(ServeError):
+    """A request whose worst-case KV need exceeds the whole block pool (or a cache row): it could never run."""
+
+
+SERVE_CONFIG_KNOBS = tuple(settings.KNOBS[n] for n in settings.SERVE_RUN_KNOBS) + tuple(settings.SERVE_KNOBS.values())
+
+ServeConfig = settings.dataclass_of("ServeConfig", SERVE_CONFIG_KNOBS, module=__name__, doc="""One serving run's
+settings: the bench knobs serving reads (method, k, max_new_tokens, sampling, KV block size, graphs) and the serving
+knobs (load, scheduler, prefix caching, adaptive speculation), with the registry's defaults.""")
+
+
+def check_config(cfg) -> None:
+    """ServeError for a value outside the registry's bounds or a broken rule between knobs (before any work)."""
+    from dataclasses import fields
+
+    try:
+        settings.check_serve({f.name: getattr(cfg, f.name) for f in fields(cfg)})
+    except settings.SettingError as e:
+        raise ServeError(str(e)) from None

@@ -1,0 +1,363 @@
+"""The serving loop: requests arrive and leave between steps; one engine iteration at a time.
+
+One iteration, as named phases:
+    arrive   requests whose arrival time has come (and, with max_concurrency, for which there is room) join the queue
+    admit    the scheduler gives queued requests a cache row (preempted ones first, then by arrival); with prefix
+             caching their leading prompt blocks are looked up and shared
+    reserve  (max_util) blocks for every decoding row's next step; when short, preempt the most recently admitted
+    decode   one `SpecEngine.decode_step` over every decoding row (draft -> verify -> accept -> kv), the draft length
+             per row from the adaptive rules; rows that reach max_new_tokens leave (row and blocks released)
+    prefill  up to `prefill_chunk` prompt tokens (0 = all), oldest admitted first; a request whose prefill completes
+             gets its first token (or keeps its root, after a preemption) and decodes from the next iteration
+
+Time comes from a clock: `RealClock` (perf_counter, sleeps until the next arrival when idle) for benchmarks,
+`StepClock` (one unit per iteration) for tests, so arrival orders are exact and nothing sleeps.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.engine.sampling import next_token
+from workbench.engine.step import PhaseTimer, SpecEngine
+from workbench.serving.adaptive import AdaptiveSpeculation
+from workbench.serving.config import ServeError
+from workbench.serving.prefix_cache import PrefixCachingKVCache
+from workbench.serving.request import Request, RequestState
+from workbench.serving.scheduler import CapacityScheduler
+
+
+class RealClock:
+    def __init__(self):
+        self.start()
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def sleep_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - self.now()))
+
+    def tick(self) -> None:
+        pass
+
+
+class StepClock:
+    """Deterministic time: `dt` per iteration; idle waits jump to the next arrival."""
+
+    def __init__(self, dt: float = 1.0):
+        self.t, self.dt = 0.0, dt
+
+    def start(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+    def tick(self) -> None:
+        self.t += self.dt
+
+
+@dataclass
+class IterationLog:
+    t_start: float
+    t_end: float
+    batch_size: int  # decoding rows in this iteration's step (0: no step)
+    num_nodes: int  # draft nodes verified per row (0: autoregressive or no step)
+    prefill_tokens: int
+    used_blocks: int
+    preempted: int
+
+
+@dataclass
+class StepTrace:
+    """Per (request, decode step): what the replay and the acceptance breakdowns read."""
+    request: int
+    step: int  # iteration index
+    batch_size: int
+    k: int  # draft tokens this row was allowed
+    num_nodes: int
+    context_len: int
+    drafted: int
+    accepted: int
+    emitted: int  # tokens kept (capped by max_new_tokens)
+    step_ms: float
+
+
+@dataclass
+class ServeResult:
+    states: list[RequestState]
+    iterations: list[IterationLog] = field(default_factory=list)
+    traces: list[StepTrace] = field(default_factory=list)
+    phase_ms: dict[str, float] = field(default_factory=dict)
+    num_blocks: int = 0
+    preemptions: int = 0
+    prefix_hit_rate: float | None = None
+    max_used_blocks: int = 0
+
+    @property
+    def outputs(self) -> dict[int, list[int]]:
+        return {s.req.id: s.output for s in self.states}
+
+
+def make_cache(engine: SpecEngine, max_rows: int, max_len: int, num_blocks: int) -> PrefixCachingKVCache:
+    """The target's paged pool for serving (prefix-caching capable), with the engine's attention backend."""
+    from workbench.engine.kv_cache import resolve_attention
+
+    cfg, tcfg = engine.config, engine.target.config
+    if not cfg.paged:
+        raise ServeError("serving needs the paged KV cache (its block pool is what the scheduler manages)")
+    cache = PrefixCachingKVCache(tcfg.num_hidden_layers, tcfg.num_key_value_heads, tcfg.head_dim, max_rows, max_len,
+                                 engine.dtype, engine.device, block_size=cfg.kv_block_size, num_blocks=num_blocks)
+    if resolve_attention(cfg.attention, True, engine.device) == "triton":
+        from kernels.paged_attention import paged_attention_triton
+
+        cache.kernel = torch.compiler.disable(paged_attention_triton)
+    return cache
+
+
+class ServingLoop:
+    """Serves `requests` (their arrival times set) on `engine` until every one is done. See the module docstring."""
+
+    def __init__(self, engine: SpecEngine, requests: list[Request], *, policy: str = "no_evict",
+                 num_blocks: int = 0, max_num_seqs: int = 16, prefill_chunk: int = 0, prefix_caching: bool = False,
+                 adaptive: AdaptiveSpeculation | None = None, max_concurrency: int = 0, clock=None,
+                 timing: bool = False):
+        if not requests:
+            raise ServeError("no requests to serve")
+        if any(len(r.prompt) == 0 for r in requests):
+            raise ServeError("empty prompt: every request needs at least one prompt token")
+        drafter = engine.drafter
+        if prefix_caching and drafter is not None and drafter.wants_hidden:
+            raise ServeError(f"prefix caching with method {drafter.name!r} is not supported: the drafter needs the "
+                             "target's hidden states of the whole prompt, which shared blocks skip; turn "
+                             "--prefix-caching off")
+        self.engine, self.requests = engine, sorted(requests, key=lambda r: (r.arrival_s, r.id))
+        self.n_nodes = engine.num_nodes
+        self.chains = drafter is None or drafter.proposes_chains
+        bs = engine.config.kv_block_size
+        max_len = max(len(r.prompt) + r.max_new_tokens for r in requests) + self.n_nodes + 2
+        max_len = math.ceil(max_len / bs) * bs
+        worst = math.ceil(max_len / bs)
+        self.num_blocks = num_blocks or worst * max_num_seqs
+        self.scheduler = CapacityScheduler(policy, self.num_blocks, bs, self.n_nodes, max_len)
+        for r in self.requests:  # before any work: a request that can never fit is a named error
+            if r.max_new_tokens < 1:
+                raise ServeError(f"request {r.id}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+            self.scheduler.check(r)
+        if max(len(r.prompt) + r.max_new_tokens for r in requests) + self.n_nodes + 2 > engine.max_context():
+            raise ServeError(f"a request needs more positions than the target's context {engine.max_context()}: "
+                             "lower --max-new-tokens or the prompt length")
+        self.max_num_seqs, self.prefill_chunk, self.prefix_caching = max_num_seqs, prefill_chunk, prefix_caching
+        self.adaptive = adaptive or AdaptiveSpeculation(k=self.n_nodes)
+        self.max_concurrency = max_concurrency
+        self.clock = clock or RealClock()
+        self.timer = PhaseTimer(engine.device, timing)
+        self.cache = make_cache(engine, max_num_seqs, max_len, self.num_blocks)
+        engine.setup_rows(self.cache, max_len)
+        self.tokens_host: list[list[int] | None] = [None] * (max_num_seqs + 1)
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # a draft model keeps its own KV: after steps that skipped drafting it must be re-prefilled
+        self._own_draft_kv = drafter is not None and drafter.model_forwards_per_step > 0 and not drafter.wants_hidden
+        self._stale: set[int] = set()
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self) -> ServeResult:
+        states = [RequestState(r) for r in self.requests]
+        pending = list(states)
+        waiting: list[RequestState] = []
+        self.running: list[RequestState] = []
+        result = ServeResult(states, num_blocks=self.num_blocks)
+        it = 0
+        self.clock.start()  # arrival times count from here (after any graph capture)
+        while pending or waiting or self.running:
+            now = self.clock.now()
+            in_system = len(waiting) + len(self.running)
+            while pending and pending[0].req.arrival_s <= now and (
+                    not self.max_concurrency or in_system < self.max_concurrency):
+                s = pending.pop(0)
+                s.phase, s.t_arrival = "waiting", max(now, s.req.arrival_s) if self.max_concurrency else \
+                    s.req.arrival_s
+                waiting.append(s)
+                in_system += 1
+            if not waiting and not self.running:
+                self.clock.sleep_until(pending[0].req.arrival_s)
+                continue
+            t_start = self.clock.now()
+            preempted_before = self.scheduler.preemptions
+            self._admit(waiting)
+            decoding = [s for s in self.running if s.phase == "decode"]
+            if decoding and self.scheduler.policy == "max_util":
+                decoding = self._reserve(decoding, waiting)
+            step_nodes = 0
+            if decoding:
+                step_nodes = self._decode(decoding, it, result)
+            prefilled = self._prefill(waiting)
+            self.clock.tick()
+            t_end = self.clock.now()
+            for tr in result.traces[len(result.traces) - len(decoding):] if decoding else []:
+                tr.step_ms = (t_end - t_start) * 1e3
+            used = self.cache.used_blocks
+            result.max_used_blocks = max(result.max_used_blocks, used)
+            result.iterations.append(IterationLog(t_start, t_end, len(decoding), step_nodes, prefilled, used,
+                                                  self.scheduler.preemptions - preempted_before))
+            it += 1
+        result.phase_ms = self.timer.resolve()
+        result.preemptions = self.scheduler.preemptions
+        result.prefix_hit_rate = self.cache.hit_rate if self.prefix_caching else None
+        return result
+
+    # -- phases -------------------------------------------------------------------------------------------------
+    def _admit(self, waiting: list[RequestState]) -> None:
+        while waiting and self.free_rows:
+            s = waiting[0]
+            tokens = s.prefill_tokens
+            hits: list[int] = []
+            if self.prefix_caching:
+                # a fresh request recomputes at least its last prompt token (its logits give the first token)
+                max_hit = (len(tokens) - 1) // self.cache.block_size if not s.output else \
+                    len(tokens) // self.cache.block_size
+                hits = self.cache.match(tokens, max_hit)
+            if not self.scheduler.can_admit(s, self.cache.free_blocks, len(hits)):
+                if self.prefix_caching:  # not admitted: this lookup does not count
+                    self.cache.queried_tokens -= len(tokens)
+                    self.cache.hit_tokens -= len(hits) * self.cache.block_size
+                break
+            waiting.pop(0)
+            row = self.free_rows.pop()
+            self.cache.attach(row, hits)
+            s.row, s.phase, s.prefilled = row, "prefill", len(hits) * self.cache.block_size
+            s.prefix_hit_tokens += s.prefilled
+            s.hidden = []
+            if s.t_admitted is None:
+                s.t_admitted = self.clock.now()
+            self.scheduler.admitted(s)
+            self.running.append(s)
+
+    def _preempt(self, s: RequestState, waiting: list[RequestState]) -> None:
+        self.engine.release_row(s.row)
+        self.free_rows.append(s.row)
+        self.tokens_host[s.row] = None
+        self._stale.discard(s.row)
+        self.scheduler.released(s)
+        self.scheduler.preemptions += 1
+        self.running.remove(s)
+        s.row, s.phase, s.prefilled, s.preemptions = None, "waiting", 0, s.preemptions + 1
+        s.hidden = []
+        waiting.insert(0, s)  # recomputed first when blocks free up
+
+    def _blocks_for(self, s: RequestState, upto: int) -> int:
+        have = len(self.cache._host_table[s.row])
+        return max(0, math.ceil(upto / self.cache.block_size) - have)
+
+    def _reserve(self, decoding: list[RequestState], waiting: list[RequestState]) -> list[RequestState]:
+        """max_util: free blocks for every decoding row's step (root + N nodes), preempting the newest."""
+        while True:
+            need = sum(self._blocks_for(s, len(self.tokens_host[s.row]) + self.n_nodes) for s in decoding)
+            if need <= self.cache.free_blocks:
+                return decoding
+            victim = self.scheduler.victim(self.running)
+            self._preempt(victim, waiting)
+            decoding = [s for s in decoding if s is not victim]
+
+    def _decode(self, decoding: list[RequestState], it: int, result: ServeResult) -> int:
+        eng = self.engine
+        live = [s.row for s in decoding]
+        contexts = [len(self.tokens_host[r]) - 1 for r in live]
+        batch_k = self.adaptive.batch_k(len(live))
+        ks = [self.adaptive.row_k(s, c, batch_k) for s, c in zip(decoding, contexts)]
+        if not self.chains:  # trees are verified whole or not at all
+            ks = [self.n_nodes if k else 0 for k in ks]
+        n = max(ks) if self.n_nodes else 0
+        if n and self._own_draft_kv and self._stale & set(live):
+            for row in sorted(self._stale & set(live)):
+                eng.sync_drafter(row, len(self.tokens_host[row]) - 1)
+            self._stale -= set(live)
+        row_nodes = None if all(k == n for k in ks) else ks
+        out = eng.decode_step(live, self.tokens_host, self.timer, num_nodes=n, row_nodes=row_nodes)
+        if not n and self._own_draft_kv:
+            self._stale |= set(live)
+        t = self.clock.now()
+        for j, s in enumerate(decoding):
+            room = s.req.max_new_tokens - len(s.output)
+            kept = out.emitted[j][:room]
+            s.output.extend(kept)
+            s.emit_times.append(t)
+            s.steps += 1
+            s.drafted += out.drafted[j]
+            s.accepted += out.accepted[j]
+            self.adaptive.record(s, out.accepted[j], out.drafted[j])
+            result.traces.append(StepTrace(s.req.id, it, len(live), ks[j], n, contexts[j], out.drafted[j],
+                                           out.accepted[j], len(kept), 0.0))
+            if s.finished:
+                self._finish(s, t)
+        return n
+
+    def _finish(self, s: RequestState, t: float) -> None:
+        s.phase, s.t_done = "done", t
+        self.engine.release_row(s.row)
+        self.free_rows.append(s.row)
+        self.tokens_host[s.row] = None
+        self._stale.discard(s.row)
+        self.scheduler.released(s)
+        self.running.remove(s)
+        s.row = None
+
+    def _prefill(self, waiting: list[RequestState]) -> int:
+        eng, cfg = self.engine, self.engine.config
+        budget = self.prefill_chunk or math.inf
+        done_tokens = 0
+        for s in sorted((s for s in self.running if s.phase == "prefill"), key=lambda s: s.admit_seq):
+            if budget <= 0:
+                break
+            if s.phase != "prefill":  # preempted below by an older request's chunk
+                continue
+            tokens = s.prefill_tokens
+            t = int(min(len(tokens) - s.prefilled, budget))
+            if t > 0:
+                need = self._blocks_for(s, s.prefilled + t)
+                while need > self.cache.free_blocks:
+                    victim = self.scheduler.victim(self.running, older_than=s.admit_seq)
+                    if victim is None:
+                        break
+                    self._preempt(victim, waiting)
+                if need > self.cache.free_blocks:
+                    if self.scheduler.policy == "no_evict":  # its worst case was reserved: cannot happen
+                        raise AssertionError("no_evict: a reserved request found no free blocks")
+                    continue
+                with self.timer.phase("prefill"):
+                    logits, hidden = eng.prefill_row(s.row, tokens[s.prefilled:s.prefilled + t], s.prefilled)
+                if eng.drafter is not None and eng.drafter.wants_hidden:
+                    s.hidden.append(hidden)
+                s.prefilled += t
+                budget -= t
+                done_tokens += t
+                if self.prefix_caching:
+                    self.cache.register(s.row, tokens, s.prefilled)
+            if s.prefilled < len(tokens):
+                continue
+            # prefill complete: the root is the sampled first token, or (recompute) the token it already had
+            now = self.clock.now()
+            if not s.output:
+                first = int(next_token(logits.unsqueeze(0), cfg.sampling, eng.generator)[0])
+                s.output.append(first)
+                s.t_first_token = now
+                s.emit_times.append(now)
+            hidden = torch.cat(s.hidden, 0) if s.hidden else None
+            with self.timer.phase("prefill"):
+                eng.start_row(s.row, tokens, s.context[-1], hidden)
+            s.hidden = []
+            self.tokens_host[s.row] = list(s.context)
+            s.phase = "decode"
+            if s.finished:
+                self._finish(s, now)
+        return done_tokens
