@@ -200,3 +200,61 @@ def test_a_backend_that_cannot_read_the_format_is_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert resolve_attention("triton", True, "cuda", "fp8") == "triton"
     assert kernel.kv_dtype_problem(torch.int16, None).startswith("it loads KV pools of")
+
+
+# ---- the run record ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def session():
+    from workbench.harness.bench import BenchSession
+
+    return BenchSession.load(preset="tiny", device="cpu")
+
+
+def test_a_run_records_kv_bytes_memory_and_quality(session):
+    """int8 target KV, fp8 draft KV on the tiny preset: the candidate still equals AR with the same target KV, and the
+    record carries the KV bytes, the caches' memory and the agreement with model-dtype KV (a store-typed row)."""
+    from results.schema import record_to_table
+    from workbench.harness.bench import BenchConfig
+    from workbench.harness.metrics import greedy_agreement
+
+    cfg = BenchConfig(method="draft", k=3, batch=2, max_new_tokens=12, num_prompts=4, warmup=0, repeats=1,
+                      target_kv_quant="int8", draft_kv_quant="fp8")
+    res = session.run(cfg)
+    rec = res.record
+    tcfg, dcfg = session.target.config, session.draft.config
+    assert rec["greedy_matches_ar"] is True and rec["acceptance_rate"] > 0
+    assert rec["target_kv_quant"] == "int8" and rec["draft_kv_quant"] == "fp8"
+    assert rec["kv_bytes_per_token"] == 2 * tcfg.num_hidden_layers * tcfg.num_key_value_heads * (tcfg.head_dim + 4)
+    assert rec["draft_kv_bytes_per_token"] == 2 * dcfg.num_hidden_layers * dcfg.num_key_value_heads * (dcfg.head_dim + 4)
+    assert rec["kv_cache_mb"] > 0 and rec["draft_kv_cache_mb"] > 0
+    assert 0 <= rec["kv_token_agreement"] <= 1 and 0 <= rec["kv_divergent_sequences"] <= 4
+    assert (rec["kv_token_agreement"] == 1) == (rec["kv_divergent_sequences"] == 0)
+    table = record_to_table(rec)
+    assert table.schema.field("kv_bytes_per_token").type == "int64"
+
+    run = lambda **kw: session.run(BenchConfig(method="ar", batch=2, max_new_tokens=12, num_prompts=4, warmup=0,  # noqa: E731
+                                               repeats=1, **kw))
+    plain = run()
+    rec = plain.record
+    assert rec["kv_token_agreement"] == 1.0 and rec["kv_divergent_sequences"] == 0
+    assert rec["draft_kv_bytes_per_token"] is None and rec["draft_kv_cache_mb"] is None
+    assert rec["kv_bytes_per_token"] == 2 * tcfg.num_hidden_layers * tcfg.num_key_value_heads * tcfg.head_dim * 4
+    # measured, not assumed: the same figures from the two AR runs' outputs
+    ours = run(target_kv_quant="int8")
+    assert ours.outputs == res.ar_outputs
+    assert (ours.record["kv_token_agreement"], ours.record["kv_divergent_sequences"]) == greedy_agreement(
+        ours.outputs, plain.outputs)
+    sampled = run(target_kv_quant="fp8", temperature=1.0).record  # sampled runs get the greedy figure too
+    assert 0 <= sampled["kv_token_agreement"] <= 1
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(target_kv_quant="int4"), "target_kv_quant='int4' is not supported by the engine; allowed: 'none', 'int8', "
+                                   "'fp8'"),
+    (dict(method="draft", draft_kv_quant="fp16"), "draft_kv_quant='fp16' is not supported"),
+])
+def test_bench_refuses_an_unknown_format_by_name(session, change, message):
+    from workbench.harness.bench import BenchConfig, BenchError
+
+    with pytest.raises(BenchError, match=message):
+        session.run(BenchConfig(warmup=0, repeats=1, **change))
