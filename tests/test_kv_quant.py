@@ -258,3 +258,26 @@ def test_bench_refuses_an_unknown_format_by_name(session, change, message):
 
     with pytest.raises(BenchError, match=message):
         session.run(BenchConfig(warmup=0, repeats=1, **change))
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shape"])
+def test_the_kernel_path_reads_the_quantized_pool_in_place(name, fixed, target, draft, quantized_ar, monkeypatch):
+    """The caches' kernel path (attention "triton" on a GPU), run on CPU with the kernel's reference standing in: the
+    target's and the draft's caches hand it their int8 / e4m3 pools with the scales (no dequantized copy), and the
+    tokens are those of AR with that format."""
+    import kernels.paged_attention as pa
+    import workbench.engine.kv_cache as kv
+
+    seen = []
+
+    def spy(q, k_pool, v_pool, *args, k_scales=None, v_scales=None, **kwargs):
+        seen.append((k_pool.dtype, v_pool.dtype, k_scales is not None and v_scales is not None))
+        return pa.paged_attention_reference(q, k_pool, v_pool, *args, k_scales=k_scales, v_scales=v_scales, **kwargs)
+
+    monkeypatch.setattr(pa, "paged_attention_triton", spy)
+    monkeypatch.setattr(kv, "resolve_attention", lambda name, paged, device, kv_quant="none": "triton")
+    eng = engine(target, DraftModelDrafter(draft, k=3, kv_quant=name), name, paged=True, fixed=fixed)
+    assert eng.generate(PROMPTS).outputs == quantized_ar[name]
+    stored = torch.int8 if name == "int8" else torch.float8_e4m3fn
+    assert seen and set(seen) == {(stored, stored, True)}

@@ -305,6 +305,7 @@ class BenchSession:
 
                 live = sum(len(p) for p in prompt_ids) // len(prompt_ids) + cfg.max_new_tokens // 2
                 graphs.update(profile_phases(cand_engine, cfg.batch, live))
+            peak = self._peak_mem_mb()  # before the KV quality pass, whose reference engine is not the run's
             progress(0.98, "KV format: bytes and quality against model-dtype KV")
             kv = self._kv_columns(cfg, cand_engine, prompt_ids, [o for res in ar_runs[0] for o in res.outputs])
         except torch.cuda.OutOfMemoryError as e:
@@ -316,13 +317,18 @@ class BenchSession:
             str(self.device) if self.device.type == "cuda" else None))
         rec = result.record
         rec.update(graphs)
-        rec.update(kv)
+        rec.update(kv, peak_mem_mb=peak)
         if rec["greedy_matches_ar"] is False:
             margins = self.divergence_margins(prompt_ids, result.outputs, result.ar_outputs)
             rec["greedy_divergent_sequences"] = len(margins)
             rec["greedy_divergence_margin"] = max(margins)
             rec["greedy_near_tie"] = self.dtype != "float32" and max(margins) <= NEAR_TIE_LOGITS
         return result
+
+    def _peak_mem_mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        return _peak_rss_mb()  # CPU: this run's peak resident set (reset at its start where Linux allows)
 
     def _kv_columns(self, cfg: BenchConfig, engine: SpecEngine, prompt_ids: list[list[int]],
                     ar_outputs: list[list[int]]) -> dict:
@@ -383,10 +389,7 @@ class BenchSession:
         cost_ratio = None
         if c0.draft_forwards and ar_step_ms:
             cost_ratio = (c0.phase_ms.get("draft", 0.0) / c0.draft_forwards) / ar_step_ms
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device) / 2**20
-        else:  # CPU: this run's peak resident set (reset at its start where Linux allows)
-            peak = _peak_rss_mb()
+        peak = self._peak_mem_mb()
         # latency samples pooled over all repeats; acceptance, phase times and traces from the first repeat
         ttft = [x for c in cand for x in c.ttft_ms]
         tpot = [x for c in cand for x in c.tpot_ms]
