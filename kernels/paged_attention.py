@@ -15,6 +15,13 @@ The kernel is flash-decoding (split-K) so that batch 1 with a few KV heads still
 2. `_combine_kernel`, grid (B * Hq * T): out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max).
 With one split the partial is already the answer and goes straight to the output.
 
+Quantized KV (workbench/engine/kv_quant.py): the pools hold int8 or float8 e4m3 values and `k_scales`, `v_scales`
+[num_slots, Hkv] float32 hold one scale per slot and KV head (key = value * scale). The kernel loads the values,
+widens them exactly to q's dtype (int8 and e4m3 are exact in bf16 / fp16 / fp32) and applies the scales where they
+cost least: a key's scale multiplies its column of q.k^T, a value's scale its column of the softmax weights before
+the p.V product (the normalizer sums the unscaled weights). The reference dequantizes (value * scale in float32)
+and runs SDPA. float8 loads need compute capability 8.9+ (`kv_dtype_problem` says so, the cache picks "sdpa").
+
 The grid, the scratch sizes and num_splits depend only on shapes (B, Hq, Hkv, T, max_blocks, the SM count); lengths
 and block tables are read on the device, so a step is CUDA-graph capturable. Accumulation is fp32 in any input dtype.
 
@@ -42,18 +49,47 @@ except ImportError:
     TRITON_AVAILABLE = False
 
 
-def paged_attention_reference(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None):
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn)  # pools it loads
+
+
+def kv_dtype_problem(dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
+    """Why the kernel cannot load a KV pool of `dtype` on a GPU of this compute capability; None when it can.
+
+    >>> kv_dtype_problem(torch.float8_e4m3fn, (8, 0))
+    'float8 e4m3 loads need compute capability 8.9 or newer (Ada, Hopper); this GPU is sm_80'
+    """
+    if dtype not in KV_DTYPES:
+        return f"it loads KV pools of {', '.join(str(d) for d in KV_DTYPES)}, not {dtype}"
+    if dtype == torch.float8_e4m3fn and capability is not None and tuple(capability) < (8, 9):
+        return ("float8 e4m3 loads need compute capability 8.9 or newer (Ada, Hopper); this GPU is "
+                f"sm_{capability[0]}{capability[1]}")
+    return None
+
+
+def dequantize_pool(pool: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """pool [..., D] (int8 / e4m3 values, or already real) and scales [...] float32 or None -> [..., D] in dtype."""
+    return pool.to(dtype) if scales is None else (pool.float() * scales.unsqueeze(-1)).to(dtype)
+
+
+def paged_attention_reference(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
+                              k_scales=None, v_scales=None):
     """Gather every position of the block table, mask, and run SDPA (the engine's path; the kernels' reference).
 
     q [B, Hq, T, D]; k_pool, v_pool [num_slots, Hkv, D]; block_table [R, max_blocks] int; rows [B] long;
     base_len [B] long; intra_mask [B, T, T] bool or None (causal) -> [B, Hq, T, D] in q's dtype.
+    k_scales, v_scales [num_slots, Hkv] float32 (quantized pools: int8 / float8 e4m3 values) or None; the gathered
+    values are dequantized in float32 and cast to q's dtype.
     """
     b, hq, t, _ = q.shape
     span = block_table.shape[1] * block_size
     pos = torch.arange(span, device=q.device)  # [S]
     slots = block_table[rows][:, pos // block_size] * block_size + pos % block_size  # [B, S]
-    keys = k_pool[slots].transpose(1, 2)  # [B, Hkv, S, D]
-    values = v_pool[slots].transpose(1, 2)
+    keys = k_pool[slots]  # [B, S, Hkv, D]
+    values = v_pool[slots]
+    if k_scales is not None:
+        keys = dequantize_pool(keys, k_scales[slots], q.dtype)
+        values = dequantize_pool(values, v_scales[slots], q.dtype)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, S, D]
     rel = pos.view(1, -1) - base_len.view(-1, 1)  # [B, S]: position relative to the step's first token
     if intra_mask is None:
         intra_mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril().expand(b, t, t)
@@ -67,14 +103,16 @@ if TRITON_AVAILABLE:
     @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
     def _partial_kernel(
             q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, base_ptr, intra_bits_ptr, o_ptr, lse_ptr,  # intra_bits [B, T]
+            ks_ptr, vs_ptr,  # k_scales, v_scales [num_slots, Hkv] float32 (read only when QUANT)
             sq_b, sq_h, sq_t,  # q [B, Hq, T, D] (last stride 1)
             sk_s, sk_h, sv_s, sv_h,  # k_pool, v_pool [num_slots, Hkv, D] (last stride 1)
+            sks_s, sks_h, svs_s, svs_h,  # k_scales, v_scales
             st_r, st_j,  # block_table [R, max_blocks]
             so_b, so_h, so_t, so_s,  # o [B, Hq, T, splits, D] (last stride 1); lse [B, Hq, T, splits] contiguous
             qk_scale_log2, m_tiles, num_splits,
             T: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         m_tile = pid % m_tiles
@@ -111,8 +149,16 @@ if TRITON_AVAILABLE:
                         mask=pos_ok[None, :], other=0.0)  # [D, BLOCK_N]
             v = tl.load(v_ptr + slot[:, None] * sv_s + kv_head * sv_h + d[None, :],
                         mask=pos_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            if QUANT:  # int8 / e4m3 values widen exactly to q's dtype; the scales act on s and p below
+                # through float32 (exact; same result): triton 3.9's interpreter casts int8 -> bf16 bitwise
+                k = k.to(tl.float32).to(q.dtype)
+                v = v.to(tl.float32).to(q.dtype)
+                k_scale = tl.load(ks_ptr + slot * sks_s + kv_head * sks_h, mask=pos_ok, other=0.0)  # [BLOCK_N]
+                v_scale = tl.load(vs_ptr + slot * svs_s + kv_head * svs_h, mask=pos_ok, other=0.0)
             # [BLOCK_M, BLOCK_N] in log2 units; the scale cast to fp32 (inductor may hand a Python float as fp64)
-            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale_log2.to(tl.float32)
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * tl.cast(qk_scale_log2, tl.float32)
+            if QUANT:
+                s = s * k_scale[None, :]
 
             j = pos - base  # index among the step's tokens (negative = committed before the step)
             if CAUSAL:
@@ -127,6 +173,8 @@ if TRITON_AVAILABLE:
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
+            if QUANT:
+                p = p * v_scale[None, :]  # after the normalizer: it sums the unscaled weights
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -173,12 +221,17 @@ def launch_plan(batch: int, q_heads: int, kv_heads: int, t: int, max_positions: 
 
 
 def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
-                           num_splits: int | None = None):
+                           k_scales=None, v_scales=None, num_splits: int | None = None):
     """Same contract as `paged_attention_reference`; `num_splits` overrides the shape-derived split count."""
     b, hq, t, dim = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
     assert hq == group * hkv and dim in (16, 32, 64, 128, 256) and block_size & (block_size - 1) == 0
+    quant = k_scales is not None
+    assert quant == (v_scales is not None) and quant == (k_pool.dtype in (torch.int8, torch.float8_e4m3fn)), \
+        "int8 / float8 pools come with k_scales and v_scales, real-valued pools without"
+    if not quant:
+        k_scales = v_scales = base_len  # any tensor: never read (strides 0 below)
     q, k_pool, v_pool = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_pool, v_pool))
     block_m, m_tiles, default_splits = launch_plan(b, hq, hkv, t, block_table.shape[1] * block_size, q.device)
     num_splits = num_splits or default_splits
@@ -194,22 +247,26 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
     else:
         assert t <= 64, "a tree mask row is packed into one int64"
         intra_bits = (intra_mask.long() << torch.arange(t, device=q.device)).sum(-1)  # [B, T]
+    scale_strides = (k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1)) if quant \
+        else (0, 0, 0, 0)
     _partial_kernel[(b * hkv * m_tiles, num_splits)](
-        q, k_pool, v_pool, block_table, rows, base_len, intra_bits, o, lse,
+        q, k_pool, v_pool, block_table, rows, base_len, intra_bits, o, lse, k_scales, v_scales,
         q.stride(0), q.stride(1), q.stride(2),
-        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), *scale_strides,
         block_table.stride(0), block_table.stride(1),
         o.stride(0), o.stride(1), o.stride(2), o.stride(3),
         scale * math.log2(math.e), m_tiles, num_splits,
         T=t, GROUP=group, HKV=hkv, D=dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         num_warps=8)  # ptxas for sm_90: 4 warps spill registers at D = 128 or 64-row tiles, 8 do not
     if num_splits > 1:
         _combine_kernel[(b * hq * t,)](o, lse, out, num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim)
     return out
 
 
-def paged_attention(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None):
+def paged_attention(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
+                    k_scales=None, v_scales=None):
     """The Triton kernel on CUDA when triton imports, else the reference (same arguments)."""
     fn = paged_attention_triton if TRITON_AVAILABLE and q.is_cuda else paged_attention_reference
-    return fn(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale)
+    return fn(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale, k_scales=k_scales,
+              v_scales=v_scales)

@@ -103,6 +103,8 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("compile", "string", "config", '"off" | "default" | "max-autotune" (torch.compile mode)'),
     ColumnSpec("attention", "string", "config", '"auto" | "sdpa" | "triton" (attention backend of the KV cache)'),
     ColumnSpec("overlap", "bool", "config", "overlapped steps asked for (step t+1 launched before step t is read)"),
+    ColumnSpec("target_kv_quant", "string", "config", '"none" | "int8" | "fp8": the target\'s KV-cache format'),
+    ColumnSpec("draft_kv_quant", "string", "config", '"none" | "int8" | "fp8": the draft model\'s KV-cache format'),
     ColumnSpec("phase_profile", "bool", "config", "per-phase GPU profile asked for (phase_* columns)"),
     ColumnSpec("compare_hf", "bool", "config", "Hugging Face generate() timed too (hf_* columns)"),
     *_cols("config", "string", "preset target_path draft_path prompts_source"),
@@ -141,6 +143,14 @@ _RUN_SPECS: list[ColumnSpec] = [
     *_cols("graphs", "int", "graph_bucket_hits graph_bucket_misses"),
     ColumnSpec("graph_padding_waste", "float", "graphs", "fraction of computed rows that were batch padding"),
     ColumnSpec("graph_buckets_captured", "string", "graphs", 'buckets actually captured, e.g. "1,2,4"'),
+    ColumnSpec("kv_bytes_per_token", "int", "kv", "target KV bytes per token: K and V, all layers and KV heads, "
+               "scales included"),
+    ColumnSpec("kv_cache_mb", "float", "kv", "target KV cache as allocated for the run (pool + scales)"),
+    ColumnSpec("draft_kv_bytes_per_token", "int", "kv", "the draft model's KV bytes per token; None without one"),
+    ColumnSpec("draft_kv_cache_mb", "float", "kv", "the draft model's KV cache as allocated; None without one"),
+    ColumnSpec("kv_token_agreement", "float", "kv", "greedy AR tokens with the run's target KV format that equal "
+               "those with model-dtype KV (none), up to each sequence's first difference, over all tokens; 1 for none"),
+    ColumnSpec("kv_divergent_sequences", "int", "kv", "sequences whose greedy AR output differs from none's"),
     *_cols("profile", "float", "phase_sm_util_draft phase_sm_util_verify phase_sm_util_accept "
                                "phase_bw_gbps_draft phase_bw_gbps_verify phase_bw_gbps_accept "
                                "phase_ms_draft phase_ms_verify phase_ms_accept"),

@@ -174,7 +174,8 @@ def test_kernel_backend_path_equals_greedy_and_skips_prefill(fixed, target, draf
         return pa.paged_attention_reference(q, *args, **kwargs)
 
     monkeypatch.setattr(pa, "paged_attention_triton", spy)
-    monkeypatch.setattr(kv, "resolve_attention", lambda name, paged, device: "triton" if paged else "sdpa")
+    monkeypatch.setattr(kv, "resolve_attention", lambda name, paged, device, kv_quant="none": "triton" if paged
+                        else "sdpa")
     n = 12
     cfg = fast(max_new_tokens=n) if fixed else EngineConfig(max_new_tokens=n, kv_block_size=4)
     engine = SpecEngine(target, DraftModelDrafter(draft, k=3), cfg)

@@ -9,6 +9,7 @@ import torch
 from kernels.paged_attention import (TRITON_AVAILABLE, paged_attention, paged_attention_reference,
                                      paged_attention_triton)
 from workbench.engine.kv_cache import PagedKVCache
+from workbench.engine.kv_quant import KV_FORMATS
 from workbench.engine.tree import DraftTree, verify_mask
 
 # The tree of workbench/engine/tree.py's docstring: root, then "a b" and "c" as two branches.
@@ -20,9 +21,10 @@ TWO_BRANCHES = torch.tensor([[1, 0, 0, 0],
 
 
 def make_case(*, base_lens=(7, 20), hq=4, hkv=4, t=1, dim=16, block_size=4, tree=False, dtype=torch.float32,
-              permute_rows=True, shuffle_table=True, table_dtype=torch.long, spare_blocks=1, seed=0):
+              permute_rows=True, shuffle_table=True, table_dtype=torch.long, spare_blocks=1, seed=0, kv_quant="none"):
     """Random inputs in the kernels' layout. Every slot of the pool holds noise, so anything read past a row's
-    length or through a wrong block shows up in the output."""
+    length or through a wrong block shows up in the output. kv_quant "int8" / "fp8": the pools hold quantized values
+    (as the kernel reads them) and the case has k_scales / v_scales [slots, Hkv]."""
     g = torch.Generator().manual_seed(seed)
     batch = len(base_lens)
     num_rows = batch + 1
@@ -37,19 +39,35 @@ def make_case(*, base_lens=(7, 20), hq=4, hkv=4, t=1, dim=16, block_size=4, tree
         parents = torch.stack([torch.randint(-1, i, (batch,), generator=g) for i in range(t - 1)], 1)  # [B, t-1]
         intra = verify_mask(DraftTree(torch.zeros_like(parents), parents, torch.ones_like(parents),
                                       torch.ones_like(parents).bool()))  # random trees of t-1 nodes
+    q = torch.randn(batch, hq, t, dim, generator=g).to(dtype)  # [B, Hq, T, D]
+    pools = [torch.randn(num_blocks * block_size, hkv, dim, generator=g) for _ in "kv"]  # [slots, Hkv, D]
+    fmt = KV_FORMATS[kv_quant]
+    scales = {}
+    if fmt.quantized:
+        (k, ks), (v, vs) = (fmt.quantize(x) for x in pools)
+        pools = [fmt.kernel_view(k), fmt.kernel_view(v)]
+        scales = dict(k_scales=ks, v_scales=vs)  # [slots, Hkv]
+    else:
+        pools = [x.to(dtype) for x in pools]
     return dict(
-        q=torch.randn(batch, hq, t, dim, generator=g).to(dtype),  # [B, Hq, T, D]
-        k_pool=torch.randn(num_blocks * block_size, hkv, dim, generator=g).to(dtype),  # [slots, Hkv, D]
-        v_pool=torch.randn(num_blocks * block_size, hkv, dim, generator=g).to(dtype),
+        q=q,
+        k_pool=pools[0],
+        v_pool=pools[1],
         block_table=table.view(num_rows, max_blocks).to(table_dtype),  # [R, max_blocks]
         rows=rows,  # [B]
         base_len=torch.tensor(base_lens),  # [B]
         intra_mask=intra,  # [B, T, T] or None
-        block_size=block_size)
+        block_size=block_size,
+        **scales)
 
 
-def naive_attention(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size):
-    """One query at a time, in float64: list the positions it may see, look each one up, softmax, weigh."""
+def naive_attention(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, k_scales=None,
+                    v_scales=None):
+    """One query at a time, in float64: list the positions it may see, look each one up, softmax, weigh.
+    Quantized pools are first dequantized (value x scale, in float64)."""
+    if k_scales is not None:
+        k_pool = k_pool.double() * k_scales.double().unsqueeze(-1)
+        v_pool = v_pool.double() * v_scales.double().unsqueeze(-1)
     batch, hq, t, dim = q.shape
     group = hq // k_pool.shape[1]
     out = torch.zeros(batch, hq, t, dim, dtype=torch.float64)
@@ -95,19 +113,43 @@ def test_reference_matches_naive(name, dtype):
     torch.testing.assert_close(got.double(), naive_attention(**case), atol=TOLERANCE[dtype], rtol=0)
 
 
-def test_reference_is_what_the_paged_cache_computes():
-    """The engine's PagedKVCache (gather only the step's span, SDPA) and the reference agree on the same pool."""
+QUANT_CASES = {name: CASES[name] for name in ("decode", "tree_two_branches", "gqa_tree", "ragged_from_empty")}
+
+
+@pytest.mark.parametrize("kv_quant", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", QUANT_CASES)
+def test_quantized_reference_matches_naive(name, dtype, kv_quant):
+    """The reference dequantizes a quantized pool (value x scale) before SDPA: the naive loop over the same
+    dequantized values agrees (bf16 adds the cast of the dequantized keys and values to bf16)."""
+    case = make_case(**QUANT_CASES[name], dtype=dtype, kv_quant=kv_quant)
+    got = paged_attention_reference(**case)
+    assert got.dtype == dtype and got.shape == case["q"].shape
+    torch.testing.assert_close(got.double(), naive_attention(**case), atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "int8", "fp8"])
+def test_reference_is_what_the_paged_cache_computes(kv_quant):
+    """The engine's PagedKVCache (gather only the step's span, SDPA) and the reference agree on the same pool, in
+    every KV format (a quantized cache hands the reference its stored values and scales)."""
     batch, hq, hkv, t, dim, bs = 3, 8, 2, 4, 16, 4
-    cache = PagedKVCache(1, hkv, dim, max_rows=5, max_len=64, dtype=torch.float32, device="cpu", block_size=bs)
-    cache.k.normal_(generator=torch.Generator().manual_seed(1))
-    cache.v.normal_(generator=torch.Generator().manual_seed(2))
+    cache = PagedKVCache(1, hkv, dim, max_rows=5, max_len=64, dtype=torch.float32, device="cpu", block_size=bs,
+                         kv_quant=kv_quant)
+    fmt = cache.format
+    for pool, scales, seed in ((cache.k, cache.k_scale, 1), (cache.v, cache.v_scale, 2)):  # noise in every slot
+        values, s = fmt.quantize(torch.randn(pool.shape, generator=torch.Generator().manual_seed(seed)))
+        pool.copy_(values)
+        if scales is not None:
+            scales.copy_(s)
     cache._free.reverse()  # hand out blocks out of order, so the block table is not the identity
     rows, base_len = torch.tensor([3, 0, 4]), torch.tensor([9, 0, 22])
     intra = torch.stack([TWO_BRANCHES] * batch)
     cache.begin(rows, base_len, base_len.tolist(), t, intra)
     q, k_new, v_new = (torch.randn(batch, h, t, dim) for h in (hq, hkv, hkv))
     got = cache.attend(0, q, k_new, v_new)
-    want = paged_attention_reference(q, cache.k[0], cache.v[0], cache.block_table, rows, base_len, intra, bs)
+    scales = dict(k_scales=cache.k_scale[0], v_scales=cache.v_scale[0]) if fmt.quantized else {}
+    want = paged_attention_reference(q, fmt.kernel_view(cache.k[0]), fmt.kernel_view(cache.v[0]), cache.block_table,
+                                     rows, base_len, intra, bs, **scales)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
@@ -160,4 +202,23 @@ def test_triton_matches_reference(name, dtype, num_splits, interpreter_bf16_dot)
     # against the float32 reference: the kernel accumulates in float32 whatever the input dtype
     want = paged_attention_reference(**{k: v.float() if k in ("q", "k_pool", "v_pool") else v
                                         for k, v in case.items()})
+    torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=0)
+
+
+TRITON_QUANT_CASES = {name: TRITON_CASES[name] for name in ("decode_d64", "decode_d128_mha", "tree_two_branches",
+                                                            "block32_int32_table", "many_m_tiles_t64")}
+
+
+@interpreter
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kv_quant", ["int8", "fp8"])
+@pytest.mark.parametrize("name", TRITON_QUANT_CASES)
+def test_triton_reads_quantized_kv(name, kv_quant, dtype, num_splits, interpreter_bf16_dot):
+    """The kernel loads int8 / e4m3 pools and their scales in place: it matches the reference that dequantizes them
+    in float32 (the same tolerance as for unquantized pools: the kernel never rounds a dequantized value)."""
+    case = make_case(**TRITON_QUANT_CASES[name], dtype=dtype, seed=3, kv_quant=kv_quant)
+    got = paged_attention_triton(**case, num_splits=num_splits)
+    assert got.dtype == dtype and got.shape == case["q"].shape
+    want = paged_attention_reference(**{**case, "q": case["q"].float()})
     torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=0)

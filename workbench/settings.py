@@ -251,6 +251,16 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("overlap", "bool", True, "launch step t+1 before reading step t's tokens, so host bookkeeping overlaps the GPU "
          "(greedy chains with --cuda-graphs: AR and the draft model; other methods run one synchronous read per step)",
          "Overlap host and GPU", "system", searchable=True),
+    # KV-cache formats (workbench/engine/kv_quant.py): two knobs, because they cost different things. The target's
+    # format changes the target (its output is compared with the model-dtype KV: kv_token_agreement) and sets most
+    # of the KV bytes; the draft's changes acceptance only (output stays exact) and is read by the draft method only.
+    Knob("target_kv_quant", "str", "none", "KV-cache format of the target, and of the AR baseline it is checked "
+         "against: none = the model's dtype; int8 / fp8 (e4m3) = quantized on write with a float32 scale per token "
+         "and KV head, dequantized on read. Quality against none is recorded (kv_token_agreement)",
+         "Target KV cache format", "system", choices=("none", "int8", "fp8"), searchable=True),
+    Knob("draft_kv_quant", "str", "none", "KV-cache format of the draft model's own cache (none / int8 / fp8): "
+         "changes acceptance only, the output stays exact", "Draft KV cache format", "method",
+         choices=("none", "int8", "fp8"), methods=("draft",), searchable=True),
     Knob("phase_profile", "bool", False, "after the timed runs, replay each captured phase (draft, verify) for "
          ">= 0.25 s under the NVML GPM sampler: SM utilization, ms and achieved bandwidth per phase (GPU, "
          "--cuda-graphs)", "Per-phase GPU profile", "system"),

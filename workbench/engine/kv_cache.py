@@ -17,6 +17,10 @@ A step has two halves, so that the device half can be captured in a CUDA graph:
                                                   for a read span S that is either the live need (eager) or fixed
                                                   (`static_span`, the whole reserved length: fixed-shape steps)
 `begin` is both, with the live span.
+
+Formats (`kv_quant`, workbench/engine/kv_quant.py): "none" keeps K and V in the model's dtype; "int8" and "fp8" store
+quantized values plus a float32 scale per (slot, KV head) in `k_scale` / `v_scale`, quantized in `_write` and
+dequantized in `_read` (gather + SDPA) or inside the Triton kernel. Moves copy the scales with the values.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from workbench.engine.kv_quant import SCALE_DTYPE, KVFormatError, kv_format
+
 
 class CacheFullError(RuntimeError):
     """No free KV blocks (or slots) left for the requested length."""
@@ -33,10 +39,13 @@ class CacheFullError(RuntimeError):
 
 class KVCache(ABC):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_rows: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, kv_quant: str = "none"):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.max_rows, self.max_len = max_rows, max_len
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device = dtype, torch.device(device)  # dtype: the model's (what reads return)
+        self.kv_quant, self.format = kv_quant, kv_format(kv_quant)
+        self.k = self.v = None  # [..., Hkv, D] pools in the format's storage dtype (set by each implementation)
+        self.k_scale = self.v_scale = None  # [..., Hkv] float32 per slot and KV head (quantized formats), else None
         self._rows: torch.Tensor | None = None  # [B] this step's rows
         self._write_pos: torch.Tensor | None = None  # [B, T] slot positions written this step
         self._mask: torch.Tensor | None = None  # [B, 1, T, S] bool
@@ -50,6 +59,28 @@ class KVCache(ABC):
     def pad_row(self) -> int:
         """The scratch row that padding rows of a fixed-shape step use."""
         return self.max_rows
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes: K and V of every layer and KV head, scales included."""
+        return self.format.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def _alloc(self, shape: tuple[int, ...]) -> None:
+        """Pools of `shape` [..., Hkv, D] in the format's storage dtype, and its scales [..., Hkv]."""
+        store = self.format.storage_dtype(self.dtype)
+        self.k = torch.zeros(shape, dtype=store, device=self.device)
+        self.v = torch.zeros(shape, dtype=store, device=self.device)
+        if self.format.quantized:
+            self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+
+    def _planes(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """((k pool, k scales), (v pool, v scales)); scales None for "none"."""
+        return (self.k, self.k_scale), (self.v, self.v_scale)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by slot (pools, then scales): what a move copies."""
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
 
     @property
     def static_span(self) -> int:
@@ -110,8 +141,11 @@ class KVCache(ABC):
         """q [B, Hq, T, D]; k, v [B, Hkv, T, D] -> [B, Hq, T, D]."""
         self._write(layer_idx, k.transpose(1, 2), v.transpose(1, 2))
         if self._use_kernel:  # reads the pool in place through the block table: no gather, no mask tensor
-            return self.kernel(q, self.k[layer_idx], self.v[layer_idx], self.block_table, self._rows, self._base,
-                               self._intra_mask, self.block_size)
+            fmt, quant = self.format, self.format.quantized
+            return self.kernel(q, fmt.kernel_view(self.k[layer_idx]), fmt.kernel_view(self.v[layer_idx]),
+                               self.block_table, self._rows, self._base, self._intra_mask, self.block_size,
+                               k_scales=self.k_scale[layer_idx] if quant else None,
+                               v_scales=self.v_scale[layer_idx] if quant else None)
         keys, values = self._read(layer_idx)  # [B, Hkv, S, D]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask,
                                               enable_gqa=q.shape[1] != keys.shape[1])
@@ -172,9 +206,8 @@ class ContiguousKVCache(KVCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        shape = (self.num_layers, self.max_rows + 1, self.max_len, self.num_kv_heads, self.head_dim)
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, R + 1, S, Hkv, D] (+1: pad_row)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # k, v [L, R + 1, S, Hkv, D] (+1: pad_row); k_scale, v_scale [L, R + 1, S, Hkv] when quantized
+        self._alloc((self.num_layers, self.max_rows + 1, self.max_len, self.num_kv_heads, self.head_dim))
 
     def _ensure_capacity(self, rows, base_len_host, num_new):
         pass
@@ -186,20 +219,24 @@ class ContiguousKVCache(KVCache):
         self._write_idx = (self._rows.unsqueeze(1).expand_as(self._write_pos), self._write_pos)
 
     def _write(self, layer, k, v):
-        self.k[layer].index_put_(self._write_idx, k)
-        self.v[layer].index_put_(self._write_idx, v)
+        for (pool, scales), x in zip(self._planes(), (k, v)):
+            values, scale = self.format.quantize(x)  # [B, T, Hkv, D], [B, T, Hkv] or None
+            pool[layer].index_put_(self._write_idx, values)
+            if scale is not None:
+                scales[layer].index_put_(self._write_idx, scale)
 
     def _read(self, layer):
-        s = self._span
-        return (self.k[layer, self._rows, :s].transpose(1, 2), self.v[layer, self._rows, :s].transpose(1, 2))
+        s, rows = self._span, self._rows
+        return tuple(self.format.dequantize(pool[layer, rows, :s], None if scales is None else scales[layer, rows, :s],
+                                            self.dtype).transpose(1, 2) for pool, scales in self._planes())
 
     def _copy_slots(self, rows, src, dst):
-        self.k[:, rows, dst] = self.k[:, rows, src]
-        self.v[:, rows, dst] = self.v[:, rows, src]
+        for t in self._tensors():
+            t[:, rows, dst] = t[:, rows, src]
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
 
 class PagedKVCache(KVCache):
@@ -217,10 +254,9 @@ class PagedKVCache(KVCache):
         self.blocks_per_row = math.ceil(self.max_len / block_size)
         self.num_blocks = num_blocks or self.max_rows * self.blocks_per_row  # blocks shared by the sequences
         # the pool also holds the padding row's own blocks, after the shared ones (never handed to sequences)
-        shape = (self.num_layers, (self.num_blocks + self.blocks_per_row) * block_size, self.num_kv_heads,
-                 self.head_dim)
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, blocks * block_size, Hkv, D]
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # k, v [L, blocks * block_size, Hkv, D]; k_scale, v_scale [L, blocks * block_size, Hkv] when quantized
+        self._alloc((self.num_layers, (self.num_blocks + self.blocks_per_row) * block_size, self.num_kv_heads,
+                     self.head_dim))
         # [R + 1, blocks per row]: row R is pad_row; unused entries point at block 0 (read only under a False mask)
         self.block_table = torch.zeros(self.max_rows + 1, self.blocks_per_row, dtype=torch.long, device=self.device)
         self._host_table: list[list[int]] = [[] for _ in range(self.max_rows)]
@@ -276,49 +312,67 @@ class PagedKVCache(KVCache):
         self._read_slots = (blocks.unsqueeze(-1) * self.block_size + offsets).flatten(1)  # [B, S]
 
     def _write(self, layer, k, v):
-        self.k[layer].index_copy_(0, self._write_slots, k.reshape(-1, *k.shape[2:]))
-        self.v[layer].index_copy_(0, self._write_slots, v.reshape(-1, *v.shape[2:]))
+        for (pool, scales), x in zip(self._planes(), (k, v)):
+            values, scale = self.format.quantize(x.reshape(-1, *x.shape[2:]))  # [B * T, Hkv, D], [B * T, Hkv]
+            pool[layer].index_copy_(0, self._write_slots, values)
+            if scale is not None:
+                scales[layer].index_copy_(0, self._write_slots, scale)
 
     def _read(self, layer):
-        return self.k[layer][self._read_slots].transpose(1, 2), self.v[layer][self._read_slots].transpose(1, 2)
+        slots = self._read_slots
+        return tuple(self.format.dequantize(pool[layer][slots], None if scales is None else scales[layer][slots],
+                                            self.dtype).transpose(1, 2) for pool, scales in self._planes())
 
     def _copy_slots(self, rows, src, dst):
         s, d = self._slots(rows, src), self._slots(rows, dst)
-        self.k[:, d] = self.k[:, s]
-        self.v[:, d] = self.v[:, s]
+        for t in self._tensors():
+            t[:, d] = t[:, s]
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 
 
-def resolve_attention(name: str, paged: bool, device: torch.device | str) -> str:
-    """"auto" -> "triton" for paged caches on a GPU where the kernel imports, else "sdpa" (gather + SDPA)."""
+def resolve_attention(name: str, paged: bool, device: torch.device | str, kv_quant: str = "none") -> str:
+    """"auto" -> "triton" for paged caches on a GPU where the kernel imports and can load the KV format, else "sdpa"
+    (gather + SDPA, which dequantizes any format in PyTorch). "triton" where it cannot run raises a named error."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    fmt = kv_format(kv_quant)
     if name == "sdpa":
         return name
-    from kernels.paged_attention import TRITON_AVAILABLE
+    from kernels import paged_attention as kernel
 
-    usable = paged and torch.device(device).type == "cuda" and TRITON_AVAILABLE
+    dev = torch.device(device)
+    usable = paged and dev.type == "cuda" and kernel.TRITON_AVAILABLE
     if name == "triton" and not usable:
         raise ValueError("attention backend 'triton' needs a paged KV cache on a CUDA GPU with triton installed; "
                          "use 'sdpa' (or 'auto') here")
-    return "triton" if usable else "sdpa"
+    problem = None
+    if usable and fmt.quantized:
+        problem = kernel.kv_dtype_problem(fmt.value_dtype(torch.float32), torch.cuda.get_device_capability(dev))
+    if name == "triton" and problem:
+        raise KVFormatError(f"attention backend 'triton' cannot read kv_quant={kv_quant!r} here: {problem}; use "
+                            "attention 'sdpa' or 'auto' (gather + SDPA dequantizes every format) or kv_quant 'int8'")
+    return "triton" if usable and problem is None else "sdpa"
 
 
 def make_cache(paged: bool, *, num_layers: int, num_kv_heads: int, head_dim: int, max_rows: int, max_len: int,
                dtype: torch.dtype, device, block_size: int = 16, num_blocks: int | None = None,
-               attention: str = "sdpa") -> KVCache:
+               attention: str = "sdpa", kv_quant: str = "none") -> KVCache:
+    """A paged or contiguous cache in the KV format `kv_quant` ("none" | "int8" | "fp8"), with its attention backend
+    (KVFormatError for an unknown format or one the asked backend cannot read, before anything is allocated)."""
+    backend = resolve_attention(attention, paged, device, kv_quant)
     if paged:
         cache = PagedKVCache(num_layers, num_kv_heads, head_dim, max_rows, max_len, dtype, device,
-                             block_size=block_size, num_blocks=num_blocks)
+                             block_size=block_size, num_blocks=num_blocks, kv_quant=kv_quant)
     else:
-        cache = ContiguousKVCache(num_layers, num_kv_heads, head_dim, max_rows, max_len, dtype, device)
-    if resolve_attention(attention, paged, device) == "triton":
+        cache = ContiguousKVCache(num_layers, num_kv_heads, head_dim, max_rows, max_len, dtype, device,
+                                  kv_quant=kv_quant)
+    if backend == "triton":
         from kernels.paged_attention import paged_attention_triton
 
         # launched as is, never traced by torch.compile (inductor re-types user kernels' scalar arguments); inside a

@@ -44,6 +44,7 @@ import torch
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
 from workbench.engine.graphs import DEFAULT_BUCKETS, PAD_LEN, FixedShapeStep, GraphSettings, GraphStats, ModelStep
 from workbench.engine.kv_cache import ATTENTION_BACKENDS, make_cache
+from workbench.engine.kv_quant import kv_format
 from workbench.engine.sampling import SamplingParams, next_token
 from workbench.engine.tree import DraftTree, verify_mask
 from workbench.engine.verify import Acceptance, Verifier, accept_greedy
@@ -66,6 +67,7 @@ class EngineConfig:
     compile: str = "off"  # torch.compile of the fixed-shape steps: "off" | "default" | "max-autotune"
     attention: str = "auto"  # "sdpa" (gather + SDPA) | "triton" (kernels/paged_attention.py) | "auto"
     overlap: bool = False  # launch step t + 1 before reading step t (greedy chains with fixed shapes; see above)
+    kv_quant: str = "none"  # the target's KV-cache format: "none" (model dtype) | "int8" | "fp8" (engine/kv_quant.py)
 
     @functools.cached_property
     def graphs(self) -> GraphSettings:  # read every step: built (and validated) once
@@ -76,6 +78,7 @@ class EngineConfig:
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention!r}; choose one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        kv_format(self.kv_quant)  # KVFormatError names the formats
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.kv_block_size < 1:
@@ -231,7 +234,8 @@ class SpecEngine:
         # right-padded prefill briefly needs the longest prompt's blocks in every row (freed right after it)
         blocks = lambda n: -(-n // cfg.kv_block_size)  # noqa: E731
         num_blocks = max(sum(blocks(self.required_len(n)) for n in plen), rows * blocks(max(plen)))
-        if self.cache is not None and self.cache.fits(rows, max_len, num_blocks):
+        if self.cache is not None and self.cache.fits(rows, max_len, num_blocks) and \
+                self.cache.kv_quant == cfg.kv_quant:
             self.cache.reset()
             return
         if self.cache is not None:  # grow: never below what it held, so alternating sizes settle on one cache
@@ -242,7 +246,7 @@ class SpecEngine:
         self.cache = make_cache(cfg.paged, num_layers=tcfg.num_hidden_layers, num_kv_heads=tcfg.num_key_value_heads,
                                 head_dim=tcfg.head_dim, max_rows=rows, max_len=max_len, dtype=self.dtype,
                                 device=self.device, block_size=cfg.kv_block_size, num_blocks=num_blocks,
-                                attention=cfg.attention)
+                                attention=cfg.attention, kv_quant=cfg.kv_quant)
         self.tokens = torch.zeros(rows + 1, max_len + self.num_nodes + 2, dtype=torch.long, device=self.device)
         self.kv_len = torch.full((rows + 1,), PAD_LEN, dtype=torch.long, device=self.device)
         self.target_step = ModelStep(self.target, self.cache, cfg.graphs, self.device, "target",

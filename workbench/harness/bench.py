@@ -28,7 +28,7 @@ import torch
 from workbench import settings
 from workbench.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter, RedrafterDrafter, RedrafterHead
 from workbench.engine import EngineConfig, GenerationResult, SpecEngine
-from workbench.harness.metrics import median, percentile, summarize, traces_frame
+from workbench.harness.metrics import greedy_agreement, median, percentile, summarize, traces_frame
 from workbench.harness.trust import trust_columns
 from workbench.engine.kv_cache import resolve_attention
 from workbench.engine.sampling import SamplingParams
@@ -62,7 +62,7 @@ def _drafter_for(cfg: BenchConfig, session: "BenchSession") -> Drafter | None:
     if cfg.method == "ar":
         return None
     if cfg.method == "draft":
-        return DraftModelDrafter(session.draft, cfg.k)
+        return DraftModelDrafter(session.draft, cfg.k, kv_quant=cfg.draft_kv_quant)
     if cfg.method == "ngram":
         return NgramDrafter(cfg.k, cfg.ngram_min, cfg.ngram_max)
     if cfg.method == "redrafter":
@@ -180,7 +180,9 @@ class BenchSession:
         try:
             settings.check({f.name: getattr(cfg, f.name) for f in fields(cfg)})  # bounds, choices, cross rules
             SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)  # the sampler's own rule (top_p > 0)
-            resolve_attention(cfg.attention, cfg.paged, self.device)  # "triton" needs a paged cache on a GPU
+            resolve_attention(cfg.attention, cfg.paged, self.device, cfg.target_kv_quant)  # "triton": paged, GPU
+            if cfg.method == "draft":
+                resolve_attention(cfg.attention, cfg.paged, self.device, cfg.draft_kv_quant)  # and the format
         except ValueError as e:
             raise BenchError(str(e)) from None
         if cfg.method == "draft" and self.draft is None:
@@ -223,8 +225,10 @@ class BenchSession:
                             sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p), paged=cfg.paged,
                             kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
                             cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
-                            compile=cfg.compile, attention=cfg.attention, overlap=cfg.overlap)
-        shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention)
+                            compile=cfg.compile, attention=cfg.attention, kv_quant=cfg.target_kv_quant,
+                            overlap=cfg.overlap)
+        shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention,
+                 ecfg.kv_quant)
         method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs) if cfg.method in METHODS else ()
         key = (cfg.method, *method_knobs, *shape) if drafter else ("ar", *shape)
         engine = self._engines.pop(key, None)
@@ -303,6 +307,9 @@ class BenchSession:
 
                 live = sum(len(p) for p in prompt_ids) // len(prompt_ids) + cfg.max_new_tokens // 2
                 graphs.update(profile_phases(cand_engine, cfg.batch, live))
+            peak = self._peak_mem_mb()  # before the KV quality pass, whose reference engine is not the run's
+            progress(0.98, "KV format: bytes and quality against model-dtype KV")
+            kv = self._kv_columns(cfg, cand_engine, prompt_ids, [o for res in ar_runs[0] for o in res.outputs])
         except torch.cuda.OutOfMemoryError as e:
             raise BenchError(f"GPU out of memory with method={cfg.method} k={cfg.k} batch={cfg.batch} "
                              f"max_new_tokens={cfg.max_new_tokens} dtype={self.dtype}: lower batch or max_new_tokens "
@@ -312,12 +319,40 @@ class BenchSession:
             str(self.device) if self.device.type == "cuda" else None))
         rec = result.record
         rec.update(graphs)
+        rec.update(kv, peak_mem_mb=peak)
         if rec["greedy_matches_ar"] is False:
             margins = self.divergence_margins(prompt_ids, result.outputs, result.ar_outputs)
             rec["greedy_divergent_sequences"] = len(margins)
             rec["greedy_divergence_margin"] = max(margins)
             rec["greedy_near_tie"] = self.dtype != "float32" and max(margins) <= NEAR_TIE_LOGITS
         return result
+
+    def _peak_mem_mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        return _peak_rss_mb()  # CPU: this run's peak resident set (reset at its start where Linux allows)
+
+    def _kv_columns(self, cfg: BenchConfig, engine: SpecEngine, prompt_ids: list[list[int]],
+                    ar_outputs: list[list[int]]) -> dict:
+        """KV bytes per token and cache sizes (target, draft), and the target KV format's quality cost: greedy AR
+        with this format against greedy AR with model-dtype KV ("none") on the same prompts (one untimed pass each;
+        the run's own AR outputs stand in for the first when it is greedy)."""
+        drafter_caches = engine.drafter.kv_caches() if engine.drafter is not None else []
+        cols = {"kv_bytes_per_token": engine.cache.bytes_per_token, "kv_cache_mb": engine.cache.nbytes / 2**20,
+                "draft_kv_bytes_per_token": sum(c.bytes_per_token for c in drafter_caches) or None,
+                "draft_kv_cache_mb": sum(c.nbytes for c in drafter_caches) / 2**20 if drafter_caches else None,
+                "kv_token_agreement": 1.0, "kv_divergent_sequences": 0}
+        if cfg.target_kv_quant == "none":
+            return cols  # the reference itself
+        greedy = replace(cfg, method="ar", temperature=0.0, top_k=0, top_p=1.0)
+        ours = ar_outputs if cfg.temperature == 0.0 else self._outputs(greedy, prompt_ids)
+        reference = self._outputs(replace(greedy, target_kv_quant="none"), prompt_ids)
+        cols["kv_token_agreement"], cols["kv_divergent_sequences"] = greedy_agreement(ours, reference)
+        return cols
+
+    def _outputs(self, cfg: BenchConfig, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """One untimed AR pass with these settings (its engine kept like the timed ones)."""
+        return [o for res in self._pass(self._engine(cfg, drafter=False), prompt_ids, cfg.batch) for o in res.outputs]
 
     @torch.inference_mode()
     def divergence_margins(self, prompt_ids: list[list[int]], outputs: list[list[int]],
@@ -356,10 +391,7 @@ class BenchSession:
         cost_ratio = None
         if c0.draft_forwards and ar_step_ms:
             cost_ratio = (c0.phase_ms.get("draft", 0.0) / c0.draft_forwards) / ar_step_ms
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device) / 2**20
-        else:  # CPU: this run's peak resident set (reset at its start where Linux allows)
-            peak = _peak_rss_mb()
+        peak = self._peak_mem_mb()
         # latency samples pooled over all repeats; acceptance, phase times and traces from the first repeat
         ttft = [x for c in cand for x in c.ttft_ms]
         tpot = [x for c in cand for x in c.tpot_ms]

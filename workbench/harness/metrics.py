@@ -131,3 +131,19 @@ def traces_frame(results: list[GenerationResult], run_id: str | None = None) -> 
                              "emitted": e})
         offset += len(r.outputs)
     return pd.DataFrame(rows, columns=["run_id", "seq", "step", "drafted", "accepted", "emitted"])
+
+
+def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[float, int]:
+    """(tokens equal to the reference up to each sequence's first difference / reference tokens, sequences that
+    differ): how far a changed target (quantized KV) decodes exactly like the reference before it first departs.
+
+    >>> greedy_agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
+    (0.6666666666666666, 1)
+    """
+    same, total, differ = 0, 0, 0
+    for ours, ref in zip(outputs, reference, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+        same += first
+        total += len(ref)
+        differ += ours != ref
+    return (same / total if total else 1.0), differ

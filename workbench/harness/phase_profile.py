@@ -30,8 +30,8 @@ def _weight_bytes(model) -> int:
 
 
 def _kv_bytes(cache, batch: int, live_len: int) -> int:
-    """KV bytes one forward reads for `batch` rows: all layers, K and V."""
-    per_token = 2 * cache.num_layers * cache.num_kv_heads * cache.head_dim * cache.k.element_size()
+    """KV bytes one forward reads for `batch` rows: all layers, K and V (in the cache's format, scales included)."""
+    per_token = cache.bytes_per_token
     span = live_len if cache.kernel is not None else cache.static_span
     return per_token * span * batch
 

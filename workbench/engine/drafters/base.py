@@ -109,6 +109,10 @@ class Drafter(ABC):
         """The drafter's `ModelStep`s (for graph statistics and per-phase profiling); none for model-free drafters."""
         return []
 
+    def kv_caches(self) -> list:
+        """The drafter's own KV caches (for their bytes per token and memory in the run record); none by default."""
+        return []
+
     @property
     def settings(self) -> dict:
         return {}

@@ -7,6 +7,8 @@ The draft cache is planned once per step for all k forwards (positions L-1 .. L+
 device step. Greedy drafting with fixed shapes runs the whole chain (k forwards and the argmax between them) as one
 step that reads the roots from the engine's persistent token and length buffers: one CUDA graph per batch bucket.
 Sampled drafting replays one graph per forward (the 2-token one, then the 1-token one) and samples in between.
+`kv_quant` is the draft cache's own KV format (engine/kv_quant.py), independent of the target's: it can change
+acceptance, never the output.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
 from workbench.engine.graphs import FixedShapeStep, ModelStep
 from workbench.engine.kv_cache import make_cache
+from workbench.engine.kv_quant import kv_format
 from workbench.engine.sampling import probs_from_logits, sample
 from workbench.engine.tree import DraftTree
 
@@ -22,10 +25,11 @@ from workbench.engine.tree import DraftTree
 class DraftModelDrafter(Drafter):
     name = "draft"
 
-    def __init__(self, model, k: int):
+    def __init__(self, model, k: int, kv_quant: str = "none"):
         if k < 1:
             raise ValueError(f"k (draft length) must be >= 1, got {k}")
-        self.model, self.k = model, k
+        kv_format(kv_quant)  # KVFormatError names the formats, before any work
+        self.model, self.k, self.kv_quant = model, k, kv_quant
         self.num_nodes = k
         self.model_forwards_per_step = k
         self.cache = None
@@ -57,7 +61,7 @@ class DraftModelDrafter(Drafter):
         self.cache = make_cache(ctx.paged, num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
                                 head_dim=c.head_dim, max_rows=ctx.max_rows, max_len=need,
                                 dtype=next(self.model.parameters()).dtype, device=ctx.device,
-                                block_size=ctx.kv_block_size, attention=ctx.attention)
+                                block_size=ctx.kv_block_size, attention=ctx.attention, kv_quant=self.kv_quant)
         self.step = ModelStep(self.model, self.cache, ctx.graphs, ctx.device, "draft", last_only=True)
 
     def _chain_pads(self, key) -> dict[str, torch.Tensor]:
@@ -136,6 +140,9 @@ class DraftModelDrafter(Drafter):
     def model_steps(self) -> list:
         return [s for s in (self.step, self.chain_step) if s is not None]
 
+    def kv_caches(self) -> list:
+        return [self.cache] if self.cache is not None else []
+
     @property
     def settings(self) -> dict:
-        return {"k": self.k}
+        return {"k": self.k, "kv_quant": self.kv_quant}
