@@ -177,7 +177,8 @@ def sibling_rank(tree: DraftTree) -> torch.Tensor:
     [[0, 0, 1, 1, 0, -1]]
     """
     b, n = tree.parents.shape
-    same = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & tree.valid.unsqueeze(1)  # [B, N, N] j sibling of i
+    # [B, N, N]: node j is a valid sibling of node i
+    same = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & tree.valid.unsqueeze(1)
     before = torch.ones(n, n, dtype=torch.bool, device=tree.parents.device).tril(-1)  # [N, N]: j < i
     rank = (same & before).sum(-1)  # [B, N]
     return torch.where(tree.valid, rank, torch.full_like(rank, -1))
