@@ -84,7 +84,9 @@ def filter_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 def run_label(row: pd.Series) -> str:
     parts = [str(row.get("method"))]
-    if not _missing(row.get("k")) and row.get("method") not in ("ar",):
+    if row.get("method") == "redrafter":  # beams: their shape, not k (which a beam drafter does not read)
+        parts.append(f"W={row.get('beam_width')} L={row.get('beam_length')}")
+    elif not _missing(row.get("k")) and row.get("method") not in ("ar",):
         parts.append(f"k={row.get('k')}")
     parts.append(f"b={row.get('batch')}")
     created = row.get("created_at")
