@@ -44,8 +44,8 @@ ROW_FIELDS = ("mean_accepted_tokens", "acceptance_rate", "beam_diversity_mean", 
               "acceptance_by_rank", "acceptance_by_position", "tree_size_mean", "draft_target_cost_ratio",
               "tokens_per_s", "tokens_per_s_repeats", "tokens_per_s_cv", "ar_tokens_per_s", "ar_tokens_per_s_repeats",
               "speedup_vs_ar", "speedup_ci_low", "speedup_ci_high", "noisy", "noisy_reason", "plausible",
-              "implausible_reason", "greedy_matches_ar", "target_steps", "total_new_tokens", "time_draft_ms",
-              "time_verify_ms", "graph_capture_s", "draft_path", "wall_s", "run_id")
+              "implausible_reason", "greedy_matches_ar", "greedy_near_tie", "target_steps", "total_new_tokens",
+              "time_draft_ms", "time_verify_ms", "graph_capture_s", "draft_path", "wall_s", "run_id")
 
 
 class PlanError(ValueError):
@@ -239,6 +239,8 @@ def table_md(result: dict) -> str:
                     if r["speedup_ci_low"] is not None else " (no interval)"
                 flag = (" noisy" if r["noisy"] else "") + (" implausible" if r["plausible"] is False else "")
                 cells.append(f"{fmt(r[c], '.2f')}x{ci}{flag}" if r[c] is not None else "—")
+            elif c == "greedy_matches_ar" and r[c] is False:
+                cells.append("no (bf16/fp16 near-tie)" if r["greedy_near_tie"] else "no")
             else:
                 cells.append(fmt(r[c]))
         lines.append("| " + " | ".join(cells) + " |")

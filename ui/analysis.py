@@ -118,7 +118,8 @@ def heatmap_table(df: pd.DataFrame, method: str) -> tuple[pd.DataFrame, pd.DataF
 
 GROUP_SETTINGS = ("temperature", "max_new_tokens", "preset", "device", "dtype", "top_k", "top_p", "paged",
                   "cuda_graphs", "ngram_min", "ngram_max")
-SHORT = {"temperature": "T", "max_new_tokens": "new", "batch": "b", "k": "k", "beam_width": "W", "beam_length": "L"}
+SHORT = {"temperature": "T", "max_new_tokens": "new", "batch": "b", "k": "k", "beam_width": "W",
+         "beam_length": "L"}
 
 
 def differing_settings(df: pd.DataFrame, candidates=GROUP_SETTINGS) -> list[str]:
