@@ -119,6 +119,14 @@ _RUN_SPECS: list[ColumnSpec] = [
                "accepted draft tokens per sequence per step, bonus excluded (= mean_accepted_tokens - 1)"),
     ColumnSpec("beam_diversity_mean", "float", "metrics",
                "beam drafters: distinct valid prefix-tree nodes / (W x L), mean over steps and sequences"),
+    ColumnSpec("beam_disagreement_mean", "float", "metrics",
+               "beam drafters, W >= 2: fraction of depths where two beams' tokens differ, mean over beam pairs, "
+               "steps and sequences"),
+    ColumnSpec("acceptance_by_rank", "list_float", "metrics",
+               "entry r: accepted path nodes that were their parent's rank-r child (by draft score) per step; "
+               "sums to accepted_path_length_mean"),
+    ColumnSpec("acceptance_by_depth_rank", "string", "metrics",
+               "JSON [depth][rank]: fraction of steps whose accepted path went through a rank-r child at depth d+1"),
     *_cols("metrics", "float", "tokens_per_s ar_tokens_per_s speedup_vs_ar ttft_ms "
                                "tpot_ms_p50 tpot_ms_p90 tpot_ms_p99 itl_ms_p50 itl_ms_p90 itl_ms_p99 "
                                "time_draft_ms time_verify_ms time_accept_ms time_kv_ms peak_mem_mb "
@@ -168,6 +176,8 @@ _RUN_SPECS: list[ColumnSpec] = [
 TRACE_SPECS: list[ColumnSpec] = [
     ColumnSpec("run_id", "string", "trace"),
     *_cols("trace", "int", "seq step drafted accepted emitted"),
+    ColumnSpec("path_ranks", "string", "trace", "JSON list: sibling rank of the accepted node at each depth"),
+    ColumnSpec("beam_disagreement", "float", "trace", "the step's pairwise token disagreement of the beams"),
 ]
 
 # Serving runs (`python -m workbench serve-bench`, workbench/serving): their own settings, then metrics named as

@@ -562,6 +562,60 @@ def test_results_page_per_category_breakdown(workspace, tmp_path):
     assert any("prompt file is not here any more" in i.value for i in at.info)
 
 
+def seed_tree_store(root: Path, prompts: Path) -> dict[str, str]:
+    """Hand-made beam runs (fixtures, not measurements): redrafter at W = 1, 2, 4 (L = 2) and a draft chain (k = 2);
+    the prompt file has two categories: code (seq 0, 2) and chat (seq 1, 3). In the traces, code steps merge their
+    beams into W x L distinct nodes with disagreement 1, chat steps into one chain (L nodes) with disagreement 0."""
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"q{i}"]})
+                                 for i, c in enumerate(["code", "chat", "code", "chat"])) + "\n")
+    store = ResultStore(root)
+    base = {"status": "ok", "temperature": 0.0, "max_new_tokens": 8, "preset": "tiny", "device": "cpu", "batch": 1,
+            "dtype": "float32", "tokens_per_s": 100.0, "ar_tokens_per_s": 100.0, "speedup_vs_ar": 1.0,
+            "noisy": False, "plausible": True, "prompts_source": str(prompts)}
+    ids = {}
+    for w in (1, 2, 4):
+        drafted = [w * 2, 2, w * 2, 2]
+        traces = pd.DataFrame({"seq": [0, 1, 2, 3], "step": [0, 0, 0, 0], "drafted": drafted,
+                               "accepted": [2, 1, 1, 0], "emitted": [3, 2, 2, 1],
+                               "path_ranks": ["[0, 0]", "[0]", "[1]", "[]"],
+                               "beam_disagreement": [1.0, 0.0, 1.0, 0.0] if w > 1 else [None] * 4})
+        ids[f"W{w}"] = store.append({**base, "method": "redrafter", "beam_width": w, "beam_length": 2, "k": 4,
+                                     "beam_diversity_mean": sum(drafted) / (4 * w * 2),
+                                     "beam_disagreement_mean": 0.5 if w > 1 else None,
+                                     "acceptance_by_position": [0.75, 0.25] + [0.0] * (2 * w - 2),
+                                     "acceptance_by_rank": [0.75, 0.25] if w > 1 else [1.0]}, traces)
+    ids["draft"] = store.append({**base, "method": "draft", "k": 2, "beam_width": 2, "beam_length": 4,
+                                 "acceptance_by_position": [0.5, 0.25], "acceptance_by_rank": [0.75]})
+    return ids
+
+
+def test_results_page_tree_charts(workspace, tmp_path):
+    seed_tree_store(workspace["store"], tmp_path / "question.jsonl")
+    at = open_page("results")
+    assert not at.exception, at.exception
+    figs = {f["layout"]["title"]["text"]: f for f in plotly_figs(at)}
+    depth = figs["Acceptance by draft depth, per method (mean over runs)"]
+    lines = {t["name"]: t["y"] for t in depth["data"]}
+    # a beam run's N = W x L long list is cut at its beam length L = 2
+    assert lines == {"draft": [0.5, 0.25], "redrafter · W=1": [0.75, 0.25], "redrafter · W=2": [0.75, 0.25],
+                     "redrafter · W=4": [0.75, 0.25]}
+    rank = figs["Acceptance by node rank, per run"]
+    assert sorted(len(t["y"]) for t in rank["data"]) == [1, 1, 2, 2]
+    by_method = figs["Diversity vs beam width, by method"]
+    mean_lines = [t for t in by_method["data"] if t["mode"] == "lines"]
+    assert [t["name"] for t in mean_lines] == ["redrafter", "redrafter"]  # one per panel; the chain has no beams
+    assert mean_lines[0]["x"] == [1, 2, 4] and mean_lines[0]["y"] == pytest.approx([1.0, 0.75, 0.625])
+    assert mean_lines[1]["x"] == [2, 4] and mean_lines[1]["y"] == pytest.approx([0.5, 0.5])  # none for W = 1
+    at.radio(key="res_diversity_color").set_value("prompt category").run()
+    assert not at.exception, at.exception
+    figs = {f["layout"]["title"]["text"]: f for f in plotly_figs(at)}
+    by_cat = {(t["name"], t["xaxis"]): (t["x"], t["y"]) for t in figs["Diversity vs beam width, by category"]["data"]
+              if t["mode"] == "lines"}
+    assert by_cat[("code", "x")] == ([1, 2, 4], [1.0, 1.0, 1.0])  # all W x L nodes distinct
+    assert by_cat[("chat", "x")] == ([1, 2, 4], pytest.approx([1.0, 0.5, 0.25]))  # one chain: 1 / W
+    assert by_cat[("code", "x2")] == ([2, 4], [1.0, 1.0]) and by_cat[("chat", "x2")] == ([2, 4], [0.0, 0.0])
+
+
 # ---- Models page ----------------------------------------------------------------------------------------------
 
 def test_models_page_lists_presets_and_validates_registration(workspace, tmp_path):

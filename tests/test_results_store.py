@@ -184,7 +184,7 @@ def test_traces_round_trip(store):
     rid = store.append({"method": "draft"}, tr)
     other = store.append({"method": "draft"}, tr.iloc[:1])
     got = store.load_traces([rid])
-    assert list(got.columns[:6]) == list(S.TRACE_COLUMNS) and got["seq"].dtype == "Int64"
+    assert list(got.columns[:len(S.TRACE_COLUMNS)]) == list(S.TRACE_COLUMNS) and got["seq"].dtype == "Int64"
     assert got[["seq", "step"]].values.tolist() == [[0, 0], [0, 1], [1, 0]] and (got["run_id"] == rid).all()
     assert got["step_ms"].tolist() == [2.5, 2.0, 1.5]
     assert len(store.load_traces()) == 4 and len(store.load_traces([other, "missing"])) == 1

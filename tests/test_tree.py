@@ -1,6 +1,7 @@
 """Draft trees: beams deduplicated into prefix trees (hand-built cases and the docstring examples)."""
 import doctest
 
+import pytest
 import torch
 
 import workbench.engine.tree as tree_module
@@ -92,3 +93,35 @@ def test_beam_node_holds_the_beam_and_its_ancestors_are_the_beam_prefix():
         paths = {tuple(tree.token_ids[s, anc[s, i]].tolist()) for i in range(w * l) if tree.valid[s, i]}
         assert len(paths) == int(tree.valid[s].sum())
         assert len(paths) == len({tuple(tokens[s, j, :d + 1].tolist()) for j in range(w) for d in range(l)})
+
+
+def test_sibling_rank_follows_node_order_and_marks_padding():
+    from workbench.engine.tree import sibling_rank
+
+    # beams: a b c | a b d | a e f -> a(0) b(1) c(2) d(3) e(4) f(5): b, e are a's children 0 and 1; c, d b's 0 and 1
+    tree, _ = DraftTree.from_beams(beams([[[1, 2, 3], [1, 2, 4], [1, 5, 6]]]))
+    assert sibling_rank(tree).tolist() == [[0, 0, 0, 1, 1, 0, -1, -1, -1]]
+    chain = DraftTree.chain(torch.tensor([[7, 8, 9]]), torch.tensor([[True, True, False]]))
+    assert sibling_rank(chain).tolist() == [[0, 0, -1]]
+    # a hand-built tree whose siblings are not contiguous: root children 0, 2, 3; node 1 is a child of node 0
+    hand = DraftTree(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[-1, 0, -1, -1]]), torch.tensor([[1, 2, 1, 1]]),
+                     torch.ones(1, 4, dtype=torch.bool))
+    assert sibling_rank(hand).tolist() == [[0, 0, 1, 2]]
+
+
+def test_beam_disagreement_counts_tokens_not_prefixes():
+    from workbench.engine.tree import beam_disagreement, beam_pair_counts
+
+    # identical beams: 0; W = 1: no pairs (NaN); beams that diverge and meet again agree at the meeting depth
+    same, _ = DraftTree.from_beams(beams([[[4, 5, 6]] * 3]))
+    assert same.beam_pairs.tolist() == [[0, 9]] and beam_disagreement(same).tolist() == [0.0]
+    one, _ = DraftTree.from_beams(beams([[[4, 5, 6]]]))
+    assert one.beam_pairs.tolist() == [[0, 0]] and torch.isnan(beam_disagreement(one)).all()
+    met, _ = DraftTree.from_beams(beams([[[1, 2, 3], [4, 2, 3]]]))
+    assert met.valid.sum().item() == 6  # the prefix tree keeps them apart (diversity 1) ...
+    assert beam_disagreement(met).tolist() == [torch.tensor(1 / 3).item()]  # ... but only depth 1 differs
+    # positions where either beam is invalid are not compared
+    valid = torch.tensor([[[True, True, False], [True, True, True]]])
+    assert beam_pair_counts(beams([[[1, 2, 3], [1, 5, 6]]]), valid).tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match="from_beams"):
+        beam_disagreement(DraftTree.chain(torch.tensor([[1, 2]])))

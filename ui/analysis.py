@@ -118,7 +118,8 @@ def heatmap_table(df: pd.DataFrame, method: str) -> tuple[pd.DataFrame, pd.DataF
 
 GROUP_SETTINGS = ("temperature", "max_new_tokens", "preset", "device", "dtype", "top_k", "top_p", "paged",
                   "cuda_graphs", "ngram_min", "ngram_max")
-SHORT = {"temperature": "T", "max_new_tokens": "new", "batch": "b", "k": "k"}
+SHORT = {"temperature": "T", "max_new_tokens": "new", "batch": "b", "k": "k", "beam_width": "W",
+         "beam_length": "L"}
 
 
 def differing_settings(df: pd.DataFrame, candidates=GROUP_SETTINGS) -> list[str]:
@@ -213,3 +214,112 @@ def category_breakdown(traces: pd.DataFrame, categories: list[str]) -> pd.DataFr
     out["acceptance_rate"] = (out["accepted"] / out["drafted"].where(out["drafted"] > 0)).astype(float)
     out["mean_accepted_tokens"] = g["accepted"].mean().astype(float) + 1
     return out.reset_index()[cols]
+
+
+# ---- trees and beams ---------------------------------------------------------------------------------------------
+
+def _values(cell) -> list[float]:
+    """A list cell (list, tuple, array) as floats; [] for missing or non-list cells."""
+    if cell is None or isinstance(cell, (str, bytes)) or not hasattr(cell, "__len__"):
+        return []
+    out = []
+    for x in cell:
+        v = as_float(x)
+        out.append(0.0 if v is None else v)
+    return out
+
+
+def depth_curve(cell, depth_bound=None) -> list[float]:
+    """A run's acceptance by position, cut to the depths a path can reach: `depth_bound` (a beam run's beam_length)
+    when given, else without the trailing zeros a tree's N-long list carries past its deepest depth.
+
+    >>> depth_curve([0.8, 0.4, 0.0, 0.0, 0.0, 0.0], depth_bound=3)
+    [0.8, 0.4, 0.0]
+    >>> depth_curve([0.8, 0.4, 0.0, 0.0])
+    [0.8, 0.4]
+    """
+    values = _values(cell)
+    bound = as_float(depth_bound)
+    if bound is not None and bound >= 1:
+        return values[:int(bound)]
+    while values and values[-1] == 0.0:
+        values.pop()
+    return values
+
+
+TREE_SERIES = ("k", "beam_width", "beam_length", "tree_budget", "tree_depth", "tree_topk", "batch")
+
+
+def acceptance_by_depth_series(df: pd.DataFrame) -> pd.DataFrame:
+    """Mean acceptance by depth per series (method plus the draft-shape settings that differ within it: k, beam width
+    and length, tree budget / depth / top-k, batch), over the finished speculative runs. Columns: series, depth
+    (1-based), acceptance (mean over the series' runs, a run's missing depths counted 0), runs.
+
+    >>> runs = pd.DataFrame({"method": ["redrafter", "redrafter", "draft"], "beam_width": [2, 4, None],
+    ...                      "beam_length": [2, 2, None], "k": [0, 0, 2], "status": ["ok"] * 3,
+    ...                      "acceptance_by_position": [[0.6, 0.2, 0, 0], [0.8, 0.4, 0, 0, 0, 0, 0, 0], [0.5, 0.25]]})
+    >>> acceptance_by_depth_series(runs).values.tolist()
+    [['draft', 1, 0.5, 1], ['draft', 2, 0.25, 1], ['redrafter · W=2', 1, 0.6, 1], ['redrafter · W=2', 2, 0.2, 1], \
+['redrafter · W=4', 1, 0.8, 1], ['redrafter · W=4', 2, 0.4, 1]]
+    """
+    cols = ["series", "depth", "acceptance", "runs"]
+    if not {"method", "acceptance_by_position"} <= set(df.columns):
+        return pd.DataFrame(columns=cols)
+    runs = df[df["method"] != "ar"]
+    if "status" in runs:
+        runs = runs[runs["status"].eq("ok").fillna(False)]
+    rows = []
+    for method, group in runs.groupby("method"):
+        keys = [c for c in TREE_SERIES if c in group and group[c].astype("object").where(group[c].notna(), "—")
+                .nunique() > 1]
+        labels = pd.Series([series_label(r, ["method"] + keys) for r in group.to_dict("records")], index=group.index)
+        for label, part in group.groupby(labels):
+            curves = [depth_curve(r.get("acceptance_by_position"), r.get("beam_length") if method == "redrafter"
+                                  else None) for r in part.to_dict("records")]
+            curves = [c for c in curves if c]
+            if not curves:
+                continue
+            for d in range(max(len(c) for c in curves)):
+                rows.append([label, d + 1, float(np.mean([c[d] if d < len(c) else 0.0 for c in curves])),
+                             len(curves)])
+    return pd.DataFrame(rows, columns=cols)
+
+
+def beam_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """Finished runs that recorded beam diversity (beam drafters), with beam_width as an int."""
+    need = {"beam_width", "beam_diversity_mean"}
+    if not need <= set(df.columns):
+        return df.iloc[0:0]
+    runs = df[df["beam_diversity_mean"].notna() & df["beam_width"].notna()]
+    if "status" in runs:
+        runs = runs[runs["status"].eq("ok").fillna(False)]
+    return runs.assign(beam_width=runs["beam_width"].astype(int))
+
+
+def beam_metrics_by_category(runs: pd.DataFrame, traces: pd.DataFrame,
+                             categories: dict[str, list[str]]) -> pd.DataFrame:
+    """Beam diversity and disagreement per (run, prompt category) from the runs' per-step traces: diversity =
+    drafted / (W x L) per step (as the run's own beam_diversity_mean), disagreement = the steps' beam_disagreement;
+    both averaged over the category's steps. `categories`: run_id -> the run's prompt categories in file order
+    (sequence i is prompt i, cycled). Columns: run_id, method, beam_width, category, beam_diversity_mean,
+    beam_disagreement_mean, steps.
+    """
+    cols = ["run_id", "method", "beam_width", "category", "beam_diversity_mean", "beam_disagreement_mean", "steps"]
+    if traces is None or traces.empty or not {"run_id", "seq", "drafted"} <= set(traces.columns):
+        return pd.DataFrame(columns=cols)
+    rows = []
+    for _, run in runs.iterrows():
+        cats = categories.get(run["run_id"])
+        w, length = as_float(run.get("beam_width")), as_float(run.get("beam_length"))
+        tr = traces[traces["run_id"] == run["run_id"]]
+        if not cats or tr.empty or not w or not length:
+            continue
+        tr = tr.assign(category=[cats[int(s) % len(cats)] for s in tr["seq"]],
+                       _div=tr["drafted"].astype(float) / (w * length),
+                       _dis=pd.to_numeric(tr.get("beam_disagreement", pd.Series(np.nan, index=tr.index)),
+                                          errors="coerce").astype(float))
+        for cat, part in tr.groupby("category"):
+            dis = part["_dis"].dropna()
+            rows.append([run["run_id"], run.get("method"), int(w), cat, float(part["_div"].mean()),
+                         float(dis.mean()) if len(dis) else None, len(part)])
+    return pd.DataFrame(rows, columns=cols)

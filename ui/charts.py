@@ -235,3 +235,82 @@ def telemetry_timeline(rows: list[dict], keys: list[str]) -> go.Figure | None:
         fig.add_trace(go.Scatter(x=df["t_s"], y=df[k], mode="lines", name=k))
     fig.update_layout(xaxis_title="seconds", margin=dict(t=20, b=40), height=300)
     return fig
+
+
+# ---- trees and beams ---------------------------------------------------------------------------------------------
+
+def acceptance_by_depth_methods(df: pd.DataFrame) -> go.Figure | None:
+    """Acceptance by draft depth, one line per method (and per draft shape that differs within it), mean over runs."""
+    from ui import analysis
+
+    data = analysis.acceptance_by_depth_series(df)
+    if data.empty:
+        return None
+    fig = go.Figure()
+    for name, part in data.groupby("series", sort=True):
+        fig.add_trace(go.Scatter(x=part["depth"].tolist(), y=part["acceptance"].tolist(), mode="lines+markers",
+                                 name=name, hovertext=[f"{n} run(s)" for n in part["runs"]]))
+    fig.update_layout(title="Acceptance by draft depth, per method (mean over runs)", xaxis_title="draft depth",
+                      yaxis_title="steps whose path reached it", yaxis_range=[0, 1.05], yaxis_tickformat=".0%",
+                      xaxis_dtick=1, margin=dict(t=40, b=40), height=380,
+                      legend=dict(orientation="h", yanchor="top", y=-0.25, xanchor="left", x=0))
+    return fig
+
+
+def acceptance_by_rank_runs(df: pd.DataFrame, labels: dict) -> go.Figure | None:
+    """Accepted path nodes per step by sibling rank (0 = the drafter's best child), grouped bars, one per run."""
+    from ui import analysis
+
+    if "acceptance_by_rank" not in df:
+        return None
+    fig = go.Figure()
+    for _, row in df.iterrows():
+        values = analysis._values(row["acceptance_by_rank"])
+        if not values:
+            continue
+        fig.add_trace(go.Bar(x=[f"rank {r}" + (" (best)" if r == 0 else "") for r in range(len(values))], y=values,
+                             name=labels.get(row["run_id"], str(row["run_id"]))))
+    if not fig.data:
+        return None
+    fig.update_layout(title="Acceptance by node rank, per run", barmode="group",
+                      xaxis_title="sibling rank of the accepted node (by draft score)",
+                      yaxis_title="accepted nodes per step", margin=dict(t=40, b=40), height=380,
+                      legend=dict(orientation="h", yanchor="top", y=-0.25, xanchor="left", x=0))
+    return fig
+
+
+DIVERSITY_METRICS = (("beam_diversity_mean", "beam diversity (distinct nodes / W x L)"),
+                     ("beam_disagreement_mean", "pairwise token disagreement"))
+
+
+def diversity_vs_beam_width(data: pd.DataFrame, color: str) -> go.Figure | None:
+    """Beam diversity and pairwise disagreement against beam width W, side by side: a dot per run (or per run and
+    category), a line through the mean per `color` group ("method" or "category")."""
+    from plotly.subplots import make_subplots
+
+    if data is None or data.empty or not {"beam_width", color} <= set(data.columns):
+        return None
+    fig = make_subplots(rows=1, cols=2, subplot_titles=[t for _, t in DIVERSITY_METRICS], horizontal_spacing=0.1)
+    palette = px.colors.qualitative.Plotly
+    for i, (name, group) in enumerate(sorted(data.groupby(data[color].astype(str)), key=lambda kv: kv[0])):
+        c = palette[i % len(palette)]
+        for col, (metric, _) in enumerate(DIVERSITY_METRICS, start=1):
+            if metric not in group:
+                continue
+            part = group[group[metric].notna()].assign(**{metric: lambda g, m=metric: g[m].astype(float)})
+            if part.empty:
+                continue
+            mean = part.groupby("beam_width")[metric].mean().sort_index()
+            fig.add_trace(go.Scatter(x=mean.index.tolist(), y=mean.tolist(), mode="lines", name=name, legendgroup=name,
+                                     showlegend=col == 1, line=dict(color=c)), row=1, col=col)
+            fig.add_trace(go.Scatter(x=part["beam_width"].tolist(), y=part[metric].tolist(), mode="markers",
+                                     name=name, legendgroup=name, showlegend=False,
+                                     hovertext=part["run_id"].tolist() if "run_id" in part else None,
+                                     marker=dict(color=c, size=7, opacity=0.6)), row=1, col=col)
+    if not fig.data:
+        return None
+    fig.update_xaxes(title_text="beam width W", dtick=1)
+    fig.update_yaxes(range=[0, 1.05], tickformat=".0%")
+    fig.update_layout(title=f"Diversity vs beam width, by {color}", margin=dict(t=70, b=40), height=400,
+                      legend=dict(orientation="h", yanchor="top", y=-0.2, xanchor="left", x=0))
+    return fig

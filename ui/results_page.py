@@ -34,6 +34,7 @@ HIGHLIGHT = "background-color: rgba(255, 196, 0, 0.30)"  # a metric that moved b
 CONFIG_HIGHLIGHT = "background-color: rgba(90, 160, 255, 0.20)"  # a setting that differs
 TRUST_TEXT = ("speedup_interval", "flags")  # display-only columns (analysis.with_trust_columns), not exported
 MAX_RUN_LINES = 12  # per-run charts (acceptance by position, latency percentiles) show at most this many runs
+MAX_BEAM_RUNS = 40  # diversity by prompt category reads the traces of at most this many beam runs
 
 
 def _missing(v) -> bool:
@@ -83,7 +84,9 @@ def filter_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 def run_label(row: pd.Series) -> str:
     parts = [str(row.get("method"))]
-    if not _missing(row.get("k")) and row.get("method") not in ("ar",):
+    if row.get("method") == "redrafter":  # beams: their shape, not k (which a beam drafter does not read)
+        parts.append(f"W={row.get('beam_width')} L={row.get('beam_length')}")
+    elif not _missing(row.get("k")) and row.get("method") not in ("ar",):
         parts.append(f"k={row.get('k')}")
     parts.append(f"b={row.get('batch')}")
     created = row.get("created_at")
@@ -274,6 +277,58 @@ def charts_section(view: pd.DataFrame, df: pd.DataFrame) -> None:
     _chart(charts.acceptance_vs_temperature(view), "no runs with data for acceptance vs temperature", "acc_temp")
 
 
+def trees_section(view: pd.DataFrame, df: pd.DataFrame) -> None:
+    """Draft trees and beams: acceptance by depth per method, acceptance by node rank per run, and beam diversity /
+    pairwise disagreement against beam width, coloured by method or by prompt category (from the runs' traces)."""
+    st.subheader("Trees and beams")
+    st.caption("Acceptance by depth: fraction of steps whose accepted path reached each depth, mean over the runs of a "
+               "method (and draft shape). Node rank: a node's place among its siblings by draft score (0 = best); "
+               "bars count accepted nodes of each rank per step (they sum to the accepted path length; chains are "
+               "rank 0 only). Beam diversity = distinct prefix-tree nodes / (W x L); pairwise disagreement = "
+               "fraction of depths where two beams' tokens differ, averaged over beam pairs.")
+    picked = [r for r in st.session_state.get(f"{P}compare", []) if r in set(df["run_id"])]
+    ranked = df[df["run_id"].isin(picked)] if picked else view
+    if "acceptance_by_rank" in ranked:
+        ranked = ranked[[bool(analysis._values(v)) for v in ranked["acceptance_by_rank"]]]
+    ranked = ranked.head(MAX_RUN_LINES)
+    labels = {r["run_id"]: run_label(r) for _, r in ranked.iterrows()}
+    cols = st.columns(2)
+    with cols[0]:
+        _chart(charts.acceptance_by_depth_methods(view), "no finished speculative run with acceptance by depth",
+               "tree_depth")
+    with cols[1]:
+        _chart(charts.acceptance_by_rank_runs(ranked, labels),
+               "no run with acceptance by node rank (runs recorded before it was measured have none)", "tree_rank")
+    color = st.radio("Colour diversity by", ["method", "prompt category"], key=f"{P}diversity_color",
+                     horizontal=True, help="prompt category: each beam run's traces split by its prompt file's "
+                                           "categories (sequence i is prompt i)")
+    beams = analysis.beam_runs(view)
+    if beams.empty:
+        st.info("no beam-drafter runs (e.g. redrafter) with beam diversity in this view")
+        return
+    if color == "method":
+        _chart(charts.diversity_vs_beam_width(beams, "method"), "no beam runs", "diversity")
+        return
+    beams = beams.head(MAX_BEAM_RUNS)
+    categories, missing = {}, []
+    for _, run in beams.iterrows():
+        cats, why = analysis.prompt_categories(run.get("prompts_source"))
+        if cats is None:
+            missing.append(f"{run_label(run)}: {why}")
+        else:
+            categories[run["run_id"]] = cats
+    try:
+        traces = get_store().load_traces(list(categories)) if categories else None
+    except Exception as exc:  # noqa: BLE001
+        st.warning(f"cannot read the traces of the beam runs: {exc}")
+        return
+    data = analysis.beam_metrics_by_category(beams, traces, categories)
+    _chart(charts.diversity_vs_beam_width(data, "category"), "no per-step traces of beam runs with a prompt file",
+           "diversity")
+    if missing:
+        st.caption(f"{len(missing)} beam run(s) left out: " + "; ".join(missing[:5]))
+
+
 def category_section(df: pd.DataFrame) -> None:
     """Acceptance per prompt category of one run: its traces' sequences joined to its prompt file's categories."""
     st.subheader("Per prompt category")
@@ -344,6 +399,7 @@ def render() -> None:
     downloads(view.drop(columns=list(TRUST_TEXT), errors="ignore"), "runs", "view")
     compare_section(df)
     charts_section(view, df)
+    trees_section(view, df)
     category_section(view)
 
 

@@ -244,3 +244,33 @@ def test_browser_results_trust_views_and_direct_links(server):
         finally:
             context.close()
             browser.close()
+
+
+def test_browser_results_tree_and_beam_charts(server):
+    """Hand-made beam runs (tests.test_app.seed_tree_store): the Trees and beams section draws acceptance by depth,
+    by node rank, and diversity vs beam width by method, then by prompt category."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.test_app import seed_tree_store
+
+    seed_tree_store(server["tmp"] / "store", server["tmp"] / "question.jsonl")
+    shots = _shots_dir(server["tmp"])
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        context = browser.new_context(viewport={"width": 1440, "height": 3200})
+        page = context.new_page()
+        try:
+            page.goto(f"{server['url']}/results", wait_until="domcontentloaded")
+            expect(page.get_by_role("heading", name="Trees and beams")).to_be_visible(timeout=60_000)
+            _wait_idle(page)
+            for title in ("Acceptance by draft depth, per method (mean over runs)", "Acceptance by node rank, per run",
+                          "Diversity vs beam width, by method"):
+                expect(page.get_by_text(title)).to_be_visible(timeout=30_000)
+            page.get_by_text("prompt category", exact=True).click()
+            _wait_idle(page)
+            expect(page.get_by_text("Diversity vs beam width, by category")).to_be_visible(timeout=30_000)
+            page.get_by_role("heading", name="Trees and beams").scroll_into_view_if_needed()
+            _shot(page, shots, "results-trees", 3200)
+        finally:
+            context.close()
+            browser.close()

@@ -46,7 +46,7 @@ from workbench.engine.graphs import DEFAULT_BUCKETS, PAD_LEN, FixedShapeStep, Gr
 from workbench.engine.kv_cache import ATTENTION_BACKENDS, make_cache
 from workbench.engine.kv_quant import kv_format
 from workbench.engine.sampling import SamplingParams, next_token
-from workbench.engine.tree import DraftTree, verify_mask
+from workbench.engine.tree import DraftTree, sibling_rank, verify_mask
 from workbench.engine.verify import Acceptance, Verifier, accept_greedy
 
 PHASES = ("prefill", "draft", "verify", "accept", "kv")
@@ -127,6 +127,12 @@ class StepRecord:
     drafted: list[int]
     accepted: list[int]
     emitted: list[int]  # tokens counted towards the output (capped by max_new_tokens)
+    # per row, the sibling rank (engine/tree.py `sibling_rank`) of the accepted node at each depth 1..accepted; chains
+    # (and records built without it) are all rank 0
+    path_ranks: list[list[int]] = field(default_factory=list)
+    # per row, (differing, compared) beam-pair token positions of trees merged from beams (`DraftTree.beam_pairs`);
+    # empty when the step's tree was not made from beams
+    beam_pairs: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -374,6 +380,9 @@ class SpecEngine:
                     acc = verifier.accept(tree, logits)
                     packed_dev = _pack(acc, tree)
                 packed = packed_dev.cpu()  # the step's one device->host read: accepted, drafted, emitted tokens
+            width = acc.emitted.shape[1] - 1  # D: packed holds 3 + D columns, then the tree extras of _pack
+            ranks_packed = not fused and not tree.is_chain
+            beams_packed = not fused and tree.beam_pairs is not None
             t_emit = time.perf_counter()
             with timer.phase("kv"):
                 if not fused:
@@ -399,6 +408,10 @@ class SpecEngine:
                     rec.drafted.append(int(packed[j, 1]))
                     rec.accepted.append(n_acc)
                     rec.emitted.append(len(kept))
+                    rec.path_ranks.append(packed[j, 3 + width:3 + width + n_acc].tolist() if ranks_packed
+                                          else [0] * n_acc)
+                    if beams_packed:
+                        rec.beam_pairs.append((int(packed[j, -2]), int(packed[j, -1])))
                     if self._finished(outputs[row]):
                         done_at[row] = t_emit
                         cache.free(row)
@@ -671,6 +684,15 @@ class DecodeStep:
 
 
 def _pack(acc: Acceptance, tree: DraftTree) -> torch.Tensor:
-    """[B, 3 + D] long: accepted count, drafted count, then the emitted tokens (what the host reads per step)."""
+    """[B, 3 + D (+ D) (+ 2)] long: accepted count, drafted count, the emitted tokens [D + 1] (what the host reads per
+    step); then, for trees that are not chains, the accepted path's sibling ranks [D] (-1 past the path), and for
+    trees merged from beams their (differing, compared) beam-pair counts [2]: the tree metrics ride on the one read."""
     drafted = tree.valid.sum(-1, keepdim=True) if tree.num_nodes else torch.zeros_like(acc.num_accepted).unsqueeze(1)
-    return torch.cat([acc.num_accepted.unsqueeze(1), drafted, acc.emitted], 1)
+    parts = [acc.num_accepted.unsqueeze(1), drafted, acc.emitted]
+    if not tree.is_chain:
+        on_path = acc.path_nodes >= 0  # [B, D]
+        ranks = sibling_rank(tree).gather(1, acc.path_nodes.clamp(min=0))  # [B, D]
+        parts.append(torch.where(on_path, ranks, torch.full_like(ranks, -1)))
+    if tree.beam_pairs is not None:
+        parts.append(tree.beam_pairs)
+    return torch.cat(parts, 1)

@@ -31,6 +31,9 @@ class DraftTree:
     is_chain: bool = False  # parents == [-1, 0, ..., N-2] for every sequence: KV commit is a no-op
     # Static bound on depths known to the drafter (beam length L, tree depth); None = read depths.max() (a host sync).
     depth_bound: int | None = None
+    # [B, 2] long, set by `from_beams`: (differing, compared) (beam pair, depth) token positions of the merged beams,
+    # what `beam_disagreement` divides; None = not made from beams
+    beam_pairs: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -92,6 +95,7 @@ class DraftTree:
         if w == 1:
             nodes = torch.arange(l, device=dev).expand(b, 1, l)
             tree = DraftTree.chain(beam_tokens[:, 0], valid[:, 0])
+            tree.beam_pairs = torch.zeros(b, 2, dtype=torch.long, device=dev)  # one beam: no pair to compare
             return tree, torch.where(valid, nodes, torch.full_like(nodes, -1))
         n = w * l
         # same[b, i, j, d]: beams i and j agree on their first d + 1 tokens and both are valid there
@@ -115,7 +119,7 @@ class DraftTree:
 
         depths = (depth_idx + 1).expand(b, w, l)
         tree = DraftTree(place(beam_tokens, 0), place(parent, -1), place(depths, 1), place(keep, False),
-                         depth_bound=l)
+                         depth_bound=l, beam_pairs=beam_pair_counts(beam_tokens, valid))
         return tree, beam_node
 
 
@@ -128,6 +132,56 @@ def beam_diversity(tree: DraftTree, beams: int, length: int) -> torch.Tensor:
     [0.833, 0.333]
     """
     return tree.valid.sum(-1).float() / (beams * length)
+
+
+def beam_pair_counts(beam_tokens: torch.Tensor, beam_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """beam_tokens [B, W, L] -> [B, 2] long: (differing, compared) over the W (W - 1) / 2 beam pairs and the L depths
+    where both beams are valid; "differing" counts positions whose tokens differ (token by token: two beams that
+    diverged may agree again later). No host sync; W = 1 gives (0, 0).
+
+    >>> beam_pair_counts(torch.tensor([[[1, 2, 3], [1, 5, 3], [4, 5, 6]]])).tolist()  # pairs differ at 1, 3, 2
+    [[6, 9]]
+    """
+    b, w, l = beam_tokens.shape
+    if beam_valid is None:
+        beam_valid = torch.ones(b, w, l, dtype=torch.bool, device=beam_tokens.device)
+    i, j = torch.triu_indices(w, w, offset=1, device=beam_tokens.device)  # [P] each: the beam pairs i < j
+    both = beam_valid[:, i] & beam_valid[:, j]  # [B, P, L]
+    differ = (beam_tokens[:, i] != beam_tokens[:, j]) & both  # [B, P, L]
+    return torch.stack([differ.sum((1, 2)), both.sum((1, 2))], -1)
+
+
+def beam_disagreement(tree: DraftTree) -> torch.Tensor:
+    """Mean pairwise token disagreement of the beams a tree was merged from, per sequence [B] float: the fraction of
+    depths at which two beams hold different tokens, averaged over the beam pairs (for beams of equal valid length,
+    as beam drafters propose them; else pooled over the compared positions). 0 = all beams identical, 1 = no two
+    beams share a token at any depth; NaN for one beam (no pairs).
+
+    >>> tree, _ = DraftTree.from_beams(torch.tensor([[[1, 2, 3], [1, 5, 3], [4, 5, 6]]]))
+    >>> [round(x, 3) for x in beam_disagreement(tree).tolist()]  # pairs differ at 1/3, 3/3, 2/3 of the depths
+    [0.667]
+    """
+    if tree.beam_pairs is None:
+        raise ValueError("beam_disagreement needs a tree made by DraftTree.from_beams (tree.beam_pairs is None)")
+    return tree.beam_pairs[:, 0].float() / tree.beam_pairs[:, 1].float()
+
+
+def sibling_rank(tree: DraftTree) -> torch.Tensor:
+    """[B, N] long: each valid node's rank among its siblings (the valid nodes with the same parent), in node order,
+    -1 for padding. Node order is the order the verifier tries siblings in, and drafters list better-scored siblings
+    first (beam-major nodes of beams sorted best first; a tree drafter's reranked candidates), so rank r is the
+    (r+1)-th best child by draft score. Chains: all 0.
+
+    >>> tree, _ = DraftTree.from_beams(torch.tensor([[[1, 2], [1, 3], [4, 5]]]))  # a, b, c, d, e (+ padding)
+    >>> sibling_rank(tree).tolist()  # a and d are the root's children 0 and 1; b and c are a's children 0 and 1
+    [[0, 0, 1, 1, 0, -1]]
+    """
+    b, n = tree.parents.shape
+    # [B, N, N]: node j is a valid sibling of node i
+    same = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & tree.valid.unsqueeze(1)
+    before = torch.ones(n, n, dtype=torch.bool, device=tree.parents.device).tril(-1)  # [N, N]: j < i
+    rank = (same & before).sum(-1)  # [B, N]
+    return torch.where(tree.valid, rank, torch.full_like(rank, -1))
 
 
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:

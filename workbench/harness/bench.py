@@ -436,8 +436,11 @@ class BenchSession:
 
 def _tree_columns(summary, drafts: bool) -> dict:
     """Draft-tree / beam figures of the first repeat (metrics.py defines them); None for AR (nothing drafted)."""
-    keys = ("tree_size_mean", "wasted_node_fraction", "accepted_path_length_mean", "beam_diversity_mean")
-    return {k: getattr(summary, k) if drafts else None for k in keys}
+    keys = ("tree_size_mean", "wasted_node_fraction", "accepted_path_length_mean", "beam_diversity_mean",
+            "beam_disagreement_mean", "acceptance_by_rank")
+    cols = {k: getattr(summary, k) if drafts else None for k in keys}
+    cols["acceptance_by_depth_rank"] = json.dumps(summary.acceptance_by_depth_rank) if drafts else None
+    return cols
 
 
 def _graph_columns(now, before, fixed_shape: bool) -> dict:

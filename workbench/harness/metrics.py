@@ -10,17 +10,26 @@
 - accepted path length = mean over (sequence, step) of accepted (bonus excluded) = mean accepted tokens - 1;
 - beam diversity (beam drafters only) = mean over (sequence, step) of drafted / (W x L): distinct valid prefix-tree
   nodes of the merged beams (engine/tree.py `beam_diversity`), read from the drafted counts the step records already;
+- beam disagreement (beam drafters with W >= 2) = mean over (sequence, step) of the mean pairwise token disagreement
+  of its beams (engine/tree.py `beam_disagreement`: fraction of depths where two beams hold different tokens,
+  averaged over beam pairs), from the (differing, compared) counts the step's one host read carries;
+- acceptance by depth and rank: entry [d][r] = fraction of (sequence, step) pairs whose accepted path went through
+  a rank-r child (engine/tree.py `sibling_rank`: r-th best sibling by draft score) at depth d + 1; its row sums are
+  acceptance by position, and acceptance by rank [r] = its column sums = rank-r nodes on the accepted path per
+  (sequence, step), which sum to the accepted path length (chains: rank 0 only);
 - TTFT = prefill end - batch start; TPOT = (last token time - first token time) / (tokens - 1), per sequence;
 - ITL = gaps between successive emissions to a sequence (a speculative step emits several tokens at once);
 - tokens/s = generated tokens / wall time of the batches that produced them.
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 
+from results.schema import TRACE_COLUMNS
 from workbench.engine import GenerationResult
 
 
@@ -63,6 +72,10 @@ class RunSummary:
     itl_ms: list[float]
     phase_ms: dict[str, float]
     draft_forwards: int
+    # pairwise token disagreement of the beams per (sequence, step); None unless beams with W >= 2 were recorded
+    beam_disagreement_mean: float | None = None
+    acceptance_by_rank: list[float] = field(default_factory=list)  # [R]: rank-r accepted nodes per (sequence, step)
+    acceptance_by_depth_rank: list[list[float]] = field(default_factory=list)  # [D][R] fraction of (sequence, step)
 
     @property
     def ms_per_target_step(self) -> float | None:
@@ -78,6 +91,8 @@ def summarize(results: list[GenerationResult]) -> RunSummary:
     pairs = 0
     acc_plus_one = 0
     diversity, beam_pairs = 0.0, 0
+    disagreement, disagree_pairs = 0.0, 0
+    through: dict[tuple[int, int], int] = {}  # (depth index, sibling rank) -> (sequence, step) pairs
     ttft, tpot, itl = [], [], []
     phase: dict[str, float] = {}
     draft_forwards = 0
@@ -88,7 +103,12 @@ def summarize(results: list[GenerationResult]) -> RunSummary:
         draft_forwards += len(r.steps) * r.draft_forwards_per_step
         last_emit = {i: r.t_first_token for i in range(len(r.outputs))}
         for s in r.steps:
-            for row, d, a, e in zip(s.rows, s.drafted, s.accepted, s.emitted):
+            for j, (row, d, a, e) in enumerate(zip(s.rows, s.drafted, s.accepted, s.emitted)):
+                for depth, rank in enumerate(s.path_ranks[j] if s.path_ranks else [0] * a):
+                    through[depth, rank] = through.get((depth, rank), 0) + 1
+                if s.beam_pairs and s.beam_pairs[j][1]:
+                    disagreement += s.beam_pairs[j][0] / s.beam_pairs[j][1]
+                    disagree_pairs += 1
                 drafted += d
                 accepted += a
                 pairs += 1
@@ -107,6 +127,9 @@ def summarize(results: list[GenerationResult]) -> RunSummary:
                 tpot.append((r.t_done[i] - r.t_first_token) * 1e3 / (len(out) - 1))
         for k, v in r.phase_ms.items():
             phase[k] = phase.get(k, 0.0) + v
+    depths = 1 + max((d for d, _ in through), default=-1)
+    ranks = max(1 + max((r for _, r in through), default=-1), 1 if drafted else 0)  # a chain: [rank 0]
+    by_depth_rank = [[through.get((d, r), 0) / pairs for r in range(ranks)] for d in range(depths)]
     return RunSummary(
         total_new_tokens=int(total), wall_s=wall, tokens_per_s=total / wall if wall > 0 else 0.0,
         target_steps=steps, drafted=drafted, accepted=accepted,
@@ -117,20 +140,28 @@ def summarize(results: list[GenerationResult]) -> RunSummary:
         wasted_node_fraction=1 - accepted / drafted if drafted else None,
         accepted_path_length_mean=accepted / pairs if pairs else None,
         beam_diversity_mean=diversity / beam_pairs if beam_pairs and all(r.beams for r in results) else None,
-        ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, phase_ms=phase, draft_forwards=draft_forwards)
+        ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, phase_ms=phase, draft_forwards=draft_forwards,
+        beam_disagreement_mean=disagreement / disagree_pairs if disagree_pairs else None,
+        acceptance_by_rank=[sum(row[r] for row in by_depth_rank) for r in range(ranks)],
+        acceptance_by_depth_rank=by_depth_rank)
 
 
 def traces_frame(results: list[GenerationResult], run_id: str | None = None) -> pd.DataFrame:
-    """One row per (sequence, target step): the per-step trace kept beside the summary row."""
+    """One row per (sequence, target step): the per-step trace kept beside the summary row. `path_ranks` is the JSON
+    list of the accepted nodes' sibling ranks (depth 1 first; "[]" when nothing was accepted), `beam_disagreement`
+    the step's pairwise token disagreement of the beams (None without beams or with one beam)."""
     rows = []
     offset = 0
     for r in results:
         for s in r.steps:
-            for row, d, a, e in zip(s.rows, s.drafted, s.accepted, s.emitted):
+            for j, (row, d, a, e) in enumerate(zip(s.rows, s.drafted, s.accepted, s.emitted)):
+                ranks = s.path_ranks[j] if s.path_ranks else [0] * a
+                pair = s.beam_pairs[j] if s.beam_pairs else (0, 0)
                 rows.append({"run_id": run_id, "seq": offset + row, "step": s.step, "drafted": d, "accepted": a,
-                             "emitted": e})
+                             "emitted": e, "path_ranks": json.dumps(ranks),
+                             "beam_disagreement": pair[0] / pair[1] if pair[1] else None})
         offset += len(r.outputs)
-    return pd.DataFrame(rows, columns=["run_id", "seq", "step", "drafted", "accepted", "emitted"])
+    return pd.DataFrame(rows, columns=list(TRACE_COLUMNS))
 
 
 def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[float, int]:
