@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
-from workbench.settings import DEFAULT_SEARCH_METHODS, KNOBS, METHODS, Knob, SettingError, dataclass_of
+from workbench.settings import DEFAULT_SEARCH_METHODS, KNOBS, METHODS, Knob, SettingError, dataclass_of, tree_capacity
 
 Scalar = Union[int, float, str, bool]
 
@@ -125,6 +125,11 @@ class _SpaceMethods:
             lo_min, hi_max = min(dim_values("ngram_min", self.ngram_min)), max(dim_values("ngram_max", self.ngram_max))
             if hi_max < lo_min:
                 raise SpaceError(f"ngram_max (at most {hi_max}) is below ngram_min (at least {lo_min})")
+        if "eagle" in self.methods:
+            hi_budget = max(dim_values("tree_budget", self.tree_budget))
+            lo_depth = min(dim_values("tree_depth", self.tree_depth))
+            if hi_budget < lo_depth:
+                raise SpaceError(f"tree_budget (at most {hi_budget}) is below tree_depth (at least {lo_depth})")
 
     # ---- trial -> config --------------------------------------------------------------------------------------
     def suggest(self, trial: Any) -> dict[str, Any]:
@@ -137,6 +142,11 @@ class _SpaceMethods:
             if name == "ngram_max" and isinstance(dim, IntRange):
                 # ngram_max >= ngram_min: narrow the range rather than reject a sample
                 dim = IntRange(max(dim.low, int(params["ngram_min"])), max(dim.high, int(params["ngram_min"])), dim.step)
+            if name == "tree_budget" and isinstance(dim, IntRange):
+                # tree_depth <= tree_budget <= K + (D-1) K^2: narrow the range rather than reject a sample
+                depth, cap = int(params["tree_depth"]), tree_capacity(int(params["tree_depth"]), int(params["tree_topk"]))
+                low = min(max(dim.low, depth), cap)
+                dim = IntRange(low, max(min(dim.high, cap), low), dim.step)
             params[name] = _suggest(trial, name, dim)
         for name in GLOBAL_KNOBS:
             params[name] = _suggest(trial, name, dims[name])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.test_verify import chi_square_pvalue
-from workbench.engine.drafters import DraftModelDrafter, NgramDrafter, RedrafterDrafter, RedrafterHead
+from workbench.engine.drafters import DraftModelDrafter, EagleDrafter, EagleHead, NgramDrafter, RedrafterDrafter, RedrafterHead
 from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from workbench.models import CausalAttention, LlamaModel, ModelConfig
@@ -67,11 +67,13 @@ def make_drafter(kind, draft_model, target_model):
                               "redrafter-diverse": (3, 2, 1.0)}[kind]
         return RedrafterDrafter(RedrafterHead.for_target(target_model, seed=4, std=0.3), target_model, w, length,
                                 penalty)
+    if kind == "eagle":  # an untrained head: a dynamic tree of 16 nodes, depth 4, top-4
+        return EagleDrafter(EagleHead.for_target(target_model, seed=4, std=0.3), target_model, 4, 4, 16)
     raise ValueError(kind)
 
 
 DRAFTERS = ["ar", "draft", "self-draft", "noisy-self-draft", "ngram", "redrafter-w1", "redrafter-w3",
-            "redrafter-diverse"]
+            "redrafter-diverse", "eagle"]
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])

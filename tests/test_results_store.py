@@ -94,11 +94,11 @@ def test_value_coercion_and_rejection(store):
 
 
 def test_unknown_and_registered_columns(store):
-    store.append({"method": "eagle", "tree_budget": 64, "extras": {"a": [1, 2]}, "note": "x"})
-    store.append({"method": "eagle", "tree_budget": "big"})     # conflicting undeclared types -> strings
+    store.append({"method": "eagle", "undeclared_knob": 64, "extras": {"a": [1, 2]}, "note": "x"})
+    store.append({"method": "eagle", "undeclared_knob": "big"})     # conflicting undeclared types -> strings
     store.append({"method": "draft", "cuda_graphs": True})
     df = store.load()
-    assert df["tree_budget"].iloc[:2].tolist() == ["64", "big"] and pd.isna(df["tree_budget"].iloc[2])
+    assert df["undeclared_knob"].iloc[:2].tolist() == ["64", "big"] and pd.isna(df["undeclared_knob"].iloc[2])
     assert json.loads(df["extras"].iloc[0]) == {"a": [1, 2]}
     assert df["cuda_graphs"].dtype == "boolean"
     S.register_column("test_quantization_bits", "int", doc="test-only declaration")

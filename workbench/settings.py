@@ -82,6 +82,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "untrained head from a fixed seed: correct output, poor drafts)"),
     # searched by default since tiny has a trained head (CPU, 16 prompts x 64 tokens: 1.64 mean accepted tokens at
     # W=1 L=4, vs 1.00 untrained); presets without a head still get the untrained one in a default study
+    Method("eagle", "EAGLE-2: a one-layer head over the target's hidden states and token embeddings grows a dynamic "
+           "tree (top tree_topk children of the best frontier nodes per depth, reranked to tree_budget nodes; the "
+           "head `zoo train-head --kind eagle` put beside the target; without one, an untrained head from a fixed "
+           "seed: correct output, poor drafts)"),
 )}
 DEFAULT_SEARCH_METHODS = tuple(m.name for m in METHODS.values() if m.searched_by_default)
 
@@ -217,6 +221,14 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("diversity_penalty", "float", 0.0, "ReDrafter: a candidate's beam-search score is lowered by this much per "
          "earlier beam that chose the same token at the same depth (0 = plain beam search)", "Diversity penalty",
          "method", 0.0, 5.0, methods=("redrafter",), searchable=True),
+    Knob("tree_depth", "int", 4, "EAGLE tree depth D: draft levels grown per step (one head forward each)",
+         "Tree depth D", "method", 1, 12, methods=("eagle",), searchable=True, search_range=(2, 6)),
+    Knob("tree_topk", "int", 4, "EAGLE top-k K: children per expanded node, and frontier nodes expanded per depth",
+         "Tree top-k K", "method", 1, 16, methods=("eagle",), searchable=True, search_range=(1, 8)),
+    # <= 63: the Triton verify kernel takes tree masks up to T = 64 (root + nodes)
+    Knob("tree_budget", "int", 16, "EAGLE node budget N: the candidates kept after the rerank (the verified tree "
+         "size); tree_depth <= N <= K + (D-1) K^2", "Tree budget N", "method", 1, 63, methods=("eagle",),
+         searchable=True, search_range=(4, 32)),
     Knob("batch", "int", 1, "sequences decoded together", "Batch size", "run", 1, 256, searchable=True),
     Knob("max_new_tokens", "int", 64, "tokens generated per prompt", "Max new tokens", "run", 1, 8192,
          quick_default=32),
@@ -395,10 +407,28 @@ def check(values: Mapping[str, Any]) -> None:
     if KNOBS["ngram_min"].reads(method) and v["ngram_min"] > v["ngram_max"]:
         raise SettingError(f"n-gram sizes need 1 <= ngram_min <= ngram_max, got {v['ngram_min']}, {v['ngram_max']}",
                            "ngram_max")
+    if KNOBS["tree_budget"].reads(method):
+        depth, topk, budget = v["tree_depth"], v["tree_topk"], v["tree_budget"]
+        if budget < depth:
+            raise SettingError(f"tree_budget={budget} is below tree_depth={depth}: the budget must hold at least one "
+                               f"full-depth path; raise tree_budget to >= {depth} or lower tree_depth", "tree_budget")
+        if budget > tree_capacity(depth, topk):
+            raise SettingError(f"tree_budget={budget} exceeds the {tree_capacity(depth, topk)} candidates that "
+                               f"tree_depth={depth}, tree_topk={topk} offer (K + (D-1) K^2): lower tree_budget or "
+                               f"raise tree_topk / tree_depth", "tree_budget")
     if v["cuda_graphs"] and v["batch"] > max(v["graph_batch_sizes"]):
         raise SettingError(f"batch {v['batch']} exceeds the largest graph bucket {max(v['graph_batch_sizes'])}: add "
                            f"a bucket >= {v['batch']} to --graph-batch-sizes or turn --cuda-graphs off",
                            "graph_batch_sizes")
+
+
+def tree_capacity(depth: int, topk: int) -> int:
+    """Candidates an EAGLE dynamic tree offers (K at depth 1, K^2 at each further depth): tree_budget's upper bound.
+
+    >>> tree_capacity(4, 4), tree_capacity(5, 1)
+    (52, 5)
+    """
+    return topk + (depth - 1) * topk * topk
 
 
 def dataclass_of(name: str, knobs: Iterable[Knob], *, quick: bool = False, module: str, doc: str,

@@ -111,16 +111,19 @@ class KVCache(ABC):
         return need
 
     def prepare(self, rows: torch.Tensor, base_len: torch.Tensor, num_new: int, intra_mask: torch.Tensor | None,
-                span: int, kernel: bool = True) -> None:
+                span: int, kernel: bool = True, prefix_mask: torch.Tensor | None = None) -> None:
         """Device half of a step: index tensors and mask shared by all layers; no host reads (graph-capturable).
 
-        rows [B], base_len [B] long; intra_mask [B, T, T] bool or None (causal); span: key slots read per row.
+        rows [B], base_len [B] long; intra_mask [B, T, T] bool or None (causal); span: key slots read per row;
+        prefix_mask [B, T, M] bool or None: which of the M slots just before base_len each new token sees (None: all;
+        a drafter's own tree levels written by earlier forwards of the same step: EAGLE sees only its ancestors).
+        A prefix mask always uses gather + SDPA (the kernel masks by lengths only).
         """
         t = torch.arange(num_new, device=self.device)
         self._rows = rows
         self._base = base_len
         self._intra_mask = intra_mask
-        self._use_kernel = kernel and self.kernel is not None
+        self._use_kernel = kernel and self.kernel is not None and prefix_mask is None
         self._write_pos = base_len.unsqueeze(1) + t  # [B, T]
         self._span = span
         self._prepare_slots()
@@ -128,6 +131,12 @@ class KVCache(ABC):
             return
         key_pos = torch.arange(self._span, device=self.device)  # [S]
         before = key_pos.view(1, 1, -1) < base_len.view(-1, 1, 1)  # [B, 1, S]
+        if prefix_mask is not None and prefix_mask.shape[-1]:
+            m = prefix_mask.shape[-1]
+            rel_prefix = key_pos.view(1, -1) - (base_len.view(-1, 1) - m)  # [B, S]: index among the M prefix slots
+            in_prefix = (rel_prefix >= 0) & (rel_prefix < m)
+            seen = prefix_mask.gather(2, rel_prefix.clamp(0, m - 1).unsqueeze(1).expand(-1, num_new, -1))  # [B, T, S]
+            before = before & (~in_prefix.unsqueeze(1) | seen)  # [B, T, S]
         rel = key_pos.view(1, -1) - base_len.view(-1, 1)  # [B, S]
         in_step = (rel >= 0) & (rel < num_new)
         if intra_mask is None:

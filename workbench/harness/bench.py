@@ -26,7 +26,8 @@ import pandas as pd
 import torch
 
 from workbench import settings
-from workbench.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter, RedrafterDrafter, RedrafterHead
+from workbench.engine.drafters import (DraftModelDrafter, Drafter, EagleDrafter, EagleHead, NgramDrafter,
+                                       RedrafterDrafter, RedrafterHead)
 from workbench.engine import EngineConfig, GenerationResult, SpecEngine
 from workbench.harness.metrics import greedy_agreement, median, percentile, summarize, traces_frame
 from workbench.harness.trust import trust_columns
@@ -41,6 +42,7 @@ DTYPES = {name: getattr(torch, name) for name in settings.KNOBS["dtype"].choices
 # such allowance (they must match exactly; measured on the H200: they do).
 NEAR_TIE_LOGITS = 0.25
 REDRAFTER_HEAD_SEED = 0  # the untrained ReDrafter head's initialisation (the same head in every run)
+EAGLE_HEAD_SEED = 0  # the untrained EAGLE head's initialisation
 ENGINE_CACHE_SIZE = 4  # engines a session keeps between runs (each holds KV caches and captured graphs)
 
 
@@ -68,6 +70,8 @@ def _drafter_for(cfg: BenchConfig, session: "BenchSession") -> Drafter | None:
     if cfg.method == "redrafter":
         return RedrafterDrafter(session.redrafter_head(), session.target, cfg.beam_width, cfg.beam_length,
                                 cfg.diversity_penalty)
+    if cfg.method == "eagle":
+        return EagleDrafter(session.eagle_head(), session.target, cfg.tree_depth, cfg.tree_topk, cfg.tree_budget)
     raise BenchError(f"unknown method {cfg.method!r}; choose one of {sorted(METHODS)}")
 
 
@@ -92,6 +96,7 @@ class BenchSession:
         self.target_path, self.draft_path, self.prompts_source = target_path, draft_path, prompts_source
         self._engines: dict[tuple, SpecEngine] = {}  # engines (caches, graphs) reused across runs and trials
         self._redrafter: tuple[RedrafterHead, str] | None = None  # (head, where it came from), loaded once
+        self._eagle: tuple[EagleHead, str] | None = None
 
     @classmethod
     def load(cls, preset: str | None = None, model: str | None = None, draft: str | None = None, device: str = "auto",
@@ -148,26 +153,45 @@ class BenchSession:
         return cls(target, draft_model, tokenizer, prompt_list, device=dev, dtype=dtype, preset=preset,
                    target_path=str(model), draft_path=str(draft) if draft else None, prompts_source=str(prompts_path))
 
-    def redrafter_head(self) -> RedrafterHead:
-        """The trained head beside the target folder (`<preset>/redrafter`, written by `zoo train-head`) after
-        checking it was trained for this target and tokenizer; else an untrained head from a fixed seed."""
-        if self._redrafter is None:
-            from workbench.models import tokenizer_fingerprint
-            from workbench.zoo.heads import check_head, has_head, head_dir_for_target
-            from workbench.zoo.presets import ZooError
+    def _load_head(self, kind: str, head_cls, seed: int):
+        """(head, source): the trained `kind` head beside the target folder (`<preset>/<kind>`, written by `zoo
+        train-head`) after checking it was trained for this target and tokenizer; else an untrained head from a
+        fixed seed (source "untrained (seed N)")."""
+        from workbench.models import tokenizer_fingerprint
+        from workbench.zoo.heads import check_head, has_head, head_dir_for_target
+        from workbench.zoo.presets import ZooError
 
-            folder = head_dir_for_target(self.target_path) if Path(self.target_path).is_dir() else None
-            if folder is not None and has_head(folder):
-                try:
-                    check_head(folder, self.target_path, tokenizer_fingerprint(self.tokenizer))
-                except ZooError as e:
-                    raise BenchError(str(e)) from None
-                p = next(self.target.parameters())
-                self._redrafter = (RedrafterHead.load(folder, device=p.device, dtype=p.dtype), str(folder))
-            else:
-                head = RedrafterHead.for_target(self.target, seed=REDRAFTER_HEAD_SEED)
-                self._redrafter = (head, f"untrained (seed {REDRAFTER_HEAD_SEED})")
+        folder = head_dir_for_target(self.target_path, kind) if Path(self.target_path).is_dir() else None
+        if folder is not None and has_head(folder):
+            try:
+                check_head(folder, self.target_path, tokenizer_fingerprint(self.tokenizer))
+            except ZooError as e:
+                raise BenchError(str(e)) from None
+            p = next(self.target.parameters())
+            return head_cls.load(folder, device=p.device, dtype=p.dtype), str(folder)
+        return head_cls.for_target(self.target, seed=seed), f"untrained (seed {seed})"
+
+    def redrafter_head(self) -> RedrafterHead:
+        """The ReDrafter head (`_load_head`), loaded once."""
+        if self._redrafter is None:
+            self._redrafter = self._load_head("redrafter", RedrafterHead, REDRAFTER_HEAD_SEED)
         return self._redrafter[0]
+
+    def eagle_head(self) -> EagleHead:
+        """The EAGLE head (`_load_head`), loaded once; a head for another target shape is refused by name."""
+        if self._eagle is None:
+            head, source = self._load_head("eagle", EagleHead, EAGLE_HEAD_SEED)
+            try:
+                head.check_target(self.target)
+            except ValueError as e:
+                raise BenchError(f"{source}: {e}") from None
+            self._eagle = (head, source)
+        return self._eagle[0]
+
+    @property
+    def eagle_head_source(self) -> str | None:
+        """The loaded EAGLE head's folder, "untrained (seed N)", or None before any eagle run."""
+        return self._eagle[1] if self._eagle is not None else None
 
     @property
     def redrafter_head_source(self) -> str | None:
@@ -187,7 +211,7 @@ class BenchSession:
             raise BenchError(str(e)) from None
         if cfg.method == "draft" and self.draft is None:
             raise BenchError("method 'draft' needs a draft model: give --draft PATH or use a --preset")
-        k = cfg.k if cfg.method != "ar" else 0
+        k = cfg.tree_budget if cfg.method == "eagle" else cfg.k if cfg.method != "ar" else 0  # draft nodes per step
         models = [("target", self.target)] + ([("draft", self.draft)] if cfg.method == "draft" else [])
         longest = max(len(p) for p in prompt_ids)
         for role, model in models:
@@ -409,7 +433,8 @@ class BenchSession:
             "k": cfg.k if cfg.method != "ar" else 0,
             "dtype": self.dtype, "device": str(self.device), "preset": self.preset,
             "target_path": self.target_path, "draft_path": self.draft_path if cfg.method == "draft"
-            else self.redrafter_head_source if cfg.method == "redrafter" else None,  # the head's folder or "untrained"
+            else self.redrafter_head_source if cfg.method == "redrafter"
+            else self.eagle_head_source if cfg.method == "eagle" else None,  # the head's folder or "untrained"
             "prompts_source": self.prompts_source,
             "acceptance_rate": c0.acceptance_rate if cfg.method != "ar" else None,
             "mean_accepted_tokens": c0.mean_accepted_tokens,

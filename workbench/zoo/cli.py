@@ -1,5 +1,5 @@
 """`python -m workbench zoo list | train PRESET [--out DIR] [--max-seconds S] ... | prompts PRESET [--dir DIR]
-| train-head --kind redrafter --preset PRESET [--max-seconds S] [--device cpu] [--seed N] [--out DIR]`."""
+| train-head --kind redrafter|eagle --preset PRESET [--max-seconds S] [--device cpu] [--seed N] [--out DIR]`."""
 from __future__ import annotations
 
 import argparse
@@ -30,11 +30,12 @@ def register(subparsers) -> None:
     prompts.add_argument("--dir", default=None, help="the trained preset folder (default: the preset's home)")
     prompts.set_defaults(func=cmd_prompts)
 
-    head = sub.add_parser("train-head", help="distil a draft head (ReDrafter) from a trained preset's frozen target")
-    head.add_argument("--kind", choices=["redrafter"], default="redrafter")
+    head = sub.add_parser("train-head", help="distil a draft head (ReDrafter or EAGLE) from a trained preset's "
+                          "frozen target")
+    head.add_argument("--kind", choices=["redrafter", "eagle"], default="redrafter")
     head.add_argument("--preset", choices=sorted(PRESETS), required=True)
     head.add_argument("--dir", default=None, help="the trained preset folder (default: the preset's home)")
-    head.add_argument("--out", default=None, help="head folder (default: <preset folder>/redrafter)")
+    head.add_argument("--out", default=None, help="head folder (default: <preset folder>/<kind>)")
     head.add_argument("--max-seconds", type=float, default=None, help="training budget (default: the recipe's)")
     head.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (smoke runs)")
     head.add_argument("--train-windows", type=int, default=None, help="training windows (default: the recipe's)")
@@ -107,13 +108,27 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_train_head(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from workbench.zoo.train_eagle import EagleTrainSpec, train_eagle_head
     from workbench.zoo.train_head import HeadTrainSpec, train_redrafter_head
 
+    recipe, train = {"redrafter": (HeadTrainSpec, train_redrafter_head),
+                     "eagle": (EagleTrainSpec, train_eagle_head)}[args.kind]
     overrides = {"max_seconds": args.max_seconds, "max_steps": args.max_steps, "train_windows": args.train_windows,
                  "eval_windows": args.eval_windows, "seed": args.seed}
-    spec = replace(HeadTrainSpec(), **{k: v for k, v in overrides.items() if v is not None})
+    for name, value in overrides.items():  # before any work: a budget or count that cannot train
+        if value is not None and (value <= 0 if name != "seed" else value < 0):
+            print(f"error: --{name.replace('_', '-')} must be {'>= 0' if name == 'seed' else '> 0'}, got {value}",
+                  file=sys.stderr)
+            return 2
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --device cuda asked for, but no CUDA GPU is visible; use --device cpu", file=sys.stderr)
+            return 2
+    spec = replace(recipe(), **{k: v for k, v in overrides.items() if v is not None})
     try:
-        out = train_redrafter_head(args.preset, out=args.out, preset_dir=args.dir, device=args.device, spec=spec)
+        out = train(args.preset, out=args.out, preset_dir=args.dir, device=args.device, spec=spec)
     except ZooError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

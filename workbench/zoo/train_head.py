@@ -173,17 +173,13 @@ def train_head(head, target, windows: torch.Tensor, spec: HeadTrainSpec,
             "stopped_by": "max_steps" if step >= spec.max_steps else "max_seconds", "curve": curve}
 
 
-def train_redrafter_head(preset: str, *, out: str | Path | None = None, preset_dir: str | Path | None = None,
-                         device: str = "cpu", spec: HeadTrainSpec = HeadTrainSpec(), corpus: Corpus | None = None,
-                         log: Callable[[str], None] = print) -> Path:
-    """Train, evaluate and save a head for the preset's target; returns the head folder (default:
-    `<preset folder>/redrafter`). `corpus` overrides the preset's (tests pass a small one)."""
-    from workbench.models import load_model, tokenizer_fingerprint
+def load_training_data(preset: str, preset_dir, device: str, spec, corpus: Corpus | None, log, tag: str):
+    """(paths, device, frozen float32 target, corpus, train windows, held-out windows on the device) for a head of
+    `preset`. Every head kind reads the same windows (salted "redrafter"), so their held-out figures compare."""
+    from workbench.models import load_model
 
-    t_start = time.perf_counter()
     zoo_preset = get_preset(preset)
     paths = resolve_dir(preset_dir, preset) if preset_dir else resolve_dir(preset_home(preset), preset)
-    out = Path(out) if out is not None else paths.root / "redrafter"
     dev = torch.device(device)
     torch.manual_seed(spec.seed)
     target = load_model(paths.target_dir, dtype=torch.float32, device=dev).eval()
@@ -195,8 +191,19 @@ def train_redrafter_head(preset: str, *, out: str | Path | None = None, preset_d
             raise ZooError(str(e)) from None
     train_w = token_windows(corpus.train, tokenizer, spec.train_windows, spec.seq_len, "redrafter")
     eval_w = token_windows(corpus.heldout, tokenizer, spec.eval_windows, spec.seq_len, "redrafter-eval").to(dev)
-    log(f"[redrafter] {preset}: {len(train_w)} train / {len(eval_w)} held-out windows of {spec.seq_len} tokens "
-        f"on {dev}")
+    log(f"[{tag}] {preset}: {len(train_w)} train / {len(eval_w)} held-out windows of {spec.seq_len} tokens on {dev}")
+    return paths, dev, target, corpus, train_w, eval_w
+
+
+def train_redrafter_head(preset: str, *, out: str | Path | None = None, preset_dir: str | Path | None = None,
+                         device: str = "cpu", spec: HeadTrainSpec = HeadTrainSpec(), corpus: Corpus | None = None,
+                         log: Callable[[str], None] = print) -> Path:
+    """Train, evaluate and save a head for the preset's target; returns the head folder (default:
+    `<preset folder>/redrafter`). `corpus` overrides the preset's (tests pass a small one)."""
+    t_start = time.perf_counter()
+    paths, dev, target, corpus, train_w, eval_w = load_training_data(preset, preset_dir, device, spec, corpus, log,
+                                                                     "redrafter")
+    out = Path(out) if out is not None else paths.root / "redrafter"
     head = RedrafterHead.for_target(target, seed=spec.seed).float()
     before = evaluate_head(head, target, eval_w, spec.depth)
     log(f"[redrafter] untrained held-out agreement by depth {before.agreement_by_depth}")
@@ -204,11 +211,24 @@ def train_redrafter_head(preset: str, *, out: str | Path | None = None, preset_d
     after = evaluate_head(head, target, eval_w, spec.depth)
     log(f"[redrafter] {report['steps']} steps in {report['train_seconds']} s; held-out agreement by depth "
         f"{after.agreement_by_depth}, expected accepted tokens of a greedy chain {after.expected_accepted_tokens}")
+    save_head(head, "redrafter", preset, spec, dev, paths, out, corpus, (train_w, eval_w), report, (before, after),
+              t_start)
+    log(f"[redrafter] wrote {out}")
+    return out
+
+
+def save_head(head, kind: str, preset: str, spec, dev: torch.device, paths, out: Path, corpus: Corpus, windows,
+              report: dict, evals: tuple[HeadEval, HeadEval], t_start: float) -> None:
+    """head.save(out) + the manifest: recipe, target and tokenizer fingerprints, corpus, training report, held-out
+    agreement before (untrained) and after training. `windows` = (train, held-out) windows."""
+    from workbench.models import tokenizer_fingerprint
+
+    (train_w, eval_w), (before, after) = windows, evals
     out.mkdir(parents=True, exist_ok=True)
     head.save(out)
     manifest = {
         "manifest_version": HEAD_MANIFEST_VERSION,
-        "kind": "redrafter",
+        "kind": kind,
         "preset": preset,
         "recipe": asdict(spec),
         "seed": spec.seed,
@@ -228,5 +248,3 @@ def train_redrafter_head(preset: str, *, out: str | Path | None = None, preset_d
         "total_seconds": round(time.perf_counter() - t_start, 2),
     }
     (out / HEAD_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    log(f"[redrafter] wrote {out}")
-    return out

@@ -1,0 +1,386 @@
+"""EAGLE-2 (Li et al. 2024, arXiv 2406.16858; the head of EAGLE, arXiv 2401.15077): a one-layer head over the
+target's hidden states drafts a dynamic token tree.
+
+The head, per position i, from the target's hidden state h_i and the NEXT token x_{i+1}:
+    f_{i+1} = norm(layer(fc([h_i; embed(x_{i+1})])))       # predicted hidden state of position i + 1, [..., H]
+    logits  = lm_head(f_{i+1})                              # predicts x_{i+2}
+`layer` is one Llama decoder layer with its own small KV cache; `embed`, `norm` (the final RMSNorm) and `lm_head` are
+the TARGET's own modules, shared, never copied. The engine hands the drafter final-norm hidden states (the
+`wants_hidden` contract), so the head's prediction is taken after the target's final norm too: it lives in the same
+space as the real ones, and a predicted feature can stand in for a real one at the next depth.
+
+Head cache: entry i holds the pair (h_i, x_{i+1}). With L committed tokens and the root x_L, entries 0..L-1 are
+final; their last one, (h_{L-1}, root), gives the feature that drafts depth 1. The pairs a step commits (the root's
+and the accepted nodes' hidden states with the tokens after them) are run at the start of the next `propose`, so every
+head forward is timed under "draft" and a step is one fixed-shape step (one CUDA graph per batch bucket on a GPU).
+
+Dynamic tree (EAGLE-2), `tree_depth` D, `tree_topk` K, `tree_budget` N:
+- depth 1: the K most likely tokens after the root are candidates, and all of them are the frontier;
+- depth d + 1 (d = 1 .. D-1): one batched head forward over the K frontier nodes (each sees the committed entries,
+  its ancestors in the draft and itself: tree attention through `KVCache.prepare(prefix_mask=)`); each frontier node's
+  top-K children become candidates, scored by cumulative log-probability (the path's summed log-probs); the K best of
+  those K x K children are the next frontier;
+- rerank: of all K + (D-1) K^2 candidates, the N with the best cumulative log-probability. A child never scores above
+  its parent and a stable sort puts the parent (earlier candidate) first among ties, so every kept node's parent is
+  kept; sorted back into candidate order (depth-major), parents come before children: a valid `DraftTree` with a
+  static N nodes and `depth_bound` D.
+Example: K = 2, D = 2, N = 3; depth 1 gives a (log p -0.1) and b (-2.3); a's children c (-0.2), d (-1.5), b's e (-0.1),
+f (-3.0) score -0.3, -1.6, -2.4, -5.3; the best 3 of {a, b, c, d, e, f} are a, c, d: nodes [a, c, d], parents
+[-1, 0, 0].
+
+The children are deterministic top-K candidates, so `DraftTree.draft_probs` stays None and sampled verification treats
+each as one-hot q (engine/verify.py): the output is exactly target-distributed at any temperature. Scores are the
+head's plain log-softmax (its confidence), independent of the sampling settings. No host sync anywhere in `propose`.
+An untrained head drafts poorly, but the output is still exactly the target's; `python -m workbench zoo train-head
+--kind eagle --preset P` distils one (workbench/zoo/train_eagle.py) into <preset>/eagle/.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
+from workbench.engine.graphs import FixedShapeStep
+from workbench.engine.kv_cache import make_cache
+from workbench.engine.tree import DraftTree
+from workbench.models.config import ModelConfig
+from workbench.models.llama import DecoderLayer, Linear
+
+HEAD_CONFIG, HEAD_WEIGHTS = "config.json", "model.safetensors"
+
+
+class EagleSettingsError(ValueError):
+    """A tree setting the drafter cannot build; the message names the knob and what is allowed."""
+
+
+def tree_capacity(depth: int, topk: int) -> int:
+    """Candidates a dynamic tree of this depth and top-k offers: K at depth 1, K^2 at each further depth.
+
+    >>> tree_capacity(4, 4), tree_capacity(5, 1)
+    (52, 5)
+    """
+    return topk + (depth - 1) * topk * topk
+
+
+def check_tree(depth, topk, budget, vocab_size: int | None = None) -> None:
+    """EagleSettingsError unless the tree can be built: 1 <= D, 1 <= K (<= vocabulary), D <= N <= K + (D-1) K^2."""
+    for name, value in (("tree_depth", depth), ("tree_topk", topk), ("tree_budget", budget)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EagleSettingsError(f"{name} must be a whole number >= 1, got {value!r}")
+    if vocab_size is not None and topk > vocab_size:
+        raise EagleSettingsError(f"tree_topk={topk} exceeds the vocabulary ({vocab_size} tokens): lower tree_topk")
+    if budget < depth:
+        raise EagleSettingsError(f"tree_budget={budget} is below tree_depth={depth}: the budget must hold at least one "
+                                 f"full-depth path; raise tree_budget to >= {depth} or lower tree_depth")
+    if budget > tree_capacity(depth, topk):
+        raise EagleSettingsError(f"tree_budget={budget} exceeds the {tree_capacity(depth, topk)} candidates that "
+                                 f"tree_depth={depth}, tree_topk={topk} offer (K + (D-1) K^2): lower tree_budget or "
+                                 f"raise tree_topk / tree_depth")
+
+
+def rerank(cand_tokens: torch.Tensor, cand_scores: torch.Tensor, cand_parents: torch.Tensor, cand_depths: torch.Tensor,
+           budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep the `budget` candidates with the best cumulative log-probability, as a tree (no host sync).
+
+    cand_* [B, C]: token, score, parent (candidate index, -1 = the root; parents come before children) and depth of
+    each candidate -> (token_ids, parents (node index, -1 = root), depths), each [B, budget], in candidate order.
+    A child scores at most its parent and the sort is stable, so a kept child's parent is always kept.
+
+    The module docstring's example (K = 2, D = 2, N = 3): candidates a, b, then a's children c, d and b's e, f:
+    >>> tok = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    >>> score = torch.tensor([[-0.1, -2.3, -0.3, -1.6, -2.4, -5.3]])
+    >>> rerank(tok, score, torch.tensor([[-1, -1, 0, 0, 1, 1]]), torch.tensor([[1, 1, 2, 2, 2, 2]]), 3)
+    (tensor([[10, 12, 13]]), tensor([[-1,  0,  0]]), tensor([[1, 2, 2]]))
+    """
+    b, c = cand_scores.shape
+    keep = torch.sort(cand_scores, stable=True, dim=-1, descending=True).indices[:, :budget].sort(-1).values  # [B, N]
+    node_of = torch.full((b, c + 1), -1, dtype=torch.long, device=cand_scores.device)  # candidate -> node; col c: -1
+    node_of.scatter_(1, keep, torch.arange(budget, device=cand_scores.device).expand(b, budget))
+    parents = node_of.gather(1, cand_parents.gather(1, keep) % (c + 1))  # -1 -> column c
+    return cand_tokens.gather(1, keep), parents, cand_depths.gather(1, keep)
+
+
+@dataclass(frozen=True)
+class EagleHeadConfig:
+    """The head's decoder layer: the target's attention and MLP shapes (its RoPE tables are the target's)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+
+    @classmethod
+    def of_target(cls, c: ModelConfig) -> "EagleHeadConfig":
+        return cls(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                   c.rms_norm_eps)
+
+    def layer_config(self) -> ModelConfig:
+        return ModelConfig(vocab_size=1, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
+                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                           rms_norm_eps=self.rms_norm_eps)
+
+
+class EagleHead(nn.Module):
+    """fc over [hidden; token embedding] -> one decoder layer -> the target's final norm: a predicted hidden state.
+
+    `forward(target, hidden, token_ids, positions, attn)`: hidden [B, T, H] (target hidden states, or predicted ones),
+    token_ids [B, T] (the token AFTER each hidden state's position), positions [B, T] (RoPE positions of the head's
+    entries), attn an AttentionBackend (the head's KV cache; None = plain causal, for training) -> features [B, T, H].
+    The target is an argument, not a submodule: its embedding, norm and LM head are shared, never saved here.
+    """
+
+    def __init__(self, config: EagleHeadConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(2 * h, h)
+        self.layer = DecoderLayer(config.layer_config(), 0)
+
+    @classmethod
+    def for_target(cls, target, seed: int = 0, std: float = 0.02) -> "EagleHead":
+        """An untrained head sized for `target`, initialised deterministically from `seed`, in its dtype and device."""
+        head = cls(EagleHeadConfig.of_target(target.config))
+        head.reset_parameters(seed, std)
+        p = next(target.parameters())
+        return head.to(device=p.device, dtype=p.dtype).eval()
+
+    def reset_parameters(self, seed: int = 0, std: float = 0.02) -> None:
+        """Normal(0, std) matrices, zero biases, unit norm weights; the fc starts as [I; 0] plus noise, so the
+        untrained head passes the target's hidden state through (a useful start for training)."""
+        g = torch.Generator().manual_seed(seed)
+        h = self.config.hidden_size
+        with torch.no_grad():
+            for name, w in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    w.fill_(1.0)
+                elif name.endswith("bias"):
+                    w.zero_()
+                else:
+                    w.copy_(torch.randn(w.shape, generator=g) * std)
+            self.fc.weight[:, :h] += torch.eye(h)
+
+    def check_target(self, target) -> None:
+        """ValueError unless this head's layer fits `target` (it shares the target's embedding, norm and RoPE)."""
+        want = EagleHeadConfig.of_target(target.config)
+        if (self.config.hidden_size, self.config.head_dim) != (want.hidden_size, want.head_dim):
+            raise ValueError(f"EAGLE head has hidden size {self.config.hidden_size} / head dim {self.config.head_dim}, "
+                             f"the target {want.hidden_size} / {want.head_dim}: the head must be trained for this "
+                             f"target (zoo train-head --kind eagle)")
+
+    def forward(self, target, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+                attn=None) -> torch.Tensor:
+        from workbench.models.attention import CausalAttention
+
+        x = self.fc(torch.cat([hidden, target.model.embed_tokens(token_ids)], -1))  # [B, T, H]
+        cos_table, sin_table = target.rope_tables(x.device, x.dtype)
+        x = self.layer(x, cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2),
+                       CausalAttention() if attn is None else attn)
+        return target.model.norm(x)
+
+    def save(self, path: str | Path) -> None:
+        """<path>/config.json + <path>/model.safetensors (HF names for the layer's q/k/v and gate/up)."""
+        from safetensors.torch import save_file
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / HEAD_CONFIG).write_text(json.dumps({"type": "eagle", **asdict(self.config)}, indent=2) + "\n")
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / HEAD_WEIGHTS))
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | str = "cpu",
+             dtype: torch.dtype | None = None) -> "EagleHead":
+        from safetensors.torch import load_file
+
+        src = Path(path)
+        for name in (HEAD_CONFIG, HEAD_WEIGHTS):
+            if not (src / name).is_file():
+                raise FileNotFoundError(f"EAGLE head {src}: missing {name} (a head folder holds {HEAD_CONFIG} and "
+                                        f"{HEAD_WEIGHTS}, as EagleHead.save writes them)")
+        raw = json.loads((src / HEAD_CONFIG).read_text())
+        if raw.get("type") != "eagle":
+            raise ValueError(f"{src / HEAD_CONFIG} describes a {raw.get('type')!r} head, not an EAGLE head")
+        head = cls(EagleHeadConfig(**{k: raw[k] for k in EagleHeadConfig.__dataclass_fields__}))
+        head.load_state_dict(load_file(str(src / HEAD_WEIGHTS)))
+        return head.to(device=device, dtype=dtype).eval()
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    wants_hidden = True
+
+    def __init__(self, head: EagleHead, target, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 16):
+        check_tree(tree_depth, tree_topk, tree_budget, target.config.vocab_size)
+        head.check_target(target)
+        self.head, self.target = head, target
+        self.tree_depth, self.tree_topk, self.tree_budget = tree_depth, tree_topk, tree_budget
+        self.num_nodes = tree_budget
+        self.model_forwards_per_step = tree_depth  # the committed pairs' forward + D-1 frontier forwards
+        self.proposes_chains = tree_topk == 1  # K = 1 forces N = D: the head's greedy chain
+        self.cache = None
+        self.step: FixedShapeStep | None = None  # the whole draft (pending pairs, D-1 depths, rerank) as one step
+        self._key = None
+        # per cache row (+ pad_row): the committed pairs not yet run through the head (at most 1 + D of them)
+        self.pend_hidden: torch.Tensor | None = None  # [R + 1, 1 + D, H] the target's hidden states h_j
+        self.pend_tokens: torch.Tensor | None = None  # [R + 1, 1 + D] long: the token after each, x_{j+1}
+        self.pend_count: torch.Tensor | None = None  # [R + 1] long: valid pairs (>= 1)
+        self.pend_base: torch.Tensor | None = None  # [R + 1] long: head position of the first pending pair
+        self.pend_base_host: list[int] = []
+
+    # -- buffers --------------------------------------------------------------------------------------------------
+    def _draft_slots(self) -> int:
+        return (self.tree_depth - 1) * self.tree_topk  # head entries of the frontier forwards, after the root
+
+    def setup(self, ctx: DraftContext) -> None:
+        super().setup(ctx)
+        c, d = self.target.config, self.tree_depth
+        need = ctx.max_len + 1 + d + self._draft_slots()
+        if self.cache is not None and self.cache.fits(ctx.max_rows, need) and self.cache.max_rows == ctx.max_rows \
+                and self._key == (ctx.graphs, ctx.paged, ctx.kv_block_size, torch.device(ctx.device)):
+            self.cache.reset()
+            return
+        dtype = next(self.target.parameters()).dtype
+        stats = self.step.stats if self.step is not None else None  # cumulative across rebuilds, like the engine's
+        self.cache = self.step = None  # free the old pool and the graphs that read it first
+        rows = ctx.max_rows + 1
+        self.cache = make_cache(ctx.paged, num_layers=1, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                                max_rows=ctx.max_rows, max_len=need, dtype=dtype, device=ctx.device,
+                                block_size=ctx.kv_block_size, attention="sdpa")  # tree prefix masks: gather + SDPA
+        self.pend_hidden = torch.zeros(rows, 1 + d, c.hidden_size, dtype=dtype, device=ctx.device)
+        self.pend_tokens = torch.zeros(rows, 1 + d, dtype=torch.long, device=ctx.device)
+        self.pend_count = torch.ones(rows, dtype=torch.long, device=ctx.device)  # pad_row: 1 pair at position 0
+        self.pend_base = torch.zeros(rows, dtype=torch.long, device=ctx.device)
+        self.pend_base_host = [0] * rows
+        k = self.tree_topk
+        # constants the step reads (built here: a host->device copy inside a captured step is refused)
+        self._cand_depth = torch.cat([torch.ones(k, dtype=torch.long)] + [torch.full((k * k,), i, dtype=torch.long)
+                                                                          for i in range(2, d + 1)]).to(ctx.device)
+        self._eye = torch.eye(k, dtype=torch.bool, device=ctx.device)
+        self._key = (ctx.graphs, ctx.paged, ctx.kv_block_size, torch.device(ctx.device))
+        if ctx.graphs.fixed_shape:
+            self.step = FixedShapeStep("eagle", self._draft, self._pads, ctx.graphs, ctx.device)
+            self.step.stats = stats if stats is not None else self.step.stats
+
+    def _pads(self, key) -> dict[str, torch.Tensor]:
+        return {"rows": torch.tensor(self.cache.pad_row, device=self.ctx.device)}
+
+    # -- the contract ---------------------------------------------------------------------------------------------
+    def prefill(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> None:
+        """Head entries (h_i, x_{i+1}) for the prompts; the last one (h_{P-1}, root) stays pending."""
+        b, p = prompt_ids.shape
+        rows = state.rows
+        next_ids = state.tokens[rows, 1:p + 1]  # [B, P]: x_{i+1}; at i = P_b - 1 the root (written before prefill)
+        zeros = torch.zeros(b, dtype=torch.long, device=rows.device)
+        self.cache.begin(rows, zeros, [0] * b, p, rows_host=state.rows_host, prefill=True)
+        self.head(self.target, hidden, next_ids, positions, self.cache)
+        last = state.kv_len - 1  # [B]
+        arange = torch.arange(b, device=rows.device)
+        self.pend_hidden[rows, 0] = hidden[arange, last]
+        self.pend_tokens[rows, 0] = state.root
+        self.pend_count[rows] = 1
+        self.pend_base[rows] = last
+        for row, n in zip(state.rows_host, state.kv_len_host):
+            self.pend_base_host[row] = n - 1
+            self.cache.truncate(row, n - 1)
+
+    def propose(self, state: BatchState) -> DraftTree:
+        base_host = [self.pend_base_host[r] for r in state.rows_host]
+        # room for every head entry of this step: the pending pairs (<= 1 + D), then the frontier forwards
+        self.cache.plan(state.rows_host, base_host, 1 + self.tree_depth + self._draft_slots())
+        if self.step is not None:
+            tokens, parents, depths, valid = self.step(0, len(state.rows_host), {"rows": state.rows}, state.rows_host)
+        else:
+            tokens, parents, depths, valid = self._draft(state.rows)
+        return DraftTree(tokens, parents, depths, valid, None, is_chain=self.proposes_chains,
+                         depth_bound=self.tree_depth)
+
+    def commit(self, state: BatchState, acc, old_kv_len_host: list[int],
+               hidden: torch.Tensor | None = None) -> None:
+        """The step's committed pairs become pending: (h of the root, first accepted token), ..., (h of the last
+        accepted node, bonus/recovered token); entries past acc.num_accepted are padding."""
+        rows = state.rows
+        self.pend_base[rows] = self.pend_base[rows] + self.pend_count[rows]  # the old root's position
+        self.pend_hidden[rows] = hidden
+        self.pend_tokens[rows] = acc.emitted
+        self.pend_count[rows] = acc.num_accepted + 1
+        for row, base in zip(state.rows_host, old_kv_len_host):
+            self.pend_base_host[row] = base
+            self.cache.truncate(row, base)  # paged: give back blocks that held only this step's draft entries
+
+    def release(self, row: int) -> None:
+        self.cache.free(row)
+
+    # -- the draft, one fixed-shape step --------------------------------------------------------------------------
+    def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
+        """features [..., H] -> float32 log-probabilities through the target's LM head (the scores of the tree)."""
+        return torch.log_softmax(self.target.compute_logits(features).float(), -1).clamp(max=0.0)
+
+    def _draft(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """rows [B] -> (token_ids, parents, depths [B, N] long, valid [B, N] bool). Reads only the pending buffers
+        and the head's cache (what a CUDA graph captures)."""
+        d_max, k, n = self.tree_depth, self.tree_topk, self.tree_budget
+        span, dev = self.cache.static_span, rows.device
+        b = rows.shape[0]
+        base, count = self.pend_base[rows], self.pend_count[rows]  # [B] each
+        # 1. the pending committed pairs: the last valid one drafts depth 1
+        self.cache.prepare(rows, base, 1 + d_max, None, span)
+        offsets = torch.arange(1 + d_max, device=dev)
+        feats = self.head(self.target, self.pend_hidden[rows], self.pend_tokens[rows], base.unsqueeze(1) + offsets,
+                          self.cache)  # [B, 1 + D, H]
+        h = feats.shape[-1]
+        root_feat = feats.gather(1, (count - 1).view(b, 1, 1).expand(-1, 1, h))  # [B, 1, H]
+        root_pos = base + count  # [B]: the root's position; depth-d frontier entries sit at root_pos + d - 1
+        # 2. depth 1: the root's top-K children, all of them the frontier
+        front_score, front_tok = self._log_probs(root_feat.squeeze(1)).topk(k, -1)  # [B, K] each
+        cand_tok, cand_score = [front_tok], [front_score]
+        cand_parent = [torch.full((b, k), -1, dtype=torch.long, device=dev)]  # candidate index of the parent
+        front_cand = torch.arange(k, device=dev).expand(b, k)  # [B, K]: frontier's candidate indices
+        front_feat = root_feat.expand(b, k, h)  # [B, K, H]: the feature each frontier node's entry reads
+        slots = self._draft_slots()
+        ancestors = torch.zeros(b, k, slots, dtype=torch.bool, device=dev)  # [B, K, (D-1) K] draft slots above it
+        n_cand = k
+        # 3. depths 2..D: one forward over the frontier, its children scored, the K best become the next frontier
+        for depth in range(1, d_max):
+            first = (depth - 1) * k  # the frontier's draft slots: first .. first + K - 1
+            self.cache.prepare(rows, root_pos + first, k, self._eye.expand(b, k, k), span,
+                               prefix_mask=ancestors[:, :, :first])
+            f = self.head(self.target, front_feat, front_tok, (root_pos + depth - 1).unsqueeze(1).expand(b, k),
+                          self.cache)  # [B, K, H]
+            child_logp, child_tok = self._log_probs(f).topk(k, -1)  # [B, K, K]
+            child_score = (front_score.unsqueeze(-1) + child_logp).flatten(1)  # [B, K*K]
+            child_tok = child_tok.flatten(1)
+            cand_tok.append(child_tok)
+            cand_score.append(child_score)
+            cand_parent.append(front_cand.unsqueeze(-1).expand(b, k, k).flatten(1))
+            if depth < d_max - 1:
+                best = child_score.topk(k, -1).indices  # [B, K] among the K*K children
+                parent = best // k  # [B, K]: frontier rank of each new frontier node's parent
+                front_cand = n_cand + best
+                front_tok, front_score = child_tok.gather(1, best), child_score.gather(1, best)
+                front_feat = f.gather(1, parent.unsqueeze(-1).expand(-1, -1, h))
+                ancestors = ancestors.gather(1, parent.unsqueeze(-1).expand(-1, -1, slots))
+                ancestors[:, :, first:first + k] |= self._eye[parent]  # the parent's own slot
+            n_cand += k * k
+        # 4. rerank to the node budget
+        tokens, parents, depths = rerank(torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
+                                         self._cand_depth.expand(b, n_cand), n)
+        return tokens, parents, depths, torch.ones_like(tokens, dtype=torch.bool)
+
+    def capture_graphs(self, sizes: list[int]) -> None:
+        if self.step is not None:
+            for size in sizes:
+                self.step.capture(size, 0)
+
+    def model_steps(self) -> list:
+        return [self.step] if self.step is not None else []
+
+    @property
+    def settings(self) -> dict:
+        return {"tree_depth": self.tree_depth, "tree_topk": self.tree_topk, "tree_budget": self.tree_budget}

@@ -1,0 +1,182 @@
+"""Distil an EAGLE head from a frozen zoo target: `python -m workbench zoo train-head --kind eagle --preset tiny`.
+
+Data: the same windows as the ReDrafter head (workbench/zoo/train_head.py `load_training_data`): the preset's corpus,
+encoded with the target's tokenizer, cut into windows of `seq_len` tokens; held-out windows from held-out files.
+
+One step, for a batch of windows x [B, T]: the target runs once without gradients, giving final hidden states h_t and
+log-probabilities log p_t. The head is then rolled out `depth` passes over the anchors t < T - depth, the way the
+drafter uses it ("training-time test", as EAGLE-3 trains):
+    pass 1:     input (h_t, x_{t+1}) at position t            -> f1_t, predicts h_{t+1} and p_{t+1}
+    pass d > 1: input (f(d-1)_t, x_{t+d}) at position t+d-1  -> fd_t, predicts h_{t+d} and p_{t+d}
+Pass 1 attends causally over the window's real entries; a pass-d entry sees the real entries 0..t and its own
+anchor's entries of passes 2..d: exactly the committed entries and the ancestors a depth-d tree node sees in the
+engine. The tokens are the corpus's (teacher forcing); the features after pass 1 are the head's own predictions.
+Loss per pass: `kl_weight` x KL(p || q) through the target's final norm and LM head + `reg_weight` x smooth L1 to the
+target's hidden state; passes weighted `depth_decay`^(d-1).
+
+Held-out report (the same windows every time): per depth d, the fraction of anchors where the head's top-1 token equals
+the target's (pass d, teacher-forced tokens: acceptance of a greedy chain, estimated), and the expected accepted tokens
+of a greedy chain of `depth` (the mean leading run of agreeing depths). The bench measures the real acceptance.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from workbench.engine.drafters.eagle import EagleHead
+from workbench.models.attention import expand_kv
+from workbench.zoo.corpus import Corpus
+from workbench.zoo.train_head import CURVE_POINTS, HeadEval, _lr_at, _target_pass, load_training_data, save_head
+
+
+@dataclass(frozen=True)
+class EagleTrainSpec:
+    """The recipe; every field goes to the manifest. AdamW, linear warmup then cosine to min_lr_ratio * lr."""
+
+    depth: int = 3  # rollout passes trained and evaluated (held-out agreement at depth 1..depth)
+    seq_len: int = 128  # window length T (anchors per window: T - depth)
+    batch_size: int = 8  # windows per step
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    kl_weight: float = 1.0  # KL(target || head) through the shared LM head
+    reg_weight: float = 1.0  # smooth L1 of the predicted hidden state to the target's
+    depth_decay: float = 0.8  # pass d weighs depth_decay^(d-1)
+    max_seconds: float = 240.0  # steady-state training budget (2 CPU cores: a few hundred steps)
+    max_steps: int = 1_000_000
+    train_windows: int = 4096
+    eval_windows: int = 32
+    seed: int = 1234
+
+
+class RolloutAttention:
+    """The head's attention over a rollout: pass 1 causal over the window, a later pass's entry t sees pass-1 entries
+    0..t and entry t of every pass since (the diagonal). Keys of earlier passes are kept here."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []  # per pass, [B, Hkv, N, D]
+        self.values: list[torch.Tensor] = []
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        n, dev = q.shape[2], q.device
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        eye = torch.eye(n, dtype=torch.bool, device=dev)
+        mask = torch.cat([causal] + [eye] * (len(self.keys) - 1), 1)  # [N, passes * N]
+        groups = q.shape[1] // k.shape[1]
+        keys, values = torch.cat(self.keys, 2), torch.cat(self.values, 2)
+        return F.scaled_dot_product_attention(q, expand_kv(keys, groups), expand_kv(values, groups), attn_mask=mask)
+
+
+def rollout(head: EagleHead, target, ids: torch.Tensor, hidden: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """ids [B, T], hidden [B, T, H] (the target's) -> per pass d = 1..depth the head's features [B, N, H], N = T - depth
+    (entry t of pass d predicts the target's hidden state at t + d)."""
+    n = ids.shape[1] - depth
+    attn = RolloutAttention()
+    anchors = torch.arange(n, device=ids.device).expand(ids.shape[0], n)  # [B, N]
+    feats, out = hidden[:, :n], []
+    for d in range(1, depth + 1):
+        feats = head(target, feats, ids[:, d:d + n], anchors + d - 1, attn)  # fed x_{t+d}
+        out.append(feats)
+    return out
+
+
+def _loss(head, target, ids, spec: EagleTrainSpec) -> torch.Tensor:
+    hidden, target_logp = _target_pass(target, ids)
+    n = ids.shape[1] - spec.depth
+    total, weights = 0.0, 0.0
+    for d, f in enumerate(rollout(head, target, ids, hidden, spec.depth), start=1):
+        logq = torch.log_softmax(target.compute_logits(f).float(), -1)
+        kl = F.kl_div(logq, target_logp[:, d:d + n], log_target=True, reduction="none").sum(-1).mean()
+        reg = F.smooth_l1_loss(f.float(), hidden[:, d:d + n].float())
+        w = spec.depth_decay ** (d - 1)
+        total, weights = total + w * (spec.kl_weight * kl + spec.reg_weight * reg), weights + w
+    return total / weights
+
+
+@torch.no_grad()
+def evaluate_eagle(head: EagleHead, target, windows: torch.Tensor, depth: int, batch: int = 8) -> HeadEval:
+    """Held-out top-1 agreement with the target per depth (teacher-forced tokens, predicted features)."""
+    agree = torch.zeros(depth, dtype=torch.float64)
+    run_total, anchors = 0.0, 0
+    for i in range(0, len(windows), batch):
+        ids = windows[i:i + batch]
+        hidden, target_logp = _target_pass(target, ids)
+        n = ids.shape[1] - depth
+        hits = torch.stack([target.compute_logits(f).argmax(-1) == target_logp[:, d:d + n].argmax(-1)
+                            for d, f in enumerate(rollout(head, target, ids, hidden, depth), start=1)], -1)  # [B,N,D]
+        agree += hits.double().sum((0, 1))
+        run_total += hits.long().cumprod(-1).sum().item()
+        anchors += hits.shape[0] * hits.shape[1]
+    return HeadEval([round(x, 4) for x in (agree / anchors).tolist()], round(run_total / anchors, 4), anchors)
+
+
+def train_eagle(head: EagleHead, target, windows: torch.Tensor, spec: EagleTrainSpec,
+                log: Callable[[str], None] = print) -> dict:
+    """Train `head` in place against the frozen `target`; returns {"steps", "train_seconds", "curve", ...}."""
+    for p in target.parameters():
+        p.requires_grad_(False)
+    head.train()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    generator = torch.Generator().manual_seed(spec.seed)
+    curve, loss_sum, loss_count = [], 0.0, 0
+    log_every_s = max(0.5, spec.max_seconds / CURVE_POINTS)
+    t0 = t_last = time.perf_counter()
+    step, lr = 0, spec.lr
+    dev = next(target.parameters()).device
+    while step < spec.max_steps and (step == 0 or time.perf_counter() - t0 < spec.max_seconds):
+        lr = _lr_at(step, max(step / spec.max_steps, (time.perf_counter() - t0) / spec.max_seconds), spec)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        ids = windows[torch.randint(0, len(windows), (spec.batch_size,), generator=generator)].to(dev)  # [B, T]
+        loss = _loss(head, target, ids, spec)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), spec.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
+        now = time.perf_counter()
+        if now - t_last >= log_every_s:
+            curve.append({"step": step, "seconds": round(now - t0, 2), "loss": round(loss_sum / loss_count, 4),
+                          "lr": lr})
+            log(f"[eagle] step {step:5d}  loss {loss_sum / loss_count:.4f}  lr {lr:.2e}  {now - t0:6.1f} s")
+            loss_sum, loss_count, t_last = 0.0, 0, now
+    seconds = time.perf_counter() - t0
+    if loss_count:
+        curve.append({"step": step, "seconds": round(seconds, 2), "loss": round(loss_sum / loss_count, 4), "lr": lr})
+    head.eval()
+    final = curve[-1]["loss"] if curve else None
+    return {"steps": step, "train_seconds": round(seconds, 2), "final_loss": final if final is None or
+            math.isfinite(final) else None,
+            "stopped_by": "max_steps" if step >= spec.max_steps else "max_seconds", "curve": curve}
+
+
+def train_eagle_head(preset: str, *, out: str | Path | None = None, preset_dir: str | Path | None = None,
+                     device: str = "cpu", spec: EagleTrainSpec = EagleTrainSpec(), corpus: Corpus | None = None,
+                     log: Callable[[str], None] = print) -> Path:
+    """Train, evaluate and save an EAGLE head for the preset's target; returns the head folder (default:
+    `<preset folder>/eagle`). `corpus` overrides the preset's (tests pass a small one)."""
+    t_start = time.perf_counter()
+    paths, dev, target, corpus, train_w, eval_w = load_training_data(preset, preset_dir, device, spec, corpus, log,
+                                                                     "eagle")
+    out = Path(out) if out is not None else paths.root / "eagle"
+    head = EagleHead.for_target(target, seed=spec.seed).float()
+    before = evaluate_eagle(head, target, eval_w, spec.depth)
+    log(f"[eagle] untrained held-out agreement by depth {before.agreement_by_depth}")
+    report = train_eagle(head, target, train_w, spec, log=log)
+    after = evaluate_eagle(head, target, eval_w, spec.depth)
+    log(f"[eagle] {report['steps']} steps in {report['train_seconds']} s; held-out agreement by depth "
+        f"{after.agreement_by_depth}, expected accepted tokens of a greedy chain {after.expected_accepted_tokens}")
+    save_head(head, "eagle", preset, spec, dev, paths, out, corpus, (train_w, eval_w), report, (before, after), t_start)
+    log(f"[eagle] wrote {out}")
+    return out
