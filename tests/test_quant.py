@@ -188,6 +188,17 @@ def test_quantized_models_are_smaller_and_keep_head_and_embeddings(models):
     assert isinstance(target.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)  # the original is untouched
 
 
+def test_gguf_note_says_which_stored_types_map_to_ours():
+    from workbench.engine.quant import gguf_note
+
+    assert gguf_note(None, "int4") is None
+    assert gguf_note({"F32": 3, "F16": 7}, "none") == "GGUF tensors F16 x7, F32 x3: float, loaded as they are"
+    note = gguf_note({"Q4_0": 10, "F32": 3}, "int4")
+    assert "dequantized to float on load, then weight format 'int4' applied" in note
+    assert "Q4_0 -> int4 (group 32) would be exact but are not kept packed yet" in note
+    assert "has an exact counterpart" in gguf_note({"Q4_K": 10}, "int8")
+
+
 # ---- named errors before any work --------------------------------------------------------------------------------
 def test_bad_formats_are_named_errors(models):
     cfg = models[0].config

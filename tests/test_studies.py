@@ -93,7 +93,8 @@ def test_space_suggests_only_the_knobs_of_the_method():
                         ngram_max=IntRange(1, 4), batch=(1, 4))
     assert space.suggest(optuna.trial.FixedTrial({"method": "ar", "batch": 4})) == {
         "method": "ar", "batch": 4, "temperature": 0.0, "dtype": "float32", "paged": True, "kv_block_size": 16,
-        "cuda_graphs": False, "compile": "off", "attention": "auto"}  # fixed knobs pass through; ar reads no k
+        "cuda_graphs": False, "compile": "off", "attention": "auto",
+        "target_quant": "none"}  # fixed knobs pass through; ar reads no k (nor draft_quant)
     got = space.suggest(optuna.trial.FixedTrial({"method": "ngram", "k": 3, "ngram_min": 3, "ngram_max": 3,
                                                  "batch": 1}))
     assert got["k"] == 3 and got["ngram_min"] == 3 and got["ngram_max"] == 3
@@ -162,7 +163,7 @@ def test_cli_refuses_unknown_script_storage_and_changed_space(tmp_path, capsys):
     assert run_main(["--study", "z", "--storage", db, "--max-new-tokens", "100000"]) == 2
     assert "max_new_tokens=100000 is outside" in capsys.readouterr().err
     assert run_main(["--study", "z", "--storage", db, "--max-new-tokens", "8000", "--trials", "1"]) == 2
-    assert "the engine refuses method=draft, k=8, batch=1, max_new_tokens=8000" in capsys.readouterr().err
+    assert "the engine refuses method=draft, k=8, draft_quant=none, batch=1, max_new_tokens=8000" in capsys.readouterr().err
     assert worker_main(["--study", "nope", "--storage", db]) == 2
     assert "no study named 'nope'" in capsys.readouterr().err
     with pytest.raises(StudyMismatchError, match="max_new_tokens"):
