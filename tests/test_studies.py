@@ -184,10 +184,32 @@ def test_small_study_writes_one_row_per_trial(tmp_path, session):
     assert (df["status"] == "ok").all() and (df["study"] == "small").all() and (df["max_new_tokens"] == 8).all()
     assert set(df["run_id"]) == {t.user_attrs["run_id"] for t in trials}
     assert all(t.values[0] == pytest.approx(t.user_attrs["tokens_per_s"]) for t in trials)
-    assert all(t.constraints == {"fidelity": 0.0} for t in trials)
+    assert all(t.constraints == {"fidelity": 0.0, "quality": 0.0} for t in trials)
     assert "best setting (trial" in get_script("best_k").report(study)
     # resuming with the same total runs nothing more
     assert run_trials(study, spec, store=store, device="cpu", session_for=lambda dtype: session) == 0
+
+
+def test_perplexity_above_the_quality_bound_makes_a_trial_infeasible(tmp_path, session):
+    """A quantized target's perplexity cost is a constraint: points above max_ppl_increase_pct (default 2 %)."""
+    def lossy_draft(config, result):
+        if config.method != "draft":
+            return result
+        return types.SimpleNamespace(record={**result.record, "quant_ppl_delta_pct": 5.0}, traces=result.traces)
+
+    storage = open_storage(f"sqlite:///{tmp_path}/s.db")
+    spec = make_spec("pareto", methods=("draft", "ngram"), k=2, ngram_min=1, ngram_max=2, batch=1)
+    study, spec = create_or_resume(storage, "qual", spec, target_trials=2)
+    for method in ("draft", "ngram"):
+        study.enqueue_trial({"method": method})
+    run_trials(study, spec, store=ResultStore(tmp_path / "store"), device="cpu",
+               session_for=lambda dtype: wrap(session, lossy_draft))
+    by_method = {t.params["method"]: t for t in study.get_trials()}
+    assert by_method["draft"].constraints == {"fidelity": 0.0, "quality": pytest.approx(3.0)}
+    assert by_method["draft"].user_attrs["feasible"] is False
+    assert "held-out perplexity +5 % exceeds the bound 2 %" in by_method["draft"].user_attrs["infeasible_reason"]
+    assert by_method["ngram"].constraints == {"fidelity": 0.0, "quality": 0.0}
+    assert by_method["ngram"].user_attrs["feasible"] is True
 
 
 def test_greedy_mismatch_makes_a_trial_infeasible(tmp_path, session):
@@ -207,7 +229,7 @@ def test_greedy_mismatch_makes_a_trial_infeasible(tmp_path, session):
     assert [t.state.name for t in trials] == ["COMPLETE"] * 4
     for t in trials:
         draft = t.params["method"] == "draft"
-        assert t.constraints == {"fidelity": 1.0 if draft else 0.0}
+        assert t.constraints == {"fidelity": 1.0 if draft else 0.0, "quality": 0.0}
         assert t.user_attrs["feasible"] is (not draft)
         assert (t.user_attrs.get("infeasible_reason") is not None) is draft
     front = pareto_front(study)

@@ -259,8 +259,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          methods=("draft",), searchable=True),
     Knob("int4_group_size", "int", 128, "input channels per int4 scale/zero group (int4, int4-awq); must divide every "
          "linear's input width", "int4 group size", "system", choices=(32, 64, 128, 256)),
-    Knob("max_ppl_increase_pct", "float", 2.0, "quality bound: the largest held-out perplexity increase (%) of the "
-         "quantized target over the unquantized one that a study accepts (a constraint; runs record "
+    Knob("max_ppl_increase_pct", "float", 2.0, "quality bound: the largest held-out perplexity increase, in percent, of "
+         "the quantized target over the unquantized one that a study accepts (a constraint; runs record "
          "quant_within_bound)", "Max perplexity increase (%)", "run", 0.0, 1000.0),
     Knob("phase_profile", "bool", False, "after the timed runs, replay each captured phase (draft, verify) for "
          ">= 0.25 s under the NVML GPM sampler: SM utilization, ms and achieved bandwidth per phase (GPU, "
