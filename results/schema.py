@@ -59,7 +59,7 @@ def _pandas_dtype(kind: str) -> Any:
 class ColumnSpec:
     name: str
     kind: str      # one of KINDS
-    group: str     # identity | config | metrics | trust | graphs | profile | telemetry | environment | trace | extension
+    group: str     # identity | config | metrics | quality | trust | graphs | profile | telemetry | environment | trace | extension
     doc: str = ""
 
     def __post_init__(self) -> None:
@@ -106,6 +106,9 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("overlap", "bool", "config", "overlapped steps asked for (step t+1 launched before step t is read)"),
     ColumnSpec("target_kv_quant", "string", "config", '"none" | "int8" | "fp8": the target\'s KV-cache format'),
     ColumnSpec("draft_kv_quant", "string", "config", '"none" | "int8" | "fp8": the draft model\'s KV-cache format'),
+    *_cols("config", "string", "target_quant draft_quant"),
+    ColumnSpec("int4_group_size", "int", "config", "input channels per int4 scale group"),
+    ColumnSpec("max_ppl_increase_pct", "float", "config", "quality bound of studies: max perplexity increase, %"),
     ColumnSpec("phase_profile", "bool", "config", "per-phase GPU profile asked for (phase_* columns)"),
     ColumnSpec("compare_hf", "bool", "config", "Hugging Face generate() timed too (hf_* columns)"),
     *_cols("config", "string", "preset target_path draft_path prompts_source"),
@@ -135,6 +138,18 @@ _RUN_SPECS: list[ColumnSpec] = [
     *_cols("metrics", "int", "total_new_tokens target_steps"),
     ColumnSpec("wall_s", "float", "metrics"),
     ColumnSpec("greedy_matches_ar", "bool", "metrics", "None when not checked"),
+    ColumnSpec("quant_ppl", "float", "quality", "held-out perplexity of the run's target (quantized or not)"),
+    ColumnSpec("quant_ppl_ref", "float", "quality", "held-out perplexity of the unquantized target (same text)"),
+    ColumnSpec("quant_ppl_delta_pct", "float", "quality", "100 x (quant_ppl / quant_ppl_ref - 1); 0 unquantized"),
+    ColumnSpec("quant_token_agreement", "float", "quality",
+               "teacher-forced top-1 agreement with the unquantized target's greedy continuation of the run's prompts"),
+    ColumnSpec("quant_sequences_identical", "float", "quality",
+               "fraction of prompts whose greedy output equals the unquantized target's (temperature 0 runs)"),
+    ColumnSpec("quant_acceptance_ref", "float", "quality", "acceptance of the same method with unquantized models"),
+    ColumnSpec("quant_acceptance_delta", "float", "quality", "acceptance_rate - quant_acceptance_ref"),
+    ColumnSpec("quant_within_bound", "bool", "quality", "quant_ppl_delta_pct <= max_ppl_increase_pct"),
+    *_cols("quality", "float", "target_weight_mb draft_weight_mb"),
+    ColumnSpec("quant_note", "string", "quality", "calibration text (int4-awq), GGUF types, how quality was measured"),
     ColumnSpec("ar_tokens_per_s_repeats", "list_float", "trust", "AR tokens/s of each timed repeat, in order"),
     ColumnSpec("tokens_per_s_repeats", "list_float", "trust", "candidate tokens/s of each timed repeat, in order"),
     ColumnSpec("ar_tokens_per_s_cv", "float", "trust", "coefficient of variation over repeats; None with 1 repeat"),

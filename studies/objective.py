@@ -6,6 +6,11 @@
   3. the run record, with `study` and `trial_id` (= Optuna trial number) set, is appended to the result store;
   4. returns the objective values (`ObjectiveSpec.metrics`, e.g. tokens/s, or tokens/s + peak memory + p99 TPOT).
 
+Quality is a second constraint: a quantized target is lossy, and the user bounds its cost. Constraint "quality" =
+percentage points by which the run's `quant_ppl_delta_pct` (held-out perplexity increase over the unquantized target,
+workbench.harness.quality) exceeds the knob `max_ppl_increase_pct` (default +2 %); > 0 makes the trial infeasible
+the same way, with the reason in `infeasible_reason`.
+
 Fidelity is a constraint, not a penalty: at temperature 0 a run whose `greedy_matches_ar` is False gets constraint
 "fidelity" = 1.0 (`trial.set_constraint`, which Optuna 5 asks for instead of the deprecated sampler
 `constraints_func`; TPE and NSGA-II both read it) and user attrs `feasible` = False, `infeasible_reason`; the trial
@@ -58,18 +63,23 @@ class ObjectiveSpec:
 THROUGHPUT = ObjectiveSpec("throughput", ("tokens_per_s",), ("maximize",))
 SPEEDUP = ObjectiveSpec("speedup", ("speedup_vs_ar",), ("maximize",))
 PARETO = ObjectiveSpec("pareto", ("tokens_per_s", "peak_mem_mb", "tpot_ms_p99"), ("maximize", "minimize", "minimize"))
-OBJECTIVES = {o.name: o for o in (THROUGHPUT, SPEEDUP, PARETO)}
+# weight formats: speed against the quantized target's held-out perplexity cost (0 for an unquantized target)
+QUALITY_FRONT = ObjectiveSpec("quality", ("tokens_per_s", "quant_ppl_delta_pct"), ("maximize", "minimize"))
+OBJECTIVES = {o.name: o for o in (THROUGHPUT, SPEEDUP, PARETO, QUALITY_FRONT)}
 
 # run-record fields copied into every trial's user attrs (what reports and the UI show without the store)
 SUMMARY_FIELDS = ("tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar", "peak_mem_mb", "tpot_ms_p99", "acceptance_rate",
                   "mean_accepted_tokens", "greedy_matches_ar", "speedup_ci_low", "speedup_ci_high", "noisy",
-                  "noisy_reason", "plausible", "implausible_reason")
+                  "noisy_reason", "plausible", "implausible_reason", "quant_ppl_delta_pct", "quant_token_agreement",
+                  "quant_acceptance_delta")
 
 # Optuna's fANOVA importances from fewer completed trials than this rank noise as often as knobs: say so beside them.
 IMPORTANCE_MIN_TRIALS = 20
 
 
 FIDELITY = "fidelity"  # constraint name: > 0 when temperature-0 output differs from autoregressive decoding
+QUALITY = "quality"  # constraint name: percentage points of perplexity increase above max_ppl_increase_pct
+DEFAULT_PPL_BOUND = 2.0  # workbench.settings KNOBS["max_ppl_increase_pct"].default (kept torch-free here too)
 REPORT_KNOBS = ("method", *SEARCH_KNOBS)  # the searchable knobs, shown per trial in reports
 
 
@@ -197,11 +207,31 @@ class BenchObjective:
         if greedy and matches is False and near_tie:
             trial.set_user_attr("fidelity", "low-precision near-tie divergence only (greedy_near_tie)")
         trial.set_constraint(FIDELITY, 1.0 if violated else 0.0)  # > 0: infeasible, for sampler and best_trial(s)
-        trial.set_user_attr("feasible", not violated)
+        over = self._quality_excess(params, record)
+        trial.set_constraint(QUALITY, over)
+        trial.set_user_attr("feasible", not violated and over == 0.0)
+        reasons = []
         if violated:
-            trial.set_user_attr("infeasible_reason", "temperature 0 output differs from autoregressive decoding")
+            reasons.append("temperature 0 output differs from autoregressive decoding")
         elif greedy and matches is None and record.get("method") != "ar":  # "ar" is the reference itself
             trial.set_user_attr("fidelity", "unchecked: the engine did not report greedy_matches_ar")
+        if over > 0.0:
+            reasons.append(f"quantized target's held-out perplexity +{_plain(record['quant_ppl_delta_pct']):.3g} % "
+                           f"exceeds the bound {self._ppl_bound(params, record):.3g} % (max_ppl_increase_pct)")
+        if reasons:
+            trial.set_user_attr("infeasible_reason", "; ".join(reasons))
+
+    @staticmethod
+    def _ppl_bound(params: dict[str, Any], record: dict[str, Any]) -> float:
+        return float(params.get("max_ppl_increase_pct", record.get("max_ppl_increase_pct", DEFAULT_PPL_BOUND)))
+
+    def _quality_excess(self, params: dict[str, Any], record: dict[str, Any]) -> float:
+        """Percentage points of held-out perplexity increase above the user's bound (0 when within it, or when the
+        engine measured none: an unquantized target has delta 0 by definition)."""
+        delta = _plain(record.get("quant_ppl_delta_pct"))
+        if delta is None or not isinstance(delta, (int, float)) or not math.isfinite(delta):
+            return 0.0
+        return max(0.0, float(delta) - self._ppl_bound(params, record))
 
     def _fail(self, trial: optuna.Trial, params: dict[str, Any], exc: Exception, config: Any, session: Any) -> None:
         oom = is_out_of_memory(exc)

@@ -5,6 +5,8 @@
                   evenly over batch-size buckets; exports a schedule (JSON) + vLLM / SGLang / TensorRT-LLM snippets.
   pareto          "What do I trade for speed?"  maximize tokens/s, minimize peak memory, minimize p99 TPOT;
                   reports the Pareto front.
+  precision       "Which weight precision for target and draft, with which drafter?"  maximize tokens/s, minimize the
+                  quantized target's held-out perplexity increase; trials above max_ppl_increase_pct are infeasible.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from typing import Any
 import optuna
 import pandas as pd
 
-from studies.objective import (PARETO, REPORT_KNOBS, SPEEDUP, THROUGHPUT, ObjectiveSpec, exclusion_notes,
-                               pareto_front, reliable_complete, trials_frame)
+from studies.objective import (PARETO, QUALITY_FRONT, REPORT_KNOBS, SPEEDUP, THROUGHPUT, ObjectiveSpec,
+                               exclusion_notes, pareto_front, reliable_complete, trials_frame)
 from studies.space import GLOBAL_KNOBS, IntRange, SearchSpace
 
 
@@ -143,6 +145,26 @@ def report_pareto(study: optuna.Study) -> str:
     return "\n".join(lines)
 
 
+def report_precision(study: optuna.Study) -> str:
+    front = pareto_front(study)
+    if not front.empty:
+        front = front.sort_values("tokens_per_s", ascending=False)
+    df = trials_frame(study)
+    over = [f"trial {t.number}: {t.user_attrs.get('infeasible_reason')}" for t in study.get_trials(deepcopy=False)
+            if t.user_attrs.get("feasible") is False]
+    lines = [f"study {study.study_name!r}: {_counts(study)}", *exclusion_notes(study),
+             f"Pareto front ({len(front)} reliable feasible trials; maximize tokens/s, minimize held-out perplexity "
+             "increase of the quantized target, %):",
+             _table(front, COLS + list(QUALITY_FRONT.metrics) + ["speedup_vs_ar", "acceptance_rate"]),
+             *(["infeasible (fidelity or quality bound):", *[f"  {o}" for o in over]] if over else [])]
+    if "target_quant" in df and len(df):
+        by = (df.groupby(["target_quant"], as_index=False)
+              .agg(trials=("trial", "count"), best_tokens_per_s=("tokens_per_s", "max"),
+                   ppl_delta_pct=("quant_ppl_delta_pct", "min")))
+        lines += ["by target weight format:", _table(by)]
+    return "\n".join(lines)
+
+
 SCRIPTS: dict[str, StudyScript] = {s.name: s for s in (
     StudyScript("best_k", "best draft length and method for my models", THROUGHPUT,
                 SearchSpace(methods=("draft", "ngram"), k=IntRange(1, 8), ngram_min=IntRange(1, 3),
@@ -156,6 +178,12 @@ SCRIPTS: dict[str, StudyScript] = {s.name: s for s in (
                 SearchSpace(methods=("ar", "draft", "ngram"), k=IntRange(1, 8), ngram_min=IntRange(1, 3),
                             ngram_max=IntRange(1, 4), batch=(1, 2, 4), temperature=0.0),
                 report_pareto),
+    StudyScript("precision", "weight precision of target and draft: tokens/s vs held-out perplexity cost",
+                QUALITY_FRONT,
+                SearchSpace(methods=("ar", "draft", "ngram"), k=IntRange(2, 6), ngram_min=IntRange(1, 3),
+                            ngram_max=IntRange(1, 4), batch=1, temperature=0.0,
+                            target_quant=("none", "int8", "int4", "int4-awq"), draft_quant=("none", "int8")),
+                report_precision),
 )}
 
 

@@ -400,6 +400,7 @@ def test_gguf_parity(hf_models, tmp_path, case, arch):
     write_gguf(path, hf, arch, rope_freqs)
     model = load_model(path)
     assert model.source_path == str(path)
+    assert set(model.gguf_tensor_types) <= {"F32", "F16", "BF16"}  # what the file stored, for the run record
     assert model.config.tie_word_embeddings == hf.config.tie_word_embeddings
     assert read_config(path).architecture == case.split("_")[0]
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))

@@ -94,7 +94,7 @@ def test_space_suggests_only_the_knobs_of_the_method():
     assert space.suggest(optuna.trial.FixedTrial({"method": "ar", "batch": 4})) == {
         "method": "ar", "batch": 4, "temperature": 0.0, "dtype": "float32", "paged": True, "kv_block_size": 16,
         "cuda_graphs": False, "compile": "off", "attention": "auto",
-        "target_kv_quant": "none", "overlap": True}  # fixed knobs pass through; ar reads no k (nor draft_kv_quant)
+        "target_kv_quant": "none", "overlap": True, "target_quant": "none"}  # fixed knobs pass through; ar reads no k (nor draft_kv_quant, draft_quant)
     got = space.suggest(optuna.trial.FixedTrial({"method": "ngram", "k": 3, "ngram_min": 3, "ngram_max": 3,
                                                  "batch": 1}))
     assert got["k"] == 3 and got["ngram_min"] == 3 and got["ngram_max"] == 3
@@ -163,7 +163,7 @@ def test_cli_refuses_unknown_script_storage_and_changed_space(tmp_path, capsys):
     assert run_main(["--study", "z", "--storage", db, "--max-new-tokens", "100000"]) == 2
     assert "max_new_tokens=100000 is outside" in capsys.readouterr().err
     assert run_main(["--study", "z", "--storage", db, "--max-new-tokens", "8000", "--trials", "1"]) == 2
-    assert "the engine refuses method=draft, k=8, draft_kv_quant=none, batch=1, max_new_tokens=8000" in capsys.readouterr().err
+    assert "the engine refuses method=draft, k=8, draft_kv_quant=none, draft_quant=none, batch=1, max_new_tokens=8000" in capsys.readouterr().err
     assert worker_main(["--study", "nope", "--storage", db]) == 2
     assert "no study named 'nope'" in capsys.readouterr().err
     with pytest.raises(StudyMismatchError, match="max_new_tokens"):
@@ -184,10 +184,32 @@ def test_small_study_writes_one_row_per_trial(tmp_path, session):
     assert (df["status"] == "ok").all() and (df["study"] == "small").all() and (df["max_new_tokens"] == 8).all()
     assert set(df["run_id"]) == {t.user_attrs["run_id"] for t in trials}
     assert all(t.values[0] == pytest.approx(t.user_attrs["tokens_per_s"]) for t in trials)
-    assert all(t.constraints == {"fidelity": 0.0} for t in trials)
+    assert all(t.constraints == {"fidelity": 0.0, "quality": 0.0} for t in trials)
     assert "best setting (trial" in get_script("best_k").report(study)
     # resuming with the same total runs nothing more
     assert run_trials(study, spec, store=store, device="cpu", session_for=lambda dtype: session) == 0
+
+
+def test_perplexity_above_the_quality_bound_makes_a_trial_infeasible(tmp_path, session):
+    """A quantized target's perplexity cost is a constraint: points above max_ppl_increase_pct (default 2 %)."""
+    def lossy_draft(config, result):
+        if config.method != "draft":
+            return result
+        return types.SimpleNamespace(record={**result.record, "quant_ppl_delta_pct": 5.0}, traces=result.traces)
+
+    storage = open_storage(f"sqlite:///{tmp_path}/s.db")
+    spec = make_spec("pareto", methods=("draft", "ngram"), k=2, ngram_min=1, ngram_max=2, batch=1)
+    study, spec = create_or_resume(storage, "qual", spec, target_trials=2)
+    for method in ("draft", "ngram"):
+        study.enqueue_trial({"method": method})
+    run_trials(study, spec, store=ResultStore(tmp_path / "store"), device="cpu",
+               session_for=lambda dtype: wrap(session, lossy_draft))
+    by_method = {t.params["method"]: t for t in study.get_trials()}
+    assert by_method["draft"].constraints == {"fidelity": 0.0, "quality": pytest.approx(3.0)}
+    assert by_method["draft"].user_attrs["feasible"] is False
+    assert "held-out perplexity +5 % exceeds the bound 2 %" in by_method["draft"].user_attrs["infeasible_reason"]
+    assert by_method["ngram"].constraints == {"fidelity": 0.0, "quality": 0.0}
+    assert by_method["ngram"].user_attrs["feasible"] is True
 
 
 def test_greedy_mismatch_makes_a_trial_infeasible(tmp_path, session):
@@ -207,7 +229,7 @@ def test_greedy_mismatch_makes_a_trial_infeasible(tmp_path, session):
     assert [t.state.name for t in trials] == ["COMPLETE"] * 4
     for t in trials:
         draft = t.params["method"] == "draft"
-        assert t.constraints == {"fidelity": 1.0 if draft else 0.0}
+        assert t.constraints == {"fidelity": 1.0 if draft else 0.0, "quality": 0.0}
         assert t.user_attrs["feasible"] is (not draft)
         assert (t.user_attrs.get("infeasible_reason") is not None) is draft
     front = pareto_front(study)

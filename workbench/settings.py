@@ -273,6 +273,20 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("draft_kv_quant", "str", "none", "KV-cache format of the draft model's own cache (none / int8 / fp8): "
          "changes acceptance only, the output stays exact", "Draft KV cache format", "method",
          choices=("none", "int8", "fp8"), methods=("draft",), searchable=True),
+    # weight formats (workbench.engine.quant): a quantized model is a module swap of the loaded one, made per run
+    Knob("target_quant", "str", "none", "target weight format: none (as loaded), int8 (weight-only, per channel), "
+         "int4 (weight-only, groups of int4_group_size), int4-awq (int4 after activation-aware scales from "
+         "calibration text), fp8 (e4m3 weights and activations, torch._scaled_mm; CUDA, compute capability >= 8.9). "
+         "Lossy: the run records the quality cost against the unquantized target", "Target weights", "system",
+         choices=("none", "int8", "int4", "int4-awq", "fp8"), searchable=True),
+    Knob("draft_quant", "str", "none", "draft model weight format (same choices as target_quant); lossless for the "
+         "output, it costs acceptance", "Draft weights", "system", choices=("none", "int8", "int4", "int4-awq", "fp8"),
+         methods=("draft",), searchable=True),
+    Knob("int4_group_size", "int", 128, "input channels per int4 scale/zero group (int4, int4-awq); must divide every "
+         "linear's input width", "int4 group size", "system", choices=(32, 64, 128, 256)),
+    Knob("max_ppl_increase_pct", "float", 2.0, "quality bound: the largest held-out perplexity increase, in percent, of "
+         "the quantized target over the unquantized one that a study accepts (a constraint; runs record "
+         "quant_within_bound)", "Max perplexity increase (%)", "run", 0.0, 1000.0),
     Knob("phase_profile", "bool", False, "after the timed runs, replay each captured phase (draft, verify) for "
          ">= 0.25 s under the NVML GPM sampler: SM utilization, ms and achieved bandwidth per phase (GPU, "
          "--cuda-graphs)", "Per-phase GPU profile", "system"),

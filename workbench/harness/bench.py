@@ -30,6 +30,7 @@ from workbench.engine.drafters import (DraftModelDrafter, Drafter, EagleDrafter,
                                        RedrafterDrafter, RedrafterHead)
 from workbench.engine import EngineConfig, GenerationResult, SpecEngine
 from workbench.harness.metrics import greedy_agreement, median, percentile, summarize, traces_frame
+from workbench.harness.quality import check_weight_formats, quality_columns, quant_key, quantized_model
 from workbench.harness.trust import trust_columns
 from workbench.engine.kv_cache import resolve_attention
 from workbench.engine.sampling import SamplingParams
@@ -64,14 +65,14 @@ def _drafter_for(cfg: BenchConfig, session: "BenchSession") -> Drafter | None:
     if cfg.method == "ar":
         return None
     if cfg.method == "draft":
-        return DraftModelDrafter(session.draft, cfg.k, kv_quant=cfg.draft_kv_quant)
+        return DraftModelDrafter(session.model_for("draft", cfg), cfg.k, kv_quant=cfg.draft_kv_quant)
     if cfg.method == "ngram":
         return NgramDrafter(cfg.k, cfg.ngram_min, cfg.ngram_max)
     if cfg.method == "redrafter":
-        return RedrafterDrafter(session.redrafter_head(), session.target, cfg.beam_width, cfg.beam_length,
-                                cfg.diversity_penalty)
+        return RedrafterDrafter(session.redrafter_head(), session.model_for("target", cfg), cfg.beam_width,
+                                cfg.beam_length, cfg.diversity_penalty)
     if cfg.method == "eagle":
-        return EagleDrafter(session.eagle_head(), session.target, cfg.tree_depth, cfg.tree_topk, cfg.tree_budget)
+        return EagleDrafter(session.eagle_head(), session.model_for("target", cfg), cfg.tree_depth, cfg.tree_topk, cfg.tree_budget)
     raise BenchError(f"unknown method {cfg.method!r}; choose one of {sorted(METHODS)}")
 
 
@@ -97,6 +98,8 @@ class BenchSession:
         self._engines: dict[tuple, SpecEngine] = {}  # engines (caches, graphs) reused across runs and trials
         self._redrafter: tuple[RedrafterHead, str] | None = None  # (head, where it came from), loaded once
         self._eagle: tuple[EagleHead, str] | None = None
+        self._quantized: dict[tuple, torch.nn.Module] = {}  # (role, format, group) -> quantized copy (quality.py)
+        self._quality_cache: dict[tuple, object] = {}  # perplexities, reference outputs, calibration ids
 
     @classmethod
     def load(cls, preset: str | None = None, model: str | None = None, draft: str | None = None, device: str = "auto",
@@ -198,6 +201,11 @@ class BenchSession:
         """The loaded ReDrafter head's folder, "untrained (seed N)", or None before any redrafter run."""
         return self._redrafter[1] if self._redrafter is not None else None
 
+    def model_for(self, role: str, cfg: BenchConfig) -> torch.nn.Module:
+        """The target or draft model in the run's weight format: the loaded model for "none", else a quantized copy
+        made on first use and kept (workbench.harness.quality)."""
+        return quantized_model(self, role, cfg)
+
     # -- validation ---------------------------------------------------------------------------------------------
     def check(self, cfg: BenchConfig, prompt_ids: list[list[int]]) -> None:
         """Every setting checked before work starts; BenchError names the bad value and the allowed range."""
@@ -211,6 +219,10 @@ class BenchSession:
             raise BenchError(str(e)) from None
         if cfg.method == "draft" and self.draft is None:
             raise BenchError("method 'draft' needs a draft model: give --draft PATH or use a --preset")
+        try:
+            check_weight_formats(self, cfg)  # fp8 on a CPU, an int4 group that does not divide a width, ...
+        except ValueError as e:
+            raise BenchError(str(e)) from None
         k = cfg.tree_budget if cfg.method == "eagle" else cfg.k if cfg.method != "ar" else 0  # draft nodes per step
         models = [("target", self.target)] + ([("draft", self.draft)] if cfg.method == "draft" else [])
         longest = max(len(p) for p in prompt_ids)
@@ -252,12 +264,14 @@ class BenchSession:
                             compile=cfg.compile, attention=cfg.attention, kv_quant=cfg.target_kv_quant,
                             overlap=cfg.overlap)
         shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention,
-                 ecfg.kv_quant)
+                 ecfg.kv_quant,
+                 quant_key(cfg, "target"))
         method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs) if cfg.method in METHODS else ()
         key = (cfg.method, *method_knobs, *shape) if drafter else ("ar", *shape)
         engine = self._engines.pop(key, None)
         if engine is None:
-            engine = SpecEngine(self.target, _drafter_for(cfg, self) if drafter else None, ecfg, self.device)
+            engine = SpecEngine(self.model_for("target", cfg), _drafter_for(cfg, self) if drafter else None, ecfg,
+                                self.device)
             while len(self._engines) >= ENGINE_CACHE_SIZE:  # oldest first: its caches and graphs are freed
                 self._engines.pop(next(iter(self._engines)))
         engine.config = ecfg
@@ -344,8 +358,10 @@ class BenchSession:
         rec = result.record
         rec.update(graphs)
         rec.update(kv, peak_mem_mb=peak)
+        progress(1.0, "quality against the unquantized models")
+        rec.update(quality_columns(self, cfg, prompt_ids, result))
         if rec["greedy_matches_ar"] is False:
-            margins = self.divergence_margins(prompt_ids, result.outputs, result.ar_outputs)
+            margins = self.divergence_margins(prompt_ids, result.outputs, result.ar_outputs, cfg)
             rec["greedy_divergent_sequences"] = len(margins)
             rec["greedy_divergence_margin"] = max(margins)
             rec["greedy_near_tie"] = self.dtype != "float32" and max(margins) <= NEAR_TIE_LOGITS
@@ -380,14 +396,16 @@ class BenchSession:
 
     @torch.inference_mode()
     def divergence_margins(self, prompt_ids: list[list[int]], outputs: list[list[int]],
-                           ar_outputs: list[list[int]]) -> list[float]:
+                           ar_outputs: list[list[int]], cfg: BenchConfig | None = None) -> list[float]:
         """For each sequence whose output differs from the AR output: |fp32 logit(ours) - fp32 logit(AR's)| at the
         first differing token, scored cache-free on the shared prefix (an fp32 copy of the target for models up to
-        2 B parameters, else the model itself)."""
+        2 B parameters, else the model itself; a quantized target is scored as it runs: its kernels are the model)."""
         import copy
 
-        big = sum(p.numel() for p in self.target.parameters()) > 2e9
-        ref = self.target if self.dtype == "float32" or big else copy.deepcopy(self.target).float()
+        target = self.target if cfg is None else self.model_for("target", cfg)
+        big = sum(p.numel() for p in target.parameters()) > 2e9
+        quantized = target is not self.target
+        ref = target if self.dtype == "float32" or big or quantized else copy.deepcopy(target).float()
         margins = []
         for prompt, ours, theirs in zip(prompt_ids, outputs, ar_outputs):
             i = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)

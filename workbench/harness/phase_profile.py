@@ -26,7 +26,9 @@ from workbench.harness.telemetry import GpuTelemetry
 
 
 def _weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    from workbench.engine.quant import weight_bytes
+
+    return weight_bytes(model)  # parameters and buffers: a quantized model keeps its weights in buffers
 
 
 def _kv_bytes(cache, batch: int, live_len: int) -> int:

@@ -58,9 +58,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
     """Model in eval mode with requires_grad off, weights cast to `dtype` on `device`; `model.source_path` is set."""
     p = _existing(path)
     dtype = as_dtype(dtype)
-    rope_freqs = None
+    rope_freqs = gguf_types = None
     if _is_gguf(p):
-        config, tensors, origin, rope_freqs = _read_gguf(p)
+        config, tensors, origin, rope_freqs, gguf_types = _read_gguf(p)
     else:
         config = read_config(p)
         tensors, origin = _read_safetensors_dir(p, device)
@@ -71,6 +71,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, devic
                                     f"{tuple(model.inv_freq.shape)}; the GGUF is inconsistent")
         model.set_rope_inv_freq(model.inv_freq / rope_freqs)  # ggml divides each frequency by its factor
     model.source_path = str(p)
+    if gguf_types is not None:
+        model.gguf_tensor_types = gguf_types  # {"Q4_K": 120, "F32": 45, ...}: what the file stored (dequantized here)
     return model
 
 
@@ -200,8 +202,8 @@ def _gguf_config(p: Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf_config.to_dict(), source=p)
 
 
-def _read_gguf(p: Path) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Path], Tensor | None]:
-    """(config, HF-named float32 tensors, origin, llama.cpp rope_freqs or None).
+def _read_gguf(p: Path) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Path], Tensor | None, dict[str, int]]:
+    """(config, HF-named float32 tensors, origin, llama.cpp rope_freqs or None, stored tensor type -> count).
 
     The config comes from transformers' GGUF metadata mapping. The tensors are read with the gguf package directly:
     transformers' AutoModelForCausalLM GGUF path needs `accelerate`, which this project does not pin. Names map
@@ -232,9 +234,12 @@ def _read_gguf(p: Path) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Path]
             to_hf[f"{gguf_name}.{suffix}"] = hf_name
     heads = {".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
     tensors: dict[str, Tensor] = {}
+    types: dict[str, int] = {}
     rope_freqs = None
     try:
         for t in reader.tensors:
+            kind = getattr(t.tensor_type, "name", str(t.tensor_type))
+            types[kind] = types.get(kind, 0) + 1
             weights = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
             if t.name == "rope_freqs.weight":  # llama.cpp's Llama-3 scaling: per-frequency divisors
                 rope_freqs = torch.from_numpy(weights.reshape(-1))
@@ -247,7 +252,7 @@ def _read_gguf(p: Path) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Path]
     except Exception as e:
         raise ModelLoadError(p, f"cannot read GGUF tensors ({type(e).__name__}: {e}); the file is corrupt or "
                                 "truncated, re-download it") from None
-    return config, tensors, dict.fromkeys(tensors, p), rope_freqs
+    return config, tensors, dict.fromkeys(tensors, p), rope_freqs, types
 
 
 def _unpermute_rope_rows(weights, n_head: int):

@@ -1,0 +1,189 @@
+"""Weight formats on one GPU: decode speed against each format's HBM floor, then a target x draft precision grid.
+
+    python scripts/gpu_quant.py --device cuda --out DIR [--parts floor,grid] [--preset small]
+
+floor : random-weight Llama 1.45 B (22 x 2048, GQA 32/4) and 6.7 B (32 x 4096, MHA), vocab 32000, bf16, AR at batch 1
+        on the engine's captured path (CUDA graphs, Triton paged attention), per weight format: ms/token (median,
+        min, max over repeats) and the fraction of the HBM floor of *that format's* bytes: (decoder weights as stored
+        + LM head + KV read per token) / 4.3 TB/s (the embedding table is not read, only one row of it; gpu_fastpath.py
+        counted the whole table, so its bf16 fractions are a little higher for the same time). Formats: none, int8
+        (aten._weight_int8pack_mm), int8-dq (dequantize + matmul: what torch.compile can fuse; add --floor-modes
+        graphs,graphs+compile to see it compiled), int4 (tinygemm _weight_int4pack_mm), int4-awq (same kernels, AWQ
+        scales from random calibration tokens: the speed is the point here), fp8 (_scaled_mm, row-wise scales).
+grid  : a zoo preset (--preset; it must exist locally) in bf16, method draft k=4, batch 1, graphs on, through
+        BenchSession.run: for each (target format, draft format): acceptance, tokens/s, speedup vs the AR of the same
+        target format and vs bf16 AR, held-out perplexity delta, token agreement, acceptance change, greedy parity
+        against the same quantized target's AR.
+Writes quant_<part>.json and quant_<part>.md (a table) into --out; one failing row or part is recorded, not fatal.
+CPU smoke test: --device cpu --floor-configs mini --formats none,int8,int4 --preset tiny --int4-group-size 32 ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_fastpath import HBM_BYTES_PER_S, MODES, RANDOM_CONFIGS, warm  # noqa: E402
+from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
+from workbench.engine.quant import check_quant, quantize_model, weight_bytes  # noqa: E402
+
+CONFIGS = {**RANDOM_CONFIGS, "mini": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2)}  # CPU smoke test only
+FORMAT_KERNELS = {"none": ("none", "auto"), "int8": ("int8", "aten"), "int8-dq": ("int8", "dequant"),
+                  "int4": ("int4", "aten"), "int4-awq": ("int4-awq", "aten"), "fp8": ("fp8", "auto")}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def part_floor(args, device: torch.device) -> list[dict]:
+    from workbench.models import LlamaModel, ModelConfig
+
+    rows = []
+    for name in args.floor_configs.split(","):
+        cfg = ModelConfig(vocab_size=args.vocab, max_position_embeddings=4096, **CONFIGS[name])
+        with device:
+            base = LlamaModel(cfg, init_weights=False).to(torch.bfloat16)
+        base.reset_parameters()
+        base.eval()
+        embed = base.model.embed_tokens.weight
+        prompts = [list(range(100, 100 + args.prompt_len))]
+        for fmt_name in args.formats.split(","):
+            fmt, kernel = FORMAT_KERNELS[fmt_name]
+            for mode in args.floor_modes.split(","):
+                row = {"config": name, "format": fmt_name, "mode": mode}
+                try:
+                    check_quant(fmt, cfg, device, torch.bfloat16, args.int4_group_size)
+                    t0 = time.perf_counter()
+                    calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))
+                    model = quantize_model(base, fmt, group_size=args.int4_group_size, kernel=kernel,
+                                           calibration=calib if fmt == "int4-awq" else None)
+                    sync(device)
+                    row["quantize_s"] = time.perf_counter() - t0
+                    engine = SpecEngine(model, None, EngineConfig(max_new_tokens=args.max_new_tokens, **MODES[mode]),
+                                        device)
+                    warm(engine, prompts, 1)
+                    ms = []
+                    for _ in range(args.repeats):
+                        res = engine.generate(prompts)
+                        sync(device)
+                        ms.append((res.t_done[0] - res.t_first_token) * 1e3 / (len(res.outputs[0]) - 1))
+                    kv = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+                          * (args.prompt_len + args.max_new_tokens / 2))
+                    stored = weight_bytes(model)
+                    read = stored - (embed.numel() * embed.element_size() if model.lm_head is not None else 0)
+                    med = statistics.median(ms)
+                    row.update(weight_gb=stored / 1e9, read_gb_per_token=(read + kv) / 1e9, ms_per_token_median=med,
+                               ms_min=min(ms), ms_max=max(ms), floor_ms=(read + kv) / HBM_BYTES_PER_S * 1e3,
+                               fraction_of_floor=(read + kv) / HBM_BYTES_PER_S * 1e3 / med,
+                               floor_ms_all_params=(stored + kv) / HBM_BYTES_PER_S * 1e3)
+                    del engine, model
+                except Exception as e:  # noqa: BLE001 - record it, keep measuring the other formats
+                    row["error"] = f"{type(e).__name__}: {e}"[:400]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        by = {(r["config"], r["mode"]): r for r in rows if r["format"] == "none" and "error" not in r}
+        for r in rows:  # tokens/s relative to bf16 of the same config and mode
+            ref = by.get((r["config"], r["mode"]))
+            if ref and "error" not in r:
+                r["speedup_vs_bf16"] = ref["ms_per_token_median"] / r["ms_per_token_median"]
+        del base
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def part_grid(args, device: torch.device) -> list[dict]:
+    from workbench.harness.bench import BenchConfig, BenchSession
+
+    session = BenchSession.load(preset=args.preset, device=str(device), dtype=args.grid_dtype)
+    rows, bf16_ar = [], None
+    for tq in args.grid_targets.split(","):
+        for dq in args.grid_drafts.split(","):
+            row = {"target_quant": tq, "draft_quant": dq}
+            cfg = BenchConfig(method="draft", k=4, batch=1, max_new_tokens=args.grid_new_tokens,
+                              num_prompts=args.grid_prompts, repeats=args.repeats, warmup=1, temperature=0.0,
+                              cuda_graphs=True, graph_batch_sizes=(1,), target_quant=tq, draft_quant=dq,
+                              int4_group_size=args.int4_group_size)
+            try:
+                rec = session.run(cfg).record
+                if tq == "none" and bf16_ar is None:
+                    bf16_ar = rec["ar_tokens_per_s"]
+                row.update({k: rec.get(k) for k in (
+                    "acceptance_rate", "mean_accepted_tokens", "tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar",
+                    "quant_ppl_delta_pct", "quant_token_agreement", "quant_sequences_identical",
+                    "quant_acceptance_ref", "quant_acceptance_delta", "quant_within_bound", "greedy_matches_ar",
+                    "greedy_near_tie", "target_weight_mb", "draft_weight_mb", "noisy", "plausible")})
+                row["speedup_vs_bf16_ar"] = rec["tokens_per_s"] / bf16_ar if bf16_ar else None
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:400]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)\n"
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)  # noqa: E731
+    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
+                      *["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]]) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="floor,grid")
+    ap.add_argument("--floor-configs", default="1.45b,6.7b")
+    ap.add_argument("--formats", default="none,int8,int8-dq,int4,int4-awq,fp8")
+    ap.add_argument("--floor-modes", default="graphs", help=f"engine modes of gpu_fastpath: {', '.join(MODES)}")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--int4-group-size", type=int, default=128)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--grid-dtype", default="bfloat16")
+    ap.add_argument("--grid-targets", default="none,int8,int4,int4-awq,fp8")
+    ap.add_argument("--grid-drafts", default="none,int8,int4")
+    ap.add_argument("--grid-prompts", type=int, default=4)
+    ap.add_argument("--grid-new-tokens", type=int, default=96)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__}
+    for part in args.parts.split(","):
+        t0 = time.perf_counter()
+        try:
+            data = {"rows": {"floor": part_floor, "grid": part_grid}[part](args, device)}
+        except Exception as e:  # noqa: BLE001 - one failing part must not lose the others
+            import traceback
+            traceback.print_exc()
+            data = {"rows": [], "error": f"{type(e).__name__}: {e}"}
+        data.update(env, part=part, seconds=time.perf_counter() - t0, args=vars(args))
+        (out / f"quant_{part}.json").write_text(json.dumps(data, indent=1))
+        (out / f"quant_{part}.md").write_text(f"# {part} ({env['device']}, torch {env['torch']}, "
+                                              f"{data['seconds']:.0f} s)\n\n" + table(data["rows"])
+                                              + (f"\nerror: {data['error']}\n" if "error" in data else ""))
+        print(f"== {part}: {data['seconds']:.1f} s", flush=True)
+        print(table(data["rows"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

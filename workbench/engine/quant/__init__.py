@@ -1,0 +1,163 @@
+"""Quantized weights: a module swap of a loaded model's decoder linears, chosen per model (target and draft apart).
+
+    check_quant("int4", model.config, device, dtype, group_size=128, role="target")   # QuantError before any work
+    qmodel = quantize_model(model, "int4", group_size=128)        # a quantized copy; `model` is left as it was
+    qmodel = quantize_model(model, "int4-awq", group_size=128, calibration=ids)   # ids [S, L]: calibration tokens
+
+Formats (`FORMATS`), each a weight rule in `linears.py`:
+    none      the model as loaded (bf16 / fp16 / fp32 reference)
+    int8      weight-only int8, one scale per output channel                  aten._weight_int8pack_mm (CPU, CUDA)
+    int4      weight-only int4, asymmetric, a scale + zero per group of g     aten._weight_int4pack_mm (CUDA, bf16),
+              input channels (g = `int4_group_size`: 32, 64, 128, 256)        _weight_int4pack_mm_for_cpu (CPU)
+    int4-awq  int4 after AWQ's activation-aware per-input-channel scales (awq.py), folded into the preceding norm or
+              projection rows: the same kernels as int4, scales searched on calibration tokens
+    fp8       e4m3 weights, one scale per output channel, x fp8 activations   torch._scaled_mm, row-wise scales
+              scaled per token on the fly                                      (CUDA, compute capability >= 8.9)
+
+What is swapped: the four linears of every decoder layer (qkv_proj, o_proj, gate_up_proj, down_proj). Embeddings, the
+LM head (tied or not) and the norms stay in the model dtype: the head is what logits and acceptance are computed
+from, and at 7 B it is ~2 % of the weight bytes. A quantized model is a different model: the engine's greedy parity
+(the fidelity guard) is checked against the autoregressive output of the *same* quantized model, and its cost
+against the unquantized one is measured separately (the harness's quality columns).
+
+GGUF: `load_model` dequantizes every GGUF tensor to float (then the format chosen here re-quantizes). Which GGUF types
+our formats hold exactly: F32 / F16 / BF16 -> none; Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) in blocks of 32 ->
+int4 with group 32 (scale d, zero 0 or m + 8 d), but they are not kept packed yet: re-quantizing the dequantized
+weights with our min-max rule moves some of them; Q8_0 (int8 per block of 32) has no per-channel equivalent;
+K-quants (Q2_K..Q6_K), IQ* and the rest have no counterpart. `gguf_note` words this for a run record.
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import torch
+from torch import Tensor, nn
+
+from .linears import (FP8_DTYPE, INT4_GROUP_SIZES, Fp8Linear, Int4Linear, Int8Linear, QuantLinear, dequantize_fp8,
+                      dequantize_int4, dequantize_int8, fp8_linear_reference, quantize_fp8, quantize_fp8_rows,
+                      quantize_int4, quantize_int8)
+
+FORMATS = ("none", "int8", "int4", "int4-awq", "fp8")
+KERNELS = ("auto", "aten", "dequant")
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+GGUF_EXACT = {"F32": "none", "F16": "none", "BF16": "none"}
+GGUF_REPRESENTABLE = {"Q4_0": "int4 (group 32)", "Q4_1": "int4 (group 32)"}
+
+__all__ = ["FORMATS", "QuantError", "QuantLinear", "Int8Linear", "Int4Linear", "Fp8Linear", "check_quant",
+           "quantize_model", "weight_bytes", "linear_shapes", "gguf_note", "INT4_GROUP_SIZES", "FP8_DTYPE",
+           "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "quantize_fp8", "dequantize_fp8",
+           "quantize_fp8_rows", "fp8_linear_reference", "format_of"]
+
+
+class QuantError(ValueError):
+    """A weight format the model or the device cannot run; the message names the setting and what to do."""
+
+
+def linear_shapes(config) -> dict[str, tuple[int, int]]:
+    """(in K, out N) of each decoder linear of a ModelConfig."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    h, i = config.hidden_size, config.intermediate_size
+    return {"self_attn.qkv_proj": (h, q + 2 * kv), "self_attn.o_proj": (q, h), "mlp.gate_up_proj": (h, 2 * i),
+            "mlp.down_proj": (i, h)}
+
+
+def check_quant(fmt: str, config, device: torch.device | str, dtype: torch.dtype, group_size: int = 128,
+                role: str = "target") -> None:
+    """Raise QuantError unless `fmt` can run for a model of `config` in `dtype` on `device`."""
+    device = torch.device(device)
+    knob = f"{role}_quant"
+    if fmt not in FORMATS:
+        raise QuantError(f"{knob}={fmt!r} is not a weight format the engine has; choose one of {', '.join(FORMATS)}")
+    if fmt == "none":
+        return
+    shapes = linear_shapes(config)
+    if fmt == "fp8":
+        if device.type != "cuda":
+            raise QuantError(f"{knob}=fp8 needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or newer: "
+                             f"Ada, Hopper); this run is on {device.type}: use int8 or int4 there")
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise QuantError(f"{knob}=fp8 needs compute capability 8.9 or newer; {torch.cuda.get_device_name(device)} "
+                             f"has {cap[0]}.{cap[1]}: use int8 or int4")
+        bad = [f"{n} {k}x{o}" for n, (k, o) in shapes.items() if k % 16 or o % 16]
+        if bad:
+            raise QuantError(f"{knob}=fp8: torch._scaled_mm needs widths divisible by 16; the {role} model has "
+                             f"{', '.join(bad)}: use int8")
+    if fmt in ("fp8", "int4", "int4-awq") and device.type == "cuda" and dtype != torch.bfloat16:
+        raise QuantError(f"{knob}={fmt} on a GPU computes in bfloat16 (the kernel's only input type); the models are "
+                         f"loaded as {str(dtype).removeprefix('torch.')}: use --dtype bfloat16")
+    if fmt in ("int4", "int4-awq"):
+        if group_size not in INT4_GROUP_SIZES:
+            raise QuantError(f"int4_group_size={group_size} is not one the int4 kernels take; choose one of "
+                             f"{', '.join(map(str, INT4_GROUP_SIZES))}")
+        widths = sorted({k for k, _ in shapes.values()})
+        bad = [f"{n} (input width {k})" for n, (k, _) in shapes.items() if k % group_size]
+        if bad:
+            fits = [g for g in INT4_GROUP_SIZES if all(w % g == 0 for w in widths)]
+            advice = (f"use --int4-group-size {max(fits)} (divides every input width: {', '.join(map(str, widths))})"
+                      if fits else f"no int4 group size divides its input widths {widths}: use int8")
+            raise QuantError(f"{knob}={fmt}: int4 group size {group_size} does not divide the {role} model's "
+                             f"{', '.join(bad)}; {advice}")
+        if device.type == "cuda":
+            bad = [f"{n} ({o} outputs)" for n, (_, o) in shapes.items() if o % 8]
+            if bad:
+                raise QuantError(f"{knob}={fmt}: the CUDA int4 kernel needs output widths divisible by 8; the {role} "
+                                 f"model has {', '.join(bad)}: use int8")
+
+
+def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibration: Tensor | None = None,
+                   kernel: str = "auto", inplace: bool = False) -> nn.Module:
+    """The model with its decoder linears replaced by `fmt`'s modules (a copy unless `inplace`). "int4-awq" needs
+    `calibration` token ids [S, L]. `kernel` (int8 / int4): "aten" (the packed aten ops), "dequant" (PyTorch ops,
+    then one matmul) or "auto" (aten on a GPU, dequant on a CPU). Call `check_quant` first."""
+    if fmt not in FORMATS:
+        raise QuantError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt == "none":
+        return model
+    if fmt == "int4-awq" and calibration is None:
+        raise QuantError("int4-awq needs calibration token ids [S, L] (the harness takes them from the zoo corpus)")
+    if kernel == "auto":
+        kernel = "aten" if next(model.parameters()).is_cuda else "dequant"
+    if kernel not in KERNELS:
+        raise QuantError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    out = model if inplace else copy.deepcopy(model)
+    if fmt == "int4-awq":
+        from .awq import apply_awq
+
+        out.awq_alphas = apply_awq(out, calibration, group_size)
+    make = {"int8": lambda lin: Int8Linear(lin, kernel), "int4": lambda lin: Int4Linear(lin, group_size, kernel),
+            "int4-awq": lambda lin: Int4Linear(lin, group_size, kernel), "fp8": Fp8Linear}[fmt]
+    with torch.no_grad():
+        for layer in out.model.layers:
+            for path in LINEARS:
+                parent_name, name = path.split(".")
+                parent = getattr(layer, parent_name)
+                setattr(parent, name, make(getattr(parent, name)))
+    out.weight_format = fmt
+    return out
+
+
+def format_of(model: nn.Module) -> str:
+    """The format `quantize_model` gave the model ("none" for a model as loaded)."""
+    return getattr(model, "weight_format", "none")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers as stored (quantized weights, scales and zeros included)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # a tied head counted once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def gguf_note(tensor_types: Counter | dict | None, fmt: str) -> str | None:
+    """A sentence for the run record about a GGUF's stored types and what became of them, None for other files."""
+    if not tensor_types:
+        return None
+    shown = ", ".join(f"{t} x{n}" for t, n in sorted(tensor_types.items()))
+    quantized = sorted(t for t in tensor_types if t not in GGUF_EXACT)
+    if not quantized:
+        return f"GGUF tensors {shown}: float, loaded as they are"
+    representable = [f"{t} -> {GGUF_REPRESENTABLE[t]}" for t in quantized if t in GGUF_REPRESENTABLE]
+    return (f"GGUF tensors {shown}: dequantized to float on load, then weight format {fmt!r} applied"
+            + (f"; {', '.join(representable)} would be exact but are not kept packed yet" if representable else
+               "; none of these types has an exact counterpart here"))

@@ -1,0 +1,232 @@
+"""Quantized replacements for `nn.Linear`, each beside the reference math its kernel must match.
+
+Every format stores the weight `[N, K]` (out x in features) in fewer bytes and dequantizes it by a rule stated here;
+the tests compare each module's output with `x @ dequantize(...).T` (error bounds in tests/test_quant.py):
+
+    format  stored weight                                   dequantized weight                     matmul kernel
+    int8    q int8 [N, K], scale [N] (model dtype)          q * scale[n]            (per channel)  aten._weight_int8pack_mm
+    int4    q in 0..15 packed, scale/zero [K/g, N]          (q - 8) * scale + zero  (per group g)  aten._weight_int4pack_mm
+                                                                                                   (_for_cpu on a CPU)
+    (int8 and int4 also have kernel "dequant": dequantize with PyTorch ops, then one matmul; the default on a CPU)
+    fp8     q float8_e4m3fn [N, K], scale [N] fp32          q * scale[n]            (per channel)  torch._scaled_mm
+
+int8 and int4 are weight-only: activations stay in the model dtype. fp8 also quantizes the activations, per token
+(row) and on the fly (`_scaled_mm` multiplies two fp8 operands): amax / 448 as each row's scale, computed on the
+device. Scales are rounded to the dtype they are stored in *before* the weight is rounded against them, so the stored
+(q, scale) pair is exactly what `dequantize` reads. (AWQ's per-input-channel factors need no module of their own:
+`workbench.engine.quant.awq` folds them into the preceding RMSNorm or projection rows before quantizing.)
+
+No forward reads a tensor value on the host or branches on one: every module runs inside the engine's captured
+fixed-shape steps and under torch.compile. The packed int4 layout depends on the device (CUDA tinygemm vs the CPU
+kernel), so a quantized module stays on the device it was built on.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4pack kernels accept
+
+
+# ---- reference math (pure PyTorch, any device) -----------------------------------------------------------------
+def quantize_int8(w: Tensor, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """w [N, K] -> (q [N, K] int8 in -127..127, scale [N] in scale_dtype) with w ~ q * scale (symmetric, per row).
+
+    >>> q, s = quantize_int8(torch.tensor([[0.5, -1.0], [2.0, 0.0]]), torch.float32)
+    >>> q.tolist(), [round(v, 5) for v in s.tolist()]
+    ([[64, -127], [127, 0]], [0.00787, 0.01575])
+    """
+    w = w.float()
+    scale = (w.abs().amax(dim=1).clamp(min=1e-8) / 127).to(scale_dtype)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    return q.float() * scale.float()[:, None]  # [N, K] fp32
+
+
+def quantize_int4(w: Tensor, group_size: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """w [N, K] -> (q [N, K] int32 in 0..15, scale [N, K/g], zero [N, K/g]) with, per group of g input channels,
+    w ~ (q - 8) * scale + zero (asymmetric min-max: the group's min and max are representable up to rounding).
+
+    >>> q, s, z = quantize_int4(torch.tensor([[0.0, 1.0, 2.0, 3.0] * 8]), 32, torch.float32)
+    >>> q[0, :4].tolist(), round(float(s[0, 0]), 4), round(float(z[0, 0]), 4)
+    ([0, 5, 10, 15], 0.2, 1.6)
+    """
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+    scale = ((hi - lo).clamp(min=1e-6) / 15).to(scale_dtype).float()
+    zero = (lo + 8 * scale).to(scale_dtype).float()
+    q = torch.round((wg - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.int32)
+    return q.reshape(n, k), scale.to(scale_dtype), zero.to(scale_dtype)
+
+
+def dequantize_int4(q: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
+    n, k = q.shape
+    groups = scale.shape[1]
+    qg = q.float().reshape(n, groups, k // groups)
+    return ((qg - 8) * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)  # [N, K] fp32
+
+
+def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [N, K] -> (q [N, K] float8_e4m3fn, scale [N] fp32), w ~ q * scale; each row's amax maps to 448."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8(q: Tensor, scale: Tensor) -> Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M, 1] fp32): the activation side of the fp8 matmul (per token)."""
+    scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fp8_linear_reference(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """What `Fp8Linear` computes, in fp32 from dequantized operands: x [..., K] -> [..., N] in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_fp8_rows(x2)
+    out = (xq.float() * xs) @ dequantize_fp8(q, scale).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
+
+
+def int4_inner_k_tiles(k: int) -> int:
+    """tinygemm's K tiling: the largest of 8, 4, 2 with K % (tiles * 16) == 0 (K is a multiple of the group, >= 32)."""
+    return next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+
+
+def pack_int4(q: Tensor, inner_k_tiles: int) -> Tensor:
+    """q [N, K] int32 in 0..15 -> the kernel's packed layout on q's device (CUDA: from two nibbles per byte)."""
+    if q.is_cuda:
+        return torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), inner_k_tiles)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), inner_k_tiles)
+
+
+# ---- modules ---------------------------------------------------------------------------------------------------
+class QuantLinear(nn.Module):
+    """Base of the quantized linears: `forward(x [..., K]) -> [..., N]` in x's dtype; buffers hold the weight."""
+
+    fmt = "?"
+
+    def __init__(self, in_features: int, out_features: int, bias: Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)  # [N]
+
+    def _flat(self, x: Tensor) -> Tensor:
+        return x.reshape(-1, self.in_features)  # [M, K]
+
+    def _out(self, y: Tensor, x: Tensor) -> Tensor:
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> Tensor:
+        """[N, K] fp32: the weight this module multiplies by."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8Linear(QuantLinear):
+    """Weight-only int8, one scale per output channel. `kernel` "aten" uses aten._weight_int8pack_mm; "dequant"
+    computes linear(x, q.to(dtype)) * scale, which torch.compile can fuse into one kernel (gpt-fast's form; the CPU
+    default: this torch's CPU int8pack kernel is 3-80x slower than it here, see README)."""
+
+    fmt = "int8"
+
+    def __init__(self, linear: nn.Linear, kernel: str = "aten") -> None:
+        super().__init__(linear.in_features, linear.out_features, linear.bias)
+        q, scale = quantize_int8(linear.weight, linear.weight.dtype)
+        self.register_buffer("weight", q)  # [N, K] int8
+        self.register_buffer("scale", scale)  # [N] model dtype
+        self.kernel = kernel
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = self._flat(x)
+        if self.kernel == "dequant":
+            y = F.linear(x2, self.weight.to(x2.dtype)) * self.scale
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scale)
+        return self._out(y, x)
+
+    def dequantized_weight(self) -> Tensor:
+        return dequantize_int8(self.weight, self.scale)
+
+
+class Int4Linear(QuantLinear):
+    """Weight-only int4 in groups of `group_size` input channels (asymmetric: a scale and a zero per group).
+    `kernel` "aten": the weight packed for aten._weight_int4pack_mm (CUDA tinygemm) / _for_cpu; "dequant": two
+    nibbles per byte [N, K/2] unpacked and dequantized by PyTorch ops each call, then one matmul (the CPU default:
+    this torch's CPU int4pack kernel is 13x slower than an fp32 matmul at one row and 100x at 256, see README)."""
+
+    fmt = "int4"
+
+    def __init__(self, linear: nn.Linear, group_size: int, kernel: str = "aten") -> None:
+        super().__init__(linear.in_features, linear.out_features, linear.bias)
+        dtype = linear.weight.dtype
+        q, scale, zero = quantize_int4(linear.weight, group_size, dtype)
+        self.group_size, self.kernel = group_size, kernel
+        if kernel == "dequant":
+            self.register_buffer("weight", (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8))  # [N, K/2]
+            self.register_buffer("scale", scale)  # [N, K/g]
+            self.register_buffer("zero", zero)  # [N, K/g]
+        else:
+            self.register_buffer("weight", pack_int4(q, int4_inner_k_tiles(linear.in_features)))  # kernel layout
+            # [K/g, N, 2]: the kernels' layout of (scale, zero)
+            self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], dim=-1).contiguous())
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = self._flat(x)
+        if self.kernel == "dequant":
+            n, k = self.out_features, self.in_features
+            q = torch.stack((self.weight >> 4, self.weight & 15), dim=-1).reshape(n, -1, self.group_size)
+            w = ((q.to(x2.dtype) - 8) * self.scale[..., None] + self.zero[..., None]).reshape(n, k)
+            y = F.linear(x2, w)
+        elif self.weight.is_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.weight, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_and_zeros)
+        return self._out(y, x)
+
+    def dequantized_weight(self) -> Tensor:
+        """Recovered through the module itself by multiplying the identity (the kernel's own unpacking)."""
+        dtype = self.scale.dtype if self.kernel == "dequant" else self.scales_and_zeros.dtype
+        eye = torch.eye(self.in_features, dtype=dtype, device=self.weight.device)
+        saved_bias, self.bias = self.bias, None
+        try:
+            return self.forward(eye).float().T.contiguous()  # [N, K]
+        finally:
+            self.bias = saved_bias
+
+
+class Fp8Linear(QuantLinear):
+    """fp8 e4m3 weights (per output channel) x fp8 activations (per token, quantized on the fly), torch._scaled_mm
+    with row-wise scales; the product comes out in the input's dtype (bfloat16 on a GPU)."""
+
+    fmt = "fp8"
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear.in_features, linear.out_features, linear.bias)
+        q, scale = quantize_fp8(linear.weight)
+        self.register_buffer("weight", q)  # [N, K] float8_e4m3fn
+        self.register_buffer("scale", scale[None, :].contiguous())  # [1, N] fp32 (row-wise scale_b)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xq, xs = quantize_fp8_rows(self._flat(x))  # [M, K] fp8, [M, 1] fp32
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=x.dtype)
+        return self._out(y, x)
+
+    def dequantized_weight(self) -> Tensor:
+        return dequantize_fp8(self.weight, self.scale[0])
