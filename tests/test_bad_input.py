@@ -72,7 +72,10 @@ def test_settings_check_accepts_or_names_the_knob(values):
     for name, value in values.items():  # accepted: every value the method reads is in range and finite
         knob = settings.KNOBS[name]
         if knob.reads(values.get("method", "draft")) and knob.kind in ("int", "float"):
-            assert math.isfinite(value) and knob.low <= value <= knob.high, (name, value)
+            if knob.choices is not None:  # e.g. int4_group_size: a number from a list, not a range
+                assert value in knob.choices, (name, value)
+            else:
+                assert math.isfinite(value) and knob.low <= value <= knob.high, (name, value)
 
 
 @pytest.fixture(scope="module")

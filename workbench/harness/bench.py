@@ -65,7 +65,7 @@ def _drafter_for(cfg: BenchConfig, session: "BenchSession") -> Drafter | None:
     if cfg.method == "ar":
         return None
     if cfg.method == "draft":
-        return DraftModelDrafter(session.model_for("draft", cfg), cfg.k, kv_quant=cfg.draft_kv_quant)
+        return DraftModelDrafter(session.model_for("draft", cfg), cfg.k, kv_quant=getattr(cfg, "draft_kv_quant", "none"))
     if cfg.method == "ngram":
         return NgramDrafter(cfg.k, cfg.ngram_min, cfg.ngram_max)
     if cfg.method == "redrafter":

@@ -38,8 +38,8 @@ QUANT_CACHE_SIZE = 4  # quantized copies a session keeps (oldest dropped first)
 
 def quant_key(cfg, role: str) -> tuple[str, int | None]:
     """(format, int4 group size or None) of the run's target or draft."""
-    fmt = cfg.target_quant if role == "target" else cfg.draft_quant
-    return fmt, cfg.int4_group_size if fmt.startswith("int4") else None
+    fmt = getattr(cfg, "target_quant" if role == "target" else "draft_quant", "none")  # serving configs have none
+    return fmt, getattr(cfg, "int4_group_size", None) if fmt.startswith("int4") else None
 
 
 def is_quantized(cfg) -> bool:

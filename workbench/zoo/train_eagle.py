@@ -114,7 +114,7 @@ def evaluate_eagle(head: EagleHead, target, windows: torch.Tensor, depth: int, b
         n = ids.shape[1] - depth
         hits = torch.stack([target.compute_logits(f).argmax(-1) == target_logp[:, d:d + n].argmax(-1)
                             for d, f in enumerate(rollout(head, target, ids, hidden, depth), start=1)], -1)  # [B,N,D]
-        agree += hits.double().sum((0, 1))
+        agree += hits.double().sum((0, 1)).cpu()
         run_total += hits.long().cumprod(-1).sum().item()
         anchors += hits.shape[0] * hits.shape[1]
     return HeadEval([round(x, 4) for x in (agree / anchors).tolist()], round(run_total / anchors, 4), anchors)
