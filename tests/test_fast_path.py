@@ -238,3 +238,13 @@ def test_overlap_applies_only_where_the_device_holds_the_next_step(target, draft
                                             sampling=SamplingParams(temperature=0.8)))
     sampled.generate(PROMPTS)
     assert not sampled.overlaps()
+
+
+def test_overlapped_steps_time_their_phases(target, draft):
+    """The cost ratio needs the AR step's verify time and the drafter's draft time: overlapped steps record both."""
+    engine = SpecEngine(target, DraftModelDrafter(draft, k=3), fast(max_new_tokens=12, overlap=True, timing=True))
+    res = engine.generate(PROMPTS)
+    assert engine.overlaps()
+    assert res.phase_ms["draft"] > 0 and res.phase_ms["verify"] > 0
+    ar = SpecEngine(target, None, fast(max_new_tokens=12, overlap=True, timing=True)).generate(PROMPTS)
+    assert ar.phase_ms["verify"] > 0

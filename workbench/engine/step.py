@@ -343,7 +343,7 @@ class SpecEngine:
         result = GenerationResult(outputs, t_start, t_first, done_at, num_nodes=n_nodes,
                                   beams=self.drafter is not None and self.drafter.proposes_beams)
         if self.overlaps():
-            self._decode_overlapped(state, live, outputs, done_at, result)
+            self._decode_overlapped(state, live, outputs, done_at, result, timer)
             live = []
         step = 0
         live_t = rows
@@ -439,12 +439,13 @@ class SpecEngine:
         return result
 
     def _decode_overlapped(self, state: BatchState, live: list[int], outputs: list[list[int]], done_at: list[float],
-                           result: GenerationResult) -> None:
+                           result: GenerationResult, timer: PhaseTimer) -> None:
         """The decode loop with step t + 1 launched before step t is read (greedy chains, fused verify + accept).
 
         Host lengths are upper bounds while a step is in flight (known root index + 1 + N); they size storage only.
         The drafter's propose reads its roots and lengths from the device (Drafter.overlaps); commit is not called
         (it would only free blocks, which the next step may still write): storage is freed when a sequence finishes.
+        Phases: "draft" and "verify" time what they enqueue (CUDA events: GPU time), "accept" the wait for a result.
         """
         cfg, dev, cache, drafter = self.config, self.device, self.cache, self.drafter
         n = self.num_nodes
@@ -463,11 +464,13 @@ class SpecEngine:
                 ahead = set(inflight[0]) if inflight is not None else set()
                 hi = [known[r] + (1 + n if r in ahead else 0) for r in launch]
                 state.rows, state.rows_host, state.kv_len_host = launch_t, launch, hi
-                tree = drafter.propose(state) if drafter else None
-                cache.plan(launch, hi, 1 + n)
-                packed_dev = self.accept_step(n, len(launch), {
-                    "draft": tree.token_ids if n else None, "rows": launch_t,
-                    "valid": tree.valid if n else None}, launch)  # [B, 3 + N]; overwritten by the next replay
+                with timer.phase("draft"):
+                    tree = drafter.propose(state) if drafter else None
+                with timer.phase("verify"):
+                    cache.plan(launch, hi, 1 + n)
+                    packed_dev = self.accept_step(n, len(launch), {
+                        "draft": tree.token_ids if n else None, "rows": launch_t,
+                        "valid": tree.valid if n else None}, launch)  # [B, 3 + N]; overwritten by the next replay
                 buf = bufs[step % 2][:len(launch)]
                 buf.copy_(packed_dev, non_blocking=cuda)
                 event = None
@@ -477,8 +480,9 @@ class SpecEngine:
                 launched = (launch, buf, event)
             if inflight is not None:
                 rows, packed, event = inflight
-                if event is not None:
-                    event.synchronize()  # step t's tokens; step t + 1 keeps the GPU busy meanwhile
+                with timer.phase("accept"):
+                    if event is not None:
+                        event.synchronize()  # step t's tokens; step t + 1 keeps the GPU busy meanwhile
                 t_emit = time.perf_counter()
                 rec = StepRecord(len(result.steps), t_emit, [], [], [], [])
                 for j, row in enumerate(rows):
