@@ -228,7 +228,7 @@ def test_browser_results_trust_views_and_direct_links(server):
             expect(page.get_by_role("heading", name="Results")).to_be_visible(timeout=60_000)
             _wait_idle(page)
             expect(page.get_by_text("Best trusted speedup:", exact=False)).to_be_visible(timeout=30_000)
-            expect(page.get_by_text("1.40x [1.35, 1.45]", exact=False)).to_be_visible()
+            expect(page.get_by_test_id("stAlertContentSuccess").get_by_text("1.40x [1.35, 1.45]", exact=False)).to_be_visible()
             expect(page.get_by_text("2 flagged run(s) not considered", exact=False)).to_be_visible()
             heat = page.get_by_text("Speedup heatmap · draft · median over runs · 1 flagged run(s) left out")
             expect(heat).to_be_visible(timeout=30_000)
