@@ -29,6 +29,7 @@ from workbench.settings import SettingError, parse_k_by_batch
 SETTINGS = ("off", "fixed", "adaptive")
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL"), ("queue_ms", "queue"))
 STATS = ("mean", "p50", "p90", "p99")
+BOTTOM_LEGEND = dict(orientation="h", yanchor="top", y=-0.25, xanchor="left", x=0)  # long names: below the plot
 REQUEST_METRICS = {"ttft_ms": "TTFT (ms)", "tpot_ms": "TPOT (ms)", "e2el_ms": "E2E latency (ms)",
                    "queue_ms": "queue time (ms)", "itl_ms_mean": "mean ITL (ms)"}
 
@@ -133,7 +134,7 @@ def rate_chart(runs: pd.DataFrame, metric: str, title: str, y_title: str) -> go.
     fig.add_trace(go.Scatter(x=df["rate"], y=df[metric], mode="markers", name="single runs",
                              marker=dict(size=5, color="rgba(120,120,120,0.35)"), hovertext=df["run_id"]))
     fig.update_layout(xaxis_title="request rate (requests/s; 0 = all at once)", yaxis_title=y_title,
-                      legend_title_text="setting", margin=dict(t=40, b=40), height=380)
+                      legend_title_text="setting", margin=dict(t=40, b=40), height=440, legend=BOTTOM_LEGEND)
     return fig
 
 
@@ -177,7 +178,8 @@ def acceptance_chart(runs: pd.DataFrame, column: str, key_name: str, title: str,
     data = data.sort_values(["label", key_name])
     fig = px.line(data, x=key_name, y="acceptance", color="label", markers=True, title=title)
     fig.update_layout(xaxis_title=x_title, yaxis_title="accepted / drafted", yaxis_range=[0, 1.05],
-                      yaxis_tickformat=".0%", legend_title_text="run", margin=dict(t=40, b=40), height=360)
+                      yaxis_tickformat=".0%", legend_title_text="run", margin=dict(t=40, b=40), height=440,
+                      legend=BOTTOM_LEGEND)
     return fig
 
 
@@ -191,7 +193,8 @@ def latency_distribution(requests: pd.DataFrame, labels: dict[str, str], metric:
     df = df[df[metric].notna() & df["run_id"].isin(list(labels))]
     if df.empty:
         return None
-    df = df.assign(run=df["run_id"].map(labels), **{metric: df[metric].astype(float)})
+    short = {rid: label.split(" · ", 1)[-1] for rid, label in labels.items()}  # without the date
+    df = df.assign(run=df["run_id"].map(short), **{metric: df[metric].astype(float)})
     fig = px.box(df, x="run", y=metric, points="all", hover_data=["request", "prompt_len", "output_len"],
                  title=f"Per-request {REQUEST_METRICS.get(metric, metric)}, {len(df)} requests")
     fig.update_layout(xaxis_title="", yaxis_title=REQUEST_METRICS.get(metric, metric), margin=dict(t=40, b=40),
