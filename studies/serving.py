@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", help="result store folder (default: results/store or $WORKBENCH_STORE)")
     p.add_argument("--no-store", action="store_true")
     p.add_argument("--sampler-seed", type=int, default=0)
+    p.add_argument("--out", help="also write trials.json (every trial: fidelity, params, values, prediction) and "
+                   "report.md into this folder")
     base_group = p.add_argument_group("base serving settings (ServeConfig; the searched knobs are overridden)")
     for knob in SERVE_CONFIG_KNOBS:
         add_knob(base_group, knob)
@@ -259,8 +261,23 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, ServingStudyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report(study, base.max_num_seqs))
+    text = report(study, base.max_num_seqs)
+    print(text)
+    if args.out:
+        from pathlib import Path
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "trials.json").write_text(json.dumps(trials_json(study), indent=1, default=str))
+        (out / "report.md").write_text("```\n" + text + "\n```\n")
     return 0
+
+
+def trials_json(study: optuna.Study) -> list[dict]:
+    return [{"number": t.number, "state": t.state.name, "fidelity": t.user_attrs.get("fidelity"),
+             "params": t.params, "values": dict(zip(OBJECTIVES, t.values)) if t.values else None,
+             **{k: v for k, v in t.user_attrs.items() if k != "fidelity"}}
+            for t in study.get_trials(deepcopy=False)]
 
 
 if __name__ == "__main__":
