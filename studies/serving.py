@@ -57,8 +57,9 @@ def buckets(max_num_seqs: int) -> list[tuple[int, int]]:
 
 def distributions(max_num_seqs: int, k_max: int) -> dict:
     dists = {f"k_bs{lo}": IntDistribution(0, k_max) for lo, _ in buckets(max_num_seqs)}
-    dists.update(spec_off_acceptance=FloatDistribution(0.0, 0.6, step=0.05), spec_window=CategoricalDistribution(WINDOWS),
-                 spec_max_context=CategoricalDistribution(CONTEXTS), long_context_k=IntDistribution(0, k_max),
+    dists.update(spec_off_acceptance=FloatDistribution(0.0, 0.6, step=0.05),
+                 spec_window=CategoricalDistribution(WINDOWS), spec_max_context=CategoricalDistribution(CONTEXTS),
+                 long_context_k=IntDistribution(0, k_max),
                  prefill_chunk=CategoricalDistribution(CHUNKS), sched_policy=CategoricalDistribution(SCHED_POLICIES))
     return dists
 
@@ -201,9 +202,10 @@ def report(study: optuna.Study, max_num_seqs: int) -> str:
     lines = [f"study {study.study_name!r}: {len(replayed)} replay trials, {len(real)} real trials "
              f"(objectives: maximize goodput, minimize p99 TPOT)"]
     for t in sorted(real, key=lambda t: -t.values[0]):
-        p = t.params
-        lines.append(f"  real trial {t.number}: goodput {t.values[0]:.3g} req/s (replay {_pct(t.user_attrs.get('replay_goodput'), t.values[0])}),"
-                     f" p99 TPOT {t.values[1]:.3g} ms (replay {_pct(t.user_attrs.get('replay_tpot_ms_p99'), t.values[1])})"
+        p, a = t.params, t.user_attrs
+        lines.append(f"  real trial {t.number}: goodput {t.values[0]:.3g} req/s (replay "
+                     f"{_pct(a.get('replay_goodput'), t.values[0])}), p99 TPOT {t.values[1]:.3g} ms (replay "
+                     f"{_pct(a.get('replay_tpot_ms_p99'), t.values[1])})"
                      f" · --k-by-batch {k_by_batch_text(p, max_num_seqs)} --spec-off-acceptance "
                      f"{p['spec_off_acceptance']:g} --spec-window {p['spec_window']} --spec-max-context "
                      f"{p['spec_max_context']} --long-context-k {p['long_context_k']} --prefill-chunk "

@@ -150,5 +150,6 @@ def replay(requests, traces, recorded_k: int, costs: CostModel, schedule=None, *
     good = sum(1 for r in rows if (not slo_ttft_ms or (r[1] - r[0]) * 1e3 <= slo_ttft_ms)
                and (not slo_tpot_ms or r[3] <= 1 or (r[2] - r[1]) * 1e3 / (r[3] - 1) <= slo_tpot_ms))
     return {"goodput": good / dur if dur > 0 else None, "output_throughput": tokens / dur if dur > 0 else None,
-            "request_throughput": len(rows) / dur if dur > 0 else None, "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
+            "request_throughput": len(rows) / dur if dur > 0 else None, "tpot_ms_p50": percentile(tpot, 50),
+            "tpot_ms_p99": percentile(tpot, 99),
             "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99)}
