@@ -19,6 +19,7 @@ PAGES = [
     st.Page("ui/run_page.py", title="Run", icon=":material/play_circle:", url_path="start", default=True),
     st.Page("ui/tune_page.py", title="Tune", icon=":material/tune:", url_path="tune"),
     st.Page("ui/results_page.py", title="Results", icon=":material/table_chart:", url_path="results"),
+    st.Page("ui/serving_page.py", title="Serving", icon=":material/dns:", url_path="serving"),
     st.Page("ui/models_page.py", title="Models", icon=":material/neurology:", url_path="models"),
     st.Page("ui/gpu_page.py", title="GPU", icon=":material/memory:", url_path="gpu"),
     # Streamlit serves the default page only at "/": this hidden alias makes a direct link to /run work too

@@ -21,7 +21,7 @@ from ui import jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = str(ROOT / "app.py")
-PAGES = ["run", "tune", "results", "models", "gpu"]
+PAGES = ["run", "tune", "results", "serving", "models", "gpu"]
 RUN_TIMEOUT_S = 240
 
 
@@ -99,7 +99,7 @@ def test_pages_do_not_import_torch(workspace):
     """Long work runs in subprocesses: rendering every page must not pull torch into the server."""
     code = ("import sys\nfrom streamlit.testing.v1 import AppTest\n"
             f"at = AppTest.from_file({APP!r}, default_timeout=90).run()\n"
-            "for p in ['tune', 'results', 'models', 'gpu']:\n"
+            "for p in ['tune', 'results', 'serving', 'models', 'gpu']:\n"
             "    at.switch_page(f'ui/{p}_page.py').run()\n"
             "    assert not at.exception, at.exception\n"
             "print('torch' in sys.modules)\n")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -266,9 +267,16 @@ def test_serve_bench_cli_prints_one_record_and_stores_rows(tmp_path):
     store = ResultStore(tmp_path)
     df = store.load()
     assert len(df) == 1 and df["run_kind"].iloc[0] == "serve" and df["prefill_chunk"].iloc[0] == 32
+    # no fixed batch in serving: the row cap has its own column, the batch it ran is mean_batch_size
+    assert pd.isna(df["batch"].iloc[0]) and df["max_num_seqs"].iloc[0] == 16 and df["mean_batch_size"].iloc[0] > 0
     req = store.load_requests([rec["run_id"]])
     assert len(req) == 6 and req["ttft_ms"].notna().all()
     assert len(store.load_traces([rec["run_id"]])) > 0
+
+
+def test_eagle_is_refused_by_name_before_any_work():
+    with pytest.raises(ServeError, match="method 'eagle' cannot be served yet"):
+        check_config(ServeConfig(method="eagle"))
 
 
 def test_serve_bench_cli_names_an_oversized_request(tmp_path):

@@ -88,7 +88,8 @@ def run_label(row: pd.Series) -> str:
         parts.append(f"W={row.get('beam_width')} L={row.get('beam_length')}")
     elif not _missing(row.get("k")) and row.get("method") not in ("ar",):
         parts.append(f"k={row.get('k')}")
-    parts.append(f"b={row.get('batch')}")
+    if not _missing(row.get("batch")):  # serving runs have none (max_num_seqs instead)
+        parts.append(f"b={row.get('batch')}")
     created = row.get("created_at")
     when = created.strftime("%m-%d %H:%M:%S") if hasattr(created, "strftime") else str(created)
     return f"{when} · {' '.join(parts)} · {str(row.get('run_id'))[-6:]}"

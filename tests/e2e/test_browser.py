@@ -274,3 +274,41 @@ def test_browser_results_tree_and_beam_charts(server):
         finally:
             context.close()
             browser.close()
+
+
+def test_browser_serving_page(server):
+    """Hand-made serving runs (tests.test_serving_page.seed_serve_store): the rate charts, the percentile table, the
+    acceptance and per-request charts render, and the engine snippets download as JSON."""
+    import json
+
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.test_serving_page import seed_serve_store
+
+    seed_serve_store(server["tmp"] / "store")
+    shots = _shots_dir(server["tmp"])
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        context = browser.new_context(viewport={"width": 1440, "height": 3400}, accept_downloads=True)
+        page = context.new_page()
+        try:
+            page.goto(f"{server['url']}/serving", wait_until="domcontentloaded")  # a direct link
+            expect(page.get_by_role("heading", name="Serving", exact=True)).to_be_visible(timeout=60_000)
+            _wait_idle(page)
+            expect(page.get_by_text("8 of 8 serving runs")).to_be_visible(timeout=30_000)
+            for title in ("Goodput vs request rate", "p99 TPOT vs request rate", "Acceptance by batch size",
+                          "Acceptance by context length"):
+                expect(page.get_by_text(title, exact=True)).to_be_visible(timeout=30_000)
+            expect(page.get_by_text("Per-request TTFT (ms)", exact=False)).to_be_visible(timeout=30_000)
+            expect(page.get_by_text("adaptive · ngram k=3 · 1-2:3,3-8:1").first).to_be_attached()
+            _shot(page, shots, "serving", 3400)
+            button = page.get_by_role("button", name="Download snippets (JSON)")
+            button.scroll_into_view_if_needed()
+            with page.expect_download(timeout=30_000) as dl:
+                button.click()
+            data = json.loads(Path(dl.value.path()).read_text())
+            assert {"vllm", "trtllm", "sglang"} <= set(data)
+            assert "num_speculative_tokens_per_batch_size" in data["vllm"]["speculative_config"]
+        finally:
+            context.close()
+            browser.close()

@@ -90,7 +90,9 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
            "dtype": session.dtype, "device": str(session.device), "preset": session.preset,
            "target_path": session.target_path, "draft_path": session.draft_path if cfg.method == "draft" else None,
            "prompts_source": session.prompts_source if cfg.lengths == "file" else "random", "paged": True,
-           "num_prompts": len(requests), "batch": cfg.max_num_seqs, "wall_s": wall,
+           # batch stays empty: a serving run has no fixed batch; its row cap is the max_num_seqs column, the batch
+           # it really ran is mean_batch_size (rows written before this change hold max_num_seqs in batch)
+           "num_prompts": len(requests), "batch": None, "wall_s": wall,
            **metrics.summarize(result, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
            **environment_info(str(session.device) if session.device.type == "cuda" else None)}
     if cfg.method == "ar":

@@ -16,6 +16,8 @@ class RequestTooLargeError(ServeError):
     """A request whose worst-case KV need exceeds the whole block pool (or a cache row): it could never run."""
 
 
+# the methods serving builds a drafter for: eagle's tree knobs are not serving knobs (ServeConfig has no tree_depth)
+SERVE_METHODS = tuple(m for m in settings.METHODS if m != "eagle")
 SERVE_CONFIG_KNOBS = tuple(settings.KNOBS[n] for n in settings.SERVE_RUN_KNOBS) + tuple(settings.SERVE_KNOBS.values())
 
 ServeConfig = settings.dataclass_of("ServeConfig", SERVE_CONFIG_KNOBS, module=__name__, doc="""One serving run's
@@ -27,6 +29,9 @@ def check_config(cfg) -> None:
     """ServeError for a value outside the registry's bounds or a broken rule between knobs (before any work)."""
     from dataclasses import fields
 
+    if cfg.method not in SERVE_METHODS:
+        raise ServeError(f"method {cfg.method!r} cannot be served yet (its knobs are not serving knobs); choose one of "
+                         f"{', '.join(SERVE_METHODS)}")
     try:
         settings.check_serve({f.name: getattr(cfg, f.name) for f in fields(cfg)})
     except settings.SettingError as e:

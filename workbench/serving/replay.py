@@ -18,6 +18,7 @@ figures of `metrics.summarize` that it can predict.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,35 +75,67 @@ def _match_at(runs: list[tuple[int, int]], pos: int) -> int:
     return best
 
 
-def replay(requests, traces, recorded_k: int, costs: CostModel, schedule, *, max_num_seqs: int = 16) -> dict:
+def replay(requests, traces, recorded_k: int, costs: CostModel, schedule=None, *, max_num_seqs: int = 16,
+           adaptive=None, prefill_chunk: int = 0, slo_ttft_ms: float = 0.0, slo_tpot_ms: float = 0.0) -> dict:
     """requests: RequestState-like (req.id, req.prompt, req.max_new_tokens, t_arrival, req.measured) of the recorded
-    run; schedule(batch_size) -> draft length (<= recorded_k). Returns predicted vLLM-named metrics."""
+    run; schedule(batch_size) -> draft length (<= recorded_k), or `adaptive` (an AdaptiveSpeculation: its batch
+    schedule, switch-off by acceptance and context limit per row, as the serving loop applies them; the step verifies
+    the largest row k). prefill_chunk: prompt tokens prefilled per iteration, oldest admitted first (0 = whole
+    prompts in the admitting iteration); a request decodes from the iteration after its prefill completes, as in the
+    loop. Not modelled: the KV block pool (no preemption, no admission by blocks) and prefix reuse. Returns predicted
+    vLLM-named metrics (goodput under the SLOs as `metrics.summarize` counts it)."""
+    from types import SimpleNamespace
+
     runs = match_lengths(traces, recorded_k)
     order = sorted(requests, key=lambda s: (s.t_arrival, s.req.id))
     t, i = 0.0, 0
-    waiting, live = [], []  # live: [state, position, first_token_t]
+    waiting, prefilling, live = [], [], []  # prefilling: [state, prompt tokens left]; live: [state, pos, first_t]
     done: dict[int, tuple] = {}  # id -> (arrival, first token, done, output tokens, measured)
-    while i < len(order) or waiting or live:
+    row_state: dict[int, SimpleNamespace] = {}  # per request: the adaptive rules' state (spec_off, window)
+    while i < len(order) or waiting or prefilling or live:
         while i < len(order) and order[i].t_arrival <= t:
             waiting.append(order[i])
             i += 1
-        if not waiting and not live:
+        if not waiting and not prefilling and not live:
             t = order[i].t_arrival
             continue
-        admitted = []
-        while waiting and len(live) + len(admitted) < max_num_seqs:
-            admitted.append(waiting.pop(0))
+        while waiting and len(live) + len(prefilling) < max_num_seqs:
+            s = waiting.pop(0)
+            prefilling.append([s, len(s.req.prompt)])
         b = len(live)
-        k = min(schedule(b), recorded_k) if b else 0
-        t += costs.ms(b, k, sum(len(s.req.prompt) for s in admitted)) / 1e3
+        batch_k = (adaptive.batch_k(b) if adaptive is not None else schedule(b)) if b else 0
+        batch_k = min(batch_k, recorded_k)
+        row_ks = []
+        for s, pos, _ in live:
+            if adaptive is None:
+                row_ks.append(batch_k)
+                continue
+            st = row_state.setdefault(s.req.id, SimpleNamespace(spec_off=False, window=deque(maxlen=1)))
+            row_ks.append(adaptive.row_k(st, len(s.req.prompt) + pos, batch_k))
+        nodes = max(row_ks, default=0)
+        budget, prefill_tokens, finished = prefill_chunk or float("inf"), 0, []
+        for item in prefilling:  # oldest admitted first
+            take = min(item[1], budget)
+            item[1] -= take
+            budget -= take
+            prefill_tokens += take
+            if item[1] == 0:
+                finished.append(item[0])
+            if budget <= 0:
+                break
+        t += costs.ms(b, nodes, prefill_tokens) / 1e3
         still = []
-        for s, pos, t_first in live:
-            pos += min(k, _match_at(runs.get(s.req.id, []), pos)) + 1
+        for (s, pos, t_first), k in zip(live, row_ks):
+            acc = min(k, _match_at(runs.get(s.req.id, []), pos))
+            if adaptive is not None and k:
+                adaptive.record(row_state[s.req.id], acc, k)
+            pos += acc + 1
             if pos >= s.req.max_new_tokens:
                 done[s.req.id] = (s.t_arrival, t_first, t, s.req.max_new_tokens, s.req.measured)
             else:
                 still.append([s, pos, t_first])
-        for s in admitted:
+        prefilling = [item for item in prefilling if item[1] > 0]
+        for s in finished:
             if s.req.max_new_tokens <= 1:
                 done[s.req.id] = (s.t_arrival, t, t, 1, s.req.measured)
             else:
@@ -114,6 +147,9 @@ def replay(requests, traces, recorded_k: int, costs: CostModel, schedule, *, max
     tpot = [(r[2] - r[1]) * 1e3 / (r[3] - 1) for r in rows if r[3] > 1]
     ttft = [(r[1] - r[0]) * 1e3 for r in rows]
     dur = end - start
-    return {"output_throughput": tokens / dur if dur > 0 else None, "request_throughput": len(rows) / dur
-            if dur > 0 else None, "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
+    good = sum(1 for r in rows if (not slo_ttft_ms or (r[1] - r[0]) * 1e3 <= slo_ttft_ms)
+               and (not slo_tpot_ms or r[3] <= 1 or (r[2] - r[1]) * 1e3 / (r[3] - 1) <= slo_tpot_ms))
+    return {"goodput": good / dur if dur > 0 else None, "output_throughput": tokens / dur if dur > 0 else None,
+            "request_throughput": len(rows) / dur if dur > 0 else None, "tpot_ms_p50": percentile(tpot, 50),
+            "tpot_ms_p99": percentile(tpot, 99),
             "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99)}

@@ -1,0 +1,181 @@
+"""Serving page (ui/serving_page.py, ui/serving_view.py): hand-made serving rows drawn as the right lines and tables,
+the launch form's checks, its command line read back by serve-bench's own parser, and a tiny serve-bench started
+from the page landing in the store.
+
+Every test works in its own store / jobs folder (the `workspace` fixture of tests/test_app.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from results.store import ResultStore
+from tests.test_app import errors_of, error_next_to, open_page, plotly_figs, wait_for, workspace  # noqa: F401
+from ui import jobs, serving_view as sv
+
+RUN_TIMEOUT_S = 240
+
+
+def seed_serve_store(root: Path) -> dict[str, str]:
+    """Serving rows through the real store (values are fixtures, not measurements): off, fixed k=3 and adaptive
+    ngram at rates 1 and 2 (fixed twice at rate 2, for a median), a failed run, and one bench row (never shown).
+    Per-request rows: 3 measured requests + 1 warm-up per run."""
+    store = ResultStore(root)
+    base = {"status": "ok", "run_kind": "serve", "method": "ngram", "k": 3, "ngram_min": 1, "ngram_max": 3,
+            "max_num_seqs": 8, "preset": "tiny", "device": "cpu", "k_by_batch": "", "arrival": "poisson",
+            "spec_off_acceptance": 0.0, "spec_max_context": 0, "max_new_tokens": 8, "completed": 3}
+    settings = {"off": {"method": "ar", "k": 0}, "fixed": {}, "adaptive": {"k_by_batch": "1-2:3,3-8:1"}}
+    goodput = {"off": 1.0, "fixed": 2.0, "adaptive": 3.0}
+    ids = {}
+    for name, extra in settings.items():
+        for rate in (1.0, 2.0):
+            for rep in ((0, 1) if name == "fixed" and rate == 2.0 else (0,)):
+                rec = {**base, **extra, "rate": rate, "goodput": goodput[name] * rate + rep,
+                       "tpot_ms_p99": 10.0 * rate + rep, "request_throughput": rate,
+                       "ttft_ms_mean": 5.0, "ttft_ms_p50": 4.0, "ttft_ms_p90": 6.0, "ttft_ms_p99": 7.0,
+                       "tpot_ms_mean": 2.0, "tpot_ms_p50": 1.5, "tpot_ms_p90": 3.0,
+                       "e2el_ms_p50": 40.0, "e2el_ms_p99": 80.0}
+                if name != "off":
+                    rec["acceptance_by_batch_size"] = json.dumps({"1": 0.75, "2": 0.5, "4": None})
+                    rec["acceptance_by_context"] = json.dumps({"0": 0.6, "64": 0.4})
+                reqs = pd.DataFrame({"request": [0, 1, 2, 3], "measured": [False, True, True, True],
+                                     "prompt_len": [5, 6, 7, 8], "output_len": [8, 8, 8, 8],
+                                     "ttft_ms": [999.0, 3.0, 4.0, 5.0], "tpot_ms": [1.0, 2.0, 2.5, 3.0],
+                                     "e2el_ms": [9.0, 30.0, 40.0, 50.0]})
+                ids[f"{name} {rate:g} {rep}"] = store.append(rec, requests=reqs)
+    ids["failed"] = store.append({**base, "status": "failed", "error": "fixture", "rate": 1.0, "goodput": 99.0})
+    ids["bench"] = store.append({"status": "ok", "method": "draft", "k": 2, "batch": 1, "tokens_per_s": 10.0})
+    return ids
+
+
+# ---- pure views -------------------------------------------------------------------------------------------------
+
+def test_settings_and_schedules_of_rows():
+    row = {"method": "ngram", "k": 3, "max_num_seqs": 16}
+    assert sv.setting_of({**row, "k_by_batch": ""}) == "fixed"
+    assert sv.setting_of({**row, "method": "ar", "k": 0}) == "off"
+    assert sv.setting_of({**row, "spec_off_acceptance": 0.2}) == "adaptive"
+    assert sv.setting_of({**row, "spec_max_context": 512}) == "adaptive"
+    # a gap between ranges and sizes above them get k; a range's k is capped at k; max_num_seqs ends the schedule
+    assert sv.schedule_of({**row, "k_by_batch": "2-4:5,8-32:0"}) == [(1, 1, 3), (2, 4, 3), (5, 7, 3), (8, 16, 0)]
+    assert sv.schedule_of({**row, "method": "ar", "k": 0}) == [(1, 16, 0)]
+    snippets = sv.snippets_for({**row, "k_by_batch": "1-4:3,5-16:1"})
+    vllm = json.loads(snippets["vllm"])["speculative_config"]
+    assert vllm["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, 16, 1]]
+    assert json.loads(snippets["trtllm"])["speculative_config"]["draft_len_schedule"] == {"4": 3, "16": 1}
+
+
+def test_rate_lines_are_medians_per_setting(workspace):
+    seed_serve_store(workspace["store"])
+    runs = sv.serve_runs(ResultStore(workspace["store"]).load())
+    assert len(runs) == 8 and (runs["run_kind"] == "serve").all()  # the bench row is not a serving run
+    fig = sv.rate_chart(runs, "goodput", "t", "y")
+    lines = {t.name: (list(t.x), list(t.y)) for t in fig.data if t.mode == "lines+markers"}
+    assert lines == {"off": ([1.0, 2.0], [1.0, 2.0]), "fixed · ngram k=3": ([1.0, 2.0], [2.0, 4.5]),
+                     "adaptive · ngram k=3 · 1-2:3,3-8:1": ([1.0, 2.0], [3.0, 6.0])}  # 4.5: median of 4 and 5
+    dots = [t for t in fig.data if t.name == "single runs"][0]
+    assert len(dots.x) == 7 and 99.0 not in list(dots.y)  # the failed run is left out
+
+
+def test_percentiles_acceptance_and_request_views(workspace):
+    ids = seed_serve_store(workspace["store"])
+    store = ResultStore(workspace["store"])
+    runs = sv.serve_runs(store.load())
+    fixed = runs[runs["run_id"] == ids["fixed 1 0"]]
+    table = sv.percentile_table(fixed)
+    ttft = table[table["latency"] == "TTFT"].iloc[0]
+    assert (ttft["mean"], ttft["p50"], ttft["p90"], ttft["p99"]) == (5.0, 4.0, 6.0, 7.0)
+    assert set(table["latency"]) == {"TTFT", "TPOT", "E2EL"}  # nothing recorded for ITL / queue: no row
+    acc = sv.json_frame(fixed, "acceptance_by_batch_size", "batch_size")
+    assert acc[["batch_size", "acceptance"]].values.tolist() == [[1, 0.75], [2, 0.5]]  # a null cell is skipped
+    labels = {r["run_id"]: sv.run_label(r) for _, r in fixed.iterrows()}
+    box = sv.latency_distribution(store.load_requests(list(labels)), labels, "ttft_ms")
+    assert sorted(box.data[0].y) == [3.0, 4.0, 5.0]  # the warm-up request (999 ms) is left out
+
+
+# ---- the page ---------------------------------------------------------------------------------------------------
+
+def test_serving_page_draws_every_view_and_exports(workspace):
+    ids = seed_serve_store(workspace["store"])
+    at = open_page("serving")
+    assert not at.exception, at.exception
+    assert any(c.value == "8 of 8 serving runs" for c in at.caption)
+    titles = [f["layout"]["title"]["text"] for f in plotly_figs(at)]
+    assert {"Goodput vs request rate", "p99 TPOT vs request rate", "Acceptance by batch size",
+            "Acceptance by context length"} <= set(titles), titles
+    assert any(t.startswith("Per-request TTFT (ms)") for t in titles)
+    assert at.dataframe[0].value["latency"].tolist()[:3] == ["TTFT", "TPOT", "E2EL"]
+    at.selectbox(key="srv_export_run").set_value(ids["adaptive 2 0"]).run()
+    assert not at.exception, at.exception
+    vllm = json.loads(at.code[0].value)
+    assert vllm["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 2, 3], [3, 8, 1]]
+    assert [b.proto.label for b in at.get("download_button")] == ["Download snippets (JSON)"]
+    at.multiselect(key="srv_filter_setting").set_value(["off"]).run()
+    assert any(c.value == "2 of 8 serving runs" for c in at.caption)
+    at.radio(key="srv_req_metric").set_value("e2el_ms").run()
+    assert not at.exception, at.exception
+
+
+def test_serving_page_empty_store(workspace):
+    at = open_page("serving")
+    assert not at.exception, at.exception
+    assert any("No serving runs in the store yet" in i.value for i in at.info)
+
+
+def test_serving_form_rejects_bad_input_before_starting(workspace):
+    at = open_page("serving")
+    at.text_input(key="srv_k_by_batch").input("1-4:4,3-8:2")
+    at.text_input(key="srv_rate").input("-1").run()
+    assert error_next_to(at, "srv_k_by_batch") == [
+        "k_by_batch ranges must increase without overlap: '3-8:2' starts at or before 4"]
+    assert error_next_to(at, "srv_rate") == ["rate must be between 0 and 1e+06, got -1"]
+    assert at.button(key="srv_start").disabled
+    at.text_input(key="srv_k_by_batch").input("1-4:4")
+    at.text_input(key="srv_rate").input("5")
+    at.selectbox(key="srv_arrival").set_value("concurrency").run()  # a rule between knobs, from check_serve
+    assert any("arrival concurrency needs --max-concurrency" in m for m in errors_of(at)), errors_of(at)
+    assert at.button(key="srv_start").disabled
+    assert not jobs.list_jobs()
+
+
+def test_form_command_line_reads_back_as_the_same_config():
+    """serve_argv -> serve-bench's own argparse -> ServeConfig: every setting arrives as set."""
+    from ui.serving_page import serve_argv
+    from workbench.serving import cli
+    from workbench.serving.config import ServeConfig
+
+    s = {"method": "ngram", "k": 2, "ngram_min": 2, "ngram_max": 3, "rate": 7.5, "arrival": "gamma",
+         "burstiness": 0.5, "prefix_caching": True, "cuda_graphs": False, "graph_batch_sizes": (1, 2, 4),
+         "k_by_batch": "1-2:2,3-16:1", "sched_policy": "max_util", "spec_off_acceptance": 0.25, "num_requests": 9}
+    argv = serve_argv(s, "tiny", "cpu")
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(argv[3:])
+    cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in fields(ServeConfig)})
+    for name, value in s.items():
+        assert getattr(cfg, name) == value, name
+    assert args.preset == "tiny" and args.device == "cpu" and args.json and args.store
+
+
+def test_tiny_serve_run_from_the_page_lands_in_the_store(workspace):
+    at = open_page("serving")
+    at.text_input(key="srv_num_requests").input("3")
+    at.text_input(key="srv_max_new_tokens").input("6")
+    at.selectbox(key="srv_device").set_value("cpu").run()
+    assert not errors_of(at), errors_of(at)
+    at.button(key="srv_start").click().run()
+    assert not at.exception, at.exception
+    [job] = jobs.list_jobs(kind="serve")
+    assert job.meta["argv"][1:5] == ["-m", "workbench", "serve-bench", "--preset"]
+    assert wait_for(job, RUN_TIMEOUT_S) == jobs.DONE, job.log_tail()
+    [row] = ResultStore(workspace["store"]).load().to_dict("records")
+    assert row["run_kind"] == "serve" and row["method"] == "ngram" and row["completed"] == 3
+    at.run()
+    assert not at.exception, at.exception
+    assert "Requests/s" in [m.label for m in at.metric]  # the finished job's headline
+    assert any(c.value == "1 of 1 serving runs" for c in at.caption)

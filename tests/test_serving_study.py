@@ -1,0 +1,115 @@
+"""The `serving` study (studies/serving.py) on the tiny preset, CPU: replay trials first, the best few run for real with
+the same params, each trial's fidelity recorded, real rows in the store under the study name; named errors before
+any work; replay's new options (adaptive rules, chunked prefill) against the plain schedule."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+from results.store import ResultStore
+from studies import serving as ss
+from workbench.serving.config import ServeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ServeConfig(method="ngram", k=3, rate=20.0, num_requests=4, max_new_tokens=8, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def session():
+    from workbench.harness.bench import BenchSession
+
+    return BenchSession.load(preset="tiny", device="cpu")
+
+
+def test_buckets_and_schedule_text():
+    assert ss.buckets(1) == [(1, 1)] and ss.buckets(16) == [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16)]
+    params = {"k_bs1": 3, "k_bs2": 2, "k_bs3": 1, "k_bs5": 0, "spec_off_acceptance": 0.1, "spec_window": 4,
+              "spec_max_context": 64, "long_context_k": 1, "prefill_chunk": 16, "sched_policy": "max_util"}
+    cfg = ss.config_of(ServeConfig(k=3, max_num_seqs=6), params)
+    assert cfg.k_by_batch == "1-1:3,2-2:2,3-4:1,5-6:0" and cfg.k == 3
+    assert (cfg.spec_window, cfg.prefill_chunk, cfg.sched_policy) == (4, 16, "max_util")
+    assert set(ss.distributions(6, 3)) == set(params)
+
+
+def test_study_replays_then_runs_the_best_for_real(session, tmp_path):
+    store = ResultStore(tmp_path / "store")
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    study = ss.run_study(session, BASE, study_name="srv", storage=storage, replay_trials=6, real_trials=2,
+                         store=store, log=lambda *_: None)
+    trials = study.get_trials(deepcopy=False)
+    replayed = [t for t in trials if t.user_attrs.get("fidelity") == "replay"]
+    real = [t for t in trials if t.user_attrs.get("fidelity") == "real"]
+    assert len(replayed) == 6 and len(real) == 2 and len(trials) == 8
+    assert all(t.user_attrs["replay_ignores"] for t in replayed)
+    by_number = {t.number: t for t in replayed}
+    for t in real:  # the same params as the replay trial it came from, and the prediction kept beside it
+        src = by_number[t.user_attrs["replay_trial"]]
+        assert t.params == src.params and t.user_attrs["replay_goodput"] == src.values[0]
+        assert t.state == optuna.trial.TrialState.COMPLETE and t.values[0] > 0 and t.values[1] > 0
+    picked = {t.user_attrs["replay_trial"] for t in real}
+    assert picked == {t.number for t in ss.pick_for_real(replayed, 2)}
+    rows = store.load(study="srv")
+    assert len(rows) == 4  # the two record runs (off, fixed k) and the two real trials
+    assert set(rows["run_id"]) >= {t.user_attrs["run_id"] for t in real}
+    assert sorted(rows["method"]) == ["ar", "ngram", "ngram", "ngram"]
+    assert "real trial" in ss.report(study, BASE.max_num_seqs)
+    # resuming runs no new replay trial and no real trial twice
+    again = ss.run_study(session, BASE, study_name="srv", storage=storage, replay_trials=6, real_trials=2,
+                         store=None, log=lambda *_: None)
+    assert len(again.get_trials(deepcopy=False)) == 8
+    with pytest.raises(ss.ServingStudyError, match="already exists with other base settings \\(rate\\)"):
+        ss.run_study(session, ServeConfig(**{**BASE.__dict__, "rate": 5.0}), study_name="srv", storage=storage,
+                     replay_trials=6, real_trials=2, log=lambda *_: None)
+
+
+def test_pick_for_real_front_first_and_distinct():
+    from types import SimpleNamespace as T
+
+    a = T(number=0, values=[2.0, 5.0], params={"x": 1})
+    b = T(number=1, values=[1.0, 1.0], params={"x": 2})  # on the front: lowest TPOT
+    c = T(number=2, values=[1.5, 6.0], params={"x": 3})  # dominated by a
+    d = T(number=3, values=[2.0, 5.0], params={"x": 1})  # same params as a
+    assert [t.number for t in ss.pick_for_real([c, b, a, d], 3)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rate": 0.0}, "--rate must be > 0"),
+    ({"method": "ar"}, "use --method draft or ngram"),
+    ({"k_by_batch": "4-1:2"}, "k_by_batch part"),
+])
+def test_bad_settings_are_named_errors_before_work(change, message):
+    with pytest.raises(ss.ServingStudyError, match=message):
+        ss.check(ServeConfig(**{**BASE.__dict__, **change}), 4, 2)
+    with pytest.raises(ss.ServingStudyError, match="--real-trials"):
+        ss.check(BASE, 2, 3)
+
+
+def test_cli_refuses_bad_input_without_loading_models(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "studies.serving", "--study", "x", "--rate", "0", "--storage",
+                          f"sqlite:///{tmp_path / 's.db'}", "--no-store"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "--rate must be > 0" in out.stderr
+    assert not (tmp_path / "s.db").exists()
+
+
+def test_replay_options_default_to_the_plain_schedule_and_change_predictions(session):
+    from workbench.serving import replay
+    from workbench.serving.adaptive import AdaptiveSpeculation
+    from workbench.serving.bench import serve_bench
+
+    res = serve_bench(session, BASE).result
+    costs = replay.fit_costs(res.iterations)
+    plain = replay.replay(res.states, res.traces, 3, costs, lambda b: 3, max_num_seqs=4)
+    same = replay.replay(res.states, res.traces, 3, costs, max_num_seqs=4, adaptive=AdaptiveSpeculation(3))
+    assert plain == same
+    chunked = replay.replay(res.states, res.traces, 3, costs, lambda b: 3, max_num_seqs=4, prefill_chunk=8)
+    assert chunked["ttft_ms_p50"] != plain["ttft_ms_p50"]  # prompts of the tiny set are longer than one chunk
+    off = replay.replay(res.states, res.traces, 3, costs, max_num_seqs=4,
+                        adaptive=AdaptiveSpeculation(3, off_acceptance=1.0, window=1))  # off after the first step
+    assert off != plain
+    assert json.dumps(plain)  # plain numbers, storable as trial attrs

@@ -1,0 +1,311 @@
+"""Serving page: `serve-bench` runs (in-flight batching under a request load) from the result store, and a form that
+starts one in the background.
+
+Charts: goodput and p99 TPOT against request rate, one line per setting (off / fixed k / adaptive); the latency
+percentiles of each run; acceptance by live batch size and by context length (the runs' JSON columns); the
+per-request latency distribution (the per-request rows stored beside each run); the run's draft-length schedule as
+vLLM / TensorRT-LLM / SGLang snippets with a download. The form is generated from workbench.settings (SERVE_RUN_KNOBS
++ SERVE_KNOBS) like the Run page's, and starts `python -m workbench serve-bench ... --json --store DIR` as a job.
+"""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import streamlit as st
+
+from ui import catalog, jobs, serving_view as sv
+from ui.common import PYTHON, Errors, get_store, job_label, job_panel, knob_field, store_root
+from workbench.serving.config import SERVE_METHODS
+from workbench.settings import KNOBS, SERVE_KNOBS, SERVE_RUN_KNOBS, SettingError, check_serve, parse_k_by_batch
+
+P = "srv_"  # widget-key prefix of this page
+DEVICES = ("auto", "cpu", "cuda")
+GROUPS = {"method": None, "run": None, "sampling": "Sampling", "system": "System", "load": "Load",
+          "serving": "Scheduler and cache", "adaptive": "Adaptive speculation"}
+COLUMNS = 4
+MAX_RUNS = 12  # per-run charts show at most this many runs
+# the form's defaults where the registry's are for a GPU: a click on the CPU should take seconds
+FORM_DEFAULTS = {"num_requests": 8, "max_new_tokens": 16, "rate": 20.0, "k": 3, "method": "ngram"}
+HEADLINE = (("request_throughput", "Requests/s", "{:.2f}"), ("goodput", "Goodput (req/s)", "{:.2f}"),
+            ("output_throughput", "Output tokens/s", "{:,.1f}"), ("ttft_ms_p99", "TTFT p99", "{:.1f} ms"),
+            ("tpot_ms_p99", "TPOT p99", "{:.2f} ms"), ("acceptance_rate", "Acceptance", "{:.0%}"))
+
+
+# ---- the form --------------------------------------------------------------------------------------------------
+
+def serve_knobs():
+    """Every knob serve-bench reads, in form order (method first)."""
+    return [KNOBS[n] for n in SERVE_RUN_KNOBS] + list(SERVE_KNOBS.values())
+
+
+def _k_by_batch_field(errors: Errors) -> str:
+    knob = SERVE_KNOBS["k_by_batch"]
+    key = f"{P}k_by_batch"
+    with st.container():
+        text = st.text_input(knob.label, value="", key=key, help=knob.help, placeholder="e.g. 1-4:4,5-16:2")
+        try:
+            parse_k_by_batch(text)
+        except SettingError as e:
+            errors.add(key, str(e))
+    return text.strip()
+
+
+def form_section(errors: Errors) -> dict:
+    """The preset, device and one field per serving knob the method reads; then the rules between knobs."""
+    s: dict = {}
+    cols = st.columns(COLUMNS)
+    with cols[0]:
+        s["method"] = st.selectbox(KNOBS["method"].label, SERVE_METHODS, key=f"{P}method",
+                                   index=SERVE_METHODS.index(FORM_DEFAULTS["method"]), help=KNOBS["method"].help)
+    with cols[1]:
+        try:
+            names = catalog.preset_names()
+        except Exception as exc:  # noqa: BLE001
+            errors.add(f"{P}preset", f"cannot list zoo presets: {exc}")
+            names = []
+        preset = st.selectbox("Preset", names, key=f"{P}preset", help="target/draft pair of the model zoo")
+        if preset:
+            _, err = catalog.resolve(preset)
+            errors.add(f"{P}preset", err)
+    with cols[2]:
+        device = st.selectbox("Device", DEVICES, key=f"{P}device", help="auto: cuda when available, else cpu")
+        if device == "cuda":
+            from ui.gpu_page import gpu_probe
+
+            probe = gpu_probe()
+            if not probe.get("cuda_available"):
+                errors.add(f"{P}device", f"no CUDA GPU here ({probe.get('reason') or 'torch.cuda unavailable'})")
+    method = s["method"]
+    for group, heading in GROUPS.items():
+        knobs = [k for k in serve_knobs() if k.group == group and k.name != "method" and k.reads(method)]
+        if not knobs:
+            continue
+        if heading:
+            st.markdown(f"**{heading}**")
+        for row in range(0, len(knobs), COLUMNS):
+            for col, knob in zip(st.columns(COLUMNS), knobs[row:row + COLUMNS]):
+                with col:
+                    if knob.name == "k_by_batch":
+                        s[knob.name] = _k_by_batch_field(errors)
+                    else:
+                        s[knob.name] = knob_field(knob, f"{P}{knob.name}", errors,
+                                                  default=FORM_DEFAULTS.get(knob.name))
+    if not errors:
+        try:
+            check_serve(s)
+        except SettingError as e:
+            errors.add(f"{P}{e.knob}", str(e))
+    return {"settings": s, "preset": preset, "device": device}
+
+
+def serve_argv(settings: dict, preset: str, device: str) -> list[str]:
+    """The `python -m workbench serve-bench` command line for these (validated) settings."""
+    argv = [PYTHON, "-m", "workbench", "serve-bench", "--preset", preset, "--device", device]
+    knobs = {k.name: k for k in serve_knobs()}
+    for name, value in settings.items():
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")
+        elif name == "k_by_batch":
+            if value:
+                argv += [flag, value]
+        else:
+            argv += [flag, knobs[name].format(value)]
+    return argv + ["--json", "--store", str(store_root())]
+
+
+def launch_section() -> None:
+    runs_exist = bool(st.session_state.get(f"{P}has_runs"))
+    with st.expander("Start a serving benchmark", expanded=not runs_exist, icon=":material/play_circle:"):
+        errors = Errors()
+        form = form_section(errors)
+        if errors:
+            st.warning(f"Fix the {len(errors)} problem(s) above to start a run.", icon=":material/warning:")
+        if st.button("Start serve-bench", key=f"{P}start", type="primary", disabled=bool(errors),
+                     icon=":material/play_arrow:"):
+            s = form["settings"]
+            argv = serve_argv(s, form["preset"], form["device"])
+            title = f"serve {s['method']}" + (f" k={s['k']}" if "k" in s else "") + f" rate={s['rate']:g}"
+            title += f" · {form['preset']}"
+            job = jobs.start_job("serve", argv, title, params={**s, "preset": form["preset"],
+                                                                "device": form["device"]})
+            st.session_state[f"{P}pending_job"] = job.id
+            st.rerun()
+        job_section()
+
+
+def job_section() -> None:
+    serve_jobs = jobs.list_jobs(kind="serve")
+    if not serve_jobs:
+        return
+    ids = [j.id for j in serve_jobs]
+    pending = st.session_state.pop(f"{P}pending_job", None)
+    if pending in ids:
+        st.session_state[f"{P}job_pick"] = pending
+    by_id = {j.id: j for j in serve_jobs}
+    job_id = st.selectbox("Serving job", ids, key=f"{P}job_pick", format_func=lambda i: job_label(by_id[i]))
+    job = by_id[job_id]
+    running = job.status() == jobs.RUNNING
+
+    @st.fragment(run_every=1.0 if running else None)
+    def watch() -> None:
+        status = job_panel(job, P)
+        if running and status != jobs.RUNNING:
+            st.rerun()  # the whole page: the new run joins the charts
+
+    watch()
+    if job.status() == jobs.DONE:
+        rec = job.result()
+        if isinstance(rec, dict):
+            cols = st.columns(len(HEADLINE))
+            for col, (key, label, fmt) in zip(cols, HEADLINE):
+                v = rec.get(key)
+                col.metric(label, "—" if v is None else fmt.format(float(v)))
+
+
+# ---- the runs ----------------------------------------------------------------------------------------------------
+
+def _chart(fig, missing: str, key: str) -> None:
+    if fig is None:
+        st.info(missing)
+    else:
+        st.plotly_chart(fig, width="stretch", key=f"{P}chart_{key}")
+
+
+def filter_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    present = [(n, label) for n, label in (("study", "Study"), ("method", "Method"), ("preset", "Preset"),
+                                            ("device", "Device"), ("setting", "Setting"), ("arrival", "Arrivals"))
+               if n in runs and runs[n].notna().any()]
+    cols = st.columns(max(1, len(present)))
+    for col, (name, label) in zip(cols, present):
+        column = runs[name].astype("object").where(runs[name].notna(), "adhoc") if name == "study" else runs[name]
+        with col:
+            chosen = st.multiselect(label, sorted(column.dropna().unique().tolist(), key=str),
+                                    key=f"{P}filter_{name}", placeholder="all")
+        if chosen:
+            runs = runs[column.isin(chosen)]
+    return runs
+
+
+def rate_section(view: pd.DataFrame) -> None:
+    st.subheader("Goodput and tail latency against request rate")
+    st.caption("One line per setting: off (no speculation), fixed k, adaptive (draft length by batch size, "
+               "switch-off by acceptance, context limit); the median of the runs at each rate, grey dots the single "
+               "runs. Goodput = requests meeting the run's SLOs (TTFT, TPOT) per second; with no SLO set it equals "
+               "the request throughput. Failed runs are left out.")
+    cols = st.columns(2)
+    with cols[0]:
+        _chart(sv.rate_chart(view, "goodput", "Goodput vs request rate", "goodput (requests/s)"),
+               "no serving run with a goodput", "goodput")
+    with cols[1]:
+        _chart(sv.rate_chart(view, "tpot_ms_p99", "p99 TPOT vs request rate", "p99 time per output token (ms)"),
+               "no serving run with a p99 TPOT", "tpot")
+
+
+def runs_section(view: pd.DataFrame) -> pd.DataFrame:
+    """The picked runs (default: the newest few) for the per-run views."""
+    labels = {r["run_id"]: sv.run_label(r) for _, r in view.iterrows()}
+    default = [r for r in st.session_state.get(f"{P}runs", []) if r in labels] or list(labels)[:4]
+    st.session_state[f"{P}runs"] = default
+    picked = st.multiselect("Runs for the views below", list(labels), key=f"{P}runs", format_func=labels.get,
+                            max_selections=MAX_RUNS, placeholder="pick serving runs")
+    return view[view["run_id"].isin(picked)]
+
+
+def latency_section(runs: pd.DataFrame) -> None:
+    st.subheader("Latency percentiles")
+    st.caption("TTFT = first token - arrival (queue included); TPOT = (last - first token) / (output tokens - 1); "
+               "ITL = gaps between emissions (a speculative step emits several tokens at once); E2EL = done - "
+               "arrival. Over the measured requests (warm-up ones left out), in ms.")
+    table = sv.percentile_table(runs)
+    if table.empty:
+        st.info("no latency percentiles in the picked runs")
+        return
+    fmt = {s: st.column_config.NumberColumn(s, format="%.2f") for s in sv.STATS}
+    st.dataframe(table, hide_index=True, width="stretch", key=f"{P}latency_table", column_config=fmt,
+                 height=min(600, 38 + 35 * len(table)))
+
+
+def acceptance_section(runs: pd.DataFrame) -> None:
+    st.subheader("Acceptance under load")
+    st.caption("Accepted / drafted draft tokens of the steps at each live batch size, and of the rows whose context "
+               "falls in each 64-token bin (bin start on the axis). Off runs draft nothing and have no line.")
+    cols = st.columns(2)
+    with cols[0]:
+        _chart(sv.acceptance_chart(runs, "acceptance_by_batch_size", "batch_size", "Acceptance by batch size",
+                                   "live batch size"), "no acceptance by batch size in the picked runs", "acc_bs")
+    with cols[1]:
+        _chart(sv.acceptance_chart(runs, "acceptance_by_context", "context", "Acceptance by context length",
+                                   "context length (bin start, tokens)"),
+               "no acceptance by context length in the picked runs", "acc_ctx")
+
+
+def requests_section(runs: pd.DataFrame) -> None:
+    st.subheader("Per-request latency")
+    metric = st.radio("Latency", list(sv.REQUEST_METRICS), key=f"{P}req_metric", horizontal=True,
+                      format_func=sv.REQUEST_METRICS.get)
+    try:
+        requests = get_store().load_requests(runs["run_id"].tolist()) if len(runs) else None
+    except Exception as exc:  # noqa: BLE001
+        st.warning(f"cannot read the per-request rows: {exc}")
+        return
+    labels = {r["run_id"]: sv.run_label(r) for _, r in runs.iterrows()}
+    _chart(sv.latency_distribution(requests, labels, metric), "no per-request rows stored for the picked runs",
+           "requests")
+
+
+def export_section(view: pd.DataFrame) -> None:
+    st.subheader("Engine snippets")
+    st.caption("The run's draft length by batch size (its k_by_batch ranges, k where they leave a size out, 0 for "
+               "off) up to its max_num_seqs, in each engine's terms. Each snippet names the engine version it "
+               "assumes: check the keys against that version before deploying.")
+    ok = view[view["status"].eq("ok").fillna(False)] if "status" in view else view
+    if ok.empty:
+        st.info("no finished serving run")
+        return
+    labels = {r["run_id"]: sv.run_label(r) for _, r in ok.iterrows()}
+    rid = st.selectbox("Run", list(labels), key=f"{P}export_run", format_func=labels.get)
+    row = ok[ok["run_id"] == rid].iloc[0]
+    snippets = sv.snippets_for(row)
+    st.caption("schedule: " + ", ".join(f"{lo}-{hi}: k={k}" for lo, hi, k in sv.schedule_of(row)))
+    tabs = st.tabs(["vLLM", "TensorRT-LLM", "SGLang"])
+    for tab, name in zip(tabs, ("vllm", "trtllm", "sglang")):
+        with tab:
+            st.code(snippets[name], language="json")
+    bundle = json.dumps({"run_id": rid, **{n: json.loads(t) for n, t in snippets.items()}}, indent=2)
+    st.download_button("Download snippets (JSON)", bundle, file_name=f"serving_snippets_{rid[-6:]}.json",
+                       mime="application/json", key=f"{P}download_snippets", icon=":material/download:",
+                       on_click="ignore")
+
+
+def render() -> None:
+    st.title("Serving")
+    st.caption(f"In-flight batching under a request load (`python -m workbench serve-bench`). Store: "
+               f"`{store_root()}`")
+    try:
+        df = get_store().load()
+    except Exception as exc:  # noqa: BLE001
+        st.error(f"cannot read the result store {store_root()}: {exc}")
+        return
+    runs = sv.serve_runs(df)
+    st.session_state[f"{P}has_runs"] = not runs.empty
+    launch_section()
+    if runs.empty:
+        st.info("No serving runs in the store yet: start one above or with `python -m workbench serve-bench`.")
+        return
+    runs = sv.with_setting(runs)
+    view = filter_runs(runs)
+    st.caption(f"{len(view)} of {len(runs)} serving runs")
+    rate_section(view)
+    picked = runs_section(view)
+    latency_section(picked)
+    acceptance_section(picked)
+    requests_section(picked)
+    export_section(view)
+
+
+if __name__ == "__main__":
+    render()

@@ -1,0 +1,211 @@
+"""Serving runs (`serve-bench`, run_kind "serve") as frames and Plotly figures: pure functions, no Streamlit.
+
+A serving run's *setting* is one of three, read from its row:
+- **off**: method ar (no speculation);
+- **fixed**: one draft length k at every batch size (no k_by_batch, no switch-off, no context limit);
+- **adaptive**: a draft-length schedule by batch size, switch-off by acceptance, or a context-length limit.
+
+Lines of the rate charts are one per (setting, method, k or schedule), so a sweep of off / fixed k / adaptive over
+request rates reads as three lines per chart.
+
+    >>> setting_of({"method": "ngram", "k": 3, "k_by_batch": "1-4:3,5-16:1"})
+    'adaptive'
+    >>> line_label({"method": "ngram", "k": 3, "k_by_batch": ""})
+    'fixed · ngram k=3'
+    >>> schedule_of({"method": "ngram", "k": 3, "k_by_batch": "", "max_num_seqs": 8})
+    [(1, 8, 3)]
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+
+from workbench.settings import SettingError, parse_k_by_batch
+
+SETTINGS = ("off", "fixed", "adaptive")
+LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL"), ("queue_ms", "queue"))
+STATS = ("mean", "p50", "p90", "p99")
+BOTTOM_LEGEND = dict(orientation="h", yanchor="top", y=-0.25, xanchor="left", x=0)  # long names: below the plot
+REQUEST_METRICS = {"ttft_ms": "TTFT (ms)", "tpot_ms": "TPOT (ms)", "e2el_ms": "E2E latency (ms)",
+                   "queue_ms": "queue time (ms)", "itl_ms_mean": "mean ITL (ms)"}
+
+
+def _missing(v) -> bool:
+    if v is None or v is pd.NA or v is pd.NaT:
+        return True
+    return isinstance(v, float) and math.isnan(v)
+
+
+def _num(v, default: float = 0.0) -> float:
+    return default if _missing(v) else float(v)
+
+
+def serve_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """The serving rows of a store frame (run_kind "serve"), newest first."""
+    if df is None or df.empty or "run_kind" not in df:
+        return pd.DataFrame()
+    out = df[df["run_kind"].eq("serve").fillna(False)]
+    if "created_at" in out:
+        out = out.sort_values("created_at", ascending=False, kind="stable")
+    return out.reset_index(drop=True)
+
+
+def setting_of(row) -> str:
+    if row.get("method") == "ar" or _num(row.get("k")) == 0:
+        return "off"
+    adaptive = (not _missing(row.get("k_by_batch")) and str(row.get("k_by_batch")).strip()) \
+        or _num(row.get("spec_off_acceptance")) > 0 or _num(row.get("spec_max_context")) > 0
+    return "adaptive" if adaptive else "fixed"
+
+
+def line_label(row) -> str:
+    setting = setting_of(row)
+    if setting == "off":
+        return "off"
+    method, k = row.get("method"), int(_num(row.get("k")))
+    if setting == "fixed":
+        return f"fixed · {method} k={k}"
+    parts = []
+    if not _missing(row.get("k_by_batch")) and str(row.get("k_by_batch")).strip():
+        parts.append(str(row.get("k_by_batch")))
+    if _num(row.get("spec_off_acceptance")) > 0:
+        parts.append(f"off<{_num(row.get('spec_off_acceptance')):g}/{int(_num(row.get('spec_window'), 8))}")
+    if _num(row.get("spec_max_context")) > 0:
+        parts.append(f"ctx>{int(_num(row.get('spec_max_context')))}:k{int(_num(row.get('long_context_k')))}")
+    return f"adaptive · {method} k={k} · " + " ".join(parts)
+
+
+def run_label(row) -> str:
+    created = row.get("created_at")
+    when = created.strftime("%m-%d %H:%M:%S") if hasattr(created, "strftime") else str(created)
+    return f"{when} · {line_label(row)} · rate {_num(row.get('rate')):g} · {str(row.get('run_id'))[-6:]}"
+
+
+def with_setting(runs: pd.DataFrame) -> pd.DataFrame:
+    out = runs.copy()
+    out["setting"] = [setting_of(r) for _, r in runs.iterrows()] if len(runs) else []
+    out["line"] = [line_label(r) for _, r in runs.iterrows()] if len(runs) else []
+    return out
+
+
+def schedule_of(row) -> list[tuple[int, int, int]]:
+    """The run's draft length by batch size as inclusive ranges [(start_bs, end_bs, k)], covering 1..max_num_seqs:
+    its k_by_batch ranges (sizes they leave out get k), k everywhere for a fixed run, 0 for off."""
+    top = max(1, int(_num(row.get("max_num_seqs"), 1)))
+    k = 0 if setting_of(row) == "off" else int(_num(row.get("k")))
+    try:
+        ranges = parse_k_by_batch(row.get("k_by_batch") or "") if k else []
+    except SettingError:
+        ranges = []
+    out, nxt = [], 1
+    for lo, hi, rk in ranges:
+        if lo > top:
+            break
+        if lo > nxt:
+            out.append((nxt, lo - 1, k))
+        out.append((lo, min(hi, top), min(rk, k)))
+        nxt = min(hi, top) + 1
+    if nxt <= top:
+        out.append((nxt, top, k))
+    return out
+
+
+def _ok(runs: pd.DataFrame) -> pd.DataFrame:
+    return runs[runs["status"].eq("ok").fillna(False)] if "status" in runs else runs
+
+
+def rate_chart(runs: pd.DataFrame, metric: str, title: str, y_title: str) -> go.Figure | None:
+    """One line per setting (off / fixed / adaptive, with method and k): the median of `metric` at each request rate;
+    grey dots are the single runs."""
+    if runs.empty or not {metric, "rate"} <= set(runs.columns):
+        return None
+    df = with_setting(_ok(runs))
+    df = df[df[metric].notna() & df["rate"].notna()]
+    if df.empty:
+        return None
+    df = df.assign(**{metric: df[metric].astype(float), "rate": df["rate"].astype(float)})
+    agg = df.groupby(["line", "rate"], as_index=False).agg(**{metric: (metric, "median"), "runs": (metric, "size")})
+    agg = agg.sort_values(["line", "rate"])
+    fig = px.line(agg, x="rate", y=metric, color="line", markers=True, title=title, hover_data=["runs"])
+    fig.add_trace(go.Scatter(x=df["rate"], y=df[metric], mode="markers", name="single runs",
+                             marker=dict(size=5, color="rgba(120,120,120,0.35)"), hovertext=df["run_id"]))
+    fig.update_layout(xaxis_title="request rate (requests/s; 0 = all at once)", yaxis_title=y_title,
+                      legend_title_text="setting", margin=dict(t=40, b=40), height=440, legend=BOTTOM_LEGEND)
+    return fig
+
+
+def percentile_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per (run, latency): mean / p50 / p90 / p99 in ms (what the run row holds; absent cells stay empty)."""
+    rows = []
+    for _, r in runs.iterrows():
+        for col, name in LATENCIES:
+            vals = {s: r.get(f"{col}_{s}") for s in STATS}
+            if all(_missing(v) for v in vals.values()):
+                continue
+            rows.append({"run": run_label(r), "latency": name,
+                         **{s: (None if _missing(v) else float(v)) for s, v in vals.items()}})
+    return pd.DataFrame(rows, columns=["run", "latency", *STATS])
+
+
+def json_frame(runs: pd.DataFrame, column: str, key_name: str) -> pd.DataFrame:
+    """A JSON-text column {"key": acceptance} of each run -> long rows (run_id, label, key as int, acceptance)."""
+    rows = []
+    if column not in runs:
+        return pd.DataFrame(columns=["run_id", "label", key_name, "acceptance"])
+    for _, r in runs.iterrows():
+        text = r.get(column)
+        if _missing(text) or not str(text).strip():
+            continue
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError):
+            continue
+        for key, value in data.items():
+            if value is None:
+                continue
+            rows.append({"run_id": r["run_id"], "label": run_label(r), key_name: int(key), "acceptance": float(value)})
+    return pd.DataFrame(rows, columns=["run_id", "label", key_name, "acceptance"])
+
+
+def acceptance_chart(runs: pd.DataFrame, column: str, key_name: str, title: str, x_title: str) -> go.Figure | None:
+    data = json_frame(runs, column, key_name)
+    if data.empty:
+        return None
+    data = data.sort_values(["label", key_name])
+    fig = px.line(data, x=key_name, y="acceptance", color="label", markers=True, title=title)
+    fig.update_layout(xaxis_title=x_title, yaxis_title="accepted / drafted", yaxis_range=[0, 1.05],
+                      yaxis_tickformat=".0%", legend_title_text="run", margin=dict(t=40, b=40), height=440,
+                      legend=BOTTOM_LEGEND)
+    return fig
+
+
+def latency_distribution(requests: pd.DataFrame, labels: dict[str, str], metric: str) -> go.Figure | None:
+    """Box plot with every point of a per-request latency, one box per run (measured requests only)."""
+    if requests is None or requests.empty or metric not in requests:
+        return None
+    df = requests
+    if "measured" in df:
+        df = df[df["measured"].fillna(True).astype(bool)]
+    df = df[df[metric].notna() & df["run_id"].isin(list(labels))]
+    if df.empty:
+        return None
+    short = {rid: label.split(" · ", 1)[-1] for rid, label in labels.items()}  # without the date
+    df = df.assign(run=df["run_id"].map(short), **{metric: df[metric].astype(float)})
+    fig = px.box(df, x="run", y=metric, points="all", hover_data=["request", "prompt_len", "output_len"],
+                 title=f"Per-request {REQUEST_METRICS.get(metric, metric)}, {len(df)} requests")
+    fig.update_layout(xaxis_title="", yaxis_title=REQUEST_METRICS.get(metric, metric), margin=dict(t=40, b=40),
+                      height=400, showlegend=False)
+    return fig
+
+
+def snippets_for(row) -> dict[str, str]:
+    """vLLM / TensorRT-LLM / SGLang snippets (JSON text) of the run's draft length by batch size."""
+    from workbench.serving.exports import export_snippets  # torch-free (json only)
+
+    ngram = (int(_num(row.get("ngram_min"), 1)), int(_num(row.get("ngram_max"), 3)))
+    draft = None if _missing(row.get("draft_path")) else str(row.get("draft_path"))
+    return export_snippets(schedule_of(row), str(row.get("method")), ngram=ngram, draft_path=draft)
