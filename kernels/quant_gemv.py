@@ -97,7 +97,7 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
 
     >>> c = gemv_config("int4", 1, 4096, 4096, 128)
     >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
-    (1, 32, 128, 2)
+    (1, 32, 128, 5)
     """
     block_m = 1 if m == 1 else 16
     if block_m == 1:
@@ -187,7 +187,7 @@ if TRITON_AVAILABLE:
                     t = tl.sum(q.to(tl.float32) * xf, axis=1)[None, :]  # [1, BN]
                 else:
                     xf = x.to(tl.float32)
-                    t = tl.dot(x, tl.trans(q.to(x.dtype)), input_precision=DOT_PRECISION)  # [BM, BN]
+                    t = tl.dot(x, tl.trans(q.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)  # [BM, BN]
                 x_sum = tl.sum(xf, axis=1)  # [BM]
                 acc += t * s[None, :] + x_sum[:, None] * (z - 8.0 * s)[None, :]
             else:  # int8 / fp8: raw values, the channel scale after the loop
@@ -196,7 +196,8 @@ if TRITON_AVAILABLE:
                 if BLOCK_M == 1:
                     acc2 += w.to(tl.float32) * x.to(tl.float32)
                 else:
-                    acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+                    # widened through fp32: exact, and the interpreter's direct int8 -> bf16 cast reinterprets bits
+                    acc += tl.dot(x, tl.trans(w.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)
         if FMT != 1:
             if BLOCK_M == 1:
                 acc = tl.sum(acc2, axis=1)[None, :]
