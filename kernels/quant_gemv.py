@@ -118,6 +118,11 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     return cfg
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple) -> dict:
+    return gemv_config(fmt, m, n, k, group_size, sm_count, **dict(override))
+
+
 def counters_for(n: int, device: torch.device | str) -> torch.Tensor:
     """The split-K counters a weight of N outputs needs (one per N tile of the smallest tile size), zeroed."""
     return torch.zeros(math.ceil(n / MIN_BLOCK_N), dtype=torch.int32, device=device)
@@ -150,13 +155,14 @@ def check_gemv(fmt: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 # ---- kernel ------------------------------------------------------------------------------------------------------
 if TRITON_AVAILABLE:
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "tiles_per_split", "SPLIT_K"])  # one compile per format and tile shape
     def _gemv_kernel(
             x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
             M, N, K, tiles_per_split,
             sx_m, sw_n, ss_n, ss_g, so_m,  # x [M, K], weight [N, K or K/2], scale/zero [N, K/g] (last strides 1)
+            SPLIT_K,  # K ranges (1 = no split): a runtime value, so split counts share one compiled kernel
             FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -232,27 +238,24 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
     m, k = x.shape
     n = weight.shape[0]
     sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
-    cfg = gemv_config(fmt, m, n, k, group_size, sm, **override)
+    cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())))
     if fmt == "int4" and group_size % cfg["BLOCK_K"]:
         raise GemvError(f"BLOCK_K={cfg['BLOCK_K']} must divide the int4 group size {group_size}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (math.ceil(n / cfg["BLOCK_N"]), math.ceil(m / cfg["BLOCK_M"]), cfg["SPLIT_K"])
-    if cfg["SPLIT_K"] > 1:
-        need = grid[0] * grid[1]
-        if counters is None or counters.numel() < need:
-            counters = torch.zeros(need, dtype=torch.int32, device=x.device)
-        partials = torch.empty(cfg["SPLIT_K"], m, n, dtype=torch.float32, device=x.device)
-    else:
-        partials = out  # not read
-        counters = counters if counters is not None else out
+    # the same pointer types whatever the split (one compiled kernel); with one split neither buffer is touched
+    partials = torch.empty(cfg["SPLIT_K"] if cfg["SPLIT_K"] > 1 else 1, m if cfg["SPLIT_K"] > 1 else 1,
+                           n if cfg["SPLIT_K"] > 1 else 1, dtype=torch.float32, device=x.device)
+    if counters is None or (cfg["SPLIT_K"] > 1 and counters.numel() < grid[0] * grid[1]):
+        counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
     scale2 = scale.reshape(n, -1)
     zero2 = zero if zero is not None else scale2
     _gemv_kernel[grid](
         x, weight, scale2, zero2, out, partials, counters,
         m, n, k, cfg["tiles_per_split"],
         x.stride(0), weight.stride(0), scale2.stride(0), scale2.stride(1) if scale2.shape[1] > 1 else 0, out.stride(0),
-        FMT=_FMT_CODE[fmt], GROUP=group_size or 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"],
+        cfg["SPLIT_K"], FMT=_FMT_CODE[fmt], GROUP=group_size or 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
