@@ -155,3 +155,21 @@ def test_modules_with_the_triton_kernel_match_dequant(fmt, interpreter_bf16_dot)
         with torch.no_grad():
             want, got = ref(ids, pos), tri(ids, pos)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@interpreter
+def test_engine_decodes_the_same_tokens_with_the_triton_kernel(interpreter_bf16_dot):
+    """AR decode through the engine (paged cache, fixed-shape steps) with kernel "triton" emits the tokens of the
+    "dequant" kernel: same function, fp32 model (no near-ties at this size)."""
+    from workbench.engine import EngineConfig, SpecEngine
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = LlamaModel(cfg).eval()
+    outputs = {}
+    for kernel in ("dequant", "triton"):
+        model = quantize_model(base, "int4", group_size=32, kernel=kernel)
+        engine = SpecEngine(model, None, EngineConfig(max_new_tokens=6), torch.device("cpu"))
+        outputs[kernel] = engine.generate([[5, 9, 11, 2], [7, 3]]).outputs
+    assert outputs["triton"] == outputs["dequant"]
