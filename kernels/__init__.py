@@ -9,4 +9,9 @@ Kernels:
   CUDA-graph capturable). `paged_attention_triton` beside `paged_attention_reference` (gather + SDPA);
   `paged_attention` picks the kernel on CUDA when triton imports. Tests: tests/test_kernels.py (the Triton half runs
   under TRITON_INTERPRET=1); GPU parity and timing: scripts/gpu_kernels.py. Not wired into the engine yet.
+- `quant_gemv.py`: weight-only int8 / int4 (group-wise) / fp8 GEMV for decode-sized calls (M <= 16), split-K with
+  an in-kernel reduction, capture-safe. `quant_gemv_triton` beside `quant_gemv_reference` (dequantize, fp32
+  matmul); the quant linears use it with kernel "triton" (knob `quant_kernel`). Tests: tests/test_quant_gemv.py
+  (the Triton half under TRITON_INTERPRET=1); GPU parity, speed and decode: scripts/gpu_gemv.py. Not measured on a
+  GPU yet.
 """

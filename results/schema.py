@@ -108,6 +108,7 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("draft_kv_quant", "string", "config", '"none" | "int8" | "fp8": the draft model\'s KV-cache format'),
     *_cols("config", "string", "target_quant draft_quant"),
     ColumnSpec("int4_group_size", "int", "config", "input channels per int4 scale group"),
+    ColumnSpec("quant_kernel", "string", "config", '"auto" | "aten" | "dequant" | "triton": quantized matmul kernel'),
     ColumnSpec("max_ppl_increase_pct", "float", "config", "quality bound of studies: max perplexity increase, %"),
     ColumnSpec("phase_profile", "bool", "config", "per-phase GPU profile asked for (phase_* columns)"),
     ColumnSpec("compare_hf", "bool", "config", "Hugging Face generate() timed too (hf_* columns)"),

@@ -38,7 +38,9 @@ from workbench.engine.quant import check_quant, quantize_model, weight_bytes  # 
 CONFIGS = {**RANDOM_CONFIGS, "mini": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2)}  # CPU smoke test only
 FORMAT_KERNELS = {"none": ("none", "auto"), "int8": ("int8", "aten"), "int8-dq": ("int8", "dequant"),
-                  "int4": ("int4", "aten"), "int4-awq": ("int4-awq", "aten"), "fp8": ("fp8", "auto")}
+                  "int4": ("int4", "aten"), "int4-awq": ("int4-awq", "aten"), "fp8": ("fp8", "auto"),
+                  # kernels/quant_gemv.py (quant_kernel "triton"; fp8 then weight-only): scripts/gpu_gemv.py
+                  "int8-triton": ("int8", "triton"), "int4-triton": ("int4", "triton"), "fp8-triton": ("fp8", "triton")}
 
 
 def sync(device: torch.device) -> None:
@@ -63,7 +65,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
             for mode in args.floor_modes.split(","):
                 row = {"config": name, "format": fmt_name, "mode": mode}
                 try:
-                    check_quant(fmt, cfg, device, torch.bfloat16, args.int4_group_size)
+                    check_quant(fmt, cfg, device, torch.bfloat16, args.int4_group_size, kernel=kernel)
                     t0 = time.perf_counter()
                     calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))
                     model = quantize_model(base, fmt, group_size=args.int4_group_size, kernel=kernel,

@@ -98,7 +98,7 @@ class BenchSession:
         self._engines: dict[tuple, SpecEngine] = {}  # engines (caches, graphs) reused across runs and trials
         self._redrafter: tuple[RedrafterHead, str] | None = None  # (head, where it came from), loaded once
         self._eagle: tuple[EagleHead, str] | None = None
-        self._quantized: dict[tuple, torch.nn.Module] = {}  # (role, format, group) -> quantized copy (quality.py)
+        self._quantized: dict[tuple, torch.nn.Module] = {}  # (role, format, group, kernel) -> quantized copy (quality.py)
         self._quality_cache: dict[tuple, object] = {}  # perplexities, reference outputs, calibration ids
 
     @classmethod
@@ -265,7 +265,7 @@ class BenchSession:
                             overlap=cfg.overlap)
         shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention,
                  ecfg.kv_quant,
-                 quant_key(cfg, "target"))
+                 quant_key(cfg, "target"), cfg.quant_kernel)
         method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs) if cfg.method in METHODS else ()
         key = (cfg.method, *method_knobs, *shape) if drafter else ("ar", *shape)
         engine = self._engines.pop(key, None)

@@ -55,7 +55,7 @@ def check_weight_formats(session, cfg) -> None:
         roles.append(("draft", session.draft))
     for role, model in roles:
         check_quant(quant_key(cfg, role)[0], model.config, session.device, next(model.parameters()).dtype,
-                    cfg.int4_group_size, role)
+                    cfg.int4_group_size, role, getattr(cfg, "quant_kernel", "auto"))
 
 
 def quantized_model(session, role: str, cfg):
@@ -66,12 +66,14 @@ def quantized_model(session, role: str, cfg):
     fmt, group = quant_key(cfg, role)
     if fmt == "none" or base is None:
         return base
-    key = (role, fmt, group)
+    kernel = getattr(cfg, "quant_kernel", "auto")  # serving configs have none
+    key = (role, fmt, group, kernel)
     if key not in session._quantized:
         calibration = calibration_ids(session, base) if fmt == "int4-awq" else None
         while len(session._quantized) >= QUANT_CACHE_SIZE:
             session._quantized.pop(next(iter(session._quantized)))
-        session._quantized[key] = quantize_model(base, fmt, group_size=group or 128, calibration=calibration).eval()
+        session._quantized[key] = quantize_model(base, fmt, group_size=group or 128, calibration=calibration,
+                                                 kernel=kernel).eval()
     return session._quantized[key]
 
 

@@ -14,6 +14,10 @@ Formats (`FORMATS`), each a weight rule in `linears.py`:
     fp8       e4m3 weights, one scale per output channel, x fp8 activations   torch._scaled_mm, row-wise scales
               scaled per token on the fly                                      (CUDA, compute capability >= 8.9)
 
+Kernels (`quantize_model(kernel=...)`, the knob `quant_kernel`): "auto" (aten on a GPU, dequant on a CPU), "aten",
+"dequant", or "triton": kernels/quant_gemv.py, Triton weight-only GEMVs for decode-sized calls (<= 16 rows; larger
+ones dequantize, then one matmul) on a CUDA GPU; with it fp8 keeps activations in bf16 (weight-only fp8).
+
 What is swapped: the four linears of every decoder layer (qkv_proj, o_proj, gate_up_proj, down_proj). Embeddings, the
 LM head (tied or not) and the norms stay in the model dtype: the head is what logits and acceptance are computed
 from, and at 7 B it is ~2 % of the weight bytes. A quantized model is a different model: the engine's greedy parity
@@ -39,7 +43,7 @@ from .linears import (FP8_DTYPE, INT4_GROUP_SIZES, Fp8Linear, Int4Linear, Int8Li
                       quantize_int4, quantize_int8)
 
 FORMATS = ("none", "int8", "int4", "int4-awq", "fp8")
-KERNELS = ("auto", "aten", "dequant")
+KERNELS = ("auto", "aten", "dequant", "triton")
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 GGUF_EXACT = {"F32": "none", "F16": "none", "BF16": "none"}
 GGUF_REPRESENTABLE = {"Q4_0": "int4 (group 32)", "Q4_1": "int4 (group 32)"}
@@ -63,14 +67,22 @@ def linear_shapes(config) -> dict[str, tuple[int, int]]:
 
 
 def check_quant(fmt: str, config, device: torch.device | str, dtype: torch.dtype, group_size: int = 128,
-                role: str = "target") -> None:
-    """Raise QuantError unless `fmt` can run for a model of `config` in `dtype` on `device`."""
+                role: str = "target", kernel: str = "auto") -> None:
+    """Raise QuantError unless `fmt` can run for a model of `config` in `dtype` on `device` with `kernel`."""
     device = torch.device(device)
     knob = f"{role}_quant"
     if fmt not in FORMATS:
         raise QuantError(f"{knob}={fmt!r} is not a weight format the engine has; choose one of {', '.join(FORMATS)}")
+    if kernel not in KERNELS:
+        raise QuantError(f"quant_kernel={kernel!r} is not a kernel choice; choose one of {', '.join(KERNELS)}")
     if fmt == "none":
         return
+    if kernel == "triton":
+        from kernels.quant_gemv import triton_problem
+
+        problem = triton_problem(device)
+        if problem:
+            raise QuantError(f"quant_kernel=triton ({knob}={fmt}): {problem}")
     shapes = linear_shapes(config)
     if fmt == "fp8":
         if device.type != "cuda":
@@ -109,8 +121,9 @@ def check_quant(fmt: str, config, device: torch.device | str, dtype: torch.dtype
 def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibration: Tensor | None = None,
                    kernel: str = "auto", inplace: bool = False) -> nn.Module:
     """The model with its decoder linears replaced by `fmt`'s modules (a copy unless `inplace`). "int4-awq" needs
-    `calibration` token ids [S, L]. `kernel` (int8 / int4): "aten" (the packed aten ops), "dequant" (PyTorch ops,
-    then one matmul) or "auto" (aten on a GPU, dequant on a CPU). Call `check_quant` first."""
+    `calibration` token ids [S, L]. `kernel`: "aten" (the packed aten ops; fp8: _scaled_mm), "dequant" (PyTorch
+    ops, then one matmul), "triton" (kernels/quant_gemv.py for decode-sized calls, weight-only for fp8 too) or
+    "auto" (aten on a GPU, dequant on a CPU; fp8: aten). Call `check_quant` first."""
     if fmt not in FORMATS:
         raise QuantError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if fmt == "none":
@@ -118,7 +131,7 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
     if fmt == "int4-awq" and calibration is None:
         raise QuantError("int4-awq needs calibration token ids [S, L] (the harness takes them from the zoo corpus)")
     if kernel == "auto":
-        kernel = "aten" if next(model.parameters()).is_cuda else "dequant"
+        kernel = "aten" if next(model.parameters()).is_cuda or fmt == "fp8" else "dequant"
     if kernel not in KERNELS:
         raise QuantError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     out = model if inplace else copy.deepcopy(model)
@@ -127,7 +140,7 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
 
         out.awq_alphas = apply_awq(out, calibration, group_size)
     make = {"int8": lambda lin: Int8Linear(lin, kernel), "int4": lambda lin: Int4Linear(lin, group_size, kernel),
-            "int4-awq": lambda lin: Int4Linear(lin, group_size, kernel), "fp8": Fp8Linear}[fmt]
+            "int4-awq": lambda lin: Int4Linear(lin, group_size, kernel), "fp8": lambda lin: Fp8Linear(lin, kernel)}[fmt]
     with torch.no_grad():
         for layer in out.model.layers:
             for path in LINEARS:

@@ -10,6 +10,12 @@ the tests compare each module's output with `x @ dequantize(...).T` (error bound
     (int8 and int4 also have kernel "dequant": dequantize with PyTorch ops, then one matmul; the default on a CPU)
     fp8     q float8_e4m3fn [N, K], scale [N] fp32          q * scale[n]            (per channel)  torch._scaled_mm
 
+Kernel "triton" (every format; CUDA): kernels/quant_gemv.py, a weight-only GEMV that widens the stored weight in
+registers, for calls of at most GEMV_MAX_ROWS rows (decode and verify); larger calls (prefill) take the "dequant"
+form from the same buffers. int4 then keeps the "dequant" packing ([N, K/2], two nibbles per byte), not tinygemm's.
+fp8 with "triton" or "dequant" is weight-only too: activations stay in the model dtype (x @ dequantize(q).T), a
+different (more accurate) model than the `_scaled_mm` path, which quantizes activations per token.
+
 int8 and int4 are weight-only: activations stay in the model dtype. fp8 also quantizes the activations, per token
 (row) and on the fly (`_scaled_mm` multiplies two fp8 operands): amax / 448 as each row's scale, computed on the
 device. Scales are rounded to the dtype they are stored in *before* the weight is rounded against them, so the stored
@@ -26,7 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.quant_gemv import counters_for, quant_gemv_triton
+
 FP8_DTYPE = torch.float8_e4m3fn
+GEMV_MAX_ROWS = 16  # kernel "triton": calls with more rows than this (prefill) take the "dequant" form
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4pack kernels accept
 
@@ -126,6 +135,14 @@ class QuantLinear(nn.Module):
     def _flat(self, x: Tensor) -> Tensor:
         return x.reshape(-1, self.in_features)  # [M, K]
 
+    def _use_gemv(self, x2: Tensor) -> bool:
+        """Kernel "triton" and a decode-sized call (a shape test: the same answer on every replay of a graph)."""
+        return self.kernel == "triton" and x2.shape[0] <= GEMV_MAX_ROWS
+
+    def _add_counters(self, kernel: str, device: torch.device) -> None:
+        if kernel == "triton":  # the split-K kernel's per-tile counters: persistent and zero between calls
+            self.register_buffer("gemv_counters", counters_for(self.out_features, device), persistent=False)
+
     def _out(self, y: Tensor, x: Tensor) -> Tensor:
         if self.bias is not None:
             y = y + self.bias
@@ -140,7 +157,8 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """Weight-only int8, one scale per output channel. `kernel` "aten" uses aten._weight_int8pack_mm; "dequant"
+    """Weight-only int8, one scale per output channel. `kernel` "triton": kernels/quant_gemv.py up to GEMV_MAX_ROWS
+    rows, else "dequant"; "aten" uses aten._weight_int8pack_mm; "dequant"
     computes linear(x, q.to(dtype)) * scale, which torch.compile can fuse into one kernel (gpt-fast's form; the CPU
     default: this torch's CPU int8pack kernel is 3-80x slower than it here, see README)."""
 
@@ -152,10 +170,13 @@ class Int8Linear(QuantLinear):
         self.register_buffer("weight", q)  # [N, K] int8
         self.register_buffer("scale", scale)  # [N] model dtype
         self.kernel = kernel
+        self._add_counters(kernel, q.device)
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = self._flat(x)
-        if self.kernel == "dequant":
+        if self._use_gemv(x2):
+            y = quant_gemv_triton(x2, "int8", self.weight, self.scale, counters=self.gemv_counters)
+        elif self.kernel in ("dequant", "triton"):
             y = F.linear(x2, self.weight.to(x2.dtype)) * self.scale
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scale)
@@ -167,7 +188,8 @@ class Int8Linear(QuantLinear):
 
 class Int4Linear(QuantLinear):
     """Weight-only int4 in groups of `group_size` input channels (asymmetric: a scale and a zero per group).
-    `kernel` "aten": the weight packed for aten._weight_int4pack_mm (CUDA tinygemm) / _for_cpu; "dequant": two
+    `kernel` "triton": kernels/quant_gemv.py on the "dequant" packing (up to GEMV_MAX_ROWS rows, else "dequant");
+    "aten": the weight packed for aten._weight_int4pack_mm (CUDA tinygemm) / _for_cpu; "dequant": two
     nibbles per byte [N, K/2] unpacked and dequantized by PyTorch ops each call, then one matmul (the CPU default:
     this torch's CPU int4pack kernel is 13x slower than an fp32 matmul at one row and 100x at 256, see README)."""
 
@@ -178,7 +200,8 @@ class Int4Linear(QuantLinear):
         dtype = linear.weight.dtype
         q, scale, zero = quantize_int4(linear.weight, group_size, dtype)
         self.group_size, self.kernel = group_size, kernel
-        if kernel == "dequant":
+        self._add_counters(kernel, q.device)
+        if kernel in ("dequant", "triton"):
             self.register_buffer("weight", (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8))  # [N, K/2]
             self.register_buffer("scale", scale)  # [N, K/g]
             self.register_buffer("zero", zero)  # [N, K/g]
@@ -189,7 +212,10 @@ class Int4Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = self._flat(x)
-        if self.kernel == "dequant":
+        if self._use_gemv(x2):
+            y = quant_gemv_triton(x2, "int4", self.weight, self.scale, self.zero, self.group_size,
+                                  counters=self.gemv_counters)
+        elif self.kernel in ("dequant", "triton"):
             n, k = self.out_features, self.in_features
             q = torch.stack((self.weight >> 4, self.weight & 15), dim=-1).reshape(n, -1, self.group_size)
             w = ((q.to(x2.dtype) - 8) * self.scale[..., None] + self.zero[..., None]).reshape(n, k)
@@ -202,7 +228,7 @@ class Int4Linear(QuantLinear):
 
     def dequantized_weight(self) -> Tensor:
         """Recovered through the module itself by multiplying the identity (the kernel's own unpacking)."""
-        dtype = self.scale.dtype if self.kernel == "dequant" else self.scales_and_zeros.dtype
+        dtype = self.scale.dtype if self.kernel in ("dequant", "triton") else self.scales_and_zeros.dtype
         eye = torch.eye(self.in_features, dtype=dtype, device=self.weight.device)
         saved_bias, self.bias = self.bias, None
         try:
@@ -212,19 +238,28 @@ class Int4Linear(QuantLinear):
 
 
 class Fp8Linear(QuantLinear):
-    """fp8 e4m3 weights (per output channel) x fp8 activations (per token, quantized on the fly), torch._scaled_mm
-    with row-wise scales; the product comes out in the input's dtype (bfloat16 on a GPU)."""
+    """fp8 e4m3 weights (per output channel). `kernel` "aten" (the default): x fp8 activations (per token, quantized
+    on the fly), torch._scaled_mm with row-wise scales; the product comes out in the input's dtype (bfloat16 on a
+    GPU). "triton" / "dequant": weight-only (activations stay in their dtype): kernels/quant_gemv.py up to
+    GEMV_MAX_ROWS rows, else linear(x, q.to(dtype)) * scale."""
 
     fmt = "fp8"
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernel: str = "aten") -> None:
         super().__init__(linear.in_features, linear.out_features, linear.bias)
         q, scale = quantize_fp8(linear.weight)
         self.register_buffer("weight", q)  # [N, K] float8_e4m3fn
         self.register_buffer("scale", scale[None, :].contiguous())  # [1, N] fp32 (row-wise scale_b)
+        self.kernel = kernel
+        self._add_counters(kernel, q.device)
 
     def forward(self, x: Tensor) -> Tensor:
-        xq, xs = quantize_fp8_rows(self._flat(x))  # [M, K] fp8, [M, 1] fp32
+        x2 = self._flat(x)
+        if self._use_gemv(x2):
+            return self._out(quant_gemv_triton(x2, "fp8", self.weight, self.scale, counters=self.gemv_counters), x)
+        if self.kernel in ("dequant", "triton"):
+            return self._out((F.linear(x2, self.weight.to(x2.dtype)) * self.scale).to(x2.dtype), x)
+        xq, xs = quantize_fp8_rows(x2)  # [M, K] fp8, [M, 1] fp32
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=x.dtype)
         return self._out(y, x)
 

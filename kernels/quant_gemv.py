@@ -1,0 +1,271 @@
+"""Weight-only quantized GEMV / skinny GEMM for the decode regime: a Triton kernel family beside its PyTorch reference.
+
+    y [M, N] = x [M, K] @ dequantize(weight).T      x in the model dtype (bf16 on a GPU), M small (1..16: decode,
+                                                    and the verify widths 2..9 of a draft); fp32 accumulation
+
+One kernel, specialized by format (`FMT`, a constexpr), reading the buffers the quant modules already store
+(workbench/engine/quant/linears.py), so a module switches kernels without repacking:
+
+    format  weight                               scales                          dequantized weight
+    int8    int8 [N, K]                          scale [N] (model dtype)         q * scale[n]
+    int4    uint8 [N, K/2]: byte j of row n       scale, zero [N, K/g]            (q - 8) * scale[n, k/g] + zero[n, k/g]
+            holds k = 2j (high nibble) and          (model dtype)
+            k = 2j + 1 (low nibble): the modules' "dequant" packing
+    fp8     float8_e4m3fn [N, K]                 scale [N] fp32 (a [1, N] view)  q * scale[n]
+
+Activations stay in their dtype: unlike `Fp8Linear`'s `_scaled_mm` path, fp8 here quantizes nothing on the fly (a
+weight-only fp8 model, more accurate than the per-token fp8 x fp8 product). The weight is widened in registers and
+never written back: each weight byte is read once per call, which is what bounds a batch-1 decode.
+
+How the math is arranged (each per-channel or per-group factor applied where it costs least):
+- int8 / fp8: the raw integers (exact in fp32 and bf16) are multiplied with x and the channel's scale is applied once
+  to the accumulated sum.
+- int4: a K tile lies inside one group (BLOCK_K divides g), so per tile t = sum_k x_k q_k (q in 0..15, exact) and
+  acc += scale * t + (zero - 8 scale) * sum_k x_k: two multiply-adds per (row, tile) instead of a dequantization per
+  weight element.
+- M = 1 (BLOCK_M = 1): broadcast multiply and reduce over K on the CUDA cores (a GEMV); M > 1: `tl.dot` with
+  BLOCK_M = 16 row tiles (the tensor cores' smallest M; rows past M are masked).
+- Split-K: the grid is (N tiles, M tiles, SPLIT_K); when the N tiles alone cannot fill the GPU, K is cut into
+  SPLIT_K ranges. Each split writes an fp32 partial, then bumps a per-tile counter; the split that arrives last adds
+  the partials, writes the output and resets the counter to 0 (so one launch per call and no zeroing kernel). The
+  counters are a persistent int32 buffer (`gemv_counters`), zero between calls.
+
+Capture-safe: the grid, tile sizes and SPLIT_K depend on shapes and the SM count only (`gemv_config`), nothing is
+read on the host, no Python scalar is written into a CUDA tensor, and the partials are a `torch.empty`.
+
+Verified on CPU only, under the Triton interpreter (TRITON_INTERPRET=1, triton 3.9.0): tests/test_kernels_gemv.py
+against `quant_gemv_reference` (dequantize in fp32, then matmul). Speed on a GPU: scripts/gpu_gemv.py.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    TRITON_AVAILABLE = True
+except ImportError:
+    TRITON_AVAILABLE = False
+
+GEMV_FORMATS = ("int8", "int4", "fp8")
+_FMT_CODE = {"int8": 0, "int4": 1, "fp8": 2}
+MAX_SPLIT_K = 32
+MIN_BLOCK_N = 16  # the smallest N tile `gemv_config` picks: counters are sized for it
+
+
+class GemvError(ValueError):
+    """Inputs the kernel does not take (shapes, dtypes, a group size); the message says what to change."""
+
+
+# ---- reference (pure PyTorch, any device) ------------------------------------------------------------------------
+def dequantize_weight(fmt: str, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+                      group_size: int | None = None) -> torch.Tensor:
+    """The [N, K] fp32 weight the kernel multiplies by, from the stored buffers (layouts in the module docstring).
+
+    >>> w = torch.tensor([[0x8F, 0x0A]], dtype=torch.uint8)  # int4 row: q = 8, 15, 0, 10
+    >>> dequantize_weight("int4", w, torch.tensor([[0.5]]), torch.tensor([[1.0]]), 4).tolist()
+    [[1.0, 4.5, -3.0, 2.0]]
+    """
+    if fmt == "int4":
+        n = weight.shape[0]
+        q = torch.stack((weight >> 4, weight & 15), dim=-1).reshape(n, -1).float()  # [N, K] in 0..15
+        s = scale.float().repeat_interleave(group_size, dim=1)  # [N, K]
+        z = zero.float().repeat_interleave(group_size, dim=1)
+        return (q - 8) * s + z
+    return weight.float() * scale.float().reshape(-1)[:, None]
+
+
+def quant_gemv_reference(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
+                         zero: torch.Tensor | None = None, group_size: int | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype: dequantize in fp32, one fp32 matmul (the kernel's reference)."""
+    return (x.float() @ dequantize_weight(fmt, weight, scale, zero, group_size).T).to(x.dtype)
+
+
+# ---- launch configuration ----------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count if index is not None else 132  # H200
+
+
+def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None, sm_count: int = 132,
+                **override) -> dict:
+    """Tile sizes, split count and warps for one call, from shapes only (so a captured graph replays the same launch).
+    `override` replaces any entry (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages; the benchmark sweeps them).
+
+    >>> c = gemv_config("int4", 1, 4096, 4096, 128)
+    >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
+    (1, 32, 128, 5)
+    """
+    block_m = 1 if m == 1 else 16
+    if block_m == 1:
+        block_n, block_k = (32, 128) if fmt == "int4" else (16, 256)
+    else:
+        block_n, block_k = 64, 128
+    if fmt == "int4":
+        block_k = min(block_k, group_size)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    cfg.update({key: v for key, v in override.items() if key != "SPLIT_K"})
+    tiles = math.ceil(n / cfg["BLOCK_N"]) * math.ceil(m / cfg["BLOCK_M"])
+    k_tiles = math.ceil(k / cfg["BLOCK_K"])
+    split = 1 if m > 16 else max(1, min(math.ceil(4 * sm_count / tiles), k_tiles, MAX_SPLIT_K))  # ~4 programs / SM
+    split = override.get("SPLIT_K", split)
+    tiles_per_split = math.ceil(k_tiles / split)
+    cfg["SPLIT_K"] = math.ceil(k_tiles / tiles_per_split)  # no empty splits
+    cfg["tiles_per_split"] = tiles_per_split
+    return cfg
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple) -> dict:
+    return gemv_config(fmt, m, n, k, group_size, sm_count, **dict(override))
+
+
+def counters_for(n: int, device: torch.device | str) -> torch.Tensor:
+    """The split-K counters a weight of N outputs needs (one per N tile of the smallest tile size), zeroed."""
+    return torch.zeros(math.ceil(n / MIN_BLOCK_N), dtype=torch.int32, device=device)
+
+
+def check_gemv(fmt: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+               group_size: int | None) -> None:
+    """GemvError for inputs the kernel does not take (before any launch)."""
+    if fmt not in GEMV_FORMATS:
+        raise GemvError(f"quant_gemv format {fmt!r}: choose one of {', '.join(GEMV_FORMATS)}")
+    if x.dim() != 2:
+        raise GemvError(f"x must be [M, K]; got shape {tuple(x.shape)}: flatten the leading dimensions first")
+    want = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}[fmt]
+    if weight.dtype != want:
+        raise GemvError(f"{fmt} weights must be {want}; got {weight.dtype}")
+    k = x.shape[1] // 2 if fmt == "int4" else x.shape[1]
+    if weight.shape[1] != k:
+        raise GemvError(f"x has K = {x.shape[1]} but the {fmt} weight is {tuple(weight.shape)} "
+                        f"(expected [N, {k}]{' : two int4 values per byte' if fmt == 'int4' else ''})")
+    if fmt == "int4":
+        if zero is None or group_size is None or x.shape[1] % group_size or group_size % 16:
+            raise GemvError(f"int4 needs zero points and a group size that divides K = {x.shape[1]} and is a "
+                            f"multiple of 16; got group_size={group_size}")
+        if scale.shape != (weight.shape[0], x.shape[1] // group_size) or zero.shape != scale.shape:
+            raise GemvError(f"int4 scale and zero must be [N, K/g] = {[weight.shape[0], x.shape[1] // group_size]}; "
+                            f"got {list(scale.shape)} and {list(zero.shape)}")
+    elif scale.numel() != weight.shape[0]:
+        raise GemvError(f"{fmt} needs one scale per output channel ({weight.shape[0]}); got {scale.numel()}")
+
+
+# ---- kernel ------------------------------------------------------------------------------------------------------
+if TRITON_AVAILABLE:
+    @triton.jit(do_not_specialize=["M", "tiles_per_split", "SPLIT_K"])  # one compile per format and tile shape
+    def _gemv_kernel(
+            x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
+            M, N, K, tiles_per_split,
+            sx_m, sw_n, ss_n, ss_g, so_m,  # x [M, K], weight [N, K or K/2], scale/zero [N, K/g] (last strides 1)
+            SPLIT_K,  # K ranges (1 = no split): a runtime value, so split counts share one compiled kernel
+            FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+        mask_n = offs_n < N
+        mask_m = offs_m < M
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        kt_start = pid_k * tiles_per_split
+        kt_end = tl.minimum(kt_start + tiles_per_split, k_tiles)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if FMT != 1 and BLOCK_M == 1:
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
+        for kt in range(kt_start, kt_end):
+            offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+            x = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :],
+                        mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)  # [BM, BK]
+            if FMT == 1:  # int4: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
+                offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+                b = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_b[None, :], mask=mask_n[:, None], other=0)
+                q = tl.interleave(b >> 4, b & 15)  # [BN, BK] in 0..15: k = 2j high nibble, 2j + 1 low
+                g = (kt * BLOCK_K) // GROUP
+                s = tl.load(s_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
+                z = tl.load(z_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0).to(tl.float32)
+                if BLOCK_M == 1:
+                    xf = x.to(tl.float32)  # [1, BK]
+                    t = tl.sum(q.to(tl.float32) * xf, axis=1)[None, :]  # [1, BN]
+                else:
+                    xf = x.to(tl.float32)
+                    t = tl.dot(x, tl.trans(q.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)  # [BM, BN]
+                x_sum = tl.sum(xf, axis=1)  # [BM]
+                acc += t * s[None, :] + x_sum[:, None] * (z - 8.0 * s)[None, :]
+            else:  # int8 / fp8: raw values, the channel scale after the loop
+                w = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :],
+                            mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)  # [BN, BK]
+                if BLOCK_M == 1:
+                    acc2 += w.to(tl.float32) * x.to(tl.float32)
+                else:
+                    # widened through fp32: exact, and the interpreter's direct int8 -> bf16 cast reinterprets bits
+                    acc += tl.dot(x, tl.trans(w.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)
+        if FMT != 1:
+            if BLOCK_M == 1:
+                acc = tl.sum(acc2, axis=1)[None, :]
+            acc = acc * tl.load(s_ptr + offs_n * ss_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+
+        out_ptrs = out_ptr + offs_m[:, None] * so_m + offs_n[None, :]
+        out_mask = mask_m[:, None] & mask_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            part = part_ptr + offs_m[:, None] * N + offs_n[None, :]  # partials [SPLIT_K, M, N] fp32
+            tl.store(part + pid_k * M * N, acc, mask=out_mask)
+            tl.debug_barrier()  # every thread's partial is written before the counter says so
+            tile = pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:  # the last split of this tile: add them all up
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for sk in range(0, SPLIT_K):
+                    total += tl.load(part + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call
+
+
+def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
+                      zero: torch.Tensor | None = None, group_size: int | None = None,
+                      counters: torch.Tensor | None = None, **override) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16 / fp32) -> [M, N] in x's dtype, through the Triton kernel. `counters`: a persistent
+    `counters_for(N, device)` buffer (zero between calls; allocated here when None, which a captured graph would
+    re-zero on every replay: pass one). `override`: entries of `gemv_config`."""
+    check_gemv(fmt, x, weight, scale, zero, group_size)
+    x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
+    cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())))
+    if fmt == "int4" and group_size % cfg["BLOCK_K"]:
+        raise GemvError(f"BLOCK_K={cfg['BLOCK_K']} must divide the int4 group size {group_size}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (math.ceil(n / cfg["BLOCK_N"]), math.ceil(m / cfg["BLOCK_M"]), cfg["SPLIT_K"])
+    # the same pointer types whatever the split (one compiled kernel); with one split neither buffer is touched
+    partials = torch.empty(cfg["SPLIT_K"] if cfg["SPLIT_K"] > 1 else 1, m if cfg["SPLIT_K"] > 1 else 1,
+                           n if cfg["SPLIT_K"] > 1 else 1, dtype=torch.float32, device=x.device)
+    if counters is None or (cfg["SPLIT_K"] > 1 and counters.numel() < grid[0] * grid[1]):
+        counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
+    scale2 = scale.reshape(n, -1)
+    zero2 = zero if zero is not None else scale2
+    _gemv_kernel[grid](
+        x, weight, scale2, zero2, out, partials, counters,
+        m, n, k, cfg["tiles_per_split"],
+        x.stride(0), weight.stride(0), scale2.stride(0), scale2.stride(1) if scale2.shape[1] > 1 else 0, out.stride(0),
+        cfg["SPLIT_K"], FMT=_FMT_CODE[fmt], GROUP=group_size or 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+def triton_problem(device: torch.device | str) -> str | None:
+    """Why the Triton GEMV cannot run on `device`; None when it can."""
+    device = torch.device(device)
+    if not TRITON_AVAILABLE:
+        return "triton is not installed (pip install triton; it comes with CUDA builds of torch)"
+    if device.type != "cuda":
+        return f"the Triton kernels run on a CUDA GPU; this run is on {device.type}: use quant_kernel auto or dequant"
+    return None

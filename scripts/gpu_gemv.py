@@ -1,0 +1,324 @@
+"""Triton weight-only GEMVs (kernels/quant_gemv.py) on one GPU: parity, speed per linear, and AR decode with them.
+
+    python scripts/gpu_gemv.py --device cuda --out DIR [--parts parity,speed,sweep,decode]
+
+parity : every decoder linear shape of the random 1.45 B and 6.7 B configs (qkv, o, gate_up, down), M = 1, 4, 9, bf16
+         activations: the Triton kernel against `quant_gemv_reference` (dequantize in fp32, fp32 matmul), per format
+         (int8 per channel, int4 group 128 asymmetric, fp8 e4m3 per channel): max |error| / max |reference|.
+speed  : the same shapes and M, graph-replayed (one CUDA graph runs the call over `copies` clones of the weight, so
+         the weights read per replay exceed the L2 cache and every call reads HBM): us per call and achieved GB/s of
+         the stored weight bytes (scales included), for the Triton kernel, the aten path of the same module
+         (_weight_int8pack_mm, tinygemm _weight_int4pack_mm, _scaled_mm with per-token activation quantization) and
+         a bf16 F.linear of the same shape; speedup vs bf16.
+sweep  : M = 1 on the 6.7 B shapes: BLOCK_N x SPLIT_K around `gemv_config`'s choice, so the heuristic can be checked.
+decode : AR decode at batch 1 of the random 6.7 B (and --decode-configs) through scripts/gpu_quant.py's floor part,
+         formats none + {int8,int4,fp8}-triton (quant_kernel "triton"): ms/token, fraction of that format's HBM floor,
+         speedup vs bf16.
+Writes gemv_<part>.json and gemv_<part>.md into --out; one failing row or part is recorded, not fatal.
+CPU smoke test (the kernel runs under the interpreter only: TRITON_INTERPRET=1 with triton installed, else its rows
+record why not):  python scripts/gpu_gemv.py --device cpu --out /tmp/g --configs mini --ms 1,3 --decode-configs mini
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_quant import CONFIGS, table  # noqa: E402
+from kernels.quant_gemv import (GEMV_FORMATS, dequantize_weight, gemv_config, quant_gemv_reference,  # noqa: E402
+                                quant_gemv_triton, triton_problem)
+from workbench.engine.quant import linear_shapes, weight_bytes  # noqa: E402
+from workbench.engine.quant.linears import (Fp8Linear, Int4Linear, Int8Linear, dequantize_fp8,  # noqa: E402
+                                            fp8_linear_reference)
+from workbench.models import ModelConfig  # noqa: E402
+
+L2_FLUSH_BYTES = 256e6  # weights cycled per graph replay: well past the H200's 50 MB L2
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kernel_ok(device: torch.device) -> str | None:
+    """None when the Triton kernel can run here (a GPU, or the interpreter on a CPU), else why not."""
+    import os
+
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        problem = triton_problem("cuda")  # only "not installed" can be said of a CUDA device here
+        if problem is None:
+            _patch_interpreter_bf16_dot()
+        return problem
+    return triton_problem(device)
+
+
+def _patch_interpreter_bf16_dot() -> None:
+    """CPU smoke test only: the interpreter's tl.dot (triton 3.9) multiplies bf16 bit patterns as integers; widen
+    bf16 operands to fp32 first (tests/test_kernels.py's fixture, applied for the whole process)."""
+    import triton.language as tl
+    from triton.runtime.interpreter import interpreter_builder as builder
+
+    if getattr(builder, "_gemv_bf16_patch", False):
+        return
+    dot = builder.create_dot
+
+    def widen(handle):
+        return builder.cast_impl(handle, tl.float32) if handle.dtype == tl.bfloat16 else handle
+
+    builder.create_dot = lambda a, b, acc, *rest: dot(widen(a), widen(b), acc, *rest)
+    builder._gemv_bf16_patch = True
+
+
+def shapes_of(config_names: str) -> list[tuple[str, str, int, int]]:
+    """(config, linear, K, N) of every decoder linear of the named configs."""
+    out = []
+    for name in config_names.split(","):
+        cfg = ModelConfig(vocab_size=32000, max_position_embeddings=4096, **CONFIGS[name])
+        out += [(name, lin.split(".")[1], k, n) for lin, (k, n) in linear_shapes(cfg).items()]
+    return out
+
+
+def modules(fmt: str, k: int, n: int, device, dtype, group_size: int) -> dict[str, nn.Module]:
+    """{"triton": ..., "aten": ...} quant modules of one random [N, K] linear (weights ~ N(0, 0.02))."""
+    lin = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
+    nn.init.normal_(lin.weight, std=0.02)
+    with torch.no_grad():
+        if fmt == "int8":
+            return {"triton": Int8Linear(lin, "triton"), "aten": Int8Linear(lin, "aten" if device.type == "cuda"
+                                                                                 else "dequant")}
+        if fmt == "int4":
+            return {"triton": Int4Linear(lin, group_size, "triton"),
+                    "aten": Int4Linear(lin, group_size, "aten")}
+        return {"triton": Fp8Linear(lin, "triton"), **({"aten": Fp8Linear(lin, "aten")} if device.type == "cuda"
+                                                        else {})}
+
+
+def buffers(mod: nn.Module) -> dict:
+    extra = dict(zero=mod.zero, group_size=mod.group_size) if mod.fmt == "int4" else {}
+    return dict(weight=mod.weight, scale=mod.scale, **extra)
+
+
+def time_us(calls: list, device: torch.device, replays: int) -> float:
+    """Microseconds per call of `calls` (a list of no-argument functions run in turn): CUDA-graph replays on a GPU
+    (launch overhead out, as in the engine's captured steps), a perf_counter loop on a CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            for fn in calls:
+                fn()
+        return (time.perf_counter() - t0) * 1e6 / (replays * len(calls))
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm-up (compiles) off the capture
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    sync(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    sync(device)
+    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+
+
+def rotating(mod: nn.Module, device: torch.device) -> list[nn.Module]:
+    """The module and clones of it, enough that their weights together pass L2_FLUSH_BYTES (at most 64)."""
+    count = 1 if device.type != "cuda" else max(2, min(64, math.ceil(L2_FLUSH_BYTES / weight_bytes(mod))))
+    return [mod] + [copy.deepcopy(mod) for _ in range(count - 1)]
+
+
+# ---- parts -------------------------------------------------------------------------------------------------------
+def part_parity(args, device) -> list[dict]:
+    rows = []
+    problem = kernel_ok(device)
+    for config, name, k, n in shapes_of(args.configs):
+        for fmt in args.formats.split(","):
+            mods = modules(fmt, k, n, device, args.dtype, args.int4_group_size)
+            for m in map(int, args.ms.split(",")):
+                row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt)
+                x = torch.randn(m, k, device=device, dtype=args.dtype)
+                ref = x.float() @ dequantize_weight(fmt, **buffers(mods["triton"])).T  # fp32, unrounded
+                scale = ref.abs().max().item()
+                try:
+                    if problem:
+                        raise RuntimeError(problem)
+                    got = mods["triton"](x).float()
+                    row["triton_max_err"] = (got - ref).abs().max().item()
+                    row["triton_rel_err"] = row["triton_max_err"] / scale
+                    row["triton_ok"] = row["triton_rel_err"] <= args.parity_rtol
+                except Exception as e:  # noqa: BLE001
+                    row["triton_error"] = f"{type(e).__name__}: {e}"[:300]
+                if "aten" in mods:  # the aten path against its own math (fp8: activations quantized per token)
+                    aten = mods["aten"]
+                    want = (fp8_linear_reference(x.float(), aten.weight, aten.scale[0]) if fmt == "fp8"
+                            else x.float() @ aten.dequantized_weight().T)
+                    row["aten_rel_err"] = ((aten(x).float() - want).abs().max() / want.abs().max()).item()
+                    if fmt == "fp8":  # what per-token activation quantization costs against weight-only fp8
+                        row["aten_vs_weight_only_rel"] = ((aten(x).float() - ref).abs().max() / scale).item()
+                rows.append(row)
+            del mods
+    return rows
+
+
+def part_speed(args, device) -> list[dict]:
+    rows = []
+    problem = kernel_ok(device)
+    for config, name, k, n in shapes_of(args.configs):
+        lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
+        bf16 = rotating(lin, device)
+        bf16_bytes = k * n * lin.weight.element_size()
+        for m in map(int, args.ms.split(",")):
+            x = torch.randn(m, k, device=device, dtype=args.dtype)
+            base_us = time_us([lambda mod=mod: mod(x) for mod in bf16], device, args.replays)
+            rows.append(dict(config=config, linear=name, K=k, N=n, M=m, format="bf16", kernel="F.linear",
+                             us=base_us, gb_per_s=bf16_bytes / base_us / 1e3, speedup_vs_bf16=1.0))
+            print(json.dumps(rows[-1]), flush=True)
+        del bf16, lin
+        for fmt in args.formats.split(","):
+            mods = modules(fmt, k, n, device, args.dtype, args.int4_group_size)
+            for kernel, mod in mods.items():
+                if kernel == "triton" and problem:
+                    rows.append(dict(config=config, linear=name, format=fmt, kernel=kernel, error=problem))
+                    continue
+                clones = rotating(mod, device)
+                nbytes = weight_bytes(mod) - (mod.gemv_counters.numel() * 4 if hasattr(mod, "gemv_counters") else 0)
+                for m in map(int, args.ms.split(",")):
+                    row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt, kernel=mod.kernel)
+                    try:
+                        x = torch.randn(m, k, device=device, dtype=args.dtype)
+                        us = time_us([lambda c=c: c(x) for c in clones], device, args.replays)
+                        base = next(r["us"] for r in rows if r["format"] == "bf16" and r["config"] == config
+                                    and r["linear"] == name and r["M"] == m)
+                        row.update(us=us, gb_per_s=nbytes / us / 1e3, speedup_vs_bf16=base / us,
+                                   weight_mb=nbytes / 1e6)
+                        if kernel == "triton":
+                            cfg = gemv_config(fmt, m, n, k, args.int4_group_size)
+                            row["config_used"] = f"BN{cfg['BLOCK_N']} BK{cfg['BLOCK_K']} split{cfg['SPLIT_K']}"
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                del clones
+            del mods
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def part_sweep(args, device) -> list[dict]:
+    rows = []
+    problem = kernel_ok(device)
+    if problem:
+        return [dict(error=problem)]
+    for config, name, k, n in shapes_of(args.sweep_configs):
+        for fmt in args.formats.split(","):
+            mod = modules(fmt, k, n, device, args.dtype, args.int4_group_size)["triton"]
+            clones = rotating(mod, device)
+            nbytes = weight_bytes(mod) - mod.gemv_counters.numel() * 4
+            x = torch.randn(1, k, device=device, dtype=args.dtype)
+            auto = gemv_config(fmt, 1, n, k, args.int4_group_size)
+            for block_n in (16, 32, 64):
+                for split in sorted({1, max(1, auto["SPLIT_K"] // 2), auto["SPLIT_K"], auto["SPLIT_K"] * 2}):
+                    over = dict(BLOCK_N=block_n, SPLIT_K=split)
+                    row = dict(config=config, linear=name, K=k, N=n, format=fmt, BLOCK_N=block_n, SPLIT_K=split,
+                               auto=(block_n == auto["BLOCK_N"] and split == auto["SPLIT_K"]))
+                    try:
+                        us = time_us([lambda c=c: quant_gemv_triton(x, fmt, **buffers(c), **over) for c in clones],
+                                     device, args.replays)
+                        row.update(us=us, gb_per_s=nbytes / us / 1e3)
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    rows.append(row)
+            del clones, mod
+            best = min((r for r in rows if r.get("format") == fmt and r.get("linear") == name and "us" in r),
+                       key=lambda r: r["us"], default=None)
+            if best:
+                best["best"] = True
+                print(json.dumps(best), flush=True)
+    return rows
+
+
+def part_decode(args, device) -> list[dict]:
+    from gpu_quant import part_floor
+
+    formats = ",".join(["none"] + [f"{f}-triton" for f in args.formats.split(",")]
+                       + [f for f in args.decode_extra.split(",") if f])
+    ns = SimpleNamespace(floor_configs=args.decode_configs, vocab=args.vocab, prompt_len=64,
+                         max_new_tokens=args.max_new_tokens, repeats=args.repeats, formats=formats,
+                         floor_modes="graphs", int4_group_size=args.int4_group_size)
+    return part_floor(ns, device)
+
+
+PARTS = {"parity": part_parity, "speed": part_speed, "sweep": part_sweep, "decode": part_decode}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="parity,speed,sweep,decode")
+    ap.add_argument("--configs", default="1.45b,6.7b", help="configs whose linear shapes parity and speed use")
+    ap.add_argument("--sweep-configs", default="6.7b")
+    ap.add_argument("--decode-configs", default="6.7b")
+    ap.add_argument("--decode-extra", default="", help="more gpu_quant formats to decode beside none and the triton "
+                    "ones, comma-separated (e.g. int4 = tinygemm, fp8 = _scaled_mm; BENCHMARKS 8.4 has them)")
+    ap.add_argument("--formats", default=",".join(GEMV_FORMATS))
+    ap.add_argument("--ms", default="1,4,9", help="activation rows M")
+    ap.add_argument("--int4-group-size", type=int, default=128)
+    ap.add_argument("--parity-rtol", type=float, default=2 ** -7, help="max |err| / max |ref| that counts as ok")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    args.dtype = torch.bfloat16
+    torch.manual_seed(0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    for part in args.parts.split(","):
+        t0 = time.perf_counter()
+        try:
+            data = {"rows": PARTS[part](args, device)}
+        except Exception as e:  # noqa: BLE001 - one failing part must not lose the others
+            import traceback
+            traceback.print_exc()
+            data = {"rows": [], "error": f"{type(e).__name__}: {e}"}
+        data.update(env, part=part, seconds=time.perf_counter() - t0,
+                    args={k: str(v) for k, v in vars(args).items()})
+        (out / f"gemv_{part}.json").write_text(json.dumps(data, indent=1))
+        (out / f"gemv_{part}.md").write_text(f"# {part} ({env['device']}, torch {env['torch']}, triton {env['triton']}, "
+                                             f"{data['seconds']:.0f} s)\n\n" + table(data["rows"])
+                                             + (f"\nerror: {data['error']}\n" if "error" in data else ""))
+        print(f"== {part}: {data['seconds']:.1f} s", flush=True)
+        print(table(data["rows"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""kernels/quant_gemv: the reference against the quant modules' own dequantization (always, on CPU), and the Triton
+kernel against the reference under the Triton interpreter (TRITON_INTERPRET=1; skipped where triton is missing)."""
+import doctest
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import kernels.quant_gemv as qg
+from kernels.quant_gemv import (GemvError, check_gemv, counters_for, dequantize_weight, gemv_config,
+                                quant_gemv_reference, quant_gemv_triton)
+from workbench.engine.quant import QuantError, check_quant, quantize_model
+from workbench.engine.quant.linears import Fp8Linear, Int4Linear, Int8Linear
+from workbench.models import LlamaModel, ModelConfig
+
+
+def stored(fmt: str, n: int, k: int, group_size: int = 32, dtype=torch.float32, seed: int = 0):
+    """(module, buffers for quant_gemv) of a random linear [N, K] quantized by the modules' own rules."""
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=False).to(dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g))
+    if fmt == "int8":
+        mod = Int8Linear(lin, "dequant")
+        return mod, dict(weight=mod.weight, scale=mod.scale)
+    if fmt == "int4":
+        mod = Int4Linear(lin, group_size, "dequant")
+        return mod, dict(weight=mod.weight, scale=mod.scale, zero=mod.zero, group_size=group_size)
+    mod = Fp8Linear(lin, "dequant")
+    return mod, dict(weight=mod.weight, scale=mod.scale)
+
+
+def test_doctests():
+    assert doctest.testmod(qg).failed == 0
+
+
+@pytest.mark.parametrize("fmt", qg.GEMV_FORMATS)
+def test_reference_reads_the_modules_buffers(fmt):
+    """dequantize_weight of the stored buffers is the weight the module multiplies by (its own dequantization)."""
+    mod, buffers = stored(fmt, 24, 64)
+    torch.testing.assert_close(dequantize_weight(fmt, **buffers), mod.dequantized_weight(), atol=0, rtol=0)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(quant_gemv_reference(x, fmt, **buffers), mod(x), atol=1e-4, rtol=1e-5)
+
+
+def test_config_depends_on_shapes_only_and_splits_large_k():
+    small = gemv_config("int8", 1, 4096, 4096)
+    assert small == gemv_config("int8", 1, 4096, 4096)
+    assert small["SPLIT_K"] > 1 and small["BLOCK_M"] == 1  # 256 N tiles cannot fill 4 programs per SM alone
+    assert gemv_config("int8", 1, 22016, 4096)["SPLIT_K"] <= small["SPLIT_K"]
+    assert gemv_config("int8", 9, 4096, 4096)["BLOCK_M"] == 16
+    assert gemv_config("int8", 64, 4096, 4096)["SPLIT_K"] == 1  # prefill-sized: no split
+    wide = gemv_config("int4", 1, 64, 4096, 32)
+    assert wide["BLOCK_K"] == 32 and wide["SPLIT_K"] * wide["tiles_per_split"] >= 4096 // 32
+
+
+def test_bad_inputs_are_named():
+    _, buffers = stored("int4", 16, 64)
+    with pytest.raises(GemvError, match="group size"):
+        check_gemv("int4", torch.randn(1, 64), buffers["weight"], buffers["scale"], buffers["zero"], 48)
+    with pytest.raises(GemvError, match="K = 32"):
+        check_gemv("int4", torch.randn(1, 32), buffers["weight"], buffers["scale"], buffers["zero"], 32)
+    with pytest.raises(GemvError, match="int5"):
+        check_gemv("int5", torch.randn(1, 64), buffers["weight"], buffers["scale"], None, None)
+    with pytest.raises(GemvError, match="must be torch.int8"):
+        check_gemv("int8", torch.randn(1, 64), buffers["weight"], buffers["scale"], None, None)
+
+
+def test_triton_kernel_choice_on_cpu_is_refused_before_work():
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    with pytest.raises(QuantError, match="quant_kernel=triton"):
+        check_quant("int8", cfg, "cpu", torch.float32, kernel="triton")
+    with pytest.raises(QuantError, match="quant_kernel='fast'"):
+        check_quant("int8", cfg, "cpu", torch.float32, kernel="fast")
+    check_quant("none", cfg, "cpu", torch.float32, kernel="triton")  # nothing quantized: the knob is not read
+
+
+# ---- the Triton kernel, under the interpreter ----------------------------------------------------------------------
+interpreter = pytest.mark.skipif(
+    not (qg.TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="the Triton kernel runs here only under the interpreter: install triton and set TRITON_INTERPRET=1 "
+           "(on a GPU: scripts/gpu_gemv.py)")
+
+
+@pytest.fixture
+def interpreter_bf16_dot(monkeypatch):
+    """The interpreter's tl.dot (triton 3.9) multiplies bf16 operands' bit patterns as integers; widen them first
+    (exact, as the tensor cores' bf16 products are). The same patch as tests/test_kernels.py."""
+    import triton.language as tl
+    from triton.runtime.interpreter import interpreter_builder as builder
+
+    def widen(handle):
+        return builder.cast_impl(handle, tl.float32) if handle.dtype == tl.bfloat16 else handle
+
+    dot = builder.create_dot
+    monkeypatch.setattr(builder, "create_dot", lambda a, b, acc, *rest: dot(widen(a), widen(b), acc, *rest))
+
+
+# The kernel accumulates exact products in fp32, so against the fp32 reference it differs by summation order
+# (fp32 inputs) or by the final rounding to the output dtype: half an ulp (2^-12 relative for fp16) on a GPU; the
+# interpreter's fp32 -> bf16 cast truncates (1.0078 -> 1.0), so one bf16 ulp (2^-8) here.
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+SHAPES = {  # (N, K, int4 group): N not a multiple of any N tile, K of the int8 / fp8 K tiles
+    "ragged": (72, 320, 32),
+    "square": (128, 512, 64),
+    "group128": (40, 1024, 128),
+}
+
+
+@interpreter
+@pytest.mark.parametrize("split", [None, 1, 3])
+@pytest.mark.parametrize("m", [1, 2, 9, 17])  # decode, the verify widths 2..9, two row tiles
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt", qg.GEMV_FORMATS)
+def test_triton_matches_reference(fmt, shape, dtype, m, split, interpreter_bf16_dot):
+    n, k, group = SHAPES[shape]
+    _, buffers = stored(fmt, n, k, group, dtype=dtype if fmt != "fp8" else torch.float32, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(dtype)
+    override = {} if split is None else dict(SPLIT_K=split, BLOCK_K=32)  # BLOCK_K 32: enough tiles to split
+    counters = counters_for(n, "cpu")
+    got = quant_gemv_triton(x, fmt, **buffers, counters=counters, **override)
+    assert got.dtype == dtype and got.shape == (m, n)
+    want = x.float() @ dequantize_weight(fmt, **buffers).T
+    torch.testing.assert_close(got.float(), want, rtol=RTOL[dtype], atol=1e-3)
+    assert not counters.any()  # the last split of each tile reset its counter
+
+
+@interpreter
+def test_split_k_reuses_its_counters_across_calls(interpreter_bf16_dot):
+    _, buffers = stored("int8", 72, 512)
+    counters = counters_for(72, "cpu")
+    x = torch.randn(2, 512)
+    first = quant_gemv_triton(x, "int8", **buffers, counters=counters, SPLIT_K=4, BLOCK_K=32)
+    second = quant_gemv_triton(x, "int8", **buffers, counters=counters, SPLIT_K=4, BLOCK_K=32)
+    assert torch.equal(first, second) and not counters.any()
+
+
+@interpreter
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_modules_with_the_triton_kernel_match_dequant(fmt, interpreter_bf16_dot):
+    """Kernel "triton" computes the "dequant" form's function from the same buffers: decode-sized calls through the
+    kernel, larger ones (prefill) through dequantize + matmul."""
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    base = LlamaModel(cfg).eval()
+    ref = quantize_model(base, fmt, group_size=32, kernel="dequant")
+    tri = quantize_model(base, fmt, group_size=32, kernel="triton")
+    assert tri.model.layers[0].mlp.down_proj.kernel == "triton"
+    for t in (1, 5, 20):  # 20 rows: past GEMV_MAX_ROWS, the dequant path
+        ids = torch.randint(0, 96, (1, t), generator=torch.Generator().manual_seed(t))
+        pos = torch.arange(t)[None]
+        with torch.no_grad():
+            want, got = ref(ids, pos), tri(ids, pos)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@interpreter
+def test_engine_decodes_the_same_tokens_with_the_triton_kernel(interpreter_bf16_dot):
+    """AR decode through the engine (paged cache, fixed-shape steps) with kernel "triton" emits the tokens of the
+    "dequant" kernel: same function, fp32 model (no near-ties at this size)."""
+    from workbench.engine import EngineConfig, SpecEngine
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = LlamaModel(cfg).eval()
+    outputs = {}
+    for kernel in ("dequant", "triton"):
+        model = quantize_model(base, "int4", group_size=32, kernel=kernel)
+        engine = SpecEngine(model, None, EngineConfig(max_new_tokens=6), torch.device("cpu"))
+        outputs[kernel] = engine.generate([[5, 9, 11, 2], [7, 3]]).outputs
+    assert outputs["triton"] == outputs["dequant"]
