@@ -280,7 +280,9 @@ def test_batch_schedule_exports_json_and_engine_snippets(tmp_path, session):
     assert set(files) == {"schedule", "vllm", "sglang", "trtllm"}
     data = {k: json.loads(p.read_text()) for k, p in files.items()}
     assert [b["batch_size"] for b in data["schedule"]["buckets"]] == [1, 2]
-    assert all(b["trials"] == 2 for b in data["schedule"]["buckets"])
+    buckets = data["schedule"]["buckets"]  # a trial flagged noisy (a busy CPU) is counted under "excluded" instead
+    assert all(b["trials"] <= 2 for b in buckets)
+    assert sum(b["trials"] for b in buckets) + len(data["schedule"]["excluded"]) == 4
     assert set(data["vllm"]["per_batch_size"]) == {"1", "2"} and set(data["sglang"]["per_batch_size"]) == {"1", "2"}
     # TensorRT-LLM gets a speculative_config exactly when some bucket speculates (its "note" is always there)
     speculates = any(b["speculate"] for b in data["schedule"]["buckets"])
