@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
+from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDrafter
 from workbench.engine.drafters.head_io import SavedHead
 from workbench.engine.graphs import FixedShapeStep
 from workbench.engine.kv_cache import make_cache
@@ -185,7 +185,7 @@ class EagleHead(SavedHead):
         return target.model.norm(x)
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(OneStepDrafter):
     name = "eagle"
     wants_hidden = True
 
@@ -346,14 +346,6 @@ class EagleDrafter(Drafter):
         tokens, parents, depths = rerank(torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
                                          self._cand_depth.expand(b, n_cand), n)
         return tokens, parents, depths, torch.ones_like(tokens, dtype=torch.bool)
-
-    def capture_graphs(self, sizes: list[int]) -> None:
-        if self.step is not None:
-            for size in sizes:
-                self.step.capture(size, 0)
-
-    def model_steps(self) -> list:
-        return [self.step] if self.step is not None else []
 
     @property
     def settings(self) -> dict:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
+from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDrafter
 from workbench.engine.drafters.head_io import SavedHead
 from workbench.engine.graphs import FixedShapeStep
 from workbench.engine.sampling import probs_from_logits
@@ -85,7 +85,7 @@ class RedrafterHead(SavedHead):
         return state, features
 
 
-class RedrafterDrafter(Drafter):
+class RedrafterDrafter(OneStepDrafter):
     name = "redrafter"
     wants_hidden = True
     proposes_beams = True
@@ -201,14 +201,6 @@ class RedrafterDrafter(Drafter):
     def propose(self, state: BatchState) -> DraftTree:
         tree, _ = DraftTree.from_beams(self.beam_tokens(state))
         return tree
-
-    def capture_graphs(self, sizes: list[int]) -> None:
-        if self.step is not None:
-            for size in sizes:
-                self.step.capture(size, 0)
-
-    def model_steps(self) -> list:
-        return [self.step] if self.step is not None else []
 
     @property
     def settings(self) -> dict:
