@@ -326,29 +326,20 @@ class ResultStore:
 
     def load_traces(self, run_ids: Iterable[str] | None = None, strict: bool = False) -> pd.DataFrame:
         """Trace rows of the given runs (None = all), typed per results.schema.TRACE_SPECS."""
-        specs = S.trace_specs()
-        if run_ids is None:
-            files = _parquet_files(self.traces_dir)
-        else:
-            ids = [str(r) for r in run_ids]
-            files = [self.traces_dir / f"{r}.parquet" for r in dict.fromkeys(ids)]
-            files = [p for p in files if p.is_file()]
-        errors: list[tuple[str, str]] = []
-        tables = self._read_tables(files, specs, None, strict, errors)
-        self._report(errors)
-        table = S.complete_table(S.concat_tables(tables) if tables else pa.table({}), specs)
-        df = S.table_to_frame(table, specs)
-        if len(df):
-            df = df.sort_values(["run_id", "seq", "step"], kind="stable").reset_index(drop=True)
-        return df
+        return self._load_per_run(self.traces_dir, S.trace_specs(), ["run_id", "seq", "step"], run_ids, strict)
 
     def load_requests(self, run_ids: Iterable[str] | None = None, strict: bool = False) -> pd.DataFrame:
         """Per-request rows of serving runs (None = all), typed per results.schema.REQUEST_SPECS."""
-        specs = S.request_specs()
+        return self._load_per_run(self.requests_dir, S.request_specs(), ["run_id", "request"], run_ids, strict)
+
+    def _load_per_run(self, folder: Path, specs, order: list[str], run_ids: Iterable[str] | None,
+                      strict: bool) -> pd.DataFrame:
+        """The rows of `folder`'s per-run files (`<run_id>.parquet`; run_ids None = all), typed per `specs`, sorted by
+        `order`; unreadable files reported as by `load` (or raised when strict)."""
         if run_ids is None:
-            files = _parquet_files(self.requests_dir)
+            files = _parquet_files(folder)
         else:
-            files = [self.requests_dir / f"{r}.parquet" for r in dict.fromkeys(str(r) for r in run_ids)]
+            files = [folder / f"{r}.parquet" for r in dict.fromkeys(str(r) for r in run_ids)]
             files = [p for p in files if p.is_file()]
         errors: list[tuple[str, str]] = []
         tables = self._read_tables(files, specs, None, strict, errors)
@@ -356,7 +347,7 @@ class ResultStore:
         table = S.complete_table(S.concat_tables(tables) if tables else pa.table({}), specs)
         df = S.table_to_frame(table, specs)
         if len(df):
-            df = df.sort_values(["run_id", "request"], kind="stable").reset_index(drop=True)
+            df = df.sort_values(order, kind="stable").reset_index(drop=True)
         return df
 
     # ---------------------------------------------------------------------------------------------- housekeeping

@@ -30,6 +30,8 @@ import triton  # noqa: E402
 
 from kernels.paged_attention import launch_plan, paged_attention_reference, paged_attention_triton  # noqa: E402
 from workbench.engine.tree import DraftTree, verify_mask  # noqa: E402
+from scripts import gpu_timing  # noqa: E402
+from scripts.gpu_timing import eager_us  # noqa: E402
 
 MODELS = {"gqa32/4_d64": (32, 4, 64), "mha32_d128": (32, 32, 128)}  # name -> (Hq, Hkv, D)
 BATCHES, STEP_TOKENS, CONTEXTS = (1, 8, 32), (1, 5, 9), (256, 1024, 4096)
@@ -72,33 +74,8 @@ def bf16(args):
     return {k: v.bfloat16() if k in ("q", "k_pool", "v_pool") else v for k, v in args.items()}
 
 
-def eager_us(fn, reps=20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
-
-
-def capture(fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """CALLS_PER_GRAPH calls of fn in one graph (warmed up on a side stream first); returns the graph and the last
-    call's output."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            out = fn()
-    return graph, out
+def capture(fn):
+    return gpu_timing.capture(fn, CALLS_PER_GRAPH)
 
 
 def graph_us(graph, reps=20) -> float:

@@ -33,6 +33,7 @@ from kernels.paged_attention import TRITON_AVAILABLE, paged_attention_reference 
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.kv_quant import KV_FORMATS  # noqa: E402
 from workbench.engine.tree import DraftTree, verify_mask  # noqa: E402
+from scripts.gpu_timing import graph_us  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 TOLERANCE = 2e-2  # bf16 queries against the float32 reference of the same (dequantized) pool: a few bf16 ulps
@@ -91,29 +92,6 @@ def upcast(kw: dict) -> dict:
             for k, v in kw.items()}
 
 
-def graph_us(fn, reps=20) -> float:
-    """Microseconds per call, CALLS_PER_GRAPH calls captured in one CUDA graph (warmed up on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / CALLS_PER_GRAPH
-
-
 def part_kernel(args) -> list[dict]:
     if args.device == "cpu" or not TRITON_AVAILABLE:
         why = "no CUDA device asked for" if args.device == "cpu" else "triton is not installed"
@@ -135,7 +113,8 @@ def part_kernel(args) -> list[dict]:
                 rec["err_fp32"] = (got - want).abs().max().item()
                 rec["format_err"] = (want - exact).abs().max().item()
                 rec["ok"] = rec["err_fp32"] <= TOLERANCE
-                rec["graph_us"] = graph_us(lambda: paged_attention_triton(**kw, block_size=BLOCK_SIZE))  # noqa: B023
+                rec["graph_us"] = graph_us(lambda: paged_attention_triton(**kw, block_size=BLOCK_SIZE),  # noqa: B023
+                                            CALLS_PER_GRAPH)
                 per_slot = dim * kw["k_pool"].element_size() + (4 if KV_FORMATS[name].quantized else 0)
                 read = 2 * (inputs["base_len"] + t).sum().item() * hkv * per_slot
                 rec["gbps"] = read / (rec["graph_us"] * 1e-6) / 1e9

@@ -110,6 +110,57 @@ def test_finished_sequences_leave_the_batch(target, draft):
     assert all(len(o) == 12 for o in res.outputs)
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shape"])
+@pytest.mark.parametrize("kind", ["ar", "draft", "ngram", "redrafter-w3", "eagle"])
+def test_one_host_read_per_step(kind, fixed, target, draft, monkeypatch):
+    """generate's synchronous loop (SpecEngine.decode_step) reads the device once per step: the packed accepted /
+    drafted / emitted counts (and, for trees, the path ranks and beam pairs) in one `.cpu()`."""
+    reads = []
+    real_cpu = torch.Tensor.cpu
+
+    def counting_cpu(self, *args, **kwargs):
+        reads.append(tuple(self.shape))
+        return real_cpu(self, *args, **kwargs)
+
+    engine = SpecEngine(target, make_drafter(kind, draft, target),
+                        EngineConfig(max_new_tokens=9, cuda_graphs=fixed, kv_block_size=4))
+    engine.generate(PROMPTS)  # warm-up: caches, buffers and steps are built outside the count
+    monkeypatch.setattr(torch.Tensor, "cpu", counting_cpu)
+    res = engine.generate(PROMPTS)
+    monkeypatch.undo()
+    assert len(reads) == len(res.steps) and [r[0] for r in reads] == [len(s.rows) for s in res.steps]
+    assert res.outputs == [reference_greedy(target, p, 9) for p in PROMPTS]
+
+
+def test_step_records_cap_at_eos_and_max_new_tokens(target, draft):
+    """A StepRecord's `emitted` counts the tokens kept (cut after EOS or at max_new_tokens), its `accepted` the
+    verifier's; a sequence stopped by EOS leaves the batch at that step."""
+    import doctest
+
+    import workbench.engine.step as step_module
+
+    assert doctest.testmod(step_module).failed == 0  # cap_emitted's worked examples
+    n = 12
+    free_run = SpecEngine(target, make_drafter("self-draft", draft, target), EngineConfig(max_new_tokens=n))
+    full = free_run.generate(PROMPTS).outputs
+    eos = full[1][4]  # stops the second prompt mid-step (a self-draft accepts 4 + 1 per step)
+    engine = SpecEngine(target, make_drafter("self-draft", draft, target),
+                        EngineConfig(max_new_tokens=n, stop_on_eos=True, eos_token_id=eos))
+    res = engine.generate(PROMPTS)
+    for out, ref in zip(res.outputs, full):
+        assert out == (ref[:ref.index(eos) + 1] if eos in ref else ref)
+    assert res.outputs[1][-1] == eos and len(res.outputs[1]) < n  # the example stops the second prompt early
+    for i, out in enumerate(res.outputs):
+        kept = [e for s in res.steps for row, e in zip(s.rows, s.emitted) if row == i]
+        assert 1 + sum(kept) == len(out)  # the first token comes from the prefill
+        steps_in = [k for k, s in enumerate(res.steps) if i in s.rows]
+        assert steps_in == list(range(len(steps_in)))  # it leaves the batch once and for all
+        for m in range(1, len(kept)):  # before its last step, the sequence was not finished
+            assert 1 + sum(kept[:m]) < n and eos not in out[:1 + sum(kept[:m])]
+    assert all(e <= a + 1 for s in res.steps for a, e in zip(s.accepted, s.emitted))
+    assert any(e < a + 1 for s in res.steps for a, e in zip(s.accepted, s.emitted))  # a step was cut
+
+
 def test_paged_cache_frees_and_reuses_blocks(target, draft, monkeypatch):
     import workbench.engine.step as engine_module
 

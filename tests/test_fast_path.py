@@ -202,7 +202,8 @@ def test_overlapped_steps_equal_synchronous_steps(kind, paged, target, draft):
         assert engine.overlaps() is overlap
         assert [r.outputs[0] for r in singles] == expected
         assert batch.outputs == expected
-        runs[overlap] = [[(s.rows, s.drafted, s.accepted, s.emitted) for s in r.steps] for r in singles + [batch]]
+        runs[overlap] = [[(s.step, s.rows, s.drafted, s.accepted, s.emitted, s.path_ranks, s.beam_pairs)
+                          for s in r.steps] for r in singles + [batch]]
     assert runs[True] == runs[False]
 
 

@@ -2,6 +2,8 @@
 W = 1 as a chain, head save/load, named errors, and an oracle whose beams hold the target's continuation in the last
 beam only, so every step accepts a whole beam that is not beam 0 (the tree KV move runs) and checks the hidden states
 the engine hands over (the `wants_hidden` contract) against a cache-free recomputation."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -77,8 +79,11 @@ def test_head_save_and_load_round_trip(target, tmp_path):
     assert back.config == head.config
     for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-    with pytest.raises(FileNotFoundError, match="missing config.json"):
+    with pytest.raises(FileNotFoundError, match="ReDrafter head .*nowhere: missing config.json"):
         RedrafterHead.load(tmp_path / "nowhere")
+    eagle = Path(__file__).resolve().parents[1] / "workbench" / "zoo" / "weights" / "tiny" / "eagle"
+    with pytest.raises(ValueError, match="describes a 'eagle' head, not a ReDrafter head"):  # not a KeyError
+        RedrafterHead.load(eagle)
 
 
 def test_bad_settings_are_named(target):

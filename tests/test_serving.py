@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.test_engine import random_model
+from tests.test_engine import draft, target  # noqa: F401 (fixtures)
 from tests.test_verify import chi_square_pvalue
 from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.drafters import DraftModelDrafter, NgramDrafter
@@ -25,16 +25,6 @@ from workbench.serving.request import Request
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 4  # small KV blocks: prompts span several, so sharing and preemption happen with few tokens
-
-
-@pytest.fixture(scope="module")
-def target():
-    return random_model(seed=1)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return random_model(hidden=16, layers=1, heads=2, kv_heads=1, seed=2)
 
 
 def random_requests(seed: int, n: int = 8, shared: list[int] | None = None) -> list[Request]:

@@ -287,21 +287,34 @@ class PagedKVCache(KVCache):
             have = self._host_table[row]
             want = math.ceil((base + num_new) / self.block_size)
             while len(have) < want:
-                if not self._free:
-                    raise CacheFullError(f"paged KV cache out of blocks ({self.num_blocks} of {self.block_size})")
-                have.append(self._free.pop())
+                have.append(self._take())
                 changed = True
-        if changed:  # in place: a captured graph reads this very tensor
-            table = torch.zeros(self.max_rows + 1, self.blocks_per_row, dtype=torch.long)
-            for r, blocks in enumerate(self._host_table):
-                table[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-            self.block_table.copy_(table)
+        if changed:
+            self._sync_table()
 
     def truncate(self, row: int, new_len: int) -> None:
         keep = math.ceil(new_len / self.block_size)
         blocks = self._host_table[row]
         while len(blocks) > keep:
-            self._free.append(blocks.pop())
+            self._drop(blocks.pop())
+
+    # block ownership: a subclass that shares blocks (serving/prefix_cache.py) overrides these two
+    def _take(self) -> int:
+        """A free block for a row's table."""
+        if not self._free:
+            raise CacheFullError(f"paged KV cache out of blocks ({self.num_blocks} of {self.block_size})")
+        return self._free.pop()
+
+    def _drop(self, block: int) -> None:
+        """A row's table let go of `block`."""
+        self._free.append(block)
+
+    def _sync_table(self) -> None:
+        """The device block table from the host tables, in place: a captured graph reads this very tensor."""
+        table = torch.zeros(self.max_rows + 1, self.blocks_per_row, dtype=torch.long)
+        for r, blocks in enumerate(self._host_table):
+            table[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        self.block_table.copy_(table)
 
     def _slots(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """rows broadcastable to pos; pos [...] -> physical slot [...]."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -170,6 +171,7 @@ class SpecEngine:
         self.kv_len: torch.Tensor | None = None  # [R + 1] long
         self.target_step: ModelStep | None = None  # verify pass -> logits
         self.accept_step: FixedShapeStep | None = None  # verify + greedy chain acceptance + state update -> packed
+        self._live: tuple | None = None  # (rows, rows [B] on the device, their kv_len [B] then): see _live_rows
 
     def max_context(self) -> int:
         return int(self.target.config.max_position_embeddings)
@@ -249,16 +251,33 @@ class SpecEngine:
             num_blocks = max(num_blocks, getattr(self.cache, "num_blocks", 0))
         # free the old pool, state and the graphs that read them before allocating the new ones
         self.cache = self.tokens = self.kv_len = self.target_step = self.accept_step = None
-        self.cache = make_cache(cfg.paged, num_layers=tcfg.num_hidden_layers, num_kv_heads=tcfg.num_key_value_heads,
-                                head_dim=tcfg.head_dim, max_rows=rows, max_len=max_len, dtype=self.dtype,
-                                device=self.device, block_size=cfg.kv_block_size, num_blocks=num_blocks,
-                                attention=cfg.attention, kv_quant=cfg.kv_quant)
+        self._adopt(make_cache(cfg.paged, num_layers=tcfg.num_hidden_layers, num_kv_heads=tcfg.num_key_value_heads,
+                               head_dim=tcfg.head_dim, max_rows=rows, max_len=max_len, dtype=self.dtype,
+                               device=self.device, block_size=cfg.kv_block_size, num_blocks=num_blocks,
+                               attention=cfg.attention, kv_quant=cfg.kv_quant), max_len)
+
+    def _adopt(self, cache, max_len: int) -> None:
+        """`cache` becomes the target's; the persistent tokens [R + 1, S] / kv_len [R + 1] buffers and the verify
+        steps that read them are allocated around it (the caller dropped the old ones and their graphs)."""
+        cfg, rows = self.config, cache.max_rows
+        self.cache, self._live = cache, None
         self.tokens = torch.zeros(rows + 1, max_len + self.num_nodes + 2, dtype=torch.long, device=self.device)
         self.kv_len = torch.full((rows + 1,), PAD_LEN, dtype=torch.long, device=self.device)
-        self.target_step = ModelStep(self.target, self.cache, cfg.graphs, self.device, "target",
+        self.target_step = ModelStep(self.target, cache, cfg.graphs, self.device, "target",
                                      with_hidden=self._wants_hidden())
         self.accept_step = FixedShapeStep("target+accept", self._verify_accept, self._verify_pads, cfg.graphs,
                                           self.device, state=lambda: [self.tokens, self.kv_len])
+
+    def _setup_drafter(self, generator: torch.Generator) -> None:
+        """The drafter's setup for the cache's rows; `generator` also seeds the engine's verifier."""
+        cfg, cache = self.config, self.cache
+        self.generator = generator
+        self.verifier = Verifier(cfg.sampling, generator)
+        if self.drafter is not None:
+            self.drafter.setup(DraftContext(max_rows=cache.max_rows, max_len=cache.max_len, device=self.device,
+                                            sampling=cfg.sampling, generator=generator, paged=cfg.paged,
+                                            kv_block_size=cfg.kv_block_size, graphs=cfg.graphs,
+                                            attention=cfg.attention))
 
     def _verify_pads(self, n: int) -> dict[str, torch.Tensor]:
         dev = self.device
@@ -291,13 +310,11 @@ class SpecEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every prompt needs at least one token")
         plen = [len(p) for p in prompts]
-        n_nodes = self.num_nodes
         gen = torch.Generator(device=dev).manual_seed(cfg.seed)
         self._reserve(plen)
-        cache, target_step, tokens, kv_len_all = self.cache, self.target_step, self.tokens, self.kv_len
+        cache, tokens, kv_len_all = self.cache, self.tokens, self.kv_len
         stats_before = self.graph_stats()
         timer = PhaseTimer(dev, cfg.timing)
-        verifier = Verifier(cfg.sampling, gen)
 
         padded = torch.zeros(b, max(plen), dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -322,11 +339,8 @@ class SpecEngine:
             last = hidden[rows, kv_len - 1]  # [B, H] each prompt's last real position
             first = next_token(self.target.compute_logits(last), cfg.sampling, gen)  # [B]
             tokens[rows, kv_len] = first
+            self._setup_drafter(gen)
             if self.drafter is not None:
-                self.drafter.setup(DraftContext(max_rows=cache.max_rows, max_len=cache.max_len, device=dev,
-                                                sampling=cfg.sampling, generator=gen, paged=cfg.paged,
-                                                kv_block_size=cfg.kv_block_size, graphs=cfg.graphs,
-                                                attention=cfg.attention))
                 if self._wants_hidden():
                     self.drafter.prefill(state, padded, positions, hidden=hidden)
                 else:
@@ -340,103 +354,151 @@ class SpecEngine:
             state.tokens_host[i].append(t)
         live = [i for i in range(b) if not self._finished(outputs[i])]
         done_at = [0.0 if i in live else t_first for i in range(b)]
-        result = GenerationResult(outputs, t_start, t_first, done_at, num_nodes=n_nodes,
+        result = GenerationResult(outputs, t_start, t_first, done_at, num_nodes=self.num_nodes,
                                   beams=self.drafter is not None and self.drafter.proposes_beams)
         if self.overlaps():
             self._decode_overlapped(state, live, outputs, done_at, result, timer)
             live = []
-        step = 0
-        live_t = rows
+        self._live = (list(range(b)), rows, kv_len)  # the prefill's rows: nothing to upload until a sequence leaves
+        retire = functools.partial(self._record_step, result, outputs, done_at)
         while live:
-            if len(live_t) != len(live):  # rebuilt only when sequences leave (an upload waits for the GPU)
-                live_t = torch.tensor(live, dtype=torch.long, device=dev)
-            state.rows, state.rows_host = live_t, live
-            state.kv_len_host = [len(state.tokens_host[r]) - 1 for r in live]
-            base_host = state.kv_len_host
-            fused = self._fused_accept(self._chains())
-            if not fused or (self.drafter is not None and self.drafter.reads_kv_len):
-                state.kv_len = kv_len_all[live_t]
-            base = state.kv_len
-
-            with timer.phase("draft"):
-                tree = self.drafter.propose(state) if self.drafter else DraftTree.empty(len(live), dev)
-            with timer.phase("verify"):
-                if fused:
-                    cache.plan(live, base_host, 1 + n_nodes)
-                    packed_dev = self.accept_step(n_nodes, len(live), {
-                        "draft": tree.token_ids if n_nodes else None, "rows": live_t,
-                        "valid": tree.valid if n_nodes else None}, live)  # [B, 3 + N], state already updated
-                else:
-                    ids = torch.cat([state.root.unsqueeze(1), tree.token_ids], 1)  # [B, 1+N]
-                    offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
-                    logits = target_step(live_t, live, ids, base.unsqueeze(1) + offsets, base, base_host,
-                                         verify_mask(tree))  # [B, 1+N, V]
-                    if self._wants_hidden():
-                        logits, verify_hidden = logits  # verify_hidden [B, 1+N, H]
-            with timer.phase("accept"):
-                if fused:  # a chain's accepted path is its first num_accepted nodes: no path needed (no KV move)
-                    acc = Acceptance(packed_dev[:, 0], tree.parents[:, :0], packed_dev[:, 2:])
-                else:
-                    acc = verifier.accept(tree, logits)
-                    packed_dev = _pack(acc, tree)
-                packed = packed_dev.cpu()  # the step's one device->host read: accepted, drafted, emitted tokens
-            width = acc.emitted.shape[1] - 1  # D: packed holds 3 + D columns, then the tree extras of _pack
-            ranks_packed = not fused and not tree.is_chain
-            beams_packed = not fused and tree.beam_pairs is not None
-            t_emit = time.perf_counter()
-            with timer.phase("kv"):
-                if not fused:
-                    d = acc.emitted.shape[1] - 1  # deepest path the step could accept
-                    if not tree.is_chain and d:
-                        src = torch.where(acc.path_nodes >= 0, base.unsqueeze(1) + 1 + acc.path_nodes,
-                                          torch.full_like(acc.path_nodes, -1))
-                        cache.move(live_t, src, base.unsqueeze(1) + 1 + torch.arange(d, device=dev))
-                    kv_len_all[live_t] = base + 1 + acc.num_accepted
-                    write = base.unsqueeze(1) + 1 + torch.arange(d + 1, device=dev)
-                    tokens[live_t.unsqueeze(1), write] = acc.emitted
-                rec = StepRecord(step, t_emit, list(live), [], [], [])
-                still = []
-                for j, row in enumerate(live):
-                    n_acc = int(packed[j, 0])
-                    emitted = packed[j, 2:3 + n_acc].tolist()
-                    room = cfg.max_new_tokens - len(outputs[row])
-                    kept = emitted[:room]
-                    if cfg.stop_on_eos and cfg.eos_token_id is not None and cfg.eos_token_id in kept:
-                        kept = kept[:kept.index(cfg.eos_token_id) + 1]
-                    outputs[row].extend(kept)
-                    state.tokens_host[row].extend(emitted)
-                    rec.drafted.append(int(packed[j, 1]))
-                    rec.accepted.append(n_acc)
-                    rec.emitted.append(len(kept))
-                    rec.path_ranks.append(packed[j, 3 + width:3 + width + n_acc].tolist() if ranks_packed
-                                          else [0] * n_acc)
-                    if beams_packed:
-                        rec.beam_pairs.append((int(packed[j, -2]), int(packed[j, -1])))
-                    if self._finished(outputs[row]):
-                        done_at[row] = t_emit
-                        cache.free(row)
-                        if self.drafter is not None:
-                            self.drafter.release(row)
-                    else:
-                        still.append(row)
-                if self.drafter is not None:
-                    state.kv_len_host = [len(state.tokens_host[r]) - 1 for r in live]
-                    if self._wants_hidden():  # the committed tokens' hidden: root (row 0), accepted nodes (1 + node)
-                        src = torch.cat([torch.zeros_like(acc.path_nodes[:, :1]), 1 + acc.path_nodes], 1)  # -1 -> 0
-                        committed = verify_hidden.gather(1, src.unsqueeze(-1).expand(-1, -1, verify_hidden.shape[-1]))
-                        self.drafter.commit(state, acc, base_host, hidden=committed)  # [B, 1 + D, H]
-                    else:
-                        self.drafter.commit(state, acc, base_host)
-                for row in still:
-                    cache.truncate(row, len(state.tokens_host[row]) - 1)
-            result.steps.append(rec)
-            live = still
-            step += 1
+            out = self.decode_step(live, state.tokens_host, timer, retire=retire)
+            live = [row for row in live if row not in out.retired]
         result.phase_ms = timer.resolve()
         result.draft_forwards_per_step = self.drafter.model_forwards_per_step if self.drafter else 0
         if cfg.graphs.fixed_shape:
             result.graph_stats = self.graph_stats().since(stats_before)
         return result
+
+    def decode_step(self, live: list[int], tokens_host: list[list[int] | None], timer: PhaseTimer,
+                    num_nodes: int | None = None, row_nodes: list[int] | None = None,
+                    retire: Callable[[DecodeStep], list[int]] | None = None) -> DecodeStep:
+        """One step (draft -> verify -> accept -> kv) over the live rows: afterwards the device state (tokens, kv_len,
+        cache) holds the accepted tokens, `tokens_host[row]` is extended by the emitted tokens, rejected drafts' blocks
+        are truncated and the drafter has committed. `generate`'s synchronous loop is this step until no row is live;
+        serving (workbench/serving) runs it once per iteration over whatever rows are live then.
+
+        tokens_host: per cache row, the row's committed tokens up to and including the root (None = not live).
+        num_nodes: draft nodes verified this step (chains: the first `num_nodes` drafted tokens; 0 = no drafting,
+        an autoregressive step; None = the drafter's N). row_nodes: per live row, a smaller count for that row
+        (its drafts past it are marked invalid, so they are never accepted).
+        retire: called in the kv phase once the step's host read is parsed and before the drafter commits (generate:
+        cap the outputs, record the step, free the rows that finished); returns the rows it released, which are then
+        not truncated (they are `retired` in the result)."""
+        dev, cache = self.device, self.cache
+        full = self.num_nodes
+        n_nodes = full if num_nodes is None else num_nodes
+        if n_nodes not in (0, full) and not (self.drafter is not None and self.drafter.proposes_chains):
+            raise ValueError(f"num_nodes={n_nodes}: only chains can be verified shorter than their N={full}")
+        fused = self._fused_accept(self._chains())
+        live_t, kv_len_then = self._live_rows(live)
+        base_host = [len(tokens_host[r]) - 1 for r in live]
+        reads_kv_len = not fused or (self.drafter is not None and self.drafter.reads_kv_len)
+        state = BatchState(rows=live_t, rows_host=list(live), tokens=self.tokens, tokens_host=tokens_host,
+                           kv_len=self.kv_len[live_t] if reads_kv_len else kv_len_then, kv_len_host=base_host,
+                           kv_len_all=self.kv_len)
+        base = state.kv_len
+        with timer.phase("draft"):
+            if n_nodes and self.drafter is not None:
+                tree = self.drafter.propose(state)
+                if n_nodes < full or row_nodes is not None:
+                    keep = torch.arange(n_nodes, device=dev).unsqueeze(0)  # [1, n]
+                    limit = torch.tensor(row_nodes if row_nodes is not None else [n_nodes] * len(live), device=dev)
+                    valid = tree.valid[:, :n_nodes] & (keep < limit.unsqueeze(1))
+                    probs = tree.draft_probs[:, :n_nodes] if tree.draft_probs is not None else None
+                    tree = DraftTree.chain(tree.token_ids[:, :n_nodes], valid, probs) if tree.is_chain else \
+                        DraftTree(tree.token_ids, tree.parents, tree.depths, valid, probs, depth_bound=tree.depth_bound)
+            else:
+                tree = DraftTree.empty(len(live), dev)
+        n = tree.num_nodes
+        with timer.phase("verify"):
+            if fused:
+                cache.plan(live, base_host, 1 + n)
+                packed_dev = self.accept_step(n, len(live), {
+                    "draft": tree.token_ids if n else None, "rows": live_t,
+                    "valid": tree.valid if n else None}, live)  # [B, 3 + N], state already updated
+            else:
+                ids = torch.cat([state.root.unsqueeze(1), tree.token_ids], 1)  # [B, 1+N]
+                offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
+                logits = self.target_step(live_t, live, ids, base.unsqueeze(1) + offsets, base, base_host,
+                                          verify_mask(tree))  # [B, 1+N, V]
+                if self._wants_hidden():
+                    logits, verify_hidden = logits  # verify_hidden [B, 1+N, H]
+        with timer.phase("accept"):
+            if fused:  # a chain's accepted path is its first num_accepted nodes: no path needed (no KV move)
+                acc = Acceptance(packed_dev[:, 0], tree.parents[:, :0], packed_dev[:, 2:])
+            else:
+                acc = self.verifier.accept(tree, logits)
+                packed_dev = _pack(acc, tree)
+            packed = packed_dev.cpu()  # the step's one device->host read: accepted, drafted, emitted tokens
+        t_emit = time.perf_counter()
+        with timer.phase("kv"):
+            d = acc.emitted.shape[1] - 1  # deepest path the step could accept
+            if not fused:
+                if not tree.is_chain and d:
+                    src = torch.where(acc.path_nodes >= 0, base.unsqueeze(1) + 1 + acc.path_nodes,
+                                      torch.full_like(acc.path_nodes, -1))
+                    cache.move(live_t, src, base.unsqueeze(1) + 1 + torch.arange(d, device=dev))
+                self.kv_len[live_t] = base + 1 + acc.num_accepted
+                write = base.unsqueeze(1) + 1 + torch.arange(d + 1, device=dev)
+                self.tokens[live_t.unsqueeze(1), write] = acc.emitted
+            out = DecodeStep.unpack(packed, t_emit, list(live), base_host, n, width=d, ranks=not fused and
+                                    not tree.is_chain, beams=not fused and tree.beam_pairs is not None)
+            for row, emitted in zip(live, out.emitted):
+                tokens_host[row].extend(emitted)
+            out.retired = retire(out) if retire is not None else []
+            state.kv_len_host = [len(tokens_host[r]) - 1 for r in live]
+            if self.drafter is not None:
+                if self._wants_hidden():  # the committed tokens' hidden: root (row 0), accepted nodes (1 + node)
+                    src = torch.cat([torch.zeros_like(acc.path_nodes[:, :1]), 1 + acc.path_nodes], 1)  # -1 -> 0
+                    committed = verify_hidden.gather(1, src.unsqueeze(-1).expand(-1, -1, verify_hidden.shape[-1]))
+                    self.drafter.commit(state, acc, base_host, hidden=committed)  # [B, 1 + D, H]
+                else:
+                    self.drafter.commit(state, acc, base_host)
+            for row, new_len in zip(live, state.kv_len_host):
+                if row not in out.retired:
+                    cache.truncate(row, new_len)
+        return out
+
+    def _live_rows(self, live: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`live` as a device tensor [B], and those rows' kv_len [B] as of then (what a drafter without `reads_kv_len`
+        is given: not refreshed); both made again only when the live rows change (an upload waits for the GPU)."""
+        if self._live is None or self._live[0] != live:
+            live_t = torch.tensor(live, dtype=torch.long, device=self.device)
+            self._live = (list(live), live_t, self.kv_len[live_t])
+        return self._live[1], self._live[2]
+
+    def _record_step(self, result: GenerationResult, outputs: list[list[int]], done_at: list[float],
+                     out: DecodeStep, skip: set[int] = frozenset()) -> list[int]:
+        """generate's bookkeeping of one read step (synchronous and overlapped): each row's emitted tokens, capped by
+        max_new_tokens (and EOS), join its output; the step's StepRecord joins `result`; rows that finished are retired
+        (done time, storage freed, drafter released). Rows in `skip` (finished already: an overlapped step launched
+        before their last one was read) are left out. Returns the rows it retired."""
+        cfg = self.config
+        eos = cfg.eos_token_id if cfg.stop_on_eos else None
+        rec = StepRecord(len(result.steps), out.t_emit, [], [], [], [])
+        retired = []
+        for j, row in enumerate(out.rows):
+            if row in skip:
+                continue
+            kept = cap_emitted(out.emitted[j], cfg.max_new_tokens - len(outputs[row]), eos)
+            outputs[row].extend(kept)
+            rec.rows.append(row)
+            rec.drafted.append(out.drafted[j])
+            rec.accepted.append(out.accepted[j])
+            rec.emitted.append(len(kept))
+            rec.path_ranks.append(out.path_ranks[j])
+            if out.beam_pairs:
+                rec.beam_pairs.append(out.beam_pairs[j])
+            if self._finished(outputs[row]):
+                done_at[row] = out.t_emit
+                retired.append(row)
+                self.cache.free(row)  # overlapped: a launched step may still write these blocks; stream order
+                if self.drafter is not None:  # keeps them ahead of any later step that reuses them
+                    self.drafter.release(row)
+        if rec.rows:
+            result.steps.append(rec)
+        return retired
 
     def _decode_overlapped(self, state: BatchState, live: list[int], outputs: list[list[int]], done_at: list[float],
                            result: GenerationResult, timer: PhaseTimer) -> None:
@@ -447,7 +509,7 @@ class SpecEngine:
         (it would only free blocks, which the next step may still write): storage is freed when a sequence finishes.
         Phases: "draft" and "verify" time what they enqueue (CUDA events: GPU time), "accept" the wait for a result.
         """
-        cfg, dev, cache, drafter = self.config, self.device, self.cache, self.drafter
+        dev, cache, drafter = self.device, self.cache, self.drafter
         n = self.num_nodes
         cuda = dev.type == "cuda"
         known = {r: len(state.tokens_host[r]) - 1 for r in live}  # root index after the last step read
@@ -483,32 +545,12 @@ class SpecEngine:
                 with timer.phase("accept"):
                     if event is not None:
                         event.synchronize()  # step t's tokens; step t + 1 keeps the GPU busy meanwhile
-                t_emit = time.perf_counter()
-                rec = StepRecord(len(result.steps), t_emit, [], [], [], [])
-                for j, row in enumerate(rows):
-                    if row in finished:  # the wasted step after it finished
-                        continue
-                    n_acc = int(packed[j, 0])
-                    emitted = packed[j, 2:3 + n_acc].tolist()
-                    known[row] += len(emitted)
-                    room = cfg.max_new_tokens - len(outputs[row])
-                    kept = emitted[:room]
-                    if cfg.stop_on_eos and cfg.eos_token_id is not None and cfg.eos_token_id in kept:
-                        kept = kept[:kept.index(cfg.eos_token_id) + 1]
-                    outputs[row].extend(kept)
-                    state.tokens_host[row].extend(emitted)
-                    rec.rows.append(row)
-                    rec.drafted.append(int(packed[j, 1]))
-                    rec.accepted.append(n_acc)
-                    rec.emitted.append(len(kept))
-                    if self._finished(outputs[row]):
-                        finished.add(row)
-                        done_at[row] = t_emit
-                        cache.free(row)  # a launched step may still write these blocks: stream order keeps
-                        if drafter is not None:  # them ahead of any later step that reuses them
-                            drafter.release(row)
-                if rec.rows:
-                    result.steps.append(rec)
+                out = DecodeStep.unpack(packed, time.perf_counter(), rows, [known[r] for r in rows], n, width=n)
+                for row, emitted in zip(rows, out.emitted):
+                    if row not in finished:  # else the wasted step after it finished
+                        known[row] += len(emitted)
+                        state.tokens_host[row].extend(emitted)
+                finished.update(self._record_step(result, outputs, done_at, out, skip=finished))
             inflight = launched
             launch = [r for r in launched[0] if r not in finished] if launched is not None else []
             step += 1
@@ -520,29 +562,14 @@ class SpecEngine:
         return cfg.stop_on_eos and cfg.eos_token_id is not None and bool(out) and out[-1] == cfg.eos_token_id
 
     # -- in-flight batching: rows join (prefill_row) and leave (release_row) between steps (workbench/serving) ------
-    # `generate` does not use these: it keeps its own loop (same phases, same device steps), so its behaviour and
-    # tests stay as they were; `decode_step` is the loop body over whatever rows are live.
+    # each iteration then runs `decode_step` over whatever rows are live
     def setup_rows(self, cache, max_len: int) -> None:
         """Adopt `cache` (its `max_rows` rows + pad_row, its own block pool; e.g. a prefix-caching pool) and allocate
         the persistent tokens [R + 1, S] / kv_len [R + 1] buffers and the steps around it; set the drafter up for
         the same rows. Drops whatever `generate` had reserved (and its graphs)."""
-        cfg = self.config
         self.cache = self.tokens = self.kv_len = self.target_step = self.accept_step = None
-        self.cache = cache
-        rows = cache.max_rows
-        self.tokens = torch.zeros(rows + 1, max_len + self.num_nodes + 2, dtype=torch.long, device=self.device)
-        self.kv_len = torch.full((rows + 1,), PAD_LEN, dtype=torch.long, device=self.device)
-        self.target_step = ModelStep(self.target, cache, cfg.graphs, self.device, "target",
-                                     with_hidden=self._wants_hidden())
-        self.accept_step = FixedShapeStep("target+accept", self._verify_accept, self._verify_pads, cfg.graphs,
-                                          self.device, state=lambda: [self.tokens, self.kv_len])
-        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        self.verifier = Verifier(cfg.sampling, self.generator)
-        if self.drafter is not None:
-            self.drafter.setup(DraftContext(max_rows=rows, max_len=cache.max_len, device=self.device,
-                                            sampling=cfg.sampling, generator=self.generator, paged=cfg.paged,
-                                            kv_block_size=cfg.kv_block_size, graphs=cfg.graphs,
-                                            attention=cfg.attention))
+        self._adopt(cache, max_len)
+        self._setup_drafter(torch.Generator(device=self.device).manual_seed(self.config.seed))
 
     def prefill_row(self, row: int, ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill one chunk of one row: tokens `ids` at positions start.. (the row's KV before `start` is already
@@ -589,95 +616,10 @@ class SpecEngine:
         if self.drafter is not None:
             self.drafter.release(row)
 
-    def decode_step(self, live: list[int], tokens_host: list[list[int] | None], timer: PhaseTimer,
-                    num_nodes: int | None = None, row_nodes: list[int] | None = None) -> "DecodeStep":
-        """One step (draft -> verify -> accept -> kv) over the live rows, as in `generate`: afterwards the device
-        state (tokens, kv_len, cache) holds the accepted tokens, `tokens_host[row]` is extended by the emitted
-        tokens, rejected drafts' blocks are truncated and the drafter has committed.
-
-        tokens_host: per cache row, the row's committed tokens up to and including the root (None = not live).
-        num_nodes: draft nodes verified this step (chains: the first `num_nodes` drafted tokens; 0 = no drafting,
-        an autoregressive step; None = the drafter's N). row_nodes: per live row, a smaller count for that row
-        (its drafts past it are marked invalid, so they are never accepted)."""
-        dev, cache = self.device, self.cache
-        full = self.num_nodes
-        n_nodes = full if num_nodes is None else num_nodes
-        if n_nodes not in (0, full) and not (self.drafter is not None and self.drafter.proposes_chains):
-            raise ValueError(f"num_nodes={n_nodes}: only chains can be verified shorter than their N={full}")
-        live_t = torch.tensor(live, dtype=torch.long, device=dev)
-        base_host = [len(tokens_host[r]) - 1 for r in live]
-        state = BatchState(rows=live_t, rows_host=list(live), tokens=self.tokens, tokens_host=tokens_host,
-                           kv_len=self.kv_len[live_t], kv_len_host=base_host, kv_len_all=self.kv_len)
-        base = state.kv_len
-        fused = self._fused_accept(self._chains())
-        with timer.phase("draft"):
-            if n_nodes and self.drafter is not None:
-                tree = self.drafter.propose(state)
-                if n_nodes < full or row_nodes is not None:
-                    keep = torch.arange(n_nodes, device=dev).unsqueeze(0)  # [1, n]
-                    limit = torch.tensor(row_nodes if row_nodes is not None else [n_nodes] * len(live), device=dev)
-                    valid = tree.valid[:, :n_nodes] & (keep < limit.unsqueeze(1))
-                    probs = tree.draft_probs[:, :n_nodes] if tree.draft_probs is not None else None
-                    tree = DraftTree.chain(tree.token_ids[:, :n_nodes], valid, probs) if tree.is_chain else \
-                        DraftTree(tree.token_ids, tree.parents, tree.depths, valid, probs, depth_bound=tree.depth_bound)
-            else:
-                tree = DraftTree.empty(len(live), dev)
-        n = tree.num_nodes
-        verify_hidden = None
-        with timer.phase("verify"):
-            if fused:
-                cache.plan(live, base_host, 1 + n)
-                packed_dev = self.accept_step(n, len(live), {"draft": tree.token_ids if n else None, "rows": live_t,
-                                                             "valid": tree.valid if n else None}, live)
-            else:
-                ids = torch.cat([state.root.unsqueeze(1), tree.token_ids], 1)  # [B, 1+N]
-                offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
-                logits = self.target_step(live_t, live, ids, base.unsqueeze(1) + offsets, base, base_host,
-                                          verify_mask(tree))  # [B, 1+N, V]
-                if self._wants_hidden():
-                    logits, verify_hidden = logits  # [B, 1+N, H]
-        with timer.phase("accept"):
-            if fused:
-                acc = Acceptance(packed_dev[:, 0], tree.parents[:, :0], packed_dev[:, 2:])
-            else:
-                acc = self.verifier.accept(tree, logits)
-                packed_dev = _pack(acc, tree)
-            packed = packed_dev.cpu()  # the step's one device->host read
-        t_emit = time.perf_counter()
-        with timer.phase("kv"):
-            if not fused:
-                d = acc.emitted.shape[1] - 1
-                if not tree.is_chain and d:
-                    src = torch.where(acc.path_nodes >= 0, base.unsqueeze(1) + 1 + acc.path_nodes,
-                                      torch.full_like(acc.path_nodes, -1))
-                    cache.move(live_t, src, base.unsqueeze(1) + 1 + torch.arange(d, device=dev))
-                self.kv_len[live_t] = base + 1 + acc.num_accepted
-                write = base.unsqueeze(1) + 1 + torch.arange(d + 1, device=dev)
-                self.tokens[live_t.unsqueeze(1), write] = acc.emitted
-            accepted, drafted, emitted = [], [], []
-            for j, row in enumerate(live):
-                n_acc = int(packed[j, 0])
-                toks = packed[j, 2:3 + n_acc].tolist()
-                tokens_host[row].extend(toks)
-                accepted.append(n_acc)
-                drafted.append(int(packed[j, 1]))
-                emitted.append(toks)
-            state.kv_len_host = [len(tokens_host[r]) - 1 for r in live]
-            if self.drafter is not None:
-                if self._wants_hidden():
-                    src = torch.cat([torch.zeros_like(acc.path_nodes[:, :1]), 1 + acc.path_nodes], 1)
-                    committed = verify_hidden.gather(1, src.unsqueeze(-1).expand(-1, -1, verify_hidden.shape[-1]))
-                    self.drafter.commit(state, acc, base_host, hidden=committed)
-                else:
-                    self.drafter.commit(state, acc, base_host)
-            for row, new_len in zip(live, state.kv_len_host):
-                cache.truncate(row, new_len)
-        return DecodeStep(t_emit, list(live), base_host, n, drafted, accepted, emitted)
-
 
 @dataclass
 class DecodeStep:
-    """What one `SpecEngine.decode_step` did, per live row (in `rows` order)."""
+    """What one `SpecEngine.decode_step` did, per live row (in `rows` order): its host read, unpacked."""
     t_emit: float  # host perf_counter when the step's tokens were known
     rows: list[int]
     context_len: list[int]  # committed tokens before the step (kv_len)
@@ -685,6 +627,40 @@ class DecodeStep:
     drafted: list[int]  # valid draft nodes per row
     accepted: list[int]
     emitted: list[list[int]]  # accepted + 1 tokens per row (not capped by any output length)
+    path_ranks: list[list[int]]  # sibling ranks of the accepted nodes, depth 1 first (chains: all 0)
+    beam_pairs: list[tuple[int, int]]  # (differing, compared) beam-pair positions; empty unless merged beams
+    retired: list[int] = field(default_factory=list)  # rows the step's `retire` released
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, t_emit: float, rows: list[int], context_len: list[int], num_nodes: int,
+               width: int, ranks: bool = False, beams: bool = False) -> DecodeStep:
+        """The host side of `_pack`: packed [B, 3 + D (+ D) (+ 2)] on the host, D = width; ranks / beams: whether
+        the tree extras are there (else every accepted node has rank 0 and there are no beam pairs)."""
+        drafted, accepted, emitted, path_ranks, beam_pairs = [], [], [], [], []
+        for read in packed.tolist():
+            n_acc = read[0]
+            accepted.append(n_acc)
+            drafted.append(read[1])
+            emitted.append(read[2:3 + n_acc])
+            path_ranks.append(read[3 + width:3 + width + n_acc] if ranks else [0] * n_acc)
+            if beams:
+                beam_pairs.append((read[-2], read[-1]))
+        return cls(t_emit, rows, context_len, num_nodes, drafted, accepted, emitted, path_ranks, beam_pairs)
+
+
+def cap_emitted(emitted: list[int], room: int, eos_token_id: int | None = None) -> list[int]:
+    """The part of a step's emitted tokens a sequence keeps: at most `room` (what max_new_tokens leaves), and nothing
+    after the first `eos_token_id` (None: no EOS stop).
+
+    >>> cap_emitted([5, 7, 2, 9], 3)
+    [5, 7, 2]
+    >>> cap_emitted([5, 7, 2, 9], 3, eos_token_id=7)
+    [5, 7]
+    """
+    kept = emitted[:room]
+    if eos_token_id is not None and eos_token_id in kept:
+        kept = kept[:kept.index(eos_token_id) + 1]
+    return kept
 
 
 def _pack(acc: Acceptance, tree: DraftTree) -> torch.Tensor:

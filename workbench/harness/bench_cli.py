@@ -42,25 +42,42 @@ def add_knob(group: argparse._ArgumentGroup, knob: settings.Knob) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark a drafting method against our autoregressive baseline",
                        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_session_args(p, "prompt file: JSONL {\"prompt\": ...} or MT-bench/Spec-Bench question.jsonl")
+    groups = {name: p.add_argument_group(title) for name, title in GROUPS.items()}
+    for knob in settings.RUN_KNOBS:
+        add_knob(groups[knob.group], knob)
+    add_output_args(p)
+    p.set_defaults(func=main)
+
+
+def add_session_args(p: argparse.ArgumentParser, prompts_help: str) -> None:
+    """The "models and prompts" flags of every run command (bench, serve-bench): what BenchSession.load reads."""
     models = p.add_argument_group("models and prompts")
     models.add_argument("--preset", help="a zoo preset (e.g. tiny); default tiny when --model is not given")
     models.add_argument("--model", help="target model: Hugging Face folder or .gguf file")
     models.add_argument("--draft", help="draft model folder (method draft)")
-    models.add_argument("--prompts", help="prompt file: JSONL {\"prompt\": ...} or MT-bench/Spec-Bench question.jsonl")
+    models.add_argument("--prompts", help=prompts_help)
     models.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     models.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; fewer threads "
                         "than cores keeps CPU timings steadier when other work shares the machine)")
     for knob in settings.SESSION_KNOBS:
         add_knob(models, knob)
-    groups = {name: p.add_argument_group(title) for name, title in GROUPS.items()}
-    for knob in settings.RUN_KNOBS:
-        add_knob(groups[knob.group], knob)
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """The "output" flags of every run command: --json, --store DIR, --no-store, --study."""
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the run record as one JSON object")
     out.add_argument("--store", help="result store folder (default: results/store or $WORKBENCH_STORE)")
     out.add_argument("--no-store", action="store_true", help="do not write to the result store")
     out.add_argument("--study", help="study name to file the row under")
-    p.set_defaults(func=main)
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
 
 def _store(args):
@@ -70,24 +87,32 @@ def _store(args):
     return ResultStore(args.store) if args.store else ResultStore()
 
 
-def _store_or_report(store, record, traces=None) -> bool:
-    """Append to the store; on failure name the store problem on stderr and return False (no traceback)."""
+def _store_or_report(store, record, traces=None, **parts) -> bool:
+    """Append to the store (`parts`: further tables, e.g. requests=); on failure name the store problem on stderr and
+    return False (no traceback)."""
     from results.store import StoreError
     try:
-        store.append(record, traces)
+        store.append(record, traces, **parts)
     except (StoreError, OSError) as e:
         print(f"error: the run was not stored: {e}", file=sys.stderr)
         return False
     return True
 
 
+def print_record(rec: dict, args: argparse.Namespace, headline: list[str], width: int) -> None:
+    """The record on stdout: one JSON object (--json; without the telemetry timeline) or its headline keys."""
+    if args.json:
+        print(json.dumps({k: v for k, v in rec.items() if k != "telemetry_timeline"}, default=str), flush=True)
+        return
+    for key in headline:
+        print(f"{key:>{width}}: {rec.get(key)}")
+    sys.stdout.flush()
+
+
 def main(args: argparse.Namespace) -> int:
     from workbench.harness.bench import BenchError, BenchSession, failed_record
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     cfg_kwargs = {f.name: getattr(args, f.name) for f in fields(BenchConfig)}
     cfg = BenchConfig(**cfg_kwargs)
     store = _store(args)
@@ -109,13 +134,7 @@ def main(args: argparse.Namespace) -> int:
             _store_or_report(store, failed_record(cfg, str(e), study=args.study, session=session, asked=asked))
         return 2
     rec = result.record
-    if args.json:
-        shown = {k: v for k, v in rec.items() if k != "telemetry_timeline"}
-        print(json.dumps(shown, default=str), flush=True)
-    else:
-        for key in HEADLINE:
-            print(f"{key:>22}: {rec.get(key)}")
-        sys.stdout.flush()
+    print_record(rec, args, HEADLINE, 22)
     if store is not None and not _store_or_report(store, rec, result.traces):
         return 3
     return 0

@@ -10,12 +10,11 @@ Exit status: 0 ok, 2 bad settings or a failed run (stored as a failed row), 3 th
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import fields
 
-from workbench import settings
-from workbench.harness.bench_cli import _store, _store_or_report, add_knob
+from workbench.harness.bench_cli import (_store, _store_or_report, add_knob, add_output_args, add_session_args,
+                                         print_record, set_threads)
 
 HEADLINE = ["method", "k", "rate", "completed", "request_throughput", "output_throughput", "goodput", "ttft_ms_p50",
             "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p99", "e2el_ms_p99", "queue_ms_mean", "preemptions",
@@ -29,23 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("serve-bench", help="serve a request load with in-flight batching and report vLLM-style "
                        "serving metrics", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    models = p.add_argument_group("models and prompts")
-    models.add_argument("--preset", help="a zoo preset (e.g. tiny); default tiny when --model is not given")
-    models.add_argument("--model", help="target model: Hugging Face folder or .gguf file")
-    models.add_argument("--draft", help="draft model folder (method draft)")
-    models.add_argument("--prompts", help="prompt file (lengths file)")
-    models.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    models.add_argument("--threads", type=int, help="torch CPU threads")
-    for knob in settings.SESSION_KNOBS:
-        add_knob(models, knob)
+    add_session_args(p, "prompt file (lengths file)")
     groups = {name: p.add_argument_group(title) for name, title in GROUPS.items()}
     for knob in SERVE_CONFIG_KNOBS:
         add_knob(groups[knob.group], knob)
-    out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print the run record as one JSON object")
-    out.add_argument("--store", help="result store folder (default: results/store or $WORKBENCH_STORE)")
-    out.add_argument("--no-store", action="store_true", help="do not write to the result store")
-    out.add_argument("--study", help="study name to file the row under")
+    add_output_args(p)
     p.set_defaults(func=main)
 
 
@@ -54,10 +41,7 @@ def main(args: argparse.Namespace) -> int:
     from workbench.serving.bench import ServeConfig, failed_record, serve_bench
     from workbench.serving.config import ServeError
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args)
     cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in fields(ServeConfig)})
     store = _store(args)
     preset = args.preset if args.preset or args.model else "tiny"
@@ -71,18 +55,7 @@ def main(args: argparse.Namespace) -> int:
             _store_or_report(store, failed_record(cfg, str(e), args.study))
         return 2
     rec = out.record
-    if args.json:
-        print(json.dumps(rec, default=str), flush=True)
-    else:
-        for key in HEADLINE:
-            print(f"{key:>26}: {rec.get(key)}")
-        sys.stdout.flush()
-    if store is not None:
-        from results.store import StoreError
-
-        try:
-            store.append(rec, out.traces, requests=out.requests)
-        except (StoreError, OSError) as e:
-            print(f"error: the run was not stored: {e}", file=sys.stderr)
-            return 3
+    print_record(rec, args, HEADLINE, 26)
+    if store is not None and not _store_or_report(store, rec, out.traces, requests=out.requests):
+        return 3
     return 0

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.engine.sampling import next_token
-from workbench.engine.step import PhaseTimer, SpecEngine
+from workbench.engine.step import PhaseTimer, SpecEngine, cap_emitted
 from workbench.serving.adaptive import AdaptiveSpeculation
 from workbench.serving.config import ServeError
 from workbench.serving.prefix_cache import PrefixCachingKVCache
@@ -289,7 +289,7 @@ class ServingLoop:
         t = self.clock.now()
         for j, s in enumerate(decoding):
             room = s.req.max_new_tokens - len(s.output)
-            kept = out.emitted[j][:room]
+            kept = cap_emitted(out.emitted[j], room)
             s.output.extend(kept)
             s.emit_times.append(t)
             s.steps += 1

@@ -19,10 +19,7 @@ prompt [5, 6, 7, 8, 1] matches both (4 of its 5 tokens) and prefills only [1].
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
-
-import torch
 
 from workbench.engine.kv_cache import CacheFullError, PagedKVCache
 
@@ -83,35 +80,12 @@ class PrefixCachingKVCache(PagedKVCache):
             else:
                 self._free.append(block)
 
-    def _ensure_capacity(self, rows, base_len_host, num_new):
-        changed = False
-        for row, base in zip(rows, base_len_host):
-            have = self._host_table[row]
-            want = math.ceil((base + num_new) / self.block_size)
-            while len(have) < want:
-                have.append(self._take())
-                changed = True
-        if changed:
-            self._sync_table()
-
-    def truncate(self, row: int, new_len: int) -> None:
-        keep = math.ceil(new_len / self.block_size)
-        blocks = self._host_table[row]
-        while len(blocks) > keep:
-            self._drop(blocks.pop())
-
     def reset(self) -> None:
         super().reset()
         self._free.extend(self._cached)  # a fresh pool: forget every cached prefix too
         self._cached.clear()
         self._hash_of.clear()
         self._by_hash.clear()
-
-    def _sync_table(self) -> None:
-        table = torch.zeros(self.max_rows + 1, self.blocks_per_row, dtype=torch.long)
-        for r, blocks in enumerate(self._host_table):
-            table[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        self.block_table.copy_(table)  # in place: captured graphs read this tensor
 
     # -- sharing -----------------------------------------------------------------------------------------------
     def match(self, tokens: list[int], max_blocks: int) -> list[int]:

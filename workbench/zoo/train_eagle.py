@@ -20,8 +20,6 @@ of a greedy chain of `depth` (the mean leading run of agreeing depths). The benc
 """
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +30,7 @@ import torch.nn.functional as F
 from workbench.engine.drafters.eagle import EagleHead
 from workbench.models.attention import expand_kv
 from workbench.zoo.corpus import Corpus
-from workbench.zoo.train_head import CURVE_POINTS, HeadEval, _lr_at, _target_pass, load_training_data, save_head
+from workbench.zoo.train_head import HeadEval, _target_pass, agreement, distil, train_and_save
 
 
 @dataclass(frozen=True)
@@ -103,62 +101,16 @@ def _loss(head, target, ids, spec: EagleTrainSpec) -> torch.Tensor:
     return total / weights
 
 
-@torch.no_grad()
 def evaluate_eagle(head: EagleHead, target, windows: torch.Tensor, depth: int, batch: int = 8) -> HeadEval:
     """Held-out top-1 agreement with the target per depth (teacher-forced tokens, predicted features)."""
-    agree = torch.zeros(depth, dtype=torch.float64)
-    run_total, anchors = 0.0, 0
-    for i in range(0, len(windows), batch):
-        ids = windows[i:i + batch]
-        hidden, target_logp = _target_pass(target, ids)
-        n = ids.shape[1] - depth
-        hits = torch.stack([target.compute_logits(f).argmax(-1) == target_logp[:, d:d + n].argmax(-1)
-                            for d, f in enumerate(rollout(head, target, ids, hidden, depth), start=1)], -1)  # [B,N,D]
-        agree += hits.double().sum((0, 1)).cpu()
-        run_total += hits.long().cumprod(-1).sum().item()
-        anchors += hits.shape[0] * hits.shape[1]
-    return HeadEval([round(x, 4) for x in (agree / anchors).tolist()], round(run_total / anchors, 4), anchors)
+    return agreement(target, windows, depth, lambda ids, hidden: [
+        target.compute_logits(f) for f in rollout(head, target, ids, hidden, depth)], batch)
 
 
 def train_eagle(head: EagleHead, target, windows: torch.Tensor, spec: EagleTrainSpec,
                 log: Callable[[str], None] = print) -> dict:
     """Train `head` in place against the frozen `target`; returns {"steps", "train_seconds", "curve", ...}."""
-    for p in target.parameters():
-        p.requires_grad_(False)
-    head.train()
-    optimizer = torch.optim.AdamW(head.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
-    generator = torch.Generator().manual_seed(spec.seed)
-    curve, loss_sum, loss_count = [], 0.0, 0
-    log_every_s = max(0.5, spec.max_seconds / CURVE_POINTS)
-    t0 = t_last = time.perf_counter()
-    step, lr = 0, spec.lr
-    dev = next(target.parameters()).device
-    while step < spec.max_steps and (step == 0 or time.perf_counter() - t0 < spec.max_seconds):
-        lr = _lr_at(step, max(step / spec.max_steps, (time.perf_counter() - t0) / spec.max_seconds), spec)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        ids = windows[torch.randint(0, len(windows), (spec.batch_size,), generator=generator)].to(dev)  # [B, T]
-        loss = _loss(head, target, ids, spec)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), spec.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
-        now = time.perf_counter()
-        if now - t_last >= log_every_s:
-            curve.append({"step": step, "seconds": round(now - t0, 2), "loss": round(loss_sum / loss_count, 4),
-                          "lr": lr})
-            log(f"[eagle] step {step:5d}  loss {loss_sum / loss_count:.4f}  lr {lr:.2e}  {now - t0:6.1f} s")
-            loss_sum, loss_count, t_last = 0.0, 0, now
-    seconds = time.perf_counter() - t0
-    if loss_count:
-        curve.append({"step": step, "seconds": round(seconds, 2), "loss": round(loss_sum / loss_count, 4), "lr": lr})
-    head.eval()
-    final = curve[-1]["loss"] if curve else None
-    return {"steps": step, "train_seconds": round(seconds, 2), "final_loss": final if final is None or
-            math.isfinite(final) else None,
-            "stopped_by": "max_steps" if step >= spec.max_steps else "max_seconds", "curve": curve}
+    return distil(head, target, windows, spec, _loss, tag="eagle", metric="loss", log=log)
 
 
 def train_eagle_head(preset: str, *, out: str | Path | None = None, preset_dir: str | Path | None = None,
@@ -166,17 +118,6 @@ def train_eagle_head(preset: str, *, out: str | Path | None = None, preset_dir: 
                      log: Callable[[str], None] = print) -> Path:
     """Train, evaluate and save an EAGLE head for the preset's target; returns the head folder (default:
     `<preset folder>/eagle`). `corpus` overrides the preset's (tests pass a small one)."""
-    t_start = time.perf_counter()
-    paths, dev, target, corpus, train_w, eval_w = load_training_data(preset, preset_dir, device, spec, corpus, log,
-                                                                     "eagle")
-    out = Path(out) if out is not None else paths.root / "eagle"
-    head = EagleHead.for_target(target, seed=spec.seed).float()
-    before = evaluate_eagle(head, target, eval_w, spec.depth)
-    log(f"[eagle] untrained held-out agreement by depth {before.agreement_by_depth}")
-    report = train_eagle(head, target, train_w, spec, log=log)
-    after = evaluate_eagle(head, target, eval_w, spec.depth)
-    log(f"[eagle] {report['steps']} steps in {report['train_seconds']} s; held-out agreement by depth "
-        f"{after.agreement_by_depth}, expected accepted tokens of a greedy chain {after.expected_accepted_tokens}")
-    save_head(head, "eagle", preset, spec, dev, paths, out, corpus, (train_w, eval_w), report, (before, after), t_start)
-    log(f"[eagle] wrote {out}")
-    return out
+    return train_and_save("eagle", preset, out=out, preset_dir=preset_dir, device=device, spec=spec, corpus=corpus,
+                          log=log, make_head=lambda target: EagleHead.for_target(target, seed=spec.seed).float(),
+                          train=train_eagle, evaluate=evaluate_eagle)

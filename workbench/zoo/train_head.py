@@ -109,19 +109,27 @@ def _head_log_probs(head, target, ids: torch.Tensor, hidden: torch.Tensor, depth
 
 
 @torch.no_grad()
-def evaluate_head(head, target, windows: torch.Tensor, depth: int, batch: int = 8) -> HeadEval:
+def agreement(target, windows: torch.Tensor, depth: int, predict, batch: int = 8) -> HeadEval:
+    """Held-out top-1 agreement of a head with the target, for every head kind: `predict(ids [B, T], hidden [B, T, H])`
+    returns per depth d = 1..depth the head's scores [B, N, V] (logits or log-probs, N = T - depth) for the token at
+    t + d, compared with the target's argmax there; plus the mean leading run of agreeing depths."""
     agree = torch.zeros(depth, dtype=torch.float64)
     run_total, anchors = 0.0, 0
     for i in range(0, len(windows), batch):
         ids = windows[i : i + batch]
         hidden, target_logp = _target_pass(target, ids)
         n = ids.shape[1] - depth
-        hits = torch.stack([q.argmax(-1) == target_logp[:, d + 1 : d + 1 + n].argmax(-1)
-                            for d, q in enumerate(_head_log_probs(head, target, ids, hidden, depth))], -1)  # [B,N,L]
+        hits = torch.stack([q.argmax(-1) == target_logp[:, d : d + n].argmax(-1)
+                            for d, q in enumerate(predict(ids, hidden), start=1)], -1)  # [B, N, L]
         agree += hits.double().sum((0, 1)).cpu()
         run_total += hits.long().cumprod(-1).sum().item()  # leading run of agreeing depths, summed over anchors
         anchors += hits.shape[0] * hits.shape[1]
     return HeadEval([round(x, 4) for x in (agree / anchors).tolist()], round(run_total / anchors, 4), anchors)
+
+
+def evaluate_head(head, target, windows: torch.Tensor, depth: int, batch: int = 8) -> HeadEval:
+    return agreement(target, windows, depth, lambda ids, hidden: _head_log_probs(head, target, ids, hidden, depth),
+                     batch)
 
 
 def _lr_at(step: int, progress: float, spec: HeadTrainSpec) -> float:
@@ -131,9 +139,27 @@ def _lr_at(step: int, progress: float, spec: HeadTrainSpec) -> float:
     return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * cosine)
 
 
+def _kl_loss(head, target, ids: torch.Tensor, spec: HeadTrainSpec) -> torch.Tensor:
+    """Mean over depths of KL(p_{t+d} || q_d), teacher-forced (the module docstring's step)."""
+    hidden, target_logp = _target_pass(target, ids)
+    n = ids.shape[1] - spec.depth
+    return sum(F.kl_div(q, target_logp[:, d + 1 : d + 1 + n], log_target=True, reduction="none").sum(-1).mean()
+               for d, q in enumerate(_head_log_probs(head, target, ids, hidden, spec.depth))) / spec.depth
+
+
 def train_head(head, target, windows: torch.Tensor, spec: HeadTrainSpec,
                log: Callable[[str], None] = print) -> dict:
     """Train `head` in place against the frozen `target`; returns {"steps", "train_seconds", "curve", ...}."""
+    return distil(head, target, windows, spec, _kl_loss, tag="redrafter", metric="kl", log=log)
+
+
+def distil(head, target, windows: torch.Tensor, spec, loss_fn, *, tag: str, metric: str,
+           log: Callable[[str], None] = print) -> dict:
+    """The training loop every head kind shares: AdamW on `head` against the frozen `target`, `spec.batch_size`
+    random windows per step (seeded by `spec.seed`), `loss_fn(head, target, ids [B, T], spec)` -> scalar, warmup then
+    cosine (`_lr_at`), gradient clipping, until `spec.max_steps` or `spec.max_seconds`. Returns {"steps",
+    "train_seconds", "final_<metric>" (None unless finite), "stopped_by", "curve"}: the curve holds about
+    CURVE_POINTS entries {"step", "seconds", <metric>, "lr"}, each the loss averaged since the previous one."""
     for p in target.parameters():
         p.requires_grad_(False)
     head.train()
@@ -142,17 +168,14 @@ def train_head(head, target, windows: torch.Tensor, spec: HeadTrainSpec,
     curve, loss_sum, loss_count = [], 0.0, 0
     log_every_s = max(0.5, spec.max_seconds / CURVE_POINTS)
     t0 = t_last = time.perf_counter()
-    step = 0
+    step, lr = 0, spec.lr
+    dev = next(target.parameters()).device
     while step < spec.max_steps and (step == 0 or time.perf_counter() - t0 < spec.max_seconds):
         lr = _lr_at(step, max(step / spec.max_steps, (time.perf_counter() - t0) / spec.max_seconds), spec)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        ids = windows[torch.randint(0, len(windows), (spec.batch_size,), generator=generator)].to(
-            next(target.parameters()).device)  # [B, T]
-        hidden, target_logp = _target_pass(target, ids)
-        n = ids.shape[1] - spec.depth
-        loss = sum(F.kl_div(q, target_logp[:, d + 1 : d + 1 + n], log_target=True, reduction="none").sum(-1).mean()
-                   for d, q in enumerate(_head_log_probs(head, target, ids, hidden, spec.depth))) / spec.depth
+        ids = windows[torch.randint(0, len(windows), (spec.batch_size,), generator=generator)].to(dev)  # [B, T]
+        loss = loss_fn(head, target, ids, spec)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), spec.grad_clip)
         optimizer.step()
@@ -161,15 +184,17 @@ def train_head(head, target, windows: torch.Tensor, spec: HeadTrainSpec,
         loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
         now = time.perf_counter()
         if now - t_last >= log_every_s:
-            curve.append({"step": step, "seconds": round(now - t0, 2), "kl": round(loss_sum / loss_count, 4),
+            curve.append({"step": step, "seconds": round(now - t0, 2), metric: round(loss_sum / loss_count, 4),
                           "lr": lr})
-            log(f"[redrafter] step {step:5d}  kl {loss_sum / loss_count:.4f}  lr {lr:.2e}  {now - t0:6.1f} s")
+            log(f"[{tag}] step {step:5d}  {metric} {loss_sum / loss_count:.4f}  lr {lr:.2e}  {now - t0:6.1f} s")
             loss_sum, loss_count, t_last = 0.0, 0, now
     seconds = time.perf_counter() - t0
     if loss_count:
-        curve.append({"step": step, "seconds": round(seconds, 2), "kl": round(loss_sum / loss_count, 4), "lr": lr})
+        curve.append({"step": step, "seconds": round(seconds, 2), metric: round(loss_sum / loss_count, 4), "lr": lr})
     head.eval()
-    return {"steps": step, "train_seconds": round(seconds, 2), "final_kl": curve[-1]["kl"] if curve else None,
+    final = curve[-1][metric] if curve else None
+    return {"steps": step, "train_seconds": round(seconds, 2),
+            f"final_{metric}": final if final is None or math.isfinite(final) else None,
             "stopped_by": "max_steps" if step >= spec.max_steps else "max_seconds", "curve": curve}
 
 
@@ -200,20 +225,30 @@ def train_redrafter_head(preset: str, *, out: str | Path | None = None, preset_d
                          log: Callable[[str], None] = print) -> Path:
     """Train, evaluate and save a head for the preset's target; returns the head folder (default:
     `<preset folder>/redrafter`). `corpus` overrides the preset's (tests pass a small one)."""
+    return train_and_save("redrafter", preset, out=out, preset_dir=preset_dir, device=device, spec=spec, corpus=corpus,
+                          log=log, make_head=lambda target: RedrafterHead.for_target(target, seed=spec.seed).float(),
+                          train=train_head, evaluate=evaluate_head)
+
+
+def train_and_save(kind: str, preset: str, *, out, preset_dir, device: str, spec, corpus: Corpus | None,
+                   log: Callable[[str], None], make_head, train, evaluate) -> Path:
+    """What `zoo train-head` does for every head kind: load the frozen target and the windows, make the untrained head
+    (`make_head(target)`), score it on the held-out windows (`evaluate(head, target, windows, depth)`), train it
+    (`train(head, target, windows, spec, log=)` -> report), score it again and save it with its manifest in `out`
+    (default `<preset folder>/<kind>`). Returns the head folder."""
     t_start = time.perf_counter()
     paths, dev, target, corpus, train_w, eval_w = load_training_data(preset, preset_dir, device, spec, corpus, log,
-                                                                     "redrafter")
-    out = Path(out) if out is not None else paths.root / "redrafter"
-    head = RedrafterHead.for_target(target, seed=spec.seed).float()
-    before = evaluate_head(head, target, eval_w, spec.depth)
-    log(f"[redrafter] untrained held-out agreement by depth {before.agreement_by_depth}")
-    report = train_head(head, target, train_w, spec, log=log)
-    after = evaluate_head(head, target, eval_w, spec.depth)
-    log(f"[redrafter] {report['steps']} steps in {report['train_seconds']} s; held-out agreement by depth "
+                                                                     kind)
+    out = Path(out) if out is not None else paths.root / kind
+    head = make_head(target)
+    before = evaluate(head, target, eval_w, spec.depth)
+    log(f"[{kind}] untrained held-out agreement by depth {before.agreement_by_depth}")
+    report = train(head, target, train_w, spec, log=log)
+    after = evaluate(head, target, eval_w, spec.depth)
+    log(f"[{kind}] {report['steps']} steps in {report['train_seconds']} s; held-out agreement by depth "
         f"{after.agreement_by_depth}, expected accepted tokens of a greedy chain {after.expected_accepted_tokens}")
-    save_head(head, "redrafter", preset, spec, dev, paths, out, corpus, (train_w, eval_w), report, (before, after),
-              t_start)
-    log(f"[redrafter] wrote {out}")
+    save_head(head, kind, preset, spec, dev, paths, out, corpus, (train_w, eval_w), report, (before, after), t_start)
+    log(f"[{kind}] wrote {out}")
     return out
 
 

@@ -116,3 +116,18 @@ class Drafter(ABC):
     @property
     def settings(self) -> dict:
         return {}
+
+
+class OneStepDrafter(Drafter):
+    """A drafter whose whole propose is one fixed-shape step, `self.step` (None when it runs eagerly): its graphs are
+    captured per batch bucket with the one shape key 0, and it is the drafter's only model step (ReDrafter, EAGLE)."""
+
+    step = None  # FixedShapeStep | None, built by setup
+
+    def capture_graphs(self, sizes: list[int]) -> None:
+        if self.step is not None:
+            for size in sizes:
+                self.step.capture(size, 0)
+
+    def model_steps(self) -> list:
+        return [self.step] if self.step is not None else []

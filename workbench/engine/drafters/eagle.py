@@ -36,21 +36,18 @@ An untrained head drafts poorly, but the output is still exactly the target's; `
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
+from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDrafter
+from workbench.engine.drafters.head_io import SavedHead
 from workbench.engine.graphs import FixedShapeStep
 from workbench.engine.kv_cache import make_cache
 from workbench.engine.tree import DraftTree
 from workbench.models.config import ModelConfig
 from workbench.models.llama import DecoderLayer, Linear
-
-HEAD_CONFIG, HEAD_WEIGHTS = "config.json", "model.safetensors"
 
 
 class EagleSettingsError(ValueError):
@@ -127,14 +124,17 @@ class EagleHeadConfig:
                            rms_norm_eps=self.rms_norm_eps)
 
 
-class EagleHead(nn.Module):
+class EagleHead(SavedHead):
     """fc over [hidden; token embedding] -> one decoder layer -> the target's final norm: a predicted hidden state.
 
     `forward(target, hidden, token_ids, positions, attn)`: hidden [B, T, H] (target hidden states, or predicted ones),
     token_ids [B, T] (the token AFTER each hidden state's position), positions [B, T] (RoPE positions of the head's
     entries), attn an AttentionBackend (the head's KV cache; None = plain causal, for training) -> features [B, T, H].
     The target is an argument, not a submodule: its embedding, norm and LM head are shared, never saved here.
+    Saves and loads as a head folder (`SavedHead`; HF names for the layer's q/k/v and gate/up).
     """
+
+    kind, label, config_class = "eagle", "EAGLE head", EagleHeadConfig
 
     def __init__(self, config: EagleHeadConfig):
         super().__init__()
@@ -184,34 +184,8 @@ class EagleHead(nn.Module):
                        CausalAttention() if attn is None else attn)
         return target.model.norm(x)
 
-    def save(self, path: str | Path) -> None:
-        """<path>/config.json + <path>/model.safetensors (HF names for the layer's q/k/v and gate/up)."""
-        from safetensors.torch import save_file
 
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / HEAD_CONFIG).write_text(json.dumps({"type": "eagle", **asdict(self.config)}, indent=2) + "\n")
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / HEAD_WEIGHTS))
-
-    @classmethod
-    def load(cls, path: str | Path, device: torch.device | str = "cpu",
-             dtype: torch.dtype | None = None) -> "EagleHead":
-        from safetensors.torch import load_file
-
-        src = Path(path)
-        for name in (HEAD_CONFIG, HEAD_WEIGHTS):
-            if not (src / name).is_file():
-                raise FileNotFoundError(f"EAGLE head {src}: missing {name} (a head folder holds {HEAD_CONFIG} and "
-                                        f"{HEAD_WEIGHTS}, as EagleHead.save writes them)")
-        raw = json.loads((src / HEAD_CONFIG).read_text())
-        if raw.get("type") != "eagle":
-            raise ValueError(f"{src / HEAD_CONFIG} describes a {raw.get('type')!r} head, not an EAGLE head")
-        head = cls(EagleHeadConfig(**{k: raw[k] for k in EagleHeadConfig.__dataclass_fields__}))
-        head.load_state_dict(load_file(str(src / HEAD_WEIGHTS)))
-        return head.to(device=device, dtype=dtype).eval()
-
-
-class EagleDrafter(Drafter):
+class EagleDrafter(OneStepDrafter):
     name = "eagle"
     wants_hidden = True
 
@@ -372,14 +346,6 @@ class EagleDrafter(Drafter):
         tokens, parents, depths = rerank(torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
                                          self._cand_depth.expand(b, n_cand), n)
         return tokens, parents, depths, torch.ones_like(tokens, dtype=torch.bool)
-
-    def capture_graphs(self, sizes: list[int]) -> None:
-        if self.step is not None:
-            for size in sizes:
-                self.step.capture(size, 0)
-
-    def model_steps(self) -> list:
-        return [self.step] if self.step is not None else []
 
     @property
     def settings(self) -> dict:

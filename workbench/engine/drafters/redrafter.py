@@ -25,20 +25,17 @@ the target as <preset>/redrafter/, where the bench finds it (workbench/zoo/heads
 """
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
+from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDrafter
+from workbench.engine.drafters.head_io import SavedHead
 from workbench.engine.graphs import FixedShapeStep
 from workbench.engine.sampling import probs_from_logits
 from workbench.engine.tree import DraftTree
-
-HEAD_CONFIG, HEAD_WEIGHTS = "config.json", "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -47,13 +44,15 @@ class HeadConfig:
     embed_size: int  # the target's token-embedding width (= H for Llama-family models)
 
 
-class RedrafterHead(nn.Module):
+class RedrafterHead(SavedHead):
     """The recurrent draft head: a GRU cell over the previous token's (target) embedding, and a residual MLP over
-    [s_d; h] that makes the features the target's LM head reads.
+    [s_d; h] that makes the features the target's LM head reads. Saves and loads as a head folder (`SavedHead`).
 
         s_d = GRUCell(embed(x_{d-1}), s_{d-1})               # [..., H]
         f_d = s_d + W_2 silu(W_1 [s_d; h])                   # [..., H]
     """
+
+    kind, label, config_class = "redrafter", "ReDrafter head", HeadConfig
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -85,32 +84,8 @@ class RedrafterHead(nn.Module):
         features = state + self.down(nn.functional.silu(self.up(torch.cat([state, anchor], -1))))
         return state, features
 
-    def save(self, path: str | Path) -> None:
-        """<path>/config.json + <path>/model.safetensors (float32 copies are not made: the dtype is kept)."""
-        from safetensors.torch import save_file
 
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / HEAD_CONFIG).write_text(json.dumps({"type": "redrafter", **asdict(self.config)}, indent=2) + "\n")
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / HEAD_WEIGHTS))
-
-    @classmethod
-    def load(cls, path: str | Path, device: torch.device | str = "cpu",
-             dtype: torch.dtype | None = None) -> "RedrafterHead":
-        from safetensors.torch import load_file
-
-        src = Path(path)
-        for name in (HEAD_CONFIG, HEAD_WEIGHTS):
-            if not (src / name).is_file():
-                raise FileNotFoundError(f"ReDrafter head {src}: missing {name} (a head folder holds {HEAD_CONFIG} "
-                                        f"and {HEAD_WEIGHTS}, as RedrafterHead.save writes them)")
-        raw = json.loads((src / HEAD_CONFIG).read_text())
-        head = cls(HeadConfig(int(raw["hidden_size"]), int(raw["embed_size"])))
-        head.load_state_dict(load_file(str(src / HEAD_WEIGHTS)))
-        return head.to(device=device, dtype=dtype).eval()
-
-
-class RedrafterDrafter(Drafter):
+class RedrafterDrafter(OneStepDrafter):
     name = "redrafter"
     wants_hidden = True
     proposes_beams = True
@@ -226,14 +201,6 @@ class RedrafterDrafter(Drafter):
     def propose(self, state: BatchState) -> DraftTree:
         tree, _ = DraftTree.from_beams(self.beam_tokens(state))
         return tree
-
-    def capture_graphs(self, sizes: list[int]) -> None:
-        if self.step is not None:
-            for size in sizes:
-                self.step.capture(size, 0)
-
-    def model_steps(self) -> list:
-        return [self.step] if self.step is not None else []
 
     @property
     def settings(self) -> dict:
