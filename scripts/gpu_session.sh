@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU runs of issues 8-11 in two device calls made back to back (the machine stays warm ~30 s between calls, so
-# part b finds part a's trained `small` preset in zoo_cache/; if it does not, it trains it again first).
+# The GPU runs of issues 8-11 in device calls made back to back (the machine stays warm ~30 s between calls, so a
+# later part finds the trained `small` preset in zoo_cache/; if it does not, it trains it again first).
+# PART=s1: the first session's runs (ours vs gpt-fast on small without overlap, step modes, redrafter, parity);
+# PART=a / PART=b: the second session's (BENCHMARKS.md section 8).
 # Run from the repo root with $OUT set, carrying .anchors/gpt-fast and .whl (optuna wheels):
 #   PART=a bash scripts/gpu_session.sh 2>&1 | tee $OUT/log.txt
 #   PART=b bash scripts/gpu_session.sh 2>&1 | tee $OUT/log.txt
@@ -41,7 +43,20 @@ heads() {
     step head_eagle 50 $PY -m workbench zoo train-head --kind eagle --preset small --device cuda --max-seconds 35
 }
 
-if [ "$PART" = a ]; then
+if [ "$PART" = s1 ]; then
+  step gptfast 120 $PY scripts/bench_fastpath.py --preset small --methods ar,draft --cuda-graphs --compile default \
+    --num-prompts 8 --max-new-tokens 128 --repeats 3 --out "$R/gptfast"
+  heads
+  step study 60 timeout "${STUDY_S:-120}" $PY -m studies.run --preset small --study thr --trials 1000 \
+    --device cuda --cuda-graphs on --num-prompts 8 --max-new-tokens 128 --storage sqlite:////tmp/thr.db --store /tmp/thr
+  $PY scripts/store_counts.py /tmp/thr > "$R/study_count.txt" 2>&1
+  for w in 1 4; do
+    step "redrafter_w$w" 30 $PY -m workbench bench --preset small --method redrafter --beam-width $w --beam-length 4 \
+      --cuda-graphs --num-prompts 8 --max-new-tokens 64 --json --no-store
+  done
+  step speed 60 $PY scripts/gpu_fastpath.py --out "$R/fastpath" --parts speed --preset small --modes graphs,graphs+compile
+  step parity 40 $PY scripts/gpu_fastpath.py --out "$R/fastpath_parity" --parts parity --preset tiny
+elif [ "$PART" = a ]; then
   heads
   # issue 8: our AR with overlapped steps beside gpt-fast's (same process, same weights and prompts)
   step gptfast_ar 80 $PY scripts/bench_fastpath.py --preset small --methods ar --cuda-graphs --compile default \
