@@ -267,7 +267,8 @@ class BenchSession:
                  ecfg.kv_quant,
                  quant_key(cfg, "target"), cfg.quant_kernel)
         method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs) if cfg.method in METHODS else ()
-        key = (cfg.method, *method_knobs, *shape) if drafter else ("ar", *shape)
+        # the draft's format with its int4 group size (the group is not a draft-method knob, so method_knobs lack it)
+        key = (cfg.method, *method_knobs, quant_key(cfg, "draft"), *shape) if drafter else ("ar", *shape)
         engine = self._engines.pop(key, None)
         if engine is None:
             engine = SpecEngine(self.model_for("target", cfg), _drafter_for(cfg, self) if drafter else None, ecfg,
