@@ -3,6 +3,8 @@
 # later part finds the trained `small` preset in zoo_cache/; if it does not, it trains it again first).
 # PART=s1: the first session's runs (ours vs gpt-fast on small without overlap, step modes, redrafter, parity);
 # PART=a / PART=b: the second session's (BENCHMARKS.md section 8).
+# PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
+# one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
 # Run from the repo root with $OUT set, carrying .anchors/gpt-fast and .whl (optuna wheels):
 #   PART=a bash scripts/gpu_session.sh 2>&1 | tee $OUT/log.txt
 #   PART=b bash scripts/gpu_session.sh 2>&1 | tee $OUT/log.txt
@@ -66,6 +68,30 @@ elif [ "$PART" = a ]; then
     --modes graphs+compile,graphs+compile+overlap
   # issue 9: trees and beams against chains and AR, batch 1 and 8, per-category best beam width
   step trees 60 $PY scripts/bench_trees.py --preset small --device cuda --out "$R/trees" --budget-s "${TREES_S:-140}"
+elif [ "$PART" = c ]; then
+  heads
+  # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)
+  step gemv 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/gemv"
+  # the de-duplicated step loop (generate through decode_step) against the pre-merge step.py, same process; the
+  # device copy has no git history, so make the reference here first (untracked, it travels; delete it afterwards):
+  #   git show 9d7cddc:workbench/engine/step.py > scripts/_ref_step.py
+  if [ -s scripts/_ref_step.py ]; then
+    step step_loop 40 $PY scripts/bench_step_loop.py --device cuda --out "$R/step_loop" --preset small \
+      --ref-step scripts/_ref_step.py
+  else
+    echo "[skip] step_loop: no scripts/_ref_step.py" | tee -a "$R/steps.txt"
+  fi
+  # issue 9: trees again, now that overlapped steps time their phases (the draft model's cost ratio)
+  step trees 60 $PY scripts/bench_trees.py --preset small --device cuda --out "$R/trees" --budget-s "${TREES_S:-120}"
+  # issue 8: study throughput in bf16 (the first run used the study default, float32), for longer
+  step study 60 timeout "${STUDY_S:-150}" $PY -m studies.run --preset small --study thr16 --trials 1000 \
+    --device cuda --cuda-graphs on --dtype bfloat16 --num-prompts 8 --max-new-tokens 128 \
+    --storage sqlite:////tmp/thr16.db --store /tmp/thr16
+  $PY scripts/store_counts.py /tmp/thr16 > "$R/study_count.txt" 2>&1
+  # issue 11: the serving study (replay first, the best few for real)
+  step serving_study 60 $PY -m studies.serving --preset small --device cuda --dtype bfloat16 --study serve-h200 \
+    --storage sqlite:////tmp/serve.db --no-store --method draft --k 4 --rate 8 --num-requests 32 --warmup-requests 4 \
+    --max-new-tokens 64 --max-num-seqs 16 --replay-trials 60 --real-trials 4 --out "$R/serving_study"
 else
   heads
   # issue 8: study throughput, one worker, 8 prompts x 128 new tokens, graphs on
