@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts.gpu_timing import sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
 
@@ -68,11 +69,6 @@ def load_preset(name: str, dtype: torch.dtype, device: str):
 
 def make_drafter(method: str, draft, k: int):
     return None if method == "ar" else DraftModelDrafter(draft, k) if method == "draft" else NgramDrafter(k, 1, 3)
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def timed(engine, prompts, device: str) -> tuple[float, list, int]:

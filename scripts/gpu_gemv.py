@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_quant import CONFIGS, table  # noqa: E402
+from gpu_timing import graph_us, run_parts  # noqa: E402
 from kernels.quant_gemv import (GEMV_FORMATS, dequantize_weight, gemv_config, quant_gemv_reference,  # noqa: E402
                                 quant_gemv_triton, triton_problem)
 from workbench.engine.quant import linear_shapes, weight_bytes  # noqa: E402
@@ -44,11 +45,6 @@ from workbench.engine.quant.linears import (Fp8Linear, Int4Linear, Int8Linear, d
 from workbench.models import ModelConfig  # noqa: E402
 
 L2_FLUSH_BYTES = 256e6  # weights cycled per graph replay: well past the H200's 50 MB L2
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def kernel_ok(device: torch.device) -> str | None:
@@ -118,26 +114,8 @@ def time_us(calls: list, device: torch.device, replays: int) -> float:
             for fn in calls:
                 fn()
         return (time.perf_counter() - t0) * 1e6 / (replays * len(calls))
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):  # warm-up (compiles) off the capture
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    sync(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    sync(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    sync(device)
-    return start.elapsed_time(end) * 1e3 / (replays * len(calls))
+    with torch.cuda.device(device):  # every call once per graph, the graph replayed `replays` times
+        return graph_us(lambda: [fn() for fn in calls], 1, replays) / len(calls)
 
 
 def rotating(mod: nn.Module, device: torch.device) -> list[nn.Module]:
@@ -302,22 +280,7 @@ def main() -> None:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    for part in args.parts.split(","):
-        t0 = time.perf_counter()
-        try:
-            data = {"rows": PARTS[part](args, device)}
-        except Exception as e:  # noqa: BLE001 - one failing part must not lose the others
-            import traceback
-            traceback.print_exc()
-            data = {"rows": [], "error": f"{type(e).__name__}: {e}"}
-        data.update(env, part=part, seconds=time.perf_counter() - t0,
-                    args={k: str(v) for k, v in vars(args).items()})
-        (out / f"gemv_{part}.json").write_text(json.dumps(data, indent=1))
-        (out / f"gemv_{part}.md").write_text(f"# {part} ({env['device']}, torch {env['torch']}, triton {env['triton']}, "
-                                             f"{data['seconds']:.0f} s)\n\n" + table(data["rows"])
-                                             + (f"\nerror: {data['error']}\n" if "error" in data else ""))
-        print(f"== {part}: {data['seconds']:.1f} s", flush=True)
-        print(table(data["rows"]), flush=True)
+    run_parts(PARTS, args.parts, args, device, env, out, "gemv", table)
 
 
 if __name__ == "__main__":

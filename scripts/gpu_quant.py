@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_fastpath import HBM_BYTES_PER_S, MODES, RANDOM_CONFIGS, warm  # noqa: E402
+from gpu_timing import run_parts, sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.quant import check_quant, quantize_model, weight_bytes  # noqa: E402
 
@@ -41,11 +42,6 @@ FORMAT_KERNELS = {"none": ("none", "auto"), "int8": ("int8", "aten"), "int8-dq":
                   "int4": ("int4", "aten"), "int4-awq": ("int4-awq", "aten"), "fp8": ("fp8", "auto"),
                   # kernels/quant_gemv.py (quant_kernel "triton"; fp8 then weight-only): scripts/gpu_gemv.py
                   "int8-triton": ("int8", "triton"), "int4-triton": ("int4", "triton"), "fp8-triton": ("fp8", "triton")}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def part_floor(args, device: torch.device) -> list[dict]:
@@ -170,21 +166,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__}
-    for part in args.parts.split(","):
-        t0 = time.perf_counter()
-        try:
-            data = {"rows": {"floor": part_floor, "grid": part_grid}[part](args, device)}
-        except Exception as e:  # noqa: BLE001 - one failing part must not lose the others
-            import traceback
-            traceback.print_exc()
-            data = {"rows": [], "error": f"{type(e).__name__}: {e}"}
-        data.update(env, part=part, seconds=time.perf_counter() - t0, args=vars(args))
-        (out / f"quant_{part}.json").write_text(json.dumps(data, indent=1))
-        (out / f"quant_{part}.md").write_text(f"# {part} ({env['device']}, torch {env['torch']}, "
-                                              f"{data['seconds']:.0f} s)\n\n" + table(data["rows"])
-                                              + (f"\nerror: {data['error']}\n" if "error" in data else ""))
-        print(f"== {part}: {data['seconds']:.1f} s", flush=True)
-        print(table(data["rows"]), flush=True)
+    run_parts({"floor": part_floor, "grid": part_grid}, args.parts, args, device, env, out, "quant", table)
 
 
 if __name__ == "__main__":

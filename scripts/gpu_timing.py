@@ -1,12 +1,48 @@
-"""Timing helpers the GPU scripts share (scripts/gpu_kernels.py, scripts/gpu_kvquant.py): CUDA-event timing of a
-callable after a short warm-up, and a callable captured `calls` times into one CUDA graph.
+"""Helpers the GPU scripts share (gpu_kernels.py, gpu_kvquant.py, gpu_quant.py, gpu_gemv.py, bench_step_loop.py):
+CUDA-event timing of a callable after a short warm-up, a callable captured `calls` times into one CUDA graph, a
+device sync, and the loop that runs a script's parts, each into <out>/<prefix>_<part>.json and .md.
 
     graph, out = capture(fn, calls=8)         # warmed up on a side stream first
     us_per_call = eager_us(graph.replay) / 8  # what graph_us(fn, calls=8) returns
 """
 from __future__ import annotations
 
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
 import torch
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for the device (a no-op off CUDA)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_parts(parts: dict[str, Callable], names: str, args, device: torch.device, env: dict, out: Path,
+              prefix: str, table: Callable[[list[dict]], str]) -> None:
+    """Run the comma-separated `names` of `parts` (part(args, device) -> rows) in turn; each writes
+    <out>/<prefix>_<part>.json (rows, env, seconds, args) and .md (a table). One failing part is recorded, not fatal."""
+    for part in names.split(","):
+        t0 = time.perf_counter()
+        try:
+            data = {"rows": parts[part](args, device)}
+        except Exception as e:  # noqa: BLE001 - one failing part must not lose the others
+            traceback.print_exc()
+            data = {"rows": [], "error": f"{type(e).__name__}: {e}"}
+        data.update(env, part=part, seconds=time.perf_counter() - t0,
+                    args={k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v)
+                          for k, v in vars(args).items()})
+        (out / f"{prefix}_{part}.json").write_text(json.dumps(data, indent=1))
+        versions = "".join(f", {k} {env[k]}" for k in ("torch", "triton") if k in env)
+        (out / f"{prefix}_{part}.md").write_text(f"# {part} ({env['device']}{versions}, {data['seconds']:.0f} s)\n\n"
+                                                 + table(data["rows"])
+                                                 + (f"\nerror: {data['error']}\n" if "error" in data else ""))
+        print(f"== {part}: {data['seconds']:.1f} s", flush=True)
+        print(table(data["rows"]), flush=True)
 
 
 def eager_us(fn, reps: int = 20) -> float:
