@@ -523,8 +523,8 @@ class SpecEngine:
             if launch:
                 if len(launch_t) != len(launch):
                     launch_t = torch.tensor(launch, dtype=torch.long, device=dev)
-                ahead = set(inflight[0]) if inflight is not None else set()
-                hi = [known[r] + (1 + n if r in ahead else 0) for r in launch]
+                ahead = 1 + n if inflight is not None else 0  # every launched row is in the step in flight
+                hi = [known[r] + ahead for r in launch]
                 state.rows, state.rows_host, state.kv_len_host = launch_t, launch, hi
                 with timer.phase("draft"):
                     tree = drafter.propose(state) if drafter else None
