@@ -8,6 +8,9 @@ speed  : batch 1, equal-length prompts, interleaved repeats: tokens/s per method
          per-phase ms per step
 floor  : random-weight Llama 1.45 B / 6.7 B, AR batch 1: ms/token against the HBM floor (weights + KV bytes / 4.3 TB/s)
 sweep  : batch 1..64 with graphs: tokens/s for AR, draft and ngram, speedup vs AR at each batch
+profile: the floor configs and modes under torch.profiler: GPU kernel time per decode token grouped by kernel name
+         (top --profile-top), the sum of kernel time against the wall time per token (the rest is idle GPU: gaps
+         between kernels and host work), kernels per token
 Writes one JSON per part into DIR and prints a table. Absolute times mean something only on the GPU it ran on.
 """
 from __future__ import annotations
@@ -181,6 +184,56 @@ def part_floor(args) -> dict:
     return {"rows": rows}
 
 
+def _random_model(name: str):
+    from workbench.models import LlamaModel, ModelConfig
+
+    cfg = ModelConfig(vocab_size=32000, max_position_embeddings=4096, **RANDOM_CONFIGS[name])
+    with torch.device("cuda"):
+        model = LlamaModel(cfg, init_weights=False).to(torch.bfloat16)
+    model.reset_parameters()
+    return model.eval()
+
+
+def part_profile(args) -> dict:
+    """Where a decode token's GPU time goes: kernel time by name per token, and kernel time against wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for name in args.floor_configs.split(","):
+        model = _random_model(name)
+        prompts = [list(range(100, 100 + args.prompt_len))]
+        for mode in args.floor_modes.split(","):
+            try:
+                eng = engine_for(model, None, "ar", mode, args.max_new_tokens, 1)
+                warm(eng, prompts, 1)
+                timed_generate(eng, prompts, 1)
+                with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                    wall, res, _ = timed_generate(eng, prompts, 1)
+            except Exception as e:  # noqa: BLE001 - record it, keep measuring the other modes
+                rows.append({"config": name, "mode": mode, "error": f"{type(e).__name__}: {e}"[:500]})
+                print(rows[-1], flush=True)
+                continue
+            r = res[0]
+            tokens = len(r.outputs[0])
+            by_name: dict[str, list[float]] = {}
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    by_name.setdefault(ev.name[:90], []).append(ev.device_time)
+            total_us = sum(sum(v) for v in by_name.values())
+            top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.profile_top]
+            rows.append({"config": name, "mode": mode, "tokens": tokens,
+                         "wall_ms_per_token": wall * 1e3 / tokens,
+                         "kernel_ms_per_token": total_us / 1e3 / tokens,
+                         "kernels_per_token": sum(len(v) for v in by_name.values()) / tokens,
+                         "top": [{"kernel": k, "us_per_token": sum(v) / tokens, "calls_per_token": len(v) / tokens,
+                                  "us_per_call": sum(v) / len(v)} for k, v in top]})
+            print(json.dumps(rows[-1], indent=1), flush=True)
+            del eng
+        del model
+        torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
 def part_sweep(args) -> dict:
     target, draft, prompts = load_preset(args.preset, torch.bfloat16)
     rows = []
@@ -214,6 +267,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile-top", type=int, default=15)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

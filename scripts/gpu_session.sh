@@ -3,6 +3,7 @@
 # later part finds the trained `small` preset in zoo_cache/; if it does not, it trains it again first).
 # PART=s1: the first session's runs (ours vs gpt-fast on small without overlap, step modes, redrafter, parity);
 # PART=a / PART=b: the second session's (BENCHMARKS.md section 8).
+# PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
 # Run from the repo root with $OUT set, carrying .anchors/gpt-fast and .whl (optuna wheels):
@@ -33,7 +34,7 @@ $PY -c "import torch, transformers, triton; print(torch.__version__, transformer
 if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-if [ ! -f zoo_cache/small/manifest.json ]; then
+if [ ! -f zoo_cache/small/manifest.json ] && [ "$PART" != d ]; then
   echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
   step train 200 $PY -m workbench zoo train small --device cuda --max-seconds "${SMALL_SECONDS:-120}"
   grep -v " step " "$R/train.log" > "$R/train_summary.log" 2>/dev/null
@@ -68,6 +69,12 @@ elif [ "$PART" = a ]; then
     --modes graphs+compile,graphs+compile+overlap
   # issue 9: trees and beams against chains and AR, batch 1 and 8, per-category best beam width
   step trees 60 $PY scripts/bench_trees.py --preset small --device cuda --out "$R/trees" --budget-s "${TREES_S:-140}"
+elif [ "$PART" = d ]; then
+  # third session, first call (no trained preset needed): the Triton GEMVs (issue 10) and where a decode token's GPU
+  # time goes at 1.45 B / 6.7 B (issue 8's floor)
+  step gemv 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/gemv" --replays ${GEMV_REPLAYS:-20}
+  step profile 60 $PY scripts/gpu_fastpath.py --out "$R/profile" --parts profile --floor-configs 1.45b,6.7b \
+    --floor-modes ${PROFILE_MODES:-graphs,graphs+compile} --max-new-tokens 64
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)
