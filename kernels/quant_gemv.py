@@ -232,8 +232,38 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
                       counters: torch.Tensor | None = None, **override) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) -> [M, N] in x's dtype, through the Triton kernel. `counters`: a persistent
     `counters_for(N, device)` buffer (zero between calls; allocated here when None, which a captured graph would
-    re-zero on every replay: pass one). `override`: entries of `gemv_config`."""
+    re-zero on every replay: pass one). `override`: entries of `gemv_config` (a benchmark's sweep).
+
+    Without `override` the launch goes through the custom op `torch.ops.workbench.quant_gemv`, which torch.compile
+    treats as one opaque call (its output shape from a fake implementation): the model around a quantized linear
+    still compiles and fuses (norms, RoPE, residual adds) instead of breaking the graph at each Triton launch."""
     check_gemv(fmt, x, weight, scale, zero, group_size)
+    if counters is None:
+        counters = counters_for(weight.shape[0], x.device)
+    if override:
+        return _launch(x, fmt, weight, scale, zero, group_size, counters, **override)
+    return torch.ops.workbench.quant_gemv(x, fmt, weight, scale, zero, group_size or 0, counters)
+
+
+# `counters` is not declared mutated: the split-K programs bump it and the last one resets it, so it holds zeros
+# before and after every call (no value the graph can observe changes); declaring it would make torch.compile clone
+# the buffer around each call (one more kernel per linear, the very cost this op exists to avoid).
+@torch.library.custom_op("workbench::quant_gemv", mutates_args=())
+def _quant_gemv_op(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
+                   zero: torch.Tensor | None, group_size: int, counters: torch.Tensor) -> torch.Tensor:
+    # counters: bumped by the split-K programs and reset to zero by the last one (zero again after every call)
+    return _launch(x, fmt, weight, scale, zero, group_size or None, counters)
+
+
+@_quant_gemv_op.register_fake
+def _(x, fmt, weight, scale, zero, group_size, counters):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _launch(x, fmt, weight, scale, zero, group_size, counters, **override) -> torch.Tensor:
+    if not TRITON_AVAILABLE:
+        raise GemvError("quant_kernel 'triton' needs the triton package (a CUDA build of torch ships it): "
+                        "choose quant_kernel 'dequant' or 'aten'")
     x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
@@ -246,7 +276,7 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
     # the same pointer types whatever the split (one compiled kernel); with one split neither buffer is touched
     partials = torch.empty(cfg["SPLIT_K"] if cfg["SPLIT_K"] > 1 else 1, m if cfg["SPLIT_K"] > 1 else 1,
                            n if cfg["SPLIT_K"] > 1 else 1, dtype=torch.float32, device=x.device)
-    if counters is None or (cfg["SPLIT_K"] > 1 and counters.numel() < grid[0] * grid[1]):
+    if cfg["SPLIT_K"] > 1 and counters.numel() < grid[0] * grid[1]:
         counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
     scale2 = scale.reshape(n, -1)
     zero2 = zero if zero is not None else scale2

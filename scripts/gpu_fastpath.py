@@ -37,7 +37,9 @@ MODES = {"eager": {"attention": "sdpa"},  # the engine before the fast path
          "graphs-sdpa": {"cuda_graphs": True, "attention": "sdpa"},
          "graphs+compile-sdpa": {"cuda_graphs": True, "compile": "default", "attention": "sdpa"},
          "graphs+max-autotune": {"cuda_graphs": True, "compile": "max-autotune"},
-         "graphs+compile+overlap": {"cuda_graphs": True, "compile": "default", "overlap": True}}
+         "graphs+compile+overlap": {"cuda_graphs": True, "compile": "default", "overlap": True},
+         "graphs+overlap": {"cuda_graphs": True, "overlap": True},
+         "graphs+max-autotune+overlap": {"cuda_graphs": True, "compile": "max-autotune", "overlap": True}}
 RANDOM_CONFIGS = {"1.45b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=22,
                                 num_attention_heads=32, num_key_value_heads=4),
                   "6.7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

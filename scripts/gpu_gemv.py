@@ -11,6 +11,7 @@ speed  : the same shapes and M, graph-replayed (one CUDA graph runs the call ove
          (_weight_int8pack_mm, tinygemm _weight_int4pack_mm, _scaled_mm with per-token activation quantization) and
          a bf16 F.linear of the same shape; speedup vs bf16.
 sweep  : M = 1 on the 6.7 B shapes: BLOCK_N x SPLIT_K around `gemv_config`'s choice, so the heuristic can be checked.
+tune   : M = 1 on the same shapes, wider: BLOCK_N x BLOCK_K x num_warps x num_stages (split auto or 1), best marked.
 decode : AR decode at batch 1 of the random 6.7 B (and --decode-configs) through scripts/gpu_quant.py's floor part,
          formats none + {int8,int4,fp8}-triton (quant_kernel "triton"): ms/token, fraction of that format's HBM floor,
          speedup vs bf16.
@@ -235,6 +236,49 @@ def part_sweep(args, device) -> list[dict]:
     return rows
 
 
+def part_tune(args, device) -> list[dict]:
+    """M = 1 on the --sweep-configs shapes: a wider grid than `sweep` (BLOCK_N x BLOCK_K x num_warps x num_stages, split
+    auto or 1), the best config per (shape, format) marked, to set `gemv_config`'s table from."""
+    rows = []
+    problem = kernel_ok(device)
+    if problem:
+        return [dict(error=problem)]
+    t_end = time.perf_counter() + args.tune_budget_s
+    for config, name, k, n in shapes_of(args.sweep_configs):
+        for fmt in args.formats.split(","):
+            mod = modules(fmt, k, n, device, args.dtype, args.int4_group_size)["triton"]
+            clones = rotating(mod, device)
+            nbytes = weight_bytes(mod) - mod.gemv_counters.numel() * 4
+            x = torch.randn(1, k, device=device, dtype=args.dtype)
+            block_ks = [b for b in (64, 128) if args.int4_group_size % b == 0] if fmt == "int4" else [256, 512, 1024]
+            for block_n in (16, 32, 64):
+                for block_k in block_ks:
+                    for warps in (4, 8):
+                        for stages in (2, 4):
+                            auto = gemv_config(fmt, 1, n, k, args.int4_group_size, BLOCK_N=block_n, BLOCK_K=block_k)
+                            for split in sorted({1, auto["SPLIT_K"]}):
+                                if time.perf_counter() > t_end:
+                                    rows.append(dict(config=config, linear=name, format=fmt, error="tune budget spent"))
+                                    return rows
+                                over = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+                                            SPLIT_K=split)
+                                row = dict(config=config, linear=name, K=k, N=n, format=fmt, **over)
+                                try:
+                                    us = time_us([lambda c=c: quant_gemv_triton(x, fmt, **buffers(c), **over)
+                                                  for c in clones], device, args.replays)
+                                    row.update(us=us, gb_per_s=nbytes / us / 1e3)
+                                except Exception as e:  # noqa: BLE001
+                                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                                rows.append(row)
+            del clones, mod
+            best = min((r for r in rows if r.get("format") == fmt and r.get("linear") == name and "us" in r
+                        and r.get("config") == config), key=lambda r: r["us"], default=None)
+            if best:
+                best["best"] = True
+                print(json.dumps(best), flush=True)
+    return rows
+
+
 def part_decode(args, device) -> list[dict]:
     from gpu_quant import part_floor
 
@@ -242,11 +286,11 @@ def part_decode(args, device) -> list[dict]:
                        + [f for f in args.decode_extra.split(",") if f])
     ns = SimpleNamespace(floor_configs=args.decode_configs, vocab=args.vocab, prompt_len=64,
                          max_new_tokens=args.max_new_tokens, repeats=args.repeats, formats=formats,
-                         floor_modes="graphs", int4_group_size=args.int4_group_size)
+                         floor_modes=args.decode_modes, int4_group_size=args.int4_group_size)
     return part_floor(ns, device)
 
 
-PARTS = {"parity": part_parity, "speed": part_speed, "sweep": part_sweep, "decode": part_decode}
+PARTS = {"parity": part_parity, "speed": part_speed, "sweep": part_sweep, "tune": part_tune, "decode": part_decode}
 
 
 def main() -> None:
@@ -257,6 +301,8 @@ def main() -> None:
     ap.add_argument("--configs", default="1.45b,6.7b", help="configs whose linear shapes parity and speed use")
     ap.add_argument("--sweep-configs", default="6.7b")
     ap.add_argument("--decode-configs", default="6.7b")
+    ap.add_argument("--decode-modes", default="graphs", help="gpu_fastpath modes the decode part runs")
+    ap.add_argument("--tune-budget-s", type=float, default=150)
     ap.add_argument("--decode-extra", default="", help="more gpu_quant formats to decode beside none and the triton "
                     "ones, comma-separated (e.g. int4 = tinygemm, fp8 = _scaled_mm; BENCHMARKS 8.4 has them)")
     ap.add_argument("--formats", default=",".join(GEMV_FORMATS))

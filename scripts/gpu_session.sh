@@ -75,6 +75,15 @@ elif [ "$PART" = d ]; then
   step gemv 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/gemv" --replays ${GEMV_REPLAYS:-20}
   step profile 60 $PY scripts/gpu_fastpath.py --out "$R/profile" --parts profile --floor-configs 1.45b,6.7b \
     --floor-modes ${PROFILE_MODES:-graphs,graphs+compile} --max-new-tokens 64
+elif [ "$PART" = e ]; then
+  # third session, second call: weight formats compiled around the Triton GEMV custom op, with overlapped steps
+  # (issue 10's goals at 6.7 B), the floor with overlapped steps (issue 8), a wider GEMV tile sweep
+  step quant 120 $PY scripts/gpu_quant.py --device cuda --out "$R/quant" --parts floor --floor-configs 6.7b \
+    --formats ${QUANT_FORMATS:-none,fp8-triton,int8-triton,int4} --floor-modes ${QUANT_MODES:-graphs+compile+overlap}
+  step floor 120 $PY scripts/gpu_fastpath.py --out "$R/floor" --parts floor --floor-configs 6.7b,1.45b \
+    --floor-modes ${FLOOR_MODES:-graphs+overlap,graphs+compile+overlap,graphs+max-autotune+overlap}
+  step tune 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/gemv" --parts tune --formats fp8,int8,int4 \
+    --tune-budget-s "${TUNE_S:-100}"
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)

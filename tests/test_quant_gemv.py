@@ -173,3 +173,40 @@ def test_engine_decodes_the_same_tokens_with_the_triton_kernel(interpreter_bf16_
         engine = SpecEngine(model, None, EngineConfig(max_new_tokens=6), torch.device("cpu"))
         outputs[kernel] = engine.generate([[5, 9, 11, 2], [7, 3]]).outputs
     assert outputs["triton"] == outputs["dequant"]
+
+
+def test_the_custom_op_has_a_fake_that_gives_the_output_shape():
+    """torch.compile sees `workbench::quant_gemv` as one opaque call: its fake implementation must give [M, N] in
+    x's dtype without running anything (no triton needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, buffers = stored("int4", 40, 128, 32)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(3, 128, dtype=torch.bfloat16)
+        out = torch.ops.workbench.quant_gemv(x, "int4", buffers["weight"], buffers["scale"].bfloat16(),
+                                             buffers["zero"].bfloat16(), 32, counters_for(40, "cpu"))
+    assert out.shape == (3, 40) and out.dtype == torch.bfloat16
+
+
+@interpreter
+@pytest.mark.parametrize("fmt", qg.GEMV_FORMATS)
+def test_a_compiled_caller_traces_through_the_op_without_a_graph_break(fmt, interpreter_bf16_dot):
+    """fullgraph=True fails on any graph break: the Triton launch must sit behind the custom op, and the compiled
+    function must compute what the eager one does (norm + linear + residual around the op, as in a decoder layer)."""
+    import torch._dynamo
+
+    mod, buffers = stored(fmt, 72, 320, 32, seed=3)
+    counters = counters_for(72, "cpu")
+    proj = torch.randn(72, 320, generator=torch.Generator().manual_seed(5))
+
+    def layer(x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return quant_gemv_triton(h, fmt, **buffers, counters=counters) @ proj + x
+
+    x = torch.randn(2, 320, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    with torch.no_grad():  # inference, as the engine runs it
+        want = layer(x)
+        got = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not counters.any()
