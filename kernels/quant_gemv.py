@@ -95,22 +95,36 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     """Tile sizes, split count and warps for one call, from shapes only (so a captured graph replays the same launch).
     `override` replaces any entry (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages; the benchmark sweeps them).
 
+    M = 1 (decode) tiles come from a sweep on the H200 (scripts/gpu_gemv.py --parts tune, 6.7 B shapes; BENCHMARKS.md
+    section 9): int8 / fp8 read 16 (N < 8192) or 32 rows per program with 8 warps and long K tiles, unsplit when the
+    N tiles alone give every SM a program; int4 64 rows x one group per tile, split to ~4 programs per SM.
+
     >>> c = gemv_config("int4", 1, 4096, 4096, 128)
     >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
-    (1, 32, 128, 5)
+    (1, 64, 128, 8)
+    >>> c = gemv_config("fp8", 1, 22016, 4096)
+    >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"]
+    (32, 256, 1, 8)
     """
     block_m = 1 if m == 1 else 16
+    warps, stages, min_tiles = 4, 3, 0
     if block_m == 1:
-        block_n, block_k = (32, 128) if fmt == "int4" else (16, 256)
+        if fmt == "int4":
+            block_n, block_k = 64, 128
+        else:
+            block_n, block_k = (32, 256) if n >= 8192 else (16, 1024)
+            warps, stages, min_tiles = 8, 4, sm_count
     else:
         block_n, block_k = 64, 128
     if fmt == "int4":
         block_k = min(block_k, group_size)
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))  # no K tile past the next power of two of K
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     cfg.update({key: v for key, v in override.items() if key != "SPLIT_K"})
     tiles = math.ceil(n / cfg["BLOCK_N"]) * math.ceil(m / cfg["BLOCK_M"])
     k_tiles = math.ceil(k / cfg["BLOCK_K"])
-    split = 1 if m > 16 else max(1, min(math.ceil(4 * sm_count / tiles), k_tiles, MAX_SPLIT_K))  # ~4 programs / SM
+    split = 1 if m > 16 or (min_tiles and tiles >= min_tiles) else \
+        max(1, min(math.ceil(4 * sm_count / tiles), k_tiles, MAX_SPLIT_K))  # ~4 programs / SM
     split = override.get("SPLIT_K", split)
     tiles_per_split = math.ceil(k_tiles / split)
     cfg["SPLIT_K"] = math.ceil(k_tiles / tiles_per_split)  # no empty splits

@@ -44,15 +44,19 @@ def test_reference_reads_the_modules_buffers(fmt):
     torch.testing.assert_close(quant_gemv_reference(x, fmt, **buffers), mod(x), atol=1e-4, rtol=1e-5)
 
 
-def test_config_depends_on_shapes_only_and_splits_large_k():
-    small = gemv_config("int8", 1, 4096, 4096)
-    assert small == gemv_config("int8", 1, 4096, 4096)
-    assert small["SPLIT_K"] > 1 and small["BLOCK_M"] == 1  # 256 N tiles cannot fill 4 programs per SM alone
-    assert gemv_config("int8", 1, 22016, 4096)["SPLIT_K"] <= small["SPLIT_K"]
+def test_config_depends_on_shapes_only_and_splits_only_when_n_tiles_cannot_fill_the_gpu():
+    wide = gemv_config("int8", 1, 4096, 4096)
+    assert wide == gemv_config("int8", 1, 4096, 4096)
+    assert wide["SPLIT_K"] == 1 and wide["BLOCK_M"] == 1  # 256 N tiles: every one of 132 SMs has a program
+    narrow = gemv_config("int8", 1, 1024, 4096)
+    assert narrow["SPLIT_K"] > 1 and narrow["SPLIT_K"] * narrow["tiles_per_split"] >= 4096 // narrow["BLOCK_K"]
+    assert gemv_config("fp8", 1, 1024, 4096, sm_count=8)["SPLIT_K"] == 1  # a small GPU: 64 tiles fill it
+    assert gemv_config("int4", 1, 4096, 4096, 128)["SPLIT_K"] > 1  # 64 N tiles of 64 rows: split
     assert gemv_config("int8", 9, 4096, 4096)["BLOCK_M"] == 16
     assert gemv_config("int8", 64, 4096, 4096)["SPLIT_K"] == 1  # prefill-sized: no split
-    wide = gemv_config("int4", 1, 64, 4096, 32)
-    assert wide["BLOCK_K"] == 32 and wide["SPLIT_K"] * wide["tiles_per_split"] >= 4096 // 32
+    tiny_group = gemv_config("int4", 1, 64, 4096, 32)
+    assert tiny_group["BLOCK_K"] == 32 and tiny_group["SPLIT_K"] * tiny_group["tiles_per_split"] >= 4096 // 32
+    assert gemv_config("int8", 1, 64, 48)["BLOCK_K"] == 64  # no K tile past the next power of two of K
 
 
 def test_bad_inputs_are_named():
