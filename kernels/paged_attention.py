@@ -270,3 +270,51 @@ def paged_attention(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, 
     fn = paged_attention_triton if TRITON_AVAILABLE and q.is_cuda else paged_attention_reference
     return fn(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale, k_scales=k_scales,
               v_scales=v_scales)
+
+
+# ---- the step's K/V written into the pool, one launch for both planes ----------------------------------------------
+# What it replaces (seen in the H200 profile of an AR step, BENCHMARKS.md section 9): per layer, a copy of each strided
+# K / V view to contiguous memory and an index_copy_ of each into its pool, four kernels of ~1-2.5 us plus their
+# launch gaps inside the graph, for ~1 MB of data at 6.7 B. One program per written token copies all of its KV heads.
+def paged_kv_write_reference(k, v, k_pool, v_pool, slots):
+    """k, v [B, Hkv, T, D] (any strides); pools [num_slots, Hkv, D]; slots [B * T] (token b * T + t -> its slot)."""
+    for pool, x in ((k_pool, k), (v_pool, v)):
+        pool.index_copy_(0, slots, x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[3]).to(pool.dtype))
+
+
+if TRITON_AVAILABLE:
+    @triton.jit
+    def _kv_write_kernel(k_ptr, v_ptr, slot_ptr, kp_ptr, vp_ptr, T, H,
+                         sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skp_s, skp_h, svp_s, svp_h,
+                         BLOCK_H: tl.constexpr, D: tl.constexpr):
+        i = tl.program_id(0)  # token b * T + t
+        b = i // T
+        t = i % T
+        slot = tl.load(slot_ptr + i).to(tl.int64)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, D)[None, :]
+        mask = h < H
+        key = tl.load(k_ptr + b * sk_b + t * sk_t + h * sk_h + d, mask=mask)
+        tl.store(kp_ptr + slot * skp_s + h * skp_h + d, key.to(kp_ptr.dtype.element_ty), mask=mask)
+        val = tl.load(v_ptr + b * sv_b + t * sv_t + h * sv_h + d, mask=mask)
+        tl.store(vp_ptr + slot * svp_s + h * svp_h + d, val.to(vp_ptr.dtype.element_ty), mask=mask)
+
+
+def paged_kv_write_triton(k, v, k_pool, v_pool, slots):
+    """Same contract as `paged_kv_write_reference`, one launch (grid B * T). Needs unit stride along D (views of the
+    fused qkv projection have it) and a power-of-two head_dim."""
+    b, h, t, dim = k.shape
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
+    assert dim & (dim - 1) == 0 and slots.numel() == b * t
+    _kv_write_kernel[(b * t,)](k, v, slots, k_pool, v_pool, t, h,
+                               k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                               k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+                               BLOCK_H=triton.next_power_of_2(h), D=dim, num_warps=4)
+
+
+def paged_write_attention_triton(q, k, v, slots, k_pool, v_pool, block_table, rows, base_len, intra_mask,
+                                 block_size, scale=None):
+    """The step's K/V into the pool (`paged_kv_write_triton`), then `paged_attention_triton` over it: the two launches
+    an unquantized paged layer makes on the kernel path, in one call the engine keeps outside torch.compile."""
+    paged_kv_write_triton(k, v, k_pool, v_pool, slots)
+    return paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale)

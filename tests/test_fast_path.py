@@ -173,7 +173,12 @@ def test_kernel_backend_path_equals_greedy_and_skips_prefill(fixed, target, draf
         seen.append(q.shape[2])
         return pa.paged_attention_reference(q, *args, **kwargs)
 
+    def write_then_spy(q, k, v, slots, k_pool, v_pool, *rest):  # the fused path an unquantized pool takes
+        pa.paged_kv_write_reference(k, v, k_pool, v_pool, slots)
+        return spy(q, k_pool, v_pool, *rest)
+
     monkeypatch.setattr(pa, "paged_attention_triton", spy)
+    monkeypatch.setattr(pa, "paged_write_attention_triton", write_then_spy)
     monkeypatch.setattr(kv, "resolve_attention", lambda name, paged, device, kv_quant="none": "triton" if paged
                         else "sdpa")
     n = 12
@@ -181,6 +186,35 @@ def test_kernel_backend_path_equals_greedy_and_skips_prefill(fixed, target, draf
     engine = SpecEngine(target, DraftModelDrafter(draft, k=3), cfg)
     assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
     assert seen and set(seen) <= {1, 2, 4}  # draft forwards (2, 1) and verify (1 + k); no prompt lengths (3, 9, 12)
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shape"])
+def test_fused_write_attention_path_equals_greedy(fixed, target, draft, monkeypatch):
+    """An unquantized paged cache on the kernel path hands K/V write + attention to one call (`write_kernel`, the
+    Triton write then the attention kernel on a GPU); here the two references stand in for them: the same greedy
+    tokens, every kernel-path layer call went through it, and the K/V it wrote is what the next steps read."""
+    import kernels.paged_attention as pa
+    import workbench.engine.kv_cache as kv
+
+    calls = []
+
+    def fused(q, k, v, slots, k_pool, v_pool, *rest):
+        calls.append(q.shape[2])
+        pa.paged_kv_write_reference(k, v, k_pool, v_pool, slots)
+        return pa.paged_attention_reference(q, k_pool, v_pool, *rest)
+
+    def attention_only(*args, **kwargs):
+        raise AssertionError("an unquantized paged layer must take the fused call")
+
+    monkeypatch.setattr(pa, "paged_write_attention_triton", fused)
+    monkeypatch.setattr(pa, "paged_attention_triton", attention_only)
+    monkeypatch.setattr(kv, "resolve_attention", lambda name, paged, device, kv_quant="none": "triton" if paged
+                        else "sdpa")
+    n = 12
+    cfg = fast(max_new_tokens=n) if fixed else EngineConfig(max_new_tokens=n, kv_block_size=4)
+    engine = SpecEngine(target, DraftModelDrafter(draft, k=3), cfg)
+    assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
+    assert calls and set(calls) <= {1, 2, 4}
 
 
 OVERLAP_KINDS = ["ar", "draft", "self-draft", "noisy-self-draft"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.paged_attention import (TRITON_AVAILABLE, paged_attention, paged_attention_reference,
-                                     paged_attention_triton)
+                                     paged_attention_triton, paged_kv_write_reference, paged_kv_write_triton)
 from workbench.engine.kv_cache import PagedKVCache
 from workbench.engine.kv_quant import KV_FORMATS
 from workbench.engine.tree import DraftTree, verify_mask
@@ -222,3 +222,37 @@ def test_triton_reads_quantized_kv(name, kv_quant, dtype, num_splits, interprete
     assert got.dtype == dtype and got.shape == case["q"].shape
     want = paged_attention_reference(**{**case, "q": case["q"].float()})
     torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=0)
+
+
+# ---- the fused K/V write -------------------------------------------------------------------------------------------
+def _write_case(b, t, hq, hkv, d, dtype, seed=0):
+    """k, v as the model hands them over: [B, Hkv, T, D] views into one fused qkv output (strided, not contiguous);
+    pools with a few hundred slots; each token a distinct random slot."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, t, hq + 2 * hkv, d, generator=g).to(dtype)
+    k = qkv[:, :, hq:hq + hkv].transpose(1, 2)
+    v = qkv[:, :, hq + hkv:].transpose(1, 2)
+    slots = torch.randperm(300, generator=g)[: b * t]
+    pools = [torch.zeros(300, hkv, d, dtype=dtype) for _ in range(2)]
+    return k, v, slots, pools
+
+
+def test_kv_write_reference_puts_each_token_at_its_slot():
+    k, v, slots, (kp, vp) = _write_case(2, 3, 4, 2, 8, torch.float32)
+    paged_kv_write_reference(k, v, kp, vp, slots)
+    for i, slot in enumerate(slots.tolist()):
+        b, t = divmod(i, 3)
+        assert torch.equal(kp[slot], k[b, :, t]) and torch.equal(vp[slot], v[b, :, t])
+    assert int((kp.abs().sum((1, 2)) > 0).sum()) == 6  # nothing else written
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 4, 2, 16), (3, 5, 6, 3, 32), (2, 1, 8, 8, 64)],
+                         ids=["decode_gqa", "verify_ragged_heads", "mha"])
+def test_triton_kv_write_equals_reference(shape, dtype):
+    k, v, slots, (kp, vp) = _write_case(*shape, dtype, seed=sum(shape))
+    want_k, want_v = kp.clone(), vp.clone()
+    paged_kv_write_reference(k, v, want_k, want_v, slots)
+    paged_kv_write_triton(k, v, kp, vp, slots)
+    assert torch.equal(kp, want_k) and torch.equal(vp, want_v)  # a copy: bit for bit

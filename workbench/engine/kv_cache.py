@@ -54,6 +54,9 @@ class KVCache(ABC):
         self._intra_mask: torch.Tensor | None = None  # [B, T, T] bool or None (causal)
         self.kernel = None  # attention kernel over the pool (paged caches, "triton" backend); None = gather + SDPA
         self._use_kernel = False  # this step uses it (never for prefill)
+        # paged caches on the kernel path: K/V write + attention in one call (unquantized pools); None = write, then
+        # `kernel`
+        self.write_kernel = None
 
     @property
     def pad_row(self) -> int:
@@ -148,6 +151,10 @@ class KVCache(ABC):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, T, D]; k, v [B, Hkv, T, D] -> [B, Hq, T, D]."""
+        if self._use_kernel and self.write_kernel is not None and not self.format.quantized:
+            # one call, outside torch.compile: K/V into the pool (one launch) and attention over it
+            return self.write_kernel(q, k, v, self._write_slots, self.k[layer_idx], self.v[layer_idx],
+                                     self.block_table, self._rows, self._base, self._intra_mask, self.block_size)
         self._write(layer_idx, k.transpose(1, 2), v.transpose(1, 2))
         if self._use_kernel:  # reads the pool in place through the block table: no gather, no mask tensor
             fmt, quant = self.format, self.format.quantized
@@ -395,9 +402,16 @@ def make_cache(paged: bool, *, num_layers: int, num_kv_heads: int, head_dim: int
         cache = ContiguousKVCache(num_layers, num_kv_heads, head_dim, max_rows, max_len, dtype, device,
                                   kv_quant=kv_quant)
     if backend == "triton":
-        from kernels.paged_attention import paged_attention_triton
-
-        # launched as is, never traced by torch.compile (inductor re-types user kernels' scalar arguments); inside a
-        # captured step the graph boundary costs nothing at replay
-        cache.kernel = torch.compiler.disable(paged_attention_triton)
+        set_kernels(cache)
     return cache
+
+
+def set_kernels(cache: KVCache) -> None:
+    """The Triton attention kernel (and, paged, the fused K/V write + attention) as the cache's kernel path."""
+    from kernels.paged_attention import paged_attention_triton, paged_write_attention_triton
+
+    # launched as is, never traced by torch.compile (inductor re-types user kernels' scalar arguments); inside a
+    # captured step the graph boundary costs nothing at replay
+    cache.kernel = torch.compiler.disable(paged_attention_triton)
+    if isinstance(cache, PagedKVCache):
+        cache.write_kernel = torch.compiler.disable(paged_write_attention_triton)

@@ -110,7 +110,7 @@ class ServeResult:
 
 def make_cache(engine: SpecEngine, max_rows: int, max_len: int, num_blocks: int) -> PrefixCachingKVCache:
     """The target's paged pool for serving (prefix-caching capable), with the engine's attention backend."""
-    from workbench.engine.kv_cache import resolve_attention
+    from workbench.engine.kv_cache import resolve_attention, set_kernels
 
     cfg, tcfg = engine.config, engine.target.config
     if not cfg.paged:
@@ -118,9 +118,7 @@ def make_cache(engine: SpecEngine, max_rows: int, max_len: int, num_blocks: int)
     cache = PrefixCachingKVCache(tcfg.num_hidden_layers, tcfg.num_key_value_heads, tcfg.head_dim, max_rows, max_len,
                                  engine.dtype, engine.device, block_size=cfg.kv_block_size, num_blocks=num_blocks)
     if resolve_attention(cfg.attention, True, engine.device) == "triton":
-        from kernels.paged_attention import paged_attention_triton
-
-        cache.kernel = torch.compiler.disable(paged_attention_triton)
+        set_kernels(cache)
     return cache
 
 
