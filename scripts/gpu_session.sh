@@ -34,7 +34,8 @@ $PY -c "import torch, transformers, triton; print(torch.__version__, transformer
 if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-if [ ! -f zoo_cache/small/manifest.json ] && [ "$PART" != d ]; then
+case "$PART" in d|e|f) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # e trained it needlessly (session 3)
+if [ ! -f zoo_cache/small/manifest.json ] && [ "$NEEDS_SMALL" = 1 ]; then
   echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
   step train 200 $PY -m workbench zoo train small --device cuda --max-seconds "${SMALL_SECONDS:-120}"
   grep -v " step " "$R/train.log" > "$R/train_summary.log" 2>/dev/null
@@ -84,6 +85,16 @@ elif [ "$PART" = e ]; then
     --floor-modes ${FLOOR_MODES:-graphs+overlap,graphs+compile+overlap,graphs+max-autotune+overlap}
   step tune 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/gemv" --parts tune --formats fp8,int8,int4 \
     --tune-budget-s "${TUNE_S:-100}"
+elif [ "$PART" = f ]; then
+  # third session, third call: the fused K/V write + tuned GEMV tiles: greedy parity of the kernel path (tiny), the
+  # kernel profile and floor again, the GEMV speed table and 6.7 B decode per weight format, compiled + overlapped
+  step parity 60 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
+  step gemv 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/gemv" --parts speed,decode \
+    --decode-modes graphs+compile+overlap --decode-extra int4
+  step floor 100 $PY scripts/gpu_fastpath.py --out "$R/floor" --parts floor --floor-configs 6.7b,1.45b \
+    --floor-modes ${FLOOR_MODES:-graphs+overlap,graphs+compile+overlap,graphs+max-autotune+overlap}
+  step profile 50 $PY scripts/gpu_fastpath.py --out "$R/profile" --parts profile --floor-configs 6.7b,1.45b \
+    --floor-modes graphs+compile --max-new-tokens 64
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)
