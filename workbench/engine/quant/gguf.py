@@ -106,9 +106,10 @@ class GgufInt4Linear(Int4Linear):
         if self._use_gemv(x2):
             y = quant_gemv_triton(x2, "int4", self.weight, self.scale, self.zero, self.group_size,
                                   counters=self.gemv_counters)
-        else:
-            y = F.linear(x2, self._weight_fp32().to(x2.dtype))
-        return self._out(y, x)
+            return self._out(y, x)
+        # the bias inside the matmul, as nn.Linear adds it (in bf16 a separate add would round the product first)
+        y = F.linear(x2, self._weight_fp32().to(x2.dtype), self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def _weight_fp32(self) -> Tensor:
         n, k = self.out_features, self.in_features
