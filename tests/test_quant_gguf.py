@@ -22,10 +22,10 @@ from workbench.engine.quant.gguf import FUSED_PARTS, GgufInt4Linear, q4_blocks
 from workbench.models import load_model
 
 gguf = pytest.importorskip("gguf")
+from tests.gguf_files import GGUF_NAMES, write_gguf  # noqa: E402  (needs gguf)
+
 Q = gguf.GGMLQuantizationType
 TINY_TARGET = Path(__file__).resolve().parents[1] / "workbench/zoo/weights/tiny/target"
-GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 # the tiny file's types: 4-bit everywhere except layer 2's down (Q8_0: dequantized alone), layer 4's v (Q8_0 beside
 # Q4 q and k: the fused qkv is dequantized whole) and layer 5's gate/up (F16); its embedding is Q8_0 like SmolLM2's
 BASE_TYPES = {"q_proj": Q.Q4_0, "k_proj": Q.Q4_1, "v_proj": Q.Q4_0, "o_proj": Q.Q4_1, "gate_proj": Q.Q4_1,
@@ -36,69 +36,6 @@ PROMPTS = [[5, 17, 99, 4, 250, 3], [1000, 7, 7, 7, 31], [2, 3, 5, 7, 11, 13, 17,
 
 def tensor_type(layer: int, part: str):
     return OVERRIDES.get((layer, part), BASE_TYPES[part])
-
-
-def _permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf's q/k row permutation (half-split -> interleaved RoPE layout)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_quantized_gguf(path: Path, model, arch: str) -> None:
-    """Write `model` (a LlamaModel) as llama.cpp would, each decoder linear in `tensor_type`'s type."""
-    cfg = model.config
-    sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny-q4")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(cfg.rope_theta))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([chr(ord("a") + i % 26) * (1 + i // 26) for i in range(cfg.vocab_size)])
-    w.add_token_types([1] * cfg.vocab_size)
-    w.add_token_merges(["a a", "b b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-
-    def add(name: str, t: np.ndarray, kind=Q.F32) -> None:
-        if kind == Q.F32:
-            w.add_tensor(name, t.astype(np.float32))
-        elif kind == Q.F16:
-            w.add_tensor(name, t.astype(np.float16))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(t.astype(np.float32), kind), raw_dtype=kind)
-
-    add("token_embd.weight", sd["model.embed_tokens.weight"], Q.Q8_0)
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
-        add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        for parent in ("self_attn", "mlp"):
-            for part in [q for f, parts in FUSED_PARTS.items() if f.startswith(parent) for q in parts]:
-                t = sd[f"{p}{parent}.{part}.weight"]
-                if arch == "llama" and part in ("q_proj", "k_proj"):
-                    t = _permute_for_gguf(t, cfg.num_attention_heads if part == "q_proj" else cfg.num_key_value_heads)
-                add(f"blk.{i}.{GGUF_NAMES[part]}.weight", t, tensor_type(i, part))
-                bias = sd.get(f"{p}{parent}.{part}.bias")
-                if bias is not None:
-                    if arch == "llama" and part in ("q_proj", "k_proj"):
-                        bias = _permute_for_gguf(bias, cfg.num_attention_heads if part == "q_proj"
-                                                 else cfg.num_key_value_heads)
-                    add(f"blk.{i}.{GGUF_NAMES[part]}.bias", bias)
-    add("output_norm.weight", sd["model.norm.weight"])
-    if not cfg.tie_word_embeddings:
-        add("output.weight", sd["lm_head.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def _qwen2_model():
@@ -120,7 +57,7 @@ def tiny(request, tmp_path_factory):
     """(path, float model as load_model reads it, the same with format gguf) of a tiny 4-bit GGUF."""
     path = tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf"
     source = load_model(TINY_TARGET) if request.param == "llama" else _qwen2_model()
-    write_quantized_gguf(path, source, request.param)
+    write_gguf(path, source, request.param, tensor_type, embedding=Q.Q8_0)
     model = load_model(path)
     return path, model, quantize_model(model, "gguf")
 
@@ -194,7 +131,8 @@ def test_packing_note_names_what_was_kept_and_what_was_dequantized(tiny):
     assert packing.other["Q8_0"] == 1 and packing.other["F32"] >= 2 * layers + 1  # embedding, norms (+ biases)
     note = gguf_note(model.gguf_tensor_types, "gguf", packed)
     assert note.startswith(f"GGUF weight format 'gguf': {4 * layers - 3} of {4 * layers} decoder linears kept")
-    assert f"Q4_0 x{kept['Q4_0']}, Q4_1 x{kept['Q4_1']}; dequantized to float: F16 x2, Q4_0 x1, Q4_1 x1, Q8_0 x2" in note
+    assert (f"Q4_0 x{kept['Q4_0']}, Q4_1 x{kept['Q4_1']}; dequantized to float: F16 x2, Q4_0 x1, Q4_1 x1, Q8_0 x2"
+            in note)
     assert "layer 4 qkv_proj fuses attn_q Q4_0, attn_k Q4_1, attn_v Q8_0" in note
     assert "other tensors (embeddings, head, norms) float as loaded:" in note and "Q8_0 x1" in note
     # another format on the same file: the note says format gguf would keep the blocks
@@ -247,7 +185,8 @@ def test_gguf_format_needs_a_gguf_model_and_an_exact_kernel(tiny):
         check_quant("gguf", hf.config, "cpu", torch.float32, role="draft")
     with pytest.raises(QuantError, match="quant_kernel=aten cannot run target_quant=gguf exactly: .*bf16 scales"):
         check_quant("gguf", model.config, "cpu", torch.float32, kernel="aten", source=str(path))
-    with pytest.raises(QuantError, match=r"quant_kernel=triton \(target_quant=gguf\): (triton is not installed|the Triton kernels run on a CUDA GPU)"):
+    with pytest.raises(QuantError, match=r"quant_kernel=triton \(target_quant=gguf\): (triton is not installed|"
+                                         r"the Triton kernels run on a CUDA GPU)"):
         check_quant("gguf", model.config, "cpu", torch.float32, kernel="triton", source=str(path))
     check_quant("gguf", model.config, "cpu", torch.bfloat16, source=str(path))  # any float dtype, dequant kernel
     with pytest.raises(QuantError, match="not loaded from a .gguf file"):
@@ -278,8 +217,8 @@ def test_bench_cli_runs_a_gguf_target_with_its_own_blocks(tiny, tmp_path, capsys
         pytest.skip("one architecture is enough for the CLI")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["abcabcabc", "zzyzzyab", "hhhhhgfed"]))
-    args = ["bench", "--model", str(path), "--draft", str(path), "--prompts", str(prompts), "--method", "draft", "--k", "3",
-            "--batch", "1", "--max-new-tokens", "8", "--num-prompts", "3", "--target-quant", "gguf",
+    args = ["bench", "--model", str(path), "--draft", str(path), "--prompts", str(prompts), "--method", "draft",
+            "--k", "3", "--batch", "1", "--max-new-tokens", "8", "--num-prompts", "3", "--target-quant", "gguf",
             "--draft-quant", "gguf", "--device", "cpu", "--json", "--no-store"]
     assert main(args) == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

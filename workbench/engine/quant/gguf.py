@@ -96,8 +96,8 @@ class GgufInt4Linear(Int4Linear):
             raise ValueError(f"GGUF blocks run with kernel {' or '.join(GGUF_KERNELS)}, not {kernel!r}")
         self.group_size, self.kernel = GGUF_GROUP, kernel
         self._add_counters(kernel, q.device)
-        q = q.to(torch.int32)
-        self.register_buffer("weight", (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8))  # [N, K/2]
+        q = q.to(torch.uint8)  # 0..15: q << 4 fits a byte
+        self.register_buffer("weight", q[:, ::2] << 4 | q[:, 1::2])  # [N, K/2] uint8
         self.register_buffer("scale", scale.float().contiguous())  # [N, K/32] fp32
         self.register_buffer("zero", zero.float().contiguous())  # [N, K/32] fp32
 
