@@ -149,6 +149,8 @@ def test_weight_bytes_drop_by_the_packed_linears(tiny):
                 saved += n * k * 4 - (n * k // 2 + 2 * 4 * n * k // 32)  # fp32 -> nibbles + fp32 scale and zero
     assert weight_bytes(packed) == weight_bytes(model) - saved
     assert weight_bytes(model.model.embed_tokens) == weight_bytes(packed.model.embed_tokens)  # embeddings stay
+    assert packed.model.embed_tokens.weight is not model.model.embed_tokens.weight  # a copy: the model is untouched
+    assert all(isinstance(_linear(model, i, f), torch.nn.Linear) for i in range(2) for f in FUSED_PARTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -169,11 +169,11 @@ def pack_gguf_model(model: nn.Module, kernel: str, *, inplace: bool = False) -> 
     path, config = Path(source), model.config
     reader, gguf_arch, to_hf = open_gguf(path, config)
     by_hf = {to_hf.get(t.name, t.name): t for t in reader.tensors}
-    out = model if inplace else copy.deepcopy(model)
     packing = GgufPacking()
     linear_names = set()
-    device = next(out.parameters()).device
-    for i, layer in enumerate(out.model.layers):
+    device = next(model.parameters()).device
+    swaps: list[tuple[nn.Module, str, nn.Module, GgufInt4Linear]] = []  # (parent, name, float linear, packed)
+    for i, layer in enumerate(model.model.layers):
         for fused, parts in FUSED_PARTS.items():
             parent_name, name = fused.split(".")
             parent = getattr(layer, parent_name)
@@ -216,11 +216,17 @@ def pack_gguf_model(model: nn.Module, kernel: str, *, inplace: bool = False) -> 
             if tuple(q.shape) != (linear.out_features, linear.in_features):
                 raise GgufPackError(f"{path}: layer {i} {fused} packs to {tuple(q.shape)}, the loaded model has "
                                     f"{(linear.out_features, linear.in_features)}; reload the model from this file")
-            bias = linear.bias if isinstance(linear, nn.Linear) else None
-            setattr(parent, name, GgufInt4Linear(q.to(device), scale.to(device), zero.to(device), kernel, bias))
+            packed = GgufInt4Linear(q.to(device), scale.to(device), zero.to(device), kernel, linear.bias)
+            swaps.append((parent, name, linear, packed))
             packing.kept.update(kinds)
             packing.linears_kept += 1
     packing.other.update(_kind(t) for t in reader.tensors if t.name not in linear_names)
+    if inplace:
+        for parent, name, _, packed in swaps:
+            setattr(parent, name, packed)
+        out = model
+    else:  # the copy takes the packed modules in place of the float linears, which are never copied
+        out = copy.deepcopy(model, memo={id(linear): packed for _, _, linear, packed in swaps})
     out.weight_format = "gguf"
     out.gguf_packing = packing
     return out
