@@ -91,6 +91,13 @@ def test_q4_blocks_dequantize_as_the_gguf_package_does(kind):
     assert np.array_equal(ours.reshape(8, 96), gguf.quants.dequantize(raw, Q[kind]))
 
 
+def test_q4_1_zero_that_float32_cannot_hold_is_reported():
+    """m + 8 d needs 31 bits here (m = 1000, d = 2^-24, the smallest float16): the tensor must not be kept."""
+    block = np.concatenate([np.array([2.0 ** -24, 1000.0], np.float16).view(np.uint8), np.zeros(16, np.uint8)])
+    assert q4_blocks(block, "Q4_1", 1, 32)[3] is False
+    assert q4_blocks(np.concatenate([block[:2], block[4:]]), "Q4_0", 1, 32)[3] is True  # Q4_0: zero 0, always exact
+
+
 # ---- the tiny file ----------------------------------------------------------------------------------------------
 def test_kept_linears_hold_the_files_weights_exactly(tiny):
     from kernels.quant_gemv import dequantize_weight
