@@ -195,7 +195,7 @@ def test_gguf_note_says_which_stored_types_map_to_ours():
     assert gguf_note({"F32": 3, "F16": 7}, "none") == "GGUF tensors F16 x7, F32 x3: float, loaded as they are"
     note = gguf_note({"Q4_0": 10, "F32": 3}, "int4")
     assert "dequantized to float on load, then weight format 'int4' applied" in note
-    assert "Q4_0 -> int4 (group 32) would be exact but are not kept packed yet" in note
+    assert "Q4_0 -> int4 (group 32) would be exact: weight format 'gguf' keeps them packed" in note
     assert "has an exact counterpart" in gguf_note({"Q4_K": 10}, "int8")
 
 

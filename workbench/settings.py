@@ -276,11 +276,14 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     # weight formats (workbench.engine.quant): a quantized model is a module swap of the loaded one, made per run
     Knob("target_quant", "str", "none", "target weight format: none (as loaded), int8 (weight-only, per channel), "
          "int4 (weight-only, groups of int4_group_size), int4-awq (int4 after activation-aware scales from "
-         "calibration text), fp8 (e4m3 weights and activations, torch._scaled_mm; CUDA, compute capability >= 8.9). "
+         "calibration text), fp8 (e4m3 weights and activations, torch._scaled_mm; CUDA, compute capability >= 8.9), "
+         "gguf (a .gguf model only: its own Q4_0 / Q4_1 blocks kept packed as int4, group 32, exactly; other "
+         "decoder linears dequantized, named in quant_note). "
          "Lossy: the run records the quality cost against the unquantized target", "Target weights", "system",
-         choices=("none", "int8", "int4", "int4-awq", "fp8"), searchable=True),
+         choices=("none", "int8", "int4", "int4-awq", "fp8", "gguf"), searchable=True),
     Knob("draft_quant", "str", "none", "draft model weight format (same choices as target_quant); lossless for the "
-         "output, it costs acceptance", "Draft weights", "system", choices=("none", "int8", "int4", "int4-awq", "fp8"),
+         "output, it costs acceptance", "Draft weights", "system",
+         choices=("none", "int8", "int4", "int4-awq", "fp8", "gguf"),
          methods=("draft",), searchable=True),
     Knob("int4_group_size", "int", 128, "input channels per int4 scale/zero group (int4, int4-awq); must divide every "
          "linear's input width", "int4 group size", "system", choices=(32, 64, 128, 256)),

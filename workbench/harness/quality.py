@@ -18,6 +18,9 @@ quantization changed is measured here, against the loaded (reference) models, an
                                                     untimed eager pass): the acceptance the quantization cost
     quant_within_bound                              quant_ppl_delta_pct <= max_ppl_increase_pct (studies' constraint)
 
+The reference is the model as loaded: for a .gguf file that is its dequantized (float) form, so `target_quant gguf`
+(the file's own 4-bit blocks kept packed) scores 0 perplexity delta and full agreement in float32 up to summation
+order, and its quant_note names which GGUF tensors were kept packed and which dequantized.
 For an unquantized target the perplexity delta is 0 and the agreement 1 by definition (nothing is recomputed); with
 only the draft quantized the output is unchanged (speculation is lossless) and the cost shows in acceptance.
 Reference outputs, perplexities and acceptances are cached per session, so a study pays for each once.
@@ -55,7 +58,8 @@ def check_weight_formats(session, cfg) -> None:
         roles.append(("draft", session.draft))
     for role, model in roles:
         check_quant(quant_key(cfg, role)[0], model.config, session.device, next(model.parameters()).dtype,
-                    cfg.int4_group_size, role, getattr(cfg, "quant_kernel", "auto"))
+                    cfg.int4_group_size, role, getattr(cfg, "quant_kernel", "auto"),
+                    source=getattr(model, "source_path", None))
 
 
 def quantized_model(session, role: str, cfg):
@@ -199,9 +203,11 @@ def quality_columns(session, cfg, prompt_ids: list[list[int]], result) -> dict:
         acc_ref = reference_acceptance(session, cfg, prompt_ids) if is_quantized(cfg) else acc
     if "int4-awq" in (cfg.target_quant, cfg.draft_quant if draft is not None else None):
         notes.append(session._quality_cache.get("calibration_note", "calibration: none"))
-    gguf = gguf_note(getattr(session.target, "gguf_tensor_types", None), cfg.target_quant)
+    gguf = gguf_note(getattr(session.target, "gguf_tensor_types", None), cfg.target_quant, target)
     if gguf:
         notes.append(gguf)
+    if draft is not None and cfg.draft_quant == "gguf":
+        notes.append("draft: " + gguf_note(getattr(session.draft, "gguf_tensor_types", None), "gguf", draft))
     delta = 100.0 * (ppl / ppl_ref - 1.0)
     return {"quant_ppl": ppl, "quant_ppl_ref": ppl_ref, "quant_ppl_delta_pct": delta,
             "quant_token_agreement": agreement, "quant_sequences_identical": identical,

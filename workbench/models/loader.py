@@ -202,16 +202,11 @@ def _gguf_config(p: Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf_config.to_dict(), source=p)
 
 
-def _read_gguf(p: Path) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Path], Tensor | None, dict[str, int]]:
-    """(config, HF-named float32 tensors, origin, llama.cpp rope_freqs or None, stored tensor type -> count).
-
-    The config comes from transformers' GGUF metadata mapping. The tensors are read with the gguf package directly:
-    transformers' AutoModelForCausalLM GGUF path needs `accelerate`, which this project does not pin. Names map
-    through gguf-py's tensor-name table; q/k rows are un-permuted for GGUF arch "llama" as transformers does.
-    """
-    config = _gguf_config(p)
+def open_gguf(p: Path, config: ModelConfig):
+    """(gguf.GGUFReader, GGUF architecture name, {GGUF tensor name: HF name}) of a .gguf file whose config is
+    `config`. Names map through gguf-py's tensor-name table (blk.N.attn_q.weight -> model.layers.N.self_attn.
+    q_proj.weight). Raises ModelLoadError for an unreadable file or an architecture gguf-py does not know."""
     import gguf
-    import numpy as np
 
     try:
         reader = gguf.GGUFReader(str(p))
@@ -232,7 +227,32 @@ def _read_gguf(p: Path) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Path]
         gguf_name = name_map.get_name(base)
         if gguf_name is not None:
             to_hf[f"{gguf_name}.{suffix}"] = hf_name
-    heads = {".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
+    return reader, gguf_arch, to_hf
+
+
+def rope_permuted_heads(gguf_name: str, gguf_arch: str, config: ModelConfig) -> int | None:
+    """The head count whose rows llama.cpp permuted in this tensor (q and k of GGUF arch "llama"), else None."""
+    if gguf_arch != "llama":
+        return None
+    if ".attn_q." in gguf_name:
+        return config.num_attention_heads
+    if ".attn_k." in gguf_name:
+        return config.num_key_value_heads
+    return None
+
+
+def _read_gguf(p: Path) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Path], Tensor | None, dict[str, int]]:
+    """(config, HF-named float32 tensors, origin, llama.cpp rope_freqs or None, stored tensor type -> count).
+
+    The config comes from transformers' GGUF metadata mapping. The tensors are read with the gguf package directly:
+    transformers' AutoModelForCausalLM GGUF path needs `accelerate`, which this project does not pin. Names map
+    through gguf-py's tensor-name table; q/k rows are un-permuted for GGUF arch "llama" as transformers does.
+    """
+    config = _gguf_config(p)
+    import gguf
+    import numpy as np
+
+    reader, gguf_arch, to_hf = open_gguf(p, config)
     tensors: dict[str, Tensor] = {}
     types: dict[str, int] = {}
     rope_freqs = None
@@ -244,10 +264,9 @@ def _read_gguf(p: Path) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Path]
             if t.name == "rope_freqs.weight":  # llama.cpp's Llama-3 scaling: per-frequency divisors
                 rope_freqs = torch.from_numpy(weights.reshape(-1))
                 continue
-            if gguf_arch == "llama":
-                for marker, n_head in heads.items():
-                    if marker in t.name:
-                        weights = _unpermute_rope_rows(weights, n_head)
+            n_head = rope_permuted_heads(t.name, gguf_arch, config)
+            if n_head is not None:
+                weights = unpermute_rope_rows(weights, n_head)
             tensors[to_hf.get(t.name, t.name)] = torch.from_numpy(weights)
     except Exception as e:
         raise ModelLoadError(p, f"cannot read GGUF tensors ({type(e).__name__}: {e}); the file is corrupt or "
@@ -255,8 +274,9 @@ def _read_gguf(p: Path) -> tuple[ModelConfig, dict[str, Tensor], dict[str, Path]
     return config, tensors, dict.fromkeys(tensors, p), rope_freqs, types
 
 
-def _unpermute_rope_rows(weights, n_head: int):
-    """Undo llama.cpp's convert_hf_to_gguf q/k row permutation (interleaved -> half-split RoPE layout)."""
+def unpermute_rope_rows(weights, n_head: int):
+    """Undo llama.cpp's convert_hf_to_gguf q/k row permutation (interleaved -> half-split RoPE layout). It moves
+    whole rows, so it applies as well to a packed weight [N, K/2] or its per-group scales [N, K/g]."""
     rows_per_half = weights.shape[0] // n_head // 2
     w = weights.reshape(n_head, rows_per_half, 2, *weights.shape[1:])
     return w.swapaxes(2, 1).reshape(weights.shape)

@@ -3,6 +3,7 @@
     check_quant("int4", model.config, device, dtype, group_size=128, role="target")   # QuantError before any work
     qmodel = quantize_model(model, "int4", group_size=128)        # a quantized copy; `model` is left as it was
     qmodel = quantize_model(model, "int4-awq", group_size=128, calibration=ids)   # ids [S, L]: calibration tokens
+    qmodel = quantize_model(load_model("m.Q4_1.gguf"), "gguf")    # the file's own 4-bit blocks, kept packed
 
 Formats (`FORMATS`), each a weight rule in `linears.py`:
     none      the model as loaded (bf16 / fp16 / fp32 reference)
@@ -13,6 +14,9 @@ Formats (`FORMATS`), each a weight rule in `linears.py`:
               projection rows: the same kernels as int4, scales searched on calibration tokens
     fp8       e4m3 weights, one scale per output channel, x fp8 activations   torch._scaled_mm, row-wise scales
               scaled per token on the fly                                      (CUDA, compute capability >= 8.9)
+    gguf      a GGUF model's own Q4_0 / Q4_1 blocks kept packed (gguf.py):    "dequant" (CPU, CUDA) or "triton"
+              int4, group 32, float32 scale d and zero 0 / m + 8 d: exact;     (CUDA); not aten (bf16 scales would
+              other decoder linears stay float (dequantized, with a note)      round the file's weights)
 
 Kernels (`quantize_model(kernel=...)`, the knob `quant_kernel`): "auto" (aten on a GPU, dequant on a CPU), "aten",
 "dequant", or "triton": kernels/quant_gemv.py, Triton weight-only GEMVs for decode-sized calls (<= 16 rows; larger
@@ -24,11 +28,16 @@ from, and at 7 B it is ~2 % of the weight bytes. A quantized model is a differen
 (the fidelity guard) is checked against the autoregressive output of the *same* quantized model, and its cost
 against the unquantized one is measured separately (the harness's quality columns).
 
-GGUF: `load_model` dequantizes every GGUF tensor to float (then the format chosen here re-quantizes). Which GGUF types
-our formats hold exactly: F32 / F16 / BF16 -> none; Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) in blocks of 32 ->
-int4 with group 32 (scale d, zero 0 or m + 8 d), but they are not kept packed yet: re-quantizing the dequantized
-weights with our min-max rule moves some of them; Q8_0 (int8 per block of 32) has no per-channel equivalent;
-K-quants (Q2_K..Q6_K), IQ* and the rest have no counterpart. `gguf_note` words this for a run record.
+GGUF: `load_model` dequantizes every GGUF tensor to float; the format chosen here then either re-quantizes those floats
+(none / int8 / int4 / ...: for a 4-bit file that is a second, lossy rounding) or, for "gguf", keeps the file's own
+blocks. Which GGUF types our formats hold exactly: F32 / F16 / BF16 -> none (the model as loaded); Q4_0
+(w = d (q - 8)) and Q4_1 (w = d q + m) in blocks of 32 -> int4 with group 32, scale d and zero 0 or m + 8 d in
+float32: kept packed, bit-exact, with format "gguf" (gguf.py says why it is exact and which kernels keep it so).
+Not kept, dequantized to float with format "gguf" and named in the note: Q8_0 (int8 per block of 32: our int8 has one
+scale per channel), K-quants (Q2_K..Q6_K: super-blocks with 6-bit sub-scales), IQ*, Q5_*, and a fused linear (q/k/v,
+gate/up) whose parts mix a 4-bit type with another. Embeddings and the head stay float for every format (the
+SmolLM2-135M Q4_1 file: 210 Q4_1 linear tensors kept, its Q8_0 token embedding dequantized). `gguf_note` words this
+for a run record.
 """
 from __future__ import annotations
 
@@ -42,16 +51,16 @@ from .linears import (FP8_DTYPE, INT4_GROUP_SIZES, Fp8Linear, Int4Linear, Int8Li
                       dequantize_int4, dequantize_int8, fp8_linear_reference, quantize_fp8, quantize_fp8_rows,
                       quantize_int4, quantize_int8)
 
-FORMATS = ("none", "int8", "int4", "int4-awq", "fp8")
+FORMATS = ("none", "int8", "int4", "int4-awq", "fp8", "gguf")
 KERNELS = ("auto", "aten", "dequant", "triton")
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 GGUF_EXACT = {"F32": "none", "F16": "none", "BF16": "none"}
-GGUF_REPRESENTABLE = {"Q4_0": "int4 (group 32)", "Q4_1": "int4 (group 32)"}
+GGUF_REPRESENTABLE = {"Q4_0": "int4 (group 32)", "Q4_1": "int4 (group 32)"}  # kept packed by format "gguf"
 
 __all__ = ["FORMATS", "QuantError", "QuantLinear", "Int8Linear", "Int4Linear", "Fp8Linear", "check_quant",
            "quantize_model", "weight_bytes", "linear_shapes", "gguf_note", "INT4_GROUP_SIZES", "FP8_DTYPE",
            "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "quantize_fp8", "dequantize_fp8",
-           "quantize_fp8_rows", "fp8_linear_reference", "format_of"]
+           "quantize_fp8_rows", "fp8_linear_reference", "format_of", "gguf_kernel"]
 
 
 class QuantError(ValueError):
@@ -67,8 +76,9 @@ def linear_shapes(config) -> dict[str, tuple[int, int]]:
 
 
 def check_quant(fmt: str, config, device: torch.device | str, dtype: torch.dtype, group_size: int = 128,
-                role: str = "target", kernel: str = "auto") -> None:
-    """Raise QuantError unless `fmt` can run for a model of `config` in `dtype` on `device` with `kernel`."""
+                role: str = "target", kernel: str = "auto", source: str | None = None) -> None:
+    """Raise QuantError unless `fmt` can run for a model of `config` in `dtype` on `device` with `kernel`; `source`
+    (the model's `source_path`) matters for "gguf", which needs a model loaded from a .gguf file."""
     device = torch.device(device)
     knob = f"{role}_quant"
     if fmt not in FORMATS:
@@ -77,6 +87,15 @@ def check_quant(fmt: str, config, device: torch.device | str, dtype: torch.dtype
         raise QuantError(f"quant_kernel={kernel!r} is not a kernel choice; choose one of {', '.join(KERNELS)}")
     if fmt == "none":
         return
+    if fmt == "gguf":
+        if source is None or not str(source).lower().endswith(".gguf"):
+            raise QuantError(f"{knob}=gguf keeps a GGUF file's own quantized blocks, but the {role} model was "
+                             f"loaded from {source or 'no file'} (not a .gguf): load a .gguf file, or use int4 with "
+                             "--int4-group-size 32 (or int8) to quantize this model")
+        if kernel == "aten":
+            raise QuantError(f"quant_kernel=aten cannot run {knob}=gguf exactly: the aten int4 kernels take bf16 "
+                             "scales and zeros, which round the file's weights; use quant_kernel auto, dequant or "
+                             "triton (or target_quant int4 for the re-quantized bf16 model)")
     if kernel == "triton":
         from kernels.quant_gemv import triton_problem
 
@@ -123,11 +142,14 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
     """The model with its decoder linears replaced by `fmt`'s modules (a copy unless `inplace`). "int4-awq" needs
     `calibration` token ids [S, L]. `kernel`: "aten" (the packed aten ops; fp8: _scaled_mm), "dequant" (PyTorch
     ops, then one matmul), "triton" (kernels/quant_gemv.py for decode-sized calls, weight-only for fp8 too) or
-    "auto" (aten on a GPU, dequant on a CPU; fp8: aten). Call `check_quant` first."""
+    "auto" (aten on a GPU, dequant on a CPU; fp8: aten). "gguf" keeps the Q4_0 / Q4_1 blocks of the .gguf the
+    model was loaded from (gguf.py; kernel auto = triton on a GPU, else dequant). Call `check_quant` first."""
     if fmt not in FORMATS:
         raise QuantError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if fmt == "none":
         return model
+    if fmt == "gguf":
+        return _pack_gguf(model, kernel, inplace)
     if fmt == "int4-awq" and calibration is None:
         raise QuantError("int4-awq needs calibration token ids [S, L] (the harness takes them from the zoo corpus)")
     if kernel == "auto":
@@ -151,6 +173,28 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
     return out
 
 
+def gguf_kernel(kernel: str, device: torch.device) -> str:
+    """The kernel format "gguf" runs with: "auto" is "triton" on a CUDA GPU where Triton runs, else "dequant"."""
+    if kernel != "auto":
+        return kernel
+    from kernels.quant_gemv import triton_problem
+
+    return "triton" if device.type == "cuda" and triton_problem(device) is None else "dequant"
+
+
+def _pack_gguf(model: nn.Module, kernel: str, inplace: bool) -> nn.Module:
+    from .gguf import GGUF_KERNELS, GgufPackError, pack_gguf_model
+
+    kernel = gguf_kernel(kernel, next(model.parameters()).device)
+    if kernel not in GGUF_KERNELS:
+        raise QuantError(f"weight format gguf runs with quant_kernel {', '.join(GGUF_KERNELS)} or auto, not {kernel!r}"
+                         " (aten's bf16 scales would round the file's weights)")
+    try:
+        return pack_gguf_model(model, kernel, inplace=inplace)
+    except GgufPackError as e:
+        raise QuantError(str(e)) from None
+
+
 def format_of(model: nn.Module) -> str:
     """The format `quantize_model` gave the model ("none" for a model as loaded)."""
     return getattr(model, "weight_format", "none")
@@ -162,15 +206,19 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def gguf_note(tensor_types: Counter | dict | None, fmt: str) -> str | None:
-    """A sentence for the run record about a GGUF's stored types and what became of them, None for other files."""
+def gguf_note(tensor_types: Counter | dict | None, fmt: str, model: nn.Module | None = None) -> str | None:
+    """A sentence for the run record about a GGUF's stored types and what became of them, None for other files.
+    For format "gguf", `model` (the packed model) says which tensors were kept packed and which dequantized."""
     if not tensor_types:
         return None
+    packing = getattr(model, "gguf_packing", None)
+    if fmt == "gguf" and packing is not None:
+        return packing.note()
     shown = ", ".join(f"{t} x{n}" for t, n in sorted(tensor_types.items()))
     quantized = sorted(t for t in tensor_types if t not in GGUF_EXACT)
     if not quantized:
         return f"GGUF tensors {shown}: float, loaded as they are"
     representable = [f"{t} -> {GGUF_REPRESENTABLE[t]}" for t in quantized if t in GGUF_REPRESENTABLE]
     return (f"GGUF tensors {shown}: dequantized to float on load, then weight format {fmt!r} applied"
-            + (f"; {', '.join(representable)} would be exact but are not kept packed yet" if representable else
-               "; none of these types has an exact counterpart here"))
+            + (f"; {', '.join(representable)} would be exact: weight format 'gguf' keeps them packed"
+               if representable else "; none of these types has an exact counterpart here"))

@@ -1,0 +1,232 @@
+"""GGUF files keep their own 4-bit blocks: Q4_0 / Q4_1 decoder linears become `Int4Linear`s (group 32), exactly.
+
+    qmodel = quantize_model(model, "gguf", kernel="auto")   # `model` as load_model read it from a .gguf (float)
+    qmodel.gguf_packing.note()    # which GGUF tensors were kept packed and which dequantized, by type
+
+ggml's blocks (ggml-quants.c), 32 weights each, d and m stored as float16; byte j of the 16 quant bytes holds q_j in
+its low nibble and q_(j+16) in its high nibble:
+
+    type   block bytes                     weight                 our int4 (linears.py: w = (q - 8) s + z)
+    Q4_0   d [2], q [16]                   w = d (q - 8)          s = d, z = 0
+    Q4_1   d [2], m [2], q [16]            w = d q + m            s = d, z = m + 8 d
+
+Exactness: s and z are kept in float32, not the model dtype. d and m (float16) are exact in float32, so is (q - 8) d
+(an 11-bit times a 4-bit integer), and so is m + 8 d whenever its bits fit float32's 24 (checked per tensor; a tensor
+where one does not is dequantized instead). Then the one float32 rounding of (q - 8) s + z gives d q + m rounded
+once, which is what the gguf package's own dequantize computes: the "dequant" kernel multiplies by the file's
+weights bit for bit. In bf16 / fp16 that weight is then rounded to the activation dtype, the same value the
+dequantized model (loaded in float32, then cast) holds.
+
+Kernels: "dequant" (any device: unpack, dequantize in float32, cast to x's dtype, one matmul) and "triton" (CUDA:
+kernels/quant_gemv.py, which loads scales as float32 and tiles K by min(128, group) = 32, for calls of <= 16 rows;
+"dequant" above). Not "aten": tinygemm takes bf16 scales_and_zeros, and rounding d and m + 8 d to bf16 changes the
+weights (that is weight format int4 with group 32, a re-quantization, not the file's model).
+
+What is kept: a decoder linear (qkv_proj, o_proj, gate_up_proj, down_proj; q/k/v and gate/up are fused along rows)
+whose GGUF tensors are all Q4_0 / Q4_1. Every other decoder linear (Q8_0, K-quants, IQ*, F16/F32, or a fused linear
+whose parts mix a 4-bit type with another) keeps the float weights load_model dequantized; `GgufPacking` records
+which tensors went which way and why. Embeddings, the LM head and the norms stay float as for every format.
+llama.cpp permutes q and k rows for its RoPE layout; un-permuting moves whole rows, so it is applied to the packed
+rows and their scales as the loader applies it to the float rows.
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.quant_gemv import quant_gemv_triton
+
+from .linears import Int4Linear, QuantLinear
+
+GGUF_GROUP = 32  # ggml's block: one (d, m) per 32 weights along a row
+PACKED_TYPES = ("Q4_0", "Q4_1")
+GGUF_KERNELS = ("dequant", "triton")
+# our fused linear -> its parts (HF names under the same parent), in row order
+FUSED_PARTS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
+               "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
+
+
+class GgufPackError(ValueError):
+    """The GGUF file does not hold what the loaded model says it should (changed on disk, or another file)."""
+
+
+# ---- block math (numpy) ----------------------------------------------------------------------------------------
+def q4_blocks(raw: np.ndarray, kind: str, rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """A Q4_0 / Q4_1 tensor's bytes (rows x K/32 blocks) -> (q [N, K] uint8 in 0..15, scale [N, K/32] float32,
+    zero [N, K/32] float32, exact) with w = (q - 8) scale + zero; `exact` is False when some m + 8 d is not a
+    float32 (then the zeros are rounded and the tensor should be dequantized instead).
+
+    One Q4_1 block with d = 0.5, m = -1, bytes 0x9F then 0x00 x 15: q_0 = 15 (low nibble), q_16 = 9 (high).
+    >>> block = np.concatenate([np.array([0.5, -1.0], np.float16).view(np.uint8), [0x9F] + [0] * 15]).astype(np.uint8)
+    >>> q, s, z, exact = q4_blocks(block, "Q4_1", 1, 32)
+    >>> q[0, [0, 1, 16]].tolist(), float(s[0, 0]), float(z[0, 0]), exact
+    ([15, 0, 9], 0.5, 3.0, True)
+    >>> ((q[0, [0, 16]].astype(np.float32) - 8) * s[0, 0] + z[0, 0]).tolist()  # d q + m
+    [6.5, 3.5]
+    """
+    head = {"Q4_0": 2, "Q4_1": 4}[kind]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, k // GGUF_GROUP, head + GGUF_GROUP // 2)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)  # [N, G]
+    nibbles = blocks[..., head:]  # [N, G, 16]
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, k)  # element j low, j + 16 high
+    if kind == "Q4_0":
+        zero = np.zeros_like(d)
+    else:
+        zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) + 8 * d  # exact in float64
+    zero32 = zero.astype(np.float32)
+    return q, d.astype(np.float32), zero32, bool(np.array_equal(zero32.astype(np.float64), zero))
+
+
+# ---- the module ------------------------------------------------------------------------------------------------
+class GgufInt4Linear(Int4Linear):
+    """An `Int4Linear` (group 32, the "dequant" packing [N, K/2] with high nibble = even k) whose q, scale and zero
+    come from a GGUF file's blocks rather than `quantize_int4`, with float32 scale and zero whatever the activation
+    dtype: the dequantized weight is the file's, and it is cast to x's dtype only after the float32 math."""
+
+    def __init__(self, q: Tensor, scale: Tensor, zero: Tensor, kernel: str, bias: Tensor | None = None) -> None:
+        QuantLinear.__init__(self, q.shape[1], q.shape[0], bias)
+        if kernel not in GGUF_KERNELS:
+            raise ValueError(f"GGUF blocks run with kernel {' or '.join(GGUF_KERNELS)}, not {kernel!r}")
+        self.group_size, self.kernel = GGUF_GROUP, kernel
+        self._add_counters(kernel, q.device)
+        q = q.to(torch.uint8)  # 0..15: q << 4 fits a byte
+        self.register_buffer("weight", q[:, ::2] << 4 | q[:, 1::2])  # [N, K/2] uint8
+        self.register_buffer("scale", scale.float().contiguous())  # [N, K/32] fp32
+        self.register_buffer("zero", zero.float().contiguous())  # [N, K/32] fp32
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = self._flat(x)
+        if self._use_gemv(x2):
+            y = quant_gemv_triton(x2, "int4", self.weight, self.scale, self.zero, self.group_size,
+                                  counters=self.gemv_counters)
+            return self._out(y, x)
+        # the bias inside the matmul, as nn.Linear adds it (in bf16 a separate add would round the product first)
+        y = F.linear(x2, self._weight_fp32().to(x2.dtype), self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _weight_fp32(self) -> Tensor:
+        n, k = self.out_features, self.in_features
+        q = torch.stack((self.weight >> 4, self.weight & 15), dim=-1).reshape(n, -1, self.group_size).float()
+        return ((q - 8) * self.scale[..., None] + self.zero[..., None]).reshape(n, k)  # [N, K] fp32
+
+    def dequantized_weight(self) -> Tensor:
+        return self._weight_fp32()
+
+    def extra_repr(self) -> str:
+        return f"gguf int4 (group 32, fp32 scales), in_features={self.in_features}, out_features={self.out_features}"
+
+
+# ---- what was kept -------------------------------------------------------------------------------------------------
+@dataclass
+class GgufPacking:
+    """What `pack_gguf_model` did with each GGUF tensor, counted by GGUF type."""
+
+    kept: Counter = field(default_factory=Counter)  # decoder-linear tensors kept packed as int4 (group 32)
+    dequantized: Counter = field(default_factory=Counter)  # decoder-linear tensors left as float
+    other: Counter = field(default_factory=Counter)  # embeddings, head, norms, biases: float as for every format
+    linears_kept: int = 0
+    linears_total: int = 0
+    reasons: list[str] = field(default_factory=list)  # why a 4-bit tensor was not kept (first few)
+
+    def note(self) -> str:
+        def show(c: Counter) -> str:
+            return ", ".join(f"{t} x{n}" for t, n in sorted(c.items())) or "none"
+
+        text = (f"GGUF weight format 'gguf': {self.linears_kept} of {self.linears_total} decoder linears kept the "
+                f"file's blocks packed as int4 (group 32, float32 scales, exact): {show(self.kept)}; dequantized to "
+                f"float: {show(self.dequantized)}")
+        if self.reasons:
+            text += f" ({'; '.join(self.reasons[:3])}{'; ...' if len(self.reasons) > 3 else ''})"
+        return text + f"; other tensors (embeddings, head, norms) float as loaded: {show(self.other)}"
+
+
+def _kind(t) -> str:
+    return getattr(t.tensor_type, "name", str(t.tensor_type))
+
+
+def _short(gguf_name: str) -> str:
+    """blk.3.attn_q.weight -> attn_q"""
+    return gguf_name.split(".")[2] if gguf_name.startswith("blk.") else gguf_name
+
+
+def pack_gguf_model(model: nn.Module, kernel: str, *, inplace: bool = False) -> nn.Module:
+    """The model (a copy unless `inplace`) with every decoder linear whose GGUF tensors are Q4_0 / Q4_1 replaced by a
+    `GgufInt4Linear` read from the file the model was loaded from (`model.source_path`); `.gguf_packing` says what
+    was kept. `kernel`: "dequant" or "triton". Raises GgufPackError when the file does not match the model."""
+    from workbench.models.loader import open_gguf, rope_permuted_heads, unpermute_rope_rows
+
+    source = getattr(model, "source_path", None)
+    if source is None or not str(source).lower().endswith(".gguf"):
+        raise GgufPackError(f"the model was not loaded from a .gguf file (source: {source}); weight format 'gguf' "
+                            "keeps a GGUF file's own blocks")
+    path, config = Path(source), model.config
+    reader, gguf_arch, to_hf = open_gguf(path, config)
+    by_hf = {to_hf.get(t.name, t.name): t for t in reader.tensors}
+    packing = GgufPacking()
+    linear_names = set()
+    device = next(model.parameters()).device
+    swaps: list[tuple[nn.Module, str, nn.Module, GgufInt4Linear]] = []  # (parent, name, float linear, packed)
+    for i, layer in enumerate(model.model.layers):
+        for fused, parts in FUSED_PARTS.items():
+            parent_name, name = fused.split(".")
+            parent = getattr(layer, parent_name)
+            linear = getattr(parent, name)
+            hf_names = [f"model.layers.{i}.{parent_name}.{p}.weight" for p in parts]
+            missing = [n for n in hf_names if n not in by_hf]
+            if missing:
+                raise GgufPackError(f"{path}: no GGUF tensor for {', '.join(missing)}; the file changed since the "
+                                    "model was loaded, reload it")
+            tensors = [by_hf[n] for n in hf_names]
+            linear_names.update(t.name for t in tensors)
+            kinds = [_kind(t) for t in tensors]
+            packing.linears_total += 1
+            reason = None
+            if any(kd not in PACKED_TYPES for kd in kinds) and any(kd in PACKED_TYPES for kd in kinds):
+                mix = ", ".join(f"{_short(t.name)} {kd}" for t, kd in zip(tensors, kinds))
+                reason = f"layer {i} {name} fuses {mix}"
+            pieces = []
+            if reason is None and all(kd in PACKED_TYPES for kd in kinds):
+                k = linear.in_features
+                for t, kd in zip(tensors, kinds):
+                    rows = int(t.data.shape[0]) if t.data.ndim == 2 else 0
+                    if int(t.n_elements) != rows * k:
+                        raise GgufPackError(f"{path}: {t.name} holds {int(t.n_elements)} weights, the loaded model's "
+                                            f"{fused} expects rows x {k}; reload the model from this file")
+                    q, scale, zero, exact = q4_blocks(t.data, kd, rows, k)
+                    if not exact:
+                        reason = f"{t.name}: a Q4_1 zero m + 8 d is not a float32"
+                        break
+                    n_head = rope_permuted_heads(t.name, gguf_arch, config)
+                    if n_head is not None:
+                        q, scale, zero = (unpermute_rope_rows(a, n_head) for a in (q, scale, zero))
+                    pieces.append((q, scale, zero))
+            if reason is not None:
+                packing.reasons.append(reason)
+            if reason is not None or not pieces:
+                packing.dequantized.update(kinds)
+                continue
+            q, scale, zero = (torch.from_numpy(np.ascontiguousarray(np.concatenate(a, axis=0))) for a in zip(*pieces))
+            if tuple(q.shape) != (linear.out_features, linear.in_features):
+                raise GgufPackError(f"{path}: layer {i} {fused} packs to {tuple(q.shape)}, the loaded model has "
+                                    f"{(linear.out_features, linear.in_features)}; reload the model from this file")
+            packed = GgufInt4Linear(q.to(device), scale.to(device), zero.to(device), kernel, linear.bias)
+            swaps.append((parent, name, linear, packed))
+            packing.kept.update(kinds)
+            packing.linears_kept += 1
+    packing.other.update(_kind(t) for t in reader.tensors if t.name not in linear_names)
+    if inplace:
+        for parent, name, _, packed in swaps:
+            setattr(parent, name, packed)
+        out = model
+    else:  # the copy takes the packed modules in place of the float linears, which are never copied
+        out = copy.deepcopy(model, memo={id(linear): packed for _, _, linear, packed in swaps})
+    out.weight_format = "gguf"
+    out.gguf_packing = packing
+    return out
