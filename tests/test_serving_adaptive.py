@@ -44,7 +44,8 @@ def engine_with(drafter, target, graphs=False):
 
 
 class FullResyncLoop(ServingLoop):
-    """The reference: before every drafting step, every live row's draft KV is prefilled afresh from position 0."""
+    """The reference: before every drafting step, every live row's draft KV is prefilled afresh from position 0
+    (`sync_drafter`: the drafter's own prefill, not the catch-up path)."""
 
     def _catch_up(self, live, result):
         for row in live:
@@ -61,15 +62,22 @@ class NoCatchUpLoop(ServingLoop):
 def test_catch_up_after_autoregressive_steps_drafts_as_a_fresh_prefill(target, draft, solo, graphs):
     reqs = random_requests(21, n=10)
     runs = {}
+    spans = []  # (start, end) of every incremental catch-up
     for name, cls in (("incremental", ServingLoop), ("full", FullResyncLoop), ("none", NoCatchUpLoop)):
         drafter = RecordingDrafter(draft, 3)
-        res = cls(engine_with(drafter, target, graphs), reqs, adaptive=AdaptiveSpeculation(3, SCHEDULE),
-                  clock=StepClock(), max_num_seqs=4).run()
+        engine = engine_with(drafter, target, graphs)
+        if name == "incremental":
+            catch_up = engine.catch_up_drafter
+            engine.catch_up_drafter = lambda rows, starts, ends: (spans.extend(zip(starts, ends)),
+                                                                  catch_up(rows, starts, ends))
+        res = cls(engine, reqs, adaptive=AdaptiveSpeculation(3, SCHEDULE), clock=StepClock(), max_num_seqs=4).run()
         assert_solo(res, reqs, solo)
         runs[name] = (res, drafter.proposals)
     res, inc = runs["incremental"]
     assert {t.num_nodes for t in res.traces} == {0, 2, 3}
-    assert res.draft_catch_up_tokens > 0  # rows really fell behind and were caught up
+    # the prompt of every row that drafted (from 0, lazily), and rows that fell behind after autoregressive steps
+    assert any(start == 0 for start, _ in spans) and any(start > 0 for start, _ in spans)
+    assert res.draft_catch_up_tokens == sum(e - s for s, e in spans)
     full = runs["full"][1]
     common = inc.keys() & full.keys()
     assert len(common) >= 0.9 * len(inc) and all(inc[c] == full[c] for c in common)
@@ -140,11 +148,11 @@ def test_a_second_run_reuses_the_engine_cache_and_graphs(target, draft, solo, fa
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_calibration_measures_every_batch_size_and_length(target, draft, graphs):
+def test_calibration_measures_every_batch_size_and_length(target, draft, solo, graphs):
     engine = engine_with(DraftModelDrafter(draft, 3), target, graphs)
     rng = random.Random(5)
     prompts = [[rng.randrange(64) for _ in range(rng.randint(3, 12))] for _ in range(4)]
-    cal = calibrate(engine, prompts, (1, 2, 4), steps=3, warmup=1)
+    cal = calibrate(engine, prompts, (1, 2, 4), steps=3, warmup=1, max_len=48)
     assert set(cal.step_ms) == {(b, k) for b in (1, 2, 4) for k in range(4)}
     assert all(ms > 0 for ms in cal.step_ms.values())
     assert cal.mean_tokens[0] == 1 and len(cal.accepted) == 3 * (1 + 2 + 4)
@@ -153,10 +161,12 @@ def test_calibration_measures_every_batch_size_and_length(target, draft, graphs)
     ranges = cal.schedule(4)
     assert ranges[0][0] == 1 and ranges[-1][1] == 4 and all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))
     assert cal.padded == graphs and len(cal.table()) == 12
-    # the engine serves afterwards as before (its rows were released)
+    # the engine serves afterwards in the calibration's cache, with its graphs (its rows were released)
+    cache = engine.cache
     reqs = [Request(i, p, 6, arrival_s=float(i)) for i, p in enumerate(prompts)]
     res = ServingLoop(engine, reqs, adaptive=AdaptiveSpeculation(3, ranges), clock=StepClock(), max_num_seqs=4).run()
-    assert all(len(s.output) == 6 for s in res.states)
+    assert engine.cache is cache and res.num_blocks == cache.num_blocks
+    assert_solo(res, reqs, solo)
 
 
 def test_calibration_bad_arguments_are_named_errors(target, draft):

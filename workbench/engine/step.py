@@ -587,15 +587,19 @@ class SpecEngine:
         hidden = self.target(chunk, torch.arange(start, start + t, device=dev).unsqueeze(0), self.cache)  # [1, T, H]
         return self.target.compute_logits(hidden[0, -1]), hidden[0]
 
-    def start_row(self, row: int, context: list[int], root: int, hidden: torch.Tensor | None = None) -> None:
+    def start_row(self, row: int, context: list[int], root: int, hidden: torch.Tensor | None = None,
+                  prefill_drafter: bool = True) -> None:
         """The row's prefill is complete: `context` (its committed tokens, KV written) and `root` (the next token,
         sampled from the prefill or known from before a preemption) become its state, and the drafter prefills it
-        (hidden [len(context), H]: the target's final hidden states of the context, for `wants_hidden` drafters)."""
+        (hidden [len(context), H]: the target's final hidden states of the context, for `wants_hidden` drafters).
+        prefill_drafter False leaves a draft model's own KV empty, for `catch_up_drafter` before the row's first draft
+        (serving: a row that never drafts never pays for it)."""
         dev, n = self.device, len(context)
         self.tokens[row, :n] = torch.tensor(context, dtype=torch.long, device=dev)
         self.tokens[row, n] = root
         self.kv_len[row] = n
-        self.sync_drafter(row, n, hidden)
+        if prefill_drafter:
+            self.sync_drafter(row, n, hidden)
 
     def sync_drafter(self, row: int, n: int, hidden: torch.Tensor | None = None) -> None:
         """(Re)prefill the drafter with the row's first n committed tokens (after the target's prefill, or after
@@ -628,6 +632,7 @@ class SpecEngine:
                            kv_len=torch.tensor(ends, device=dev), kv_len_host=list(ends), kv_len_all=self.kv_len)
         self.drafter.catch_up(state, ids, positions, first)
 
+    @torch.inference_mode()  # its buffers may have been made under inference mode (e.g. by a calibration)
     def reset_rows(self) -> None:
         """Every row released, the cache and the drafter's emptied; steps and their graphs kept (serving runs that
         reuse the engine with the same cache shape)."""

@@ -46,10 +46,13 @@ class Calibration:
 @torch.inference_mode()
 def calibrate(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[int, ...],
               node_counts: tuple[int, ...] | None = None, *, steps: int = 8, warmup: int = 2,
-              max_prompt_len: int = 128) -> Calibration:
+              max_prompt_len: int = 128, max_len: int | None = None) -> Calibration:
     """Time `steps` decode steps (after `warmup` untimed ones) for every batch size and draft length; ServeError for
     bad arguments (before any work). node_counts: the draft lengths to time (default every 0..N for chains, {0, N}
-    for trees). Prompts are cut to their last max_prompt_len tokens and cycled over the rows."""
+    for trees). Prompts are cut to their last max_prompt_len tokens and cycled over the rows. max_len: KV slots per
+    row (give the serving runs' own, so that steps attend over the same span and a serving loop with max(batch_sizes)
+    rows reuses the cache and its graphs; default: what one length's steps need); a row that would outgrow it
+    restarts from its prompt between lengths."""
     from workbench.serving.loop import make_cache
 
     n_full = engine.num_nodes
@@ -65,9 +68,12 @@ def calibrate(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[i
     prompts = [p[-max_prompt_len:] for p in prompts]
     rows = max(batch_sizes)
     bs = engine.config.kv_block_size
-    max_len = max(len(p) for p in prompts) + (warmup + steps) * len(counts) * (n_full + 1) + n_full + 2
-    if max_len > engine.max_context():
-        raise ServeError(f"calibration needs {max_len} positions, the target has {engine.max_context()}: fewer steps")
+    grow = (warmup + steps) * (n_full + 1)  # positions one length's steps can add to a row
+    need = max(len(p) for p in prompts) + grow + n_full + 2
+    max_len = max_len or need
+    if need > max_len or max_len > engine.max_context():
+        raise ServeError(f"calibration needs {need} KV slots per row (max_len {max_len}, the target's context "
+                         f"{engine.max_context()}): fewer steps or shorter prompts")
     max_len = -(-max_len // bs) * bs
     cache = make_cache(engine, rows, max_len, rows * (max_len // bs))
     engine.setup_rows(cache, max_len)
@@ -93,6 +99,9 @@ def calibrate(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[i
         for row in live:  # afresh: a draft model's KV is behind after autoregressive steps
             start(row)
         for k in sorted(counts, reverse=True):  # the full length first, on fresh rows: its acceptance counts
+            for row in live:
+                if len(tokens_host[row]) + grow + n_full + 2 > max_len:
+                    start(row)
             times = []
             for i in range(warmup + steps):
                 t0 = time.perf_counter()

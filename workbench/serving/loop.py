@@ -12,9 +12,10 @@ One iteration, as named phases:
 
 Adaptive speculation changes the draft length between steps at no extra cost when the engine's graphs for every
 length it can ask for were captured first (`AdaptiveSpeculation.node_counts`, `SpecEngine.capture_graphs`). A draft
-model keeps its own KV: a step that does not draft leaves it behind, and before the row's next draft the loop writes
-only the positions it missed (`SpecEngine.catch_up_drafter`, one forward for all such rows; counted in
-`ServeResult.draft_catch_up_tokens`). A loop over an engine whose cache has this run's shape reuses it (and the
+model keeps its own KV: it is not prefilled when a request's prefill completes, and a step that does not draft
+leaves it behind; before a row's next draft the loop writes only the positions it misses (`SpecEngine.
+catch_up_drafter`, one forward for all such rows; counted in `ServeResult.draft_catch_up_tokens`, prompts
+included), so a request served only by autoregressive steps never runs the draft model. A loop over an engine whose cache has this run's shape reuses it (and the
 graphs captured for it): `SpecEngine.reset_rows`.
 
 Time comes from a clock: `RealClock` (perf_counter, sleeps until the next arrival when idle) for benchmarks,
@@ -154,6 +155,11 @@ class ServingLoop:
         bs = engine.config.kv_block_size
         max_len = max(len(r.prompt) + r.max_new_tokens for r in requests) + self.n_nodes + 2
         max_len = math.ceil(max_len / bs) * bs
+        held = engine.cache  # reused when it has this run's shape, or (automatic pool) at least its length
+        if not num_blocks and isinstance(held, PrefixCachingKVCache) and held.max_rows == max_num_seqs and \
+                held.block_size == bs and held.max_len >= max_len and \
+                held.num_blocks == held.max_len // bs * max_num_seqs:
+            max_len = held.max_len
         worst = math.ceil(max_len / bs)
         self.num_blocks = num_blocks or worst * max_num_seqs
         self.scheduler = CapacityScheduler(policy, self.num_blocks, bs, self.n_nodes, max_len)
@@ -382,11 +388,11 @@ class ServingLoop:
                 s.t_first_token = now
                 s.emit_times.append(now)
             hidden = torch.cat(s.hidden, 0) if s.hidden else None
-            with self.timer.phase("prefill"):
-                eng.start_row(s.row, tokens, s.context[-1], hidden)
+            with self.timer.phase("prefill"):  # a draft model's KV is written before the row's first draft
+                eng.start_row(s.row, tokens, s.context[-1], hidden, prefill_drafter=not self._own_draft_kv)
             s.hidden = []
             self.tokens_host[s.row] = list(s.context)
-            self._draft_valid[s.row] = len(s.context) - 1  # the drafter prefilled every committed token
+            self._draft_valid[s.row] = 0
             s.phase = "decode"
             if s.finished:
                 self._finish(s, now)
