@@ -5,7 +5,8 @@ fixed k at every load, and does its schedule have cliffs? Writes OUT/results.jso
     python scripts/gpu_serving.py --device cpu --preset tiny --num-requests 6 --warmup-requests 2 --max-new-tokens 8 \\
         --rates 0.5,1 --max-num-seqs 4 --out /tmp/serving_smoke                         # CPU smoke test
 
-Parts, in this order (each run is skipped, and listed under "skipped", once --budget-s would be exceeded):
+Parts, in this order (after the saturation part, a run is skipped, and listed under "skipped", when the longest
+run of its part so far would end past --budget-s):
   calibrate   ms per decode step by batch bucket and draft length 0..k, and tokens per step at each length, on the
               engine that serves (workbench/serving/calibrate.py); the adaptive schedule is the length with the most
               tokens per ms per batch size (unless --k-by-batch gives one)
@@ -122,10 +123,10 @@ def main(argv=None) -> int:
                    "k=2 (held out)": dict(k=2)}
     runs: dict[tuple, object] = {}
 
-    def run(name: str, part: str, **kw):
+    def run(name: str, part: str, essential: bool = False, **kw):
         cfg = replace(base, **settings_of[name], **kw)
         guess = last_wall.get(part, 0.0)
-        if elapsed() + guess > args.budget_s:
+        if not essential and elapsed() + guess > args.budget_s:
             result["skipped"].append({"part": part, "setting": name, **{k: v for k, v in kw.items()
                                                                         if k in ("rate", "max_concurrency")}})
             return None, None
@@ -142,11 +143,11 @@ def main(argv=None) -> int:
     warm = dict(arrival="concurrency", max_concurrency=args.max_num_seqs, warmup_requests=0,
                 num_requests=max(args.max_num_seqs, len(used)))
     for name in settings_of:
-        run(name, "warm-up", **warm)
+        run(name, "warm-up", essential=True, **warm)
     # -- saturation and SLOs ------------------------------------------------------------------------------------
-    _, sat = run("off", "saturation", arrival="concurrency", max_concurrency=args.max_num_seqs)
+    _, sat = run("off", "saturation", True, arrival="concurrency", max_concurrency=args.max_num_seqs)
     saturation = sat["request_throughput"]
-    light, _ = run("off", "light", rate=0.1 * saturation, num_requests=min(args.num_requests, 8),
+    light, _ = run("off", "light", True, rate=0.1 * saturation, num_requests=min(args.num_requests, 8),
                    warmup_requests=min(args.warmup_requests, 2))
     slo_ttft = args.slo_ttft_ms or 3 * light.record["ttft_ms_p50"]
     slo_tpot = args.slo_tpot_ms or 2 * light.record["tpot_ms_p50"]

@@ -202,3 +202,31 @@ def test_node_counts_cover_every_length_a_step_can_verify():
     assert a.node_counts(2) == (0, 1, 4)
     assert a.node_counts(8, chains=False) == (0, 4)
     assert AdaptiveSpeculation(3).node_counts(16) == (3,)
+
+
+def test_gpu_serving_script_smoke_on_cpu(tmp_path):
+    """scripts/gpu_serving.py end to end on the tiny preset (its CPU smoke test): every part, the goal and cliff
+    checks, a threshold measured at t - 1, t, t + 1; then a zero budget skips every optional run by name."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    common = ["--device", "cpu", "--preset", "tiny", "--num-requests", "4", "--warmup-requests", "1",
+              "--max-new-tokens", "6", "--rates", "1", "--max-num-seqs", "4", "--threshold-requests", "3",
+              "--calibration-steps", "2"]
+    assert gpu_serving.main(common + ["--out", str(tmp_path / "a"), "--k-by-batch", "1:2,2-4:0"]) == 0
+    r = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert r["schedule_thresholds"] == [2] and not r["skipped"]
+    assert sorted({x["max_concurrency"] for x in r["thresholds"]}) == [1, 2, 3]
+    assert {x["setting"] for x in r["thresholds"]} == {"off", "k=4", "adaptive"}
+    check = r["threshold_checks"][0]
+    assert check["threshold"] == 2 and len(check["points"]) == 3 and isinstance(check["cliff"], bool)
+    assert [c["rate_fraction"] for c in r["sweep_checks"]] == [1.0]
+    assert "Thresholds [2]" in (tmp_path / "a" / "table.md").read_text()
+    assert gpu_serving.main(common + ["--out", str(tmp_path / "b"), "--budget-s", "0"]) == 0
+    r = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert r["schedule_source"].startswith("measured") and r["calibration"]["table"]
+    assert not r["sweep"] and {s["part"] for s in r["skipped"]} == {"sweep"} | ({"thresholds"} if
+                                                                              r["schedule_thresholds"] else set())
