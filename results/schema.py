@@ -216,6 +216,12 @@ SERVING_SPECS: list[ColumnSpec] = [
                                "prefix_hit_rate mean_batch_size"),
     ColumnSpec("acceptance_by_batch_size", "string", "serving", 'JSON {"batch size": acceptance rate}'),
     ColumnSpec("acceptance_by_context", "string", "serving", 'JSON {"context bin start": acceptance rate}'),
+    ColumnSpec("graph_captures_in_run", "int", "serving", "CUDA graphs captured while the run served (stalls "
+               "inside the measured window; 0 when every bucket and draft length was captured first)"),
+    ColumnSpec("graph_misses_in_run", "int", "serving", "steps that ran eagerly while the run served (a batch "
+               "above every graph bucket)"),
+    ColumnSpec("draft_catch_up_tokens", "int", "serving", "draft-model KV positions written to catch up after "
+               "steps that did not draft (adaptive speculation)"),
 ]
 
 # One row per request of a serving run (`ResultStore.append(..., requests=)`, requests/<run_id>.parquet).

@@ -1,14 +1,26 @@
-"""Serving under load on one GPU: a rate sweep (light -> saturation) with speculation off, a fixed k and adaptive;
-goodput and p99 TPOT per rate; the adaptive schedule's thresholds at +/- 1 (fixed concurrency); replay prediction
-error on held-out settings. Writes OUT/results.json and OUT/table.md.
+"""Serving under load on one GPU: is adaptive speculation at least as good as the better of speculation off and a
+fixed k at every load, and does its schedule have cliffs? Writes OUT/results.json and OUT/table.md.
 
-    python scripts/gpu_serving.py --device cuda --preset small --out $OUT
-    python scripts/gpu_serving.py --device cpu --preset tiny --num-requests 6 --max-new-tokens 8 --rates 0.5,1 \\
-        --out /tmp/serving_smoke                                     # CPU smoke test (seconds)
+    python scripts/gpu_serving.py --device cuda --preset small --out $OUT                 # ~2-4 min on one H200
+    python scripts/gpu_serving.py --device cpu --preset tiny --num-requests 6 --warmup-requests 2 --max-new-tokens 8 \\
+        --rates 0.5,1 --max-num-seqs 4 --out /tmp/serving_smoke                         # CPU smoke test
 
-Saturation is measured first: the request throughput of speculation off at fixed concurrency max_num_seqs; the
-sweep's rates are fractions of it (--rates). SLOs for goodput default to 3x / 2x the light-load TTFT / TPOT of
-speculation off (printed in the results), unless given.
+Parts, in this order (after the saturation part, a run is skipped, and listed under "skipped", when the longest
+run of its part so far would end past --budget-s):
+  calibrate   ms per decode step by batch bucket and draft length 0..k, and tokens per step at each length, on the
+              engine that serves (workbench/serving/calibrate.py); the adaptive schedule is the length with the most
+              tokens per ms per batch size (unless --k-by-batch gives one)
+  warm-up     one short untimed run per engine (first-run costs, graph captures) before anything is measured
+  saturation  request throughput of speculation off at fixed concurrency max_num_seqs; the sweep's rates are fractions
+              of it; SLOs for goodput default to 3x / 2x the light-load TTFT / TPOT of speculation off
+  sweep       Poisson arrivals at each rate: off, fixed k, adaptive, and a held-out k = 2 (for the replay)
+  thresholds  for each schedule threshold t (a batch size where the schedule's k changes): fixed concurrency t - 1, t,
+              t + 1 with off, fixed k and adaptive; a cliff is adaptive's output tokens/s dropping more than
+              --cliff-pct % from one concurrency to the next, or falling more than --cliff-pct % below the better of
+              off and fixed k at one concurrency
+  replay      costs fitted on off + fixed k; predicts the held-out k = 2 and adaptive from the fixed-k traces
+Every run uses graphs captured before its clock starts, for every draft length it can use; each record carries
+graph_captures_in_run (captures inside the run: should be 0) and draft_catch_up_tokens.
 """
 from __future__ import annotations
 
@@ -24,103 +36,220 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workbench import settings  # noqa: E402
 from workbench.harness.bench import BenchSession  # noqa: E402
 from workbench.serving import replay  # noqa: E402
-from workbench.serving.bench import serve_bench  # noqa: E402
+from workbench.serving.adaptive import format_k_by_batch  # noqa: E402
+from workbench.serving.bench import engine_for, serve_bench  # noqa: E402
+from workbench.serving.calibrate import calibrate  # noqa: E402
 from workbench.serving.config import ServeConfig  # noqa: E402
 
-SHOW = ["setting", "rate", "request_throughput", "output_throughput", "goodput", "tpot_ms_p99", "ttft_ms_p99",
-        "mean_batch_size", "acceptance_rate", "preemptions"]
+SHOW = ["request_throughput", "output_throughput", "goodput", "tpot_ms_p99", "tpot_ms_p50", "ttft_ms_p99",
+        "ttft_ms_p50", "mean_batch_size", "acceptance_rate", "preemptions", "graph_captures_in_run",
+        "graph_misses_in_run", "draft_catch_up_tokens", "acceptance_by_batch_size"]
 
 
-def main() -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
     p.add_argument("--preset", default="small")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="model dtype on a GPU (float32 on a CPU)")
     p.add_argument("--method", default="draft", choices=("draft", "ngram"))
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--k-by-batch", default="1-4:4,5-8:3,9-16:2,17-64:1",
-                   help="adaptive schedule (studies' batch_schedule export: studies.schedule.k_by_batch_text)")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--k-by-batch", default="auto",
+                   help="adaptive schedule 'start-end:k,...'; auto = measured by the calibration part")
+    p.add_argument("--min-gain", type=float, default=0.02,
+                   help="a longer draft must beat the best shorter one by this fraction of tokens/ms")
+    p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--warmup-requests", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--rates", default="0.25,0.5,0.75,1.0,1.5", help="fractions of the measured saturation rate")
+    p.add_argument("--rates", default="0.5,1.0,1.5,2.0", help="fractions of the measured saturation rate")
     p.add_argument("--slo-ttft-ms", type=float, default=0.0)
     p.add_argument("--slo-tpot-ms", type=float, default=0.0)
-    p.add_argument("--cuda-graphs", action="store_true", help="capture graphs per batch bucket (default: eager)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="graphs per batch bucket and draft length (default: on for cuda, off on a CPU)")
+    p.add_argument("--calibration-steps", type=int, default=8)
     p.add_argument("--no-thresholds", action="store_true")
-    args = p.parse_args()
+    p.add_argument("--threshold-requests", type=int, default=12,
+                   help="measured requests per threshold run (at least 3 x the concurrency)")
+    p.add_argument("--cliff-pct", type=float, default=10.0)
+    p.add_argument("--budget-s", type=float, default=220.0, help="wall-clock budget of the whole script")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_begin = time.perf_counter()
+    elapsed = lambda: time.perf_counter() - t_begin  # noqa: E731
     dtype = args.dtype if args.device != "cpu" else "float32"
+    graphs = args.cuda_graphs if args.cuda_graphs is not None else args.device.startswith("cuda")
     session = BenchSession.load(preset=args.preset, device=args.device, dtype=dtype)
+    buckets = tuple(b for b in settings.KNOBS["graph_batch_sizes"].default if b < args.max_num_seqs)
     base = ServeConfig(method=args.method, k=args.k, max_new_tokens=args.max_new_tokens,
                        num_requests=args.num_requests, warmup_requests=args.warmup_requests,
-                       max_num_seqs=args.max_num_seqs, cuda_graphs=args.cuda_graphs,
-                       graph_batch_sizes=tuple(b for b in settings.KNOBS["graph_batch_sizes"].default
-                                               if b <= args.max_num_seqs) or (1,))
-    settings_of = {"off": dict(method="ar"), f"k={args.k}": {}, "adaptive": dict(k_by_batch=args.k_by_batch),
-                   "k=2 (held out)": dict(k=2)}
-    runs, records = {}, []
+                       max_num_seqs=args.max_num_seqs, cuda_graphs=graphs,
+                       graph_batch_sizes=buckets + (args.max_num_seqs,))
+    result = {"preset": args.preset, "device": str(session.device), "dtype": dtype, "method": args.method,
+              "k": args.k, "cuda_graphs": graphs, "budget_s": args.budget_s, "cliff_pct": args.cliff_pct,
+              "sweep": [], "thresholds": [], "threshold_checks": [], "skipped": [], "replay": []}
+    engines: dict[tuple, object] = {}  # (method, k) -> engine, reused across runs (cache and graphs kept)
+    last_wall: dict[str, float] = {}
 
-    def run(name: str, **kw):
+    def engine(cfg):
+        key = (cfg.method, cfg.k if cfg.method != "ar" else 0)
+        if key not in engines:
+            engines[key] = engine_for(session, cfg)
+        return engines[key]
+
+    # -- calibrate: the schedule from measured step costs and acceptance -----------------------------------------
+    # every prompt a measured run uses (requests cycle the prompt set): the warm-up serves them all, so each engine's
+    # cache is sized once for every later run (which then reuses it and its graphs)
+    used = session.encode(min(len(session.prompts), args.num_requests + args.warmup_requests))
+    bs = base.kv_block_size
+    if args.k_by_batch == "auto":
+        t0 = time.perf_counter()
+        serve_len = -(-(max(map(len, used)) + args.max_new_tokens + args.k + 2) // bs) * bs  # the loop's max_len
+        cal = calibrate(engine(base), used, base.graph_batch_sizes, steps=args.calibration_steps, max_len=serve_len)
+        ranges = cal.schedule(args.max_num_seqs, min_gain=args.min_gain)
+        result["calibration"] = {"table": cal.table(), "mean_tokens": cal.mean_tokens, "padded": cal.padded,
+                                 "wall_s": time.perf_counter() - t0}
+        k_by_batch, source = format_k_by_batch(ranges), "measured (calibration)"
+    else:
+        ranges, k_by_batch, source = settings.parse_k_by_batch(args.k_by_batch), args.k_by_batch, "given"
+    result.update(k_by_batch=k_by_batch, schedule_source=source)
+    print(f"schedule {k_by_batch} ({source})", flush=True)
+    settings_of = {"off": dict(method="ar"), f"k={args.k}": {}, "adaptive": dict(k_by_batch=k_by_batch),
+                   "k=2 (held out)": dict(k=2)}
+    runs: dict[tuple, object] = {}
+
+    def run(name: str, part: str, essential: bool = False, **kw):
         cfg = replace(base, **settings_of[name], **kw)
-        res = serve_bench(session, cfg)
-        rec = {key: res.record.get(key) for key in SHOW if key not in ("setting",)}
-        rec.update(setting=name, arrival=cfg.arrival, max_concurrency=cfg.max_concurrency,
-                   ttft_ms_p50=res.record["ttft_ms_p50"], tpot_ms_p50=res.record["tpot_ms_p50"],
-                   acceptance_by_batch_size=res.record["acceptance_by_batch_size"])
-        print(json.dumps(rec), flush=True)
+        guess = last_wall.get(part, 0.0)
+        if not essential and elapsed() + guess > args.budget_s:
+            result["skipped"].append({"part": part, "setting": name, **{k: v for k, v in kw.items()
+                                                                        if k in ("rate", "max_concurrency")}})
+            return None, None
+        t0 = time.perf_counter()
+        res = serve_bench(session, cfg, engine=engine(cfg))
+        last_wall[part] = max(last_wall.get(part, 0.0), time.perf_counter() - t0)
+        rec = {key: res.record.get(key) for key in SHOW}
+        rec.update(setting=name, rate=cfg.rate, arrival=cfg.arrival, max_concurrency=cfg.max_concurrency,
+                   wall_s=time.perf_counter() - t0)
+        print(json.dumps({"part": part, **rec}), flush=True)
         return res, rec
 
-    sat, sat_rec = run("off", arrival="concurrency", max_concurrency=args.max_num_seqs)
-    saturation = sat_rec["request_throughput"]
-    light, _ = run("off", rate=0.1 * saturation)
+    # -- warm-up: first-run costs and graph captures outside every measured run ----------------------------------
+    warm = dict(arrival="concurrency", max_concurrency=args.max_num_seqs, warmup_requests=0,
+                num_requests=max(args.max_num_seqs, len(used)))
+    for name in settings_of:
+        run(name, "warm-up", essential=True, **warm)
+    # -- saturation and SLOs ------------------------------------------------------------------------------------
+    _, sat = run("off", "saturation", True, arrival="concurrency", max_concurrency=args.max_num_seqs)
+    saturation = sat["request_throughput"]
+    light, _ = run("off", "light", True, rate=0.1 * saturation, num_requests=min(args.num_requests, 8),
+                   warmup_requests=min(args.warmup_requests, 2))
     slo_ttft = args.slo_ttft_ms or 3 * light.record["ttft_ms_p50"]
     slo_tpot = args.slo_tpot_ms or 2 * light.record["tpot_ms_p50"]
     base = replace(base, slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot)
+    result.update(saturation_request_throughput=saturation, saturation_mean_batch=sat["mean_batch_size"],
+                  slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot)
+    # -- the rate sweep -----------------------------------------------------------------------------------------
+    fixed = f"k={args.k}"
     for frac in (float(x) for x in args.rates.split(",")):
         for name in settings_of:
-            res, rec = run(name, rate=frac * saturation)
-            rec["rate_fraction"] = frac
-            records.append(rec)
-            runs[(name, frac)] = res
-    thresholds = []
+            res, rec = run(name, "sweep", rate=frac * saturation)
+            if res is not None:
+                rec["rate_fraction"] = frac
+                result["sweep"].append(rec)
+                runs[(name, frac)] = res
+    result["sweep_checks"] = sweep_checks(result["sweep"], fixed)
+    # -- thresholds +/- 1 at fixed concurrency --------------------------------------------------------------------
+    thresholds = [lo for lo, _, _ in ranges[1:] if lo <= args.max_num_seqs]
+    result["schedule_thresholds"] = thresholds
     if not args.no_thresholds:
-        for lo, hi, k in settings.parse_k_by_batch(args.k_by_batch)[:-1]:
-            for c in (hi, hi + 1):
-                if c <= args.max_num_seqs:
-                    _, rec = run("adaptive", arrival="concurrency", max_concurrency=c)
-                    rec["threshold"] = hi
-                    thresholds.append(rec)
-    # replay: costs fitted on "off" and fixed-k runs; predict the held-out k=2 and adaptive runs from the k traces
-    fit = [it for (name, _), r in runs.items() if name in ("off", f"k={args.k}") for it in r.result.iterations]
-    costs = replay.fit_costs(fit)
-    schedule = settings.parse_k_by_batch(args.k_by_batch)
-    sched = lambda b: next((k for lo, hi, k in schedule if lo <= b <= hi), args.k)  # noqa: E731
-    errors = []
-    for (name, frac), r in runs.items():
-        if name not in ("k=2 (held out)", "adaptive"):
-            continue
-        rec_run = runs[(f"k={args.k}", frac)].result
-        pred = replay.replay(rec_run.states, rec_run.traces, args.k, costs,
-                             (lambda b: 2) if name.startswith("k=2") else sched, max_num_seqs=args.max_num_seqs)
-        real = r.record["output_throughput"]
-        errors.append({"setting": name, "rate_fraction": frac, "real_output_throughput": real,
-                       "predicted_output_throughput": pred["output_throughput"],
-                       "error": pred["output_throughput"] / real - 1 if real else None,
-                       "real_tpot_ms_p99": r.record["tpot_ms_p99"], "predicted_tpot_ms_p99": pred["tpot_ms_p99"]})
-    result = {"preset": args.preset, "device": str(session.device), "dtype": dtype, "method": args.method, "k": args.k,
-              "k_by_batch": args.k_by_batch, "saturation_request_throughput": saturation, "slo_ttft_ms": slo_ttft,
-              "slo_tpot_ms": slo_tpot, "sweep": records, "thresholds": thresholds,
-              "replay_costs": dict(zip(replay.FEATURES, costs.coef)), "replay": errors,
-              "wall_s": time.perf_counter() - t_begin}
+        for t in thresholds:
+            for c in (t - 1, t, t + 1):
+                if not 1 <= c <= args.max_num_seqs:
+                    continue
+                for name in ("off", fixed, "adaptive"):
+                    n = max(args.threshold_requests, 3 * c)
+                    _, rec = run(name, "thresholds", arrival="concurrency", max_concurrency=c, num_requests=n,
+                                 warmup_requests=min(args.warmup_requests, c))
+                    if rec is not None:
+                        rec["threshold"] = t
+                        result["thresholds"].append(rec)
+        result["threshold_checks"] = threshold_checks(result["thresholds"], fixed, args.cliff_pct)
+    # -- replay -------------------------------------------------------------------------------------------------
+    fit = [it for (name, _), r in runs.items() if name in ("off", fixed) for it in r.result.iterations]
+    if fit:
+        costs = replay.fit_costs(fit)
+        sched = lambda b: next((k for lo, hi, k in ranges if lo <= b <= hi), args.k)  # noqa: E731
+        result["replay_costs"] = dict(zip(replay.FEATURES, costs.coef))
+        for (name, frac), r in runs.items():
+            if name not in ("k=2 (held out)", "adaptive") or (fixed, frac) not in runs:
+                continue
+            rec_run = runs[(fixed, frac)].result
+            pred = replay.replay(rec_run.states, rec_run.traces, args.k, costs,
+                                 (lambda b: 2) if name.startswith("k=2") else sched, max_num_seqs=args.max_num_seqs)
+            real = r.record["output_throughput"]
+            result["replay"].append({
+                "setting": name, "rate_fraction": frac, "real_output_throughput": real,
+                "predicted_output_throughput": pred["output_throughput"],
+                "error": pred["output_throughput"] / real - 1 if real and pred["output_throughput"] else None,
+                "real_tpot_ms_p99": r.record["tpot_ms_p99"], "predicted_tpot_ms_p99": pred["tpot_ms_p99"]})
+    result["wall_s"] = elapsed()
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / "table.md").write_text(table(result))
     print(table(result))
     return 0
+
+
+def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
+    """Per rate: adaptive's goodput and output tokens/s against the better of off and fixed k."""
+    out = []
+    for frac in sorted({x["rate_fraction"] for x in sweep}):
+        at = {x["setting"]: x for x in sweep if x["rate_fraction"] == frac}
+        if not {"off", fixed, "adaptive"} <= at.keys():
+            continue
+        row = {"rate_fraction": frac}
+        for key in ("goodput", "output_throughput"):
+            best = max(at["off"][key] or 0.0, at[fixed][key] or 0.0)
+            row[f"{key}_best_of_off_fixed"] = best
+            row[f"{key}_adaptive"] = at["adaptive"][key]
+            row[f"{key}_ratio"] = at["adaptive"][key] / best if best and at["adaptive"][key] is not None else None
+        row["tpot_ms_p99"] = {s: at[s]["tpot_ms_p99"] for s in ("off", fixed, "adaptive")}
+        row["adaptive_ge_best"] = (row["goodput_ratio"] or 0) >= 1.0
+        out.append(row)
+    return out
+
+
+def threshold_checks(rows: list[dict], fixed: str, cliff_pct: float) -> list[dict]:
+    """Per threshold: adaptive's output tokens/s at each concurrency against the better of off and fixed k, and the
+    change from one concurrency to the next; `cliff` when either falls by more than cliff_pct %."""
+    out = []
+    for t in sorted({x["threshold"] for x in rows}):
+        at = {(x["max_concurrency"], x["setting"]): x for x in rows if x["threshold"] == t}
+        cs = sorted({c for c, _ in at})
+        points, reasons = [], []
+        for c in cs:
+            a, off, fx = (at.get((c, s)) for s in ("adaptive", "off", fixed))
+            if a is None or off is None or fx is None:
+                continue
+            best = max(off["output_throughput"] or 0.0, fx["output_throughput"] or 0.0)
+            ratio = a["output_throughput"] / best if best else None
+            points.append({"concurrency": c, "adaptive": a["output_throughput"], "best_of_off_fixed": best,
+                           "ratio": ratio, "tpot_ms_p99": {"off": off["tpot_ms_p99"], fixed: fx["tpot_ms_p99"],
+                                                           "adaptive": a["tpot_ms_p99"]}})
+            if ratio is not None and ratio < 1 - cliff_pct / 100:
+                reasons.append(f"at concurrency {c} adaptive is {100 * (1 - ratio):.0f} % below the better of off "
+                               f"and fixed k")
+        for p, q in zip(points, points[1:]):
+            if p["adaptive"] and q["adaptive"] < p["adaptive"] * (1 - cliff_pct / 100):
+                reasons.append(f"adaptive tokens/s drops {100 * (1 - q['adaptive'] / p['adaptive']):.0f} % from "
+                               f"concurrency {p['concurrency']} to {q['concurrency']}")
+        out.append({"threshold": t, "points": points, "cliff": bool(reasons), "reasons": reasons})
+    return out
 
 
 def _f(v, digits=1):
@@ -128,29 +257,65 @@ def _f(v, digits=1):
 
 
 def table(r: dict) -> str:
-    lines = [f"# Serving sweep: {r['preset']} on {r['device']} ({r['dtype']}), {r['method']} k={r['k']}, adaptive "
-             f"{r['k_by_batch']}", "",
-             f"saturation (off, concurrency = max_num_seqs): {_f(r['saturation_request_throughput'], 2)} req/s; "
-             f"SLOs TTFT <= {_f(r['slo_ttft_ms'])} ms, TPOT <= {_f(r['slo_tpot_ms'])} ms", "",
-             "| rate (x sat) | setting | req/s | out tok/s | goodput | p99 TPOT ms | p99 TTFT ms | batch | accept |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"# Serving: {r['preset']} on {r['device']} ({r['dtype']}, graphs {'on' if r['cuda_graphs'] else 'off'}), "
+             f"{r['method']} k={r['k']}, adaptive {r['k_by_batch']} ({r['schedule_source']})", ""]
+    cal = r.get("calibration")
+    if cal:
+        ks = sorted({x["k"] for x in cal["table"]})
+        lines += ["Calibration: ms per decode step (tokens per ms, all rows) by batch size and draft length; "
+                  "tokens per row per step: " + ", ".join(f"k={k}: {_f(cal['mean_tokens'][k], 2)}" for k in ks), "",
+                  "| batch | " + " | ".join(f"k={k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
+        for b in sorted({x["batch_size"] for x in cal["table"]}):
+            cells = {x["k"]: x for x in cal["table"] if x["batch_size"] == b}
+            lines.append(f"| {b} | " + " | ".join(f"{_f(cells[k]['step_ms'], 3)} ({_f(cells[k]['tokens_per_ms'], 2)})"
+                                                   for k in ks) + " |")
+        lines.append("")
+    if "saturation_request_throughput" in r:
+        lines += [f"saturation (off, concurrency = max_num_seqs): {_f(r['saturation_request_throughput'], 2)} req/s at "
+                  f"mean batch {_f(r['saturation_mean_batch'])}; SLOs TTFT <= {_f(r['slo_ttft_ms'])} ms, "
+                  f"TPOT <= {_f(r['slo_tpot_ms'])} ms", ""]
+    lines += ["| rate (x sat) | setting | req/s | out tok/s | goodput | p99 TPOT ms | p99 TTFT ms | batch | accept | "
+              "captures in run |", "|---|---|---|---|---|---|---|---|---|---|"]
     for x in r["sweep"]:
         lines.append(f"| {x['rate_fraction']} | {x['setting']} | {_f(x['request_throughput'], 2)} | "
                      f"{_f(x['output_throughput'])} | {_f(x['goodput'], 2)} | {_f(x['tpot_ms_p99'])} | "
-                     f"{_f(x['ttft_ms_p99'])} | {_f(x['mean_batch_size'])} | {_f(x['acceptance_rate'], 2)} |")
+                     f"{_f(x['ttft_ms_p99'])} | {_f(x['mean_batch_size'])} | {_f(x['acceptance_rate'], 2)} | "
+                     f"{_f(x['graph_captures_in_run'])} |")
+    if r.get("sweep_checks"):
+        lines += ["", "Goal: adaptive >= the better of off and fixed k at every rate:", "",
+                  "| rate (x sat) | goodput adaptive / best | out tok/s adaptive / best | met |", "|---|---|---|---|"]
+        for c in r["sweep_checks"]:
+            lines.append(f"| {c['rate_fraction']} | {_f(c['goodput_ratio'], 3)} | {_f(c['output_throughput_ratio'], 3)}"
+                         f" | {'yes' if c['adaptive_ge_best'] else 'no'} |")
     if r["thresholds"]:
-        lines += ["", "Adaptive schedule at each threshold and threshold + 1 (fixed concurrency):", "",
-                  "| threshold | concurrency | out tok/s | p99 TPOT ms | batch |", "|---|---|---|---|---|"]
+        lines += ["", f"Thresholds {r['schedule_thresholds']} at concurrency t - 1, t, t + 1 (cliff: a drop of more "
+                  f"than {r['cliff_pct']:g} %):", "",
+                  "| threshold | concurrency | setting | out tok/s | p99 TPOT ms | batch | captures in run |",
+                  "|---|---|---|---|---|---|---|"]
         for x in r["thresholds"]:
-            lines.append(f"| {x['threshold']} | {x['max_concurrency']} | {_f(x['output_throughput'])} | "
-                         f"{_f(x['tpot_ms_p99'])} | {_f(x['mean_batch_size'])} |")
-    lines += ["", "Replay (costs fitted on off + fixed k; acceptance from the fixed-k traces):", "",
-              "| setting | rate (x sat) | real tok/s | predicted | error | real p99 TPOT | predicted |",
-              "|---|---|---|---|---|---|---|"]
-    for e in r["replay"]:
-        lines.append(f"| {e['setting']} | {e['rate_fraction']} | {_f(e['real_output_throughput'])} | "
-                     f"{_f(e['predicted_output_throughput'])} | {_f(100 * e['error'] if e['error'] is not None else None)} % | "
-                     f"{_f(e['real_tpot_ms_p99'])} | {_f(e['predicted_tpot_ms_p99'])} |")
+            lines.append(f"| {x['threshold']} | {x['max_concurrency']} | {x['setting']} | "
+                         f"{_f(x['output_throughput'])} | {_f(x['tpot_ms_p99'])} | {_f(x['mean_batch_size'])} | "
+                         f"{_f(x['graph_captures_in_run'])} |")
+        lines.append("")
+        for c in r["threshold_checks"]:
+            lines.append(f"- threshold {c['threshold']}: " + ("**cliff**: " + "; ".join(c["reasons"]) if c["cliff"]
+                                                               else "no cliff"))
+    elif not r.get("schedule_thresholds"):
+        lines += ["", "The schedule has no thresholds below max_num_seqs (one draft length for every batch size)."]
+    if r["replay"]:
+        lines += ["", "Replay (costs fitted on off + fixed k; acceptance from the fixed-k traces):", "",
+                  "| setting | rate (x sat) | real tok/s | predicted | error | real p99 TPOT | predicted |",
+                  "|---|---|---|---|---|---|---|"]
+        for e in r["replay"]:
+            err = 100 * e["error"] if e["error"] is not None else None
+            lines.append(f"| {e['setting']} | {e['rate_fraction']} | {_f(e['real_output_throughput'])} | "
+                         f"{_f(e['predicted_output_throughput'])} | {_f(err)} % | {_f(e['real_tpot_ms_p99'])} | "
+                         f"{_f(e['predicted_tpot_ms_p99'])} |")
+    if r["skipped"]:
+        lines += ["", f"Skipped for the budget ({r['budget_s']:g} s): " + ", ".join(
+            f"{s['part']} {s['setting']}" + (f" c={s['max_concurrency']}" if s.get("max_concurrency") else "")
+            for s in r["skipped"])]
+    lines += ["", f"wall {_f(r['wall_s'])} s"]
     return "\n".join(lines) + "\n"
 
 

@@ -192,19 +192,23 @@ class SpecEngine:
                 stats = stats.add(step.stats)
         return stats
 
-    def capture_graphs(self, max_batch: int) -> None:
+    def capture_graphs(self, max_batch: int, node_counts: tuple[int, ...] | None = None) -> None:
         """Capture every bucket a batch of up to max_batch can shrink through (target verify and drafter forwards),
-        so that timed generations replay graphs only. Needs a first `generate` (it sizes the caches)."""
+        so that timed generations replay graphs only. Needs a first `generate` or `setup_rows` (it sizes the caches).
+        node_counts: every `decode_step(num_nodes=n)` the run will ask for (adaptive speculation; 0 = autoregressive
+        steps); None = only the drafter's N."""
         if self.target_step is None or not self.config.cuda_graphs:
             return
         top = self.config.graphs.bucket(max_batch)
         sizes = [s for s in self.config.graph_batch_sizes if top is not None and s <= top]
+        counts = sorted(set(node_counts)) if node_counts is not None else [self.num_nodes]
         verify, key = self.verify_step()
         with torch.inference_mode():
             for size in sizes:
-                verify.capture(size, key)
+                for n in counts:
+                    verify.capture(size, key - self.num_nodes + n)  # the key is N or 1 + N
             if self.drafter is not None:
-                self.drafter.capture_graphs(sizes)
+                self.drafter.capture_graphs(sizes, node_counts=tuple(counts))
 
     def verify_step(self) -> tuple[FixedShapeStep | ModelStep | None, int]:
         """The step the verify pass runs under the current settings, and its shape key: the fused greedy step and
@@ -277,7 +281,7 @@ class SpecEngine:
             self.drafter.setup(DraftContext(max_rows=cache.max_rows, max_len=cache.max_len, device=self.device,
                                             sampling=cfg.sampling, generator=generator, paged=cfg.paged,
                                             kv_block_size=cfg.kv_block_size, graphs=cfg.graphs,
-                                            attention=cfg.attention))
+                                            attention=cfg.attention, tokens=self.tokens, kv_len_all=self.kv_len))
 
     def _verify_pads(self, n: int) -> dict[str, torch.Tensor]:
         dev = self.device
@@ -396,7 +400,7 @@ class SpecEngine:
         reads_kv_len = not fused or (self.drafter is not None and self.drafter.reads_kv_len)
         state = BatchState(rows=live_t, rows_host=list(live), tokens=self.tokens, tokens_host=tokens_host,
                            kv_len=self.kv_len[live_t] if reads_kv_len else kv_len_then, kv_len_host=base_host,
-                           kv_len_all=self.kv_len)
+                           kv_len_all=self.kv_len, num_nodes=n_nodes if n_nodes != full else None)
         base = state.kv_len
         with timer.phase("draft"):
             if n_nodes and self.drafter is not None:
@@ -583,15 +587,19 @@ class SpecEngine:
         hidden = self.target(chunk, torch.arange(start, start + t, device=dev).unsqueeze(0), self.cache)  # [1, T, H]
         return self.target.compute_logits(hidden[0, -1]), hidden[0]
 
-    def start_row(self, row: int, context: list[int], root: int, hidden: torch.Tensor | None = None) -> None:
+    def start_row(self, row: int, context: list[int], root: int, hidden: torch.Tensor | None = None,
+                  prefill_drafter: bool = True) -> None:
         """The row's prefill is complete: `context` (its committed tokens, KV written) and `root` (the next token,
         sampled from the prefill or known from before a preemption) become its state, and the drafter prefills it
-        (hidden [len(context), H]: the target's final hidden states of the context, for `wants_hidden` drafters)."""
+        (hidden [len(context), H]: the target's final hidden states of the context, for `wants_hidden` drafters).
+        prefill_drafter False leaves a draft model's own KV empty, for `catch_up_drafter` before the row's first draft
+        (serving: a row that never drafts never pays for it)."""
         dev, n = self.device, len(context)
         self.tokens[row, :n] = torch.tensor(context, dtype=torch.long, device=dev)
         self.tokens[row, n] = root
         self.kv_len[row] = n
-        self.sync_drafter(row, n, hidden)
+        if prefill_drafter:
+            self.sync_drafter(row, n, hidden)
 
     def sync_drafter(self, row: int, n: int, hidden: torch.Tensor | None = None) -> None:
         """(Re)prefill the drafter with the row's first n committed tokens (after the target's prefill, or after
@@ -608,6 +616,30 @@ class SpecEngine:
             self.drafter.prefill(state, ids, positions, hidden=hidden.unsqueeze(0))
         else:
             self.drafter.prefill(state, ids, positions)
+
+    def catch_up_drafter(self, rows: list[int], starts: list[int], ends: list[int]) -> None:
+        """The drafter's own KV of rows[i] is valid below starts[i]: write it for the committed tokens at positions
+        starts[i] .. ends[i] - 1, all rows in one forward of T = the largest gap. A row with a smaller gap starts
+        earlier (rewriting valid KV with the same tokens at the same positions changes nothing), so no row writes past
+        its end, except one shorter than T, whose padding lands at positions < T (the next draft writes them first)."""
+        dev = self.device
+        t = max(e - s for s, e in zip(starts, ends))
+        first = [max(0, e - t) for e in ends]
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        positions = torch.tensor(first, dtype=torch.long, device=dev).unsqueeze(1) + torch.arange(t, device=dev)
+        ids = self.tokens[rows_t.unsqueeze(1), positions]  # [B, T]
+        state = BatchState(rows=rows_t, rows_host=list(rows), tokens=self.tokens, tokens_host=[],
+                           kv_len=torch.tensor(ends, device=dev), kv_len_host=list(ends), kv_len_all=self.kv_len)
+        self.drafter.catch_up(state, ids, positions, first)
+
+    @torch.inference_mode()  # its buffers may have been made under inference mode (e.g. by a calibration)
+    def reset_rows(self) -> None:
+        """Every row released, the cache and the drafter's emptied; steps and their graphs kept (serving runs that
+        reuse the engine with the same cache shape)."""
+        self.cache.reset()
+        self.kv_len.fill_(PAD_LEN)
+        self._live = None
+        self._setup_drafter(torch.Generator(device=self.device).manual_seed(self.config.seed))
 
     def release_row(self, row: int) -> None:
         """The row's sequence finished or was preempted: its cache blocks and the drafter's state are released."""

@@ -15,6 +15,12 @@ drafter's own forwards (a draft model always drafts its full k when it runs).
     >>> a = AdaptiveSpeculation(k=4, k_by_batch=[(1, 2, 4), (3, 8, 2), (9, 64, 0)])
     >>> [a.batch_k(b) for b in (1, 3, 9, 100)]
     [4, 2, 0, 4]
+    >>> a.node_counts(16)          # the draft lengths a step of up to 16 rows can verify: capture them all first
+    (0, 2, 4)
+
+Where the schedule comes from: `schedule_from_costs` picks, per batch size, the draft length with the most tokens per
+millisecond from measured step costs (by batch size and draft length, 0 = autoregressive) and the mean tokens a row
+emits per step at each length (workbench/serving/calibrate.py measures both on the engine that will serve).
 """
 from __future__ import annotations
 
@@ -40,6 +46,18 @@ class AdaptiveSpeculation:
                 return min(k, self.k)
         return self.k
 
+    def node_counts(self, max_batch: int, chains: bool = True) -> tuple[int, ...]:
+        """Every draft length (`decode_step(num_nodes=)`) a step of up to max_batch rows can ask for: the schedule's,
+        their long-context limits, and 0 once rows can switch off. Trees (chains False) verify all k nodes or none."""
+        counts = {self.batch_k(b) for b in range(1, max_batch + 1)}
+        if self.max_context:
+            counts |= {min(k, self.long_context_k) for k in counts}
+        if self.off_acceptance > 0:
+            counts.add(0)
+        if not chains:
+            counts = {self.k if c else 0 for c in counts}
+        return tuple(sorted(counts))
+
     def row_k(self, state: RequestState, context_len: int, batch_k: int) -> int:
         if state.spec_off:
             return 0
@@ -58,3 +76,62 @@ class AdaptiveSpeculation:
             acc = sum(a for a, _ in state.window) / sum(d for _, d in state.window)
             if acc < self.off_acceptance:
                 state.spec_off = True
+
+
+def schedule_from_costs(step_ms: dict[tuple[int, int], float], mean_tokens: dict[int, float], max_batch: int, *,
+                        padded: bool = True, min_gain: float = 0.02) -> list[tuple[int, int, int]]:
+    """The draft length per live batch size 1..max_batch with the most output tokens per millisecond,
+    b x mean_tokens[k] / step_ms(b, k), as vLLM-style inclusive ranges [(start, end, k), ...].
+
+    step_ms[(b, k)]: measured ms per decode step of b rows at draft length k (k = 0: autoregressive); mean_tokens[k]:
+    tokens a row emits per step at k (1 + mean accepted; mean_tokens[0] = 1). A batch size not measured costs what
+    the next measured size up costs when steps are `padded` to graph buckets, else the linear interpolation of its
+    neighbours (sizes past the largest cost what it costs). A longer draft must beat the best shorter one by more than
+    `min_gain` (relative), so that noise in the costs does not flip the schedule between near-equal lengths.
+
+    >>> costs = {(1, 0): 1.0, (1, 2): 1.5, (2, 0): 1.0, (2, 2): 1.6, (4, 0): 1.2, (4, 2): 2.6}
+    >>> schedule_from_costs(costs, {0: 1.0, 2: 1.8}, 4)   # 1.2 and 2.25 tok/ms beat 1 and 2; at 4 rows 3.3 > 2.8
+    [(1, 2, 2), (3, 4, 0)]
+    """
+    sizes = sorted({b for b, _ in step_ms})
+    ks = sorted({k for _, k in step_ms if k in mean_tokens})
+    if not sizes or 0 not in ks:
+        raise ValueError("schedule_from_costs needs measured costs at k = 0 (autoregressive) for some batch size")
+
+    def cost(b: int, k: int) -> float | None:
+        known = sorted(s for s in sizes if (s, k) in step_ms)
+        if not known:
+            return None
+        if b in known:
+            return step_ms[(b, k)]
+        up = next((s for s in known if s > b), known[-1])
+        down = next((s for s in reversed(known) if s < b), None)
+        if padded or down is None or up <= b:
+            return step_ms[(up, k)]
+        w = (b - down) / (up - down)
+        return step_ms[(down, k)] * (1 - w) + step_ms[(up, k)] * w
+
+    ranges: list[list[int]] = []
+    for b in range(1, max_batch + 1):
+        best_k, best = 0, None
+        for k in ks:
+            c = cost(b, k)
+            if c is None or c <= 0:
+                continue
+            rate = b * mean_tokens[k] / c
+            if best is None or rate > best * (1 + min_gain):
+                best_k, best = k, rate
+        if ranges and ranges[-1][2] == best_k:
+            ranges[-1][1] = b
+        else:
+            ranges.append([b, b, best_k])
+    return [tuple(r) for r in ranges]
+
+
+def format_k_by_batch(ranges: list[tuple[int, int, int]]) -> str:
+    """The `k_by_batch` knob's text for ranges (the inverse of `settings.parse_k_by_batch`).
+
+    >>> format_k_by_batch([(1, 2, 2), (3, 4, 0)])
+    '1-2:2,3-4:0'
+    """
+    return ",".join(f"{lo}-{hi}:{k}" if hi != lo else f"{lo}:{k}" for lo, hi, k in ranges)

@@ -68,12 +68,14 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
         prompt_ids = session.encode(len(session.prompts)) if cfg.lengths == "file" else []
         requests = make_requests(cfg, prompt_ids, int(session.target.config.vocab_size))
     engine = engine or engine_for(session, cfg)
+    adaptive = adaptive_for(cfg, engine.num_nodes)
     loop = ServingLoop(engine, requests, policy=cfg.sched_policy, num_blocks=cfg.kv_blocks,
                        max_num_seqs=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
-                       prefix_caching=cfg.prefix_caching, adaptive=adaptive_for(cfg, engine.num_nodes),
+                       prefix_caching=cfg.prefix_caching, adaptive=adaptive,
                        max_concurrency=cfg.max_concurrency, clock=clock or RealClock(), timing=True)
-    if cfg.cuda_graphs:
-        engine.capture_graphs(cfg.max_num_seqs)  # before the clock starts: no capture inside a timed step
+    if cfg.cuda_graphs:  # before the clock starts, every (bucket, draft length) the adaptive rules can ask for
+        engine.capture_graphs(cfg.max_num_seqs, node_counts=adaptive.node_counts(cfg.max_num_seqs, loop.chains))
+    graphs_before = engine.graph_stats()
     t0 = time.perf_counter()
     try:
         result = loop.run()
@@ -83,6 +85,7 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
     if session.device.type == "cuda":
         torch.cuda.synchronize(session.device)
     wall = time.perf_counter() - t0
+    in_run = engine.graph_stats().since(graphs_before)
     run_id = uuid.uuid4().hex
     rec = {"run_id": run_id, "study": study, "trial_id": None, "status": "ok", "error": None, "run_kind": "serve",
            **config_columns(cfg), "k": cfg.k if cfg.method != "ar" else 0,
@@ -98,7 +101,10 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
     if cfg.method == "ar":
         for key in ("acceptance_rate", "mean_accepted_tokens", "tree_size_mean", "accepted_path_length_mean"):
             rec[key] = None
+    rec["draft_catch_up_tokens"] = result.draft_catch_up_tokens if engine.drafter is not None else None
     if cfg.cuda_graphs or cfg.compile != "off":
+        # captures and eager fallbacks (a batch above every bucket) inside the served run: each one is a stall
+        rec.update(graph_captures_in_run=len(in_run.captured), graph_misses_in_run=in_run.misses)
         g = engine.graph_stats()
         rec.update(graph_capture_s=g.capture_s, graph_memory_mb=g.memory_bytes / 2**20, graph_bucket_hits=g.hits,
                    graph_bucket_misses=g.misses, graph_padding_waste=g.padding_waste)

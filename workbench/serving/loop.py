@@ -10,6 +10,14 @@ One iteration, as named phases:
     prefill  up to `prefill_chunk` prompt tokens (0 = all), oldest admitted first; a request whose prefill completes
              gets its first token (or keeps its root, after a preemption) and decodes from the next iteration
 
+Adaptive speculation changes the draft length between steps at no extra cost when the engine's graphs for every
+length it can ask for were captured first (`AdaptiveSpeculation.node_counts`, `SpecEngine.capture_graphs`). A draft
+model keeps its own KV: it is not prefilled when a request's prefill completes, and a step that does not draft
+leaves it behind; before a row's next draft the loop writes only the positions it misses (`SpecEngine.
+catch_up_drafter`, one forward for all such rows; counted in `ServeResult.draft_catch_up_tokens`, prompts
+included), so a request served only by autoregressive steps never runs the draft model. A loop over an engine whose cache has this run's shape reuses it (and the
+graphs captured for it): `SpecEngine.reset_rows`.
+
 Time comes from a clock: `RealClock` (perf_counter, sleeps until the next arrival when idle) for benchmarks,
 `StepClock` (one unit per iteration) for tests, so arrival orders are exact and nothing sleeps.
 """
@@ -102,6 +110,7 @@ class ServeResult:
     preemptions: int = 0
     prefix_hit_rate: float | None = None
     max_used_blocks: int = 0
+    draft_catch_up_tokens: int = 0  # draft-model KV positions written after steps that did not draft
 
     @property
     def outputs(self) -> dict[int, list[int]]:
@@ -144,6 +153,11 @@ class ServingLoop:
         bs = engine.config.kv_block_size
         max_len = max(len(r.prompt) + r.max_new_tokens for r in requests) + self.n_nodes + 2
         max_len = math.ceil(max_len / bs) * bs
+        held = engine.cache  # reused when it has this run's shape, or (automatic pool) at least its length
+        if not num_blocks and isinstance(held, PrefixCachingKVCache) and held.max_rows == max_num_seqs and \
+                held.block_size == bs and held.max_len >= max_len and \
+                held.num_blocks == held.max_len // bs * max_num_seqs:
+            max_len = held.max_len
         worst = math.ceil(max_len / bs)
         self.num_blocks = num_blocks or worst * max_num_seqs
         self.scheduler = CapacityScheduler(policy, self.num_blocks, bs, self.n_nodes, max_len)
@@ -159,13 +173,20 @@ class ServingLoop:
         self.max_concurrency = max_concurrency
         self.clock = clock or RealClock()
         self.timer = PhaseTimer(engine.device, timing)
-        self.cache = make_cache(engine, max_num_seqs, max_len, self.num_blocks)
-        engine.setup_rows(self.cache, max_len)
+        cache = engine.cache
+        if isinstance(cache, PrefixCachingKVCache) and (cache.max_rows, cache.max_len, cache.num_blocks,
+                                                        cache.block_size) == (max_num_seqs, max_len, self.num_blocks, bs):
+            self.cache = cache  # the same shape as the last run's: keep it and the graphs captured over it
+            cache.queried_tokens = cache.hit_tokens = 0
+            engine.reset_rows()
+        else:
+            self.cache = make_cache(engine, max_num_seqs, max_len, self.num_blocks)
+            engine.setup_rows(self.cache, max_len)
         self.tokens_host: list[list[int] | None] = [None] * (max_num_seqs + 1)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-        # a draft model keeps its own KV: after steps that skipped drafting it must be re-prefilled
+        # a draft model keeps its own KV: steps that skip drafting leave it behind (caught up before the next draft)
         self._own_draft_kv = drafter is not None and drafter.model_forwards_per_step > 0 and not drafter.wants_hidden
-        self._stale: set[int] = set()
+        self._draft_valid: dict[int, int] = {}  # row -> positions below which the draft model's KV is valid
 
     # -- the loop -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -245,7 +266,7 @@ class ServingLoop:
         self.engine.release_row(s.row)
         self.free_rows.append(s.row)
         self.tokens_host[s.row] = None
-        self._stale.discard(s.row)
+        self._draft_valid.pop(s.row, None)
         self.scheduler.released(s)
         self.scheduler.preemptions += 1
         self.running.remove(s)
@@ -276,14 +297,14 @@ class ServingLoop:
         if not self.chains:  # trees are verified whole or not at all
             ks = [self.n_nodes if k else 0 for k in ks]
         n = max(ks) if self.n_nodes else 0
-        if n and self._own_draft_kv and self._stale & set(live):
-            for row in sorted(self._stale & set(live)):
-                eng.sync_drafter(row, len(self.tokens_host[row]) - 1)
-            self._stale -= set(live)
+        if n and self._own_draft_kv:
+            self._catch_up(live, result)
         row_nodes = None if all(k == n for k in ks) else ks
         out = eng.decode_step(live, self.tokens_host, self.timer, num_nodes=n, row_nodes=row_nodes)
-        if not n and self._own_draft_kv:
-            self._stale |= set(live)
+        if n and self._own_draft_kv:  # the chain wrote [t_(L-1), root] and its drafts: valid up to the new root,
+            for row, a in zip(live, out.accepted):  # unless all n were accepted (the last draft was never fed)
+                new_root = len(self.tokens_host[row]) - 1
+                self._draft_valid[row] = new_root if a < n else new_root - 1
         t = self.clock.now()
         for j, s in enumerate(decoding):
             room = s.req.max_new_tokens - len(s.output)
@@ -300,12 +321,26 @@ class ServingLoop:
                 self._finish(s, t)
         return n
 
+    def _catch_up(self, live: list[int], result: ServeResult) -> None:
+        """Rows whose draft KV is behind what the next chain needs (valid below L - 1, L the root's index; the chain
+        itself feeds L - 1 and L): write the missing positions, all such rows in one forward."""
+        behind = [(row, self._draft_valid[row], len(self.tokens_host[row]) - 2) for row in live
+                  if self._draft_valid[row] < len(self.tokens_host[row]) - 2]
+        if not behind:
+            return
+        rows, starts, ends = (list(x) for x in zip(*behind))
+        with self.timer.phase("draft"):
+            self.engine.catch_up_drafter(rows, starts, ends)
+        result.draft_catch_up_tokens += sum(e - s for s, e in zip(starts, ends))
+        for row, end in zip(rows, ends):
+            self._draft_valid[row] = end
+
     def _finish(self, s: RequestState, t: float) -> None:
         s.phase, s.t_done = "done", t
         self.engine.release_row(s.row)
         self.free_rows.append(s.row)
         self.tokens_host[s.row] = None
-        self._stale.discard(s.row)
+        self._draft_valid.pop(s.row, None)
         self.scheduler.released(s)
         self.running.remove(s)
         s.row = None
@@ -351,10 +386,11 @@ class ServingLoop:
                 s.t_first_token = now
                 s.emit_times.append(now)
             hidden = torch.cat(s.hidden, 0) if s.hidden else None
-            with self.timer.phase("prefill"):
-                eng.start_row(s.row, tokens, s.context[-1], hidden)
+            with self.timer.phase("prefill"):  # a draft model's KV is written before the row's first draft
+                eng.start_row(s.row, tokens, s.context[-1], hidden, prefill_drafter=not self._own_draft_kv)
             s.hidden = []
             self.tokens_host[s.row] = list(s.context)
+            self._draft_valid[s.row] = 0
             s.phase = "decode"
             if s.finished:
                 self._finish(s, now)

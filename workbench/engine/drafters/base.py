@@ -47,6 +47,10 @@ class DraftContext:
     kv_block_size: int = 16
     graphs: GraphSettings = GraphSettings()  # fixed-shape buckets / CUDA graphs / compile for the drafter's forwards
     attention: str = "sdpa"  # the attention backend of the drafter's KV cache (workbench/engine/kv_cache.py)
+    # the engine's persistent buffers (what BatchState.tokens / kv_len_all will be), so that graphs reading them can
+    # be captured before the first propose; None where a caller sets a drafter up without an engine
+    tokens: torch.Tensor | None = None  # [R + 1, S] long
+    kv_len_all: torch.Tensor | None = None  # [R + 1] long
 
 
 @dataclass
@@ -60,6 +64,9 @@ class BatchState:
     kv_len: torch.Tensor
     kv_len_host: list[int] = field(default_factory=list)
     kv_len_all: torch.Tensor | None = None  # [R + 1] long, persistent: kv_len of every row (the engine's own buffer)
+    # draft nodes this step verifies (None = the drafter's N): a chain drafter may draft only this many (its forwards
+    # past them would be thrown away); others may ignore it (the engine cuts their chain to it)
+    num_nodes: int | None = None
 
     @property
     def root(self) -> torch.Tensor:  # [B]
@@ -102,8 +109,15 @@ class Drafter(ABC):
     def release(self, row: int) -> None:
         pass
 
-    def capture_graphs(self, sizes: list[int]) -> None:
-        """Capture the drafter's forwards for these batch buckets ahead of use (after a first `setup`)."""
+    def capture_graphs(self, sizes: list[int], node_counts: tuple[int, ...] | None = None) -> None:
+        """Capture the drafter's forwards for these batch buckets ahead of use (after a first `setup`); node_counts:
+        the draft lengths (`BatchState.num_nodes`) steps will ask for (None = only N)."""
+
+    def catch_up(self, state: BatchState, ids: torch.Tensor, positions: torch.Tensor, start_host: list[int]) -> None:
+        """A drafter with its own KV cache whose KV is valid below `start_host[i]` for row state.rows_host[i] (e.g.
+        after autoregressive steps that did not draft): write it for ids [B, T] at positions [B, T] (right-padded;
+        positions[i, 0] = start_host[i]). Only drafters that keep their own KV implement it."""
+        raise NotImplementedError(f"drafter {self.name!r} keeps no KV of its own to catch up")
 
     def model_steps(self) -> list:
         """The drafter's `ModelStep`s (for graph statistics and per-phase profiling); none for model-free drafters."""
@@ -124,7 +138,7 @@ class OneStepDrafter(Drafter):
 
     step = None  # FixedShapeStep | None, built by setup
 
-    def capture_graphs(self, sizes: list[int]) -> None:
+    def capture_graphs(self, sizes: list[int], node_counts: tuple[int, ...] | None = None) -> None:
         if self.step is not None:
             for size in sizes:
                 self.step.capture(size, 0)

@@ -7,10 +7,15 @@ The draft cache is planned once per step for all k forwards (positions L-1 .. L+
 device step. Greedy drafting with fixed shapes runs the whole chain (k forwards and the argmax between them) as one
 step that reads the roots from the engine's persistent token and length buffers: one CUDA graph per batch bucket.
 Sampled drafting replays one graph per forward (the 2-token one, then the 1-token one) and samples in between.
+A step that verifies fewer nodes (`BatchState.num_nodes` = n < k, adaptive speculation) drafts only n tokens: n
+forwards, and with greedy fixed shapes its own chain step (one graph per bucket and n), so a shorter draft costs less.
+After steps that did not draft at all, `catch_up` writes the draft KV the chain's first forward does not cover.
 `kv_quant` is the draft cache's own KV format (engine/kv_quant.py), independent of the target's: it can change
 acceptance, never the output.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -34,7 +39,7 @@ class DraftModelDrafter(Drafter):
         self.model_forwards_per_step = k
         self.cache = None
         self.step: ModelStep | None = None  # one forward -> last-token logits
-        self.chain_step: FixedShapeStep | None = None  # greedy: the whole chain in one step
+        self.chain_steps: dict[int, FixedShapeStep] = {}  # greedy: the whole chain of n tokens in one step, per n
         self._state: tuple | None = None  # (tokens, kv_len_all): the engine's persistent buffers the chain reads
 
     @property
@@ -56,7 +61,8 @@ class DraftModelDrafter(Drafter):
             self.cache.reset()
             return
         c = self.model.config
-        self.cache = self.step = self.chain_step = self._state = None  # free the old pool and its graphs first
+        self.cache = self.step = self._state = None  # free the old pool and its graphs first
+        self.chain_steps = {}
         # as many rows as the target's cache, so that both caches' scratch pad_row is the same row index
         self.cache = make_cache(ctx.paged, num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
                                 head_dim=c.head_dim, max_rows=ctx.max_rows, max_len=need,
@@ -67,8 +73,8 @@ class DraftModelDrafter(Drafter):
     def _chain_pads(self, key) -> dict[str, torch.Tensor]:
         return {"rows": torch.tensor(self.cache.pad_row, device=self.ctx.device)}
 
-    def _greedy_chain(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [B] -> draft tokens [B, k]: k greedy forwards, reading roots and lengths from the engine's state."""
+    def _greedy_chain(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """rows [B] -> draft tokens [B, n]: n greedy forwards, reading roots and lengths from the engine's state."""
         tokens, kv_len_all = self._state
         span = self.cache.static_span
         L = kv_len_all[rows]  # [B]
@@ -76,14 +82,25 @@ class DraftModelDrafter(Drafter):
         self.cache.prepare(rows, L - 1, 2, None, span)
         logits = self.step.logits(ids, torch.stack([L - 1, L], 1))  # [B, V]
         drafted = []
-        for i in range(self.k):
+        for i in range(n):
             tok = logits.argmax(-1)  # [B]
             drafted.append(tok)
-            if i < self.k - 1:
+            if i < n - 1:
                 pos = L + 1 + i
                 self.cache.prepare(rows, pos, 1, None, span)
                 logits = self.step.logits(tok.unsqueeze(1), pos.unsqueeze(1))
         return torch.stack(drafted, 1)
+
+    def _chain(self, n: int, tokens: torch.Tensor, kv_len_all: torch.Tensor) -> FixedShapeStep:
+        """The fused greedy chain step of n tokens over the engine's buffers (made again when they change)."""
+        if self._state is None or self._state[0] is not tokens:
+            self._state, self.chain_steps = (tokens, kv_len_all), {}
+        step = self.chain_steps.get(n)
+        if step is None:
+            name = "draft-chain" if n == self.k else f"draft-chain{n}"
+            step = self.chain_steps[n] = FixedShapeStep(name, functools.partial(self._greedy_chain, n=n),
+                                                        self._chain_pads, self.ctx.graphs, self.ctx.device)
+        return step
 
     def prefill(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor) -> None:
         b = prompt_ids.shape[0]
@@ -91,15 +108,18 @@ class DraftModelDrafter(Drafter):
         self.cache.begin(state.rows, zeros, [0] * b, prompt_ids.shape[1], rows_host=state.rows_host, prefill=True)
         self.model(prompt_ids, positions, self.cache)
 
+    def catch_up(self, state: BatchState, ids: torch.Tensor, positions: torch.Tensor, start_host: list[int]) -> None:
+        b, t = ids.shape
+        self.cache.begin(state.rows, positions[:, 0], start_host, t, rows_host=state.rows_host, prefill=True)
+        self.model(ids, positions, self.cache)
+
     def propose(self, state: BatchState) -> DraftTree:
+        n = self.k if state.num_nodes is None else max(1, min(self.k, state.num_nodes))
         host = [x - 1 for x in state.kv_len_host]
-        self.cache.plan(state.rows_host, host, self.k + 1)  # room for every forward of this step, planned once
+        self.cache.plan(state.rows_host, host, n + 1)  # room for every forward of this step, planned once
         if self._fused():
-            if self._state is None or self._state[0] is not state.tokens:
-                self._state = (state.tokens, state.kv_len_all)
-                self.chain_step = FixedShapeStep("draft-chain", self._greedy_chain, self._chain_pads,
-                                                 self.ctx.graphs, self.ctx.device)
-            drafted = self.chain_step(0, len(state.rows_host), {"rows": state.rows}, state.rows_host)
+            chain = self._chain(n, state.tokens, state.kv_len_all)
+            drafted = chain(0, len(state.rows_host), {"rows": state.rows}, state.rows_host)
             return DraftTree.chain(drafted)
         rows, L = state.rows, state.kv_len
         prev = state.tokens[rows, L - 1]
@@ -107,7 +127,7 @@ class DraftModelDrafter(Drafter):
         logits = self.step(rows, state.rows_host, ids, torch.stack([L - 1, L], 1), L - 1, host)  # [B, V]
         params, gen = self.ctx.sampling, self.ctx.generator
         tokens, probs = [], []
-        for i in range(self.k):
+        for i in range(n):
             if params.greedy:
                 tok = logits.argmax(-1)
             else:
@@ -115,7 +135,7 @@ class DraftModelDrafter(Drafter):
                 tok = sample(q, gen)
                 probs.append(q)
             tokens.append(tok)
-            if i < self.k - 1:
+            if i < n - 1:
                 pos = L + 1 + i
                 logits = self.step(rows, state.rows_host, tok.unsqueeze(1), pos.unsqueeze(1), pos,
                                    [x + 2 + i for x in host])
@@ -128,17 +148,23 @@ class DraftModelDrafter(Drafter):
     def release(self, row: int) -> None:
         self.cache.free(row)
 
-    def capture_graphs(self, sizes: list[int]) -> None:
+    def capture_graphs(self, sizes: list[int], node_counts: tuple[int, ...] | None = None) -> None:
+        lengths = sorted({min(n, self.k) for n in (node_counts or (self.k,)) if n > 0})
+        ctx = self.ctx
         for size in sizes:
             if self._fused():
-                if self.chain_step is not None:
-                    self.chain_step.capture(size, 0)
+                tokens, kv_len_all = (ctx.tokens, ctx.kv_len_all) if ctx.tokens is not None else \
+                    (self._state or (None, None))
+                if tokens is None:  # set up without an engine's buffers: captured on first use instead
+                    continue
+                for n in lengths:
+                    self._chain(n, tokens, kv_len_all).capture(size, 0)
             else:
                 for num_new in (2, 1):  # the [t_(L-1), root] forward, then the single-token ones
                     self.step.capture(size, num_new)
 
     def model_steps(self) -> list:
-        return [s for s in (self.step, self.chain_step) if s is not None]
+        return [s for s in (self.step, *self.chain_steps.values()) if s is not None]
 
     def kv_caches(self) -> list:
         return [self.cache] if self.cache is not None else []

@@ -1,0 +1,232 @@
+"""Adaptive speculation that switches the draft length between steps at no extra cost: every (bucket, length) graph
+is captured before the run (none inside it), a draft model drafts only the length a step verifies, its KV is caught
+up after autoregressive steps exactly as a fresh prefill would leave it, engines are reused across runs, and the
+schedule comes from measured step costs. Outputs stay equal to each request's solo greedy output throughout."""
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.test_engine import draft, target  # noqa: F401 (fixtures)
+from tests.test_serving import BS, assert_solo, random_requests, solo  # noqa: F401 (fixture)
+from workbench.engine import EngineConfig, SpecEngine
+from workbench.engine.drafters import DraftModelDrafter
+from workbench.engine.graphs import FixedShapeStep
+from workbench.serving.adaptive import AdaptiveSpeculation, format_k_by_batch, schedule_from_costs
+from workbench.serving.calibrate import calibrate
+from workbench.serving.config import ServeConfig, ServeError
+from workbench.serving.loop import ServingLoop, StepClock
+from workbench.serving.request import Request
+
+SCHEDULE = [(1, 1, 3), (2, 2, 0), (3, 64, 2)]  # lengths 3, 0 and 2: switches every time the batch changes
+
+
+class RecordingDrafter(DraftModelDrafter):
+    """Records, per committed context (tokens up to the root), the drafts proposed from it."""
+
+    def __init__(self, model, k):
+        super().__init__(model, k)
+        self.proposals: dict[tuple[int, ...], list[int]] = {}
+
+    def propose(self, state):
+        tree = super().propose(state)
+        want = self.k if state.num_nodes is None else state.num_nodes
+        assert tree.num_nodes == want, "a draft model drafts exactly the length the step verifies"
+        for i, row in enumerate(state.rows_host):
+            self.proposals[tuple(state.tokens_host[row])] = tree.token_ids[i].tolist()
+        return tree
+
+
+def engine_with(drafter, target, graphs=False):
+    return SpecEngine(target, drafter, EngineConfig(max_new_tokens=64, kv_block_size=BS, cuda_graphs=graphs,
+                                                    graph_batch_sizes=(1, 2, 4)))
+
+
+class FullResyncLoop(ServingLoop):
+    """The reference: before every drafting step, every live row's draft KV is prefilled afresh from position 0
+    (`sync_drafter`: the drafter's own prefill, not the catch-up path)."""
+
+    def _catch_up(self, live, result):
+        for row in live:
+            self.engine.sync_drafter(row, len(self.tokens_host[row]) - 1)
+            self._draft_valid[row] = len(self.tokens_host[row]) - 1
+
+
+class NoCatchUpLoop(ServingLoop):
+    def _catch_up(self, live, result):
+        pass
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_catch_up_after_autoregressive_steps_drafts_as_a_fresh_prefill(target, draft, solo, graphs):
+    reqs = random_requests(21, n=10)
+    runs = {}
+    spans = []  # (start, end) of every incremental catch-up
+    for name, cls in (("incremental", ServingLoop), ("full", FullResyncLoop), ("none", NoCatchUpLoop)):
+        drafter = RecordingDrafter(draft, 3)
+        engine = engine_with(drafter, target, graphs)
+        if name == "incremental":
+            catch_up = engine.catch_up_drafter
+            engine.catch_up_drafter = lambda rows, starts, ends: (spans.extend(zip(starts, ends)),
+                                                                  catch_up(rows, starts, ends))
+        res = cls(engine, reqs, adaptive=AdaptiveSpeculation(3, SCHEDULE), clock=StepClock(), max_num_seqs=4).run()
+        assert_solo(res, reqs, solo)
+        runs[name] = (res, drafter.proposals)
+    res, inc = runs["incremental"]
+    assert {t.num_nodes for t in res.traces} == {0, 2, 3}
+    # the prompt of every row that drafted (from 0, lazily), and rows that fell behind after autoregressive steps
+    assert any(start == 0 for start, _ in spans) and any(start > 0 for start, _ in spans)
+    assert res.draft_catch_up_tokens == sum(e - s for s, e in spans)
+    full = runs["full"][1]
+    common = inc.keys() & full.keys()
+    assert len(common) >= 0.9 * len(inc) and all(inc[c] == full[c] for c in common)
+    # the comparison has power: without catching up, stale draft KV drafts other tokens from the same context
+    stale = runs["none"][1]
+    assert any(stale[c] != full[c] for c in stale.keys() & full.keys())
+
+
+@pytest.fixture
+def fake_capture(monkeypatch):
+    """CUDA-graph capture emulated on the CPU: a capture runs the warm-up and records the (bucket, key); a replay
+    runs the body on the captured buffers. So captures are counted where they happen, as on a GPU."""
+    init = FixedShapeStep.__init__
+
+    def patched_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._capture = self.settings.cuda_graphs
+
+    def record(self, bufs, key):
+        self.warm_up(bufs)
+        bufs.graph = SimpleNamespace(replay=lambda: setattr(bufs, "out", self._fn(**bufs.buf)))
+        self.stats.captured.append(f"{self.name}:{bufs.size}x{key}")
+
+    monkeypatch.setattr(FixedShapeStep, "__init__", patched_init)
+    monkeypatch.setattr(FixedShapeStep, "_record", record)
+
+
+def fake_session():
+    return SimpleNamespace(device=torch.device("cpu"), dtype="float32", preset=None, target_path="random",
+                           draft_path="random", prompts_source="random")
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_every_length_is_captured_before_the_run(target, draft, solo, fake_capture, monkeypatch, ahead):
+    from workbench.serving import bench
+
+    if not ahead:  # the old behaviour, as a control: only the drafter's full length captured first
+        monkeypatch.setattr(AdaptiveSpeculation, "node_counts", lambda self, b, chains=True: (self.k,))
+    reqs = random_requests(22, n=10)
+    cfg = ServeConfig(method="draft", k=3, cuda_graphs=True, graph_batch_sizes=(1, 2, 4), max_num_seqs=4,
+                      kv_block_size=BS, k_by_batch=format_k_by_batch(SCHEDULE), max_new_tokens=12)
+    engine = engine_with(DraftModelDrafter(draft, 3), target, graphs=True)
+    out = bench.serve_bench(fake_session(), cfg, clock=StepClock(), engine=engine, requests=reqs)
+    assert_solo(out.result, reqs, solo)
+    assert {t.num_nodes for t in out.result.traces} == {0, 2, 3}
+    if ahead:
+        assert out.record["graph_captures_in_run"] == 0 and out.record["graph_misses_in_run"] == 0
+        captured = engine.graph_stats().captured
+        assert {"draft-chain2:4x0", "draft-chain:4x0", "target+accept:4x0", "target+accept:4x2"} <= set(captured)
+    else:
+        assert out.record["graph_captures_in_run"] > 0  # what the H200 run paid inside its measured window
+
+
+def test_a_second_run_reuses_the_engine_cache_and_graphs(target, draft, solo, fake_capture):
+    from workbench.serving import bench
+
+    reqs = random_requests(23, n=8)
+    cfg = ServeConfig(method="draft", k=3, cuda_graphs=True, graph_batch_sizes=(1, 2, 4), max_num_seqs=4,
+                      kv_block_size=BS, k_by_batch="1-2:3,3-4:1", max_new_tokens=12)
+    engine = engine_with(DraftModelDrafter(draft, 3), target, graphs=True)
+    first = bench.serve_bench(fake_session(), cfg, clock=StepClock(), engine=engine, requests=reqs)
+    cache, captured = engine.cache, len(engine.graph_stats().captured)
+    second = bench.serve_bench(fake_session(), cfg, clock=StepClock(), engine=engine, requests=reqs)
+    assert engine.cache is cache and len(engine.graph_stats().captured) == captured  # nothing captured again
+    assert second.result.outputs == first.result.outputs
+    assert_solo(second.result, reqs, solo)
+    assert [t.accepted for t in second.result.traces] == [t.accepted for t in first.result.traces]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_calibration_measures_every_batch_size_and_length(target, draft, solo, graphs):
+    engine = engine_with(DraftModelDrafter(draft, 3), target, graphs)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(64) for _ in range(rng.randint(3, 12))] for _ in range(4)]
+    cal = calibrate(engine, prompts, (1, 2, 4), steps=3, warmup=1, max_len=48)
+    assert set(cal.step_ms) == {(b, k) for b in (1, 2, 4) for k in range(4)}
+    assert all(ms > 0 for ms in cal.step_ms.values())
+    assert cal.mean_tokens[0] == 1 and len(cal.accepted) == 3 * (1 + 2 + 4)
+    assert cal.mean_tokens[3] == 1 + sum(cal.accepted) / len(cal.accepted)
+    assert all(cal.mean_tokens[k] <= cal.mean_tokens[k + 1] for k in range(3))
+    ranges = cal.schedule(4)
+    assert ranges[0][0] == 1 and ranges[-1][1] == 4 and all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert cal.padded == graphs and len(cal.table()) == 12
+    # the engine serves afterwards in the calibration's cache, with its graphs (its rows were released)
+    cache = engine.cache
+    reqs = [Request(i, p, 6, arrival_s=float(i)) for i, p in enumerate(prompts)]
+    res = ServingLoop(engine, reqs, adaptive=AdaptiveSpeculation(3, ranges), clock=StepClock(), max_num_seqs=4).run()
+    assert engine.cache is cache and res.num_blocks == cache.num_blocks
+    assert_solo(res, reqs, solo)
+
+
+def test_calibration_bad_arguments_are_named_errors(target, draft):
+    engine = engine_with(DraftModelDrafter(draft, 3), target)
+    with pytest.raises(ServeError, match="non-empty prompts"):
+        calibrate(engine, [[]], (1,))
+    with pytest.raises(ServeError, match="batch sizes >= 1"):
+        calibrate(engine, [[1, 2]], (0, 2))
+    with pytest.raises(ServeError, match=r"must lie in 0\.\.3"):
+        calibrate(engine, [[1, 2]], (1,), node_counts=(0, 5))
+
+
+def test_schedule_turns_speculation_off_where_it_stops_paying():
+    # drafting k tokens costs 0.2 ms + 0.05 ms per row and token over the AR step (1 ms + 0.05 ms per row); a row
+    # emits 1 + 0.6 k - 0.05 k^2 tokens (diminishing): long drafts at small batches, shorter ones, then none
+    costs = {(b, k): 1.0 + 0.05 * b + (0.2 + 0.05 * b * k if k else 0.0) for b in (1, 2, 4, 8, 16) for k in range(4)}
+    tokens = {k: 1 + 0.6 * k - 0.05 * k * k for k in range(4)}
+    ranges = schedule_from_costs(costs, tokens, 16)
+    assert ranges == [(1, 4, 3), (5, 8, 2), (9, 16, 0)]
+    ks = [k for lo, hi, k in ranges for _ in range(lo, hi + 1)]
+    assert all(a >= b for a, b in zip(ks, ks[1:]))  # never longer at a larger batch here
+    for b in range(1, 17):  # each pick is the best rate within min_gain
+        bucket = next(s for s in (1, 2, 4, 8, 16) if s >= b)
+        rate = {k: b * tokens[k] / costs[(bucket, k)] for k in range(4)}
+        assert rate[ks[b - 1]] * 1.02 >= max(rate.values())
+    with pytest.raises(ValueError, match="k = 0"):
+        schedule_from_costs({(1, 2): 1.0}, {2: 1.5}, 4)
+
+
+def test_node_counts_cover_every_length_a_step_can_verify():
+    a = AdaptiveSpeculation(4, [(1, 2, 4), (3, 8, 2)], off_acceptance=0.2, max_context=100, long_context_k=1)
+    assert a.node_counts(8) == (0, 1, 2, 4)
+    assert a.node_counts(2) == (0, 1, 4)
+    assert a.node_counts(8, chains=False) == (0, 4)
+    assert AdaptiveSpeculation(3).node_counts(16) == (3,)
+
+
+def test_gpu_serving_script_smoke_on_cpu(tmp_path):
+    """scripts/gpu_serving.py end to end on the tiny preset (its CPU smoke test): every part, the goal and cliff
+    checks, a threshold measured at t - 1, t, t + 1; then a zero budget skips every optional run by name."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    common = ["--device", "cpu", "--preset", "tiny", "--num-requests", "4", "--warmup-requests", "1",
+              "--max-new-tokens", "6", "--rates", "1", "--max-num-seqs", "4", "--threshold-requests", "3",
+              "--calibration-steps", "2"]
+    assert gpu_serving.main(common + ["--out", str(tmp_path / "a"), "--k-by-batch", "1:2,2-4:0"]) == 0
+    r = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert r["schedule_thresholds"] == [2] and not r["skipped"]
+    assert sorted({x["max_concurrency"] for x in r["thresholds"]}) == [1, 2, 3]
+    assert {x["setting"] for x in r["thresholds"]} == {"off", "k=4", "adaptive"}
+    check = r["threshold_checks"][0]
+    assert check["threshold"] == 2 and len(check["points"]) == 3 and isinstance(check["cliff"], bool)
+    assert [c["rate_fraction"] for c in r["sweep_checks"]] == [1.0]
+    assert "Thresholds [2]" in (tmp_path / "a" / "table.md").read_text()
+    assert gpu_serving.main(common + ["--out", str(tmp_path / "b"), "--budget-s", "0"]) == 0
+    r = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert r["schedule_source"].startswith("measured") and r["calibration"]["table"]
+    assert not r["sweep"] and {s["part"] for s in r["skipped"]} == {"sweep"} | ({"thresholds"} if
+                                                                              r["schedule_thresholds"] else set())

@@ -1,0 +1,118 @@
+"""Measure what an adaptive schedule needs, on the engine that will serve: ms per decode step by batch size and
+draft length, and the tokens a row emits per step at each draft length.
+
+    cal = calibrate(engine, prompt_ids, batch_sizes=(1, 2, 4, 8, 16), steps=8)
+    cal.step_ms[(4, 2)]      # median ms of a decode step over 4 rows verifying 2 draft tokens (0 = autoregressive)
+    cal.mean_tokens[2]       # tokens a row emits per step at k = 2 (1 + mean accepted)
+    cal.schedule(16)         # adaptive.schedule_from_costs over both: [(start, end, k), ...]
+
+Steps run as the serving loop runs them (`SpecEngine.decode_step` over rows prefilled with the prompts, graphs
+captured first for every length), timed on the host around the step, whose one device->host read makes it
+synchronous. For each batch size the rows start afresh from their prompts and the full draft length runs first:
+its accepted counts give every shorter length's, since a greedy chain's first k' drafts are the shorter chain
+(mean_tokens[k'] = 1 + mean(min(accepted, k'))); exact for greedy chains, an estimate for sampled drafts and trees.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.engine.sampling import next_token
+from workbench.engine.step import PhaseTimer, SpecEngine
+from workbench.serving.adaptive import schedule_from_costs
+from workbench.serving.config import ServeError
+
+
+@dataclass
+class Calibration:
+    step_ms: dict[tuple[int, int], float]  # (batch size, draft length) -> median ms per decode step
+    mean_tokens: dict[int, float]  # draft length -> tokens a row emits per step
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per (row, step) at the full length
+    padded: bool = True  # steps pad to graph buckets (costs of sizes between buckets are the bucket's)
+
+    def schedule(self, max_batch: int, min_gain: float = 0.02) -> list[tuple[int, int, int]]:
+        return schedule_from_costs(self.step_ms, self.mean_tokens, max_batch, padded=self.padded, min_gain=min_gain)
+
+    def table(self) -> list[dict]:
+        """One row per (batch size, k): ms per step, tokens per row per step, tokens per ms (all rows)."""
+        return [{"batch_size": b, "k": k, "step_ms": ms, "mean_tokens": self.mean_tokens.get(k),
+                 "tokens_per_ms": b * self.mean_tokens[k] / ms if k in self.mean_tokens and ms > 0 else None}
+                for (b, k), ms in sorted(self.step_ms.items())]
+
+
+@torch.inference_mode()
+def calibrate(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[int, ...],
+              node_counts: tuple[int, ...] | None = None, *, steps: int = 8, warmup: int = 2,
+              max_prompt_len: int = 128, max_len: int | None = None) -> Calibration:
+    """Time `steps` decode steps (after `warmup` untimed ones) for every batch size and draft length; ServeError for
+    bad arguments (before any work). node_counts: the draft lengths to time (default every 0..N for chains, {0, N}
+    for trees). Prompts are cut to their last max_prompt_len tokens and cycled over the rows. max_len: KV slots per
+    row (give the serving runs' own, so that steps attend over the same span and a serving loop with max(batch_sizes)
+    rows reuses the cache and its graphs; default: what one length's steps need); a row that would outgrow it
+    restarts from its prompt between lengths."""
+    from workbench.serving.loop import make_cache
+
+    n_full = engine.num_nodes
+    chains = engine.drafter is None or engine.drafter.proposes_chains
+    counts = tuple(sorted(set(node_counts if node_counts is not None else
+                              (range(n_full + 1) if chains else {0, n_full}))))
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ServeError("calibration needs non-empty prompts")
+    if not batch_sizes or min(batch_sizes) < 1 or steps < 1 or warmup < 0:
+        raise ServeError(f"calibration needs batch sizes >= 1 and steps >= 1 (got {batch_sizes}, steps={steps})")
+    if any(k < 0 or k > n_full or (not chains and k not in (0, n_full)) for k in counts):
+        raise ServeError(f"draft lengths {counts} must lie in 0..{n_full} (trees: 0 or {n_full})")
+    prompts = [p[-max_prompt_len:] for p in prompts]
+    rows = max(batch_sizes)
+    bs = engine.config.kv_block_size
+    grow = (warmup + steps) * (n_full + 1)  # positions one length's steps can add to a row
+    need = max(len(p) for p in prompts) + grow + n_full + 2
+    max_len = max_len or need
+    if need > max_len or max_len > engine.max_context():
+        raise ServeError(f"calibration needs {need} KV slots per row (max_len {max_len}, the target's context "
+                         f"{engine.max_context()}): fewer steps or shorter prompts")
+    max_len = -(-max_len // bs) * bs
+    cache = make_cache(engine, rows, max_len, rows * (max_len // bs))
+    engine.setup_rows(cache, max_len)
+    engine.capture_graphs(rows, node_counts=counts)
+    timer = PhaseTimer(engine.device, False)
+    tokens_host: list[list[int] | None] = [None] * (rows + 1)
+    gen = torch.Generator(device=engine.device).manual_seed(engine.config.seed)
+    wants_hidden = engine.drafter is not None and engine.drafter.wants_hidden
+
+    def start(row: int) -> None:
+        if tokens_host[row] is not None:
+            engine.release_row(row)
+        prompt = prompts[row % len(prompts)]
+        logits, hidden = engine.prefill_row(row, prompt, 0)
+        first = int(next_token(logits.unsqueeze(0), engine.config.sampling, gen)[0])
+        engine.start_row(row, prompt, first, hidden if wants_hidden else None)
+        tokens_host[row] = prompt + [first]
+
+    step_ms: dict[tuple[int, int], float] = {}
+    accepted: list[int] = []
+    for b in sorted(set(batch_sizes)):
+        live = list(range(b))
+        for row in live:  # afresh: a draft model's KV is behind after autoregressive steps
+            start(row)
+        for k in sorted(counts, reverse=True):  # the full length first, on fresh rows: its acceptance counts
+            for row in live:
+                if len(tokens_host[row]) + grow + n_full + 2 > max_len:
+                    start(row)
+            times = []
+            for i in range(warmup + steps):
+                t0 = time.perf_counter()
+                out = engine.decode_step(live, tokens_host, timer, num_nodes=k)
+                times.append((time.perf_counter() - t0) * 1e3)
+                if k == n_full and i >= warmup:
+                    accepted.extend(out.accepted)
+            step_ms[(b, k)] = statistics.median(times[warmup:])
+    for row in range(rows):
+        if tokens_host[row] is not None:
+            engine.release_row(row)
+    mean_tokens = {k: 1 + (sum(min(a, k) for a in accepted) / len(accepted) if accepted and k else 0.0)
+                   for k in counts}
+    return Calibration(step_ms, mean_tokens, accepted, padded=engine.config.graphs.fixed_shape)
