@@ -33,6 +33,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$R/machine.t
 $PY -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" >> "$R/machine.txt"
 if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
 case "$PART" in d|e|f) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # e trained it needlessly (session 3)
 if [ ! -f zoo_cache/small/manifest.json ] && [ "$NEEDS_SMALL" = 1 ]; then
@@ -95,6 +96,12 @@ elif [ "$PART" = f ]; then
     --floor-modes ${FLOOR_MODES:-graphs+overlap,graphs+compile+overlap,graphs+max-autotune+overlap}
   step profile 50 $PY scripts/gpu_fastpath.py --out "$R/profile" --parts profile --floor-configs 6.7b,1.45b \
     --floor-modes graphs+compile --max-new-tokens 64
+elif [ "$PART" = g ]; then
+  # third session, last call: serving under load with the calibrated adaptive schedule and the thresholds +/- 1
+  # (issue 11), then GGUF Q4 kept packed through the Triton GEMV (issue 10)
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" \
+    --budget-s "${SERVING_S:-200}"
+  step gguf 30 $PY scripts/gpu_gguf.py --device cuda --out "$R/gguf"
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)
