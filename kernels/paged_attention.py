@@ -32,6 +32,10 @@ run a loop with tensor bounds): tests/test_kernels.py matches the float32 refere
 64, T up to 64 (4 row tiles), ragged lengths, permuted rows, shuffled int32 / int64 block tables and 1 to 64 splits.
 Triton 3.6 compiles it for sm_90 on a CPU (ptxas: no register spills at 8 warps except 16 bytes at D = 128 with
 64-row tiles). Speed and graph capture on a GPU are scripts/gpu_kernels.py's to show.
+
+`paged_kv_write_triton` writes a step's K and V into the pools in one launch (bit-exact against `index_copy_`, under
+the interpreter and through the engine's greedy parity on the H200); `paged_write_attention_triton` is that write
+followed by the attention kernel, the one call an unquantized paged layer makes (BENCHMARKS.md section 9.2).
 """
 from __future__ import annotations
 

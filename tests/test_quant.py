@@ -278,3 +278,16 @@ def test_awq_run_uses_training_split_calibration(session):
     plain = session.run(_cfg(method="ngram", target_quant="int4")).record
     assert rec["quant_ppl_ref"] == plain["quant_ppl_ref"]
     assert rec["greedy_matches_ar"] is True and plain["greedy_matches_ar"] is True
+
+
+def test_auto_kernel_follows_the_measured_choice():
+    """quant_kernel "auto": Triton GEMVs for int8 / fp8 on a GPU where Triton runs, tinygemm for int4 (doctest)."""
+    import doctest
+
+    from workbench.engine import quant
+
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner()
+    for test in finder.find(quant.auto_kernel, "auto_kernel", globs={"auto_kernel": quant.auto_kernel}):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries == 2

@@ -18,7 +18,8 @@ Formats (`FORMATS`), each a weight rule in `linears.py`:
               int4, group 32, float32 scale d and zero 0 / m + 8 d: exact;     (CUDA); not aten (bf16 scales would
               other decoder linears stay float (dequantized, with a note)      round the file's weights)
 
-Kernels (`quantize_model(kernel=...)`, the knob `quant_kernel`): "auto" (aten on a GPU, dequant on a CPU), "aten",
+Kernels (`quantize_model(kernel=...)`, the knob `quant_kernel`): "auto" (`auto_kernel`: on a GPU Triton GEMVs for int8 /
+fp8 and tinygemm for int4, measured; dequant on a CPU, fp8 there through `_scaled_mm`), "aten",
 "dequant", or "triton": kernels/quant_gemv.py, Triton weight-only GEMVs for decode-sized calls (<= 16 rows; larger
 ones dequantize, then one matmul) on a CUDA GPU; with it fp8 keeps activations in bf16 (weight-only fp8).
 
@@ -142,7 +143,7 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
     """The model with its decoder linears replaced by `fmt`'s modules (a copy unless `inplace`). "int4-awq" needs
     `calibration` token ids [S, L]. `kernel`: "aten" (the packed aten ops; fp8: _scaled_mm), "dequant" (PyTorch
     ops, then one matmul), "triton" (kernels/quant_gemv.py for decode-sized calls, weight-only for fp8 too) or
-    "auto" (aten on a GPU, dequant on a CPU; fp8: aten). "gguf" keeps the Q4_0 / Q4_1 blocks of the .gguf the
+    "auto": `auto_kernel`. "gguf" keeps the Q4_0 / Q4_1 blocks of the .gguf the
     model was loaded from (gguf.py; kernel auto = triton on a GPU, else dequant). Call `check_quant` first."""
     if fmt not in FORMATS:
         raise QuantError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -153,7 +154,9 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
     if fmt == "int4-awq" and calibration is None:
         raise QuantError("int4-awq needs calibration token ids [S, L] (the harness takes them from the zoo corpus)")
     if kernel == "auto":
-        kernel = "aten" if next(model.parameters()).is_cuda or fmt == "fp8" else "dequant"
+        device = next(model.parameters()).device
+        triton_ok = device.type == "cuda" and _triton_problem(device) is None
+        kernel = auto_kernel(fmt, device.type == "cuda", triton_ok)
     if kernel not in KERNELS:
         raise QuantError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     out = model if inplace else copy.deepcopy(model)
@@ -171,6 +174,28 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
                 setattr(parent, name, make(getattr(parent, name)))
     out.weight_format = fmt
     return out
+
+
+def _triton_problem(device: torch.device) -> str | None:
+    from kernels.quant_gemv import triton_problem
+
+    return triton_problem(device)
+
+
+def auto_kernel(fmt: str, cuda: bool, triton_ok: bool) -> str:
+    """What quant_kernel "auto" runs, by measurement on the H200 (BENCHMARKS.md 9.3, 6.7 B decode, batch 1): int8 and
+    fp8 take the Triton GEMVs on a GPU where Triton runs (1.24x / 1.41x bf16, where PyTorch's int8 op gave 0.10x and
+    `_scaled_mm` 0.74x), int4 keeps tinygemm (1.50x, faster than our Triton int4 at 1.13x); on a CPU fp8 uses
+    `_scaled_mm` and int8 / int4 dequantize then multiply.
+
+    >>> auto_kernel("fp8", True, True), auto_kernel("int4", True, True), auto_kernel("int8", True, False)
+    ('triton', 'aten', 'aten')
+    >>> auto_kernel("fp8", False, False), auto_kernel("int8", False, False)
+    ('aten', 'dequant')
+    """
+    if cuda:
+        return "triton" if triton_ok and fmt in ("int8", "fp8") else "aten"
+    return "aten" if fmt == "fp8" else "dequant"
 
 
 def gguf_kernel(kernel: str, device: torch.device) -> str:
