@@ -159,13 +159,25 @@ def test_warm_up_before_a_capture_leaves_the_state_as_it_was(target, draft):
     assert not torch.equal(engine.kv_len, before[0])
 
 
+def assert_kernel_path_greedy(fixed, target, draft, monkeypatch):
+    """The engine with the paged cache's kernel path forced on (whatever stands in for the kernels): draft model k=3,
+    12 tokens, eager or fixed-shape; its greedy output equals the reference's."""
+    import workbench.engine.kv_cache as kv
+
+    monkeypatch.setattr(kv, "resolve_attention", lambda name, paged, device, kv_quant="none": "triton" if paged
+                        else "sdpa")
+    n = 12
+    cfg = fast(max_new_tokens=n) if fixed else EngineConfig(max_new_tokens=n, kv_block_size=4)
+    engine = SpecEngine(target, DraftModelDrafter(draft, k=3), cfg)
+    assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
+
+
 @pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shape"])
 def test_kernel_backend_path_equals_greedy_and_skips_prefill(fixed, target, draft, monkeypatch):
     """The engine's kernel path (cache.kernel, taken by attention="triton" on a GPU), run on CPU with the kernel's
     PyTorch reference standing in: the same greedy tokens, and never called for a prompt-length prefill (the Triton
     kernel specializes on T, so each new prompt length would compile: seen on the H200 as an 8.7x slower first repeat)."""
     import kernels.paged_attention as pa
-    import workbench.engine.kv_cache as kv
 
     seen = []
 
@@ -179,12 +191,7 @@ def test_kernel_backend_path_equals_greedy_and_skips_prefill(fixed, target, draf
 
     monkeypatch.setattr(pa, "paged_attention_triton", spy)
     monkeypatch.setattr(pa, "paged_write_attention_triton", write_then_spy)
-    monkeypatch.setattr(kv, "resolve_attention", lambda name, paged, device, kv_quant="none": "triton" if paged
-                        else "sdpa")
-    n = 12
-    cfg = fast(max_new_tokens=n) if fixed else EngineConfig(max_new_tokens=n, kv_block_size=4)
-    engine = SpecEngine(target, DraftModelDrafter(draft, k=3), cfg)
-    assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
+    assert_kernel_path_greedy(fixed, target, draft, monkeypatch)
     assert seen and set(seen) <= {1, 2, 4}  # draft forwards (2, 1) and verify (1 + k); no prompt lengths (3, 9, 12)
 
 
@@ -194,7 +201,6 @@ def test_fused_write_attention_path_equals_greedy(fixed, target, draft, monkeypa
     Triton write then the attention kernel on a GPU); here the two references stand in for them: the same greedy
     tokens, every kernel-path layer call went through it, and the K/V it wrote is what the next steps read."""
     import kernels.paged_attention as pa
-    import workbench.engine.kv_cache as kv
 
     calls = []
 
@@ -208,12 +214,7 @@ def test_fused_write_attention_path_equals_greedy(fixed, target, draft, monkeypa
 
     monkeypatch.setattr(pa, "paged_write_attention_triton", fused)
     monkeypatch.setattr(pa, "paged_attention_triton", attention_only)
-    monkeypatch.setattr(kv, "resolve_attention", lambda name, paged, device, kv_quant="none": "triton" if paged
-                        else "sdpa")
-    n = 12
-    cfg = fast(max_new_tokens=n) if fixed else EngineConfig(max_new_tokens=n, kv_block_size=4)
-    engine = SpecEngine(target, DraftModelDrafter(draft, k=3), cfg)
-    assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
+    assert_kernel_path_greedy(fixed, target, draft, monkeypatch)
     assert calls and set(calls) <= {1, 2, 4}
 
 
