@@ -12,6 +12,8 @@ One kernel, specialized by format (`FMT`, a constexpr), reading the buffers the 
             holds k = 2j (high nibble) and          (model dtype)
             k = 2j + 1 (low nibble): the modules' "dequant" packing
     fp8     float8_e4m3fn [N, K]                 scale [N] fp32 (a [1, N] view)  q * scale[n]
+    dense   model dtype [N, K] (bf16 / fp16)     none (pass None)                w (an unquantized linear: the GEMV
+                                                                                 with in-kernel split-K, one launch)
 
 Activations stay in their dtype: unlike `Fp8Linear`'s `_scaled_mm` path, fp8 here quantizes nothing on the fly (a
 weight-only fp8 model, more accurate than the per-token fp8 x fp8 product). The weight is widened in registers and
@@ -51,8 +53,8 @@ try:
 except ImportError:
     TRITON_AVAILABLE = False
 
-GEMV_FORMATS = ("int8", "int4", "fp8")
-_FMT_CODE = {"int8": 0, "int4": 1, "fp8": 2}
+GEMV_FORMATS = ("int8", "int4", "fp8", "dense")
+_FMT_CODE = {"int8": 0, "int4": 1, "fp8": 2, "dense": 3}
 MAX_SPLIT_K = 32
 MIN_BLOCK_N = 16  # the smallest N tile `gemv_config` picks: counters are sized for it
 
@@ -62,7 +64,7 @@ class GemvError(ValueError):
 
 
 # ---- reference (pure PyTorch, any device) ------------------------------------------------------------------------
-def dequantize_weight(fmt: str, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+def dequantize_weight(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None,
                       group_size: int | None = None) -> torch.Tensor:
     """The [N, K] fp32 weight the kernel multiplies by, from the stored buffers (layouts in the module docstring).
 
@@ -76,10 +78,12 @@ def dequantize_weight(fmt: str, weight: torch.Tensor, scale: torch.Tensor, zero:
         s = scale.float().repeat_interleave(group_size, dim=1)  # [N, K]
         z = zero.float().repeat_interleave(group_size, dim=1)
         return (q - 8) * s + z
+    if fmt == "dense":
+        return weight.float()
     return weight.float() * scale.float().reshape(-1)[:, None]
 
 
-def quant_gemv_reference(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
+def quant_gemv_reference(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
                          zero: torch.Tensor | None = None, group_size: int | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype: dequantize in fp32, one fp32 matmul (the kernel's reference)."""
     return (x.float() @ dequantize_weight(fmt, weight, scale, zero, group_size).T).to(x.dtype)
@@ -112,6 +116,9 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     if block_m == 1:
         if fmt == "int4":
             block_n, block_k = 64, 128
+        elif fmt == "dense":  # two bytes a weight: the fp8 tiles' bytes per program (not yet swept)
+            block_n, block_k = (32, 128) if n >= 8192 else (16, 512)
+            warps, stages, min_tiles = 8, 4, sm_count
         else:
             block_n, block_k = (32, 256) if n >= 8192 else (16, 1024)
             warps, stages, min_tiles = 8, 4, sm_count
@@ -150,7 +157,7 @@ def check_gemv(fmt: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
         raise GemvError(f"quant_gemv format {fmt!r}: choose one of {', '.join(GEMV_FORMATS)}")
     if x.dim() != 2:
         raise GemvError(f"x must be [M, K]; got shape {tuple(x.shape)}: flatten the leading dimensions first")
-    want = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn}[fmt]
+    want = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn, "dense": x.dtype}[fmt]
     if weight.dtype != want:
         raise GemvError(f"{fmt} weights must be {want}; got {weight.dtype}")
     k = x.shape[1] // 2 if fmt == "int4" else x.shape[1]
@@ -164,7 +171,10 @@ def check_gemv(fmt: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
         if scale.shape != (weight.shape[0], x.shape[1] // group_size) or zero.shape != scale.shape:
             raise GemvError(f"int4 scale and zero must be [N, K/g] = {[weight.shape[0], x.shape[1] // group_size]}; "
                             f"got {list(scale.shape)} and {list(zero.shape)}")
-    elif scale.numel() != weight.shape[0]:
+    elif fmt == "dense":
+        if x.dtype == torch.float32:
+            raise GemvError("the dense GEMV takes bf16 / fp16 (fp32 models keep cuBLAS): load the model in bfloat16")
+    elif scale is None or scale.numel() != weight.shape[0]:
         raise GemvError(f"{fmt} needs one scale per output channel ({weight.shape[0]}); got {scale.numel()}")
 
 
@@ -211,7 +221,7 @@ if TRITON_AVAILABLE:
                     t = tl.dot(x, tl.trans(q.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)  # [BM, BN]
                 x_sum = tl.sum(xf, axis=1)  # [BM]
                 acc += t * s[None, :] + x_sum[:, None] * (z - 8.0 * s)[None, :]
-            else:  # int8 / fp8: raw values, the channel scale after the loop
+            else:  # int8 / fp8 / dense: raw values, the channel scale (not dense) after the loop
                 w = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :],
                             mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)  # [BN, BK]
                 if BLOCK_M == 1:
@@ -222,7 +232,8 @@ if TRITON_AVAILABLE:
         if FMT != 1:
             if BLOCK_M == 1:
                 acc = tl.sum(acc2, axis=1)[None, :]
-            acc = acc * tl.load(s_ptr + offs_n * ss_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if FMT != 3:
+                acc = acc * tl.load(s_ptr + offs_n * ss_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
 
         out_ptrs = out_ptr + offs_m[:, None] * so_m + offs_n[None, :]
         out_mask = mask_m[:, None] & mask_n[None, :]
@@ -242,7 +253,7 @@ if TRITON_AVAILABLE:
                 tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call
 
 
-def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
+def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
                       zero: torch.Tensor | None = None, group_size: int | None = None,
                       counters: torch.Tensor | None = None, **override) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) -> [M, N] in x's dtype, through the Triton kernel. `counters`: a persistent
@@ -264,7 +275,7 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
 # before and after every call (no value the graph can observe changes); declaring it would make torch.compile clone
 # the buffer around each call (one more kernel per linear, the very cost this op exists to avoid).
 @torch.library.custom_op("workbench::quant_gemv", mutates_args=())
-def _quant_gemv_op(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
+def _quant_gemv_op(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None,
                    zero: torch.Tensor | None, group_size: int, counters: torch.Tensor) -> torch.Tensor:
     # counters: bumped by the split-K programs and reset to zero by the last one (zero again after every call)
     return _launch(x, fmt, weight, scale, zero, group_size or None, counters)
@@ -293,7 +304,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, **override) -> to
                            n if cfg["SPLIT_K"] > 1 else 1, dtype=torch.float32, device=x.device)
     if cfg["SPLIT_K"] > 1 and counters.numel() < grid[0] * grid[1]:
         counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
-    scale2 = scale.reshape(n, -1)
+    scale2 = scale.reshape(n, -1) if scale is not None else weight[:, :1]  # dense: never read
     zero2 = zero if zero is not None else scale2
     _gemv_kernel[grid](
         x, weight, scale2, zero2, out, partials, counters,

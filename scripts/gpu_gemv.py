@@ -4,7 +4,8 @@
 
 parity : every decoder linear shape of the random 1.45 B and 6.7 B configs (qkv, o, gate_up, down), M = 1, 4, 9, bf16
          activations: the Triton kernel against `quant_gemv_reference` (dequantize in fp32, fp32 matmul), per format
-         (int8 per channel, int4 group 128 asymmetric, fp8 e4m3 per channel): max |error| / max |reference|.
+         (int8 per channel, int4 group 128 asymmetric, fp8 e4m3 per channel, dense = the bf16 weight itself): max
+         |error| / max |reference|.
 speed  : the same shapes and M, graph-replayed (one CUDA graph runs the call over `copies` clones of the weight, so
          the weights read per replay exceed the L2 cache and every call reads HBM): us per call and achieved GB/s of
          the stored weight bytes (scales included), for the Triton kernel, the aten path of the same module
@@ -41,7 +42,7 @@ from gpu_timing import graph_us, run_parts  # noqa: E402
 from kernels.quant_gemv import (GEMV_FORMATS, dequantize_weight, gemv_config, quant_gemv_reference,  # noqa: E402
                                 quant_gemv_triton, triton_problem)
 from workbench.engine.quant import linear_shapes, weight_bytes  # noqa: E402
-from workbench.engine.quant.linears import (Fp8Linear, Int4Linear, Int8Linear, dequantize_fp8,  # noqa: E402
+from workbench.engine.quant.linears import (DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear, dequantize_fp8,  # noqa: E402
                                             fp8_linear_reference)
 from workbench.models import ModelConfig  # noqa: E402
 
@@ -97,11 +98,15 @@ def modules(fmt: str, k: int, n: int, device, dtype, group_size: int) -> dict[st
         if fmt == "int4":
             return {"triton": Int4Linear(lin, group_size, "triton"),
                     "aten": Int4Linear(lin, group_size, "aten")}
+        if fmt == "dense":  # the unquantized weight through the GEMV; its cuBLAS twin is the "bf16" row
+            return {"triton": DenseGemvLinear(lin, "triton")}
         return {"triton": Fp8Linear(lin, "triton"), **({"aten": Fp8Linear(lin, "aten")} if device.type == "cuda"
                                                         else {})}
 
 
 def buffers(mod: nn.Module) -> dict:
+    if isinstance(mod, DenseGemvLinear):
+        return dict(weight=mod.weight)
     extra = dict(zero=mod.zero, group_size=mod.group_size) if mod.fmt == "int4" else {}
     return dict(weight=mod.weight, scale=mod.scale, **extra)
 
@@ -250,7 +255,8 @@ def part_tune(args, device) -> list[dict]:
             clones = rotating(mod, device)
             nbytes = weight_bytes(mod) - mod.gemv_counters.numel() * 4
             x = torch.randn(1, k, device=device, dtype=args.dtype)
-            block_ks = [b for b in (64, 128) if args.int4_group_size % b == 0] if fmt == "int4" else [256, 512, 1024]
+            block_ks = [b for b in (64, 128) if args.int4_group_size % b == 0] if fmt == "int4" else \
+                [128, 256, 512] if fmt == "dense" else [256, 512, 1024]
             for block_n in (16, 32, 64):
                 for block_k in block_ks:
                     for warps in (4, 8):

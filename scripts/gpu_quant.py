@@ -41,7 +41,8 @@ CONFIGS = {**RANDOM_CONFIGS, "mini": dict(hidden_size=128, intermediate_size=256
 FORMAT_KERNELS = {"none": ("none", "auto"), "int8": ("int8", "aten"), "int8-dq": ("int8", "dequant"),
                   "int4": ("int4", "aten"), "int4-awq": ("int4-awq", "aten"), "fp8": ("fp8", "auto"),
                   # kernels/quant_gemv.py (quant_kernel "triton"; fp8 then weight-only): scripts/gpu_gemv.py
-                  "int8-triton": ("int8", "triton"), "int4-triton": ("int4", "triton"), "fp8-triton": ("fp8", "triton")}
+                  "int8-triton": ("int8", "triton"), "int4-triton": ("int4", "triton"), "fp8-triton": ("fp8", "triton"),
+                  "dense-triton": ("none", "triton")}  # unquantized bf16 through the dense GEMV (not cuBLAS)
 
 
 def part_floor(args, device: torch.device) -> list[dict]:

@@ -11,7 +11,7 @@ import kernels.quant_gemv as qg
 from kernels.quant_gemv import (GemvError, check_gemv, counters_for, dequantize_weight, gemv_config,
                                 quant_gemv_reference, quant_gemv_triton)
 from workbench.engine.quant import QuantError, check_quant, quantize_model
-from workbench.engine.quant.linears import Fp8Linear, Int4Linear, Int8Linear
+from workbench.engine.quant.linears import DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear
 from workbench.models import LlamaModel, ModelConfig
 
 
@@ -27,6 +27,9 @@ def stored(fmt: str, n: int, k: int, group_size: int = 32, dtype=torch.float32, 
     if fmt == "int4":
         mod = Int4Linear(lin, group_size, "dequant")
         return mod, dict(weight=mod.weight, scale=mod.scale, zero=mod.zero, group_size=group_size)
+    if fmt == "dense":
+        mod = DenseGemvLinear(lin, "dequant")  # "dequant": F.linear at every size (the reference path)
+        return mod, dict(weight=mod.weight)
     mod = Fp8Linear(lin, "dequant")
     return mod, dict(weight=mod.weight, scale=mod.scale)
 
@@ -78,7 +81,33 @@ def test_triton_kernel_choice_on_cpu_is_refused_before_work():
         check_quant("int8", cfg, "cpu", torch.float32, kernel="triton")
     with pytest.raises(QuantError, match="quant_kernel='fast'"):
         check_quant("int8", cfg, "cpu", torch.float32, kernel="fast")
-    check_quant("none", cfg, "cpu", torch.float32, kernel="triton")  # nothing quantized: the knob is not read
+    with pytest.raises(QuantError, match=r"quant_kernel=triton \(target_quant=none: the dense Triton GEMV\)"):
+        check_quant("none", cfg, "cpu", torch.bfloat16, kernel="triton")  # the dense GEMV is a GPU kernel too
+    check_quant("none", cfg, "cpu", torch.float32, kernel="auto")  # nothing quantized, no kernel asked for
+
+
+def test_dense_refuses_fp32_and_a_wrong_weight_dtype():
+    w = torch.randn(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(GemvError, match="bf16 / fp16"):
+        check_gemv("dense", torch.randn(1, 64), w.float(), None, None, None)
+    with pytest.raises(GemvError, match="dense weights must be torch.float16"):
+        check_gemv("dense", torch.randn(1, 64, dtype=torch.float16), w, None, None, None)
+
+
+def test_dense_model_shares_its_weights_and_computes_the_same_function():
+    """quantize_model(model, "none", kernel="triton") swaps in DenseGemvLinear over the *same* Parameters (no second
+    copy of the weights) and leaves the original model as it was; off the GEMV path it is F.linear exactly."""
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    base = LlamaModel(cfg).eval()
+    dense = quantize_model(base, "none", kernel="triton")
+    assert dense is not base and isinstance(dense.model.layers[1].mlp.down_proj, DenseGemvLinear)
+    assert isinstance(base.model.layers[1].mlp.down_proj, nn.Linear)  # the original is untouched
+    assert dense.model.layers[1].mlp.down_proj.weight is base.model.layers[1].mlp.down_proj.weight
+    assert dense.model.embed_tokens.weight is base.model.embed_tokens.weight
+    ids, pos = torch.randint(0, 96, (1, 20)), torch.arange(20)[None]
+    with torch.no_grad():  # 20 rows: past GEMV_MAX_ROWS, F.linear on the same weights
+        assert torch.equal(dense(ids, pos), base(ids, pos))
 
 
 # ---- the Triton kernel, under the interpreter ----------------------------------------------------------------------
@@ -120,6 +149,8 @@ SHAPES = {  # (N, K, int4 group): N not a multiple of any N tile, K of the int8 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("fmt", qg.GEMV_FORMATS)
 def test_triton_matches_reference(fmt, shape, dtype, m, split, interpreter_bf16_dot):
+    if fmt == "dense" and dtype == torch.float32:
+        pytest.skip("the dense GEMV takes bf16 / fp16 only (fp32 is refused: test_dense_refuses_fp32)")
     n, k, group = SHAPES[shape]
     _, buffers = stored(fmt, n, k, group, dtype=dtype if fmt != "fp8" else torch.float32, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(dtype)
@@ -162,6 +193,23 @@ def test_modules_with_the_triton_kernel_match_dequant(fmt, interpreter_bf16_dot)
 
 
 @interpreter
+def test_dense_gemv_model_matches_the_unquantized_model(interpreter_bf16_dot):
+    """A bf16 model with the dense GEMV computes what F.linear does, up to summation order and the final rounding."""
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    base = LlamaModel(cfg).eval().to(torch.bfloat16)
+    dense = quantize_model(base, "none", kernel="triton")
+    assert dense.model.layers[0].self_attn.qkv_proj.kernel == "triton"
+    for t in (1, 5):
+        ids = torch.randint(0, 96, (1, t), generator=torch.Generator().manual_seed(t))
+        pos = torch.arange(t)[None]
+        with torch.no_grad():
+            want, got = base(ids, pos).float(), dense(ids, pos).float()
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+
+
+@interpreter
 def test_engine_decodes_the_same_tokens_with_the_triton_kernel(interpreter_bf16_dot):
     """AR decode through the engine (paged cache, fixed-shape steps) with kernel "triton" emits the tokens of the
     "dequant" kernel: same function, fp32 model (no near-ties at this size)."""
@@ -199,15 +247,16 @@ def test_a_compiled_caller_traces_through_the_op_without_a_graph_break(fmt, inte
     function must compute what the eager one does (norm + linear + residual around the op, as in a decoder layer)."""
     import torch._dynamo
 
-    mod, buffers = stored(fmt, 72, 320, 32, seed=3)
+    dtype = torch.bfloat16 if fmt == "dense" else torch.float32  # dense takes bf16 / fp16 only
+    mod, buffers = stored(fmt, 72, 320, 32, dtype=dtype, seed=3)
     counters = counters_for(72, "cpu")
-    proj = torch.randn(72, 320, generator=torch.Generator().manual_seed(5))
+    proj = torch.randn(72, 320, generator=torch.Generator().manual_seed(5)).to(dtype)
 
     def layer(x):
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
         return quant_gemv_triton(h, fmt, **buffers, counters=counters) @ proj + x
 
-    x = torch.randn(2, 320, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 320, generator=torch.Generator().manual_seed(1)).to(dtype)
     torch._dynamo.reset()
     with torch.no_grad():  # inference, as the engine runs it
         want = layer(x)

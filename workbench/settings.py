@@ -287,11 +287,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          methods=("draft",), searchable=True),
     Knob("int4_group_size", "int", 128, "input channels per int4 scale/zero group (int4, int4-awq); must divide every "
          "linear's input width", "int4 group size", "system", choices=(32, 64, 128, 256)),
-    Knob("quant_kernel", "str", "auto", "matmul kernel of the quantized linears (target and draft): auto = the aten "
-         "ops on a GPU (_weight_int8pack_mm, tinygemm _weight_int4pack_mm, fp8 _scaled_mm), dequantize + matmul on a "
-         "CPU; aten; dequant; triton = kernels/quant_gemv.py weight-only GEMVs for calls of <= 16 rows (GPU; fp8 "
-         "then keeps bf16 activations). The default stays auto until the GPU benchmark (scripts/gpu_gemv.py) is "
-         "measured", "Quantized matmul kernel", "system", choices=("auto", "aten", "dequant", "triton")),
+    Knob("quant_kernel", "str", "auto", "matmul kernel of the decoder linears (target and draft): auto = chosen by "
+         "measurement (GPU: Triton GEMVs for int8 / fp8, tinygemm for int4, cuBLAS for unquantized; CPU: dequantize + "
+         "matmul, fp8 through _scaled_mm); aten; dequant; triton = kernels/quant_gemv.py GEMVs for calls of <= 16 rows "
+         "(GPU; fp8 then keeps bf16 activations; with an unquantized model the dense bf16 GEMV instead of cuBLAS)",
+         "Linear matmul kernel", "system", choices=("auto", "aten", "dequant", "triton")),
     Knob("max_ppl_increase_pct", "float", 2.0, "quality bound: the largest held-out perplexity increase, in percent, of "
          "the quantized target over the unquantized one that a study accepts (a constraint; runs record "
          "quant_within_bound)", "Max perplexity increase (%)", "run", 0.0, 1000.0),

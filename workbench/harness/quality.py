@@ -68,9 +68,9 @@ def quantized_model(session, role: str, cfg):
 
     base = session.target if role == "target" else session.draft
     fmt, group = quant_key(cfg, role)
-    if fmt == "none" or base is None:
-        return base
     kernel = getattr(cfg, "quant_kernel", "auto")  # serving configs have none
+    if (fmt == "none" and kernel != "triton") or base is None:  # none + triton: the dense Triton GEMV
+        return base
     key = (role, fmt, group, kernel)
     if key not in session._quantized:
         calibration = calibration_ids(session, base) if fmt == "int4-awq" else None

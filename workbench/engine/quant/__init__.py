@@ -6,7 +6,8 @@
     qmodel = quantize_model(load_model("m.Q4_1.gguf"), "gguf")    # the file's own 4-bit blocks, kept packed
 
 Formats (`FORMATS`), each a weight rule in `linears.py`:
-    none      the model as loaded (bf16 / fp16 / fp32 reference)
+    none      the model as loaded (bf16 / fp16 / fp32 reference); with kernel "triton" its decoder linears' decode-sized
+              calls run the Triton GEMV ("dense": the same weights, shared; bf16 / fp16 on a CUDA GPU)
     int8      weight-only int8, one scale per output channel                  aten._weight_int8pack_mm (CPU, CUDA)
     int4      weight-only int4, asymmetric, a scale + zero per group of g     aten._weight_int4pack_mm (CUDA, bf16),
               input channels (g = `int4_group_size`: 32, 64, 128, 256)        _weight_int4pack_mm_for_cpu (CPU)
@@ -48,7 +49,7 @@ from collections import Counter
 import torch
 from torch import Tensor, nn
 
-from .linears import (FP8_DTYPE, INT4_GROUP_SIZES, Fp8Linear, Int4Linear, Int8Linear, QuantLinear, dequantize_fp8,
+from .linears import (FP8_DTYPE, INT4_GROUP_SIZES, DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear, QuantLinear, dequantize_fp8,
                       dequantize_int4, dequantize_int8, fp8_linear_reference, quantize_fp8, quantize_fp8_rows,
                       quantize_int4, quantize_int8)
 
@@ -58,7 +59,7 @@ LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 GGUF_EXACT = {"F32": "none", "F16": "none", "BF16": "none"}
 GGUF_REPRESENTABLE = {"Q4_0": "int4 (group 32)", "Q4_1": "int4 (group 32)"}  # kept packed by format "gguf"
 
-__all__ = ["FORMATS", "QuantError", "QuantLinear", "Int8Linear", "Int4Linear", "Fp8Linear", "check_quant",
+__all__ = ["FORMATS", "QuantError", "QuantLinear", "DenseGemvLinear", "Int8Linear", "Int4Linear", "Fp8Linear", "check_quant",
            "quantize_model", "weight_bytes", "linear_shapes", "gguf_note", "INT4_GROUP_SIZES", "FP8_DTYPE",
            "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "quantize_fp8", "dequantize_fp8",
            "quantize_fp8_rows", "fp8_linear_reference", "format_of", "gguf_kernel"]
@@ -87,6 +88,16 @@ def check_quant(fmt: str, config, device: torch.device | str, dtype: torch.dtype
     if kernel not in KERNELS:
         raise QuantError(f"quant_kernel={kernel!r} is not a kernel choice; choose one of {', '.join(KERNELS)}")
     if fmt == "none":
+        if kernel == "triton":
+            from kernels.quant_gemv import triton_problem
+
+            problem = triton_problem(device)
+            if problem:
+                raise QuantError(f"quant_kernel=triton ({knob}=none: the dense Triton GEMV): {problem}")
+            if dtype not in (torch.bfloat16, torch.float16):
+                raise QuantError(f"quant_kernel=triton with {knob}=none runs the dense GEMV in bfloat16 / float16; the "
+                                 f"models are loaded as {str(dtype).removeprefix('torch.')}: use --dtype bfloat16 or "
+                                 "quant_kernel auto")
         return
     if fmt == "gguf":
         if source is None or not str(source).lower().endswith(".gguf"):
@@ -148,7 +159,7 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
     if fmt not in FORMATS:
         raise QuantError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if fmt == "none":
-        return model
+        return _dense_gemv(model, inplace) if kernel == "triton" else model
     if fmt == "gguf":
         return _pack_gguf(model, kernel, inplace)
     if fmt == "int4-awq" and calibration is None:
@@ -173,6 +184,21 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
                 parent = getattr(layer, parent_name)
                 setattr(parent, name, make(getattr(parent, name)))
     out.weight_format = fmt
+    return out
+
+
+def _dense_gemv(model: nn.Module, inplace: bool) -> nn.Module:
+    """The model with its decoder linears as `DenseGemvLinear` (kernel "triton" on format "none"): a copy of the
+    modules that shares every parameter with `model` (no second set of weights) unless `inplace`."""
+    out = model if inplace else copy.deepcopy(model, memo={id(t): t for t in (*model.parameters(),
+                                                                               *model.buffers())})
+    with torch.no_grad():
+        for layer in out.model.layers:
+            for path in LINEARS:
+                parent_name, name = path.split(".")
+                parent = getattr(layer, parent_name)
+                setattr(parent, name, DenseGemvLinear(getattr(parent, name)))
+    out.weight_format = "none"
     return out
 
 

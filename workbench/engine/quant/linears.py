@@ -10,6 +10,10 @@ the tests compare each module's output with `x @ dequantize(...).T` (error bound
     (int8 and int4 also have kernel "dequant": dequantize with PyTorch ops, then one matmul; the default on a CPU)
     fp8     q float8_e4m3fn [N, K], scale [N] fp32          q * scale[n]            (per channel)  torch._scaled_mm
 
+Unquantized ("none") with kernel "triton": `DenseGemvLinear` keeps the model-dtype weight (shared, not copied) and sends
+decode-sized calls to the same GEMV kernel (format "dense"): one launch per call with its split-K reduction inside, where
+cuBLAS at M = 1 may add a separate reduction kernel; larger calls take F.linear (cuBLAS).
+
 Kernel "triton" (every format; CUDA): kernels/quant_gemv.py, a weight-only GEMV that widens the stored weight in
 registers, for calls of at most GEMV_MAX_ROWS rows (decode and verify); larger calls (prefill) take the "dequant"
 form from the same buffers. int4 then keeps the "dequant" packing ([N, K/2], two nibbles per byte), not tinygemm's.
@@ -265,3 +269,25 @@ class Fp8Linear(QuantLinear):
 
     def dequantized_weight(self) -> Tensor:
         return dequantize_fp8(self.weight, self.scale[0])
+
+
+class DenseGemvLinear(QuantLinear):
+    """An unquantized linear (bf16 / fp16) whose decode-sized calls (<= GEMV_MAX_ROWS rows) run kernels/quant_gemv.py's
+    "dense" GEMV and larger ones F.linear; the weight is the original linear's parameter (shared, not copied)."""
+
+    fmt = "none"
+
+    def __init__(self, linear: nn.Linear, kernel: str = "triton") -> None:
+        super().__init__(linear.in_features, linear.out_features, linear.bias)
+        self.weight = linear.weight  # [N, K] model dtype, the same Parameter
+        self.kernel = kernel
+        self._add_counters(kernel, linear.weight.device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = self._flat(x)
+        if self._use_gemv(x2):
+            return self._out(quant_gemv_triton(x2, "dense", self.weight, counters=self.gemv_counters), x)
+        return self._out(F.linear(x2, self.weight), x)
+
+    def dequantized_weight(self) -> Tensor:
+        return self.weight.float()
