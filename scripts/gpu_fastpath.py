@@ -9,6 +9,7 @@ speed  : batch 1, equal-length prompts, interleaved repeats: tokens/s per method
 floor  : random-weight Llama 1.45 B / 6.7 B, AR batch 1: ms/token against the HBM floor (weights + KV bytes / 4.3 TB/s)
 sweep  : batch 1..64 with graphs: tokens/s for AR, draft and ngram, speedup vs AR at each batch
 profile: the floor configs and modes under torch.profiler: GPU kernel time per decode token grouped by kernel name
+(floor and profile modes take a "+tgemv" suffix: the decoder linears through the dense Triton GEMV instead of cuBLAS)
          (top --profile-top), the sum of kernel time against the wall time per token (the rest is idle GPU: gaps
          between kernels and host work), kernels per token
 Writes one JSON per part into DIR and prints a table. Absolute times mean something only on the GPU it ran on.
@@ -160,7 +161,8 @@ def part_floor(args) -> dict:
         prompts = [list(range(100, 100 + args.prompt_len))]
         for mode in args.floor_modes.split(","):
             try:
-                eng = engine_for(model, None, "ar", mode, args.max_new_tokens, 1)
+                target, engine_mode = with_linears(model, mode)
+                eng = engine_for(target, None, "ar", engine_mode, args.max_new_tokens, 1)
                 warm(eng, prompts, 1)
             except Exception as e:  # noqa: BLE001 - record it, keep measuring the other modes
                 rows.append({"config": name, "mode": mode, "error": f"{type(e).__name__}: {e}"[:500]})
@@ -186,6 +188,16 @@ def part_floor(args) -> dict:
     return {"rows": rows}
 
 
+def with_linears(model, mode: str):
+    """(model, engine mode) for a floor mode: a "+tgemv" suffix runs the decoder linears through
+    the dense Triton GEMV (quantize_model(model, "none", kernel="triton"), the same weights) instead of cuBLAS."""
+    if mode.endswith("+tgemv"):
+        from workbench.engine.quant import quantize_model
+
+        return quantize_model(model, "none", kernel="triton"), mode.removesuffix("+tgemv")
+    return model, mode
+
+
 def _random_model(name: str):
     from workbench.models import LlamaModel, ModelConfig
 
@@ -206,7 +218,8 @@ def part_profile(args) -> dict:
         prompts = [list(range(100, 100 + args.prompt_len))]
         for mode in args.floor_modes.split(","):
             try:
-                eng = engine_for(model, None, "ar", mode, args.max_new_tokens, 1)
+                target, engine_mode = with_linears(model, mode)
+                eng = engine_for(target, None, "ar", engine_mode, args.max_new_tokens, 1)
                 warm(eng, prompts, 1)
                 timed_generate(eng, prompts, 1)
                 with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

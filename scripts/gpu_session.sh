@@ -3,6 +3,7 @@
 # later part finds the trained `small` preset in zoo_cache/; if it does not, it trains it again first).
 # PART=s1: the first session's runs (ours vs gpt-fast on small without overlap, step modes, redrafter, parity);
 # PART=a / PART=b: the second session's (BENCHMARKS.md section 8).
+# PART=h: the fourth session's first call (dense Triton GEMV, floor, weight formats in the best mode).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -35,7 +36,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # e trained it needlessly (session 3)
+case "$PART" in d|e|f|h) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # e trained it needlessly (session 3)
 if [ ! -f zoo_cache/small/manifest.json ] && [ "$NEEDS_SMALL" = 1 ]; then
   echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
   step train 200 $PY -m workbench zoo train small --device cuda --max-seconds "${SMALL_SECONDS:-120}"
@@ -102,6 +103,17 @@ elif [ "$PART" = g ]; then
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" \
     --budget-s "${SERVING_S:-200}"
   step gguf 30 $PY scripts/gpu_gguf.py --device cuda --out "$R/gguf"
+elif [ "$PART" = h ]; then
+  # fourth session, first call (no preset): the dense bf16 Triton GEMV against cuBLAS per linear, its tiles, and in the
+  # floor decode (issue 8: fewer kernels per layer); the weight formats in the best engine mode (issue 10)
+  step gemv 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/gemv" --parts parity,speed,tune --formats dense,fp8 \
+    --ms 1,4 --tune-budget-s "${TUNE_S:-60}"
+  step quant 120 $PY scripts/gpu_quant.py --device cuda --out "$R/quant" --parts floor --floor-configs 6.7b \
+    --formats ${QUANT_FORMATS:-none,dense-triton,fp8-triton,int4} --floor-modes ${QUANT_MODES:-graphs+max-autotune+overlap}
+  step floor 80 $PY scripts/gpu_fastpath.py --out "$R/floor" --parts floor --floor-configs 1.45b \
+    --floor-modes ${FLOOR_MODES:-graphs+compile+overlap,graphs+compile+overlap+tgemv,graphs+max-autotune+overlap,graphs+max-autotune+overlap+tgemv}
+  step profile 50 $PY scripts/gpu_fastpath.py --out "$R/profile" --parts profile --floor-configs 6.7b,1.45b \
+    --floor-modes graphs+compile+tgemv --max-new-tokens 64
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)
