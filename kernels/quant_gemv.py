@@ -19,6 +19,10 @@ Activations stay in their dtype: unlike `Fp8Linear`'s `_scaled_mm` path, fp8 her
 weight-only fp8 model, more accurate than the per-token fp8 x fp8 product). The weight is widened in registers and
 never written back: each weight byte is read once per call, which is what bounds a batch-1 decode.
 
+Fusions at the edges (any format): `glu=True` reads x as [gate | up] ([M, 2K]) and multiplies silu(gate) * up (a
+SwiGLU MLP's down projection: no SiLU-mul kernel before it); `residual` [M, N] is added in the epilogue (no add kernel
+after it). A decoder layer's MLP then costs two launches (gate_up, down) instead of four.
+
 How the math is arranged (each per-channel or per-group factor applied where it costs least):
 - int8 / fp8: the raw integers (exact in fp32 and bf16) are multiplied with x and the channel's scale is applied once
   to the accumulated sum.
@@ -84,9 +88,19 @@ def dequantize_weight(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None
 
 
 def quant_gemv_reference(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                         zero: torch.Tensor | None = None, group_size: int | None = None) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x's dtype: dequantize in fp32, one fp32 matmul (the kernel's reference)."""
-    return (x.float() @ dequantize_weight(fmt, weight, scale, zero, group_size).T).to(x.dtype)
+                         zero: torch.Tensor | None = None, group_size: int | None = None, *, glu: bool = False,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype: dequantize in fp32, one fp32 matmul (the kernel's reference). glu: x is
+    [M, 2K] = [gate | up] and the product takes silu(gate) * up (rounded to x's dtype, as the kernel does);
+    residual [M, N]: added before the final rounding."""
+    xf = x.float()
+    if glu:
+        gate, up = xf.chunk(2, dim=-1)
+        xf = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
+    y = xf @ dequantize_weight(fmt, weight, scale, zero, group_size).T
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(x.dtype)
 
 
 # ---- launch configuration ----------------------------------------------------------------------------------------
@@ -151,8 +165,15 @@ def counters_for(n: int, device: torch.device | str) -> torch.Tensor:
 
 
 def check_gemv(fmt: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-               group_size: int | None) -> None:
+               group_size: int | None, glu: bool = False, residual: torch.Tensor | None = None) -> None:
     """GemvError for inputs the kernel does not take (before any launch)."""
+    if glu:
+        if x.dim() != 2 or x.shape[1] % 2:
+            raise GemvError(f"glu takes x = [gate | up] of shape [M, 2K]; got {tuple(x.shape)}")
+        x = x[:, : x.shape[1] // 2]  # the K the weight multiplies
+    if residual is not None and (residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype):
+        raise GemvError(f"residual must be [M, N] = {[x.shape[0], weight.shape[0]]} in {x.dtype}; got "
+                        f"{list(residual.shape)} {residual.dtype}")
     if fmt not in GEMV_FORMATS:
         raise GemvError(f"quant_gemv format {fmt!r}: choose one of {', '.join(GEMV_FORMATS)}")
     if x.dim() != 2:
@@ -182,12 +203,13 @@ def check_gemv(fmt: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 if TRITON_AVAILABLE:
     @triton.jit(do_not_specialize=["M", "tiles_per_split", "SPLIT_K"])  # one compile per format and tile shape
     def _gemv_kernel(
-            x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
+            x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, r_ptr,
             M, N, K, tiles_per_split,
-            sx_m, sw_n, ss_n, ss_g, so_m,  # x [M, K], weight [N, K or K/2], scale/zero [N, K/g] (last strides 1)
+            sx_m, sw_n, ss_n, ss_g, so_m, sr_m,  # x [M, K] (GLU: [M, 2K]), weight [N, K or K/2], scale/zero
+            # [N, K/g] (last strides 1), residual [M, N]
             SPLIT_K,  # K ranges (1 = no split): a runtime value, so split counts share one compiled kernel
             FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -204,8 +226,14 @@ if TRITON_AVAILABLE:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
         for kt in range(kt_start, kt_end):
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
-            x = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :],
-                        mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)  # [BM, BK]
+            x_mask = mask_m[:, None] & (offs_k < K)[None, :]
+            if GLU:  # SwiGLU prologue: x = silu(gate) * up from [gate | up], in fp32, rounded once to x's dtype
+                gate = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)
+                up = tl.load(x_ptr + offs_m[:, None] * sx_m + K + offs_k[None, :], mask=x_mask, other=0.0)
+                gate = gate.to(tl.float32)
+                x = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)  # [BM, BK]
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)  # [BM, BK]
             if FMT == 1:  # int4: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
                 offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
                 b = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_b[None, :], mask=mask_n[:, None], other=0)
@@ -238,6 +266,9 @@ if TRITON_AVAILABLE:
         out_ptrs = out_ptr + offs_m[:, None] * so_m + offs_n[None, :]
         out_mask = mask_m[:, None] & mask_n[None, :]
         if SPLIT_K == 1:
+            if RESIDUAL:  # epilogue: out = x W^T + residual, one rounding
+                acc += tl.load(r_ptr + offs_m[:, None] * sr_m + offs_n[None, :], mask=out_mask, other=0.0).to(
+                    tl.float32)
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
             part = part_ptr + offs_m[:, None] * N + offs_n[None, :]  # partials [SPLIT_K, M, N] fp32
@@ -249,26 +280,32 @@ if TRITON_AVAILABLE:
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for sk in range(0, SPLIT_K):
                     total += tl.load(part + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if RESIDUAL:
+                    total += tl.load(r_ptr + offs_m[:, None] * sr_m + offs_n[None, :], mask=out_mask,
+                                     other=0.0).to(tl.float32)
                 tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
                 tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call
 
 
 def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
                       zero: torch.Tensor | None = None, group_size: int | None = None,
-                      counters: torch.Tensor | None = None, **override) -> torch.Tensor:
+                      counters: torch.Tensor | None = None, *, glu: bool = False,
+                      residual: torch.Tensor | None = None, **override) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) -> [M, N] in x's dtype, through the Triton kernel. `counters`: a persistent
     `counters_for(N, device)` buffer (zero between calls; allocated here when None, which a captured graph would
     re-zero on every replay: pass one). `override`: entries of `gemv_config` (a benchmark's sweep).
+    glu: x is [M, 2K] = [gate | up] and the kernel multiplies silu(gate) * up (a SwiGLU MLP's down projection, with
+    no separate SiLU-mul kernel before it); residual [M, N]: added to the output in the epilogue (no add kernel after).
 
     Without `override` the launch goes through the custom op `torch.ops.workbench.quant_gemv`, which torch.compile
     treats as one opaque call (its output shape from a fake implementation): the model around a quantized linear
     still compiles and fuses (norms, RoPE, residual adds) instead of breaking the graph at each Triton launch."""
-    check_gemv(fmt, x, weight, scale, zero, group_size)
+    check_gemv(fmt, x, weight, scale, zero, group_size, glu, residual)
     if counters is None:
         counters = counters_for(weight.shape[0], x.device)
     if override:
-        return _launch(x, fmt, weight, scale, zero, group_size, counters, **override)
-    return torch.ops.workbench.quant_gemv(x, fmt, weight, scale, zero, group_size or 0, counters)
+        return _launch(x, fmt, weight, scale, zero, group_size, counters, glu, residual, **override)
+    return torch.ops.workbench.quant_gemv(x, fmt, weight, scale, zero, group_size or 0, counters, glu, residual)
 
 
 # `counters` is not declared mutated: the split-K programs bump it and the last one resets it, so it holds zeros
@@ -276,22 +313,24 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
 # the buffer around each call (one more kernel per linear, the very cost this op exists to avoid).
 @torch.library.custom_op("workbench::quant_gemv", mutates_args=())
 def _quant_gemv_op(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None,
-                   zero: torch.Tensor | None, group_size: int, counters: torch.Tensor) -> torch.Tensor:
+                   zero: torch.Tensor | None, group_size: int, counters: torch.Tensor, glu: bool = False,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
     # counters: bumped by the split-K programs and reset to zero by the last one (zero again after every call)
-    return _launch(x, fmt, weight, scale, zero, group_size or None, counters)
+    return _launch(x, fmt, weight, scale, zero, group_size or None, counters, glu, residual)
 
 
 @_quant_gemv_op.register_fake
-def _(x, fmt, weight, scale, zero, group_size, counters):
+def _(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _launch(x, fmt, weight, scale, zero, group_size, counters, **override) -> torch.Tensor:
+def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, **override) -> torch.Tensor:
     if not TRITON_AVAILABLE:
         raise GemvError("quant_kernel 'triton' needs the triton package (a CUDA build of torch ships it): "
                         "choose quant_kernel 'dequant' or 'aten'")
     x = x.contiguous()
     m, k = x.shape
+    k = k // 2 if glu else k
     n = weight.shape[0]
     sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
     cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())))
@@ -306,13 +345,15 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, **override) -> to
         counters = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
     scale2 = scale.reshape(n, -1) if scale is not None else weight[:, :1]  # dense: never read
     zero2 = zero if zero is not None else scale2
+    res = residual.contiguous() if residual is not None else out  # never read without RESIDUAL
     _gemv_kernel[grid](
-        x, weight, scale2, zero2, out, partials, counters,
+        x, weight, scale2, zero2, out, partials, counters, res,
         m, n, k, cfg["tiles_per_split"],
         x.stride(0), weight.stride(0), scale2.stride(0), scale2.stride(1) if scale2.shape[1] > 1 else 0, out.stride(0),
+        res.stride(0),
         cfg["SPLIT_K"], FMT=_FMT_CODE[fmt], GROUP=group_size or 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, RESIDUAL=residual is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 

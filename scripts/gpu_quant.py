@@ -57,6 +57,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
         base.eval()
         embed = base.model.embed_tokens.weight
         prompts = [list(range(100, 100 + args.prompt_len))]
+        bf16_tokens: dict[str, list[int]] = {}
         for fmt_name in args.formats.split(","):
             fmt, kernel = FORMAT_KERNELS[fmt_name]
             for mode in args.floor_modes.split(","):
@@ -77,6 +78,14 @@ def part_floor(args, device: torch.device) -> list[dict]:
                         res = engine.generate(prompts)
                         sync(device)
                         ms.append((res.t_done[0] - res.t_first_token) * 1e3 / (len(res.outputs[0]) - 1))
+                    tokens = res.outputs[0]
+                    if fmt_name == "none":
+                        bf16_tokens[mode] = tokens
+                    elif mode in bf16_tokens:  # greedy tokens equal to bf16's (same mode) before the first difference
+                        ref_tokens = bf16_tokens[mode]
+                        row["tokens_equal_to_bf16"] = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens))
+                                                            if a != b), min(len(tokens), len(ref_tokens)))
+                        row["tokens_compared"] = min(len(tokens), len(ref_tokens))
                     kv = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
                           * (args.prompt_len + args.max_new_tokens / 2))
                     stored = weight_bytes(model)

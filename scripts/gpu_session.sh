@@ -36,7 +36,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # e trained it needlessly (session 3)
+case "$PART" in d|e|f|h|i) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # e trained it needlessly (session 3)
 if [ ! -f zoo_cache/small/manifest.json ] && [ "$NEEDS_SMALL" = 1 ]; then
   echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
   step train 200 $PY -m workbench zoo train small --device cuda --max-seconds "${SMALL_SECONDS:-120}"
@@ -112,6 +112,15 @@ elif [ "$PART" = h ]; then
     --formats ${QUANT_FORMATS:-none,dense-triton,fp8-triton,int4} --floor-modes ${QUANT_MODES:-graphs+max-autotune+overlap}
   step floor 80 $PY scripts/gpu_fastpath.py --out "$R/floor" --parts floor --floor-configs 1.45b \
     --floor-modes ${FLOOR_MODES:-graphs+compile+overlap,graphs+compile+overlap+tgemv,graphs+max-autotune+overlap,graphs+max-autotune+overlap+tgemv}
+  step profile 50 $PY scripts/gpu_fastpath.py --out "$R/profile" --parts profile --floor-configs 6.7b,1.45b \
+    --floor-modes graphs+compile+tgemv --max-new-tokens 64
+elif [ "$PART" = i ]; then
+  # fourth session, second call (no preset): the dense GEMV with swept tiles and the fused SwiGLU + residual down
+  # projection (every Triton GEMV format), parity on the GPU, the floor per format in the best mode, and the profile
+  step gemv 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/gemv" --parts parity,speed --formats dense,fp8 --ms 1
+  step quant 150 $PY scripts/gpu_quant.py --device cuda --out "$R/quant" --parts floor --floor-configs 6.7b,1.45b \
+    --formats ${QUANT_FORMATS:-none,dense-triton,fp8-triton,int8-triton,int4} \
+    --floor-modes ${QUANT_MODES:-graphs+max-autotune+overlap}
   step profile 50 $PY scripts/gpu_fastpath.py --out "$R/profile" --parts profile --floor-configs 6.7b,1.45b \
     --floor-modes graphs+compile+tgemv --max-new-tokens 64
 elif [ "$PART" = c ]; then

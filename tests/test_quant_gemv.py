@@ -263,3 +263,73 @@ def test_a_compiled_caller_traces_through_the_op_without_a_graph_break(fmt, inte
         got = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not counters.any()
+
+
+def test_reference_glu_and_residual_are_the_unfused_ops():
+    """The fused reference is silu(gate) * up (rounded to x's dtype), the product, then + residual."""
+    _, buffers = stored("int8", 24, 64)
+    h = torch.randn(3, 128)
+    r = torch.randn(3, 24)
+    gate, up = h.chunk(2, dim=-1)
+    want = quant_gemv_reference(torch.nn.functional.silu(gate) * up, "int8", **buffers) + r
+    torch.testing.assert_close(quant_gemv_reference(h, "int8", **buffers, glu=True, residual=r), want)
+    with pytest.raises(GemvError, match=r"glu takes x = \[gate \| up\]"):
+        check_gemv("int8", torch.randn(1, 63), buffers["weight"], buffers["scale"], None, None, glu=True)
+    with pytest.raises(GemvError, match="residual must be"):
+        check_gemv("int8", torch.randn(2, 64), buffers["weight"], buffers["scale"], None, None,
+                   residual=torch.randn(2, 23))
+
+
+@interpreter
+@pytest.mark.parametrize("split", [None, 3])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("fmt", qg.GEMV_FORMATS)
+def test_triton_glu_prologue_and_residual_epilogue_match_reference(fmt, m, split, interpreter_bf16_dot):
+    n, k, group = SHAPES["ragged"]
+    dtype = torch.bfloat16
+    _, buffers = stored(fmt, n, k, group, dtype=dtype if fmt != "fp8" else torch.float32, seed=m)
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(m, 2 * k, generator=g).to(dtype)
+    r = torch.randn(m, n, generator=g).to(dtype)
+    override = {} if split is None else dict(SPLIT_K=split, BLOCK_K=32)
+    counters = counters_for(n, "cpu")
+    got = quant_gemv_triton(h, fmt, **buffers, counters=counters, glu=True, residual=r, **override)
+    want = quant_gemv_reference(h, fmt, **buffers, glu=True, residual=r).float()
+    # both rounded to bf16 once (outputs ~30: an ulp is 0.125-0.25), summed in another order: within 2^-7 of the max
+    assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+    assert not counters.any()
+
+
+@interpreter
+@pytest.mark.parametrize("fmt", ["dense", "int8", "int4", "fp8"])
+def test_fused_mlp_down_projection_matches_the_unfused_layer(fmt, interpreter_bf16_dot):
+    """A decoder layer whose down projection takes the kernel runs SwiGLU + down + residual as one launch
+    (`glu_residual`); its output is the unfused layer's (same module, kernel "dequant" for the reference)."""
+    from workbench.models.llama import MLP
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(1)
+    dtype = torch.bfloat16
+    mlp = MLP(cfg)
+    with torch.no_grad():
+        for p in mlp.parameters():  # the model initializes its linears; a lone MLP's are empty
+            p.normal_(0, 0.1)
+    mlp = mlp.to(dtype)
+    ref_down = (DenseGemvLinear(mlp.down_proj, "dequant") if fmt == "dense" else
+                {"int8": Int8Linear, "fp8": Fp8Linear}.get(fmt, lambda lin, kern: Int4Linear(lin, 32, kern))(
+                    mlp.down_proj, "dequant"))
+    tri_down = (DenseGemvLinear(mlp.down_proj, "triton") if fmt == "dense" else
+                {"int8": Int8Linear, "fp8": Fp8Linear}.get(fmt, lambda lin, kern: Int4Linear(lin, 32, kern))(
+                    mlp.down_proj, "triton"))
+    x, res = torch.randn(1, 1, 64).to(dtype), torch.randn(1, 1, 64).to(dtype)
+    calls = []
+    orig = tri_down.glu_residual
+    tri_down.glu_residual = lambda h, r: calls.append(h.shape) or orig(h, r)
+    with torch.no_grad():
+        mlp.down_proj = ref_down
+        want = mlp(x, residual=res).float()
+        mlp.down_proj = tri_down
+        got = mlp(x, residual=res).float()
+    assert calls == [(1, 1, 256)]  # the fused launch ran (h = [gate | up])
+    torch.testing.assert_close(got, want, rtol=2 ** -6, atol=0.03)

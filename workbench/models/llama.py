@@ -138,9 +138,18 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, config.hidden_size, bias=config.mlp_bias)
         _register_fused(self, "gate_up_proj", [("gate_proj", i), ("up_proj", i)])
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, I] each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """down(silu(gate) * up), plus `residual` when given; a down projection that can fuse both (a Triton GEMV
+        linear, `glu_residual`) does it in one launch where the call's shape takes its kernel."""
+        h = self.gate_up_proj(x)  # [B, T, 2I]
+        fused = getattr(self.down_proj, "glu_residual", None)
+        if fused is not None and residual is not None:
+            out = fused(h, residual)
+            if out is not None:
+                return out
+        gate, up = h.chunk(2, dim=-1)  # [B, T, I] each
+        y = self.down_proj(F.silu(gate) * up)
+        return y if residual is None else residual + y
 
 
 class DecoderLayer(nn.Module):
@@ -153,7 +162,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attn: AttentionBackend) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class DecoderStack(nn.Module):

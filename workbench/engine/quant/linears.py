@@ -147,6 +147,22 @@ class QuantLinear(nn.Module):
         if kernel == "triton":  # the split-K kernel's per-tile counters: persistent and zero between calls
             self.register_buffer("gemv_counters", counters_for(self.out_features, device), persistent=False)
 
+    def _gemv_args(self) -> tuple[str, dict]:
+        """(kernel format, buffers) for kernels/quant_gemv.py."""
+        return self.fmt, dict(weight=self.weight, scale=self.scale)
+
+    def glu_residual(self, h: Tensor, residual: Tensor) -> Tensor | None:
+        """As a SwiGLU down projection: residual + self(silu(gate) * up), h = [gate | up] [..., 2K], in one GEMV
+        launch (the prologue and epilogue of kernels/quant_gemv.py); None when this call does not take the kernel
+        (the caller then runs the unfused ops)."""
+        h2 = h.reshape(-1, h.shape[-1])
+        if self.bias is not None or not self._use_gemv(h2):
+            return None
+        fmt, buffers = self._gemv_args()
+        y = quant_gemv_triton(h2, fmt, **buffers, counters=self.gemv_counters, glu=True,
+                              residual=residual.reshape(-1, self.out_features))
+        return y.reshape(residual.shape)
+
     def _out(self, y: Tensor, x: Tensor) -> Tensor:
         if self.bias is not None:
             y = y + self.bias
@@ -230,6 +246,9 @@ class Int4Linear(QuantLinear):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_and_zeros)
         return self._out(y, x)
 
+    def _gemv_args(self) -> tuple[str, dict]:
+        return "int4", dict(weight=self.weight, scale=self.scale, zero=self.zero, group_size=self.group_size)
+
     def dequantized_weight(self) -> Tensor:
         """Recovered through the module itself by multiplying the identity (the kernel's own unpacking)."""
         dtype = self.scale.dtype if self.kernel in ("dequant", "triton") else self.scales_and_zeros.dtype
@@ -293,6 +312,9 @@ class DenseGemvLinear(QuantLinear):
         if self._use_gemv(x2):
             return self._out(quant_gemv_triton(x2, "dense", self.weight, counters=self.gemv_counters), x)
         return self._out(F.linear(x2, self.weight), x)
+
+    def _gemv_args(self) -> tuple[str, dict]:
+        return "dense", dict(weight=self.weight)
 
     def dequantized_weight(self) -> Tensor:
         return self.weight.float()
