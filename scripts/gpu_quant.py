@@ -43,6 +43,8 @@ FORMAT_KERNELS = {"none": ("none", "auto"), "int8": ("int8", "aten"), "int8-dq":
                   # kernels/quant_gemv.py (quant_kernel "triton"; fp8 then weight-only): scripts/gpu_gemv.py
                   "int8-triton": ("int8", "triton"), "int4-triton": ("int4", "triton"), "fp8-triton": ("fp8", "triton"),
                   "dense-triton": ("none", "triton")}  # unquantized bf16 through the dense GEMV (not cuBLAS)
+# a Triton format may end in "+res" (the MLP's residual add in the down GEMV's epilogue) or "+glu" (also SiLU-mul in
+# its prologue): e.g. fp8-triton+glu
 
 
 def part_floor(args, device: torch.device) -> list[dict]:
@@ -59,7 +61,9 @@ def part_floor(args, device: torch.device) -> list[dict]:
         prompts = [list(range(100, 100 + args.prompt_len))]
         bf16_tokens: dict[str, list[int]] = {}
         for fmt_name in args.formats.split(","):
-            fmt, kernel = FORMAT_KERNELS[fmt_name]
+            base_name, _, suffix = fmt_name.partition("+")  # "+res" / "+glu": fuse into the down projection
+            fmt, kernel = FORMAT_KERNELS[base_name]
+            fusion = {"": "off", "res": "residual", "glu": "glu+residual"}[suffix]
             for mode in args.floor_modes.split(","):
                 row = {"config": name, "format": fmt_name, "mode": mode}
                 try:
@@ -68,6 +72,9 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))
                     model = quantize_model(base, fmt, group_size=args.int4_group_size, kernel=kernel,
                                            calibration=calib if fmt == "int4-awq" else None)
+                    if fusion != "off":  # the down projection's fusion (linears.QuantLinear.fusion)
+                        for layer in model.model.layers:
+                            layer.mlp.down_proj.fusion = fusion
                     sync(device)
                     row["quantize_s"] = time.perf_counter() - t0
                     engine = SpecEngine(model, None, EngineConfig(max_new_tokens=args.max_new_tokens, **MODES[mode]),

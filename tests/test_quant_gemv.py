@@ -301,8 +301,9 @@ def test_triton_glu_prologue_and_residual_epilogue_match_reference(fmt, m, split
 
 
 @interpreter
+@pytest.mark.parametrize("fusion", ["residual", "glu+residual"])
 @pytest.mark.parametrize("fmt", ["dense", "int8", "int4", "fp8"])
-def test_fused_mlp_down_projection_matches_the_unfused_layer(fmt, interpreter_bf16_dot):
+def test_fused_mlp_down_projection_matches_the_unfused_layer(fmt, fusion, interpreter_bf16_dot):
     """A decoder layer whose down projection takes the kernel runs SwiGLU + down + residual as one launch
     (`glu_residual`); its output is the unfused layer's (same module, kernel "dequant" for the reference)."""
     from workbench.models.llama import MLP
@@ -323,6 +324,8 @@ def test_fused_mlp_down_projection_matches_the_unfused_layer(fmt, interpreter_bf
                 {"int8": Int8Linear, "fp8": Fp8Linear}.get(fmt, lambda lin, kern: Int4Linear(lin, 32, kern))(
                     mlp.down_proj, "triton"))
     x, res = torch.randn(1, 1, 64).to(dtype), torch.randn(1, 1, 64).to(dtype)
+    assert tri_down.fusion == "off" and tri_down.glu_residual(torch.randn(1, 1, 256).to(dtype), res) is None
+    tri_down.fusion = fusion
     calls = []
     orig = tri_down.glu_residual
     tri_down.glu_residual = lambda h, r: calls.append(h.shape) or orig(h, r)

@@ -151,15 +151,25 @@ class QuantLinear(nn.Module):
         """(kernel format, buffers) for kernels/quant_gemv.py."""
         return self.fmt, dict(weight=self.weight, scale=self.scale)
 
+    # What a Triton-GEMV down projection fuses (`glu_residual`): "off"; "residual" (the residual add in the GEMV's
+    # epilogue, SiLU-mul left to PyTorch / torch.compile); "glu+residual" (also SiLU-mul in its prologue). Measured on
+    # the H200 (BENCHMARKS.md section 10): "glu+residual" made 6.7 B fp8 decode 3 % slower (every program recomputes
+    # SiLU over the whole input), so it is not the default; benchmarks set it per module (gpu_quant.py "+glu", "+res").
+    fusion = "off"
+
     def glu_residual(self, h: Tensor, residual: Tensor) -> Tensor | None:
-        """As a SwiGLU down projection: residual + self(silu(gate) * up), h = [gate | up] [..., 2K], in one GEMV
-        launch (the prologue and epilogue of kernels/quant_gemv.py); None when this call does not take the kernel
-        (the caller then runs the unfused ops)."""
+        """As a SwiGLU down projection: residual + self(silu(gate) * up), h = [gate | up] [..., 2K], fused into the
+        GEMV as `fusion` says; None when fusion is off or this call does not take the kernel (the caller then runs
+        the unfused ops)."""
         h2 = h.reshape(-1, h.shape[-1])
-        if self.bias is not None or not self._use_gemv(h2):
+        if self.fusion == "off" or self.bias is not None or not self._use_gemv(h2):
             return None
         fmt, buffers = self._gemv_args()
-        y = quant_gemv_triton(h2, fmt, **buffers, counters=self.gemv_counters, glu=True,
+        glu = self.fusion == "glu+residual"
+        if not glu:
+            gate, up = h2.chunk(2, dim=-1)
+            h2 = F.silu(gate) * up
+        y = quant_gemv_triton(h2, fmt, **buffers, counters=self.gemv_counters, glu=glu,
                               residual=residual.reshape(-1, self.out_features))
         return y.reshape(residual.shape)
 
