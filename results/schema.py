@@ -222,6 +222,10 @@ SERVING_SPECS: list[ColumnSpec] = [
                "above every graph bucket)"),
     ColumnSpec("draft_catch_up_tokens", "int", "serving", "draft-model KV positions written to catch up after "
                "steps that did not draft (adaptive speculation)"),
+    ColumnSpec("draft_catch_up_forwards", "int", "serving", "draft-model forwards those catch-ups took (rows grouped "
+               "by gap)"),
+    ColumnSpec("draft_catch_up_slots", "int", "serving", "rows x T of the catch-up forwards, padding included "
+               "(>= draft_catch_up_tokens)"),
 ]
 
 # One row per request of a serving run (`ResultStore.append(..., requests=)`, requests/<run_id>.parquet).

@@ -86,6 +86,46 @@ def test_catch_up_after_autoregressive_steps_drafts_as_a_fresh_prefill(target, d
     assert any(stale[c] != full[c] for c in stale.keys() & full.keys())
 
 
+def test_fixed_k_prefills_the_draft_model_in_the_prefill_phase(target, draft, solo):
+    """Rows that draft from their first step get the draft model's prefill when their target prefill completes (a
+    one-row forward in the prefill phase): no catch-up forward inside a decode step, where every row would wait."""
+    reqs = random_requests(24, n=10, shared=list(range(1, 17)))
+    engine = engine_with(DraftModelDrafter(draft, 3), target)
+    res = ServingLoop(engine, reqs, clock=StepClock(), max_num_seqs=4).run()
+    assert_solo(res, reqs, solo)
+    assert res.draft_catch_up_tokens == 0 and res.draft_catch_up_forwards == 0  # lazily: every prompt, here
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_catch_up_never_pads_short_gaps_to_a_long_one(target, draft, solo, monkeypatch, grouped):
+    """Rows that joined at a batch size that does not draft are caught up from position 0 when the batch changes;
+    rows behind by a skipped step or two must not run a forward of that prompt's length. The spy reads each
+    catch-up forward's shape: T (the largest gap in it) is at most CATCH_UP_SHORT or under twice each row's own gap.
+    The control (one forward for every behind row, the old behaviour) breaks it."""
+    from workbench.serving import loop as loop_mod
+
+    if not grouped:
+        monkeypatch.setattr(loop_mod, "catch_up_groups", lambda gaps, short=8: [list(range(len(gaps)))])
+    schedule = [(1, 1, 0), (2, 3, 3), (4, 64, 0)]  # rows join at 1 or 4 rows without drafting, then draft at 2-3
+    calls = []
+    for seed in (25, 28):
+        reqs = random_requests(seed, n=12, shared=list(range(1, 25)))  # prompts of 25-38 tokens
+        engine = engine_with(DraftModelDrafter(draft, 3), target)
+        catch_up, first = engine.catch_up_drafter, len(calls)
+        engine.catch_up_drafter = lambda rows, starts, ends: (calls.append([e - s for s, e in zip(starts, ends)]),
+                                                              catch_up(rows, starts, ends))
+        res = ServingLoop(engine, reqs, adaptive=AdaptiveSpeculation(3, schedule), clock=StepClock(),
+                          max_num_seqs=4).run()
+        assert_solo(res, reqs, solo)
+        mine = calls[first:]
+        assert res.draft_catch_up_forwards == len(mine)
+        assert res.draft_catch_up_slots == sum(len(g) * max(g) for g in mine)
+        assert res.draft_catch_up_tokens == sum(map(sum, mine))
+    assert any(max(g) > 24 for g in calls) and any(min(g) <= 2 for g in calls)  # prompts and skipped steps
+    padded_to_other = [g for g in calls if max(g) > max(loop_mod.CATCH_UP_SHORT, 2 * min(g) - 1)]
+    assert (not padded_to_other) == grouped, padded_to_other
+
+
 @pytest.fixture
 def fake_capture(monkeypatch):
     """CUDA-graph capture emulated on the CPU: a capture runs the warm-up and records the (bucket, key); a replay

@@ -101,7 +101,8 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
     if cfg.method == "ar":
         for key in ("acceptance_rate", "mean_accepted_tokens", "tree_size_mean", "accepted_path_length_mean"):
             rec[key] = None
-    rec["draft_catch_up_tokens"] = result.draft_catch_up_tokens if engine.drafter is not None else None
+    for key in ("draft_catch_up_tokens", "draft_catch_up_forwards", "draft_catch_up_slots"):
+        rec[key] = getattr(result, key) if engine.drafter is not None else None
     if cfg.cuda_graphs or cfg.compile != "off":
         # captures and eager fallbacks (a batch above every bucket) inside the served run: each one is a stall
         rec.update(graph_captures_in_run=len(in_run.captured), graph_misses_in_run=in_run.misses)
