@@ -158,7 +158,7 @@ class ServingLoop:
     def __init__(self, engine: SpecEngine, requests: list[Request], *, policy: str = "no_evict",
                  num_blocks: int = 0, max_num_seqs: int = 16, prefill_chunk: int = 0, prefix_caching: bool = False,
                  adaptive: AdaptiveSpeculation | None = None, max_concurrency: int = 0, clock=None,
-                 timing: bool = False):
+                 timing: bool = False, max_len: int = 0):
         if not requests:
             raise ServeError("no requests to serve")
         if any(len(r.prompt) == 0 for r in requests):
@@ -172,7 +172,8 @@ class ServingLoop:
         self.n_nodes = engine.num_nodes
         self.chains = drafter is None or drafter.proposes_chains
         bs = engine.config.kv_block_size
-        max_len = max(len(r.prompt) + r.max_new_tokens for r in requests) + self.n_nodes + 2
+        # KV slots per row: what the longest request needs, or more (max_len: share the cache of a longer run)
+        max_len = max(max_len, max(len(r.prompt) + r.max_new_tokens for r in requests) + self.n_nodes + 2)
         max_len = math.ceil(max_len / bs) * bs
         held = engine.cache  # reused when it has this run's shape, or (automatic pool) at least its length
         if not num_blocks and isinstance(held, PrefixCachingKVCache) and held.max_rows == max_num_seqs and \
