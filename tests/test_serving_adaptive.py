@@ -267,6 +267,41 @@ def test_gpu_serving_script_smoke_on_cpu(tmp_path):
     assert "Thresholds [2]" in (tmp_path / "a" / "table.md").read_text()
     assert gpu_serving.main(common + ["--out", str(tmp_path / "b"), "--budget-s", "0"]) == 0
     r = json.loads((tmp_path / "b" / "results.json").read_text())
-    assert r["schedule_source"].startswith("measured") and r["calibration"]["table"]
-    assert not r["sweep"] and {s["part"] for s in r["skipped"]} == {"sweep"} | ({"thresholds"} if
-                                                                              r["schedule_thresholds"] else set())
+    assert r["schedule_source"].startswith("measured (step calibration") and r["calibration"]["table"]
+    assert r["done"] and "loop_calibration" not in r
+    assert not r["sweep"] and {s["part"] for s in r["skipped"]} == {"sweep", "calibration-loop"} | (
+        {"thresholds"} if r["schedule_thresholds"] else set())
+
+
+def test_gpu_serving_script_loop_calibration_and_progressive_results(tmp_path, monkeypatch):
+    """The default schedule comes from the loop calibration (step's table kept beside it), and results are written
+    as the script goes: stopped at its saturation run (as a timeout would), the folder holds what came before."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    calls = []
+    real = gpu_serving.serve_bench
+
+    def stop_at_saturation(session, cfg, **kw):
+        calls.append(cfg)
+        if len(calls) == 5:  # warm-ups: off, k=4, k=2, then adaptive with the calibrated schedule
+            raise KeyboardInterrupt("stopped")
+        return real(session, cfg, **kw)
+
+    monkeypatch.setattr(gpu_serving, "serve_bench", stop_at_saturation)
+    args = ["--device", "cpu", "--preset", "tiny", "--num-requests", "2", "--warmup-requests", "0",
+            "--max-new-tokens", "4", "--max-num-seqs", "2", "--calibration-steps", "2", "--calibration-requests", "2",
+            "--calibration-budget-s", "60", "--out", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        gpu_serving.main(args)
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert not r["done"] and r["schedule_source"] == "measured (loop calibration)"
+    lcal = r["loop_calibration"]
+    assert {(x["batch_size"], x["k"]) for x in lcal["table"]} == {(b, k) for b in (1, 2) for k in range(5)}
+    assert r["k_by_batch"] == lcal["k_by_batch"] and calls[3].k_by_batch == lcal["k_by_batch"]
+    assert r["calibration"]["table"] and r["calibration"]["k_by_batch"]  # step's, for comparison
+    text = (tmp_path / "table.md").read_text()
+    assert "Loop calibration" in text and "Step calibration" in text and "partial" in text
