@@ -256,8 +256,12 @@ def test_gpu_serving_script_smoke_on_cpu(tmp_path):
     common = ["--device", "cpu", "--preset", "tiny", "--num-requests", "4", "--warmup-requests", "1",
               "--max-new-tokens", "6", "--rates", "1", "--max-num-seqs", "4", "--threshold-requests", "3",
               "--calibration-steps", "2"]
-    assert gpu_serving.main(common + ["--out", str(tmp_path / "a"), "--k-by-batch", "1:2,2-4:0"]) == 0
+    assert gpu_serving.main(common + ["--out", str(tmp_path / "a"), "--k-by-batch", "1:2,2-4:0", "--repeats",
+                                      "2"]) == 0
     r = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert sorted((x["repeat"], x["setting"]) for x in r["sweep"]) == sorted(
+        (i, s) for i in range(2) for s in ("off", "k=4", "adaptive", "k=2 (held out)"))
+    assert r["sweep_checks"][0]["repeats"] == 2
     assert r["schedule_thresholds"] == [2] and not r["skipped"]
     assert sorted({x["max_concurrency"] for x in r["thresholds"]}) == [1, 2, 3]
     assert {x["setting"] for x in r["thresholds"]} == {"off", "k=4", "adaptive"}
@@ -305,3 +309,23 @@ def test_gpu_serving_script_loop_calibration_and_progressive_results(tmp_path, m
     assert r["calibration"]["table"] and r["calibration"]["k_by_batch"]  # step's, for comparison
     text = (tmp_path / "table.md").read_text()
     assert "Loop calibration" in text and "Step calibration" in text and "partial" in text
+
+
+def test_gpu_serving_goal_check_reads_medians_over_complete_rounds():
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    def rec(setting, rep, tok, good):
+        return {"setting": setting, "repeat": rep, "rate_fraction": 1.0, "output_throughput": tok, "goodput": good,
+                "tpot_ms_p99": 1.0}
+
+    sweep = [rec("off", 0, 100.0, 10.0), rec("k=4", 0, 120.0, 12.0), rec("adaptive", 0, 60.0, 1.0),  # one stall
+             rec("off", 1, 100.0, 10.0), rec("k=4", 1, 118.0, 11.0), rec("adaptive", 1, 121.0, 12.0),
+             rec("off", 2, 101.0, 10.0), rec("k=4", 2, 119.0, 12.0), rec("adaptive", 2, 122.0, 13.0),
+             rec("off", 3, 500.0, 50.0)]  # an unfinished round: left out
+    (check,) = gpu_serving.sweep_checks(sweep, "k=4")
+    assert check["repeats"] == 3 and check["output_throughput_best_of_off_fixed"] == 119.0
+    assert check["output_throughput_adaptive"] == 121.0 and check["goodput_ratio"] == 1.0
+    assert check["adaptive_ge_best"]
