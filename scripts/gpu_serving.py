@@ -335,8 +335,8 @@ def table(r: dict) -> str:
     cal = r.get("calibration")
     if cal:
         ks = sorted({x["k"] for x in cal["table"]})
-        lines += ["Step calibration: ms per isolated decode step (tokens per ms, all rows) by batch size and draft length; "
-                  "tokens per row per step: " + ", ".join(f"k={k}: {_f(cal['mean_tokens'][k], 2)}" for k in ks), "",
+        lines += ["Step calibration: ms per isolated decode step (tokens per ms, all rows) by batch size and draft "
+                  "length; tokens per row per step: " + ", ".join(f"k={k}: {_f(cal['mean_tokens'][k], 2)}" for k in ks), "",
                   "| batch | " + " | ".join(f"k={k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
         for b in sorted({x["batch_size"] for x in cal["table"]}):
             cells = {x["k"]: x for x in cal["table"] if x["batch_size"] == b}
@@ -369,8 +369,8 @@ def table(r: dict) -> str:
                      f"{_f(x['ttft_ms_p99'])} | {_f(x['mean_batch_size'])} | {_f(x['acceptance_rate'], 2)} | "
                      f"{_f(x['graph_captures_in_run'])} |")
     if r.get("sweep_checks"):
-        lines += ["", "Goal: adaptive >= the better of off and fixed k at every rate (medians over the rounds all three "
-                  "finished):", "",
+        lines += ["", "Goal: adaptive >= the better of off and fixed k at every rate (medians over the rounds all "
+                  "three finished):", "",
                   "| rate (x sat) | rounds | goodput adaptive / best | out tok/s adaptive / best | met |",
                   "|---|---|---|---|---|"]
         for c in r["sweep_checks"]:
