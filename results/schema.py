@@ -203,8 +203,9 @@ TRACE_SPECS: list[ColumnSpec] = [
 SERVING_SPECS: list[ColumnSpec] = [
     ColumnSpec("run_kind", "string", "identity", '"serve" for serving runs (None = a bench run)'),
     ColumnSpec("rate", "float", "config", "request arrival rate, requests/s (0 = all at once)"),
-    *_cols("config", "string", "arrival lengths sched_policy k_by_batch"),
-    *_cols("config", "float", "burstiness range_ratio slo_ttft_ms slo_tpot_ms spec_off_acceptance"),
+    *_cols("config", "string", "arrival lengths sched_policy k_by_batch calibration"),
+    *_cols("config", "float", "burstiness range_ratio slo_ttft_ms slo_tpot_ms spec_off_acceptance "
+                              "calibration_budget_s"),
     *_cols("config", "int", "max_concurrency num_requests warmup_requests input_len shared_prefix_len kv_blocks "
                             "max_num_seqs prefill_chunk spec_window spec_max_context long_context_k"),
     ColumnSpec("prefix_caching", "bool", "config", "full prompt blocks shared between requests"),
@@ -222,6 +223,14 @@ SERVING_SPECS: list[ColumnSpec] = [
                "above every graph bucket)"),
     ColumnSpec("draft_catch_up_tokens", "int", "serving", "draft-model KV positions written to catch up after "
                "steps that did not draft (adaptive speculation)"),
+    ColumnSpec("calibration_s", "float", "serving", "seconds the schedule's calibration took (graph captures "
+               "included), before the run"),
+    ColumnSpec("calibration_table", "string", "serving", "JSON list: the calibration's measurements per (batch_size, "
+               "k) (step: step_ms, tokens_per_ms; loop: tokens_per_s, or skipped) and the chosen k per batch size"),
+    ColumnSpec("draft_catch_up_forwards", "int", "serving", "draft-model forwards those catch-ups took (rows grouped "
+               "by gap)"),
+    ColumnSpec("draft_catch_up_slots", "int", "serving", "rows x T of the catch-up forwards, padding included "
+               "(>= draft_catch_up_tokens)"),
 ]
 
 # One row per request of a serving run (`ResultStore.append(..., requests=)`, requests/<run_id>.parquet).

@@ -7,25 +7,32 @@ fixed k at every load, and does its schedule have cliffs? Writes OUT/results.jso
 
 Parts, in this order (after the saturation part, a run is skipped, and listed under "skipped", when the longest
 run of its part so far would end past --budget-s):
-  calibrate   ms per decode step by batch bucket and draft length 0..k, and tokens per step at each length, on the
-              engine that serves (workbench/serving/calibrate.py); the adaptive schedule is the length with the most
-              tokens per ms per batch size (unless --k-by-batch gives one)
+  calibrate   step: ms per isolated decode step by batch bucket and draft length 0..k, and tokens per step at each
+              length (workbench/serving/calibrate.py), kept for comparison; after the warm-up, loop: a short
+              closed-loop serve per (batch bucket as concurrency, k in 0..k) on the engine that serves, within
+              --calibration-budget-s; the adaptive schedule is loop's (the k with the most output tokens/s per batch
+              size, ties within --min-gain to the smaller), or step's with --calibration step, or --k-by-batch's
   warm-up     one short untimed run per engine (first-run costs, graph captures) before anything is measured
   saturation  request throughput of speculation off at fixed concurrency max_num_seqs; the sweep's rates are fractions
               of it; SLOs for goodput default to 3x / 2x the light-load TTFT / TPOT of speculation off
-  sweep       Poisson arrivals at each rate: off, fixed k, adaptive, and a held-out k = 2 (for the replay)
+  sweep       Poisson arrivals at each rate: off, fixed k, adaptive, and a held-out k = 2 (for the replay);
+              --repeats rounds, settings interleaved, round r with arrival seed r (the same arrivals for every
+              setting of a round); the goal check reads the medians over rounds (one run near saturation can queue
+              up after a single stall: BENCHMARKS 9.4's adaptive at 1.0x did the same work as fixed k, 0.79x slower)
   thresholds  for each schedule threshold t (a batch size where the schedule's k changes): fixed concurrency t - 1, t,
               t + 1 with off, fixed k and adaptive; a cliff is adaptive's output tokens/s dropping more than
               --cliff-pct % from one concurrency to the next, or falling more than --cliff-pct % below the better of
               off and fixed k at one concurrency
   replay      costs fitted on off + fixed k; predicts the held-out k = 2 and adaptive from the fixed-k traces
 Every run uses graphs captured before its clock starts, for every draft length it can use; each record carries
-graph_captures_in_run (captures inside the run: should be 0) and draft_catch_up_tokens.
+graph_captures_in_run (captures inside the run: should be 0) and the draft catch-up counters. results.json and
+table.md are rewritten after every run, so a run killed by a timeout keeps everything measured before it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -38,12 +45,13 @@ from workbench.harness.bench import BenchSession  # noqa: E402
 from workbench.serving import replay  # noqa: E402
 from workbench.serving.adaptive import format_k_by_batch  # noqa: E402
 from workbench.serving.bench import engine_for, serve_bench  # noqa: E402
-from workbench.serving.calibrate import calibrate  # noqa: E402
+from workbench.serving.calibrate import calibrate, calibrate_loop  # noqa: E402
 from workbench.serving.config import ServeConfig  # noqa: E402
 
 SHOW = ["request_throughput", "output_throughput", "goodput", "tpot_ms_p99", "tpot_ms_p50", "ttft_ms_p99",
         "ttft_ms_p50", "mean_batch_size", "acceptance_rate", "preemptions", "graph_captures_in_run",
-        "graph_misses_in_run", "draft_catch_up_tokens", "acceptance_by_batch_size"]
+        "graph_misses_in_run", "draft_catch_up_tokens", "draft_catch_up_forwards", "draft_catch_up_slots",
+        "acceptance_by_batch_size"]
 
 
 def parse_args(argv=None):
@@ -56,6 +64,13 @@ def parse_args(argv=None):
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--k-by-batch", default="auto",
                    help="adaptive schedule 'start-end:k,...'; auto = measured by the calibration part")
+    p.add_argument("--calibration", default="loop", choices=("loop", "step"),
+                   help="which measurement the adaptive schedule comes from (both are recorded unless the loop one "
+                   "is skipped for the budget)")
+    p.add_argument("--calibration-budget-s", type=float, default=40.0,
+                   help="wall-clock budget of the loop calibration (runs past it are skipped and listed)")
+    p.add_argument("--calibration-requests", type=int, default=3,
+                   help="loop calibration: requests per run = this x the concurrency (the first round is warm-up)")
     p.add_argument("--min-gain", type=float, default=0.02,
                    help="a longer draft must beat the best shorter one by this fraction of tokens/ms")
     p.add_argument("--num-requests", type=int, default=32)
@@ -68,11 +83,13 @@ def parse_args(argv=None):
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="graphs per batch bucket and draft length (default: on for cuda, off on a CPU)")
     p.add_argument("--calibration-steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3, help="sweep rounds (arrival seeds 0..R-1); medians are compared")
     p.add_argument("--no-thresholds", action="store_true")
     p.add_argument("--threshold-requests", type=int, default=12,
                    help="measured requests per threshold run (at least 3 x the concurrency)")
     p.add_argument("--cliff-pct", type=float, default=10.0)
-    p.add_argument("--budget-s", type=float, default=220.0, help="wall-clock budget of the whole script")
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="wall-clock budget after the models are loaded (H200, small: about 30 s more in total)")
     return p.parse_args(argv)
 
 
@@ -92,9 +109,18 @@ def main(argv=None) -> int:
                        graph_batch_sizes=buckets + (args.max_num_seqs,))
     result = {"preset": args.preset, "device": str(session.device), "dtype": dtype, "method": args.method,
               "k": args.k, "cuda_graphs": graphs, "budget_s": args.budget_s, "cliff_pct": args.cliff_pct,
-              "sweep": [], "thresholds": [], "threshold_checks": [], "skipped": [], "replay": []}
+              "k_by_batch": None, "schedule_source": None, "sweep": [], "thresholds": [], "threshold_checks": [],
+              "skipped": [], "replay": [], "done": False}
     engines: dict[tuple, object] = {}  # (method, k) -> engine, reused across runs (cache and graphs kept)
     last_wall: dict[str, float] = {}
+
+    def flush() -> None:  # after every part and run: a timeout loses only the run in flight
+        result["wall_s"] = elapsed()
+        for name, text in (("results.json", json.dumps(result, indent=2, default=str) + "\n"),
+                           ("table.md", table(result))):
+            tmp = out / f".{name}.tmp"
+            tmp.write_text(text)
+            tmp.replace(out / name)
 
     def engine(cfg):
         key = (cfg.method, cfg.k if cfg.method != "ar" else 0)
@@ -102,25 +128,23 @@ def main(argv=None) -> int:
             engines[key] = engine_for(session, cfg)
         return engines[key]
 
-    # -- calibrate: the schedule from measured step costs and acceptance -----------------------------------------
+    # -- calibrate (step): ms per isolated step, kept for comparison with the loop calibration -------------------
     # every prompt a measured run uses (requests cycle the prompt set): the warm-up serves them all, so each engine's
     # cache is sized once for every later run (which then reuses it and its graphs)
     used = session.encode(min(len(session.prompts), args.num_requests + args.warmup_requests))
     bs = base.kv_block_size
+    serve_len = -(-(max(map(len, used)) + args.max_new_tokens + args.k + 2) // bs) * bs  # the loop's max_len
+    step_ranges = None
     if args.k_by_batch == "auto":
         t0 = time.perf_counter()
-        serve_len = -(-(max(map(len, used)) + args.max_new_tokens + args.k + 2) // bs) * bs  # the loop's max_len
         cal = calibrate(engine(base), used, base.graph_batch_sizes, steps=args.calibration_steps, max_len=serve_len)
-        ranges = cal.schedule(args.max_num_seqs, min_gain=args.min_gain)
+        step_ranges = cal.schedule(args.max_num_seqs, min_gain=args.min_gain)
         result["calibration"] = {"table": cal.table(), "mean_tokens": cal.mean_tokens, "padded": cal.padded,
-                                 "wall_s": time.perf_counter() - t0}
-        k_by_batch, source = format_k_by_batch(ranges), "measured (calibration)"
-    else:
-        ranges, k_by_batch, source = settings.parse_k_by_batch(args.k_by_batch), args.k_by_batch, "given"
-    result.update(k_by_batch=k_by_batch, schedule_source=source)
-    print(f"schedule {k_by_batch} ({source})", flush=True)
-    settings_of = {"off": dict(method="ar"), f"k={args.k}": {}, "adaptive": dict(k_by_batch=k_by_batch),
-                   "k=2 (held out)": dict(k=2)}
+                                 "k_by_batch": format_k_by_batch(step_ranges), "wall_s": time.perf_counter() - t0}
+        print(f"step calibration: schedule {format_k_by_batch(step_ranges)}", flush=True)
+        flush()
+    fixed = f"k={args.k}"
+    settings_of = {"off": dict(method="ar"), fixed: {}, "adaptive": dict(k_by_batch=""), "k=2 (held out)": dict(k=2)}
     runs: dict[tuple, object] = {}
 
     def run(name: str, part: str, essential: bool = False, **kw):
@@ -129,6 +153,7 @@ def main(argv=None) -> int:
         if not essential and elapsed() + guess > args.budget_s:
             result["skipped"].append({"part": part, "setting": name, **{k: v for k, v in kw.items()
                                                                         if k in ("rate", "max_concurrency")}})
+            flush()
             return None, None
         t0 = time.perf_counter()
         res = serve_bench(session, cfg, engine=engine(cfg))
@@ -142,8 +167,37 @@ def main(argv=None) -> int:
     # -- warm-up: first-run costs and graph captures outside every measured run ----------------------------------
     warm = dict(arrival="concurrency", max_concurrency=args.max_num_seqs, warmup_requests=0,
                 num_requests=max(args.max_num_seqs, len(used)))
-    for name in settings_of:
+    for name in ("off", fixed, "k=2 (held out)"):
         run(name, "warm-up", essential=True, **warm)
+    # -- calibrate (loop): closed-loop serves per (batch bucket, k) on the fixed-k engine, its cache and graphs ---
+    if args.k_by_batch == "auto":
+        budget = min(args.calibration_budget_s, args.budget_s - elapsed())
+        loop_ranges = None
+        if budget > 0:
+            cal = calibrate_loop(engine(base), used, base.graph_batch_sizes, max_new_tokens=args.max_new_tokens,
+                                 max_num_seqs=args.max_num_seqs, requests_per_size=args.calibration_requests,
+                                 budget_s=budget, min_gain=args.min_gain, max_len=serve_len)
+            loop_ranges = cal.schedule(args.max_num_seqs)
+            result["loop_calibration"] = {"table": cal.table(), "k_by_batch": format_k_by_batch(loop_ranges),
+                                          "wall_s": cal.wall_s, "budget_s": budget,
+                                          "skipped": [list(x) for x in cal.skipped]}
+            print(f"loop calibration: schedule {format_k_by_batch(loop_ranges)} ({cal.wall_s:.1f} s)", flush=True)
+        else:
+            result["skipped"].append({"part": "calibration-loop", "setting": "adaptive"})
+        if args.calibration == "loop" and loop_ranges is not None:
+            ranges, source = loop_ranges, "measured (loop calibration)"
+        else:
+            ranges = step_ranges
+            source = "measured (step calibration" + (")" if args.calibration == "step" else
+                                                     "; the loop calibration was skipped for the budget)")
+        k_by_batch = format_k_by_batch(ranges)
+    else:
+        ranges, k_by_batch, source = settings.parse_k_by_batch(args.k_by_batch), args.k_by_batch, "given"
+    settings_of["adaptive"] = dict(k_by_batch=k_by_batch)
+    result.update(k_by_batch=k_by_batch, schedule_source=source)
+    print(f"schedule {k_by_batch} ({source})", flush=True)
+    flush()
+    run("adaptive", "warm-up", essential=True, **warm)
     # -- saturation and SLOs ------------------------------------------------------------------------------------
     _, sat = run("off", "saturation", True, arrival="concurrency", max_concurrency=args.max_num_seqs)
     saturation = sat["request_throughput"]
@@ -154,16 +208,19 @@ def main(argv=None) -> int:
     base = replace(base, slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot)
     result.update(saturation_request_throughput=saturation, saturation_mean_batch=sat["mean_batch_size"],
                   slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot)
+    flush()
     # -- the rate sweep -----------------------------------------------------------------------------------------
-    fixed = f"k={args.k}"
     for frac in (float(x) for x in args.rates.split(",")):
-        for name in settings_of:
-            res, rec = run(name, "sweep", rate=frac * saturation)
-            if res is not None:
-                rec["rate_fraction"] = frac
-                result["sweep"].append(rec)
-                runs[(name, frac)] = res
-    result["sweep_checks"] = sweep_checks(result["sweep"], fixed)
+        for rep in range(args.repeats):
+            for name in settings_of:
+                res, rec = run(name, "sweep", rate=frac * saturation, seed=rep)
+                if res is not None:
+                    rec.update(rate_fraction=frac, repeat=rep)
+                    result["sweep"].append(rec)
+                    if rep == 0:  # the replay's fit and oracle: one round
+                        runs[(name, frac)] = res
+                    result["sweep_checks"] = sweep_checks(result["sweep"], fixed)
+                    flush()
     # -- thresholds +/- 1 at fixed concurrency --------------------------------------------------------------------
     thresholds = [lo for lo, _, _ in ranges[1:] if lo <= args.max_num_seqs]
     result["schedule_thresholds"] = thresholds
@@ -179,7 +236,8 @@ def main(argv=None) -> int:
                     if rec is not None:
                         rec["threshold"] = t
                         result["thresholds"].append(rec)
-        result["threshold_checks"] = threshold_checks(result["thresholds"], fixed, args.cliff_pct)
+                        result["threshold_checks"] = threshold_checks(result["thresholds"], fixed, args.cliff_pct)
+                        flush()
     # -- replay -------------------------------------------------------------------------------------------------
     fit = [it for (name, _), r in runs.items() if name in ("off", fixed) for it in r.result.iterations]
     if fit:
@@ -198,21 +256,36 @@ def main(argv=None) -> int:
                 "predicted_output_throughput": pred["output_throughput"],
                 "error": pred["output_throughput"] / real - 1 if real and pred["output_throughput"] else None,
                 "real_tpot_ms_p99": r.record["tpot_ms_p99"], "predicted_tpot_ms_p99": pred["tpot_ms_p99"]})
-    result["wall_s"] = elapsed()
-    (out / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (out / "table.md").write_text(table(result))
+    result["done"] = True
+    flush()
     print(table(result))
     return 0
 
 
+def medians(rows: list[dict]) -> dict:
+    """The median over repeats of each numeric SHOW key (None when no repeat has it), and the repeats counted."""
+    med = {"repeats": len(rows)}
+    for key in ("request_throughput", "output_throughput", "goodput", "tpot_ms_p99", "ttft_ms_p99",
+                "mean_batch_size", "acceptance_rate"):
+        xs = [x[key] for x in rows if x.get(key) is not None]
+        med[key] = statistics.median(xs) if xs else None
+    return med
+
+
 def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
-    """Per rate: adaptive's goodput and output tokens/s against the better of off and fixed k."""
+    """Per rate: adaptive's goodput and output tokens/s against the better of off and fixed k (medians over the
+    repeats each setting has, compared only over rounds all three finished)."""
     out = []
     for frac in sorted({x["rate_fraction"] for x in sweep}):
-        at = {x["setting"]: x for x in sweep if x["rate_fraction"] == frac}
-        if not {"off", fixed, "adaptive"} <= at.keys():
+        at_rate = [x for x in sweep if x["rate_fraction"] == frac]
+        reps = {x.get("repeat", 0) for x in at_rate}
+        complete = {r for r in reps if {"off", fixed, "adaptive"} <= {x["setting"] for x in at_rate
+                                                                       if x.get("repeat", 0) == r}}
+        if not complete:
             continue
-        row = {"rate_fraction": frac}
+        at = {s: medians([x for x in at_rate if x["setting"] == s and x.get("repeat", 0) in complete])
+              for s in ("off", fixed, "adaptive")}
+        row = {"rate_fraction": frac, "repeats": len(complete)}
         for key in ("goodput", "output_throughput"):
             best = max(at["off"][key] or 0.0, at[fixed][key] or 0.0)
             row[f"{key}_best_of_off_fixed"] = best
@@ -262,31 +335,47 @@ def table(r: dict) -> str:
     cal = r.get("calibration")
     if cal:
         ks = sorted({x["k"] for x in cal["table"]})
-        lines += ["Calibration: ms per decode step (tokens per ms, all rows) by batch size and draft length; "
-                  "tokens per row per step: " + ", ".join(f"k={k}: {_f(cal['mean_tokens'][k], 2)}" for k in ks), "",
+        lines += ["Step calibration: ms per isolated decode step (tokens per ms, all rows) by batch size and draft "
+                  "length; tokens per row per step: " + ", ".join(f"k={k}: {_f(cal['mean_tokens'][k], 2)}" for k in ks), "",
                   "| batch | " + " | ".join(f"k={k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
         for b in sorted({x["batch_size"] for x in cal["table"]}):
             cells = {x["k"]: x for x in cal["table"] if x["batch_size"] == b}
             lines.append(f"| {b} | " + " | ".join(f"{_f(cells[k]['step_ms'], 3)} ({_f(cells[k]['tokens_per_ms'], 2)})"
                                                    for k in ks) + " |")
-        lines.append("")
+        lines += ["", f"Step calibration's schedule: {cal.get('k_by_batch')}", ""]
+    lcal = r.get("loop_calibration")
+    if lcal:
+        ks = sorted({x["k"] for x in lcal["table"]})
+        lines += [f"Loop calibration: output tokens/s of a closed-loop serve at concurrency = batch size, per draft "
+                  f"length (* = chosen); {_f(lcal['wall_s'])} s of a {_f(lcal['budget_s'])} s budget"
+                  + (f", skipped (b, k): {lcal['skipped']}" if lcal["skipped"] else ""), "",
+                  "| batch | " + " | ".join(f"k={k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
+        for b in sorted({x["batch_size"] for x in lcal["table"]}):
+            cells = {x["k"]: x for x in lcal["table"] if x["batch_size"] == b}
+            lines.append(f"| {b} | " + " | ".join(
+                "-" if k not in cells or cells[k]["tokens_per_s"] is None else
+                f"{_f(cells[k]['tokens_per_s'])}{'*' if cells[k].get('chosen') else ''}" for k in ks) + " |")
+        lines += ["", f"Loop calibration's schedule: {lcal['k_by_batch']}", ""]
     if "saturation_request_throughput" in r:
         lines += [f"saturation (off, concurrency = max_num_seqs): {_f(r['saturation_request_throughput'], 2)} req/s at "
                   f"mean batch {_f(r['saturation_mean_batch'])}; SLOs TTFT <= {_f(r['slo_ttft_ms'])} ms, "
                   f"TPOT <= {_f(r['slo_tpot_ms'])} ms", ""]
-    lines += ["| rate (x sat) | setting | req/s | out tok/s | goodput | p99 TPOT ms | p99 TTFT ms | batch | accept | "
-              "captures in run |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| rate (x sat) | round | setting | req/s | out tok/s | goodput | p99 TPOT ms | p99 TTFT ms | batch | "
+              "accept | captures in run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in r["sweep"]:
-        lines.append(f"| {x['rate_fraction']} | {x['setting']} | {_f(x['request_throughput'], 2)} | "
+        lines.append(f"| {x['rate_fraction']} | {x.get('repeat', 0)} | {x['setting']} | "
+                     f"{_f(x['request_throughput'], 2)} | "
                      f"{_f(x['output_throughput'])} | {_f(x['goodput'], 2)} | {_f(x['tpot_ms_p99'])} | "
                      f"{_f(x['ttft_ms_p99'])} | {_f(x['mean_batch_size'])} | {_f(x['acceptance_rate'], 2)} | "
                      f"{_f(x['graph_captures_in_run'])} |")
     if r.get("sweep_checks"):
-        lines += ["", "Goal: adaptive >= the better of off and fixed k at every rate:", "",
-                  "| rate (x sat) | goodput adaptive / best | out tok/s adaptive / best | met |", "|---|---|---|---|"]
+        lines += ["", "Goal: adaptive >= the better of off and fixed k at every rate (medians over the rounds all "
+                  "three finished):", "",
+                  "| rate (x sat) | rounds | goodput adaptive / best | out tok/s adaptive / best | met |",
+                  "|---|---|---|---|---|"]
         for c in r["sweep_checks"]:
-            lines.append(f"| {c['rate_fraction']} | {_f(c['goodput_ratio'], 3)} | {_f(c['output_throughput_ratio'], 3)}"
-                         f" | {'yes' if c['adaptive_ge_best'] else 'no'} |")
+            lines.append(f"| {c['rate_fraction']} | {c.get('repeats', 1)} | {_f(c['goodput_ratio'], 3)} | "
+                         f"{_f(c['output_throughput_ratio'], 3)} | {'yes' if c['adaptive_ge_best'] else 'no'} |")
     if r["thresholds"]:
         lines += ["", f"Thresholds {r['schedule_thresholds']} at concurrency t - 1, t, t + 1 (cliff: a drop of more "
                   f"than {r['cliff_pct']:g} %):", "",
@@ -300,7 +389,7 @@ def table(r: dict) -> str:
         for c in r["threshold_checks"]:
             lines.append(f"- threshold {c['threshold']}: " + ("**cliff**: " + "; ".join(c["reasons"]) if c["cliff"]
                                                                else "no cliff"))
-    elif not r.get("schedule_thresholds"):
+    elif "schedule_thresholds" in r and not r["schedule_thresholds"]:
         lines += ["", "The schedule has no thresholds below max_num_seqs (one draft length for every batch size)."]
     if r["replay"]:
         lines += ["", "Replay (costs fitted on off + fixed k; acceptance from the fixed-k traces):", "",
@@ -315,7 +404,8 @@ def table(r: dict) -> str:
         lines += ["", f"Skipped for the budget ({r['budget_s']:g} s): " + ", ".join(
             f"{s['part']} {s['setting']}" + (f" c={s['max_concurrency']}" if s.get("max_concurrency") else "")
             for s in r["skipped"])]
-    lines += ["", f"wall {_f(r['wall_s'])} s"]
+    lines += ["", f"wall {_f(r.get('wall_s'))} s" + ("" if r.get("done") else " (partial: the script was still "
+                                                                             "running, or was stopped)")]
     return "\n".join(lines) + "\n"
 
 

@@ -92,6 +92,9 @@ def check(base, replay_trials: int, real_trials: int) -> None:
                                 "chain drafter; use --method draft or ngram")
     if base.rate <= 0:
         raise ServingStudyError("--rate must be > 0 requests/s: the study optimizes goodput at one arrival rate")
+    if base.calibration != "off":
+        raise ServingStudyError(f"--calibration {base.calibration}: the study searches k_by_batch itself (each trial "
+                                "sets one); drop --calibration")
     if replay_trials < 1 or not 0 <= real_trials <= replay_trials:
         raise ServingStudyError(f"need --replay-trials >= 1 and 0 <= --real-trials <= --replay-trials, got "
                                 f"{replay_trials} and {real_trials}")

@@ -86,6 +86,46 @@ def test_catch_up_after_autoregressive_steps_drafts_as_a_fresh_prefill(target, d
     assert any(stale[c] != full[c] for c in stale.keys() & full.keys())
 
 
+def test_fixed_k_prefills_the_draft_model_in_the_prefill_phase(target, draft, solo):
+    """Rows that draft from their first step get the draft model's prefill when their target prefill completes (a
+    one-row forward in the prefill phase): no catch-up forward inside a decode step, where every row would wait."""
+    reqs = random_requests(24, n=10, shared=list(range(1, 17)))
+    engine = engine_with(DraftModelDrafter(draft, 3), target)
+    res = ServingLoop(engine, reqs, clock=StepClock(), max_num_seqs=4).run()
+    assert_solo(res, reqs, solo)
+    assert res.draft_catch_up_tokens == 0 and res.draft_catch_up_forwards == 0  # lazily: every prompt, here
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_catch_up_never_pads_short_gaps_to_a_long_one(target, draft, solo, monkeypatch, grouped):
+    """Rows that joined at a batch size that does not draft are caught up from position 0 when the batch changes;
+    rows behind by a skipped step or two must not run a forward of that prompt's length. The spy reads each
+    catch-up forward's shape: T (the largest gap in it) is at most CATCH_UP_SHORT or under twice each row's own gap.
+    The control (one forward for every behind row, the old behaviour) breaks it."""
+    from workbench.serving import loop as loop_mod
+
+    if not grouped:
+        monkeypatch.setattr(loop_mod, "catch_up_groups", lambda gaps, short=8: [list(range(len(gaps)))])
+    schedule = [(1, 1, 0), (2, 3, 3), (4, 64, 0)]  # rows join at 1 or 4 rows without drafting, then draft at 2-3
+    calls = []
+    for seed in (25, 28):
+        reqs = random_requests(seed, n=12, shared=list(range(1, 25)))  # prompts of 25-38 tokens
+        engine = engine_with(DraftModelDrafter(draft, 3), target)
+        catch_up, first = engine.catch_up_drafter, len(calls)
+        engine.catch_up_drafter = lambda rows, starts, ends: (calls.append([e - s for s, e in zip(starts, ends)]),
+                                                              catch_up(rows, starts, ends))
+        res = ServingLoop(engine, reqs, adaptive=AdaptiveSpeculation(3, schedule), clock=StepClock(),
+                          max_num_seqs=4).run()
+        assert_solo(res, reqs, solo)
+        mine = calls[first:]
+        assert res.draft_catch_up_forwards == len(mine)
+        assert res.draft_catch_up_slots == sum(len(g) * max(g) for g in mine)
+        assert res.draft_catch_up_tokens == sum(map(sum, mine))
+    assert any(max(g) > 24 for g in calls) and any(min(g) <= 2 for g in calls)  # prompts and skipped steps
+    padded_to_other = [g for g in calls if max(g) > max(loop_mod.CATCH_UP_SHORT, 2 * min(g) - 1)]
+    assert (not padded_to_other) == grouped, padded_to_other
+
+
 @pytest.fixture
 def fake_capture(monkeypatch):
     """CUDA-graph capture emulated on the CPU: a capture runs the warm-up and records the (bucket, key); a replay
@@ -216,8 +256,12 @@ def test_gpu_serving_script_smoke_on_cpu(tmp_path):
     common = ["--device", "cpu", "--preset", "tiny", "--num-requests", "4", "--warmup-requests", "1",
               "--max-new-tokens", "6", "--rates", "1", "--max-num-seqs", "4", "--threshold-requests", "3",
               "--calibration-steps", "2"]
-    assert gpu_serving.main(common + ["--out", str(tmp_path / "a"), "--k-by-batch", "1:2,2-4:0"]) == 0
+    assert gpu_serving.main(common + ["--out", str(tmp_path / "a"), "--k-by-batch", "1:2,2-4:0", "--repeats",
+                                      "2"]) == 0
     r = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert sorted((x["repeat"], x["setting"]) for x in r["sweep"]) == sorted(
+        (i, s) for i in range(2) for s in ("off", "k=4", "adaptive", "k=2 (held out)"))
+    assert r["sweep_checks"][0]["repeats"] == 2
     assert r["schedule_thresholds"] == [2] and not r["skipped"]
     assert sorted({x["max_concurrency"] for x in r["thresholds"]}) == [1, 2, 3]
     assert {x["setting"] for x in r["thresholds"]} == {"off", "k=4", "adaptive"}
@@ -227,6 +271,61 @@ def test_gpu_serving_script_smoke_on_cpu(tmp_path):
     assert "Thresholds [2]" in (tmp_path / "a" / "table.md").read_text()
     assert gpu_serving.main(common + ["--out", str(tmp_path / "b"), "--budget-s", "0"]) == 0
     r = json.loads((tmp_path / "b" / "results.json").read_text())
-    assert r["schedule_source"].startswith("measured") and r["calibration"]["table"]
-    assert not r["sweep"] and {s["part"] for s in r["skipped"]} == {"sweep"} | ({"thresholds"} if
-                                                                              r["schedule_thresholds"] else set())
+    assert r["schedule_source"].startswith("measured (step calibration") and r["calibration"]["table"]
+    assert r["done"] and "loop_calibration" not in r
+    assert not r["sweep"] and {s["part"] for s in r["skipped"]} == {"sweep", "calibration-loop"} | (
+        {"thresholds"} if r["schedule_thresholds"] else set())
+
+
+def test_gpu_serving_script_loop_calibration_and_progressive_results(tmp_path, monkeypatch):
+    """The default schedule comes from the loop calibration (step's table kept beside it), and results are written
+    as the script goes: stopped at its saturation run (as a timeout would), the folder holds what came before."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    calls = []
+    real = gpu_serving.serve_bench
+
+    def stop_at_saturation(session, cfg, **kw):
+        calls.append(cfg)
+        if len(calls) == 5:  # warm-ups: off, k=4, k=2, then adaptive with the calibrated schedule
+            raise KeyboardInterrupt("stopped")
+        return real(session, cfg, **kw)
+
+    monkeypatch.setattr(gpu_serving, "serve_bench", stop_at_saturation)
+    args = ["--device", "cpu", "--preset", "tiny", "--num-requests", "2", "--warmup-requests", "0",
+            "--max-new-tokens", "4", "--max-num-seqs", "2", "--calibration-steps", "2", "--calibration-requests", "2",
+            "--calibration-budget-s", "60", "--out", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        gpu_serving.main(args)
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert not r["done"] and r["schedule_source"] == "measured (loop calibration)"
+    lcal = r["loop_calibration"]
+    assert {(x["batch_size"], x["k"]) for x in lcal["table"]} == {(b, k) for b in (1, 2) for k in range(5)}
+    assert r["k_by_batch"] == lcal["k_by_batch"] and calls[3].k_by_batch == lcal["k_by_batch"]
+    assert r["calibration"]["table"] and r["calibration"]["k_by_batch"]  # step's, for comparison
+    text = (tmp_path / "table.md").read_text()
+    assert "Loop calibration" in text and "Step calibration" in text and "partial" in text
+
+
+def test_gpu_serving_goal_check_reads_medians_over_complete_rounds():
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    def rec(setting, rep, tok, good):
+        return {"setting": setting, "repeat": rep, "rate_fraction": 1.0, "output_throughput": tok, "goodput": good,
+                "tpot_ms_p99": 1.0}
+
+    sweep = [rec("off", 0, 100.0, 10.0), rec("k=4", 0, 120.0, 12.0), rec("adaptive", 0, 60.0, 1.0),  # one stall
+             rec("off", 1, 100.0, 10.0), rec("k=4", 1, 118.0, 11.0), rec("adaptive", 1, 121.0, 12.0),
+             rec("off", 2, 101.0, 10.0), rec("k=4", 2, 119.0, 12.0), rec("adaptive", 2, 122.0, 13.0),
+             rec("off", 3, 500.0, 50.0)]  # an unfinished round: left out
+    (check,) = gpu_serving.sweep_checks(sweep, "k=4")
+    assert check["repeats"] == 3 and check["output_throughput_best_of_off_fixed"] == 119.0
+    assert check["output_throughput_adaptive"] == 121.0 and check["goodput_ratio"] == 1.0
+    assert check["adaptive_ge_best"]

@@ -357,6 +357,16 @@ SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
          "(0 = no limit)", "Long-context limit", "adaptive", 0, 10_000_000),
     Knob("long_context_k", "int", 0, "draft length past spec_max_context (0 = no drafts)", "Long-context k",
          "adaptive", 0, 16),
+    # where a measured k_by_batch comes from (workbench/serving/calibrate.py): isolated decode steps leave out prefill
+    # interleaving and draft catch-up, so they over-rate speculation under load; short closed-loop serves do not
+    Knob("calibration", "str", "off", "measure the draft length per batch size before the run and serve with it "
+         "(instead of k_by_batch): off; step = time isolated decode steps per (batch bucket, k), pick the most "
+         "tokens/ms; loop = a short closed-loop serve per (batch bucket as concurrency, k in 0..k) on the same "
+         "engine, pick the most output tokens/s (ties within 2 % -> the smaller k)", "Calibrate schedule",
+         "adaptive", choices=("off", "step", "loop")),
+    Knob("calibration_budget_s", "float", 60.0, "calibration loop: wall-clock budget in seconds; (batch, k) runs "
+         "that would end past it are skipped and listed in calibration_table", "Calibration budget (s)", "adaptive",
+         1.0, 3600.0),
 )}
 
 
@@ -404,6 +414,12 @@ def check_serve(values: Mapping[str, Any]) -> None:
     if v["cuda_graphs"] and v["max_num_seqs"] > max(v["graph_batch_sizes"]):
         raise SettingError(f"max_num_seqs {v['max_num_seqs']} exceeds the largest graph bucket: add a bucket >= "
                            f"{v['max_num_seqs']} to --graph-batch-sizes or lower --max-num-seqs", "graph_batch_sizes")
+    if v["calibration"] != "off" and v["k_by_batch"].strip():
+        raise SettingError(f"calibration {v['calibration']!r} measures k_by_batch itself: drop --k-by-batch "
+                           f"{v['k_by_batch']!r} or set --calibration off", "calibration")
+    if v["calibration"] != "off" and v["method"] == "ar":
+        raise SettingError("calibration measures draft lengths: method 'ar' has none; choose a speculative method "
+                           "or set --calibration off", "calibration")
     if v["arrival"] == "gamma" and v["rate"] == 0:
         raise SettingError("arrival gamma needs --rate > 0 (requests/s)", "rate")
 

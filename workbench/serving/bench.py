@@ -20,7 +20,7 @@ from workbench import settings
 from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.sampling import SamplingParams
 from workbench.serving import metrics
-from workbench.serving.adaptive import AdaptiveSpeculation
+from workbench.serving.adaptive import AdaptiveSpeculation, format_k_by_batch
 from workbench.serving.config import SERVE_CONFIG_KNOBS, ServeConfig, ServeError, check_config
 from workbench.serving.loadgen import make_requests
 from workbench.serving.loop import RealClock, ServeResult, ServingLoop
@@ -49,9 +49,41 @@ def engine_for(session, cfg) -> SpecEngine:
     return SpecEngine(session.target, _drafter_for(cfg, session), ecfg, session.device)
 
 
-def adaptive_for(cfg, num_nodes: int) -> AdaptiveSpeculation:
-    return AdaptiveSpeculation(num_nodes, settings.parse_k_by_batch(cfg.k_by_batch), cfg.spec_off_acceptance,
-                               cfg.spec_window, cfg.spec_max_context, cfg.long_context_k)
+def adaptive_for(cfg, num_nodes: int, k_by_batch: list[tuple[int, int, int]] | None = None) -> AdaptiveSpeculation:
+    """The adaptive rules of cfg; k_by_batch (ranges) replaces cfg.k_by_batch (a calibrated schedule)."""
+    ranges = settings.parse_k_by_batch(cfg.k_by_batch) if k_by_batch is None else k_by_batch
+    return AdaptiveSpeculation(num_nodes, ranges, cfg.spec_off_acceptance, cfg.spec_window, cfg.spec_max_context,
+                               cfg.long_context_k)
+
+
+def calibration_sizes(cfg) -> tuple[int, ...]:
+    """The batch sizes a calibration measures: the graph buckets below max_num_seqs, and max_num_seqs."""
+    return tuple(b for b in cfg.graph_batch_sizes if b < cfg.max_num_seqs) + (cfg.max_num_seqs,)
+
+
+def calibrate_schedule(engine: SpecEngine, cfg, requests, loop: ServingLoop) -> tuple[list, dict]:
+    """cfg.calibration "step" or "loop" on the engine that will serve, with the run's prompts: (the schedule as
+    k_by_batch ranges, the record's calibration columns). `loop`: the run's loop (its cache shape is reused)."""
+    from workbench.serving.calibrate import calibrate, calibrate_loop
+
+    prompts = list({tuple(r.prompt): r.prompt for r in requests}.values())  # distinct, in order
+    sizes = calibration_sizes(cfg)
+    t0 = time.perf_counter()
+    if cfg.calibration == "step":
+        try:
+            cal = calibrate(engine, prompts, sizes, max_len=loop.cache.max_len)
+        except ServeError:  # the run's rows are too short for the calibration's steps: its own cache
+            cal = calibrate(engine, prompts, sizes)
+        ranges, table = cal.schedule(cfg.max_num_seqs), cal.table()
+    else:
+        cal = calibrate_loop(engine, prompts, sizes, max_new_tokens=cfg.max_new_tokens, max_num_seqs=cfg.max_num_seqs,
+                             budget_s=cfg.calibration_budget_s, policy=cfg.sched_policy, num_blocks=loop.num_blocks,
+                             prefill_chunk=cfg.prefill_chunk, prefix_caching=cfg.prefix_caching,
+                             max_len=loop.cache.max_len)
+        ranges, table = cal.schedule(cfg.max_num_seqs), cal.table()
+    chosen = [{"batch_start": lo, "batch_end": hi, "k": k} for lo, hi, k in ranges]
+    return ranges, {"calibration_s": time.perf_counter() - t0,
+                    "calibration_table": json.dumps({"measured": table, "schedule": chosen})}
 
 
 def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: SpecEngine | None = None,
@@ -68,11 +100,20 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
         prompt_ids = session.encode(len(session.prompts)) if cfg.lengths == "file" else []
         requests = make_requests(cfg, prompt_ids, int(session.target.config.vocab_size))
     engine = engine or engine_for(session, cfg)
+
+    def make_loop(adaptive):
+        return ServingLoop(engine, requests, policy=cfg.sched_policy, num_blocks=cfg.kv_blocks,
+                           max_num_seqs=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
+                           prefix_caching=cfg.prefix_caching, adaptive=adaptive,
+                           max_concurrency=cfg.max_concurrency, clock=clock or RealClock(), timing=True)
+
     adaptive = adaptive_for(cfg, engine.num_nodes)
-    loop = ServingLoop(engine, requests, policy=cfg.sched_policy, num_blocks=cfg.kv_blocks,
-                       max_num_seqs=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
-                       prefix_caching=cfg.prefix_caching, adaptive=adaptive,
-                       max_concurrency=cfg.max_concurrency, clock=clock or RealClock(), timing=True)
+    loop = make_loop(adaptive)
+    calibrated = {}
+    if cfg.calibration != "off":  # the schedule measured now, on this engine; the run's loop afresh after it
+        ranges, calibrated = calibrate_schedule(engine, cfg, requests, loop)
+        adaptive = adaptive_for(cfg, engine.num_nodes, ranges)
+        loop = make_loop(adaptive)
     if cfg.cuda_graphs:  # before the clock starts, every (bucket, draft length) the adaptive rules can ask for
         engine.capture_graphs(cfg.max_num_seqs, node_counts=adaptive.node_counts(cfg.max_num_seqs, loop.chains))
     graphs_before = engine.graph_stats()
@@ -96,12 +137,15 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
            # batch stays empty: a serving run has no fixed batch; its row cap is the max_num_seqs column, the batch
            # it really ran is mean_batch_size (rows written before this change hold max_num_seqs in batch)
            "num_prompts": len(requests), "batch": None, "wall_s": wall,
-           **metrics.summarize(result, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+           **metrics.summarize(result, cfg.slo_ttft_ms, cfg.slo_tpot_ms), **calibrated,
            **environment_info(str(session.device) if session.device.type == "cuda" else None)}
+    if calibrated:  # the schedule the run served with (config_json keeps the settings as given)
+        rec["k_by_batch"] = format_k_by_batch(ranges)
     if cfg.method == "ar":
         for key in ("acceptance_rate", "mean_accepted_tokens", "tree_size_mean", "accepted_path_length_mean"):
             rec[key] = None
-    rec["draft_catch_up_tokens"] = result.draft_catch_up_tokens if engine.drafter is not None else None
+    for key in ("draft_catch_up_tokens", "draft_catch_up_forwards", "draft_catch_up_slots"):
+        rec[key] = getattr(result, key) if engine.drafter is not None else None
     if cfg.cuda_graphs or cfg.compile != "off":
         # captures and eager fallbacks (a batch above every bucket) inside the served run: each one is a stall
         rec.update(graph_captures_in_run=len(in_run.captured), graph_misses_in_run=in_run.misses)
@@ -132,4 +176,5 @@ def failed_record(cfg, error: str, study: str | None = None) -> dict:
             **environment_info()}
 
 
-__all__ = ["ServeBenchResult", "ServeConfig", "serve_bench", "engine_for", "adaptive_for", "config_columns"]
+__all__ = ["ServeBenchResult", "ServeConfig", "serve_bench", "engine_for", "adaptive_for", "calibrate_schedule",
+           "calibration_sizes", "config_columns"]

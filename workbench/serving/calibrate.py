@@ -1,5 +1,12 @@
-"""Measure what an adaptive schedule needs, on the engine that will serve: ms per decode step by batch size and
-draft length, and the tokens a row emits per step at each draft length.
+"""Measure what an adaptive schedule needs, on the engine that will serve. Two ways (the `calibration` knob):
+
+- **step** (`calibrate`): ms per isolated decode step by batch size and draft length, and the tokens a row emits per
+  step at each length; the schedule maximizes tokens per ms. Cheap, but a lone step has no prefill beside it and no
+  draft catch-up, so under load it over-rates speculation (BENCHMARKS.md 9.4: k = 4 won every batch size here and
+  lost to "off" in the loop).
+- **loop** (`calibrate_loop`): per batch size b and draft length k, a short closed-loop serve (max_concurrency = b,
+  a few x b requests from the run's prompts, the first b left out as warm-up) on the same engine, graphs reused;
+  the schedule takes per b the k with the most output tokens/s (`pick_k`). What it measures is what serving pays.
 
     cal = calibrate(engine, prompt_ids, batch_sizes=(1, 2, 4, 8, 16), steps=8)
     cal.step_ms[(4, 2)]      # median ms of a decode step over 4 rows verifying 2 draft tokens (0 = autoregressive)
@@ -16,13 +23,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from workbench.engine.sampling import next_token
 from workbench.engine.step import PhaseTimer, SpecEngine
-from workbench.serving.adaptive import schedule_from_costs
+from workbench.serving.adaptive import AdaptiveSpeculation, schedule_from_costs
 from workbench.serving.config import ServeError
 
 
@@ -116,3 +124,132 @@ def calibrate(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[i
     mean_tokens = {k: 1 + (sum(min(a, k) for a in accepted) / len(accepted) if accepted and k else 0.0)
                    for k in counts}
     return Calibration(step_ms, mean_tokens, accepted, padded=engine.config.graphs.fixed_shape)
+
+
+# ---- loop calibration -------------------------------------------------------------------------------------------
+def pick_k(tokens_per_s: dict[int, float], min_gain: float = 0.02) -> int:
+    """The draft length with the most tokens/s; a longer one must beat the best shorter one by more than min_gain
+    (relative), so ties and noise go to the smaller k (0 = speculation off).
+
+    >>> pick_k({0: 100.0, 2: 101.0, 4: 130.0})
+    4
+    >>> pick_k({0: 100.0, 2: 101.5, 4: 99.0})   # 1.5 % is within the noise: off
+    0
+    """
+    best_k, best = None, None
+    for k in sorted(tokens_per_s):
+        rate = tokens_per_s[k]
+        if rate is not None and (best is None or rate > best * (1 + min_gain)):
+            best_k, best = k, rate
+    if best_k is None:
+        raise ServeError("no measured draft length to choose from")
+    return best_k
+
+
+def loop_schedule(tokens_per_s: dict[tuple[int, int], float], max_batch: int,
+                  min_gain: float = 0.02) -> list[tuple[int, int, int]]:
+    """vLLM-style inclusive ranges [(start, end, k), ...] over 1..max_batch from tokens/s measured per (batch size,
+    k): each measured size gets `pick_k` of its row; a size not measured takes the choice of the next measured size
+    up (a step pads to that bucket), sizes past the largest its choice.
+
+    >>> loop_schedule({(1, 0): 50, (1, 4): 80, (4, 0): 190, (4, 4): 200, (8, 0): 380, (8, 4): 300}, 8)
+    [(1, 4, 4), (5, 8, 0)]
+    """
+    by_size: dict[int, dict[int, float]] = {}
+    for (b, k), rate in tokens_per_s.items():
+        if rate is not None:
+            by_size.setdefault(b, {})[k] = rate
+    if not by_size:
+        raise ServeError("the loop calibration measured nothing (every run skipped): raise --calibration-budget-s")
+    sizes = sorted(by_size)
+    choice = {b: pick_k(by_size[b], min_gain) for b in sizes}
+    ranges: list[list[int]] = []
+    for b in range(1, max_batch + 1):
+        k = choice[next((s for s in sizes if s >= b), sizes[-1])]
+        if ranges and ranges[-1][2] == k:
+            ranges[-1][1] = b
+        else:
+            ranges.append([b, b, k])
+    return [tuple(r) for r in ranges]
+
+
+@dataclass
+class LoopCalibration:
+    tokens_per_s: dict[tuple[int, int], float]  # (concurrency b, draft length k) -> output tokens/s, measured
+    skipped: list[tuple[int, int]]  # (b, k) left out for the budget
+    wall_s: float  # the whole calibration, graph captures included
+    min_gain: float = 0.02
+
+    def schedule(self, max_batch: int) -> list[tuple[int, int, int]]:
+        return loop_schedule(self.tokens_per_s, max_batch, self.min_gain)
+
+    def table(self) -> list[dict]:
+        """One row per (batch size, k): output tokens/s (None: skipped for the budget) and whether it was chosen."""
+        by_size: dict[int, dict[int, float]] = {}
+        for (b, k), rate in self.tokens_per_s.items():
+            by_size.setdefault(b, {})[k] = rate
+        chosen = {b: pick_k(r, self.min_gain) for b, r in by_size.items()}
+        rows = [{"batch_size": b, "k": k, "tokens_per_s": rate, "chosen": chosen[b] == k}
+                for (b, k), rate in self.tokens_per_s.items()]
+        rows += [{"batch_size": b, "k": k, "tokens_per_s": None, "skipped": True} for b, k in self.skipped]
+        return sorted(rows, key=lambda r: (r["batch_size"], r["k"]))
+
+
+def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[int, ...],
+                   node_counts: tuple[int, ...] | None = None, *, max_new_tokens: int, max_num_seqs: int,
+                   requests_per_size: int = 3, budget_s: float = 60.0, min_gain: float = 0.02,
+                   measure: Callable[[int, int], float] | None = None, **serve_kwargs) -> LoopCalibration:
+    """Output tokens/s of a short closed-loop serve per (batch size b, draft length k): max_concurrency = b,
+    requests_per_size x b requests cycling `prompts` (max_new_tokens each), the first b warm-up (left out of the
+    rate). Every run uses max_num_seqs rows, so it shares the serving run's cache and graphs (captured once, before
+    the first run, for every k). Runs go b by b, k by k; one that would end past `budget_s` (judged by the longest
+    run so far) is skipped and listed. `measure(b, k) -> tokens/s` replaces the serve (tests). serve_kwargs go to
+    `ServingLoop` (policy, num_blocks, prefill_chunk, prefix_caching). ServeError for bad arguments, before any work."""
+    from workbench.serving import metrics
+    from workbench.serving.loop import RealClock, ServingLoop
+    from workbench.serving.request import Request
+
+    n_full = engine.num_nodes
+    chains = engine.drafter is None or engine.drafter.proposes_chains
+    counts = tuple(sorted(set(node_counts if node_counts is not None else
+                              (range(n_full + 1) if chains else {0, n_full}))))
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ServeError("calibration needs non-empty prompts")
+    if not batch_sizes or min(batch_sizes) < 1 or max(batch_sizes) > max_num_seqs:
+        raise ServeError(f"calibration batch sizes must lie in 1..max_num_seqs={max_num_seqs}, got {batch_sizes}")
+    if requests_per_size < 2:
+        raise ServeError(f"requests_per_size must be >= 2 (one round of warm-up requests, then measured ones), "
+                         f"got {requests_per_size}")
+    if not budget_s > 0:
+        raise ServeError(f"calibration budget must be > 0 s, got {budget_s}")
+    if any(k < 0 or k > n_full or (not chains and k not in (0, n_full)) for k in counts):
+        raise ServeError(f"draft lengths {counts} must lie in 0..{n_full} (trees: 0 or {n_full})")
+    t_begin = time.perf_counter()
+    captured = []
+
+    def serve(b: int, k: int) -> float:
+        reqs = [Request(i, list(prompts[i % len(prompts)]), max_new_tokens, 0.0, measured=i >= b)
+                for i in range(requests_per_size * b)]
+        loop = ServingLoop(engine, reqs, max_num_seqs=max_num_seqs, max_concurrency=b, clock=RealClock(),
+                           adaptive=AdaptiveSpeculation(n_full, [(1, max_num_seqs, k)]), **serve_kwargs)
+        if engine.config.graphs.fixed_shape and not captured:  # every length, before the first timed run
+            engine.capture_graphs(max_num_seqs, node_counts=counts)
+            captured.append(True)
+        res = loop.run()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        return metrics.summarize(res)["output_throughput"]
+
+    measure = measure or serve
+    tokens_per_s: dict[tuple[int, int], float] = {}
+    skipped: list[tuple[int, int]] = []
+    longest = 0.0
+    for b in sorted(set(batch_sizes)):
+        for k in counts:
+            if time.perf_counter() - t_begin + longest > budget_s:
+                skipped.append((b, k))
+                continue
+            t0 = time.perf_counter()
+            tokens_per_s[(b, k)] = measure(b, k)
+            longest = max(longest, time.perf_counter() - t0)
+    return LoopCalibration(tokens_per_s, skipped, time.perf_counter() - t_begin, min_gain)

@@ -12,11 +12,13 @@ One iteration, as named phases:
 
 Adaptive speculation changes the draft length between steps at no extra cost when the engine's graphs for every
 length it can ask for were captured first (`AdaptiveSpeculation.node_counts`, `SpecEngine.capture_graphs`). A draft
-model keeps its own KV: it is not prefilled when a request's prefill completes, and a step that does not draft
-leaves it behind; before a row's next draft the loop writes only the positions it misses (`SpecEngine.
-catch_up_drafter`, one forward for all such rows; counted in `ServeResult.draft_catch_up_tokens`, prompts
-included), so a request served only by autoregressive steps never runs the draft model. A loop over an engine whose cache has this run's shape reuses it (and the
-graphs captured for it): `SpecEngine.reset_rows`.
+model keeps its own KV. When a request's prefill completes and the adaptive rules would draft for it at the batch it
+joins, the draft model is prefilled there too (in the prefill phase, as with a fixed k); otherwise it is left empty,
+and a step that does not draft leaves it behind. Before a row's next draft the loop writes only the positions it
+misses (`SpecEngine.catch_up_drafter`; counted in `ServeResult.draft_catch_up_tokens`), grouped by gap
+(`catch_up_groups`) so that one long gap never pads the short ones of every other behind row; a request served only
+by autoregressive steps never runs the draft model. A loop over an engine whose cache has this run's shape reuses it
+(and the graphs captured for it): `SpecEngine.reset_rows`.
 
 Time comes from a clock: `RealClock` (perf_counter, sleeps until the next arrival when idle) for benchmarks,
 `StepClock` (one unit per iteration) for tests, so arrival orders are exact and nothing sleeps.
@@ -111,10 +113,29 @@ class ServeResult:
     prefix_hit_rate: float | None = None
     max_used_blocks: int = 0
     draft_catch_up_tokens: int = 0  # draft-model KV positions written after steps that did not draft
+    draft_catch_up_forwards: int = 0  # draft-model forwards those took
+    draft_catch_up_slots: int = 0  # rows x T of those forwards (padding included): >= draft_catch_up_tokens
 
     @property
     def outputs(self) -> dict[int, list[int]]:
         return {s.req.id: s.output for s in self.states}
+
+
+CATCH_UP_SHORT = 8  # catch-up gaps up to this many tokens share one forward (a few skipped steps' worth)
+
+
+def catch_up_groups(gaps: list[int], short: int = CATCH_UP_SHORT) -> list[list[int]]:
+    """Indices of behind rows grouped into catch-up forwards (each forward runs T = its largest gap for every row
+    in it): gaps <= short together, longer ones by power-of-two class (short x 2^(j-1), short x 2^j], so a row is
+    padded by at most `short` tokens or less than its own gap, never to another row's prompt.
+
+    >>> catch_up_groups([200, 2, 1, 2, 150, 40])
+    [[1, 2, 3], [5], [0, 4]]
+    """
+    classes: dict[int, list[int]] = {}
+    for i, g in enumerate(gaps):
+        classes.setdefault(0 if g <= short else math.ceil(math.log2(g / short)), []).append(i)
+    return [classes[j] for j in sorted(classes)]
 
 
 def make_cache(engine: SpecEngine, max_rows: int, max_len: int, num_blocks: int) -> PrefixCachingKVCache:
@@ -137,7 +158,7 @@ class ServingLoop:
     def __init__(self, engine: SpecEngine, requests: list[Request], *, policy: str = "no_evict",
                  num_blocks: int = 0, max_num_seqs: int = 16, prefill_chunk: int = 0, prefix_caching: bool = False,
                  adaptive: AdaptiveSpeculation | None = None, max_concurrency: int = 0, clock=None,
-                 timing: bool = False):
+                 timing: bool = False, max_len: int = 0):
         if not requests:
             raise ServeError("no requests to serve")
         if any(len(r.prompt) == 0 for r in requests):
@@ -151,7 +172,8 @@ class ServingLoop:
         self.n_nodes = engine.num_nodes
         self.chains = drafter is None or drafter.proposes_chains
         bs = engine.config.kv_block_size
-        max_len = max(len(r.prompt) + r.max_new_tokens for r in requests) + self.n_nodes + 2
+        # KV slots per row: what the longest request needs, or more (max_len: share the cache of a longer run)
+        max_len = max(max_len, max(len(r.prompt) + r.max_new_tokens for r in requests) + self.n_nodes + 2)
         max_len = math.ceil(max_len / bs) * bs
         held = engine.cache  # reused when it has this run's shape, or (automatic pool) at least its length
         if not num_blocks and isinstance(held, PrefixCachingKVCache) and held.max_rows == max_num_seqs and \
@@ -323,17 +345,27 @@ class ServingLoop:
 
     def _catch_up(self, live: list[int], result: ServeResult) -> None:
         """Rows whose draft KV is behind what the next chain needs (valid below L - 1, L the root's index; the chain
-        itself feeds L - 1 and L): write the missing positions, all such rows in one forward."""
+        itself feeds L - 1 and L): write the missing positions, one forward per group of similar gaps."""
         behind = [(row, self._draft_valid[row], len(self.tokens_host[row]) - 2) for row in live
                   if self._draft_valid[row] < len(self.tokens_host[row]) - 2]
         if not behind:
             return
-        rows, starts, ends = (list(x) for x in zip(*behind))
-        with self.timer.phase("draft"):
-            self.engine.catch_up_drafter(rows, starts, ends)
-        result.draft_catch_up_tokens += sum(e - s for s, e in zip(starts, ends))
-        for row, end in zip(rows, ends):
-            self._draft_valid[row] = end
+        for group in catch_up_groups([e - s for _, s, e in behind]):
+            rows, starts, ends = (list(x) for x in zip(*(behind[i] for i in group)))
+            with self.timer.phase("draft"):
+                self.engine.catch_up_drafter(rows, starts, ends)
+            result.draft_catch_up_tokens += sum(e - s for s, e in zip(starts, ends))
+            result.draft_catch_up_forwards += 1
+            result.draft_catch_up_slots += len(rows) * max(e - s for s, e in zip(starts, ends))
+            for row, end in zip(rows, ends):
+                self._draft_valid[row] = end
+
+    def _drafts_on_join(self, s: RequestState, context_len: int) -> bool:
+        """Would the adaptive rules draft for s at the batch it joins (the decoding rows plus itself)?"""
+        if not self.n_nodes:
+            return False
+        batch = 1 + sum(1 for x in self.running if x.phase == "decode")
+        return self.adaptive.row_k(s, context_len, self.adaptive.batch_k(batch)) > 0
 
     def _finish(self, s: RequestState, t: float) -> None:
         s.phase, s.t_done = "done", t
@@ -386,11 +418,14 @@ class ServingLoop:
                 s.t_first_token = now
                 s.emit_times.append(now)
             hidden = torch.cat(s.hidden, 0) if s.hidden else None
-            with self.timer.phase("prefill"):  # a draft model's KV is written before the row's first draft
-                eng.start_row(s.row, tokens, s.context[-1], hidden, prefill_drafter=not self._own_draft_kv)
+            # a draft model is prefilled here when the row would draft at the batch it joins (as with a fixed k);
+            # else lazily, by catch-up before its first draft (never, if it never drafts)
+            draft_now = not self._own_draft_kv or self._drafts_on_join(s, len(tokens))
+            with self.timer.phase("prefill"):
+                eng.start_row(s.row, tokens, s.context[-1], hidden, prefill_drafter=draft_now)
             s.hidden = []
             self.tokens_host[s.row] = list(s.context)
-            self._draft_valid[s.row] = 0
+            self._draft_valid[s.row] = len(tokens) if draft_now else 0
             s.phase = "decode"
             if s.finished:
                 self._finish(s, now)

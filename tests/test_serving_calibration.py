@@ -1,0 +1,125 @@
+"""Loop calibration (`calibration = loop`): the schedule is built from measured closed-loop tokens/s per (batch
+size, k), ties within min_gain go to the smaller k, runs past the budget are skipped and listed, bad settings are
+named errors before any work; serve-bench calibrates on the engine that serves and records what it measured."""
+import json
+import random
+
+import pytest
+
+from tests.test_engine import draft, target  # noqa: F401 (fixtures)
+from tests.test_serving import BS, assert_solo, solo  # noqa: F401 (fixture)
+from tests.test_serving_adaptive import engine_with, fake_session
+from workbench.engine.drafters import DraftModelDrafter
+from workbench.serving import calibrate as cal_mod
+from workbench.serving.calibrate import calibrate_loop, loop_schedule, pick_k
+from workbench.serving.config import ServeConfig, ServeError, check_config
+from workbench.serving.loop import StepClock
+from workbench.serving.request import Request
+from workbench.settings import SERVE_KNOBS
+
+# tokens/s by (concurrency, k): speculation pays at 1-2 rows, k = 2 edges k = 3 within noise at 2, off wins from 4
+MEASURED = {(1, 0): 100.0, (1, 1): 140.0, (1, 2): 170.0, (1, 3): 190.0,
+            (2, 0): 200.0, (2, 1): 240.0, (2, 2): 270.0, (2, 3): 274.0,
+            (4, 0): 400.0, (4, 1): 395.0, (4, 2): 360.0, (4, 3): 330.0}
+
+
+def prompts(n=4, seed=5):
+    rng = random.Random(seed)
+    return [[rng.randrange(64) for _ in range(rng.randint(3, 12))] for _ in range(n)]
+
+
+def test_schedule_is_built_from_the_measured_table(target, draft):
+    engine = engine_with(DraftModelDrafter(draft, 3), target)
+    calls = []
+    cal = calibrate_loop(engine, prompts(), (1, 2, 4), max_new_tokens=4, max_num_seqs=4,
+                         measure=lambda b, k: calls.append((b, k)) or MEASURED[(b, k)])
+    assert calls == sorted(MEASURED) and not cal.skipped  # every (b, k), b by b, k = 0 first
+    assert cal.tokens_per_s == MEASURED
+    # 1: k = 3 (190 > 170 x 1.02); 2: k = 2 (274 is within 2 % of 270); 3-4 pad to 4 rows: off
+    assert cal.schedule(4) == [(1, 1, 3), (2, 2, 2), (3, 4, 0)]
+    assert cal.schedule(6) == [(1, 1, 3), (2, 2, 2), (3, 6, 0)]  # past the largest measured size: its choice
+    chosen = {(r["batch_size"], r["k"]) for r in cal.table() if r.get("chosen")}
+    assert chosen == {(1, 3), (2, 2), (4, 0)} and len(cal.table()) == 12
+    # the rule itself: ties and gains within min_gain go to the smaller k; a clear gain to the larger
+    assert pick_k({0: 100.0, 3: 101.9}) == 0 and pick_k({0: 100.0, 3: 102.1}) == 3
+    assert pick_k({2: 50.0, 0: 50.0, 1: 50.0}) == 0
+    assert pick_k({0: 100.0, 4: 130.0}, min_gain=0.5) == 0
+    assert loop_schedule({(2, 0): 1.0, (2, 2): 3.0, (4, 0): 2.0}, 3) == [(1, 2, 2), (3, 3, 0)]
+
+
+def test_runs_past_the_budget_are_skipped_and_listed(target, draft, monkeypatch):
+    engine = engine_with(DraftModelDrafter(draft, 3), target)
+    now = [0.0]
+    monkeypatch.setattr(cal_mod.time, "perf_counter", lambda: now[0])
+
+    def measure(b, k):  # each run takes b seconds of the fake clock
+        now[0] += b
+        return MEASURED[(b, k)]
+
+    cal = calibrate_loop(engine, prompts(), (1, 2, 4), max_new_tokens=4, max_num_seqs=4, budget_s=10.0,
+                         measure=measure)
+    # 4 x 1 s + 3 x 2 s = 10 s; the next 2 s run would end past the budget, and so would every 4 s one
+    assert sorted(cal.tokens_per_s) == sorted(k for k in MEASURED if k[0] == 1) + [(2, 0), (2, 1), (2, 2)]
+    assert cal.skipped == [(2, 3)] + [(4, k) for k in range(4)] and cal.wall_s == 10.0
+    assert cal.schedule(4) == [(1, 1, 3), (2, 4, 2)]  # 3-4 take 2's choice (nothing measured above it)
+    assert sum(r.get("skipped", False) for r in cal.table()) == 5
+    with pytest.raises(ServeError, match="measured nothing"):
+        loop_schedule({}, 4)
+
+
+def test_bad_calibration_settings_are_named_errors(target, draft):
+    engine = engine_with(DraftModelDrafter(draft, 3), target)
+    kw = dict(max_new_tokens=4, max_num_seqs=4, measure=lambda b, k: pytest.fail("no work before the checks"))
+    with pytest.raises(ServeError, match=r"batch sizes must lie in 1\.\.max_num_seqs=4"):
+        calibrate_loop(engine, prompts(), (1, 8), **kw)
+    with pytest.raises(ServeError, match="requests_per_size must be >= 2"):
+        calibrate_loop(engine, prompts(), (1, 2), requests_per_size=1, **kw)
+    with pytest.raises(ServeError, match="budget must be > 0"):
+        calibrate_loop(engine, prompts(), (1, 2), budget_s=0.0, **kw)
+    with pytest.raises(ServeError, match=r"must lie in 0\.\.3"):
+        calibrate_loop(engine, prompts(), (1, 2), node_counts=(0, 4), **kw)
+    with pytest.raises(ServeError, match="non-empty prompts"):
+        calibrate_loop(engine, [[]], (1, 2), **kw)
+    with pytest.raises(ServeError, match="drop --k-by-batch"):
+        check_config(ServeConfig(method="draft", calibration="loop", k_by_batch="1-4:2"))
+    with pytest.raises(ServeError, match="method 'ar' has none"):
+        check_config(ServeConfig(method="ar", calibration="step"))
+    with pytest.raises(ServeError, match="calibration='fast'"):
+        check_config(ServeConfig(method="draft", calibration="fast"))
+    with pytest.raises(ServeError, match="calibration_budget_s"):
+        check_config(ServeConfig(method="draft", calibration="loop", calibration_budget_s=0.0))
+    assert SERVE_KNOBS["calibration"].default == "off"
+    from studies.serving import ServingStudyError, check as check_study
+
+    with pytest.raises(ServingStudyError, match="drop --calibration"):
+        check_study(ServeConfig(method="draft", rate=5.0, calibration="loop"), 4, 1)
+
+
+@pytest.mark.parametrize("mode", ["loop", "step"])
+def test_serve_bench_calibrates_on_the_engine_that_serves(target, draft, solo, mode):
+    from workbench.serving import bench
+
+    rng = random.Random(31)
+    reqs = [Request(i, [rng.randrange(64) for _ in range(rng.randint(3, 12))], rng.randint(2, 8), float(i))
+            for i in range(8)]
+    cfg = ServeConfig(method="draft", k=3, max_num_seqs=4, kv_block_size=BS, max_new_tokens=8, calibration=mode,
+                      graph_batch_sizes=(1, 2, 4))
+    engine = engine_with(DraftModelDrafter(draft, 3), target)
+    out = bench.serve_bench(fake_session(), cfg, clock=StepClock(), engine=engine, requests=reqs)
+    assert_solo(out.result, reqs, solo)
+    rec = out.record
+    table = json.loads(rec["calibration_table"])
+    sizes = {r["batch_size"] for r in table["measured"]}
+    assert sizes == {1, 2, 4} and {r["k"] for r in table["measured"]} == {0, 1, 2, 3}
+    ranges = [(r["batch_start"], r["batch_end"], r["k"]) for r in table["schedule"]]
+    assert ranges[0][0] == 1 and ranges[-1][1] == 4
+    assert rec["k_by_batch"] == ",".join(f"{lo}-{hi}:{k}" if hi != lo else f"{lo}:{k}" for lo, hi, k in ranges)
+    assert rec["calibration"] == mode and rec["calibration_s"] > 0
+    assert json.loads(rec["config_json"])["k_by_batch"] == ""  # the settings as given
+    if mode == "loop":  # the choice is pick_k over the measured row of each size
+        for b in sizes:
+            row = {r["k"]: r["tokens_per_s"] for r in table["measured"] if r["batch_size"] == b}
+            assert next(k for lo, hi, k in ranges if lo <= b <= hi) == pick_k(row)
+    # every step served with the calibrated schedule
+    for t in out.result.traces:
+        assert t.k == next(k for lo, hi, k in ranges if lo <= t.batch_size <= hi)
