@@ -3,7 +3,7 @@
 # later part finds the trained `small` preset in zoo_cache/; if it does not, it trains it again first).
 # PART=s1: the first session's runs (ours vs gpt-fast on small without overlap, step modes, redrafter, parity);
 # PART=a / PART=b: the second session's (BENCHMARKS.md section 8).
-# PART=h: the fourth session's first call (dense Triton GEMV, floor, weight formats in the best mode).
+# PART=j: the fourth session's serving call; PART=h / i: its first two calls (dense Triton GEMV, floor, weight formats in the best mode).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -123,6 +123,11 @@ elif [ "$PART" = i ]; then
     --floor-modes ${QUANT_MODES:-graphs+max-autotune+overlap}
   step profile 50 $PY scripts/gpu_fastpath.py --out "$R/profile" --parts profile --floor-configs 6.7b,1.45b \
     --floor-modes graphs+compile+tgemv --max-new-tokens 64
+elif [ "$PART" = j ]; then
+  # fourth session, third call (trains small first): serving under load with the loop-calibrated adaptive schedule,
+  # draft prefill at join and grouped catch-up, 3 rounds per rate (issue 11)
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" \
+    --budget-s "${SERVING_S:-220}"
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)
