@@ -298,14 +298,17 @@ class BenchSession:
         self.check(cfg, prompt_ids)
         progress = progress or (lambda frac, msg: None)
         try:
+            t_build = time.perf_counter()
             ar_engine = self._engine(cfg, drafter=False)
             cand_engine = self._engine(cfg, drafter=True) if cfg.method != "ar" else ar_engine
             engines = list({id(ar_engine): ar_engine, id(cand_engine): cand_engine}.values())
+            build_s = time.perf_counter() - t_build
             stats_before = [e.graph_stats() for e in engines]
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             else:
                 _reset_peak_rss()
+            t_warm, warmup_s = time.perf_counter(), 0.0  # warm-up passes, less the graph captures made inside them
             for w in range(cfg.warmup):
                 progress(0.0, "warm-up")
                 for eng in engines:  # caches sized for the timed runs, a short pass, then every bucket captured
@@ -313,12 +316,16 @@ class BenchSession:
                         eng.reserve(cfg.batch, max(len(p) for p in prompt_ids))
                     full = eng.config
                     eng.config = replace(full, max_new_tokens=min(cfg.max_new_tokens, 8))
+                    t_pass, captured_before = time.perf_counter(), eng.graph_stats().capture_s
                     try:
                         self._pass(eng, prompt_ids[:cfg.batch], cfg.batch)
                     finally:
                         eng.config = full
+                    warmup_s += time.perf_counter() - t_pass - (eng.graph_stats().capture_s - captured_before)
                     if w == 0:
                         eng.capture_graphs(cfg.batch)
+            # engine build, cache sizing and every graph capture (explicit, or on first use in a warm-up pass)
+            engine_s = build_s + (time.perf_counter() - t_warm - warmup_s)
             telemetry = GpuTelemetry(str(self.device) if self.device.type == "cuda" else 0).start()
             t0 = time.perf_counter()
             ar_runs, cand_runs = [], []
@@ -348,7 +355,9 @@ class BenchSession:
                 graphs.update(profile_phases(cand_engine, cfg.batch, live))
             peak = self._peak_mem_mb()  # before the KV quality pass, whose reference engine is not the run's
             progress(0.98, "KV format: bytes and quality against model-dtype KV")
+            t_kv = time.perf_counter()
             kv = self._kv_columns(cfg, cand_engine, prompt_ids, [o for res in ar_runs[0] for o in res.outputs])
+            kv_s = time.perf_counter() - t_kv
         except torch.cuda.OutOfMemoryError as e:
             raise BenchError(f"GPU out of memory with method={cfg.method} k={cfg.k} batch={cfg.batch} "
                              f"max_new_tokens={cfg.max_new_tokens} dtype={self.dtype}: lower batch or max_new_tokens "
@@ -360,12 +369,15 @@ class BenchSession:
         rec.update(graphs)
         rec.update(kv, peak_mem_mb=peak)
         progress(1.0, "quality against the unquantized models")
+        t_quality = time.perf_counter()
         rec.update(quality_columns(self, cfg, prompt_ids, result))
         if rec["greedy_matches_ar"] is False:
             margins = self.divergence_margins(prompt_ids, result.outputs, result.ar_outputs, cfg)
             rec["greedy_divergent_sequences"] = len(margins)
             rec["greedy_divergence_margin"] = max(margins)
             rec["greedy_near_tie"] = self.dtype != "float32" and max(margins) <= NEAR_TIE_LOGITS
+        rec.update(trial_engine_s=engine_s, trial_warmup_s=warmup_s,
+                   trial_quality_s=kv_s + time.perf_counter() - t_quality)
         return result
 
     def _peak_mem_mb(self) -> float:
