@@ -44,7 +44,14 @@ DTYPES = {name: getattr(torch, name) for name in settings.KNOBS["dtype"].choices
 NEAR_TIE_LOGITS = 0.25
 REDRAFTER_HEAD_SEED = 0  # the untrained ReDrafter head's initialisation (the same head in every run)
 EAGLE_HEAD_SEED = 0  # the untrained EAGLE head's initialisation
-ENGINE_CACHE_SIZE = 4  # engines a session keeps between runs (each holds KV caches and captured graphs)
+# Engines a session keeps between runs (each holds KV caches and captured graphs), so a study's trials that come back
+# to a setting reuse its captures: 16 holds AR plus every k of two chain drafters (k 1-8, the best_k space). On a GPU
+# the oldest are also dropped while the kept ones hold more than ENGINE_CACHE_MEMORY_FRACTION of the device's memory.
+ENGINE_CACHE_SIZE = 16
+ENGINE_CACHE_MEMORY_FRACTION = 0.25
+# Method knobs a drafter reads on the host only: they shape no cache, buffer or graph, so runs that differ only in them
+# share one engine, which gets a fresh drafter object (NgramDrafter keeps nothing between `generate` calls).
+HOST_ONLY_KNOBS = {"ngram": ("ngram_min", "ngram_max")}
 
 
 class BenchError(Exception):
@@ -100,6 +107,8 @@ class BenchSession:
         self._eagle: tuple[EagleHead, str] | None = None
         self._quantized: dict[tuple, torch.nn.Module] = {}  # (role, format, group, kernel) -> quantized copy (quality.py)
         self._quality_cache: dict[tuple, object] = {}  # perplexities, reference outputs, calibration ids
+        self._encoded: list[list[int]] = []  # the prompts tokenized so far, in order (encode once per session)
+        self._environment: dict | None = None  # environment_info() of the device, read once (see environment())
 
     @classmethod
     def load(cls, preset: str | None = None, model: str | None = None, draft: str | None = None, device: str = "auto",
@@ -245,13 +254,22 @@ class BenchSession:
         """The first n prompts (cycled if the set is smaller), tokenized."""
         if not self.prompts:
             raise BenchError(f"prompt set {self.prompts_source} is empty")
-        out = []
-        for i in range(n):
-            ids = self.tokenizer.encode(self.prompts[i % len(self.prompts)].text).ids
+        for i in range(len(self._encoded), min(n, len(self.prompts))):  # each prompt tokenized once per session
+            ids = self.tokenizer.encode(self.prompts[i].text).ids
             if not ids:
-                raise BenchError(f"prompt {self.prompts[i % len(self.prompts)].id!r} encodes to no tokens")
-            out.append(ids)
-        return out
+                raise BenchError(f"prompt {self.prompts[i].id!r} encodes to no tokens")
+            self._encoded.append(ids)
+        return [list(self._encoded[i % len(self.prompts)]) for i in range(n)]
+
+    def environment(self) -> dict:
+        """`environment_info` for this session's device, read on the first run and kept: torch, the driver and the
+        code a process runs do not change under it (git_commit is the checkout's state at the first run), and reading
+        it costs two git calls and an NVML init per run."""
+        if self._environment is None:
+            from workbench.harness.telemetry import environment_info
+
+            self._environment = environment_info(str(self.device) if self.device.type == "cuda" else None)
+        return dict(self._environment)
 
     # -- running ------------------------------------------------------------------------------------------------
     def _engine(self, cfg: BenchConfig, drafter: bool) -> SpecEngine:
@@ -266,18 +284,32 @@ class BenchSession:
         shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention,
                  ecfg.kv_quant,
                  quant_key(cfg, "target"), cfg.quant_kernel)
-        method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs) if cfg.method in METHODS else ()
+        host_only = HOST_ONLY_KNOBS.get(cfg.method, ())
+        method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs if k not in host_only) \
+            if cfg.method in METHODS else ()
         # the draft's format with its int4 group size (the group is not a draft-method knob, so method_knobs lack it)
         key = (cfg.method, *method_knobs, quant_key(cfg, "draft"), *shape) if drafter else ("ar", *shape)
         engine = self._engines.pop(key, None)
         if engine is None:
+            while self._engines and (len(self._engines) >= ENGINE_CACHE_SIZE or self._engines_over_memory()):
+                self._engines.pop(next(iter(self._engines)))  # oldest first: its caches and graphs are freed
             engine = SpecEngine(self.model_for("target", cfg), _drafter_for(cfg, self) if drafter else None, ecfg,
                                 self.device)
-            while len(self._engines) >= ENGINE_CACHE_SIZE:  # oldest first: its caches and graphs are freed
-                self._engines.pop(next(iter(self._engines)))
+        elif drafter and host_only and any(engine.drafter.settings.get(k) != getattr(cfg, k) for k in host_only):
+            engine.drafter = _drafter_for(cfg, self)
         engine.config = ecfg
         self._engines[key] = engine  # most recent last
         return engine
+
+    def _engines_over_memory(self) -> bool:
+        """Whether the kept engines' KV caches and graph pools exceed ENGINE_CACHE_MEMORY_FRACTION of the GPU."""
+        if self.device.type != "cuda":
+            return False
+        held = 0
+        for eng in self._engines.values():
+            caches = [eng.cache] + (eng.drafter.kv_caches() if eng.drafter is not None else [])
+            held += sum(c.nbytes for c in caches if c is not None) + eng.graph_stats().memory_bytes
+        return held > ENGINE_CACHE_MEMORY_FRACTION * torch.cuda.get_device_properties(self.device).total_memory
 
     def _pass(self, engine: SpecEngine, prompt_ids: list[list[int]], batch: int) -> list[GenerationResult]:
         out = []
@@ -292,7 +324,7 @@ class BenchSession:
 
     def run(self, cfg: BenchConfig, prompts: list[list[int]] | None = None, *, study: str | None = None,
             trial_id: int | None = None, progress: Callable[[float, str], None] | None = None) -> BenchResult:
-        from workbench.harness.telemetry import GpuTelemetry, environment_info
+        from workbench.harness.telemetry import GpuTelemetry
 
         prompt_ids = prompts if prompts is not None else self.encode(cfg.num_prompts)
         self.check(cfg, prompt_ids)
@@ -363,8 +395,7 @@ class BenchSession:
                              f"max_new_tokens={cfg.max_new_tokens} dtype={self.dtype}: lower batch or max_new_tokens "
                              f"({str(e).splitlines()[0]})") from None
         progress(1.0, "done")
-        result = self._result(cfg, ar_runs, cand_runs, wall, tel, hf, study, trial_id, environment_info(
-            str(self.device) if self.device.type == "cuda" else None))
+        result = self._result(cfg, ar_runs, cand_runs, wall, tel, hf, study, trial_id, self.environment())
         rec = result.record
         rec.update(graphs)
         rec.update(kv, peak_mem_mb=peak)
