@@ -106,6 +106,12 @@ def test_the_engine_cache_drops_the_oldest_beyond_its_size(session, monkeypatch)
     assert not session._engines_over_memory()  # CPU: no device memory bound
 
 
+def test_engine_bytes_count_the_target_and_draft_caches(session):
+    session.run(small(method="draft", k=2, warmup=0))
+    engine = next(e for key, e in session._engines.items() if key[:2] == ("draft", 2))
+    assert bench_mod._engine_bytes(engine) == engine.cache.nbytes + engine.drafter.cache.nbytes > 0  # no graphs on CPU
+
+
 def test_prompts_are_encoded_once_and_callers_get_copies(session):
     n = len(session.prompts) + 2  # cycles past the end, like before
     expected = [session.tokenizer.encode(session.prompts[i % len(session.prompts)].text).ids for i in range(n)]

@@ -109,6 +109,7 @@ class BenchSession:
         self._quality_cache: dict[tuple, object] = {}  # perplexities, reference outputs, calibration ids
         self._encoded: list[list[int]] = []  # the prompts tokenized so far, in order (encode once per session)
         self._environment: dict | None = None  # environment_info() of the device, read once (see environment())
+        self._idle_bytes = 0  # GPU bytes held by kept engines that the current run does not use
 
     @classmethod
     def load(cls, preset: str | None = None, model: str | None = None, draft: str | None = None, device: str = "auto",
@@ -305,10 +306,7 @@ class BenchSession:
         """Whether the kept engines' KV caches and graph pools exceed ENGINE_CACHE_MEMORY_FRACTION of the GPU."""
         if self.device.type != "cuda":
             return False
-        held = 0
-        for eng in self._engines.values():
-            caches = [eng.cache] + (eng.drafter.kv_caches() if eng.drafter is not None else [])
-            held += sum(c.nbytes for c in caches if c is not None) + eng.graph_stats().memory_bytes
+        held = sum(_engine_bytes(e) for e in self._engines.values())
         return held > ENGINE_CACHE_MEMORY_FRACTION * torch.cuda.get_device_properties(self.device).total_memory
 
     def _pass(self, engine: SpecEngine, prompt_ids: list[list[int]], batch: int) -> list[GenerationResult]:
@@ -338,6 +336,9 @@ class BenchSession:
             stats_before = [e.graph_stats() for e in engines]
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
+                # kept engines this run does not use hold their memory throughout: not part of this run's peak
+                self._idle_bytes = sum(_engine_bytes(e) for e in self._engines.values()
+                                       if not any(e is used for used in engines))
             else:
                 _reset_peak_rss()
             t_warm, warmup_s = time.perf_counter(), 0.0  # warm-up passes, less the graph captures made inside them
@@ -412,8 +413,8 @@ class BenchSession:
         return result
 
     def _peak_mem_mb(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.device.type == "cuda":  # less the kept engines the run did not use (their caches and graph pools)
+            return (torch.cuda.max_memory_allocated(self.device) - self._idle_bytes) / 2**20
         return _peak_rss_mb()  # CPU: this run's peak resident set (reset at its start where Linux allows)
 
     def _kv_columns(self, cfg: BenchConfig, engine: SpecEngine, prompt_ids: list[list[int]],
@@ -519,6 +520,13 @@ class BenchSession:
             **tel.to_record(), **env, **hf,
         }
         return BenchResult(record, traces_frame(cand_runs[0], run_id), outputs, ar_outputs)
+
+
+def _engine_bytes(engine: SpecEngine) -> int:
+    """Device bytes an engine holds between runs: its KV caches (target and drafter) and its graphs' pools (the
+    small token / length / step buffers are not counted)."""
+    caches = [engine.cache] + (engine.drafter.kv_caches() if engine.drafter is not None else [])
+    return sum(c.nbytes for c in caches if c is not None) + engine.graph_stats().memory_bytes
 
 
 def _tree_columns(summary, drafts: bool) -> dict:
