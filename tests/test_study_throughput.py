@@ -174,3 +174,22 @@ def test_summary_counts_steady_rate_and_breakdown(tmp_path):
     assert "| 4 | 1 | 18.0 s | 10.00 | **100** (missed) | 6.00 |" in table
     assert "| timed passes | 4.000 |" in table
     assert math.isclose(s["first_row_s"], 10.0)
+
+
+def test_nvml_is_initialized_once_per_process(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=lambda: calls.append(1)))
+    monkeypatch.setattr(bench_mod, "_NVML_HELD", [])
+    bench_mod._hold_nvml()
+    bench_mod._hold_nvml()
+    assert calls == [1]
+
+    def broken():
+        raise OSError("no driver")
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=broken))
+    monkeypatch.setattr(bench_mod, "_NVML_HELD", [])
+    bench_mod._hold_nvml()  # best effort: no error, and nothing held
+    assert bench_mod._NVML_HELD == []

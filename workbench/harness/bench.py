@@ -163,6 +163,8 @@ class BenchSession:
             prompt_list = load_prompts(prompts_path)
         except PromptFileError as e:
             raise BenchError(str(e)) from None
+        if dev.type == "cuda":
+            _hold_nvml()
         return cls(target, draft_model, tokenizer, prompt_list, device=dev, dtype=dtype, preset=preset,
                    target_path=str(model), draft_path=str(draft) if draft else None, prompts_source=str(prompts_path))
 
@@ -520,6 +522,24 @@ class BenchSession:
             **tel.to_record(), **env, **hf,
         }
         return BenchResult(record, traces_frame(cand_runs[0], run_id), outputs, ar_outputs)
+
+
+_NVML_HELD: list[bool] = []  # set once this process holds an NVML initialization
+
+
+def _hold_nvml() -> None:
+    """Initialize NVML once for the process and never shut it down: NVML counts initializations, so the telemetry
+    sampler's per-run nvmlInit / nvmlShutdown pair then only moves the count instead of loading and unloading the
+    driver's state every run. Best effort: without pynvml or a driver the runs' telemetry says why, as before."""
+    if _NVML_HELD:
+        return
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        _NVML_HELD.append(True)
+    except Exception:  # noqa: BLE001 - telemetry reports its own reason per run
+        pass
 
 
 def _engine_bytes(engine: SpecEngine) -> int:
