@@ -59,7 +59,7 @@ def _pandas_dtype(kind: str) -> Any:
 class ColumnSpec:
     name: str
     kind: str      # one of KINDS
-    group: str     # identity | config | metrics | quality | trust | graphs | profile | telemetry | environment | trace | extension
+    group: str     # identity | config | metrics | quality | trust | graphs | trial_time | profile | telemetry | environment | trace | extension
     doc: str = ""
 
     def __post_init__(self) -> None:
@@ -168,6 +168,19 @@ _RUN_SPECS: list[ColumnSpec] = [
     *_cols("graphs", "int", "graph_bucket_hits graph_bucket_misses"),
     ColumnSpec("graph_padding_waste", "float", "graphs", "fraction of computed rows that were batch padding"),
     ColumnSpec("graph_buckets_captured", "string", "graphs", 'buckets actually captured, e.g. "1,2,4"'),
+    # Where a run's (a study trial's) wall time goes, beside `wall_s` (the timed, interleaved passes). A row cannot time
+    # its own store write, so each trial row carries the previous one's (trial_prev_store_s): sum a worker's rows.
+    ColumnSpec("trial_engine_s", "float", "trial_time", "engines looked up or built, caches sized, and every graph "
+               "capture (ahead of time or on first use in a warm-up pass); both engines"),
+    ColumnSpec("trial_warmup_s", "float", "trial_time", "warm-up passes, less the graph captures made inside them"),
+    ColumnSpec("trial_quality_s", "float", "trial_time", "untimed quality work: KV-format and quantization quality "
+               "columns, greedy divergence margins"),
+    ColumnSpec("trial_s", "float", "trial_time", "studies: seconds from the end of this worker's previous store write "
+               "(or its trial loop's start) to the start of this row's store write"),
+    ColumnSpec("trial_other_s", "float", "trial_time", "trial_s less engine, warm-up, wall_s and quality: Optuna "
+               "(ask, tell, user attrs, the sampler), prompts, checks, telemetry start/stop, the record; None on failure"),
+    ColumnSpec("trial_prev_store_s", "float", "trial_time", "the store write of this worker's previous row (None for "
+               "its first): a row cannot time its own write"),
     ColumnSpec("kv_bytes_per_token", "int", "kv", "target KV bytes per token: K and V, all layers and KV heads, "
                "scales included"),
     ColumnSpec("kv_cache_mb", "float", "kv", "target KV cache as allocated for the run (pool + scales)"),

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -163,6 +164,9 @@ class BenchObjective:
         self.space, self.settings, self.objective, self.store = space, settings, objective, store
         self.study_name, self.device, self.models = study_name, device, models
         self.session_for = session_for or (lambda dtype: POOL.get(models, device, dtype))
+        # trial time (results.schema group "trial_time"): a trial runs from the end of the previous store write
+        self._trial_start = time.perf_counter()
+        self._prev_store_s: float | None = None
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, ...]:
         trial.set_user_attr("worker", worker_name())
@@ -180,7 +184,7 @@ class BenchObjective:
             self._fail(trial, params, exc, config, session)
         record = dict(result.record)
         record.update(study=self.study_name, trial_id=trial.number)
-        run_id = self.store.append(record, getattr(result, "traces", None))
+        run_id = self._append(record, getattr(result, "traces", None))
         trial.set_user_attr("run_id", run_id)
         trial.set_user_attr("status", "ok")
         for name in SUMMARY_FIELDS:
@@ -243,8 +247,23 @@ class BenchObjective:
         trial.set_user_attr("error_type", "oom" if oom else type(exc).__name__)
         record = failed_record(params, reason, study=self.study_name, trial_id=trial.number, device=self.device,
                                models=self.models, config=config, session=session)
-        trial.set_user_attr("run_id", self.store.append(record, None))
+        trial.set_user_attr("run_id", self._append(record, None))
         raise TrialFailed(reason) from exc
+
+    def _append(self, record: dict[str, Any], traces: Any) -> str:
+        """The store write of a trial's row, with the trial-time columns that only the worker loop knows: trial_s,
+        trial_other_s (trial_s less what the engine timed; None when it timed nothing, e.g. a failed run) and the
+        previous write's seconds (a row cannot carry its own)."""
+        start = time.perf_counter()
+        trial_s = start - self._trial_start
+        parts = [record.get(k) for k in ("trial_engine_s", "trial_warmup_s", "wall_s", "trial_quality_s")]
+        timed = all(isinstance(v, (int, float)) and math.isfinite(v) for v in parts)
+        record.update(trial_s=trial_s, trial_other_s=trial_s - sum(parts) if timed else None,
+                      trial_prev_store_s=self._prev_store_s)
+        run_id = self.store.append(record, traces)
+        self._trial_start = time.perf_counter()
+        self._prev_store_s = self._trial_start - start
+        return run_id
 
 
 def _config_dict(config: Any) -> dict[str, Any]:

@@ -44,7 +44,14 @@ DTYPES = {name: getattr(torch, name) for name in settings.KNOBS["dtype"].choices
 NEAR_TIE_LOGITS = 0.25
 REDRAFTER_HEAD_SEED = 0  # the untrained ReDrafter head's initialisation (the same head in every run)
 EAGLE_HEAD_SEED = 0  # the untrained EAGLE head's initialisation
-ENGINE_CACHE_SIZE = 4  # engines a session keeps between runs (each holds KV caches and captured graphs)
+# Engines a session keeps between runs (each holds KV caches and captured graphs), so a study's trials that come back
+# to a setting reuse its captures: 16 holds AR plus every k of two chain drafters (k 1-8, the best_k space). On a GPU
+# the oldest are also dropped while the kept ones hold more than ENGINE_CACHE_MEMORY_FRACTION of the device's memory.
+ENGINE_CACHE_SIZE = 16
+ENGINE_CACHE_MEMORY_FRACTION = 0.25
+# Method knobs a drafter reads on the host only: they shape no cache, buffer or graph, so runs that differ only in them
+# share one engine, which gets a fresh drafter object (NgramDrafter keeps nothing between `generate` calls).
+HOST_ONLY_KNOBS = {"ngram": ("ngram_min", "ngram_max")}
 
 
 class BenchError(Exception):
@@ -100,6 +107,9 @@ class BenchSession:
         self._eagle: tuple[EagleHead, str] | None = None
         self._quantized: dict[tuple, torch.nn.Module] = {}  # (role, format, group, kernel) -> quantized copy (quality.py)
         self._quality_cache: dict[tuple, object] = {}  # perplexities, reference outputs, calibration ids
+        self._encoded: list[list[int]] = []  # the prompts tokenized so far, in order (encode once per session)
+        self._environment: dict | None = None  # environment_info() of the device, read once (see environment())
+        self._idle_bytes = 0  # GPU bytes held by kept engines that the current run does not use
 
     @classmethod
     def load(cls, preset: str | None = None, model: str | None = None, draft: str | None = None, device: str = "auto",
@@ -153,6 +163,8 @@ class BenchSession:
             prompt_list = load_prompts(prompts_path)
         except PromptFileError as e:
             raise BenchError(str(e)) from None
+        if dev.type == "cuda":
+            _hold_nvml()
         return cls(target, draft_model, tokenizer, prompt_list, device=dev, dtype=dtype, preset=preset,
                    target_path=str(model), draft_path=str(draft) if draft else None, prompts_source=str(prompts_path))
 
@@ -245,13 +257,22 @@ class BenchSession:
         """The first n prompts (cycled if the set is smaller), tokenized."""
         if not self.prompts:
             raise BenchError(f"prompt set {self.prompts_source} is empty")
-        out = []
-        for i in range(n):
-            ids = self.tokenizer.encode(self.prompts[i % len(self.prompts)].text).ids
+        for i in range(len(self._encoded), min(n, len(self.prompts))):  # each prompt tokenized once per session
+            ids = self.tokenizer.encode(self.prompts[i].text).ids
             if not ids:
-                raise BenchError(f"prompt {self.prompts[i % len(self.prompts)].id!r} encodes to no tokens")
-            out.append(ids)
-        return out
+                raise BenchError(f"prompt {self.prompts[i].id!r} encodes to no tokens")
+            self._encoded.append(ids)
+        return [list(self._encoded[i % len(self.prompts)]) for i in range(n)]
+
+    def environment(self) -> dict:
+        """`environment_info` for this session's device, read on the first run and kept: torch, the driver and the
+        code a process runs do not change under it (git_commit is the checkout's state at the first run), and reading
+        it costs two git calls and an NVML init per run."""
+        if self._environment is None:
+            from workbench.harness.telemetry import environment_info
+
+            self._environment = environment_info(str(self.device) if self.device.type == "cuda" else None)
+        return dict(self._environment)
 
     # -- running ------------------------------------------------------------------------------------------------
     def _engine(self, cfg: BenchConfig, drafter: bool) -> SpecEngine:
@@ -266,18 +287,29 @@ class BenchSession:
         shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention,
                  ecfg.kv_quant,
                  quant_key(cfg, "target"), cfg.quant_kernel)
-        method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs) if cfg.method in METHODS else ()
+        host_only = HOST_ONLY_KNOBS.get(cfg.method, ())
+        method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs if k not in host_only) \
+            if cfg.method in METHODS else ()
         # the draft's format with its int4 group size (the group is not a draft-method knob, so method_knobs lack it)
         key = (cfg.method, *method_knobs, quant_key(cfg, "draft"), *shape) if drafter else ("ar", *shape)
         engine = self._engines.pop(key, None)
         if engine is None:
+            while self._engines and (len(self._engines) >= ENGINE_CACHE_SIZE or self._engines_over_memory()):
+                self._engines.pop(next(iter(self._engines)))  # oldest first: its caches and graphs are freed
             engine = SpecEngine(self.model_for("target", cfg), _drafter_for(cfg, self) if drafter else None, ecfg,
                                 self.device)
-            while len(self._engines) >= ENGINE_CACHE_SIZE:  # oldest first: its caches and graphs are freed
-                self._engines.pop(next(iter(self._engines)))
+        elif drafter and host_only and any(engine.drafter.settings.get(k) != getattr(cfg, k) for k in host_only):
+            engine.drafter = _drafter_for(cfg, self)
         engine.config = ecfg
         self._engines[key] = engine  # most recent last
         return engine
+
+    def _engines_over_memory(self) -> bool:
+        """Whether the kept engines' KV caches and graph pools exceed ENGINE_CACHE_MEMORY_FRACTION of the GPU."""
+        if self.device.type != "cuda":
+            return False
+        held = sum(_engine_bytes(e) for e in self._engines.values())
+        return held > ENGINE_CACHE_MEMORY_FRACTION * torch.cuda.get_device_properties(self.device).total_memory
 
     def _pass(self, engine: SpecEngine, prompt_ids: list[list[int]], batch: int) -> list[GenerationResult]:
         out = []
@@ -292,20 +324,26 @@ class BenchSession:
 
     def run(self, cfg: BenchConfig, prompts: list[list[int]] | None = None, *, study: str | None = None,
             trial_id: int | None = None, progress: Callable[[float, str], None] | None = None) -> BenchResult:
-        from workbench.harness.telemetry import GpuTelemetry, environment_info
+        from workbench.harness.telemetry import GpuTelemetry
 
         prompt_ids = prompts if prompts is not None else self.encode(cfg.num_prompts)
         self.check(cfg, prompt_ids)
         progress = progress or (lambda frac, msg: None)
         try:
+            t_build = time.perf_counter()
             ar_engine = self._engine(cfg, drafter=False)
             cand_engine = self._engine(cfg, drafter=True) if cfg.method != "ar" else ar_engine
             engines = list({id(ar_engine): ar_engine, id(cand_engine): cand_engine}.values())
+            build_s = time.perf_counter() - t_build
             stats_before = [e.graph_stats() for e in engines]
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
+                # kept engines this run does not use hold their memory throughout: not part of this run's peak
+                self._idle_bytes = sum(_engine_bytes(e) for e in self._engines.values()
+                                       if not any(e is used for used in engines))
             else:
                 _reset_peak_rss()
+            t_warm, warmup_s = time.perf_counter(), 0.0  # warm-up passes, less the graph captures made inside them
             for w in range(cfg.warmup):
                 progress(0.0, "warm-up")
                 for eng in engines:  # caches sized for the timed runs, a short pass, then every bucket captured
@@ -313,12 +351,16 @@ class BenchSession:
                         eng.reserve(cfg.batch, max(len(p) for p in prompt_ids))
                     full = eng.config
                     eng.config = replace(full, max_new_tokens=min(cfg.max_new_tokens, 8))
+                    t_pass, captured_before = time.perf_counter(), eng.graph_stats().capture_s
                     try:
                         self._pass(eng, prompt_ids[:cfg.batch], cfg.batch)
                     finally:
                         eng.config = full
+                    warmup_s += time.perf_counter() - t_pass - (eng.graph_stats().capture_s - captured_before)
                     if w == 0:
                         eng.capture_graphs(cfg.batch)
+            # engine build, cache sizing and every graph capture (explicit, or on first use in a warm-up pass)
+            engine_s = build_s + (time.perf_counter() - t_warm - warmup_s)
             telemetry = GpuTelemetry(str(self.device) if self.device.type == "cuda" else 0).start()
             t0 = time.perf_counter()
             ar_runs, cand_runs = [], []
@@ -348,29 +390,33 @@ class BenchSession:
                 graphs.update(profile_phases(cand_engine, cfg.batch, live))
             peak = self._peak_mem_mb()  # before the KV quality pass, whose reference engine is not the run's
             progress(0.98, "KV format: bytes and quality against model-dtype KV")
+            t_kv = time.perf_counter()
             kv = self._kv_columns(cfg, cand_engine, prompt_ids, [o for res in ar_runs[0] for o in res.outputs])
+            kv_s = time.perf_counter() - t_kv
         except torch.cuda.OutOfMemoryError as e:
             raise BenchError(f"GPU out of memory with method={cfg.method} k={cfg.k} batch={cfg.batch} "
                              f"max_new_tokens={cfg.max_new_tokens} dtype={self.dtype}: lower batch or max_new_tokens "
                              f"({str(e).splitlines()[0]})") from None
         progress(1.0, "done")
-        result = self._result(cfg, ar_runs, cand_runs, wall, tel, hf, study, trial_id, environment_info(
-            str(self.device) if self.device.type == "cuda" else None))
+        result = self._result(cfg, ar_runs, cand_runs, wall, tel, hf, study, trial_id, self.environment())
         rec = result.record
         rec.update(graphs)
         rec.update(kv, peak_mem_mb=peak)
         progress(1.0, "quality against the unquantized models")
+        t_quality = time.perf_counter()
         rec.update(quality_columns(self, cfg, prompt_ids, result))
         if rec["greedy_matches_ar"] is False:
             margins = self.divergence_margins(prompt_ids, result.outputs, result.ar_outputs, cfg)
             rec["greedy_divergent_sequences"] = len(margins)
             rec["greedy_divergence_margin"] = max(margins)
             rec["greedy_near_tie"] = self.dtype != "float32" and max(margins) <= NEAR_TIE_LOGITS
+        rec.update(trial_engine_s=engine_s, trial_warmup_s=warmup_s,
+                   trial_quality_s=kv_s + time.perf_counter() - t_quality)
         return result
 
     def _peak_mem_mb(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.device.type == "cuda":  # less the kept engines the run did not use (their caches and graph pools)
+            return (torch.cuda.max_memory_allocated(self.device) - self._idle_bytes) / 2**20
         return _peak_rss_mb()  # CPU: this run's peak resident set (reset at its start where Linux allows)
 
     def _kv_columns(self, cfg: BenchConfig, engine: SpecEngine, prompt_ids: list[list[int]],
@@ -476,6 +522,31 @@ class BenchSession:
             **tel.to_record(), **env, **hf,
         }
         return BenchResult(record, traces_frame(cand_runs[0], run_id), outputs, ar_outputs)
+
+
+_NVML_HELD: list[bool] = []  # set once this process holds an NVML initialization
+
+
+def _hold_nvml() -> None:
+    """Initialize NVML once for the process and never shut it down: NVML counts initializations, so the telemetry
+    sampler's per-run nvmlInit / nvmlShutdown pair then only moves the count instead of loading and unloading the
+    driver's state every run. Best effort: without pynvml or a driver the runs' telemetry says why, as before."""
+    if _NVML_HELD:
+        return
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        _NVML_HELD.append(True)
+    except Exception:  # noqa: BLE001 - telemetry reports its own reason per run
+        pass
+
+
+def _engine_bytes(engine: SpecEngine) -> int:
+    """Device bytes an engine holds between runs: its KV caches (target and drafter) and its graphs' pools (the
+    small token / length / step buffers are not counted)."""
+    caches = [engine.cache] + (engine.drafter.kv_caches() if engine.drafter is not None else [])
+    return sum(c.nbytes for c in caches if c is not None) + engine.graph_stats().memory_bytes
 
 
 def _tree_columns(summary, drafts: bool) -> dict:
