@@ -36,7 +36,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # e trained it needlessly (session 3)
+case "$PART" in d|e|f|h|i|k) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # e trained it needlessly (session 3)
 if [ ! -f zoo_cache/small/manifest.json ] && [ "$NEEDS_SMALL" = 1 ]; then
   echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
   step train 200 $PY -m workbench zoo train small --device cuda --max-seconds "${SMALL_SECONDS:-120}"
@@ -128,6 +128,14 @@ elif [ "$PART" = j ]; then
   # draft prefill at join and grouped catch-up, 3 rounds per rate (issue 11)
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" \
     --budget-s "${SERVING_S:-220}"
+elif [ "$PART" = k ]; then
+  # fourth session, fourth call (no preset): the dense GEMV and the residual-epilogue fusion against cuBLAS / the
+  # unfused GEMV, compile and max-autotune, 6.7 B and 1.45 B (issues 8 and 10)
+  step quant67 80 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+    --formats none,dense-triton,dense-triton+res,fp8-triton,fp8-triton+res \
+    --floor-modes graphs+compile+overlap,graphs+max-autotune+overlap
+  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+    --formats none,dense-triton,dense-triton+res --floor-modes graphs+compile+overlap,graphs+max-autotune+overlap
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)
