@@ -43,8 +43,8 @@ FORMAT_KERNELS = {"none": ("none", "auto"), "int8": ("int8", "aten"), "int8-dq":
                   # kernels/quant_gemv.py (quant_kernel "triton"; fp8 then weight-only): scripts/gpu_gemv.py
                   "int8-triton": ("int8", "triton"), "int4-triton": ("int4", "triton"), "fp8-triton": ("fp8", "triton"),
                   "dense-triton": ("none", "triton")}  # unquantized bf16 through the dense GEMV (not cuBLAS)
-# a Triton format may end in "+res" (the MLP's residual add in the down GEMV's epilogue) or "+glu" (also SiLU-mul in
-# its prologue): e.g. fp8-triton+glu
+# a Triton format may end in "+res" (the MLP's residual add in the down GEMV's epilogue; the engine's default) or
+# "+glu" (also SiLU-mul in its prologue): e.g. fp8-triton+glu; without a suffix the down projection is unfused here
 
 
 def part_floor(args, device: torch.device) -> list[dict]:
@@ -63,7 +63,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
         for fmt_name in args.formats.split(","):
             base_name, _, suffix = fmt_name.partition("+")  # "+res" / "+glu": fuse into the down projection
             fmt, kernel = FORMAT_KERNELS[base_name]
-            fusion = {"": "off", "res": "residual", "glu": "glu+residual"}[suffix]
+            fusion = {"": "off", "res": "residual", "glu": "glu+residual"}[suffix]  # no suffix: unfused
             for mode in args.floor_modes.split(","):
                 row = {"config": name, "format": fmt_name, "mode": mode}
                 try:
@@ -72,8 +72,8 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))
                     model = quantize_model(base, fmt, group_size=args.int4_group_size, kernel=kernel,
                                            calibration=calib if fmt == "int4-awq" else None)
-                    if fusion != "off":  # the down projection's fusion (linears.QuantLinear.fusion)
-                        for layer in model.model.layers:
+                    for layer in model.model.layers:  # the down projection's fusion (linears.QuantLinear.fusion)
+                        if hasattr(layer.mlp.down_proj, "fusion"):
                             layer.mlp.down_proj.fusion = fusion
                     sync(device)
                     row["quantize_s"] = time.perf_counter() - t0

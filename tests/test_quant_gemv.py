@@ -324,7 +324,9 @@ def test_fused_mlp_down_projection_matches_the_unfused_layer(fmt, fusion, interp
                 {"int8": Int8Linear, "fp8": Fp8Linear}.get(fmt, lambda lin, kern: Int4Linear(lin, 32, kern))(
                     mlp.down_proj, "triton"))
     x, res = torch.randn(1, 1, 64).to(dtype), torch.randn(1, 1, 64).to(dtype)
-    assert tri_down.fusion == "off" and tri_down.glu_residual(torch.randn(1, 1, 256).to(dtype), res) is None
+    assert tri_down.fusion == "residual"  # the default (measured; linears.QuantLinear.fusion)
+    tri_down.fusion = "off"
+    assert tri_down.glu_residual(torch.randn(1, 1, 256).to(dtype), res) is None  # off: the caller runs the ops
     tri_down.fusion = fusion
     calls = []
     orig = tri_down.glu_residual
