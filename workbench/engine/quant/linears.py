@@ -153,9 +153,9 @@ class QuantLinear(nn.Module):
 
     # What a Triton-GEMV down projection fuses (`glu_residual`): "off"; "residual" (the residual add in the GEMV's
     # epilogue, SiLU-mul left to PyTorch / torch.compile); "glu+residual" (also SiLU-mul in its prologue). Measured on
-    # the H200 (BENCHMARKS.md section 10, 6.7 B, batch 1): "residual" made fp8 decode 1.3 % (compile) / 3.1 %
-    # (max-autotune) faster and the dense GEMV 1.0 % (compile); "glu+residual" made fp8 3 % slower (every program
-    # recomputes SiLU over the whole input). Benchmarks set it per module (gpu_quant.py "+res", "+glu").
+    # the H200 (BENCHMARKS.md section 10, 6.7 B, batch 1, one process): "residual" made fp8 decode 1.3 % (compile) /
+    # 3.1 % (max-autotune) faster and the dense GEMV 1.0 % (compile); "glu+residual" was not shown to pay (every
+    # program recomputes SiLU over its whole input). Benchmarks set it per module (gpu_quant.py "+res", "+glu").
     fusion = "residual"
 
     def glu_residual(self, h: Tensor, residual: Tensor) -> Tensor | None:
