@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_quant import CONFIGS, table  # noqa: E402
 from gpu_timing import graph_us, run_parts  # noqa: E402
-from kernels.quant_gemv import (GEMV_FORMATS, dequantize_weight, gemv_config, quant_gemv_reference,  # noqa: E402
+from kernels.quant_gemv import (GEMV_FORMATS, dequantize_weight, gemv_config,  # noqa: E402
                                 quant_gemv_triton, triton_problem)
 from workbench.engine.quant import linear_shapes, weight_bytes  # noqa: E402
-from workbench.engine.quant.linears import (DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear, dequantize_fp8,  # noqa: E402
+from workbench.engine.quant.linears import (DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear,  # noqa: E402
                                             fp8_linear_reference)
 from workbench.models import ModelConfig  # noqa: E402
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -36,12 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_timing import run_parts, sync  # noqa: E402
+from gpu_timing import equal_prefix, floor_row, run_parts, sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.quant import check_quant, gguf_kernel, quantize_model, weight_bytes  # noqa: E402
 from workbench.engine.quant.gguf import FUSED_PARTS, GgufInt4Linear  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12  # H200 (as gpu_fastpath.py)
 CONFIGS = {  # vocab, hidden, intermediate, layers, heads, kv heads
     "mini": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),  # CPU smoke test only
@@ -152,7 +150,6 @@ def part_decode(args, device: torch.device) -> list[dict]:
         cfg = base.config
         prompts = [list(range(100, 100 + args.prompt_len))]
         outputs: dict[str, list[int]] = {}
-        embed = base.model.embed_tokens.weight
         for fmt_name in args.formats.split(","):
             fmt, kernel = FORMATS[fmt_name]
             row = {"config": name, "format": fmt_name, "load_s": load_s,
@@ -176,19 +173,11 @@ def part_decode(args, device: torch.device) -> list[dict]:
                     sync(device)
                     ms.append((res.t_done[0] - res.t_first_token) * 1e3 / (len(res.outputs[0]) - 1))
                 outputs[fmt_name] = res.outputs[0]
-                stored = weight_bytes(model)
-                # bytes read per token: everything stored but the embedding table (one row of it; a tied head is read)
-                read = stored - (embed.numel() * embed.element_size() if model.lm_head is not None else 0)
-                kv = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-                      * (args.prompt_len + args.max_new_tokens / 2))
-                med = statistics.median(ms)
-                row.update(weight_mb=stored / 2**20, ms_per_token_median=med, ms_min=min(ms), ms_max=max(ms),
-                           floor_ms=(read + kv) / HBM_BYTES_PER_S * 1e3,
-                           fraction_of_floor=(read + kv) / HBM_BYTES_PER_S * 1e3 / med)
+                row.update(weight_mb=weight_bytes(model) / 2**20,
+                           **floor_row(model, ms, args.prompt_len, args.max_new_tokens))
                 if "none" in outputs:
                     ref = outputs["none"]
-                    same = next((i for i, (a, b) in enumerate(zip(ref, res.outputs[0])) if a != b), len(ref))
-                    row.update(tokens_equal_to_none_until=same, tokens=len(ref))
+                    row.update(tokens_equal_to_none_until=equal_prefix(ref, res.outputs[0]), tokens=len(ref))
                 del engine, model
             except Exception as e:  # noqa: BLE001 - record it, keep measuring the other formats
                 row["error"] = f"{type(e).__name__}: {e}"[:400]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,10 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_fastpath import HBM_BYTES_PER_S, MODES, RANDOM_CONFIGS, warm  # noqa: E402
-from gpu_timing import run_parts, sync  # noqa: E402
+from gpu_fastpath import MODES, RANDOM_CONFIGS, warm  # noqa: E402
+from gpu_timing import equal_prefix, floor_row, run_parts, sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
-from workbench.engine.quant import check_quant, quantize_model, weight_bytes  # noqa: E402
+from workbench.engine.quant import check_quant, quantize_model  # noqa: E402
 
 CONFIGS = {**RANDOM_CONFIGS, "mini": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2)}  # CPU smoke test only
@@ -57,7 +56,6 @@ def part_floor(args, device: torch.device) -> list[dict]:
             base = LlamaModel(cfg, init_weights=False).to(torch.bfloat16)
         base.reset_parameters()
         base.eval()
-        embed = base.model.embed_tokens.weight
         prompts = [list(range(100, 100 + args.prompt_len))]
         bf16_tokens: dict[str, list[int]] = {}
         for fmt_name in args.formats.split(","):
@@ -89,19 +87,9 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     if fmt_name == "none":
                         bf16_tokens[mode] = tokens
                     elif mode in bf16_tokens:  # greedy tokens equal to bf16's (same mode) before the first difference
-                        ref_tokens = bf16_tokens[mode]
-                        row["tokens_equal_to_bf16"] = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens))
-                                                            if a != b), min(len(tokens), len(ref_tokens)))
-                        row["tokens_compared"] = min(len(tokens), len(ref_tokens))
-                    kv = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-                          * (args.prompt_len + args.max_new_tokens / 2))
-                    stored = weight_bytes(model)
-                    read = stored - (embed.numel() * embed.element_size() if model.lm_head is not None else 0)
-                    med = statistics.median(ms)
-                    row.update(weight_gb=stored / 1e9, read_gb_per_token=(read + kv) / 1e9, ms_per_token_median=med,
-                               ms_min=min(ms), ms_max=max(ms), floor_ms=(read + kv) / HBM_BYTES_PER_S * 1e3,
-                               fraction_of_floor=(read + kv) / HBM_BYTES_PER_S * 1e3 / med,
-                               floor_ms_all_params=(stored + kv) / HBM_BYTES_PER_S * 1e3)
+                        row["tokens_equal_to_bf16"] = equal_prefix(tokens, bf16_tokens[mode])
+                        row["tokens_compared"] = min(len(tokens), len(bf16_tokens[mode]))
+                    row.update(floor_row(model, ms, args.prompt_len, args.max_new_tokens))
                     del engine, model
                 except Exception as e:  # noqa: BLE001 - record it, keep measuring the other formats
                     row["error"] = f"{type(e).__name__}: {e}"[:400]

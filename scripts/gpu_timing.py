@@ -1,6 +1,7 @@
-"""Helpers the GPU scripts share (gpu_kernels.py, gpu_kvquant.py, gpu_quant.py, gpu_gemv.py, bench_step_loop.py):
-CUDA-event timing of a callable after a short warm-up, a callable captured `calls` times into one CUDA graph, a
-device sync, and the loop that runs a script's parts, each into <out>/<prefix>_<part>.json and .md.
+"""Helpers the GPU scripts share (gpu_kernels.py, gpu_kvquant.py, gpu_quant.py, gpu_gemv.py, gpu_gguf.py,
+bench_step_loop.py): CUDA-event timing of a callable after a short warm-up, a callable captured `calls` times into one
+CUDA graph, a device sync, the loop that runs a script's parts, each into <out>/<prefix>_<part>.json and .md, and the
+decode-floor row of a weight-format benchmark (`floor_row`, `equal_prefix`).
 
     graph, out = capture(fn, calls=8)         # warmed up on a side stream first
     us_per_call = eager_us(graph.replay) / 8  # what graph_us(fn, calls=8) returns
@@ -14,6 +15,38 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+
+HBM_BYTES_PER_S = 4.3e12  # H200 HBM3e, as in the issues' floor definition
+
+
+def floor_row(model, ms: list[float], prompt_len: int, max_new_tokens: int) -> dict:
+    """ms/token statistics of a batch-1 decode and the HBM floor of the bytes one token reads: every stored parameter
+    and buffer (quantized weights, scales) but the embedding table (one row of it is read; a tied head is read whole),
+    plus the KV cache at the mid-generation length. `floor_ms_all_params` counts the table too (gpu_fastpath's
+    definition, the one issue 8's goals use)."""
+    import statistics
+
+    from workbench.engine.quant import weight_bytes
+
+    cfg, embed = model.config, model.model.embed_tokens.weight
+    stored = weight_bytes(model)
+    read = stored - (embed.numel() * embed.element_size() if model.lm_head is not None else 0)
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * (prompt_len + max_new_tokens / 2)
+    med = statistics.median(ms)
+    floor = (read + kv) / HBM_BYTES_PER_S * 1e3
+    return dict(weight_gb=stored / 1e9, read_gb_per_token=(read + kv) / 1e9, ms_per_token_median=med, ms_min=min(ms),
+                ms_max=max(ms), floor_ms=floor, fraction_of_floor=floor / med,
+                floor_ms_all_params=(stored + kv) / HBM_BYTES_PER_S * 1e3)
+
+
+def equal_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy outputs share (the first difference's index).
+
+    >>> equal_prefix([1, 2, 3], [1, 2, 4]), equal_prefix([1, 2], [1, 2, 3])
+    (2, 2)
+    """
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def sync(device: torch.device | str) -> None:
