@@ -36,12 +36,15 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # e trained it needlessly (session 3)
-if [ ! -f zoo_cache/small/manifest.json ] && [ "$NEEDS_SMALL" = 1 ]; then
-  echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
-  step train 200 $PY -m workbench zoo train small --device cuda --max-seconds "${SMALL_SECONDS:-120}"
-  grep -v " step " "$R/train.log" > "$R/train_summary.log" 2>/dev/null
-fi
+case "$PART" in d|e|f|h|i|k|l) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+train_small() {
+  if [ ! -f zoo_cache/small/manifest.json ]; then
+    echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
+    step train 200 $PY -m workbench zoo train small --device cuda --max-seconds "${SMALL_SECONDS:-120}"
+    grep -v " step " "$R/train.log" > "$R/train_summary.log" 2>/dev/null
+  fi
+}
+[ "$NEEDS_SMALL" = 1 ] && train_small
 heads() {
   [ -f zoo_cache/small/redrafter/manifest.json ] || \
     step head_redrafter 40 $PY -m workbench zoo train-head --kind redrafter --preset small --device cuda --max-seconds 25
@@ -136,6 +139,16 @@ elif [ "$PART" = k ]; then
     --floor-modes graphs+compile+overlap,graphs+max-autotune+overlap
   step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
     --formats none,dense-triton,dense-triton+res --floor-modes graphs+compile+overlap,graphs+max-autotune+overlap
+elif [ "$PART" = l ]; then
+  # fourth session, last call: the SwiGLU prologue against the residual-only fusion in one process (6.7 B, compile),
+  # then `small` trained for study throughput (issue 8) and serving after the adaptive-cost fix (issue 11)
+  step quantglu 50 $PY scripts/gpu_quant.py --device cuda --out "$R/quantglu" --parts floor --floor-configs 6.7b \
+    --formats fp8-triton+res,fp8-triton+glu,dense-triton+res,dense-triton+glu --floor-modes graphs+compile+overlap
+  train_small
+  step study 100 $PY scripts/study_throughput.py --device cuda --preset small --seconds "${STUDY_S:-150}" \
+    --out "$R/study"
+  step serving 60 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" \
+    --budget-s "${SERVING_S:-120}"
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)
