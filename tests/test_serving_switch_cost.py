@@ -133,3 +133,26 @@ def test_catch_up_max_below_zero_is_a_named_error(target, draft):
     with pytest.raises(ServeError, match="catch_up_max"):
         ServingLoop(engine_with(DraftModelDrafter(draft, 3), target), long_and_short(), clock=StepClock(),
                     catch_up_max=-1)
+
+
+def test_gpu_serving_threshold_check_reads_medians_over_rounds():
+    """One ~0.5 s threshold run can stall (single runs differed by +-10 % on the H200): the cliff check reads the
+    median of each (concurrency, setting) over the rounds."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    def rec(c, setting, rep, tok):
+        return {"threshold": 2, "max_concurrency": c, "setting": setting, "repeat": rep, "output_throughput": tok,
+                "tpot_ms_p99": 1.0}
+
+    rows = [rec(c, s, rep, 100.0 * c) for c in (1, 2) for s in ("off", "k=4", "adaptive") for rep in range(3)]
+    rows[3 * 3 + 2 * 3 + 0]["output_throughput"] = 150.0  # concurrency 2, adaptive, round 0: a stall
+    (check,) = gpu_serving.threshold_checks(rows, "k=4", 10.0)
+    assert not check["cliff"] and [p["repeats"] for p in check["points"]] == [3, 3]
+    assert check["points"][1]["adaptive"] == 200.0
+    rows[3 * 3 + 2 * 3 + 1]["output_throughput"] = 150.0  # a second stalled round: the median falls, a cliff
+    (check,) = gpu_serving.threshold_checks(rows, "k=4", 10.0)
+    assert check["cliff"] and "concurrency 2" in check["reasons"][0]

@@ -50,8 +50,10 @@ class AdaptiveSpeculation:
         """Whether every row drafts at every step of up to max_batch rows (no batch size at k = 0, no switch-off,
         no long-context cut to 0): only then is a draft model's prefill at a request's join sure to be used.
 
-        >>> AdaptiveSpeculation(k=4).drafts_always(16), AdaptiveSpeculation(4, [(1, 1, 1), (2, 16, 0)]).drafts_always(16)
-        (True, False)
+        >>> AdaptiveSpeculation(k=4).drafts_always(16)
+        True
+        >>> AdaptiveSpeculation(4, [(1, 1, 1), (2, 16, 0)]).drafts_always(16)
+        False
         """
         if self.off_acceptance > 0 or (self.max_context and self.long_context_k == 0):
             return False
