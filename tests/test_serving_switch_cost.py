@@ -156,3 +156,25 @@ def test_gpu_serving_threshold_check_reads_medians_over_rounds():
     rows[3 * 3 + 2 * 3 + 1]["output_throughput"] = 150.0  # a second stalled round: the median falls, a cliff
     (check,) = gpu_serving.threshold_checks(rows, "k=4", 10.0)
     assert check["cliff"] and "concurrency 2" in check["reasons"][0]
+
+
+def test_a_drafting_step_catches_up_only_the_rows_that_draft(target, draft, solo):
+    """A (long) decodes beside B and C at batch 3 (k = 0), then alone and beside D at batch 1-2 (k = 3): with
+    catch_up_max, A stays autoregressive in steps where D drafts; only D's prompt is caught up, and A's draft KV
+    (written by the batch's chains, with a hole below) is never read for a draft."""
+    reqs = [Request(0, [3, 1, 4, 1, 5, 9, 2, 6], 30, 0.0), Request(1, [2, 7, 1, 8], 10, 0.0),
+            Request(2, [1, 6, 1, 8, 0, 3], 10, 0.0), Request(3, [5, 7, 7, 2, 1], 12, 14.0)]
+    drafter = CountingDrafter(draft, 3)
+    engine = engine_with(drafter, target)
+    caught = []
+    catch_up = engine.catch_up_drafter
+    engine.catch_up_drafter = lambda rows, starts, ends: (caught.append(list(zip(rows, starts, ends))),
+                                                          catch_up(rows, starts, ends))
+    res = ServingLoop(engine, reqs, adaptive=AdaptiveSpeculation(3, [(1, 2, 3), (3, 64, 0)]), clock=StepClock(),
+                      max_num_seqs=4, catch_up_max=4).run()
+    assert_solo(res, reqs, solo)
+    drafting = [t for t in res.traces if t.num_nodes]
+    assert drafting and {t.request for t in drafting if t.k} == {3}  # D drafts, A never does
+    assert any(t.request == 0 for t in drafting)  # ... though A shares steps where D drafts
+    assert caught == [[(caught[0][0][0], 0, len(reqs[3].prompt) - 1)]]  # D's prompt, once
+    assert res.draft_catch_up_skips == sum(1 for t in res.traces if t.request == 0 and t.batch_size <= 2)
