@@ -220,7 +220,7 @@ SERVING_SPECS: list[ColumnSpec] = [
     *_cols("config", "float", "burstiness range_ratio slo_ttft_ms slo_tpot_ms spec_off_acceptance "
                               "calibration_budget_s"),
     *_cols("config", "int", "max_concurrency num_requests warmup_requests input_len shared_prefix_len kv_blocks "
-                            "max_num_seqs prefill_chunk spec_window spec_max_context long_context_k"),
+                            "max_num_seqs prefill_chunk spec_window spec_max_context long_context_k spec_catch_up_max"),
     ColumnSpec("prefix_caching", "bool", "config", "full prompt blocks shared between requests"),
     *_cols("serving", "int", "completed preemptions"),
     *_cols("serving", "float", "duration_s request_throughput output_throughput total_token_throughput goodput "
@@ -244,6 +244,10 @@ SERVING_SPECS: list[ColumnSpec] = [
                "by gap)"),
     ColumnSpec("draft_catch_up_slots", "int", "serving", "rows x T of the catch-up forwards, padding included "
                "(>= draft_catch_up_tokens)"),
+    ColumnSpec("draft_prefill_tokens", "int", "serving", "draft-model KV positions prefilled when requests joined "
+               "(only where every step drafts; else catch-up before a row's first draft)"),
+    ColumnSpec("draft_catch_up_skips", "int", "serving", "row-steps that did not draft at a drafting batch size "
+               "because the row was further behind than spec_catch_up_max"),
 ]
 
 # One row per request of a serving run (`ResultStore.append(..., requests=)`, requests/<run_id>.parquet).

@@ -20,9 +20,9 @@ run of its part so far would end past --budget-s):
               setting of a round); the goal check reads the medians over rounds (one run near saturation can queue
               up after a single stall: BENCHMARKS 9.4's adaptive at 1.0x did the same work as fixed k, 0.79x slower)
   thresholds  for each schedule threshold t (a batch size where the schedule's k changes): fixed concurrency t - 1, t,
-              t + 1 with off, fixed k and adaptive; a cliff is adaptive's output tokens/s dropping more than
-              --cliff-pct % from one concurrency to the next, or falling more than --cliff-pct % below the better of
-              off and fixed k at one concurrency
+              t + 1 with off, fixed k and adaptive, --repeats rounds (one run is ~0.5 s: single runs differed by
+              +-10 %); a cliff is adaptive's median output tokens/s dropping more than --cliff-pct % from one
+              concurrency to the next, or falling more than --cliff-pct % below the better of off and fixed k
   replay      costs fitted on off + fixed k; predicts the held-out k = 2 and adaptive from the fixed-k traces
 Every run uses graphs captured before its clock starts, for every draft length it can use; each record carries
 graph_captures_in_run (captures inside the run: should be 0) and the draft catch-up counters. results.json and
@@ -51,7 +51,10 @@ from workbench.serving.config import ServeConfig  # noqa: E402
 SHOW = ["request_throughput", "output_throughput", "goodput", "tpot_ms_p99", "tpot_ms_p50", "ttft_ms_p99",
         "ttft_ms_p50", "mean_batch_size", "acceptance_rate", "preemptions", "graph_captures_in_run",
         "graph_misses_in_run", "draft_catch_up_tokens", "draft_catch_up_forwards", "draft_catch_up_slots",
-        "acceptance_by_batch_size"]
+        "acceptance_by_batch_size", "draft_prefill_tokens", "draft_catch_up_skips",
+        # where a run's time went (ms, summed over the run; CUDA events): draft = chains + catch-ups, prefill = target
+        # prefills + draft prefills at join; compare adaptive's with off's where its schedule says off
+        "time_prefill_ms", "time_draft_ms", "time_verify_ms", "time_accept_ms", "time_kv_ms"]
 
 
 def parse_args(argv=None):
@@ -88,6 +91,9 @@ def parse_args(argv=None):
     p.add_argument("--threshold-requests", type=int, default=12,
                    help="measured requests per threshold run (at least 3 x the concurrency)")
     p.add_argument("--cliff-pct", type=float, default=10.0)
+    p.add_argument("--catch-up-max", type=int, default=0,
+                   help="adaptive's spec_catch_up_max: a row that decoded more than this many tokens at k = 0 stays "
+                   "autoregressive when the batch dips into a drafting size (0 = always catch up)")
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="wall-clock budget after the models are loaded (H200, small: about 30 s more in total)")
     return p.parse_args(argv)
@@ -108,7 +114,8 @@ def main(argv=None) -> int:
                        max_num_seqs=args.max_num_seqs, cuda_graphs=graphs,
                        graph_batch_sizes=buckets + (args.max_num_seqs,))
     result = {"preset": args.preset, "device": str(session.device), "dtype": dtype, "method": args.method,
-              "k": args.k, "cuda_graphs": graphs, "budget_s": args.budget_s, "cliff_pct": args.cliff_pct,
+              "k": args.k, "catch_up_max": args.catch_up_max, "cuda_graphs": graphs, "budget_s": args.budget_s,
+              "cliff_pct": args.cliff_pct,
               "k_by_batch": None, "schedule_source": None, "sweep": [], "thresholds": [], "threshold_checks": [],
               "skipped": [], "replay": [], "done": False}
     engines: dict[tuple, object] = {}  # (method, k) -> engine, reused across runs (cache and graphs kept)
@@ -193,7 +200,7 @@ def main(argv=None) -> int:
         k_by_batch = format_k_by_batch(ranges)
     else:
         ranges, k_by_batch, source = settings.parse_k_by_batch(args.k_by_batch), args.k_by_batch, "given"
-    settings_of["adaptive"] = dict(k_by_batch=k_by_batch)
+    settings_of["adaptive"] = dict(k_by_batch=k_by_batch, spec_catch_up_max=args.catch_up_max)
     result.update(k_by_batch=k_by_batch, schedule_source=source)
     print(f"schedule {k_by_batch} ({source})", flush=True)
     flush()
@@ -225,16 +232,18 @@ def main(argv=None) -> int:
     thresholds = [lo for lo, _, _ in ranges[1:] if lo <= args.max_num_seqs]
     result["schedule_thresholds"] = thresholds
     if not args.no_thresholds:
-        for t in thresholds:
-            for c in (t - 1, t, t + 1):
-                if not 1 <= c <= args.max_num_seqs:
-                    continue
-                for name in ("off", fixed, "adaptive"):
-                    n = max(args.threshold_requests, 3 * c)
-                    _, rec = run(name, "thresholds", arrival="concurrency", max_concurrency=c, num_requests=n,
-                                 warmup_requests=min(args.warmup_requests, c))
-                    if rec is not None:
-                        rec["threshold"] = t
+        for rep in range(args.repeats):
+            for t in thresholds:
+                for c in (t - 1, t, t + 1):
+                    if not 1 <= c <= args.max_num_seqs:
+                        continue
+                    for name in ("off", fixed, "adaptive"):
+                        n = max(args.threshold_requests, 3 * c)
+                        _, rec = run(name, "thresholds", arrival="concurrency", max_concurrency=c, num_requests=n,
+                                     warmup_requests=min(args.warmup_requests, c))
+                        if rec is None:
+                            continue
+                        rec.update(threshold=t, repeat=rep)
                         result["thresholds"].append(rec)
                         result["threshold_checks"] = threshold_checks(result["thresholds"], fixed, args.cliff_pct)
                         flush()
@@ -299,10 +308,13 @@ def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
 
 def threshold_checks(rows: list[dict], fixed: str, cliff_pct: float) -> list[dict]:
     """Per threshold: adaptive's output tokens/s at each concurrency against the better of off and fixed k, and the
-    change from one concurrency to the next; `cliff` when either falls by more than cliff_pct %."""
+    change from one concurrency to the next, on medians over the rounds each (concurrency, setting) has; `cliff`
+    when either falls by more than cliff_pct %."""
     out = []
     for t in sorted({x["threshold"] for x in rows}):
-        at = {(x["max_concurrency"], x["setting"]): x for x in rows if x["threshold"] == t}
+        keys = {(x["max_concurrency"], x["setting"]) for x in rows if x["threshold"] == t}
+        at = {key: medians([x for x in rows if x["threshold"] == t and (x["max_concurrency"], x["setting"]) == key])
+              for key in keys}
         cs = sorted({c for c, _ in at})
         points, reasons = [], []
         for c in cs:
@@ -311,7 +323,8 @@ def threshold_checks(rows: list[dict], fixed: str, cliff_pct: float) -> list[dic
                 continue
             best = max(off["output_throughput"] or 0.0, fx["output_throughput"] or 0.0)
             ratio = a["output_throughput"] / best if best else None
-            points.append({"concurrency": c, "adaptive": a["output_throughput"], "best_of_off_fixed": best,
+            points.append({"concurrency": c, "repeats": a["repeats"], "adaptive": a["output_throughput"],
+                           "best_of_off_fixed": best,
                            "ratio": ratio, "tpot_ms_p99": {"off": off["tpot_ms_p99"], fixed: fx["tpot_ms_p99"],
                                                            "adaptive": a["tpot_ms_p99"]}})
             if ratio is not None and ratio < 1 - cliff_pct / 100:
@@ -323,6 +336,10 @@ def threshold_checks(rows: list[dict], fixed: str, cliff_pct: float) -> list[dic
                                f"concurrency {p['concurrency']} to {q['concurrency']}")
         out.append({"threshold": t, "points": points, "cliff": bool(reasons), "reasons": reasons})
     return out
+
+
+def _phases(x: dict) -> str:
+    return " / ".join(_f(x.get(f"time_{p}_ms")) for p in ("prefill", "draft", "verify"))
 
 
 def _f(v, digits=1):
@@ -361,13 +378,15 @@ def table(r: dict) -> str:
                   f"mean batch {_f(r['saturation_mean_batch'])}; SLOs TTFT <= {_f(r['slo_ttft_ms'])} ms, "
                   f"TPOT <= {_f(r['slo_tpot_ms'])} ms", ""]
     lines += ["| rate (x sat) | round | setting | req/s | out tok/s | goodput | p99 TPOT ms | p99 TTFT ms | batch | "
-              "accept | captures in run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "accept | captures in run | prefill / draft / verify ms | draft prefill / catch-up tokens |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in r["sweep"]:
         lines.append(f"| {x['rate_fraction']} | {x.get('repeat', 0)} | {x['setting']} | "
                      f"{_f(x['request_throughput'], 2)} | "
                      f"{_f(x['output_throughput'])} | {_f(x['goodput'], 2)} | {_f(x['tpot_ms_p99'])} | "
                      f"{_f(x['ttft_ms_p99'])} | {_f(x['mean_batch_size'])} | {_f(x['acceptance_rate'], 2)} | "
-                     f"{_f(x['graph_captures_in_run'])} |")
+                     f"{_f(x['graph_captures_in_run'])} | {_phases(x)} | {_f(x.get('draft_prefill_tokens'))} / "
+                     f"{_f(x.get('draft_catch_up_tokens'))} |")
     if r.get("sweep_checks"):
         lines += ["", "Goal: adaptive >= the better of off and fixed k at every rate (medians over the rounds all "
                   "three finished):", "",
@@ -379,12 +398,14 @@ def table(r: dict) -> str:
     if r["thresholds"]:
         lines += ["", f"Thresholds {r['schedule_thresholds']} at concurrency t - 1, t, t + 1 (cliff: a drop of more "
                   f"than {r['cliff_pct']:g} %):", "",
-                  "| threshold | concurrency | setting | out tok/s | p99 TPOT ms | batch | captures in run |",
-                  "|---|---|---|---|---|---|---|"]
-        for x in r["thresholds"]:
-            lines.append(f"| {x['threshold']} | {x['max_concurrency']} | {x['setting']} | "
+                  "| threshold | concurrency | round | setting | out tok/s | p99 TPOT ms | batch | captures in run | "
+                  "prefill / draft / verify ms | draft prefill / catch-up tokens |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for x in sorted(r["thresholds"], key=lambda x: (x["threshold"], x["max_concurrency"], x.get("repeat", 0))):
+            lines.append(f"| {x['threshold']} | {x['max_concurrency']} | {x.get('repeat', 0)} | {x['setting']} | "
                          f"{_f(x['output_throughput'])} | {_f(x['tpot_ms_p99'])} | {_f(x['mean_batch_size'])} | "
-                         f"{_f(x['graph_captures_in_run'])} |")
+                         f"{_f(x['graph_captures_in_run'])} | {_phases(x)} | {_f(x.get('draft_prefill_tokens'))} / "
+                         f"{_f(x.get('draft_catch_up_tokens'))} |")
         lines.append("")
         for c in r["threshold_checks"]:
             lines.append(f"- threshold {c['threshold']}: " + ("**cliff**: " + "; ".join(c["reasons"]) if c["cliff"]

@@ -357,6 +357,10 @@ SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
          "(0 = no limit)", "Long-context limit", "adaptive", 0, 10_000_000),
     Knob("long_context_k", "int", 0, "draft length past spec_max_context (0 = no drafts)", "Long-context k",
          "adaptive", 0, 16),
+    Knob("spec_catch_up_max", "int", 0, "a request whose draft model missed more than this many generated tokens "
+         "(it decoded that long while its batch size was at k = 0) does not draft when the batch dips to a drafting "
+         "size: no whole-context catch-up for a dip (0 = no limit: always catch up)", "Catch-up limit", "adaptive",
+         0, 10_000_000),
     # where a measured k_by_batch comes from (workbench/serving/calibrate.py): isolated decode steps leave out prefill
     # interleaving and draft catch-up, so they over-rate speculation under load; short closed-loop serves do not
     Knob("calibration", "str", "off", "measure the draft length per batch size before the run and serve with it "

@@ -46,6 +46,19 @@ class AdaptiveSpeculation:
                 return min(k, self.k)
         return self.k
 
+    def drafts_always(self, max_batch: int) -> bool:
+        """Whether every row drafts at every step of up to max_batch rows (no batch size at k = 0, no switch-off,
+        no long-context cut to 0): only then is a draft model's prefill at a request's join sure to be used.
+
+        >>> AdaptiveSpeculation(k=4).drafts_always(16)
+        True
+        >>> AdaptiveSpeculation(4, [(1, 1, 1), (2, 16, 0)]).drafts_always(16)
+        False
+        """
+        if self.off_acceptance > 0 or (self.max_context and self.long_context_k == 0):
+            return False
+        return all(self.batch_k(b) > 0 for b in range(1, max_batch + 1))
+
     def node_counts(self, max_batch: int, chains: bool = True) -> tuple[int, ...]:
         """Every draft length (`decode_step(num_nodes=)`) a step of up to max_batch rows can ask for: the schedule's,
         their long-context limits, and 0 once rows can switch off. Trees (chains False) verify all k nodes or none."""

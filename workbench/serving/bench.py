@@ -105,7 +105,8 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
         return ServingLoop(engine, requests, policy=cfg.sched_policy, num_blocks=cfg.kv_blocks,
                            max_num_seqs=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
                            prefix_caching=cfg.prefix_caching, adaptive=adaptive,
-                           max_concurrency=cfg.max_concurrency, clock=clock or RealClock(), timing=True)
+                           max_concurrency=cfg.max_concurrency, clock=clock or RealClock(), timing=True,
+                           catch_up_max=cfg.spec_catch_up_max)
 
     adaptive = adaptive_for(cfg, engine.num_nodes)
     loop = make_loop(adaptive)
@@ -144,7 +145,8 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
     if cfg.method == "ar":
         for key in ("acceptance_rate", "mean_accepted_tokens", "tree_size_mean", "accepted_path_length_mean"):
             rec[key] = None
-    for key in ("draft_catch_up_tokens", "draft_catch_up_forwards", "draft_catch_up_slots"):
+    for key in ("draft_catch_up_tokens", "draft_catch_up_forwards", "draft_catch_up_slots", "draft_prefill_tokens",
+                "draft_catch_up_skips"):
         rec[key] = getattr(result, key) if engine.drafter is not None else None
     if cfg.cuda_graphs or cfg.compile != "off":
         # captures and eager fallbacks (a batch above every bucket) inside the served run: each one is a stall

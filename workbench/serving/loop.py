@@ -12,12 +12,16 @@ One iteration, as named phases:
 
 Adaptive speculation changes the draft length between steps at no extra cost when the engine's graphs for every
 length it can ask for were captured first (`AdaptiveSpeculation.node_counts`, `SpecEngine.capture_graphs`). A draft
-model keeps its own KV. When a request's prefill completes and the adaptive rules would draft for it at the batch it
-joins, the draft model is prefilled there too (in the prefill phase, as with a fixed k); otherwise it is left empty,
+model keeps its own KV. When a request's prefill completes and every step drafts (a fixed k:
+`AdaptiveSpeculation.drafts_always`), the draft model is prefilled there too (in the prefill phase); otherwise it is
+left empty (the batch a request joins says little about the batch it decodes at: a wave of joins sees itself alone),
 and a step that does not draft leaves it behind. Before a row's next draft the loop writes only the positions it
 misses (`SpecEngine.catch_up_drafter`; counted in `ServeResult.draft_catch_up_tokens`), grouped by gap
-(`catch_up_groups`) so that one long gap never pads the short ones of every other behind row; a request served only
-by autoregressive steps never runs the draft model. A loop over an engine whose cache has this run's shape reuses it
+(`catch_up_groups`) so that one long gap never pads the short ones of every other behind row; only rows that draft
+are caught up, so a request served only by autoregressive steps never runs the draft model, and a batch size whose k
+is 0 costs what speculation off costs there. `catch_up_max` (knob `spec_catch_up_max`) keeps a row that decoded more
+than that many tokens at k = 0 autoregressive when the batch dips into a drafting size (no whole-context catch-up
+for a dip). A loop over an engine whose cache has this run's shape reuses it
 (and the graphs captured for it): `SpecEngine.reset_rows`.
 
 Time comes from a clock: `RealClock` (perf_counter, sleeps until the next arrival when idle) for benchmarks,
@@ -115,6 +119,8 @@ class ServeResult:
     draft_catch_up_tokens: int = 0  # draft-model KV positions written after steps that did not draft
     draft_catch_up_forwards: int = 0  # draft-model forwards those took
     draft_catch_up_slots: int = 0  # rows x T of those forwards (padding included): >= draft_catch_up_tokens
+    draft_prefill_tokens: int = 0  # draft-model KV positions prefilled when a request joined (prefill phase)
+    draft_catch_up_skips: int = 0  # row-steps that would have drafted but were further behind than catch_up_max
 
     @property
     def outputs(self) -> dict[int, list[int]]:
@@ -158,7 +164,7 @@ class ServingLoop:
     def __init__(self, engine: SpecEngine, requests: list[Request], *, policy: str = "no_evict",
                  num_blocks: int = 0, max_num_seqs: int = 16, prefill_chunk: int = 0, prefix_caching: bool = False,
                  adaptive: AdaptiveSpeculation | None = None, max_concurrency: int = 0, clock=None,
-                 timing: bool = False, max_len: int = 0):
+                 timing: bool = False, max_len: int = 0, catch_up_max: int = 0):
         if not requests:
             raise ServeError("no requests to serve")
         if any(len(r.prompt) == 0 for r in requests):
@@ -209,6 +215,12 @@ class ServingLoop:
         # a draft model keeps its own KV: steps that skip drafting leave it behind (caught up before the next draft)
         self._own_draft_kv = drafter is not None and drafter.model_forwards_per_step > 0 and not drafter.wants_hidden
         self._draft_valid: dict[int, int] = {}  # row -> positions below which the draft model's KV is valid
+        # prefill a draft model at join only where every step drafts; else its first draft catches it up (a request
+        # that joins while its batch is at k = 0 then never runs the draft model, as with speculation off)
+        self._prefill_draft_at_join = not self._own_draft_kv or self.adaptive.drafts_always(max_num_seqs)
+        if catch_up_max < 0:
+            raise ServeError(f"catch_up_max must be >= 0 (0 = no limit), got {catch_up_max}")
+        self.catch_up_max = catch_up_max
 
     # -- the loop -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -242,7 +254,7 @@ class ServingLoop:
             step_nodes = 0
             if decoding:
                 step_nodes = self._decode(decoding, it, result)
-            prefilled = self._prefill(waiting)
+            prefilled = self._prefill(waiting, result)
             self.clock.tick()
             t_end = self.clock.now()
             for tr in result.traces[len(result.traces) - len(decoding):] if decoding else []:
@@ -318,13 +330,24 @@ class ServingLoop:
         ks = [self.adaptive.row_k(s, c, batch_k) for s, c in zip(decoding, contexts)]
         if not self.chains:  # trees are verified whole or not at all
             ks = [self.n_nodes if k else 0 for k in ks]
+        if self._own_draft_kv and self.catch_up_max and any(ks):
+            # a row whose draft model missed more than catch_up_max generated tokens (it decoded that long at k = 0)
+            # stays autoregressive: its whole-context catch-up for a dip of the batch into a drafting size rarely
+            # pays; missing only the prompt, it catches up as a fixed k would have prefilled it at its join
+            for j, (s, row, c) in enumerate(zip(decoding, live, contexts)):
+                if ks[j] and c - 1 - max(self._draft_valid[row], len(s.req.prompt)) > self.catch_up_max:
+                    ks[j] = 0
+                    result.draft_catch_up_skips += 1
         n = max(ks) if self.n_nodes else 0
-        if n and self._own_draft_kv:
-            self._catch_up(live, result)
+        if n and self._own_draft_kv:  # only the rows that draft: the others' drafts are masked out anyway
+            self._catch_up([row for row, k in zip(live, ks) if k], result)
         row_nodes = None if all(k == n for k in ks) else ks
+        current = [self._draft_valid.get(row, 0) >= c - 1 for row, c in zip(live, contexts)]
         out = eng.decode_step(live, self.tokens_host, self.timer, num_nodes=n, row_nodes=row_nodes)
         if n and self._own_draft_kv:  # the chain wrote [t_(L-1), root] and its drafts: valid up to the new root,
-            for row, a in zip(live, out.accepted):  # unless all n were accepted (the last draft was never fed)
+            for row, a, cur in zip(live, out.accepted, current):  # unless all n were accepted (the last draft was
+                if not cur:  # never fed); a row still behind keeps its hole below t_(L-1) for a later catch-up
+                    continue
                 new_root = len(self.tokens_host[row]) - 1
                 self._draft_valid[row] = new_root if a < n else new_root - 1
         t = self.clock.now()
@@ -360,13 +383,6 @@ class ServingLoop:
             for row, end in zip(rows, ends):
                 self._draft_valid[row] = end
 
-    def _drafts_on_join(self, s: RequestState, context_len: int) -> bool:
-        """Would the adaptive rules draft for s at the batch it joins (the decoding rows plus itself)?"""
-        if not self.n_nodes:
-            return False
-        batch = 1 + sum(1 for x in self.running if x.phase == "decode")
-        return self.adaptive.row_k(s, context_len, self.adaptive.batch_k(batch)) > 0
-
     def _finish(self, s: RequestState, t: float) -> None:
         s.phase, s.t_done = "done", t
         self.engine.release_row(s.row)
@@ -377,7 +393,7 @@ class ServingLoop:
         self.running.remove(s)
         s.row = None
 
-    def _prefill(self, waiting: list[RequestState]) -> int:
+    def _prefill(self, waiting: list[RequestState], result: ServeResult) -> int:
         eng, cfg = self.engine, self.engine.config
         budget = self.prefill_chunk or math.inf
         done_tokens = 0
@@ -418,11 +434,13 @@ class ServingLoop:
                 s.t_first_token = now
                 s.emit_times.append(now)
             hidden = torch.cat(s.hidden, 0) if s.hidden else None
-            # a draft model is prefilled here when the row would draft at the batch it joins (as with a fixed k);
-            # else lazily, by catch-up before its first draft (never, if it never drafts)
-            draft_now = not self._own_draft_kv or self._drafts_on_join(s, len(tokens))
+            # a draft model is prefilled here when every step drafts (a fixed k); else lazily, by catch-up before
+            # the row's first draft (never, if it never drafts)
+            draft_now = self._prefill_draft_at_join
             with self.timer.phase("prefill"):
                 eng.start_row(s.row, tokens, s.context[-1], hidden, prefill_drafter=draft_now)
+            if draft_now and self._own_draft_kv:
+                result.draft_prefill_tokens += len(tokens)
             s.hidden = []
             self.tokens_host[s.row] = list(s.context)
             self._draft_valid[s.row] = len(tokens) if draft_now else 0
