@@ -258,8 +258,6 @@ if TRITON_AVAILABLE:
             else:
                 x = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)  # [BM, BK]
             if FMT == 1 or FMT == 4:  # int4 / int8g: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
-                g = (kt * BLOCK_K) // GROUP
-                s = tl.load(s_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
                 if FMT == 1:
                     offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
                     b = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_b[None, :], mask=mask_n[:, None], other=0)
@@ -267,6 +265,10 @@ if TRITON_AVAILABLE:
                 else:
                     q = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :], mask=mask_n[:, None],
                                 other=0)  # [BN, BK] int8
+                g = (kt * BLOCK_K) // GROUP
+                s = tl.load(s_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
+                if FMT == 1:
+                    z = tl.load(z_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0).to(tl.float32)
                 if BLOCK_M == 1:
                     xf = x.to(tl.float32)  # [1, BK]
                     t = tl.sum(q.to(tl.float32) * xf, axis=1)[None, :]  # [1, BN]
@@ -274,7 +276,6 @@ if TRITON_AVAILABLE:
                     xf = x.to(tl.float32)
                     t = tl.dot(x, tl.trans(q.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)  # [BM, BN]
                 if FMT == 1:
-                    z = tl.load(z_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0).to(tl.float32)
                     x_sum = tl.sum(xf, axis=1)  # [BM]
                     acc += t * s[None, :] + x_sum[:, None] * (z - 8.0 * s)[None, :]
                 else:
