@@ -12,6 +12,8 @@ One kernel, specialized by format (`FMT`, a constexpr), reading the buffers the 
             holds k = 2j (high nibble) and          (model dtype)
             k = 2j + 1 (low nibble): the modules' "dequant" packing
     fp8     float8_e4m3fn [N, K]                 scale [N] fp32 (a [1, N] view)  q * scale[n]
+    int8g   int8 [N, K]                          scale [N, K/g] fp32             q * scale[n, k/g] (GGUF Q8_0: g = 32,
+                                                                                 scale = the block's f16 d)
     dense   model dtype [N, K] (bf16 / fp16)     none (pass None)                w (an unquantized linear: the GEMV
                                                                                  with in-kernel split-K, one launch)
 
@@ -29,6 +31,8 @@ How the math is arranged (each per-channel or per-group factor applied where it 
 - int4: a K tile lies inside one group (BLOCK_K divides g), so per tile t = sum_k x_k q_k (q in 0..15, exact) and
   acc += scale * t + (zero - 8 scale) * sum_k x_k: two multiply-adds per (row, tile) instead of a dequantization per
   weight element.
+- int8g: the same grouped tiles without a zero: per tile t = sum_k x_k q_k (q in -128..127, exact) and
+  acc += scale * t.
 - M = 1 (BLOCK_M = 1): broadcast multiply and reduce over K on the CUDA cores (a GEMV); M > 1: `tl.dot` with
   BLOCK_M = 16 row tiles (the tensor cores' smallest M; rows past M are masked).
 - Split-K: the grid is (N tiles, M tiles, SPLIT_K); when the N tiles alone cannot fill the GPU, K is cut into
@@ -57,8 +61,9 @@ try:
 except ImportError:
     TRITON_AVAILABLE = False
 
-GEMV_FORMATS = ("int8", "int4", "fp8", "dense")
-_FMT_CODE = {"int8": 0, "int4": 1, "fp8": 2, "dense": 3}
+GEMV_FORMATS = ("int8", "int4", "fp8", "dense", "int8g")
+_FMT_CODE = {"int8": 0, "int4": 1, "fp8": 2, "dense": 3, "int8g": 4}
+GROUPED = ("int4", "int8g")  # a scale per group of g input channels: BLOCK_K divides g
 MAX_SPLIT_K = 32
 MIN_BLOCK_N = 16  # the smallest N tile `gemv_config` picks: counters are sized for it
 
@@ -75,6 +80,9 @@ def dequantize_weight(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None
     >>> w = torch.tensor([[0x8F, 0x0A]], dtype=torch.uint8)  # int4 row: q = 8, 15, 0, 10
     >>> dequantize_weight("int4", w, torch.tensor([[0.5]]), torch.tensor([[1.0]]), 4).tolist()
     [[1.0, 4.5, -3.0, 2.0]]
+    >>> q = torch.tensor([[1, -2, 127, -128]], dtype=torch.int8)  # int8g, two groups of 2
+    >>> dequantize_weight("int8g", q, torch.tensor([[0.5, 0.25]]), group_size=2).tolist()
+    [[0.5, -1.0, 31.75, -32.0]]
     """
     if fmt == "int4":
         n = weight.shape[0]
@@ -82,6 +90,8 @@ def dequantize_weight(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None
         s = scale.float().repeat_interleave(group_size, dim=1)  # [N, K]
         z = zero.float().repeat_interleave(group_size, dim=1)
         return (q - 8) * s + z
+    if fmt == "int8g":
+        return weight.float() * scale.float().repeat_interleave(group_size, dim=1)  # [N, K]
     if fmt == "dense":
         return weight.float()
     return weight.float() * scale.float().reshape(-1)[:, None]
@@ -116,7 +126,8 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
 
     M = 1 (decode) tiles come from a sweep on the H200 (scripts/gpu_gemv.py --parts tune, 6.7 B shapes; BENCHMARKS.md
     section 9): int8 / fp8 read 16 (N < 8192) or 32 rows per program with 8 warps and long K tiles, unsplit when the
-    N tiles alone give every SM a program; int4 64 rows x one group per tile, split to ~4 programs per SM.
+    N tiles alone give every SM a program; int4 64 rows x one group per tile, split to ~4 programs per SM. int8g
+    takes int4's group-tiled shape (BLOCK_K = min(128, g): 32 for GGUF Q8_0), untuned: not yet swept on a GPU.
 
     >>> c = gemv_config("int4", 1, 4096, 4096, 128)
     >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
@@ -124,11 +135,14 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     >>> c = gemv_config("fp8", 1, 22016, 4096)
     >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"]
     (32, 256, 1, 8)
+    >>> c = gemv_config("int8g", 1, 4096, 4096, 32)
+    >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
+    (64, 32, 9)
     """
     block_m = 1 if m == 1 else 16
     warps, stages, min_tiles = 4, 3, 0
     if block_m == 1:
-        if fmt == "int4":
+        if fmt in GROUPED:
             block_n, block_k = 64, 128
         elif fmt == "dense":  # swept on the H200 (BENCHMARKS.md section 10): 3.7-4.0 TB/s on the wide 6.7 B shapes
             block_n, block_k = (32, 256) if n >= 8192 else (16, 512)
@@ -138,7 +152,7 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
             warps, stages, min_tiles = 8, 4, sm_count
     else:
         block_n, block_k = 64, 128
-    if fmt == "int4":
+    if fmt in GROUPED:
         block_k = min(block_k, group_size)
     block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))  # no K tile past the next power of two of K
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
@@ -178,7 +192,8 @@ def check_gemv(fmt: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
         raise GemvError(f"quant_gemv format {fmt!r}: choose one of {', '.join(GEMV_FORMATS)}")
     if x.dim() != 2:
         raise GemvError(f"x must be [M, K]; got shape {tuple(x.shape)}: flatten the leading dimensions first")
-    want = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn, "dense": x.dtype}[fmt]
+    want = {"int8": torch.int8, "int4": torch.uint8, "fp8": torch.float8_e4m3fn, "dense": x.dtype,
+            "int8g": torch.int8}[fmt]
     if weight.dtype != want:
         raise GemvError(f"{fmt} weights must be {want}; got {weight.dtype}")
     k = x.shape[1] // 2 if fmt == "int4" else x.shape[1]
@@ -192,6 +207,14 @@ def check_gemv(fmt: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
         if scale.shape != (weight.shape[0], x.shape[1] // group_size) or zero.shape != scale.shape:
             raise GemvError(f"int4 scale and zero must be [N, K/g] = {[weight.shape[0], x.shape[1] // group_size]}; "
                             f"got {list(scale.shape)} and {list(zero.shape)}")
+    elif fmt == "int8g":
+        if group_size is None or group_size < 16 or group_size & (group_size - 1) or x.shape[1] % group_size:
+            raise GemvError(f"int8g needs a group size that divides K = {x.shape[1]} and is a power of two >= 16 "
+                            f"(GGUF Q8_0: 32); got group_size={group_size}")
+        if scale is None or scale.shape != (weight.shape[0], x.shape[1] // group_size):
+            raise GemvError(f"int8g scale must be [N, K/g] = {[weight.shape[0], x.shape[1] // group_size]} (one per "
+                            f"group of {group_size} input channels); got "
+                            f"{None if scale is None else list(scale.shape)}")
     elif fmt == "dense":
         if x.dtype == torch.float32:
             raise GemvError("the dense GEMV takes bf16 / fp16 (fp32 models keep cuBLAS): load the model in bfloat16")
@@ -222,7 +245,7 @@ if TRITON_AVAILABLE:
         kt_end = tl.minimum(kt_start + tiles_per_split, k_tiles)
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if FMT != 1 and BLOCK_M == 1:
+        if FMT != 1 and FMT != 4 and BLOCK_M == 1:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
         for kt in range(kt_start, kt_end):
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
@@ -234,21 +257,29 @@ if TRITON_AVAILABLE:
                 x = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)  # [BM, BK]
             else:
                 x = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)  # [BM, BK]
-            if FMT == 1:  # int4: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
-                offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-                b = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_b[None, :], mask=mask_n[:, None], other=0)
-                q = tl.interleave(b >> 4, b & 15)  # [BN, BK] in 0..15: k = 2j high nibble, 2j + 1 low
+            if FMT == 1 or FMT == 4:  # int4 / int8g: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
+                if FMT == 1:
+                    offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+                    b = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_b[None, :], mask=mask_n[:, None], other=0)
+                    q = tl.interleave(b >> 4, b & 15)  # [BN, BK] in 0..15: k = 2j high nibble, 2j + 1 low
+                else:
+                    q = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :], mask=mask_n[:, None],
+                                other=0)  # [BN, BK] int8
                 g = (kt * BLOCK_K) // GROUP
                 s = tl.load(s_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
-                z = tl.load(z_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0).to(tl.float32)
+                if FMT == 1:
+                    z = tl.load(z_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0).to(tl.float32)
                 if BLOCK_M == 1:
                     xf = x.to(tl.float32)  # [1, BK]
                     t = tl.sum(q.to(tl.float32) * xf, axis=1)[None, :]  # [1, BN]
                 else:
                     xf = x.to(tl.float32)
                     t = tl.dot(x, tl.trans(q.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)  # [BM, BN]
-                x_sum = tl.sum(xf, axis=1)  # [BM]
-                acc += t * s[None, :] + x_sum[:, None] * (z - 8.0 * s)[None, :]
+                if FMT == 1:
+                    x_sum = tl.sum(xf, axis=1)  # [BM]
+                    acc += t * s[None, :] + x_sum[:, None] * (z - 8.0 * s)[None, :]
+                else:
+                    acc += t * s[None, :]
             else:  # int8 / fp8 / dense: raw values, the channel scale (not dense) after the loop
                 w = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :],
                             mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)  # [BN, BK]
@@ -257,7 +288,7 @@ if TRITON_AVAILABLE:
                 else:
                     # widened through fp32: exact, and the interpreter's direct int8 -> bf16 cast reinterprets bits
                     acc += tl.dot(x, tl.trans(w.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)
-        if FMT != 1:
+        if FMT != 1 and FMT != 4:
             if BLOCK_M == 1:
                 acc = tl.sum(acc2, axis=1)[None, :]
             if FMT != 3:
@@ -334,8 +365,8 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     n = weight.shape[0]
     sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
     cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())))
-    if fmt == "int4" and group_size % cfg["BLOCK_K"]:
-        raise GemvError(f"BLOCK_K={cfg['BLOCK_K']} must divide the int4 group size {group_size}")
+    if fmt in GROUPED and group_size % cfg["BLOCK_K"]:
+        raise GemvError(f"BLOCK_K={cfg['BLOCK_K']} must divide the {fmt} group size {group_size}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (math.ceil(n / cfg["BLOCK_N"]), math.ceil(m / cfg["BLOCK_M"]), cfg["SPLIT_K"])
     # the same pointer types whatever the split (one compiled kernel); with one split neither buffer is touched

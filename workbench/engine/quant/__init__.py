@@ -3,7 +3,7 @@
     check_quant("int4", model.config, device, dtype, group_size=128, role="target")   # QuantError before any work
     qmodel = quantize_model(model, "int4", group_size=128)        # a quantized copy; `model` is left as it was
     qmodel = quantize_model(model, "int4-awq", group_size=128, calibration=ids)   # ids [S, L]: calibration tokens
-    qmodel = quantize_model(load_model("m.Q4_1.gguf"), "gguf")    # the file's own 4-bit blocks, kept packed
+    qmodel = quantize_model(load_model("m.Q4_1.gguf"), "gguf")    # the file's own Q4 / Q8_0 blocks, kept packed
 
 Formats (`FORMATS`), each a weight rule in `linears.py`:
     none      the model as loaded (bf16 / fp16 / fp32 reference); with kernel "triton" its decoder linears' decode-sized
@@ -15,9 +15,10 @@ Formats (`FORMATS`), each a weight rule in `linears.py`:
               projection rows: the same kernels as int4, scales searched on calibration tokens
     fp8       e4m3 weights, one scale per output channel, x fp8 activations   torch._scaled_mm, row-wise scales
               scaled per token on the fly                                      (CUDA, compute capability >= 8.9)
-    gguf      a GGUF model's own Q4_0 / Q4_1 blocks kept packed (gguf.py):    "dequant" (CPU, CUDA) or "triton"
-              int4, group 32, float32 scale d and zero 0 / m + 8 d: exact;     (CUDA); not aten (bf16 scales would
-              other decoder linears stay float (dequantized, with a note)      round the file's weights)
+    gguf      a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks kept packed        "dequant" (CPU, CUDA) or "triton"
+              (gguf.py): Q4_x as int4, group 32, float32 scale d and zero     (CUDA); not aten (bf16 scales would
+              0 / m + 8 d; Q8_0 as int8 with a float32 scale d per group of   round the file's weights)
+              32: exact; other decoder linears stay float (dequantized, with a note)
 
 Kernels (`quantize_model(kernel=...)`, the knob `quant_kernel`): "auto" (`auto_kernel`: on a GPU Triton GEMVs for int8 /
 fp8 and tinygemm for int4, measured; dequant on a CPU, fp8 there through `_scaled_mm`), "aten",
@@ -34,12 +35,13 @@ GGUF: `load_model` dequantizes every GGUF tensor to float; the format chosen her
 (none / int8 / int4 / ...: for a 4-bit file that is a second, lossy rounding) or, for "gguf", keeps the file's own
 blocks. Which GGUF types our formats hold exactly: F32 / F16 / BF16 -> none (the model as loaded); Q4_0
 (w = d (q - 8)) and Q4_1 (w = d q + m) in blocks of 32 -> int4 with group 32, scale d and zero 0 or m + 8 d in
-float32: kept packed, bit-exact, with format "gguf" (gguf.py says why it is exact and which kernels keep it so).
-Not kept, dequantized to float with format "gguf" and named in the note: Q8_0 (int8 per block of 32: our int8 has one
-scale per channel), K-quants (Q2_K..Q6_K: super-blocks with 6-bit sub-scales), IQ*, Q5_*, and a fused linear (q/k/v,
-gate/up) whose parts mix a 4-bit type with another. Embeddings and the head stay float for every format (the
-SmolLM2-135M Q4_1 file: 210 Q4_1 linear tensors kept, its Q8_0 token embedding dequantized). `gguf_note` words this
-for a run record.
+float32; Q8_0 (w = d q, q int8, blocks of 32) -> int8 with a float32 scale per group of 32 (`GgufInt8Linear`,
+kernel format "int8g"; the per-channel int8 format cannot hold it): kept packed, bit-exact, with format "gguf"
+(gguf.py says why it is exact and which kernels keep it so). Not kept, dequantized to float with format "gguf" and
+named in the note: K-quants (Q2_K..Q6_K: super-blocks with 6-bit sub-scales), IQ*, Q5_*, and a fused linear (q/k/v,
+gate/up) whose parts mix a kept type with another (Q4_x beside Q8_0 too: one packed format per linear). Embeddings
+and the head stay float for every format (the SmolLM2-135M Q4_1 file: 210 Q4_1 linear tensors kept, its Q8_0 token
+embedding dequantized). `gguf_note` words this for a run record.
 """
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ FORMATS = ("none", "int8", "int4", "int4-awq", "fp8", "gguf")
 KERNELS = ("auto", "aten", "dequant", "triton")
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 GGUF_EXACT = {"F32": "none", "F16": "none", "BF16": "none"}
-GGUF_REPRESENTABLE = {"Q4_0": "int4 (group 32)", "Q4_1": "int4 (group 32)"}  # kept packed by format "gguf"
+GGUF_REPRESENTABLE = {"Q4_0": "int4 (group 32)", "Q4_1": "int4 (group 32)",  # kept packed by format "gguf"
+                      "Q8_0": "int8 (a scale per group of 32)"}
 
 __all__ = ["FORMATS", "QuantError", "QuantLinear", "DenseGemvLinear", "Int8Linear", "Int4Linear", "Fp8Linear", "check_quant",
            "quantize_model", "weight_bytes", "linear_shapes", "gguf_note", "INT4_GROUP_SIZES", "FP8_DTYPE",
@@ -154,7 +157,7 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
     """The model with its decoder linears replaced by `fmt`'s modules (a copy unless `inplace`). "int4-awq" needs
     `calibration` token ids [S, L]. `kernel`: "aten" (the packed aten ops; fp8: _scaled_mm), "dequant" (PyTorch
     ops, then one matmul), "triton" (kernels/quant_gemv.py for decode-sized calls, weight-only for fp8 too) or
-    "auto": `auto_kernel`. "gguf" keeps the Q4_0 / Q4_1 blocks of the .gguf the
+    "auto": `auto_kernel`. "gguf" keeps the Q4_0 / Q4_1 / Q8_0 blocks of the .gguf the
     model was loaded from (gguf.py; kernel auto = triton on a GPU, else dequant). Call `check_quant` first."""
     if fmt not in FORMATS:
         raise QuantError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
