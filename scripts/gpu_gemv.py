@@ -311,7 +311,8 @@ def main() -> None:
     ap.add_argument("--tune-budget-s", type=float, default=150)
     ap.add_argument("--decode-extra", default="", help="more gpu_quant formats to decode beside none and the triton "
                     "ones, comma-separated (e.g. int4 = tinygemm, fp8 = _scaled_mm; BENCHMARKS 8.4 has them)")
-    ap.add_argument("--formats", default=",".join(GEMV_FORMATS))
+    # int8g (GGUF Q8_0) has no module here: scripts/gpu_gguf.py --parts tiles times it
+    ap.add_argument("--formats", default=",".join(f for f in GEMV_FORMATS if f != "int8g"))
     ap.add_argument("--ms", default="1,4,9", help="activation rows M")
     ap.add_argument("--int4-group-size", type=int, default=128)
     ap.add_argument("--parity-rtol", type=float, default=2 ** -7, help="max |err| / max |ref| that counts as ok")
