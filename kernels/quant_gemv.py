@@ -73,7 +73,8 @@ class GemvError(ValueError):
 
 
 # ---- reference (pure PyTorch, any device) ------------------------------------------------------------------------
-def dequantize_weight(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None, zero: torch.Tensor | None = None,
+def dequantize_weight(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                      zero: torch.Tensor | None = None,
                       group_size: int | None = None) -> torch.Tensor:
     """The [N, K] fp32 weight the kernel multiplies by, from the stored buffers (layouts in the module docstring).
 

@@ -6,7 +6,7 @@
     qmodel = quantize_model(load_model("m.Q4_1.gguf"), "gguf")    # the file's own Q4 / Q8_0 blocks, kept packed
 
 Formats (`FORMATS`), each a weight rule in `linears.py`:
-    none      the model as loaded (bf16 / fp16 / fp32 reference); with kernel "triton" its decoder linears' decode-sized
+    none      the model as loaded (bf16 / fp16 / fp32 reference); with kernel "triton" its decoder linears' one-row
               calls run the Triton GEMV ("dense": the same weights, shared; bf16 / fp16 on a CUDA GPU)
     int8      weight-only int8, one scale per output channel                  aten._weight_int8pack_mm (CPU, CUDA)
     int4      weight-only int4, asymmetric, a scale + zero per group of g     aten._weight_int4pack_mm (CUDA, bf16),
@@ -51,9 +51,9 @@ from collections import Counter
 import torch
 from torch import Tensor, nn
 
-from .linears import (FP8_DTYPE, INT4_GROUP_SIZES, DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear, QuantLinear, dequantize_fp8,
-                      dequantize_int4, dequantize_int8, fp8_linear_reference, quantize_fp8, quantize_fp8_rows,
-                      quantize_int4, quantize_int8)
+from .linears import (FP8_DTYPE, INT4_GROUP_SIZES, DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear, QuantLinear,
+                      dequantize_fp8, dequantize_int4, dequantize_int8, fp8_linear_reference, quantize_fp8,
+                      quantize_fp8_rows, quantize_int4, quantize_int8)
 
 FORMATS = ("none", "int8", "int4", "int4-awq", "fp8", "gguf")
 KERNELS = ("auto", "aten", "dequant", "triton")
@@ -62,10 +62,10 @@ GGUF_EXACT = {"F32": "none", "F16": "none", "BF16": "none"}
 GGUF_REPRESENTABLE = {"Q4_0": "int4 (group 32)", "Q4_1": "int4 (group 32)",  # kept packed by format "gguf"
                       "Q8_0": "int8 (a scale per group of 32)"}
 
-__all__ = ["FORMATS", "QuantError", "QuantLinear", "DenseGemvLinear", "Int8Linear", "Int4Linear", "Fp8Linear", "check_quant",
-           "quantize_model", "weight_bytes", "linear_shapes", "gguf_note", "INT4_GROUP_SIZES", "FP8_DTYPE",
-           "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "quantize_fp8", "dequantize_fp8",
-           "quantize_fp8_rows", "fp8_linear_reference", "format_of", "gguf_kernel"]
+__all__ = ["FORMATS", "QuantError", "QuantLinear", "DenseGemvLinear", "Int8Linear", "Int4Linear", "Fp8Linear",
+           "check_quant", "quantize_model", "weight_bytes", "linear_shapes", "gguf_note", "INT4_GROUP_SIZES",
+           "FP8_DTYPE", "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "quantize_fp8",
+           "dequantize_fp8", "quantize_fp8_rows", "fp8_linear_reference", "format_of", "gguf_kernel"]
 
 
 class QuantError(ValueError):
