@@ -52,6 +52,20 @@ class Calibration:
 
 
 @torch.inference_mode()
+def _draft_lengths(engine: SpecEngine, node_counts, prompts: list[list[int]]) -> tuple[int, bool, tuple[int, ...]]:
+    """(the engine's full draft length, whether it drafts chains, the lengths to calibrate: `node_counts` or every
+    0..n for chains, 0 and n for trees); ServeError for empty prompts or a length the engine cannot run."""
+    n_full = engine.num_nodes
+    chains = engine.drafter is None or engine.drafter.proposes_chains
+    counts = tuple(sorted(set(node_counts if node_counts is not None else
+                              (range(n_full + 1) if chains else {0, n_full}))))
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ServeError("calibration needs non-empty prompts")
+    if any(k < 0 or k > n_full or (not chains and k not in (0, n_full)) for k in counts):
+        raise ServeError(f"draft lengths {counts} must lie in 0..{n_full} (trees: 0 or {n_full})")
+    return n_full, chains, counts
+
+
 def calibrate(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[int, ...],
               node_counts: tuple[int, ...] | None = None, *, steps: int = 8, warmup: int = 2,
               max_prompt_len: int = 128, max_len: int | None = None) -> Calibration:
@@ -63,16 +77,9 @@ def calibrate(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[i
     restarts from its prompt between lengths."""
     from workbench.serving.loop import make_cache
 
-    n_full = engine.num_nodes
-    chains = engine.drafter is None or engine.drafter.proposes_chains
-    counts = tuple(sorted(set(node_counts if node_counts is not None else
-                              (range(n_full + 1) if chains else {0, n_full}))))
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ServeError("calibration needs non-empty prompts")
+    n_full, chains, counts = _draft_lengths(engine, node_counts, prompts)
     if not batch_sizes or min(batch_sizes) < 1 or steps < 1 or warmup < 0:
         raise ServeError(f"calibration needs batch sizes >= 1 and steps >= 1 (got {batch_sizes}, steps={steps})")
-    if any(k < 0 or k > n_full or (not chains and k not in (0, n_full)) for k in counts):
-        raise ServeError(f"draft lengths {counts} must lie in 0..{n_full} (trees: 0 or {n_full})")
     prompts = [p[-max_prompt_len:] for p in prompts]
     rows = max(batch_sizes)
     bs = engine.config.kv_block_size
@@ -209,12 +216,7 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
     from workbench.serving.loop import RealClock, ServingLoop
     from workbench.serving.request import Request
 
-    n_full = engine.num_nodes
-    chains = engine.drafter is None or engine.drafter.proposes_chains
-    counts = tuple(sorted(set(node_counts if node_counts is not None else
-                              (range(n_full + 1) if chains else {0, n_full}))))
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ServeError("calibration needs non-empty prompts")
+    n_full, chains, counts = _draft_lengths(engine, node_counts, prompts)
     if not batch_sizes or min(batch_sizes) < 1 or max(batch_sizes) > max_num_seqs:
         raise ServeError(f"calibration batch sizes must lie in 1..max_num_seqs={max_num_seqs}, got {batch_sizes}")
     if requests_per_size < 2:
@@ -222,8 +224,6 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
                          f"got {requests_per_size}")
     if not budget_s > 0:
         raise ServeError(f"calibration budget must be > 0 s, got {budget_s}")
-    if any(k < 0 or k > n_full or (not chains and k not in (0, n_full)) for k in counts):
-        raise ServeError(f"draft lengths {counts} must lie in 0..{n_full} (trees: 0 or {n_full})")
     t_begin = time.perf_counter()
     captured = []
 

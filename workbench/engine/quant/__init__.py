@@ -180,6 +180,11 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
         out.awq_alphas = apply_awq(out, calibration, group_size)
     make = {"int8": lambda lin: Int8Linear(lin, kernel), "int4": lambda lin: Int4Linear(lin, group_size, kernel),
             "int4-awq": lambda lin: Int4Linear(lin, group_size, kernel), "fp8": lambda lin: Fp8Linear(lin, kernel)}[fmt]
+    return _swap_linears(out, make, fmt)
+
+
+def _swap_linears(out: nn.Module, make, fmt: str) -> nn.Module:
+    """Every decoder layer's LINEARS replaced, in place, by make(linear); `out.weight_format` = fmt."""
     with torch.no_grad():
         for layer in out.model.layers:
             for path in LINEARS:
@@ -195,14 +200,7 @@ def _dense_gemv(model: nn.Module, inplace: bool) -> nn.Module:
     modules that shares every parameter with `model` (no second set of weights) unless `inplace`."""
     out = model if inplace else copy.deepcopy(model, memo={id(t): t for t in (*model.parameters(),
                                                                                *model.buffers())})
-    with torch.no_grad():
-        for layer in out.model.layers:
-            for path in LINEARS:
-                parent_name, name = path.split(".")
-                parent = getattr(layer, parent_name)
-                setattr(parent, name, DenseGemvLinear(getattr(parent, name)))
-    out.weight_format = "none"
-    return out
+    return _swap_linears(out, DenseGemvLinear, "none")
 
 
 def _triton_problem(device: torch.device) -> str | None:
