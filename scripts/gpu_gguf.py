@@ -10,17 +10,18 @@ SmolLM2-135M-Instruct.Q4_1.gguf) as one more config.
 
 exact : per config, every decoder linear of quantize_model(model, "gguf") on the GPU: kept packed or not (and the
         note), its float32 dequantized weight cast to bf16 == the loaded bf16 model's weight (bit for bit), and the
-        Triton GEMV with float32 scales (quant_gemv_triton: format int4 for Q4_x, int8g for Q8_0; M = 1 and 4)
+        Triton GEMV with the file's scales (quant_gemv_triton: format int4 for Q4_x with float32 scale and zero,
+        int8g for Q8_0 with its float16 d; M = 1 and 4)
         against its fp32 reference (quant_gemv_reference) and against the bf16 model's matmul: max abs / relative
         error.
 decode: AR at batch 1 on the captured path (CUDA graphs, Triton paged attention) per format: none (the dequantized
-        bf16 model), gguf-triton (float32 scales, quant_kernel auto = triton), gguf-dequant, int4 (aten tinygemm,
+        bf16 model), gguf-triton (the file's scales, quant_kernel auto = triton), gguf-dequant, int4 (aten tinygemm,
         group 32, bf16 scales: the file re-quantized, NOT the file's weights), int4-triton (group 32, bf16 scales),
         int8 (per-channel int8, quant_kernel auto: the Triton int8 GEMV on a GPU; re-quantized, NOT the file's):
         ms/token (median, min, max), weight MB as stored, the fraction of the HBM floor of that format's bytes, the
         speedup over none, and the greedy tokens' agreement with none's (gguf decodes with a different summation order
         than cuBLAS: bf16 near-ties may flip; prefill (> 16 rows) takes the dequant path, bit-equal to none).
-tiles : the int8g GEMV (GGUF Q8_0's layout, no file needed: random int8 + float32 scales per 32) at M = 1 on
+tiles : the int8g GEMV (GGUF Q8_0's layout, no file needed: random int8 + float16 scales per 32) at M = 1 on
         --tile-config's decoder shapes, CUDA-graph replays over rotating weight copies (> L2): gemv_config's
         (untuned) tiles against a few BLOCK_N / num_warps / SPLIT_K choices, beside int8 (per channel) and int4
         (group 32) at their own configs and the bf16 cuBLAS matmul: us per call and GB/s of the bytes each reads.
@@ -232,8 +233,8 @@ def part_tiles(args, device: torch.device) -> list[dict]:
         rand_scale = lambda cols: torch.rand(n, cols, device=device) / 64 + 1e-3  # noqa: E731
         kinds = {  # name -> (format, buffers per copy, bytes one call reads)
             "int8g": ("int8g", [dict(weight=torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device),
-                                     scale=rand_scale(k // g), group_size=g) for _ in range(copies)],
-                      n * k + 4 * n * k // g),
+                                     scale=rand_scale(k // g).half(), group_size=g) for _ in range(copies)],
+                      n * k + 2 * n * k // g),  # the module's layout: int8 + the fp16 d per 32
             "int8": ("int8", [dict(weight=torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device),
                                    scale=rand_scale(1)[:, 0].bfloat16()) for _ in range(copies)], n * k + 2 * n),
             "int4-gguf": ("int4", [dict(weight=torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device),

@@ -29,7 +29,7 @@ def int8g_linear(lin: nn.Linear, group_size: int, kernel: str) -> GgufInt8Linear
 
 def stored(fmt: str, n: int, k: int, group_size: int = 32, dtype=torch.float32, seed: int = 0):
     """(module, buffers for quant_gemv) of a random linear [N, K] quantized by the modules' own rules (int8g: the
-    GGUF Q8_0 module, float32 scales whatever `dtype`)."""
+    GGUF Q8_0 module, float16 scales (rounded so, as ggml's d) whatever `dtype`)."""
     g = torch.Generator().manual_seed(seed)
     lin = nn.Linear(k, n, bias=False).to(dtype)
     with torch.no_grad():

@@ -139,7 +139,8 @@ def test_kept_linears_hold_the_files_weights_exactly(tiny):
                 continue
             family = _family(i, fused)
             assert isinstance(mod, GgufInt8Linear if family == "int8g" else GgufInt4Linear), (i, fused)
-            assert mod.group_size == 32 and mod.scale.dtype == torch.float32
+            # Q4_x: float32 scale and zero (m + 8 d is not an fp16 in general); Q8_0: the file's fp16 d as is
+            assert mod.group_size == 32 and mod.scale.dtype == (torch.float16 if family == "int8g" else torch.float32)
             w = mod.dequantized_weight()
             assert torch.equal(w, ref.weight), (i, fused)  # the loader's gguf.dequantize (+ un-permute), bit for bit
             # the Triton kernel's reference reads the same buffers to the same weight
@@ -171,7 +172,7 @@ def test_packing_note_names_what_was_kept_and_what_was_dequantized(tiny):
     assert packing.other["Q8_0"] == 1 and packing.other["F32"] >= 2 * layers + 1  # embedding, norms (+ biases)
     note = gguf_note(model.gguf_tensor_types, "gguf", packed)
     assert note.startswith(f"GGUF weight format 'gguf': {4 * layers - 2} of {4 * layers} decoder linears kept")
-    assert "packed (Q4_0 / Q4_1 as int4, Q8_0 as int8; group 32, float32 scales, exact)" in note
+    assert "packed (Q4_0 / Q4_1 as int4, float32 scales; Q8_0 as int8, float16 d; group 32; exact)" in note
     assert (f"Q4_0 x{kept['Q4_0']}, Q4_1 x{kept['Q4_1']}, Q8_0 x6; dequantized to float: F16 x2, Q4_0 x1, Q4_1 x1, "
             "Q8_0 x1" in note)
     assert "layer 4 qkv_proj fuses attn_q Q4_0, attn_k Q4_1, attn_v Q8_0: one packed format per linear" in note
@@ -189,7 +190,8 @@ def test_weight_bytes_drop_by_the_packed_linears(tiny):
             if _family(i, fused) == "int4":
                 saved += n * k * 4 - (n * k // 2 + 2 * 4 * n * k // 32)  # fp32 -> nibbles + fp32 scale and zero
             elif _family(i, fused) == "int8g":
-                saved += n * k * 4 - (n * k + 4 * n * k // 32)  # fp32 -> int8 + an fp32 scale per 32
+                saved += n * k * 4 - (n * k + 2 * n * k // 32)  # fp32 -> int8 + the file's fp16 d per 32
+                assert _linear(packed, i, fused).scale.dtype == torch.float16  # d is fp16 in the file: exact
     assert weight_bytes(packed) == weight_bytes(model) - saved
     assert weight_bytes(model.model.embed_tokens) == weight_bytes(packed.model.embed_tokens)  # embeddings stay
     assert packed.model.embed_tokens.weight is not model.model.embed_tokens.weight  # a copy: the model is untouched

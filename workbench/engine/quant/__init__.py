@@ -17,7 +17,7 @@ Formats (`FORMATS`), each a weight rule in `linears.py`:
               scaled per token on the fly                                      (CUDA, compute capability >= 8.9)
     gguf      a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks kept packed        "dequant" (CPU, CUDA) or "triton"
               (gguf.py): Q4_x as int4, group 32, float32 scale d and zero     (CUDA); not aten (bf16 scales would
-              0 / m + 8 d; Q8_0 as int8 with a float32 scale d per group of   round the file's weights)
+              0 / m + 8 d; Q8_0 as int8 with its float16 scale d per group of round the file's weights)
               32: exact; other decoder linears stay float (dequantized, with a note)
 
 Kernels (`quantize_model(kernel=...)`, the knob `quant_kernel`): "auto" (`auto_kernel`: on a GPU Triton GEMVs for int8 /
@@ -35,7 +35,7 @@ GGUF: `load_model` dequantizes every GGUF tensor to float; the format chosen her
 (none / int8 / int4 / ...: for a 4-bit file that is a second, lossy rounding) or, for "gguf", keeps the file's own
 blocks. Which GGUF types our formats hold exactly: F32 / F16 / BF16 -> none (the model as loaded); Q4_0
 (w = d (q - 8)) and Q4_1 (w = d q + m) in blocks of 32 -> int4 with group 32, scale d and zero 0 or m + 8 d in
-float32; Q8_0 (w = d q, q int8, blocks of 32) -> int8 with a float32 scale per group of 32 (`GgufInt8Linear`,
+float32; Q8_0 (w = d q, q int8, blocks of 32) -> int8 with the float16 scale d per group of 32 (`GgufInt8Linear`,
 kernel format "int8g"; the per-channel int8 format cannot hold it): kept packed, bit-exact, with format "gguf"
 (gguf.py says why it is exact and which kernels keep it so). Not kept, dequantized to float with format "gguf" and
 named in the note: K-quants (Q2_K..Q6_K: super-blocks with 6-bit sub-scales), IQ*, Q5_*, and a fused linear (q/k/v,

@@ -143,7 +143,8 @@ class GgufInt4Linear(Int4Linear):
 
 
 class GgufInt8Linear(QuantLinear):
-    """A GGUF Q8_0 linear: int8 weights [N, K] with a float32 scale per group of 32 input channels (the blocks' d),
+    """A GGUF Q8_0 linear: int8 weights [N, K] with a scale per group of 32 input channels (the blocks' float16 d,
+    stored as float16: 1/16 byte per weight on top of the int8, as in the file),
     w = q * scale (kernels/quant_gemv.py format "int8g"). Kernel "dequant" dequantizes in float32 (exact), casts to
     x's dtype and runs one matmul; "triton" takes the int8g GEMV for calls of <= 16 rows, "dequant" above.
     `group_size` is GGUF's 32 (the kernel tests build other sizes from the same module)."""
@@ -161,7 +162,11 @@ class GgufInt8Linear(QuantLinear):
         self.group_size, self.kernel = group_size, kernel
         self._add_counters(kernel, q.device)
         self.register_buffer("weight", q.to(torch.int8).contiguous())  # [N, K] int8
-        self.register_buffer("scale", scale.float().contiguous())  # [N, K/32] fp32
+        # [N, K/g]: float16 where that holds every scale exactly (GGUF's d is float16: always), else float32; the
+        # kernel and the dequantization widen it to float32 either way
+        half = scale.half()
+        exact = bool(torch.isfinite(half).all()) and torch.equal(half.float(), scale.float())
+        self.register_buffer("scale", (half if exact else scale.float()).contiguous())
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = self._flat(x)
@@ -177,13 +182,14 @@ class GgufInt8Linear(QuantLinear):
 
     def _weight_fp32(self) -> Tensor:
         n, k = self.out_features, self.in_features
-        return (self.weight.reshape(n, -1, self.group_size).float() * self.scale[..., None]).reshape(n, k)
+        return (self.weight.reshape(n, -1, self.group_size).float() * self.scale.float()[..., None]).reshape(n, k)
 
     def dequantized_weight(self) -> Tensor:
         return self._weight_fp32()
 
     def extra_repr(self) -> str:
-        return (f"gguf int8 (group {self.group_size}, fp32 scales), in_features={self.in_features}, "
+        return (f"gguf int8 (group {self.group_size}, {str(self.scale.dtype).removeprefix('torch.')} scales), "
+                f"in_features={self.in_features}, "
                 f"out_features={self.out_features}")
 
 
@@ -204,7 +210,7 @@ class GgufPacking:
             return ", ".join(f"{t} x{n}" for t, n in sorted(c.items())) or "none"
 
         text = (f"GGUF weight format 'gguf': {self.linears_kept} of {self.linears_total} decoder linears kept the "
-                f"file's blocks packed (Q4_0 / Q4_1 as int4, Q8_0 as int8; group 32, float32 scales, exact): "
+                f"file's blocks packed (Q4_0 / Q4_1 as int4, float32 scales; Q8_0 as int8, float16 d; group 32; exact): "
                 f"{show(self.kept)}; dequantized to "
                 f"float: {show(self.dequantized)}")
         if self.reasons:
