@@ -148,15 +148,10 @@ def part_speed(args) -> dict:
 
 
 def part_floor(args) -> dict:
-    from workbench.models import LlamaModel, ModelConfig
-
     rows = []
     for name in args.floor_configs.split(","):
-        cfg = ModelConfig(vocab_size=32000, max_position_embeddings=4096, **RANDOM_CONFIGS[name])
-        with torch.device("cuda"):
-            model = LlamaModel(cfg, init_weights=False).to(torch.bfloat16)
-        model.reset_parameters()
-        model.eval()
+        model = _random_model(name)
+        cfg = model.config
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         prompts = [list(range(100, 100 + args.prompt_len))]
         for mode in args.floor_modes.split(","):

@@ -111,6 +111,14 @@ def buffers(mod: nn.Module) -> dict:
     return dict(weight=mod.weight, scale=mod.scale, **extra)
 
 
+def tile_case(fmt: str, k: int, n: int, device, args):
+    """What a tile sweep of one (format, shape) times at M = 1: the Triton module, its rotating clones, the weight
+    bytes one call reads (split-K counters left out) and a one-row input."""
+    mod = modules(fmt, k, n, device, args.dtype, args.int4_group_size)["triton"]
+    return (mod, rotating(mod, device), weight_bytes(mod) - mod.gemv_counters.numel() * 4,
+            torch.randn(1, k, device=device, dtype=args.dtype))
+
+
 def time_us(calls: list, device: torch.device, replays: int) -> float:
     """Microseconds per call of `calls` (a list of no-argument functions run in turn): CUDA-graph replays on a GPU
     (launch overhead out, as in the engine's captured steps), a perf_counter loop on a CPU."""
@@ -215,10 +223,7 @@ def part_sweep(args, device) -> list[dict]:
         return [dict(error=problem)]
     for config, name, k, n in shapes_of(args.sweep_configs):
         for fmt in args.formats.split(","):
-            mod = modules(fmt, k, n, device, args.dtype, args.int4_group_size)["triton"]
-            clones = rotating(mod, device)
-            nbytes = weight_bytes(mod) - mod.gemv_counters.numel() * 4
-            x = torch.randn(1, k, device=device, dtype=args.dtype)
+            mod, clones, nbytes, x = tile_case(fmt, k, n, device, args)
             auto = gemv_config(fmt, 1, n, k, args.int4_group_size)
             for block_n in (16, 32, 64):
                 for split in sorted({1, max(1, auto["SPLIT_K"] // 2), auto["SPLIT_K"], auto["SPLIT_K"] * 2}):
@@ -251,10 +256,7 @@ def part_tune(args, device) -> list[dict]:
     t_end = time.perf_counter() + args.tune_budget_s
     for config, name, k, n in shapes_of(args.sweep_configs):
         for fmt in args.formats.split(","):
-            mod = modules(fmt, k, n, device, args.dtype, args.int4_group_size)["triton"]
-            clones = rotating(mod, device)
-            nbytes = weight_bytes(mod) - mod.gemv_counters.numel() * 4
-            x = torch.randn(1, k, device=device, dtype=args.dtype)
+            mod, clones, nbytes, x = tile_case(fmt, k, n, device, args)
             block_ks = [b for b in (64, 128) if args.int4_group_size % b == 0] if fmt == "int4" else \
                 [128, 256, 512] if fmt == "dense" else [256, 512, 1024]
             for block_n in (16, 32, 64):

@@ -90,17 +90,7 @@ def check_quant(fmt: str, config, device: torch.device | str, dtype: torch.dtype
         raise QuantError(f"{knob}={fmt!r} is not a weight format the engine has; choose one of {', '.join(FORMATS)}")
     if kernel not in KERNELS:
         raise QuantError(f"quant_kernel={kernel!r} is not a kernel choice; choose one of {', '.join(KERNELS)}")
-    if fmt == "none":
-        if kernel == "triton":
-            from kernels.quant_gemv import triton_problem
-
-            problem = triton_problem(device)
-            if problem:
-                raise QuantError(f"quant_kernel=triton ({knob}=none: the dense Triton GEMV): {problem}")
-            if dtype not in (torch.bfloat16, torch.float16):
-                raise QuantError(f"quant_kernel=triton with {knob}=none runs the dense GEMV in bfloat16 / float16; the "
-                                 f"models are loaded as {str(dtype).removeprefix('torch.')}: use --dtype bfloat16 or "
-                                 "quant_kernel auto")
+    if fmt == "none" and kernel != "triton":  # the model as loaded: no kernel of ours to check
         return
     if fmt == "gguf":
         if source is None or not str(source).lower().endswith(".gguf"):
@@ -116,7 +106,14 @@ def check_quant(fmt: str, config, device: torch.device | str, dtype: torch.dtype
 
         problem = triton_problem(device)
         if problem:
-            raise QuantError(f"quant_kernel=triton ({knob}={fmt}): {problem}")
+            what = f"{knob}={fmt}: the dense Triton GEMV" if fmt == "none" else f"{knob}={fmt}"
+            raise QuantError(f"quant_kernel=triton ({what}): {problem}")
+    if fmt == "none":  # kernel triton: the dense GEMV
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise QuantError(f"quant_kernel=triton with {knob}=none runs the dense GEMV in bfloat16 / float16; the "
+                             f"models are loaded as {str(dtype).removeprefix('torch.')}: use --dtype bfloat16 or "
+                             "quant_kernel auto")
+        return
     shapes = linear_shapes(config)
     if fmt == "fp8":
         if device.type != "cuda":
