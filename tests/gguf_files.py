@@ -1,6 +1,7 @@
-"""Write a `LlamaModel` as llama.cpp's converter would, each decoder linear in a chosen GGUF type (the gguf package's
-own writer and quantizers), for tests/test_quant_gguf.py and scripts/gpu_gguf.py. Independent of the loader: the
-q/k row permutation here is llama.cpp's, written out again, not the loader's inverse."""
+"""Write a `LlamaModel` (or a Hugging Face Llama / Qwen2 model) as llama.cpp's converter would, each decoder linear in a
+chosen GGUF type (the gguf package's own writer and quantizers), for tests/test_quant_gguf.py, tests/test_models.py
+and scripts/gpu_gguf.py. Independent of the loader: the q/k row permutation here is llama.cpp's, written out again,
+not the loader's inverse."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,11 +21,16 @@ def permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, model, arch: str, tensor_type: Callable[[int, str], Q], embedding: Q = Q.F32) -> None:
-    """`model` (a LlamaModel) -> a GGUF of architecture `arch` ("llama": q/k rows permuted) whose decoder linear
-    `part` (q_proj, ..., down_proj) of layer i is stored as `tensor_type(i, part)`; norms and biases F32, the token
-    embedding (and an untied head) as `embedding`. A gpt2-style vocabulary of letter strings ("a", ..., "aa", ...)."""
+def write_gguf(path: Path, model, arch: str, tensor_type: Callable[[int, str], Q] = lambda i, part: Q.F32,
+               embedding: Q = Q.F32, rope_freqs: np.ndarray | None = None) -> None:
+    """`model` (a LlamaModel, or a Hugging Face Llama / Qwen2 model: the same state-dict names) -> a GGUF of
+    architecture `arch` ("llama": q/k rows permuted) whose decoder linear `part` (q_proj, ..., down_proj) of layer i
+    is stored as `tensor_type(i, part)` (default F32); norms and biases F32, the token embedding (and an untied head)
+    as `embedding`; `rope_freqs` (llama.cpp's per-frequency divisors, e.g. Llama-3 scaling) as a tensor. A gpt2-style
+    vocabulary of letter strings ("a", ..., "aa", ...)."""
     cfg = model.config
+    rope_theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]  # ours, or transformers 5's
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("test-model")
@@ -34,9 +40,9 @@ def write_gguf(path: Path, model, arch: str, tensor_type: Callable[[int, str], Q
     w.add_block_count(cfg.num_hidden_layers)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(cfg.rope_theta))
+    w.add_rope_freq_base(float(rope_theta))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -73,6 +79,8 @@ def write_gguf(path: Path, model, arch: str, tensor_type: Callable[[int, str], Q
     add("output_norm.weight", sd.pop("model.norm.weight"))
     if not cfg.tie_word_embeddings:
         add("output.weight", sd.pop("lm_head.weight"), embedding)
+    if rope_freqs is not None:
+        add("rope_freqs.weight", rope_freqs)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -330,62 +330,12 @@ def test_tokenizer_and_fingerprint(tmp_path):
 
 # --- GGUF ------------------------------------------------------------------------------------------------------------
 
-def _permute_for_gguf(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf's q/k row permutation (half-split -> interleaved RoPE layout)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_gguf(path, hf_model, arch: str, rope_freqs: np.ndarray | None = None) -> None:
-    """Write an HF model as llama.cpp would: arch keys, a small gpt2-style vocab, GGUF tensor names, F32."""
-    import gguf
+    """An HF model as llama.cpp would write it, all F32 (tests/gguf_files.py; imported here, not at the top, so this
+    module loads without the gguf package)."""
+    from tests.gguf_files import write_gguf as write
 
-    cfg = hf_model.config
-    sd = {k: v.detach().numpy().copy() for k, v in hf_model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny-test")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([chr(ord("a") + i % 26) * (1 + i // 26) for i in range(cfg.vocab_size)])
-    w.add_token_types([1] * cfg.vocab_size)
-    w.add_token_merges(["a a", "b b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    permute = arch == "llama"
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        for hf_name, gguf_name in [("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
-                                   ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
-                                   ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
-                                   ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"),
-                                   ("mlp.down_proj", "ffn_down")]:
-            for suffix in ("weight", "bias"):
-                t = sd.get(f"{p}{hf_name}.{suffix}")
-                if t is None:
-                    continue
-                if permute and gguf_name in ("attn_q", "attn_k"):
-                    heads = cfg.num_attention_heads if gguf_name == "attn_q" else cfg.num_key_value_heads
-                    t = _permute_for_gguf(t, heads)
-                w.add_tensor(f"blk.{i}.{gguf_name}.{suffix}", t)
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    if not cfg.tie_word_embeddings:
-        w.add_tensor("output.weight", sd["lm_head.weight"])
-    if rope_freqs is not None:
-        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write(path, hf_model, arch, rope_freqs=rope_freqs)
 
 
 @pytest.mark.parametrize("case, arch", [("llama_tied_llama3", "llama"), ("qwen2", "qwen2")])
