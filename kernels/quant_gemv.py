@@ -66,6 +66,9 @@ _FMT_CODE = {"int8": 0, "int4": 1, "fp8": 2, "dense": 3, "int8g": 4}
 GROUPED = ("int4", "int8g")  # a scale per group of g input channels: BLOCK_K divides g
 MAX_SPLIT_K = 32
 MIN_BLOCK_N = 16  # the smallest N tile `gemv_config` picks: counters are sized for it
+# int8 / fp8 tensor-core tiles multiply fp16 operands; bf16 activations are scaled by this power of two first (and the
+# sum by its inverse after), so |x| up to 65504 / X_SCALE_BF16 (~4e6) fits fp16; below ~2^-8 x keeps fewer bits.
+X_SCALE_BF16 = 2.0 ** -6
 
 
 class GemvError(ValueError):
@@ -100,15 +103,23 @@ def dequantize_weight(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None
 
 def quant_gemv_reference(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
                          zero: torch.Tensor | None = None, group_size: int | None = None, *, glu: bool = False,
-                         residual: torch.Tensor | None = None) -> torch.Tensor:
+                         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                         eps: float = 1e-6) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype: dequantize in fp32, one fp32 matmul (the kernel's reference). glu: x is
     [M, 2K] = [gate | up] and the product takes silu(gate) * up (rounded to x's dtype, as the kernel does);
-    residual [M, N]: added before the final rounding."""
+    norm_weight [K]: x is RMS-normalized first, x * norm_weight rounded to x's dtype and 1 / rms(x) (fp32, eps
+    inside the root) applied to the product, as the kernel does; residual [M, N]: added before the final rounding."""
     xf = x.float()
     if glu:
         gate, up = xf.chunk(2, dim=-1)
         xf = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
+    rstd = None
+    if norm_weight is not None:
+        rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)  # [M, 1]
+        xf = (xf * norm_weight.float()).to(x.dtype).float()
     y = xf @ dequantize_weight(fmt, weight, scale, zero, group_size).T
+    if rstd is not None:
+        y = y * rstd
     if residual is not None:
         y = y + residual.float()
     return y.to(x.dtype)
@@ -169,9 +180,29 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     return cfg
 
 
+# One-row tiles measured for particular shapes, {(fmt, N, K): gemv_config overrides}, consulted before the table in
+# `gemv_config`: set by `set_m1_tiles` from a tile sweep's results (scripts/gpu_gemv.py --parts tc writes them,
+# scripts/gpu_quant.py --m1-tiles reads them), empty by default.
+M1_TILES: dict[tuple[str, int, int], dict] = {}
+
+
+def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
+    """Replace M1_TILES (keys (fmt, N, K), values gemv_config overrides such as BLOCK_M / BLOCK_N / BLOCK_K /
+    num_warps / SPLIT_K); cached launch configurations are dropped so the next call uses them."""
+    bad = [key for key, over in table.items() if set(over) - {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
+                                                               "num_stages", "SPLIT_K"}]
+    if bad:
+        raise GemvError(f"m1 tiles for {bad[0]} name unknown entries; allowed: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, "
+                        "num_stages, SPLIT_K")
+    M1_TILES.clear()
+    M1_TILES.update(table)
+    _cached_config.cache_clear()
+
+
 @functools.lru_cache(maxsize=4096)
 def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple) -> dict:
-    return gemv_config(fmt, m, n, k, group_size, sm_count, **dict(override))
+    tiles = M1_TILES.get((fmt, n, k), {}) if m == 1 else {}
+    return gemv_config(fmt, m, n, k, group_size, sm_count, **{**tiles, **dict(override)})
 
 
 def counters_for(n: int, device: torch.device | str) -> torch.Tensor:
@@ -180,8 +211,15 @@ def counters_for(n: int, device: torch.device | str) -> torch.Tensor:
 
 
 def check_gemv(fmt: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-               group_size: int | None, glu: bool = False, residual: torch.Tensor | None = None) -> None:
+               group_size: int | None, glu: bool = False, residual: torch.Tensor | None = None,
+               norm_weight: torch.Tensor | None = None) -> None:
     """GemvError for inputs the kernel does not take (before any launch)."""
+    if norm_weight is not None:
+        if glu:
+            raise GemvError("an RMSNorm prologue and the SwiGLU prologue do not combine: a layer's norm feeds q/k/v "
+                            "and gate/up, the SwiGLU the down projection")
+        if norm_weight.shape != (x.shape[-1],):
+            raise GemvError(f"norm_weight must be [K] = [{x.shape[-1]}]; got {list(norm_weight.shape)}")
     if glu:
         if x.dim() != 2 or x.shape[1] % 2:
             raise GemvError(f"glu takes x = [gate | up] of shape [M, 2K]; got {tuple(x.shape)}")
@@ -227,13 +265,14 @@ def check_gemv(fmt: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 if TRITON_AVAILABLE:
     @triton.jit(do_not_specialize=["M", "tiles_per_split", "SPLIT_K"])  # one compile per format and tile shape
     def _gemv_kernel(
-            x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, r_ptr,
-            M, N, K, tiles_per_split,
+            x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, r_ptr, nw_ptr, sq_ptr,
+            M, N, K, tiles_per_split, eps,
             sx_m, sw_n, ss_n, ss_g, so_m, sr_m,  # x [M, K] (GLU: [M, 2K]), weight [N, K or K/2], scale/zero
-            # [N, K/g] (last strides 1), residual [M, N]
+            # [N, K/g] (last strides 1), residual [M, N]; nw: the RMSNorm weight [K]; sq: [SPLIT_K, M] fp32
             SPLIT_K,  # K ranges (1 = no split): a runtime value, so split counts share one compiled kernel
             FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr):
+            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
+            NORM: tl.constexpr, F16_DOT: tl.constexpr, X_SCALE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -246,6 +285,7 @@ if TRITON_AVAILABLE:
         kt_end = tl.minimum(kt_start + tiles_per_split, k_tiles)
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: this split's sum of x^2 per row
         if FMT != 1 and FMT != 4 and BLOCK_M == 1:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
         for kt in range(kt_start, kt_end):
@@ -258,6 +298,11 @@ if TRITON_AVAILABLE:
                 x = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)  # [BM, BK]
             else:
                 x = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)  # [BM, BK]
+            if NORM:  # RMSNorm prologue: x * norm weight here, x^2 summed for 1 / rms, applied after the sum over K
+                xn = x.to(tl.float32)
+                sq += tl.sum(xn * xn, axis=1)
+                nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # [BK]
+                x = (xn * nw[None, :]).to(x_ptr.dtype.element_ty)
             if FMT == 1 or FMT == 4:  # int4 / int8g: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
                 if FMT == 1:
                     offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
@@ -286,18 +331,26 @@ if TRITON_AVAILABLE:
                             mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)  # [BN, BK]
                 if BLOCK_M == 1:
                     acc2 += w.to(tl.float32) * x.to(tl.float32)
+                elif F16_DOT:  # int8 / fp8 with 16-bit x: both operands fp16 (one conversion per weight, exact),
+                    # x scaled by X_SCALE (a power of two, undone after the loop) so bf16 activations fit fp16's range
+                    xh = (x.to(tl.float32) * X_SCALE).to(tl.float16)
+                    acc += tl.dot(xh, tl.trans(w.to(tl.float16)), out_dtype=tl.float32)
                 else:
                     # widened through fp32: exact, and the interpreter's direct int8 -> bf16 cast reinterprets bits
                     acc += tl.dot(x, tl.trans(w.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)
         if FMT != 1 and FMT != 4:
             if BLOCK_M == 1:
                 acc = tl.sum(acc2, axis=1)[None, :]
+            if F16_DOT and BLOCK_M > 1:
+                acc = acc * (1.0 / X_SCALE)
             if FMT != 3:
                 acc = acc * tl.load(s_ptr + offs_n * ss_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
 
         out_ptrs = out_ptr + offs_m[:, None] * so_m + offs_n[None, :]
         out_mask = mask_m[:, None] & mask_n[None, :]
         if SPLIT_K == 1:
+            if NORM:
+                acc = acc * (1.0 / tl.sqrt_rn(sq / K + eps))[:, None]
             if RESIDUAL:  # epilogue: out = x W^T + residual, one rounding
                 acc += tl.load(r_ptr + offs_m[:, None] * sr_m + offs_n[None, :], mask=out_mask, other=0.0).to(
                     tl.float32)
@@ -305,13 +358,20 @@ if TRITON_AVAILABLE:
         else:
             part = part_ptr + offs_m[:, None] * N + offs_n[None, :]  # partials [SPLIT_K, M, N] fp32
             tl.store(part + pid_k * M * N, acc, mask=out_mask)
+            if NORM:  # every N tile of this split stores the same sums (the same x range): a benign race
+                tl.store(sq_ptr + pid_k * M + offs_m, sq, mask=mask_m)
             tl.debug_barrier()  # every thread's partial is written before the counter says so
             tile = pid_m * tl.num_programs(0) + pid_n
             arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:  # the last split of this tile: add them all up
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                sq_all = tl.zeros([BLOCK_M], dtype=tl.float32)
                 for sk in range(0, SPLIT_K):
                     total += tl.load(part + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                    if NORM:
+                        sq_all += tl.load(sq_ptr + sk * M + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
+                if NORM:
+                    total = total * (1.0 / tl.sqrt_rn(sq_all / K + eps))[:, None]
                 if RESIDUAL:
                     total += tl.load(r_ptr + offs_m[:, None] * sr_m + offs_n[None, :], mask=out_mask,
                                      other=0.0).to(tl.float32)
@@ -322,22 +382,25 @@ if TRITON_AVAILABLE:
 def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
                       zero: torch.Tensor | None = None, group_size: int | None = None,
                       counters: torch.Tensor | None = None, *, glu: bool = False,
-                      residual: torch.Tensor | None = None, **override) -> torch.Tensor:
+                      residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                      eps: float = 1e-6, **override) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) -> [M, N] in x's dtype, through the Triton kernel. `counters`: a persistent
     `counters_for(N, device)` buffer (zero between calls; allocated here when None, which a captured graph would
     re-zero on every replay: pass one). `override`: entries of `gemv_config` (a benchmark's sweep).
     glu: x is [M, 2K] = [gate | up] and the kernel multiplies silu(gate) * up (a SwiGLU MLP's down projection, with
-    no separate SiLU-mul kernel before it); residual [M, N]: added to the output in the epilogue (no add kernel after).
+    no separate SiLU-mul kernel before it); residual [M, N]: added to the output in the epilogue (no add kernel after);
+    norm_weight [K]: an RMSNorm (HF LlamaRMSNorm, `eps`) of x in the prologue (no norm kernel before it).
 
     Without `override` the launch goes through the custom op `torch.ops.workbench.quant_gemv`, which torch.compile
     treats as one opaque call (its output shape from a fake implementation): the model around a quantized linear
     still compiles and fuses (norms, RoPE, residual adds) instead of breaking the graph at each Triton launch."""
-    check_gemv(fmt, x, weight, scale, zero, group_size, glu, residual)
+    check_gemv(fmt, x, weight, scale, zero, group_size, glu, residual, norm_weight)
     if counters is None:
         counters = counters_for(weight.shape[0], x.device)
     if override:
-        return _launch(x, fmt, weight, scale, zero, group_size, counters, glu, residual, **override)
-    return torch.ops.workbench.quant_gemv(x, fmt, weight, scale, zero, group_size or 0, counters, glu, residual)
+        return _launch(x, fmt, weight, scale, zero, group_size, counters, glu, residual, norm_weight, eps, **override)
+    return torch.ops.workbench.quant_gemv(x, fmt, weight, scale, zero, group_size or 0, counters, glu, residual,
+                                          norm_weight, eps)
 
 
 # `counters` is not declared mutated: the split-K programs bump it and the last one resets it, so it holds zeros
@@ -346,17 +409,19 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
 @torch.library.custom_op("workbench::quant_gemv", mutates_args=())
 def _quant_gemv_op(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None,
                    zero: torch.Tensor | None, group_size: int, counters: torch.Tensor, glu: bool = False,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
+                   residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                   eps: float = 1e-6) -> torch.Tensor:
     # counters: bumped by the split-K programs and reset to zero by the last one (zero again after every call)
-    return _launch(x, fmt, weight, scale, zero, group_size or None, counters, glu, residual)
+    return _launch(x, fmt, weight, scale, zero, group_size or None, counters, glu, residual, norm_weight, eps)
 
 
 @_quant_gemv_op.register_fake
-def _(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None):
+def _(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, norm_weight=None, eps=1e-6):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, **override) -> torch.Tensor:
+def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, norm_weight=None, eps=1e-6,
+            **override) -> torch.Tensor:
     if not TRITON_AVAILABLE:
         raise GemvError("quant_kernel 'triton' needs the triton package (a CUDA build of torch ships it): "
                         "choose quant_kernel 'dequant' or 'aten'")
@@ -378,14 +443,20 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     scale2 = scale.reshape(n, -1) if scale is not None else weight[:, :1]  # dense: never read
     zero2 = zero if zero is not None else scale2
     res = residual.contiguous() if residual is not None else out  # never read without RESIDUAL
+    norm = norm_weight is not None
+    nw = norm_weight.contiguous() if norm else out  # never read without NORM
+    sq = torch.empty(cfg["SPLIT_K"], m, dtype=torch.float32, device=x.device) if norm and cfg["SPLIT_K"] > 1 \
+        else partials
+    f16_dot = fmt in ("int8", "fp8") and x.dtype != torch.float32
     _gemv_kernel[grid](
-        x, weight, scale2, zero2, out, partials, counters, res,
-        m, n, k, cfg["tiles_per_split"],
+        x, weight, scale2, zero2, out, partials, counters, res, nw, sq,
+        m, n, k, cfg["tiles_per_split"], float(eps),
         x.stride(0), weight.stride(0), scale2.stride(0), scale2.stride(1) if scale2.shape[1] > 1 else 0, out.stride(0),
         res.stride(0),
         cfg["SPLIT_K"], FMT=_FMT_CODE[fmt], GROUP=group_size or 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, RESIDUAL=residual is not None,
+        NORM=norm, F16_DOT=f16_dot, X_SCALE=X_SCALE_BF16 if x.dtype == torch.bfloat16 else 1.0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 

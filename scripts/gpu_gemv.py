@@ -13,6 +13,8 @@ speed  : the same shapes and M, graph-replayed (one CUDA graph runs the call ove
          a bf16 F.linear of the same shape; speedup vs bf16.
 sweep  : M = 1 on the 6.7 B shapes: BLOCK_N x SPLIT_K around `gemv_config`'s choice, so the heuristic can be checked.
 tune   : M = 1 on the same shapes, wider: BLOCK_N x BLOCK_K x num_warps x num_stages (split auto or 1), best marked.
+tc     : M = 1 on the --configs shapes: gemv_config's CUDA-core tile against tensor-core tiles (BLOCK_M = 16), with
+         parity; the best per (format, shape) into gemv_tc_tiles.json (for scripts/gpu_quant.py --m1-tiles).
 decode : AR decode at batch 1 of the random 6.7 B (and --decode-configs) through scripts/gpu_quant.py's floor part,
          formats none + {int8,int4,fp8}-triton (quant_kernel "triton"): ms/token, fraction of that format's HBM floor,
          speedup vs bf16.
@@ -287,6 +289,58 @@ def part_tune(args, device) -> list[dict]:
     return rows
 
 
+def part_tc(args, device) -> list[dict]:
+    """M = 1 on the --configs shapes: the CUDA-core GEMV (gemv_config's tiles) against tensor-core tiles (BLOCK_M = 16,
+    rows past M masked; int8 / fp8 multiply fp16 operands, one conversion per weight instead of fp8 -> fp16 -> fp32),
+    each with its max |error| / max |reference|. The fastest parity-clean tile per (format, shape) goes into
+    gemv_tc_tiles.json ({"fmt,N,K": overrides}, {} where gemv_config's own tile won), for gpu_quant.py --m1-tiles."""
+    rows, best_tiles = [], {}
+    problem = kernel_ok(device)
+    if problem:
+        return [dict(error=problem)]
+    t_end = time.perf_counter() + args.tune_budget_s
+    grid = [dict()] + [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3)
+                       for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)]
+    for config, name, k, n in shapes_of(args.configs):
+        for fmt in args.formats.split(","):
+            mod, clones, nbytes, x = tile_case(fmt, k, n, device, args)
+            ref = x.float() @ dequantize_weight(fmt, **buffers(mod)).T
+            case = []
+            for over in grid:
+                if time.perf_counter() > t_end:
+                    rows.append(dict(config=config, linear=name, format=fmt, error="tc budget spent"))
+                    _write_tiles(args, best_tiles)
+                    return rows
+                row = dict(config=config, linear=name, K=k, N=n, format=fmt, tile="auto" if not over else
+                           f"M{over['BLOCK_M']} N{over['BLOCK_N']} K{over['BLOCK_K']} w{over['num_warps']}")
+                try:
+                    got = quant_gemv_triton(x, fmt, **buffers(mod), **over).float()
+                    row["rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
+                    us = time_us([lambda c=c: quant_gemv_triton(x, fmt, **buffers(c), **over) for c in clones],
+                                 device, args.replays)
+                    row.update(us=us, gb_per_s=nbytes / us / 1e3, over=over)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                case.append(row)
+            ok = [r for r in case if "us" in r and r["rel_err"] <= args.parity_rtol]
+            auto = next((r for r in case if r["tile"] == "auto" and "us" in r), None)
+            if ok:
+                best = min(ok, key=lambda r: r["us"])
+                best["best"] = True
+                if auto:
+                    best["speedup_vs_auto"] = auto["us"] / best["us"]
+                best_tiles[f"{fmt},{n},{k}"] = best["over"]
+                print(json.dumps({kk: v for kk, v in best.items() if kk != "over"}), flush=True)
+            rows.extend({kk: v for kk, v in r.items() if kk != "over"} for r in case)
+            del clones, mod
+    _write_tiles(args, best_tiles)
+    return rows
+
+
+def _write_tiles(args, best_tiles: dict) -> None:
+    Path(args.out, "gemv_tc_tiles.json").write_text(json.dumps(best_tiles, indent=1))
+
+
 def part_decode(args, device) -> list[dict]:
     from gpu_quant import part_floor
 
@@ -298,7 +352,8 @@ def part_decode(args, device) -> list[dict]:
     return part_floor(ns, device)
 
 
-PARTS = {"parity": part_parity, "speed": part_speed, "sweep": part_sweep, "tune": part_tune, "decode": part_decode}
+PARTS = {"parity": part_parity, "speed": part_speed, "sweep": part_sweep, "tune": part_tune, "tc": part_tc,
+         "decode": part_decode}
 
 
 def main() -> None:

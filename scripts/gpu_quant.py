@@ -34,6 +34,7 @@ from gpu_fastpath import MODES, RANDOM_CONFIGS, warm  # noqa: E402
 from gpu_timing import equal_prefix, floor_row, run_parts, sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.quant import check_quant, quantize_model  # noqa: E402
+from workbench.engine.quant.linears import QuantLinear  # noqa: E402
 
 CONFIGS = {**RANDOM_CONFIGS, "mini": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2)}  # CPU smoke test only
@@ -42,8 +43,11 @@ FORMAT_KERNELS = {"none": ("none", "auto"), "int8": ("int8", "aten"), "int8-dq":
                   # kernels/quant_gemv.py (quant_kernel "triton"; fp8 then weight-only): scripts/gpu_gemv.py
                   "int8-triton": ("int8", "triton"), "int4-triton": ("int4", "triton"), "fp8-triton": ("fp8", "triton"),
                   "dense-triton": ("none", "triton")}  # unquantized bf16 through the dense GEMV (not cuBLAS)
-# a Triton format may end in "+res" (the MLP's residual add in the down GEMV's epilogue; the engine's default) or
-# "+glu" (also SiLU-mul in its prologue): e.g. fp8-triton+glu; without a suffix the down projection is unfused here
+# a Triton format may end in a fusion suffix (linears.QuantLinear.fusion, set on every GEMV linear of the model):
+# "+res" (the MLP's residual add in the down GEMV's epilogue; the engine's default), "+glu" (also SiLU-mul in its
+# prologue), "+norm" (the RMSNorms in the q/k/v and gate/up prologues, the attention residual in o_proj's epilogue,
+# and "+res"), "+all" (all of them): e.g. fp8-triton+all; without a suffix every linear is unfused here
+FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+residual", "all": "norm+glu+residual"}
 
 
 def part_floor(args, device: torch.device) -> list[dict]:
@@ -59,9 +63,9 @@ def part_floor(args, device: torch.device) -> list[dict]:
         prompts = [list(range(100, 100 + args.prompt_len))]
         bf16_tokens: dict[str, list[int]] = {}
         for fmt_name in args.formats.split(","):
-            base_name, _, suffix = fmt_name.partition("+")  # "+res" / "+glu": fuse into the down projection
+            base_name, _, suffix = fmt_name.partition("+")
             fmt, kernel = FORMAT_KERNELS[base_name]
-            fusion = {"": "off", "res": "residual", "glu": "glu+residual"}[suffix]  # no suffix: unfused
+            fusion = FUSIONS[suffix]
             for mode in args.floor_modes.split(","):
                 row = {"config": name, "format": fmt_name, "mode": mode}
                 try:
@@ -70,9 +74,9 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))
                     model = quantize_model(base, fmt, group_size=args.int4_group_size, kernel=kernel,
                                            calibration=calib if fmt == "int4-awq" else None)
-                    for layer in model.model.layers:  # the down projection's fusion (linears.QuantLinear.fusion)
-                        if hasattr(layer.mlp.down_proj, "fusion"):
-                            layer.mlp.down_proj.fusion = fusion
+                    for mod in model.modules():  # what each GEMV linear fuses (linears.QuantLinear.fusion)
+                        if isinstance(mod, QuantLinear):
+                            mod.fusion = fusion
                     sync(device)
                     row["quantize_s"] = time.perf_counter() - t0
                     engine = SpecEngine(model, None, EngineConfig(max_new_tokens=args.max_new_tokens, **MODES[mode]),
@@ -137,6 +141,19 @@ def part_grid(args, device: torch.device) -> list[dict]:
     return rows
 
 
+def load_m1_tiles(path: str) -> dict:
+    """Read a tiles file ({"fmt,N,K": overrides}) and install it (kernels.quant_gemv.set_m1_tiles); returns it."""
+    from kernels.quant_gemv import set_m1_tiles
+
+    raw = json.loads(Path(path).read_text())
+    table = {}
+    for key, over in raw.items():
+        fmt, n, k = key.split(",")
+        table[(fmt, int(n), int(k))] = over
+    set_m1_tiles(table)
+    return raw
+
+
 def table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)\n"
@@ -165,12 +182,16 @@ def main() -> None:
     ap.add_argument("--grid-drafts", default="none,int8,int4")
     ap.add_argument("--grid-prompts", type=int, default=4)
     ap.add_argument("--grid-new-tokens", type=int, default=96)
+    ap.add_argument("--m1-tiles", default="", help="a JSON file of one-row GEMV tiles per shape, as scripts/gpu_gemv.py "
+                    "--parts tc writes it (gemv_tc_tiles.json): used instead of gemv_config's table")
     args = ap.parse_args()
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__}
+    if args.m1_tiles:
+        env["m1_tiles"] = load_m1_tiles(args.m1_tiles)
     run_parts({"floor": part_floor, "grid": part_grid}, args.parts, args, device, env, out, "quant", table)
 
 

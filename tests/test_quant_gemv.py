@@ -82,6 +82,25 @@ def test_config_depends_on_shapes_only_and_splits_only_when_n_tiles_cannot_fill_
     assert gemv_config("int8", 1, 64, 48)["BLOCK_K"] == 64  # no K tile past the next power of two of K
 
 
+def test_measured_one_row_tiles_replace_the_table_for_their_shape_only():
+    """set_m1_tiles (a tile sweep's winners, keyed by format and shape) changes the launch of one-row calls of that
+    shape and nothing else; unknown entries are refused before anything changes."""
+    before = qg._cached_config("fp8", 1, 4096, 4096, None, 132, ())
+    try:
+        qg.set_m1_tiles({("fp8", 4096, 4096): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4)})
+        tc = qg._cached_config("fp8", 1, 4096, 4096, None, 132, ())
+        assert (tc["BLOCK_M"], tc["BLOCK_N"], tc["BLOCK_K"], tc["num_warps"]) == (16, 64, 128, 4)
+        assert qg._cached_config("fp8", 1, 2048, 4096, None, 132, ()) == gemv_config("fp8", 1, 2048, 4096)
+        assert qg._cached_config("fp8", 4, 4096, 4096, None, 132, ()) == gemv_config("fp8", 4, 4096, 4096)
+        assert qg._cached_config("fp8", 1, 4096, 4096, None, 132, (("BLOCK_N", 32),))["BLOCK_N"] == 32  # a sweep wins
+        with pytest.raises(GemvError, match="unknown entries"):
+            qg.set_m1_tiles({("fp8", 4096, 4096): dict(BLOCK_Q=16)})
+        assert qg.M1_TILES  # the refused table changed nothing
+    finally:
+        qg.set_m1_tiles({})
+    assert qg._cached_config("fp8", 1, 4096, 4096, None, 132, ()) == before
+
+
 def test_bad_inputs_are_named():
     _, buffers = stored("int4", 16, 64)
     with pytest.raises(GemvError, match="group size"):
@@ -250,12 +269,18 @@ def test_engine_decodes_the_same_tokens_with_the_triton_kernel(interpreter_bf16_
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     base = LlamaModel(cfg).eval()
+    from workbench.engine.quant.linears import QuantLinear
+
     outputs = {}
-    for kernel in ("dequant", "triton"):
-        model = quantize_model(base, "int4", group_size=32, kernel=kernel)
+    for kernel in ("dequant", "triton", "triton+all"):
+        model = quantize_model(base, "int4", group_size=32, kernel=kernel.split("+")[0])
+        if kernel.endswith("+all"):  # every fusion: norms in the prologues, residuals in the epilogues, SwiGLU
+            for mod in model.modules():
+                if isinstance(mod, QuantLinear):
+                    mod.fusion = "norm+glu+residual"
         engine = SpecEngine(model, None, EngineConfig(max_new_tokens=6), torch.device("cpu"))
         outputs[kernel] = engine.generate([[5, 9, 11, 2], [7, 3]]).outputs
-    assert outputs["triton"] == outputs["dequant"]
+    assert outputs["triton"] == outputs["dequant"] == outputs["triton+all"]
 
 
 def test_the_custom_op_has_a_fake_that_gives_the_output_shape():
@@ -367,3 +392,99 @@ def test_fused_mlp_down_projection_matches_the_unfused_layer(fmt, fusion, interp
         got = mlp(x, residual=res).float()
     assert calls == [(1, 1, 256)]  # the fused launch ran (h = [gate | up])
     torch.testing.assert_close(got, want, rtol=2 ** -6, atol=0.03)
+
+
+def test_reference_norm_prologue_is_the_rmsnorm_then_the_product():
+    """The RMSNorm reference is the model's RMSNorm up to where it rounds: x * w rounded to x's dtype, the product,
+    then 1 / rms(x) in fp32 (the model's RMSNorm rounds rms_norm(x) before multiplying by w)."""
+    from workbench.models.llama import RMSNorm
+
+    _, buffers = stored("int8", 24, 64)
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64) + 0.5)
+    x = torch.randn(3, 64) * 3
+    want = quant_gemv_reference(norm(x), "int8", **buffers)
+    got = quant_gemv_reference(x, "int8", **buffers, norm_weight=norm.weight, eps=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32: the two orders agree
+    with pytest.raises(GemvError, match="do not combine"):
+        check_gemv("int8", torch.randn(1, 128), buffers["weight"], buffers["scale"], None, None, glu=True,
+                   norm_weight=torch.ones(64))
+    with pytest.raises(GemvError, match=r"norm_weight must be \[K\] = \[64\]"):
+        check_gemv("int8", torch.randn(1, 64), buffers["weight"], buffers["scale"], None, None,
+                   norm_weight=torch.ones(32))
+
+
+@interpreter
+@pytest.mark.parametrize("split", [None, 3])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("fmt", qg.GEMV_FORMATS)
+def test_triton_norm_prologue_matches_reference(fmt, m, split, interpreter_bf16_dot):
+    """RMSNorm in the prologue, alone and with the residual epilogue, split (the sums of squares of every split
+    reach the program that finishes the tile) and unsplit; rows of very different scale (1 / rms differs per row)."""
+    n, k, group = SHAPES["ragged"]
+    dtype = torch.bfloat16
+    _, buffers = stored(fmt, n, k, group, dtype=dtype if fmt != "fp8" else torch.float32, seed=m)
+    g = torch.Generator().manual_seed(13)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-1, 2, m)[:, None]).to(dtype)
+    nw = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    r = torch.randn(m, n, generator=g).to(dtype)
+    override = {} if split is None else dict(SPLIT_K=split, BLOCK_K=32)
+    counters = counters_for(n, "cpu")
+    for residual in (None, r):
+        got = quant_gemv_triton(x, fmt, **buffers, counters=counters, norm_weight=nw, eps=1e-5, residual=residual,
+                                **override)
+        want = quant_gemv_reference(x, fmt, **buffers, norm_weight=nw, eps=1e-5, residual=residual).float()
+        # 2^-6, not 2^-7 as above: the interpreter casts fp32 -> bf16 by truncation (torch and the GPU round to
+        # nearest), so its rounded x * w is up to an ulp off the reference's in every element (outputs ~50: ulp 0.25)
+        assert (got.float() - want).abs().max() <= 2 ** -6 * want.abs().max()
+        if residual is None:  # and it is not the un-normalized product (which is up to 100x larger here)
+            plain = quant_gemv_reference(x, fmt, **buffers).float()
+            assert (got.float() - plain).abs().max() > 0.5 * plain.abs().max()
+    assert not counters.any()
+
+
+@interpreter
+@pytest.mark.parametrize("fmt", ["dense", "int8", "int4", "fp8", "int8g"])
+def test_norm_fusion_decoder_layer_matches_the_unfused_layer(fmt, interpreter_bf16_dot):
+    """fusion "norm+glu+residual": a decoder layer's four linears take the kernel with the two RMSNorms in the q/k/v
+    and gate/up prologues and both residual adds in the epilogues (four launches, no norm or add ops); its output is
+    the unfused layer's (the same modules with fusion "off")."""
+    from workbench.models.attention import CausalAttention
+    from workbench.models.llama import DecoderLayer
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(2)
+    dtype = torch.bfloat16
+    layer = DecoderLayer(cfg, 0)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(torch.rand_like(p) + 0.5) if "layernorm" in name else p.normal_(0, 0.1)
+    layer = layer.to(dtype)
+    make = {"dense": DenseGemvLinear, "int8": Int8Linear, "fp8": Fp8Linear,
+            "int4": lambda lin, kern: Int4Linear(lin, 32, kern),
+            "int8g": lambda lin, kern: int8g_linear(lin, 32, kern)}[fmt]
+    mods = [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
+            (layer.mlp, "down_proj")]
+    calls = []
+    for owner, name in mods:
+        lin = make(getattr(owner, name), "triton")
+        for method in ("norm_linear", "residual_linear", "glu_residual"):
+            orig = getattr(lin, method)
+            setattr(lin, method, lambda *a, _o=orig, _n=f"{name}.{method}": (calls.append(_n), _o(*a))[1])
+        setattr(owner, name, lin)
+    cos, sin = torch.ones(1, 1, 1, 16, dtype=dtype), torch.zeros(1, 1, 1, 16, dtype=dtype)
+    x = torch.randn(1, 1, 64).to(dtype) * 4
+    with torch.no_grad():
+        for _, name in mods:
+            getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name).fusion = "off"
+        want = layer(x, cos, sin, CausalAttention()).float()
+        for _, name in mods:
+            getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name).fusion = \
+                "norm+glu+residual"
+        calls.clear()
+        got = layer(x, cos, sin, CausalAttention()).float()
+    assert {"qkv_proj.norm_linear", "o_proj.residual_linear", "gate_up_proj.norm_linear",
+            "down_proj.glu_residual"} <= set(calls)
+    torch.testing.assert_close(got, want, rtol=2 ** -6, atol=0.05)

@@ -106,6 +106,27 @@ def _register_fused(module: nn.Module, fused: str, parts: list[tuple[str, int]])
     module.register_state_dict_post_hook(split_on_save)
 
 
+def norm_linear(linear: nn.Module, norm: "RMSNorm", x: Tensor) -> Tensor:
+    """linear(norm(x)); one GEMV launch where the linear folds the RMSNorm into its prologue (`norm_linear` of a
+    Triton-GEMV linear whose fusion has "norm", for the call shapes its kernel takes)."""
+    fused = getattr(linear, "norm_linear", None)
+    if fused is not None:
+        y = fused(x, norm.weight, norm.eps)
+        if y is not None:
+            return y
+    return linear(norm(x))
+
+
+def linear_residual(linear: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """residual + linear(x); one GEMV launch where the linear adds the residual in its epilogue (`residual_linear`)."""
+    fused = getattr(linear, "residual_linear", None)
+    if fused is not None:
+        y = fused(x, residual)
+        if y is not None:
+            return y
+    return residual + linear(x)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -118,16 +139,20 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_rows, config.hidden_size, bias=config.o_bias)
         _register_fused(self, "qkv_proj", [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)])
 
-    def forward(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attn: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attn: AttentionBackend,
+                norm: "RMSNorm | None" = None, residual: Tensor | None = None) -> Tensor:
+        """x [B, T, H] -> o_proj(attention) [B, T, H]; with `norm`, x is normalized first (inside the q/k/v GEMV where
+        it can be), with `residual` [B, T, H] added to the output (inside o_proj's GEMV where it can be)."""
         b, t, _ = x.shape
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(b, t, hq + 2 * hkv, self.head_dim)  # [B, T, Hq + 2 Hkv, D]
+        qkv = self.qkv_proj(x) if norm is None else norm_linear(self.qkv_proj, norm, x)
+        qkv = qkv.view(b, t, hq + 2 * hkv, self.head_dim)  # [B, T, Hq + 2 Hkv, D]
         qk = apply_rope(qkv[:, :, : hq + hkv], cos, sin_signed)  # q and k heads rotated in one pass
         q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
         k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[:, :, hq + hkv :].transpose(1, 2)  # [B, Hkv, T, D]
-        out = attn.attend(self.layer_idx, q, k, v)  # [B, Hq, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, hq * self.head_dim))
+        out = attn.attend(self.layer_idx, q, k, v).transpose(1, 2).reshape(b, t, hq * self.head_dim)  # [B, T, Hq D]
+        return self.o_proj(out) if residual is None else linear_residual(self.o_proj, out, residual)
 
 
 class MLP(nn.Module):
@@ -138,10 +163,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(i, config.hidden_size, bias=config.mlp_bias)
         _register_fused(self, "gate_up_proj", [("gate_proj", i), ("up_proj", i)])
 
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """down(silu(gate) * up), plus `residual` when given; a down projection that can fuse both (a Triton GEMV
-        linear, `glu_residual`) does it in one launch where the call's shape takes its kernel."""
-        h = self.gate_up_proj(x)  # [B, T, 2I]
+    def forward(self, x: Tensor, residual: Tensor | None = None, norm: "RMSNorm | None" = None) -> Tensor:
+        """down(silu(gate) * up) of x (normalized by `norm` first when given), plus `residual` when given; Triton-GEMV
+        linears fuse the norm (gate/up's `norm_linear`) and SwiGLU + residual (down's `glu_residual`) into their
+        launches where the call's shape takes the kernel."""
+        h = self.gate_up_proj(x) if norm is None else norm_linear(self.gate_up_proj, norm, x)  # [B, T, 2I]
         fused = getattr(self.down_proj, "glu_residual", None)
         if fused is not None and residual is not None:
             out = fused(h, residual)
@@ -161,8 +187,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attn: AttentionBackend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed, attn)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+        x = self.self_attn(x, cos, sin_signed, attn, norm=self.input_layernorm, residual=x)
+        return self.mlp(x, residual=x, norm=self.post_attention_layernorm)
 
 
 class DecoderStack(nn.Module):

@@ -151,26 +151,56 @@ class QuantLinear(nn.Module):
         """(kernel format, buffers) for kernels/quant_gemv.py."""
         return self.fmt, dict(weight=self.weight, scale=self.scale)
 
-    # What a Triton-GEMV down projection fuses (`glu_residual`): "off"; "residual" (the residual add in the GEMV's
-    # epilogue, SiLU-mul left to PyTorch / torch.compile); "glu+residual" (also SiLU-mul in its prologue). Measured on
-    # the H200 (BENCHMARKS.md section 10, 6.7 B, batch 1, one process): "residual" made fp8 decode 1.3 % (compile) /
-    # 3.1 % (max-autotune) faster and the dense GEMV 1.0 % (compile); "glu+residual" was not shown to pay (every
-    # program recomputes SiLU over its whole input). Benchmarks set it per module (gpu_quant.py "+res", "+glu").
+    # What a Triton-GEMV linear fuses at its edges, a "+"-joined set (or "off"):
+    #   "residual": a SwiGLU down projection's residual add in its epilogue (`glu_residual`; SiLU-mul left to
+    #               PyTorch / torch.compile);
+    #   "glu":      also the SiLU-mul in the down projection's prologue;
+    #   "norm":     the layer's RMSNorms in the q/k/v and gate/up projections' prologue (`norm_linear`) and the
+    #               attention's residual add in o_proj's epilogue (`residual_linear`), so no norm or add kernel is
+    #               left between a layer's GEMVs.
+    # Measured on the H200 (BENCHMARKS.md section 10, 6.7 B, batch 1, one process): "residual" made fp8 decode 1.3 %
+    # (compile) / 3.1 % (max-autotune) faster and the dense GEMV 1.0 % (compile); "glu+residual" was neutral for fp8
+    # and 2 % faster for the dense GEMV. Benchmarks set it per module (gpu_quant.py "+res", "+glu", "+norm").
     fusion = "residual"
+
+    def _fuses(self, part: str, x2: Tensor) -> bool:
+        return part in self.fusion.split("+") and self.bias is None and self._use_gemv(x2)
 
     def glu_residual(self, h: Tensor, residual: Tensor) -> Tensor | None:
         """As a SwiGLU down projection: residual + self(silu(gate) * up), h = [gate | up] [..., 2K], fused into the
-        GEMV as `fusion` says; None when fusion is off or this call does not take the kernel (the caller then runs
-        the unfused ops)."""
+        GEMV as `fusion` says; None when fusion has no "residual" or this call does not take the kernel (the caller
+        then runs the unfused ops)."""
         h2 = h.reshape(-1, h.shape[-1])
-        if self.fusion == "off" or self.bias is not None or not self._use_gemv(h2):
+        if not self._fuses("residual", h2):
             return None
         fmt, buffers = self._gemv_args()
-        glu = self.fusion == "glu+residual"
+        glu = "glu" in self.fusion.split("+")
         if not glu:
             gate, up = h2.chunk(2, dim=-1)
             h2 = F.silu(gate) * up
         y = quant_gemv_triton(h2, fmt, **buffers, counters=self.gemv_counters, glu=glu,
+                              residual=residual.reshape(-1, self.out_features))
+        return y.reshape(residual.shape)
+
+    def norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float) -> Tensor | None:
+        """self(rms_norm(x) * norm_weight) [..., N] with the RMSNorm in the GEMV's prologue (1 / rms applied to the
+        product in fp32: rounds differently from the separate norm, within bf16's near-ties); None when fusion has no
+        "norm" or this call does not take the kernel."""
+        x2 = self._flat(x)
+        if not self._fuses("norm", x2):
+            return None
+        fmt, buffers = self._gemv_args()
+        y = quant_gemv_triton(x2, fmt, **buffers, counters=self.gemv_counters, norm_weight=norm_weight, eps=eps)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def residual_linear(self, x: Tensor, residual: Tensor) -> Tensor | None:
+        """residual + self(x) with the add in the GEMV's epilogue (an attention's o_proj, when fusion has "norm": the
+        add then has no norm kernel left to ride in); None otherwise."""
+        x2 = self._flat(x)
+        if not self._fuses("norm", x2):
+            return None
+        fmt, buffers = self._gemv_args()
+        y = quant_gemv_triton(x2, fmt, **buffers, counters=self.gemv_counters,
                               residual=residual.reshape(-1, self.out_features))
         return y.reshape(residual.shape)
 
