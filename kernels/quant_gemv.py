@@ -23,7 +23,9 @@ never written back: each weight byte is read once per call, which is what bounds
 
 Fusions at the edges (any format): `glu=True` reads x as [gate | up] ([M, 2K]) and multiplies silu(gate) * up (a
 SwiGLU MLP's down projection: no SiLU-mul kernel before it); `residual` [M, N] is added in the epilogue (no add kernel
-after it). A decoder layer's MLP then costs two launches (gate_up, down) instead of four.
+after it); `norm_weight` [K] applies an RMSNorm in the prologue: x * w is multiplied in, the sum of x^2 is gathered on
+the way (per split, added by the split that finishes the tile) and 1 / rms scales the product at the end, so the
+norm costs no pass of its own. A decoder layer then costs four GEMV launches and its attention, nothing between.
 
 How the math is arranged (each per-channel or per-group factor applied where it costs least):
 - int8 / fp8: the raw integers (exact in fp32 and bf16) are multiplied with x and the channel's scale is applied once
@@ -34,7 +36,9 @@ How the math is arranged (each per-channel or per-group factor applied where it 
 - int8g: the same grouped tiles without a zero: per tile t = sum_k x_k q_k (q in -128..127, exact) and
   acc += scale * t.
 - M = 1 (BLOCK_M = 1): broadcast multiply and reduce over K on the CUDA cores (a GEMV); M > 1: `tl.dot` with
-  BLOCK_M = 16 row tiles (the tensor cores' smallest M; rows past M are masked).
+  BLOCK_M = 16 row tiles (the tensor cores' smallest M; rows past M are masked). A measured tile may put M = 1 on
+  the tensor cores too (BLOCK_M = 16 in M1_TILES). int8 / fp8 tiles there multiply fp16 operands: the weight
+  converts to fp16 in one step (exact), where the CUDA-core path needs fp8 -> fp16 -> fp32 per weight.
 - Split-K: the grid is (N tiles, M tiles, SPLIT_K); when the N tiles alone cannot fill the GPU, K is cut into
   SPLIT_K ranges. Each split writes an fp32 partial, then bumps a per-tile counter; the split that arrives last adds
   the partials, writes the output and resets the counter to 0 (so one launch per call and no zeroing kernel). The
@@ -335,6 +339,8 @@ if TRITON_AVAILABLE:
                     # x scaled by X_SCALE (a power of two, undone after the loop) so bf16 activations fit fp16's range
                     xh = (x.to(tl.float32) * X_SCALE).to(tl.float16)
                     acc += tl.dot(xh, tl.trans(w.to(tl.float16)), out_dtype=tl.float32)
+                elif FMT == 3:  # dense: the weight is already in x's dtype
+                    acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
                 else:
                     # widened through fp32: exact, and the interpreter's direct int8 -> bf16 cast reinterprets bits
                     acc += tl.dot(x, tl.trans(w.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)

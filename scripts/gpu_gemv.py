@@ -300,7 +300,7 @@ def part_tc(args, device) -> list[dict]:
         return [dict(error=problem)]
     t_end = time.perf_counter() + args.tune_budget_s
     grid = [dict()] + [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3)
-                       for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)]
+                       for bn in (32, 64, 128) for bk in (128, 256) for w in (4, 8)]
     for config, name, k, n in shapes_of(args.configs):
         for fmt in args.formats.split(","):
             mod, clones, nbytes, x = tile_case(fmt, k, n, device, args)

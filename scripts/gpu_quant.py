@@ -34,6 +34,7 @@ from gpu_fastpath import MODES, RANDOM_CONFIGS, warm  # noqa: E402
 from gpu_timing import equal_prefix, floor_row, run_parts, sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.quant import check_quant, quantize_model  # noqa: E402
+from kernels.quant_gemv import set_m1_tiles  # noqa: E402
 from workbench.engine.quant.linears import QuantLinear  # noqa: E402
 
 CONFIGS = {**RANDOM_CONFIGS, "mini": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -48,6 +49,21 @@ FORMAT_KERNELS = {"none": ("none", "auto"), "int8": ("int8", "aten"), "int8-dq":
 # prologue), "+norm" (the RMSNorms in the q/k/v and gate/up prologues, the attention residual in o_proj's epilogue,
 # and "+res"), "+all" (all of them): e.g. fp8-triton+all; without a suffix every linear is unfused here
 FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+residual", "all": "norm+glu+residual"}
+# and "+tc": this row's one-row GEMVs take the measured tiles of --m1-tiles (other rows keep gemv_config's table);
+# "@MODE" at the very end runs the format in that floor mode only (e.g. none@graphs+max-autotune+overlap)
+
+
+def parse_format(spec: str) -> tuple[str, str, bool, str | None]:
+    """"fp8-triton+all+tc@graphs+compile+overlap" -> ("fp8-triton", "norm+glu+residual", True,
+    "graphs+compile+overlap"): the FORMAT_KERNELS name, the fusion, whether measured tiles apply, the only mode."""
+    spec, _, only_mode = spec.partition("@")
+    base, *parts = spec.split("+")
+    tc = "tc" in parts
+    fusions = [p for p in parts if p != "tc"]
+    if base not in FORMAT_KERNELS or len(fusions) > 1 or (fusions and fusions[0] not in FUSIONS):
+        raise SystemExit(f"format {spec!r}: a name of {sorted(FORMAT_KERNELS)}, then at most one of "
+                         f"{['+' + f for f in FUSIONS if f]}, '+tc', '@MODE'")
+    return base, FUSIONS[fusions[0] if fusions else ""], tc, only_mode or None
 
 
 def part_floor(args, device: torch.device) -> list[dict]:
@@ -62,13 +78,16 @@ def part_floor(args, device: torch.device) -> list[dict]:
         base.eval()
         prompts = [list(range(100, 100 + args.prompt_len))]
         bf16_tokens: dict[str, list[int]] = {}
-        for fmt_name in args.formats.split(","):
-            base_name, _, suffix = fmt_name.partition("+")
+        for fmt_spec in args.formats.split(","):
+            base_name, fusion, tc, only_mode = parse_format(fmt_spec)
+            fmt_name = fmt_spec.partition("@")[0]
             fmt, kernel = FORMAT_KERNELS[base_name]
-            fusion = FUSIONS[suffix]
-            for mode in args.floor_modes.split(","):
+            for mode in [only_mode] if only_mode else args.floor_modes.split(","):
                 row = {"config": name, "format": fmt_name, "mode": mode}
                 try:
+                    if tc and not getattr(args, "tiles", None):
+                        raise ValueError("+tc needs --m1-tiles (a tiles file from scripts/gpu_gemv.py --parts tc)")
+                    set_m1_tiles(args.tiles if tc else {})
                     check_quant(fmt, cfg, device, torch.bfloat16, args.int4_group_size, kernel=kernel)
                     t0 = time.perf_counter()
                     calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))
@@ -142,16 +161,14 @@ def part_grid(args, device: torch.device) -> list[dict]:
 
 
 def load_m1_tiles(path: str) -> dict:
-    """Read a tiles file ({"fmt,N,K": overrides}) and install it (kernels.quant_gemv.set_m1_tiles); returns it."""
-    from kernels.quant_gemv import set_m1_tiles
-
-    raw = json.loads(Path(path).read_text())
+    """A tiles file ({"fmt,N,K": overrides}, scripts/gpu_gemv.py --parts tc) -> {(fmt, N, K): overrides}."""
     table = {}
-    for key, over in raw.items():
+    for key, over in json.loads(Path(path).read_text()).items():
         fmt, n, k = key.split(",")
         table[(fmt, int(n), int(k))] = over
-    set_m1_tiles(table)
-    return raw
+    set_m1_tiles(table)  # checked here, before any model is built; installed per row ("+tc")
+    set_m1_tiles({})
+    return table
 
 
 def table(rows: list[dict]) -> str:
@@ -190,8 +207,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__}
-    if args.m1_tiles:
-        env["m1_tiles"] = load_m1_tiles(args.m1_tiles)
+    args.tiles = load_m1_tiles(args.m1_tiles) if args.m1_tiles else {}
+    if args.tiles:
+        env["m1_tiles"] = {",".join(map(str, key)): over for key, over in args.tiles.items()}
     run_parts({"floor": part_floor, "grid": part_grid}, args.parts, args, device, env, out, "quant", table)
 
 
