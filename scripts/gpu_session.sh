@@ -155,7 +155,7 @@ elif [ "$PART" = m ]; then
   # int8 / fp8 tiles, the tile sweep CUDA cores vs tensor cores at M = 1, then the floor with every fusion (+all:
   # no norm or add kernel between a layer's GEMVs) and with the measured tiles (+tc), 6.7 B then 1.45 B (issues 8, 10)
   step gemv 30 $PY scripts/gpu_gemv.py --device cuda --out "$R/gemv" --parts parity --formats dense,fp8,int8 --ms 1,4
-  step tc 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tc" --parts tc --formats fp8,int8,dense \
+  step tc 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tc" --parts tc --formats fp8,dense \
     --configs 6.7b,1.45b --tune-budget-s "${TC_S:-110}" --replays 10
   tiles=""; [ -s "$R/tc/gemv_tc_tiles.json" ] && tiles="--m1-tiles $R/tc/gemv_tc_tiles.json"
   C=graphs+compile+overlap; A=graphs+max-autotune+overlap
