@@ -289,7 +289,7 @@ if TRITON_AVAILABLE:
         kt_end = tl.minimum(kt_start + tiles_per_split, k_tiles)
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        sq = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM: this split's sum of x^2 per row
+        sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: x^2 per row and lane, summed after the loop
         if FMT != 1 and FMT != 4 and BLOCK_M == 1:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
         for kt in range(kt_start, kt_end):
@@ -304,7 +304,7 @@ if TRITON_AVAILABLE:
                 x = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)  # [BM, BK]
             if NORM:  # RMSNorm prologue: x * norm weight here, x^2 summed for 1 / rms, applied after the sum over K
                 xn = x.to(tl.float32)
-                sq += tl.sum(xn * xn, axis=1)
+                sq2 += xn * xn  # reduced once after the loop: a reduction here would put a barrier in every step
                 nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # [BK]
                 x = (xn * nw[None, :]).to(x_ptr.dtype.element_ty)
             if FMT == 1 or FMT == 4:  # int4 / int8g: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
@@ -344,6 +344,7 @@ if TRITON_AVAILABLE:
                 else:
                     # widened through fp32: exact, and the interpreter's direct int8 -> bf16 cast reinterprets bits
                     acc += tl.dot(x, tl.trans(w.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)
+        sq = tl.sum(sq2, axis=1)  # [BM]: this split's sum of x^2 per row (NORM)
         if FMT != 1 and FMT != 4:
             if BLOCK_M == 1:
                 acc = tl.sum(acc2, axis=1)[None, :]
@@ -453,7 +454,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     nw = norm_weight.contiguous() if norm else out  # never read without NORM
     sq = torch.empty(cfg["SPLIT_K"], m, dtype=torch.float32, device=x.device) if norm and cfg["SPLIT_K"] > 1 \
         else partials
-    f16_dot = fmt in ("int8", "fp8") and x.dtype != torch.float32
+    f16_dot = cfg.get("F16_DOT", fmt in ("int8", "fp8")) and x.dtype != torch.float32  # a sweep may turn it off
     _gemv_kernel[grid](
         x, weight, scale2, zero2, out, partials, counters, res, nw, sq,
         m, n, k, cfg["tiles_per_split"], float(eps),

@@ -15,6 +15,7 @@ sweep  : M = 1 on the 6.7 B shapes: BLOCK_N x SPLIT_K around `gemv_config`'s cho
 tune   : M = 1 on the same shapes, wider: BLOCK_N x BLOCK_K x num_warps x num_stages (split auto or 1), best marked.
 tc     : M = 1 on the --configs shapes: gemv_config's CUDA-core tile against tensor-core tiles (BLOCK_M = 16), with
          parity; the best per (format, shape) into gemv_tc_tiles.json (for scripts/gpu_quant.py --m1-tiles).
+f16    : M > 1 (verify widths): int8 / fp8 tensor-core tiles with fp16 operands against the fp32-widened weight.
 decode : AR decode at batch 1 of the random 6.7 B (and --decode-configs) through scripts/gpu_quant.py's floor part,
          formats none + {int8,int4,fp8}-triton (quant_kernel "triton"): ms/token, fraction of that format's HBM floor,
          speedup vs bf16.
@@ -337,6 +338,41 @@ def part_tc(args, device) -> list[dict]:
     return rows
 
 
+def part_f16(args, device) -> list[dict]:
+    """Verify widths (--ms, M > 1) on the --configs shapes: int8 / fp8 tensor-core tiles multiplying fp16 operands
+    (the default: one conversion per weight) against the earlier form (the weight widened to fp32, then narrowed to
+    the activations' bf16), same tiles otherwise: us per call and max |error| / max |reference| of each."""
+    rows = []
+    problem = kernel_ok(device)
+    if problem:
+        return [dict(error=problem)]
+    for config, name, k, n in shapes_of(args.configs):
+        for fmt in [f for f in args.formats.split(",") if f in ("int8", "fp8")]:
+            mod = modules(fmt, k, n, device, args.dtype, args.int4_group_size)["triton"]
+            clones = rotating(mod, device)
+            for m in [m for m in map(int, args.ms.split(",")) if m > 1]:
+                x = torch.randn(m, k, device=device, dtype=args.dtype)
+                ref = x.float() @ dequantize_weight(fmt, **buffers(mod)).T
+                base = None
+                for f16 in (False, True):
+                    row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt, f16_dot=f16)
+                    try:
+                        got = quant_gemv_triton(x, fmt, **buffers(mod), F16_DOT=f16).float()
+                        row["rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
+                        us = time_us([lambda c=c: quant_gemv_triton(x, fmt, **buffers(c), F16_DOT=f16)
+                                      for c in clones], device, args.replays)
+                        row.update(us=us, gb_per_s=weight_bytes(mod) / us / 1e3)
+                        base = us if not f16 else base
+                        if f16 and base:
+                            row["speedup_vs_fp32_widening"] = base / us
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            del clones, mod
+    return rows
+
+
 def _write_tiles(args, best_tiles: dict) -> None:
     Path(args.out, "gemv_tc_tiles.json").write_text(json.dumps(best_tiles, indent=1))
 
@@ -353,7 +389,7 @@ def part_decode(args, device) -> list[dict]:
 
 
 PARTS = {"parity": part_parity, "speed": part_speed, "sweep": part_sweep, "tune": part_tune, "tc": part_tc,
-         "decode": part_decode}
+         "f16": part_f16, "decode": part_decode}
 
 
 def main() -> None:
