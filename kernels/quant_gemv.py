@@ -73,6 +73,12 @@ MIN_BLOCK_N = 16  # the smallest N tile `gemv_config` picks: counters are sized 
 # int8 / fp8 tensor-core tiles multiply fp16 operands; bf16 activations are scaled by this power of two first (and the
 # sum by its inverse after), so |x| up to 65504 / X_SCALE_BF16 (~4e6) fits fp16; below ~2^-8 x keeps fewer bits.
 X_SCALE_BF16 = 2.0 ** -6
+# One-row (CUDA-core) GEMVs of int8 / fp8 / int8g widen each weight to fp32 by integer ops instead of conversion
+# instructions (`_int8_to_f32`, `_fp8_to_f32_scaled`): on the H200 fp8 -> fp32 costs 1.5 conversions per weight, and
+# conversions issue at a quarter of the integer rate, which caps an fp8 GEMV near 2.8 T weights/s. A sweep may
+# turn it off per call (override CVT_BITS=False).
+CVT_BITS = True
+FP8_UNBIAS = 2.0 ** 120  # what _fp8_to_f32_scaled's values are multiplied by
 
 
 class GemvError(ValueError):
@@ -80,6 +86,21 @@ class GemvError(ValueError):
 
 
 # ---- reference (pure PyTorch, any device) ------------------------------------------------------------------------
+def all_byte_values(fmt: str, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight [256, 16], expected [256]) for an exactness check of a one-byte format's widening: row n holds byte n in
+    column 0 (fp8: the two NaN codes replaced by 0), zeros elsewhere; with scale 1 and x = e_0 the GEMV must return
+    `expected` bit for bit (every value of the format, signs, zeros and fp8 subnormals included)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    w = torch.zeros(256, 16, dtype=torch.uint8)
+    w[:, 0] = codes
+    if fmt == "fp8":
+        w[(codes & 0x7F) == 0x7F, 0] = 0  # e4m3fn NaN
+        w = w.view(torch.float8_e4m3fn)
+    else:
+        w = w.view(torch.int8)
+    return w.to(device), w[:, 0].float().to(device)
+
+
 def dequantize_weight(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
                       zero: torch.Tensor | None = None,
                       group_size: int | None = None) -> torch.Tensor:
@@ -267,6 +288,20 @@ def check_gemv(fmt: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 # ---- kernel ------------------------------------------------------------------------------------------------------
 if TRITON_AVAILABLE:
+    @triton.jit
+    def _int8_to_f32(q):
+        """int8 -> fp32 exactly by integer ops: the bits of 2^23 + (q + 128), minus 2^23 + 128 (no cvt instruction)."""
+        u = (q.to(tl.int32) & 255) ^ 128
+        return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+
+    @triton.jit
+    def _fp8_to_f32_scaled(w):
+        """float8 e4m3 -> fp32 by integer ops: the 7 exponent and mantissa bits moved into an fp32's low exponent bits,
+        the sign to bit 31: the value times 2^-120, exactly (e4m3 subnormals become fp32 denormals). The caller
+        multiplies the sum by 2^120 (FP8_UNBIAS)."""
+        wi = w.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended: bit 31 is the sign
+        return ((wi << 20) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
+
     @triton.jit(do_not_specialize=["M", "tiles_per_split", "SPLIT_K"])  # one compile per format and tile shape
     def _gemv_kernel(
             x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, r_ptr, nw_ptr, sq_ptr,
@@ -276,7 +311,7 @@ if TRITON_AVAILABLE:
             SPLIT_K,  # K ranges (1 = no split): a runtime value, so split counts share one compiled kernel
             FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
-            NORM: tl.constexpr, F16_DOT: tl.constexpr, X_SCALE: tl.constexpr):
+            NORM: tl.constexpr, F16_DOT: tl.constexpr, X_SCALE: tl.constexpr, CVT_BITS: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -321,7 +356,8 @@ if TRITON_AVAILABLE:
                     z = tl.load(z_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0).to(tl.float32)
                 if BLOCK_M == 1:
                     xf = x.to(tl.float32)  # [1, BK]
-                    t = tl.sum(q.to(tl.float32) * xf, axis=1)[None, :]  # [1, BN]
+                    qf = _int8_to_f32(q) if CVT_BITS and FMT == 4 else q.to(tl.float32)
+                    t = tl.sum(qf * xf, axis=1)[None, :]  # [1, BN]
                 else:
                     xf = x.to(tl.float32)
                     t = tl.dot(x, tl.trans(q.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)  # [BM, BN]
@@ -334,7 +370,13 @@ if TRITON_AVAILABLE:
                 w = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :],
                             mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)  # [BN, BK]
                 if BLOCK_M == 1:
-                    acc2 += w.to(tl.float32) * x.to(tl.float32)
+                    if CVT_BITS and FMT == 2:
+                        wf = _fp8_to_f32_scaled(w)
+                    elif CVT_BITS and FMT == 0:
+                        wf = _int8_to_f32(w)
+                    else:
+                        wf = w.to(tl.float32)
+                    acc2 += wf * x.to(tl.float32)
                 elif F16_DOT:  # int8 / fp8 with 16-bit x: both operands fp16 (one conversion per weight, exact),
                     # x scaled by X_SCALE (a power of two, undone after the loop) so bf16 activations fit fp16's range
                     xh = (x.to(tl.float32) * X_SCALE).to(tl.float16)
@@ -348,6 +390,8 @@ if TRITON_AVAILABLE:
         if FMT != 1 and FMT != 4:
             if BLOCK_M == 1:
                 acc = tl.sum(acc2, axis=1)[None, :]
+                if CVT_BITS and FMT == 2:
+                    acc = acc * 1.329227995784916e+36  # 2^120 (FP8_UNBIAS), exact
             if F16_DOT and BLOCK_M > 1:
                 acc = acc * (1.0 / X_SCALE)
             if FMT != 3:
@@ -464,6 +508,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         BLOCK_K=cfg["BLOCK_K"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, RESIDUAL=residual is not None,
         NORM=norm, F16_DOT=f16_dot, X_SCALE=X_SCALE_BF16 if x.dtype == torch.bfloat16 else 1.0,
+        CVT_BITS=cfg.get("CVT_BITS", CVT_BITS),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 

@@ -16,6 +16,7 @@ tune   : M = 1 on the same shapes, wider: BLOCK_N x BLOCK_K x num_warps x num_st
 tc     : M = 1 on the --configs shapes: gemv_config's CUDA-core tile against tensor-core tiles (BLOCK_M = 16), with
          parity; the best per (format, shape) into gemv_tc_tiles.json (for scripts/gpu_quant.py --m1-tiles).
 f16    : M > 1 (verify widths): int8 / fp8 tensor-core tiles with fp16 operands against the fp32-widened weight.
+cvt    : M = 1: int8 / fp8 weights widened by integer ops against conversion instructions, and all 256 bytes exact.
 decode : AR decode at batch 1 of the random 6.7 B (and --decode-configs) through scripts/gpu_quant.py's floor part,
          formats none + {int8,int4,fp8}-triton (quant_kernel "triton"): ms/token, fraction of that format's HBM floor,
          speedup vs bf16.
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_quant import CONFIGS, table  # noqa: E402
 from gpu_timing import graph_us, run_parts  # noqa: E402
-from kernels.quant_gemv import (GEMV_FORMATS, dequantize_weight, gemv_config,  # noqa: E402
+from kernels.quant_gemv import (GEMV_FORMATS, all_byte_values, dequantize_weight, gemv_config,  # noqa: E402
                                 quant_gemv_triton, triton_problem)
 from workbench.engine.quant import linear_shapes, weight_bytes  # noqa: E402
 from workbench.engine.quant.linears import (DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear,  # noqa: E402
@@ -338,38 +339,64 @@ def part_tc(args, device) -> list[dict]:
     return rows
 
 
-def part_f16(args, device) -> list[dict]:
-    """Verify widths (--ms, M > 1) on the --configs shapes: int8 / fp8 tensor-core tiles multiplying fp16 operands
-    (the default: one conversion per weight) against the earlier form (the weight widened to fp32, then narrowed to
-    the activations' bf16), same tiles otherwise: us per call and max |error| / max |reference| of each."""
+def _flag_rows(args, device, flag: str, formats: tuple, ms: list[int]) -> list[dict]:
+    """Per --configs shape, format in `formats` and M in `ms`: the kernel with override `flag` False, then True (same
+    tiles otherwise): us per call, GB/s and max |error| / max |reference| of each, and True's speedup."""
     rows = []
     problem = kernel_ok(device)
     if problem:
         return [dict(error=problem)]
     for config, name, k, n in shapes_of(args.configs):
-        for fmt in [f for f in args.formats.split(",") if f in ("int8", "fp8")]:
+        for fmt in [f for f in args.formats.split(",") if f in formats]:
             mod = modules(fmt, k, n, device, args.dtype, args.int4_group_size)["triton"]
             clones = rotating(mod, device)
-            for m in [m for m in map(int, args.ms.split(",")) if m > 1]:
+            nbytes = weight_bytes(mod) - mod.gemv_counters.numel() * 4
+            for m in ms:
                 x = torch.randn(m, k, device=device, dtype=args.dtype)
                 ref = x.float() @ dequantize_weight(fmt, **buffers(mod)).T
                 base = None
-                for f16 in (False, True):
-                    row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt, f16_dot=f16)
+                for on in (False, True):
+                    over = {flag: on}
+                    row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt, **{flag.lower(): on})
                     try:
-                        got = quant_gemv_triton(x, fmt, **buffers(mod), F16_DOT=f16).float()
+                        got = quant_gemv_triton(x, fmt, **buffers(mod), **over).float()
                         row["rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
-                        us = time_us([lambda c=c: quant_gemv_triton(x, fmt, **buffers(c), F16_DOT=f16)
-                                      for c in clones], device, args.replays)
-                        row.update(us=us, gb_per_s=weight_bytes(mod) / us / 1e3)
-                        base = us if not f16 else base
-                        if f16 and base:
-                            row["speedup_vs_fp32_widening"] = base / us
+                        us = time_us([lambda c=c: quant_gemv_triton(x, fmt, **buffers(c), **over) for c in clones],
+                                     device, args.replays)
+                        row.update(us=us, gb_per_s=nbytes / us / 1e3)
+                        if on and base:
+                            row["speedup"] = base / us
+                        base = us
                     except Exception as e:  # noqa: BLE001
                         row["error"] = f"{type(e).__name__}: {e}"[:300]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             del clones, mod
+    return rows
+
+
+def part_f16(args, device) -> list[dict]:
+    """Verify widths (--ms, M > 1): int8 / fp8 tensor-core tiles with fp16 operands (F16_DOT, the default: one
+    conversion per weight) against the weight widened to fp32 and narrowed to bf16."""
+    return _flag_rows(args, device, "F16_DOT", ("int8", "fp8"), [m for m in map(int, args.ms.split(",")) if m > 1])
+
+
+def part_cvt(args, device) -> list[dict]:
+    """M = 1: int8 / fp8 weights widened to fp32 by integer ops (CVT_BITS, the default) against conversion
+    instructions; then every byte value through both (exact or not: `all_bytes_exact`)."""
+    rows = _flag_rows(args, device, "CVT_BITS", ("int8", "fp8"), [1])
+    if kernel_ok(device):
+        return rows
+    for fmt in ("int8", "fp8"):
+        w, want = all_byte_values(fmt, device)
+        x = torch.zeros(1, 16, device=device)
+        x[0, 0] = 1.0
+        scale = torch.ones(256, device=device) if fmt == "int8" else torch.ones(1, 256, device=device)
+        for on in (False, True):
+            got = quant_gemv_triton(x, fmt, w, scale, CVT_BITS=on)[0]
+            rows.append(dict(format=fmt, cvt_bits=on, all_bytes_exact=bool(torch.equal(got, want)),
+                             max_err=(got - want).abs().max().item()))
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -389,7 +416,7 @@ def part_decode(args, device) -> list[dict]:
 
 
 PARTS = {"parity": part_parity, "speed": part_speed, "sweep": part_sweep, "tune": part_tune, "tc": part_tc,
-         "f16": part_f16, "decode": part_decode}
+         "f16": part_f16, "cvt": part_cvt, "decode": part_decode}
 
 
 def main() -> None:

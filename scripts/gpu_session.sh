@@ -4,7 +4,7 @@
 # PART=s1: the first session's runs (ours vs gpt-fast on small without overlap, step modes, redrafter, parity);
 # PART=a / PART=b: the second session's (BENCHMARKS.md section 8).
 # PART=j: the fourth session's serving call; PART=h / i: its first two calls (dense Triton GEMV, floor, weight formats in the best mode).
-# PART=m: the fifth session's first call (GEMV norm prologue, tensor-core int8 / fp8 tiles, the floor with them).
+# PART=m / n: the fifth session's first two calls (GEMV norm prologue, tensor-core int8 / fp8 tiles, the floor with them).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -37,7 +37,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -165,6 +165,18 @@ elif [ "$PART" = m ]; then
     --formats "$F" $tiles
   step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
     --formats "$F" $tiles
+elif [ "$PART" = n ]; then
+  # fifth session, second call (no preset): int8 / fp8 widened by integer ops (CVT_BITS) against conversion
+  # instructions per linear, fp16 tensor-core verify tiles, the floor with the norm prologue's fix, GGUF Q8_0 (int8g)
+  step cvt 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/cvt" --parts cvt,f16 --formats fp8,int8 \
+    --configs 6.7b,1.45b --ms 1,4,9 --replays 10
+  C=graphs+compile+overlap; A=graphs+max-autotune+overlap
+  F="none@$C,none@$A,dense-triton+glu@$C,dense-triton+all@$C,fp8-triton+glu@$C,fp8-triton+all@$C"
+  step quant67 120 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+    --formats "$F,int8-triton+glu@$C"
+  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+    --formats "$F"
+  step gguf 40 $PY scripts/gpu_gguf.py --device cuda --out "$R/gguf"
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)

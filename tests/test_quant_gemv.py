@@ -488,3 +488,20 @@ def test_norm_fusion_decoder_layer_matches_the_unfused_layer(fmt, interpreter_bf
     assert {"qkv_proj.norm_linear", "o_proj.residual_linear", "gate_up_proj.norm_linear",
             "down_proj.glu_residual"} <= set(calls)
     torch.testing.assert_close(got, want, rtol=2 ** -6, atol=0.05)
+
+
+@interpreter
+@pytest.mark.parametrize("cvt_bits", [True, False])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int8g"])
+def test_one_row_widening_is_exact_for_every_byte_value(fmt, cvt_bits):
+    """The integer-op widening (CVT_BITS: int8 through 2^23 + 128 + q, fp8 e4m3 bits moved into an fp32 times 2^-120)
+    and the conversion instructions give every stored value exactly: all 256 bytes, signs, zeros, fp8 subnormals."""
+    w, want = qg.all_byte_values("int8" if fmt == "int8g" else fmt)
+    x = torch.zeros(1, 16)
+    x[0, 0] = 1.0
+    if fmt == "int8g":
+        buffers = dict(scale=torch.ones(256, 1), group_size=16)
+    else:
+        buffers = dict(scale=torch.ones(256) if fmt == "int8" else torch.ones(1, 256))
+    got = quant_gemv_triton(x, fmt, w, **buffers, CVT_BITS=cvt_bits)[0]
+    assert torch.equal(got, want)
