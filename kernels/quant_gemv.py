@@ -37,8 +37,8 @@ How the math is arranged (each per-channel or per-group factor applied where it 
   acc += scale * t.
 - M = 1 (BLOCK_M = 1): broadcast multiply and reduce over K on the CUDA cores (a GEMV); M > 1: `tl.dot` with
   BLOCK_M = 16 row tiles (the tensor cores' smallest M; rows past M are masked). A measured tile may put M = 1 on
-  the tensor cores too (BLOCK_M = 16 in M1_TILES). int8 / fp8 tiles there multiply fp16 operands: the weight
-  converts to fp16 in one step (exact), where the CUDA-core path needs fp8 -> fp16 -> fp32 per weight.
+  the tensor cores too (BLOCK_M = 16 in M1_TILES; measured slower in decode, BENCHMARKS.md section 11). fp8 tiles
+  there multiply fp16 operands (F16_DOT_FORMATS): the weight converts to fp16 in one step (exact).
 - Split-K: the grid is (N tiles, M tiles, SPLIT_K); when the N tiles alone cannot fill the GPU, K is cut into
   SPLIT_K ranges. Each split writes an fp32 partial, then bumps a per-tile counter; the split that arrives last adds
   the partials, writes the output and resets the counter to 0 (so one launch per call and no zeroing kernel). The
@@ -73,12 +73,15 @@ MIN_BLOCK_N = 16  # the smallest N tile `gemv_config` picks: counters are sized 
 # int8 / fp8 tensor-core tiles multiply fp16 operands; bf16 activations are scaled by this power of two first (and the
 # sum by its inverse after), so |x| up to 65504 / X_SCALE_BF16 (~4e6) fits fp16; below ~2^-8 x keeps fewer bits.
 X_SCALE_BF16 = 2.0 ** -6
-# One-row (CUDA-core) GEMVs of int8 / fp8 / int8g widen each weight to fp32 by integer ops instead of conversion
-# instructions (`_int8_to_f32`, `_fp8_to_f32_scaled`): on the H200 fp8 -> fp32 costs 1.5 conversions per weight, and
-# conversions issue at a quarter of the integer rate, which caps an fp8 GEMV near 2.8 T weights/s. A sweep may
-# turn it off per call (override CVT_BITS=False).
-CVT_BITS = True
+# One-row (CUDA-core) GEMVs may widen each weight to fp32 by integer ops instead of conversion instructions
+# (`_int8_to_f32`, `_fp8_to_f32_scaled`; exact for every byte, on the H200 too). Measured per linear on the H200
+# (BENCHMARKS.md section 11): int8 1.03-1.39x faster that way, fp8 3-8 % slower on most shapes, so the default is on
+# for the int8 formats only; a sweep may set it per call (override CVT_BITS=...).
+CVT_BITS_FORMATS = ("int8", "int8g")
 FP8_UNBIAS = 2.0 ** 120  # what _fp8_to_f32_scaled's values are multiplied by
+# Tensor-core tiles (M > 1) with fp16 operands: fp8 0-1 % faster than the fp32-widened form, int8 10-29 % slower
+# (BENCHMARKS.md section 11): fp8 only by default (override F16_DOT=...).
+F16_DOT_FORMATS = ("fp8",)
 
 
 class GemvError(ValueError):
@@ -498,7 +501,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     nw = norm_weight.contiguous() if norm else out  # never read without NORM
     sq = torch.empty(cfg["SPLIT_K"], m, dtype=torch.float32, device=x.device) if norm and cfg["SPLIT_K"] > 1 \
         else partials
-    f16_dot = cfg.get("F16_DOT", fmt in ("int8", "fp8")) and x.dtype != torch.float32  # a sweep may turn it off
+    f16_dot = cfg.get("F16_DOT", fmt in F16_DOT_FORMATS) and x.dtype != torch.float32 and fmt in ("int8", "fp8")
     _gemv_kernel[grid](
         x, weight, scale2, zero2, out, partials, counters, res, nw, sq,
         m, n, k, cfg["tiles_per_split"], float(eps),
@@ -508,7 +511,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         BLOCK_K=cfg["BLOCK_K"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, RESIDUAL=residual is not None,
         NORM=norm, F16_DOT=f16_dot, X_SCALE=X_SCALE_BF16 if x.dtype == torch.bfloat16 else 1.0,
-        CVT_BITS=cfg.get("CVT_BITS", CVT_BITS),
+        CVT_BITS=cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
