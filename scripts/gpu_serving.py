@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     if fit:
         # both cost models on the same iterations and traces: the old one (no prefill forwards, no draft-side work)
         # and the new one, so the difference is measured on one run
-        models = {"old": replay.fit_costs(fit, replay.OLD_FEATURES), "new": replay.fit_costs(fit)}
+        models = {"old": replay.fit_costs(fit, replay.OLD_FEATURES, nonnegative=False), "new": replay.fit_costs(fit)}
         result["replay_costs"] = {m: c.named() for m, c in models.items()}
         result["replay_dropped"] = {m: list(c.dropped) for m, c in models.items()}
         sched = lambda b: next((k for lo, hi, k in ranges if lo <= b <= hi), args.k)  # noqa: E731
