@@ -21,7 +21,10 @@ so a fit on runs that never catch up (speculation off and a fixed k) still price
 k = 0 at some batch sizes. Graph buckets end up in the constants. A column the measured iterations cannot tell apart
 from the columns before it in FEATURES order is dropped (coefficient 0, named in `CostModel.dropped`): one that is
 all zero (no draft model: D, G; no catch-up and no prefill at join), or a multiple of earlier ones (n = k [n > 0]
-when every drafting step of the fit verified k nodes: n is kept, so a shorter held-out k costs fewer draft forwards).
+when every drafting step of the fit verified k nodes: n is kept, so a shorter held-out k costs fewer draft forwards -
+a prior, not a measurement: BENCHMARKS 10.5's phase times on the H200 put the draft phase about half per node, half
+per step, a CPU's tiny models nearly all per step; iterations that verify other lengths, such as the loop
+calibration's, tell the two apart). Coefficients are fitted >= 0 (`nnls`).
 `OLD_FEATURES` is the model from before the prefill forwards and the draft-side work were counted, kept so that
 scripts/gpu_serving.py can report both fits' errors on one run.
 
