@@ -23,7 +23,11 @@ run of its part so far would end past --budget-s):
               t + 1 with off, fixed k and adaptive, --repeats rounds (one run is ~0.5 s: single runs differed by
               +-10 %); a cliff is adaptive's median output tokens/s dropping more than --cliff-pct % from one
               concurrency to the next, or falling more than --cliff-pct % below the better of off and fixed k
-  replay      costs fitted on off + fixed k; predicts the held-out k = 2 and adaptive from the fixed-k traces
+  replay      costs fitted on off + fixed k; predicts the held-out k = 2 and adaptive from the fixed-k traces,
+              with the old cost model and the new one (draft prefill at join, catch-ups, prefill forwards)
+              side by side (and the new one fitted with the loop calibration's iterations too, which cover
+              every k: off + one fixed k cannot tell a per-node draft cost from a per-step one), and the
+              draft-side tokens each setting really ran beside the replay's
 Every run uses graphs captured before its clock starts, for every draft length it can use; each record carries
 graph_captures_in_run (captures inside the run: should be 0) and the draft catch-up counters. results.json and
 table.md are rewritten after every run, so a run killed by a timeout keeps everything measured before it.
@@ -183,11 +187,12 @@ def main(argv=None) -> int:
     if args.k_by_batch == "auto":
         budget = min(args.calibration_budget_s, args.budget_s - elapsed())
         loop_ranges = None
+        cal_iterations = []
         if budget > 0:
             cal = calibrate_loop(engine(base), used, base.graph_batch_sizes, max_new_tokens=args.max_new_tokens,
                                  max_num_seqs=args.max_num_seqs, requests_per_size=args.calibration_requests,
                                  budget_s=budget, min_gain=args.min_gain, max_len=serve_len)
-            loop_ranges = cal.schedule(args.max_num_seqs)
+            loop_ranges, cal_iterations = cal.schedule(args.max_num_seqs), cal.iterations
             result["loop_calibration"] = {"table": cal.table(), "k_by_batch": format_k_by_batch(loop_ranges),
                                           "wall_s": cal.wall_s, "budget_s": budget,
                                           "skipped": [list(x) for x in cal.skipped]}
@@ -203,6 +208,7 @@ def main(argv=None) -> int:
         k_by_batch = format_k_by_batch(ranges)
     else:
         ranges, k_by_batch, source = settings.parse_k_by_batch(args.k_by_batch), args.k_by_batch, "given"
+        cal_iterations = []
     settings_of["adaptive"] = dict(k_by_batch=k_by_batch, spec_catch_up_max=args.catch_up_max)
     result.update(k_by_batch=k_by_batch, schedule_source=source)
     print(f"schedule {k_by_batch} ({source})", flush=True)
@@ -253,25 +259,48 @@ def main(argv=None) -> int:
     # -- replay -------------------------------------------------------------------------------------------------
     fit = [it for (name, _), r in runs.items() if name in ("off", fixed) for it in r.result.iterations]
     if fit:
-        costs = replay.fit_costs(fit)
+        # the cost models on the same iterations and traces: the old one (no prefill forwards, no draft-side work)
+        # and the new one, so the difference is measured on one run; and the new one fitted with the loop
+        # calibration's iterations too (they verify every k in 0..k, so n and [n > 0] come apart)
+        models = {"old": replay.fit_costs(fit, replay.OLD_FEATURES, nonnegative=False), "new": replay.fit_costs(fit)}
+        if cal_iterations:
+            models["new+cal"] = replay.fit_costs(fit + cal_iterations)
+        result["replay_costs"] = {m: c.named() for m, c in models.items()}
+        result["replay_dropped"] = {m: list(c.dropped) for m, c in models.items()}
         sched = lambda b: next((k for lo, hi, k in ranges if lo <= b <= hi), args.k)  # noqa: E731
-        result["replay_costs"] = dict(zip(replay.FEATURES, costs.coef))
         for (name, frac), r in runs.items():
             if name not in ("k=2 (held out)", "adaptive") or (fixed, frac) not in runs:
                 continue
             rec_run = runs[(fixed, frac)].result
-            pred = replay.replay(rec_run.states, rec_run.traces, args.k, costs,
-                                 (lambda b: 2) if name.startswith("k=2") else sched, max_num_seqs=args.max_num_seqs)
             real = r.record["output_throughput"]
-            result["replay"].append({
-                "setting": name, "rate_fraction": frac, "real_output_throughput": real,
-                "predicted_output_throughput": pred["output_throughput"],
-                "error": pred["output_throughput"] / real - 1 if real and pred["output_throughput"] else None,
-                "real_tpot_ms_p99": r.record["tpot_ms_p99"], "predicted_tpot_ms_p99": pred["tpot_ms_p99"]})
+            entry = {"setting": name, "rate_fraction": frac, "real_output_throughput": real,
+                     "real_tpot_ms_p99": r.record["tpot_ms_p99"],
+                     "real_draft_prefill_tokens": r.record.get("draft_prefill_tokens"),
+                     "real_draft_catch_up_tokens": r.record.get("draft_catch_up_tokens")}
+            for m, costs in models.items():
+                pred = replay.replay(rec_run.states, rec_run.traces, args.k, costs,
+                                     (lambda b: 2) if name.startswith("k=2") else sched,
+                                     max_num_seqs=args.max_num_seqs, prefill_chunk=base.prefill_chunk,
+                                     draft_kv=rec_run.draft_kv, catch_up_max=args.catch_up_max if name == "adaptive"
+                                     else 0)
+                pre = REPLAY_MODELS[m][0]
+                entry.update({f"{pre}predicted_output_throughput": pred["output_throughput"],
+                              f"{pre}error": pred["output_throughput"] / real - 1
+                              if real and pred["output_throughput"] else None,
+                              f"{pre}predicted_tpot_ms_p99": pred["tpot_ms_p99"]})
+                if m == "new":
+                    entry.update(predicted_draft_prefill_tokens=pred["draft_prefill_tokens"],
+                                 predicted_draft_catch_up_tokens=pred["draft_catch_up_tokens"])
+            result["replay"].append(entry)
     result["done"] = True
     flush()
     print(table(result))
     return 0
+
+
+# cost model -> (key prefix in a replay entry, column title)
+REPLAY_MODELS = {"old": ("old_", "old model"), "new": ("", "new model"),
+                 "new+cal": ("cal_", "new, + calibration iterations")}
 
 
 def medians(rows: list[dict]) -> dict:
@@ -416,14 +445,33 @@ def table(r: dict) -> str:
     elif "schedule_thresholds" in r and not r["schedule_thresholds"]:
         lines += ["", "The schedule has no thresholds below max_num_seqs (one draft length for every batch size)."]
     if r["replay"]:
-        lines += ["", "Replay (costs fitted on off + fixed k; acceptance from the fixed-k traces):", "",
-                  "| setting | rate (x sat) | real tok/s | predicted | error | real p99 TPOT | predicted |",
-                  "|---|---|---|---|---|---|---|"]
+        pct = lambda e: None if e is None else 100 * e  # noqa: E731
+        models = [m for m in REPLAY_MODELS if m in r.get("replay_costs", {})]
+        lines += ["", "Replay (costs fitted on off + fixed k; acceptance from the fixed-k traces). Old model: ms = c0 + "
+                  "c1 B + c2 B n + c3 P + c4 [n>0]; new: + n, prefill forwards, draft prefill at join and catch-up "
+                  "(positions and forwards), fitted >= 0, simulated as the loop runs them (workbench/serving/replay.py)"
+                  + ("; new + calibration iterations: the new model fitted with the loop calibration's runs too"
+                     if "new+cal" in models else "") + ":", "",
+                  "| setting | rate (x sat) | real tok/s | "
+                  + " | ".join(f"{REPLAY_MODELS[m][1]} | error" for m in models) + " | real p99 TPOT | predicted (new) | draft prefill / catch-up tokens: real | predicted |",
+                  "|---" * (7 + 2 * len(models)) + "|"]
         for e in r["replay"]:
-            err = 100 * e["error"] if e["error"] is not None else None
-            lines.append(f"| {e['setting']} | {e['rate_fraction']} | {_f(e['real_output_throughput'])} | "
-                         f"{_f(e['predicted_output_throughput'])} | {_f(err)} % | {_f(e['real_tpot_ms_p99'])} | "
-                         f"{_f(e['predicted_tpot_ms_p99'])} |")
+            cells = " | ".join(f"{_f(e.get(REPLAY_MODELS[m][0] + 'predicted_output_throughput'))} | "
+                               f"{_f(pct(e.get(REPLAY_MODELS[m][0] + 'error')))} %" for m in models)
+            lines.append(f"| {e['setting']} | {e['rate_fraction']} | {_f(e['real_output_throughput'])} | {cells} | "
+                         f"{_f(e['real_tpot_ms_p99'])} | {_f(e['predicted_tpot_ms_p99'])} | "
+                         f"{_f(e.get('real_draft_prefill_tokens'))} / {_f(e.get('real_draft_catch_up_tokens'))} | "
+                         f"{_f(e.get('predicted_draft_prefill_tokens'))} / "
+                         f"{_f(e.get('predicted_draft_catch_up_tokens'))} |")
+        for m in models:
+            pre = REPLAY_MODELS[m][0]
+            errs = [abs(e[f"{pre}error"]) for e in r["replay"] if e.get(f"{pre}error") is not None]
+            if errs:
+                coef = ", ".join(f"{k}: {_f(v, 3)}" for k, v in r["replay_costs"][m].items())
+                dropped = r["replay_dropped"][m]
+                lines.append(f"- {m} model: largest |error| {_f(100 * max(errs))} %, mean "
+                             f"{_f(100 * sum(errs) / len(errs))} %; coefficients (ms) {coef}"
+                             + (f"; dropped {dropped}" if dropped else ""))
     if r["skipped"]:
         lines += ["", f"Skipped for the budget ({r['budget_s']:g} s): " + ", ".join(
             f"{s['part']} {s['setting']}" + (f" c={s['max_concurrency']}" if s.get("max_concurrency") else "")

@@ -13,8 +13,9 @@ with what-if replay (workbench/serving/replay.py) as a cheap first fidelity.
 
 Searched: the draft length per batch-size bucket (`k_by_batch`; equal k everywhere = fixed k, 0 everywhere = off),
 switch-off by acceptance (`spec_off_acceptance`, `spec_window`), the context cut-off (`spec_max_context`,
-`long_context_k`), `prefill_chunk` and `sched_policy`. Replay models the first four and chunked prefill; it does not
-model the KV block pool, so `sched_policy` only matters in the real trials (every trial records `replay_ignores`).
+`long_context_k`), `prefill_chunk` and `sched_policy`. Replay models the first four and chunked prefill (and a draft
+model's prefill at join and catch-ups, as the loop runs them); it does not model the KV block pool, so `sched_policy`
+only matters in the real trials (every trial records `replay_ignores`).
 Every trial has user attr `fidelity` = "replay" | "real"; real ones also `replay_goodput`, `replay_tpot_ms_p99`,
 `run_id`. One study = one rate: resuming a study under another rate or base settings is refused.
 """
@@ -153,6 +154,7 @@ def run_study(session, base, *, study_name: str, storage, replay_trials: int, re
     def predict(cfg) -> dict:
         return replay.replay(rec.result.states, rec.result.traces, base.k, costs, max_num_seqs=cfg.max_num_seqs,
                              adaptive=adaptive_for(cfg, cfg.k), prefill_chunk=cfg.prefill_chunk,
+                             draft_kv=rec.result.draft_kv, catch_up_max=cfg.spec_catch_up_max,
                              slo_ttft_ms=cfg.slo_ttft_ms, slo_tpot_ms=cfg.slo_tpot_ms)
 
     done = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("fidelity") == "replay"]

@@ -269,6 +269,15 @@ def test_gpu_serving_script_smoke_on_cpu(tmp_path):
     assert check["threshold"] == 2 and len(check["points"]) == 3 and isinstance(check["cliff"], bool)
     assert [c["rate_fraction"] for c in r["sweep_checks"]] == [1.0]
     assert "Thresholds [2]" in (tmp_path / "a" / "table.md").read_text()
+    # replay: both cost models on the same run, side by side, and the draft work each setting really ran beside
+    # the replay's (the adaptive schedule is 0 at batch 2: no prefill at join)
+    assert set(r["replay_costs"]) == {"old", "new"} and "n" in r["replay_costs"]["new"]
+    assert {e["setting"] for e in r["replay"]} == {"adaptive", "k=2 (held out)"}
+    for e in r["replay"]:
+        assert e["old_error"] is not None and e["error"] is not None
+        assert e["predicted_draft_prefill_tokens"] == e["real_draft_prefill_tokens"]
+        assert (e["real_draft_prefill_tokens"] == 0) == (e["setting"] == "adaptive")
+    assert "old model" in (tmp_path / "a" / "table.md").read_text()
     assert gpu_serving.main(common + ["--out", str(tmp_path / "b"), "--budget-s", "0"]) == 0
     r = json.loads((tmp_path / "b" / "results.json").read_text())
     assert r["schedule_source"].startswith("measured (step calibration") and r["calibration"]["table"]

@@ -67,6 +67,19 @@ def test_runs_past_the_budget_are_skipped_and_listed(target, draft, monkeypatch)
         loop_schedule({}, 4)
 
 
+def test_a_served_calibration_keeps_its_iterations_for_the_replay_fit(target, draft):
+    """The loop calibration's runs verify every k in 0..3 at every batch size: kept, they let the replay's cost fit
+    tell a per-node cost (n) from a per-speculative-step one ([n > 0]), which off + one fixed k cannot."""
+    engine = engine_with(DraftModelDrafter(draft, 3), target)
+    cal = calibrate_loop(engine, prompts(), (1, 2), max_new_tokens=4, max_num_seqs=2, requests_per_size=2,
+                         budget_s=600.0)
+    steps = [i for i in cal.iterations if i.batch_size]
+    assert {(i.batch_size, i.num_nodes) for i in steps} >= {(b, k) for b in (1, 2) for k in range(4)}
+    from workbench.serving import replay
+
+    assert "n>0" not in replay.fit_costs(cal.iterations).dropped
+
+
 def test_bad_calibration_settings_are_named_errors(target, draft):
     engine = engine_with(DraftModelDrafter(draft, 3), target)
     kw = dict(max_new_tokens=4, max_num_seqs=4, measure=lambda b, k: pytest.fail("no work before the checks"))

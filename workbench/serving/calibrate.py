@@ -186,6 +186,7 @@ class LoopCalibration:
     skipped: list[tuple[int, int]]  # (b, k) left out for the budget
     wall_s: float  # the whole calibration, graph captures included
     min_gain: float = 0.02
+    iterations: list = field(default_factory=list)  # the runs' IterationLogs: every k, for the replay's cost fit
 
     def schedule(self, max_batch: int) -> list[tuple[int, int, int]]:
         return loop_schedule(self.tokens_per_s, max_batch, self.min_gain)
@@ -225,7 +226,7 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
     if not budget_s > 0:
         raise ServeError(f"calibration budget must be > 0 s, got {budget_s}")
     t_begin = time.perf_counter()
-    captured = []
+    captured, iterations = [], []
 
     def serve(b: int, k: int) -> float:
         reqs = [Request(i, list(prompts[i % len(prompts)]), max_new_tokens, 0.0, measured=i >= b)
@@ -238,6 +239,7 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
         res = loop.run()
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
+        iterations.extend(res.iterations)
         return metrics.summarize(res)["output_throughput"]
 
     measure = measure or serve
@@ -252,4 +254,4 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
             t0 = time.perf_counter()
             tokens_per_s[(b, k)] = measure(b, k)
             longest = max(longest, time.perf_counter() - t0)
-    return LoopCalibration(tokens_per_s, skipped, time.perf_counter() - t_begin, min_gain)
+    return LoopCalibration(tokens_per_s, skipped, time.perf_counter() - t_begin, min_gain, iterations)

@@ -89,6 +89,13 @@ class IterationLog:
     prefill_tokens: int
     used_blocks: int
     preempted: int
+    # the work besides the step, as the replay's cost model reads it (workbench/serving/replay.py)
+    prefill_forwards: int = 0  # target prefill forwards (one per request chunk)
+    draft_prefill_tokens: int = 0  # draft-model positions prefilled at join (prefill phase)
+    draft_prefills: int = 0  # those prefills' forwards (one per joining request)
+    catch_up_tokens: int = 0  # draft-model positions written by catch-up forwards before this iteration's step
+    catch_up_slots: int = 0  # rows x T of those forwards (padding included): >= catch_up_tokens
+    catch_up_forwards: int = 0
 
 
 @dataclass
@@ -121,6 +128,9 @@ class ServeResult:
     draft_catch_up_slots: int = 0  # rows x T of those forwards (padding included): >= draft_catch_up_tokens
     draft_prefill_tokens: int = 0  # draft-model KV positions prefilled when a request joined (prefill phase)
     draft_catch_up_skips: int = 0  # row-steps that would have drafted but were further behind than catch_up_max
+    draft_prefills: int = 0  # draft-model prefill forwards at join (one per request whose draft was prefilled)
+    prefill_forwards: int = 0  # target prefill forwards (one per request chunk)
+    draft_kv: bool = False  # the drafter keeps its own KV (a draft model): prefill at join and catch-up apply
 
     @property
     def outputs(self) -> dict[int, list[int]]:
@@ -142,6 +152,13 @@ def catch_up_groups(gaps: list[int], short: int = CATCH_UP_SHORT) -> list[list[i
     for i, g in enumerate(gaps):
         classes.setdefault(0 if g <= short else math.ceil(math.log2(g / short)), []).append(i)
     return [classes[j] for j in sorted(classes)]
+
+
+def _work(result: ServeResult) -> tuple[int, ...]:
+    """The run's work counters in IterationLog's order (prefill_forwards .. catch_up_forwards): an iteration's
+    are the difference across it."""
+    return (result.prefill_forwards, result.draft_prefill_tokens, result.draft_prefills,
+            result.draft_catch_up_tokens, result.draft_catch_up_slots, result.draft_catch_up_forwards)
 
 
 def make_cache(engine: SpecEngine, max_rows: int, max_len: int, num_blocks: int) -> PrefixCachingKVCache:
@@ -229,7 +246,7 @@ class ServingLoop:
         pending = list(states)
         waiting: list[RequestState] = []
         self.running: list[RequestState] = []
-        result = ServeResult(states, num_blocks=self.num_blocks)
+        result = ServeResult(states, num_blocks=self.num_blocks, draft_kv=self._own_draft_kv)
         it = 0
         self.clock.start()  # arrival times count from here (after any graph capture)
         while pending or waiting or self.running:
@@ -247,6 +264,7 @@ class ServingLoop:
                 continue
             t_start = self.clock.now()
             preempted_before = self.scheduler.preemptions
+            work_before = _work(result)
             self._admit(waiting)
             decoding = [s for s in self.running if s.phase == "decode"]
             if decoding and self.scheduler.policy == "max_util":
@@ -261,8 +279,9 @@ class ServingLoop:
                 tr.step_ms = (t_end - t_start) * 1e3
             used = self.cache.used_blocks
             result.max_used_blocks = max(result.max_used_blocks, used)
+            work = [a - b for a, b in zip(_work(result), work_before)]
             result.iterations.append(IterationLog(t_start, t_end, len(decoding), step_nodes, prefilled, used,
-                                                  self.scheduler.preemptions - preempted_before))
+                                                  self.scheduler.preemptions - preempted_before, *work))
             it += 1
         result.phase_ms = self.timer.resolve()
         result.preemptions = self.scheduler.preemptions
@@ -422,6 +441,7 @@ class ServingLoop:
                 s.prefilled += t
                 budget -= t
                 done_tokens += t
+                result.prefill_forwards += 1
                 if self.prefix_caching:
                     self.cache.register(s.row, tokens, s.prefilled)
             if s.prefilled < len(tokens):
@@ -441,6 +461,7 @@ class ServingLoop:
                 eng.start_row(s.row, tokens, s.context[-1], hidden, prefill_drafter=draft_now)
             if draft_now and self._own_draft_kv:
                 result.draft_prefill_tokens += len(tokens)
+                result.draft_prefills += 1
             s.hidden = []
             self.tokens_host[s.row] = list(s.context)
             self._draft_valid[s.row] = len(tokens) if draft_now else 0
