@@ -133,6 +133,20 @@ def test_the_engine_cache_drops_the_oldest_beyond_its_size(session, monkeypatch)
     assert not session._engines_over_memory()  # CPU: no device memory bound
 
 
+def test_the_engine_cache_holds_the_whole_best_k_space(session):
+    """AR plus draft and n-gram at k 1-8: a study that has visited every setting rebuilds (and recaptures) none."""
+    session._engines.clear()
+    space = [(m, k) for m in ("draft", "ngram") for k in range(1, 9)]
+    tiny = dict(batch=1, max_new_tokens=2, num_prompts=1, warmup=0)
+    for method, k in space:
+        session.run(small(method=method, k=k, **tiny))
+    kept = {id(e) for e in session._engines.values()}
+    assert len(kept) == 1 + len(space)
+    for method, k in space:  # every setting again: the same engines
+        session.run(small(method=method, k=k, **tiny))
+    assert {id(e) for e in session._engines.values()} == kept
+
+
 def test_engine_bytes_count_the_target_and_draft_caches(session):
     session.run(small(method="draft", k=2, warmup=0))
     engine = next(e for key, e in session._engines.items() if key[:2] == ("draft", 2))

@@ -45,9 +45,10 @@ NEAR_TIE_LOGITS = 0.25
 REDRAFTER_HEAD_SEED = 0  # the untrained ReDrafter head's initialisation (the same head in every run)
 EAGLE_HEAD_SEED = 0  # the untrained EAGLE head's initialisation
 # Engines a session keeps between runs (each holds KV caches and captured graphs), so a study's trials that come back
-# to a setting reuse its captures: 16 holds AR plus every k of two chain drafters (k 1-8, the best_k space). On a GPU
-# the oldest are also dropped while the kept ones hold more than ENGINE_CACHE_MEMORY_FRACTION of the device's memory.
-ENGINE_CACHE_SIZE = 16
+# to a setting reuse its captures: 17 holds AR plus every k of two chain drafters (1 + 2 x 8, the best_k space; 16
+# dropped one, rebuilt and recaptured whenever it came back). On a GPU the oldest are also dropped while the kept ones
+# hold more than ENGINE_CACHE_MEMORY_FRACTION of the device's memory.
+ENGINE_CACHE_SIZE = 17
 ENGINE_CACHE_MEMORY_FRACTION = 0.25
 # Method knobs a drafter reads on the host only: they shape no cache, buffer or graph, so runs that differ only in them
 # share one engine, which gets a fresh drafter object (NgramDrafter keeps nothing between `generate` calls).
