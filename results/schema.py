@@ -173,6 +173,18 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("trial_engine_s", "float", "trial_time", "engines looked up or built, caches sized, and every graph "
                "capture (ahead of time or on first use in a warm-up pass); both engines"),
     ColumnSpec("trial_warmup_s", "float", "trial_time", "warm-up passes, less the graph captures made inside them"),
+    # wall_s split by where each engine.generate call of the timed passes (both sides, every repeat) spent it:
+    # wall_s = prefill + decode + setup + finish + other. tokens/s's window per call is prefill + decode.
+    ColumnSpec("wall_prefill_s", "float", "trial_time", "timed passes: each generate call's start of prefill to its "
+               "first tokens read (prefill, the drafter's prefill, the first host read); inside tokens/s"),
+    ColumnSpec("wall_decode_s", "float", "trial_time", "timed passes: each call's first tokens to its last (the "
+               "decode steps); inside tokens/s"),
+    ColumnSpec("wall_setup_s", "float", "trial_time", "timed passes: each call's entry to its prefill start (cache "
+               "and state resets, prompt upload); outside tokens/s"),
+    ColumnSpec("wall_finish_s", "float", "trial_time", "timed passes: each call's last tokens to its return (the last "
+               "step's bookkeeping, phase-timer resolve, graph statistics); outside tokens/s"),
+    ColumnSpec("wall_other_s", "float", "trial_time", "wall_s less the four above: between calls (the passes' loop, "
+               "the device sync ending each pass)"),
     ColumnSpec("trial_quality_s", "float", "trial_time", "untimed quality work: KV-format and quantization quality "
                "columns, greedy divergence margins"),
     ColumnSpec("trial_s", "float", "trial_time", "studies: seconds from the end of this worker's previous store write "

@@ -17,7 +17,9 @@ per trial), `study.db` (the Optuna storage). At the end: `summary.json` and `sum
   loading and the first trial's set-up are outside it, and that rate x 10 (the issue's goal: >= 120 per 10 minutes);
 - the mean per-trial time breakdown (results.schema group "trial_time"; the first row left out as start-up):
   engine build + graph capture, warm-up, timed passes (`wall_s`), quality/KV columns, store write (each row carries
-  the previous row's), everything else (Optuna, checks, telemetry, the record); and the same per method.
+  the previous row's), everything else (Optuna, checks, telemetry, the record); and the same per method;
+- the timed passes split (`wall_prefill_s`, `wall_decode_s`, `wall_setup_s`, `wall_finish_s`, `wall_other_s`): prefill
+  and decode are tokens/s's window, the rest is per-call and per-pass work outside it.
 """
 from __future__ import annotations
 
@@ -38,6 +40,11 @@ sys.path.insert(0, str(ROOT))
 PARTS = (("engine build + graph capture", "trial_engine_s"), ("warm-up", "trial_warmup_s"),
          ("timed passes", "wall_s"), ("quality / KV columns", "trial_quality_s"),
          ("store write", "trial_prev_store_s"), ("everything else", "trial_other_s"))
+# the timed passes (wall_s) split by where their generate calls spent it; tokens/s's window is prefill + decode
+PASS_PARTS = (("prefill (first tokens)", "wall_prefill_s"), ("decode steps", "wall_decode_s"),
+              ("per-call setup (before prefill)", "wall_setup_s"),
+              ("per-call finish (after the last token)", "wall_finish_s"),
+              ("between calls (loop, pass syncs)", "wall_other_s"))
 GOAL_PER_10_MIN = 120
 GRACE_S = 60  # after SIGTERM: the study fails and re-queues its running trial, then exits; SIGKILL after this
 
@@ -123,7 +130,14 @@ def run_study(cmd: list[str], seconds: float, log_path: Path) -> dict:
 
 
 def _mean(values) -> float | None:
-    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    vals = []
+    for v in values:
+        try:
+            x = float(v)
+        except TypeError:  # None, pd.NA: a column a row does not fill
+            continue
+        if not math.isnan(x):
+            vals.append(x)
     return sum(vals) / len(vals) if vals else None
 
 
@@ -150,16 +164,19 @@ def summarize(store_dir: Path, run: dict, args: argparse.Namespace) -> dict:
     steady = ok.iloc[1:] if len(ok) > 1 else ok  # the first row carries start-up (first engine, reference perplexity)
     cols = [c for _, c in PARTS if c in steady]
 
-    def breakdown(rows) -> dict:
-        out = {label: _mean(rows[col].tolist()) if col in rows else None for label, col in PARTS}
+    def breakdown(rows, parts=PARTS) -> dict:
+        out = {label: _mean(rows[col].tolist()) if col in rows else None for label, col in parts}
         out["sum of parts"] = sum(v for v in out.values() if v is not None)
         return out
 
     summary["breakdown_s"] = breakdown(steady)
     summary["breakdown_by_method_s"] = {m: {**breakdown(g), "trials": int(len(g))}
                                         for m, g in steady.groupby("method")}
+    if any(col in steady and steady[col].notna().any() for _, col in PASS_PARTS):  # none in older rows
+        summary["pass_split_s"] = breakdown(steady, PASS_PARTS)
+        summary["pass_split_by_method_s"] = {m: breakdown(g, PASS_PARTS) for m, g in steady.groupby("method")}
     keep = ["trial_id", "method", "k", "ngram_min", "ngram_max", "status", "tokens_per_s", "ar_tokens_per_s",
-            "speedup_vs_ar", "graph_capture_s", "trial_s", *cols]
+            "speedup_vs_ar", "graph_capture_s", "trial_s", *cols, *[c for _, c in PASS_PARTS if c in df]]
     rows = df[[c for c in keep if c in df]].copy()
     rows["created_at"] = df["created_at"].astype(str)
     summary["trials"] = json.loads(rows.to_json(orient="records"))
@@ -198,6 +215,15 @@ def markdown(s: dict) -> str:
                          + " | ".join(_fmt(s["breakdown_by_method_s"][m][label]) for m in methods) + " |")
         lines.append("| trials | " + str(sum(s["breakdown_by_method_s"][m]["trials"] for m in methods)) + " | "
                      + " | ".join(str(s["breakdown_by_method_s"][m]["trials"]) for m in methods) + " |")
+    if "pass_split_s" in s:
+        methods = list(s["pass_split_by_method_s"])
+        lines += ["", "The timed passes split (mean seconds per trial, both sides, every repeat; tokens/s counts "
+                  "prefill + decode):", "",
+                  "| part of the timed passes | all | " + " | ".join(methods) + " |",
+                  "|---|---|" + "---|" * len(methods)]
+        for label in [p for p, _ in PASS_PARTS] + ["sum of parts"]:
+            lines.append(f"| {label} | {_fmt(s['pass_split_s'][label])} | "
+                         + " | ".join(_fmt(s["pass_split_by_method_s"][m][label]) for m in methods) + " |")
     return "\n".join(lines) + "\n"
 
 

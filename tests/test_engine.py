@@ -324,3 +324,52 @@ def test_paged_pool_is_sized_to_the_prompts_not_the_longest_row(target, monkeypa
     prefill_need = len(prompts) * -(-60 // 4)  # the right-padded prefill: 15 blocks in each of 3 rows
     assert pool.num_blocks == max(steps_need, prefill_need) < worst_case
     assert pool.free_blocks == pool.num_blocks  # every block came back when the sequences finished
+
+
+def test_phase_timer_records_into_spare_cuda_events_across_calls(monkeypatch):
+    """generate's timer draws CUDA events from a list the engine keeps: created on the first call, reused after each
+    resolve (never while they may still be pending), with the same totals. Fake events: one clock tick per record."""
+    from workbench.engine.step import PhaseTimer
+
+    ticks, made = iter(range(10_000)), []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            made.append(self)
+
+        def record(self):
+            self.t = next(ticks)
+
+        def elapsed_time(self, end):
+            return float(end.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    spare, totals = [], []
+    for _ in range(3):
+        timer = PhaseTimer(torch.device("cuda"), True, spare)
+        for name in ("draft", "verify", "draft"):
+            with timer.phase(name):
+                pass
+        assert len({id(e) for _, s, e in timer._events} | {id(s) for _, s, e in timer._events}) == 6  # none twice
+        totals.append(timer.resolve())
+    assert len(made) == 6  # the first call's three pairs, recorded again by the next two calls
+    assert all(t["draft"] == 2.0 and t["verify"] == 1.0 for t in totals)
+    fresh = PhaseTimer(torch.device("cuda"), True)  # no list given: events of its own, as before
+    with fresh.phase("kv"):
+        pass
+    assert len(made) == 8 and fresh.resolve()["kv"] == 1.0
+
+
+def test_block_table_uploads_do_not_wait_for_the_device():
+    """A block allocated between steps reaches the device table without a blocking copy (which would wait for every
+    step in flight); the table still holds the host's blocks."""
+    cache = PagedKVCache(1, 1, 2, max_rows=2, max_len=8, dtype=torch.float32, device="cpu", block_size=2)
+    table, modes = cache.block_table, []
+    real = table.copy_
+    table.copy_ = lambda src, non_blocking=False: modes.append(non_blocking) or real(src, non_blocking=non_blocking)
+    cache.plan([0, 1], [0, 2], 3)  # row 0 needs 2 blocks, row 1 needs 3
+    assert modes == [True]
+    assert [table[r, :len(b)].tolist() for r, b in enumerate(cache._host_table[:2])] == cache._host_table[:2]
+    assert [len(b) for b in cache._host_table[:2]] == [2, 3]

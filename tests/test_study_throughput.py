@@ -26,6 +26,7 @@ from workbench.harness.bench import BenchConfig, BenchSession
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_PARTS = ("trial_engine_s", "trial_warmup_s", "trial_quality_s")
+PASS_PARTS = ("wall_prefill_s", "wall_decode_s", "wall_setup_s", "wall_finish_s", "wall_other_s")
 STUDY_PARTS = ("trial_s", "trial_other_s", "trial_prev_store_s")
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -51,7 +52,7 @@ def _load_script():
 
 def test_trial_time_columns_are_declared_in_one_group():
     specs = run_specs()
-    for name in BENCH_PARTS + STUDY_PARTS:
+    for name in BENCH_PARTS + STUDY_PARTS + PASS_PARTS:
         assert name in RUN_COLUMNS and specs[name].kind == "float" and specs[name].group == "trial_time", name
 
 
@@ -61,6 +62,32 @@ def test_a_run_records_where_its_time_went(session):
         assert isinstance(rec[name], float) and rec[name] >= 0.0, (name, rec[name])
     assert rec["wall_s"] > 0
     assert all(name not in rec for name in STUDY_PARTS)  # only a study's worker loop knows these
+
+
+def test_the_timed_passes_are_split_into_prefill_decode_and_the_rest(session):
+    rec = session.run(small(method="draft", repeats=2)).record
+    for name in PASS_PARTS:
+        assert isinstance(rec[name], float) and rec[name] >= 0.0, (name, rec[name])
+    assert rec["wall_prefill_s"] > 0 and rec["wall_decode_s"] > 0
+    assert sum(rec[name] for name in PASS_PARTS) == pytest.approx(rec["wall_s"])
+
+
+def test_prefill_plus_decode_is_the_tokens_per_s_window(session):
+    # method "ar", 1 repeat: the timed passes are the one AR pass that tokens/s is computed from
+    rec = session.run(small(method="ar", repeats=1, warmup=0)).record
+    window = rec["wall_prefill_s"] + rec["wall_decode_s"]
+    assert rec["tokens_per_s"] == pytest.approx(rec["total_new_tokens"] / window, rel=1e-9)
+    assert window < rec["wall_s"]  # the per-call setup and finish are outside it
+
+
+def test_pass_split_doctest():
+    import doctest
+
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner()
+    for test in finder.find(bench_mod.PassSplit, "PassSplit", globs=vars(bench_mod)):
+        runner.run(test)
+    assert runner.tries >= 3 and runner.failures == 0
 
 
 def test_study_rows_carry_trial_time_and_the_previous_store_write(tmp_path, session):
@@ -104,6 +131,20 @@ def test_the_engine_cache_drops_the_oldest_beyond_its_size(session, monkeypatch)
     keys = list(session._engines)
     assert len(keys) == 2 and keys[0][0] == "ar" and keys[1][:2] == ("draft", 3)  # draft k=1 and k=2 dropped
     assert not session._engines_over_memory()  # CPU: no device memory bound
+
+
+def test_the_engine_cache_holds_the_whole_best_k_space(session):
+    """AR plus draft and n-gram at k 1-8: a study that has visited every setting rebuilds (and recaptures) none."""
+    session._engines.clear()
+    space = [(m, k) for m in ("draft", "ngram") for k in range(1, 9)]
+    tiny = dict(batch=1, max_new_tokens=2, num_prompts=1, warmup=0)
+    for method, k in space:
+        session.run(small(method=method, k=k, **tiny))
+    kept = {id(e) for e in session._engines.values()}
+    assert len(kept) == 1 + len(space)
+    for method, k in space:  # every setting again: the same engines
+        session.run(small(method=method, k=k, **tiny))
+    assert {id(e) for e in session._engines.values()} == kept
 
 
 def test_engine_bytes_count_the_target_and_draft_caches(session):
@@ -159,7 +200,9 @@ def test_summary_counts_steady_rate_and_breakdown(tmp_path):
                       "trial_engine_s": 0.5 if ok else None, "trial_warmup_s": 0.25 if ok else None,
                       "wall_s": 4.0 if ok else None, "trial_quality_s": 0.0 if ok else None,
                       "trial_other_s": 1.0 if ok else None, "trial_prev_store_s": None if i == 0 else 0.25,
-                      "device_name": "cpu (x86_64)", "git_commit": "abc"})
+                      "device_name": "cpu (x86_64)", "git_commit": "abc",
+                      **({"wall_prefill_s": 0.5, "wall_decode_s": 3.0, "wall_setup_s": 0.125, "wall_finish_s": 0.25,
+                          "wall_other_s": 0.125} if ok and i > 1 else {})})  # row 1: written before the split
     args = mod.build_parser().parse_args(["--device", "cpu", "--preset", "tiny", "--out", str(tmp_path)])
     s = mod.summarize(tmp_path / "store", {"started_at": t0.timestamp() - 10, "stopped": "test", "exit_code": 0},
                       args)
@@ -174,6 +217,10 @@ def test_summary_counts_steady_rate_and_breakdown(tmp_path):
     assert "| 4 | 1 | 18.0 s | 10.00 | **100** (missed) | 6.00 |" in table
     assert "| timed passes | 4.000 |" in table
     assert math.isclose(s["first_row_s"], 10.0)
+    split = s["pass_split_s"]  # rows 2-3 have it; row 1 (older) does not count
+    assert split["prefill (first tokens)"] == 0.5 and split["decode steps"] == 3.0
+    assert split["sum of parts"] == pytest.approx(parts["timed passes"])
+    assert "| per-call finish (after the last token) | 0.250 |" in table
 
 
 def test_nvml_is_initialized_once_per_process(monkeypatch):

@@ -317,11 +317,15 @@ class PagedKVCache(KVCache):
         self._free.append(block)
 
     def _sync_table(self) -> None:
-        """The device block table from the host tables, in place: a captured graph reads this very tensor."""
+        """The device block table from the host tables, in place: a captured graph reads this very tensor.
+
+        Enqueued in stream order, without waiting for the device: a blocking upload waits for every step already in
+        flight (an overlapped step's pipeline drained each time a row crosses a block). From pageable memory the
+        driver stages the table before the call returns, so the host tensor may go right after it."""
         table = torch.zeros(self.max_rows + 1, self.blocks_per_row, dtype=torch.long)
         for r, blocks in enumerate(self._host_table):
             table[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        self.block_table.copy_(table)
+        self.block_table.copy_(table, non_blocking=True)
 
     def _slots(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """rows broadcastable to pos; pos [...] -> physical slot [...]."""

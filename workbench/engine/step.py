@@ -87,13 +87,19 @@ class EngineConfig:
 
 
 class PhaseTimer:
-    """Accumulates wall time per phase. On CUDA it records events and resolves them once, at the end."""
+    """Accumulates wall time per phase. On CUDA it records events and resolves them once, at the end.
 
-    def __init__(self, device: torch.device, enabled: bool):
+    spare: CUDA events to record into before creating new ones; `resolve` puts every event it read back on it, so a
+    list kept across timers (SpecEngine keeps one for `generate`) spares each step's event creation and each call's
+    event destruction. Only one timer at a time may draw on a list.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool, spare: list | None = None):
         self.enabled = enabled
         self.cuda = enabled and device.type == "cuda"
         self.totals_ms = {p: 0.0 for p in PHASES}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._spare = spare if spare is not None else []
 
     @contextmanager
     def phase(self, name: str):
@@ -101,7 +107,7 @@ class PhaseTimer:
             yield
             return
         if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = self._event(), self._event()
             start.record()
             yield
             end.record()
@@ -111,11 +117,15 @@ class PhaseTimer:
             yield
             self.totals_ms[name] += (time.perf_counter() - t0) * 1e3
 
+    def _event(self) -> torch.cuda.Event:
+        return self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
+
     def resolve(self) -> dict[str, float]:
         if self._events:
             torch.cuda.synchronize()
             for name, start, end in self._events:
                 self.totals_ms[name] += start.elapsed_time(end)
+                self._spare += (start, end)  # read and complete: free to record again
             self._events.clear()
         return dict(self.totals_ms)
 
@@ -172,6 +182,7 @@ class SpecEngine:
         self.target_step: ModelStep | None = None  # verify pass -> logits
         self.accept_step: FixedShapeStep | None = None  # verify + greedy chain acceptance + state update -> packed
         self._live: tuple | None = None  # (rows, rows [B] on the device, their kv_len [B] then): see _live_rows
+        self._timer_events: list = []  # CUDA timing events generate's PhaseTimer records into, reused across calls
 
     def max_context(self) -> int:
         return int(self.target.config.max_position_embeddings)
@@ -318,7 +329,7 @@ class SpecEngine:
         self._reserve(plen)
         cache, tokens, kv_len_all = self.cache, self.tokens, self.kv_len
         stats_before = self.graph_stats()
-        timer = PhaseTimer(dev, cfg.timing)
+        timer = PhaseTimer(dev, cfg.timing, self._timer_events)
 
         padded = torch.zeros(b, max(plen), dtype=torch.long)
         for i, p in enumerate(prompts):

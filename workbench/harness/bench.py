@@ -45,9 +45,10 @@ NEAR_TIE_LOGITS = 0.25
 REDRAFTER_HEAD_SEED = 0  # the untrained ReDrafter head's initialisation (the same head in every run)
 EAGLE_HEAD_SEED = 0  # the untrained EAGLE head's initialisation
 # Engines a session keeps between runs (each holds KV caches and captured graphs), so a study's trials that come back
-# to a setting reuse its captures: 16 holds AR plus every k of two chain drafters (k 1-8, the best_k space). On a GPU
-# the oldest are also dropped while the kept ones hold more than ENGINE_CACHE_MEMORY_FRACTION of the device's memory.
-ENGINE_CACHE_SIZE = 16
+# to a setting reuse its captures: 17 holds AR plus every k of two chain drafters (1 + 2 x 8, the best_k space; 16
+# dropped one, rebuilt and recaptured whenever it came back). On a GPU the oldest are also dropped while the kept ones
+# hold more than ENGINE_CACHE_MEMORY_FRACTION of the device's memory.
+ENGINE_CACHE_SIZE = 17
 ENGINE_CACHE_MEMORY_FRACTION = 0.25
 # Method knobs a drafter reads on the host only: they shape no cache, buffer or graph, so runs that differ only in them
 # share one engine, which gets a fresh drafter object (NgramDrafter keeps nothing between `generate` calls).
@@ -311,10 +312,15 @@ class BenchSession:
         held = sum(_engine_bytes(e) for e in self._engines.values())
         return held > ENGINE_CACHE_MEMORY_FRACTION * torch.cuda.get_device_properties(self.device).total_memory
 
-    def _pass(self, engine: SpecEngine, prompt_ids: list[list[int]], batch: int) -> list[GenerationResult]:
+    def _pass(self, engine: SpecEngine, prompt_ids: list[list[int]], batch: int,
+              split: PassSplit | None = None) -> list[GenerationResult]:
+        """One pass over the prompts in batches of `batch`; `split` (timed passes) adds where each call's time went."""
         out = []
         for i in range(0, len(prompt_ids), batch):
+            t_call = time.perf_counter()
             out.append(engine.generate(prompt_ids[i:i + batch]))
+            if split is not None:
+                split.add(t_call, out[-1], time.perf_counter())
         self._sync()
         return out
 
@@ -362,16 +368,17 @@ class BenchSession:
             # engine build, cache sizing and every graph capture (explicit, or on first use in a warm-up pass)
             engine_s = build_s + (time.perf_counter() - t_warm - warmup_s)
             telemetry = GpuTelemetry(str(self.device) if self.device.type == "cuda" else 0).start()
+            split = PassSplit()
             t0 = time.perf_counter()
             ar_runs, cand_runs = [], []
             for r in range(cfg.repeats):  # interleaved (ABAB...): each repeat is an AR pass, then a candidate pass
                 progress(r / cfg.repeats, f"repeat {r + 1}/{cfg.repeats}: autoregressive baseline")
-                ar_runs.append(self._pass(ar_engine, prompt_ids, cfg.batch))
+                ar_runs.append(self._pass(ar_engine, prompt_ids, cfg.batch, split))
                 if cfg.method == "ar":
                     cand_runs.append(ar_runs[-1])
                 else:
                     progress((r + 0.5) / cfg.repeats, f"repeat {r + 1}/{cfg.repeats}: {cfg.method}")
-                    cand_runs.append(self._pass(cand_engine, prompt_ids, cfg.batch))
+                    cand_runs.append(self._pass(cand_engine, prompt_ids, cfg.batch, split))
             wall = time.perf_counter() - t0
             tel = telemetry.stop()
             hf = {}
@@ -411,7 +418,7 @@ class BenchSession:
             rec["greedy_divergence_margin"] = max(margins)
             rec["greedy_near_tie"] = self.dtype != "float32" and max(margins) <= NEAR_TIE_LOGITS
         rec.update(trial_engine_s=engine_s, trial_warmup_s=warmup_s,
-                   trial_quality_s=kv_s + time.perf_counter() - t_quality)
+                   trial_quality_s=kv_s + time.perf_counter() - t_quality, **split.columns(wall))
         return result
 
     def _peak_mem_mb(self) -> float:
@@ -522,6 +529,37 @@ class BenchSession:
             **tel.to_record(), **env, **hf,
         }
         return BenchResult(record, traces_frame(cand_runs[0], run_id), outputs, ar_outputs)
+
+
+@dataclass
+class PassSplit:
+    """Where the timed passes' wall time (`wall_s`) went, summed over their `generate` calls (seconds; results.schema
+    group "trial_time"). Per call, from its host times: setup = entry -> t_start, prefill = t_start -> t_first_token,
+    decode = t_first_token -> last t_done, finish = last t_done -> return. tokens/s's window is prefill + decode.
+
+    >>> s = PassSplit()
+    >>> s.add(0.0, GenerationResult([[1], [2]], t_start=0.5, t_first_token=1.0, t_done=[3.0, 4.0]), 4.5)
+    >>> s.columns(wall_s=6.0)
+    {'wall_setup_s': 0.5, 'wall_prefill_s': 0.5, 'wall_decode_s': 3.0, 'wall_finish_s': 0.5, 'wall_other_s': 1.5}
+    """
+    setup_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_s: float = 0.0
+
+    def add(self, t_call: float, result: GenerationResult, t_return: float) -> None:
+        """One call: entered at t_call, returned `result` at t_return (host perf_counter seconds)."""
+        t_last = max(result.t_done)
+        self.setup_s += result.t_start - t_call
+        self.prefill_s += result.t_first_token - result.t_start
+        self.decode_s += t_last - result.t_first_token
+        self.finish_s += t_return - t_last
+
+    def columns(self, wall_s: float) -> dict[str, float]:
+        """The record's `wall_*_s` columns; `wall_other_s` = wall_s less the calls' parts (between the calls)."""
+        parts = {"wall_setup_s": self.setup_s, "wall_prefill_s": self.prefill_s, "wall_decode_s": self.decode_s,
+                 "wall_finish_s": self.finish_s}
+        return {**parts, "wall_other_s": wall_s - sum(parts.values())}
 
 
 _NVML_HELD: list[bool] = []  # set once this process holds an NVML initialization
