@@ -167,9 +167,7 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     M = 1 (decode) tiles come from a sweep on the H200 (scripts/gpu_gemv.py --parts tune, 6.7 B shapes; BENCHMARKS.md
     section 9): int8 / fp8 read 16 (N < 8192) or 32 rows per program with 8 warps and long K tiles, unsplit when the
     N tiles alone give every SM a program; int4 64 rows x one group per tile, split to ~4 programs per SM. int8g
-    at M = 1 takes int8's tiles with K tiles spanning groups (each weight times its group's scale); at M > 1 int4's
-    group-tiled shape (BLOCK_K = min(128, g): 32 for GGUF Q8_0). The group-tiled one-row form measured 0.5x int8's
-    speed on the H200 (BENCHMARKS.md section 11), hence the wide form.
+    takes int4's group-tiled shape (BLOCK_K = min(128, g): 32 for GGUF Q8_0), untuned: not yet swept on a GPU.
 
     >>> c = gemv_config("int4", 1, 4096, 4096, 128)
     >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
@@ -177,20 +175,14 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     >>> c = gemv_config("fp8", 1, 22016, 4096)
     >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"]
     (32, 256, 1, 8)
-    >>> c = gemv_config("int8g", 9, 4096, 4096, 32)
-    >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
-    (64, 32, 9)
     >>> c = gemv_config("int8g", 1, 4096, 4096, 32)
     >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
-    (16, 1024, 1)
+    (64, 32, 9)
     """
     block_m = 1 if m == 1 else 16
     warps, stages, min_tiles = 4, 3, 0
     if block_m == 1:
-        if fmt == "int8g":  # int8's tiles, K tiles spanning groups (the kernel's WIDE path; scripts/gpu_gguf.py tiles)
-            block_n, block_k = (32, 256) if n >= 8192 else (16, 1024)
-            warps, stages, min_tiles = 8, 4, sm_count
-        elif fmt in GROUPED:
+        if fmt in GROUPED:
             block_n, block_k = 64, 128
         elif fmt == "dense":  # swept on the H200 (BENCHMARKS.md section 10): 3.7-4.0 TB/s on the wide 6.7 B shapes
             block_n, block_k = (32, 256) if n >= 8192 else (16, 512)
@@ -200,7 +192,7 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
             warps, stages, min_tiles = 8, 4, sm_count
     else:
         block_n, block_k = 64, 128
-    if fmt in GROUPED and not (fmt == "int8g" and block_m == 1):
+    if fmt in GROUPED:
         block_k = min(block_k, group_size)
     block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))  # no K tile past the next power of two of K
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
@@ -322,8 +314,7 @@ if TRITON_AVAILABLE:
             SPLIT_K,  # K ranges (1 = no split): a runtime value, so split counts share one compiled kernel
             FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
-            NORM: tl.constexpr, F16_DOT: tl.constexpr, X_SCALE: tl.constexpr, CVT_BITS: tl.constexpr,
-            WIDE: tl.constexpr):  # WIDE: int8g at M = 1 with K tiles spanning groups (BLOCK_K a multiple of GROUP)
+            NORM: tl.constexpr, F16_DOT: tl.constexpr, X_SCALE: tl.constexpr, CVT_BITS: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -337,7 +328,7 @@ if TRITON_AVAILABLE:
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: x^2 per row and lane, summed after the loop
-        if (FMT != 1 and FMT != 4 and BLOCK_M == 1) or WIDE:
+        if FMT != 1 and FMT != 4 and BLOCK_M == 1:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
         for kt in range(kt_start, kt_end):
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
@@ -354,15 +345,7 @@ if TRITON_AVAILABLE:
                 sq2 += xn * xn  # reduced once after the loop: a reduction here would put a barrier in every step
                 nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # [BK]
                 x = (xn * nw[None, :]).to(x_ptr.dtype.element_ty)
-            if WIDE:  # int8g at M = 1: int8's long K tiles, each weight times its group's scale (gathered per lane)
-                k_in = offs_k < K
-                q = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :], mask=mask_n[:, None] & k_in[None, :],
-                            other=0)  # [BN, BK] int8
-                s = tl.load(s_ptr + offs_n[:, None] * ss_n + (offs_k // GROUP)[None, :] * ss_g,
-                            mask=mask_n[:, None] & k_in[None, :], other=0.0).to(tl.float32)  # [BN, BK]
-                qf = _int8_to_f32(q) if CVT_BITS else q.to(tl.float32)
-                acc2 += qf * s * x.to(tl.float32)
-            elif FMT == 1 or FMT == 4:  # int4 / int8g: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
+            if FMT == 1 or FMT == 4:  # int4 / int8g: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
                 if FMT == 1:
                     offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
                     b = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_b[None, :], mask=mask_n[:, None], other=0)
@@ -407,8 +390,6 @@ if TRITON_AVAILABLE:
                     # widened through fp32: exact, and the interpreter's direct int8 -> bf16 cast reinterprets bits
                     acc += tl.dot(x, tl.trans(w.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)
         sq = tl.sum(sq2, axis=1)  # [BM]: this split's sum of x^2 per row (NORM)
-        if WIDE:
-            acc = tl.sum(acc2, axis=1)[None, :]
         if FMT != 1 and FMT != 4:
             if BLOCK_M == 1:
                 acc = tl.sum(acc2, axis=1)[None, :]
@@ -504,10 +485,8 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     n = weight.shape[0]
     sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
     cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())))
-    wide = fmt == "int8g" and cfg["BLOCK_M"] == 1 and cfg["BLOCK_K"] > group_size  # K tiles spanning groups
-    if fmt in GROUPED and group_size % cfg["BLOCK_K"] and not (wide and cfg["BLOCK_K"] % group_size == 0):
-        raise GemvError(f"BLOCK_K={cfg['BLOCK_K']} must divide the {fmt} group size {group_size}"
-                        f"{' (or, int8g at M = 1, be a multiple of it)' if fmt == 'int8g' else ''}")
+    if fmt in GROUPED and group_size % cfg["BLOCK_K"]:
+        raise GemvError(f"BLOCK_K={cfg['BLOCK_K']} must divide the {fmt} group size {group_size}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (math.ceil(n / cfg["BLOCK_N"]), math.ceil(m / cfg["BLOCK_M"]), cfg["SPLIT_K"])
     # the same pointer types whatever the split (one compiled kernel); with one split neither buffer is touched
@@ -532,7 +511,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         BLOCK_K=cfg["BLOCK_K"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, RESIDUAL=residual is not None,
         NORM=norm, F16_DOT=f16_dot, X_SCALE=X_SCALE_BF16 if x.dtype == torch.bfloat16 else 1.0,
-        CVT_BITS=cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS), WIDE=wide,
+        CVT_BITS=cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
