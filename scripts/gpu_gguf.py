@@ -23,7 +23,7 @@ decode: AR at batch 1 on the captured path (CUDA graphs, Triton paged attention)
         than cuBLAS: bf16 near-ties may flip; prefill (> 16 rows) takes the dequant path, bit-equal to none).
 tiles : the int8g GEMV (GGUF Q8_0's layout, no file needed: random int8 + float16 scales per 32) at M = 1 on
         --tile-config's decoder shapes, CUDA-graph replays over rotating weight copies (> L2): gemv_config's
-        tiles (K tiles spanning groups) against the earlier group-tiled form and a few BLOCK_N / BLOCK_K / warps, beside int8 (per channel) and int4
+        (group-tiled) tiles against a few BLOCK_N / num_warps / SPLIT_K choices, beside int8 (per channel) and int4
         (group 32) at their own configs and the bf16 cuBLAS matmul: us per call and GB/s of the bytes each reads.
 Writes gguf_<part>.json and gguf_<part>.md into --out; one failing row or part is recorded, not fatal.
 CPU smoke test: --device cpu --configs mini,mini-q8 --max-new-tokens 8 --repeats 1 (the Triton rows then record why
@@ -241,13 +241,12 @@ def part_tiles(args, device: torch.device) -> list[dict]:
                                         scale=rand_scale(k // g), zero=rand_scale(k // g), group_size=g)
                                    for _ in range(copies)], n * k // 2 + 8 * n * k // g),
         }
-        # auto = K tiles spanning groups (int8's tiles); "grouped" = the earlier form (one group per K tile, 64 rows,
-        # 4 warps, split to ~4 programs per SM), measured at 0.5x int8 in BENCHMARKS.md section 11
-        grouped_split = max(1, min(math.ceil(4 * sm / math.ceil(n / 64)), k // g, 32))
-        variants = [("auto", {}), ("grouped", dict(BLOCK_N=64, BLOCK_K=g, num_warps=4, num_stages=3,
-                                                   SPLIT_K=grouped_split))]
-        variants += [(f"BN{bn} BK{bk} w{w}", dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w))
-                     for bn, bk, w in ((16, 512, 8), (32, 256, 8), (32, 512, 8), (64, 256, 8), (16, 1024, 4))]
+        # auto = gemv_config's group-tiled form (one group per K tile); K tiles spanning groups (each weight times its
+        # group's scale, gathered per lane) measured 3-6x slower on the H200 (BENCHMARKS.md section 11) and were removed
+        auto = gemv_config("int8g", 1, n, k, g, sm)
+        variants = [("auto", {})] + [(f"BN{bn} w{w}", dict(BLOCK_N=bn, num_warps=w)) for bn in (32, 64, 128)
+                                     for w in (4, 8)]
+        variants += [(f"BN{auto['BLOCK_N']} split{sk}", dict(SPLIT_K=sk)) for sk in (1, 2 * auto["SPLIT_K"])]
         runs = [("int8g", label, over) for label, over in variants] + [("int8", "auto", {}), ("int4-gguf", "auto", {})]
         for kind, label, over in runs:
             fmt, bufs, nbytes = kinds[kind]

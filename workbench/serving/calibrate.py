@@ -66,6 +66,7 @@ def _draft_lengths(engine: SpecEngine, node_counts, prompts: list[list[int]]) ->
     return n_full, chains, counts
 
 
+@torch.inference_mode()  # capture_graphs makes the step buffers under inference mode; the steps must write them so
 def calibrate(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[int, ...],
               node_counts: tuple[int, ...] | None = None, *, steps: int = 8, warmup: int = 2,
               max_prompt_len: int = 128, max_len: int | None = None) -> Calibration:
