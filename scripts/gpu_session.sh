@@ -4,7 +4,7 @@
 # PART=s1: the first session's runs (ours vs gpt-fast on small without overlap, step modes, redrafter, parity);
 # PART=a / PART=b: the second session's (BENCHMARKS.md section 8).
 # PART=j: the fourth session's serving call; PART=h / i: its first two calls (dense Triton GEMV, floor, weight formats in the best mode).
-# PART=m / n / o: the fifth session's calls (GEMV norm prologue, tensor-core int8 / fp8 tiles, the floor with them).
+# PART=m / n / o / p: the fifth session's calls (GEMV norm prologue, tensor-core int8 / fp8 tiles, the floor with them).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -37,7 +37,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -185,6 +185,15 @@ elif [ "$PART" = o ]; then
   train_small
   step study 100 $PY scripts/study_throughput.py --device cuda --preset small --seconds "${STUDY_S:-140}" \
     --out "$R/study"
+  step serving 60 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" \
+    --budget-s "${SERVING_S:-110}"
+elif [ "$PART" = p ]; then
+  # fifth session, last call: the 6.7 B floor with this session's defaults (fp8 without integer-op widening; norm
+  # prologue vs not), then `small` for serving after the calibration fix (issue 11: the replay's draft costs)
+  C=graphs+compile+overlap
+  step quant67 100 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+    --formats "none@$C,dense-triton+glu@$C,fp8-triton+glu@$C,fp8-triton+all@$C"
+  train_small
   step serving 60 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" \
     --budget-s "${SERVING_S:-110}"
 elif [ "$PART" = c ]; then
