@@ -75,11 +75,11 @@ MIN_BLOCK_N = 16  # the smallest N tile `gemv_config` picks: counters are sized 
 X_SCALE_BF16 = 2.0 ** -6
 # One-row (CUDA-core) GEMVs may widen each weight to fp32 by integer ops instead of conversion instructions
 # (`_int8_to_f32`, `_fp8_to_f32_scaled`; exact for every byte, on the H200 too). Measured per linear on the H200
-# (BENCHMARKS.md section 11): int8 1.03-1.39x faster that way, fp8 3-8 % slower on most shapes, so the default is on
+# (BENCHMARKS.md section 11): int8 1.03-1.39x faster that way, fp8 2-8 % slower on 7 of 8 shapes, so the default is on
 # for the int8 formats only; a sweep may set it per call (override CVT_BITS=...).
 CVT_BITS_FORMATS = ("int8", "int8g")
 FP8_UNBIAS = 2.0 ** 120  # what _fp8_to_f32_scaled's values are multiplied by
-# Tensor-core tiles (M > 1) with fp16 operands: fp8 0-1 % faster than the fp32-widened form, int8 10-29 % slower
+# Tensor-core tiles (M > 1) with fp16 operands: fp8 within 1 % of the fp32-widened form, int8 4-29 % slower
 # (BENCHMARKS.md section 11): fp8 only by default (override F16_DOT=...).
 F16_DOT_FORMATS = ("fp8",)
 

@@ -160,7 +160,9 @@ class QuantLinear(nn.Module):
     #               left between a layer's GEMVs.
     # Measured on the H200 (BENCHMARKS.md section 10, 6.7 B, batch 1, one process): "residual" made fp8 decode 1.3 %
     # (compile) / 3.1 % (max-autotune) faster and the dense GEMV 1.0 % (compile); "glu+residual" was neutral for fp8
-    # and 2 % faster for the dense GEMV. Benchmarks set it per module (gpu_quant.py "+res", "+glu", "+norm").
+    # and 2 % faster for the dense GEMV; "norm+glu+residual" (section 11) 3.8-5.4 % faster for fp8 at 6.7 B but 2-5 %
+    # slower for the dense GEMV and at 1.45 B. Benchmarks set it per module (gpu_quant.py "+res", "+glu", "+norm",
+    # "+all").
     fusion = "residual"
 
     def _fuses(self, part: str, x2: Tensor) -> bool:
