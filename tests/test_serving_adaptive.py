@@ -275,6 +275,8 @@ def test_gpu_serving_script_smoke_on_cpu(tmp_path):
     assert {e["setting"] for e in r["replay"]} == {"adaptive", "k=2 (held out)"}
     for e in r["replay"]:
         assert e["old_error"] is not None and e["error"] is not None
+        assert e["rounds"] == 2 and len(e["round_errors"]) == 2 and len(e["real_round_output_throughput"]) == 2
+        assert e["real_output_throughput"] == pytest.approx(sum(e["real_round_output_throughput"]) / 2)  # median
         assert e["predicted_draft_prefill_tokens"] == e["real_draft_prefill_tokens"]
         assert (e["real_draft_prefill_tokens"] == 0) == (e["setting"] == "adaptive")
     assert "old model" in (tmp_path / "a" / "table.md").read_text()
