@@ -103,6 +103,8 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("graph_batch_sizes", "string", "config", 'captured batch buckets as text, e.g. "1,2,4,8"'),
     ColumnSpec("compile", "string", "config", '"off" | "default" | "max-autotune" (torch.compile mode)'),
     ColumnSpec("attention", "string", "config", '"auto" | "sdpa" | "triton" (attention backend of the KV cache)'),
+    ColumnSpec("prefill_graphs", "bool", "config", "prompt forwards captured in CUDA graphs per (batch, padded length) "
+               "(with cuda_graphs)"),
     ColumnSpec("overlap", "bool", "config", "overlapped steps asked for (step t+1 launched before step t is read)"),
     ColumnSpec("target_kv_quant", "string", "config", '"none" | "int8" | "fp8": the target\'s KV-cache format'),
     ColumnSpec("draft_kv_quant", "string", "config", '"none" | "int8" | "fp8": the draft model\'s KV-cache format'),

@@ -5,6 +5,7 @@
 # PART=a / PART=b: the second session's (BENCHMARKS.md section 8).
 # PART=j: the fourth session's serving call; PART=h / i: its first two calls (dense Triton GEMV, floor, weight formats in the best mode).
 # PART=m / n / o / p: the fifth session's calls (GEMV norm prologue, tensor-core int8 / fp8 tiles, the floor with them).
+# PART=q / r: the sixth session's (captured prefill: parity and study throughput; serving scored against medians).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -37,7 +38,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -196,6 +197,26 @@ elif [ "$PART" = p ]; then
   train_small
   step serving 60 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" \
     --budget-s "${SERVING_S:-110}"
+elif [ "$PART" = q ]; then
+  # sixth session, first call: the captured prefill (target and draft model; prefill_graphs): greedy parity of
+  # graphs vs the eager step on the GPU (tiny), then study throughput on `small` with the prefill captured and, in
+  # the same call right after, without it (the old eager prefill)
+  step parity 60 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
+  train_small
+  step study_on 100 $PY scripts/study_throughput.py --device cuda --preset small --seconds "${STUDY_S:-130}" \
+    --out "$R/study_on"
+  step study_off 100 $PY scripts/study_throughput.py --device cuda --preset small --seconds "${STUDY_S:-130}" \
+    --prefill-graphs off --out "$R/study_off"
+elif [ "$PART" = r ]; then
+  # sixth session, second call: serving with the replay scored against the rounds' medians (issue 11), then the
+  # study-throughput pair of call q in the other order (eager prefill first), so that drift cannot favour one side
+  train_small
+  step serving 60 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" \
+    --budget-s "${SERVING_S:-110}"
+  step study_off 90 $PY scripts/study_throughput.py --device cuda --preset small --seconds "${STUDY_S:-110}" \
+    --prefill-graphs off --out "$R/study_off"
+  step study_on 90 $PY scripts/study_throughput.py --device cuda --preset small --seconds "${STUDY_S:-110}" \
+    --out "$R/study_on"
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)

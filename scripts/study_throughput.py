@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--cuda-graphs", default="on", choices=("on", "off"))
+    p.add_argument("--prefill-graphs", default="on", choices=("on", "off"),
+                   help="capture the prompt forwards too (default on; off = eager prefill, the old way)")
     p.add_argument("--dtype", help="model dtype (default: the study's, float32)")
     p.add_argument("--threads", type=int, help="torch CPU threads of the worker (CPU runs on a shared machine)")
     p.add_argument("--sampler-seed", type=int, default=0, help="seed of the study's sampler (default 0)")
@@ -95,6 +97,7 @@ def check_args(args: argparse.Namespace) -> None:
 def study_command(args: argparse.Namespace, out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "studies.run", "--preset", args.preset, "--study", "throughput",
            "--trials", "100000", "--device", args.device, "--cuda-graphs", args.cuda_graphs,
+           "--prefill-graphs", args.prefill_graphs,
            "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
            "--storage", f"sqlite:///{(out / 'study.db').resolve()}", "--store", str((out / "store").resolve()),
            "--sampler-seed", str(args.sampler_seed)]

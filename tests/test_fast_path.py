@@ -37,6 +37,29 @@ def test_fixed_shape_greedy_equals_autoregressive(kind, paged, target, draft):
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("kind", ["ar", "draft", "ngram", "eagle"])
+def test_captured_prefill_pads_the_prompt_length_and_changes_nothing(kind, paged, target, draft):
+    """prefill_graphs (on by default with cuda_graphs): the prompts' forward runs at the length padded up to a multiple
+    of PREFILL_LEN_MULTIPLE (eagerly on CPU, over the same buffers a GPU graph reads), one key per (batch, padded
+    length); outputs equal the unpadded prefill's and greedy AR's, in batches and alone."""
+    n = 40  # room in the cache for a padded length of 32
+    expected = [reference_greedy(target, p, n) for p in PROMPTS]
+    engines = {on: SpecEngine(target, make_drafter(kind, draft, target),
+                              fast(max_new_tokens=n, paged=paged, prefill_graphs=on)) for on in (True, False)}
+    for on, engine in engines.items():
+        assert engine.generate(PROMPTS).outputs == expected
+        for p, e in zip(PROMPTS, expected):
+            assert engine.generate([p]).outputs == [e]
+    padded = engines[True]
+    assert set(padded.prefill_step.fixed._buffers) == {(3, 32), (1, 32)}  # lengths 12 / 9, 3 -> 32
+    assert padded.prefill_step.stats.hits == 4 and not engines[False].prefill_step.stats.hits
+    if kind == "draft":
+        assert set(padded.drafter.prefill_step.fixed._buffers) == {(3, 32), (1, 32)}
+    if paged:  # the pool holds every row's padded prompt at once (3 rows x 32 / block 4), not just the longest's
+        assert padded.cache.num_blocks >= 3 * 32 // 4
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 def test_fixed_shape_tree_drafts_equal_autoregressive(paged, target):
     n = 20
     noisy = make_drafter("noisy-self-draft", None, target).model

@@ -260,6 +260,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("attention", "str", "auto", "attention backend: sdpa (gather the KV through the block table, then SDPA), "
          "triton (kernels/paged_attention.py: reads the paged pool in place; GPU, paged cache) or auto (triton where "
          "it can run, else sdpa)", "Attention backend", "system", choices=("auto", "sdpa", "triton"), searchable=True),
+    Knob("prefill_graphs", "bool", True, "with --cuda-graphs, capture the prompt forwards too (target and draft model), "
+         "one graph per (batch, prompt length padded up to a multiple of 32); off: prompts run eagerly",
+         "Capture prefill", "system", searchable=True),
     Knob("overlap", "bool", True, "launch step t+1 before reading step t's tokens, so host bookkeeping overlaps the GPU "
          "(greedy chains with --cuda-graphs: AR and the draft model; other methods run one synchronous read per step)",
          "Overlap host and GPU", "system", searchable=True),

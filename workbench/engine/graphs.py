@@ -16,6 +16,11 @@ warm-up runs before a capture leave it as it was.
   `FixedShapeStep` reads only its buffers and fixed-size metadata (block table, lengths, a [B, T, T] mask) over the
   cache's whole `static_span`.
 
+`PrefillStep` is a prompt forward from position 0 (the target's, or a draft model's own), ids [B, L] -> hidden
+[B, L, H]: with `cuda_graphs` and `prefill` on, the prompts right-pad to the next multiple of PREFILL_LEN_MULTIPLE
+(capped at the cache's length) and each (batch, padded length) is captured once (GPU; eager on the padded buffers on
+a CPU); otherwise the cache plans and prepares the prompt's span and the model runs eagerly (gather + SDPA).
+
 Statistics (`GraphStats`): capture time and memory, bucket hits and misses, padded rows over computed rows.
 """
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 COMPILE_MODES = ("off", "default", "max-autotune")
+PREFILL_LEN_MULTIPLE = 32  # a captured prefill pads its prompts' length up to a multiple of this (within the cache)
 PAD_LEN = 1  # padding rows act as a sequence of one committed token in the cache's scratch row
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -39,6 +45,7 @@ class GraphSettings:
     cuda_graphs: bool = False  # capture each fixed-shape (bucket, T) step in a CUDA graph (GPU only)
     batch_sizes: tuple[int, ...] = DEFAULT_BUCKETS  # the buckets, strictly increasing
     compile: str = "off"  # "off" | "default" | "max-autotune"
+    prefill: bool = True  # with cuda_graphs: prompt forwards captured too, per (batch, padded length) (PrefillStep)
 
     def __post_init__(self) -> None:
         check_graph_settings(self.batch_sizes, self.compile)
@@ -279,6 +286,81 @@ class ModelStep:
 
     def capture(self, size: int, num_new: int) -> None:
         self.fixed.capture(size, num_new)
+
+    def replay_callables(self) -> dict:
+        return self.fixed.replay_callables()
+
+
+def prefill_len(length: int, max_len: int) -> int:
+    """The length a captured prefill of `length` tokens runs at: the next multiple of PREFILL_LEN_MULTIPLE, or
+    `length` itself where that would not fit a cache of `max_len` slots per row.
+
+    >>> prefill_len(17, 256), prefill_len(64, 256), prefill_len(250, 256)
+    (32, 64, 250)
+    """
+    padded = -(-length // PREFILL_LEN_MULTIPLE) * PREFILL_LEN_MULTIPLE
+    return padded if padded <= max_len else length
+
+
+class PrefillStep:
+    """A prompt forward of `model` over `cache` from position 0: (rows, ids [B, L]) -> hidden [B, L, H].
+
+    Captured (settings.cuda_graphs and settings.prefill, GPU): the host allocates blocks for the padded length, the
+    ids right-pad with zeros to `prefill_len` (their KV past each prompt is written and dropped by the caller's
+    truncate, like a batch's right padding), and one graph per (batch, padded length) replays the cache's prepare
+    and the model. The batch is never padded (a padding row would need a whole prompt's blocks in the scratch row):
+    every batch size is its own key. Not compiled (the compile setting is for decode steps). Graphs of one step share
+    one memory pool (they never run concurrently; each keeps its output alive). On a CPU the same padded forward runs
+    eagerly. Otherwise: eager, over exactly the prompt's span.
+    """
+
+    def __init__(self, model, cache, settings: GraphSettings, device: torch.device, name: str):
+        self.model, self.cache, self.settings, self.device = model, cache, settings, torch.device(device)
+        self.fixed_shape = settings.cuda_graphs and settings.prefill
+        exact = GraphSettings(settings.cuda_graphs, tuple(range(1, cache.max_rows + 1)), "off", settings.prefill)
+        pool = torch.cuda.graph_pool_handle() if self.fixed_shape and self.device.type == "cuda" else None
+        self.fixed = FixedShapeStep(f"{name}-prefill", self._fixed_shape, self._pads, exact, device, pool=pool)
+
+    @property
+    def stats(self) -> GraphStats:
+        return self.fixed.stats
+
+    def _pads(self, length: int) -> dict[str, torch.Tensor]:
+        return {"ids": torch.zeros(length, dtype=torch.long, device=self.device),
+                "positions": torch.arange(length, device=self.device),
+                "rows": torch.tensor(self.cache.pad_row, device=self.device)}
+
+    def _fixed_shape(self, ids, positions, rows) -> torch.Tensor:
+        length = ids.shape[1]
+        self.cache.prepare(rows, torch.zeros_like(rows), length, None, self.cache._read_span(length), kernel=False)
+        return self.model(ids, positions, self.cache)
+
+    def padded_len(self, length: int) -> int:
+        return prefill_len(length, self.cache.max_len) if self.fixed_shape else length
+
+    def __call__(self, rows: torch.Tensor, rows_host: list[int], ids: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """rows [B] (+ host copy), ids / positions [B, L] (right-padded prompts, positions 0..L-1) -> [B, L, H]."""
+        b, length = ids.shape
+        if not self.fixed_shape:
+            self.cache.begin(rows, torch.zeros_like(rows), [0] * b, length, rows_host=rows_host, prefill=True)
+            return self.model(ids, positions, self.cache)
+        padded = self.padded_len(length)
+        self.cache.plan(rows_host, [0] * b, padded)
+        ids = torch.nn.functional.pad(ids, (0, padded - length))
+        return self.fixed(padded, b, {"ids": ids, "positions": None, "rows": rows}, rows_host)[:, :length]
+
+    def capture(self, rows_host: list[int], length: int) -> None:
+        """Capture (GPU) the prefill of len(rows_host) prompts of up to `length` tokens in these cache rows ahead of
+        use (it allocates their blocks; the caller resets the cache before the next batch)."""
+        if not (self.fixed_shape and self.fixed._capture):
+            return
+        padded, b = self.padded_len(length), len(rows_host)
+        self.cache.plan(rows_host, [0] * b, padded)
+        bufs = self.fixed._get(b, padded)
+        if bufs.graph is None:
+            bufs.load(b, {"rows": torch.tensor(rows_host, device=self.device)}, rows_host)
+            self.fixed._record(bufs, padded)
 
     def replay_callables(self) -> dict:
         return self.fixed.replay_callables()

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
-from workbench.engine.graphs import DEFAULT_BUCKETS, PAD_LEN, FixedShapeStep, GraphSettings, GraphStats, ModelStep
+from workbench.engine.graphs import (DEFAULT_BUCKETS, PAD_LEN, FixedShapeStep, GraphSettings, GraphStats, ModelStep,
+                                     PrefillStep, prefill_len)
 from workbench.engine.kv_cache import ATTENTION_BACKENDS, make_cache
 from workbench.engine.kv_quant import kv_format
 from workbench.engine.sampling import SamplingParams, next_token
@@ -69,10 +70,11 @@ class EngineConfig:
     attention: str = "auto"  # "sdpa" (gather + SDPA) | "triton" (kernels/paged_attention.py) | "auto"
     overlap: bool = False  # launch step t + 1 before reading step t (greedy chains with fixed shapes; see above)
     kv_quant: str = "none"  # the target's KV-cache format: "none" (model dtype) | "int8" | "fp8" (engine/kv_quant.py)
+    prefill_graphs: bool = True  # with cuda_graphs: prompt forwards captured per (batch, padded length): PrefillStep
 
     @functools.cached_property
     def graphs(self) -> GraphSettings:  # read every step: built (and validated) once
-        return GraphSettings(self.cuda_graphs, tuple(self.graph_batch_sizes), self.compile)
+        return GraphSettings(self.cuda_graphs, tuple(self.graph_batch_sizes), self.compile, self.prefill_graphs)
 
     def __post_init__(self) -> None:
         self.graphs  # noqa: B018 - validates the graph settings (GraphSettingsError names the bad one)
@@ -180,6 +182,7 @@ class SpecEngine:
         self.tokens: torch.Tensor | None = None  # [R + 1, S] long
         self.kv_len: torch.Tensor | None = None  # [R + 1] long
         self.target_step: ModelStep | None = None  # verify pass -> logits
+        self.prefill_step: PrefillStep | None = None  # the prompts' forward -> hidden
         self.accept_step: FixedShapeStep | None = None  # verify + greedy chain acceptance + state update -> packed
         self._live: tuple | None = None  # (rows, rows [B] on the device, their kv_len [B] then): see _live_rows
         self._timer_events: list = []  # CUDA timing events generate's PhaseTimer records into, reused across calls
@@ -198,18 +201,22 @@ class SpecEngine:
     def graph_stats(self) -> GraphStats:
         """Cumulative fixed-shape statistics of the target's steps and the drafter's (since construction)."""
         stats = GraphStats()  # a fresh sum, never one step's own counters
-        for step in [self.target_step, self.accept_step] + (self.drafter.model_steps() if self.drafter else []):
+        steps = [self.prefill_step, self.target_step, self.accept_step]
+        for step in steps + (self.drafter.model_steps() if self.drafter else []):
             if step is not None:
                 stats = stats.add(step.stats)
         return stats
 
-    def capture_graphs(self, max_batch: int, node_counts: tuple[int, ...] | None = None) -> None:
+    def capture_graphs(self, max_batch: int, node_counts: tuple[int, ...] | None = None,
+                       prompt_batches: list[list[int]] | None = None) -> None:
         """Capture every bucket a batch of up to max_batch can shrink through (target verify and drafter forwards),
         so that timed generations replay graphs only. Needs a first `generate` or `setup_rows` (it sizes the caches).
         node_counts: every `decode_step(num_nodes=n)` the run will ask for (adaptive speculation; 0 = autoregressive
-        steps); None = only the drafter's N."""
+        steps); None = only the drafter's N. prompt_batches: the prompt lengths of each `generate` call to come, whose
+        prefills (target and draft model) are captured too (`prefill_graphs`)."""
         if self.target_step is None or not self.config.cuda_graphs:
             return
+        self.capture_prefill(prompt_batches or [])
         top = self.config.graphs.bucket(max_batch)
         sizes = [s for s in self.config.graph_batch_sizes if top is not None and s <= top]
         counts = sorted(set(node_counts)) if node_counts is not None else [self.num_nodes]
@@ -220,6 +227,22 @@ class SpecEngine:
                     verify.capture(size, key - self.num_nodes + n)  # the key is N or 1 + N
             if self.drafter is not None:
                 self.drafter.capture_graphs(sizes, node_counts=tuple(counts))
+
+    def capture_prefill(self, prompt_batches: list[list[int]]) -> None:
+        """Capture the prefill of each batch (a list of prompt lengths) ahead of `generate` (GPU, cuda_graphs and
+        prefill_graphs on; a no-op otherwise). Leaves the caches reset."""
+        if self.prefill_step is None or not self.prefill_step.fixed_shape:
+            return
+        drafter = getattr(self.drafter, "prefill_step", None)
+        with torch.inference_mode():
+            for plen in prompt_batches:
+                rows = list(range(len(plen)))
+                self.prefill_step.capture(rows, max(plen))
+                if drafter is not None:
+                    drafter.capture(rows, max(plen))
+        self.cache.reset()
+        if drafter is not None:
+            drafter.cache.reset()
 
     def verify_step(self) -> tuple[FixedShapeStep | ModelStep | None, int]:
         """The step the verify pass runs under the current settings, and its shape key: the fused greedy step and
@@ -256,7 +279,9 @@ class SpecEngine:
         # paged: a pool sized to what these prompts can reach (their own lengths), not max_len for every row; the
         # right-padded prefill briefly needs the longest prompt's blocks in every row (freed right after it)
         blocks = lambda n: -(-n // cfg.kv_block_size)  # noqa: E731
-        num_blocks = max(sum(blocks(self.required_len(n)) for n in plen), rows * blocks(max(plen)))
+        # a captured prefill pads the prompts' length (PrefillStep): room for the padded length, whatever the cap
+        longest = prefill_len(max(plen), 1 << 62) if cfg.graphs.cuda_graphs and cfg.graphs.prefill else max(plen)
+        num_blocks = max(sum(blocks(self.required_len(n)) for n in plen), rows * blocks(longest))
         if self.cache is not None and self.cache.fits(rows, max_len, num_blocks) and \
                 self.cache.kv_quant == cfg.kv_quant:
             self.cache.reset()
@@ -265,7 +290,7 @@ class SpecEngine:
             rows, max_len = max(rows, self.cache.max_rows), max(max_len, self.cache.max_len)
             num_blocks = max(num_blocks, getattr(self.cache, "num_blocks", 0))
         # free the old pool, state and the graphs that read them before allocating the new ones
-        self.cache = self.tokens = self.kv_len = self.target_step = self.accept_step = None
+        self.cache = self.tokens = self.kv_len = self.target_step = self.accept_step = self.prefill_step = None
         self._adopt(make_cache(cfg.paged, num_layers=tcfg.num_hidden_layers, num_kv_heads=tcfg.num_key_value_heads,
                                head_dim=tcfg.head_dim, max_rows=rows, max_len=max_len, dtype=self.dtype,
                                device=self.device, block_size=cfg.kv_block_size, num_blocks=num_blocks,
@@ -280,6 +305,7 @@ class SpecEngine:
         self.kv_len = torch.full((rows + 1,), PAD_LEN, dtype=torch.long, device=self.device)
         self.target_step = ModelStep(self.target, cache, cfg.graphs, self.device, "target",
                                      with_hidden=self._wants_hidden())
+        self.prefill_step = PrefillStep(self.target, cache, cfg.graphs, self.device, "target")
         self.accept_step = FixedShapeStep("target+accept", self._verify_accept, self._verify_pads, cfg.graphs,
                                           self.device, state=lambda: [self.tokens, self.kv_len])
 
@@ -348,18 +374,13 @@ class SpecEngine:
 
         t_start = time.perf_counter()
         with timer.phase("prefill"):
-            cache.begin(rows, torch.zeros_like(kv_len), [0] * b, padded.shape[1], rows_host=list(range(b)),
-                        prefill=True)
-            hidden = self.target(padded, positions, cache)
+            hidden = self.prefill_step(rows, list(range(b)), padded, positions)  # [B, L, H]
             last = hidden[rows, kv_len - 1]  # [B, H] each prompt's last real position
             first = next_token(self.target.compute_logits(last), cfg.sampling, gen)  # [B]
             tokens[rows, kv_len] = first
             self._setup_drafter(gen)
             if self.drafter is not None:
-                if self._wants_hidden():
-                    self.drafter.prefill(state, padded, positions, hidden=hidden)
-                else:
-                    self.drafter.prefill(state, padded, positions)
+                self.drafter.prefill_batch(state, padded, positions, hidden=hidden if self._wants_hidden() else None)
         for i, n in enumerate(plen):
             cache.truncate(i, n)  # drop the padding's KV (and, paged, its blocks)
         first_host = first.tolist()
@@ -582,7 +603,7 @@ class SpecEngine:
         """Adopt `cache` (its `max_rows` rows + pad_row, its own block pool; e.g. a prefix-caching pool) and allocate
         the persistent tokens [R + 1, S] / kv_len [R + 1] buffers and the steps around it; set the drafter up for
         the same rows. Drops whatever `generate` had reserved (and its graphs)."""
-        self.cache = self.tokens = self.kv_len = self.target_step = self.accept_step = None
+        self.cache = self.tokens = self.kv_len = self.target_step = self.accept_step = self.prefill_step = None
         self._adopt(cache, max_len)
         self._setup_drafter(torch.Generator(device=self.device).manual_seed(self.config.seed))
 

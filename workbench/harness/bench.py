@@ -284,8 +284,9 @@ class BenchSession:
                             kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
                             cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
                             compile=cfg.compile, attention=cfg.attention, kv_quant=cfg.target_kv_quant,
-                            overlap=cfg.overlap)
+                            overlap=cfg.overlap, prefill_graphs=cfg.prefill_graphs)
         shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention,
+                 ecfg.prefill_graphs,
                  ecfg.kv_quant,
                  quant_key(cfg, "target"), cfg.quant_kernel)
         host_only = HOST_ONLY_KNOBS.get(cfg.method, ())
@@ -363,8 +364,9 @@ class BenchSession:
                     finally:
                         eng.config = full
                     warmup_s += time.perf_counter() - t_pass - (eng.graph_stats().capture_s - captured_before)
-                    if w == 0:
-                        eng.capture_graphs(cfg.batch)
+                    if w == 0:  # every bucket, and the prefill of every batch of the timed passes
+                        eng.capture_graphs(cfg.batch, prompt_batches=[
+                            [len(p) for p in prompt_ids[i:i + cfg.batch]] for i in range(0, len(prompt_ids), cfg.batch)])
             # engine build, cache sizing and every graph capture (explicit, or on first use in a warm-up pass)
             engine_s = build_s + (time.perf_counter() - t_warm - warmup_s)
             telemetry = GpuTelemetry(str(self.device) if self.device.type == "cuda" else 0).start()

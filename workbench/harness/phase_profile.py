@@ -69,8 +69,8 @@ def profile_phases(engine, batch: int, live_len: int, min_seconds: float = 0.25)
                          _weight_bytes(engine.target) + _kv_bytes(engine.cache, size, live_len))}
     drafter = engine.drafter
     if drafter is not None and getattr(drafter, "model", None) is not None:
-        replays = [fn for step in drafter.model_steps() for name, fn in step.replay_callables().items()
-                   if name.split(":")[1].startswith(f"{size}x")]
+        replays = [fn for step in drafter.model_steps() if step is not drafter.prefill_step  # decode forwards only
+                   for name, fn in step.replay_callables().items() if name.split(":")[1].startswith(f"{size}x")]
         forwards = drafter.model_forwards_per_step
         if len(replays) == 1:  # the fused greedy chain: k forwards in one graph
             phases["draft"] = (replays[0], forwards * (_weight_bytes(drafter.model)

@@ -20,7 +20,7 @@ import functools
 import torch
 
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
-from workbench.engine.graphs import FixedShapeStep, ModelStep
+from workbench.engine.graphs import FixedShapeStep, ModelStep, PrefillStep
 from workbench.engine.kv_cache import make_cache
 from workbench.engine.kv_quant import kv_format
 from workbench.engine.sampling import probs_from_logits, sample
@@ -61,7 +61,7 @@ class DraftModelDrafter(Drafter):
             self.cache.reset()
             return
         c = self.model.config
-        self.cache = self.step = self._state = None  # free the old pool and its graphs first
+        self.cache = self.step = self.prefill_step = self._state = None  # free the old pool and its graphs first
         self.chain_steps = {}
         # as many rows as the target's cache, so that both caches' scratch pad_row is the same row index
         self.cache = make_cache(ctx.paged, num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
@@ -69,6 +69,7 @@ class DraftModelDrafter(Drafter):
                                 dtype=next(self.model.parameters()).dtype, device=ctx.device,
                                 block_size=ctx.kv_block_size, attention=ctx.attention, kv_quant=self.kv_quant)
         self.step = ModelStep(self.model, self.cache, ctx.graphs, ctx.device, "draft", last_only=True)
+        self.prefill_step = PrefillStep(self.model, self.cache, ctx.graphs, ctx.device, "draft")
 
     def _chain_pads(self, key) -> dict[str, torch.Tensor]:
         return {"rows": torch.tensor(self.cache.pad_row, device=self.ctx.device)}
@@ -107,6 +108,10 @@ class DraftModelDrafter(Drafter):
         zeros = torch.zeros(b, dtype=torch.long, device=prompt_ids.device)
         self.cache.begin(state.rows, zeros, [0] * b, prompt_ids.shape[1], rows_host=state.rows_host, prefill=True)
         self.model(prompt_ids, positions, self.cache)
+
+    def prefill_batch(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor,
+                      hidden: torch.Tensor | None = None) -> None:
+        self.prefill_step(state.rows, state.rows_host, prompt_ids, positions)
 
     def catch_up(self, state: BatchState, ids: torch.Tensor, positions: torch.Tensor, start_host: list[int]) -> None:
         b, t = ids.shape
@@ -164,7 +169,7 @@ class DraftModelDrafter(Drafter):
                     self.step.capture(size, num_new)
 
     def model_steps(self) -> list:
-        return [s for s in (self.step, *self.chain_steps.values()) if s is not None]
+        return [s for s in (self.prefill_step, self.step, *self.chain_steps.values()) if s is not None]
 
     def kv_caches(self) -> list:
         return [self.cache] if self.cache is not None else []
