@@ -5,7 +5,8 @@
 # PART=a / PART=b: the second session's (BENCHMARKS.md section 8).
 # PART=j: the fourth session's serving call; PART=h / i: its first two calls (dense Triton GEMV, floor, weight formats in the best mode).
 # PART=m / n / o / p: the fifth session's calls (GEMV norm prologue, tensor-core int8 / fp8 tiles, the floor with them).
-# PART=q / r: the sixth session's (captured prefill: parity and study throughput; serving scored against medians).
+# PART=q / r / s: the sixth session's (captured prefill: parity and study throughput; serving scored against medians,
+# then with 4x longer windows).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -217,6 +218,12 @@ elif [ "$PART" = r ]; then
     --prefill-graphs off --out "$R/study_off"
   step study_on 90 $PY scripts/study_throughput.py --device cuda --preset small --seconds "${STUDY_S:-110}" \
     --out "$R/study_on"
+elif [ "$PART" = s ]; then
+  # sixth session, last call: serving with 4x longer measured windows (128 requests per run instead of 32), to see
+  # whether call r's misses at 2.0x saturation (runs of 0.5-1 s) were the windows' noise
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --num-requests 128 \
+    --warmup-requests 16 --no-thresholds --budget-s "${SERVING_S:-300}"
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)
