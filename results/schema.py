@@ -248,6 +248,8 @@ SERVING_SPECS: list[ColumnSpec] = [
                "inside the measured window; 0 when every bucket and draft length was captured first)"),
     ColumnSpec("graph_misses_in_run", "int", "serving", "steps that ran eagerly while the run served (a batch "
                "above every graph bucket)"),
+    ColumnSpec("prefill_eager_chunks", "int", "serving", "prefill chunks of the target that ran eagerly with "
+               "captured prefill (prefill_graphs) on: a padded length past the row's slots or the pool's free blocks"),
     ColumnSpec("draft_catch_up_tokens", "int", "serving", "draft-model KV positions written to catch up after "
                "steps that did not draft (adaptive speculation)"),
     ColumnSpec("calibration_s", "float", "serving", "seconds the schedule's calibration took (graph captures "

@@ -65,12 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: the script's)")
     g.add_argument("--methods", help=f"some of {','.join(METHODS)}")
     for name in SEARCH_KNOBS:
-        g.add_argument(KNOBS[name].flag, dest=name, help=KNOBS[name].help)
+        g.add_argument(KNOBS[name].flag, dest=name, help=KNOBS[name].help.replace("%", "%%"))
     g.add_argument("--sampler", choices=("tpe", "nsga2"), help="default tpe")
     g = p.add_argument_group("run settings, the same for every trial (booleans off/on)")
     for name in SETTING_KNOBS:
         g.add_argument(KNOBS[name].flag, dest=name, type=_setting_type(name),
-                       help=f"{KNOBS[name].help} (default {KNOBS[name].format(KNOBS[name].quick)})")
+                       help=f"{KNOBS[name].help} (default {KNOBS[name].format(KNOBS[name].quick)})".replace("%", "%%"))
     return p
 
 

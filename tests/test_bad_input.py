@@ -287,3 +287,16 @@ def test_sourcing_venv_keeps_the_shell_options(fake_venv):
                  '[ "$before" = "$(set +o; shopt -p)" ] && echo same-options; '
                  'command -v python; false; echo still-here', fake_venv)
     assert proc.stdout.splitlines() == ["same-options", str(fake_venv / "bin" / "python"), "still-here"], proc
+
+
+@pytest.mark.parametrize("command", [["-m", "workbench", "bench"], ["-m", "workbench", "serve-bench"],
+                                     ["-m", "workbench", "zoo", "train"], ["-m", "studies.run"]])
+def test_every_command_prints_its_help(command):
+    """--help formats every knob's help (argparse reads % there as a format: "within 2 %" once crashed it)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, *command, "--help"], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "usage:" in out.stdout

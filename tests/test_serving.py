@@ -298,3 +298,36 @@ def test_replay_at_the_recorded_setting_predicts_the_run(target, draft):
     pred = replay.replay(res.states, res.traces, 3, costs, lambda b: 3, max_num_seqs=4)
     real = metrics.summarize(res)
     assert abs(pred["output_throughput"] / real["output_throughput"] - 1) < 0.25
+
+
+# ---- captured prefill (prefill_graphs): chunks padded to multiples of 32, replayed from one graph per length ------
+def long_requests(seed: int, n: int = 6, shared: list[int] | None = None) -> list[Request]:
+    """Requests with room behind their prompts for a chunk padded to 32 tokens (max_len = prompt + new + ...)."""
+    rng = random.Random(seed)
+    return [Request(i, (shared or []) + [rng.randrange(64) for _ in range(rng.randint(2, 20))], rng.randint(30, 40),
+                    arrival_s=float(rng.randint(0, 12))) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
+@pytest.mark.parametrize("setting", ["whole", "chunked", "prefix", "preempt"])
+def test_captured_prefill_in_serving_keeps_outputs(target, draft, solo, kind, setting):
+    """With cuda_graphs (on a CPU: the padded buffers a GPU graph reads, run eagerly) every prefill chunk of the
+    target and every draft-model prefill runs at a length padded up to a multiple of 32: outputs still equal each
+    request's solo greedy output, under chunking, prefix reuse and preemption, and the padding's blocks go back."""
+    shared = [random.Random(12).randrange(64) for _ in range(9)] if setting == "prefix" else None
+    reqs = long_requests(7, shared=shared)
+    engine = make_engine(kind, target, draft, cuda_graphs=True, graph_batch_sizes=(1, 2, 4))
+    kw = {"whole": {}, "chunked": {"prefill_chunk": 5}, "prefix": {"prefix_caching": True, "prefill_chunk": 4},
+          "preempt": {"policy": "max_util", "prefill_chunk": 6,
+                      "num_blocks": max(math.ceil((len(r.prompt) + r.max_new_tokens + 5) / BS) for r in reqs) + 2}}
+    res = serve(engine, reqs, **kw[setting])
+    assert_solo(res, reqs, solo)
+    step = engine.prefill_step
+    keys = [length for (_, length) in step.fixed_at._buffers]
+    assert keys and all(length % 32 == 0 for length in keys)
+    assert step.fixed_at.stats.hits > 0 and step.fixed_at.stats.hits >= step.eager_chunks
+    if setting == "preempt":
+        assert res.preemptions > 0 and res.max_used_blocks <= kw["preempt"]["num_blocks"]
+    if kind == "draft":  # the draft model's prefill at join, padded too
+        assert all(length % 32 == 0 for (_, length) in engine.drafter.prefill_step.fixed._buffers)
+    assert engine.cache.used_blocks == 0  # every row released, the padding's blocks included

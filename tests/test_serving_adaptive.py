@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.test_engine import draft, target  # noqa: F401 (fixtures)
-from tests.test_serving import BS, assert_solo, random_requests, solo  # noqa: F401 (fixture)
+from tests.test_serving import BS, assert_solo, long_requests, random_requests, solo  # noqa: F401 (fixture)
 from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.drafters import DraftModelDrafter
 from workbench.engine.graphs import FixedShapeStep
@@ -164,11 +164,45 @@ def test_every_length_is_captured_before_the_run(target, draft, solo, fake_captu
     assert_solo(out.result, reqs, solo)
     assert {t.num_nodes for t in out.result.traces} == {0, 2, 3}
     if ahead:
-        assert out.record["graph_captures_in_run"] == 0 and out.record["graph_misses_in_run"] == 0
+        assert out.record["graph_captures_in_run"] == 0 and out.record["graph_misses_in_run"] == 0, engine.graph_stats().captured
         captured = engine.graph_stats().captured
         assert {"draft-chain2:4x0", "draft-chain:4x0", "target+accept:4x0", "target+accept:4x2"} <= set(captured)
     else:
         assert out.record["graph_captures_in_run"] > 0  # what the H200 run paid inside its measured window
+
+
+def test_prefill_chunks_are_captured_before_the_run(target, draft, solo, fake_capture):
+    """serve-bench captures every padded prefill length its prompts can need (target chunks, draft-model prompts) before
+    the clock starts: none is captured inside the measured run, and the prefills replayed those graphs."""
+    from workbench.serving import bench
+
+    reqs = long_requests(8, n=8)
+    cfg = ServeConfig(method="draft", k=3, cuda_graphs=True, graph_batch_sizes=(1, 2, 4), max_num_seqs=4,
+                      kv_block_size=BS, max_new_tokens=40)
+    engine = engine_with(DraftModelDrafter(draft, 3), target, graphs=True)
+    out = bench.serve_bench(fake_session(), cfg, clock=StepClock(), engine=engine, requests=reqs)
+    assert_solo(out.result, reqs, solo)
+    assert out.record["graph_captures_in_run"] == 0, engine.graph_stats().captured
+    captured = set(engine.graph_stats().captured)
+    assert {"target-prefill-chunk:1x32", "draft-prefill:1x32"} <= captured
+    assert engine.prefill_step.fixed_at.stats.hits >= len(reqs) and engine.prefill_step.eager_chunks == 0
+    assert out.record["prefill_eager_chunks"] == 0
+
+
+def test_prefill_graphs_off_serves_prompts_eagerly(target, draft, solo, fake_capture):
+    """--prefill-graphs off on serve-bench: the decode steps stay captured, the prompts run eagerly (no prefill graph)."""
+    from workbench.serving import bench
+
+    reqs = long_requests(8, n=4)
+    cfg = ServeConfig(method="draft", k=3, cuda_graphs=True, graph_batch_sizes=(1, 2, 4), max_num_seqs=4,
+                      kv_block_size=BS, max_new_tokens=20, prefill_graphs=False)
+    session = SimpleNamespace(**vars(fake_session()), target=target, draft=draft, model_for=lambda role, c: draft)
+    engine = bench.engine_for(session, cfg)
+    assert engine.config.prefill_graphs is False and engine.config.cuda_graphs
+    out = bench.serve_bench(fake_session(), cfg, clock=StepClock(), engine=engine, requests=reqs)
+    assert_solo(out.result, reqs, solo)
+    assert not any("prefill" in name for name in engine.graph_stats().captured)
+    assert "prefill_eager_chunks" not in out.record and out.record["graph_captures_in_run"] == 0
 
 
 def test_a_second_run_reuses_the_engine_cache_and_graphs(target, draft, solo, fake_capture):

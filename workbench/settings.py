@@ -311,7 +311,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
 # the serve-bench flags come from the same declarations, and results.schema declares their columns.
 SERVE_RUN_KNOBS = ("method", "k", "ngram_min", "ngram_max", "beam_width", "beam_length", "diversity_penalty",
                    "max_new_tokens", "temperature", "top_k", "top_p", "seed", "kv_block_size", "cuda_graphs",
-                   "graph_batch_sizes", "compile", "attention")  # the bench knobs serving reads too
+                   "graph_batch_sizes", "compile", "attention", "prefill_graphs")  # the bench knobs serving reads too
 SCHED_POLICIES = ("no_evict", "max_util")
 SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("rate", "float", 0.0, "request arrival rate in requests/s (0 = all requests arrive at once)", "Request rate",

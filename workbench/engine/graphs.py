@@ -25,6 +25,7 @@ Statistics (`GraphStats`): capture time and memory, bucket hits and misses, padd
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -303,15 +304,18 @@ def prefill_len(length: int, max_len: int) -> int:
 
 
 class PrefillStep:
-    """A prompt forward of `model` over `cache` from position 0: (rows, ids [B, L]) -> hidden [B, L, H].
+    """A prompt forward of `model` over `cache`: (rows, ids [B, L]) from position 0 -> hidden [B, L, H] (`__call__`,
+    a batch's prefill), or one row's chunk of T tokens at any start -> hidden [1, T, H] (`chunk`, serving).
 
     Captured (settings.cuda_graphs and settings.prefill, GPU): the host allocates blocks for the padded length, the
-    ids right-pad with zeros to `prefill_len` (their KV past each prompt is written and dropped by the caller's
+    ids right-pad with zeros to `prefill_len` (their KV past the real tokens is written and then dropped by a
     truncate, like a batch's right padding), and one graph per (batch, padded length) replays the cache's prepare
     and the model. The batch is never padded (a padding row would need a whole prompt's blocks in the scratch row):
-    every batch size is its own key. Not compiled (the compile setting is for decode steps). Graphs of one step share
-    one memory pool (they never run concurrently; each keeps its output alive). On a CPU the same padded forward runs
-    eagerly. Otherwise: eager, over exactly the prompt's span.
+    every batch size is its own key. A chunk reads the cache's whole static span (its start varies); a batch from
+    position 0 only its padded length. Not compiled (the compile setting is for decode steps). Graphs of one step
+    share one memory pool (they never run concurrently; each keeps its output alive). On a CPU the same padded
+    forward runs eagerly. Otherwise (or where a chunk's padded length passes the row's slots or needs blocks the pool
+    has not got free: counted in `eager_chunks`): eager, over exactly the tokens' span.
     """
 
     def __init__(self, model, cache, settings: GraphSettings, device: torch.device, name: str):
@@ -319,20 +323,26 @@ class PrefillStep:
         self.fixed_shape = settings.cuda_graphs and settings.prefill
         exact = GraphSettings(settings.cuda_graphs, tuple(range(1, cache.max_rows + 1)), "off", settings.prefill)
         pool = torch.cuda.graph_pool_handle() if self.fixed_shape and self.device.type == "cuda" else None
-        self.fixed = FixedShapeStep(f"{name}-prefill", self._fixed_shape, self._pads, exact, device, pool=pool)
+        self.fixed = FixedShapeStep(f"{name}-prefill", functools.partial(self._fixed_shape, anywhere=False),
+                                    self._pads, exact, device, pool=pool)
+        self.eager_chunks = 0  # captured mode: chunks whose padded length did not fit the row or the pool
+        self.fixed_at = FixedShapeStep(f"{name}-prefill-chunk", functools.partial(self._fixed_shape, anywhere=True),
+                                       self._pads, exact, device, pool=pool)
 
     @property
     def stats(self) -> GraphStats:
-        return self.fixed.stats
+        return self.fixed.stats.add(self.fixed_at.stats)
 
     def _pads(self, length: int) -> dict[str, torch.Tensor]:
         return {"ids": torch.zeros(length, dtype=torch.long, device=self.device),
-                "positions": torch.arange(length, device=self.device),
-                "rows": torch.tensor(self.cache.pad_row, device=self.device)}
+                "rows": torch.tensor(self.cache.pad_row, device=self.device),
+                "base": torch.tensor(0, device=self.device)}
 
-    def _fixed_shape(self, ids, positions, rows) -> torch.Tensor:
+    def _fixed_shape(self, ids, rows, base, anywhere: bool) -> torch.Tensor:
         length = ids.shape[1]
-        self.cache.prepare(rows, torch.zeros_like(rows), length, None, self.cache._read_span(length), kernel=False)
+        positions = base.unsqueeze(1) + torch.arange(length, device=ids.device)  # [B, T]
+        span = self.cache.static_span if anywhere else self.cache._read_span(length)
+        self.cache.prepare(rows, base, length, None, span, kernel=False)
         return self.model(ids, positions, self.cache)
 
     def padded_len(self, length: int) -> int:
@@ -348,7 +358,33 @@ class PrefillStep:
         padded = self.padded_len(length)
         self.cache.plan(rows_host, [0] * b, padded)
         ids = torch.nn.functional.pad(ids, (0, padded - length))
-        return self.fixed(padded, b, {"ids": ids, "positions": None, "rows": rows}, rows_host)[:, :length]
+        return self.fixed(padded, b, {"ids": ids, "rows": rows, "base": None}, rows_host)[:, :length]
+
+    def _room(self, row: int, end: int) -> bool:
+        """Whether the pool has never-used free blocks for `row`'s positions below `end` (padding never evicts a
+        prefix-cached block); a contiguous cache always has room."""
+        if not hasattr(self.cache, "_host_table"):
+            return True
+        need = -(-end // self.cache.block_size) - len(self.cache._host_table[row])
+        return need <= len(self.cache._free)
+
+    def chunk(self, row: int, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """One row's tokens ids [1, T] at positions start.. (its KV below `start` already written) -> hidden [1, T, H].
+        Captured, the padding's blocks go back to the pool before it returns."""
+        t = ids.shape[1]
+        rows = torch.tensor([row], dtype=torch.long, device=self.device)
+        base = torch.tensor([start], dtype=torch.long, device=self.device)
+        padded = -(-t // PREFILL_LEN_MULTIPLE) * PREFILL_LEN_MULTIPLE
+        if not self.fixed_shape or start + padded > self.cache.max_len or not self._room(row, start + padded):
+            if self.fixed_shape:  # no graph per exact length (unbounded keys): this chunk runs eagerly
+                self.eager_chunks += 1
+            self.cache.begin(rows, base, [start], t, rows_host=[row], prefill=True)
+            return self.model(ids, base.unsqueeze(1) + torch.arange(t, device=self.device), self.cache)
+        self.cache.plan([row], [start], padded)
+        out = self.fixed_at(padded, 1, {"ids": torch.nn.functional.pad(ids, (0, padded - t)), "rows": rows,
+                                        "base": base}, [row])[:, :t]
+        self.cache.truncate(row, start + t)
+        return out
 
     def capture(self, rows_host: list[int], length: int) -> None:
         """Capture (GPU) the prefill of len(rows_host) prompts of up to `length` tokens in these cache rows ahead of
@@ -362,5 +398,21 @@ class PrefillStep:
             bufs.load(b, {"rows": torch.tensor(rows_host, device=self.device)}, rows_host)
             self.fixed._record(bufs, padded)
 
+    def capture_chunks(self, row: int, max_tokens: int) -> None:
+        """Capture (GPU) every padded chunk length up to `max_tokens` in cache row `row` (allocating and then
+        releasing its blocks), so that serving replays prefill chunks only."""
+        if not (self.fixed_shape and self.fixed_at._capture):
+            return
+        for padded in range(PREFILL_LEN_MULTIPLE, prefill_len(max_tokens, self.cache.max_len) + 1,
+                            PREFILL_LEN_MULTIPLE):
+            if padded > self.cache.max_len or not self._room(row, padded):
+                break
+            self.cache.plan([row], [0], padded)
+            bufs = self.fixed_at._get(1, padded)
+            if bufs.graph is None:
+                bufs.load(1, {"rows": torch.tensor([row], device=self.device)}, [row])
+                self.fixed_at._record(bufs, padded)
+            self.cache.truncate(row, 0)
+
     def replay_callables(self) -> dict:
-        return self.fixed.replay_callables()
+        return {**self.fixed.replay_callables(), **self.fixed_at.replay_callables()}

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
-from workbench.engine.graphs import (DEFAULT_BUCKETS, PAD_LEN, FixedShapeStep, GraphSettings, GraphStats, ModelStep,
-                                     PrefillStep, prefill_len)
+from workbench.engine.graphs import (DEFAULT_BUCKETS, PAD_LEN, PREFILL_LEN_MULTIPLE, FixedShapeStep, GraphSettings,
+                                     GraphStats, ModelStep, PrefillStep, prefill_len)
 from workbench.engine.kv_cache import ATTENTION_BACKENDS, make_cache
 from workbench.engine.kv_quant import kv_format
 from workbench.engine.sampling import SamplingParams, next_token
@@ -208,15 +208,18 @@ class SpecEngine:
         return stats
 
     def capture_graphs(self, max_batch: int, node_counts: tuple[int, ...] | None = None,
-                       prompt_batches: list[list[int]] | None = None) -> None:
+                       prompt_batches: list[list[int]] | None = None, max_prefill_tokens: int = 0) -> None:
         """Capture every bucket a batch of up to max_batch can shrink through (target verify and drafter forwards),
         so that timed generations replay graphs only. Needs a first `generate` or `setup_rows` (it sizes the caches).
         node_counts: every `decode_step(num_nodes=n)` the run will ask for (adaptive speculation; 0 = autoregressive
         steps); None = only the drafter's N. prompt_batches: the prompt lengths of each `generate` call to come, whose
-        prefills (target and draft model) are captured too (`prefill_graphs`)."""
+        prefills (target and draft model) are captured too (`prefill_graphs`); max_prefill_tokens: serving's
+        rows join one at a time (`prefill_row`, `sync_drafter`): every padded chunk / prompt length up to this many
+        tokens is captured for one row."""
         if self.target_step is None or not self.config.cuda_graphs:
             return
         self.capture_prefill(prompt_batches or [])
+        self.capture_row_prefill(max_prefill_tokens)
         top = self.config.graphs.bucket(max_batch)
         sizes = [s for s in self.config.graph_batch_sizes if top is not None and s <= top]
         counts = sorted(set(node_counts)) if node_counts is not None else [self.num_nodes]
@@ -243,6 +246,21 @@ class SpecEngine:
         self.cache.reset()
         if drafter is not None:
             drafter.cache.reset()
+
+    def capture_row_prefill(self, max_tokens: int) -> None:
+        """Capture one row's prefill chunks (target) and prompt prefills (draft model) of up to max_tokens tokens, in
+        row 0 (left empty after; call it while no row is live)."""
+        if max_tokens < 1 or self.prefill_step is None or not self.prefill_step.fixed_shape:
+            return
+        drafter = getattr(self.drafter, "prefill_step", None)
+        with torch.inference_mode():
+            self.prefill_step.capture_chunks(0, max_tokens)
+            if drafter is not None:
+                for length in range(PREFILL_LEN_MULTIPLE, max_tokens + PREFILL_LEN_MULTIPLE, PREFILL_LEN_MULTIPLE):
+                    if drafter.padded_len(min(length, max_tokens)) > drafter.cache.max_len:
+                        break
+                    drafter.capture([0], min(length, max_tokens))
+                    drafter.cache.truncate(0, 0)
 
     def verify_step(self) -> tuple[FixedShapeStep | ModelStep | None, int]:
         """The step the verify pass runs under the current settings, and its shape key: the fused greedy step and
@@ -380,7 +398,10 @@ class SpecEngine:
             tokens[rows, kv_len] = first
             self._setup_drafter(gen)
             if self.drafter is not None:
-                self.drafter.prefill_batch(state, padded, positions, hidden=hidden if self._wants_hidden() else None)
+                if self._wants_hidden():
+                    self.drafter.prefill(state, padded, positions, hidden=hidden)
+                else:
+                    self.drafter.prefill(state, padded, positions)
         for i, n in enumerate(plen):
             cache.truncate(i, n)  # drop the padding's KV (and, paged, its blocks)
         first_host = first.tolist()
@@ -614,9 +635,7 @@ class SpecEngine:
         dev, t = self.device, len(ids)
         chunk = torch.tensor([ids], dtype=torch.long, device=dev)  # [1, T]
         self.tokens[row, start:start + t] = chunk[0]
-        rows = torch.tensor([row], dtype=torch.long, device=dev)
-        self.cache.begin(rows, torch.tensor([start], device=dev), [start], t, rows_host=[row], prefill=True)
-        hidden = self.target(chunk, torch.arange(start, start + t, device=dev).unsqueeze(0), self.cache)  # [1, T, H]
+        hidden = self.prefill_step.chunk(row, chunk, start)  # [1, T, H]; captured with prefill_graphs
         return self.target.compute_logits(hidden[0, -1]), hidden[0]
 
     def start_row(self, row: int, context: list[int], root: int, hidden: torch.Tensor | None = None,

@@ -21,10 +21,16 @@ HEADLINE = ["method", "k", "batch", "acceptance_rate", "mean_accepted_tokens", "
 GROUPS = {"method": "method", "run": "run settings", "sampling": "sampling", "system": "system"}
 
 
+def _escaped(help_text: str) -> str:
+    """argparse formats help strings with %: a literal percent sign (e.g. "within 2 %") must be doubled."""
+    return help_text.replace("%", "%%")
+
+
 def add_knob(group: argparse._ArgumentGroup, knob: settings.Knob) -> None:
     """One flag per knob (workbench.settings): a boolean is a --x / --no-x pair, a list is comma-separated."""
     if knob.kind == "bool":
-        group.add_argument(knob.flag, default=knob.default, action=argparse.BooleanOptionalAction, help=knob.help)
+        group.add_argument(knob.flag, default=knob.default, action=argparse.BooleanOptionalAction,
+                           help=_escaped(knob.help))
         return
 
     def parse(text: str):
@@ -36,7 +42,7 @@ def add_knob(group: argparse._ArgumentGroup, knob: settings.Knob) -> None:
     metavar = "N,N,..." if knob.kind == "ints" else None
     # a string default goes through `parse` like a typed value, and --help shows it as it would be typed
     group.add_argument(knob.flag, dest=knob.name, type=parse, default=knob.format(knob.default), choices=knob.choices,
-                       metavar=metavar, help=knob.help)
+                       metavar=metavar, help=_escaped(knob.help))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

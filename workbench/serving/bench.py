@@ -43,7 +43,7 @@ def engine_for(session, cfg) -> SpecEngine:
     ecfg = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingParams(cfg.temperature, cfg.top_k,
                         cfg.top_p), paged=True, kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
                         cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
-                        compile=cfg.compile, attention=cfg.attention)
+                        compile=cfg.compile, attention=cfg.attention, prefill_graphs=cfg.prefill_graphs)
     if cfg.method == "draft" and session.draft is None:
         raise ServeError("method 'draft' needs a draft model: give --draft PATH or use a --preset")
     return SpecEngine(session.target, _drafter_for(cfg, session), ecfg, session.device)
@@ -116,8 +116,9 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
         adaptive = adaptive_for(cfg, engine.num_nodes, ranges)
         loop = make_loop(adaptive)
     if cfg.cuda_graphs:  # before the clock starts, every (bucket, draft length) the adaptive rules can ask for
-        engine.capture_graphs(cfg.max_num_seqs, node_counts=adaptive.node_counts(cfg.max_num_seqs, loop.chains))
-    graphs_before = engine.graph_stats()
+        engine.capture_graphs(cfg.max_num_seqs, node_counts=adaptive.node_counts(cfg.max_num_seqs, loop.chains),
+                              max_prefill_tokens=max((len(r.prompt) for r in requests), default=0))
+    graphs_before, eager_before = engine.graph_stats(), getattr(engine.prefill_step, "eager_chunks", 0)
     t0 = time.perf_counter()
     try:
         result = loop.run()
@@ -151,6 +152,8 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
     if cfg.cuda_graphs or cfg.compile != "off":
         # captures and eager fallbacks (a batch above every bucket) inside the served run: each one is a stall
         rec.update(graph_captures_in_run=len(in_run.captured), graph_misses_in_run=in_run.misses)
+        if cfg.prefill_graphs:
+            rec["prefill_eager_chunks"] = getattr(engine.prefill_step, "eager_chunks", 0) - eager_before
         g = engine.graph_stats()
         rec.update(graph_capture_s=g.capture_s, graph_memory_mb=g.memory_bytes / 2**20, graph_bucket_hits=g.hits,
                    graph_bucket_misses=g.misses, graph_padding_waste=g.padding_waste)

@@ -93,7 +93,7 @@ def calibrate(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[i
     max_len = -(-max_len // bs) * bs
     cache = make_cache(engine, rows, max_len, rows * (max_len // bs))
     engine.setup_rows(cache, max_len)
-    engine.capture_graphs(rows, node_counts=counts)
+    engine.capture_graphs(rows, node_counts=counts, max_prefill_tokens=max(len(p) for p in prompts))
     timer = PhaseTimer(engine.device, False)
     tokens_host: list[list[int] | None] = [None] * (rows + 1)
     gen = torch.Generator(device=engine.device).manual_seed(engine.config.seed)
@@ -235,7 +235,7 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
         loop = ServingLoop(engine, reqs, max_num_seqs=max_num_seqs, max_concurrency=b, clock=RealClock(),
                            adaptive=AdaptiveSpeculation(n_full, [(1, max_num_seqs, k)]), **serve_kwargs)
         if engine.config.graphs.fixed_shape and not captured:  # every length, before the first timed run
-            engine.capture_graphs(max_num_seqs, node_counts=counts)
+            engine.capture_graphs(max_num_seqs, node_counts=counts, max_prefill_tokens=max(len(p) for p in prompts))
             captured.append(True)
         res = loop.run()
         if engine.device.type == "cuda":

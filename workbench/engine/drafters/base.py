@@ -89,7 +89,7 @@ class Drafter(ABC):
     # are then upper bounds, for storage planning) and commit does nothing but free storage (it is not called)
     overlaps: bool = False
 
-    prefill_step = None  # graphs.PrefillStep of a drafter with a model and KV of its own (prefill_batch runs it)
+    prefill_step = None  # graphs.PrefillStep of a drafter with a model and KV of its own (its `prefill` runs it)
 
     def setup(self, ctx: DraftContext) -> None:
         self.ctx = ctx
@@ -98,15 +98,6 @@ class Drafter(ABC):
                 hidden: torch.Tensor | None = None) -> None:
         """prompt_ids, positions [B, P] right-padded; the true lengths are state.kv_len. With `wants_hidden`: also
         hidden= [B, P, H], the target's final hidden states of the prompts (right-padded like the ids)."""
-
-    def prefill_batch(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor,
-                      hidden: torch.Tensor | None = None) -> None:
-        """`prefill` of a whole `generate` batch, whose shapes repeat from call to call: a drafter with a
-        `prefill_step` (graphs.PrefillStep) may run it captured. Rows that join one by one (serving) use `prefill`."""
-        if hidden is None:
-            self.prefill(state, prompt_ids, positions)
-        else:
-            self.prefill(state, prompt_ids, positions, hidden=hidden)
 
     @abstractmethod
     def propose(self, state: BatchState) -> DraftTree: ...

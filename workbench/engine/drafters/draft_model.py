@@ -104,14 +104,7 @@ class DraftModelDrafter(Drafter):
         return step
 
     def prefill(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        b = prompt_ids.shape[0]
-        zeros = torch.zeros(b, dtype=torch.long, device=prompt_ids.device)
-        self.cache.begin(state.rows, zeros, [0] * b, prompt_ids.shape[1], rows_host=state.rows_host, prefill=True)
-        self.model(prompt_ids, positions, self.cache)
-
-    def prefill_batch(self, state: BatchState, prompt_ids: torch.Tensor, positions: torch.Tensor,
-                      hidden: torch.Tensor | None = None) -> None:
-        self.prefill_step(state.rows, state.rows_host, prompt_ids, positions)
+        self.prefill_step(state.rows, state.rows_host, prompt_ids, positions)  # captured with prefill_graphs
 
     def catch_up(self, state: BatchState, ids: torch.Tensor, positions: torch.Tensor, start_host: list[int]) -> None:
         b, t = ids.shape
