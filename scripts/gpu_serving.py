@@ -96,6 +96,10 @@ def parse_args(argv=None):
     p.add_argument("--calibration-steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="sweep rounds (arrival seeds 0..R-1); medians are compared")
     p.add_argument("--no-thresholds", action="store_true")
+    p.add_argument("--eager-prefill-controls", action="store_true",
+                   help="also run off and fixed k with prefill_graphs off (prompts eager, decode captured) in every "
+                   "sweep round, interleaved with the rest: the captured prefill against the eager one on the same "
+                   "arrivals (prefill_checks)")
     p.add_argument("--threshold-requests", type=int, default=12,
                    help="measured requests per threshold run (at least 3 x the concurrency)")
     p.add_argument("--cliff-pct", type=float, default=10.0)
@@ -138,7 +142,7 @@ def main(argv=None) -> int:
             tmp.replace(out / name)
 
     def engine(cfg):
-        key = (cfg.method, cfg.k if cfg.method != "ar" else 0)
+        key = (cfg.method, cfg.k if cfg.method != "ar" else 0, cfg.prefill_graphs)
         if key not in engines:
             engines[key] = engine_for(session, cfg)
         return engines[key]
@@ -160,6 +164,9 @@ def main(argv=None) -> int:
         flush()
     fixed = f"k={args.k}"
     settings_of = {"off": dict(method="ar"), fixed: {}, "adaptive": dict(k_by_batch=""), "k=2 (held out)": dict(k=2)}
+    if args.eager_prefill_controls:
+        settings_of.update({EAGER.format("off"): dict(method="ar", prefill_graphs=False),
+                            EAGER.format(fixed): dict(prefill_graphs=False)})
     runs: dict[tuple, object] = {}
 
     def run(name: str, part: str, essential: bool = False, **kw):
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
     # -- warm-up: first-run costs and graph captures outside every measured run ----------------------------------
     warm = dict(arrival="concurrency", max_concurrency=args.max_num_seqs, warmup_requests=0,
                 num_requests=max(args.max_num_seqs, len(used)))
-    for name in ("off", fixed, "k=2 (held out)"):
+    for name in ("off", fixed, "k=2 (held out)") + tuple(n for n in settings_of if n.endswith(EAGER.format(""))):
         run(name, "warm-up", essential=True, **warm)
     # -- calibrate (loop): closed-loop serves per (batch bucket, k) on the fixed-k engine, its cache and graphs ---
     if args.k_by_batch == "auto":
@@ -236,6 +243,7 @@ def main(argv=None) -> int:
                     result["sweep"].append(rec)
                     runs[(name, frac, rep)] = res  # the replay's fit, oracle and reference: every round
                     result["sweep_checks"] = sweep_checks(result["sweep"], fixed)
+                    result["prefill_checks"] = prefill_checks(result["sweep"], fixed)
                     flush()
     # -- thresholds +/- 1 at fixed concurrency --------------------------------------------------------------------
     thresholds = [lo for lo, _, _ in ranges[1:] if lo <= args.max_num_seqs]
@@ -306,6 +314,37 @@ def main(argv=None) -> int:
     flush()
     print(table(result))
     return 0
+
+
+EAGER = "{}, eager prefill"  # the control settings of --eager-prefill-controls
+
+
+def prefill_checks(sweep: list[dict], fixed: str) -> list[dict]:
+    """Per rate and setting (off, fixed k): captured prefill against eager prefill on the same arrivals, over the
+    rounds both finished: median output tokens/s and their ratio, the spread over rounds ((max - min) / median),
+    and the prefill's median share of the run's wall time."""
+    out = []
+    for frac in sorted({x["rate_fraction"] for x in sweep}):
+        for name in ("off", fixed):
+            by = {s: {x.get("repeat", 0): x for x in sweep if x["rate_fraction"] == frac and x["setting"] == s}
+                  for s in (name, EAGER.format(name))}
+            reps = sorted(set(by[name]) & set(by[EAGER.format(name)]))
+            if not reps:
+                continue
+            row = {"rate_fraction": frac, "setting": name, "rounds": len(reps)}
+            for tag, s in (("captured", name), ("eager", EAGER.format(name))):
+                tps = [by[s][r]["output_throughput"] for r in reps]
+                med = statistics.median(tps)
+                shares = [by[s][r]["time_prefill_ms"] / (1000 * by[s][r]["wall_s"]) for r in reps
+                          if by[s][r].get("time_prefill_ms") is not None and by[s][r].get("wall_s")]
+                row.update({f"{tag}_output_throughput": med, f"{tag}_spread": (max(tps) - min(tps)) / med if med else None,
+                            f"{tag}_prefill_share": statistics.median(shares) if shares else None,
+                            f"{tag}_tpot_ms_p99": statistics.median(by[s][r]["tpot_ms_p99"] for r in reps),
+                            f"{tag}_ttft_ms_p99": statistics.median(by[s][r]["ttft_ms_p99"] for r in reps)})
+            e = row["eager_output_throughput"]
+            row["ratio"] = row["captured_output_throughput"] / e if e else None
+            out.append(row)
+    return out
 
 
 # cost model -> (key prefix in a replay entry, column title)
@@ -437,6 +476,20 @@ def table(r: dict) -> str:
         for c in r["sweep_checks"]:
             lines.append(f"| {c['rate_fraction']} | {c.get('repeats', 1)} | {_f(c['goodput_ratio'], 3)} | "
                          f"{_f(c['output_throughput_ratio'], 3)} | {'yes' if c['adaptive_ge_best'] else 'no'} |")
+    if r.get("prefill_checks"):
+        lines += ["", "Captured prefill against eager prefill (prefill_graphs on / off; decode captured in both), "
+                  "same arrivals, medians over the rounds both finished; spread = (max - min) / median over rounds; "
+                  "prefill share = prefill forwards' GPU time / run wall time:", "",
+                  "| rate (x sat) | setting | rounds | out tok/s captured | eager | ratio | spread captured | eager | "
+                  "prefill share captured | eager | p99 TTFT ms captured | eager | p99 TPOT ms captured | eager |",
+                  "|---" * 15 + "|"]
+        for c in r["prefill_checks"]:
+            lines.append(f"| {c['rate_fraction']} | {c['setting']} | {c['rounds']} | "
+                         f"{_f(c['captured_output_throughput'])} | {_f(c['eager_output_throughput'])} | "
+                         f"{_f(c['ratio'], 3)} | {_f(c['captured_spread'], 2)} | {_f(c['eager_spread'], 2)} | "
+                         f"{_f(c['captured_prefill_share'], 2)} | {_f(c['eager_prefill_share'], 2)} | "
+                         f"{_f(c['captured_ttft_ms_p99'])} | {_f(c['eager_ttft_ms_p99'])} | "
+                         f"{_f(c['captured_tpot_ms_p99'])} | {_f(c['eager_tpot_ms_p99'])} |")
     if r["thresholds"]:
         lines += ["", f"Thresholds {r['schedule_thresholds']} at concurrency t - 1, t, t + 1 (cliff: a drop of more "
                   f"than {r['cliff_pct']:g} %):", "",

@@ -7,6 +7,7 @@
 # PART=m / n / o / p: the fifth session's calls (GEMV norm prologue, tensor-core int8 / fp8 tiles, the floor with them).
 # PART=q / r / s: the sixth session's (captured prefill: parity and study throughput; serving scored against medians,
 # then with 4x longer windows).
+# PART=t: the seventh session's (serving with the prefill chunks captured, against eager prefill in the same rounds).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -224,6 +225,12 @@ elif [ "$PART" = s ]; then
   train_small
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --num-requests 128 \
     --warmup-requests 16 --no-thresholds --budget-s "${SERVING_S:-300}"
+elif [ "$PART" = t ]; then
+  # seventh session: serving's prefill chunks captured (prefill_graphs, the default) against eager prefill in the
+  # same rounds and arrivals (--eager-prefill-controls), with call s's 128-request windows
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --num-requests 128 \
+    --warmup-requests 16 --no-thresholds --eager-prefill-controls --budget-s "${SERVING_S:-320}"
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)

@@ -322,6 +322,33 @@ def test_gpu_serving_script_smoke_on_cpu(tmp_path):
         {"thresholds"} if r["schedule_thresholds"] else set())
 
 
+def test_gpu_serving_eager_prefill_controls(tmp_path):
+    """--eager-prefill-controls: off and fixed k also run with prefill_graphs off in every round, on the same arrivals,
+    and prefill_checks compares them (ratio = captured / eager median tokens/s; the fixed-shape step runs on a CPU)."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "4", "--warmup-requests", "1",
+                             "--max-new-tokens", "6", "--rates", "1", "--max-num-seqs", "4", "--k-by-batch", "1-4:2",
+                             "--repeats", "2", "--no-thresholds", "--cuda-graphs", "--eager-prefill-controls",
+                             "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert {x["setting"] for x in r["sweep"]} == {"off", "k=4", "adaptive", "k=2 (held out)", "off, eager prefill",
+                                                  "k=4, eager prefill"}
+    checks = {c["setting"]: c for c in r["prefill_checks"]}
+    assert set(checks) == {"off", "k=4"}
+    for name, c in checks.items():
+        runs = {s: [x["output_throughput"] for x in r["sweep"] if x["setting"] == s]
+                for s in (name, f"{name}, eager prefill")}
+        assert c["rounds"] == 2 and c["ratio"] == pytest.approx(
+            (sum(runs[name]) / 2) / (sum(runs[f"{name}, eager prefill"]) / 2))
+        assert 0 < c["captured_prefill_share"] < 1 and 0 < c["eager_prefill_share"] < 1
+    assert "Captured prefill against eager prefill" in (tmp_path / "table.md").read_text()
+
+
 def test_gpu_serving_script_loop_calibration_and_progressive_results(tmp_path, monkeypatch):
     """The default schedule comes from the loop calibration (step's table kept beside it), and results are written
     as the script goes: stopped at its saturation run (as a timeout would), the folder holds what came before."""
