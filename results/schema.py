@@ -236,6 +236,7 @@ SERVING_SPECS: list[ColumnSpec] = [
     *_cols("config", "int", "max_concurrency num_requests warmup_requests input_len shared_prefix_len kv_blocks "
                             "max_num_seqs prefill_chunk spec_window spec_max_context long_context_k spec_catch_up_max"),
     ColumnSpec("prefix_caching", "bool", "config", "full prompt blocks shared between requests"),
+    ColumnSpec("gc_freeze", "bool", "config", "Python's heap collected and frozen (gc.freeze) before the measured run"),
     *_cols("serving", "int", "completed preemptions"),
     *_cols("serving", "float", "duration_s request_throughput output_throughput total_token_throughput goodput "
                                "ttft_ms_mean ttft_ms_p50 ttft_ms_p90 ttft_ms_p99 tpot_ms_mean "

@@ -100,6 +100,9 @@ def parse_args(argv=None):
                    help="also run off and fixed k with prefill_graphs off (prompts eager, decode captured) in every "
                    "sweep round, interleaved with the rest: the captured prefill against the eager one on the same "
                    "arrivals (prefill_checks)")
+    p.add_argument("--gc-controls", action="store_true",
+                   help="also run off and fixed k with gc_freeze off (the collector free to rescan the whole heap "
+                   "inside the run) in every sweep round (gc_checks)")
     p.add_argument("--threshold-requests", type=int, default=12,
                    help="measured requests per threshold run (at least 3 x the concurrency)")
     p.add_argument("--cliff-pct", type=float, default=10.0)
@@ -167,6 +170,9 @@ def main(argv=None) -> int:
     if args.eager_prefill_controls:
         settings_of.update({EAGER.format("off"): dict(method="ar", prefill_graphs=False),
                             EAGER.format(fixed): dict(prefill_graphs=False)})
+    if args.gc_controls:
+        settings_of.update({GC.format("off"): dict(method="ar", gc_freeze=False),
+                            GC.format(fixed): dict(gc_freeze=False)})
     runs: dict[tuple, object] = {}
 
     def run(name: str, part: str, essential: bool = False, **kw):
@@ -189,7 +195,8 @@ def main(argv=None) -> int:
     # -- warm-up: first-run costs and graph captures outside every measured run ----------------------------------
     warm = dict(arrival="concurrency", max_concurrency=args.max_num_seqs, warmup_requests=0,
                 num_requests=max(args.max_num_seqs, len(used)))
-    for name in ("off", fixed, "k=2 (held out)") + tuple(n for n in settings_of if n.endswith(EAGER.format(""))):
+    for name in ("off", fixed, "k=2 (held out)") + tuple(
+            n for n in settings_of if n.endswith((EAGER.format(""), GC.format("")))):
         run(name, "warm-up", essential=True, **warm)
     # -- calibrate (loop): closed-loop serves per (batch bucket, k) on the fixed-k engine, its cache and graphs ---
     if args.k_by_batch == "auto":
@@ -243,7 +250,8 @@ def main(argv=None) -> int:
                     result["sweep"].append(rec)
                     runs[(name, frac, rep)] = res  # the replay's fit, oracle and reference: every round
                     result["sweep_checks"] = sweep_checks(result["sweep"], fixed)
-                    result["prefill_checks"] = prefill_checks(result["sweep"], fixed)
+                    result["prefill_checks"] = control_checks(result["sweep"], fixed, EAGER)
+                    result["gc_checks"] = control_checks(result["sweep"], fixed, GC)
                     flush()
     # -- thresholds +/- 1 at fixed concurrency --------------------------------------------------------------------
     thresholds = [lo for lo, _, _ in ranges[1:] if lo <= args.max_num_seqs]
@@ -317,22 +325,24 @@ def main(argv=None) -> int:
 
 
 EAGER = "{}, eager prefill"  # the control settings of --eager-prefill-controls
+GC = "{}, gc unfrozen"  # and of --gc-controls
 
 
-def prefill_checks(sweep: list[dict], fixed: str) -> list[dict]:
-    """Per rate and setting (off, fixed k): captured prefill against eager prefill on the same arrivals, over the
-    rounds both finished: median output tokens/s and their ratio, the spread over rounds ((max - min) / median),
-    and the prefill's median share of the run's wall time."""
+def control_checks(sweep: list[dict], fixed: str, control: str = EAGER) -> list[dict]:
+    """Per rate and setting (off, fixed k): the setting (captured prefill, frozen GC heap: the defaults) against its
+    control (`control`: eager prefill, or the heap left unfrozen) on the same arrivals, over the rounds both
+    finished: median output tokens/s and their ratio, the spread over rounds ((max - min) / median), and the
+    prefill's median share of the run's wall time. Keys say captured / eager for the setting / its control."""
     out = []
     for frac in sorted({x["rate_fraction"] for x in sweep}):
         for name in ("off", fixed):
             by = {s: {x.get("repeat", 0): x for x in sweep if x["rate_fraction"] == frac and x["setting"] == s}
-                  for s in (name, EAGER.format(name))}
-            reps = sorted(set(by[name]) & set(by[EAGER.format(name)]))
+                  for s in (name, control.format(name))}
+            reps = sorted(set(by[name]) & set(by[control.format(name)]))
             if not reps:
                 continue
             row = {"rate_fraction": frac, "setting": name, "rounds": len(reps)}
-            for tag, s in (("captured", name), ("eager", EAGER.format(name))):
+            for tag, s in (("captured", name), ("eager", control.format(name))):
                 tps = [by[s][r]["output_throughput"] for r in reps]
                 med = statistics.median(tps)
                 shares = [by[s][r]["time_prefill_ms"] / (1000 * by[s][r]["wall_s"]) for r in reps
@@ -476,14 +486,18 @@ def table(r: dict) -> str:
         for c in r["sweep_checks"]:
             lines.append(f"| {c['rate_fraction']} | {c.get('repeats', 1)} | {_f(c['goodput_ratio'], 3)} | "
                          f"{_f(c['output_throughput_ratio'], 3)} | {'yes' if c['adaptive_ge_best'] else 'no'} |")
-    if r.get("prefill_checks"):
-        lines += ["", "Captured prefill against eager prefill (prefill_graphs on / off; decode captured in both), "
-                  "same arrivals, medians over the rounds both finished; spread = (max - min) / median over rounds; "
-                  "prefill share = prefill forwards' GPU time / run wall time:", "",
-                  "| rate (x sat) | setting | rounds | out tok/s captured | eager | ratio | spread captured | eager | "
-                  "prefill share captured | eager | p99 TTFT ms captured | eager | p99 TPOT ms captured | eager |",
+    for key, title, a, b in (
+            ("prefill_checks", "Captured prefill against eager prefill (prefill_graphs on / off; decode captured in "
+             "both)", "captured", "eager"),
+            ("gc_checks", "Frozen GC heap against an unfrozen one (gc_freeze on / off)", "frozen", "unfrozen")):
+        if not r.get(key):
+            continue
+        lines += ["", f"{title}, same arrivals, medians over the rounds both finished; spread = (max - min) / median "
+                  "over rounds; prefill share = prefill forwards' GPU time / run wall time:", "",
+                  f"| rate (x sat) | setting | rounds | out tok/s {a} | {b} | ratio | spread {a} | {b} | "
+                  f"prefill share {a} | {b} | p99 TTFT ms {a} | {b} | p99 TPOT ms {a} | {b} |",
                   "|---" * 15 + "|"]
-        for c in r["prefill_checks"]:
+        for c in r[key]:
             lines.append(f"| {c['rate_fraction']} | {c['setting']} | {c['rounds']} | "
                          f"{_f(c['captured_output_throughput'])} | {_f(c['eager_output_throughput'])} | "
                          f"{_f(c['ratio'], 3)} | {_f(c['captured_spread'], 2)} | {_f(c['eager_spread'], 2)} | "

@@ -331,3 +331,34 @@ def test_captured_prefill_in_serving_keeps_outputs(target, draft, solo, kind, se
     if kind == "draft":  # the draft model's prefill at join, padded too
         assert all(length % 32 == 0 for (_, length) in engine.drafter.prefill_step.fixed._buffers)
     assert engine.cache.used_blocks == 0  # every row released, the padding's blocks included
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_gc_freeze_covers_exactly_the_measured_run(target, draft, monkeypatch, freeze):
+    """gc_freeze: the measured run sees a frozen heap (gc.freeze: the collector never rescans what was alive before
+    it), the calibration's runs too, and the heap is unfrozen after; off leaves the collector alone."""
+    import gc
+    from types import SimpleNamespace
+
+    from workbench.serving import bench
+
+    seen = []
+    real = ServingLoop.run
+
+    def run(self):
+        seen.append(gc.get_freeze_count())
+        return real(self)
+
+    monkeypatch.setattr(ServingLoop, "run", run)
+    reqs = make_requests(ServeConfig(lengths="random", input_len=12, num_requests=3, max_new_tokens=4), [], 64)
+    cfg = ServeConfig(method="ngram", k=2, num_requests=3, max_new_tokens=4, kv_block_size=BS, gc_freeze=freeze,
+                      calibration="loop", calibration_budget_s=30.0, max_num_seqs=2, graph_batch_sizes=(1, 2))
+    session = SimpleNamespace(device=torch.device("cpu"), dtype="float32", preset=None, target_path="random",
+                              draft_path=None, prompts_source="random")
+    engine = SpecEngine(target, NgramDrafter(2), EngineConfig(max_new_tokens=64, kv_block_size=BS))
+    gc.unfreeze()
+    out = bench.serve_bench(session, cfg, engine=engine, requests=reqs)
+    assert out.record["gc_freeze"] is freeze and out.record["completed"] == 3
+    assert len(seen) > 1  # the calibration's runs and the measured one
+    assert all((n > 0) == freeze for n in seen), seen
+    assert gc.get_freeze_count() == 0

@@ -334,10 +334,11 @@ def test_gpu_serving_eager_prefill_controls(tmp_path):
     assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "4", "--warmup-requests", "1",
                              "--max-new-tokens", "6", "--rates", "1", "--max-num-seqs", "4", "--k-by-batch", "1-4:2",
                              "--repeats", "2", "--no-thresholds", "--cuda-graphs", "--eager-prefill-controls",
-                             "--out", str(tmp_path)]) == 0
+                             "--gc-controls", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
     assert {x["setting"] for x in r["sweep"]} == {"off", "k=4", "adaptive", "k=2 (held out)", "off, eager prefill",
-                                                  "k=4, eager prefill"}
+                                                  "k=4, eager prefill", "off, gc unfrozen", "k=4, gc unfrozen"}
+    assert {c["setting"] for c in r["gc_checks"]} == {"off", "k=4"}
     checks = {c["setting"]: c for c in r["prefill_checks"]}
     assert set(checks) == {"off", "k=4"}
     for name, c in checks.items():
@@ -347,6 +348,7 @@ def test_gpu_serving_eager_prefill_controls(tmp_path):
             (sum(runs[name]) / 2) / (sum(runs[f"{name}, eager prefill"]) / 2))
         assert 0 < c["captured_prefill_share"] < 1 and 0 < c["eager_prefill_share"] < 1
     assert "Captured prefill against eager prefill" in (tmp_path / "table.md").read_text()
+    assert "Frozen GC heap against an unfrozen one" in (tmp_path / "table.md").read_text()
 
 
 def test_gpu_serving_script_loop_calibration_and_progressive_results(tmp_path, monkeypatch):

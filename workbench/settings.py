@@ -347,6 +347,9 @@ SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
          4096),
     Knob("prefill_chunk", "int", 0, "prompt tokens prefilled per engine iteration, between decode steps (0 = whole "
          "prompts at once)", "Prefill chunk", "serving", 0, 1_000_000),
+    Knob("gc_freeze", "bool", True, "collect Python's garbage and freeze the heap (gc.freeze) before the measured run, "
+         "as vLLM does after its start-up: the collector then never rescans the engine's long-lived objects inside "
+         "the run (off: its pauses land in TPOT at random)", "Freeze the GC heap", "serving"),
     Knob("prefix_caching", "bool", False, "share full prompt blocks between requests with the same prefix (hashed "
          "blocks, reference counts)", "Prefix caching", "serving"),
     Knob("k_by_batch", "str", "", "adaptive draft length by live batch size, vLLM-style inclusive ranges "

@@ -23,7 +23,7 @@ from workbench.serving import metrics
 from workbench.serving.adaptive import AdaptiveSpeculation, format_k_by_batch
 from workbench.serving.config import SERVE_CONFIG_KNOBS, ServeConfig, ServeError, check_config
 from workbench.serving.loadgen import make_requests
-from workbench.serving.loop import RealClock, ServeResult, ServingLoop
+from workbench.serving.loop import RealClock, ServeResult, ServingLoop, frozen_gc
 
 TRACE_COLUMNS = ["run_id", "seq", "step", "drafted", "accepted", "emitted", "batch_size", "k", "num_nodes",
                  "context_len", "step_ms"]
@@ -79,7 +79,7 @@ def calibrate_schedule(engine: SpecEngine, cfg, requests, loop: ServingLoop) -> 
         cal = calibrate_loop(engine, prompts, sizes, max_new_tokens=cfg.max_new_tokens, max_num_seqs=cfg.max_num_seqs,
                              budget_s=cfg.calibration_budget_s, policy=cfg.sched_policy, num_blocks=loop.num_blocks,
                              prefill_chunk=cfg.prefill_chunk, prefix_caching=cfg.prefix_caching,
-                             max_len=loop.cache.max_len)
+                             max_len=loop.cache.max_len, gc_freeze=cfg.gc_freeze)
         ranges, table = cal.schedule(cfg.max_num_seqs), cal.table()
     chosen = [{"batch_start": lo, "batch_end": hi, "k": k} for lo, hi, k in ranges]
     return ranges, {"calibration_s": time.perf_counter() - t0,
@@ -121,7 +121,8 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
     graphs_before, eager_before = engine.graph_stats(), getattr(engine.prefill_step, "eager_chunks", 0)
     t0 = time.perf_counter()
     try:
-        result = loop.run()
+        with frozen_gc(cfg.gc_freeze):  # gen-2 passes over everything alive would stall the run at random
+            result = loop.run()
     except torch.cuda.OutOfMemoryError as e:
         raise ServeError(f"GPU out of memory serving max_num_seqs={cfg.max_num_seqs} kv_blocks={loop.num_blocks}: "
                          f"lower them ({str(e).splitlines()[0]})") from None

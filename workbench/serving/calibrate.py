@@ -207,15 +207,17 @@ class LoopCalibration:
 def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[int, ...],
                    node_counts: tuple[int, ...] | None = None, *, max_new_tokens: int, max_num_seqs: int,
                    requests_per_size: int = 3, budget_s: float = 60.0, min_gain: float = 0.02,
-                   measure: Callable[[int, int], float] | None = None, **serve_kwargs) -> LoopCalibration:
+                   measure: Callable[[int, int], float] | None = None, gc_freeze: bool = True,
+                   **serve_kwargs) -> LoopCalibration:
     """Output tokens/s of a short closed-loop serve per (batch size b, draft length k): max_concurrency = b,
     requests_per_size x b requests cycling `prompts` (max_new_tokens each), the first b warm-up (left out of the
     rate). Every run uses max_num_seqs rows, so it shares the serving run's cache and graphs (captured once, before
     the first run, for every k). Runs go b by b, k by k; one that would end past `budget_s` (judged by the longest
-    run so far) is skipped and listed. `measure(b, k) -> tokens/s` replaces the serve (tests). serve_kwargs go to
+    run so far) is skipped and listed. `measure(b, k) -> tokens/s` replaces the serve (tests); gc_freeze: each run
+    with the heap frozen (loop.frozen_gc), like serve-bench's measured run. serve_kwargs go to
     `ServingLoop` (policy, num_blocks, prefill_chunk, prefix_caching). ServeError for bad arguments, before any work."""
     from workbench.serving import metrics
-    from workbench.serving.loop import RealClock, ServingLoop
+    from workbench.serving.loop import RealClock, ServingLoop, frozen_gc
     from workbench.serving.request import Request
 
     n_full, chains, counts = _draft_lengths(engine, node_counts, prompts)
@@ -237,7 +239,8 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
         if engine.config.graphs.fixed_shape and not captured:  # every length, before the first timed run
             engine.capture_graphs(max_num_seqs, node_counts=counts, max_prefill_tokens=max(len(p) for p in prompts))
             captured.append(True)
-        res = loop.run()
+        with frozen_gc(gc_freeze):
+            res = loop.run()
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
         iterations.extend(res.iterations)

@@ -29,8 +29,10 @@ Time comes from a clock: `RealClock` (perf_counter, sleeps until the next arriva
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +80,21 @@ class StepClock:
 
     def tick(self) -> None:
         self.t += self.dt
+
+
+@contextmanager
+def frozen_gc(enabled: bool = True):
+    """Collect, then freeze the heap (gc.freeze) for the block and unfreeze after: the collector's gen-2 passes never
+    rescan the engine's and the caller's long-lived objects inside a timed run (new garbage is still collected)."""
+    if not enabled:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @dataclass
