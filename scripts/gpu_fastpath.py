@@ -141,7 +141,10 @@ def part_speed(args) -> dict:
         ar = statistics.median(times[("ar", mode)])
         rows.append({"method": m, "mode": mode, "tok_s_median": statistics.median(tps), "tok_s_min": min(tps),
                      "tok_s_max": max(tps), "speedup_vs_ar_same_mode": statistics.median(tps) / ar,
-                     "mean_accepted_tokens": accepted[(m, mode)], "phase_ms_per_step": phase[(m, mode)]})
+                     "mean_accepted_tokens": accepted[(m, mode)],
+                     # issue 8's speculative-overhead check: speedup / tokens per step (goal >= 0.85)
+                     "speedup_over_tokens_per_step": statistics.median(tps) / ar / accepted[(m, mode)],
+                     "phase_ms_per_step": phase[(m, mode)]})
         print(rows[-1], flush=True)
     return {"rows": rows, "prompt_len": args.prompt_len, "num_prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
@@ -249,16 +252,21 @@ def part_sweep(args) -> dict:
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         ps = equal_length(prompts, batch, args.prompt_len) if batch > 1 else equal_length(prompts, 1, args.prompt_len)
-        tps = {}
+        tps, tokens_per_step = {}, {}
         for m in ("ar", "draft", "ngram"):
-            eng = engine_for(target, draft, m, "graphs", args.max_new_tokens, batch)
+            eng = engine_for(target, draft, m, args.sweep_mode, args.max_new_tokens, batch)
             warm(eng, ps, batch)
             vals = []
             for _ in range(args.repeats):
                 wall, res, _ = timed_generate(eng, ps, batch)
                 vals.append(sum(len(o) for o in res[0].outputs) / wall)
+                steps = [a for r in res for s in r.steps for a in s.accepted]
+                tokens_per_step[m] = (sum(steps) + len(steps)) / len(steps)
             tps[m] = statistics.median(vals)
-        rows.append({"batch": batch, **{f"{m}_tok_s": v for m, v in tps.items()},
+            tps[f"{m}_min"], tps[f"{m}_max"] = min(vals), max(vals)
+            del eng
+        rows.append({"batch": batch, "mode": args.sweep_mode, **{f"{m}_tok_s": v for m, v in tps.items()},
+                     **{f"{m}_tokens_per_step": v for m, v in tokens_per_step.items() if m != "ar"},
                      "draft_speedup": tps["draft"] / tps["ar"], "ngram_speedup": tps["ngram"] / tps["ar"]})
         print(rows[-1], flush=True)
     return {"rows": rows}
@@ -273,6 +281,7 @@ def main() -> None:
     ap.add_argument("--floor-configs", default="1.45b,6.7b")
     ap.add_argument("--floor-modes", default="graphs,graphs+compile")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--sweep-mode", default="graphs", choices=sorted(MODES), help="the step mode of the sweep part")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -8,6 +8,7 @@
 # PART=q / r / s: the sixth session's (captured prefill: parity and study throughput; serving scored against medians,
 # then with 4x longer windows).
 # PART=t: the seventh session's (serving with the prefill chunks captured, against eager prefill in the same rounds).
+# PART=u / v: the eighth session's (the n-gram lookup on the device: speed, sweep, parity; serving with GC controls).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -231,6 +232,21 @@ elif [ "$PART" = t ]; then
   train_small
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --num-requests 128 \
     --warmup-requests 16 --no-thresholds --eager-prefill-controls --budget-s "${SERVING_S:-320}"
+elif [ "$PART" = u ]; then
+  # eighth session, first call: the n-gram lookup on the device (captured, overlapped): the speculative overhead on
+  # small (step modes, one process), the batch sweep on small with overlapped graphs, greedy parity on tiny
+  train_small
+  step speed 90 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small \
+    --modes graphs+compile,graphs+compile+overlap
+  step sweep 90 $PY scripts/gpu_fastpath.py --out "$R/sweep" --parts sweep --preset small --sweep-mode graphs+overlap \
+    --batches 1,2,4,8,16,32,64 --repeats 3
+  step parity 60 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
+elif [ "$PART" = v ]; then
+  # eighth session, second call (right after u, small still on disk): serving with the prefill chunks captured,
+  # against eager prefill and against an unfrozen GC heap in the same rounds and arrivals
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --num-requests 128 \
+    --warmup-requests 16 --no-thresholds --eager-prefill-controls --gc-controls --budget-s "${SERVING_S:-440}"
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)

@@ -241,7 +241,7 @@ def test_fused_write_attention_path_equals_greedy(fixed, target, draft, monkeypa
     assert calls and set(calls) <= {1, 2, 4}
 
 
-OVERLAP_KINDS = ["ar", "draft", "self-draft", "noisy-self-draft"]
+OVERLAP_KINDS = ["ar", "draft", "self-draft", "noisy-self-draft", "ngram"]
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
@@ -285,11 +285,11 @@ def test_overlapped_steps_stop_on_eos_and_free_storage(target, draft):
 
 
 def test_overlap_applies_only_where_the_device_holds_the_next_step(target, draft):
-    """ngram proposes from host tokens, sampling accepts outside the fused step, the eager step has no fused step:
-    none of them overlaps (they run the synchronous loop and still match the reference)."""
+    """Sampling accepts outside the fused step, the eager step has no fused step (and there ngram scans host
+    tokens): none of them overlaps (they run the synchronous loop and still match the reference)."""
     n = 12
     expected = [reference_greedy(target, p, n) for p in PROMPTS]
-    ngram = SpecEngine(target, make_drafter("ngram", draft, target), fast(max_new_tokens=n, overlap=True))
+    ngram = SpecEngine(target, make_drafter("ngram", draft, target), EngineConfig(max_new_tokens=n, overlap=True))
     assert ngram.generate(PROMPTS).outputs == expected and not ngram.overlaps()
     eager = SpecEngine(target, DraftModelDrafter(draft, k=3), EngineConfig(max_new_tokens=n, overlap=True))
     assert eager.generate(PROMPTS).outputs == expected and not eager.overlaps()
