@@ -66,7 +66,10 @@ def equal_length(prompts: list[list[int]], n: int, length: int) -> list[list[int
 
 
 def make_drafter(method: str, draft, k: int = 4):
-    return None if method == "ar" else DraftModelDrafter(draft, k) if method == "draft" else NgramDrafter(k, 1, 3)
+    """"ar", "draft", "ngram" (k = 4), or "draft:K" / "ngram:K" for another draft length."""
+    name, _, kk = method.partition(":")
+    k = int(kk) if kk else k
+    return None if name == "ar" else DraftModelDrafter(draft, k) if name == "draft" else NgramDrafter(k, 1, 3)
 
 
 def timed_generate(engine: SpecEngine, prompts, batch: int) -> tuple[float, list, list]:
@@ -118,7 +121,7 @@ def part_speed(args) -> dict:
     target, draft, prompts = load_preset(args.preset, torch.bfloat16)
     prompts = equal_length(prompts, args.num_prompts, args.prompt_len)
     engines = {(m, mode): engine_for(target, draft, m, mode, args.max_new_tokens, 1, timing=False)
-               for m in ("ar", "draft", "ngram") for mode in args.modes.split(",")}
+               for m in args.methods.split(",") for mode in args.modes.split(",")}
     for eng in engines.values():
         warm(eng, prompts, 1)
     times = {key: [] for key in engines}
@@ -278,6 +281,8 @@ def main() -> None:
     ap.add_argument("--parts", default="parity,speed,floor,sweep")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--modes", default="eager,graphs,graphs+compile")
+    ap.add_argument("--methods", default="ar,draft,ngram",
+                    help="speed part: ar, draft, ngram (k = 4) or draft:K / ngram:K; ar must be one of them")
     ap.add_argument("--floor-configs", default="1.45b,6.7b")
     ap.add_argument("--floor-modes", default="graphs,graphs+compile")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")

@@ -8,7 +8,8 @@
 # PART=q / r / s: the sixth session's (captured prefill: parity and study throughput; serving scored against medians,
 # then with 4x longer windows).
 # PART=t: the seventh session's (serving with the prefill chunks captured, against eager prefill in the same rounds).
-# PART=u / v: the eighth session's (the n-gram lookup on the device: speed, sweep, parity; serving with GC controls).
+# PART=u / v / w: the eighth session's (the n-gram lookup on the device: speed, sweep, parity; serving with GC controls;
+# n-gram overhead by draft length and n-gram serving with the threshold check; PART=x: n-gram serving up to 64 rows).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -247,6 +248,20 @@ elif [ "$PART" = v ]; then
   train_small
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --num-requests 128 \
     --warmup-requests 16 --no-thresholds --eager-prefill-controls --gc-controls --budget-s "${SERVING_S:-440}"
+elif [ "$PART" = w ]; then
+  # eighth session, third call: the speculative overhead of device n-gram steps by draft length (one process), then
+  # serving with the n-gram drafter (its loop calibration may give a schedule with thresholds: the +/- 1 cliff check)
+  train_small
+  step speed 90 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small \
+    --modes graphs+compile+overlap --methods ar,ngram:1,ngram:2,ngram:3,ngram:4,ngram:6
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
+    --num-requests 128 --warmup-requests 16 --budget-s "${SERVING_S:-300}"
+elif [ "$PART" = x ]; then
+  # eighth session, last call: n-gram serving up to 64 live sequences, where its calibration can find the batch size
+  # at which drafting stops paying (the sweep of call u: 1.15x at 32, 0.89x at 64): a schedule with a threshold
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 256 --warmup-requests 64 --rates 0.5,1.0,1.5 --budget-s "${SERVING_S:-240}"
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)
