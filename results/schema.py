@@ -230,7 +230,7 @@ TRACE_SPECS: list[ColumnSpec] = [
 SERVING_SPECS: list[ColumnSpec] = [
     ColumnSpec("run_kind", "string", "identity", '"serve" for serving runs (None = a bench run)'),
     ColumnSpec("rate", "float", "config", "request arrival rate, requests/s (0 = all at once)"),
-    *_cols("config", "string", "arrival lengths sched_policy k_by_batch calibration"),
+    *_cols("config", "string", "arrival lengths sched_policy k_by_batch calibration calibration_shape"),
     *_cols("config", "float", "burstiness range_ratio slo_ttft_ms slo_tpot_ms spec_off_acceptance "
                               "calibration_budget_s"),
     *_cols("config", "int", "max_concurrency num_requests warmup_requests input_len shared_prefix_len kv_blocks "

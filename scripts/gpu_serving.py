@@ -75,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--calibration", default="loop", choices=("loop", "step"),
                    help="which measurement the adaptive schedule comes from (both are recorded unless the loop one "
                    "is skipped for the budget)")
+    p.add_argument("--calibration-shape", default="monotone", choices=("monotone", "free"),
+                   help="how the loop calibration's tokens/s become a schedule (workbench/serving/calibrate.py)")
     p.add_argument("--calibration-budget-s", type=float, default=40.0,
                    help="wall-clock budget of the loop calibration (runs past it are skipped and listed)")
     # 6 and 0.10: one ~0.3 s closed-loop run of 3 x b requests varied ~10 % on the H200 (BENCHMARKS.md 10.3: the
@@ -206,9 +208,14 @@ def main(argv=None) -> int:
         if budget > 0:
             cal = calibrate_loop(engine(base), used, base.graph_batch_sizes, max_new_tokens=args.max_new_tokens,
                                  max_num_seqs=args.max_num_seqs, requests_per_size=args.calibration_requests,
-                                 budget_s=budget, min_gain=args.min_gain, max_len=serve_len)
+                                 budget_s=budget, min_gain=args.min_gain, max_len=serve_len,
+                                 shape=args.calibration_shape)
             loop_ranges, cal_iterations = cal.schedule(args.max_num_seqs), cal.iterations
+            other = "free" if args.calibration_shape == "monotone" else "monotone"
             result["loop_calibration"] = {"table": cal.table(), "k_by_batch": format_k_by_batch(loop_ranges),
+                                          "shape": args.calibration_shape, "other_shape": other,
+                                          "other_k_by_batch": format_k_by_batch(cal.schedule(args.max_num_seqs,
+                                                                                             other)),
                                           "wall_s": cal.wall_s, "budget_s": budget,
                                           "skipped": [list(x) for x in cal.skipped]}
             print(f"loop calibration: schedule {format_k_by_batch(loop_ranges)} ({cal.wall_s:.1f} s)", flush=True)
@@ -463,7 +470,9 @@ def table(r: dict) -> str:
             lines.append(f"| {b} | " + " | ".join(
                 "-" if k not in cells or cells[k]["tokens_per_s"] is None else
                 f"{_f(cells[k]['tokens_per_s'])}{'*' if cells[k].get('chosen') else ''}" for k in ks) + " |")
-        lines += ["", f"Loop calibration's schedule: {lcal['k_by_batch']}", ""]
+        lines += ["", f"Loop calibration's schedule: {lcal['k_by_batch']}" + (
+            f" ({lcal['shape']}; {lcal['other_shape']} would be {lcal['other_k_by_batch']})"
+            if lcal.get("shape") else ""), ""]
     if "saturation_request_throughput" in r:
         lines += [f"saturation (off, concurrency = max_num_seqs): {_f(r['saturation_request_throughput'], 2)} req/s at "
                   f"mean batch {_f(r['saturation_mean_batch'])}; SLOs TTFT <= {_f(r['slo_ttft_ms'])} ms, "

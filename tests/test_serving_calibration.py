@@ -136,3 +136,52 @@ def test_serve_bench_calibrates_on_the_engine_that_serves(target, draft, solo, m
     # every step served with the calibrated schedule
     for t in out.result.traces:
         assert t.k == next(k for lo, hi, k in ranges if lo <= t.batch_size <= hi)
+
+
+# call x's loop calibration (BENCHMARKS 13.4, n-gram on small, up to 64 rows): output tokens/s by (batch, k)
+CALL_X = {1: (1040.1, 1140.4, 1447.9, 1701.0, 2093.3), 2: (1721.5, 1816.3, 2062.0, 2208.2, 2524.4),
+          4: (3293.1, 3707.1, 4164.1, 4097.7, 4818.7), 8: (4945.5, 5456.8, 6790.8, 6990.3, 7803.7),
+          16: (9738.6, 9409.9, 10329.7, 8252.6, 9080.4), 32: (12782.2, 12332.0, 13534.4, 14315.2, 14334.4),
+          64: (14089.8, 13629.8, 15788.1, 16557.5, 15596.1)}
+
+
+def test_monotone_shape_removes_the_bands_that_made_cliffs():
+    """The free picks of call x made 4 / 0 / 3 / 2 (cliffs of 11-18 % at its thresholds 17 and 33); the monotone
+    shape keeps the order k never grows with the batch size, and reproduces free schedules that already keep it."""
+    from workbench.serving.adaptive import format_k_by_batch
+
+    tps = {(b, k): rate for b, row in CALL_X.items() for k, rate in enumerate(row)}
+    assert format_k_by_batch(loop_schedule(tps, 64, 0.10, "free")) == "1-8:4,9-16:0,17-32:3,33-64:2"  # as recorded
+    assert format_k_by_batch(loop_schedule(tps, 64, 0.10, "monotone")) == "1-8:4,9-64:2"
+    assert format_k_by_batch(loop_schedule(tps, 64, 0.02, "free")) == "1-8:4,9-16:2,17-64:3"
+    assert format_k_by_batch(loop_schedule(tps, 64, 0.02, "monotone")) == "1-8:4,9-64:2"
+    assert loop_schedule(tps, 64) == loop_schedule(tps, 64, shape="monotone")  # the default
+    cal = cal_mod.LoopCalibration(tps, [], 1.0, 0.10)
+    assert {(r["batch_size"], r["k"]) for r in cal.table() if r.get("chosen")} == {
+        (1, 4), (2, 4), (4, 4), (8, 4), (16, 2), (32, 2), (64, 2)}
+    with pytest.raises(ServeError, match="calibration_shape 'zigzag'"):
+        loop_schedule(tps, 64, shape="zigzag")
+    with pytest.raises(ServeError, match="calibration_shape"):
+        check_config(ServeConfig(method="draft", calibration="loop", calibration_shape="zigzag"))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_monotone_choice_keeps_the_order_and_the_free_picks_that_keep_it(seed):
+    rng = random.Random(seed)
+    sizes = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64], rng.randint(1, 7)))
+    ks = sorted(rng.sample(range(6), rng.randint(1, 5)))
+    rows = {b: {k: rng.uniform(50, 150) * b for k in ks} for b in sizes}
+    gain = rng.choice([0.0, 0.02, 0.1])
+    choice = cal_mod.monotone_choice(rows, gain)
+    assert set(choice) == set(sizes) and all(choice[b] in ks for b in sizes)
+    assert all(choice[a] >= choice[b] for a, b in zip(sizes, sizes[1:]))
+    free = {b: pick_k(rows[b], gain) for b in sizes}
+    if all(free[a] >= free[b] for a, b in zip(sizes, sizes[1:])):
+        assert choice == free
+    # the best non-increasing sequence by brute force: the choice is it, up to pick_k's ties (within 1 + gain)
+    from itertools import combinations_with_replacement
+
+    rel = lambda c: sum(rows[b][k] / max(rows[b].values()) for b, k in zip(sizes, c))  # noqa: E731
+    best = max(rel(sorted(c, reverse=True)) for c in combinations_with_replacement(ks, len(sizes)))
+    got = rel([choice[b] for b in sizes])
+    assert best / (1 + gain) - 1e-9 <= got <= best + 1e-9
