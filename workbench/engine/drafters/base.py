@@ -136,7 +136,8 @@ class Drafter(ABC):
 
 class OneStepDrafter(Drafter):
     """A drafter whose whole propose is one fixed-shape step, `self.step` (None when it runs eagerly): its graphs are
-    captured per batch bucket with the one shape key 0, and it is the drafter's only model step (ReDrafter, EAGLE)."""
+    captured per batch bucket with the one shape key 0, and it is the drafter's only model step (ReDrafter, EAGLE; the
+    n-gram drafter's device lookup)."""
 
     step = None  # FixedShapeStep | None, built by setup
 

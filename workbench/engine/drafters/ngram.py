@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
+from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDrafter
 from workbench.engine.graphs import FixedShapeStep
 from workbench.engine.tree import DraftTree
 
@@ -75,7 +75,7 @@ def device_lookup(history: torch.Tensor, root: torch.Tensor, k: int, min_n: int,
     return torch.where(valid, ids, torch.zeros_like(ids)), valid
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(OneStepDrafter):  # its one step: the device lookup (None: the host scan)
     name = "ngram"
 
     def __init__(self, k: int, min_n: int = 1, max_n: int = 3):
@@ -130,14 +130,6 @@ class NgramDrafter(Drafter):
                 valid[i, :len(found)] = True
         dev = state.tokens.device
         return DraftTree.chain(ids.to(dev, non_blocking=True), valid.to(dev, non_blocking=True))
-
-    def capture_graphs(self, sizes: list[int], node_counts: tuple[int, ...] | None = None) -> None:
-        if self.step is not None:
-            for size in sizes:
-                self.step.capture(size, 0)
-
-    def model_steps(self) -> list:
-        return [self.step] if self.step is not None else []
 
     @property
     def settings(self) -> dict:
