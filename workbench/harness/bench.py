@@ -50,8 +50,9 @@ EAGLE_HEAD_SEED = 0  # the untrained EAGLE head's initialisation
 # hold more than ENGINE_CACHE_MEMORY_FRACTION of the device's memory.
 ENGINE_CACHE_SIZE = 17
 ENGINE_CACHE_MEMORY_FRACTION = 0.25
-# Method knobs a drafter reads on the host only: they shape no cache, buffer or graph, so runs that differ only in them
-# share one engine, which gets a fresh drafter object (NgramDrafter keeps nothing between `generate` calls).
+# Method knobs that shape no KV cache or engine buffer, so runs that differ only in them share one engine, which gets a
+# fresh drafter object (NgramDrafter keeps only its device lookup step, whose graphs the new object captures again in
+# the run's warm-up: a few kernels over the token buffer).
 HOST_ONLY_KNOBS = {"ngram": ("ngram_min", "ngram_max")}
 
 
