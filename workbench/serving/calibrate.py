@@ -6,7 +6,8 @@
   lost to "off" in the loop).
 - **loop** (`calibrate_loop`): per batch size b and draft length k, a short closed-loop serve (max_concurrency = b,
   a few x b requests from the run's prompts, the first b left out as warm-up) on the same engine, graphs reused;
-  the schedule takes per b the k with the most output tokens/s (`pick_k`). What it measures is what serving pays.
+  the schedule takes per b the k with the most output tokens/s (`pick_k`), kept from growing with b by default
+  (`calibration_shape`, workbench/serving/schedules.py). What it measures is what serving pays.
 
     cal = calibrate(engine, prompt_ids, batch_sizes=(1, 2, 4, 8, 16), steps=8)
     cal.step_ms[(4, 2)]      # median ms of a decode step over 4 rows verifying 2 draft tokens (0 = autoregressive)
@@ -32,6 +33,7 @@ from workbench.engine.sampling import next_token
 from workbench.engine.step import PhaseTimer, SpecEngine
 from workbench.serving.adaptive import AdaptiveSpeculation, schedule_from_costs
 from workbench.serving.config import ServeError
+from workbench.serving.schedules import SCHEDULE_SHAPES, choose, loop_schedule, monotone_choice, pick_k  # noqa: F401
 
 
 @dataclass
@@ -135,102 +137,6 @@ def calibrate(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[i
 
 
 # ---- loop calibration -------------------------------------------------------------------------------------------
-def pick_k(tokens_per_s: dict[int, float], min_gain: float = 0.02) -> int:
-    """The draft length with the most tokens/s; a longer one must beat the best shorter one by more than min_gain
-    (relative), so ties and noise go to the smaller k (0 = speculation off).
-
-    >>> pick_k({0: 100.0, 2: 101.0, 4: 130.0})
-    4
-    >>> pick_k({0: 100.0, 2: 101.5, 4: 99.0})   # 1.5 % is within the noise: off
-    0
-    """
-    best_k, best = None, None
-    for k in sorted(tokens_per_s):
-        rate = tokens_per_s[k]
-        if rate is not None and (best is None or rate > best * (1 + min_gain)):
-            best_k, best = k, rate
-    if best_k is None:
-        raise ServeError("no measured draft length to choose from")
-    return best_k
-
-
-SCHEDULE_SHAPES = ("monotone", "free")
-
-
-def monotone_choice(by_size: dict[int, dict[int, float]], min_gain: float = 0.02) -> dict[int, int]:
-    """Per measured batch size, a draft length that never grows with the batch size. Where each size's own
-    `pick_k` already keeps that order it is the answer; else the non-increasing sequence with the largest sum of
-    each size's tokens/s relative to its own best (a small dynamic program over sizes x k), then, from the largest
-    size down, each size's k re-picked by `pick_k` among the lengths between the next size's and its own (ties to
-    the shorter draft without breaking the order). Why: one short run per (batch, k) varies by 10-20 %
-    (BENCHMARKS 13.4), and free per-size picks then make schedules such as 4 / 0 / 3 whose bands cost 11-18 % at
-    their thresholds; a draft's extra verify work grows with the batch while its gain per row does not, so the order
-    is the prior and the measurements choose within it.
-
-    >>> rates = {8: {0: 4946, 2: 6791, 4: 7804}, 16: {0: 9739, 2: 10330, 4: 9080}, 32: {0: 12782, 2: 13534, 4: 14334}}
-    >>> {b: pick_k(r, 0.10) for b, r in rates.items()}   # free: k = 2's 6 % at 16 is a tie with off
-    {8: 4, 16: 0, 32: 4}
-    >>> monotone_choice(rates, 0.10)
-    {8: 4, 16: 0, 32: 0}
-    """
-    sizes = sorted(by_size)
-    free = {b: pick_k(by_size[b], min_gain) for b in sizes}
-    if all(free[a] >= free[b] for a, b in zip(sizes, sizes[1:])):
-        return free
-    ks = sorted({k for row in by_size.values() for k in row})
-    rel = {b: {k: by_size[b][k] / max(by_size[b].values()) if k in by_size[b] else -1.0 for k in ks} for b in sizes}
-    best = {k: rel[sizes[0]][k] for k in ks}  # best[k]: the largest sum over the sizes so far, k at the last one
-    back: list[dict[int, int]] = []
-    for b in sizes[1:]:
-        prev = {k: max((j for j in ks if j >= k), key=lambda j: best[j]) for k in ks}  # k's best predecessor
-        back.append(prev)
-        best = {k: best[prev[k]] + rel[b][k] for k in ks}
-    k = max(ks, key=lambda j: (best[j], -j))
-    path = [k]
-    for prev in reversed(back):
-        k = prev[k]
-        path.append(k)
-    choice = dict(zip(sizes, reversed(path)))
-    floor = 0
-    for b in reversed(sizes):
-        allowed = {k: r for k, r in by_size[b].items() if floor <= k <= choice[b]}
-        if allowed:
-            choice[b] = pick_k(allowed, min_gain)
-        floor = choice[b]
-    return choice
-
-
-def loop_schedule(tokens_per_s: dict[tuple[int, int], float], max_batch: int, min_gain: float = 0.02,
-                  shape: str = "monotone") -> list[tuple[int, int, int]]:
-    """vLLM-style inclusive ranges [(start, end, k), ...] over 1..max_batch from tokens/s measured per (batch size,
-    k): shape "free": each measured size gets `pick_k` of its row; "monotone": `monotone_choice` (k never grows with
-    the batch size). A size not measured takes the choice of the next measured size up (a step pads to that bucket),
-    sizes past the largest its choice.
-
-    >>> loop_schedule({(1, 0): 50, (1, 4): 80, (4, 0): 190, (4, 4): 200, (8, 0): 380, (8, 4): 300}, 8)
-    [(1, 4, 4), (5, 8, 0)]
-    """
-    if shape not in SCHEDULE_SHAPES:
-        raise ServeError(f"unknown calibration_shape {shape!r}; choose one of {', '.join(SCHEDULE_SHAPES)}")
-    by_size: dict[int, dict[int, float]] = {}
-    for (b, k), rate in tokens_per_s.items():
-        if rate is not None:
-            by_size.setdefault(b, {})[k] = rate
-    if not by_size:
-        raise ServeError("the loop calibration measured nothing (every run skipped): raise --calibration-budget-s")
-    sizes = sorted(by_size)
-    choice = monotone_choice(by_size, min_gain) if shape == "monotone" else \
-        {b: pick_k(by_size[b], min_gain) for b in sizes}
-    ranges: list[list[int]] = []
-    for b in range(1, max_batch + 1):
-        k = choice[next((s for s in sizes if s >= b), sizes[-1])]
-        if ranges and ranges[-1][2] == k:
-            ranges[-1][1] = b
-        else:
-            ranges.append([b, b, k])
-    return [tuple(r) for r in ranges]
-
-
 @dataclass
 class LoopCalibration:
     tokens_per_s: dict[tuple[int, int], float]  # (concurrency b, draft length k) -> output tokens/s, measured
@@ -245,13 +151,7 @@ class LoopCalibration:
 
     def table(self) -> list[dict]:
         """One row per (batch size, k): output tokens/s (None: skipped for the budget) and whether it was chosen."""
-        by_size: dict[int, dict[int, float]] = {}
-        for (b, k), rate in self.tokens_per_s.items():
-            by_size.setdefault(b, {})[k] = rate
-        measured = {b: {k: x for k, x in r.items() if x is not None} for b, r in by_size.items()}
-        measured = {b: r for b, r in measured.items() if r}
-        chosen = monotone_choice(measured, self.min_gain) if self.shape == "monotone" and measured else \
-            {b: pick_k(r, self.min_gain) for b, r in measured.items()}
+        chosen = choose(self.tokens_per_s, self.min_gain, self.shape)
         rows = [{"batch_size": b, "k": k, "tokens_per_s": rate, "chosen": chosen.get(b) == k}
                 for (b, k), rate in self.tokens_per_s.items()]
         rows += [{"batch_size": b, "k": k, "tokens_per_s": None, "skipped": True} for b, k in self.skipped]
