@@ -179,3 +179,61 @@ def test_tiny_serve_run_from_the_page_lands_in_the_store(workspace):
     assert not at.exception, at.exception
     assert "Requests/s" in [m.label for m in at.metric]  # the finished job's headline
     assert any(c.value == "1 of 1 serving runs" for c in at.caption)
+
+
+def _calibrated_rows() -> tuple[dict, dict]:
+    """A loop-calibrated run (call x's measured table, BENCHMARKS 13.4; served with the old free rule, so no
+    calibration_shape column) and a step-calibrated one."""
+    from tests.test_serving_calibration import CALL_X
+
+    measured = [{"batch_size": b, "k": k, "tokens_per_s": rate, "chosen": False} for b, row in CALL_X.items()
+                for k, rate in enumerate(row)]
+    served = {1: 4, 2: 4, 4: 4, 8: 4, 16: 0, 32: 3, 64: 2}
+    for m in measured:
+        m["chosen"] = served[m["batch_size"]] == m["k"]
+    measured.append({"batch_size": 64, "k": 5, "tokens_per_s": None, "skipped": True})
+    base = {"status": "ok", "run_kind": "serve", "method": "ngram", "k": 4, "max_num_seqs": 64, "rate": 1.0,
+            "preset": "small", "device": "cuda", "calibration": "loop", "goodput": 1.0, "tpot_ms_p99": 2.0}
+    loop = {**base, "k_by_batch": "1-8:4,9-16:0,17-32:3,33-64:2",
+            "calibration_table": json.dumps({"measured": measured, "schedule": []})}
+    step = {**base, "calibration": "step", "k_by_batch": "1-2:4,3-64:0", "max_num_seqs": 4, "calibration_table":
+            json.dumps({"measured": [{"batch_size": b, "k": k, "step_ms": 1.0 + k, "mean_tokens": 1.0 + k / 2,
+                                      "tokens_per_ms": b * (1.0 + k / 2) / (1.0 + k)}
+                                     for b in (1, 2, 4) for k in (0, 4)], "schedule": []})}
+    return loop, step
+
+
+def test_calibration_views_read_the_stored_table():
+    loop, step = _calibrated_rows()
+    frame, kind = sv.calibration_frame(loop)
+    assert kind == "loop" and len(frame) == 36 and frame["skipped"].sum() == 1
+    assert set(zip(frame.loc[frame["chosen"], "batch_size"], frame.loc[frame["chosen"], "k"])) == {
+        (1, 4), (2, 4), (4, 4), (8, 4), (16, 0), (32, 3), (64, 2)}
+    assert sv.schedule_shapes(loop, frame) == {"monotone": "1-8:4,9-64:2", "free": "1-8:4,9-16:2,17-64:3"}
+    fig = sv.calibration_chart(frame, kind)
+    assert fig.data[0].z.shape == (7, 6) and "9738.6 *" in fig.data[0].text[4][0].replace(",", "")
+    frame, kind = sv.calibration_frame(step)
+    assert kind == "step" and sv.schedule_shapes(step, frame)  # recomputable, though step runs do not use it
+    assert set(zip(frame.loc[frame["chosen"], "batch_size"], frame.loc[frame["chosen"], "k"])) == {
+        (1, 4), (2, 4), (4, 0)}
+    for bad in (None, "", "not json", json.dumps({"measured": []}), json.dumps({"schedule": []})):
+        assert sv.calibration_frame({"calibration_table": bad}) is None
+
+
+def test_serving_page_shows_a_calibrated_runs_table(workspace):
+    loop, step = _calibrated_rows()
+    store = ResultStore(workspace["store"])
+    ids = {"loop": store.append(loop), "step": store.append(step)}
+    at = open_page("serving")
+    assert not at.exception, at.exception
+    at.selectbox(key="srv_calibration_run").set_value(ids["loop"]).run()
+    assert not at.exception, at.exception
+    titles = [f["layout"]["title"]["text"] for f in plotly_figs(at)]
+    assert "Calibration: output tokens/s of a closed-loop serve (* = served)" in titles
+    text = " ".join(m.value for m in at.markdown)
+    assert "served: `1-8:4,9-16:0,17-32:3,33-64:2` (free (a run from before calibration_shape))" in text
+    assert "monotone: `1-8:4,9-64:2`" in text and "free: `1-8:4,9-16:2,17-64:3`" in text
+    at.selectbox(key="srv_calibration_run").set_value(ids["step"]).run()
+    assert not at.exception, at.exception
+    titles = [f["layout"]["title"]["text"] for f in plotly_figs(at)]
+    assert any(t.startswith("Calibration: tokens per ms") for t in titles)

@@ -3,7 +3,8 @@ starts one in the background.
 
 Charts: goodput and p99 TPOT against request rate, one line per setting (off / fixed k / adaptive); the latency
 percentiles of each run; acceptance by live batch size and by context length (the runs' JSON columns); the
-per-request latency distribution (the per-request rows stored beside each run); the run's draft-length schedule as
+per-request latency distribution (the per-request rows stored beside each run); a calibrated run's measured table
+(tokens/s by batch size and draft length) with the schedule each shape makes of it; the run's draft-length schedule as
 vLLM / TensorRT-LLM / SGLang snippets with a download. The form is generated from workbench.settings (SERVE_RUN_KNOBS
 + SERVE_KNOBS) like the Run page's, and starts `python -m workbench serve-bench ... --json --store DIR` as a job.
 """
@@ -281,6 +282,30 @@ def export_section(view: pd.DataFrame) -> None:
                        on_click="ignore")
 
 
+def calibration_section(view: pd.DataFrame) -> None:
+    st.subheader("Measured schedule")
+    st.caption("Runs with `--calibration loop|step` measured their draft length per batch size before serving: the "
+               "table behind the schedule they served (loop: output tokens/s of a short closed-loop serve at "
+               "concurrency = batch size; step: tokens per ms of isolated decode steps). Each cell is one short "
+               "run: differences of 10-20 % can be noise (BENCHMARKS.md 13.4). For loop tables, the schedule each "
+               "shape makes of the same cells (`calibration_shape`).")
+    tables = {r["run_id"]: r for _, r in view.iterrows() if sv.calibration_frame(r) is not None}
+    if not tables:
+        st.info("no run with a calibration table (serve-bench --calibration loop or step)")
+        return
+    rid = st.selectbox("Run", list(tables), key=f"{P}calibration_run", format_func=lambda r: sv.run_label(tables[r]))
+    row = tables[rid]
+    frame, kind = sv.calibration_frame(row)
+    st.plotly_chart(sv.calibration_chart(frame, kind), width="stretch", key=f"{P}chart_calibration")
+    served = row.get("k_by_batch") or "-"
+    shape = row.get("calibration_shape")
+    shape = shape if isinstance(shape, str) and shape else "free (a run from before calibration_shape)"
+    lines = [f"served: `{served}`" + (f" ({shape})" if kind == "loop" else " (step calibration)")]
+    if kind == "loop":
+        lines += [f"{name}: `{text}`" for name, text in sv.schedule_shapes(row, frame).items()]
+    st.markdown("  \n".join(lines))
+
+
 def render() -> None:
     st.title("Serving")
     st.caption(f"In-flight batching under a request load (`python -m workbench serve-bench`). Store: "
@@ -304,6 +329,7 @@ def render() -> None:
     latency_section(picked)
     acceptance_section(picked)
     requests_section(picked)
+    calibration_section(view)
     export_section(view)
 
 

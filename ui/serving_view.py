@@ -209,3 +209,69 @@ def snippets_for(row) -> dict[str, str]:
     ngram = (int(_num(row.get("ngram_min"), 1)), int(_num(row.get("ngram_max"), 3)))
     draft = None if _missing(row.get("draft_path")) else str(row.get("draft_path"))
     return export_snippets(schedule_of(row), str(row.get("method")), ngram=ngram, draft_path=draft)
+
+
+CALIBRATION_VALUES = {"loop": ("tokens_per_s", "output tokens/s of a closed-loop serve"),
+                      "step": ("tokens_per_ms", "tokens per ms of an isolated decode step (all rows)")}
+
+
+def calibration_frame(row) -> tuple[pd.DataFrame, str] | None:
+    """The run's stored calibration (`calibration_table` JSON: {"measured": [...], "schedule": [...]}) as a frame
+    with columns batch_size, k, value, chosen, skipped, and its kind: "loop" (value = output tokens/s) or "step"
+    (tokens per ms). None when the run measured no schedule (or the table cannot be read)."""
+    text = row.get("calibration_table")
+    if _missing(text) or not text:
+        return None
+    try:
+        measured = json.loads(text)["measured"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not measured:
+        return None
+    kind = "loop" if "tokens_per_s" in measured[0] or any(m.get("skipped") for m in measured) else "step"
+    name = CALIBRATION_VALUES[kind][0]
+    chosen = _chosen_cells(row, measured, kind)
+    frame = pd.DataFrame([{"batch_size": int(m["batch_size"]), "k": int(m["k"]), "value": m.get(name),
+                           "chosen": (int(m["batch_size"]), int(m["k"])) in chosen,
+                           "skipped": bool(m.get("skipped", False))} for m in measured])
+    return frame, kind
+
+
+def _chosen_cells(row, measured: list[dict], kind: str) -> set[tuple[int, int]]:
+    """(batch size, k) cells the served schedule used: loop tables mark them; step tables by the schedule's k at
+    each measured size."""
+    if kind == "loop":
+        return {(int(m["batch_size"]), int(m["k"])) for m in measured if m.get("chosen")}
+    sched = schedule_of(row)
+    return {(int(m["batch_size"]), int(m["k"])) for m in measured
+            if any(lo <= int(m["batch_size"]) <= hi and k == int(m["k"]) for lo, hi, k in sched)}
+
+
+def calibration_chart(frame: pd.DataFrame, kind: str) -> go.Figure:
+    """Heatmap of the calibration's value by batch size (rows) and draft length (columns); the chosen cells are
+    starred, skipped ones left blank."""
+    grid = frame.pivot_table(index="batch_size", columns="k", values="value", aggfunc="first",
+                              dropna=False).sort_index()
+    chosen = set(zip(frame.loc[frame["chosen"], "batch_size"], frame.loc[frame["chosen"], "k"]))
+    text = [[("" if pd.isna(grid.at[b, k]) else f"{grid.at[b, k]:,.1f}") + (" *" if (b, k) in chosen else "")
+             for k in grid.columns] for b in grid.index]
+    fig = go.Figure(go.Heatmap(z=grid.values, x=[f"k={k}" for k in grid.columns], y=[str(b) for b in grid.index],
+                               text=text, texttemplate="%{text}", colorscale="Blues",
+                               colorbar=dict(title=CALIBRATION_VALUES[kind][0])))
+    fig.update_layout(title=f"Calibration: {CALIBRATION_VALUES[kind][1]} (* = served)", xaxis_title="draft length",
+                      yaxis_title="batch size", yaxis_type="category", margin=dict(t=50, b=40), height=360)
+    return fig
+
+
+def schedule_shapes(row, frame: pd.DataFrame) -> dict[str, str]:
+    """A loop calibration's schedule under each shape (workbench/serving/schedules.py, serve-bench's min_gain 0.02),
+    recomputed from the stored table: {"monotone": "1-8:4,9-64:2", "free": ...}. Empty for step tables."""
+    from workbench.serving.adaptive import format_k_by_batch  # torch-free
+    from workbench.serving.schedules import SCHEDULE_SHAPES, loop_schedule
+
+    tps = {(int(r.batch_size), int(r.k)): r.value for r in frame.itertuples() if not r.skipped and
+           not _missing(r.value)}
+    top = max(1, int(_num(row.get("max_num_seqs"), 1)))
+    if not tps:
+        return {}
+    return {shape: format_k_by_batch(loop_schedule(tps, top, 0.02, shape)) for shape in SCHEDULE_SHAPES}
