@@ -105,6 +105,10 @@ def parse_args(argv=None):
     p.add_argument("--gc-controls", action="store_true",
                    help="also run off and fixed k with gc_freeze off (the collector free to rescan the whole heap "
                    "inside the run) in every sweep round (gc_checks)")
+    p.add_argument("--shape-controls", action="store_true",
+                   help="also serve the loop calibration's schedule under the other calibration_shape (monotone / "
+                   "free) in every sweep round and at every threshold of either schedule (shape_checks, and "
+                   "threshold_checks_other_shape for its cliffs)")
     p.add_argument("--threshold-requests", type=int, default=12,
                    help="measured requests per threshold run (at least 3 x the concurrency)")
     p.add_argument("--cliff-pct", type=float, default=10.0)
@@ -234,8 +238,16 @@ def main(argv=None) -> int:
     settings_of["adaptive"] = dict(k_by_batch=k_by_batch, spec_catch_up_max=args.catch_up_max)
     result.update(k_by_batch=k_by_batch, schedule_source=source)
     print(f"schedule {k_by_batch} ({source})", flush=True)
+    other_ranges = None
+    if args.shape_controls and "loop_calibration" in result and source.startswith("measured (loop"):
+        lcal = result["loop_calibration"]
+        other_ranges = settings.parse_k_by_batch(lcal["other_k_by_batch"])
+        settings_of[OTHER] = dict(k_by_batch=lcal["other_k_by_batch"], spec_catch_up_max=args.catch_up_max)
+        result["other_shape"] = {"shape": lcal["other_shape"], "k_by_batch": lcal["other_k_by_batch"]}
     flush()
     run("adaptive", "warm-up", essential=True, **warm)
+    if other_ranges is not None:
+        run(OTHER, "warm-up", essential=True, **warm)
     # -- saturation and SLOs ------------------------------------------------------------------------------------
     _, sat = run("off", "saturation", True, arrival="concurrency", max_concurrency=args.max_num_seqs)
     saturation = sat["request_throughput"]
@@ -259,17 +271,24 @@ def main(argv=None) -> int:
                     result["sweep_checks"] = sweep_checks(result["sweep"], fixed)
                     result["prefill_checks"] = control_checks(result["sweep"], fixed, EAGER)
                     result["gc_checks"] = control_checks(result["sweep"], fixed, GC)
+                    if other_ranges is not None:
+                        result["shape_checks"] = shape_checks(result["sweep"])
                     flush()
     # -- thresholds +/- 1 at fixed concurrency --------------------------------------------------------------------
     thresholds = [lo for lo, _, _ in ranges[1:] if lo <= args.max_num_seqs]
     result["schedule_thresholds"] = thresholds
+    adaptives = ("adaptive",)
+    if other_ranges is not None:  # both schedules at the thresholds of either
+        result["other_shape"]["thresholds"] = [lo for lo, _, _ in other_ranges[1:] if lo <= args.max_num_seqs]
+        thresholds = sorted(set(thresholds) | set(result["other_shape"]["thresholds"]))
+        adaptives = ("adaptive", OTHER)
     if not args.no_thresholds:
         for rep in range(args.repeats):
             for t in thresholds:
                 for c in (t - 1, t, t + 1):
                     if not 1 <= c <= args.max_num_seqs:
                         continue
-                    for name in ("off", fixed, "adaptive"):
+                    for name in ("off", fixed) + adaptives:
                         n = max(args.threshold_requests, 3 * c)
                         _, rec = run(name, "thresholds", arrival="concurrency", max_concurrency=c, num_requests=n,
                                      warmup_requests=min(args.warmup_requests, c))
@@ -278,6 +297,9 @@ def main(argv=None) -> int:
                         rec.update(threshold=t, repeat=rep)
                         result["thresholds"].append(rec)
                         result["threshold_checks"] = threshold_checks(result["thresholds"], fixed, args.cliff_pct)
+                        if other_ranges is not None:
+                            result["threshold_checks_other_shape"] = threshold_checks(
+                                result["thresholds"], fixed, args.cliff_pct, adaptive=OTHER)
                         flush()
     # -- replay -------------------------------------------------------------------------------------------------
     fit = [it for (name, _, _), r in runs.items() if name in ("off", fixed) for it in r.result.iterations]
@@ -332,6 +354,7 @@ def main(argv=None) -> int:
 
 
 EAGER = "{}, eager prefill"  # the control settings of --eager-prefill-controls
+OTHER = "adaptive, other shape"  # and of --shape-controls
 GC = "{}, gc unfrozen"  # and of --gc-controls
 
 
@@ -404,10 +427,25 @@ def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
     return out
 
 
-def threshold_checks(rows: list[dict], fixed: str, cliff_pct: float) -> list[dict]:
+def shape_checks(sweep: list[dict]) -> list[dict]:
+    """Per rate: adaptive (the loop calibration's schedule) against the same table under the other shape (OTHER),
+    medians of output tokens/s over the rounds both finished, and their ratio."""
+    out = []
+    for frac in sorted({x["rate_fraction"] for x in sweep}):
+        by = {s: {x.get("repeat", 0): x["output_throughput"] for x in sweep
+                  if x["rate_fraction"] == frac and x["setting"] == s} for s in ("adaptive", OTHER)}
+        reps = sorted(set(by["adaptive"]) & set(by[OTHER]))
+        if reps:
+            a, o = (statistics.median(by[s][r] for r in reps) for s in ("adaptive", OTHER))
+            out.append({"rate_fraction": frac, "rounds": len(reps), "adaptive": a, "other_shape": o,
+                        "ratio": a / o if o else None})
+    return out
+
+
+def threshold_checks(rows: list[dict], fixed: str, cliff_pct: float, adaptive: str = "adaptive") -> list[dict]:
     """Per threshold: adaptive's output tokens/s at each concurrency against the better of off and fixed k, and the
     change from one concurrency to the next, on medians over the rounds each (concurrency, setting) has; `cliff`
-    when either falls by more than cliff_pct %."""
+    when either falls by more than cliff_pct %. `adaptive`: the setting checked (OTHER for the shape control)."""
     out = []
     for t in sorted({x["threshold"] for x in rows}):
         keys = {(x["max_concurrency"], x["setting"]) for x in rows if x["threshold"] == t}
@@ -416,7 +454,7 @@ def threshold_checks(rows: list[dict], fixed: str, cliff_pct: float) -> list[dic
         cs = sorted({c for c, _ in at})
         points, reasons = [], []
         for c in cs:
-            a, off, fx = (at.get((c, s)) for s in ("adaptive", "off", fixed))
+            a, off, fx = (at.get((c, s)) for s in (adaptive, "off", fixed))
             if a is None or off is None or fx is None:
                 continue
             best = max(off["output_throughput"] or 0.0, fx["output_throughput"] or 0.0)
@@ -525,11 +563,19 @@ def table(r: dict) -> str:
                          f"{_f(x['graph_captures_in_run'])} | {_phases(x)} | {_f(x.get('draft_prefill_tokens'))} / "
                          f"{_f(x.get('draft_catch_up_tokens'))} |")
         lines.append("")
-        for c in r["threshold_checks"]:
-            lines.append(f"- threshold {c['threshold']}: " + ("**cliff**: " + "; ".join(c["reasons"]) if c["cliff"]
-                                                               else "no cliff"))
+        for key, who in (("threshold_checks", "adaptive"), ("threshold_checks_other_shape", OTHER)):
+            for c in r.get(key, []):
+                lines.append(f"- threshold {c['threshold']} ({who}): " + (
+                    "**cliff**: " + "; ".join(c["reasons"]) if c["cliff"] else "no cliff"))
     elif "schedule_thresholds" in r and not r["schedule_thresholds"]:
         lines += ["", "The schedule has no thresholds below max_num_seqs (one draft length for every batch size)."]
+    if r.get("shape_checks"):
+        o = r["other_shape"]
+        lines += ["", f"adaptive (the calibration's schedule {r['k_by_batch']}) against the same table under the "
+                  f"{o['shape']} shape ({o['k_by_batch']}), same arrivals, medians over rounds:", "",
+                  "| rate (x sat) | rounds | adaptive out tok/s | other shape | ratio |", "|---|---|---|---|---|"]
+        lines += [f"| {c['rate_fraction']} | {c['rounds']} | {_f(c['adaptive'])} | {_f(c['other_shape'])} | "
+                  f"{_f(c['ratio'], 3)} |" for c in r["shape_checks"]]
     if r["replay"]:
         pct = lambda e: None if e is None else 100 * e  # noqa: E731
         models = [m for m in REPLAY_MODELS if m in r.get("replay_costs", {})]

@@ -9,7 +9,8 @@
 # then with 4x longer windows).
 # PART=t: the seventh session's (serving with the prefill chunks captured, against eager prefill in the same rounds).
 # PART=u / v / w: the eighth session's (the n-gram lookup on the device: speed, sweep, parity; serving with GC controls;
-# n-gram overhead by draft length and n-gram serving with the threshold check; PART=x: n-gram serving up to 64 rows).
+# n-gram overhead by draft length and n-gram serving with the threshold check; PART=x: n-gram serving up to 64 rows);
+# PART=z: prepared, not run: call x again with --shape-controls (monotone against free schedules, same rounds).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -262,6 +263,13 @@ elif [ "$PART" = x ]; then
   train_small
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
     --max-num-seqs 64 --num-requests 256 --warmup-requests 64 --rates 0.5,1.0,1.5 --budget-s "${SERVING_S:-240}"
+elif [ "$PART" = z ]; then
+  # prepared for the next session, not run yet: call x again with the monotone schedule and, in the same rounds and
+  # at the thresholds of both schedules, the free one (--shape-controls): does the shape remove call x's cliffs?
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 256 --warmup-requests 64 --rates 0.5,1.0,1.5 --shape-controls \
+    --budget-s "${SERVING_S:-330}"
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)

@@ -403,3 +403,34 @@ def test_gpu_serving_goal_check_reads_medians_over_complete_rounds():
     assert check["repeats"] == 3 and check["output_throughput_best_of_off_fixed"] == 119.0
     assert check["output_throughput_adaptive"] == 121.0 and check["goodput_ratio"] == 1.0
     assert check["adaptive_ge_best"]
+
+
+def test_gpu_serving_shape_controls(tmp_path, monkeypatch):
+    """--shape-controls: the loop calibration's table served under both shapes in every round and at the thresholds
+    of either schedule, with shape_checks and the control's own threshold checks. The table is made up so that the
+    shapes differ (free: 1:4,2:0,3-4:4)."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    made_up = {(1, 0): 10.0, (1, 4): 20.0, (2, 0): 30.0, (2, 4): 20.0, (4, 0): 40.0, (4, 4): 60.0}
+    real = gpu_serving.calibrate_loop
+    monkeypatch.setattr(gpu_serving, "calibrate_loop", lambda *a, **kw: real(
+        *a, **{**kw, "node_counts": (0, 4), "measure": lambda b, k: made_up[(b, k)]}))
+    assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "4", "--warmup-requests", "1",
+                             "--max-new-tokens", "4", "--rates", "1", "--max-num-seqs", "4", "--repeats", "1",
+                             "--threshold-requests", "3", "--cuda-graphs", "--shape-controls", "--out",
+                             str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    # monotone: 4 / 4 / 4 and 4 / 0 / 0 tie on relative tokens/s (2.67 each): the shorter drafts
+    assert r["loop_calibration"]["other_k_by_batch"] == "1:4,2:0,3-4:4" and r["k_by_batch"] == "1:4,2-4:0"
+    assert r["other_shape"] == {"shape": "free", "k_by_batch": "1:4,2:0,3-4:4", "thresholds": [2, 3]}
+    assert gpu_serving.OTHER in {x["setting"] for x in r["sweep"]}
+    assert [c["rate_fraction"] for c in r["shape_checks"]] == [1.0] and r["shape_checks"][0]["ratio"] > 0
+    assert r["schedule_thresholds"] == [2] and {x["threshold"] for x in r["thresholds"]} == {2, 3}
+    assert {x["setting"] for x in r["thresholds"]} == {"off", "k=4", "adaptive", gpu_serving.OTHER}
+    assert [c["threshold"] for c in r["threshold_checks_other_shape"]] == [2, 3]
+    text = (tmp_path / "table.md").read_text()
+    assert "against the same table under the free shape" in text and f"({gpu_serving.OTHER})" in text
