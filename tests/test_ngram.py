@@ -96,3 +96,21 @@ def test_device_lookup_follows_new_engine_buffers(target):
     engine.generate([PROMPTS[0] * 6])  # a longer prompt: a bigger cache and new token buffers
     assert engine.drafter.step is not first and engine.drafter._state[0] is engine.tokens
     assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, 8) for p in PROMPTS]
+
+
+def test_sampled_ngram_with_fixed_shapes_equals_the_host_scan(target, monkeypatch):
+    """Sampling (acceptance outside the fused step): the device lookup's proposals, and so the seeded outputs, equal
+    the host scan's in the same fixed-shape engine."""
+    from workbench.engine.sampling import SamplingParams
+
+    cfg = fast(max_new_tokens=16, sampling=SamplingParams(temperature=0.9, top_k=20), seed=5)
+    outs = {}
+    for device in (True, False):
+        if not device:
+            monkeypatch.setattr(NgramDrafter, "_on_device", lambda self: False)
+        engine = SpecEngine(target, NgramDrafter(k=3), cfg)
+        res = engine.generate(PROMPTS)
+        assert (engine.drafter.step is not None) is device and not engine.overlaps()
+        outs[device] = (res.outputs, [(s.drafted, s.accepted) for s in res.steps])
+    assert outs[True] == outs[False]
+    assert sum(d for ds, _ in outs[True][1] for d in ds) > 0 and sum(a for _, acc in outs[True][1] for a in acc) > 0

@@ -123,6 +123,21 @@ def test_adaptive_draft_length_keeps_outputs_and_follows_the_schedule(target, dr
     assert {t.num_nodes for t in res.traces} >= {0, 1}
 
 
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+def test_adaptive_draft_length_with_fixed_shapes(target, draft, solo, kind):
+    """The same schedule over fixed-shape steps (the draft model's chain step per length, the n-gram drafter's device
+    lookup cut to the step's length): outputs equal solo greedy, no step drafts past its k."""
+    reqs = random_requests(7)
+    adaptive = AdaptiveSpeculation(3, k_by_batch=[(1, 1, 3), (2, 2, 1), (3, 64, 0)])
+    engine = make_engine(kind, target, draft, cuda_graphs=True, graph_batch_sizes=(1, 2, 4))
+    res = serve(engine, reqs, adaptive=adaptive)
+    assert_solo(res, reqs, solo)
+    assert all(t.drafted <= t.k == {1: 3, 2: 1}.get(t.batch_size, 0) for t in res.traces)
+    assert {t.k for t in res.traces} == {0, 1, 3}
+    if kind == "ngram":
+        assert engine.drafter.step is not None and engine.drafter.step.stats.hits > 0
+
+
 def test_switch_off_by_acceptance(target, draft, solo):
     reqs = random_requests(8)
     adaptive = AdaptiveSpeculation(3, off_acceptance=1.01, window=2)  # nothing reaches 101 %: off after 2 steps
