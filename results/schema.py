@@ -138,6 +138,9 @@ _RUN_SPECS: list[ColumnSpec] = [
                                "tpot_ms_p50 tpot_ms_p90 tpot_ms_p99 itl_ms_p50 itl_ms_p90 itl_ms_p99 "
                                "time_draft_ms time_verify_ms time_accept_ms time_kv_ms peak_mem_mb "
                                "draft_target_cost_ratio"),
+    ColumnSpec("speedup_per_token_per_step", "float", "metrics",
+               "speedup_vs_ar / mean_accepted_tokens: the AR step's time over the speculative step's (1 = no "
+               "speculation overhead; None for ar)"),
     *_cols("metrics", "int", "total_new_tokens target_steps"),
     ColumnSpec("wall_s", "float", "metrics"),
     ColumnSpec("greedy_matches_ar", "bool", "metrics", "None when not checked"),

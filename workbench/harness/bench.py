@@ -517,6 +517,9 @@ class BenchSession:
             **_tree_columns(c0, cfg.method != "ar"),
             "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
             "speedup_vs_ar": speedup,
+            # the AR step's time over the speculative step's: 1 = every token a step emits turns into speedup
+            "speedup_per_token_per_step": speedup / c0.mean_accepted_tokens
+            if speedup and cfg.method != "ar" and c0.mean_accepted_tokens else None,
             "ttft_ms": median(ttft),
             "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p90": percentile(tpot, 90),
             "tpot_ms_p99": percentile(tpot, 99),
