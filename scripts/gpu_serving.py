@@ -52,6 +52,7 @@ from workbench.serving.adaptive import format_k_by_batch  # noqa: E402
 from workbench.serving.bench import engine_for, serve_bench  # noqa: E402
 from workbench.serving.calibrate import calibrate, calibrate_loop  # noqa: E402
 from workbench.serving.config import ServeConfig  # noqa: E402
+from workbench.serving.schedules import SCHEDULE_SHAPES  # noqa: E402
 
 SHOW = ["request_throughput", "output_throughput", "goodput", "tpot_ms_p99", "tpot_ms_p50", "ttft_ms_p99",
         "ttft_ms_p50", "mean_batch_size", "acceptance_rate", "preemptions", "graph_captures_in_run",
@@ -75,7 +76,8 @@ def parse_args(argv=None):
     p.add_argument("--calibration", default="loop", choices=("loop", "step"),
                    help="which measurement the adaptive schedule comes from (both are recorded unless the loop one "
                    "is skipped for the budget)")
-    p.add_argument("--calibration-shape", default="monotone", choices=("monotone", "free"),
+    p.add_argument("--calibration-shape", default=settings.SERVE_KNOBS["calibration_shape"].default,
+                   choices=SCHEDULE_SHAPES,
                    help="how the loop calibration's tokens/s become a schedule (workbench/serving/calibrate.py)")
     p.add_argument("--calibration-budget-s", type=float, default=40.0,
                    help="wall-clock budget of the loop calibration (runs past it are skipped and listed)")
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
                                  budget_s=budget, min_gain=args.min_gain, max_len=serve_len,
                                  shape=args.calibration_shape)
             loop_ranges, cal_iterations = cal.schedule(args.max_num_seqs), cal.iterations
-            other = "free" if args.calibration_shape == "monotone" else "monotone"
+            other = next(s for s in SCHEDULE_SHAPES if s != args.calibration_shape)
             result["loop_calibration"] = {"table": cal.table(), "k_by_batch": format_k_by_batch(loop_ranges),
                                           "shape": args.calibration_shape, "other_shape": other,
                                           "other_k_by_batch": format_k_by_batch(cal.schedule(args.max_num_seqs,

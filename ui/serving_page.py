@@ -289,13 +289,13 @@ def calibration_section(view: pd.DataFrame) -> None:
                "concurrency = batch size; step: tokens per ms of isolated decode steps). Each cell is one short "
                "run: differences of 10-20 % can be noise (BENCHMARKS.md 13.4). For loop tables, the schedule each "
                "shape makes of the same cells (`calibration_shape`).")
-    tables = {r["run_id"]: r for _, r in view.iterrows() if sv.calibration_frame(r) is not None}
+    tables = {r["run_id"]: (r, table) for _, r in view.iterrows() if (table := sv.calibration_frame(r)) is not None}
     if not tables:
         st.info("no run with a calibration table (serve-bench --calibration loop or step)")
         return
-    rid = st.selectbox("Run", list(tables), key=f"{P}calibration_run", format_func=lambda r: sv.run_label(tables[r]))
-    row = tables[rid]
-    frame, kind = sv.calibration_frame(row)
+    rid = st.selectbox("Run", list(tables), key=f"{P}calibration_run",
+                       format_func=lambda r: sv.run_label(tables[r][0]))
+    row, (frame, kind) = tables[rid]
     st.plotly_chart(sv.calibration_chart(frame, kind), width="stretch", key=f"{P}chart_calibration")
     served = row.get("k_by_batch") or "-"
     shape = row.get("calibration_shape")

@@ -228,7 +228,7 @@ def calibration_frame(row) -> tuple[pd.DataFrame, str] | None:
         return None
     if not measured:
         return None
-    kind = "loop" if "tokens_per_s" in measured[0] or any(m.get("skipped") for m in measured) else "step"
+    kind = "loop" if "tokens_per_s" in measured[0] else "step"  # loop rows, skipped ones too, carry tokens_per_s
     name = CALIBRATION_VALUES[kind][0]
     chosen = _chosen_cells(row, measured, kind)
     frame = pd.DataFrame([{"batch_size": int(m["batch_size"]), "k": int(m["k"]), "value": m.get(name),
@@ -264,14 +264,14 @@ def calibration_chart(frame: pd.DataFrame, kind: str) -> go.Figure:
 
 
 def schedule_shapes(row, frame: pd.DataFrame) -> dict[str, str]:
-    """A loop calibration's schedule under each shape (workbench/serving/schedules.py, serve-bench's min_gain 0.02),
-    recomputed from the stored table: {"monotone": "1-8:4,9-64:2", "free": ...}. Empty for step tables."""
+    """A loop calibration's schedule under each shape (workbench/serving/schedules.py, serve-bench's default
+    MIN_GAIN), recomputed from the stored table: {"monotone": "1-8:4,9-64:2", "free": ...}. Empty for step tables."""
     from workbench.serving.adaptive import format_k_by_batch  # torch-free
-    from workbench.serving.schedules import SCHEDULE_SHAPES, loop_schedule
+    from workbench.serving.schedules import MIN_GAIN, SCHEDULE_SHAPES, loop_schedule
 
     tps = {(int(r.batch_size), int(r.k)): r.value for r in frame.itertuples() if not r.skipped and
            not _missing(r.value)}
     top = max(1, int(_num(row.get("max_num_seqs"), 1)))
     if not tps:
         return {}
-    return {shape: format_k_by_batch(loop_schedule(tps, top, 0.02, shape)) for shape in SCHEDULE_SHAPES}
+    return {shape: format_k_by_batch(loop_schedule(tps, top, MIN_GAIN, shape)) for shape in SCHEDULE_SHAPES}

@@ -33,7 +33,8 @@ from workbench.engine.sampling import next_token
 from workbench.engine.step import PhaseTimer, SpecEngine
 from workbench.serving.adaptive import AdaptiveSpeculation, schedule_from_costs
 from workbench.serving.config import ServeError
-from workbench.serving.schedules import SCHEDULE_SHAPES, choose, loop_schedule, monotone_choice, pick_k  # noqa: F401
+from workbench.serving.schedules import (MIN_GAIN, SCHEDULE_SHAPES, choose, loop_schedule,  # noqa: F401
+                                         monotone_choice, pick_k)
 
 
 @dataclass
@@ -142,7 +143,7 @@ class LoopCalibration:
     tokens_per_s: dict[tuple[int, int], float]  # (concurrency b, draft length k) -> output tokens/s, measured
     skipped: list[tuple[int, int]]  # (b, k) left out for the budget
     wall_s: float  # the whole calibration, graph captures included
-    min_gain: float = 0.02
+    min_gain: float = MIN_GAIN
     iterations: list = field(default_factory=list)  # the runs' IterationLogs: every k, for the replay's cost fit
     shape: str = "monotone"  # loop_schedule's: "monotone" (k never grows with the batch size) or "free"
 
@@ -160,7 +161,7 @@ class LoopCalibration:
 
 def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[int, ...],
                    node_counts: tuple[int, ...] | None = None, *, max_new_tokens: int, max_num_seqs: int,
-                   requests_per_size: int = 3, budget_s: float = 60.0, min_gain: float = 0.02,
+                   requests_per_size: int = 3, budget_s: float = 60.0, min_gain: float = MIN_GAIN,
                    measure: Callable[[int, int], float] | None = None, gc_freeze: bool = True,
                    shape: str = "monotone", **serve_kwargs) -> LoopCalibration:
     """Output tokens/s of a short closed-loop serve per (batch size b, draft length k): max_concurrency = b,

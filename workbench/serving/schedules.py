@@ -8,9 +8,12 @@ torch-free (the dashboard recomputes a run's schedule under the other shape from
 """
 from __future__ import annotations
 
+from workbench import settings
 from workbench.serving.config import ServeError
 
-def pick_k(tokens_per_s: dict[int, float], min_gain: float = 0.02) -> int:
+MIN_GAIN = 0.02  # the default tie margin: a longer draft must win by more than 2 % (serve-bench's calibration)
+
+def pick_k(tokens_per_s: dict[int, float], min_gain: float = MIN_GAIN) -> int:
     """The draft length with the most tokens/s; a longer one must beat the best shorter one by more than min_gain
     (relative), so ties and noise go to the smaller k (0 = speculation off).
 
@@ -29,10 +32,10 @@ def pick_k(tokens_per_s: dict[int, float], min_gain: float = 0.02) -> int:
     return best_k
 
 
-SCHEDULE_SHAPES = ("monotone", "free")
+SCHEDULE_SHAPES = settings.SERVE_KNOBS["calibration_shape"].choices  # ("monotone", "free"): declared there
 
 
-def monotone_choice(by_size: dict[int, dict[int, float]], min_gain: float = 0.02) -> dict[int, int]:
+def monotone_choice(by_size: dict[int, dict[int, float]], min_gain: float = MIN_GAIN) -> dict[int, int]:
     """Per measured batch size, a draft length that never grows with the batch size. Where each size's own
     `pick_k` already keeps that order it is the answer; else the non-increasing sequence with the largest sum of
     each size's tokens/s relative to its own best (a small dynamic program over sizes x k), then, from the largest
@@ -75,7 +78,7 @@ def monotone_choice(by_size: dict[int, dict[int, float]], min_gain: float = 0.02
     return choice
 
 
-def choose(tokens_per_s: dict[tuple[int, int], float | None], min_gain: float = 0.02,
+def choose(tokens_per_s: dict[tuple[int, int], float | None], min_gain: float = MIN_GAIN,
            shape: str = "monotone") -> dict[int, int]:
     """Batch size -> chosen k over the measured (batch size, k) -> tokens/s (None = skipped for the budget);
     shape "free": each size's `pick_k`, "monotone": `monotone_choice`. {} when nothing was measured."""
@@ -91,7 +94,7 @@ def choose(tokens_per_s: dict[tuple[int, int], float | None], min_gain: float = 
         {b: pick_k(row, min_gain) for b, row in by_size.items()}
 
 
-def loop_schedule(tokens_per_s: dict[tuple[int, int], float], max_batch: int, min_gain: float = 0.02,
+def loop_schedule(tokens_per_s: dict[tuple[int, int], float], max_batch: int, min_gain: float = MIN_GAIN,
                   shape: str = "monotone") -> list[tuple[int, int, int]]:
     """vLLM-style inclusive ranges [(start, end, k), ...] over 1..max_batch from tokens/s measured per (batch size,
     k): shape "free": each measured size gets `pick_k` of its row; "monotone": `monotone_choice` (k never grows with
