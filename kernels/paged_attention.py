@@ -45,10 +45,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .pdl import use_pdl
+
 try:
     import triton
     import triton.language as tl
     TRITON_AVAILABLE = True
+    from .pdl import gdc_launch_dependents, gdc_wait
 except ImportError:
     TRITON_AVAILABLE = False
 
@@ -107,6 +110,7 @@ if TRITON_AVAILABLE:
     @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
     def _partial_kernel(
             q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, base_ptr, intra_bits_ptr, o_ptr, lse_ptr,  # intra_bits [B, T]
+            out_ptr, count_ptr,  # FUSE_COMBINE: out [B, Hq, T, D] contiguous; counters [B * Hkv * m_tiles] int32
             ks_ptr, vs_ptr,  # k_scales, v_scales [num_slots, Hkv] float32 (read only when QUANT)
             sq_b, sq_h, sq_t,  # q [B, Hq, T, D] (last stride 1)
             sk_s, sk_h, sv_s, sv_h,  # k_pool, v_pool [num_slots, Hkv, D] (last stride 1)
@@ -116,7 +120,10 @@ if TRITON_AVAILABLE:
             qk_scale_log2, m_tiles, num_splits,
             T: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
+            FUSE_COMBINE: tl.constexpr = False):
+        if PDL:  # kernels/pdl.py: every program waits (also one with no tiles), before any load or store
+            gdc_wait()
         pid = tl.program_id(0)
         split = tl.program_id(1)
         m_tile = pid % m_tiles
@@ -182,16 +189,50 @@ if TRITON_AVAILABLE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
+        if PDL:  # the KV is read: the next kernel may take the SM slots this program frees
+            gdc_launch_dependents()
         seen = l_i > 0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         tl.store(o_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_t + split * so_s + d[None, :], o,
                  mask=row_ok[:, None])
-        tl.store(lse_ptr + ((b * GROUP * HKV + head) * T + tok) * num_splits + split, lse, mask=row_ok)
+        row_id = (b * GROUP * HKV + head) * T + tok  # [BLOCK_M]: (b, head, tok) in [B, Hq, T] order
+        tl.store(lse_ptr + row_id * num_splits + split, lse, mask=row_ok)
+        # FUSE_COMBINE: the split that finishes this tile last combines the others (no combine launch). Only the
+        # `used` splits that got KV tiles take part: the rest arrive at no counter, and the combine reads none of them.
+        used = tl.cdiv(tiles, per_split)
+        if FUSE_COMBINE and split < used:
+            tl.debug_barrier()  # every thread's partial is written before the counter says so
+            tile_id = (b * HKV + kv_head) * m_tiles + m_tile
+            arrived = tl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+            if arrived == used - 1:
+                top = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the splits' lse
+                den = tl.zeros([BLOCK_M], tl.float32)
+                total = tl.zeros([BLOCK_M, D], tl.float32)
+                for sp in range(0, used):
+                    lse_sp = tl.load(lse_ptr + row_id * num_splits + sp, mask=row_ok, other=float("-inf"),
+                                     cache_modifier=".cg")  # [BLOCK_M]
+                    o_sp = tl.load(o_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_t + sp * so_s
+                                   + d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                    top_new = tl.maximum(top, lse_sp)
+                    top_safe = tl.where(top_new == float("-inf"), 0.0, top_new)  # nothing seen yet: weights 0
+                    alpha = tl.exp2(top - top_safe)
+                    w = tl.exp2(lse_sp - top_safe)
+                    den = den * alpha + w
+                    total = total * alpha[:, None] + w[:, None] * o_sp
+                    top = top_new
+                total = total / tl.maximum(den, 1e-30)[:, None]
+                tl.store(out_ptr + row_id[:, None] * D + d[None, :], total.to(out_ptr.dtype.element_ty),
+                         mask=row_ok[:, None])
+                tl.atomic_xchg(count_ptr + tile_id, 0)  # ready for the next call
 
     @triton.jit(do_not_specialize=["num_splits"])
-    def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, SPLITS_POW2: tl.constexpr, D: tl.constexpr):
+    def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, SPLITS_POW2: tl.constexpr, D: tl.constexpr,
+                        PDL: tl.constexpr = False):
         # o [B * Hq * T, splits, D], lse [B * Hq * T, splits], out [B * Hq * T, D], all contiguous
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         r = tl.program_id(0).to(tl.int64)
         s = tl.arange(0, SPLITS_POW2)
         d = tl.arange(0, D)
@@ -224,9 +265,30 @@ def launch_plan(batch: int, q_heads: int, kv_heads: int, t: int, max_positions: 
     return block_m, m_tiles, num_splits
 
 
+# Whether the last split of a tile combines the partials itself (one launch per layer, not two). Measured on the H200
+# (BENCHMARKS.md section 14): 0.3-0.7 % slower than the combine launch at 6.7 B (that one program's serial reads sit on
+# the critical path; with dependent launches the second launch costs little), mixed at 1.45 B: off by default.
+FUSE_COMBINE = False
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: zeros between calls (each call's last splits reset them)
+
+
+def _combine_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """n zeroed int32 counters shared by every call on `device` (calls on one stream run one after another, and each
+    leaves its counters at zero); None while a CUDA graph is being captured and none exist yet (a buffer zeroed
+    inside a capture would be zeroed only at replay): the caller then launches the combine kernel."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
 def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
-                           k_scales=None, v_scales=None, num_splits: int | None = None):
-    """Same contract as `paged_attention_reference`; `num_splits` overrides the shape-derived split count."""
+                           k_scales=None, v_scales=None, num_splits: int | None = None,
+                           fuse_combine: bool | None = None):
+    """Same contract as `paged_attention_reference`; `num_splits` overrides the shape-derived split count,
+    `fuse_combine` the module's FUSE_COMBINE (the last split of each tile combines the splits, no second launch)."""
     b, hq, t, dim = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -253,8 +315,13 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
         intra_bits = (intra_mask.long() << torch.arange(t, device=q.device)).sum(-1)  # [B, T]
     scale_strides = (k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1)) if quant \
         else (0, 0, 0, 0)
+    pdl = dict(PDL=True, launch_pdl=True) if use_pdl(q.device) else {}
+    fuse = num_splits > 1 and (FUSE_COMBINE if fuse_combine is None else fuse_combine)
+    counters = _combine_counters(q.device, b * hkv * m_tiles) if fuse else None
+    fuse = counters is not None
     _partial_kernel[(b * hkv * m_tiles, num_splits)](
-        q, k_pool, v_pool, block_table, rows, base_len, intra_bits, o, lse, k_scales, v_scales,
+        q, k_pool, v_pool, block_table, rows, base_len, intra_bits, o, lse, out, counters if fuse else lse,
+        k_scales, v_scales,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), *scale_strides,
         block_table.stride(0), block_table.stride(1),
@@ -262,9 +329,10 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
         scale * math.log2(math.e), m_tiles, num_splits,
         T=t, GROUP=group, HKV=hkv, D=dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        num_warps=8)  # ptxas for sm_90: 4 warps spill registers at D = 128 or 64-row tiles, 8 do not
-    if num_splits > 1:
-        _combine_kernel[(b * hq * t,)](o, lse, out, num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim)
+        FUSE_COMBINE=fuse, num_warps=8, **pdl)  # ptxas for sm_90: 4 warps spill registers at D = 128 or 64-row tiles, 8 do not
+    if num_splits > 1 and not fuse:
+        _combine_kernel[(b * hq * t,)](o, lse, out, num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim,
+                                       **pdl)
     return out
 
 
@@ -290,7 +358,9 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _kv_write_kernel(k_ptr, v_ptr, slot_ptr, kp_ptr, vp_ptr, T, H,
                          sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skp_s, skp_h, svp_s, svp_h,
-                         BLOCK_H: tl.constexpr, D: tl.constexpr):
+                         BLOCK_H: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            gdc_wait()
         i = tl.program_id(0)  # token b * T + t
         b = i // T
         t = i % T
@@ -301,6 +371,8 @@ if TRITON_AVAILABLE:
         key = tl.load(k_ptr + b * sk_b + t * sk_t + h * sk_h + d, mask=mask)
         tl.store(kp_ptr + slot * skp_s + h * skp_h + d, key.to(kp_ptr.dtype.element_ty), mask=mask)
         val = tl.load(v_ptr + b * sv_b + t * sv_t + h * sv_h + d, mask=mask)
+        if PDL:
+            gdc_launch_dependents()
         tl.store(vp_ptr + slot * svp_s + h * svp_h + d, val.to(vp_ptr.dtype.element_ty), mask=mask)
 
 
@@ -313,7 +385,8 @@ def paged_kv_write_triton(k, v, k_pool, v_pool, slots):
     _kv_write_kernel[(b * t,)](k, v, slots, k_pool, v_pool, t, h,
                                k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                                k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-                               BLOCK_H=triton.next_power_of_2(h), D=dim, num_warps=4)
+                               BLOCK_H=triton.next_power_of_2(h), D=dim, num_warps=4,
+                               **(dict(PDL=True, launch_pdl=True) if use_pdl(k.device) else {}))
 
 
 def paged_write_attention_triton(q, k, v, slots, k_pool, v_pool, block_table, rows, base_len, intra_mask,

@@ -58,10 +58,13 @@ import math
 
 import torch
 
+from .pdl import use_pdl
+
 try:
     import triton
     import triton.language as tl
     TRITON_AVAILABLE = True
+    from .pdl import gdc_launch_dependents, gdc_wait, prefetch_l2
 except ImportError:
     TRITON_AVAILABLE = False
 
@@ -82,6 +85,13 @@ FP8_UNBIAS = 2.0 ** 120  # what _fp8_to_f32_scaled's values are multiplied by
 # Tensor-core tiles (M > 1) with fp16 operands: fp8 within 1 % of the fp32-widened form, int8 4-29 % slower
 # (BENCHMARKS.md section 11): fp8 only by default (override F16_DOT=...).
 F16_DOT_FORMATS = ("fp8",)
+# With dependent launches (kernels/pdl.py): how many of a program's first K tiles of weights are prefetched into L2
+# before it waits for the previous kernel (override PREFETCH_TILES=...; 0 = wait only). Two tiles were measured
+# 0.6-2 % slower than none on the H200 (BENCHMARKS.md section 14), so none by default.
+PREFETCH_TILES = 0
+# ... and whether a program lets the next kernel launch after its K loop (True) or first thing (False: measured
+# 1.25x slower for int4 at 6.7 B, whose programs run in several waves: waiting dependents took their SM slots)
+LATE_TRIGGER = True
 
 
 class GemvError(ValueError):
@@ -314,7 +324,9 @@ if TRITON_AVAILABLE:
             SPLIT_K,  # K ranges (1 = no split): a runtime value, so split counts share one compiled kernel
             FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
-            NORM: tl.constexpr, F16_DOT: tl.constexpr, X_SCALE: tl.constexpr, CVT_BITS: tl.constexpr):
+            NORM: tl.constexpr, F16_DOT: tl.constexpr, X_SCALE: tl.constexpr, CVT_BITS: tl.constexpr,
+            PDL: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STEP: tl.constexpr = 64,
+            LATE_TRIGGER: tl.constexpr = True):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -325,6 +337,16 @@ if TRITON_AVAILABLE:
         k_tiles = tl.cdiv(K, BLOCK_K)
         kt_start = pid_k * tiles_per_split
         kt_end = tl.minimum(kt_start + tiles_per_split, k_tiles)
+        if PDL:  # dependent launch (kernels/pdl.py): weights into L2 while the previous kernel drains, then wait
+            if PF_LINES > 0:  # PF_LINES lines of PF_STEP weight elements per row, from this program's first K tile
+                w_row = K // 2 if FMT == 1 else K  # weight elements per row (int4: two values a byte)
+                w_tile = BLOCK_K // 2 if FMT == 1 else BLOCK_K
+                pf_cols = tl.minimum(kt_start * w_tile + tl.arange(0, PF_LINES) * PF_STEP, w_row - 1)  # [PF]
+                pf_rows = tl.minimum(offs_n, N - 1)  # [BN]: clamped, so every address is inside the weight
+                prefetch_l2(w_ptr + pf_rows[:, None].to(tl.int64) * sw_n + pf_cols[None, :])
+            if not LATE_TRIGGER:
+                gdc_launch_dependents()
+            gdc_wait()  # nothing above reads what an earlier kernel writes, nothing above writes
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: x^2 per row and lane, summed after the loop
@@ -389,6 +411,8 @@ if TRITON_AVAILABLE:
                 else:
                     # widened through fp32: exact, and the interpreter's direct int8 -> bf16 cast reinterprets bits
                     acc += tl.dot(x, tl.trans(w.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)
+        if PDL and LATE_TRIGGER:  # this program's weights are read: the next kernel may take the SM slots we free
+            gdc_launch_dependents()
         sq = tl.sum(sq2, axis=1)  # [BM]: this split's sum of x^2 per row (NORM)
         if FMT != 1 and FMT != 4:
             if BLOCK_M == 1:
@@ -502,6 +526,13 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     sq = torch.empty(cfg["SPLIT_K"], m, dtype=torch.float32, device=x.device) if norm and cfg["SPLIT_K"] > 1 \
         else partials
     f16_dot = cfg.get("F16_DOT", fmt in F16_DOT_FORMATS) and x.dtype != torch.float32 and fmt in ("int8", "fp8")
+    pdl = {}
+    if use_pdl(x.device):  # kernels/pdl.py; PREFETCH_TILES weight tiles per program into L2 before the wait
+        w_tile = cfg["BLOCK_K"] // 2 if fmt == "int4" else cfg["BLOCK_K"]
+        step = 128 // weight.element_size()  # weight elements per 128-byte line
+        lines = math.ceil(min(cfg.get("PREFETCH_TILES", PREFETCH_TILES), cfg["tiles_per_split"]) * w_tile / step)
+        pdl = dict(PDL=True, PF_LINES=triton.next_power_of_2(lines) if lines else 0, PF_STEP=step,
+                   LATE_TRIGGER=cfg.get("LATE_TRIGGER", LATE_TRIGGER), launch_pdl=True)
     _gemv_kernel[grid](
         x, weight, scale2, zero2, out, partials, counters, res, nw, sq,
         m, n, k, cfg["tiles_per_split"], float(eps),
@@ -512,7 +543,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, RESIDUAL=residual is not None,
         NORM=norm, F16_DOT=f16_dot, X_SCALE=X_SCALE_BF16 if x.dtype == torch.bfloat16 else 1.0,
         CVT_BITS=cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     return out
 
 

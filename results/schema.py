@@ -106,6 +106,7 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("prefill_graphs", "bool", "config", "prompt forwards captured in CUDA graphs per (batch, padded length) "
                "(with cuda_graphs)"),
     ColumnSpec("overlap", "bool", "config", "overlapped steps asked for (step t+1 launched before step t is read)"),
+    ColumnSpec("pdl", "bool", "config", "programmatic dependent launch of our Triton kernels asked for"),
     ColumnSpec("target_kv_quant", "string", "config", '"none" | "int8" | "fp8": the target\'s KV-cache format'),
     ColumnSpec("draft_kv_quant", "string", "config", '"none" | "int8" | "fp8": the draft model\'s KV-cache format'),
     *_cols("config", "string", "target_quant draft_quant"),
@@ -168,6 +169,8 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("implausible_reason", "string", "trust", "which bound failed, with the numbers"),
     ColumnSpec("overlap_applied", "bool", "graphs", "the candidate ran overlapped steps (overlap on, greedy chains "
                "with fixed shapes); None with overlap off"),
+    ColumnSpec("pdl_applied", "bool", "graphs", "our Triton kernels were launched with programmatic dependent launch "
+               "(pdl on, a Hopper or newer GPU, a triton that has it); False otherwise"),
     ColumnSpec("graph_capture_s", "float", "graphs", "time spent capturing CUDA graphs"),
     ColumnSpec("graph_memory_mb", "float", "graphs", "GPU memory held by the captured graphs' pools"),
     *_cols("graphs", "int", "graph_bucket_hits graph_bucket_misses"),

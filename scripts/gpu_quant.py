@@ -34,6 +34,8 @@ from gpu_fastpath import MODES, RANDOM_CONFIGS, warm  # noqa: E402
 from gpu_timing import equal_prefix, floor_row, run_parts, sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.quant import check_quant, quantize_model  # noqa: E402
+from kernels.pdl import pdl_problem, set_pdl  # noqa: E402
+from kernels import paged_attention, quant_gemv  # noqa: E402
 from kernels.quant_gemv import set_m1_tiles  # noqa: E402
 from workbench.engine.quant.linears import QuantLinear  # noqa: E402
 
@@ -48,22 +50,33 @@ FORMAT_KERNELS = {"none": ("none", "auto"), "int8": ("int8", "aten"), "int8-dq":
 # "+res" (the MLP's residual add in the down GEMV's epilogue; the engine's default), "+glu" (also SiLU-mul in its
 # prologue), "+norm" (the RMSNorms in the q/k/v and gate/up prologues, the attention residual in o_proj's epilogue,
 # and "+res"), "+all" (all of them): e.g. fp8-triton+all; without a suffix every linear is unfused here
-FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+residual", "all": "norm+glu+residual"}
+FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+residual", "all": "norm+glu+residual",
+           "glo": "glu+residual+ores"}  # glo: glu + o_proj's residual epilogue, the norms left to torch.compile
 # and "+tc": this row's one-row GEMVs take the measured tiles of --m1-tiles (other rows keep gemv_config's table);
+# "+pdl": this row's Triton kernels (GEMVs, K/V write, attention) are launched with programmatic dependent launch
+# (kernels/pdl.py), and its greedy tokens are compared with the same row without "+pdl" (run that row first);
+# "+pdl0": the same with no weight prefetch before the GEMVs' wait (quant_gemv.PREFETCH_TILES = 0); "+pdle": the GEMVs
+# let the next kernel launch first thing instead of after their K loop (quant_gemv.LATE_TRIGGER = False);
 # "@MODE" at the very end runs the format in that floor mode only (e.g. none@graphs+max-autotune+overlap)
 
 
-def parse_format(spec: str) -> tuple[str, str, bool, str | None]:
-    """"fp8-triton+all+tc@graphs+compile+overlap" -> ("fp8-triton", "norm+glu+residual", True,
-    "graphs+compile+overlap"): the FORMAT_KERNELS name, the fusion, whether measured tiles apply, the only mode."""
+PDL_VARIANTS = {"pdl": {}, "pdl0": {"PREFETCH_TILES": 0}, "pdle": {"LATE_TRIGGER": False}}
+# "+fc" / "+nofc": attention combines its splits in the last split / in a combine launch (paged_attention.FUSE_COMBINE;
+# without either the module's default: on in calls pdl2 and pdl3 of BENCHMARKS.md section 14, off since)
+
+
+def parse_format(spec: str) -> tuple[str, str, bool, str | None, bool]:
+    """"fp8-triton+all+tc+pdl@graphs+compile+overlap" -> ("fp8-triton", "norm+glu+residual", True,
+    "graphs+compile+overlap", True): the FORMAT_KERNELS name, the fusion, whether measured tiles apply, the only mode,
+    whether the row launches with PDL."""
     spec, _, only_mode = spec.partition("@")
     base, *parts = spec.split("+")
-    tc = "tc" in parts
-    fusions = [p for p in parts if p != "tc"]
+    tc, pdl = "tc" in parts, any(p in PDL_VARIANTS for p in parts)
+    fusions = [p for p in parts if p not in ("tc", "fc", "nofc") and p not in PDL_VARIANTS]
     if base not in FORMAT_KERNELS or len(fusions) > 1 or (fusions and fusions[0] not in FUSIONS):
         raise SystemExit(f"format {spec!r}: a name of {sorted(FORMAT_KERNELS)}, then at most one of "
-                         f"{['+' + f for f in FUSIONS if f]}, '+tc', '@MODE'")
-    return base, FUSIONS[fusions[0] if fusions else ""], tc, only_mode or None
+                         f"{['+' + f for f in FUSIONS if f]}, '+tc', '+pdl', '@MODE'")
+    return base, FUSIONS[fusions[0] if fusions else ""], tc, only_mode or None, pdl
 
 
 def part_floor(args, device: torch.device) -> list[dict]:
@@ -78,9 +91,14 @@ def part_floor(args, device: torch.device) -> list[dict]:
         base.eval()
         prompts = [list(range(100, 100 + args.prompt_len))]
         bf16_tokens: dict[str, list[int]] = {}
+        row_tokens: dict[tuple[str, str], list[int]] = {}  # (format without +pdl, mode) -> greedy tokens
+        default_prefetch, default_late = quant_gemv.PREFETCH_TILES, quant_gemv.LATE_TRIGGER
+        default_fc = paged_attention.FUSE_COMBINE
         for fmt_spec in args.formats.split(","):
-            base_name, fusion, tc, only_mode = parse_format(fmt_spec)
+            base_name, fusion, tc, only_mode, pdl = parse_format(fmt_spec)
             fmt_name = fmt_spec.partition("@")[0]
+            plain_name = "+".join(p for p in fmt_name.split("+") if p not in PDL_VARIANTS and p not in ("fc", "nofc"))
+            variant = next((PDL_VARIANTS[p] for p in fmt_name.split("+") if p in PDL_VARIANTS), {})
             fmt, kernel = FORMAT_KERNELS[base_name]
             for mode in [only_mode] if only_mode else args.floor_modes.split(","):
                 row = {"config": name, "format": fmt_name, "mode": mode}
@@ -88,6 +106,13 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     if tc and not getattr(args, "tiles", None):
                         raise ValueError("+tc needs --m1-tiles (a tiles file from scripts/gpu_gemv.py --parts tc)")
                     set_m1_tiles(args.tiles if tc else {})
+                    if pdl and pdl_problem(device):
+                        raise ValueError(f"+pdl: {pdl_problem(device)}")
+                    set_pdl(pdl)  # read when the warm-up captures the step's graphs
+                    quant_gemv.PREFETCH_TILES = variant.get("PREFETCH_TILES", default_prefetch)
+                    quant_gemv.LATE_TRIGGER = variant.get("LATE_TRIGGER", default_late)
+                    paged_attention.FUSE_COMBINE = {"fc": True, "nofc": False}.get(
+                        next((p for p in fmt_name.split("+") if p in ("fc", "nofc")), ""), default_fc)
                     check_quant(fmt, cfg, device, torch.bfloat16, args.int4_group_size, kernel=kernel)
                     t0 = time.perf_counter()
                     calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))
@@ -98,8 +123,8 @@ def part_floor(args, device: torch.device) -> list[dict]:
                             mod.fusion = fusion
                     sync(device)
                     row["quantize_s"] = time.perf_counter() - t0
-                    engine = SpecEngine(model, None, EngineConfig(max_new_tokens=args.max_new_tokens, **MODES[mode]),
-                                        device)
+                    engine = SpecEngine(model, None, EngineConfig(max_new_tokens=args.max_new_tokens, **MODES[mode],
+                                                                  pdl=pdl), device)
                     warm(engine, prompts, 1)
                     ms = []
                     for _ in range(args.repeats):
@@ -107,15 +132,24 @@ def part_floor(args, device: torch.device) -> list[dict]:
                         sync(device)
                         ms.append((res.t_done[0] - res.t_first_token) * 1e3 / (len(res.outputs[0]) - 1))
                     tokens = res.outputs[0]
+                    if fmt_name != plain_name and (plain_name, mode) in row_tokens:  # launches moved, not values
+                        row["tokens_equal_to_plain_row"] = equal_prefix(tokens, row_tokens[(plain_name, mode)])
+                    elif fmt_name == plain_name:
+                        row_tokens[(plain_name, mode)] = tokens
                     if fmt_name == "none":
                         bf16_tokens[mode] = tokens
                     elif mode in bf16_tokens:  # greedy tokens equal to bf16's (same mode) before the first difference
                         row["tokens_equal_to_bf16"] = equal_prefix(tokens, bf16_tokens[mode])
                         row["tokens_compared"] = min(len(tokens), len(bf16_tokens[mode]))
                     row.update(floor_row(model, ms, args.prompt_len, args.max_new_tokens))
+                    if args.profile:
+                        row.update(kernel_profile(engine, prompts, args.profile_top))
                     del engine, model
                 except Exception as e:  # noqa: BLE001 - record it, keep measuring the other formats
                     row["error"] = f"{type(e).__name__}: {e}"[:400]
+                set_pdl(False)
+                quant_gemv.PREFETCH_TILES, quant_gemv.LATE_TRIGGER = default_prefetch, default_late
+                paged_attention.FUSE_COMBINE = default_fc
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if device.type == "cuda":
@@ -160,6 +194,26 @@ def part_grid(args, device: torch.device) -> list[dict]:
     return rows
 
 
+def kernel_profile(engine, prompts, top: int) -> dict:
+    """One more generate under torch.profiler: GPU kernels per decode token, their summed time, the top kernels by
+    time (with dependent launches kernels overlap, so the sum may exceed the wall time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        res = engine.generate(prompts)
+        torch.cuda.synchronize()
+    tokens = len(res.outputs[0])
+    by_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            by_name.setdefault(ev.name[:80], []).append(ev.device_time)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"kernels_per_token": sum(len(v) for v in by_name.values()) / tokens,
+            "kernel_ms_per_token": sum(sum(v) for v in by_name.values()) / 1e3 / tokens,
+            "top_kernels": [{"kernel": k, "calls_per_token": round(len(v) / tokens, 2),
+                             "us_per_call": round(sum(v) / len(v), 2)} for k, v in ranked]}
+
+
 def load_m1_tiles(path: str) -> dict:
     """A tiles file ({"fmt,N,K": overrides}, scripts/gpu_gemv.py --parts tc) -> {(fmt, N, K): overrides}."""
     table = {}
@@ -174,7 +228,7 @@ def load_m1_tiles(path: str) -> dict:
 def table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)\n"
-    cols = list(dict.fromkeys(k for r in rows for k in r))
+    cols = list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], list)))  # lists: in the JSON
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)  # noqa: E731
     return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
                       *["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]]) + "\n"
@@ -201,6 +255,9 @@ def main() -> None:
     ap.add_argument("--grid-new-tokens", type=int, default=96)
     ap.add_argument("--m1-tiles", default="", help="a JSON file of one-row GEMV tiles per shape, as scripts/gpu_gemv.py "
                     "--parts tc writes it (gemv_tc_tiles.json): used instead of gemv_config's table")
+    ap.add_argument("--profile", action="store_true", help="each floor row: one more generate under torch.profiler "
+                    "(kernels per token, kernel time, the top kernels)")
+    ap.add_argument("--profile-top", type=int, default=14)
     args = ap.parse_args()
     device = torch.device(args.device)
     out = Path(args.out)

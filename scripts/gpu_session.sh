@@ -43,7 +43,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -171,6 +171,56 @@ elif [ "$PART" = m ]; then
     --formats "$F" $tiles
   step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
     --formats "$F" $tiles
+elif [ "$PART" = pdl1 ]; then
+  # ninth session, first call (no preset): programmatic dependent launch of our Triton kernels (kernels/pdl.py),
+  # each row beside the same row without it, in one process per config
+  $PY -c "import torch._inductor.config as c, triton; print('inductor pdl options:', [k for k in dir(c.triton) if 'pdl' in k.lower()], 'triton', triton.__version__)" >> "$R/machine.txt" 2>&1
+  C=graphs+compile+overlap; A=graphs+max-autotune+overlap
+  F="none@$C,none+pdl@$C,dense-triton+glu@$C,dense-triton+glu+pdl@$C,dense-triton+glu+pdl0@$C"
+  F="$F,dense-triton+all@$C,dense-triton+all+pdl@$C,fp8-triton+all@$C,fp8-triton+all+pdl@$C"
+  F="$F,int4-triton+all@$C,int4-triton+all+pdl@$C,none@$A,none+pdl@$A"
+  step quant67 150 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+    --formats "$F"
+  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+    --formats "$F"
+elif [ "$PART" = pdl2 ]; then
+  # ninth session, second call: the GEMVs trigger dependents after their K loop (pdle = first thing, as in call pdl1),
+  # attention combines in its last split (nofc = the combine launch), kernel profiles per row
+  C=graphs+compile+overlap; A=graphs+max-autotune+overlap
+  F="none@$C,none+pdl@$C,dense-triton+glu@$C,dense-triton+glu+nofc@$C,dense-triton+glu+pdl@$C"
+  F="$F,dense-triton+glu+pdl0@$C,dense-triton+glu+pdle@$C,dense-triton+all@$C,dense-triton+all+pdl@$C"
+  F="$F,dense-triton+all+pdl0@$C,fp8-triton+all@$C,fp8-triton+all+pdl@$C,fp8-triton+glu+pdl@$C"
+  F="$F,int4-triton+all@$C,int4-triton+all+pdl@$C,none@$A,none+pdl@$A"
+  step quant67 200 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+    --formats "$F" --profile
+  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+    --formats "$F" --profile
+elif [ "$PART" = pdl3 ]; then
+  # ninth session, third call: prefetch off by default (pdl2 = 2 tiles), the fused combine reads only the splits that
+  # got KV tiles, "glo" = glu + o_proj's residual epilogue; pdle = the GEMVs trigger first thing
+  C=graphs+compile+overlap
+  F="dense-triton+glu@$C,dense-triton+glu+nofc@$C,dense-triton+glo@$C,dense-triton+glo+pdl@$C,dense-triton+glo+pdle@$C"
+  F="$F,dense-triton+glo+pdl+nofc@$C,dense-triton+all@$C,dense-triton+all+pdl@$C,dense-triton+all+pdle@$C"
+  F="$F,fp8-triton+all@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdle@$C,int4-triton+all@$C,int4-triton+all+pdl@$C"
+  step quant67 200 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+    --formats "$F,none@$C,none+pdl@$C" --profile
+  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+    --formats "$F" --profile
+elif [ "$PART" = pdl4 ]; then
+  # ninth session, fourth call: the defaults after pdl1-3 (pdl on, no prefetch, combine launch): GPU parity on tiny
+  # (eager vs graphs with dependent launches), every drafter through the Triton GEMVs (int8, fp32: exact) with and
+  # without PDL, then the 6.7 B floor rows once more
+  step parity 60 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
+  for m in draft ngram eagle redrafter; do
+    for p in pdl no-pdl; do
+      step "bench_${m}_$p" 20 $PY -m workbench bench --preset tiny --method $m --k 4 --batch 4 --max-new-tokens 48 \
+        --num-prompts 8 --repeats 1 --cuda-graphs --graph-batch-sizes 1,2,4 --target-quant int8 --quant-kernel triton \
+        --dtype float32 --temperature 0 --$p --no-store --json
+    done
+  done
+  C=graphs+compile+overlap
+  step quant67 90 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+    --formats "none@$C,none+pdl@$C,dense-triton+glo@$C,dense-triton+glo+pdl@$C,fp8-triton+all@$C,fp8-triton+all+pdl@$C"
 elif [ "$PART" = n ]; then
   # fifth session, second call (no preset): int8 / fp8 widened by integer ops (CVT_BITS) against conversion
   # instructions per linear, fp16 tensor-core verify tiles, the floor with the norm prologue's fix, GGUF Q8_0 (int8g)

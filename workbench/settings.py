@@ -266,6 +266,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("overlap", "bool", True, "launch step t+1 before reading step t's tokens, so host bookkeeping overlaps the GPU "
          "(greedy chains with --cuda-graphs: AR and the draft model; other methods run one synchronous read per step)",
          "Overlap host and GPU", "system", searchable=True),
+    Knob("pdl", "bool", True, "launch our Triton kernels (GEMVs, K/V write, attention) with programmatic dependent "
+         "launch: each may start while the one before it finishes (Hopper GPUs and newer; elsewhere plain "
+         "launches, recorded as pdl_applied)", "Dependent launches (PDL)", "system", searchable=True),
     # KV-cache formats (workbench/engine/kv_quant.py): two knobs, because they cost different things. The target's
     # format changes the target (its output is compared with the model-dtype KV: kv_token_agreement) and sets most
     # of the KV bytes; the draft's changes acceptance only (output stays exact) and is read by the draft method only.
@@ -311,7 +314,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
 # the serve-bench flags come from the same declarations, and results.schema declares their columns.
 SERVE_RUN_KNOBS = ("method", "k", "ngram_min", "ngram_max", "beam_width", "beam_length", "diversity_penalty",
                    "max_new_tokens", "temperature", "top_k", "top_p", "seed", "kv_block_size", "cuda_graphs",
-                   "graph_batch_sizes", "compile", "attention", "prefill_graphs")  # the bench knobs serving reads too
+                   "graph_batch_sizes", "compile", "attention", "prefill_graphs", "pdl")  # bench knobs serving reads
 SCHED_POLICIES = ("no_evict", "max_util")
 SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("rate", "float", 0.0, "request arrival rate in requests/s (0 = all requests arrive at once)", "Request rate",

@@ -50,8 +50,19 @@ from workbench.engine.kv_quant import kv_format
 from workbench.engine.sampling import SamplingParams, next_token
 from workbench.engine.tree import DraftTree, sibling_rank, verify_mask
 from workbench.engine.verify import Acceptance, Verifier, accept_greedy
+from kernels.pdl import pdl_scope
 
 PHASES = ("prefill", "draft", "verify", "accept", "kv")
+
+
+def _with_pdl(method):
+    """A SpecEngine entry point that launches kernels: our Triton kernels use dependent launches as the engine's
+    `pdl` says for the call (graphs keep what they captured with)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with pdl_scope(self.config.pdl):
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,7 @@ class EngineConfig:
     overlap: bool = False  # launch step t + 1 before reading step t (greedy chains with fixed shapes; see above)
     kv_quant: str = "none"  # the target's KV-cache format: "none" (model dtype) | "int8" | "fp8" (engine/kv_quant.py)
     prefill_graphs: bool = True  # with cuda_graphs: prompt forwards captured per (batch, padded length): PrefillStep
+    pdl: bool = True  # our Triton kernels launched with programmatic dependent launch where allowed (kernels/pdl.py)
 
     @functools.cached_property
     def graphs(self) -> GraphSettings:  # read every step: built (and validated) once
@@ -207,6 +219,7 @@ class SpecEngine:
                 stats = stats.add(step.stats)
         return stats
 
+    @_with_pdl
     def capture_graphs(self, max_batch: int, node_counts: tuple[int, ...] | None = None,
                        prompt_batches: list[list[int]] | None = None, max_prefill_tokens: int = 0) -> None:
         """Capture every bucket a batch of up to max_batch can shrink through (target verify and drafter forwards),
@@ -231,6 +244,7 @@ class SpecEngine:
             if self.drafter is not None:
                 self.drafter.capture_graphs(sizes, node_counts=tuple(counts))
 
+    @_with_pdl
     def capture_prefill(self, prompt_batches: list[list[int]]) -> None:
         """Capture the prefill of each batch (a list of prompt lengths) ahead of `generate` (GPU, cuda_graphs and
         prefill_graphs on; a no-op otherwise). Leaves the caches reset."""
@@ -247,6 +261,7 @@ class SpecEngine:
         if drafter is not None:
             drafter.cache.reset()
 
+    @_with_pdl
     def capture_row_prefill(self, max_tokens: int) -> None:
         """Capture one row's prefill chunks (target) and prompt prefills (draft model) of up to max_tokens tokens, in
         row 0 (left empty after; call it while no row is live)."""
@@ -361,6 +376,7 @@ class SpecEngine:
         return _pack(acc, tree)
 
     @torch.inference_mode()
+    @_with_pdl
     def generate(self, prompts: list[list[int]]) -> GenerationResult:
         cfg, dev = self.config, self.device
         b = len(prompts)
@@ -427,6 +443,7 @@ class SpecEngine:
             result.graph_stats = self.graph_stats().since(stats_before)
         return result
 
+    @_with_pdl
     def decode_step(self, live: list[int], tokens_host: list[list[int] | None], timer: PhaseTimer,
                     num_nodes: int | None = None, row_nodes: list[int] | None = None,
                     retire: Callable[[DecodeStep], list[int]] | None = None) -> DecodeStep:
@@ -628,6 +645,7 @@ class SpecEngine:
         self._adopt(cache, max_len)
         self._setup_drafter(torch.Generator(device=self.device).manual_seed(self.config.seed))
 
+    @_with_pdl
     def prefill_row(self, row: int, ids: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill one chunk of one row: tokens `ids` at positions start.. (the row's KV before `start` is already
         in the cache: earlier chunks, or prefix blocks shared with other requests). Writes the tokens into the
@@ -638,6 +656,7 @@ class SpecEngine:
         hidden = self.prefill_step.chunk(row, chunk, start)  # [1, T, H]; captured with prefill_graphs
         return self.target.compute_logits(hidden[0, -1]), hidden[0]
 
+    @_with_pdl
     def start_row(self, row: int, context: list[int], root: int, hidden: torch.Tensor | None = None,
                   prefill_drafter: bool = True) -> None:
         """The row's prefill is complete: `context` (its committed tokens, KV written) and `root` (the next token,
@@ -652,6 +671,7 @@ class SpecEngine:
         if prefill_drafter:
             self.sync_drafter(row, n, hidden)
 
+    @_with_pdl
     def sync_drafter(self, row: int, n: int, hidden: torch.Tensor | None = None) -> None:
         """(Re)prefill the drafter with the row's first n committed tokens (after the target's prefill, or after
         steps that skipped drafting left a draft model's own KV behind)."""
@@ -668,6 +688,7 @@ class SpecEngine:
         else:
             self.drafter.prefill(state, ids, positions)
 
+    @_with_pdl
     def catch_up_drafter(self, rows: list[int], starts: list[int], ends: list[int]) -> None:
         """The drafter's own KV of rows[i] is valid below starts[i]: write it for the committed tokens at positions
         starts[i] .. ends[i] - 1, all rows in one forward of T = the largest gap. A row with a smaller gap starts

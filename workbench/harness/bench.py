@@ -34,6 +34,7 @@ from workbench.harness.quality import check_weight_formats, quality_columns, qua
 from workbench.harness.trust import trust_columns
 from workbench.engine.kv_cache import resolve_attention
 from workbench.engine.sampling import SamplingParams
+from kernels.pdl import pdl_problem
 
 DTYPES = {name: getattr(torch, name) for name in settings.KNOBS["dtype"].choices}
 
@@ -285,9 +286,9 @@ class BenchSession:
                             kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
                             cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
                             compile=cfg.compile, attention=cfg.attention, kv_quant=cfg.target_kv_quant,
-                            overlap=cfg.overlap, prefill_graphs=cfg.prefill_graphs)
+                            overlap=cfg.overlap, prefill_graphs=cfg.prefill_graphs, pdl=cfg.pdl)
         shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention,
-                 ecfg.prefill_graphs,
+                 ecfg.prefill_graphs, ecfg.pdl,
                  ecfg.kv_quant,
                  quant_key(cfg, "target"), cfg.quant_kernel)
         host_only = HOST_ONLY_KNOBS.get(cfg.method, ())
@@ -390,6 +391,7 @@ class BenchSession:
                 from workbench.harness.hf_baseline import hf_generate_tokens_per_s
                 hf = hf_generate_tokens_per_s(self, cfg, prompt_ids)
             graphs = {"overlap_applied": cand_engine.overlaps()} if cfg.overlap else {}
+            graphs["pdl_applied"] = cfg.pdl and pdl_problem(self.device) is None
             graphs |= _graph_columns([e.graph_stats() for e in engines], stats_before,
                                     cfg.cuda_graphs or cfg.compile != "off")
             if cfg.phase_profile:

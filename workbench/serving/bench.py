@@ -43,7 +43,7 @@ def engine_for(session, cfg) -> SpecEngine:
     ecfg = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingParams(cfg.temperature, cfg.top_k,
                         cfg.top_p), paged=True, kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
                         cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
-                        compile=cfg.compile, attention=cfg.attention, prefill_graphs=cfg.prefill_graphs)
+                        compile=cfg.compile, attention=cfg.attention, prefill_graphs=cfg.prefill_graphs, pdl=cfg.pdl)
     if cfg.method == "draft" and session.draft is None:
         raise ServeError("method 'draft' needs a draft model: give --draft PATH or use a --preset")
     return SpecEngine(session.target, _drafter_for(cfg, session), ecfg, session.device)

@@ -158,6 +158,8 @@ class QuantLinear(nn.Module):
     #   "norm":     the layer's RMSNorms in the q/k/v and gate/up projections' prologue (`norm_linear`) and the
     #               attention's residual add in o_proj's epilogue (`residual_linear`), so no norm or add kernel is
     #               left between a layer's GEMVs.
+    #   "ores":     only the attention's residual add in o_proj's epilogue (`residual_linear`), the norms left to
+    #               PyTorch / torch.compile (at 6.7 B the norm prologue slowed the dense GEMVs more than it saved).
     # Measured on the H200 (BENCHMARKS.md section 10, 6.7 B, batch 1, one process): "residual" made fp8 decode 1.3 %
     # (compile) / 3.1 % (max-autotune) faster and the dense GEMV 1.0 % (compile); "glu+residual" was neutral for fp8
     # and 2 % faster for the dense GEMV; "norm+glu+residual" (section 11) 3.8-5.4 % faster for fp8 at 6.7 B but 2-5 %
@@ -196,10 +198,10 @@ class QuantLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def residual_linear(self, x: Tensor, residual: Tensor) -> Tensor | None:
-        """residual + self(x) with the add in the GEMV's epilogue (an attention's o_proj, when fusion has "norm": the
-        add then has no norm kernel left to ride in); None otherwise."""
+        """residual + self(x) with the add in the GEMV's epilogue (an attention's o_proj, when fusion has "norm" or
+        "ores"); None otherwise."""
         x2 = self._flat(x)
-        if not self._fuses("norm", x2):
+        if not (self._fuses("norm", x2) or self._fuses("ores", x2)):
             return None
         fmt, buffers = self._gemv_args()
         y = quant_gemv_triton(x2, fmt, **buffers, counters=self.gemv_counters,
