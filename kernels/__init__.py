@@ -14,4 +14,6 @@ Kernels:
   matmul); the quant linears use it with kernel "triton" (knob `quant_kernel`). Tests: tests/test_quant_gemv.py
   (the Triton half under TRITON_INTERPRET=1); GPU parity, speed and decode: scripts/gpu_gemv.py. Not measured on a
   GPU yet.
+- `pdl.py`: programmatic dependent launch (Hopper+) for the kernels above: `gdc_wait` / `gdc_launch_dependents` in
+  the kernels, `use_pdl(device)` at their launches, switched per engine call by the `pdl` knob (BENCHMARKS.md 14).
 """
