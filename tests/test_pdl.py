@@ -1,0 +1,95 @@
+"""Programmatic dependent launch (kernels/pdl.py) on CPU: the switch, its scope per engine call, the knob's way into the
+engine and the run record, and (where triton is installed) that the kernels compiled for sm_90 carry the wait and the
+trigger. Whether PDL pays, and that it changes no token, is measured on the H200 (BENCHMARKS.md section 14)."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from kernels import pdl
+from tests.test_engine import PROMPTS, draft, reference_greedy, target  # noqa: F401 (fixtures)
+from workbench.engine import EngineConfig, SpecEngine
+from workbench.engine.drafters import DraftModelDrafter
+
+
+@pytest.fixture(autouse=True)
+def restore_switch():
+    before = pdl.pdl_requested()
+    yield
+    pdl.set_pdl(before)
+
+
+def test_no_dependent_launches_on_a_cpu_even_when_asked():
+    pdl.set_pdl(True)
+    assert pdl.pdl_requested()
+    assert "CUDA GPU" in pdl.pdl_problem("cpu") or "triton" in pdl.pdl_problem("cpu")
+    assert pdl.use_pdl("cpu") is False
+
+
+def test_scope_sets_the_switch_and_restores_it_after_an_error():
+    pdl.set_pdl(True)
+    with pdl.pdl_scope(False):
+        assert not pdl.pdl_requested()
+    assert pdl.pdl_requested()
+    with pytest.raises(RuntimeError):
+        with pdl.pdl_scope(False):
+            raise RuntimeError("boom")
+    assert pdl.pdl_requested()
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_engine_calls_run_under_the_engines_pdl_setting(on, target, draft):
+    """Kernels launched inside generate (target and draft forwards, graph captures) see the engine's `pdl`; the
+    process-wide switch is what it was before the call, and the output is greedy either way."""
+    seen = []
+    hooks = [m.register_forward_hook(lambda *_: seen.append(pdl.pdl_requested())) for m in (target, draft)]
+    pdl.set_pdl(not on)
+    try:
+        engine = SpecEngine(target, DraftModelDrafter(draft, k=3),
+                            EngineConfig(max_new_tokens=8, cuda_graphs=True, graph_batch_sizes=(1, 2, 4), pdl=on))
+        out = engine.generate(PROMPTS[:2]).outputs
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen and set(seen) == {on}
+    assert pdl.pdl_requested() is (not on)
+    assert out == [reference_greedy(target, p, 8) for p in PROMPTS[:2]]
+
+
+def test_bench_records_pdl_and_whether_it_applied(tmp_path):
+    from workbench.harness.bench import BenchConfig, BenchSession
+
+    session = BenchSession.load(preset="tiny", device="cpu", dtype="float32")
+    rec = session.run(BenchConfig(method="ar", batch=1, num_prompts=1, max_new_tokens=4, repeats=1, warmup=0,
+                                  pdl=True)).record
+    assert rec["pdl"] is True and rec["pdl_applied"] is False  # asked for, but no GPU here
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs triton (compiles for sm_90 without a GPU); not under the interpreter")
+def test_kernels_compiled_for_hopper_carry_the_wait_and_the_trigger():
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+
+    from kernels import paged_attention as pa, quant_gemv as qg
+
+    def ptx(fn, types, consts):
+        sig = {n: types.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
+        return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                              options=dict(launch_pdl=True, num_warps=8)).asm["ptx"]
+
+    gemv = ptx(qg._gemv_kernel, {**{n: "*bf16" for n in ("x_ptr", "out_ptr", "r_ptr", "nw_ptr")},
+                                 "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "z_ptr": "*fp32", "part_ptr": "*fp32",
+                                 "count_ptr": "*i32", "sq_ptr": "*fp32", "eps": "fp32"},
+               dict(FMT=2, GROUP=1, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, DOT_PRECISION="tf32", GLU=False,
+                    RESIDUAL=True, NORM=False, F16_DOT=True, X_SCALE=2.0 ** -6, CVT_BITS=False, PDL=True,
+                    PF_LINES=4, PF_STEP=128, LATE_TRIGGER=True))
+    assert "griddepcontrol.wait" in gemv and "griddepcontrol.launch_dependents" in gemv and "prefetch.global.L2" in gemv
+    write = ptx(pa._kv_write_kernel, {n: "*bf16" for n in ("k_ptr", "v_ptr", "kp_ptr", "vp_ptr")} | {"slot_ptr": "*i64"},
+                dict(BLOCK_H=32, D=128, PDL=True))
+    assert "griddepcontrol.wait" in write and "griddepcontrol.launch_dependents" in write
+    plain = ptx(pa._kv_write_kernel, {n: "*bf16" for n in ("k_ptr", "v_ptr", "kp_ptr", "vp_ptr")} | {"slot_ptr": "*i64"},
+                dict(BLOCK_H=32, D=128, PDL=False))
+    assert "griddepcontrol" not in plain
