@@ -63,6 +63,12 @@ SHOW = ["request_throughput", "output_throughput", "goodput", "tpot_ms_p99", "tp
         "time_prefill_ms", "time_draft_ms", "time_verify_ms", "time_accept_ms", "time_kv_ms"]
 
 
+def other_shape(shape: str) -> str:
+    """The calibration_shape a --shape-controls run serves beside `shape`: the next of SCHEDULE_SHAPES, cyclically
+    (sticky -> monotone -> free -> sticky), so each shape is compared with the one it was built to improve on."""
+    return SCHEDULE_SHAPES[(SCHEDULE_SHAPES.index(shape) + 1) % len(SCHEDULE_SHAPES)]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -108,8 +114,8 @@ def parse_args(argv=None):
                    help="also run off and fixed k with gc_freeze off (the collector free to rescan the whole heap "
                    "inside the run) in every sweep round (gc_checks)")
     p.add_argument("--shape-controls", action="store_true",
-                   help="also serve the loop calibration's schedule under the other calibration_shape (monotone / "
-                   "free) in every sweep round and at every threshold of either schedule (shape_checks, and "
+                   help="also serve the loop calibration's schedule under another calibration_shape (the next one "
+                   "of sticky -> monotone -> free -> sticky) in every sweep round and at every threshold of either schedule (shape_checks, and "
                    "threshold_checks_other_shape for its cliffs)")
     p.add_argument("--threshold-requests", type=int, default=12,
                    help="measured requests per threshold run (at least 3 x the concurrency)")
@@ -217,7 +223,7 @@ def main(argv=None) -> int:
                                  budget_s=budget, min_gain=args.min_gain, max_len=serve_len,
                                  shape=args.calibration_shape)
             loop_ranges, cal_iterations = cal.schedule(args.max_num_seqs), cal.iterations
-            other = next(s for s in SCHEDULE_SHAPES if s != args.calibration_shape)
+            other = other_shape(args.calibration_shape)
             result["loop_calibration"] = {"table": cal.table(), "k_by_batch": format_k_by_batch(loop_ranges),
                                           "shape": args.calibration_shape, "other_shape": other,
                                           "other_k_by_batch": format_k_by_batch(cal.schedule(args.max_num_seqs,

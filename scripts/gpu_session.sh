@@ -10,7 +10,9 @@
 # PART=t: the seventh session's (serving with the prefill chunks captured, against eager prefill in the same rounds).
 # PART=u / v / w: the eighth session's (the n-gram lookup on the device: speed, sweep, parity; serving with GC controls;
 # n-gram overhead by draft length and n-gram serving with the threshold check; PART=x: n-gram serving up to 64 rows);
-# PART=z: prepared, not run: call x again with --shape-controls (monotone against free schedules, same rounds).
+# PART=z: prepared, not run: call x again with --shape-controls (monotone against free schedules, same rounds; with
+# the sticky default its adaptive setting is now sticky and the control monotone). PART=zs: the same on tiny (call y).
+# PART=pdl1..pdl4: the ninth session's calls (dependent launches, BENCHMARKS.md section 14).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -43,7 +45,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|zs) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -320,6 +322,13 @@ elif [ "$PART" = z ]; then
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
     --max-num-seqs 64 --num-requests 256 --warmup-requests 64 --rates 0.5,1.0,1.5 --shape-controls \
     --budget-s "${SERVING_S:-330}"
+elif [ "$PART" = zs ]; then
+  # prepared for the next session, not run yet: call y again (tiny, committed: no training) with the sticky shape
+  # (the default since the ninth session) and, in the same rounds and at both schedules' thresholds, the monotone
+  # one (--shape-controls): does sticky remove call y's cliff at 33?
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/serving" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 256 --warmup-requests 64 --rates 1.0 --repeats 3 --shape-controls \
+    --budget-s "${SERVING_S:-200}"
 elif [ "$PART" = c ]; then
   heads
   # issue 10: Triton weight-only GEMVs (parity, speed vs aten and bf16, decode of the random 6.7 B)

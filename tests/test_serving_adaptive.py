@@ -421,8 +421,8 @@ def test_gpu_serving_shape_controls(tmp_path, monkeypatch):
         *a, **{**kw, "node_counts": (0, 4), "measure": lambda b, k: made_up[(b, k)]}))
     assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "4", "--warmup-requests", "1",
                              "--max-new-tokens", "4", "--rates", "1", "--max-num-seqs", "4", "--repeats", "1",
-                             "--threshold-requests", "3", "--cuda-graphs", "--shape-controls", "--out",
-                             str(tmp_path)]) == 0
+                             "--threshold-requests", "3", "--cuda-graphs", "--shape-controls",
+                             "--calibration-shape", "monotone", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
     # monotone: 4 / 4 / 4 and 4 / 0 / 0 tie on relative tokens/s (2.67 each): the shorter drafts
     assert r["loop_calibration"]["other_k_by_batch"] == "1:4,2:0,3-4:4" and r["k_by_batch"] == "1:4,2-4:0"

@@ -209,7 +209,8 @@ def test_calibration_views_read_the_stored_table():
     assert kind == "loop" and len(frame) == 36 and frame["skipped"].sum() == 1
     assert set(zip(frame.loc[frame["chosen"], "batch_size"], frame.loc[frame["chosen"], "k"])) == {
         (1, 4), (2, 4), (4, 4), (8, 4), (16, 0), (32, 3), (64, 2)}
-    assert sv.schedule_shapes(loop, frame) == {"monotone": "1-8:4,9-64:2", "free": "1-8:4,9-16:2,17-64:3"}
+    assert sv.schedule_shapes(loop, frame) == {"sticky": "1-8:4,9-64:2", "monotone": "1-8:4,9-64:2",
+                                               "free": "1-8:4,9-16:2,17-64:3"}
     fig = sv.calibration_chart(frame, kind)
     assert fig.data[0].z.shape == (7, 6) and "9738.6 *" in fig.data[0].text[4][0].replace(",", "")
     frame, kind = sv.calibration_frame(step)
@@ -233,6 +234,7 @@ def test_serving_page_shows_a_calibrated_runs_table(workspace):
     text = " ".join(m.value for m in at.markdown)
     assert "served: `1-8:4,9-16:0,17-32:3,33-64:2` (free (a run from before calibration_shape))" in text
     assert "monotone: `1-8:4,9-64:2`" in text and "free: `1-8:4,9-16:2,17-64:3`" in text
+    assert "sticky: `1-8:4,9-64:2`" in text
     at.selectbox(key="srv_calibration_run").set_value(ids["step"]).run()
     assert not at.exception, at.exception
     titles = [f["layout"]["title"]["text"] for f in plotly_figs(at)]

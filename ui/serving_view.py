@@ -265,7 +265,8 @@ def calibration_chart(frame: pd.DataFrame, kind: str) -> go.Figure:
 
 def schedule_shapes(row, frame: pd.DataFrame) -> dict[str, str]:
     """A loop calibration's schedule under each shape (workbench/serving/schedules.py, serve-bench's default
-    MIN_GAIN), recomputed from the stored table: {"monotone": "1-8:4,9-64:2", "free": ...}. Empty for step tables."""
+    MIN_GAIN), recomputed from the stored table: {"sticky": "1-8:4,9-64:2", "monotone": ..., "free": ...}. Empty for
+    step tables."""
     from workbench.serving.adaptive import format_k_by_batch  # torch-free
     from workbench.serving.schedules import MIN_GAIN, SCHEDULE_SHAPES, loop_schedule
 

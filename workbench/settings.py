@@ -377,11 +377,13 @@ SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
          "tokens/ms; loop = a short closed-loop serve per (batch bucket as concurrency, k in 0..k) on the same "
          "engine, pick the most output tokens/s (ties within 2 % -> the smaller k)", "Calibrate schedule",
          "adaptive", choices=("off", "step", "loop")),
-    Knob("calibration_shape", "str", "monotone", "calibration loop: how the measured tokens/s per (batch size, k) "
-         "become a schedule: monotone = the draft length never grows with the batch size (the best such sequence "
-         "over the measured sizes, ties to the shorter draft); free = each batch size's own best k (noisy single "
-         "runs can then make bands such as 4 / 0 / 3, BENCHMARKS 13.4)", "Schedule shape", "adaptive",
-         choices=("monotone", "free")),
+    Knob("calibration_shape", "str", "sticky", "calibration loop: how the measured tokens/s per (batch size, k) "
+         "become a schedule: sticky = from the smallest batch size up, a size keeps the previous size's k unless a "
+         "shorter draft wins by more than the tie margin (no threshold where the measurements tie; BENCHMARKS 15); "
+         "monotone = the draft length never grows with the batch size (the best such sequence over the measured "
+         "sizes, ties to the shorter draft: a tie at a bucket edge becomes a threshold, BENCHMARKS 13.5); free = each "
+         "batch size's own best k (noisy single runs can then make bands such as 4 / 0 / 3, BENCHMARKS 13.4)",
+         "Schedule shape", "adaptive", choices=("sticky", "monotone", "free")),
     Knob("calibration_budget_s", "float", 60.0, "calibration loop: wall-clock budget in seconds; (batch, k) runs "
          "that would end past it are skipped and listed in calibration_table", "Calibration budget (s)", "adaptive",
          1.0, 3600.0),

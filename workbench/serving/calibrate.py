@@ -33,8 +33,8 @@ from workbench.engine.sampling import next_token
 from workbench.engine.step import PhaseTimer, SpecEngine
 from workbench.serving.adaptive import AdaptiveSpeculation, schedule_from_costs
 from workbench.serving.config import ServeError
-from workbench.serving.schedules import (MIN_GAIN, SCHEDULE_SHAPES, choose, loop_schedule,  # noqa: F401
-                                         monotone_choice, pick_k)
+from workbench.serving.schedules import (DEFAULT_SHAPE, MIN_GAIN, SCHEDULE_SHAPES, choose, loop_schedule,  # noqa: F401
+                                         monotone_choice, pick_k, sticky_choice)
 
 
 @dataclass
@@ -145,7 +145,7 @@ class LoopCalibration:
     wall_s: float  # the whole calibration, graph captures included
     min_gain: float = MIN_GAIN
     iterations: list = field(default_factory=list)  # the runs' IterationLogs: every k, for the replay's cost fit
-    shape: str = "monotone"  # loop_schedule's: "monotone" (k never grows with the batch size) or "free"
+    shape: str = DEFAULT_SHAPE  # loop_schedule's: "sticky", "monotone" (k never grows with the batch size) or "free"
 
     def schedule(self, max_batch: int, shape: str | None = None) -> list[tuple[int, int, int]]:
         return loop_schedule(self.tokens_per_s, max_batch, self.min_gain, shape or self.shape)
@@ -163,7 +163,7 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
                    node_counts: tuple[int, ...] | None = None, *, max_new_tokens: int, max_num_seqs: int,
                    requests_per_size: int = 3, budget_s: float = 60.0, min_gain: float = MIN_GAIN,
                    measure: Callable[[int, int], float] | None = None, gc_freeze: bool = True,
-                   shape: str = "monotone", **serve_kwargs) -> LoopCalibration:
+                   shape: str = DEFAULT_SHAPE, **serve_kwargs) -> LoopCalibration:
     """Output tokens/s of a short closed-loop serve per (batch size b, draft length k): max_concurrency = b,
     requests_per_size x b requests cycling `prompts` (max_new_tokens each), the first b warm-up (left out of the
     rate). Every run uses max_num_seqs rows, so it shares the serving run's cache and graphs (captured once, before
