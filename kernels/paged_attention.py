@@ -329,7 +329,7 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
         scale * math.log2(math.e), m_tiles, num_splits,
         T=t, GROUP=group, HKV=hkv, D=dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        FUSE_COMBINE=fuse, num_warps=8, **pdl)  # ptxas for sm_90: 4 warps spill registers at D = 128 or 64-row tiles, 8 do not
+        FUSE_COMBINE=fuse, num_warps=8, **pdl)  # ptxas for sm_90: 4 warps spill at D = 128 or 64-row tiles, 8 do not
     if num_splits > 1 and not fuse:
         _combine_kernel[(b * hq * t,)](o, lse, out, num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim,
                                        **pdl)

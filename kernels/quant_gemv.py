@@ -87,7 +87,7 @@ FP8_UNBIAS = 2.0 ** 120  # what _fp8_to_f32_scaled's values are multiplied by
 F16_DOT_FORMATS = ("fp8",)
 # With dependent launches (kernels/pdl.py): how many of a program's first K tiles of weights are prefetched into L2
 # before it waits for the previous kernel (override PREFETCH_TILES=...; 0 = wait only). Two tiles were measured
-# 0.6-2 % slower than none on the H200 (BENCHMARKS.md section 14), so none by default.
+# 0.6-1.7 % slower than none on the H200 (BENCHMARKS.md section 14), so none by default.
 PREFETCH_TILES = 0
 # ... and whether a program lets the next kernel launch after its K loop (True) or first thing (False: measured
 # 1.25x slower for int4 at 6.7 B, whose programs run in several waves: waiting dependents took their SM slots)

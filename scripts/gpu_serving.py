@@ -115,7 +115,8 @@ def parse_args(argv=None):
                    "inside the run) in every sweep round (gc_checks)")
     p.add_argument("--shape-controls", action="store_true",
                    help="also serve the loop calibration's schedule under another calibration_shape (the next one "
-                   "of sticky -> monotone -> free -> sticky) in every sweep round and at every threshold of either schedule (shape_checks, and "
+                   "of sticky -> monotone -> free -> sticky) in every sweep round and at every threshold of either "
+                   "schedule (shape_checks, and "
                    "threshold_checks_other_shape for its cliffs)")
     p.add_argument("--threshold-requests", type=int, default=12,
                    help="measured requests per threshold run (at least 3 x the concurrency)")

@@ -87,9 +87,8 @@ def test_kernels_compiled_for_hopper_carry_the_wait_and_the_trigger():
                     RESIDUAL=True, NORM=False, F16_DOT=True, X_SCALE=2.0 ** -6, CVT_BITS=False, PDL=True,
                     PF_LINES=4, PF_STEP=128, LATE_TRIGGER=True))
     assert "griddepcontrol.wait" in gemv and "griddepcontrol.launch_dependents" in gemv and "prefetch.global.L2" in gemv
-    write = ptx(pa._kv_write_kernel, {n: "*bf16" for n in ("k_ptr", "v_ptr", "kp_ptr", "vp_ptr")} | {"slot_ptr": "*i64"},
-                dict(BLOCK_H=32, D=128, PDL=True))
+    write_types = {n: "*bf16" for n in ("k_ptr", "v_ptr", "kp_ptr", "vp_ptr")} | {"slot_ptr": "*i64"}
+    write = ptx(pa._kv_write_kernel, write_types, dict(BLOCK_H=32, D=128, PDL=True))
     assert "griddepcontrol.wait" in write and "griddepcontrol.launch_dependents" in write
-    plain = ptx(pa._kv_write_kernel, {n: "*bf16" for n in ("k_ptr", "v_ptr", "kp_ptr", "vp_ptr")} | {"slot_ptr": "*i64"},
-                dict(BLOCK_H=32, D=128, PDL=False))
+    plain = ptx(pa._kv_write_kernel, write_types, dict(BLOCK_H=32, D=128, PDL=False))
     assert "griddepcontrol" not in plain
