@@ -188,13 +188,18 @@ def test_sticky_shape_keeps_speculating_through_a_tie_at_a_bucket_edge():
     assert format_k_by_batch(loop_schedule(tps, 64, 0.10, "sticky")) == "1-64:4"
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_sticky_choice_steps_down_only_on_a_clear_win(seed):
+def random_table(seed: int) -> tuple[list[int], list[int], dict[int, dict[int, float]], float]:
+    """(sizes, draft lengths, tokens/s per size and length, tie margin), drawn from `seed`."""
     rng = random.Random(seed)
     sizes = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64], rng.randint(1, 7)))
     ks = sorted(rng.sample(range(6), rng.randint(1, 5)))
     rows = {b: {k: rng.uniform(50, 150) * b for k in ks} for b in sizes}
-    gain = rng.choice([0.0, 0.02, 0.1])
+    return sizes, ks, rows, rng.choice([0.0, 0.02, 0.1])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_sticky_choice_steps_down_only_on_a_clear_win(seed):
+    sizes, ks, rows, gain = random_table(seed)
     choice = cal_mod.sticky_choice(rows, gain)
     assert set(choice) == set(sizes) and all(choice[b] in ks for b in sizes)
     assert choice[sizes[0]] == pick_k(rows[sizes[0]], gain)
@@ -209,11 +214,7 @@ def test_sticky_choice_steps_down_only_on_a_clear_win(seed):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_monotone_choice_keeps_the_order_and_the_free_picks_that_keep_it(seed):
-    rng = random.Random(seed)
-    sizes = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64], rng.randint(1, 7)))
-    ks = sorted(rng.sample(range(6), rng.randint(1, 5)))
-    rows = {b: {k: rng.uniform(50, 150) * b for k in ks} for b in sizes}
-    gain = rng.choice([0.0, 0.02, 0.1])
+    sizes, ks, rows, gain = random_table(seed)
     choice = cal_mod.monotone_choice(rows, gain)
     assert set(choice) == set(sizes) and all(choice[b] in ks for b in sizes)
     assert all(choice[a] >= choice[b] for a, b in zip(sizes, sizes[1:]))
