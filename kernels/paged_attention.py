@@ -78,15 +78,26 @@ def dequantize_pool(pool: torch.Tensor, scales: torch.Tensor | None, dtype: torc
     return pool.to(dtype) if scales is None else (pool.float() * scales.unsqueeze(-1)).to(dtype)
 
 
+def rope_reference(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """x [B, H, T, D] rotated as the model does (workbench.models.llama.apply_rope): x * cos + roll(x, D / 2) *
+    sin_signed, with rope = (cos, sin_signed) [B, T, D] per token; x itself when rope is None."""
+    if rope is None:
+        return x
+    cos, sin = (r.unsqueeze(1) for r in rope)  # [B, 1, T, D]
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+
+
 def paged_attention_reference(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
-                              k_scales=None, v_scales=None):
+                              k_scales=None, v_scales=None, rope=None):
     """Gather every position of the block table, mask, and run SDPA (the engine's path; the kernels' reference).
 
     q [B, Hq, T, D]; k_pool, v_pool [num_slots, Hkv, D]; block_table [R, max_blocks] int; rows [B] long;
     base_len [B] long; intra_mask [B, T, T] bool or None (causal) -> [B, Hq, T, D] in q's dtype.
     k_scales, v_scales [num_slots, Hkv] float32 (quantized pools: int8 / float8 e4m3 values) or None; the gathered
-    values are dequantized in float32 and cast to q's dtype.
+    values are dequantized in float32 and cast to q's dtype. rope = (cos, sin_signed) [B, T, D]: q arrives before
+    RoPE and is rotated first (`rope_reference`).
     """
+    q = rope_reference(q, rope)
     b, hq, t, _ = q.shape
     span = block_table.shape[1] * block_size
     pos = torch.arange(span, device=q.device)  # [S]
@@ -111,6 +122,7 @@ if TRITON_AVAILABLE:
     def _partial_kernel(
             q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, base_ptr, intra_bits_ptr, o_ptr, lse_ptr,  # intra_bits [B, T]
             out_ptr, count_ptr,  # FUSE_COMBINE: out [B, Hq, T, D] contiguous; counters [B * Hkv * m_tiles] int32
+            cos_ptr, sin_ptr,  # ROPE: cos, sin_signed [B * T, D] contiguous: q is rotated as it is loaded
             ks_ptr, vs_ptr,  # k_scales, v_scales [num_slots, Hkv] float32 (read only when QUANT)
             sq_b, sq_h, sq_t,  # q [B, Hq, T, D] (last stride 1)
             sk_s, sk_h, sv_s, sv_h,  # k_pool, v_pool [num_slots, Hkv, D] (last stride 1)
@@ -121,7 +133,7 @@ if TRITON_AVAILABLE:
             T: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
             DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
-            FUSE_COMBINE: tl.constexpr = False):
+            FUSE_COMBINE: tl.constexpr = False, ROPE: tl.constexpr = False):
         if PDL:  # kernels/pdl.py: every program waits (also one with no tiles), before any load or store
             gdc_wait()
         pid = tl.program_id(0)
@@ -137,6 +149,14 @@ if TRITON_AVAILABLE:
         d = tl.arange(0, D)
         q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + tok[:, None] * sq_t + d[None, :],
                     mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+        if ROPE:  # q * cos + roll(q, D / 2) * sin_signed in fp32, rounded once to q's dtype (as inductor's RoPE)
+            d_roll = (d + D // 2) % D  # [D]: where roll(q, D / 2) reads each lane
+            q_roll = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + tok[:, None] * sq_t + d_roll[None, :],
+                             mask=row_ok[:, None], other=0.0)
+            rope_at = (b * T + tok)[:, None] * D + d[None, :]  # [BLOCK_M, D]
+            cos = tl.load(cos_ptr + rope_at, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + rope_at, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            q = (q.to(tl.float32) * cos + q_roll.to(tl.float32) * sin).to(q_ptr.dtype.element_ty)
         if not CAUSAL:
             intra_bits = tl.load(intra_bits_ptr + b * T + tok)  # [BLOCK_M] int64: bit j = sees step token j
 
@@ -284,11 +304,19 @@ def _combine_counters(device: torch.device, n: int) -> torch.Tensor | None:
     return buf
 
 
+def _rope_rows(rope, b: int, t: int, dim: int):
+    """(cos, sin_signed) [B, T, D] -> two contiguous [B * T, D] tensors for the kernels."""
+    cos, sin = rope
+    assert cos.shape == (b, t, dim) and sin.shape == (b, t, dim), "rope = (cos, sin_signed), each [B, T, D]"
+    return cos.reshape(b * t, dim).contiguous(), sin.reshape(b * t, dim).contiguous()
+
+
 def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
                            k_scales=None, v_scales=None, num_splits: int | None = None,
-                           fuse_combine: bool | None = None):
+                           fuse_combine: bool | None = None, rope=None):
     """Same contract as `paged_attention_reference`; `num_splits` overrides the shape-derived split count,
-    `fuse_combine` the module's FUSE_COMBINE (the last split of each tile combines the splits, no second launch)."""
+    `fuse_combine` the module's FUSE_COMBINE (the last split of each tile combines the splits, no second launch);
+    rope = (cos, sin_signed) [B, T, D]: q arrives before RoPE and is rotated as it is loaded."""
     b, hq, t, dim = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -316,11 +344,12 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
     scale_strides = (k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1)) if quant \
         else (0, 0, 0, 0)
     pdl = dict(PDL=True, launch_pdl=True) if use_pdl(q.device) else {}
+    cos, sin = _rope_rows(rope, b, t, dim) if rope is not None else (lse, lse)  # (lse: never read without ROPE)
     fuse = num_splits > 1 and (FUSE_COMBINE if fuse_combine is None else fuse_combine)
     counters = _combine_counters(q.device, b * hkv * m_tiles) if fuse else None
     fuse = counters is not None
     _partial_kernel[(b * hkv * m_tiles, num_splits)](
-        q, k_pool, v_pool, block_table, rows, base_len, intra_bits, o, lse, out, counters if fuse else lse,
+        q, k_pool, v_pool, block_table, rows, base_len, intra_bits, o, lse, out, counters if fuse else lse, cos, sin,
         k_scales, v_scales,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), *scale_strides,
@@ -329,7 +358,8 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
         scale * math.log2(math.e), m_tiles, num_splits,
         T=t, GROUP=group, HKV=hkv, D=dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        FUSE_COMBINE=fuse, num_warps=8, **pdl)  # ptxas for sm_90: 4 warps spill at D = 128 or 64-row tiles, 8 do not
+        FUSE_COMBINE=fuse, ROPE=rope is not None,
+        num_warps=8, **pdl)  # ptxas for sm_90: 4 warps spill registers at D = 128 or 64-row tiles, 8 do not
     if num_splits > 1 and not fuse:
         _combine_kernel[(b * hq * t,)](o, lse, out, num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim,
                                        **pdl)
@@ -348,17 +378,20 @@ def paged_attention(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, 
 # What it replaces (seen in the H200 profile of an AR step, BENCHMARKS.md section 9): per layer, a copy of each strided
 # K / V view to contiguous memory and an index_copy_ of each into its pool, four kernels of ~1-2.5 us plus their
 # launch gaps inside the graph, for ~1 MB of data at 6.7 B. One program per written token copies all of its KV heads.
-def paged_kv_write_reference(k, v, k_pool, v_pool, slots):
-    """k, v [B, Hkv, T, D] (any strides); pools [num_slots, Hkv, D]; slots [B * T] (token b * T + t -> its slot)."""
+def paged_kv_write_reference(k, v, k_pool, v_pool, slots, rope=None):
+    """k, v [B, Hkv, T, D] (any strides); pools [num_slots, Hkv, D]; slots [B * T] (token b * T + t -> its slot);
+    rope = (cos, sin_signed) [B, T, D]: k arrives before RoPE and is rotated first (`rope_reference`)."""
+    k = rope_reference(k, rope)
     for pool, x in ((k_pool, k), (v_pool, v)):
         pool.index_copy_(0, slots, x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[3]).to(pool.dtype))
 
 
 if TRITON_AVAILABLE:
     @triton.jit
-    def _kv_write_kernel(k_ptr, v_ptr, slot_ptr, kp_ptr, vp_ptr, T, H,
+    def _kv_write_kernel(k_ptr, v_ptr, slot_ptr, kp_ptr, vp_ptr, cos_ptr, sin_ptr, T, H,
                          sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, skp_s, skp_h, svp_s, svp_h,
-                         BLOCK_H: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_H: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
+                         ROPE: tl.constexpr = False):  # ROPE: cos, sin_signed [B * T, D]: keys rotated on the way
         if PDL:
             gdc_wait()
         i = tl.program_id(0)  # token b * T + t
@@ -369,6 +402,11 @@ if TRITON_AVAILABLE:
         d = tl.arange(0, D)[None, :]
         mask = h < H
         key = tl.load(k_ptr + b * sk_b + t * sk_t + h * sk_h + d, mask=mask)
+        if ROPE:  # key * cos + roll(key, D / 2) * sin_signed in fp32, rounded once to the pool's dtype
+            key_roll = tl.load(k_ptr + b * sk_b + t * sk_t + h * sk_h + (d + D // 2) % D, mask=mask)
+            cos = tl.load(cos_ptr + i * D + d).to(tl.float32)  # [1, D]
+            sin = tl.load(sin_ptr + i * D + d).to(tl.float32)
+            key = key.to(tl.float32) * cos + key_roll.to(tl.float32) * sin
         tl.store(kp_ptr + slot * skp_s + h * skp_h + d, key.to(kp_ptr.dtype.element_ty), mask=mask)
         val = tl.load(v_ptr + b * sv_b + t * sv_t + h * sv_h + d, mask=mask)
         if PDL:
@@ -376,22 +414,25 @@ if TRITON_AVAILABLE:
         tl.store(vp_ptr + slot * svp_s + h * svp_h + d, val.to(vp_ptr.dtype.element_ty), mask=mask)
 
 
-def paged_kv_write_triton(k, v, k_pool, v_pool, slots):
+def paged_kv_write_triton(k, v, k_pool, v_pool, slots, rope=None):
     """Same contract as `paged_kv_write_reference`, one launch (grid B * T). Needs unit stride along D (views of the
     fused qkv projection have it) and a power-of-two head_dim."""
     b, h, t, dim = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
     assert dim & (dim - 1) == 0 and slots.numel() == b * t
-    _kv_write_kernel[(b * t,)](k, v, slots, k_pool, v_pool, t, h,
+    cos, sin = _rope_rows(rope, b, t, dim) if rope is not None else (slots, slots)  # never read without ROPE
+    _kv_write_kernel[(b * t,)](k, v, slots, k_pool, v_pool, cos, sin, t, h,
                                k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                                k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-                               BLOCK_H=triton.next_power_of_2(h), D=dim, num_warps=4,
+                               BLOCK_H=triton.next_power_of_2(h), D=dim, ROPE=rope is not None, num_warps=4,
                                **(dict(PDL=True, launch_pdl=True) if use_pdl(k.device) else {}))
 
 
 def paged_write_attention_triton(q, k, v, slots, k_pool, v_pool, block_table, rows, base_len, intra_mask,
-                                 block_size, scale=None):
+                                 block_size, scale=None, rope=None):
     """The step's K/V into the pool (`paged_kv_write_triton`), then `paged_attention_triton` over it: the two launches
-    an unquantized paged layer makes on the kernel path, in one call the engine keeps outside torch.compile."""
-    paged_kv_write_triton(k, v, k_pool, v_pool, slots)
-    return paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale)
+    an unquantized paged layer makes on the kernel path, in one call the engine keeps outside torch.compile. With
+    rope = (cos, sin_signed) [B, T, D], q and k arrive before RoPE and both kernels rotate them (no RoPE kernel)."""
+    paged_kv_write_triton(k, v, k_pool, v_pool, slots, rope=rope)
+    return paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale,
+                                  rope=rope)

@@ -38,6 +38,7 @@ from kernels.pdl import pdl_problem, set_pdl  # noqa: E402
 from kernels import paged_attention, quant_gemv  # noqa: E402
 from kernels.quant_gemv import set_m1_tiles  # noqa: E402
 from workbench.engine.quant.linears import QuantLinear  # noqa: E402
+from workbench.engine import kv_cache  # noqa: E402
 
 CONFIGS = {**RANDOM_CONFIGS, "mini": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2)}  # CPU smoke test only
@@ -61,6 +62,7 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 
 
 PDL_VARIANTS = {"pdl": {}, "pdl0": {"PREFETCH_TILES": 0}, "pdle": {"LATE_TRIGGER": False}}
+# "+rope": RoPE folded into the K/V write and attention's q load (kv_cache.FUSE_ROPE; no RoPE kernel per layer);
 # "+fc" / "+nofc": attention combines its splits in the last split / in a combine launch (paged_attention.FUSE_COMBINE;
 # without either the module's default: on in calls pdl2 and pdl3 of BENCHMARKS.md section 14, off since)
 
@@ -72,7 +74,7 @@ def parse_format(spec: str) -> tuple[str, str, bool, str | None, bool]:
     spec, _, only_mode = spec.partition("@")
     base, *parts = spec.split("+")
     tc, pdl = "tc" in parts, any(p in PDL_VARIANTS for p in parts)
-    fusions = [p for p in parts if p not in ("tc", "fc", "nofc") and p not in PDL_VARIANTS]
+    fusions = [p for p in parts if p not in ("tc", "fc", "nofc", "rope") and p not in PDL_VARIANTS]
     if base not in FORMAT_KERNELS or len(fusions) > 1 or (fusions and fusions[0] not in FUSIONS):
         raise SystemExit(f"format {spec!r}: a name of {sorted(FORMAT_KERNELS)}, then at most one of "
                          f"{['+' + f for f in FUSIONS if f]}, '+tc', '+pdl', '@MODE'")
@@ -93,11 +95,12 @@ def part_floor(args, device: torch.device) -> list[dict]:
         bf16_tokens: dict[str, list[int]] = {}
         row_tokens: dict[tuple[str, str], list[int]] = {}  # (format without +pdl, mode) -> greedy tokens
         default_prefetch, default_late = quant_gemv.PREFETCH_TILES, quant_gemv.LATE_TRIGGER
-        default_fc = paged_attention.FUSE_COMBINE
+        default_fc, default_rope = paged_attention.FUSE_COMBINE, kv_cache.FUSE_ROPE
         for fmt_spec in args.formats.split(","):
             base_name, fusion, tc, only_mode, pdl = parse_format(fmt_spec)
             fmt_name = fmt_spec.partition("@")[0]
-            plain_name = "+".join(p for p in fmt_name.split("+") if p not in PDL_VARIANTS and p not in ("fc", "nofc"))
+            plain_name = "+".join(p for p in fmt_name.split("+")
+                                  if p not in PDL_VARIANTS and p not in ("fc", "nofc", "rope"))
             variant = next((PDL_VARIANTS[p] for p in fmt_name.split("+") if p in PDL_VARIANTS), {})
             fmt, kernel = FORMAT_KERNELS[base_name]
             for mode in [only_mode] if only_mode else args.floor_modes.split(","):
@@ -113,6 +116,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     quant_gemv.LATE_TRIGGER = variant.get("LATE_TRIGGER", default_late)
                     paged_attention.FUSE_COMBINE = {"fc": True, "nofc": False}.get(
                         next((p for p in fmt_name.split("+") if p in ("fc", "nofc")), ""), default_fc)
+                    kv_cache.FUSE_ROPE = "rope" in fmt_name.split("+")
                     check_quant(fmt, cfg, device, torch.bfloat16, args.int4_group_size, kernel=kernel)
                     t0 = time.perf_counter()
                     calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))
@@ -150,6 +154,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
                 set_pdl(False)
                 quant_gemv.PREFETCH_TILES, quant_gemv.LATE_TRIGGER = default_prefetch, default_late
                 paged_attention.FUSE_COMBINE = default_fc
+                kv_cache.FUSE_ROPE = default_rope
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if device.type == "cuda":

@@ -45,7 +45,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|zs) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -223,6 +223,16 @@ elif [ "$PART" = pdl4 ]; then
   C=graphs+compile+overlap
   step quant67 90 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
     --formats "none@$C,none+pdl@$C,dense-triton+glo@$C,dense-triton+glo+pdl@$C,fp8-triton+all@$C,fp8-triton+all+pdl@$C"
+elif [ "$PART" = pdl5 ]; then
+  # prepared for the next session, not run yet: RoPE folded into the K/V write and attention's q load
+  # (kv_cache.FUSE_ROPE, "+rope"), beside the same rows without it; then GPU parity on tiny with it on
+  C=graphs+compile+overlap
+  F="dense-triton+glo+pdl@$C,dense-triton+glo+pdl+rope@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+rope@$C"
+  step quant67 90 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+    --formats "none@$C,$F" --profile
+  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+    --formats "dense-triton+all+pdl@$C,dense-triton+all+pdl+rope@$C,$F"
+  step parity 60 env WORKBENCH_FUSE_ROPE=1 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
 elif [ "$PART" = n ]; then
   # fifth session, second call (no preset): int8 / fp8 widened by integer ops (CVT_BITS) against conversion
   # instructions per linear, fp16 tensor-core verify tiles, the floor with the norm prologue's fix, GGUF Q8_0 (int8g)

@@ -241,6 +241,27 @@ def test_fused_write_attention_path_equals_greedy(fixed, target, draft, monkeypa
     assert calls and set(calls) <= {1, 2, 4}
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shape"])
+def test_rope_folded_into_the_fused_call_equals_greedy(fixed, target, draft, monkeypatch):
+    """kv_cache.FUSE_ROPE: on the fused write + attention path the model hands q and k over unrotated with
+    rope=(cos, sin_signed), and the kernels rotate them (here their references): the same greedy tokens, every
+    kernel-path call got the rope, and prompt-length forwards (SDPA path) still rotate in the model."""
+    import kernels.paged_attention as pa
+    import workbench.engine.kv_cache as kv
+
+    ropes = []
+
+    def fused(q, k, v, slots, k_pool, v_pool, *rest, rope=None):
+        ropes.append(rope is not None and rope[0].shape == (q.shape[0], q.shape[2], q.shape[3]))
+        pa.paged_kv_write_reference(k, v, k_pool, v_pool, slots, rope=rope)
+        return pa.paged_attention_reference(q, k_pool, v_pool, *rest, rope=rope)
+
+    monkeypatch.setattr(kv, "FUSE_ROPE", True)
+    monkeypatch.setattr(pa, "paged_write_attention_triton", fused)
+    assert_kernel_path_greedy(fixed, target, draft, monkeypatch)
+    assert ropes and all(ropes)
+
+
 OVERLAP_KINDS = ["ar", "draft", "self-draft", "noisy-self-draft", "ngram"]
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kernels.paged_attention import (TRITON_AVAILABLE, paged_attention, paged_attention_reference,
-                                     paged_attention_triton, paged_kv_write_reference, paged_kv_write_triton)
+                                     paged_attention_triton, paged_kv_write_reference, paged_kv_write_triton,
+                                     paged_write_attention_triton, rope_reference)
 from workbench.engine.kv_cache import PagedKVCache
 from workbench.engine.kv_quant import KV_FORMATS
 from workbench.engine.tree import DraftTree, verify_mask
@@ -273,3 +274,66 @@ def test_triton_kv_write_equals_reference(shape, dtype):
     paged_kv_write_reference(k, v, want_k, want_v, slots)
     paged_kv_write_triton(k, v, kp, vp, slots)
     assert torch.equal(kp, want_k) and torch.equal(vp, want_v)  # a copy: bit for bit
+
+
+# ---- RoPE folded into the K/V write and the attention's q load (kv_cache.FUSE_ROPE) --------------------------------
+def _rope(b, t, dim, dtype, seed=0):
+    """(cos, sin_signed) [B, T, D] as the model builds them (workbench.models.llama.rope_tables) at random positions."""
+    from workbench.models.llama import LlamaModel, ModelConfig
+
+    cfg = ModelConfig(vocab_size=8, hidden_size=dim * 2, intermediate_size=8, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512)
+    cos, sin = LlamaModel(cfg, init_weights=False).rope_tables(torch.device("cpu"), dtype)
+    pos = torch.randint(0, 512, (b, t), generator=torch.Generator().manual_seed(seed))
+    return cos[pos], sin[pos]
+
+
+def test_rope_reference_is_the_models_rope():
+    from workbench.models.llama import apply_rope
+
+    x = torch.randn(2, 3, 5, 16)  # [B, H, T, D]
+    cos, sin = _rope(2, 5, 16, torch.float32)
+    want = apply_rope(x.transpose(1, 2), cos.unsqueeze(2), sin.unsqueeze(2)).transpose(1, 2)
+    torch.testing.assert_close(rope_reference(x, (cos, sin)), want, atol=0, rtol=0)
+    assert rope_reference(x, None) is x
+
+
+def test_references_with_rope_equal_rotating_first():
+    case = make_case(**TRITON_CASES["tree_two_branches"], seed=4)
+    rope = _rope(case["q"].shape[0], case["q"].shape[2], case["q"].shape[3], torch.float32, seed=4)
+    got = paged_attention_reference(**case, rope=rope)
+    want = paged_attention_reference(**{**case, "q": rope_reference(case["q"], rope)})
+    assert torch.equal(got, want)
+    k, v, slots, (kp, vp) = _write_case(2, 3, 4, 2, 8, torch.float32)
+    kp2, vp2 = kp.clone(), vp.clone()
+    rope = _rope(2, 3, 8, torch.float32, seed=1)
+    paged_kv_write_reference(k, v, kp, vp, slots, rope=rope)
+    paged_kv_write_reference(rope_reference(k, rope), v, kp2, vp2, slots)
+    assert torch.equal(kp, kp2) and torch.equal(vp, vp2)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["decode_d64", "decode_d128_mha", "tree_two_branches", "many_m_tiles_t64"])
+def test_triton_rotates_q_and_k_as_the_reference(name, dtype, interpreter_bf16_dot):
+    """The fused write + attention with rope=(cos, sin_signed): q and k arrive unrotated; the keys land in the pool
+    rotated (within one rounding of the reference's, which rounds per op), and the output matches the reference."""
+    case = make_case(**TRITON_CASES[name], dtype=dtype, seed=6)
+    b, hkv, t, dim = case["q"].shape[0], case["k_pool"].shape[1], case["q"].shape[2], case["q"].shape[3]
+    rope = _rope(b, t, dim, dtype, seed=6)
+    g = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(b, hkv, t, dim, generator=g).to(dtype) for _ in "kv")
+    slots = torch.stack([case["block_table"][r, (case["base_len"][i] + torch.arange(t)) // case["block_size"]]
+                         * case["block_size"] + (case["base_len"][i] + torch.arange(t)) % case["block_size"]
+                         for i, r in enumerate(case["rows"].tolist())]).reshape(-1)  # the step's own slots
+    want_pools = {n: case[n].clone() for n in ("k_pool", "v_pool")}
+    paged_kv_write_reference(k, v, want_pools["k_pool"], want_pools["v_pool"], slots, rope=rope)
+    got = paged_write_attention_triton(case["q"], k, v, slots, case["k_pool"], case["v_pool"], case["block_table"],
+                                       case["rows"], case["base_len"], case["intra_mask"], case["block_size"],
+                                       rope=rope)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}[dtype]
+    torch.testing.assert_close(case["k_pool"].float(), want_pools["k_pool"].float(), atol=tol * 8, rtol=tol)
+    assert torch.equal(case["v_pool"], want_pools["v_pool"])  # values are copied, never rotated
+    want = paged_attention_reference(**{**case, "q": case["q"].float(), "k_pool": case["k_pool"].float(),
+                                        "v_pool": case["v_pool"].float()}, rope=tuple(r.float() for r in rope))
+    torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=0)

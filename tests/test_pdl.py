@@ -2,6 +2,7 @@
 engine and the run record, and (where triton is installed) that the kernels compiled for sm_90 carry the wait and the
 trigger. Whether PDL pays, and that it changes no token, is measured on the H200 (BENCHMARKS.md section 14)."""
 import importlib.util
+import inspect
 import os
 
 import pytest
@@ -76,6 +77,9 @@ def test_kernels_compiled_for_hopper_carry_the_wait_and_the_trigger():
     from kernels import paged_attention as pa, quant_gemv as qg
 
     def ptx(fn, types, consts):
+        # constexprs left out take their defaults (as a launch does; ASTSource would type them as runtime ints)
+        consts = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty
+                  } | consts
         sig = {n: types.get(n, "constexpr" if n in consts else "i32") for n in fn.arg_names}
         return triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                               options=dict(launch_pdl=True, num_warps=8)).asm["ptx"]
@@ -87,8 +91,18 @@ def test_kernels_compiled_for_hopper_carry_the_wait_and_the_trigger():
                     RESIDUAL=True, NORM=False, F16_DOT=True, X_SCALE=2.0 ** -6, CVT_BITS=False, PDL=True,
                     PF_LINES=4, PF_STEP=128, LATE_TRIGGER=True))
     assert "griddepcontrol.wait" in gemv and "griddepcontrol.launch_dependents" in gemv and "prefetch.global.L2" in gemv
-    write_types = {n: "*bf16" for n in ("k_ptr", "v_ptr", "kp_ptr", "vp_ptr")} | {"slot_ptr": "*i64"}
+    write_types = {n: "*bf16" for n in ("k_ptr", "v_ptr", "kp_ptr", "vp_ptr", "cos_ptr", "sin_ptr")} | {
+        "slot_ptr": "*i64"}
     write = ptx(pa._kv_write_kernel, write_types, dict(BLOCK_H=32, D=128, PDL=True))
     assert "griddepcontrol.wait" in write and "griddepcontrol.launch_dependents" in write
     plain = ptx(pa._kv_write_kernel, write_types, dict(BLOCK_H=32, D=128, PDL=False))
     assert "griddepcontrol" not in plain
+    # RoPE folded in (kv_cache.FUSE_ROPE): the write and the attention kernel compile for sm_90 with it
+    ptx(pa._kv_write_kernel, write_types, dict(BLOCK_H=32, D=128, PDL=True, ROPE=True))
+    attn_types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "cos_ptr", "sin_ptr")} | dict(
+        table_ptr="*i32", rows_ptr="*i64", base_ptr="*i64", intra_bits_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32",
+        count_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32", qk_scale_log2="fp32")
+    attn = ptx(pa._partial_kernel, attn_types, dict(T=1, GROUP=8, HKV=4, D=64, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_N=64,
+                                                    CAUSAL=True, DOT_PRECISION="tf32", QUANT=False, PDL=True,
+                                                    FUSE_COMBINE=True, ROPE=True))
+    assert "griddepcontrol.wait" in attn and "atom" in attn  # the combine's counter

@@ -25,12 +25,20 @@ dequantized in `_read` (gather + SDPA) or inside the Triton kernel. Moves copy t
 from __future__ import annotations
 
 import math
+import os
 from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
 
 from workbench.engine.kv_quant import SCALE_DTYPE, KVFormatError, kv_format
+
+
+# RoPE folded into the fused K/V write + attention call (kernels/paged_attention.py, `rope=`): the model then hands
+# q and k over unrotated and no RoPE kernel runs per layer. Checked against the references on CPU (interpreter and
+# engine greedy parity); not yet measured on a GPU, so off by default (scripts/gpu_quant.py "+rope" rows turn it on,
+# and WORKBENCH_FUSE_ROPE=1 for a whole process, e.g. gpu_fastpath.py's parity).
+FUSE_ROPE = os.environ.get("WORKBENCH_FUSE_ROPE", "0") == "1"
 
 
 class CacheFullError(RuntimeError):
@@ -149,12 +157,22 @@ class KVCache(ABC):
         visible = intra_mask.gather(2, rel_idx) & in_step.unsqueeze(1)
         self._mask = (before | visible).unsqueeze(1)  # [B, 1, T, S]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [B, Hq, T, D]; k, v [B, Hkv, T, D] -> [B, Hq, T, D]."""
+    def fuses_rope(self) -> bool:
+        """Whether this step's `attend` takes q and k before RoPE with rope=(cos, sin_signed) [B, T, D] (FUSE_ROPE on
+        and the fused K/V write + attention path: an unquantized paged cache on the kernel path)."""
+        return FUSE_ROPE and self._use_kernel and self.write_kernel is not None and not self.format.quantized
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q [B, Hq, T, D]; k, v [B, Hkv, T, D] -> [B, Hq, T, D]. rope: only where `fuses_rope()` (q, k unrotated)."""
         if self._use_kernel and self.write_kernel is not None and not self.format.quantized:
             # one call, outside torch.compile: K/V into the pool (one launch) and attention over it
+            extra = {} if rope is None else {"rope": rope}
             return self.write_kernel(q, k, v, self._write_slots, self.k[layer_idx], self.v[layer_idx],
-                                     self.block_table, self._rows, self._base, self._intra_mask, self.block_size)
+                                     self.block_table, self._rows, self._base, self._intra_mask, self.block_size,
+                                     **extra)
+        if rope is not None:
+            raise ValueError("attend(rope=...) is for the fused K/V write + attention path only (see fuses_rope)")
         self._write(layer_idx, k.transpose(1, 2), v.transpose(1, 2))
         if self._use_kernel:  # reads the pool in place through the block table: no gather, no mask tensor
             fmt, quant = self.format, self.format.quantized
