@@ -62,7 +62,8 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 
 
 PDL_VARIANTS = {"pdl": {}, "pdl0": {"PREFETCH_TILES": 0}, "pdle": {"LATE_TRIGGER": False}}
-# "+rope": RoPE folded into the K/V write and attention's q load (kv_cache.FUSE_ROPE; no RoPE kernel per layer);
+# "+rope" / "+norope": RoPE folded into the K/V write and attention's q load or not (kv_cache.FUSE_ROPE; without either
+# the module's default: off in the ninth session's calls pdl1-pdl4 and rope1's first two rows, on since);
 # "+fc" / "+nofc": attention combines its splits in the last split / in a combine launch (paged_attention.FUSE_COMBINE;
 # without either the module's default: on in calls pdl2 and pdl3 of BENCHMARKS.md section 14, off since)
 
@@ -74,7 +75,7 @@ def parse_format(spec: str) -> tuple[str, str, bool, str | None, bool]:
     spec, _, only_mode = spec.partition("@")
     base, *parts = spec.split("+")
     tc, pdl = "tc" in parts, any(p in PDL_VARIANTS for p in parts)
-    fusions = [p for p in parts if p not in ("tc", "fc", "nofc", "rope") and p not in PDL_VARIANTS]
+    fusions = [p for p in parts if p not in ("tc", "fc", "nofc", "rope", "norope") and p not in PDL_VARIANTS]
     if base not in FORMAT_KERNELS or len(fusions) > 1 or (fusions and fusions[0] not in FUSIONS):
         raise SystemExit(f"format {spec!r}: a name of {sorted(FORMAT_KERNELS)}, then at most one of "
                          f"{['+' + f for f in FUSIONS if f]}, '+tc', '+pdl', '@MODE'")
@@ -100,7 +101,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
             base_name, fusion, tc, only_mode, pdl = parse_format(fmt_spec)
             fmt_name = fmt_spec.partition("@")[0]
             plain_name = "+".join(p for p in fmt_name.split("+")
-                                  if p not in PDL_VARIANTS and p not in ("fc", "nofc", "rope"))
+                                  if p not in PDL_VARIANTS and p not in ("fc", "nofc", "rope", "norope"))
             variant = next((PDL_VARIANTS[p] for p in fmt_name.split("+") if p in PDL_VARIANTS), {})
             fmt, kernel = FORMAT_KERNELS[base_name]
             for mode in [only_mode] if only_mode else args.floor_modes.split(","):
@@ -116,7 +117,8 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     quant_gemv.LATE_TRIGGER = variant.get("LATE_TRIGGER", default_late)
                     paged_attention.FUSE_COMBINE = {"fc": True, "nofc": False}.get(
                         next((p for p in fmt_name.split("+") if p in ("fc", "nofc")), ""), default_fc)
-                    kv_cache.FUSE_ROPE = "rope" in fmt_name.split("+")
+                    kv_cache.FUSE_ROPE = {"rope": True, "norope": False}.get(
+                        next((p for p in fmt_name.split("+") if p in ("rope", "norope")), ""), default_rope)
                     check_quant(fmt, cfg, device, torch.bfloat16, args.int4_group_size, kernel=kernel)
                     t0 = time.perf_counter()
                     calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))

@@ -224,14 +224,15 @@ elif [ "$PART" = pdl4 ]; then
   step quant67 90 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
     --formats "none@$C,none+pdl@$C,dense-triton+glo@$C,dense-triton+glo+pdl@$C,fp8-triton+all@$C,fp8-triton+all+pdl@$C"
 elif [ "$PART" = pdl5 ]; then
-  # prepared for the next session, not run yet: RoPE folded into the K/V write and attention's q load
-  # (kv_cache.FUSE_ROPE, "+rope"), beside the same rows without it; then GPU parity on tiny with it on
+  # prepared for the next session, not run yet: RoPE folded into the K/V write and attention's q load (on by default
+  # since a short call at 6.7 B, BENCHMARKS 14.4) beside the same rows without it ("+norope"), at both sizes, then
+  # GPU parity on tiny with it on (every drafter, trees included: not yet seen on a GPU)
   C=graphs+compile+overlap
-  F="dense-triton+glo+pdl@$C,dense-triton+glo+pdl+rope@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+rope@$C"
+  F="dense-triton+glo+pdl+norope@$C,dense-triton+glo+pdl+rope@$C,fp8-triton+all+pdl+norope@$C,fp8-triton+all+pdl+rope@$C"
   step quant67 90 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
-    --formats "none@$C,$F" --profile
+    --formats "none@$C,dense-triton+glo@$C,$F" --profile
   step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
-    --formats "dense-triton+all+pdl@$C,dense-triton+all+pdl+rope@$C,$F"
+    --formats "dense-triton+all+pdl+norope@$C,dense-triton+all+pdl+rope@$C,$F"
   step parity 60 env WORKBENCH_FUSE_ROPE=1 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
 elif [ "$PART" = n ]; then
   # fifth session, second call (no preset): int8 / fp8 widened by integer ops (CVT_BITS) against conversion

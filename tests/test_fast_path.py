@@ -208,9 +208,9 @@ def test_kernel_backend_path_equals_greedy_and_skips_prefill(fixed, target, draf
         seen.append(q.shape[2])
         return pa.paged_attention_reference(q, *args, **kwargs)
 
-    def write_then_spy(q, k, v, slots, k_pool, v_pool, *rest):  # the fused path an unquantized pool takes
-        pa.paged_kv_write_reference(k, v, k_pool, v_pool, slots)
-        return spy(q, k_pool, v_pool, *rest)
+    def write_then_spy(q, k, v, slots, k_pool, v_pool, *rest, rope=None):  # an unquantized pool's fused path
+        pa.paged_kv_write_reference(k, v, k_pool, v_pool, slots, rope=rope)
+        return spy(q, k_pool, v_pool, *rest, rope=rope)
 
     monkeypatch.setattr(pa, "paged_attention_triton", spy)
     monkeypatch.setattr(pa, "paged_write_attention_triton", write_then_spy)
@@ -227,10 +227,10 @@ def test_fused_write_attention_path_equals_greedy(fixed, target, draft, monkeypa
 
     calls = []
 
-    def fused(q, k, v, slots, k_pool, v_pool, *rest):
+    def fused(q, k, v, slots, k_pool, v_pool, *rest, rope=None):  # rope: kv_cache.FUSE_ROPE (on by default)
         calls.append(q.shape[2])
-        pa.paged_kv_write_reference(k, v, k_pool, v_pool, slots)
-        return pa.paged_attention_reference(q, k_pool, v_pool, *rest)
+        pa.paged_kv_write_reference(k, v, k_pool, v_pool, slots, rope=rope)
+        return pa.paged_attention_reference(q, k_pool, v_pool, *rest, rope=rope)
 
     def attention_only(*args, **kwargs):
         raise AssertionError("an unquantized paged layer must take the fused call")
@@ -241,8 +241,9 @@ def test_fused_write_attention_path_equals_greedy(fixed, target, draft, monkeypa
     assert calls and set(calls) <= {1, 2, 4}
 
 
+@pytest.mark.parametrize("on", [True, False], ids=["rope-folded", "rope-in-model"])
 @pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shape"])
-def test_rope_folded_into_the_fused_call_equals_greedy(fixed, target, draft, monkeypatch):
+def test_rope_folded_into_the_fused_call_equals_greedy(fixed, on, target, draft, monkeypatch):
     """kv_cache.FUSE_ROPE: on the fused write + attention path the model hands q and k over unrotated with
     rope=(cos, sin_signed), and the kernels rotate them (here their references): the same greedy tokens, every
     kernel-path call got the rope, and prompt-length forwards (SDPA path) still rotate in the model."""
@@ -252,11 +253,12 @@ def test_rope_folded_into_the_fused_call_equals_greedy(fixed, target, draft, mon
     ropes = []
 
     def fused(q, k, v, slots, k_pool, v_pool, *rest, rope=None):
-        ropes.append(rope is not None and rope[0].shape == (q.shape[0], q.shape[2], q.shape[3]))
+        ropes.append(rope is not None and rope[0].shape == (q.shape[0], q.shape[2], q.shape[3]) if on else
+                     rope is None)
         pa.paged_kv_write_reference(k, v, k_pool, v_pool, slots, rope=rope)
         return pa.paged_attention_reference(q, k_pool, v_pool, *rest, rope=rope)
 
-    monkeypatch.setattr(kv, "FUSE_ROPE", True)
+    monkeypatch.setattr(kv, "FUSE_ROPE", on)
     monkeypatch.setattr(pa, "paged_write_attention_triton", fused)
     assert_kernel_path_greedy(fixed, target, draft, monkeypatch)
     assert ropes and all(ropes)
