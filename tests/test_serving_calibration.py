@@ -132,10 +132,14 @@ def test_serve_bench_calibrates_on_the_engine_that_serves(target, draft, solo, m
     assert rec["k_by_batch"] == ",".join(f"{lo}-{hi}:{k}" if hi != lo else f"{lo}:{k}" for lo, hi, k in ranges)
     assert rec["calibration"] == mode and rec["calibration_s"] > 0
     assert json.loads(rec["config_json"])["k_by_batch"] == ""  # the settings as given
-    if mode == "loop":  # the choice is pick_k over the measured row of each size
+    if mode == "loop":  # the choice is the shape's rule (sticky by default) over the measured table
+        from workbench.serving.schedules import choose
+
+        want = choose({(r["batch_size"], r["k"]): r["tokens_per_s"] for r in table["measured"]},
+                      shape=cfg.calibration_shape)
+        assert cfg.calibration_shape == "sticky" and set(want) == sizes
         for b in sizes:
-            row = {r["k"]: r["tokens_per_s"] for r in table["measured"] if r["batch_size"] == b}
-            assert next(k for lo, hi, k in ranges if lo <= b <= hi) == pick_k(row)
+            assert next(k for lo, hi, k in ranges if lo <= b <= hi) == want[b]
     # every step served with the calibrated schedule
     for t in out.result.traces:
         assert t.k == next(k for lo, hi, k in ranges if lo <= t.batch_size <= hi)
