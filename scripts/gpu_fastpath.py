@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_timing import kernel_summary  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
 
@@ -229,20 +231,9 @@ def part_profile(args) -> dict:
                 rows.append({"config": name, "mode": mode, "error": f"{type(e).__name__}: {e}"[:500]})
                 print(rows[-1], flush=True)
                 continue
-            r = res[0]
-            tokens = len(r.outputs[0])
-            by_name: dict[str, list[float]] = {}
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    by_name.setdefault(ev.name[:90], []).append(ev.device_time)
-            total_us = sum(sum(v) for v in by_name.values())
-            top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.profile_top]
-            rows.append({"config": name, "mode": mode, "tokens": tokens,
-                         "wall_ms_per_token": wall * 1e3 / tokens,
-                         "kernel_ms_per_token": total_us / 1e3 / tokens,
-                         "kernels_per_token": sum(len(v) for v in by_name.values()) / tokens,
-                         "top": [{"kernel": k, "us_per_token": sum(v) / tokens, "calls_per_token": len(v) / tokens,
-                                  "us_per_call": sum(v) / len(v)} for k, v in top]})
+            tokens = len(res[0].outputs[0])
+            rows.append({"config": name, "mode": mode, "tokens": tokens, "wall_ms_per_token": wall * 1e3 / tokens,
+                         **kernel_summary(prof, tokens, args.profile_top)})
             print(json.dumps(rows[-1], indent=1), flush=True)
             del eng
         del model

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_fastpath import MODES, RANDOM_CONFIGS, warm  # noqa: E402
-from gpu_timing import equal_prefix, floor_row, run_parts, sync  # noqa: E402
+from gpu_timing import equal_prefix, floor_row, kernel_summary, run_parts, sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.quant import check_quant, quantize_model  # noqa: E402
 from kernels.pdl import pdl_problem, set_pdl  # noqa: E402
@@ -61,11 +61,15 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # "@MODE" at the very end runs the format in that floor mode only (e.g. none@graphs+max-autotune+overlap)
 
 
-PDL_VARIANTS = {"pdl": {}, "pdl0": {"PREFETCH_TILES": 0}, "pdle": {"LATE_TRIGGER": False}}
 # "+rope" / "+norope": RoPE folded into the K/V write and attention's q load or not (kv_cache.FUSE_ROPE; without either
 # the module's default: off in the ninth session's calls pdl1-pdl4 and rope1's first two rows, on since);
 # "+fc" / "+nofc": attention combines its splits in the last split / in a combine launch (paged_attention.FUSE_COMBINE;
-# without either the module's default: on in calls pdl2 and pdl3 of BENCHMARKS.md section 14, off since)
+# without either the module's default: on in calls pdl2 and pdl3 of BENCHMARKS.md section 14, off since).
+# Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
+ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
+                "rope": {(kv_cache, "FUSE_ROPE"): True}, "norope": {(kv_cache, "FUSE_ROPE"): False},
+                "fc": {(paged_attention, "FUSE_COMBINE"): True}, "nofc": {(paged_attention, "FUSE_COMBINE"): False}}
+PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 
 
 def parse_format(spec: str) -> tuple[str, str, bool, str | None, bool]:
@@ -74,8 +78,8 @@ def parse_format(spec: str) -> tuple[str, str, bool, str | None, bool]:
     whether the row launches with PDL."""
     spec, _, only_mode = spec.partition("@")
     base, *parts = spec.split("+")
-    tc, pdl = "tc" in parts, any(p in PDL_VARIANTS for p in parts)
-    fusions = [p for p in parts if p not in ("tc", "fc", "nofc", "rope", "norope") and p not in PDL_VARIANTS]
+    tc, pdl = "tc" in parts, any(p in PDL_SWITCHES for p in parts)
+    fusions = [p for p in parts if p != "tc" and p not in ROW_SWITCHES]
     if base not in FORMAT_KERNELS or len(fusions) > 1 or (fusions and fusions[0] not in FUSIONS):
         raise SystemExit(f"format {spec!r}: a name of {sorted(FORMAT_KERNELS)}, then at most one of "
                          f"{['+' + f for f in FUSIONS if f]}, '+tc', '+pdl', '@MODE'")
@@ -94,15 +98,13 @@ def part_floor(args, device: torch.device) -> list[dict]:
         base.eval()
         prompts = [list(range(100, 100 + args.prompt_len))]
         bf16_tokens: dict[str, list[int]] = {}
-        row_tokens: dict[tuple[str, str], list[int]] = {}  # (format without +pdl, mode) -> greedy tokens
-        default_prefetch, default_late = quant_gemv.PREFETCH_TILES, quant_gemv.LATE_TRIGGER
-        default_fc, default_rope = paged_attention.FUSE_COMBINE, kv_cache.FUSE_ROPE
+        row_tokens: dict[tuple[str, str], list[int]] = {}  # (format without row switches, mode) -> greedy tokens
+        defaults = {key: getattr(*key) for switch in ROW_SWITCHES.values() for key in switch}
         for fmt_spec in args.formats.split(","):
             base_name, fusion, tc, only_mode, pdl = parse_format(fmt_spec)
             fmt_name = fmt_spec.partition("@")[0]
-            plain_name = "+".join(p for p in fmt_name.split("+")
-                                  if p not in PDL_VARIANTS and p not in ("fc", "nofc", "rope", "norope"))
-            variant = next((PDL_VARIANTS[p] for p in fmt_name.split("+") if p in PDL_VARIANTS), {})
+            plain_name = "+".join(p for p in fmt_name.split("+") if p not in ROW_SWITCHES)
+            switches = {key: v for p in fmt_name.split("+") if p in ROW_SWITCHES for key, v in ROW_SWITCHES[p].items()}
             fmt, kernel = FORMAT_KERNELS[base_name]
             for mode in [only_mode] if only_mode else args.floor_modes.split(","):
                 row = {"config": name, "format": fmt_name, "mode": mode}
@@ -113,12 +115,8 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     if pdl and pdl_problem(device):
                         raise ValueError(f"+pdl: {pdl_problem(device)}")
                     set_pdl(pdl)  # read when the warm-up captures the step's graphs
-                    quant_gemv.PREFETCH_TILES = variant.get("PREFETCH_TILES", default_prefetch)
-                    quant_gemv.LATE_TRIGGER = variant.get("LATE_TRIGGER", default_late)
-                    paged_attention.FUSE_COMBINE = {"fc": True, "nofc": False}.get(
-                        next((p for p in fmt_name.split("+") if p in ("fc", "nofc")), ""), default_fc)
-                    kv_cache.FUSE_ROPE = {"rope": True, "norope": False}.get(
-                        next((p for p in fmt_name.split("+") if p in ("rope", "norope")), ""), default_rope)
+                    for (module, attr), value in switches.items():
+                        setattr(module, attr, value)
                     check_quant(fmt, cfg, device, torch.bfloat16, args.int4_group_size, kernel=kernel)
                     t0 = time.perf_counter()
                     calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))
@@ -154,9 +152,8 @@ def part_floor(args, device: torch.device) -> list[dict]:
                 except Exception as e:  # noqa: BLE001 - record it, keep measuring the other formats
                     row["error"] = f"{type(e).__name__}: {e}"[:400]
                 set_pdl(False)
-                quant_gemv.PREFETCH_TILES, quant_gemv.LATE_TRIGGER = default_prefetch, default_late
-                paged_attention.FUSE_COMBINE = default_fc
-                kv_cache.FUSE_ROPE = default_rope
+                for (module, attr), value in defaults.items():
+                    setattr(module, attr, value)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if device.type == "cuda":
@@ -202,23 +199,15 @@ def part_grid(args, device: torch.device) -> list[dict]:
 
 
 def kernel_profile(engine, prompts, top: int) -> dict:
-    """One more generate under torch.profiler: GPU kernels per decode token, their summed time, the top kernels by
-    time (with dependent launches kernels overlap, so the sum may exceed the wall time)."""
+    """One more generate under torch.profiler: `kernel_summary` of its decode tokens (top kernels as top_kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         res = engine.generate(prompts)
         torch.cuda.synchronize()
-    tokens = len(res.outputs[0])
-    by_name: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            by_name.setdefault(ev.name[:80], []).append(ev.device_time)
-    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-    return {"kernels_per_token": sum(len(v) for v in by_name.values()) / tokens,
-            "kernel_ms_per_token": sum(sum(v) for v in by_name.values()) / 1e3 / tokens,
-            "top_kernels": [{"kernel": k, "calls_per_token": round(len(v) / tokens, 2),
-                             "us_per_call": round(sum(v) / len(v), 2)} for k, v in ranked]}
+    summary = kernel_summary(prof, len(res.outputs[0]), top)
+    summary["top_kernels"] = summary.pop("top")
+    return summary
 
 
 def load_m1_tiles(path: str) -> dict:

@@ -1,7 +1,8 @@
 """Helpers the GPU scripts share (gpu_kernels.py, gpu_kvquant.py, gpu_quant.py, gpu_gemv.py, gpu_gguf.py,
 bench_step_loop.py): CUDA-event timing of a callable after a short warm-up, a callable captured `calls` times into one
-CUDA graph, a device sync, the loop that runs a script's parts, each into <out>/<prefix>_<part>.json and .md, and the
-decode-floor row of a weight-format benchmark (`floor_row`, `equal_prefix`).
+CUDA graph, a device sync, the loop that runs a script's parts, each into <out>/<prefix>_<part>.json and .md, the
+decode-floor row of a weight-format benchmark (`floor_row`, `equal_prefix`) and a profiler run's kernels per decode
+token (`kernel_summary`).
 
     graph, out = capture(fn, calls=8)         # warmed up on a side stream first
     us_per_call = eager_us(graph.replay) / 8  # what graph_us(fn, calls=8) returns
@@ -38,6 +39,20 @@ def floor_row(model, ms: list[float], prompt_len: int, max_new_tokens: int) -> d
     return dict(weight_gb=stored / 1e9, read_gb_per_token=(read + kv) / 1e9, ms_per_token_median=med, ms_min=min(ms),
                 ms_max=max(ms), floor_ms=floor, fraction_of_floor=floor / med,
                 floor_ms_all_params=(stored + kv) / HBM_BYTES_PER_S * 1e3)
+
+
+def kernel_summary(prof, tokens: int, top: int) -> dict:
+    """The CUDA kernels of a torch.profiler run over `tokens` decode tokens: kernels and kernel time per token, and
+    the `top` kernels by time (with dependent launches kernels overlap, so the time may exceed the wall time)."""
+    by_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            by_name.setdefault(ev.name[:90], []).append(ev.device_time)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"kernel_ms_per_token": sum(sum(v) for v in by_name.values()) / 1e3 / tokens,
+            "kernels_per_token": sum(len(v) for v in by_name.values()) / tokens,
+            "top": [{"kernel": k, "us_per_token": sum(v) / tokens, "calls_per_token": len(v) / tokens,
+                     "us_per_call": sum(v) / len(v)} for k, v in ranked]}
 
 
 def equal_prefix(a: list[int], b: list[int]) -> int:
