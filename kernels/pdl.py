@@ -7,13 +7,14 @@ its first weight loads wait a full DRAM latency, while the tail of the previous 
 `launch_pdl=True`) a kernel may be scheduled as soon as every program of the previous one has started, and then:
 
     before `gdc_wait()`: only work that reads nothing the previous kernels write and writes nothing at all. Our
-                         GEMVs prefetch the first K tiles of their weight rows into L2 here (`prefetch_l2`): weights
-                         never change during a step.
+                         GEMVs can prefetch the first K tiles of their weight rows into L2 here (`prefetch_l2`:
+                         weights never change during a step); measured slower, so off (quant_gemv.PREFETCH_TILES).
     `gdc_wait()`       : returns once the previous kernel has completed and its writes are visible. Every program
                          calls it, also programs with nothing to do: a kernel completes only after its own wait, so
                          completion stays transitive along the chain (kernel C may rely on A, two launches back).
-    `gdc_launch_dependents()`: lets the next kernel be scheduled (our kernels call it first thing: the dependent's
-                         programs only fill SM slots that this kernel's programs leave free, and they wait).
+    `gdc_launch_dependents()`: lets the next kernel be scheduled once every program of this one has called it. Our
+                         kernels call it once their weights / KV are read (after the GEMVs' K loop: a trigger
+                         first thing let waiting dependents take the SM slots of int4's later waves, 1.25x slower).
 
 A kernel launched this way after a kernel that never calls `gdc_launch_dependents` (cuBLAS, inductor's kernels)
 starts when that kernel's programs have all exited, which costs nothing; a kernel compiled with the calls but launched
@@ -22,6 +23,7 @@ at launch time (so at graph capture for a captured step); `pdl_problem` says why
 """
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 
@@ -69,8 +71,13 @@ def _triton_has_pdl() -> bool:
 
 
 def pdl_problem(device: torch.device | str) -> str | None:
-    """Why our kernels cannot be launched with PDL on `device`; None when they can."""
-    device = torch.device(device)
+    """Why our kernels cannot be launched with PDL on `device`; None when they can (read once per device: every
+    eager launch asks)."""
+    return _device_problem(torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_problem(device: torch.device) -> str | None:
     if not TRITON_AVAILABLE:
         return "triton is not installed"
     if device.type != "cuda":
