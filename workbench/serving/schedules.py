@@ -2,6 +2,7 @@
 torch-free (the dashboard recomputes a run's schedule under the other shape from its stored calibration table).
 
     pick_k          one batch size: the most tokens/s, a longer draft only when it wins by more than min_gain
+    free_choice     every size its own pick_k
     sticky_choice   from the smallest size up: keep the last k unless a shorter draft wins by more than min_gain
     monotone_choice every size at once: k never grows with the batch size
     choose          batch size -> k under a shape ("sticky", "monotone" or "free")
@@ -33,6 +34,11 @@ def pick_k(tokens_per_s: dict[int, float], min_gain: float = MIN_GAIN) -> int:
     return best_k
 
 
+def free_choice(by_size: dict[int, dict[int, float]], min_gain: float = MIN_GAIN) -> dict[int, int]:
+    """Per measured batch size, its own `pick_k` (no order between sizes)."""
+    return {b: pick_k(row, min_gain) for b, row in by_size.items()}
+
+
 SCHEDULE_SHAPES = settings.SERVE_KNOBS["calibration_shape"].choices  # ("sticky", "monotone", "free"): declared there
 DEFAULT_SHAPE = settings.SERVE_KNOBS["calibration_shape"].default
 
@@ -41,11 +47,10 @@ def sticky_choice(by_size: dict[int, dict[int, float]], min_gain: float = MIN_GA
     """Per measured batch size, a draft length that never grows with the batch size and changes only on a clear
     win: the smallest size takes `pick_k`; each larger size keeps the previous size's k while that k is within
     min_gain of the best length not longer than it, else the longest length that is (one step down, not to off
-    when a middle length ties with the best). Why: a tie between k
-    and off at a bucket edge is noise, but turning speculation off there is not neutral in a serving loop. Running
-    off makes requests take more steps, so the live batch stays past the threshold that turned it off. In BENCHMARKS
-    13.5, at 64 rows off read 1.9 % below k = 4, and `monotone` made that tie a threshold at 33. There fixed k = 4
-    served 15 % more output tokens/s than the schedule.
+    when a middle length ties with the best). Why: a tie between k and off at a bucket edge is noise, but turning
+    speculation off there is not neutral in a serving loop. Running off makes requests take more steps, so the live
+    batch stays past the threshold that turned it off. In BENCHMARKS 13.5, at 64 rows off read 1.9 % below k = 4,
+    and `monotone` made that tie a threshold at 33, where the schedule then ran 18 % below fixed k = 4.
 
     >>> rates = {8: {0: 4946, 2: 6791, 4: 7804}, 16: {0: 9739, 2: 10330, 4: 9080}, 32: {0: 12782, 2: 13534, 4: 14334}}
     >>> sticky_choice(rates, 0.10)   # 16: k = 4 loses 12 % to k = 2; 32: k = 2 ties with the best length <= 2
@@ -86,7 +91,7 @@ def monotone_choice(by_size: dict[int, dict[int, float]], min_gain: float = MIN_
     {8: 4, 16: 0, 32: 0}
     """
     sizes = sorted(by_size)
-    free = {b: pick_k(by_size[b], min_gain) for b in sizes}
+    free = free_choice(by_size, min_gain)
     if all(free[a] >= free[b] for a, b in zip(sizes, sizes[1:])):
         return free
     ks = sorted({k for row in by_size.values() for k in row})
@@ -112,6 +117,10 @@ def monotone_choice(by_size: dict[int, dict[int, float]], min_gain: float = MIN_
     return choice
 
 
+SHAPE_RULES = {"sticky": sticky_choice, "monotone": monotone_choice, "free": free_choice}  # calibration_shape -> rule
+assert set(SHAPE_RULES) == set(SCHEDULE_SHAPES), "every calibration_shape choice needs its rule here"
+
+
 def choose(tokens_per_s: dict[tuple[int, int], float | None], min_gain: float = MIN_GAIN,
            shape: str = DEFAULT_SHAPE) -> dict[int, int]:
     """Batch size -> chosen k over the measured (batch size, k) -> tokens/s (None = skipped for the budget);
@@ -125,18 +134,15 @@ def choose(tokens_per_s: dict[tuple[int, int], float | None], min_gain: float = 
             by_size.setdefault(b, {})[k] = rate
     if not by_size:
         return {}
-    if shape == "sticky":
-        return sticky_choice(by_size, min_gain)
-    return monotone_choice(by_size, min_gain) if shape == "monotone" else \
-        {b: pick_k(row, min_gain) for b, row in by_size.items()}
+    return SHAPE_RULES[shape](by_size, min_gain)
 
 
 def loop_schedule(tokens_per_s: dict[tuple[int, int], float], max_batch: int, min_gain: float = MIN_GAIN,
                   shape: str = DEFAULT_SHAPE) -> list[tuple[int, int, int]]:
     """vLLM-style inclusive ranges [(start, end, k), ...] over 1..max_batch from tokens/s measured per (batch size,
     k): shape "free": each measured size gets `pick_k` of its row; "monotone": `monotone_choice` (k never grows with
-    the batch size); "sticky": `sticky_choice` (that, changing k only on a clear win). A size not measured takes the choice of the next measured size up (a step pads to that bucket),
-    sizes past the largest its choice.
+    the batch size); "sticky": `sticky_choice` (that, changing k only on a clear win). A size not measured takes the
+    choice of the next measured size up (a step pads to that bucket), sizes past the largest its choice.
 
     >>> loop_schedule({(1, 0): 50, (1, 4): 80, (4, 0): 190, (4, 4): 200, (8, 0): 380, (8, 4): 300}, 8)
     [(1, 4, 4), (5, 8, 0)]
