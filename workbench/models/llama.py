@@ -148,16 +148,16 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x) if norm is None else norm_linear(self.qkv_proj, norm, x)
         qkv = qkv.view(b, t, hq + 2 * hkv, self.head_dim)  # [B, T, Hq + 2 Hkv, D]
         fuses_rope = getattr(attn, "fuses_rope", None)
+        rope = {}
         if fuses_rope is not None and fuses_rope():  # the backend's kernels rotate q and k as they read them
-            q, k, v = (qkv[:, :, lo:hi].transpose(1, 2) for lo, hi in ((0, hq), (hq, hq + hkv), (hq + hkv, None)))
-            out = attn.attend(self.layer_idx, q, k, v, rope=(cos[:, :, 0], sin_signed[:, :, 0]))
-            out = out.transpose(1, 2).reshape(b, t, hq * self.head_dim)  # [B, T, Hq D]
-            return self.o_proj(out) if residual is None else linear_residual(self.o_proj, out, residual)
-        qk = apply_rope(qkv[:, :, : hq + hkv], cos, sin_signed)  # q and k heads rotated in one pass
+            rope = {"rope": (cos[:, :, 0], sin_signed[:, :, 0])}  # [B, T, D] each
+            qk = qkv[:, :, : hq + hkv]
+        else:
+            qk = apply_rope(qkv[:, :, : hq + hkv], cos, sin_signed)  # q and k heads rotated in one pass
         q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
         k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[:, :, hq + hkv :].transpose(1, 2)  # [B, Hkv, T, D]
-        out = attn.attend(self.layer_idx, q, k, v).transpose(1, 2).reshape(b, t, hq * self.head_dim)  # [B, T, Hq D]
+        out = attn.attend(self.layer_idx, q, k, v, **rope).transpose(1, 2).reshape(b, t, hq * self.head_dim)
         return self.o_proj(out) if residual is None else linear_residual(self.o_proj, out, residual)
 
 
