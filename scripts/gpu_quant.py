@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -108,6 +109,10 @@ def part_floor(args, device: torch.device) -> list[dict]:
             fmt, kernel = FORMAT_KERNELS[base_name]
             for mode in [only_mode] if only_mode else args.floor_modes.split(","):
                 row = {"config": name, "format": fmt_name, "mode": mode}
+                # every row compiles afresh: the cache dynamo keeps across rows once pushed later rows past its
+                # recompile limit, and they ran partly eager (BENCHMARKS.md section 16); frames compiled go in the row
+                torch._dynamo.reset()
+                counters.clear()
                 try:
                     if tc and not getattr(args, "tiles", None):
                         raise ValueError("+tc needs --m1-tiles (a tiles file from scripts/gpu_gemv.py --parts tc)")
@@ -146,6 +151,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
                         row["tokens_equal_to_bf16"] = equal_prefix(tokens, bf16_tokens[mode])
                         row["tokens_compared"] = min(len(tokens), len(bf16_tokens[mode]))
                     row.update(floor_row(model, ms, args.prompt_len, args.max_new_tokens))
+                    row["dynamo_frames"] = counters["frames"]["total"]
                     if args.profile:
                         row.update(kernel_profile(engine, prompts, args.profile_top))
                     del engine, model

@@ -135,6 +135,24 @@ def _rows(out, b: int):
     return tuple(o[:b] for o in out) if isinstance(out, tuple) else out[:b]
 
 
+RECOMPILE_LIMIT = 1024  # graphs per compiled frame (torch's default: 8)
+ACCUMULATED_RECOMPILE_LIMIT = 16384  # graphs over all frames (torch's default: 256)
+
+
+def raise_recompile_limits() -> None:
+    """Let torch._dynamo keep enough graphs that a compiled step never falls back to eager without a word: past its
+    recompile limit dynamo runs the frame's new variants eagerly and only logs a warning. The model keeps one graph per
+    frame for every layer on the fused attention path (llama.attend_uncompiled), but a backend traced by dynamo (the
+    quantized-KV and non-kernel paths) reads the layer index in the trace: one graph per layer, per batch bucket and
+    per step width, which passed the old limit of 64 (BENCHMARKS.md section 16)."""
+    cfg = torch._dynamo.config
+    for names, value in ((("recompile_limit", "cache_size_limit"), RECOMPILE_LIMIT),
+                         (("accumulated_recompile_limit", "accumulated_cache_size_limit"), ACCUMULATED_RECOMPILE_LIMIT)):
+        name = next((n for n in names if hasattr(cfg, n)), None)  # the newer name first (torch >= 2.6)
+        if name is not None:
+            setattr(cfg, name, max(getattr(cfg, name), value))
+
+
 class FixedShapeStep:
     """`body(**buffers) -> Tensor` (or a tuple of tensors) over persistent per-row buffers padded to a batch bucket.
 
@@ -157,7 +175,7 @@ class FixedShapeStep:
         self._fn = body
         if settings.compile != "off":
             mode = None if settings.compile == "default" else "max-autotune-no-cudagraphs"
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            raise_recompile_limits()
             self._fn = torch.compile(body, mode=mode, dynamic=False)
 
     def _get(self, size: int, key) -> _Buffers:

@@ -157,15 +157,21 @@ class KVCache(ABC):
         visible = intra_mask.gather(2, rel_idx) & in_step.unsqueeze(1)
         self._mask = (before | visible).unsqueeze(1)  # [B, 1, T, S]
 
+    def attends_in_one_call(self) -> bool:
+        """Whether this step's `attend` is the fused K/V write + attention launch (an unquantized cache on the kernel
+        path), which torch.compile never traces: the model then calls `attend` from outside its compiled frames, so one
+        compiled graph serves every layer (llama.attend_uncompiled says why that matters)."""
+        return self._use_kernel and self.write_kernel is not None and not self.format.quantized
+
     def fuses_rope(self) -> bool:
         """Whether this step's `attend` takes q and k before RoPE with rope=(cos, sin_signed) [B, T, D] (FUSE_ROPE on
         and the fused K/V write + attention path: an unquantized paged cache on the kernel path)."""
-        return FUSE_ROPE and self._use_kernel and self.write_kernel is not None and not self.format.quantized
+        return FUSE_ROPE and self.attends_in_one_call()
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [B, Hq, T, D]; k, v [B, Hkv, T, D] -> [B, Hq, T, D]. rope: only where `fuses_rope()` (q, k unrotated)."""
-        if self._use_kernel and self.write_kernel is not None and not self.format.quantized:
+        if self.attends_in_one_call():
             # one call, outside torch.compile: K/V into the pool (one launch) and attention over it
             extra = {} if rope is None else {"rope": rope}
             return self.write_kernel(q, k, v, self._write_slots, self.k[layer_idx], self.v[layer_idx],

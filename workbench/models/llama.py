@@ -127,6 +127,18 @@ def linear_residual(linear: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
     return residual + linear(x)
 
 
+@torch.compiler.disable
+def attend_uncompiled(attn: AttentionBackend, layer: "Attention", q: Tensor, k: Tensor, v: Tensor,
+                      rope: dict) -> Tensor:
+    """`attn.attend(layer.layer_idx, q, k, v, **rope)`, called from outside torch.compile, for a backend whose attend
+    is one launch that torch.compile does not trace anyway (`attends_in_one_call`). The layer's index is then read
+    here, not in a compiled frame: dynamo treats an nn.Module's int attributes as constants, so reading `layer_idx`
+    inside the compiled layer made one graph per layer, and past torch._dynamo's recompile limit (64 graphs per frame)
+    later layers, steps and shapes silently ran eager (seen on the H200: BENCHMARKS.md section 16). One graph now
+    serves every layer."""
+    return attn.attend(layer.layer_idx, q, k, v, **rope)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -157,7 +169,12 @@ class Attention(nn.Module):
         q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
         k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[:, :, hq + hkv :].transpose(1, 2)  # [B, Hkv, T, D]
-        out = attn.attend(self.layer_idx, q, k, v, **rope).transpose(1, 2).reshape(b, t, hq * self.head_dim)
+        one_call = getattr(attn, "attends_in_one_call", None)
+        if one_call is not None and one_call():
+            out = attend_uncompiled(attn, self, q, k, v, rope)
+        else:
+            out = attn.attend(self.layer_idx, q, k, v, **rope)
+        out = out.transpose(1, 2).reshape(b, t, hq * self.head_dim)
         return self.o_proj(out) if residual is None else linear_residual(self.o_proj, out, residual)
 
 
