@@ -72,7 +72,7 @@ GEMV_FORMATS = ("int8", "int4", "fp8", "dense", "int8g")
 _FMT_CODE = {"int8": 0, "int4": 1, "fp8": 2, "dense": 3, "int8g": 4}
 GROUPED = ("int4", "int8g")  # a scale per group of g input channels: BLOCK_K divides g
 MAX_SPLIT_K = 32
-MIN_BLOCK_N = 16  # the smallest N tile `gemv_config` picks: counters are sized for it
+MIN_BLOCK_N = 8  # the smallest N tile a measured tile may take (M1_TILES): split-K counters are sized for it
 # int8 / fp8 tensor-core tiles multiply fp16 operands; bf16 activations are scaled by this power of two first (and the
 # sum by its inverse after), so |x| up to 65504 / X_SCALE_BF16 (~4e6) fits fp16; below ~2^-8 x keeps fewer bits.
 X_SCALE_BF16 = 2.0 ** -6

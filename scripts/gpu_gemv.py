@@ -251,26 +251,43 @@ def part_sweep(args, device) -> list[dict]:
 
 
 def part_tune(args, device) -> list[dict]:
-    """M = 1 on the --sweep-configs shapes: a wider grid than `sweep` (BLOCK_N x BLOCK_K x num_warps x num_stages, split
-    auto or 1), the best config per (shape, format) marked, to set `gemv_config`'s table from."""
+    """M = 1 on the --sweep-configs shapes: a wider grid than `sweep` (BLOCK_N x BLOCK_K x num_warps x num_stages x
+    SPLIT_K; --tune-* set the values), gemv_config's own tile timed first, the best per (shape, format) marked with
+    its speedup over that; the best that is not gemv_config's goes into gemv_tune_tiles.json (gpu_quant.py
+    --m1-tiles, "+tc" rows)."""
     rows = []
     problem = kernel_ok(device)
     if problem:
         return [dict(error=problem)]
     t_end = time.perf_counter() + args.tune_budget_s
+    best_tiles = {}
     for config, name, k, n in shapes_of(args.sweep_configs):
         for fmt in args.formats.split(","):
             mod, clones, nbytes, x = tile_case(fmt, k, n, device, args)
             block_ks = [b for b in (64, 128) if args.int4_group_size % b == 0] if fmt == "int4" else \
-                [128, 256, 512] if fmt == "dense" else [256, 512, 1024]
-            for block_n in (16, 32, 64):
+                ints(args.tune_block_k) or ([128, 256, 512] if fmt == "dense" else [256, 512, 1024])
+            block_ks = sorted({min(b, max(16, 1 << (k - 1).bit_length())) for b in block_ks})  # none past K
+            auto_cfg = gemv_config(fmt, 1, n, k, args.int4_group_size)
+            auto_row = dict(config=config, linear=name, K=k, N=n, format=fmt, tile="auto",
+                            **{key: auto_cfg[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages",
+                                                              "SPLIT_K")})
+            try:  # gemv_config's own choice first, timed the same way, so each best says what it beats
+                auto_row["us"] = time_us([lambda c=c: quant_gemv_triton(x, fmt, **buffers(c)) for c in clones],
+                                         device, args.replays)
+                auto_row["gb_per_s"] = nbytes / auto_row["us"] / 1e3
+            except Exception as e:  # noqa: BLE001
+                auto_row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(auto_row)
+            for block_n in ints(args.tune_block_n) or (16, 32, 64):
                 for block_k in block_ks:
                     for warps in (4, 8):
-                        for stages in (2, 4):
+                        for stages in ints(args.tune_stages) or (2, 4):
                             auto = gemv_config(fmt, 1, n, k, args.int4_group_size, BLOCK_N=block_n, BLOCK_K=block_k)
-                            for split in sorted({1, auto["SPLIT_K"]}):
+                            splits = ints(args.tune_splits) or [1, auto["SPLIT_K"]]
+                            for split in sorted({s for s in splits if s <= math.ceil(k / block_k)}):
                                 if time.perf_counter() > t_end:
                                     rows.append(dict(config=config, linear=name, format=fmt, error="tune budget spent"))
+                                    _write_tiles(args, best_tiles, "gemv_tune_tiles.json")
                                     return rows
                                 over = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
                                             SPLIT_K=split)
@@ -287,7 +304,13 @@ def part_tune(args, device) -> list[dict]:
                         and r.get("config") == config), key=lambda r: r["us"], default=None)
             if best:
                 best["best"] = True
+                if "us" in auto_row:
+                    best["speedup_vs_auto"] = auto_row["us"] / best["us"]
+                if best.get("tile") != "auto":  # a measured tile for gpu_quant.py --m1-tiles ("+tc" rows)
+                    best_tiles[f"{fmt},{n},{k}"] = {key: best[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps",
+                                                                               "num_stages", "SPLIT_K")}
                 print(json.dumps(best), flush=True)
+    _write_tiles(args, best_tiles, "gemv_tune_tiles.json")
     return rows
 
 
@@ -400,8 +423,14 @@ def part_cvt(args, device) -> list[dict]:
     return rows
 
 
-def _write_tiles(args, best_tiles: dict) -> None:
-    Path(args.out, "gemv_tc_tiles.json").write_text(json.dumps(best_tiles, indent=1))
+def ints(text: str) -> list[int]:
+    """"8,16" -> [8, 16]; "" -> []."""
+    return [int(v) for v in text.split(",") if v]
+
+
+def _write_tiles(args, best_tiles: dict, name: str = "gemv_tc_tiles.json") -> None:
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, name).write_text(json.dumps(best_tiles, indent=1))
 
 
 def part_decode(args, device) -> list[dict]:
@@ -429,6 +458,11 @@ def main() -> None:
     ap.add_argument("--decode-configs", default="6.7b")
     ap.add_argument("--decode-modes", default="graphs", help="gpu_fastpath modes the decode part runs")
     ap.add_argument("--tune-budget-s", type=float, default=150)
+    ap.add_argument("--tune-block-n", default="", help="tune part: BLOCK_N values (default 16,32,64)")
+    ap.add_argument("--tune-block-k", default="", help="tune part: BLOCK_K values for int8 / fp8 / dense (default "
+                    "128,256,512 dense, 256,512,1024 else; int4 takes the group's)")
+    ap.add_argument("--tune-stages", default="", help="tune part: num_stages values (default 2,4)")
+    ap.add_argument("--tune-splits", default="", help="tune part: SPLIT_K values (default 1 and gemv_config's)")
     ap.add_argument("--decode-extra", default="", help="more gpu_quant formats to decode beside none and the triton "
                     "ones, comma-separated (e.g. int4 = tinygemm, fp8 = _scaled_mm; BENCHMARKS 8.4 has them)")
     # int8g (GGUF Q8_0) has no module here: scripts/gpu_gguf.py --parts tiles times it

@@ -13,6 +13,7 @@
 # PART=z: prepared, not run: call x again with --shape-controls (monotone against free schedules, same rounds; with
 # the sticky default its adaptive setting is now sticky and the control monotone). PART=zs: the same on tiny (call y).
 # PART=pdl1..pdl4: the ninth session's calls (dependent launches, BENCHMARKS.md section 14).
+# PART=pdl5 + zs, rc1, rc2: the tenth session's calls (BENCHMARKS.md section 16).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -45,7 +46,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -234,6 +235,27 @@ elif [ "$PART" = pdl5 ]; then
   step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
     --formats "dense-triton+all+pdl+norope@$C,dense-triton+all+pdl+rope@$C,$F"
   step parity 60 env WORKBENCH_FUSE_ROPE=1 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
+elif [ "$PART" = rc1 ]; then
+  # tenth session, second call: the floor rows again now that one compiled graph serves every layer and each row
+  # compiles afresh (calls pdl1-pdl5 ran their later rows partly eager past dynamo's recompile limit), then a tile
+  # sweep on 1.45 B's shapes (8-row tiles, longer K tiles, splits) and 1.45 B with the tiles it found ("+tc")
+  C=graphs+compile+overlap
+  step quant67 150 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+    --formats "none@$C,dense-triton+glo+pdl@$C,dense-triton+all+pdl@$C,fp8-triton+all+pdl@$C,fp8-triton+glo+pdl@$C,int4-triton+all+pdl@$C" \
+    --profile
+  step tune145 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tune145" --parts tune --sweep-configs 1.45b \
+    --formats dense,fp8 --tune-block-n 8,16,32 --tune-block-k 256,512,1024,2048 --tune-stages 3 --tune-splits 1,2,4 \
+    --tune-budget-s "${TUNE_S:-120}"
+  T=$R/tune145/gemv_tune_tiles.json; [ -f "$T" ] || echo '{}' > "$T"
+  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+    --m1-tiles "$T" --formats "none@$C,dense-triton+all+pdl@$C,dense-triton+all+pdl+tc@$C,dense-triton+glo+pdl@$C,dense-triton+glo+pdl+tc@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+tc@$C" \
+    --profile
+elif [ "$PART" = rc2 ]; then
+  # tenth session, third call: the speculative overhead on small (batch 1, k = 4) with every layer compiled (call w's
+  # speed part hit dynamo's recompile limit before its first row), PDL and the RoPE fold on
+  train_small
+  step speed 90 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small \
+    --modes graphs+compile+overlap --methods ar,ngram:4,draft:4,draft:2
 elif [ "$PART" = n ]; then
   # fifth session, second call (no preset): int8 / fp8 widened by integer ops (CVT_BITS) against conversion
   # instructions per linear, fp16 tensor-core verify tiles, the floor with the norm prologue's fix, GGUF Q8_0 (int8g)

@@ -214,6 +214,24 @@ def test_triton_matches_reference(fmt, shape, dtype, m, split, interpreter_bf16_
 
 
 @interpreter
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "int8"])
+def test_eight_row_tiles(fmt, split, interpreter_bf16_dot):
+    """BLOCK_N = 8, the smallest tile a measured tile (M1_TILES, scripts/gpu_gemv.py --parts tune) may take: exact
+    against the reference, split or not, on the counters `counters_for` sizes (one per 8 rows)."""
+    n, k = 72, 512
+    dtype = torch.bfloat16
+    _, buffers = stored(fmt, n, k, dtype=dtype if fmt != "fp8" else torch.float32)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    counters = counters_for(n, "cpu")
+    assert counters.numel() == n // 8
+    got = quant_gemv_triton(x, fmt, **buffers, counters=counters, BLOCK_N=8, BLOCK_K=64, SPLIT_K=split)
+    want = x.float() @ dequantize_weight(fmt, **buffers).T
+    torch.testing.assert_close(got.float(), want, rtol=RTOL[dtype], atol=1e-3)
+    assert not counters.any()
+
+
+@interpreter
 def test_split_k_reuses_its_counters_across_calls(interpreter_bf16_dot):
     _, buffers = stored("int8", 72, 512)
     counters = counters_for(72, "cpu")
