@@ -170,7 +170,7 @@ class Attention(nn.Module):
         k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[:, :, hq + hkv :].transpose(1, 2)  # [B, Hkv, T, D]
         one_call = getattr(attn, "attends_in_one_call", None)
-        if one_call is not None and one_call():
+        if torch.compiler.is_compiling() and one_call is not None and one_call():  # eager: no wrapper to pass
             out = attend_uncompiled(attn, self, q, k, v, rope)
         else:
             out = attn.attend(self.layer_idx, q, k, v, **rope)
