@@ -169,15 +169,24 @@ def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count if index is not None else 132  # H200
 
 
+# One-row dense / fp8 calls with N < 8192 take 8-row tiles with 2 KB of weight per row per K tile (at most half of K),
+# 8 warps, 3 stages: the tile sweep on 1.45 B's shapes (BENCHMARKS.md section 16; 256+ programs instead of 128-160
+# keep more loads in flight per SM) made qkv 1.06x / 1.10x, o 1.23x / 1.27x and down 1.44x / 1.35x faster (dense /
+# fp8) than the 16-row tiles swept at 6.7 B. False keeps those 16-row tiles (gpu_quant.py "+tile16" rows).
+NARROW_TILES = True
+
+
 def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None, sm_count: int = 132,
-                **override) -> dict:
+                narrow: bool | None = None, **override) -> dict:
     """Tile sizes, split count and warps for one call, from shapes only (so a captured graph replays the same launch).
     `override` replaces any entry (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages; the benchmark sweeps them).
 
-    M = 1 (decode) tiles come from a sweep on the H200 (scripts/gpu_gemv.py --parts tune, 6.7 B shapes; BENCHMARKS.md
-    section 9): int8 / fp8 read 16 (N < 8192) or 32 rows per program with 8 warps and long K tiles, unsplit when the
-    N tiles alone give every SM a program; int4 64 rows x one group per tile, split to ~4 programs per SM. int8g
-    takes int4's group-tiled shape (BLOCK_K = min(128, g): 32 for GGUF Q8_0), untuned: not yet swept on a GPU.
+    M = 1 (decode) tiles come from sweeps on the H200 (scripts/gpu_gemv.py --parts tune; BENCHMARKS.md sections 9 and
+    16): int8 / fp8 / dense read 32 rows per program for N >= 8192 with 8 warps and long K tiles, unsplit when the
+    N tiles alone give every SM a program; below that dense and fp8 take 8-row tiles (`narrow`, default
+    NARROW_TILES; measured at 1.45 B) and int8 16 rows; int4 64 rows x one group per tile, split to ~4 programs per
+    SM. int8g takes int4's group-tiled shape (BLOCK_K = min(128, g): 32 for GGUF Q8_0), untuned: not yet swept on a
+    GPU.
 
     >>> c = gemv_config("int4", 1, 4096, 4096, 128)
     >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
@@ -188,6 +197,12 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     >>> c = gemv_config("int8g", 1, 4096, 4096, 32)
     >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
     (64, 32, 9)
+    >>> c = gemv_config("dense", 1, 2048, 8192)  # 1.45 B's down projection
+    >>> c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"], c["SPLIT_K"]
+    (8, 1024, 8, 3, 1)
+    >>> c = gemv_config("fp8", 1, 2560, 2048), gemv_config("fp8", 1, 2560, 2048, narrow=False)
+    >>> (c[0]["BLOCK_N"], c[0]["BLOCK_K"]), (c[1]["BLOCK_N"], c[1]["BLOCK_K"])
+    ((8, 1024), (16, 1024))
     """
     block_m = 1 if m == 1 else 16
     warps, stages, min_tiles = 4, 3, 0
@@ -200,6 +215,10 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
         else:
             block_n, block_k = (32, 256) if n >= 8192 else (16, 1024)
             warps, stages, min_tiles = 8, 4, sm_count
+        if (NARROW_TILES if narrow is None else narrow) and fmt in ("dense", "fp8") and n < 8192:
+            block_n, warps, stages = 8, 8, 3
+            row_bytes = 2048 // (1 if fmt == "fp8" else 2)  # 2 KB of weight per row per K tile
+            block_k = min(row_bytes, 1 << max(4, (max(k // 2, 1)).bit_length() - 1))  # and at most half of K
     else:
         block_n, block_k = 64, 128
     if fmt in GROUPED:
@@ -238,9 +257,9 @@ def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple) -> dict:
+def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple, narrow: bool | None = None) -> dict:
     tiles = M1_TILES.get((fmt, n, k), {}) if m == 1 else {}
-    return gemv_config(fmt, m, n, k, group_size, sm_count, **{**tiles, **dict(override)})
+    return gemv_config(fmt, m, n, k, group_size, sm_count, narrow, **{**tiles, **dict(override)})
 
 
 def counters_for(n: int, device: torch.device | str) -> torch.Tensor:
@@ -508,7 +527,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     k = k // 2 if glu else k
     n = weight.shape[0]
     sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
-    cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())))
+    cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())), NARROW_TILES)
     if fmt in GROUPED and group_size % cfg["BLOCK_K"]:
         raise GemvError(f"BLOCK_K={cfg['BLOCK_K']} must divide the {fmt} group size {group_size}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -46,7 +46,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -253,6 +253,12 @@ elif [ "$PART" = rc1 ]; then
 elif [ "$PART" = rc2 ]; then
   # tenth session, third call: the speculative overhead on small (batch 1, k = 4) with every layer compiled (call w's
   # speed part hit dynamo's recompile limit before its first row), PDL and the RoPE fold on
+  # first the floor rows with the 8-row GEMV tiles now default (quant_gemv.NARROW_TILES) beside the 16-row ones
+  C=graphs+compile+overlap
+  step quant67 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+    --formats "none@$C,dense-triton+glo+pdl@$C,dense-triton+glo+pdl+tile16@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+tile16@$C"
+  step quant145 40 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+    --formats "none@$C,dense-triton+all+pdl@$C,dense-triton+all+pdl+tile16@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+tile16@$C"
   train_small
   step speed 90 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small \
     --modes graphs+compile+overlap --methods ar,ngram:4,draft:4,draft:2
