@@ -169,11 +169,17 @@ def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count if index is not None else 132  # H200
 
 
-# One-row dense / fp8 calls with N < 8192 take 8-row tiles with 2 KB of weight per row per K tile (at most half of K),
-# 8 warps, 3 stages: the tile sweep on 1.45 B's shapes (BENCHMARKS.md section 16; 256+ programs instead of 128-160
-# keep more loads in flight per SM) made qkv 1.06x / 1.10x, o 1.23x / 1.27x and down 1.44x / 1.35x faster (dense /
-# fp8) than the 16-row tiles swept at 6.7 B. False keeps those 16-row tiles (gpu_quant.py "+tile16" rows).
+# One-row dense / fp8 calls whose 16-row tiles would give fewer than 1.5 programs per SM take 8-row tiles with 2 KB
+# of weight per row per K tile (at most half of K), 8 warps, 3 stages. The tile sweep on 1.45 B's shapes (BENCHMARKS.md
+# section 16: 128-160 programs of 16 rows, about one per SM, keep too few loads in flight) made qkv 1.06x / 1.10x,
+# o 1.23x / 1.27x and down 1.44x / 1.35x faster (dense / fp8), and the model 10 % / 16 %; at 6.7 B (N = 4096: 256
+# programs, 1.9 per SM) the same tiles were 3 % / 2 % slower in the model, so they stop there. The 1.5 lies between
+# the two measured points. False keeps the 16-row tiles everywhere (gpu_quant.py "+tile16" rows).
 NARROW_TILES = True
+NARROW_BELOW_PROGRAMS_PER_SM = 1.5
+# Warps of the 32-row fp8 tiles (N >= 8192): 8 from the 6.7 B sweep; 4 was 1.24x faster on 1.45 B's gate_up alone
+# (gpu_quant.py "+fw4" rows measure it in the model).
+WIDE_FP8_WARPS = 8
 
 
 def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None, sm_count: int = 132,
@@ -183,8 +189,9 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
 
     M = 1 (decode) tiles come from sweeps on the H200 (scripts/gpu_gemv.py --parts tune; BENCHMARKS.md sections 9 and
     16): int8 / fp8 / dense read 32 rows per program for N >= 8192 with 8 warps and long K tiles, unsplit when the
-    N tiles alone give every SM a program; below that dense and fp8 take 8-row tiles (`narrow`, default
-    NARROW_TILES; measured at 1.45 B) and int8 16 rows; int4 64 rows x one group per tile, split to ~4 programs per
+    N tiles alone give every SM a program; below that int8 takes 16 rows, and so do dense and fp8 unless 16-row tiles
+    would give fewer than 1.5 programs per SM, where they take 8 (`narrow`, default NARROW_TILES; measured at 1.45 B
+    and 6.7 B); int4 64 rows x one group per tile, split to ~4 programs per
     SM. int8g takes int4's group-tiled shape (BLOCK_K = min(128, g): 32 for GGUF Q8_0), untuned: not yet swept on a
     GPU.
 
@@ -215,7 +222,10 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
         else:
             block_n, block_k = (32, 256) if n >= 8192 else (16, 1024)
             warps, stages, min_tiles = 8, 4, sm_count
-        if (NARROW_TILES if narrow is None else narrow) and fmt in ("dense", "fp8") and n < 8192:
+            if fmt == "fp8" and n >= 8192:
+                warps = WIDE_FP8_WARPS
+        if (NARROW_TILES if narrow is None else narrow) and fmt in ("dense", "fp8") and n < 8192 \
+                and n / 16 < NARROW_BELOW_PROGRAMS_PER_SM * sm_count:
             block_n, warps, stages = 8, 8, 3
             row_bytes = 2048 // (1 if fmt == "fp8" else 2)  # 2 KB of weight per row per K tile
             block_k = min(row_bytes, 1 << max(4, (max(k // 2, 1)).bit_length() - 1))  # and at most half of K
@@ -257,9 +267,11 @@ def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple, narrow: bool | None = None) -> dict:
+def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple, switches: tuple = ()) -> dict:
+    """gemv_config with M1_TILES applied, cached; `switches` (the module switches gemv_config reads: NARROW_TILES,
+    WIDE_FP8_WARPS) is part of the key only, so a benchmark row that flips one gets its own configurations."""
     tiles = M1_TILES.get((fmt, n, k), {}) if m == 1 else {}
-    return gemv_config(fmt, m, n, k, group_size, sm_count, narrow, **{**tiles, **dict(override)})
+    return gemv_config(fmt, m, n, k, group_size, sm_count, **{**tiles, **dict(override)})
 
 
 def counters_for(n: int, device: torch.device | str) -> torch.Tensor:
@@ -527,7 +539,8 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     k = k // 2 if glu else k
     n = weight.shape[0]
     sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
-    cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())), NARROW_TILES)
+    cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())),
+                         (NARROW_TILES, WIDE_FP8_WARPS))
     if fmt in GROUPED and group_size % cfg["BLOCK_K"]:
         raise GemvError(f"BLOCK_K={cfg['BLOCK_K']} must divide the {fmt} group size {group_size}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -67,12 +67,13 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # "+fc" / "+nofc": attention combines its splits in the last split / in a combine launch (paged_attention.FUSE_COMBINE;
 # without either the module's default: on in calls pdl2 and pdl3 of BENCHMARKS.md section 14, off since).
 # "+tile16": one-row dense / fp8 GEMVs with N < 8192 keep the 16-row tiles of the 6.7 B sweep instead of the 8-row
-# tiles of the 1.45 B one (quant_gemv.NARROW_TILES, on since the tenth session).
+# tiles of the 1.45 B one (quant_gemv.NARROW_TILES, on since the tenth session); "+fw4": fp8's 32-row tiles (N >= 8192)
+# with 4 warps instead of 8 (quant_gemv.WIDE_FP8_WARPS).
 # Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
                 "rope": {(kv_cache, "FUSE_ROPE"): True}, "norope": {(kv_cache, "FUSE_ROPE"): False},
                 "fc": {(paged_attention, "FUSE_COMBINE"): True}, "nofc": {(paged_attention, "FUSE_COMBINE"): False},
-                "tile16": {(quant_gemv, "NARROW_TILES"): False}}
+                "tile16": {(quant_gemv, "NARROW_TILES"): False}, "fw4": {(quant_gemv, "WIDE_FP8_WARPS"): 4}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 
 

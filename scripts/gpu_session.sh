@@ -13,7 +13,7 @@
 # PART=z: prepared, not run: call x again with --shape-controls (monotone against free schedules, same rounds; with
 # the sticky default its adaptive setting is now sticky and the control monotone). PART=zs: the same on tiny (call y).
 # PART=pdl1..pdl4: the ninth session's calls (dependent launches, BENCHMARKS.md section 14).
-# PART=pdl5 + zs, rc1, rc2: the tenth session's calls (BENCHMARKS.md section 16).
+# PART=pdl5 + zs, rc1, rc2, rc3: the tenth session's calls (BENCHMARKS.md section 16).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -46,7 +46,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -262,6 +262,20 @@ elif [ "$PART" = rc2 ]; then
   train_small
   step speed 90 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small \
     --modes graphs+compile+overlap --methods ar,ngram:4,draft:4,draft:2
+elif [ "$PART" = rc3 ]; then
+  # tenth session, last call: the 8-row tiles now only where 16-row ones give < 1.5 programs per SM (rc2: slower at
+  # 6.7 B, faster at 1.45 B), fp8's 32-row tiles with 4 warps ("+fw4"), GPU parity on tiny with every layer compiled
+  # through one graph, eagle with and without PDL again (call pdl4's one-repeat outlier)
+  C=graphs+compile+overlap
+  step quant67 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+    --formats "none@$C,dense-triton+glo+pdl@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+fw4@$C"
+  step quant145 40 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+    --formats "none@$C,dense-triton+all+pdl@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+fw4@$C"
+  step parity 60 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
+  for p in pdl no-pdl pdl no-pdl; do
+    step "bench_eagle_$p" 20 $PY -m workbench bench --preset tiny --method eagle --k 4 --batch 4 --max-new-tokens 48 \
+      --num-prompts 8 --repeats 3 --cuda-graphs --graph-batch-sizes 1,2,4 --temperature 0 --$p --no-store --json
+  done
 elif [ "$PART" = n ]; then
   # fifth session, second call (no preset): int8 / fp8 widened by integer ops (CVT_BITS) against conversion
   # instructions per linear, fp16 tensor-core verify tiles, the floor with the norm prologue's fix, GGUF Q8_0 (int8g)

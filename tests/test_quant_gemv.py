@@ -82,6 +82,31 @@ def test_config_depends_on_shapes_only_and_splits_only_when_n_tiles_cannot_fill_
     assert gemv_config("int8", 1, 64, 48)["BLOCK_K"] == 64  # no K tile past the next power of two of K
 
 
+def test_narrow_outputs_take_eight_row_tiles_only_where_sixteen_rows_leave_sms_idle():
+    """dense / fp8 one-row calls: 8-row tiles where 16-row ones give < 1.5 programs per SM (1.45 B's q/k/v, o, down:
+    measured faster), 16 rows where they give more (6.7 B's N = 4096: measured slower with 8); int8, wide N and M > 1
+    keep their tiles; the module switches are part of the launch cache's key."""
+    for fmt in ("dense", "fp8"):
+        for n, k in ((2560, 2048), (2048, 2048), (2048, 8192)):
+            assert gemv_config(fmt, 1, n, k)["BLOCK_N"] == 8
+            assert gemv_config(fmt, 1, n, k, narrow=False)["BLOCK_N"] == 16
+        assert gemv_config(fmt, 1, 4096, 4096)["BLOCK_N"] == 16  # 256 programs on 132 SMs
+        assert gemv_config(fmt, 1, 4096, 4096, sm_count=264)["BLOCK_N"] == 8  # the same shape on a wider GPU
+        assert gemv_config(fmt, 1, 16384, 2048)["BLOCK_N"] == 32
+        assert gemv_config(fmt, 4, 2048, 2048)["BLOCK_M"] == 16
+    assert gemv_config("int8", 1, 2048, 2048)["BLOCK_N"] == 16
+    assert gemv_config("dense", 1, 2048, 8192)["BLOCK_K"] == 1024 and gemv_config("fp8", 1, 2048, 8192)["BLOCK_K"] == 2048
+    assert gemv_config("fp8", 1, 2048, 2048)["BLOCK_K"] == 1024  # at most half of K
+    key = ("fp8", 1, 16384, 2048, None, 132, ())
+    assert qg._cached_config(*key, (True, 8))["num_warps"] == 8
+    saved = qg.WIDE_FP8_WARPS
+    try:
+        qg.WIDE_FP8_WARPS = 4
+        assert qg._cached_config(*key, (True, 4))["num_warps"] == 4
+    finally:
+        qg.WIDE_FP8_WARPS = saved
+
+
 def test_measured_one_row_tiles_replace_the_table_for_their_shape_only():
     """set_m1_tiles (a tile sweep's winners, keyed by format and shape) changes the launch of one-row calls of that
     shape and nothing else; unknown entries are refused before anything changes."""
