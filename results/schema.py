@@ -107,6 +107,8 @@ _RUN_SPECS: list[ColumnSpec] = [
                "(with cuda_graphs)"),
     ColumnSpec("overlap", "bool", "config", "overlapped steps asked for (step t+1 launched before step t is read)"),
     ColumnSpec("pdl", "bool", "config", "programmatic dependent launch of our Triton kernels asked for"),
+    ColumnSpec("gemv_fusion", "string", "config", "what the Triton GEMVs fold in at their edges: off | residual | "
+               "glu+residual | glu+residual+ores | norm+glu+residual"),
     ColumnSpec("target_kv_quant", "string", "config", '"none" | "int8" | "fp8": the target\'s KV-cache format'),
     ColumnSpec("draft_kv_quant", "string", "config", '"none" | "int8" | "fp8": the draft model\'s KV-cache format'),
     *_cols("config", "string", "target_quant draft_quant"),

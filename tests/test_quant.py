@@ -272,6 +272,24 @@ def test_quality_columns_of_quantized_and_reference_runs(session):
     record_to_table(rec)  # and the row is storable
 
 
+def test_gemv_fusion_reaches_every_quantized_linear_and_keeps_a_model_per_fusion(session):
+    """The gemv_fusion knob sets `fusion` on every quantized linear of the run's model (target and draft); each fusion
+    gets its own quantized copy, so an engine cached with another fusion keeps its modules; the record carries it."""
+    from workbench.engine.quant import QuantLinear
+    from workbench.harness.quality import quantized_model
+
+    cfg = _cfg(target_quant="int8", draft_quant="int8", gemv_fusion="glu+residual+ores")
+    target, draft = quantized_model(session, "target", cfg), quantized_model(session, "draft", cfg)
+    for model in (target, draft):
+        fused = [m.fusion for m in model.modules() if isinstance(m, QuantLinear)]
+        assert fused and set(fused) == {"glu+residual+ores"}
+    plain = quantized_model(session, "target", _cfg(target_quant="int8"))
+    assert plain is not target and {m.fusion for m in plain.modules() if isinstance(m, QuantLinear)} == {"residual"}
+    assert quantized_model(session, "target", cfg) is target  # kept, not made again
+    rec = session.run(cfg).record
+    assert rec["gemv_fusion"] == "glu+residual+ores" and rec["greedy_matches_ar"] is True
+
+
 def test_awq_run_uses_training_split_calibration(session):
     rec = session.run(_cfg(method="ngram", target_quant="int4-awq")).record
     assert "calibration: " in rec["quant_note"] and "training-split stdlib files" in rec["quant_note"]

@@ -298,6 +298,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "matmul, fp8 through _scaled_mm); aten; dequant; triton = kernels/quant_gemv.py GEMVs for calls of <= 16 rows "
          "(GPU; fp8 then keeps bf16 activations; with an unquantized model the dense bf16 GEMV instead of cuBLAS)",
          "Linear matmul kernel", "system", choices=("auto", "aten", "dequant", "triton")),
+    Knob("gemv_fusion", "str", "residual", "what our Triton GEMVs fold in at their edges (quant_kernel triton, and "
+         "auto for int8 / fp8 on a GPU): residual = the MLP's residual add in the down projection's epilogue; glu "
+         "also SwiGLU in its prologue; ores also the attention's residual in o_proj's epilogue; norm also the "
+         "RMSNorms in the q/k/v and gate/up prologues (no kernel left between a layer's GEMVs); off = none. Measured "
+         "best on the H200 (BENCHMARKS.md 16.3): glu+residual+ores for bf16 at 6.7 B, norm+glu+residual for fp8 "
+         "and at 1.45 B", "GEMV fusions", "system",
+         choices=("off", "residual", "glu+residual", "glu+residual+ores", "norm+glu+residual"), searchable=True),
     Knob("max_ppl_increase_pct", "float", 2.0, "quality bound: the largest held-out perplexity increase, in percent, of "
          "the quantized target over the unquantized one that a study accepts (a constraint; runs record "
          "quant_within_bound)", "Max perplexity increase (%)", "run", 0.0, 1000.0),

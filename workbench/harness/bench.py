@@ -108,7 +108,7 @@ class BenchSession:
         self._engines: dict[tuple, SpecEngine] = {}  # engines (caches, graphs) reused across runs and trials
         self._redrafter: tuple[RedrafterHead, str] | None = None  # (head, where it came from), loaded once
         self._eagle: tuple[EagleHead, str] | None = None
-        self._quantized: dict[tuple, torch.nn.Module] = {}  # (role, format, group, kernel) -> quantized copy (quality.py)
+        self._quantized: dict[tuple, torch.nn.Module] = {}  # (role, format, group, kernel, fusion) -> copy (quality.py)
         self._quality_cache: dict[tuple, object] = {}  # perplexities, reference outputs, calibration ids
         self._encoded: list[list[int]] = []  # the prompts tokenized so far, in order (encode once per session)
         self._environment: dict | None = None  # environment_info() of the device, read once (see environment())
@@ -290,7 +290,7 @@ class BenchSession:
         shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention,
                  ecfg.prefill_graphs, ecfg.pdl,
                  ecfg.kv_quant,
-                 quant_key(cfg, "target"), cfg.quant_kernel)
+                 quant_key(cfg, "target"), cfg.quant_kernel, cfg.gemv_fusion)
         host_only = HOST_ONLY_KNOBS.get(cfg.method, ())
         method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs if k not in host_only) \
             if cfg.method in METHODS else ()

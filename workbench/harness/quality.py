@@ -64,20 +64,24 @@ def check_weight_formats(session, cfg) -> None:
 
 def quantized_model(session, role: str, cfg):
     """The session's target or draft in the run's format (the loaded model itself for "none")."""
-    from workbench.engine.quant import quantize_model
+    from workbench.engine.quant import QuantLinear, quantize_model
 
     base = session.target if role == "target" else session.draft
     fmt, group = quant_key(cfg, role)
     kernel = getattr(cfg, "quant_kernel", "auto")  # serving configs have none
     if (fmt == "none" and kernel != "triton") or base is None:  # none + triton: the dense Triton GEMV
         return base
-    key = (role, fmt, group, kernel)
+    fusion = getattr(cfg, "gemv_fusion", QuantLinear.fusion)
+    key = (role, fmt, group, kernel, fusion)  # a copy per fusion: engines cached beside it keep their own modules
     if key not in session._quantized:
         calibration = calibration_ids(session, base) if fmt == "int4-awq" else None
         while len(session._quantized) >= QUANT_CACHE_SIZE:
             session._quantized.pop(next(iter(session._quantized)))
-        session._quantized[key] = quantize_model(base, fmt, group_size=group or 128, calibration=calibration,
-                                                 kernel=kernel).eval()
+        model = quantize_model(base, fmt, group_size=group or 128, calibration=calibration, kernel=kernel).eval()
+        for mod in model.modules():  # what each GEMV linear folds in (acts on the Triton GEMV path only)
+            if isinstance(mod, QuantLinear):
+                mod.fusion = fusion
+        session._quantized[key] = model
     return session._quantized[key]
 
 
