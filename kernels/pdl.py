@@ -91,9 +91,24 @@ def _device_problem(device: torch.device) -> str | None:
     return None
 
 
+# PDL only for launches recorded into a CUDA graph (captured steps, where it was measured faster: BENCHMARKS.md
+# 14.2, 16.3). Eager launches of the same kernels (eagle's steps in `bench --cuda-graphs`, 14.3 and 16.6) ran 26-36 %
+# slower with it in two calls, so they launch plainly; WORKBENCH_PDL_EAGER=1 launches them with PDL too.
+CAPTURE_ONLY = os.environ.get("WORKBENCH_PDL_EAGER", "0") != "1"
+
+
 def use_pdl(device: torch.device | str) -> bool:
-    """Whether a launch on `device` now uses PDL: asked for (`set_pdl`) and possible there."""
-    return _ENABLED and pdl_problem(device) is None
+    """Whether a launch on `device` now uses PDL: asked for (`set_pdl`), possible there, and (CAPTURE_ONLY) being
+    recorded into a CUDA graph."""
+    if not (_ENABLED and pdl_problem(device) is None):
+        return False
+    return not CAPTURE_ONLY or torch.cuda.is_current_stream_capturing()
+
+
+def pdl_applies(requested: bool, device: torch.device | str, captured: bool) -> bool:
+    """Whether a run's Triton launches use PDL: asked for, possible on `device`, and (CAPTURE_ONLY) in captured
+    steps (`captured`: the run uses CUDA graphs); the run record's `pdl_applied`."""
+    return bool(requested) and pdl_problem(device) is None and (captured or not CAPTURE_ONLY)
 
 
 if TRITON_AVAILABLE:

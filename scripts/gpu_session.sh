@@ -13,7 +13,7 @@
 # PART=z: prepared, not run: call x again with --shape-controls (monotone against free schedules, same rounds; with
 # the sticky default its adaptive setting is now sticky and the control monotone). PART=zs: the same on tiny (call y).
 # PART=pdl1..pdl4: the ninth session's calls (dependent launches, BENCHMARKS.md section 14).
-# PART=pdl5 + zs, rc1, rc2, rc3: the tenth session's calls (BENCHMARKS.md section 16).
+# PART=pdl5 + zs, rc1, rc2, rc3, rc4: the tenth session's calls (BENCHMARKS.md section 16).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -46,7 +46,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -276,6 +276,23 @@ elif [ "$PART" = rc3 ]; then
     step "bench_eagle_$p" 20 $PY -m workbench bench --preset tiny --method eagle --k 4 --batch 4 --max-new-tokens 48 \
       --num-prompts 8 --repeats 3 --cuda-graphs --graph-batch-sizes 1,2,4 --temperature 0 --$p --no-store --json
   done
+elif [ "$PART" = rc4 ]; then
+  # tenth session, last minutes: eagle (tiny) with PDL for captured launches only (kernels/pdl.CAPTURE_ONLY, the new
+  # default), without PDL, and with PDL for eager launches too (the old behaviour, slower in pdl4 and rc3), twice each
+  # in turn; then 1.45 B with and without PDL, captured only
+  for i in 1 2; do
+    for p in pdl no-pdl; do
+      step "bench_eagle_${p}_$i" 20 $PY -m workbench bench --preset tiny --method eagle --k 4 --batch 4 \
+        --max-new-tokens 48 --num-prompts 8 --repeats 3 --cuda-graphs --graph-batch-sizes 1,2,4 --temperature 0 \
+        --$p --no-store --json
+    done
+    step "bench_eagle_pdl-eager_$i" 20 env WORKBENCH_PDL_EAGER=1 $PY -m workbench bench --preset tiny --method eagle \
+      --k 4 --batch 4 --max-new-tokens 48 --num-prompts 8 --repeats 3 --cuda-graphs --graph-batch-sizes 1,2,4 \
+      --temperature 0 --pdl --no-store --json
+  done
+  C=graphs+compile+overlap
+  step quant145 30 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+    --formats "dense-triton+all@$C,dense-triton+all+pdl@$C"
 elif [ "$PART" = n ]; then
   # fifth session, second call (no preset): int8 / fp8 widened by integer ops (CVT_BITS) against conversion
   # instructions per linear, fp16 tensor-core verify tiles, the floor with the norm prologue's fix, GGUF Q8_0 (int8g)

@@ -28,6 +28,26 @@ def test_no_dependent_launches_on_a_cpu_even_when_asked():
     assert pdl.use_pdl("cpu") is False
 
 
+def test_dependent_launches_only_while_a_graph_is_captured(monkeypatch):
+    """CAPTURE_ONLY (the default): on a device that can, a launch uses PDL only while a CUDA graph is being captured
+    (eager launches measured slower with it); with CAPTURE_ONLY off, every launch does; pdl_applied follows."""
+    pdl.set_pdl(True)
+    monkeypatch.setattr(pdl, "pdl_problem", lambda device: None)  # a device that can (none here)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(pdl, "CAPTURE_ONLY", True)
+    assert pdl.use_pdl("cuda") is False
+    capturing[0] = True
+    assert pdl.use_pdl("cuda") is True
+    with pdl.pdl_scope(False):
+        assert pdl.use_pdl("cuda") is False  # not asked for
+    assert pdl.pdl_applies(True, "cuda", captured=True) and not pdl.pdl_applies(True, "cuda", captured=False)
+    assert not pdl.pdl_applies(False, "cuda", captured=True)
+    monkeypatch.setattr(pdl, "CAPTURE_ONLY", False)
+    capturing[0] = False
+    assert pdl.use_pdl("cuda") is True and pdl.pdl_applies(True, "cuda", captured=False)
+
+
 def test_scope_sets_the_switch_and_restores_it_after_an_error():
     pdl.set_pdl(True)
     with pdl.pdl_scope(False):

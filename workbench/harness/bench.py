@@ -34,7 +34,7 @@ from workbench.harness.quality import check_weight_formats, quality_columns, qua
 from workbench.harness.trust import trust_columns
 from workbench.engine.kv_cache import resolve_attention
 from workbench.engine.sampling import SamplingParams
-from kernels.pdl import pdl_problem
+from kernels.pdl import pdl_applies
 
 DTYPES = {name: getattr(torch, name) for name in settings.KNOBS["dtype"].choices}
 
@@ -391,7 +391,7 @@ class BenchSession:
                 from workbench.harness.hf_baseline import hf_generate_tokens_per_s
                 hf = hf_generate_tokens_per_s(self, cfg, prompt_ids)
             graphs = {"overlap_applied": cand_engine.overlaps()} if cfg.overlap else {}
-            graphs["pdl_applied"] = cfg.pdl and pdl_problem(self.device) is None
+            graphs["pdl_applied"] = pdl_applies(cfg.pdl, self.device, cfg.cuda_graphs)
             graphs |= _graph_columns([e.graph_stats() for e in engines], stats_before,
                                     cfg.cuda_graphs or cfg.compile != "off")
             if cfg.phase_profile:
