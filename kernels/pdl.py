@@ -93,7 +93,7 @@ def _device_problem(device: torch.device) -> str | None:
 
 # PDL only for launches recorded into a CUDA graph (captured steps, where it was measured faster: BENCHMARKS.md
 # 14.2, 16.3). Eager launches of the same kernels (eagle's steps in `bench --cuda-graphs`, 14.3 and 16.6) ran 15-27 %
-# slower with it in two calls, so they launch plainly; WORKBENCH_PDL_EAGER=1 launches them with PDL too.
+# slower with it in three calls, so they launch plainly; WORKBENCH_PDL_EAGER=1 launches them with PDL too.
 CAPTURE_ONLY = os.environ.get("WORKBENCH_PDL_EAGER", "0") != "1"
 
 
