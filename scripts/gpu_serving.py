@@ -90,6 +90,8 @@ def parse_args(argv=None):
     # 6 and 0.10: one ~0.3 s closed-loop run of 3 x b requests varied ~10 % on the H200 (BENCHMARKS.md 10.3: the
     # loop calibration's +10 % for k = 1 at batch 1 was not reproduced by the threshold runs), so runs are twice as
     # long and a longer draft must win by more than that noise
+    p.add_argument("--calibration-repeats", type=int, default=settings.SERVE_KNOBS["calibration_repeats"].default,
+                   help=settings.SERVE_KNOBS["calibration_repeats"].help)
     p.add_argument("--calibration-requests", type=int, default=6,
                    help="loop calibration: requests per run = this x the concurrency (the first round is warm-up)")
     p.add_argument("--min-gain", type=float, default=0.10,
@@ -222,7 +224,7 @@ def main(argv=None) -> int:
             cal = calibrate_loop(engine(base), used, base.graph_batch_sizes, max_new_tokens=args.max_new_tokens,
                                  max_num_seqs=args.max_num_seqs, requests_per_size=args.calibration_requests,
                                  budget_s=budget, min_gain=args.min_gain, max_len=serve_len,
-                                 shape=args.calibration_shape)
+                                 shape=args.calibration_shape, repeats=args.calibration_repeats)
             loop_ranges, cal_iterations = cal.schedule(args.max_num_seqs), cal.iterations
             other = other_shape(args.calibration_shape)
             result["loop_calibration"] = {"table": cal.table(), "k_by_batch": format_k_by_batch(loop_ranges),

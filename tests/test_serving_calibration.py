@@ -70,6 +70,43 @@ def test_runs_past_the_budget_are_skipped_and_listed(target, draft, monkeypatch)
         loop_schedule({}, 4)
 
 
+def test_repeated_runs_go_k_by_k_in_turn_and_the_median_counts(target, draft, monkeypatch):
+    """repeats = 3: every k of a batch size once, then again, then again; the median of each (b, k) makes the table
+    (one noisy run, like call zs's k = 4 at batch 2, no longer picks the schedule); the table shows the spread; a
+    (b, k) with at least one run inside the budget keeps it, one with none is listed as skipped."""
+    engine = engine_with(DraftModelDrafter(draft, 3), target)
+    calls, noise = [], {0: 1.0, 1: 0.5, 2: 1.02}  # the second round of every (b, k) reads half: an outlier
+
+    def measure(b, k):
+        calls.append((b, k))
+        return MEASURED[(b, k)] * noise[sum(c == (b, k) for c in calls) - 1]
+
+    cal = calibrate_loop(engine, prompts(), (1, 2), max_new_tokens=4, max_num_seqs=4, measure=measure, repeats=3,
+                         shape="monotone")
+    assert calls == [(b, k) for b in (1, 2) for _ in range(3) for k in range(4)]
+    assert cal.tokens_per_s == {key: v for key, v in MEASURED.items() if key[0] <= 2}  # the median: the 1.0 run
+    row = next(r for r in cal.table() if (r["batch_size"], r["k"]) == (2, 3))
+    assert row["runs"] == 3 and row["tokens_per_s_min"] == 137.0 and row["tokens_per_s_max"] == 274.0 * 1.02
+    single = calibrate_loop(engine, prompts(), (1, 2), max_new_tokens=4, max_num_seqs=4, shape="monotone",
+                            measure=lambda b, k: MEASURED[(b, k)] * (0.5 if (b, k) == (1, 3) else 1.0))
+    assert single.schedule(2)[0] != cal.schedule(2)[0]  # one halved run moved k at batch 1; three runs did not
+    now = [0.0]
+    monkeypatch.setattr(cal_mod.time, "perf_counter", lambda: now[0])
+
+    def timed(b, k):  # each run takes b seconds of the fake clock
+        now[0] += b
+        return MEASURED[(b, k)]
+
+    cut = calibrate_loop(engine, prompts(), (1, 2), max_new_tokens=4, max_num_seqs=4, budget_s=15.0,
+                         measure=timed, repeats=3)
+    # batch 1: 12 runs, 12 s; batch 2: one 2 s run of k = 0 ends at 14 s, the next would pass 15 s
+    assert cut.runs[(1, 0)] == [100.0] * 3 and cut.runs[(2, 0)] == [200.0]
+    assert cut.skipped == [(2, 1), (2, 2), (2, 3)]
+    with pytest.raises(ServeError, match="repeats must be a whole number >= 1"):
+        calibrate_loop(engine, prompts(), (1, 2), max_new_tokens=4, max_num_seqs=4, repeats=0,
+                       measure=lambda b, k: pytest.fail("no work before the checks"))
+
+
 def test_a_served_calibration_keeps_its_iterations_for_the_replay_fit(target, draft):
     """The loop calibration's runs verify every k in 0..3 at every batch size: kept, they let the replay's cost fit
     tell a per-node cost (n) from a per-speculative-step one ([n > 0]), which off + one fixed k cannot."""

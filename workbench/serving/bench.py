@@ -79,7 +79,8 @@ def calibrate_schedule(engine: SpecEngine, cfg, requests, loop: ServingLoop) -> 
         cal = calibrate_loop(engine, prompts, sizes, max_new_tokens=cfg.max_new_tokens, max_num_seqs=cfg.max_num_seqs,
                              budget_s=cfg.calibration_budget_s, policy=cfg.sched_policy, num_blocks=loop.num_blocks,
                              prefill_chunk=cfg.prefill_chunk, prefix_caching=cfg.prefix_caching,
-                             max_len=loop.cache.max_len, gc_freeze=cfg.gc_freeze, shape=cfg.calibration_shape)
+                             max_len=loop.cache.max_len, gc_freeze=cfg.gc_freeze, shape=cfg.calibration_shape,
+                             repeats=cfg.calibration_repeats)
         ranges, table = cal.schedule(cfg.max_num_seqs), cal.table()
     chosen = [{"batch_start": lo, "batch_end": hi, "k": k} for lo, hi, k in ranges]
     return ranges, {"calibration_s": time.perf_counter() - t0,

@@ -146,6 +146,7 @@ class LoopCalibration:
     min_gain: float = MIN_GAIN
     iterations: list = field(default_factory=list)  # the runs' IterationLogs: every k, for the replay's cost fit
     shape: str = DEFAULT_SHAPE  # loop_schedule's: "sticky", "monotone" (k never grows with the batch size) or "free"
+    runs: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # every run's tokens/s; the median counts
 
     def schedule(self, max_batch: int, shape: str | None = None) -> list[tuple[int, int, int]]:
         return loop_schedule(self.tokens_per_s, max_batch, self.min_gain, shape or self.shape)
@@ -153,7 +154,9 @@ class LoopCalibration:
     def table(self) -> list[dict]:
         """One row per (batch size, k): output tokens/s (None: skipped for the budget) and whether it was chosen."""
         chosen = choose(self.tokens_per_s, self.min_gain, self.shape)
-        rows = [{"batch_size": b, "k": k, "tokens_per_s": rate, "chosen": chosen.get(b) == k}
+        rows = [{"batch_size": b, "k": k, "tokens_per_s": rate, "chosen": chosen.get(b) == k,
+                 **({"runs": len(self.runs[(b, k)]), "tokens_per_s_min": min(self.runs[(b, k)]),
+                     "tokens_per_s_max": max(self.runs[(b, k)])} if len(self.runs.get((b, k), ())) > 1 else {})}
                 for (b, k), rate in self.tokens_per_s.items()]
         rows += [{"batch_size": b, "k": k, "tokens_per_s": None, "skipped": True} for b, k in self.skipped]
         return sorted(rows, key=lambda r: (r["batch_size"], r["k"]))
@@ -163,12 +166,14 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
                    node_counts: tuple[int, ...] | None = None, *, max_new_tokens: int, max_num_seqs: int,
                    requests_per_size: int = 3, budget_s: float = 60.0, min_gain: float = MIN_GAIN,
                    measure: Callable[[int, int], float] | None = None, gc_freeze: bool = True,
-                   shape: str = DEFAULT_SHAPE, **serve_kwargs) -> LoopCalibration:
+                   shape: str = DEFAULT_SHAPE, repeats: int = 1, **serve_kwargs) -> LoopCalibration:
     """Output tokens/s of a short closed-loop serve per (batch size b, draft length k): max_concurrency = b,
     requests_per_size x b requests cycling `prompts` (max_new_tokens each), the first b warm-up (left out of the
     rate). Every run uses max_num_seqs rows, so it shares the serving run's cache and graphs (captured once, before
-    the first run, for every k). Runs go b by b, k by k; one that would end past `budget_s` (judged by the longest
-    run so far) is skipped and listed. `measure(b, k) -> tokens/s` replaces the serve (tests); gc_freeze: each run
+    the first run, for every k). Runs go b by b, k by k; `repeats` > 1 runs every k of a b that many times in turn
+    (k = 0, 1, .., then again), and the median counts (one short run can be 20 % off: BENCHMARKS.md 16.5); a run
+    that would end past `budget_s` (judged by the longest run so far) is skipped, and a (b, k) none of whose runs
+    fit is listed. `measure(b, k) -> tokens/s` replaces the serve (tests); gc_freeze: each run
     with the heap frozen (loop.frozen_gc), like serve-bench's measured run. serve_kwargs go to
     `ServingLoop` (policy, num_blocks, prefill_chunk, prefix_caching). ServeError for bad arguments, before any work."""
     from workbench.serving import metrics
@@ -183,6 +188,8 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
                          f"got {requests_per_size}")
     if not budget_s > 0:
         raise ServeError(f"calibration budget must be > 0 s, got {budget_s}")
+    if not (isinstance(repeats, int) and repeats >= 1):
+        raise ServeError(f"calibration repeats must be a whole number >= 1, got {repeats!r}")
     t_begin = time.perf_counter()
     captured, iterations = [], []
 
@@ -202,15 +209,16 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
         return metrics.summarize(res)["output_throughput"]
 
     measure = measure or serve
-    tokens_per_s: dict[tuple[int, int], float] = {}
-    skipped: list[tuple[int, int]] = []
+    runs: dict[tuple[int, int], list[float]] = {}
     longest = 0.0
     for b in sorted(set(batch_sizes)):
-        for k in counts:
-            if time.perf_counter() - t_begin + longest > budget_s:
-                skipped.append((b, k))
-                continue
-            t0 = time.perf_counter()
-            tokens_per_s[(b, k)] = measure(b, k)
-            longest = max(longest, time.perf_counter() - t0)
-    return LoopCalibration(tokens_per_s, skipped, time.perf_counter() - t_begin, min_gain, iterations, shape)
+        for _ in range(repeats):
+            for k in counts:
+                if time.perf_counter() - t_begin + longest > budget_s:
+                    continue
+                t0 = time.perf_counter()
+                runs.setdefault((b, k), []).append(measure(b, k))
+                longest = max(longest, time.perf_counter() - t0)
+    tokens_per_s = {key: statistics.median(rates) for key, rates in runs.items()}
+    skipped = [(b, k) for b in sorted(set(batch_sizes)) for k in counts if (b, k) not in runs]
+    return LoopCalibration(tokens_per_s, skipped, time.perf_counter() - t_begin, min_gain, iterations, shape, runs)
