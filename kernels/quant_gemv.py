@@ -177,8 +177,8 @@ def _sm_count(index: int | None) -> int:
 # the two measured points. False keeps the 16-row tiles everywhere (gpu_quant.py "+tile16" rows).
 NARROW_TILES = True
 NARROW_BELOW_PROGRAMS_PER_SM = 1.5
-# Warps of the 32-row fp8 tiles (N >= 8192): 8 from the 6.7 B sweep; 4 was 1.24x faster on 1.45 B's gate_up alone
-# (gpu_quant.py "+fw4" rows measure it in the model).
+# Warps of the 32-row fp8 tiles (N >= 8192): 8 from the 6.7 B sweep. 4 was 1.24x faster on 1.45 B's gate_up alone,
+# but 3.5 % (1.45 B) and 8 % (6.7 B) slower in the model (BENCHMARKS.md 16.6, gpu_quant.py "+fw4" rows), so 8.
 WIDE_FP8_WARPS = 8
 
 
@@ -191,9 +191,8 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     16): int8 / fp8 / dense read 32 rows per program for N >= 8192 with 8 warps and long K tiles, unsplit when the
     N tiles alone give every SM a program; below that int8 takes 16 rows, and so do dense and fp8 unless 16-row tiles
     would give fewer than 1.5 programs per SM, where they take 8 (`narrow`, default NARROW_TILES; measured at 1.45 B
-    and 6.7 B); int4 64 rows x one group per tile, split to ~4 programs per
-    SM. int8g takes int4's group-tiled shape (BLOCK_K = min(128, g): 32 for GGUF Q8_0), untuned: not yet swept on a
-    GPU.
+    and 6.7 B); int4 64 rows x one group per tile, split to ~4 programs per SM. int8g takes int4's group-tiled shape
+    (BLOCK_K = min(128, g): 32 for GGUF Q8_0), untuned: not yet swept on a GPU.
 
     >>> c = gemv_config("int4", 1, 4096, 4096, 128)
     >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
