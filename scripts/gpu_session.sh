@@ -251,9 +251,9 @@ elif [ "$PART" = rc1 ]; then
     --m1-tiles "$T" --formats "none@$C,dense-triton+all+pdl@$C,dense-triton+all+pdl+tc@$C,dense-triton+glo+pdl@$C,dense-triton+glo+pdl+tc@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+tc@$C" \
     --profile
 elif [ "$PART" = rc2 ]; then
-  # tenth session, third call: the speculative overhead on small (batch 1, k = 4) with every layer compiled (call w's
-  # speed part hit dynamo's recompile limit before its first row), PDL and the RoPE fold on
-  # first the floor rows with the 8-row GEMV tiles now default (quant_gemv.NARROW_TILES) beside the 16-row ones
+  # tenth session, third call: the floor rows with the 8-row GEMV tiles as the default (quant_gemv.NARROW_TILES)
+  # beside the 16-row ones ("+tile16"), then the speculative overhead on small (batch 1, k = 4) with every layer
+  # compiled (call w's speed part hit dynamo's recompile limit before its first row), PDL and the RoPE fold on
   C=graphs+compile+overlap
   step quant67 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
     --formats "none@$C,dense-triton+glo+pdl@$C,dense-triton+glo+pdl+tile16@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+tile16@$C"
