@@ -13,7 +13,8 @@
 # PART=z: prepared, not run: call x again with --shape-controls (monotone against free schedules, same rounds; with
 # the sticky default its adaptive setting is now sticky and the control monotone). PART=zs: the same on tiny (call y).
 # PART=pdl1..pdl4: the ninth session's calls (dependent launches, BENCHMARKS.md section 14).
-# PART=pdl5 + zs, rc1, rc2, rc3, rc4: the tenth session's calls (BENCHMARKS.md section 16).
+# PART=pdl5 + zs, rc1, rc2, rc3, rc4: the tenth session's calls (BENCHMARKS.md section 16). PART=z and zs now calibrate
+# with 3 runs per (batch size, k) (gpu_serving --calibration-repeats, default 3 since then): z (small) is the next one.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
