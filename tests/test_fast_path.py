@@ -330,3 +330,48 @@ def test_overlapped_steps_time_their_phases(target, draft):
     assert res.phase_ms["draft"] > 0 and res.phase_ms["verify"] > 0
     ar = SpecEngine(target, None, fast(max_new_tokens=12, overlap=True, timing=True)).generate(PROMPTS)
     assert ar.phase_ms["verify"] > 0
+
+
+def test_recompile_limit_hits_are_counted(monkeypatch):
+    """A compiled frame that passes dynamo's recompile limit runs its new variants eagerly with one warning; the watch
+    counts such frames (the bench's compile_fallbacks), and only those warnings."""
+    import logging
+
+    from workbench.engine import graphs
+
+    before = graphs.recompile_limit_hits()
+    logging.getLogger("torch._dynamo.convert_frame").warning("an unrelated dynamo warning")
+    assert graphs.recompile_limit_hits() == before
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager", dynamic=False)
+    def scale(x, n):
+        return x * n
+
+    for n in range(4):  # an int argument is a constant to dynamo: one graph per value, the third past the limit
+        assert torch.equal(scale(torch.ones(2), n), torch.full((2,), float(n)))
+    torch._dynamo.reset()
+    assert graphs.recompile_limit_hits() == before + 1
+    assert "recompile_limit" in graphs._WATCH.hits[-1]
+
+
+def test_bench_records_compile_fallbacks_only_with_compile(monkeypatch):
+    import dataclasses
+
+    from workbench.harness import bench as bench_mod
+    from workbench.harness.bench import BenchConfig, BenchSession
+
+    session = BenchSession.load(preset="tiny", device="cpu")
+    counts = iter([3, 3, 3])  # before the run, after it (the run's and the process's)
+    monkeypatch.setattr(bench_mod, "recompile_limit_hits", lambda: next(counts))
+    cfg = dict(method="ar", batch=1, max_new_tokens=4, num_prompts=1, warmup=0, repeats=1)
+    rec = session.run(BenchConfig(**cfg)).record
+    assert rec.get("compile_fallbacks") is None and rec.get("compile_fallbacks_in_process") is None
+    counts = iter([3, 5, 5])  # two frames passed the limit during this run
+    monkeypatch.setattr(bench_mod, "recompile_limit_hits", lambda: next(counts))
+    eager_engine = BenchSession._engine  # run eagerly (a CPU compile is slow): only the record is checked here
+    monkeypatch.setattr(bench_mod.BenchSession, "_engine",
+                        lambda self, c, drafter: eager_engine(self, dataclasses.replace(c, compile="off"), drafter))
+    rec = session.run(BenchConfig(**cfg, compile="default")).record
+    assert rec["compile_fallbacks"] == 2 and rec["compile_fallbacks_in_process"] == 5

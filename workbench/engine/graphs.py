@@ -26,6 +26,7 @@ Statistics (`GraphStats`): capture time and memory, bucket hits and misses, padd
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -153,6 +154,36 @@ def raise_recompile_limits() -> None:
             setattr(cfg, name, max(getattr(cfg, name), value))
 
 
+class RecompileWatch(logging.Handler):
+    """Counts torch._dynamo's "hit config.recompile_limit" warnings in this process: each names a compiled frame
+    whose new variants run eagerly from then on, which a run's figures should say (BENCHMARKS.md 16.1)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.hits: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted is not ours to count
+            return
+        if "recompile_limit" in message or "cache_size_limit" in message:
+            self.hits.append(message.splitlines()[0][:200])
+
+
+_WATCH: RecompileWatch | None = None
+
+
+def recompile_limit_hits() -> int:
+    """How many compiled frames of this process have hit dynamo's recompile limit so far (the watch is installed on
+    first use, so call it once before compiling: FixedShapeStep does); dynamo warns once per frame."""
+    global _WATCH
+    if _WATCH is None:
+        _WATCH = RecompileWatch()
+        logging.getLogger("torch._dynamo").addHandler(_WATCH)
+    return len(_WATCH.hits)
+
+
 class FixedShapeStep:
     """`body(**buffers) -> Tensor` (or a tuple of tensors) over persistent per-row buffers padded to a batch bucket.
 
@@ -176,6 +207,7 @@ class FixedShapeStep:
         if settings.compile != "off":
             mode = None if settings.compile == "default" else "max-autotune-no-cudagraphs"
             raise_recompile_limits()
+            recompile_limit_hits()  # the watch listens from here on
             self._fn = torch.compile(body, mode=mode, dynamic=False)
 
     def _get(self, size: int, key) -> _Buffers:
