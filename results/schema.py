@@ -174,8 +174,8 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("pdl_applied", "bool", "graphs", "our Triton kernels were launched with programmatic dependent launch "
                "(pdl on, a Hopper or newer GPU, a triton that has it); False otherwise"),
     ColumnSpec("compile_fallbacks", "int", "graphs", "compiled frames that hit torch._dynamo's recompile limit during "
-               "this run (their new variants then run eagerly: the figures understate the compiled engine); None "
-               "with compile off"),
+               "this run, warm-up, captures and (serving) calibration included (their new variants then run eagerly: "
+               "the figures understate the compiled engine); None with compile off"),
     ColumnSpec("compile_fallbacks_in_process", "int", "graphs", "the same, over the whole process so far (dynamo "
                "warns once per frame, and a frame past its limit stays so)"),
     ColumnSpec("graph_capture_s", "float", "graphs", "time spent capturing CUDA graphs"),
