@@ -14,7 +14,8 @@
 # the sticky default its adaptive setting is now sticky and the control monotone). PART=zs: the same on tiny (call y).
 # PART=pdl1..pdl4: the ninth session's calls (dependent launches, BENCHMARKS.md section 14).
 # PART=pdl5 + zs, rc1, rc2, rc3, rc4: the tenth session's calls (BENCHMARKS.md section 16). PART=z and zs now calibrate
-# with 3 runs per (batch size, k) (gpu_serving --calibration-repeats, default 3 since then): z (small) is the next one.
+# with 3 runs per (batch size, k) (gpu_serving --calibration-repeats, default 3 since then): z (small) is the next one;
+# PART=sp1 (prepared): the n-gram speculative overhead on small with cuBLAS against the dense Triton GEMV.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -47,7 +48,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -294,6 +295,17 @@ elif [ "$PART" = rc4 ]; then
   C=graphs+compile+overlap
   step quant145 30 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
     --formats "dense-triton+all@$C,dense-triton+all+pdl@$C"
+elif [ "$PART" = sp1 ]; then
+  # prepared for the next session, not run yet: issue 8's speculative overhead on small (batch 1, n-gram k = 4) with
+  # the decoder linears on cuBLAS (quant_kernel auto) against the dense Triton GEMV (its M > 1 tiles in the 5-token
+  # verify) with and without the norm prologues; bench reports speedup_vs_ar and the accepted tokens per step
+  train_small
+  for kern in "auto residual" "triton residual" "triton norm+glu+residual"; do
+    set -- $kern
+    step "bench_ngram_$1_${2//+/-}" 40 $PY -m workbench bench --preset small --method ngram --k 4 --batch 1 \
+      --max-new-tokens 128 --num-prompts 8 --repeats 5 --cuda-graphs --graph-batch-sizes 1 --compile default \
+      --quant-kernel "$1" --gemv-fusion "$2" --temperature 0 --no-store --json
+  done
 elif [ "$PART" = n ]; then
   # fifth session, second call (no preset): int8 / fp8 widened by integer ops (CVT_BITS) against conversion
   # instructions per linear, fp16 tensor-core verify tiles, the floor with the norm prologue's fix, GGUF Q8_0 (int8g)
