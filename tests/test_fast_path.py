@@ -332,7 +332,7 @@ def test_overlapped_steps_time_their_phases(target, draft):
     assert ar.phase_ms["verify"] > 0
 
 
-def test_recompile_limit_hits_are_counted(monkeypatch):
+def test_recompile_limit_hits_are_counted():
     """A compiled frame that passes dynamo's recompile limit runs its new variants eagerly with one warning; the watch
     counts such frames (the bench's compile_fallbacks), and only those warnings."""
     import logging
@@ -342,15 +342,16 @@ def test_recompile_limit_hits_are_counted(monkeypatch):
     before = graphs.recompile_limit_hits()
     logging.getLogger("torch._dynamo.convert_frame").warning("an unrelated dynamo warning")
     assert graphs.recompile_limit_hits() == before
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     torch._dynamo.reset()
 
     @torch.compile(backend="eager", dynamic=False)
     def scale(x, n):
         return x * n
 
-    for n in range(4):  # an int argument is a constant to dynamo: one graph per value, the third past the limit
-        assert torch.equal(scale(torch.ones(2), n), torch.full((2,), float(n)))
+    # config.patch, not monkeypatch: monkeypatch's undo leaves a torch config module attribute hidden
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for n in range(4):  # an int argument is a constant to dynamo: one graph per value, the third past the limit
+            assert torch.equal(scale(torch.ones(2), n), torch.full((2,), float(n)))
     torch._dynamo.reset()
     assert graphs.recompile_limit_hits() == before + 1
     assert "recompile_limit" in graphs._WATCH.hits[-1]
