@@ -34,11 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_fastpath import MODES, RANDOM_CONFIGS, warm  # noqa: E402
 from gpu_timing import equal_prefix, floor_row, kernel_summary, run_parts, sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
-from workbench.engine.quant import check_quant, quantize_model  # noqa: E402
+from workbench.engine.quant import check_quant, quantize_model, set_fusion  # noqa: E402
 from kernels.pdl import pdl_problem, set_pdl  # noqa: E402
 from kernels import paged_attention, quant_gemv  # noqa: E402
 from kernels.quant_gemv import set_m1_tiles  # noqa: E402
-from workbench.engine.quant.linears import QuantLinear  # noqa: E402
 from workbench.engine import kv_cache  # noqa: E402
 
 CONFIGS = {**RANDOM_CONFIGS, "mini": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -131,9 +130,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))
                     model = quantize_model(base, fmt, group_size=args.int4_group_size, kernel=kernel,
                                            calibration=calib if fmt == "int4-awq" else None)
-                    for mod in model.modules():  # what each GEMV linear fuses (linears.QuantLinear.fusion)
-                        if isinstance(mod, QuantLinear):
-                            mod.fusion = fusion
+                    set_fusion(model, fusion)  # what each GEMV linear fuses (linears.QuantLinear.fusion)
                     sync(device)
                     row["quantize_s"] = time.perf_counter() - t0
                     engine = SpecEngine(model, None, EngineConfig(max_new_tokens=args.max_new_tokens, **MODES[mode],

@@ -10,7 +10,7 @@ from torch import nn
 import kernels.quant_gemv as qg
 from kernels.quant_gemv import (GemvError, check_gemv, counters_for, dequantize_weight, gemv_config,
                                 quant_gemv_reference, quant_gemv_triton)
-from workbench.engine.quant import QuantError, check_quant, quantize_model
+from workbench.engine.quant import QuantError, check_quant, quantize_model, set_fusion
 from workbench.engine.quant.gguf import GgufInt8Linear
 from workbench.engine.quant.linears import DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear
 from workbench.models import LlamaModel, ModelConfig
@@ -312,15 +312,12 @@ def test_engine_decodes_the_same_tokens_with_the_triton_kernel(interpreter_bf16_
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     base = LlamaModel(cfg).eval()
-    from workbench.engine.quant.linears import QuantLinear
 
     outputs = {}
     for kernel in ("dequant", "triton", "triton+all"):
         model = quantize_model(base, "int4", group_size=32, kernel=kernel.split("+")[0])
         if kernel.endswith("+all"):  # every fusion: norms in the prologues, residuals in the epilogues, SwiGLU
-            for mod in model.modules():
-                if isinstance(mod, QuantLinear):
-                    mod.fusion = "norm+glu+residual"
+            set_fusion(model, "norm+glu+residual")
         engine = SpecEngine(model, None, EngineConfig(max_new_tokens=6), torch.device("cpu"))
         outputs[kernel] = engine.generate([[5, 9, 11, 2], [7, 3]]).outputs
     assert outputs["triton"] == outputs["dequant"] == outputs["triton+all"]

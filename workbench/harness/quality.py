@@ -64,7 +64,7 @@ def check_weight_formats(session, cfg) -> None:
 
 def quantized_model(session, role: str, cfg):
     """The session's target or draft in the run's format (the loaded model itself for "none")."""
-    from workbench.engine.quant import QuantLinear, quantize_model
+    from workbench.engine.quant import QuantLinear, quantize_model, set_fusion
 
     base = session.target if role == "target" else session.draft
     fmt, group = quant_key(cfg, role)
@@ -78,10 +78,7 @@ def quantized_model(session, role: str, cfg):
         while len(session._quantized) >= QUANT_CACHE_SIZE:
             session._quantized.pop(next(iter(session._quantized)))
         model = quantize_model(base, fmt, group_size=group or 128, calibration=calibration, kernel=kernel).eval()
-        for mod in model.modules():  # what each GEMV linear folds in (acts on the Triton GEMV path only)
-            if isinstance(mod, QuantLinear):
-                mod.fusion = fusion
-        session._quantized[key] = model
+        session._quantized[key] = set_fusion(model, fusion)
     return session._quantized[key]
 
 

@@ -65,7 +65,7 @@ GGUF_REPRESENTABLE = {"Q4_0": "int4 (group 32)", "Q4_1": "int4 (group 32)",  # k
 __all__ = ["FORMATS", "QuantError", "QuantLinear", "DenseGemvLinear", "Int8Linear", "Int4Linear", "Fp8Linear",
            "check_quant", "quantize_model", "weight_bytes", "linear_shapes", "gguf_note", "INT4_GROUP_SIZES",
            "FP8_DTYPE", "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "quantize_fp8",
-           "dequantize_fp8", "quantize_fp8_rows", "fp8_linear_reference", "format_of", "gguf_kernel"]
+           "dequantize_fp8", "quantize_fp8_rows", "fp8_linear_reference", "format_of", "gguf_kernel", "set_fusion"]
 
 
 class QuantError(ValueError):
@@ -242,6 +242,15 @@ def _pack_gguf(model: nn.Module, kernel: str, inplace: bool) -> nn.Module:
         return pack_gguf_model(model, kernel, inplace=inplace)
     except GgufPackError as e:
         raise QuantError(str(e)) from None
+
+
+def set_fusion(model: nn.Module, fusion: str) -> nn.Module:
+    """Set what every GEMV linear of `model` folds in at its edges (`QuantLinear.fusion`, the knob gemv_fusion: "off",
+    "residual", "glu+residual", "glu+residual+ores", "norm+glu+residual"); acts on the Triton GEMV path only."""
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.fusion = fusion
+    return model
 
 
 def format_of(model: nn.Module) -> str:
