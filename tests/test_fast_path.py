@@ -364,13 +364,18 @@ def test_bench_records_compile_fallbacks_only_with_compile(monkeypatch):
     from workbench.harness.bench import BenchConfig, BenchSession
 
     session = BenchSession.load(preset="tiny", device="cpu")
-    counts = iter([3, 3, 3])  # before the run, after it (the run's and the process's)
-    monkeypatch.setattr(bench_mod, "recompile_limit_hits", lambda: next(counts))
+    from workbench.engine import graphs
+
+    def hits(values):  # the count before the run (bench) and after it (graphs.compile_fallback_columns)
+        it = iter(values)
+        for module in (bench_mod, graphs):
+            monkeypatch.setattr(module, "recompile_limit_hits", lambda: next(it))
+
+    hits([3, 3, 3])
     cfg = dict(method="ar", batch=1, max_new_tokens=4, num_prompts=1, warmup=0, repeats=1)
     rec = session.run(BenchConfig(**cfg)).record
     assert rec.get("compile_fallbacks") is None and rec.get("compile_fallbacks_in_process") is None
-    counts = iter([3, 5, 5])  # two frames passed the limit during this run
-    monkeypatch.setattr(bench_mod, "recompile_limit_hits", lambda: next(counts))
+    hits([3, 5, 5])  # two frames passed the limit during this run
     eager_engine = BenchSession._engine  # run eagerly (a CPU compile is slow): only the record is checked here
     monkeypatch.setattr(bench_mod.BenchSession, "_engine",
                         lambda self, c, drafter: eager_engine(self, dataclasses.replace(c, compile="off"), drafter))

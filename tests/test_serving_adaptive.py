@@ -439,13 +439,15 @@ def test_gpu_serving_shape_controls(tmp_path, monkeypatch):
 def test_serving_records_compile_fallbacks_only_with_compile(target, draft, monkeypatch):
     """With compile on, a serving record counts the compiled frames that hit dynamo's recompile limit from the
     engine's first compile on (calibration and captures included); with compile off it has no such column."""
+    from workbench.engine import graphs
     from workbench.serving import bench
 
     reqs = random_requests(5, n=4)
     engine = engine_with(DraftModelDrafter(draft, 3), target)  # eager: only the record is checked here
     for compile_mode, counts, want in (("off", [7, 7, 7], None), ("default", [7, 9, 9], (2, 9))):
-        calls = iter(counts)
-        monkeypatch.setattr(bench, "recompile_limit_hits", lambda: next(calls))
+        calls = iter(counts)  # before the engine (serving.bench), after the run (graphs.compile_fallback_columns)
+        for module in (bench, graphs):
+            monkeypatch.setattr(module, "recompile_limit_hits", lambda: next(calls))
         cfg = ServeConfig(method="draft", k=3, max_num_seqs=4, kv_block_size=BS, max_new_tokens=6,
                           compile=compile_mode)
         rec = bench.serve_bench(fake_session(), cfg, clock=StepClock(), engine=engine, requests=reqs).record

@@ -184,6 +184,13 @@ def recompile_limit_hits() -> int:
     return len(_WATCH.hits)
 
 
+def compile_fallback_columns(hits_before: int) -> dict:
+    """A run record's `compile_fallbacks` (frames that hit dynamo's recompile limit since `hits_before`, a
+    `recompile_limit_hits()` taken when the run began) and `compile_fallbacks_in_process`."""
+    now = recompile_limit_hits()
+    return {"compile_fallbacks": now - hits_before, "compile_fallbacks_in_process": now}
+
+
 class FixedShapeStep:
     """`body(**buffers) -> Tensor` (or a tuple of tensors) over persistent per-row buffers padded to a batch bucket.
 

@@ -32,7 +32,7 @@ from workbench.engine import EngineConfig, GenerationResult, SpecEngine
 from workbench.harness.metrics import greedy_agreement, median, percentile, summarize, traces_frame
 from workbench.harness.quality import check_weight_formats, quality_columns, quant_key, quantized_model
 from workbench.harness.trust import trust_columns
-from workbench.engine.graphs import recompile_limit_hits
+from workbench.engine.graphs import compile_fallback_columns, recompile_limit_hits
 from workbench.engine.kv_cache import resolve_attention
 from workbench.engine.sampling import SamplingParams
 from kernels.pdl import pdl_applies
@@ -395,8 +395,7 @@ class BenchSession:
             graphs = {"overlap_applied": cand_engine.overlaps()} if cfg.overlap else {}
             graphs["pdl_applied"] = pdl_applies(cfg.pdl, self.device, cfg.cuda_graphs)
             if cfg.compile != "off":  # frames past dynamo's recompile limit run eagerly (BENCHMARKS.md 16.1)
-                graphs["compile_fallbacks"] = recompile_limit_hits() - fallbacks_before
-                graphs["compile_fallbacks_in_process"] = recompile_limit_hits()
+                graphs |= compile_fallback_columns(fallbacks_before)
             graphs |= _graph_columns([e.graph_stats() for e in engines], stats_before,
                                     cfg.cuda_graphs or cfg.compile != "off")
             if cfg.phase_profile:

@@ -18,7 +18,7 @@ import torch
 
 from workbench import settings
 from workbench.engine import EngineConfig, SpecEngine
-from workbench.engine.graphs import recompile_limit_hits
+from workbench.engine.graphs import compile_fallback_columns, recompile_limit_hits
 from workbench.engine.sampling import SamplingParams
 from workbench.serving import metrics
 from workbench.serving.adaptive import AdaptiveSpeculation, format_k_by_batch
@@ -162,8 +162,7 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
         rec.update(graph_capture_s=g.capture_s, graph_memory_mb=g.memory_bytes / 2**20, graph_bucket_hits=g.hits,
                    graph_bucket_misses=g.misses, graph_padding_waste=g.padding_waste)
     if cfg.compile != "off":  # frames past dynamo's recompile limit run eagerly (BENCHMARKS.md 16.1)
-        rec.update(compile_fallbacks=recompile_limit_hits() - fallbacks_before,
-                   compile_fallbacks_in_process=recompile_limit_hits())
+        rec.update(compile_fallback_columns(fallbacks_before))
     traces = pd.DataFrame([{"run_id": run_id, "seq": t.request, **{k: getattr(t, k) for k in (
         "step", "drafted", "accepted", "emitted", "batch_size", "k", "num_nodes", "context_len", "step_ms")}}
         for t in result.traces], columns=TRACE_COLUMNS)
