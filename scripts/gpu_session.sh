@@ -57,6 +57,17 @@ train_small() {
   fi
 }
 [ "$NEEDS_SMALL" = 1 ] && train_small
+floor() {  # floor STEP MIN_SECONDS CONFIG ARGS...: gpu_quant.py's floor part for one config, into $R/STEP
+  local name=$1 need=$2 config=$3; shift 3
+  step "$name" "$need" $PY scripts/gpu_quant.py --device cuda --out "$R/$name" --parts floor \
+    --floor-configs "$config" "$@"
+}
+eagle_tiny() {  # eagle_tiny STEP pdl|no-pdl [EAGER]: bench eagle on tiny (k = 4, batch 4, graphs); EAGER=1 also
+  # launches eager kernels with PDL (kernels/pdl.CAPTURE_ONLY off: the behaviour before call rc4)
+  step "$1" 20 env WORKBENCH_PDL_EAGER="${3:-0}" $PY -m workbench bench --preset tiny --method eagle --k 4 --batch 4 \
+    --max-new-tokens 48 --num-prompts 8 --repeats 3 --cuda-graphs --graph-batch-sizes 1,2,4 --temperature 0 --"$2" \
+    --no-store --json
+}
 heads() {
   [ -f zoo_cache/small/redrafter/manifest.json ] || \
     step head_redrafter 40 $PY -m workbench zoo train-head --kind redrafter --preset small --device cuda --max-seconds 25
@@ -96,7 +107,7 @@ elif [ "$PART" = d ]; then
 elif [ "$PART" = e ]; then
   # third session, second call: weight formats compiled around the Triton GEMV custom op, with overlapped steps
   # (issue 10's goals at 6.7 B), the floor with overlapped steps (issue 8), a wider GEMV tile sweep
-  step quant 120 $PY scripts/gpu_quant.py --device cuda --out "$R/quant" --parts floor --floor-configs 6.7b \
+  floor quant 120 6.7b \
     --formats ${QUANT_FORMATS:-none,fp8-triton,int8-triton,int4} --floor-modes ${QUANT_MODES:-graphs+compile+overlap}
   step floor 120 $PY scripts/gpu_fastpath.py --out "$R/floor" --parts floor --floor-configs 6.7b,1.45b \
     --floor-modes ${FLOOR_MODES:-graphs+overlap,graphs+compile+overlap,graphs+max-autotune+overlap}
@@ -123,7 +134,7 @@ elif [ "$PART" = h ]; then
   # floor decode (issue 8: fewer kernels per layer); the weight formats in the best engine mode (issue 10)
   step gemv 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/gemv" --parts parity,speed,tune --formats dense,fp8 \
     --ms 1,4 --tune-budget-s "${TUNE_S:-60}"
-  step quant 120 $PY scripts/gpu_quant.py --device cuda --out "$R/quant" --parts floor --floor-configs 6.7b \
+  floor quant 120 6.7b \
     --formats ${QUANT_FORMATS:-none,dense-triton,fp8-triton,int4} --floor-modes ${QUANT_MODES:-graphs+max-autotune+overlap}
   step floor 80 $PY scripts/gpu_fastpath.py --out "$R/floor" --parts floor --floor-configs 1.45b \
     --floor-modes ${FLOOR_MODES:-graphs+compile+overlap,graphs+compile+overlap+tgemv,graphs+max-autotune+overlap,graphs+max-autotune+overlap+tgemv}
@@ -133,7 +144,7 @@ elif [ "$PART" = i ]; then
   # fourth session, second call (no preset): the dense GEMV with swept tiles and the fused SwiGLU + residual down
   # projection (every Triton GEMV format), parity on the GPU, the floor per format in the best mode, and the profile
   step gemv 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/gemv" --parts parity,speed --formats dense,fp8 --ms 1
-  step quant 150 $PY scripts/gpu_quant.py --device cuda --out "$R/quant" --parts floor --floor-configs 6.7b,1.45b \
+  floor quant 150 6.7b,1.45b \
     --formats ${QUANT_FORMATS:-none,dense-triton,fp8-triton,int8-triton,int4} \
     --floor-modes ${QUANT_MODES:-graphs+max-autotune+overlap}
   step profile 50 $PY scripts/gpu_fastpath.py --out "$R/profile" --parts profile --floor-configs 6.7b,1.45b \
@@ -146,15 +157,15 @@ elif [ "$PART" = j ]; then
 elif [ "$PART" = k ]; then
   # fourth session, fourth call (no preset): the dense GEMV and the residual-epilogue fusion against cuBLAS / the
   # unfused GEMV, compile and max-autotune, 6.7 B and 1.45 B (issues 8 and 10)
-  step quant67 80 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+  floor quant67 80 6.7b \
     --formats none,dense-triton,dense-triton+res,fp8-triton,fp8-triton+res \
     --floor-modes graphs+compile+overlap,graphs+max-autotune+overlap
-  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+  floor quant145 60 1.45b \
     --formats none,dense-triton,dense-triton+res --floor-modes graphs+compile+overlap,graphs+max-autotune+overlap
 elif [ "$PART" = l ]; then
   # fourth session, last call: the SwiGLU prologue against the residual-only fusion in one process (6.7 B, compile),
   # then `small` trained for study throughput (issue 8) and serving after the adaptive-cost fix (issue 11)
-  step quantglu 50 $PY scripts/gpu_quant.py --device cuda --out "$R/quantglu" --parts floor --floor-configs 6.7b \
+  floor quantglu 50 6.7b \
     --formats fp8-triton+res,fp8-triton+glu,dense-triton+res,dense-triton+glu --floor-modes graphs+compile+overlap
   train_small
   step study 100 $PY scripts/study_throughput.py --device cuda --preset small --seconds "${STUDY_S:-150}" \
@@ -172,9 +183,9 @@ elif [ "$PART" = m ]; then
   C=graphs+compile+overlap; A=graphs+max-autotune+overlap
   F="none@$C,none@$A,dense-triton+glu@$C,dense-triton+all@$C,fp8-triton+glu@$C,fp8-triton+all@$C"
   [ -n "$tiles" ] && F="$F,dense-triton+all+tc@$C,fp8-triton+all+tc@$C"
-  step quant67 120 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+  floor quant67 120 6.7b \
     --formats "$F" $tiles
-  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+  floor quant145 60 1.45b \
     --formats "$F" $tiles
 elif [ "$PART" = pdl1 ]; then
   # ninth session, first call (no preset): programmatic dependent launch of our Triton kernels (kernels/pdl.py),
@@ -184,9 +195,9 @@ elif [ "$PART" = pdl1 ]; then
   F="none@$C,none+pdl@$C,dense-triton+glu@$C,dense-triton+glu+pdl@$C,dense-triton+glu+pdl0@$C"
   F="$F,dense-triton+all@$C,dense-triton+all+pdl@$C,fp8-triton+all@$C,fp8-triton+all+pdl@$C"
   F="$F,int4-triton+all@$C,int4-triton+all+pdl@$C,none@$A,none+pdl@$A"
-  step quant67 150 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+  floor quant67 150 6.7b \
     --formats "$F"
-  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+  floor quant145 60 1.45b \
     --formats "$F"
 elif [ "$PART" = pdl2 ]; then
   # ninth session, second call: the GEMVs trigger dependents after their K loop (pdle = first thing, as in call pdl1),
@@ -196,9 +207,9 @@ elif [ "$PART" = pdl2 ]; then
   F="$F,dense-triton+glu+pdl0@$C,dense-triton+glu+pdle@$C,dense-triton+all@$C,dense-triton+all+pdl@$C"
   F="$F,dense-triton+all+pdl0@$C,fp8-triton+all@$C,fp8-triton+all+pdl@$C,fp8-triton+glu+pdl@$C"
   F="$F,int4-triton+all@$C,int4-triton+all+pdl@$C,none@$A,none+pdl@$A"
-  step quant67 200 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+  floor quant67 200 6.7b \
     --formats "$F" --profile
-  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+  floor quant145 60 1.45b \
     --formats "$F" --profile
 elif [ "$PART" = pdl3 ]; then
   # ninth session, third call: prefetch off by default (pdl2 = 2 tiles), the fused combine reads only the splits that
@@ -207,9 +218,9 @@ elif [ "$PART" = pdl3 ]; then
   F="dense-triton+glu@$C,dense-triton+glu+nofc@$C,dense-triton+glo@$C,dense-triton+glo+pdl@$C,dense-triton+glo+pdle@$C"
   F="$F,dense-triton+glo+pdl+nofc@$C,dense-triton+all@$C,dense-triton+all+pdl@$C,dense-triton+all+pdle@$C"
   F="$F,fp8-triton+all@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdle@$C,int4-triton+all@$C,int4-triton+all+pdl@$C"
-  step quant67 200 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+  floor quant67 200 6.7b \
     --formats "$F,none@$C,none+pdl@$C" --profile
-  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+  floor quant145 60 1.45b \
     --formats "$F" --profile
 elif [ "$PART" = pdl4 ]; then
   # ninth session, fourth call: the defaults after pdl1-3 (pdl on, no prefetch, combine launch): GPU parity on tiny
@@ -224,7 +235,7 @@ elif [ "$PART" = pdl4 ]; then
     done
   done
   C=graphs+compile+overlap
-  step quant67 90 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+  floor quant67 90 6.7b \
     --formats "none@$C,none+pdl@$C,dense-triton+glo@$C,dense-triton+glo+pdl@$C,fp8-triton+all@$C,fp8-triton+all+pdl@$C"
 elif [ "$PART" = pdl5 ]; then
   # prepared for the next session, not run yet: RoPE folded into the K/V write and attention's q load (on by default
@@ -232,9 +243,9 @@ elif [ "$PART" = pdl5 ]; then
   # GPU parity on tiny with it on (every drafter, trees included: not yet seen on a GPU)
   C=graphs+compile+overlap
   F="dense-triton+glo+pdl+norope@$C,dense-triton+glo+pdl+rope@$C,fp8-triton+all+pdl+norope@$C,fp8-triton+all+pdl+rope@$C"
-  step quant67 90 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+  floor quant67 90 6.7b \
     --formats "none@$C,dense-triton+glo@$C,$F" --profile
-  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+  floor quant145 60 1.45b \
     --formats "dense-triton+all+pdl+norope@$C,dense-triton+all+pdl+rope@$C,$F"
   step parity 60 env WORKBENCH_FUSE_ROPE=1 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
 elif [ "$PART" = rc1 ]; then
@@ -242,14 +253,14 @@ elif [ "$PART" = rc1 ]; then
   # compiles afresh (calls pdl1-pdl5 ran their later rows partly eager past dynamo's recompile limit), then a tile
   # sweep on 1.45 B's shapes (8-row tiles, longer K tiles, splits) and 1.45 B with the tiles it found ("+tc")
   C=graphs+compile+overlap
-  step quant67 150 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+  floor quant67 150 6.7b \
     --formats "none@$C,dense-triton+glo+pdl@$C,dense-triton+all+pdl@$C,fp8-triton+all+pdl@$C,fp8-triton+glo+pdl@$C,int4-triton+all+pdl@$C" \
     --profile
   step tune145 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tune145" --parts tune --sweep-configs 1.45b \
     --formats dense,fp8 --tune-block-n 8,16,32 --tune-block-k 256,512,1024,2048 --tune-stages 3 --tune-splits 1,2,4 \
     --tune-budget-s "${TUNE_S:-120}"
   T=$R/tune145/gemv_tune_tiles.json; [ -f "$T" ] || echo '{}' > "$T"
-  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+  floor quant145 60 1.45b \
     --m1-tiles "$T" --formats "none@$C,dense-triton+all+pdl@$C,dense-triton+all+pdl+tc@$C,dense-triton+glo+pdl@$C,dense-triton+glo+pdl+tc@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+tc@$C" \
     --profile
 elif [ "$PART" = rc2 ]; then
@@ -257,9 +268,9 @@ elif [ "$PART" = rc2 ]; then
   # beside the 16-row ones ("+tile16"), then the speculative overhead on small (batch 1, k = 4) with every layer
   # compiled (call w's speed part hit dynamo's recompile limit before its first row), PDL and the RoPE fold on
   C=graphs+compile+overlap
-  step quant67 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+  floor quant67 60 6.7b \
     --formats "none@$C,dense-triton+glo+pdl@$C,dense-triton+glo+pdl+tile16@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+tile16@$C"
-  step quant145 40 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+  floor quant145 40 1.45b \
     --formats "none@$C,dense-triton+all+pdl@$C,dense-triton+all+pdl+tile16@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+tile16@$C"
   train_small
   step speed 90 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small \
@@ -269,14 +280,13 @@ elif [ "$PART" = rc3 ]; then
   # 6.7 B, faster at 1.45 B), fp8's 32-row tiles with 4 warps ("+fw4"), GPU parity on tiny with every layer compiled
   # through one graph, eagle with and without PDL again (call pdl4's one-repeat outlier)
   C=graphs+compile+overlap
-  step quant67 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+  floor quant67 60 6.7b \
     --formats "none@$C,dense-triton+glo+pdl@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+fw4@$C"
-  step quant145 40 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+  floor quant145 40 1.45b \
     --formats "none@$C,dense-triton+all+pdl@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+fw4@$C"
   step parity 60 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
-  for p in pdl no-pdl pdl no-pdl; do
-    step "bench_eagle_$p" 20 $PY -m workbench bench --preset tiny --method eagle --k 4 --batch 4 --max-new-tokens 48 \
-      --num-prompts 8 --repeats 3 --cuda-graphs --graph-batch-sizes 1,2,4 --temperature 0 --$p --no-store --json
+  for p in pdl no-pdl pdl no-pdl; do  # (run before CAPTURE_ONLY existed: eagle_tiny's EAGER=1 reproduces it)
+    eagle_tiny "bench_eagle_$p" $p
   done
 elif [ "$PART" = rc4 ]; then
   # tenth session, last minutes: eagle (tiny) with PDL for captured launches only (kernels/pdl.CAPTURE_ONLY, the new
@@ -284,16 +294,12 @@ elif [ "$PART" = rc4 ]; then
   # in turn; then 1.45 B with and without PDL, captured only
   for i in 1 2; do
     for p in pdl no-pdl; do
-      step "bench_eagle_${p}_$i" 20 $PY -m workbench bench --preset tiny --method eagle --k 4 --batch 4 \
-        --max-new-tokens 48 --num-prompts 8 --repeats 3 --cuda-graphs --graph-batch-sizes 1,2,4 --temperature 0 \
-        --$p --no-store --json
+      eagle_tiny "bench_eagle_${p}_$i" $p
     done
-    step "bench_eagle_pdl-eager_$i" 20 env WORKBENCH_PDL_EAGER=1 $PY -m workbench bench --preset tiny --method eagle \
-      --k 4 --batch 4 --max-new-tokens 48 --num-prompts 8 --repeats 3 --cuda-graphs --graph-batch-sizes 1,2,4 \
-      --temperature 0 --pdl --no-store --json
+    eagle_tiny "bench_eagle_pdl-eager_$i" pdl 1
   done
   C=graphs+compile+overlap
-  step quant145 30 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+  floor quant145 30 1.45b \
     --formats "dense-triton+all@$C,dense-triton+all+pdl@$C"
 elif [ "$PART" = sp1 ]; then
   # prepared for the next session, not run yet: issue 8's speculative overhead on small (batch 1, n-gram k = 4) with
@@ -313,9 +319,9 @@ elif [ "$PART" = n ]; then
     --configs 6.7b,1.45b --ms 1,4,9 --replays 10
   C=graphs+compile+overlap; A=graphs+max-autotune+overlap
   F="none@$C,none@$A,dense-triton+glu@$C,dense-triton+all@$C,fp8-triton+glu@$C,fp8-triton+all@$C"
-  step quant67 120 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+  floor quant67 120 6.7b \
     --formats "$F,int8-triton+glu@$C"
-  step quant145 60 $PY scripts/gpu_quant.py --device cuda --out "$R/quant145" --parts floor --floor-configs 1.45b \
+  floor quant145 60 1.45b \
     --formats "$F"
   step gguf 40 $PY scripts/gpu_gguf.py --device cuda --out "$R/gguf"
 elif [ "$PART" = o ]; then
@@ -332,7 +338,7 @@ elif [ "$PART" = p ]; then
   # fifth session, last call: the 6.7 B floor with this session's defaults (fp8 without integer-op widening; norm
   # prologue vs not), then `small` for serving after the calibration fix (issue 11: the replay's draft costs)
   C=graphs+compile+overlap
-  step quant67 100 $PY scripts/gpu_quant.py --device cuda --out "$R/quant67" --parts floor --floor-configs 6.7b \
+  floor quant67 100 6.7b \
     --formats "none@$C,dense-triton+glu@$C,fp8-triton+glu@$C,fp8-triton+all@$C"
   train_small
   step serving 60 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" \
