@@ -127,11 +127,18 @@ def part_speed(args) -> dict:
     for eng in engines.values():
         warm(eng, prompts, 1)
     times = {key: [] for key in engines}
+    decode = {key: [] for key in engines}  # tokens after the first / (last done - first token), summed over calls
+    prefill_ms = {key: [] for key in engines}  # per call: t_start -> first token
+    wasted = {key: 0 for key in engines}
     accepted = {}
     for _ in range(args.repeats):  # interleaved: every setting once per repeat
         for key, eng in engines.items():
             wall, res, _ = timed_generate(eng, prompts, 1)
             times[key].append(sum(len(o) for r in res for o in r.outputs) / wall)
+            decode[key].append(sum(len(o) - 1 for r in res for o in r.outputs)
+                               / sum(max(r.t_done) - r.t_first_token for r in res))
+            prefill_ms[key] += [(r.t_first_token - r.t_start) * 1e3 for r in res]
+            wasted[key] += sum(r.wasted_steps for r in res)
             steps = [a for r in res for s in r.steps for a in s.accepted]
             accepted[key] = (sum(steps) + len(steps)) / len(steps)
     phase = {}
@@ -149,6 +156,13 @@ def part_speed(args) -> dict:
                      "mean_accepted_tokens": accepted[(m, mode)],
                      # issue 8's speculative-overhead check: speedup / tokens per step (goal >= 0.85)
                      "speedup_over_tokens_per_step": statistics.median(tps) / ar / accepted[(m, mode)],
+                     # the same from the decode window only (first token -> last done: no prefill, no call setup)
+                     "decode_tok_s_median": statistics.median(decode[(m, mode)]),
+                     "decode_tok_s_min": min(decode[(m, mode)]), "decode_tok_s_max": max(decode[(m, mode)]),
+                     "decode_speedup_over_tokens_per_step": statistics.median(decode[(m, mode)])
+                     / statistics.median(decode[("ar", mode)]) / accepted[(m, mode)],
+                     "prefill_ms_median": statistics.median(prefill_ms[(m, mode)]),
+                     "wasted_steps": wasted[(m, mode)],
                      "phase_ms_per_step": phase[(m, mode)]})
         print(rows[-1], flush=True)
     return {"rows": rows, "prompt_len": args.prompt_len, "num_prompts": len(prompts),

@@ -271,7 +271,8 @@ OVERLAP_KINDS = ["ar", "draft", "self-draft", "noisy-self-draft", "ngram"]
 @pytest.mark.parametrize("kind", OVERLAP_KINDS)
 def test_overlapped_steps_equal_synchronous_steps(kind, paged, target, draft):
     """Step t + 1 launched before step t is read: the same tokens and the same per-step records as the synchronous
-    loop (the wasted step after a sequence finishes is not recorded), for batch 1 and a ragged batch."""
+    loop (the wasted step after a sequence finishes is not recorded), for batch 1 and a ragged batch. Alone, a
+    sequence that stops at max_new_tokens runs no wasted step: its last step is read before another is launched."""
     n = 19
     expected = [reference_greedy(target, p, n) for p in PROMPTS]
     runs = {}
@@ -283,6 +284,7 @@ def test_overlapped_steps_equal_synchronous_steps(kind, paged, target, draft):
         assert engine.overlaps() is overlap
         assert [r.outputs[0] for r in singles] == expected
         assert batch.outputs == expected
+        assert [r.wasted_steps for r in singles] == [0] * len(PROMPTS)
         runs[overlap] = [[(s.step, s.rows, s.drafted, s.accepted, s.emitted, s.path_ranks, s.beam_pairs)
                           for s in r.steps] for r in singles + [batch]]
     assert runs[True] == runs[False]
@@ -305,6 +307,9 @@ def test_overlapped_steps_stop_on_eos_and_free_storage(target, draft):
     assert outs[True] == outs[False]
     assert free[True] == free[False] and max(free[True]) <= 2  # blocks still held: the padding rows' only
     assert len(outs[True][1]) < n and outs[True][1][-1] == eos
+    # an EOS cannot be foreseen: alone, the stopping sequence had the next step launched already (and counted)
+    alone = engine.generate([PROMPTS[1]])
+    assert alone.outputs == [outs[True][1]] and len(alone.outputs[0]) + 4 < n and alone.wasted_steps == 1
 
 
 def test_overlap_applies_only_where_the_device_holds_the_next_step(target, draft):

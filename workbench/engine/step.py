@@ -29,8 +29,11 @@ unfused path, whose verify step then returns (logits, hidden).
 Overlapped steps (`overlap`, greedy chains with fixed shapes: AR and the draft model's fused chain): step t + 1 is
 launched before step t's tokens are read, so the host's bookkeeping runs while the GPU computes (the idea of SGLang's
 overlap scheduler). Everything step t + 1 reads on the device (roots, lengths) step t wrote there; the host only plans
-storage, from upper bounds (a step emits at most 1 + N tokens). Costs: a sequence that finishes runs one wasted step,
-and blocks of rejected drafts are kept until the sequence finishes (no per-step truncation).
+storage, from upper bounds (a step emits at most 1 + N tokens). Costs: blocks of rejected drafts are kept until the
+sequence finishes (no per-step truncation), and a sequence that finishes in step t may have step t + 1 launched for it
+anyway (its tokens dropped). That wasted step is avoided where it is foreseeable: when every row of step t + 1 could
+reach max_new_tokens in step t (it emits at most 1 + N tokens), step t is read first and step t + 1 launched after
+(one host gap instead of one whole step; an EOS cannot be foreseen).
 """
 from __future__ import annotations
 
@@ -172,6 +175,7 @@ class GenerationResult:
     num_nodes: int = 0
     beams: bool = False  # merged beams (Drafter.proposes_beams): drafted / num_nodes = diversity
     graph_stats: GraphStats | None = None  # fixed-shape steps of this call (target + drafter), None when eager
+    wasted_steps: int = 0  # overlapped steps launched after every row in them had finished (their tokens dropped)
 
 
 class SpecEngine:
@@ -592,7 +596,28 @@ class SpecEngine:
         inflight = None  # (rows, packed host buffer, event)
         launch, launch_t = list(live), state.rows
         step = 0
+        limit = self.config.max_new_tokens
+
+        def read(inflight) -> None:  # step t's tokens into the outputs; rows that finished join `finished`
+            rows, packed, event = inflight
+            with timer.phase("accept"):
+                if event is not None:
+                    event.synchronize()  # step t's tokens; step t + 1 keeps the GPU busy meanwhile
+            out = DecodeStep.unpack(packed, time.perf_counter(), rows, [known[r] for r in rows], n, width=n)
+            if all(r in finished for r in rows):
+                result.wasted_steps += 1
+            for row, emitted in zip(rows, out.emitted):
+                if row not in finished:  # else the wasted step after it finished
+                    known[row] += len(emitted)
+                    state.tokens_host[row].extend(emitted)
+            finished.update(self._record_step(result, outputs, done_at, out, skip=finished))
+
         while launch or inflight is not None:
+            if inflight is not None and launch and all(len(outputs[r]) + 1 + n >= limit for r in launch):
+                read(inflight)  # each row may finish in the step in flight: a launch now would likely be wasted
+                inflight = None
+                launch = [r for r in launch if r not in finished]
+                continue
             launched = None
             if launch:
                 if len(launch_t) != len(launch):
@@ -615,16 +640,7 @@ class SpecEngine:
                     event.record()
                 launched = (launch, buf, event)
             if inflight is not None:
-                rows, packed, event = inflight
-                with timer.phase("accept"):
-                    if event is not None:
-                        event.synchronize()  # step t's tokens; step t + 1 keeps the GPU busy meanwhile
-                out = DecodeStep.unpack(packed, time.perf_counter(), rows, [known[r] for r in rows], n, width=n)
-                for row, emitted in zip(rows, out.emitted):
-                    if row not in finished:  # else the wasted step after it finished
-                        known[row] += len(emitted)
-                        state.tokens_host[row].extend(emitted)
-                finished.update(self._record_step(result, outputs, done_at, out, skip=finished))
+                read(inflight)
             inflight = launched
             launch = [r for r in launched[0] if r not in finished] if launched is not None else []
             step += 1
