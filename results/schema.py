@@ -144,6 +144,11 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("speedup_per_token_per_step", "float", "metrics",
                "speedup_vs_ar / mean_accepted_tokens: the AR step's time over the speculative step's (1 = no "
                "speculation overhead; None for ar)"),
+    ColumnSpec("decode_speedup_vs_ar", "float", "metrics",
+               "the AR run's median TPOT over this run's: the speedup of the decode window alone (first token -> "
+               "done; prefill and call setup left out)"),
+    ColumnSpec("decode_speedup_per_token_per_step", "float", "metrics",
+               "decode_speedup_vs_ar / mean_accepted_tokens (None for ar)"),
     *_cols("metrics", "int", "total_new_tokens target_steps"),
     ColumnSpec("wall_s", "float", "metrics"),
     ColumnSpec("greedy_matches_ar", "bool", "metrics", "None when not checked"),

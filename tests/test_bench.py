@@ -56,10 +56,13 @@ def test_greedy_runs_match_autoregressive_on_real_models(session, method, refere
         assert rec["acceptance_by_position"] == sorted(rec["acceptance_by_position"], reverse=True)
         assert rec["draft_target_cost_ratio"] > 0
     assert rec["speedup_vs_ar"] > 0 and rec["tokens_per_s"] > 0
+    assert rec["decode_speedup_vs_ar"] > 0
     if method == "ar":
-        assert rec["speedup_per_token_per_step"] is None
+        assert rec["speedup_per_token_per_step"] is None and rec["decode_speedup_per_token_per_step"] is None
     else:
         assert rec["speedup_per_token_per_step"] == pytest.approx(rec["speedup_vs_ar"] / rec["mean_accepted_tokens"])
+        assert rec["decode_speedup_per_token_per_step"] == pytest.approx(
+            rec["decode_speedup_vs_ar"] / rec["mean_accepted_tokens"])
     assert rec["sm_util_pct"] is None and rec["telemetry_reason"]  # no GPU here: None with a reason, never 0
 
 

@@ -504,6 +504,9 @@ class BenchSession:
         run_id = uuid.uuid4().hex
         n_seq = len(outputs)
         speedup = tps / ar_tps if ar_tps else None
+        # the decode window alone (per sequence: first token -> done, so prefill and call setup left out)
+        ar_tpot = median([x for s in ar for x in s.tpot_ms])
+        decode_speedup = ar_tpot / median(tpot) if tpot and ar_tpot and median(tpot) else None
         trust = trust_columns([s.tokens_per_s for s in ar], [s.tokens_per_s for s in cand], speedup,
                               c0.mean_accepted_tokens, c0.acceptance_rate if cfg.method != "ar" else None,
                               cost_ratio=cost_ratio,
@@ -526,6 +529,9 @@ class BenchSession:
             # the AR step's time over the speculative step's: 1 = every token a step emits turns into speedup
             "speedup_per_token_per_step": speedup / c0.mean_accepted_tokens
             if speedup and cfg.method != "ar" and c0.mean_accepted_tokens else None,
+            "decode_speedup_vs_ar": decode_speedup,
+            "decode_speedup_per_token_per_step": decode_speedup / c0.mean_accepted_tokens
+            if decode_speedup and cfg.method != "ar" and c0.mean_accepted_tokens else None,
             "ttft_ms": median(ttft),
             "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p90": percentile(tpot, 90),
             "tpot_ms_p99": percentile(tpot, 99),
