@@ -16,6 +16,7 @@
 # PART=pdl5 + zs, rc1, rc2, rc3, rc4: the tenth session's calls (BENCHMARKS.md section 16). PART=z and zs now calibrate
 # with 3 runs per (batch size, k) (gpu_serving --calibration-repeats, default 3 since then): z (small) is the next one;
 # PART=sp1 (prepared): the n-gram speculative overhead on small with cuBLAS against the dense Triton GEMV.
+# PART=e1: the eleventh session's first call (sp1 with the speculative overhead's speed part before it).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -301,6 +302,19 @@ elif [ "$PART" = rc4 ]; then
   C=graphs+compile+overlap
   floor quant145 30 1.45b \
     --formats "dense-triton+all@$C,dense-triton+all+pdl@$C"
+elif [ "$PART" = e1 ]; then
+  # eleventh session, first call: the speculative overhead on small with no wasted overlapped step (a sequence's last
+  # step read before another is launched), e2e and decode-window ratios (gpu_fastpath speed), then sp1's benches
+  # (cuBLAS against the dense Triton GEMV for the 5-token verify)
+  train_small
+  step speed 60 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small \
+    --modes graphs+compile+overlap --methods ar,ngram:4,draft:4,ngram:2 --repeats 5
+  for kern in "auto residual" "triton residual" "triton norm+glu+residual"; do
+    set -- $kern
+    step "bench_ngram_$1_${2//+/-}" 40 $PY -m workbench bench --preset small --method ngram --k 4 --batch 1 \
+      --max-new-tokens 128 --num-prompts 8 --repeats 5 --cuda-graphs --graph-batch-sizes 1 --compile default \
+      --quant-kernel "$1" --gemv-fusion "$2" --temperature 0 --no-store --json
+  done
 elif [ "$PART" = sp1 ]; then
   # prepared for the next session, not run yet: issue 8's speculative overhead on small (batch 1, n-gram k = 4) with
   # the decoder linears on cuBLAS (quant_kernel auto) against the dense Triton GEMV (its M > 1 tiles in the 5-token
