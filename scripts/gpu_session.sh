@@ -313,7 +313,7 @@ elif [ "$PART" = e1 ]; then
     set -- $kern
     step "bench_ngram_$1_${2//+/-}" 40 $PY -m workbench bench --preset small --method ngram --k 4 --batch 1 \
       --max-new-tokens 128 --num-prompts 8 --repeats 5 --cuda-graphs --graph-batch-sizes 1 --compile default \
-      --quant-kernel "$1" --gemv-fusion "$2" --temperature 0 --no-store --json
+      --quant-kernel "$1" --gemv-fusion "$2" --dtype bfloat16 --temperature 0 --no-store --json
   done
 elif [ "$PART" = sp1 ]; then
   # prepared for the next session, not run yet: issue 8's speculative overhead on small (batch 1, n-gram k = 4) with
@@ -324,7 +324,7 @@ elif [ "$PART" = sp1 ]; then
     set -- $kern
     step "bench_ngram_$1_${2//+/-}" 40 $PY -m workbench bench --preset small --method ngram --k 4 --batch 1 \
       --max-new-tokens 128 --num-prompts 8 --repeats 5 --cuda-graphs --graph-batch-sizes 1 --compile default \
-      --quant-kernel "$1" --gemv-fusion "$2" --temperature 0 --no-store --json
+      --quant-kernel "$1" --gemv-fusion "$2" --dtype bfloat16 --temperature 0 --no-store --json
   done
 elif [ "$PART" = n ]; then
   # fifth session, second call (no preset): int8 / fp8 widened by integer ops (CVT_BITS) against conversion
