@@ -180,12 +180,24 @@ NARROW_BELOW_PROGRAMS_PER_SM = 1.5
 # Warps of the 32-row fp8 tiles (N >= 8192): 8 from the 6.7 B sweep. 4 was 1.24x faster on 1.45 B's gate_up alone,
 # but 3.5 % (1.45 B) and 8 % (6.7 B) slower in the model (BENCHMARKS.md 16.6, gpu_quant.py "+fw4" rows), so 8.
 WIDE_FP8_WARPS = 8
+# One-row int4 tiles spanning whole groups (BLOCK_K a multiple of g; each weight dequantized with its group's scale and
+# summed per lane, reduced once after the loop, as dense / fp8 do), e.g. dict(BLOCK_N=32, BLOCK_K=512, num_warps=8,
+# num_stages=3): not yet measured on a GPU, so None (off: the group-tiled 64 x g tiles). A benchmark sets it, or sweeps
+# BLOCK_K > g per shape (scripts/gpu_gemv.py --parts tune --formats int4 --tune-block-k 128,256,512).
+INT4_WIDE_TILES: dict | None = None
 
 
 def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None, sm_count: int = 132,
-                narrow: bool | None = None, **override) -> dict:
+                narrow: bool | None = None, int4_wide: dict | None = None, **override) -> dict:
     """Tile sizes, split count and warps for one call, from shapes only (so a captured graph replays the same launch).
-    `override` replaces any entry (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages; the benchmark sweeps them).
+    `override` replaces any entry (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, and the kernel switches CVT_BITS,
+    F16_DOT, ELEMENTWISE, PREFETCH_TILES, LATE_TRIGGER; the benchmark sweeps them).
+
+    Grouped formats (int4, int8g): BLOCK_K divides g (a K tile inside one group: a sum per tile, scaled once), or, one
+    row at a time (BLOCK_M = 1), is a multiple of g (a K tile of whole groups: each weight times its group's scale,
+    summed per lane and reduced after the loop, the `ELEMENTWISE` form; override ELEMENTWISE=True takes it for
+    BLOCK_K <= g too); anything else is a GemvError. `int4_wide`: one-row int4 tiles of that form (default
+    INT4_WIDE_TILES; None or {} keeps the group-tiled ones).
 
     M = 1 (decode) tiles come from sweeps on the H200 (scripts/gpu_gemv.py --parts tune; BENCHMARKS.md sections 9 and
     16): int8 / fp8 / dense read 32 rows per program for N >= 8192 with 8 warps and long K tiles, unsplit when the
@@ -193,6 +205,10 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     would give fewer than 1.5 programs per SM, where they take 8 (`narrow`, default NARROW_TILES; measured at 1.45 B
     and 6.7 B); int4 64 rows x one group per tile, split to ~4 programs per SM. int8g takes int4's group-tiled shape
     (BLOCK_K = min(128, g): 32 for GGUF Q8_0), untuned: not yet swept on a GPU.
+
+    >>> c = gemv_config("int4", 1, 4096, 4096, 128, int4_wide=dict(BLOCK_N=32, BLOCK_K=512))  # four groups a tile
+    >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["tiles_per_split"]
+    (32, 512, 4, 2)
 
     >>> c = gemv_config("int4", 1, 4096, 4096, 128)
     >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
@@ -212,8 +228,12 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     """
     block_m = 1 if m == 1 else 16
     warps, stages, min_tiles = 4, 3, 0
+    wide = INT4_WIDE_TILES if int4_wide is None else int4_wide
     if block_m == 1:
-        if fmt in GROUPED:
+        if fmt == "int4" and wide:
+            block_n, block_k = wide.get("BLOCK_N", 32), wide.get("BLOCK_K", 512)
+            warps, stages = wide.get("num_warps", 8), wide.get("num_stages", 3)
+        elif fmt in GROUPED:
             block_n, block_k = 64, 128
         elif fmt == "dense":  # swept on the H200 (BENCHMARKS.md section 10): 3.7-4.0 TB/s on the wide 6.7 B shapes
             block_n, block_k = (32, 256) if n >= 8192 else (16, 512)
@@ -230,11 +250,13 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
             block_k = min(row_bytes, 1 << max(4, (max(k // 2, 1)).bit_length() - 1))  # and at most half of K
     else:
         block_n, block_k = 64, 128
-    if fmt in GROUPED:
+    if fmt in GROUPED and not (fmt == "int4" and wide and block_m == 1):
         block_k = min(block_k, group_size)
     block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))  # no K tile past the next power of two of K
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     cfg.update({key: v for key, v in override.items() if key != "SPLIT_K"})
+    if fmt in GROUPED:
+        _check_group_tile(fmt, cfg, group_size)
     tiles = math.ceil(n / cfg["BLOCK_N"]) * math.ceil(m / cfg["BLOCK_M"])
     k_tiles = math.ceil(k / cfg["BLOCK_K"])
     split = 1 if m > 16 or (min_tiles and tiles >= min_tiles) else \
@@ -246,20 +268,32 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     return cfg
 
 
+def _check_group_tile(fmt: str, cfg: dict, group_size: int) -> None:
+    """GemvError unless the K tile of a grouped format lies inside one group or (one-row) holds whole groups."""
+    block_k, one_row, elementwise = cfg["BLOCK_K"], cfg["BLOCK_M"] == 1, cfg.get("ELEMENTWISE")
+    if group_size % block_k and (block_k % group_size or not one_row):
+        raise GemvError(f"BLOCK_K={block_k} must divide the {fmt} group size {group_size} or, one row at a time "
+                        f"(BLOCK_M = 1), be a multiple of it")
+    if elementwise and not one_row:
+        raise GemvError("ELEMENTWISE (grouped weights dequantized per weight) is a one-row form: BLOCK_M must be 1")
+    if elementwise is False and block_k > group_size:
+        raise GemvError(f"BLOCK_K={block_k} spans several {fmt} groups of {group_size}: only the ELEMENTWISE form "
+                        "reads such tiles")
+
+
 # One-row tiles measured for particular shapes, {(fmt, N, K): gemv_config overrides}, consulted before the table in
 # `gemv_config`: set by `set_m1_tiles` from a tile sweep's results (scripts/gpu_gemv.py --parts tc writes them,
 # scripts/gpu_quant.py --m1-tiles reads them), empty by default.
 M1_TILES: dict[tuple[str, int, int], dict] = {}
+M1_TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "CVT_BITS", "ELEMENTWISE")
 
 
 def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
-    """Replace M1_TILES (keys (fmt, N, K), values gemv_config overrides such as BLOCK_M / BLOCK_N / BLOCK_K /
-    num_warps / SPLIT_K); cached launch configurations are dropped so the next call uses them."""
-    bad = [key for key, over in table.items() if set(over) - {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
-                                                               "num_stages", "SPLIT_K"}]
+    """Replace M1_TILES (keys (fmt, N, K), values gemv_config overrides named in M1_TILE_KEYS); cached launch
+    configurations are dropped so the next call uses them."""
+    bad = [key for key, over in table.items() if set(over) - set(M1_TILE_KEYS)]
     if bad:
-        raise GemvError(f"m1 tiles for {bad[0]} name unknown entries; allowed: BLOCK_M, BLOCK_N, BLOCK_K, num_warps, "
-                        "num_stages, SPLIT_K")
+        raise GemvError(f"m1 tiles for {bad[0]} name unknown entries; allowed: {', '.join(M1_TILE_KEYS)}")
     M1_TILES.clear()
     M1_TILES.update(table)
     _cached_config.cache_clear()
@@ -268,7 +302,8 @@ def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
 @functools.lru_cache(maxsize=4096)
 def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple, switches: tuple = ()) -> dict:
     """gemv_config with M1_TILES applied, cached; `switches` (the module switches gemv_config reads: NARROW_TILES,
-    WIDE_FP8_WARPS) is part of the key only, so a benchmark row that flips one gets its own configurations."""
+    WIDE_FP8_WARPS, INT4_WIDE_TILES) is part of the key only, so a benchmark row that flips one gets its own
+    configurations."""
     tiles = M1_TILES.get((fmt, n, k), {}) if m == 1 else {}
     return gemv_config(fmt, m, n, k, group_size, sm_count, **{**tiles, **dict(override)})
 
@@ -338,6 +373,27 @@ if TRITON_AVAILABLE:
         return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
 
     @triton.jit
+    def _nibble_minus_8(word, BIT: tl.constexpr):
+        """The int4 value q at bits BIT..BIT+3 of `word` (BIT <= 16), as q - 8 in fp32, exactly and without a cvt
+        instruction: q moved into a mantissa whose bit BIT is worth 1 (exponent 150 - BIT: the value 2^(23 - BIT) + q),
+        minus 2^(23 - BIT) + 8."""
+        return ((word & (15 << BIT)) | ((150 - BIT) << 23)).to(tl.float32, bitcast=True) - ((1 << (23 - BIT)) + 8)
+
+    @triton.jit
+    def _int4_word_to_f32_minus_8(wd):
+        """[R, C] int32 words of the "dequant" packing (byte j: k = 2j high nibble, 2j + 1 low) -> [R, 8 C] fp32 q - 8.
+        One and-or and one subtraction per weight, the 8 of a word joined in the thread that loaded it; the top three
+        nibbles (bits 20..31) come from the word shifted right by 12, one shift per word."""
+        hi = wd >> 12
+        # k = 8c + i at bit 4 of byte i // 2 for even i, bit 0 for odd: i = 0..3 from wd, 4 (bit 20), 6, 7 from hi
+        v0, v1, v2, v3 = _nibble_minus_8(wd, 4), _nibble_minus_8(wd, 0), _nibble_minus_8(wd, 12), _nibble_minus_8(wd, 8)
+        v4, v5, v6, v7 = _nibble_minus_8(hi, 8), _nibble_minus_8(wd, 16), _nibble_minus_8(hi, 16), _nibble_minus_8(hi, 12)
+        # tl.join adds its axis innermost: join by a (i = 4a + 2b + d) first, then b, then d
+        by_b = tl.join(tl.join(v0, v4), tl.join(v2, v6))  # [R, C, 2 (a), 2 (b)], d = 0
+        w = tl.join(by_b, tl.join(tl.join(v1, v5), tl.join(v3, v7)))  # [R, C, 2, 2, 2 (d)]
+        return tl.reshape(w, [wd.shape[0], wd.shape[1] * 8])
+
+    @triton.jit
     def _fp8_to_f32_scaled(w):
         """float8 e4m3 -> fp32 by integer ops: the 7 exponent and mantissa bits moved into an fp32's low exponent bits,
         the sign to bit 31: the value times 2^-120, exactly (e4m3 subnormals become fp32 denormals). The caller
@@ -356,7 +412,9 @@ if TRITON_AVAILABLE:
             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
             NORM: tl.constexpr, F16_DOT: tl.constexpr, X_SCALE: tl.constexpr, CVT_BITS: tl.constexpr,
             PDL: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STEP: tl.constexpr = 64,
-            LATE_TRIGGER: tl.constexpr = True):
+            LATE_TRIGGER: tl.constexpr = True,
+            TILE_GROUPS: tl.constexpr = 0):  # int4 / int8g one-row: 0 = the group-tiled form; n >= 1 = dequantized
+            # per weight, the K tile as n groups (or one group's slice) of BLOCK_K // n weights, reduced after the loop
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -382,6 +440,8 @@ if TRITON_AVAILABLE:
         sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: x^2 per row and lane, summed after the loop
         if FMT != 1 and FMT != 4 and BLOCK_M == 1:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
+        if TILE_GROUPS > 0:  # [BN, groups of the tile, weights of a group in the tile]: reduced once, after the loop
+            acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS], dtype=tl.float32)
         for kt in range(kt_start, kt_end):
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
             x_mask = mask_m[:, None] & (offs_k < K)[None, :]
@@ -397,7 +457,32 @@ if TRITON_AVAILABLE:
                 sq2 += xn * xn  # reduced once after the loop: a reduction here would put a barrier in every step
                 nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # [BK]
                 x = (xn * nw[None, :]).to(x_ptr.dtype.element_ty)
-            if FMT == 1 or FMT == 4:  # int4 / int8g: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
+            if TILE_GROUPS > 0:  # int4 / int8g one-row, K tiles of whole groups: each weight times its group's scale
+                if FMT == 1 and CVT_BITS:  # 32-bit words of 8 weights, each widened in place by integer ops
+                    offs_w = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+                    wd = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (sw_n // 4) + offs_w[None, :],
+                                 mask=mask_n[:, None] & (offs_w < K // 8)[None, :], other=0)  # [BN, BK / 8]
+                    qf = _int4_word_to_f32_minus_8(wd)  # [BN, BK]: q - 8, exact
+                elif FMT == 1:  # (the last tile may be partial: its groups past K are masked, scale and zero 0)
+                    offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+                    b = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_b[None, :],
+                                mask=mask_n[:, None] & (offs_b < K // 2)[None, :], other=0)
+                    q = tl.interleave(b >> 4, b & 15)  # [BN, BK] in 0..15
+                    qf = q.to(tl.float32)
+                else:
+                    q = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :],
+                                mask=mask_n[:, None] & (offs_k < K)[None, :], other=0)  # [BN, BK] int8
+                    qf = _int8_to_f32(q) if CVT_BITS else q.to(tl.float32)
+                offs_g = (kt * BLOCK_K) // GROUP + tl.arange(0, TILE_GROUPS)  # [G]: the tile's groups
+                sz_offs = offs_n[:, None] * ss_n + offs_g[None, :] * ss_g  # [BN, G]
+                sz_mask = mask_n[:, None] & (offs_g < K // GROUP)[None, :]
+                s = tl.load(s_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)  # [BN, G]
+                w = tl.reshape(qf, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS]) * s[:, :, None]  # [BN, G, BK / G]
+                if FMT == 1:  # + zero, and - 8 scale where qf is q (one multiply-add per weight either way)
+                    z = tl.load(z_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)
+                    w += (z if CVT_BITS else z - 8.0 * s)[:, :, None]
+                acc3 += w * tl.reshape(x.to(tl.float32), [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS])
+            elif FMT == 1 or FMT == 4:  # int4 / int8g: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
                 if FMT == 1:
                     offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
                     b = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_b[None, :], mask=mask_n[:, None], other=0)
@@ -444,6 +529,8 @@ if TRITON_AVAILABLE:
         if PDL and LATE_TRIGGER:  # this program's weights are read: the next kernel may take the SM slots we free
             gdc_launch_dependents()
         sq = tl.sum(sq2, axis=1)  # [BM]: this split's sum of x^2 per row (NORM)
+        if TILE_GROUPS > 0:
+            acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
         if FMT != 1 and FMT != 4:
             if BLOCK_M == 1:
                 acc = tl.sum(acc2, axis=1)[None, :]
@@ -539,9 +626,10 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     n = weight.shape[0]
     sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
     cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())),
-                         (NARROW_TILES, WIDE_FP8_WARPS))
-    if fmt in GROUPED and group_size % cfg["BLOCK_K"]:
-        raise GemvError(f"BLOCK_K={cfg['BLOCK_K']} must divide the {fmt} group size {group_size}")
+                         (NARROW_TILES, WIDE_FP8_WARPS, tuple(sorted((INT4_WIDE_TILES or {}).items()))))
+    tile_groups = 0  # grouped formats: the group-tiled form, or the ELEMENTWISE one with this many groups per K tile
+    if fmt in GROUPED and cfg.get("ELEMENTWISE", cfg["BLOCK_K"] > group_size):
+        tile_groups = max(1, cfg["BLOCK_K"] // group_size)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (math.ceil(n / cfg["BLOCK_N"]), math.ceil(m / cfg["BLOCK_M"]), cfg["SPLIT_K"])
     # the same pointer types whatever the split (one compiled kernel); with one split neither buffer is touched
@@ -573,7 +661,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         BLOCK_K=cfg["BLOCK_K"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, RESIDUAL=residual is not None,
         NORM=norm, F16_DOT=f16_dot, X_SCALE=X_SCALE_BF16 if x.dtype == torch.bfloat16 else 1.0,
-        CVT_BITS=cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS),
+        CVT_BITS=cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS), TILE_GROUPS=tile_groups,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     return out
 

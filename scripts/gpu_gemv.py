@@ -12,7 +12,9 @@ speed  : the same shapes and M, graph-replayed (one CUDA graph runs the call ove
          (_weight_int8pack_mm, tinygemm _weight_int4pack_mm, _scaled_mm with per-token activation quantization) and
          a bf16 F.linear of the same shape; speedup vs bf16.
 sweep  : M = 1 on the 6.7 B shapes: BLOCK_N x SPLIT_K around `gemv_config`'s choice, so the heuristic can be checked.
-tune   : M = 1 on the same shapes, wider: BLOCK_N x BLOCK_K x num_warps x num_stages (split auto or 1), best marked.
+tune   : M = 1 on the same shapes, wider: BLOCK_N x BLOCK_K x num_warps x num_stages (split auto or 1), best marked
+         beside gemv_config's own tile (auto_us, speedup_vs_auto); int4 takes BLOCK_K values that divide the group or
+         are multiples of it (K tiles of whole groups, the kernel's ELEMENTWISE form), e.g. --tune-block-k 128,256,512.
 tc     : M = 1 on the --configs shapes: gemv_config's CUDA-core tile against tensor-core tiles (BLOCK_M = 16), with
          parity; the best per (format, shape) into gemv_tc_tiles.json (for scripts/gpu_quant.py --m1-tiles).
 f16    : M > 1 (verify widths): int8 / fp8 tensor-core tiles with fp16 operands against the fp32-widened weight.
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_quant import CONFIGS, table  # noqa: E402
 from gpu_timing import graph_us, run_parts  # noqa: E402
+from kernels import quant_gemv  # noqa: E402
 from kernels.quant_gemv import (GEMV_FORMATS, all_byte_values, dequantize_weight, gemv_config,  # noqa: E402
                                 quant_gemv_triton, triton_problem)
 from workbench.engine.quant import linear_shapes, weight_bytes  # noqa: E402
@@ -252,9 +255,11 @@ def part_sweep(args, device) -> list[dict]:
 
 def part_tune(args, device) -> list[dict]:
     """M = 1 on the --sweep-configs shapes: a wider grid than `sweep` (BLOCK_N x BLOCK_K x num_warps x num_stages x
-    SPLIT_K; --tune-* set the values), gemv_config's own tile timed first, the best per (shape, format) marked with
-    its speedup over that; the best that is not gemv_config's goes into gemv_tune_tiles.json (gpu_quant.py
-    --m1-tiles, "+tc" rows)."""
+    SPLIT_K; --tune-* set the values), gemv_config's own tile timed first, each tile's max |error| / max |reference|
+    beside its time, the fastest within --parity-rtol per (shape, format) marked with its speedup over the first; the best that is not gemv_config's goes into gemv_tune_tiles.json (gpu_quant.py
+    --m1-tiles, "+tc" rows). Grouped formats (int4) take the --tune-block-k values that divide the group size or are
+    multiples of it (default: those of 64, 128 that divide it, gemv_config's one-group tiles); --tune-cvt-bits adds
+    the widening switch (CVT_BITS: int4's K tiles of whole groups, int8 / fp8) to the grid."""
     rows = []
     problem = kernel_ok(device)
     if problem:
@@ -264,51 +269,67 @@ def part_tune(args, device) -> list[dict]:
     for config, name, k, n in shapes_of(args.sweep_configs):
         for fmt in args.formats.split(","):
             mod, clones, nbytes, x = tile_case(fmt, k, n, device, args)
-            block_ks = [b for b in (64, 128) if args.int4_group_size % b == 0] if fmt == "int4" else \
-                ints(args.tune_block_k) or ([128, 256, 512] if fmt == "dense" else [256, 512, 1024])
+            g = args.int4_group_size
+            if fmt == "int4":  # inside one group, or whole groups (gemv_config refuses anything else)
+                block_ks = [b for b in ints(args.tune_block_k) or (64, 128) if g % b == 0 or b % g == 0]
+            else:
+                block_ks = ints(args.tune_block_k) or ([128, 256, 512] if fmt == "dense" else [256, 512, 1024])
             block_ks = sorted({min(b, max(16, 1 << (k - 1).bit_length())) for b in block_ks})  # none past K
+            ref = x.float() @ dequantize_weight(fmt, **buffers(mod)).T  # [1, N] fp32: every tile's parity
+            ref_max = ref.abs().max()
             auto_cfg = gemv_config(fmt, 1, n, k, args.int4_group_size)
             auto_row = dict(config=config, linear=name, K=k, N=n, format=fmt, tile="auto",
                             **{key: auto_cfg[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages",
                                                               "SPLIT_K")})
             try:  # gemv_config's own choice first, timed the same way, so each best says what it beats
+                got = quant_gemv_triton(x, fmt, **buffers(mod)).float()
+                auto_row["rel_err"] = ((got - ref).abs().max() / ref_max).item()
                 auto_row["us"] = time_us([lambda c=c: quant_gemv_triton(x, fmt, **buffers(c)) for c in clones],
                                          device, args.replays)
                 auto_row["gb_per_s"] = nbytes / auto_row["us"] / 1e3
             except Exception as e:  # noqa: BLE001
                 auto_row["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(auto_row)
+            print(json.dumps(auto_row), flush=True)
+            cvts = [{"CVT_BITS": bool(v)} for v in ints(args.tune_cvt_bits)] or [{}]  # [{}]: the format's default
             for block_n in ints(args.tune_block_n) or (16, 32, 64):
                 for block_k in block_ks:
-                    for warps in (4, 8):
+                    for warps in ints(args.tune_warps) or (4, 8):
                         for stages in ints(args.tune_stages) or (2, 4):
-                            auto = gemv_config(fmt, 1, n, k, args.int4_group_size, BLOCK_N=block_n, BLOCK_K=block_k)
+                            auto = gemv_config(fmt, 1, n, k, g, BLOCK_N=block_n, BLOCK_K=block_k)
                             splits = ints(args.tune_splits) or [1, auto["SPLIT_K"]]
                             for split in sorted({s for s in splits if s <= math.ceil(k / block_k)}):
-                                if time.perf_counter() > t_end:
-                                    rows.append(dict(config=config, linear=name, format=fmt, error="tune budget spent"))
-                                    _write_tiles(args, best_tiles, "gemv_tune_tiles.json")
-                                    return rows
-                                over = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-                                            SPLIT_K=split)
-                                row = dict(config=config, linear=name, K=k, N=n, format=fmt, **over)
-                                try:
-                                    us = time_us([lambda c=c: quant_gemv_triton(x, fmt, **buffers(c), **over)
-                                                  for c in clones], device, args.replays)
-                                    row.update(us=us, gb_per_s=nbytes / us / 1e3)
-                                except Exception as e:  # noqa: BLE001
-                                    row["error"] = f"{type(e).__name__}: {e}"[:300]
-                                rows.append(row)
-            del clones, mod
+                                for cvt in cvts:
+                                    if time.perf_counter() > t_end:
+                                        rows.append(dict(config=config, linear=name, format=fmt,
+                                                         error="tune budget spent"))
+                                        _write_tiles(args, best_tiles, "gemv_tune_tiles.json")
+                                        return rows
+                                    over = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                                num_stages=stages, SPLIT_K=split, **cvt)
+                                    row = dict(config=config, linear=name, K=k, N=n, format=fmt, **over)
+                                    try:
+                                        got = quant_gemv_triton(x, fmt, **buffers(mod), **over).float()
+                                        row["rel_err"] = ((got - ref).abs().max() / ref_max).item()
+                                        us = time_us([lambda c=c: quant_gemv_triton(x, fmt, **buffers(c), **over)
+                                                      for c in clones], device, args.replays)
+                                        row.update(us=us, gb_per_s=nbytes / us / 1e3)
+                                    except Exception as e:  # noqa: BLE001
+                                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                                    rows.append(row)
+            del clones, mod, ref
             best = min((r for r in rows if r.get("format") == fmt and r.get("linear") == name and "us" in r
-                        and r.get("config") == config), key=lambda r: r["us"], default=None)
+                        and r.get("config") == config and r["rel_err"] <= args.parity_rtol),
+                       key=lambda r: r["us"], default=None)  # the fastest parity-clean tile
             if best:
                 best["best"] = True
-                if "us" in auto_row:
+                if "us" in auto_row:  # gemv_config's own tile beside the best
+                    best["auto_us"] = auto_row["us"]
                     best["speedup_vs_auto"] = auto_row["us"] / best["us"]
                 if best.get("tile") != "auto":  # a measured tile for gpu_quant.py --m1-tiles ("+tc" rows)
                     best_tiles[f"{fmt},{n},{k}"] = {key: best[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps",
-                                                                               "num_stages", "SPLIT_K")}
+                                                                               "num_stages", "SPLIT_K", "CVT_BITS")
+                                                    if key in best}
                 print(json.dumps(best), flush=True)
     _write_tiles(args, best_tiles, "gemv_tune_tiles.json")
     return rows
@@ -459,9 +480,13 @@ def main() -> None:
     ap.add_argument("--decode-modes", default="graphs", help="gpu_fastpath modes the decode part runs")
     ap.add_argument("--tune-budget-s", type=float, default=150)
     ap.add_argument("--tune-block-n", default="", help="tune part: BLOCK_N values (default 16,32,64)")
-    ap.add_argument("--tune-block-k", default="", help="tune part: BLOCK_K values for int8 / fp8 / dense (default "
-                    "128,256,512 dense, 256,512,1024 else; int4 takes the group's)")
+    ap.add_argument("--tune-block-k", default="", help="tune part: BLOCK_K values (default 128,256,512 dense, "
+                    "256,512,1024 int8 / fp8, 64,128 int4; int4 keeps those that divide --int4-group-size or are "
+                    "multiples of it: K tiles of whole groups)")
+    ap.add_argument("--tune-warps", default="", help="tune part: num_warps values (default 4,8)")
     ap.add_argument("--tune-stages", default="", help="tune part: num_stages values (default 2,4)")
+    ap.add_argument("--tune-cvt-bits", default="", help="tune part: CVT_BITS values, e.g. 0,1 (default: the format's "
+                    "own; int4 reads it in K tiles of whole groups only)")
     ap.add_argument("--tune-splits", default="", help="tune part: SPLIT_K values (default 1 and gemv_config's)")
     ap.add_argument("--decode-extra", default="", help="more gpu_quant formats to decode beside none and the triton "
                     "ones, comma-separated (e.g. int4 = tinygemm, fp8 = _scaled_mm; BENCHMARKS 8.4 has them)")
@@ -469,6 +494,10 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(f for f in GEMV_FORMATS if f != "int8g"))
     ap.add_argument("--ms", default="1,4,9", help="activation rows M")
     ap.add_argument("--int4-group-size", type=int, default=128)
+    ap.add_argument("--int4-wide-tiles", default="", help="JSON gemv_config tiles for one-row int4 calls with K tiles "
+                    "of whole groups, set as kernels.quant_gemv.INT4_WIDE_TILES for every part (parity, speed, "
+                    "decode), e.g. '{\"BLOCK_N\": 32, \"BLOCK_K\": 512, \"num_warps\": 8, \"num_stages\": 3}'; "
+                    "default: off (one group per K tile)")
     ap.add_argument("--parity-rtol", type=float, default=2 ** -7, help="max |err| / max |ref| that counts as ok")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -477,11 +506,13 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     args.dtype = torch.bfloat16
+    if args.int4_wide_tiles:
+        quant_gemv.INT4_WIDE_TILES = json.loads(args.int4_wide_tiles)
     torch.manual_seed(0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__}
+           "torch": torch.__version__, "int4_wide_tiles": quant_gemv.INT4_WIDE_TILES}
     try:
         import triton
         env["triton"] = triton.__version__

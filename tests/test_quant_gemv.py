@@ -256,6 +256,151 @@ def test_eight_row_tiles(fmt, split, interpreter_bf16_dot):
     assert not counters.any()
 
 
+# ---- grouped formats, one row: K tiles of whole groups (the ELEMENTWISE form) -------------------------------------
+def test_grouped_k_tiles_lie_in_one_group_or_hold_whole_groups():
+    """BLOCK_K divides g, or (one row) is a multiple of it; anything else, and the forms the kernel lacks (several
+    groups a tile without ELEMENTWISE, ELEMENTWISE on tensor-core row tiles), is a GemvError before any launch."""
+    for fmt in ("int4", "int8g"):
+        assert gemv_config(fmt, 1, 64, 1024, 32, BLOCK_K=128)["BLOCK_K"] == 128  # four groups a tile
+        assert gemv_config(fmt, 1, 64, 1024, 32, BLOCK_K=16)["BLOCK_K"] == 16  # half a group
+        with pytest.raises(GemvError, match="BLOCK_K=48 must divide the .* group size 32 or, one row at a time"):
+            gemv_config(fmt, 1, 64, 1024, 32, BLOCK_K=48)
+        with pytest.raises(GemvError, match="BLOCK_K=64 must divide"):
+            gemv_config(fmt, 4, 64, 1024, 32, BLOCK_K=64)  # M > 1: tensor-core tiles take one group a tile
+        with pytest.raises(GemvError, match="only the ELEMENTWISE form"):
+            gemv_config(fmt, 1, 64, 1024, 32, BLOCK_K=64, ELEMENTWISE=False)
+        with pytest.raises(GemvError, match="one-row form"):
+            gemv_config(fmt, 4, 64, 1024, 32, ELEMENTWISE=True)
+    assert gemv_config("int4", 1, 4096, 4096, 128)["BLOCK_K"] == 128  # the default: one group a tile (not measured)
+    wide = dict(BLOCK_N=32, BLOCK_K=512, num_warps=8, num_stages=3)
+    c = gemv_config("int4", 1, 4096, 4096, 128, int4_wide=wide)
+    assert {key: c[key] for key in wide} == wide and c["BLOCK_M"] == 1
+    assert gemv_config("int4", 1, 4096, 4096, 128, int4_wide={}) == gemv_config("int4", 1, 4096, 4096, 128)
+    assert gemv_config("int4", 4, 4096, 4096, 128, int4_wide=wide)["BLOCK_K"] == 128  # M > 1 keeps its tiles
+    assert gemv_config("int4", 1, 64, 256, 32, int4_wide=wide)["BLOCK_K"] == 256  # no K tile past K
+    qg.set_m1_tiles({("int4", 4096, 4096): dict(BLOCK_N=16, BLOCK_K=1024, ELEMENTWISE=True, CVT_BITS=True)})
+    try:  # a tune's int4 winners load as measured tiles (scripts/gpu_quant.py --m1-tiles)
+        c = qg._cached_config("int4", 1, 4096, 4096, 128, 132, ())
+        assert (c["BLOCK_N"], c["BLOCK_K"], c["CVT_BITS"]) == (16, 1024, True)
+    finally:
+        qg.set_m1_tiles({})
+
+
+GROUP_TILE_SHAPES = {  # (N, K, g): K / g groups, a partial last K tile for 4 groups a tile (and 2 at K = 352)
+    "k320": (72, 320, 32),
+    "k352": (40, 352, 32),
+}
+
+
+@interpreter
+@pytest.mark.parametrize("cvt_bits", [None, True, False])
+@pytest.mark.parametrize("split", [None, 1, 3])
+@pytest.mark.parametrize("groups_per_tile", [2, 4])
+@pytest.mark.parametrize("shape", GROUP_TILE_SHAPES)
+@pytest.mark.parametrize("fmt", ["int4", "int8g"])
+def test_k_tiles_of_whole_groups_match_reference(fmt, shape, groups_per_tile, split, cvt_bits):
+    """One row, BLOCK_K = 2 or 4 groups (the last tile partial where K is not a multiple of it), split or not, each
+    weight widened by cvt or by integer ops: the reference within the group-tiled form's tolerance."""
+    n, k, group = GROUP_TILE_SHAPES[shape]
+    dtype = torch.bfloat16
+    _, buffers = stored(fmt, n, k, group, dtype=dtype, seed=groups_per_tile)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(dtype)
+    over = dict(BLOCK_N=16, BLOCK_K=groups_per_tile * group, **({} if split is None else dict(SPLIT_K=split)),
+                **({} if cvt_bits is None else dict(CVT_BITS=cvt_bits)))
+    counters = counters_for(n, "cpu")
+    got = quant_gemv_triton(x, fmt, **buffers, counters=counters, **over)
+    want = x.float() @ dequantize_weight(fmt, **buffers).T
+    torch.testing.assert_close(got.float(), want, rtol=RTOL[dtype], atol=1e-3)
+    assert not counters.any()
+
+
+@interpreter
+@pytest.mark.parametrize("block_k", [16, 32, 128])
+def test_elementwise_form_also_reads_tiles_inside_one_group(block_k):
+    """ELEMENTWISE=True with BLOCK_K <= g (half a group, one group) and > g: the same function (fp32, tight)."""
+    _, buffers = stored("int4", 40, 256, 32, seed=1)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(2))
+    got = quant_gemv_triton(x, "int4", **buffers, BLOCK_K=block_k, ELEMENTWISE=True, SPLIT_K=2)
+    torch.testing.assert_close(got, quant_gemv_reference(x, "int4", **buffers), rtol=1e-5, atol=1e-4)
+
+
+@interpreter
+@pytest.mark.parametrize("split", [None, 3])
+@pytest.mark.parametrize("fusion", ["glu+residual", "norm", "norm+residual"])
+@pytest.mark.parametrize("fmt", ["int4", "int8g"])
+def test_k_tiles_of_whole_groups_keep_the_fusions(fmt, fusion, split, interpreter_bf16_dot):
+    """SwiGLU / RMSNorm prologues and the residual epilogue around a K tile of four groups (K = 320: the last tile
+    half full), split or not: the fused reference within the fusion tests' tolerance."""
+    n, k, group = GROUP_TILE_SHAPES["k320"]
+    dtype = torch.bfloat16
+    _, buffers = stored(fmt, n, k, group, dtype=dtype, seed=4)
+    g = torch.Generator().manual_seed(17)
+    glu, norm = "glu" in fusion, "norm" in fusion
+    x = torch.randn(1, 2 * k if glu else k, generator=g).to(dtype) * (4 if norm else 1)
+    fused = dict(glu=glu, residual=torch.randn(1, n, generator=g).to(dtype) if "residual" in fusion else None,
+                 norm_weight=(torch.rand(k, generator=g) + 0.5).to(dtype) if norm else None)
+    over = dict(BLOCK_N=16, BLOCK_K=4 * group, **({} if split is None else dict(SPLIT_K=split)))
+    counters = counters_for(n, "cpu")
+    got = quant_gemv_triton(x, fmt, **buffers, counters=counters, **fused, **over).float()
+    want = quant_gemv_reference(x, fmt, **buffers, **fused).float()
+    assert (got - want).abs().max() <= 2 ** -6 * want.abs().max()  # as test_triton_norm_prologue_matches_reference
+    assert not counters.any()
+
+
+@interpreter
+def test_k_tiles_of_whole_groups_use_each_groups_own_scale_and_zero():
+    """The tolerance above would catch a tile that took a neighbouring group's scale or zero (or the tile's first
+    group's for all): scales 1, 2, 4, ... and zeros that differ per group, and the kernel is exact on small integers."""
+    n, k, group = 24, 320, 32
+    _, buffers = stored("int4", n, k, group, seed=3)
+    gs = k // group
+    scale = (2.0 ** (torch.arange(gs) % 5)).expand(n, gs).contiguous()  # [N, K/g]
+    zero = (torch.arange(gs, dtype=torch.float32) - 3).expand(n, gs).contiguous()
+    buffers.update(scale=scale, zero=zero)
+    x = torch.randint(-3, 4, (1, k), generator=torch.Generator().manual_seed(1)).float()
+    want = quant_gemv_reference(x, "int4", **buffers)
+    for cvt_bits in (True, False):
+        got = quant_gemv_triton(x, "int4", **buffers, BLOCK_N=16, BLOCK_K=4 * group, CVT_BITS=cvt_bits)
+        assert torch.equal(got, want)  # integers below 2^24 throughout: no rounding anywhere
+    for wrong in (dict(scale=scale.roll(1, 1), zero=zero), dict(scale=scale, zero=zero.roll(1, 1)),
+                  dict(scale=scale[:, ::4].repeat_interleave(4, 1)[:, :gs], zero=zero)):  # the tile's first group
+        mutated = quant_gemv_reference(x, "int4", buffers["weight"], group_size=group, **wrong)
+        assert not torch.allclose(mutated, want, rtol=RTOL[torch.bfloat16], atol=1e-3)
+
+
+@interpreter
+def test_int4_integer_op_widening_is_exact_for_every_nibble():
+    """CVT_BITS in the ELEMENTWISE form: q - 8 from the bits of 2^23 + q gives every nibble, high and low, exactly."""
+    n, k = 16, 32
+    q = torch.arange(16, dtype=torch.uint8)
+    weight = torch.zeros(n, k // 2, dtype=torch.uint8)
+    weight[:, 0] = (q << 4) | (15 - q)  # row n: k = 0 holds n, k = 1 holds 15 - n
+    buffers = dict(scale=torch.ones(n, 1), zero=torch.zeros(n, 1), group_size=k)
+    for col, want in ((0, q.float() - 8), (1, 7 - q.float())):
+        x = torch.zeros(1, k)
+        x[0, col] = 1.0
+        for cvt_bits in (True, False):
+            got = quant_gemv_triton(x, "int4", weight, **buffers, BLOCK_K=32, ELEMENTWISE=True, CVT_BITS=cvt_bits)
+            assert torch.equal(got[0], want)
+
+
+@interpreter
+def test_int4_wide_tiles_switch_reaches_the_launch(monkeypatch):
+    """INT4_WIDE_TILES (off by default) gives one-row int4 calls K tiles of whole groups through the custom op, and
+    the launch cache keys on it: the same call before and after the switch takes each configuration."""
+    _, buffers = stored("int4", 40, 320, 32, seed=6)
+    x = torch.randn(1, 320, generator=torch.Generator().manual_seed(6))
+    want = quant_gemv_reference(x, "int4", **buffers)
+    launched = []
+    kernel = qg._gemv_kernel
+    monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
+        launched.append((kw["BLOCK_K"], kw["TILE_GROUPS"])), kernel[grid](*a, **kw))[1]})())
+    torch.testing.assert_close(quant_gemv_triton(x, "int4", **buffers), want, rtol=1e-5, atol=1e-4)
+    monkeypatch.setattr(qg, "INT4_WIDE_TILES", dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2))
+    torch.testing.assert_close(quant_gemv_triton(x, "int4", **buffers), want, rtol=1e-5, atol=1e-4)
+    assert launched == [(32, 0), (128, 4)]
+
+
 @interpreter
 def test_split_k_reuses_its_counters_across_calls(interpreter_bf16_dot):
     _, buffers = stored("int8", 72, 512)
