@@ -35,6 +35,11 @@ How the math is arranged (each per-channel or per-group factor applied where it 
   weight element.
 - int8g: the same grouped tiles without a zero: per tile t = sum_k x_k q_k (q in -128..127, exact) and
   acc += scale * t.
+- int4 / int8g one row, K tiles of whole groups (BLOCK_K a multiple of g, the ELEMENTWISE form; off by default,
+  INT4_WIDE_TILES): each weight dequantized with its group's scale (loaded [BN, groups of the tile], broadcast over
+  the group's weights by a reshape that moves no data) and summed per lane, one reduction after the loop as dense /
+  fp8 do, instead of a reduction per tile. int4 with CVT_BITS reads 32-bit words and widens each nibble by an and-or
+  into 2^23's mantissa and one subtraction (`_int4_words_dot`), accumulating per word.
 - M = 1 (BLOCK_M = 1): broadcast multiply and reduce over K on the CUDA cores (a GEMV); M > 1: `tl.dot` with
   BLOCK_M = 16 row tiles (the tensor cores' smallest M; rows past M are masked). A measured tile may put M = 1 on
   the tensor cores too (BLOCK_M = 16 in M1_TILES; measured slower in decode, BENCHMARKS.md section 11). fp8 tiles
@@ -79,8 +84,10 @@ X_SCALE_BF16 = 2.0 ** -6
 # One-row (CUDA-core) GEMVs may widen each weight to fp32 by integer ops instead of conversion instructions
 # (`_int8_to_f32`, `_fp8_to_f32_scaled`; exact for every byte, on the H200 too). Measured per linear on the H200
 # (BENCHMARKS.md section 11): int8 1.03-1.39x faster that way, fp8 2-8 % slower on 7 of 8 shapes, so the default is on
-# for the int8 formats only; a sweep may set it per call (override CVT_BITS=...).
-CVT_BITS_FORMATS = ("int8", "int8g")
+# for the int8 formats only; a sweep may set it per call (override CVT_BITS=...). int4 reads it only in K tiles of whole
+# groups (ELEMENTWISE; the group-tiled default ignores it): 32-bit words widened in place (`_int4_words_dot`), about 5
+# instructions a weight in the sm_90 loop against 7 with cvt (counted in the compiled code, not yet timed).
+CVT_BITS_FORMATS = ("int8", "int8g", "int4")
 FP8_UNBIAS = 2.0 ** 120  # what _fp8_to_f32_scaled's values are multiplied by
 # Tensor-core tiles (M > 1) with fp16 operands: fp8 within 1 % of the fp32-widened form, int8 4-29 % slower
 # (BENCHMARKS.md section 11): fp8 only by default (override F16_DOT=...).
@@ -373,25 +380,33 @@ if TRITON_AVAILABLE:
         return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
 
     @triton.jit
-    def _nibble_minus_8(word, BIT: tl.constexpr):
-        """The int4 value q at bits BIT..BIT+3 of `word` (BIT <= 16), as q - 8 in fp32, exactly and without a cvt
-        instruction: q moved into a mantissa whose bit BIT is worth 1 (exponent 150 - BIT: the value 2^(23 - BIT) + q),
-        minus 2^(23 - BIT) + 8."""
-        return ((word & (15 << BIT)) | ((150 - BIT) << 23)).to(tl.float32, bitcast=True) - ((1 << (23 - BIT)) + 8)
+    def _nibble_term(word, BIT: tl.constexpr, s, z, x, magic):
+        """((q - 8) s + z) x for the int4 value q at bits BIT..BIT+3 of `word` (BIT <= 16), without a cvt instruction:
+        q 2^BIT or-ed into the mantissa of 2^23 (`magic`: its bits; exactly 2^23 + q 2^BIT), minus 2^23 + 8 2^BIT
+        (exactly (q - 8) 2^BIT), times s 2^-BIT (exact: a power of two)."""
+        v = ((word & (15 << BIT)) | magic).to(tl.float32, bitcast=True) - (8388608.0 + 8.0 * (1 << BIT))
+        return (v * (s * (1.0 / (1 << BIT))) + z) * x
 
     @triton.jit
-    def _int4_word_to_f32_minus_8(wd):
-        """[R, C] int32 words of the "dequant" packing (byte j: k = 2j high nibble, 2j + 1 low) -> [R, 8 C] fp32 q - 8.
-        One and-or and one subtraction per weight, the 8 of a word joined in the thread that loaded it; the top three
-        nibbles (bits 20..31) come from the word shifted right by 12, one shift per word."""
-        hi = wd >> 12
-        # k = 8c + i at bit 4 of byte i // 2 for even i, bit 0 for odd: i = 0..3 from wd, 4 (bit 20), 6, 7 from hi
-        v0, v1, v2, v3 = _nibble_minus_8(wd, 4), _nibble_minus_8(wd, 0), _nibble_minus_8(wd, 12), _nibble_minus_8(wd, 8)
-        v4, v5, v6, v7 = _nibble_minus_8(hi, 8), _nibble_minus_8(wd, 16), _nibble_minus_8(hi, 16), _nibble_minus_8(hi, 12)
-        # tl.join adds its axis innermost: join by a (i = 4a + 2b + d) first, then b, then d
-        by_b = tl.join(tl.join(v0, v4), tl.join(v2, v6))  # [R, C, 2 (a), 2 (b)], d = 0
-        w = tl.join(by_b, tl.join(tl.join(v1, v5), tl.join(v3, v7)))  # [R, C, 2, 2, 2 (d)]
-        return tl.reshape(w, [wd.shape[0], wd.shape[1] * 8])
+    def _int4_words_dot(wd, s, z, x, magic):
+        """sum over the 8 weights of each word of ((q - 8) s + z) x: wd [R, G, C] int32 words of the "dequant" packing
+        (byte j: k = 2j high nibble, 2j + 1 low), s / z [R, G, 1] (their group's), x [1, G, C, 2, 2, 2] (weight
+        i = 4a + 2b + d of word c) -> [R, G, C] fp32. Per weight an and-or, a subtraction and two multiply-adds."""
+        hi = wd >> 12  # the top three nibbles (bits 20..31) at bits 8..19
+        x_d0, x_d1 = tl.split(x)  # [1, G, C, 2, 2]
+        x0, x4 = tl.split(tl.split(x_d0)[0])  # i = 4a + 2b + d: b = 0, d = 0
+        x2, x6 = tl.split(tl.split(x_d0)[1])
+        x1, x5 = tl.split(tl.split(x_d1)[0])
+        x3, x7 = tl.split(tl.split(x_d1)[1])
+        acc = _nibble_term(wd, 4, s, z, x0, magic)  # k = 8c + i: bit 4 of byte i // 2 for even i, bit 0 for odd
+        acc += _nibble_term(wd, 0, s, z, x1, magic)
+        acc += _nibble_term(wd, 12, s, z, x2, magic)
+        acc += _nibble_term(wd, 8, s, z, x3, magic)
+        acc += _nibble_term(hi, 8, s, z, x4, magic)  # bit 20
+        acc += _nibble_term(wd, 16, s, z, x5, magic)
+        acc += _nibble_term(hi, 16, s, z, x6, magic)  # bit 28
+        acc += _nibble_term(hi, 12, s, z, x7, magic)  # bit 24
+        return acc
 
     @triton.jit
     def _fp8_to_f32_scaled(w):
@@ -440,7 +455,9 @@ if TRITON_AVAILABLE:
         sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: x^2 per row and lane, summed after the loop
         if FMT != 1 and FMT != 4 and BLOCK_M == 1:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
-        if TILE_GROUPS > 0:  # [BN, groups of the tile, weights of a group in the tile]: reduced once, after the loop
+        if TILE_GROUPS > 0 and FMT == 1 and CVT_BITS:  # [BN, groups of the tile, 32-bit words of a group in the tile]
+            acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8], dtype=tl.float32)
+        elif TILE_GROUPS > 0:  # [BN, groups of the tile, weights of a group in the tile]: reduced after the loop
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS], dtype=tl.float32)
         for kt in range(kt_start, kt_end):
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
@@ -458,30 +475,38 @@ if TRITON_AVAILABLE:
                 nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # [BK]
                 x = (xn * nw[None, :]).to(x_ptr.dtype.element_ty)
             if TILE_GROUPS > 0:  # int4 / int8g one-row, K tiles of whole groups: each weight times its group's scale
-                if FMT == 1 and CVT_BITS:  # 32-bit words of 8 weights, each widened in place by integer ops
-                    offs_w = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-                    wd = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (sw_n // 4) + offs_w[None, :],
-                                 mask=mask_n[:, None] & (offs_w < K // 8)[None, :], other=0)  # [BN, BK / 8]
-                    qf = _int4_word_to_f32_minus_8(wd)  # [BN, BK]: q - 8, exact
-                elif FMT == 1:  # (the last tile may be partial: its groups past K are masked, scale and zero 0)
-                    offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-                    b = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_b[None, :],
-                                mask=mask_n[:, None] & (offs_b < K // 2)[None, :], other=0)
-                    q = tl.interleave(b >> 4, b & 15)  # [BN, BK] in 0..15
-                    qf = q.to(tl.float32)
-                else:
-                    q = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :],
-                                mask=mask_n[:, None] & (offs_k < K)[None, :], other=0)  # [BN, BK] int8
-                    qf = _int8_to_f32(q) if CVT_BITS else q.to(tl.float32)
+                # (the last tile may be partial: its groups past K are masked, scale and zero 0, and so is x)
                 offs_g = (kt * BLOCK_K) // GROUP + tl.arange(0, TILE_GROUPS)  # [G]: the tile's groups
                 sz_offs = offs_n[:, None] * ss_n + offs_g[None, :] * ss_g  # [BN, G]
                 sz_mask = mask_n[:, None] & (offs_g < K // GROUP)[None, :]
                 s = tl.load(s_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)  # [BN, G]
-                w = tl.reshape(qf, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS]) * s[:, :, None]  # [BN, G, BK / G]
-                if FMT == 1:  # + zero, and - 8 scale where qf is q (one multiply-add per weight either way)
+                if FMT == 1:
                     z = tl.load(z_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)
-                    w += (z if CVT_BITS else z - 8.0 * s)[:, :, None]
-                acc3 += w * tl.reshape(x.to(tl.float32), [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS])
+                if FMT == 1 and CVT_BITS:  # 32-bit words of 8 weights widened by integer ops, x split to match
+                    offs_w = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+                    wd = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (sw_n // 4) + offs_w[None, :],
+                                 mask=mask_n[:, None] & (offs_w < K // 8)[None, :], other=0)  # [BN, BK / 8]
+                    # 2^23's bits as a value the compiler cannot fold (K >> 31 is 0): held in a register, so each
+                    # nibble's and-or is one instruction with its mask inline (folded, ptxas re-made a mask per weight)
+                    magic = 0x4B000000 + (K >> 31)
+                    acc3 += _int4_words_dot(tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
+                                            s[:, :, None], z[:, :, None],
+                                            tl.reshape(x.to(tl.float32), [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8,
+                                                                          2, 2, 2]), magic)
+                else:
+                    if FMT == 1:
+                        offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+                        b = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_b[None, :],
+                                    mask=mask_n[:, None] & (offs_b < K // 2)[None, :], other=0)
+                        qf = tl.interleave(b >> 4, b & 15).to(tl.float32)  # [BN, BK] in 0..15
+                    else:
+                        q = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :],
+                                    mask=mask_n[:, None] & (offs_k < K)[None, :], other=0)  # [BN, BK] int8
+                        qf = _int8_to_f32(q) if CVT_BITS else q.to(tl.float32)
+                    w = tl.reshape(qf, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS]) * s[:, :, None]  # [BN, G, BK/G]
+                    if FMT == 1:  # + zero - 8 scale: one multiply-add per weight
+                        w += (z - 8.0 * s)[:, :, None]
+                    acc3 += w * tl.reshape(x.to(tl.float32), [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS])
             elif FMT == 1 or FMT == 4:  # int4 / int8g: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
                 if FMT == 1:
                     offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)

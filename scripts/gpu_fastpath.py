@@ -148,6 +148,7 @@ def part_speed(args) -> dict:
         n_steps = sum(len(r.steps) for r in res)
         phase[key] = {p: sum(r.phase_ms.get(p, 0.0) for r in res) / n_steps
                       for p in ("draft", "verify", "accept", "kv")}
+        phase[key]["prefill_per_call"] = sum(r.phase_ms.get("prefill", 0.0) for r in res) / len(res)  # GPU time
     rows = []
     for (m, mode), tps in times.items():
         ar = statistics.median(times[("ar", mode)])

@@ -256,10 +256,11 @@ def part_sweep(args, device) -> list[dict]:
 def part_tune(args, device) -> list[dict]:
     """M = 1 on the --sweep-configs shapes: a wider grid than `sweep` (BLOCK_N x BLOCK_K x num_warps x num_stages x
     SPLIT_K; --tune-* set the values), gemv_config's own tile timed first, each tile's max |error| / max |reference|
-    beside its time, the fastest within --parity-rtol per (shape, format) marked with its speedup over the first; the best that is not gemv_config's goes into gemv_tune_tiles.json (gpu_quant.py
-    --m1-tiles, "+tc" rows). Grouped formats (int4) take the --tune-block-k values that divide the group size or are
-    multiples of it (default: those of 64, 128 that divide it, gemv_config's one-group tiles); --tune-cvt-bits adds
-    the widening switch (CVT_BITS: int4's K tiles of whole groups, int8 / fp8) to the grid."""
+    beside its time, the fastest within --parity-rtol per (shape, format) marked with its speedup over the first; the
+    best that is not gemv_config's goes into gemv_tune_tiles.json (gpu_quant.py --m1-tiles, "+tc" rows). int4 takes
+    the --tune-block-k values that divide the group size or are multiples of it (K tiles of whole groups; default 64,
+    128: gemv_config's one-group tiles); --tune-cvt-bits adds the widening switch CVT_BITS to the grid (int8 / fp8,
+    and int4's K tiles of whole groups)."""
     rows = []
     problem = kernel_ok(device)
     if problem:

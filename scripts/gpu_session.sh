@@ -315,6 +315,31 @@ elif [ "$PART" = e1 ]; then
       --max-new-tokens 128 --num-prompts 8 --repeats 5 --cuda-graphs --graph-batch-sizes 1 --compile default \
       --quant-kernel "$1" --gemv-fusion "$2" --dtype bfloat16 --temperature 0 --no-store --json
   done
+elif [ "$PART" = e3 ]; then
+  # eleventh session: int4 one-row tiles of several whole groups (quant_gemv TILE_GROUPS, the elementwise form; off by
+  # default) swept per linear at 6.7 B and 1.45 B, with the word-widening (CVT_BITS 1) against the cvt form, then the
+  # floor rows with the swept tiles ("+tc") beside today's default int4 tiles
+  C=graphs+compile+overlap
+  step tune_i4 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tune_i4" --parts tune --sweep-configs 6.7b,1.45b \
+    --formats int4 --tune-block-n 16,32,64 --tune-block-k 128,256,512,1024 --tune-warps 8 --tune-stages 3 \
+    --tune-cvt-bits 0,1 --replays 10 --tune-budget-s "${TUNE_S:-150}"
+  T=$R/tune_i4/gemv_tune_tiles.json; [ -f "$T" ] || echo '{}' > "$T"
+  floor quant67 60 6.7b --m1-tiles "$T" \
+    --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+tc@$C,int4-triton+glo+pdl+tc@$C" --profile
+  floor quant145 40 1.45b --m1-tiles "$T" \
+    --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+tc@$C"
+elif [ "$PART" = e2 ]; then
+  # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
+  # without the norm prologues), then the speed part again with the prefill's GPU time per call
+  train_small
+  for kern in "auto residual" "triton residual" "triton norm+glu+residual"; do
+    set -- $kern
+    step "bench_ngram_$1_${2//+/-}" 40 $PY -m workbench bench --preset small --method ngram --k 4 --batch 1 \
+      --max-new-tokens 128 --num-prompts 8 --repeats 5 --cuda-graphs --graph-batch-sizes 1 --compile default \
+      --quant-kernel "$1" --gemv-fusion "$2" --dtype bfloat16 --temperature 0 --no-store --json
+  done
+  step speed 60 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small \
+    --modes graphs+compile+overlap --methods ar,ngram:4,ngram:2 --repeats 5
 elif [ "$PART" = sp1 ]; then
   # prepared for the next session, not run yet: issue 8's speculative overhead on small (batch 1, n-gram k = 4) with
   # the decoder linears on cuBLAS (quant_kernel auto) against the dense Triton GEMV (its M > 1 tiles in the 5-token

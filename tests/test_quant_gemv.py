@@ -370,18 +370,20 @@ def test_k_tiles_of_whole_groups_use_each_groups_own_scale_and_zero():
 
 @interpreter
 def test_int4_integer_op_widening_is_exact_for_every_nibble():
-    """CVT_BITS in the ELEMENTWISE form: q - 8 from the bits of 2^23 + q gives every nibble, high and low, exactly."""
+    """CVT_BITS in the ELEMENTWISE form reads 32-bit words: every value 0..15 at each of a word's 8 nibble positions
+    (the top three taken from the word shifted by 12) comes out as q - 8 exactly, as through cvt."""
     n, k = 16, 32
     q = torch.arange(16, dtype=torch.uint8)
     weight = torch.zeros(n, k // 2, dtype=torch.uint8)
-    weight[:, 0] = (q << 4) | (15 - q)  # row n: k = 0 holds n, k = 1 holds 15 - n
+    weight[:, :4] = ((q << 4) | (15 - q))[:, None]  # row n, bytes 0..3: k = 2j holds n, 2j + 1: 15 - n
     buffers = dict(scale=torch.ones(n, 1), zero=torch.zeros(n, 1), group_size=k)
-    for col, want in ((0, q.float() - 8), (1, 7 - q.float())):
+    for col in range(8):
         x = torch.zeros(1, k)
         x[0, col] = 1.0
+        want = q.float() - 8 if col % 2 == 0 else 7 - q.float()
         for cvt_bits in (True, False):
             got = quant_gemv_triton(x, "int4", weight, **buffers, BLOCK_K=32, ELEMENTWISE=True, CVT_BITS=cvt_bits)
-            assert torch.equal(got[0], want)
+            assert torch.equal(got[0], want), (col, cvt_bits)
 
 
 @interpreter
