@@ -188,10 +188,21 @@ NARROW_BELOW_PROGRAMS_PER_SM = 1.5
 # but 3.5 % (1.45 B) and 8 % (6.7 B) slower in the model (BENCHMARKS.md 16.6, gpu_quant.py "+fw4" rows), so 8.
 WIDE_FP8_WARPS = 8
 # One-row int4 tiles spanning whole groups (BLOCK_K a multiple of g; each weight dequantized with its group's scale and
-# summed per lane, reduced once after the loop, as dense / fp8 do), e.g. dict(BLOCK_N=32, BLOCK_K=512, num_warps=8,
-# num_stages=3): not yet measured on a GPU, so None (off: the group-tiled 64 x g tiles). A benchmark sets it, or sweeps
-# BLOCK_K > g per shape (scripts/gpu_gemv.py --parts tune --formats int4 --tune-block-k 128,256,512).
-INT4_WIDE_TILES: dict | None = None
+# summed per lane, reduced once after the loop, as dense / fp8 do). True: the measured rule (`_int4_wide_tile`), from
+# a per-linear sweep on the H200 at 1.45 B and 6.7 B with g = 128 (BENCHMARKS.md 17.4): 64 x 256 for N >= 8192,
+# 16 x 1024 below, 8 warps, unsplit unless fewer than half the SMs get a tile, words widened by integer ops; 1.15x
+# the group-tiled GEMVs' time per 6.7 B layer (the best tile per shape: 1.21x). A dict: that tile for every shape;
+# False / None / {}: the group-tiled 64 x g tiles of before.
+INT4_WIDE_TILES: dict | bool | None = True
+
+
+def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int) -> dict | None:
+    """INT4_WIDE_TILES' rule for one shape, or None where its K tile holds no whole number of groups."""
+    block_n, block_k = (64, 256) if n >= 8192 else (16, 1024)
+    block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))
+    if block_k % group_size:
+        return None
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=3, min_tiles=sm_count // 2)
 
 
 def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None, sm_count: int = 132,
@@ -210,14 +221,19 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     16): int8 / fp8 / dense read 32 rows per program for N >= 8192 with 8 warps and long K tiles, unsplit when the
     N tiles alone give every SM a program; below that int8 takes 16 rows, and so do dense and fp8 unless 16-row tiles
     would give fewer than 1.5 programs per SM, where they take 8 (`narrow`, default NARROW_TILES; measured at 1.45 B
-    and 6.7 B); int4 64 rows x one group per tile, split to ~4 programs per SM. int8g takes int4's group-tiled shape
+    and 6.7 B); int4 K tiles of whole groups by INT4_WIDE_TILES' rule (64 x 256 for N >= 8192, else 16 x 1024),
+    where its K tile holds whole groups, else 64 rows x one group per tile, split to ~4 programs per SM (so are M > 1
+    int4 calls, and every call with int4_wide False). int8g takes int4's group-tiled shape
     (BLOCK_K = min(128, g): 32 for GGUF Q8_0), untuned: not yet swept on a GPU.
 
     >>> c = gemv_config("int4", 1, 4096, 4096, 128, int4_wide=dict(BLOCK_N=32, BLOCK_K=512))  # four groups a tile
     >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["tiles_per_split"]
     (32, 512, 4, 2)
 
-    >>> c = gemv_config("int4", 1, 4096, 4096, 128)
+    >>> c = gemv_config("int4", 1, 4096, 4096, 128)  # the measured rule: 16 x 1024, unsplit (256 tiles)
+    >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"]
+    (1, 16, 1024, 1, 8)
+    >>> c = gemv_config("int4", 1, 4096, 4096, 128, int4_wide=False)  # the group-tiled form
     >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
     (1, 64, 128, 8)
     >>> c = gemv_config("fp8", 1, 22016, 4096)
@@ -236,10 +252,13 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     block_m = 1 if m == 1 else 16
     warps, stages, min_tiles = 4, 3, 0
     wide = INT4_WIDE_TILES if int4_wide is None else int4_wide
+    if wide is True:
+        wide = _int4_wide_tile(n, k, group_size, sm_count) if fmt == "int4" and group_size else None
     if block_m == 1:
         if fmt == "int4" and wide:
             block_n, block_k = wide.get("BLOCK_N", 32), wide.get("BLOCK_K", 512)
             warps, stages = wide.get("num_warps", 8), wide.get("num_stages", 3)
+            min_tiles = wide.get("min_tiles", 0)
         elif fmt in GROUPED:
             block_n, block_k = 64, 128
         elif fmt == "dense":  # swept on the H200 (BENCHMARKS.md section 10): 3.7-4.0 TB/s on the wide 6.7 B shapes
@@ -651,7 +670,8 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     n = weight.shape[0]
     sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
     cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())),
-                         (NARROW_TILES, WIDE_FP8_WARPS, tuple(sorted((INT4_WIDE_TILES or {}).items()))))
+                         (NARROW_TILES, WIDE_FP8_WARPS, tuple(sorted(INT4_WIDE_TILES.items()))
+                          if isinstance(INT4_WIDE_TILES, dict) else bool(INT4_WIDE_TILES)))
     tile_groups = 0  # grouped formats: the group-tiled form, or the ELEMENTWISE one with this many groups per K tile
     if fmt in GROUPED and cfg.get("ELEMENTWISE", cfg["BLOCK_K"] > group_size):
         tile_groups = max(1, cfg["BLOCK_K"] // group_size)

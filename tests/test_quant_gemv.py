@@ -70,10 +70,10 @@ def test_config_depends_on_shapes_only_and_splits_only_when_n_tiles_cannot_fill_
     narrow = gemv_config("int8", 1, 1024, 4096)
     assert narrow["SPLIT_K"] > 1 and narrow["SPLIT_K"] * narrow["tiles_per_split"] >= 4096 // narrow["BLOCK_K"]
     assert gemv_config("fp8", 1, 1024, 4096, sm_count=8)["SPLIT_K"] == 1  # a small GPU: 64 tiles fill it
-    assert gemv_config("int4", 1, 4096, 4096, 128)["SPLIT_K"] > 1  # 64 N tiles of 64 rows: split
+    assert gemv_config("int4", 1, 4096, 4096, 128, int4_wide=False)["SPLIT_K"] > 1  # 64 N tiles of 64 rows: split
     assert gemv_config("int8", 9, 4096, 4096)["BLOCK_M"] == 16
     assert gemv_config("int8", 64, 4096, 4096)["SPLIT_K"] == 1  # prefill-sized: no split
-    tiny_group = gemv_config("int4", 1, 64, 4096, 32)
+    tiny_group = gemv_config("int4", 1, 64, 4096, 32, int4_wide=False)
     assert tiny_group["BLOCK_K"] == 32 and tiny_group["SPLIT_K"] * tiny_group["tiles_per_split"] >= 4096 // 32
     for m in (1, 9):  # int8g: K tiles inside one group (GGUF Q8_0's 32), as int4's
         q8 = gemv_config("int8g", m, 4096, 4096, 32)
@@ -271,11 +271,20 @@ def test_grouped_k_tiles_lie_in_one_group_or_hold_whole_groups():
             gemv_config(fmt, 1, 64, 1024, 32, BLOCK_K=64, ELEMENTWISE=False)
         with pytest.raises(GemvError, match="one-row form"):
             gemv_config(fmt, 4, 64, 1024, 32, ELEMENTWISE=True)
-    assert gemv_config("int4", 1, 4096, 4096, 128)["BLOCK_K"] == 128  # the default: one group a tile (not measured)
+    # the default: the measured rule (INT4_WIDE_TILES True), 16 x 1024 below N = 8192 and 64 x 256 from there, unsplit
+    # while half the SMs get a tile; a group that no such tile holds whole, or int4_wide False / {}: one group a tile
+    tile = lambda c: (c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"])  # noqa: E731
+    assert tile(gemv_config("int4", 1, 4096, 4096, 128)) == (16, 1024, 1, 8)
+    assert tile(gemv_config("int4", 1, 22016, 4096, 128)) == (64, 256, 1, 8)
+    assert tile(gemv_config("int4", 1, 4096, 11008, 128)) == (16, 1024, 1, 8)  # a partial last K tile
+    assert tile(gemv_config("int4", 1, 512, 4096, 128)) == (16, 1024, 4, 8)  # 32 tiles: split, a K tile each
+    odd = gemv_config("int4", 1, 4096, 3072, 96)  # 1024 holds no whole number of groups of 96
+    assert (odd["BLOCK_N"], odd["BLOCK_K"], odd["num_warps"]) == (64, 96, 4)
+    old = gemv_config("int4", 1, 4096, 4096, 128, int4_wide=False)
+    assert tile(old) == (64, 128, 8, 4) and gemv_config("int4", 1, 4096, 4096, 128, int4_wide={}) == old
     wide = dict(BLOCK_N=32, BLOCK_K=512, num_warps=8, num_stages=3)
     c = gemv_config("int4", 1, 4096, 4096, 128, int4_wide=wide)
     assert {key: c[key] for key in wide} == wide and c["BLOCK_M"] == 1
-    assert gemv_config("int4", 1, 4096, 4096, 128, int4_wide={}) == gemv_config("int4", 1, 4096, 4096, 128)
     assert gemv_config("int4", 4, 4096, 4096, 128, int4_wide=wide)["BLOCK_K"] == 128  # M > 1 keeps its tiles
     assert gemv_config("int4", 1, 64, 256, 32, int4_wide=wide)["BLOCK_K"] == 256  # no K tile past K
     qg.set_m1_tiles({("int4", 4096, 4096): dict(BLOCK_N=16, BLOCK_K=1024, ELEMENTWISE=True, CVT_BITS=True)})
@@ -388,8 +397,8 @@ def test_int4_integer_op_widening_is_exact_for_every_nibble():
 
 @interpreter
 def test_int4_wide_tiles_switch_reaches_the_launch(monkeypatch):
-    """INT4_WIDE_TILES (off by default) gives one-row int4 calls K tiles of whole groups through the custom op, and
-    the launch cache keys on it: the same call before and after the switch takes each configuration."""
+    """INT4_WIDE_TILES (the measured rule by default) gives one-row int4 calls K tiles of whole groups through the
+    custom op, and the launch cache keys on it: the same call under each setting takes that setting's tile."""
     _, buffers = stored("int4", 40, 320, 32, seed=6)
     x = torch.randn(1, 320, generator=torch.Generator().manual_seed(6))
     want = quant_gemv_reference(x, "int4", **buffers)
@@ -398,9 +407,11 @@ def test_int4_wide_tiles_switch_reaches_the_launch(monkeypatch):
     monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
         launched.append((kw["BLOCK_K"], kw["TILE_GROUPS"])), kernel[grid](*a, **kw))[1]})())
     torch.testing.assert_close(quant_gemv_triton(x, "int4", **buffers), want, rtol=1e-5, atol=1e-4)
+    monkeypatch.setattr(qg, "INT4_WIDE_TILES", False)
+    torch.testing.assert_close(quant_gemv_triton(x, "int4", **buffers), want, rtol=1e-5, atol=1e-4)
     monkeypatch.setattr(qg, "INT4_WIDE_TILES", dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2))
     torch.testing.assert_close(quant_gemv_triton(x, "int4", **buffers), want, rtol=1e-5, atol=1e-4)
-    assert launched == [(32, 0), (128, 4)]
+    assert launched == [(512, 16), (32, 0), (128, 4)]  # the rule's 1024 capped at K's next power of two
 
 
 @interpreter
