@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_timing import kernel_summary  # noqa: E402
-from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
+from workbench.engine import EngineConfig, SpecEngine, graphs  # noqa: E402
 from workbench.engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
@@ -82,17 +82,25 @@ def timed_generate(engine: SpecEngine, prompts, batch: int) -> tuple[float, list
     return time.perf_counter() - t0, results, [o for r in results for o in r.outputs]
 
 
+CPREFILL = "+cprefill"  # a mode suffix: the captured prompt forwards compiled too (graphs.COMPILE_PREFILL)
+
+
 def engine_for(target, draft, method, mode, max_new, batch, timing=False):
-    cfg = EngineConfig(max_new_tokens=max_new, timing=timing, **MODES[mode])
+    cfg = EngineConfig(max_new_tokens=max_new, timing=timing, **MODES[mode.removesuffix(CPREFILL)])
     engine = SpecEngine(target, make_drafter(method, draft), cfg, "cuda")
+    engine.compile_prefill = mode.endswith(CPREFILL)  # read by warm(), where the prefill steps are made
     return engine
 
 
 def warm(engine: SpecEngine, prompts, batch: int) -> None:
-    engine.reserve(batch, max(len(p) for p in prompts))
-    engine.generate(prompts[:batch])
-    engine.capture_graphs(batch)
-    engine.generate(prompts[:batch])
+    graphs.COMPILE_PREFILL = getattr(engine, "compile_prefill", False)
+    try:
+        engine.reserve(batch, max(len(p) for p in prompts))
+        engine.generate(prompts[:batch])
+        engine.capture_graphs(batch)
+        engine.generate(prompts[:batch])
+    finally:
+        graphs.COMPILE_PREFILL = False
 
 
 def part_parity(args) -> dict:
@@ -286,7 +294,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="parity,speed,floor,sweep")
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--modes", default="eager,graphs,graphs+compile")
+    ap.add_argument("--modes", default="eager,graphs,graphs+compile",
+                    help=f"step modes ({', '.join(MODES)}); a mode ending in {CPREFILL} also compiles the captured "
+                         "prompt forwards (speed part)")
     ap.add_argument("--methods", default="ar,draft,ngram",
                     help="speed part: ar, draft, ngram (k = 4) or draft:K / ngram:K; ar must be one of them")
     ap.add_argument("--floor-configs", default="1.45b,6.7b")

@@ -49,7 +49,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -335,6 +335,12 @@ elif [ "$PART" = e4 ]; then
   T=docs/gpu_runs/2026-12-02d/e3/tune_i4/gemv_tune_tiles.json
   floor quant67 60 6.7b --m1-tiles "$T" --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+i4g@$C,int4-triton+glo+pdl+tc@$C,int4-triton+all+pdl@$C"
   floor quant145 40 1.45b --m1-tiles "$T" --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+i4g@$C,int4-triton+glo+pdl@$C"
+elif [ "$PART" = e5 ]; then
+  # eleventh session, a short last call: the captured prompt forwards compiled too (graphs.COMPILE_PREFILL, mode
+  # suffix +cprefill) against captured eager ones, on tiny (committed: no training), one process
+  C=graphs+compile+overlap
+  step speed 60 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset tiny \
+    --modes "$C,$C+cprefill" --methods ar,ngram:4,draft:4 --repeats 5
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call

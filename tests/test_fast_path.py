@@ -159,6 +159,20 @@ def test_compiled_fixed_shape_step_equals_eager(target):
     assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
 
 
+def test_compiled_prefill_switch_compiles_the_prompt_forward_and_keeps_greedy_output(target, draft, monkeypatch):
+    """graphs.COMPILE_PREFILL: the captured prompt forwards (target and draft model) compile with the decode steps'
+    mode, and every drafter's greedy output stays the reference's; off (the default), they stay uncompiled."""
+    from workbench.engine import graphs
+    n = 6
+    expected = [reference_greedy(target, p, n) for p in PROMPTS]
+    for on in (False, True):
+        monkeypatch.setattr(graphs, "COMPILE_PREFILL", on)
+        engine = SpecEngine(target, DraftModelDrafter(draft, k=3), fast(max_new_tokens=n, compile="default"))
+        assert engine.generate(PROMPTS).outputs == expected
+        steps = [engine.prefill_step.fixed, engine.drafter.prefill_step.fixed]
+        assert [s._fn is not s.body for s in steps] == [on, on]
+
+
 def test_triton_attention_without_a_gpu_is_a_named_error(target):
     with pytest.raises(ValueError, match="attention backend 'triton' needs a paged KV cache on a CUDA GPU"):
         SpecEngine(target, None, EngineConfig(attention="triton")).generate([[1, 2, 3]])

@@ -36,6 +36,11 @@ COMPILE_MODES = ("off", "default", "max-autotune")
 PREFILL_LEN_MULTIPLE = 32  # a captured prefill pads its prompts' length up to a multiple of this (within the cache)
 PAD_LEN = 1  # padding rows act as a sequence of one committed token in the cache's scratch row
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Whether captured prompt forwards (PrefillStep) are compiled too when the decode steps are (`compile` != off). Off:
+# each new (batch, padded length) would compile afresh, which costs a study with ragged prompts more than it saves.
+# On `small` the captured eager prefill of a 64-token prompt took 1.2 ms of GPU time, 2.8 AR steps (BENCHMARKS.md
+# 17.3); scripts/gpu_fastpath.py --compile-prefill measures it compiled. An experiment's switch, not a setting yet.
+COMPILE_PREFILL = False
 
 
 class GraphSettingsError(ValueError):
@@ -369,16 +374,17 @@ class PrefillStep:
     truncate, like a batch's right padding), and one graph per (batch, padded length) replays the cache's prepare
     and the model. The batch is never padded (a padding row would need a whole prompt's blocks in the scratch row):
     every batch size is its own key. A chunk reads the cache's whole static span (its start varies); a batch from
-    position 0 only its padded length. Not compiled (the compile setting is for decode steps). Graphs of one step
-    share one memory pool (they never run concurrently; each keeps its output alive). On a CPU the same padded
-    forward runs eagerly. Otherwise (or where a chunk's padded length passes the row's slots or needs blocks the pool
+    position 0 only its padded length. Not compiled unless COMPILE_PREFILL (the compile setting is for decode
+    steps). Graphs of one step share one memory pool (they never run concurrently; each keeps its output alive). On a
+    CPU the same padded forward runs eagerly (compiled with COMPILE_PREFILL). Otherwise (or where a chunk's padded length passes the row's slots or needs blocks the pool
     has not got free: counted in `eager_chunks`): eager, over exactly the tokens' span.
     """
 
     def __init__(self, model, cache, settings: GraphSettings, device: torch.device, name: str):
         self.model, self.cache, self.settings, self.device = model, cache, settings, torch.device(device)
         self.fixed_shape = settings.cuda_graphs and settings.prefill
-        exact = GraphSettings(settings.cuda_graphs, tuple(range(1, cache.max_rows + 1)), "off", settings.prefill)
+        exact = GraphSettings(settings.cuda_graphs, tuple(range(1, cache.max_rows + 1)),
+                              settings.compile if COMPILE_PREFILL else "off", settings.prefill)
         pool = torch.cuda.graph_pool_handle() if self.fixed_shape and self.device.type == "cuda" else None
         self.fixed = FixedShapeStep(f"{name}-prefill", functools.partial(self._fixed_shape, anywhere=False),
                                     self._pads, exact, device, pool=pool)
