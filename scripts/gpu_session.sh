@@ -340,7 +340,7 @@ elif [ "$PART" = e5 ]; then
   # suffix +cprefill) against captured eager ones, on tiny (committed: no training), one process
   C=graphs+compile+overlap
   step speed 60 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset tiny \
-    --modes "$C,$C+cprefill" --methods ar,ngram:4,draft:4 --repeats 5
+    --modes "$C,$C+cprefill" --methods ar,ngram:4 --repeats 3
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call
