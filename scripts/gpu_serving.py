@@ -22,7 +22,8 @@ run of its part so far would end past --budget-s):
   thresholds  for each schedule threshold t (a batch size where the schedule's k changes): fixed concurrency t - 1, t,
               t + 1 with off, fixed k and adaptive, --repeats rounds (one run is ~0.5 s: single runs differed by
               +-10 %); a cliff is adaptive's median output tokens/s dropping more than --cliff-pct % from one
-              concurrency to the next, or falling more than --cliff-pct % below the better of off and fixed k
+              concurrency to the next, or falling more than --cliff-pct % below the better of off and fixed k;
+              beyond the noise when it is also larger than the rounds' spread at those points
   replay      costs fitted on off + fixed k (every round); predicts the held-out k = 2 and adaptive in each round
               from that round's fixed-k traces, and compares the medians over the rounds (every round's error kept),
               with the old cost model and the new one (draft prefill at join, catch-ups, prefill forwards)
@@ -403,6 +404,16 @@ REPLAY_MODELS = {"old": ("old_", "old model"), "new": ("", "new model"),
                  "new+cal": ("cal_", "new, + calibration iterations")}
 
 
+def spread(values: list[float]) -> float | None:
+    """(max - min) / median of one setting's rounds: how far apart the same setting reads (None below 2 rounds).
+
+    >>> spread([90.0, 100.0, 120.0])
+    0.3
+    """
+    xs = [v for v in values if v is not None]
+    return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 and statistics.median(xs) else None
+
+
 def medians(rows: list[dict]) -> dict:
     """The median over repeats of each numeric SHOW key (None when no repeat has it), and the repeats counted."""
     med = {"repeats": len(rows)}
@@ -415,7 +426,9 @@ def medians(rows: list[dict]) -> dict:
 
 def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
     """Per rate: adaptive's goodput and output tokens/s against the better of off and fixed k (medians over the
-    repeats each setting has, compared only over rounds all three finished)."""
+    repeats each setting has, compared only over rounds all three finished). `within_noise`: not above the best
+    (by goodput) but at or above that setting's own lowest round, i.e. inside what the same setting reads from round to
+    round; `best_spread` is that setting's spread of goodput over the rounds."""
     out = []
     for frac in sorted({x["rate_fraction"] for x in sweep}):
         at_rate = [x for x in sweep if x["rate_fraction"] == frac]
@@ -434,6 +447,12 @@ def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
             row[f"{key}_ratio"] = at["adaptive"][key] / best if best and at["adaptive"][key] is not None else None
         row["tpot_ms_p99"] = {s: at[s]["tpot_ms_p99"] for s in ("off", fixed, "adaptive")}
         row["adaptive_ge_best"] = (row["goodput_ratio"] or 0) >= 1.0
+        best_setting = max(("off", fixed), key=lambda s: at[s]["goodput"] or 0.0)
+        rounds = [x["goodput"] for x in at_rate if x["setting"] == best_setting and x.get("repeat", 0) in complete
+                  and x.get("goodput") is not None]
+        row["best_setting"], row["best_spread"] = best_setting, spread(rounds)
+        row["within_noise"] = not row["adaptive_ge_best"] and len(rounds) > 1 and \
+            (at["adaptive"]["goodput"] or 0.0) >= min(rounds)
         out.append(row)
     return out
 
@@ -471,17 +490,28 @@ def threshold_checks(rows: list[dict], fixed: str, cliff_pct: float, adaptive: s
             best = max(off["output_throughput"] or 0.0, fx["output_throughput"] or 0.0)
             ratio = a["output_throughput"] / best if best else None
             points.append({"concurrency": c, "repeats": a["repeats"], "adaptive": a["output_throughput"],
+                           "spread": spread([x["output_throughput"] for x in rows if x["threshold"] == t
+                                             and (x["max_concurrency"], x["setting"]) == (c, adaptive)]),
                            "best_of_off_fixed": best,
                            "ratio": ratio, "tpot_ms_p99": {"off": off["tpot_ms_p99"], fixed: fx["tpot_ms_p99"],
                                                            "adaptive": a["tpot_ms_p99"]}})
             if ratio is not None and ratio < 1 - cliff_pct / 100:
                 reasons.append(f"at concurrency {c} adaptive is {100 * (1 - ratio):.0f} % below the better of off "
                                f"and fixed k")
+        beyond = False  # a cliff larger than the rounds' own spread at the points it compares
+        for p in points:
+            if p["ratio"] is not None and p["ratio"] < 1 - cliff_pct / 100:
+                beyond |= p["spread"] is None or 1 - p["ratio"] > p["spread"]
         for p, q in zip(points, points[1:]):
             if p["adaptive"] and q["adaptive"] < p["adaptive"] * (1 - cliff_pct / 100):
-                reasons.append(f"adaptive tokens/s drops {100 * (1 - q['adaptive'] / p['adaptive']):.0f} % from "
-                               f"concurrency {p['concurrency']} to {q['concurrency']}")
-        out.append({"threshold": t, "points": points, "cliff": bool(reasons), "reasons": reasons})
+                drop = 1 - q["adaptive"] / p["adaptive"]
+                noise = max((x for x in (p["spread"], q["spread"]) if x is not None), default=None)
+                beyond |= noise is None or drop > noise
+                reasons.append(f"adaptive tokens/s drops {100 * drop:.0f} % from concurrency {p['concurrency']} to "
+                               f"{q['concurrency']}" + (f" (its rounds spread up to {100 * noise:.0f} %)"
+                                                        if noise is not None else ""))
+        out.append({"threshold": t, "points": points, "cliff": bool(reasons), "reasons": reasons,
+                    "cliff_beyond_noise": bool(reasons) and beyond})
     return out
 
 
@@ -539,11 +569,14 @@ def table(r: dict) -> str:
     if r.get("sweep_checks"):
         lines += ["", "Goal: adaptive >= the better of off and fixed k at every rate (medians over the rounds all "
                   "three finished):", "",
-                  "| rate (x sat) | rounds | goodput adaptive / best | out tok/s adaptive / best | met |",
-                  "|---|---|---|---|---|"]
+                  "| rate (x sat) | rounds | goodput adaptive / best | out tok/s adaptive / best | best setting's "
+                  "goodput spread over rounds | met |",
+                  "|---|---|---|---|---|---|"]
         for c in r["sweep_checks"]:
+            verdict = "yes" if c["adaptive_ge_best"] else \
+                "no, within noise (above the best setting's lowest round)" if c.get("within_noise") else "no"
             lines.append(f"| {c['rate_fraction']} | {c.get('repeats', 1)} | {_f(c['goodput_ratio'], 3)} | "
-                         f"{_f(c['output_throughput_ratio'], 3)} | {'yes' if c['adaptive_ge_best'] else 'no'} |")
+                         f"{_f(c['output_throughput_ratio'], 3)} | {_f(c.get('best_spread'), 3)} | {verdict} |")
     for key, title, a, b in (
             ("prefill_checks", "Captured prefill against eager prefill (prefill_graphs on / off; decode captured in "
              "both)", "captured", "eager"),
@@ -577,7 +610,8 @@ def table(r: dict) -> str:
         for key, who in (("threshold_checks", "adaptive"), ("threshold_checks_other_shape", OTHER)):
             for c in r.get(key, []):
                 lines.append(f"- threshold {c['threshold']} ({who}): " + (
-                    "**cliff**: " + "; ".join(c["reasons"]) if c["cliff"] else "no cliff"))
+                    ("**cliff**" if c.get("cliff_beyond_noise", True) else "cliff by the bar, within the rounds' "
+                     "spread") + ": " + "; ".join(c["reasons"]) if c["cliff"] else "no cliff"))
     elif "schedule_thresholds" in r and not r["schedule_thresholds"]:
         lines += ["", "The schedule has no thresholds below max_num_seqs (one draft length for every batch size)."]
     if r.get("shape_checks"):

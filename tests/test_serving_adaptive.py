@@ -405,6 +405,57 @@ def test_gpu_serving_goal_check_reads_medians_over_complete_rounds():
     assert check["adaptive_ge_best"]
 
 
+def test_gpu_serving_goal_check_says_when_a_miss_is_inside_the_rounds_noise():
+    """A miss by less than the best setting's own round-to-round range is marked within_noise (still not met); one
+    below that setting's lowest round is a plain miss. spread's worked example holds."""
+    import doctest
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    assert doctest.run_docstring_examples(gpu_serving.spread, {"spread": gpu_serving.spread}) is None
+    assert gpu_serving.spread([5.0]) is None
+
+    def rec(setting, rep, good):
+        return {"setting": setting, "repeat": rep, "rate_fraction": 1.0, "output_throughput": good, "goodput": good,
+                "tpot_ms_p99": 1.0}
+
+    def sweep(adaptive):
+        return [rec("off", r, 50.0) for r in range(3)] + [rec("k=4", r, g) for r, g in enumerate((90, 100, 110))] + \
+            [rec("adaptive", r, g) for r, g in enumerate(adaptive)]
+
+    (check,) = gpu_serving.sweep_checks(sweep((95.0, 96.0, 97.0)), "k=4")
+    assert not check["adaptive_ge_best"] and check["within_noise"]
+    assert check["best_setting"] == "k=4" and check["best_spread"] == pytest.approx(0.2)
+    (check,) = gpu_serving.sweep_checks(sweep((85.0, 86.0, 87.0)), "k=4")
+    assert not check["adaptive_ge_best"] and not check["within_noise"]
+    (check,) = gpu_serving.sweep_checks(sweep((100.0, 101.0, 102.0)), "k=4")
+    assert check["adaptive_ge_best"] and not check["within_noise"]
+
+
+def test_gpu_serving_threshold_check_compares_a_cliff_with_its_rounds_spread():
+    """A 15 % drop between concurrencies whose rounds spread 30 % is a cliff by the bar but not beyond the noise; the
+    same drop over steady rounds is beyond it."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    def rows(adaptive_at_2):
+        out = [{"threshold": 2, "max_concurrency": c, "setting": s, "repeat": r, "output_throughput": 100.0,
+                "tpot_ms_p99": 1.0} for c in (1, 2) for s in ("off", "k=4") for r in range(3)]
+        out += [{"threshold": 2, "max_concurrency": 1, "setting": "adaptive", "repeat": r, "output_throughput": 100.0,
+                 "tpot_ms_p99": 1.0} for r in range(3)]
+        return out + [{"threshold": 2, "max_concurrency": 2, "setting": "adaptive", "repeat": r, "output_throughput": v,
+                       "tpot_ms_p99": 1.0} for r, v in enumerate(adaptive_at_2)]
+
+    (noisy,) = gpu_serving.threshold_checks(rows((70.0, 85.0, 100.0)), "k=4", 10.0)
+    assert noisy["cliff"] and not noisy["cliff_beyond_noise"] and "spread up to 35 %" in noisy["reasons"][-1]
+    (steady,) = gpu_serving.threshold_checks(rows((84.0, 85.0, 86.0)), "k=4", 10.0)
+    assert steady["cliff"] and steady["cliff_beyond_noise"]
+
+
 def test_gpu_serving_shape_controls(tmp_path, monkeypatch):
     """--shape-controls: the loop calibration's table served under both shapes in every round and at the thresholds
     of either schedule, with shape_checks and the control's own threshold checks. The table is made up so that the
