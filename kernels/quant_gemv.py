@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -187,6 +188,14 @@ NARROW_BELOW_PROGRAMS_PER_SM = 1.5
 # Warps of the 32-row fp8 tiles (N >= 8192): 8 from the 6.7 B sweep. 4 was 1.24x faster on 1.45 B's gate_up alone,
 # but 3.5 % (1.45 B) and 8 % (6.7 B) slower in the model (BENCHMARKS.md 16.6, gpu_quant.py "+fw4" rows), so 8.
 WIDE_FP8_WARPS = 8
+# Verify-width calls (2..CUDA_ROWS_MAX rows) of the dense / fp8 / int8 GEMVs on the CUDA cores, every row in one
+# program: each weight tile is read once and multiplied with all rows (the `CUDA_ROWS` form, the one-row tile's rows
+# with its K tile cut by the row count to keep the registers), instead of 16-row tensor-core tiles (fp8 / int8) or
+# cuBLAS (dense linears take the GEMV for one row only). On `small` a 5-token verify kept cuBLAS while the one-row
+# GEMV sped AR up 1.27-1.63x (BENCHMARKS.md 17.3). Not yet measured on a GPU: 0 (off) unless WORKBENCH_GEMV_CUDA_ROWS
+# says otherwise; scripts/gpu_gemv.py --cuda-rows and gpu_quant.py's "+rows8" set it.
+CUDA_ROWS_MAX = int(os.environ.get("WORKBENCH_GEMV_CUDA_ROWS", "0"))
+CUDA_ROWS_FORMATS = ("dense", "fp8", "int8")
 # One-row int4 tiles spanning whole groups (BLOCK_K a multiple of g; each weight dequantized with its group's scale and
 # summed per lane, reduced once after the loop, as dense / fp8 do). True: the measured rule (`_int4_wide_tile`), from
 # a per-linear sweep on the H200 at 1.45 B and 6.7 B with g = 128 (BENCHMARKS.md 17.4): 64 x 256 for N >= 8192,
@@ -206,10 +215,17 @@ def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int) -> dict | No
 
 
 def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None, sm_count: int = 132,
-                narrow: bool | None = None, int4_wide: dict | None = None, **override) -> dict:
+                narrow: bool | None = None, int4_wide: dict | None = None, cuda_rows: int | None = None,
+                **override) -> dict:
     """Tile sizes, split count and warps for one call, from shapes only (so a captured graph replays the same launch).
     `override` replaces any entry (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, and the kernel switches CVT_BITS,
-    F16_DOT, ELEMENTWISE, PREFETCH_TILES, LATE_TRIGGER; the benchmark sweeps them).
+    F16_DOT, ELEMENTWISE, PREFETCH_TILES, LATE_TRIGGER; the benchmark sweeps them). `cuda_rows` (default
+    CUDA_ROWS_MAX): dense / fp8 / int8 calls of 2..cuda_rows rows take the CUDA_ROWS form, BLOCK_M the next power of
+    two of M, the one-row tile with its K tile divided by BLOCK_M.
+
+    >>> c = gemv_config("dense", 5, 2048, 8192, cuda_rows=8)  # a 5-token verify of 1.45 B's down projection
+    >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["CUDA_ROWS"], c["SPLIT_K"]
+    (8, 8, 128, True, 1)
 
     Grouped formats (int4, int8g): BLOCK_K divides g (a K tile inside one group: a sum per tile, scaled once), or, one
     row at a time (BLOCK_M = 1), is a multiple of g (a K tile of whole groups: each weight times its group's scale,
@@ -249,7 +265,8 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     >>> (c[0]["BLOCK_N"], c[0]["BLOCK_K"]), (c[1]["BLOCK_N"], c[1]["BLOCK_K"])
     ((8, 1024), (16, 1024))
     """
-    block_m = 1 if m == 1 else 16
+    rows_form = fmt in CUDA_ROWS_FORMATS and 1 < m <= (CUDA_ROWS_MAX if cuda_rows is None else cuda_rows)
+    block_m = 1 if m == 1 or rows_form else 16  # the CUDA_ROWS form starts from the one-row tile
     warps, stages, min_tiles = 4, 3, 0
     wide = INT4_WIDE_TILES if int4_wide is None else int4_wide
     if wide is True:
@@ -279,7 +296,12 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     if fmt in GROUPED and not (fmt == "int4" and wide and block_m == 1):
         block_k = min(block_k, group_size)
     block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))  # no K tile past the next power of two of K
+    if rows_form:  # every row in one program: the K tile cut by the rows, so the [BM, BN, BK] sums fit the registers
+        block_m = 1 << (m - 1).bit_length()
+        block_k = max(16, block_k // block_m)
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    if rows_form:
+        cfg["CUDA_ROWS"] = True
     cfg.update({key: v for key, v in override.items() if key != "SPLIT_K"})
     if fmt in GROUPED:
         _check_group_tile(fmt, cfg, group_size)
@@ -328,7 +350,7 @@ def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
 @functools.lru_cache(maxsize=4096)
 def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple, switches: tuple = ()) -> dict:
     """gemv_config with M1_TILES applied, cached; `switches` (the module switches gemv_config reads: NARROW_TILES,
-    WIDE_FP8_WARPS, INT4_WIDE_TILES) is part of the key only, so a benchmark row that flips one gets its own
+    WIDE_FP8_WARPS, INT4_WIDE_TILES, CUDA_ROWS_MAX) is part of the key only, so a benchmark row that flips one gets its own
     configurations."""
     tiles = M1_TILES.get((fmt, n, k), {}) if m == 1 else {}
     return gemv_config(fmt, m, n, k, group_size, sm_count, **{**tiles, **dict(override)})
@@ -447,8 +469,10 @@ if TRITON_AVAILABLE:
             NORM: tl.constexpr, F16_DOT: tl.constexpr, X_SCALE: tl.constexpr, CVT_BITS: tl.constexpr,
             PDL: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STEP: tl.constexpr = 64,
             LATE_TRIGGER: tl.constexpr = True,
-            TILE_GROUPS: tl.constexpr = 0):  # int4 / int8g one-row: 0 = the group-tiled form; n >= 1 = dequantized
+            TILE_GROUPS: tl.constexpr = 0,  # int4 / int8g one-row: 0 = the group-tiled form; n >= 1 = dequantized
             # per weight, the K tile as n groups (or one group's slice) of BLOCK_K // n weights, reduced after the loop
+            CUDA_ROWS: tl.constexpr = False):  # int8 / fp8 / dense, BLOCK_M > 1: every row on the CUDA cores, each
+            # weight tile read once for all of them ([BM, BN, BK] sums, reduced after the loop) instead of tl.dot
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -472,7 +496,9 @@ if TRITON_AVAILABLE:
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: x^2 per row and lane, summed after the loop
-        if FMT != 1 and FMT != 4 and BLOCK_M == 1:
+        if FMT != 1 and FMT != 4 and CUDA_ROWS:
+            acc2 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # every row: reduced after the loop
+        elif FMT != 1 and FMT != 4 and BLOCK_M == 1:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
         if TILE_GROUPS > 0 and FMT == 1 and CVT_BITS:  # [BN, groups of the tile, 32-bit words of a group in the tile]
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8], dtype=tl.float32)
@@ -553,14 +579,17 @@ if TRITON_AVAILABLE:
             else:  # int8 / fp8 / dense: raw values, the channel scale (not dense) after the loop
                 w = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :],
                             mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)  # [BN, BK]
-                if BLOCK_M == 1:
+                if BLOCK_M == 1 or CUDA_ROWS:
                     if CVT_BITS and FMT == 2:
                         wf = _fp8_to_f32_scaled(w)
                     elif CVT_BITS and FMT == 0:
                         wf = _int8_to_f32(w)
                     else:
                         wf = w.to(tl.float32)
-                    acc2 += wf * x.to(tl.float32)
+                    if CUDA_ROWS:  # [1, BN, BK] x [BM, 1, BK]: the tile read once, multiplied with every row
+                        acc2 += wf[None, :, :] * x.to(tl.float32)[:, None, :]
+                    else:
+                        acc2 += wf * x.to(tl.float32)
                 elif F16_DOT:  # int8 / fp8 with 16-bit x: both operands fp16 (one conversion per weight, exact),
                     # x scaled by X_SCALE (a power of two, undone after the loop) so bf16 activations fit fp16's range
                     xh = (x.to(tl.float32) * X_SCALE).to(tl.float16)
@@ -576,11 +605,11 @@ if TRITON_AVAILABLE:
         if TILE_GROUPS > 0:
             acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
         if FMT != 1 and FMT != 4:
-            if BLOCK_M == 1:
-                acc = tl.sum(acc2, axis=1)[None, :]
+            if BLOCK_M == 1 or CUDA_ROWS:
+                acc = tl.sum(acc2, axis=2) if CUDA_ROWS else tl.sum(acc2, axis=1)[None, :]
                 if CVT_BITS and FMT == 2:
                     acc = acc * 1.329227995784916e+36  # 2^120 (FP8_UNBIAS), exact
-            if F16_DOT and BLOCK_M > 1:
+            if F16_DOT and BLOCK_M > 1 and not CUDA_ROWS:
                 acc = acc * (1.0 / X_SCALE)
             if FMT != 3:
                 acc = acc * tl.load(s_ptr + offs_n * ss_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -671,7 +700,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
     cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())),
                          (NARROW_TILES, WIDE_FP8_WARPS, tuple(sorted(INT4_WIDE_TILES.items()))
-                          if isinstance(INT4_WIDE_TILES, dict) else bool(INT4_WIDE_TILES)))
+                          if isinstance(INT4_WIDE_TILES, dict) else bool(INT4_WIDE_TILES), CUDA_ROWS_MAX))
     tile_groups = 0  # grouped formats: the group-tiled form, or the ELEMENTWISE one with this many groups per K tile
     if fmt in GROUPED and cfg.get("ELEMENTWISE", cfg["BLOCK_K"] > group_size):
         tile_groups = max(1, cfg["BLOCK_K"] // group_size)
@@ -707,6 +736,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, RESIDUAL=residual is not None,
         NORM=norm, F16_DOT=f16_dot, X_SCALE=X_SCALE_BF16 if x.dtype == torch.bfloat16 else 1.0,
         CVT_BITS=cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS), TILE_GROUPS=tile_groups,
+        CUDA_ROWS=bool(cfg.get("CUDA_ROWS", False)) and cfg["BLOCK_M"] > 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     return out
 

@@ -200,22 +200,29 @@ def part_speed(args, device) -> list[dict]:
                     continue
                 clones = rotating(mod, device)
                 nbytes = weight_bytes(mod) - (mod.gemv_counters.numel() * 4 if hasattr(mod, "gemv_counters") else 0)
+                rows_default = quant_gemv.CUDA_ROWS_MAX
                 for m in map(int, args.ms.split(",")):
-                    row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt, kernel=mod.kernel)
-                    try:
-                        x = torch.randn(m, k, device=device, dtype=args.dtype)
-                        us = time_us([lambda c=c: c(x) for c in clones], device, args.replays)
-                        base = next(r["us"] for r in rows if r["format"] == "bf16" and r["config"] == config
-                                    and r["linear"] == name and r["M"] == m)
-                        row.update(us=us, gb_per_s=nbytes / us / 1e3, speedup_vs_bf16=base / us,
-                                   weight_mb=nbytes / 1e6)
-                        if kernel == "triton":
-                            cfg = gemv_config(fmt, m, n, k, args.int4_group_size)
-                            row["config_used"] = f"BN{cfg['BLOCK_N']} BK{cfg['BLOCK_K']} split{cfg['SPLIT_K']}"
-                    except Exception as e:  # noqa: BLE001
-                        row["error"] = f"{type(e).__name__}: {e}"[:300]
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    # --cuda-rows N: triton calls of 2..N rows once more in the CUDA-rows form (quant_gemv.CUDA_ROWS_MAX)
+                    for rows_max in [0] + ([args.cuda_rows] if kernel == "triton" and 1 < m <= args.cuda_rows else []):
+                        quant_gemv.CUDA_ROWS_MAX = rows_max
+                        row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt,
+                                   kernel=mod.kernel + ("+rows" if rows_max else ""))
+                        try:
+                            x = torch.randn(m, k, device=device, dtype=args.dtype)
+                            us = time_us([lambda c=c: c(x) for c in clones], device, args.replays)
+                            base = next(r["us"] for r in rows if r["format"] == "bf16" and r["config"] == config
+                                        and r["linear"] == name and r["M"] == m)
+                            row.update(us=us, gb_per_s=nbytes / us / 1e3, speedup_vs_bf16=base / us,
+                                       weight_mb=nbytes / 1e6)
+                            if kernel == "triton":
+                                cfg = gemv_config(fmt, m, n, k, args.int4_group_size)
+                                row["config_used"] = f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} BK{cfg['BLOCK_K']} " \
+                                    f"split{cfg['SPLIT_K']}" + (" rows" if cfg.get("CUDA_ROWS") else "")
+                        except Exception as e:  # noqa: BLE001
+                            row["error"] = f"{type(e).__name__}: {e}"[:300]
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                    quant_gemv.CUDA_ROWS_MAX = rows_default
                 del clones
             del mods
             if device.type == "cuda":
@@ -499,6 +506,9 @@ def main() -> None:
                     "of whole groups, set as kernels.quant_gemv.INT4_WIDE_TILES for every part (parity, speed, "
                     "decode), e.g. '{\"BLOCK_N\": 32, \"BLOCK_K\": 512, \"num_warps\": 8, \"num_stages\": 3}'; "
                     "default: off (one group per K tile)")
+    ap.add_argument("--cuda-rows", type=int, default=0, help="speed part: also time the triton calls of 2..N rows in "
+                    "the CUDA-rows form (quant_gemv.CUDA_ROWS_MAX = N; dense linears take cuBLAS above one row without "
+                    "it)")
     ap.add_argument("--parity-rtol", type=float, default=2 ** -7, help="max |err| / max |ref| that counts as ok")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=32000)

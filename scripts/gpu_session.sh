@@ -16,7 +16,8 @@
 # PART=pdl5 + zs, rc1, rc2, rc3, rc4: the tenth session's calls (BENCHMARKS.md section 16). PART=z and zs now calibrate
 # with 3 runs per (batch size, k) (gpu_serving --calibration-repeats, default 3 since then): z (small) is the next one;
 # PART=sp1 (prepared): the n-gram speculative overhead on small with cuBLAS against the dense Triton GEMV.
-# PART=e1: the eleventh session's first call (sp1 with the speculative overhead's speed part before it).
+# PART=e1, z, e3, e2, e4: the eleventh session's calls (BENCHMARKS.md section 17); e5 (compiled prefill on tiny) and
+# e6 (verify widths on the CUDA cores: per linear, then n-gram on small) are prepared, not run.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -49,7 +50,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -341,6 +342,19 @@ elif [ "$PART" = e5 ]; then
   C=graphs+compile+overlap
   step speed 60 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset tiny \
     --modes "$C,$C+cprefill" --methods ar,ngram:4 --repeats 3
+elif [ "$PART" = e6 ]; then
+  # prepared in the eleventh session, not run: verify widths on the CUDA cores (quant_gemv.CUDA_ROWS_MAX, off by
+  # default): per linear at M = 1, 2, 5, 9 (1.45 B and 6.7 B shapes), then n-gram k = 4 on small with the dense Triton
+  # GEMV for one row only (17.3) against one to eight rows (WORKBENCH_GEMV_CUDA_ROWS=8), then the e5 prefill pair
+  step rows 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/rows" --parts speed --configs 1.45b,6.7b \
+    --formats dense,fp8 --ms 1,2,5,9 --cuda-rows 8 --replays 10
+  train_small
+  for rows in 0 8; do
+    step "bench_ngram_triton_rows$rows" 40 env WORKBENCH_GEMV_CUDA_ROWS=$rows $PY -m workbench bench --preset small \
+      --method ngram --k 4 --batch 1 --max-new-tokens 128 --num-prompts 8 --repeats 5 --cuda-graphs \
+      --graph-batch-sizes 1 --compile default --quant-kernel triton --gemv-fusion residual --dtype bfloat16 \
+      --temperature 0 --no-store --json
+  done
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call

@@ -257,6 +257,53 @@ def test_eight_row_tiles(fmt, split, interpreter_bf16_dot):
 
 
 # ---- grouped formats, one row: K tiles of whole groups (the ELEMENTWISE form) -------------------------------------
+@interpreter
+@pytest.mark.parametrize("fusion", ["none", "glu+residual", "norm+residual"])
+@pytest.mark.parametrize("split", [None, 3])
+@pytest.mark.parametrize("m", [2, 5, 8])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "int8"])
+def test_cuda_rows_form_matches_reference(fmt, m, split, fusion, interpreter_bf16_dot):
+    """Verify widths on the CUDA cores (CUDA_ROWS: every row in one program, each weight tile read once): the rows'
+    outputs equal the reference for M = 2..8 (padded to a power of two), split or not, with the fusions; the config
+    takes the form for 2..cuda_rows rows only."""
+    n, k, group = SHAPES["ragged"]
+    dtype = torch.bfloat16
+    _, buffers = stored(fmt, n, k, group, dtype=dtype if fmt != "fp8" else torch.float32, seed=m)
+    g = torch.Generator().manual_seed(17)
+    glu = fusion.startswith("glu")
+    x = torch.randn(m, 2 * k if glu else k, generator=g).to(dtype)
+    kw = dict(glu=glu, residual=torch.randn(m, n, generator=g).to(dtype) if "residual" in fusion else None,
+              norm_weight=(torch.rand(k, generator=g) + 0.5).to(dtype) if "norm" in fusion else None, eps=1e-5)
+    override = dict(cuda_rows=8) if split is None else dict(cuda_rows=8, SPLIT_K=split, BLOCK_K=32)
+    cfg = gemv_config(fmt, m, n, k, **override)
+    assert cfg["CUDA_ROWS"] and cfg["BLOCK_M"] == 1 << (m - 1).bit_length()
+    assert "CUDA_ROWS" not in gemv_config(fmt, 9, n, k, cuda_rows=8) and "CUDA_ROWS" not in gemv_config(fmt, m, n, k,
+                                                                                                       cuda_rows=0)
+    counters = counters_for(n, "cpu")
+    got = quant_gemv_triton(x, fmt, **buffers, counters=counters, **kw, **override).float()
+    want = quant_gemv_reference(x, fmt, **buffers, **kw).float()
+    assert (got - want).abs().max() <= 2 ** -6 * want.abs().max()  # bf16: see the norm prologue's test
+    assert not counters.any()
+
+
+@interpreter
+def test_cuda_rows_switch_reaches_the_dense_linear(monkeypatch, interpreter_bf16_dot):
+    """quant_gemv.CUDA_ROWS_MAX > 0: a dense linear's 5-row call takes the GEMV in its CUDA-rows form (off: F.linear)."""
+    torch.manual_seed(0)
+    lin = DenseGemvLinear(nn.Linear(64, 40, bias=False).to(torch.bfloat16))
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    launched = []
+    kernel = qg._gemv_kernel
+    monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
+        launched.append((kw["BLOCK_M"], kw["CUDA_ROWS"])), kernel[grid](*a, **kw))[1]})())
+    want = (x.float() @ lin.weight.float().T)
+    for rows_max, calls in ((0, []), (8, [(8, True)])):
+        monkeypatch.setattr(qg, "CUDA_ROWS_MAX", rows_max)
+        launched.clear()
+        torch.testing.assert_close(lin(x).float(), want, atol=0.05, rtol=0.02)
+        assert launched == calls
+
+
 def test_grouped_k_tiles_lie_in_one_group_or_hold_whole_groups():
     """BLOCK_K divides g, or (one row) is a multiple of it; anything else, and the forms the kernel lacks (several
     groups a tile without ELEMENTWISE, ELEMENTWISE on tensor-core row tiles), is a GemvError before any launch."""
