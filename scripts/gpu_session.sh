@@ -70,6 +70,13 @@ eagle_tiny() {  # eagle_tiny STEP pdl|no-pdl [EAGER]: bench eagle on tiny (k = 4
     --max-new-tokens 48 --num-prompts 8 --repeats 3 --cuda-graphs --graph-batch-sizes 1,2,4 --temperature 0 --"$2" \
     --no-store --json
 }
+ngram_small() {  # ngram_small STEP QUANT_KERNEL GEMV_FUSION [ENV=VALUE...]: bench n-gram k = 4 on small, batch 1, bf16,
+  # graphs + compile, 5 repeats (AR and n-gram in one process), under the given environment
+  local name=$1 kern=$2 fusion=$3; shift 3
+  step "$name" 40 env "$@" $PY -m workbench bench --preset small --method ngram --k 4 --batch 1 --max-new-tokens 128 \
+    --num-prompts 8 --repeats 5 --cuda-graphs --graph-batch-sizes 1 --compile default --quant-kernel "$kern" \
+    --gemv-fusion "$fusion" --dtype bfloat16 --temperature 0 --no-store --json
+}
 heads() {
   [ -f zoo_cache/small/redrafter/manifest.json ] || \
     step head_redrafter 40 $PY -m workbench zoo train-head --kind redrafter --preset small --device cuda --max-seconds 25
@@ -312,9 +319,7 @@ elif [ "$PART" = e1 ]; then
     --modes graphs+compile+overlap --methods ar,ngram:4,draft:4,ngram:2 --repeats 5
   for kern in "auto residual" "triton residual" "triton norm+glu+residual"; do
     set -- $kern
-    step "bench_ngram_$1_${2//+/-}" 40 $PY -m workbench bench --preset small --method ngram --k 4 --batch 1 \
-      --max-new-tokens 128 --num-prompts 8 --repeats 5 --cuda-graphs --graph-batch-sizes 1 --compile default \
-      --quant-kernel "$1" --gemv-fusion "$2" --dtype bfloat16 --temperature 0 --no-store --json
+    ngram_small "bench_ngram_$1_${2//+/-}" "$1" "$2"
   done
 elif [ "$PART" = e3 ]; then
   # eleventh session: int4 one-row tiles of several whole groups (quant_gemv TILE_GROUPS, the elementwise form; off by
@@ -350,10 +355,7 @@ elif [ "$PART" = e6 ]; then
     --formats dense,fp8 --ms 1,2,5,9 --cuda-rows 8 --replays 10
   train_small
   for rows in 0 8; do
-    step "bench_ngram_triton_rows$rows" 40 env WORKBENCH_GEMV_CUDA_ROWS=$rows $PY -m workbench bench --preset small \
-      --method ngram --k 4 --batch 1 --max-new-tokens 128 --num-prompts 8 --repeats 5 --cuda-graphs \
-      --graph-batch-sizes 1 --compile default --quant-kernel triton --gemv-fusion residual --dtype bfloat16 \
-      --temperature 0 --no-store --json
+    ngram_small "bench_ngram_triton_rows$rows" triton residual WORKBENCH_GEMV_CUDA_ROWS=$rows
   done
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
@@ -361,9 +363,7 @@ elif [ "$PART" = e2 ]; then
   train_small
   for kern in "auto residual" "triton residual" "triton norm+glu+residual"; do
     set -- $kern
-    step "bench_ngram_$1_${2//+/-}" 40 $PY -m workbench bench --preset small --method ngram --k 4 --batch 1 \
-      --max-new-tokens 128 --num-prompts 8 --repeats 5 --cuda-graphs --graph-batch-sizes 1 --compile default \
-      --quant-kernel "$1" --gemv-fusion "$2" --dtype bfloat16 --temperature 0 --no-store --json
+    ngram_small "bench_ngram_$1_${2//+/-}" "$1" "$2"
   done
   step speed 60 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small \
     --modes graphs+compile+overlap --methods ar,ngram:4,ngram:2 --repeats 5
@@ -374,9 +374,7 @@ elif [ "$PART" = sp1 ]; then
   train_small
   for kern in "auto residual" "triton residual" "triton norm+glu+residual"; do
     set -- $kern
-    step "bench_ngram_$1_${2//+/-}" 40 $PY -m workbench bench --preset small --method ngram --k 4 --batch 1 \
-      --max-new-tokens 128 --num-prompts 8 --repeats 5 --cuda-graphs --graph-batch-sizes 1 --compile default \
-      --quant-kernel "$1" --gemv-fusion "$2" --dtype bfloat16 --temperature 0 --no-store --json
+    ngram_small "bench_ngram_$1_${2//+/-}" "$1" "$2"
   done
 elif [ "$PART" = n ]; then
   # fifth session, second call (no preset): int8 / fp8 widened by integer ops (CVT_BITS) against conversion
