@@ -35,11 +35,11 @@ How the math is arranged (each per-channel or per-group factor applied where it 
   weight element.
 - int8g: the same grouped tiles without a zero: per tile t = sum_k x_k q_k (q in -128..127, exact) and
   acc += scale * t.
-- int4 / int8g one row, K tiles of whole groups (BLOCK_K a multiple of g, the ELEMENTWISE form; off by default,
-  INT4_WIDE_TILES): each weight dequantized with its group's scale (loaded [BN, groups of the tile], broadcast over
-  the group's weights by a reshape that moves no data) and summed per lane, one reduction after the loop as dense /
-  fp8 do, instead of a reduction per tile. int4 with CVT_BITS reads 32-bit words and widens each nibble by an and-or
-  into 2^23's mantissa and one subtraction (`_int4_words_dot`), accumulating per word.
+- int4 / int8g one row, K tiles of whole groups (BLOCK_K a multiple of g, the ELEMENTWISE form; int4's default
+  since BENCHMARKS.md 17.4, INT4_WIDE_TILES): each weight dequantized with its group's scale (loaded [BN, groups of
+  the tile], broadcast over the group's weights by a reshape that moves no data) and summed per lane, one reduction
+  after the loop as dense / fp8 do, instead of a reduction per tile. int4 with CVT_BITS reads 32-bit words and widens
+  each nibble by an and-or into 2^23's mantissa and one subtraction (`_int4_words_dot`), accumulating per word.
 - M = 1 (BLOCK_M = 1): broadcast multiply and reduce over K on the CUDA cores (a GEMV); M > 1: `tl.dot` with
   BLOCK_M = 16 row tiles (the tensor cores' smallest M; rows past M are masked). A measured tile may put M = 1 on
   the tensor cores too (BLOCK_M = 16 in M1_TILES; measured slower in decode, BENCHMARKS.md section 11). fp8 tiles
@@ -86,8 +86,8 @@ X_SCALE_BF16 = 2.0 ** -6
 # (`_int8_to_f32`, `_fp8_to_f32_scaled`; exact for every byte, on the H200 too). Measured per linear on the H200
 # (BENCHMARKS.md section 11): int8 1.03-1.39x faster that way, fp8 2-8 % slower on 7 of 8 shapes, so the default is on
 # for the int8 formats only; a sweep may set it per call (override CVT_BITS=...). int4 reads it only in K tiles of whole
-# groups (ELEMENTWISE; the group-tiled default ignores it): 32-bit words widened in place (`_int4_words_dot`), about 5
-# instructions a weight in the sm_90 loop against 7 with cvt (counted in the compiled code, not yet timed).
+# groups (ELEMENTWISE; the group-tiled form ignores it): 32-bit words widened in place (`_int4_words_dot`), measured
+# 1.12-1.28x faster than the cvt form in the same tiles on every swept int4 shape (BENCHMARKS.md 17.4).
 CVT_BITS_FORMATS = ("int8", "int8g", "int4")
 FP8_UNBIAS = 2.0 ** 120  # what _fp8_to_f32_scaled's values are multiplied by
 # Tensor-core tiles (M > 1) with fp16 operands: fp8 within 1 % of the fp32-widened form, int8 4-29 % slower
@@ -230,8 +230,8 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     Grouped formats (int4, int8g): BLOCK_K divides g (a K tile inside one group: a sum per tile, scaled once), or, one
     row at a time (BLOCK_M = 1), is a multiple of g (a K tile of whole groups: each weight times its group's scale,
     summed per lane and reduced after the loop, the `ELEMENTWISE` form; override ELEMENTWISE=True takes it for
-    BLOCK_K <= g too); anything else is a GemvError. `int4_wide`: one-row int4 tiles of that form (default
-    INT4_WIDE_TILES; None or {} keeps the group-tiled ones).
+    BLOCK_K <= g too); anything else is a GemvError. `int4_wide`: one-row int4 tiles of that form (None:
+    INT4_WIDE_TILES; True: its measured rule; a dict: that tile; False or {}: the group-tiled ones).
 
     M = 1 (decode) tiles come from sweeps on the H200 (scripts/gpu_gemv.py --parts tune; BENCHMARKS.md sections 9 and
     16): int8 / fp8 / dense read 32 rows per program for N >= 8192 with 8 warps and long K tiles, unsplit when the
@@ -350,8 +350,8 @@ def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
 @functools.lru_cache(maxsize=4096)
 def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple, switches: tuple = ()) -> dict:
     """gemv_config with M1_TILES applied, cached; `switches` (the module switches gemv_config reads: NARROW_TILES,
-    WIDE_FP8_WARPS, INT4_WIDE_TILES, CUDA_ROWS_MAX) is part of the key only, so a benchmark row that flips one gets its own
-    configurations."""
+    WIDE_FP8_WARPS, INT4_WIDE_TILES, CUDA_ROWS_MAX) is part of the key only, so a benchmark row that flips one gets
+    its own configurations."""
     tiles = M1_TILES.get((fmt, n, k), {}) if m == 1 else {}
     return gemv_config(fmt, m, n, k, group_size, sm_count, **{**tiles, **dict(override)})
 

@@ -202,7 +202,7 @@ def part_speed(args, device) -> list[dict]:
                 nbytes = weight_bytes(mod) - (mod.gemv_counters.numel() * 4 if hasattr(mod, "gemv_counters") else 0)
                 rows_default = quant_gemv.CUDA_ROWS_MAX
                 for m in map(int, args.ms.split(",")):
-                    # --cuda-rows N: triton calls of 2..N rows once more in the CUDA-rows form (quant_gemv.CUDA_ROWS_MAX)
+                    # --cuda-rows N: triton calls of 2..N rows once more in the CUDA-rows form (CUDA_ROWS_MAX)
                     for rows_max in [0] + ([args.cuda_rows] if kernel == "triton" and 1 < m <= args.cuda_rows else []):
                         quant_gemv.CUDA_ROWS_MAX = rows_max
                         row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt,

@@ -288,7 +288,7 @@ def test_cuda_rows_form_matches_reference(fmt, m, split, fusion, interpreter_bf1
 
 @interpreter
 def test_cuda_rows_switch_reaches_the_dense_linear(monkeypatch, interpreter_bf16_dot):
-    """quant_gemv.CUDA_ROWS_MAX > 0: a dense linear's 5-row call takes the GEMV in its CUDA-rows form (off: F.linear)."""
+    """quant_gemv.CUDA_ROWS_MAX > 0: a dense linear's 5-row call takes the GEMV in its CUDA-rows form (0: F.linear)."""
     torch.manual_seed(0)
     lin = DenseGemvLinear(nn.Linear(64, 40, bias=False).to(torch.bfloat16))
     x = torch.randn(5, 64).to(torch.bfloat16)

@@ -39,7 +39,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Whether captured prompt forwards (PrefillStep) are compiled too when the decode steps are (`compile` != off). Off:
 # each new (batch, padded length) would compile afresh, which costs a study with ragged prompts more than it saves.
 # On `small` the captured eager prefill of a 64-token prompt took 1.2 ms of GPU time, 2.8 AR steps (BENCHMARKS.md
-# 17.3); scripts/gpu_fastpath.py --compile-prefill measures it compiled. An experiment's switch, not a setting yet.
+# 17.3); scripts/gpu_fastpath.py's mode suffix +cprefill measures it compiled. An experiment's switch, not a setting.
 COMPILE_PREFILL = False
 
 
@@ -376,8 +376,9 @@ class PrefillStep:
     every batch size is its own key. A chunk reads the cache's whole static span (its start varies); a batch from
     position 0 only its padded length. Not compiled unless COMPILE_PREFILL (the compile setting is for decode
     steps). Graphs of one step share one memory pool (they never run concurrently; each keeps its output alive). On a
-    CPU the same padded forward runs eagerly (compiled with COMPILE_PREFILL). Otherwise (or where a chunk's padded length passes the row's slots or needs blocks the pool
-    has not got free: counted in `eager_chunks`): eager, over exactly the tokens' span.
+    CPU the same padded forward runs eagerly (compiled with COMPILE_PREFILL). Otherwise (or where a chunk's padded
+    length passes the row's slots or needs blocks the pool has not got free: counted in `eager_chunks`): eager, over
+    exactly the tokens' span.
     """
 
     def __init__(self, model, cache, settings: GraphSettings, device: torch.device, name: str):
