@@ -394,8 +394,9 @@ SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("calibration_budget_s", "float", 60.0, "calibration loop: wall-clock budget in seconds; (batch, k) runs "
          "that would end past it are skipped and listed in calibration_table", "Calibration budget (s)", "adaptive",
          1.0, 3600.0),
-    Knob("calibration_repeats", "int", 3, "calibration loop: runs per (batch size, k), every k in turn, the median "
-         "counts (a single short run can read 20 % off: BENCHMARKS 16.5); runs past the budget are skipped",
+    Knob("calibration_repeats", "int", 3, "calibration loop: runs per (batch size, k), in passes over every point, the "
+         "median counts (a single short run can read 20 % off: BENCHMARKS 16.5); runs past the budget are skipped, "
+         "so a tight budget measures every batch size once before repeating any",
          "Calibration repeats", "adaptive", 1, 9),
 )}
 

@@ -170,10 +170,11 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
     """Output tokens/s of a short closed-loop serve per (batch size b, draft length k): max_concurrency = b,
     requests_per_size x b requests cycling `prompts` (max_new_tokens each), the first b warm-up (left out of the
     rate). Every run uses max_num_seqs rows, so it shares the serving run's cache and graphs (captured once, before
-    the first run, for every k). Runs go b by b, k by k; `repeats` > 1 runs every k of a b that many times in turn
-    (k = 0, 1, .., then again), and the median counts (one short run can be 20 % off: BENCHMARKS.md 16.5); a run
-    that would end past `budget_s` (judged by the longest run so far) is skipped, and a (b, k) none of whose runs
-    fit is listed. `measure(b, k) -> tokens/s` replaces the serve (tests); gc_freeze: each run
+    the first run, for every k). Runs go in passes over every (b, k), b by b and k by k; `repeats` > 1 makes that
+    many passes and the median of each point's runs counts (one short run can be 20 % off: BENCHMARKS.md 16.5). A
+    run that would end past `budget_s` (judged by the longest run so far) is skipped, so a tight budget still measures
+    every batch size once before any is repeated (call z measured b by b and left 32 and 64 out: BENCHMARKS.md 17.2);
+    a (b, k) none of whose runs fit is listed. `measure(b, k) -> tokens/s` replaces the serve (tests); gc_freeze: each run
     with the heap frozen (loop.frozen_gc), like serve-bench's measured run. serve_kwargs go to
     `ServingLoop` (policy, num_blocks, prefill_chunk, prefix_caching). ServeError for bad arguments, before any work."""
     from workbench.serving import metrics
@@ -211,8 +212,8 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
     measure = measure or serve
     runs: dict[tuple[int, int], list[float]] = {}
     longest = 0.0
-    for b in sorted(set(batch_sizes)):
-        for _ in range(repeats):
+    for _ in range(repeats):
+        for b in sorted(set(batch_sizes)):
             for k in counts:
                 if time.perf_counter() - t_begin + longest > budget_s:
                     continue
