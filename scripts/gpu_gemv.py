@@ -505,7 +505,7 @@ def main() -> None:
     ap.add_argument("--int4-wide-tiles", default="", help="JSON gemv_config tiles for one-row int4 calls with K tiles "
                     "of whole groups, set as kernels.quant_gemv.INT4_WIDE_TILES for every part (parity, speed, "
                     "decode), e.g. '{\"BLOCK_N\": 32, \"BLOCK_K\": 512, \"num_warps\": 8, \"num_stages\": 3}'; "
-                    "default: off (one group per K tile)")
+                    "default: the module's measured rule (INT4_WIDE_TILES True)")
     ap.add_argument("--cuda-rows", type=int, default=0, help="speed part: also time the triton calls of 2..N rows in "
                     "the CUDA-rows form (quant_gemv.CUDA_ROWS_MAX = N; dense linears take cuBLAS above one row without "
                     "it)")

@@ -483,6 +483,7 @@ def threshold_checks(rows: list[dict], fixed: str, cliff_pct: float, adaptive: s
               for key in keys}
         cs = sorted({c for c, _ in at})
         points, reasons = [], []
+        beyond = False  # a cliff larger than the rounds' own spread at the points it compares
         for c in cs:
             a, off, fx = (at.get((c, s)) for s in (adaptive, "off", fixed))
             if a is None or off is None or fx is None:
@@ -498,10 +499,7 @@ def threshold_checks(rows: list[dict], fixed: str, cliff_pct: float, adaptive: s
             if ratio is not None and ratio < 1 - cliff_pct / 100:
                 reasons.append(f"at concurrency {c} adaptive is {100 * (1 - ratio):.0f} % below the better of off "
                                f"and fixed k")
-        beyond = False  # a cliff larger than the rounds' own spread at the points it compares
-        for p in points:
-            if p["ratio"] is not None and p["ratio"] < 1 - cliff_pct / 100:
-                beyond |= p["spread"] is None or 1 - p["ratio"] > p["spread"]
+                beyond |= points[-1]["spread"] is None or 1 - ratio > points[-1]["spread"]
         for p, q in zip(points, points[1:]):
             if p["adaptive"] and q["adaptive"] < p["adaptive"] * (1 - cliff_pct / 100):
                 drop = 1 - q["adaptive"] / p["adaptive"]

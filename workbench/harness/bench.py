@@ -505,8 +505,8 @@ class BenchSession:
         n_seq = len(outputs)
         speedup = tps / ar_tps if ar_tps else None
         # the decode window alone (per sequence: first token -> done, so prefill and call setup left out)
-        ar_tpot = median([x for s in ar for x in s.tpot_ms])
-        decode_speedup = ar_tpot / median(tpot) if tpot and ar_tpot and median(tpot) else None
+        ar_tpot, cand_tpot = median([x for s in ar for x in s.tpot_ms]), median(tpot)
+        decode_speedup = ar_tpot / cand_tpot if ar_tpot and cand_tpot else None
         trust = trust_columns([s.tokens_per_s for s in ar], [s.tokens_per_s for s in cand], speedup,
                               c0.mean_accepted_tokens, c0.acceptance_rate if cfg.method != "ar" else None,
                               cost_ratio=cost_ratio,
