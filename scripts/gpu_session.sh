@@ -50,7 +50,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -350,13 +350,17 @@ elif [ "$PART" = e5 ]; then
 elif [ "$PART" = e6 ]; then
   # prepared in the eleventh session, not run: verify widths on the CUDA cores (quant_gemv.CUDA_ROWS_MAX, off by
   # default): per linear at M = 1, 2, 5, 9 (1.45 B and 6.7 B shapes), then n-gram k = 4 on small with the dense Triton
-  # GEMV for one row only (17.3) against one to eight rows (WORKBENCH_GEMV_CUDA_ROWS=8), then the e5 prefill pair
+  # GEMV for one row only (17.3) against one to eight rows (WORKBENCH_GEMV_CUDA_ROWS=8)
   step rows 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/rows" --parts speed --configs 1.45b,6.7b \
     --formats dense,fp8 --ms 1,2,5,9 --cuda-rows 8 --replays 10
   train_small
   for rows in 0 8; do
     ngram_small "bench_ngram_triton_rows$rows" triton residual WORKBENCH_GEMV_CUDA_ROWS=$rows
   done
+elif [ "$PART" = f1 ]; then
+  # twelfth session, first call: e6 (verify widths on the CUDA cores) then e5 (the compiled prefill on tiny)
+  PART=e6 BUDGET=$(( $(left) - 75 )) bash "$0"
+  PART=e5 BUDGET=$(( $(left) - 5 )) bash "$0"
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call
