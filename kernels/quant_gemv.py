@@ -203,6 +203,13 @@ CUDA_ROWS_FORMATS = ("dense", "fp8", "int8")
 # the group-tiled GEMVs' time per 6.7 B layer (the best tile per shape: 1.21x). A dict: that tile for every shape;
 # False / None / {}: the group-tiled 64 x g tiles of before.
 INT4_WIDE_TILES: dict | bool | None = True
+# One-row int4 words (the wide tiles above, words widened) in packed fp16 arithmetic: two weights per instruction
+# (lop3 into two fp16 lanes, one packed subtraction, one packed multiply-add with x), about 2.3 instructions a weight
+# against about 6 (the int4 GEMV was bound by instructions at 1.3-1.4 TB/s: BENCHMARKS.md 17.4). x is scaled per K
+# tile by a power of two into fp16's range; a word's 8 products are summed in fp16 (11-bit mantissa), words in fp32.
+# bf16 / fp16 activations only (fp32 models keep the fp32 form). Off until measured on the GPU; env
+# WORKBENCH_INT4_HALF2=1 or a tile's HALF2 entry turns it on.
+INT4_HALF2 = os.environ.get("WORKBENCH_INT4_HALF2", "0") == "1"
 
 
 def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int) -> dict | None:
@@ -333,7 +340,8 @@ def _check_group_tile(fmt: str, cfg: dict, group_size: int) -> None:
 # `gemv_config`: set by `set_m1_tiles` from a tile sweep's results (scripts/gpu_gemv.py --parts tc writes them,
 # scripts/gpu_quant.py --m1-tiles reads them), empty by default.
 M1_TILES: dict[tuple[str, int, int], dict] = {}
-M1_TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "CVT_BITS", "ELEMENTWISE")
+M1_TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "CVT_BITS", "ELEMENTWISE",
+                "HALF2")
 
 
 def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
@@ -449,6 +457,75 @@ if TRITON_AVAILABLE:
         acc += _nibble_term(hi, 12, s, z, x7, magic)  # bit 24
         return acc
 
+    # One int4 word (8 weights of the "dequant" packing) times its 8 activations, two weights per instruction:
+    # each nibble pair is or-ed into two fp16 lanes' mantissas under 1024's exponent (lop3: 1024 + q, or 1024 + 16 q
+    # for the high nibbles of a byte), made q - 8 exactly by one packed subtraction or multiply-add, multiplied with
+    # the paired activations (fp16, packed by the caller) in packed fp16 arithmetic, and the two lanes added in fp32.
+    # x pairs: $2 = (k1, k5), $3 = (k0, k4), $4 = (k3, k7), $5 = (k2, k6) of word k = 8c .. 8c + 7 (low lane first).
+    @triton.jit
+    def _half2_lane(v, HIGH: tl.constexpr):
+        """The fp16 in the low (HIGH False) or high 16 bits of int32 `v`, as fp32 (the emulation's unpacking)."""
+        bits = (v >> 16) & 0xFFFF if HIGH else v & 0xFFFF
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _half2_pair_term(q_lo, q_hi, xp, h_lo, h_hi):
+        """One packed multiply-add of the emulation: each lane (q - 8) x + h rounded to fp16, as the fma.f16x2 does."""
+        h_lo = ((q_lo - 8).to(tl.float32) * _half2_lane(xp, False) + h_lo).to(tl.float16).to(tl.float32)
+        h_hi = ((q_hi - 8).to(tl.float32) * _half2_lane(xp, True) + h_hi).to(tl.float16).to(tl.float32)
+        return h_lo, h_hi
+
+    @triton.jit
+    def _int4_half2_word_dot(wd, xa, xb, xc, xd, EMULATE: tl.constexpr):
+        """sum_i (q_i - 8) x_i over the 8 weights of each int32 word `wd` (x in fp16 pairs packed as int32: xa =
+        (k1, k5), xb = (k0, k4), xc = (k3, k7), xd = (k2, k6)) -> fp32, in packed fp16 arithmetic (the PTX below).
+        EMULATE (the Triton interpreter, which runs no PTX): the same lanes, pairs and roundings in Triton ops, one
+        lane at a time (each fp16 multiply-add computed in fp32 and rounded to fp16: a fused one may differ in the
+        last bit at a tie)."""
+        if EMULATE:
+            z = tl.zeros(wd.shape, dtype=tl.float32)
+            lo, hi = _half2_pair_term(wd & 15, (wd >> 16) & 15, xa, z, z)
+            lo, hi = _half2_pair_term((wd >> 4) & 15, (wd >> 20) & 15, xb, lo, hi)
+            lo, hi = _half2_pair_term((wd >> 8) & 15, (wd >> 24) & 15, xc, lo, hi)
+            lo, hi = _half2_pair_term((wd >> 12) & 15, (wd >> 28) & 15, xd, lo, hi)
+            return lo + hi
+        else:
+            xa, xb = tl.broadcast_to(xa, wd.shape), tl.broadcast_to(xb, wd.shape)
+            xc, xd = tl.broadcast_to(xc, wd.shape), tl.broadcast_to(xd, wd.shape)
+            bits = tl.inline_asm_elementwise("""{
+                .reg .b32 a, b, c, d, sh, h, rs, rm, ra;
+                .reg .f16 h0, h1;
+                .reg .f32 f0, f1;
+                mov.b32 rs, 0x64086408;
+                mov.b32 rm, 0x2C002C00;
+                mov.b32 ra, 0xD480D480;
+                lop3.b32 a, $1, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 b, $1, 0x00F000F0, 0x64006400, 0xEA;
+                shr.u32 sh, $1, 8;
+                lop3.b32 c, sh, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 d, sh, 0x00F000F0, 0x64006400, 0xEA;
+                sub.f16x2 a, a, rs;
+                fma.rn.f16x2 b, b, rm, ra;
+                sub.f16x2 c, c, rs;
+                fma.rn.f16x2 d, d, rm, ra;
+                mul.f16x2 h, a, $2;
+                fma.rn.f16x2 h, b, $3, h;
+                fma.rn.f16x2 h, c, $4, h;
+                fma.rn.f16x2 h, d, $5, h;
+                mov.b32 {h0, h1}, h;
+                cvt.f32.f16 f0, h0;
+                cvt.f32.f16 f1, h1;
+                add.f32 f0, f0, f1;
+                mov.b32 $0, f0;
+                }""", "=r,r,r,r,r,r", [wd, xa, xb, xc, xd],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+            return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _f16_pair(lo, hi):
+        """Two fp16 tensors packed into int32 (lo in bits 0..15), the operand layout of a .f16x2 instruction."""
+        return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
     @triton.jit
     def _fp8_to_f32_scaled(w):
         """float8 e4m3 -> fp32 by integer ops: the 7 exponent and mantissa bits moved into an fp32's low exponent bits,
@@ -471,7 +548,10 @@ if TRITON_AVAILABLE:
             LATE_TRIGGER: tl.constexpr = True,
             TILE_GROUPS: tl.constexpr = 0,  # int4 / int8g one-row: 0 = the group-tiled form; n >= 1 = dequantized
             # per weight, the K tile as n groups (or one group's slice) of BLOCK_K // n weights, reduced after the loop
-            CUDA_ROWS: tl.constexpr = False):  # int8 / fp8 / dense, BLOCK_M > 1: every row on the CUDA cores, each
+            CUDA_ROWS: tl.constexpr = False,
+            HALF2: tl.constexpr = False,  # int4 one-row words (TILE_GROUPS, CVT_BITS): two weights per instruction in
+            # packed fp16 (_int4_half2_word_dot), x scaled per K tile by a power of two into fp16's range
+            HALF2_EMULATE: tl.constexpr = False):  # HALF2 in Triton ops instead of PTX (the interpreter runs no PTX)  # int8 / fp8 / dense, BLOCK_M > 1: every row on the CUDA cores, each
             # weight tile read once for all of them ([BM, BN, BK] sums, reduced after the loop) instead of tl.dot
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -502,6 +582,8 @@ if TRITON_AVAILABLE:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
         if TILE_GROUPS > 0 and FMT == 1 and CVT_BITS:  # [BN, groups of the tile, 32-bit words of a group in the tile]
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8], dtype=tl.float32)
+            if HALF2:
+                accz = tl.zeros([BLOCK_N, TILE_GROUPS], dtype=tl.float32)  # zero x sum(x) per group
         elif TILE_GROUPS > 0:  # [BN, groups of the tile, weights of a group in the tile]: reduced after the loop
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS], dtype=tl.float32)
         for kt in range(kt_start, kt_end):
@@ -534,10 +616,32 @@ if TRITON_AVAILABLE:
                     # 2^23's bits as a value the compiler cannot fold (K >> 31 is 0): held in a register, so each
                     # nibble's and-or is one instruction with its mask inline (folded, ptxas re-made a mask per weight)
                     magic = 0x4B000000 + (K >> 31)
-                    acc3 += _int4_words_dot(tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
-                                            s[:, :, None], z[:, :, None],
-                                            tl.reshape(x.to(tl.float32), [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8,
-                                                                          2, 2, 2]), magic)
+                    if HALF2:  # sum (q - 8) x per word in packed fp16, x / 2^e in fp16 (|x| / 2^e < 1: no
+                        # overflow in a word's sums of 8 products); then scale 2^e per group and zero sum(x)
+                        xf = x.to(tl.float32)  # [1, BK]
+                        e = (tl.max(tl.abs(xf)).to(tl.int32, bitcast=True) >> 23) & 255  # amax's biased exponent
+                        e = tl.minimum(e, 252)
+                        inv = ((253 - e) << 23).to(tl.float32, bitcast=True)  # 2^(126 - E): amax * inv < 1
+                        undo = ((e + 1) << 23).to(tl.float32, bitcast=True)  # 2^(E - 126) = 1 / inv, exactly
+                        xh = tl.reshape((xf * inv).to(tl.float16),
+                                        [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8, 2, 2, 2])  # i = 4a + 2b + d
+                        x_d0, x_d1 = tl.split(xh)
+                        h0, h4 = tl.split(tl.split(x_d0)[0])
+                        h2, h6 = tl.split(tl.split(x_d0)[1])
+                        h1, h5 = tl.split(tl.split(x_d1)[0])
+                        h3, h7 = tl.split(tl.split(x_d1)[1])
+                        dots = _int4_half2_word_dot(
+                            tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
+                            _f16_pair(h1, h5), _f16_pair(h0, h4), _f16_pair(h3, h7), _f16_pair(h2, h6),
+                            HALF2_EMULATE)  # [BN, G, C]
+                        acc3 += dots * (s * undo)[:, :, None]
+                        accz += z * tl.sum(tl.reshape(xf, [TILE_GROUPS, BLOCK_K // TILE_GROUPS]), axis=1)[None, :]
+                    else:
+                        acc3 += _int4_words_dot(tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
+                                                s[:, :, None], z[:, :, None],
+                                                tl.reshape(x.to(tl.float32), [1, TILE_GROUPS,
+                                                                              BLOCK_K // TILE_GROUPS // 8, 2, 2, 2]),
+                                                magic)
                 else:
                     if FMT == 1:
                         offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
@@ -604,6 +708,8 @@ if TRITON_AVAILABLE:
         sq = tl.sum(sq2, axis=1)  # [BM]: this split's sum of x^2 per row (NORM)
         if TILE_GROUPS > 0:
             acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
+            if FMT == 1 and CVT_BITS and HALF2:
+                acc += tl.sum(accz, axis=1)[None, :]
         if FMT != 1 and FMT != 4:
             if BLOCK_M == 1 or CUDA_ROWS:
                 acc = tl.sum(acc2, axis=2) if CUDA_ROWS else tl.sum(acc2, axis=1)[None, :]
@@ -704,6 +810,9 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     tile_groups = 0  # grouped formats: the group-tiled form, or the ELEMENTWISE one with this many groups per K tile
     if fmt in GROUPED and cfg.get("ELEMENTWISE", cfg["BLOCK_K"] > group_size):
         tile_groups = max(1, cfg["BLOCK_K"] // group_size)
+    cvt_bits = cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS)
+    half2 = bool(cfg.get("HALF2", INT4_HALF2)) and fmt == "int4" and tile_groups > 0 and cvt_bits \
+        and x.dtype in (torch.bfloat16, torch.float16)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (math.ceil(n / cfg["BLOCK_N"]), math.ceil(m / cfg["BLOCK_M"]), cfg["SPLIT_K"])
     # the same pointer types whatever the split (one compiled kernel); with one split neither buffer is touched
@@ -735,7 +844,8 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         BLOCK_K=cfg["BLOCK_K"],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, RESIDUAL=residual is not None,
         NORM=norm, F16_DOT=f16_dot, X_SCALE=X_SCALE_BF16 if x.dtype == torch.bfloat16 else 1.0,
-        CVT_BITS=cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS), TILE_GROUPS=tile_groups,
+        CVT_BITS=cvt_bits, TILE_GROUPS=tile_groups, HALF2=half2,
+        HALF2_EMULATE=half2 and os.environ.get("TRITON_INTERPRET", "0") == "1",
         CUDA_ROWS=bool(cfg.get("CUDA_ROWS", False)) and cfg["BLOCK_M"] > 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     return out

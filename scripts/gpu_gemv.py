@@ -200,13 +200,20 @@ def part_speed(args, device) -> list[dict]:
                     continue
                 clones = rotating(mod, device)
                 nbytes = weight_bytes(mod) - (mod.gemv_counters.numel() * 4 if hasattr(mod, "gemv_counters") else 0)
-                rows_default = quant_gemv.CUDA_ROWS_MAX
+                rows_default, half2_default = quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2
                 for m in map(int, args.ms.split(",")):
-                    # --cuda-rows N: triton calls of 2..N rows once more in the CUDA-rows form (CUDA_ROWS_MAX)
-                    for rows_max in [0] + ([args.cuda_rows] if kernel == "triton" and 1 < m <= args.cuda_rows else []):
-                        quant_gemv.CUDA_ROWS_MAX = rows_max
+                    # --cuda-rows N: triton calls of 2..N rows once more in the CUDA-rows form (CUDA_ROWS_MAX);
+                    # --half2-compare: one-row int4 triton calls without and with packed fp16 words (INT4_HALF2)
+                    variants = [(0, half2_default)]
+                    if kernel == "triton" and 1 < m <= args.cuda_rows:
+                        variants.append((args.cuda_rows, half2_default))
+                    if kernel == "triton" and fmt == "int4" and m == 1 and args.half2_compare:
+                        variants = [(0, False), (0, True)]
+                    for rows_max, half2 in variants:
+                        quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2 = rows_max, half2
                         row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt,
-                                   kernel=mod.kernel + ("+rows" if rows_max else ""))
+                                   kernel=mod.kernel + ("+rows" if rows_max else "")
+                                   + ("+h2" if half2 and kernel == "triton" and fmt == "int4" else ""))
                         try:
                             x = torch.randn(m, k, device=device, dtype=args.dtype)
                             us = time_us([lambda c=c: c(x) for c in clones], device, args.replays)
@@ -222,7 +229,7 @@ def part_speed(args, device) -> list[dict]:
                             row["error"] = f"{type(e).__name__}: {e}"[:300]
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-                    quant_gemv.CUDA_ROWS_MAX = rows_default
+                    quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2 = rows_default, half2_default
                 del clones
             del mods
             if device.type == "cuda":
@@ -300,6 +307,8 @@ def part_tune(args, device) -> list[dict]:
             rows.append(auto_row)
             print(json.dumps(auto_row), flush=True)
             cvts = [{"CVT_BITS": bool(v)} for v in ints(args.tune_cvt_bits)] or [{}]  # [{}]: the format's default
+            if fmt == "int4" and ints(args.tune_half2):  # packed fp16 words (INT4_HALF2) as one more dimension
+                cvts = [{**c, "HALF2": bool(h)} for c in cvts for h in ints(args.tune_half2)]
             for block_n in ints(args.tune_block_n) or (16, 32, 64):
                 for block_k in block_ks:
                     for warps in ints(args.tune_warps) or (4, 8):
@@ -336,7 +345,8 @@ def part_tune(args, device) -> list[dict]:
                     best["speedup_vs_auto"] = auto_row["us"] / best["us"]
                 if best.get("tile") != "auto":  # a measured tile for gpu_quant.py --m1-tiles ("+tc" rows)
                     best_tiles[f"{fmt},{n},{k}"] = {key: best[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps",
-                                                                               "num_stages", "SPLIT_K", "CVT_BITS")
+                                                                               "num_stages", "SPLIT_K", "CVT_BITS",
+                                                                               "HALF2")
                                                     if key in best}
                 print(json.dumps(best), flush=True)
     _write_tiles(args, best_tiles, "gemv_tune_tiles.json")
@@ -495,6 +505,8 @@ def main() -> None:
     ap.add_argument("--tune-stages", default="", help="tune part: num_stages values (default 2,4)")
     ap.add_argument("--tune-cvt-bits", default="", help="tune part: CVT_BITS values, e.g. 0,1 (default: the format's "
                     "own; int4 reads it in K tiles of whole groups only)")
+    ap.add_argument("--tune-half2", default="", help="tune part: int4's HALF2 values (packed fp16 words), e.g. 0,1 "
+                    "(default: the module's INT4_HALF2)")
     ap.add_argument("--tune-splits", default="", help="tune part: SPLIT_K values (default 1 and gemv_config's)")
     ap.add_argument("--decode-extra", default="", help="more gpu_quant formats to decode beside none and the triton "
                     "ones, comma-separated (e.g. int4 = tinygemm, fp8 = _scaled_mm; BENCHMARKS 8.4 has them)")
@@ -509,6 +521,10 @@ def main() -> None:
     ap.add_argument("--cuda-rows", type=int, default=0, help="speed part: also time the triton calls of 2..N rows in "
                     "the CUDA-rows form (quant_gemv.CUDA_ROWS_MAX = N; dense linears take cuBLAS above one row without "
                     "it)")
+    ap.add_argument("--int4-half2", action="store_true", help="one-row int4 words in packed fp16 arithmetic "
+                    "(kernels.quant_gemv.INT4_HALF2) for every part")
+    ap.add_argument("--half2-compare", action="store_true", help="speed part: one-row int4 triton calls timed "
+                    "without and with INT4_HALF2, rows 'triton' and 'triton+h2'")
     ap.add_argument("--parity-rtol", type=float, default=2 ** -7, help="max |err| / max |ref| that counts as ok")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -519,11 +535,14 @@ def main() -> None:
     args.dtype = torch.bfloat16
     if args.int4_wide_tiles:
         quant_gemv.INT4_WIDE_TILES = json.loads(args.int4_wide_tiles)
+    if args.int4_half2:
+        quant_gemv.INT4_HALF2 = True
     torch.manual_seed(0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "int4_wide_tiles": quant_gemv.INT4_WIDE_TILES}
+           "torch": torch.__version__, "int4_wide_tiles": quant_gemv.INT4_WIDE_TILES,
+           "int4_half2": quant_gemv.INT4_HALF2}
     try:
         import triton
         env["triton"] = triton.__version__

@@ -18,6 +18,7 @@
 # PART=sp1 (prepared): the n-gram speculative overhead on small with cuBLAS against the dense Triton GEMV.
 # PART=e1, z, e3, e2, e4: the eleventh session's calls (BENCHMARKS.md section 17); e5 (compiled prefill on tiny) and
 # e6 (verify widths on the CUDA cores: per linear, then n-gram on small) are prepared, not run.
+# PART=f1 (e6 then e5), f2 (int4 words in packed fp16): the twelfth session's calls.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -50,7 +51,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -361,6 +362,22 @@ elif [ "$PART" = f1 ]; then
   # twelfth session, first call: e6 (verify widths on the CUDA cores) then e5 (the compiled prefill on tiny)
   PART=e6 BUDGET=$(( $(left) - 75 )) bash "$0"
   PART=e5 BUDGET=$(( $(left) - 5 )) bash "$0"
+elif [ "$PART" = f2 ]; then
+  # twelfth session: int4 words in packed fp16 arithmetic (quant_gemv.INT4_HALF2: two weights per instruction): the
+  # PTX's parity on every decoder shape, per linear without / with it, a tile sweep with it, then the floor rows
+  C=graphs+compile+overlap
+  step parity 30 $PY scripts/gpu_gemv.py --device cuda --out "$R/parity" --parts parity --configs 1.45b,6.7b \
+    --formats int4 --ms 1 --int4-half2
+  step speed 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/speed" --parts speed --configs 1.45b,6.7b \
+    --formats int4 --ms 1 --half2-compare --replays 10
+  step tune_h2 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tune_h2" --parts tune --sweep-configs 6.7b,1.45b \
+    --formats int4 --tune-block-n 16,32,64,128 --tune-block-k 256,512,1024 --tune-warps 4,8 --tune-stages 3 \
+    --tune-half2 1 --replays 10 --tune-budget-s "${TUNE_S:-150}"
+  T=$R/tune_h2/gemv_tune_tiles.json; [ -f "$T" ] || echo '{}' > "$T"
+  floor quant67 60 6.7b --m1-tiles "$T" \
+    --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+h2@$C,int4-triton+glo+pdl+h2+tc@$C" --profile
+  floor quant145 40 1.45b --m1-tiles "$T" \
+    --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+h2@$C,int4-triton+all+pdl+h2+tc@$C"
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call
