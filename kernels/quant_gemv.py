@@ -207,9 +207,11 @@ INT4_WIDE_TILES: dict | bool | None = True
 # (lop3 into two fp16 lanes, one packed subtraction, one packed multiply-add with x), about 2.3 instructions a weight
 # against about 6 (the int4 GEMV was bound by instructions at 1.3-1.4 TB/s: BENCHMARKS.md 17.4). x is scaled per K
 # tile by a power of two into fp16's range; a word's 8 products are summed in fp16 (11-bit mantissa), words in fp32.
-# bf16 / fp16 activations only (fp32 models keep the fp32 form). Off until measured on the GPU; env
-# WORKBENCH_INT4_HALF2=1 or a tile's HALF2 entry turns it on.
-INT4_HALF2 = os.environ.get("WORKBENCH_INT4_HALF2", "0") == "1"
+# bf16 / fp16 activations only (fp32 models keep the fp32 form). 1: one scale per K tile (a max across the program)
+# and the zeros' sums per group; 2: a scale and a sum per word, in the threads that hold it (no reduction across
+# threads in the loop, two more fp32 operations per word and row). 0 (off) until measured on the GPU; env
+# WORKBENCH_INT4_HALF2 or a tile's HALF2 entry sets it.
+INT4_HALF2 = int(os.environ.get("WORKBENCH_INT4_HALF2", "0"))
 
 
 def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int) -> dict | None:
@@ -549,8 +551,9 @@ if TRITON_AVAILABLE:
             TILE_GROUPS: tl.constexpr = 0,  # int4 / int8g one-row: 0 = the group-tiled form; n >= 1 = dequantized
             # per weight, the K tile as n groups (or one group's slice) of BLOCK_K // n weights, reduced after the loop
             CUDA_ROWS: tl.constexpr = False,
-            HALF2: tl.constexpr = False,  # int4 one-row words (TILE_GROUPS, CVT_BITS): two weights per instruction in
-            # packed fp16 (_int4_half2_word_dot), x scaled per K tile by a power of two into fp16's range
+            HALF2: tl.constexpr = 0,  # int4 one-row words (TILE_GROUPS, CVT_BITS): two weights per instruction in
+            # packed fp16 (_int4_half2_word_dot); x scaled by a power of two into fp16's range, 1: per K tile (a
+            # max across the program) and zeros per group, 2: per word (the 8 x's of each word, in its threads)
             HALF2_EMULATE: tl.constexpr = False):  # HALF2 in Triton ops instead of PTX (the interpreter runs no PTX)  # int8 / fp8 / dense, BLOCK_M > 1: every row on the CUDA cores, each
             # weight tile read once for all of them ([BM, BN, BK] sums, reduced after the loop) instead of tl.dot
         pid_n = tl.program_id(0)
@@ -582,7 +585,7 @@ if TRITON_AVAILABLE:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
         if TILE_GROUPS > 0 and FMT == 1 and CVT_BITS:  # [BN, groups of the tile, 32-bit words of a group in the tile]
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8], dtype=tl.float32)
-            if HALF2:
+            if HALF2 == 1:
                 accz = tl.zeros([BLOCK_N, TILE_GROUPS], dtype=tl.float32)  # zero x sum(x) per group
         elif TILE_GROUPS > 0:  # [BN, groups of the tile, weights of a group in the tile]: reduced after the loop
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS], dtype=tl.float32)
@@ -616,7 +619,31 @@ if TRITON_AVAILABLE:
                     # 2^23's bits as a value the compiler cannot fold (K >> 31 is 0): held in a register, so each
                     # nibble's and-or is one instruction with its mask inline (folded, ptxas re-made a mask per weight)
                     magic = 0x4B000000 + (K >> 31)
-                    if HALF2:  # sum (q - 8) x per word in packed fp16, x / 2^e in fp16 (|x| / 2^e < 1: no
+                    if HALF2 == 2:  # per word, in the threads that hold it: its 8 x's own power-of-two scale and
+                        # their sum (no reduction across threads in the loop), the rest as below
+                        x_d0, x_d1 = tl.split(tl.reshape(x.to(tl.float32), [1, TILE_GROUPS,
+                                                                             BLOCK_K // TILE_GROUPS // 8, 2, 2, 2]))
+                        f0, f4 = tl.split(tl.split(x_d0)[0])
+                        f2, f6 = tl.split(tl.split(x_d0)[1])
+                        f1, f5 = tl.split(tl.split(x_d1)[0])
+                        f3, f7 = tl.split(tl.split(x_d1)[1])
+                        amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(f0), tl.abs(f1)),
+                                                     tl.maximum(tl.abs(f2), tl.abs(f3))),
+                                          tl.maximum(tl.maximum(tl.abs(f4), tl.abs(f5)),
+                                                     tl.maximum(tl.abs(f6), tl.abs(f7))))
+                        e = tl.minimum((amax.to(tl.int32, bitcast=True) >> 23) & 255, 252)  # [1, G, C]
+                        inv = ((253 - e) << 23).to(tl.float32, bitcast=True)
+                        undo = ((e + 1) << 23).to(tl.float32, bitcast=True)
+                        dots = _int4_half2_word_dot(
+                            tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
+                            _f16_pair((f1 * inv).to(tl.float16), (f5 * inv).to(tl.float16)),
+                            _f16_pair((f0 * inv).to(tl.float16), (f4 * inv).to(tl.float16)),
+                            _f16_pair((f3 * inv).to(tl.float16), (f7 * inv).to(tl.float16)),
+                            _f16_pair((f2 * inv).to(tl.float16), (f6 * inv).to(tl.float16)),
+                            HALF2_EMULATE)  # [BN, G, C]
+                        xsum = ((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7))  # [1, G, C]
+                        acc3 += dots * undo * s[:, :, None] + z[:, :, None] * xsum
+                    elif HALF2:  # sum (q - 8) x per word in packed fp16, x / 2^e in fp16 (|x| / 2^e < 1: no
                         # overflow in a word's sums of 8 products); then scale 2^e per group and zero sum(x)
                         xf = x.to(tl.float32)  # [1, BK]
                         e = (tl.max(tl.abs(xf)).to(tl.int32, bitcast=True) >> 23) & 255  # amax's biased exponent
@@ -708,7 +735,7 @@ if TRITON_AVAILABLE:
         sq = tl.sum(sq2, axis=1)  # [BM]: this split's sum of x^2 per row (NORM)
         if TILE_GROUPS > 0:
             acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
-            if FMT == 1 and CVT_BITS and HALF2:
+            if FMT == 1 and CVT_BITS and HALF2 == 1:
                 acc += tl.sum(accz, axis=1)[None, :]
         if FMT != 1 and FMT != 4:
             if BLOCK_M == 1 or CUDA_ROWS:
@@ -811,8 +838,8 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     if fmt in GROUPED and cfg.get("ELEMENTWISE", cfg["BLOCK_K"] > group_size):
         tile_groups = max(1, cfg["BLOCK_K"] // group_size)
     cvt_bits = cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS)
-    half2 = bool(cfg.get("HALF2", INT4_HALF2)) and fmt == "int4" and tile_groups > 0 and cvt_bits \
-        and x.dtype in (torch.bfloat16, torch.float16)
+    half2 = int(cfg.get("HALF2", INT4_HALF2)) if fmt == "int4" and tile_groups > 0 and cvt_bits \
+        and x.dtype in (torch.bfloat16, torch.float16) else 0
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (math.ceil(n / cfg["BLOCK_N"]), math.ceil(m / cfg["BLOCK_M"]), cfg["SPLIT_K"])
     # the same pointer types whatever the split (one compiled kernel); with one split neither buffer is touched
@@ -845,7 +872,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, RESIDUAL=residual is not None,
         NORM=norm, F16_DOT=f16_dot, X_SCALE=X_SCALE_BF16 if x.dtype == torch.bfloat16 else 1.0,
         CVT_BITS=cvt_bits, TILE_GROUPS=tile_groups, HALF2=half2,
-        HALF2_EMULATE=half2 and os.environ.get("TRITON_INTERPRET", "0") == "1",
+        HALF2_EMULATE=bool(half2) and os.environ.get("TRITON_INTERPRET", "0") == "1",
         CUDA_ROWS=bool(cfg.get("CUDA_ROWS", False)) and cfg["BLOCK_M"] > 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     return out

@@ -208,12 +208,12 @@ def part_speed(args, device) -> list[dict]:
                     if kernel == "triton" and 1 < m <= args.cuda_rows:
                         variants.append((args.cuda_rows, half2_default))
                     if kernel == "triton" and fmt == "int4" and m == 1 and args.half2_compare:
-                        variants = [(0, False), (0, True)]
+                        variants = [(0, 0), (0, 1), (0, 2)]
                     for rows_max, half2 in variants:
                         quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2 = rows_max, half2
                         row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt,
                                    kernel=mod.kernel + ("+rows" if rows_max else "")
-                                   + ("+h2" if half2 and kernel == "triton" and fmt == "int4" else ""))
+                                   + (f"+h2={half2}" if half2 and kernel == "triton" and fmt == "int4" else ""))
                         try:
                             x = torch.randn(m, k, device=device, dtype=args.dtype)
                             us = time_us([lambda c=c: c(x) for c in clones], device, args.replays)
@@ -308,7 +308,7 @@ def part_tune(args, device) -> list[dict]:
             print(json.dumps(auto_row), flush=True)
             cvts = [{"CVT_BITS": bool(v)} for v in ints(args.tune_cvt_bits)] or [{}]  # [{}]: the format's default
             if fmt == "int4" and ints(args.tune_half2):  # packed fp16 words (INT4_HALF2) as one more dimension
-                cvts = [{**c, "HALF2": bool(h)} for c in cvts for h in ints(args.tune_half2)]
+                cvts = [{**c, "HALF2": h} for c in cvts for h in ints(args.tune_half2)]
             for block_n in ints(args.tune_block_n) or (16, 32, 64):
                 for block_k in block_ks:
                     for warps in ints(args.tune_warps) or (4, 8):
@@ -505,7 +505,7 @@ def main() -> None:
     ap.add_argument("--tune-stages", default="", help="tune part: num_stages values (default 2,4)")
     ap.add_argument("--tune-cvt-bits", default="", help="tune part: CVT_BITS values, e.g. 0,1 (default: the format's "
                     "own; int4 reads it in K tiles of whole groups only)")
-    ap.add_argument("--tune-half2", default="", help="tune part: int4's HALF2 values (packed fp16 words), e.g. 0,1 "
+    ap.add_argument("--tune-half2", default="", help="tune part: int4's HALF2 values (packed fp16 words), e.g. 0,1,2 "
                     "(default: the module's INT4_HALF2)")
     ap.add_argument("--tune-splits", default="", help="tune part: SPLIT_K values (default 1 and gemv_config's)")
     ap.add_argument("--decode-extra", default="", help="more gpu_quant formats to decode beside none and the triton "
@@ -521,10 +521,10 @@ def main() -> None:
     ap.add_argument("--cuda-rows", type=int, default=0, help="speed part: also time the triton calls of 2..N rows in "
                     "the CUDA-rows form (quant_gemv.CUDA_ROWS_MAX = N; dense linears take cuBLAS above one row without "
                     "it)")
-    ap.add_argument("--int4-half2", action="store_true", help="one-row int4 words in packed fp16 arithmetic "
-                    "(kernels.quant_gemv.INT4_HALF2) for every part")
+    ap.add_argument("--int4-half2", type=int, default=None, help="one-row int4 words in packed fp16 arithmetic "
+                    "(kernels.quant_gemv.INT4_HALF2: 1 a scale per K tile, 2 per word) for every part")
     ap.add_argument("--half2-compare", action="store_true", help="speed part: one-row int4 triton calls timed "
-                    "without and with INT4_HALF2, rows 'triton' and 'triton+h2'")
+                    "with INT4_HALF2 0, 1 and 2 (kernels 'triton', 'triton+h2=1', 'triton+h2=2')")
     ap.add_argument("--parity-rtol", type=float, default=2 ** -7, help="max |err| / max |ref| that counts as ok")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -535,8 +535,8 @@ def main() -> None:
     args.dtype = torch.bfloat16
     if args.int4_wide_tiles:
         quant_gemv.INT4_WIDE_TILES = json.loads(args.int4_wide_tiles)
-    if args.int4_half2:
-        quant_gemv.INT4_HALF2 = True
+    if args.int4_half2 is not None:
+        quant_gemv.INT4_HALF2 = args.int4_half2
     torch.manual_seed(0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

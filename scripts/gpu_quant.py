@@ -70,14 +70,15 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # with 4 warps instead of 8 (quant_gemv.WIDE_FP8_WARPS). "+i4g": one-row int4 GEMVs keep the group-tiled 64 x g tiles
 # (quant_gemv.INT4_WIDE_TILES False) instead of the measured K tiles of whole groups (on since the eleventh session);
 # "+rows8": calls of 2..8 rows (verify widths) in the GEMVs' CUDA-rows form (quant_gemv.CUDA_ROWS_MAX = 8).
-# "+h2": one-row int4 words in packed fp16 arithmetic, two weights per instruction (quant_gemv.INT4_HALF2).
+# "+h2" / "+h2w": one-row int4 words in packed fp16 arithmetic, two weights per instruction, x scaled per K tile /
+# per word (quant_gemv.INT4_HALF2 = 1 / 2).
 # Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
                 "rope": {(kv_cache, "FUSE_ROPE"): True}, "norope": {(kv_cache, "FUSE_ROPE"): False},
                 "fc": {(paged_attention, "FUSE_COMBINE"): True}, "nofc": {(paged_attention, "FUSE_COMBINE"): False},
                 "tile16": {(quant_gemv, "NARROW_TILES"): False}, "fw4": {(quant_gemv, "WIDE_FP8_WARPS"): 4},
                 "i4g": {(quant_gemv, "INT4_WIDE_TILES"): False}, "rows8": {(quant_gemv, "CUDA_ROWS_MAX"): 8},
-                "h2": {(quant_gemv, "INT4_HALF2"): True}}
+                "h2": {(quant_gemv, "INT4_HALF2"): 1}, "h2w": {(quant_gemv, "INT4_HALF2"): 2}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 
 

@@ -367,17 +367,19 @@ elif [ "$PART" = f2 ]; then
   # PTX's parity on every decoder shape, per linear without / with it, a tile sweep with it, then the floor rows
   C=graphs+compile+overlap
   step parity 30 $PY scripts/gpu_gemv.py --device cuda --out "$R/parity" --parts parity --configs 1.45b,6.7b \
-    --formats int4 --ms 1 --int4-half2
+    --formats int4 --ms 1 --int4-half2 1
+  step parity2 30 $PY scripts/gpu_gemv.py --device cuda --out "$R/parity2" --parts parity --configs 1.45b,6.7b \
+    --formats int4 --ms 1 --int4-half2 2
   step speed 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/speed" --parts speed --configs 1.45b,6.7b \
     --formats int4 --ms 1 --half2-compare --replays 10
   step tune_h2 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tune_h2" --parts tune --sweep-configs 6.7b,1.45b \
-    --formats int4 --tune-block-n 16,32,64,128 --tune-block-k 256,512,1024 --tune-warps 4,8 --tune-stages 3 \
-    --tune-half2 1 --replays 10 --tune-budget-s "${TUNE_S:-150}"
+    --formats int4 --tune-block-n 16,32,64,128 --tune-block-k 256,512,1024 --tune-warps 8 --tune-stages 3 \
+    --tune-half2 1,2 --replays 10 --tune-budget-s "${TUNE_S:-170}"
   T=$R/tune_h2/gemv_tune_tiles.json; [ -f "$T" ] || echo '{}' > "$T"
   floor quant67 60 6.7b --m1-tiles "$T" \
-    --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+h2@$C,int4-triton+glo+pdl+h2+tc@$C" --profile
+    --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+h2@$C,int4-triton+glo+pdl+h2w@$C,int4-triton+glo+pdl+h2+tc@$C" --profile
   floor quant145 40 1.45b --m1-tiles "$T" \
-    --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+h2@$C,int4-triton+all+pdl+h2+tc@$C"
+    --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+h2@$C,int4-triton+all+pdl+h2w@$C,int4-triton+all+pdl+h2+tc@$C"
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call

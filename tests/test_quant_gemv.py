@@ -443,11 +443,12 @@ def test_int4_integer_op_widening_is_exact_for_every_nibble():
 
 
 @interpreter
+@pytest.mark.parametrize("half2", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("split", [None, 3])
 @pytest.mark.parametrize("fusion", ["none", "glu+residual", "norm"])
 @pytest.mark.parametrize("shape", ["k320", "k352", "k1024"])
-def test_int4_half2_words_match_the_reference(shape, fusion, split, dtype):
+def test_int4_half2_words_match_the_reference(shape, fusion, split, dtype, half2):
     """HALF2 (a word's 8 products in packed fp16, x scaled per K tile into fp16's range; here its emulation in
     Triton ops, the PTX itself runs on a GPU only: scripts/gpu_gemv.py --int4-half2): the reference within the
     fusion tests' tolerance, partial last tiles, split or not, each fusion."""
@@ -458,7 +459,7 @@ def test_int4_half2_words_match_the_reference(shape, fusion, split, dtype):
     x = torch.randn(1, 2 * k if glu else k, generator=g).to(dtype) * (4 if norm else 1)
     fused = dict(glu=glu, residual=torch.randn(1, n, generator=g).to(dtype) if "residual" in fusion else None,
                  norm_weight=(torch.rand(k, generator=g) + 0.5).to(dtype) if norm else None)
-    over = dict(BLOCK_N=16, BLOCK_K=4 * group, CVT_BITS=True, HALF2=True,
+    over = dict(BLOCK_N=16, BLOCK_K=4 * group, CVT_BITS=True, HALF2=half2,
                 **({} if split is None else dict(SPLIT_K=split)))
     counters = counters_for(n, "cpu")
     got = quant_gemv_triton(x, "int4", **buffers, counters=counters, **fused, **over).float()
@@ -468,8 +469,9 @@ def test_int4_half2_words_match_the_reference(shape, fusion, split, dtype):
 
 
 @interpreter
+@pytest.mark.parametrize("half2", [1, 2])
 @pytest.mark.parametrize("magnitude", [2.0 ** -20, 1.0, 2.0 ** 14])
-def test_int4_half2_scales_activations_into_fp16s_range(magnitude):
+def test_int4_half2_scales_activations_into_fp16s_range(magnitude, half2):
     """x far below and far above fp16's range (bf16 holds both): the per-tile power-of-two scale keeps the packed
     fp16 products finite and precise; without it 2^14 x 8 overflows fp16 (65504) and 2^-20 is below its smallest
     normal. Error against the reference relative to its own size, as at magnitude 1."""
@@ -477,13 +479,14 @@ def test_int4_half2_scales_activations_into_fp16s_range(magnitude):
     _, buffers = stored("int4", n, k, group, dtype=torch.bfloat16, seed=8)
     x = (torch.randn(1, k, generator=torch.Generator().manual_seed(2)) * magnitude).to(torch.bfloat16)
     want = quant_gemv_reference(x, "int4", **buffers).float()
-    got = quant_gemv_triton(x, "int4", **buffers, BLOCK_N=16, BLOCK_K=512, HALF2=True).float()
+    got = quant_gemv_triton(x, "int4", **buffers, BLOCK_N=16, BLOCK_K=512, HALF2=half2).float()
     assert torch.isfinite(got).all()
     assert (got - want).abs().max() <= 2 ** -7 * want.abs().max()
 
 
 @interpreter
-def test_int4_half2_is_exact_for_every_nibble_and_group():
+@pytest.mark.parametrize("half2", [1, 2])
+def test_int4_half2_is_exact_for_every_nibble_and_group(half2):
     """Small integers stay exact through the packed fp16 path: every value 0..15 at each of a word's 8 nibble
     positions comes out as q - 8 (a wrong lane pairing or nibble order would put another weight there), and per-group
     scales and zeros that differ per group give the exact integer sums the fp32 words give (bf16 activations; the
@@ -498,7 +501,7 @@ def test_int4_half2_is_exact_for_every_nibble_and_group():
         x = torch.zeros(1, k, dtype=torch.bfloat16)
         x[0, col] = 1.0
         want = q.float() - 8 if col % 2 == 0 else 7 - q.float()
-        got = quant_gemv_triton(x, "int4", weight, **ones, BLOCK_K=32, ELEMENTWISE=True, HALF2=True)
+        got = quant_gemv_triton(x, "int4", weight, **ones, BLOCK_K=32, ELEMENTWISE=True, HALF2=half2)
         assert torch.equal(got[0].float(), want), col
     n, k, group = 24, 320, 32
     _, buffers = stored("int4", n, k, group, dtype=torch.bfloat16, seed=3)
@@ -507,7 +510,7 @@ def test_int4_half2_is_exact_for_every_nibble_and_group():
                    zero=(torch.arange(gs) - 3.0).expand(n, gs).to(torch.bfloat16).contiguous())
     x = torch.randint(-3, 4, (1, k), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     exact = x.double() @ dequantize_weight("int4", **buffers).double().T  # integers: what the fp32 sums hold
-    got = quant_gemv_triton(x, "int4", **buffers, BLOCK_N=16, BLOCK_K=4 * group, HALF2=True)
+    got = quant_gemv_triton(x, "int4", **buffers, BLOCK_N=16, BLOCK_K=4 * group, HALF2=half2)
     fp32_words = quant_gemv_triton(x, "int4", **buffers, BLOCK_N=16, BLOCK_K=4 * group, HALF2=False)
     assert torch.equal(got, fp32_words)  # the same exact sum, the same rounding to bf16 (the interpreter's)
     assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8).all()  # within the rounding to bf16
@@ -522,7 +525,7 @@ def test_int4_half2_switch_reaches_bf16_launches_only(monkeypatch):
     kernel = qg._gemv_kernel
     monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
         launched.append((kw["TILE_GROUPS"], kw["HALF2"])), kernel[grid](*a, **kw))[1]})())
-    monkeypatch.setattr(qg, "INT4_HALF2", True)
+    monkeypatch.setattr(qg, "INT4_HALF2", 2)
     x = torch.randn(1, 320, generator=torch.Generator().manual_seed(6))
     bf16 = {key: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
             for key, v in buffers.items()}
@@ -530,10 +533,10 @@ def test_int4_half2_switch_reaches_bf16_launches_only(monkeypatch):
     quant_gemv_triton(x, "int4", **buffers)
     monkeypatch.setattr(qg, "INT4_WIDE_TILES", False)
     quant_gemv_triton(x.to(torch.bfloat16), "int4", **bf16)
-    monkeypatch.setattr(qg, "INT4_HALF2", False)
+    monkeypatch.setattr(qg, "INT4_HALF2", 0)
     monkeypatch.setattr(qg, "INT4_WIDE_TILES", True)
     quant_gemv_triton(x.to(torch.bfloat16), "int4", **bf16)
-    assert launched == [(16, True), (16, False), (0, False), (16, False)]
+    assert launched == [(16, 2), (16, 0), (0, 0), (16, 0)]
 
 
 @interpreter
