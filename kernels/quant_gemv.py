@@ -524,9 +524,16 @@ if TRITON_AVAILABLE:
             return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _f16_pair(lo, hi):
-        """Two fp16 tensors packed into int32 (lo in bits 0..15), the operand layout of a .f16x2 instruction."""
-        return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+    def _f16_pair(lo, hi, EMULATE: tl.constexpr):
+        """Two fp32 tensors rounded to fp16 and packed into int32 (lo in bits 0..15), the operand layout of a .f16x2
+        instruction: one cvt.rn.f16x2.f32 per pair on the GPU, integer ops in the interpreter (the same rounding)."""
+        if EMULATE:
+            return ((lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
+                    | (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16))
+        else:
+            return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r",
+                                             [lo.to(tl.int32, bitcast=True), hi.to(tl.int32, bitcast=True)],
+                                             dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
     def _fp8_to_f32_scaled(w):
@@ -636,10 +643,8 @@ if TRITON_AVAILABLE:
                         undo = ((e + 1) << 23).to(tl.float32, bitcast=True)
                         dots = _int4_half2_word_dot(
                             tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
-                            _f16_pair((f1 * inv).to(tl.float16), (f5 * inv).to(tl.float16)),
-                            _f16_pair((f0 * inv).to(tl.float16), (f4 * inv).to(tl.float16)),
-                            _f16_pair((f3 * inv).to(tl.float16), (f7 * inv).to(tl.float16)),
-                            _f16_pair((f2 * inv).to(tl.float16), (f6 * inv).to(tl.float16)),
+                            _f16_pair(f1 * inv, f5 * inv, HALF2_EMULATE), _f16_pair(f0 * inv, f4 * inv, HALF2_EMULATE),
+                            _f16_pair(f3 * inv, f7 * inv, HALF2_EMULATE), _f16_pair(f2 * inv, f6 * inv, HALF2_EMULATE),
                             HALF2_EMULATE)  # [BN, G, C]
                         xsum = ((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7))  # [1, G, C]
                         acc3 += dots * undo * s[:, :, None] + z[:, :, None] * xsum
@@ -650,8 +655,7 @@ if TRITON_AVAILABLE:
                         e = tl.minimum(e, 252)
                         inv = ((253 - e) << 23).to(tl.float32, bitcast=True)  # 2^(126 - E): amax * inv < 1
                         undo = ((e + 1) << 23).to(tl.float32, bitcast=True)  # 2^(E - 126) = 1 / inv, exactly
-                        xh = tl.reshape((xf * inv).to(tl.float16),
-                                        [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8, 2, 2, 2])  # i = 4a + 2b + d
+                        xh = tl.reshape(xf * inv, [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8, 2, 2, 2])  # i = 4a+2b+d
                         x_d0, x_d1 = tl.split(xh)
                         h0, h4 = tl.split(tl.split(x_d0)[0])
                         h2, h6 = tl.split(tl.split(x_d0)[1])
@@ -659,7 +663,8 @@ if TRITON_AVAILABLE:
                         h3, h7 = tl.split(tl.split(x_d1)[1])
                         dots = _int4_half2_word_dot(
                             tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
-                            _f16_pair(h1, h5), _f16_pair(h0, h4), _f16_pair(h3, h7), _f16_pair(h2, h6),
+                            _f16_pair(h1, h5, HALF2_EMULATE), _f16_pair(h0, h4, HALF2_EMULATE),
+                            _f16_pair(h3, h7, HALF2_EMULATE), _f16_pair(h2, h6, HALF2_EMULATE),
                             HALF2_EMULATE)  # [BN, G, C]
                         acc3 += dots * (s * undo)[:, :, None]
                         accz += z * tl.sum(tl.reshape(xf, [TILE_GROUPS, BLOCK_K // TILE_GROUPS]), axis=1)[None, :]
