@@ -192,7 +192,8 @@ WIDE_FP8_WARPS = 8
 # program: each weight tile is read once and multiplied with all rows (the `CUDA_ROWS` form, the one-row tile's rows
 # with its K tile cut by the row count to keep the registers), instead of 16-row tensor-core tiles (fp8 / int8) or
 # cuBLAS (dense linears take the GEMV for one row only). On `small` a 5-token verify kept cuBLAS while the one-row
-# GEMV sped AR up 1.27-1.63x (BENCHMARKS.md 17.3). Not yet measured on a GPU: 0 (off) unless WORKBENCH_GEMV_CUDA_ROWS
+# GEMV sped AR up 1.27-1.63x (BENCHMARKS.md 17.3). Measured slower (18.1): 0.23-0.42x cuBLAS per dense linear at 5
+# rows, and n-gram k = 4 on `small` fell from 2.23x to 1.35x of AR with it. So 0 (off) unless WORKBENCH_GEMV_CUDA_ROWS
 # says otherwise; scripts/gpu_gemv.py --cuda-rows and gpu_quant.py's "+rows8" set it.
 CUDA_ROWS_MAX = int(os.environ.get("WORKBENCH_GEMV_CUDA_ROWS", "0"))
 CUDA_ROWS_FORMATS = ("dense", "fp8", "int8")

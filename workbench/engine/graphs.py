@@ -39,7 +39,8 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # Whether captured prompt forwards (PrefillStep) are compiled too when the decode steps are (`compile` != off). Off:
 # each new (batch, padded length) would compile afresh, which costs a study with ragged prompts more than it saves.
 # On `small` the captured eager prefill of a 64-token prompt took 1.2 ms of GPU time, 2.8 AR steps (BENCHMARKS.md
-# 17.3); scripts/gpu_fastpath.py's mode suffix +cprefill measures it compiled. An experiment's switch, not a setting.
+# 17.3); scripts/gpu_fastpath.py's mode suffix +cprefill measures it compiled: on tiny 13-30 % less prefill GPU time
+# but no faster call, and one timed repeat 5x slow (18.2). An experiment's switch, not a setting.
 COMPILE_PREFILL = False
 
 
