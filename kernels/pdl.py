@@ -95,14 +95,29 @@ def _device_problem(device: torch.device) -> str | None:
 # 14.2, 16.3). Eager launches of the same kernels (eagle's steps in `bench --cuda-graphs`, 14.3 and 16.6) ran 15-27 %
 # slower with it in three calls, so they launch plainly; WORKBENCH_PDL_EAGER=1 launches them with PDL too.
 CAPTURE_ONLY = os.environ.get("WORKBENCH_PDL_EAGER", "0") != "1"
+# Set while a step is warmed up for capture (`warming_for_capture`): its eager launches take PDL as the captured ones
+# will, so the kernels' PDL variants are compiled and loaded there, not inside the capture (a module loaded while a
+# stream captures can invalidate the capture; two floor rows of call f2 failed so, BENCHMARKS.md 18.3).
+_WARMING = False
+
+
+@contextmanager
+def warming_for_capture():
+    """Launches inside take PDL where a captured launch would (see _WARMING)."""
+    global _WARMING
+    before, _WARMING = _WARMING, True
+    try:
+        yield
+    finally:
+        _WARMING = before
 
 
 def use_pdl(device: torch.device | str) -> bool:
     """Whether a launch on `device` now uses PDL: asked for (`set_pdl`), possible there, and (CAPTURE_ONLY) being
-    recorded into a CUDA graph."""
+    recorded into a CUDA graph or warmed up for that (`warming_for_capture`)."""
     if not (_ENABLED and pdl_problem(device) is None):
         return False
-    return not CAPTURE_ONLY or torch.cuda.is_current_stream_capturing()
+    return not CAPTURE_ONLY or _WARMING or torch.cuda.is_current_stream_capturing()
 
 
 def pdl_applies(requested: bool, device: torch.device | str, captured: bool) -> bool:

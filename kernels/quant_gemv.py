@@ -199,29 +199,40 @@ CUDA_ROWS_MAX = int(os.environ.get("WORKBENCH_GEMV_CUDA_ROWS", "0"))
 CUDA_ROWS_FORMATS = ("dense", "fp8", "int8")
 # One-row int4 tiles spanning whole groups (BLOCK_K a multiple of g; each weight dequantized with its group's scale and
 # summed per lane, reduced once after the loop, as dense / fp8 do). True: the measured rule (`_int4_wide_tile`), from
-# a per-linear sweep on the H200 at 1.45 B and 6.7 B with g = 128 (BENCHMARKS.md 17.4): 64 x 256 for N >= 8192,
-# 16 x 1024 below, 8 warps, unsplit unless fewer than half the SMs get a tile, words widened by integer ops; 1.15x
-# the group-tiled GEMVs' time per 6.7 B layer (the best tile per shape: 1.21x). A dict: that tile for every shape;
-# False / None / {}: the group-tiled 64 x g tiles of before.
-INT4_WIDE_TILES: dict | bool | None = True
+# per-linear sweeps on the H200 at 1.45 B and 6.7 B with g = 128, 8 warps: since call f2 (BENCHMARKS.md 18.3) 64 x 512
+# words in packed fp16 (HALF2 1) for N >= 8192; down projections (K >= 2 N) 64 x 512 (N >= 4096) or 128 x 1024 with
+# HALF2 1, split to about 4 programs per SM; 16 x 1024 fp32 words elsewhere. "e3": the rule of call e3 (17.4):
+# 64 x 256 for N >= 8192, 16 x 1024 below, fp32 words. Unsplit unless fewer than half the SMs get a tile (down
+# projections: the split rule). A dict: that tile for every shape; False / None / {}: the group-tiled 64 x g tiles.
+INT4_WIDE_TILES: dict | bool | str | None = True
 # One-row int4 words (the wide tiles above, words widened) in packed fp16 arithmetic: two weights per instruction
-# (lop3 into two fp16 lanes, one packed subtraction, one packed multiply-add with x), about 2.3 instructions a weight
-# against about 6 (the int4 GEMV was bound by instructions at 1.3-1.4 TB/s: BENCHMARKS.md 17.4). x is scaled per K
-# tile by a power of two into fp16's range; a word's 8 products are summed in fp16 (11-bit mantissa), words in fp32.
-# bf16 / fp16 activations only (fp32 models keep the fp32 form). 1: one scale per K tile (a max across the program)
-# and the zeros' sums per group; 2: a scale and a sum per word, in the threads that hold it (no reduction across
-# threads in the loop, two more fp32 operations per word and row). 0 (off) until measured on the GPU; env
-# WORKBENCH_INT4_HALF2 or a tile's HALF2 entry sets it.
-INT4_HALF2 = int(os.environ.get("WORKBENCH_INT4_HALF2", "0"))
+# (lop3 into two fp16 lanes, one packed subtraction, one packed multiply-add with x), about 4.3 instructions a weight
+# in the loop against about 5.4 (SASS of 64 x 256 tiles). x is scaled by a power of two into fp16's range; a word's 8
+# products are summed in fp16 (11-bit mantissa), words in fp32. bf16 / fp16 activations only (fp32 models keep the
+# fp32 form). 1: one scale per K tile (a max across the program) and the zeros' sums per group; 2: a scale and a sum
+# per word, in the threads that hold it (no reduction across threads in the loop). None: each tile's own choice (the
+# rule's HALF2 entry, else 0); 0 / 1 / 2 force it for every one-row int4 call (env WORKBENCH_INT4_HALF2; gpu_quant.py's
+# "+h20", "+h2", "+h2w" rows). Measured per linear in call f2 (18.3): 1.07-1.26x on the wide and down shapes in their
+# best tiles, no gain at 16 x 1024.
+INT4_HALF2: int | None = int(os.environ["WORKBENCH_INT4_HALF2"]) if os.environ.get("WORKBENCH_INT4_HALF2") else None
 
 
-def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int) -> dict | None:
-    """INT4_WIDE_TILES' rule for one shape, or None where its K tile holds no whole number of groups."""
-    block_n, block_k = (64, 256) if n >= 8192 else (16, 1024)
+def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int, rule: bool | str = True) -> dict | None:
+    """INT4_WIDE_TILES' rule for one shape (True: call f2's, "e3": call e3's), or None where its K tile holds no whole
+    number of groups."""
+    half2, min_tiles = 0, sm_count // 2
+    if rule == "e3":
+        block_n, block_k = (64, 256) if n >= 8192 else (16, 1024)
+    elif n >= 8192:
+        block_n, block_k, half2 = 64, 512, 1
+    elif k >= 2 * n:  # a down projection: few N tiles, a long K; split
+        block_n, block_k, half2, min_tiles = (64, 512, 1, 0) if n >= 4096 else (128, 1024, 1, 0)
+    else:
+        block_n, block_k = 16, 1024
     block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))
     if block_k % group_size:
         return None
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=3, min_tiles=sm_count // 2)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=3, min_tiles=min_tiles, HALF2=half2)
 
 
 def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None, sm_count: int = 132,
@@ -241,14 +252,17 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     row at a time (BLOCK_M = 1), is a multiple of g (a K tile of whole groups: each weight times its group's scale,
     summed per lane and reduced after the loop, the `ELEMENTWISE` form; override ELEMENTWISE=True takes it for
     BLOCK_K <= g too); anything else is a GemvError. `int4_wide`: one-row int4 tiles of that form (None:
-    INT4_WIDE_TILES; True: its measured rule; a dict: that tile; False or {}: the group-tiled ones).
+    INT4_WIDE_TILES; True: its measured rule; "e3": the rule before it; a dict: that tile; False or {}: the
+    group-tiled ones). One-row int4 configurations of that form carry HALF2 (packed fp16 words): INT4_HALF2 when set,
+    else the rule's or the dict's entry (0 for a tile in `override` without one).
 
     M = 1 (decode) tiles come from sweeps on the H200 (scripts/gpu_gemv.py --parts tune; BENCHMARKS.md sections 9 and
     16): int8 / fp8 / dense read 32 rows per program for N >= 8192 with 8 warps and long K tiles, unsplit when the
     N tiles alone give every SM a program; below that int8 takes 16 rows, and so do dense and fp8 unless 16-row tiles
     would give fewer than 1.5 programs per SM, where they take 8 (`narrow`, default NARROW_TILES; measured at 1.45 B
-    and 6.7 B); int4 K tiles of whole groups by INT4_WIDE_TILES' rule (64 x 256 for N >= 8192, else 16 x 1024),
-    where its K tile holds whole groups, else 64 rows x one group per tile, split to ~4 programs per SM (so are M > 1
+    and 6.7 B); int4 K tiles of whole groups by INT4_WIDE_TILES' rule (64 x 512 in packed fp16 for N >= 8192, down
+    projections 64 x 512 or 128 x 1024 in packed fp16 and split, else 16 x 1024), where its K tile holds whole
+    groups, else 64 rows x one group per tile, split to ~4 programs per SM (so are M > 1
     int4 calls, and every call with int4_wide False). int8g takes int4's group-tiled shape
     (BLOCK_K = min(128, g): 32 for GGUF Q8_0), untuned: not yet swept on a GPU.
 
@@ -257,8 +271,11 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     (32, 512, 4, 2)
 
     >>> c = gemv_config("int4", 1, 4096, 4096, 128)  # the measured rule: 16 x 1024, unsplit (256 tiles)
-    >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"]
-    (1, 16, 1024, 1, 8)
+    >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"], c["HALF2"]
+    (1, 16, 1024, 1, 8, 0)
+    >>> c = gemv_config("int4", 1, 4096, 11008, 128)  # 6.7 B's down projection: packed fp16 words, split
+    >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["HALF2"]
+    (64, 512, 8, 1)
     >>> c = gemv_config("int4", 1, 4096, 4096, 128, int4_wide=False)  # the group-tiled form
     >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
     (1, 64, 128, 8)
@@ -279,8 +296,8 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     block_m = 1 if m == 1 or rows_form else 16  # the CUDA_ROWS form starts from the one-row tile
     warps, stages, min_tiles = 4, 3, 0
     wide = INT4_WIDE_TILES if int4_wide is None else int4_wide
-    if wide is True:
-        wide = _int4_wide_tile(n, k, group_size, sm_count) if fmt == "int4" and group_size else None
+    if wide is True or wide == "e3":
+        wide = _int4_wide_tile(n, k, group_size, sm_count, wide) if fmt == "int4" and group_size else None
     if block_m == 1:
         if fmt == "int4" and wide:
             block_n, block_k = wide.get("BLOCK_N", 32), wide.get("BLOCK_K", 512)
@@ -310,6 +327,10 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
         block_m = 1 << (m - 1).bit_length()
         block_k = max(16, block_k // block_m)
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    if fmt == "int4" and block_m == 1 and wide:  # packed fp16 words: the switch when set, else the tile's own (a
+        # tile given in `override` without a HALF2 entry: fp32 words)
+        own = 0 if "BLOCK_N" in override or "BLOCK_K" in override else wide.get("HALF2", 0)
+        cfg["HALF2"] = INT4_HALF2 if INT4_HALF2 is not None else own
     if rows_form:
         cfg["CUDA_ROWS"] = True
     cfg.update({key: v for key, v in override.items() if key != "SPLIT_K"})
@@ -361,7 +382,7 @@ def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
 @functools.lru_cache(maxsize=4096)
 def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple, switches: tuple = ()) -> dict:
     """gemv_config with M1_TILES applied, cached; `switches` (the module switches gemv_config reads: NARROW_TILES,
-    WIDE_FP8_WARPS, INT4_WIDE_TILES, CUDA_ROWS_MAX) is part of the key only, so a benchmark row that flips one gets
+    WIDE_FP8_WARPS, INT4_WIDE_TILES, CUDA_ROWS_MAX, INT4_HALF2) is part of the key only, so a benchmark row that flips one gets
     its own configurations."""
     tiles = M1_TILES.get((fmt, n, k), {}) if m == 1 else {}
     return gemv_config(fmt, m, n, k, group_size, sm_count, **{**tiles, **dict(override)})
@@ -839,12 +860,13 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
     cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())),
                          (NARROW_TILES, WIDE_FP8_WARPS, tuple(sorted(INT4_WIDE_TILES.items()))
-                          if isinstance(INT4_WIDE_TILES, dict) else bool(INT4_WIDE_TILES), CUDA_ROWS_MAX))
+                          if isinstance(INT4_WIDE_TILES, dict) else INT4_WIDE_TILES or False, CUDA_ROWS_MAX,
+                          INT4_HALF2))
     tile_groups = 0  # grouped formats: the group-tiled form, or the ELEMENTWISE one with this many groups per K tile
     if fmt in GROUPED and cfg.get("ELEMENTWISE", cfg["BLOCK_K"] > group_size):
         tile_groups = max(1, cfg["BLOCK_K"] // group_size)
     cvt_bits = cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS)
-    half2 = int(cfg.get("HALF2", INT4_HALF2)) if fmt == "int4" and tile_groups > 0 and cvt_bits \
+    half2 = int(cfg.get("HALF2") or 0) if fmt == "int4" and tile_groups > 0 and cvt_bits \
         and x.dtype in (torch.bfloat16, torch.float16) else 0
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (math.ceil(n / cfg["BLOCK_N"]), math.ceil(m / cfg["BLOCK_M"]), cfg["SPLIT_K"])

@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -70,15 +71,17 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # with 4 warps instead of 8 (quant_gemv.WIDE_FP8_WARPS). "+i4g": one-row int4 GEMVs keep the group-tiled 64 x g tiles
 # (quant_gemv.INT4_WIDE_TILES False) instead of the measured K tiles of whole groups (on since the eleventh session);
 # "+rows8": calls of 2..8 rows (verify widths) in the GEMVs' CUDA-rows form (quant_gemv.CUDA_ROWS_MAX = 8).
-# "+h2" / "+h2w": one-row int4 words in packed fp16 arithmetic, two weights per instruction, x scaled per K tile /
-# per word (quant_gemv.INT4_HALF2 = 1 / 2).
+# "+h2" / "+h2w" / "+h20": one-row int4 words in packed fp16 arithmetic, two weights per instruction, x scaled per K
+# tile / per word, or fp32 words, for every tile (quant_gemv.INT4_HALF2 = 1 / 2 / 0; without them each tile's own:
+# the rule's since call f2); "+i4e3": one-row int4 tiles by call e3's rule (quant_gemv.INT4_WIDE_TILES = "e3").
 # Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
                 "rope": {(kv_cache, "FUSE_ROPE"): True}, "norope": {(kv_cache, "FUSE_ROPE"): False},
                 "fc": {(paged_attention, "FUSE_COMBINE"): True}, "nofc": {(paged_attention, "FUSE_COMBINE"): False},
                 "tile16": {(quant_gemv, "NARROW_TILES"): False}, "fw4": {(quant_gemv, "WIDE_FP8_WARPS"): 4},
                 "i4g": {(quant_gemv, "INT4_WIDE_TILES"): False}, "rows8": {(quant_gemv, "CUDA_ROWS_MAX"): 8},
-                "h2": {(quant_gemv, "INT4_HALF2"): 1}, "h2w": {(quant_gemv, "INT4_HALF2"): 2}}
+                "h2": {(quant_gemv, "INT4_HALF2"): 1}, "h2w": {(quant_gemv, "INT4_HALF2"): 2},
+                "h20": {(quant_gemv, "INT4_HALF2"): 0}, "i4e3": {(quant_gemv, "INT4_WIDE_TILES"): "e3"}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 
 
@@ -164,6 +167,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     del engine, model
                 except Exception as e:  # noqa: BLE001 - record it, keep measuring the other formats
                     row["error"] = f"{type(e).__name__}: {e}"[:400]
+                    traceback.print_exc()  # the whole story in the step's log (the row keeps 400 characters)
                 set_pdl(False)
                 for (module, attr), value in defaults.items():
                     setattr(module, attr, value)

@@ -18,7 +18,8 @@
 # PART=sp1 (prepared): the n-gram speculative overhead on small with cuBLAS against the dense Triton GEMV.
 # PART=e1, z, e3, e2, e4: the eleventh session's calls (BENCHMARKS.md section 17); e5 (compiled prefill on tiny) and
 # e6 (verify widths on the CUDA cores: per linear, then n-gram on small) are prepared, not run.
-# PART=f1 (e6 then e5), f2 (int4 words in packed fp16): the twelfth session's calls.
+# PART=f1 (e6 then e5), f2 (int4 words in packed fp16), f3 (int4's new rule; prefill compiled on small): the
+# twelfth session's calls.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -51,7 +52,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -380,6 +381,18 @@ elif [ "$PART" = f2 ]; then
     --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+h2@$C,int4-triton+glo+pdl+h2w@$C,int4-triton+glo+pdl+h2+tc@$C" --profile
   floor quant145 40 1.45b --m1-tiles "$T" \
     --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+h2@$C,int4-triton+all+pdl+h2w@$C,int4-triton+all+pdl+h2+tc@$C"
+elif [ "$PART" = f3 ]; then
+  # twelfth session: int4's new tile rule (packed fp16 words on the wide and down shapes, from f2's sweep) against
+  # e3's rule, the same tiles in fp32 words (+h20) and tinygemm (int4 = aten), with the PDL kernel variants now
+  # warmed up before capture (f2 lost two rows to invalidated captures); then issue 8's speculative overhead on small
+  # with the captured prefill compiled (+cprefill) against eager kernels
+  C=graphs+compile+overlap
+  floor quant67 60 6.7b \
+    --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+i4e3@$C,int4-triton+glo+pdl+h20@$C,int4@$C" --profile
+  floor quant145 40 1.45b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+i4e3@$C,int4@$C"
+  train_small
+  step speed 60 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small --modes "$C,$C+cprefill" \
+    --methods ar,ngram:4,ngram:2 --repeats 5
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call

@@ -48,6 +48,48 @@ def test_dependent_launches_only_while_a_graph_is_captured(monkeypatch):
     assert pdl.use_pdl("cuda") is True and pdl.pdl_applies(True, "cuda", captured=False)
 
 
+def test_a_warm_up_for_capture_launches_as_the_capture_will(monkeypatch):
+    """Inside `warming_for_capture` (the graph warm-up before a capture) launches take PDL as captured ones will, so
+    the PDL kernel variants are compiled and loaded before the capture, not in it; outside, eager launches do not."""
+    pdl.set_pdl(True)
+    monkeypatch.setattr(pdl, "pdl_problem", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(pdl, "CAPTURE_ONLY", True)
+    assert pdl.use_pdl("cuda") is False
+    with pdl.warming_for_capture():
+        assert pdl.use_pdl("cuda") is True
+        with pdl.pdl_scope(False):
+            assert pdl.use_pdl("cuda") is False  # not asked for
+    assert pdl.use_pdl("cuda") is False
+    with pytest.raises(RuntimeError), pdl.warming_for_capture():
+        raise RuntimeError("a failed warm-up")
+    assert pdl.use_pdl("cuda") is False  # reset after an error
+
+
+def test_graph_warm_up_runs_inside_warming_for_capture(monkeypatch):
+    """FixedShapeStep._record warms its body up under warming_for_capture and captures outside it (CUDA calls
+    stubbed: no GPU here)."""
+    import contextlib
+    import types
+
+    from workbench.engine import graphs
+    for name in ("synchronize", "memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
+    stub_stream = types.SimpleNamespace(wait_stream=lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: stub_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: stub_stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    seen = []
+    step = types.SimpleNamespace(device="cuda", _pool=None, name="s", stats=graphs.GraphStats(),
+                                 warm_up=lambda bufs: seen.append(("warm", pdl._WARMING)),
+                                 _fn=lambda **kw: seen.append(("capture", pdl._WARMING)))
+    bufs = types.SimpleNamespace(buf={}, size=1, graph=None, out=None)
+    graphs.FixedShapeStep._record(step, bufs, 0)
+    assert seen == [("warm", True), ("capture", False)] and bufs.graph == "graph"
+
+
 def test_scope_sets_the_switch_and_restores_it_after_an_error():
     pdl.set_pdl(True)
     with pdl.pdl_scope(False):

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.pdl import warming_for_capture
+
 COMPILE_MODES = ("off", "default", "max-autotune")
 PREFILL_LEN_MULTIPLE = 32  # a captured prefill pads its prompts' length up to a multiple of this (within the cache)
 PAD_LEN = 1  # padding rows act as a sequence of one committed token in the cache's scratch row
@@ -272,7 +274,7 @@ class FixedShapeStep:
         before = torch.cuda.memory_allocated(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up off the capture
+        with torch.cuda.stream(stream), warming_for_capture():  # warm-up off the capture, launching as it will
             self.warm_up(bufs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
