@@ -161,7 +161,8 @@ def part_speed(args) -> dict:
     for (m, mode), tps in times.items():
         ar = statistics.median(times[("ar", mode)])
         rows.append({"method": m, "mode": mode, "tok_s_median": statistics.median(tps), "tok_s_min": min(tps),
-                     "tok_s_max": max(tps), "speedup_vs_ar_same_mode": statistics.median(tps) / ar,
+                     "tok_s_max": max(tps), "tok_s_repeats": tps,  # in timed order (an outlier's repeat)
+                     "speedup_vs_ar_same_mode": statistics.median(tps) / ar,
                      "mean_accepted_tokens": accepted[(m, mode)],
                      # issue 8's speculative-overhead check: speedup / tokens per step (goal >= 0.85)
                      "speedup_over_tokens_per_step": statistics.median(tps) / ar / accepted[(m, mode)],

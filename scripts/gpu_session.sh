@@ -18,8 +18,8 @@
 # PART=sp1 (prepared): the n-gram speculative overhead on small with cuBLAS against the dense Triton GEMV.
 # PART=e1, z, e3, e2, e4: the eleventh session's calls (BENCHMARKS.md section 17); e5 (compiled prefill on tiny) and
 # e6 (verify widths on the CUDA cores: per linear, then n-gram on small) are prepared, not run.
-# PART=f1 (e6 then e5), f2 (int4 words in packed fp16), f3 (int4's new rule; prefill compiled on small): the
-# twelfth session's calls.
+# PART=f1 (e6 then e5), f2 (int4 words in packed fp16), f3 (int4's new rule; prefill compiled on small), f4
+# (f3's small speed part again, per-repeat tok/s): the twelfth session's calls.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -52,7 +52,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -390,6 +390,15 @@ elif [ "$PART" = f3 ]; then
   floor quant67 60 6.7b \
     --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+i4e3@$C,int4-triton+glo+pdl+h20@$C,int4@$C" --profile
   floor quant145 40 1.45b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+i4e3@$C,int4@$C"
+  train_small
+  step speed 60 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small --modes "$C,$C+cprefill" \
+    --methods ar,ngram:4,ngram:2 --repeats 5
+elif [ "$PART" = f4 ]; then
+  # twelfth session, last call: f3's speed part on small again (the compiled prefill, now with each repeat's tok/s,
+  # to find which repeat an outlier is), after e5's pair on tiny (no training)
+  C=graphs+compile+overlap
+  step speed_tiny 30 $PY scripts/gpu_fastpath.py --out "$R/speed_tiny" --parts speed --preset tiny \
+    --modes "$C,$C+cprefill" --methods ar,ngram:4 --repeats 3
   train_small
   step speed 60 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small --modes "$C,$C+cprefill" \
     --methods ar,ngram:4,ngram:2 --repeats 5
