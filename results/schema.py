@@ -105,6 +105,8 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("attention", "string", "config", '"auto" | "sdpa" | "triton" (attention backend of the KV cache)'),
     ColumnSpec("prefill_graphs", "bool", "config", "prompt forwards captured in CUDA graphs per (batch, padded length) "
                "(with cuda_graphs)"),
+    ColumnSpec("compile_prefill", "bool", "config", "captured prompt forwards compiled too (with compile and "
+               "prefill_graphs)"),
     ColumnSpec("overlap", "bool", "config", "overlapped steps asked for (step t+1 launched before step t is read)"),
     ColumnSpec("pdl", "bool", "config", "programmatic dependent launch of our Triton kernels asked for"),
     ColumnSpec("gemv_fusion", "string", "config", "what the Triton GEMVs fold in at their edges: off | residual | "

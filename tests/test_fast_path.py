@@ -160,16 +160,19 @@ def test_compiled_fixed_shape_step_equals_eager(target):
 
 
 def test_compiled_prefill_switch_compiles_the_prompt_forward_and_keeps_greedy_output(target, draft, monkeypatch):
-    """graphs.COMPILE_PREFILL: the captured prompt forwards (target and draft model) compile with the decode steps'
-    mode, and every drafter's greedy output stays the reference's; off (the default), they stay uncompiled."""
+    """The `compile_prefill` knob (EngineConfig) or the process-wide graphs.COMPILE_PREFILL: the captured prompt
+    forwards (target and draft model) compile with the decode steps' mode, and the greedy output stays the
+    reference's; with neither (the default), they stay uncompiled."""
     from workbench.engine import graphs
     n = 6
     expected = [reference_greedy(target, p, n) for p in PROMPTS]
-    for on in (False, True):
-        monkeypatch.setattr(graphs, "COMPILE_PREFILL", on)
-        engine = SpecEngine(target, DraftModelDrafter(draft, k=3), fast(max_new_tokens=n, compile="default"))
+    for switch, knob in ((False, False), (True, False), (False, True)):
+        monkeypatch.setattr(graphs, "COMPILE_PREFILL", switch)
+        engine = SpecEngine(target, DraftModelDrafter(draft, k=3),
+                            fast(max_new_tokens=n, compile="default", compile_prefill=knob))
         assert engine.generate(PROMPTS).outputs == expected
         steps = [engine.prefill_step.fixed, engine.drafter.prefill_step.fixed]
+        on = switch or knob
         assert [s._fn is not s.body for s in steps] == [on, on]
 
 

@@ -263,6 +263,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("prefill_graphs", "bool", True, "with --cuda-graphs, capture the prompt forwards too (target and draft model), "
          "one graph per (batch, prompt length padded up to a multiple of 32); off: prompts run eagerly",
          "Capture prefill", "system", searchable=True),
+    Knob("compile_prefill", "bool", False, "with --compile and captured prefill, compile the prompt forwards too "
+         "(target and draft model). Each new (batch, padded prompt length) compiles afresh: it pays with fixed prompt "
+         "lengths and costs a study with ragged ones. On small (H200) a 64-token prompt's prefill took 0.70 instead "
+         "of 1.19 ms (BENCHMARKS.md 18.4)", "Compile prefill", "system", searchable=True),
     Knob("overlap", "bool", True, "launch step t+1 before reading step t's tokens, so host bookkeeping overlaps the GPU "
          "(greedy chains with --cuda-graphs: AR and the draft model; other methods run one synchronous read per step)",
          "Overlap host and GPU", "system", searchable=True),

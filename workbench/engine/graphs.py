@@ -38,11 +38,11 @@ COMPILE_MODES = ("off", "default", "max-autotune")
 PREFILL_LEN_MULTIPLE = 32  # a captured prefill pads its prompts' length up to a multiple of this (within the cache)
 PAD_LEN = 1  # padding rows act as a sequence of one committed token in the cache's scratch row
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# Whether captured prompt forwards (PrefillStep) are compiled too when the decode steps are (`compile` != off). Off:
-# each new (batch, padded length) would compile afresh, which costs a study with ragged prompts more than it saves.
-# On `small` the captured eager prefill of a 64-token prompt took 1.2 ms of GPU time, 2.8 AR steps (BENCHMARKS.md
-# 17.3); scripts/gpu_fastpath.py's mode suffix +cprefill measures it compiled: on tiny 13-30 % less prefill GPU time
-# but no faster call, and one timed repeat 5x slow (18.2). An experiment's switch, not a setting.
+# Whether captured prompt forwards (PrefillStep) are compiled too when the decode steps are (`compile` != off), for
+# every engine of the process (scripts/gpu_fastpath.py's mode suffix +cprefill); a run asks with the knob
+# `compile_prefill` (GraphSettings.compile_prefill; off by default: each new (batch, padded length) compiles afresh,
+# which costs a study with ragged prompts more than it saves). Measured in BENCHMARKS.md 18.2 (tiny) and 18.4 (small:
+# prefill 1.19 -> 0.70 ms per 64-token prompt, n-gram k = 4's speedup / tokens per step 0.836 -> 0.860).
 COMPILE_PREFILL = False
 
 
@@ -56,6 +56,7 @@ class GraphSettings:
     batch_sizes: tuple[int, ...] = DEFAULT_BUCKETS  # the buckets, strictly increasing
     compile: str = "off"  # "off" | "default" | "max-autotune"
     prefill: bool = True  # with cuda_graphs: prompt forwards captured too, per (batch, padded length) (PrefillStep)
+    compile_prefill: bool = False  # those prompt forwards compiled with `compile` too (or COMPILE_PREFILL)
 
     def __post_init__(self) -> None:
         check_graph_settings(self.batch_sizes, self.compile)
@@ -377,9 +378,9 @@ class PrefillStep:
     truncate, like a batch's right padding), and one graph per (batch, padded length) replays the cache's prepare
     and the model. The batch is never padded (a padding row would need a whole prompt's blocks in the scratch row):
     every batch size is its own key. A chunk reads the cache's whole static span (its start varies); a batch from
-    position 0 only its padded length. Not compiled unless COMPILE_PREFILL (the compile setting is for decode
-    steps). Graphs of one step share one memory pool (they never run concurrently; each keeps its output alive). On a
-    CPU the same padded forward runs eagerly (compiled with COMPILE_PREFILL). Otherwise (or where a chunk's padded
+    position 0 only its padded length. Compiled with the decode steps' mode only when settings.compile_prefill (the
+    `compile_prefill` knob) or COMPILE_PREFILL says so. Graphs of one step share one memory pool (they never run
+    concurrently; each keeps its output alive). On a CPU the same padded forward runs eagerly (compiled so too). Otherwise (or where a chunk's padded
     length passes the row's slots or needs blocks the pool has not got free: counted in `eager_chunks`): eager, over
     exactly the tokens' span.
     """
@@ -387,8 +388,9 @@ class PrefillStep:
     def __init__(self, model, cache, settings: GraphSettings, device: torch.device, name: str):
         self.model, self.cache, self.settings, self.device = model, cache, settings, torch.device(device)
         self.fixed_shape = settings.cuda_graphs and settings.prefill
+        compiled = COMPILE_PREFILL or settings.compile_prefill
         exact = GraphSettings(settings.cuda_graphs, tuple(range(1, cache.max_rows + 1)),
-                              settings.compile if COMPILE_PREFILL else "off", settings.prefill)
+                              settings.compile if compiled else "off", settings.prefill)
         pool = torch.cuda.graph_pool_handle() if self.fixed_shape and self.device.type == "cuda" else None
         self.fixed = FixedShapeStep(f"{name}-prefill", functools.partial(self._fixed_shape, anywhere=False),
                                     self._pads, exact, device, pool=pool)

@@ -85,11 +85,13 @@ class EngineConfig:
     overlap: bool = False  # launch step t + 1 before reading step t (greedy chains with fixed shapes; see above)
     kv_quant: str = "none"  # the target's KV-cache format: "none" (model dtype) | "int8" | "fp8" (engine/kv_quant.py)
     prefill_graphs: bool = True  # with cuda_graphs: prompt forwards captured per (batch, padded length): PrefillStep
+    compile_prefill: bool = False  # with compile: those captured prompt forwards compiled too
     pdl: bool = True  # our Triton kernels launched with programmatic dependent launch where allowed (kernels/pdl.py)
 
     @functools.cached_property
     def graphs(self) -> GraphSettings:  # read every step: built (and validated) once
-        return GraphSettings(self.cuda_graphs, tuple(self.graph_batch_sizes), self.compile, self.prefill_graphs)
+        return GraphSettings(self.cuda_graphs, tuple(self.graph_batch_sizes), self.compile, self.prefill_graphs,
+                             self.compile_prefill)
 
     def __post_init__(self) -> None:
         self.graphs  # noqa: B018 - validates the graph settings (GraphSettingsError names the bad one)

@@ -287,9 +287,10 @@ class BenchSession:
                             kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
                             cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
                             compile=cfg.compile, attention=cfg.attention, kv_quant=cfg.target_kv_quant,
-                            overlap=cfg.overlap, prefill_graphs=cfg.prefill_graphs, pdl=cfg.pdl)
+                            overlap=cfg.overlap, prefill_graphs=cfg.prefill_graphs,
+                            compile_prefill=cfg.compile_prefill, pdl=cfg.pdl)
         shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention,
-                 ecfg.prefill_graphs, ecfg.pdl,
+                 ecfg.prefill_graphs, ecfg.compile_prefill, ecfg.pdl,
                  ecfg.kv_quant,
                  quant_key(cfg, "target"), cfg.quant_kernel, cfg.gemv_fusion)
         host_only = HOST_ONLY_KNOBS.get(cfg.method, ())
