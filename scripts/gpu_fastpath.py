@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -127,6 +128,14 @@ def part_parity(args) -> dict:
     return {"rows": rows}
 
 
+def _events(eng) -> tuple[int, int, int]:
+    """Counters a slow timed repeat may be explained by: graphs dynamo has compiled in this process, CUDA graphs
+    this engine has captured (target, drafter, prefill), and full (generation 2) garbage collections."""
+    from torch._dynamo.utils import counters
+    captured = len(eng.graph_stats().captured) if eng.cache is not None else 0
+    return counters["stats"]["unique_graphs"], captured, gc.get_stats()[2]["collections"]
+
+
 def part_speed(args) -> dict:
     target, draft, prompts = load_preset(args.preset, torch.bfloat16)
     prompts = equal_length(prompts, args.num_prompts, args.prompt_len)
@@ -138,10 +147,14 @@ def part_speed(args) -> dict:
     decode = {key: [] for key in engines}  # tokens after the first / (last done - first token), summed over calls
     prefill_ms = {key: [] for key in engines}  # per call: t_start -> first token
     wasted = {key: 0 for key in engines}
+    events = {key: [] for key in engines}  # per repeat: what happened during it (a slow repeat's suspects)
     accepted = {}
     for _ in range(args.repeats):  # interleaved: every setting once per repeat
         for key, eng in engines.items():
+            before = _events(eng)
             wall, res, _ = timed_generate(eng, prompts, 1)
+            events[key].append(dict(zip(("dynamo_graphs", "captures", "gc_gen2"),
+                                        (b - a for a, b in zip(before, _events(eng))))))
             times[key].append(sum(len(o) for r in res for o in r.outputs) / wall)
             decode[key].append(sum(len(o) - 1 for r in res for o in r.outputs)
                                / sum(max(r.t_done) - r.t_first_token for r in res))
@@ -162,6 +175,7 @@ def part_speed(args) -> dict:
         ar = statistics.median(times[("ar", mode)])
         rows.append({"method": m, "mode": mode, "tok_s_median": statistics.median(tps), "tok_s_min": min(tps),
                      "tok_s_max": max(tps), "tok_s_repeats": tps,  # in timed order (an outlier's repeat)
+                     "repeat_events": events[(m, mode)],  # per repeat: graphs compiled, captures, full GCs
                      "speedup_vs_ar_same_mode": statistics.median(tps) / ar,
                      "mean_accepted_tokens": accepted[(m, mode)],
                      # issue 8's speculative-overhead check: speedup / tokens per step (goal >= 0.85)
