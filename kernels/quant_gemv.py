@@ -215,6 +215,14 @@ INT4_WIDE_TILES: dict | bool | str | None = True
 # "+h20", "+h2", "+h2w" rows). Measured per linear in call f2 (18.3): 1.07-1.26x on the wide and down shapes in their
 # best tiles, no gain at 16 x 1024.
 INT4_HALF2: int | None = int(os.environ["WORKBENCH_INT4_HALF2"]) if os.environ.get("WORKBENCH_INT4_HALF2") else None
+# Software pipelining of the K loop of one-row calls (BLOCK_M = 1), every format: `tl.range(..., num_stages=N)` turns
+# the weight loads into async copies N - 1 tiles ahead, so the loads of the next tiles are in flight while this one
+# is computed. The kernel's `num_stages` pipelines only loads that feed tl.dot: the one-row loops issue a tile's loads
+# and wait for them in the same iteration. SASS compiled on the CPU VM (triton 3.9, sm_90) shows the async copies
+# (LDGSTS, 3 stages) for int4 64 x 512; not yet measured on a GPU. None: off (env WORKBENCH_GEMV_LOOP_STAGES; a
+# tile's LOOP_STAGES entry; gpu_quant.py "+ls3"; gpu_gemv.py --loop-stages / --tune-loop-stages).
+LOOP_STAGES: int | None = int(os.environ["WORKBENCH_GEMV_LOOP_STAGES"]) \
+    if os.environ.get("WORKBENCH_GEMV_LOOP_STAGES") else None
 
 
 def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int, rule: bool | str = True) -> dict | None:
@@ -365,7 +373,7 @@ def _check_group_tile(fmt: str, cfg: dict, group_size: int) -> None:
 # scripts/gpu_quant.py --m1-tiles reads them), empty by default.
 M1_TILES: dict[tuple[str, int, int], dict] = {}
 M1_TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "CVT_BITS", "ELEMENTWISE",
-                "HALF2")
+                "HALF2", "LOOP_STAGES")
 
 
 def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
@@ -583,7 +591,10 @@ if TRITON_AVAILABLE:
             HALF2: tl.constexpr = 0,  # int4 one-row words (TILE_GROUPS, CVT_BITS): two weights per instruction in
             # packed fp16 (_int4_half2_word_dot); x scaled by a power of two into fp16's range, 1: per K tile (a
             # max across the program) and zeros per group, 2: per word (the 8 x's of each word, in its threads)
-            HALF2_EMULATE: tl.constexpr = False):  # HALF2 in Triton ops instead of PTX (the interpreter runs no PTX)  # int8 / fp8 / dense, BLOCK_M > 1: every row on the CUDA cores, each
+            HALF2_EMULATE: tl.constexpr = False,
+            LOOP_STAGES: tl.constexpr = None):  # the K loop software-pipelined into this many stages (tl.range):
+            # the next tiles' weight loads in flight (async copies) while this tile computes; None: the loop as
+            # before (the kernel's num_stages pipelines only loads feeding tl.dot, so one-row loops are not)  # HALF2 in Triton ops instead of PTX (the interpreter runs no PTX)  # int8 / fp8 / dense, BLOCK_M > 1: every row on the CUDA cores, each
             # weight tile read once for all of them ([BM, BN, BK] sums, reduced after the loop) instead of tl.dot
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -618,7 +629,7 @@ if TRITON_AVAILABLE:
                 accz = tl.zeros([BLOCK_N, TILE_GROUPS], dtype=tl.float32)  # zero x sum(x) per group
         elif TILE_GROUPS > 0:  # [BN, groups of the tile, weights of a group in the tile]: reduced after the loop
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS], dtype=tl.float32)
-        for kt in range(kt_start, kt_end):
+        for kt in tl.range(kt_start, kt_end, num_stages=LOOP_STAGES):
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
             x_mask = mask_m[:, None] & (offs_k < K)[None, :]
             if GLU:  # SwiGLU prologue: x = silu(gate) * up from [gate | up], in fp32, rounded once to x's dtype
@@ -890,6 +901,9 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         lines = math.ceil(min(cfg.get("PREFETCH_TILES", PREFETCH_TILES), cfg["tiles_per_split"]) * w_tile / step)
         pdl = dict(PDL=True, PF_LINES=triton.next_power_of_2(lines) if lines else 0, PF_STEP=step,
                    LATE_TRIGGER=cfg.get("LATE_TRIGGER", LATE_TRIGGER), launch_pdl=True)
+    loop_stages = cfg.get("LOOP_STAGES", LOOP_STAGES) if cfg["BLOCK_M"] == 1 else None
+    extra = dict(pdl, LOOP_STAGES=int(loop_stages)) if loop_stages else pdl  # passed only when set: the kernel's
+    # default (None) leaves the loop as it was
     _gemv_kernel[grid](
         x, weight, scale2, zero2, out, partials, counters, res, nw, sq,
         m, n, k, cfg["tiles_per_split"], float(eps),
@@ -902,7 +916,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         CVT_BITS=cvt_bits, TILE_GROUPS=tile_groups, HALF2=half2,
         HALF2_EMULATE=bool(half2) and os.environ.get("TRITON_INTERPRET", "0") == "1",
         CUDA_ROWS=bool(cfg.get("CUDA_ROWS", False)) and cfg["BLOCK_M"] > 1,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
     return out
 
 

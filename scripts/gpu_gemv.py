@@ -200,20 +200,25 @@ def part_speed(args, device) -> list[dict]:
                     continue
                 clones = rotating(mod, device)
                 nbytes = weight_bytes(mod) - (mod.gemv_counters.numel() * 4 if hasattr(mod, "gemv_counters") else 0)
-                rows_default, half2_default = quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2
+                defaults = quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2, quant_gemv.LOOP_STAGES
                 for m in map(int, args.ms.split(",")):
                     # --cuda-rows N: triton calls of 2..N rows once more in the CUDA-rows form (CUDA_ROWS_MAX);
-                    # --half2-compare: one-row int4 triton calls without and with packed fp16 words (INT4_HALF2)
-                    variants = [(0, half2_default)]
+                    # --half2-compare: one-row int4 triton calls with packed fp16 words 0 / 1 / 2 (INT4_HALF2);
+                    # --loop-stages-compare N: one-row triton calls with the K loop pipelined N deep (LOOP_STAGES)
+                    variants = [defaults]
                     if kernel == "triton" and 1 < m <= args.cuda_rows:
-                        variants.append((args.cuda_rows, half2_default))
+                        variants.append((args.cuda_rows, *defaults[1:]))
                     if kernel == "triton" and fmt == "int4" and m == 1 and args.half2_compare:
-                        variants = [(0, 0), (0, 1), (0, 2)]
-                    for rows_max, half2 in variants:
-                        quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2 = rows_max, half2
+                        variants = [(0, h, defaults[2]) for h in (0, 1, 2)]
+                    if kernel == "triton" and m == 1 and args.loop_stages_compare:
+                        variants += [(r, h, args.loop_stages_compare) for r, h, _ in variants]
+                    for rows_max, half2, stages in variants:
+                        quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2, quant_gemv.LOOP_STAGES = rows_max, half2, stages
                         row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt,
                                    kernel=mod.kernel + ("+rows" if rows_max else "")
-                                   + (f"+h2={half2}" if half2 and kernel == "triton" and fmt == "int4" else ""))
+                                   + (f"+h2={half2}" if half2 is not None and kernel == "triton" and fmt == "int4"
+                                      and args.half2_compare else "")
+                                   + (f"+ls{stages}" if stages and kernel == "triton" else ""))
                         try:
                             x = torch.randn(m, k, device=device, dtype=args.dtype)
                             us = time_us([lambda c=c: c(x) for c in clones], device, args.replays)
@@ -229,7 +234,7 @@ def part_speed(args, device) -> list[dict]:
                             row["error"] = f"{type(e).__name__}: {e}"[:300]
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-                    quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2 = rows_default, half2_default
+                    quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2, quant_gemv.LOOP_STAGES = defaults
                 del clones
             del mods
             if device.type == "cuda":
@@ -309,6 +314,8 @@ def part_tune(args, device) -> list[dict]:
             cvts = [{"CVT_BITS": bool(v)} for v in ints(args.tune_cvt_bits)] or [{}]  # [{}]: the format's default
             if fmt == "int4" and ints(args.tune_half2):  # packed fp16 words (INT4_HALF2) as one more dimension
                 cvts = [{**c, "HALF2": h} for c in cvts for h in ints(args.tune_half2)]
+            if ints(args.tune_loop_stages):  # the K loop pipelined (LOOP_STAGES; 0 = not) as one more dimension
+                cvts = [{**c, **({"LOOP_STAGES": st} if st else {})} for c in cvts for st in ints(args.tune_loop_stages)]
             for block_n in ints(args.tune_block_n) or (16, 32, 64):
                 for block_k in block_ks:
                     for warps in ints(args.tune_warps) or (4, 8):
@@ -346,7 +353,7 @@ def part_tune(args, device) -> list[dict]:
                 if best.get("tile") != "auto":  # a measured tile for gpu_quant.py --m1-tiles ("+tc" rows)
                     best_tiles[f"{fmt},{n},{k}"] = {key: best[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps",
                                                                                "num_stages", "SPLIT_K", "CVT_BITS",
-                                                                               "HALF2")
+                                                                               "HALF2", "LOOP_STAGES")
                                                     if key in best}
                 print(json.dumps(best), flush=True)
     _write_tiles(args, best_tiles, "gemv_tune_tiles.json")
@@ -507,6 +514,8 @@ def main() -> None:
                     "own; int4 reads it in K tiles of whole groups only)")
     ap.add_argument("--tune-half2", default="", help="tune part: int4's HALF2 values (packed fp16 words), e.g. 0,1,2 "
                     "(default: the module's INT4_HALF2)")
+    ap.add_argument("--tune-loop-stages", default="", help="tune part: LOOP_STAGES values (the K loop software-"
+                    "pipelined; 0 = not), e.g. 0,3")
     ap.add_argument("--tune-splits", default="", help="tune part: SPLIT_K values (default 1 and gemv_config's)")
     ap.add_argument("--decode-extra", default="", help="more gpu_quant formats to decode beside none and the triton "
                     "ones, comma-separated (e.g. int4 = tinygemm, fp8 = _scaled_mm; BENCHMARKS 8.4 has them)")
@@ -525,6 +534,10 @@ def main() -> None:
                     "(kernels.quant_gemv.INT4_HALF2: 1 a scale per K tile, 2 per word) for every part")
     ap.add_argument("--half2-compare", action="store_true", help="speed part: one-row int4 triton calls timed "
                     "with INT4_HALF2 0, 1 and 2 (kernels 'triton', 'triton+h2=1', 'triton+h2=2')")
+    ap.add_argument("--loop-stages", type=int, default=None, help="one-row calls' K loop software-pipelined this "
+                    "deep (kernels.quant_gemv.LOOP_STAGES) for every part")
+    ap.add_argument("--loop-stages-compare", type=int, default=0, help="speed part: one-row triton calls timed "
+                    "once more with LOOP_STAGES = N (kernel suffix '+lsN')")
     ap.add_argument("--parity-rtol", type=float, default=2 ** -7, help="max |err| / max |ref| that counts as ok")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -537,12 +550,14 @@ def main() -> None:
         quant_gemv.INT4_WIDE_TILES = json.loads(args.int4_wide_tiles)
     if args.int4_half2 is not None:
         quant_gemv.INT4_HALF2 = args.int4_half2
+    if args.loop_stages:
+        quant_gemv.LOOP_STAGES = args.loop_stages
     torch.manual_seed(0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "int4_wide_tiles": quant_gemv.INT4_WIDE_TILES,
-           "int4_half2": quant_gemv.INT4_HALF2}
+           "int4_half2": quant_gemv.INT4_HALF2, "loop_stages": quant_gemv.LOOP_STAGES}
     try:
         import triton
         env["triton"] = triton.__version__

@@ -19,7 +19,8 @@
 # PART=e1, z, e3, e2, e4: the eleventh session's calls (BENCHMARKS.md section 17); e5 (compiled prefill on tiny) and
 # e6 (verify widths on the CUDA cores: per linear, then n-gram on small) are prepared, not run.
 # PART=f1 (e6 then e5), f2 (int4 words in packed fp16), f3 (int4's new rule; prefill compiled on small), f4
-# (f3's small speed part again, per-repeat tok/s): the twelfth session's calls.
+# (f3's small speed part again, per-repeat tok/s): the twelfth session's calls; g1 (the K loop software-pipelined)
+# is prepared for the next one.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -52,7 +53,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -402,6 +403,21 @@ elif [ "$PART" = f4 ]; then
   train_small
   step speed 60 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small --modes "$C,$C+cprefill" \
     --methods ar,ngram:4,ngram:2 --repeats 5
+elif [ "$PART" = g1 ]; then
+  # prepared in the twelfth session, not run (device time spent): the one-row GEMVs' K loop software-pipelined
+  # (quant_gemv.LOOP_STAGES; the kernel's num_stages pipelines only loads that feed tl.dot): per linear without / with
+  # 3 stages for int4, fp8 and dense, int4 tiles swept with it, then the floor rows with and without it
+  C=graphs+compile+overlap
+  step speed 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/speed" --parts speed --configs 1.45b,6.7b \
+    --formats int4,fp8,dense --ms 1 --loop-stages-compare 3 --replays 10
+  step tune_ls 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tune_ls" --parts tune --sweep-configs 6.7b,1.45b \
+    --formats int4 --tune-block-n 32,64,128 --tune-block-k 512,1024 --tune-warps 4,8 --tune-stages 3 \
+    --tune-half2 1 --tune-loop-stages 0,2,3,4 --replays 10 --tune-budget-s "${TUNE_S:-150}"
+  T=$R/tune_ls/gemv_tune_tiles.json; [ -f "$T" ] || echo '{}' > "$T"
+  floor quant67 60 6.7b --m1-tiles "$T" --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+ls3@$C,\
+int4-triton+glo+pdl+tc@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+ls3@$C"
+  floor quant145 40 1.45b --m1-tiles "$T" --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+ls3@$C,\
+int4-triton+all+pdl+tc@$C"
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call

@@ -552,6 +552,32 @@ def test_int4_half2_switch_reaches_bf16_launches_only(monkeypatch):
 
 
 @interpreter
+@pytest.mark.parametrize("fmt", ["int4", "dense", "fp8"])
+def test_loop_stages_reach_one_row_launches_only_and_keep_the_result(fmt, monkeypatch, interpreter_bf16_dot):
+    """LOOP_STAGES (the K loop software-pipelined, tl.range num_stages; its speed is a GPU question) is passed to
+    one-row launches only (M > 1 tiles keep the kernel's own dot pipelining), from the module switch or a tile's
+    entry, and the result is the reference's either way."""
+    n, k = 40, 1024
+    dtype = torch.bfloat16
+    _, buffers = stored(fmt, n, k, 128, dtype=dtype if fmt != "fp8" else torch.float32, seed=9)
+    launched = []
+    kernel = qg._gemv_kernel
+    monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
+        launched.append((kw["BLOCK_M"], kw.get("LOOP_STAGES"))), kernel[grid](*a, **kw))[1]})())
+    g = torch.Generator().manual_seed(4)
+    for m in (1, 3):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        want = quant_gemv_reference(x, fmt, **buffers).float()
+        tol = 2 ** -7 * want.abs().max()
+        assert (quant_gemv_triton(x, fmt, **buffers).float() - want).abs().max() <= tol
+        monkeypatch.setattr(qg, "LOOP_STAGES", 3)
+        assert (quant_gemv_triton(x, fmt, **buffers).float() - want).abs().max() <= tol
+        monkeypatch.setattr(qg, "LOOP_STAGES", None)
+        assert (quant_gemv_triton(x, fmt, **buffers, LOOP_STAGES=2).float() - want).abs().max() <= tol
+    assert launched == [(1, None), (1, 3), (1, 2), (16, None), (16, None), (16, None)]
+
+
+@interpreter
 def test_int4_wide_tiles_switch_reaches_the_launch(monkeypatch):
     """INT4_WIDE_TILES (the measured rule by default) gives one-row int4 calls K tiles of whole groups through the
     custom op, and the launch cache keys on it: the same call under each setting takes that setting's tile."""
