@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_timing import kernel_summary  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine, graphs  # noqa: E402
 from workbench.engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
+from workbench.serving.loop import frozen_gc  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 MODES = {"eager": {"attention": "sdpa"},  # the engine before the fast path
@@ -76,11 +77,15 @@ def make_drafter(method: str, draft, k: int = 4):
 
 
 def timed_generate(engine: SpecEngine, prompts, batch: int) -> tuple[float, list, list]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    results = [engine.generate(prompts[i:i + batch]) for i in range(0, len(prompts), batch)]
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, results, [o for r in results for o in r.outputs]
+    """Seconds, results and outputs of generating `prompts` in batches, with the heap collected and frozen around
+    the timed calls (the serving loop's `frozen_gc`: no gen-2 pass rescans the long-lived objects inside them)."""
+    with frozen_gc():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        results = [engine.generate(prompts[i:i + batch]) for i in range(0, len(prompts), batch)]
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return wall, results, [o for r in results for o in r.outputs]
 
 
 CPREFILL = "+cprefill"  # a mode suffix: the captured prompt forwards compiled too (graphs.COMPILE_PREFILL)
