@@ -390,8 +390,8 @@ def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
 @functools.lru_cache(maxsize=4096)
 def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple, switches: tuple = ()) -> dict:
     """gemv_config with M1_TILES applied, cached; `switches` (the module switches gemv_config reads: NARROW_TILES,
-    WIDE_FP8_WARPS, INT4_WIDE_TILES, CUDA_ROWS_MAX, INT4_HALF2) is part of the key only, so a benchmark row that flips one gets
-    its own configurations."""
+    WIDE_FP8_WARPS, INT4_WIDE_TILES, CUDA_ROWS_MAX, INT4_HALF2) is part of the key only, so a benchmark row that flips
+    one gets its own configurations."""
     tiles = M1_TILES.get((fmt, n, k), {}) if m == 1 else {}
     return gemv_config(fmt, m, n, k, group_size, sm_count, **{**tiles, **dict(override)})
 
@@ -549,8 +549,7 @@ if TRITON_AVAILABLE:
                 cvt.f32.f16 f1, h1;
                 add.f32 f0, f0, f1;
                 mov.b32 $0, f0;
-                }""", "=r,r,r,r,r,r", [wd, xa, xb, xc, xd],
-                                             dtype=tl.int32, is_pure=True, pack=1)
+                }""", "=r,r,r,r,r,r", [wd, xa, xb, xc, xd], dtype=tl.int32, is_pure=True, pack=1)
             return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
@@ -587,15 +586,15 @@ if TRITON_AVAILABLE:
             LATE_TRIGGER: tl.constexpr = True,
             TILE_GROUPS: tl.constexpr = 0,  # int4 / int8g one-row: 0 = the group-tiled form; n >= 1 = dequantized
             # per weight, the K tile as n groups (or one group's slice) of BLOCK_K // n weights, reduced after the loop
-            CUDA_ROWS: tl.constexpr = False,
+            CUDA_ROWS: tl.constexpr = False,  # int8 / fp8 / dense, BLOCK_M > 1: every row on the CUDA cores, each
+            # weight tile read once for all of them ([BM, BN, BK] sums, reduced after the loop) instead of tl.dot
             HALF2: tl.constexpr = 0,  # int4 one-row words (TILE_GROUPS, CVT_BITS): two weights per instruction in
             # packed fp16 (_int4_half2_word_dot); x scaled by a power of two into fp16's range, 1: per K tile (a
             # max across the program) and zeros per group, 2: per word (the 8 x's of each word, in its threads)
-            HALF2_EMULATE: tl.constexpr = False,
+            HALF2_EMULATE: tl.constexpr = False,  # HALF2 in Triton ops instead of PTX (the interpreter runs no PTX)
             LOOP_STAGES: tl.constexpr = None):  # the K loop software-pipelined into this many stages (tl.range):
             # the next tiles' weight loads in flight (async copies) while this tile computes; None: the loop as
-            # before (the kernel's num_stages pipelines only loads feeding tl.dot, so one-row loops are not)  # HALF2 in Triton ops instead of PTX (the interpreter runs no PTX)  # int8 / fp8 / dense, BLOCK_M > 1: every row on the CUDA cores, each
-            # weight tile read once for all of them ([BM, BN, BK] sums, reduced after the loop) instead of tl.dot
+            # before (the kernel's num_stages pipelines only loads feeding tl.dot, so one-row loops are not)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)

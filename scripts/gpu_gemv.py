@@ -213,7 +213,8 @@ def part_speed(args, device) -> list[dict]:
                     if kernel == "triton" and m == 1 and args.loop_stages_compare:
                         variants += [(r, h, args.loop_stages_compare) for r, h, _ in variants]
                     for rows_max, half2, stages in variants:
-                        quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2, quant_gemv.LOOP_STAGES = rows_max, half2, stages
+                        quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2 = rows_max, half2
+                        quant_gemv.LOOP_STAGES = stages
                         row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt,
                                    kernel=mod.kernel + ("+rows" if rows_max else "")
                                    + (f"+h2={half2}" if half2 is not None and kernel == "triton" and fmt == "int4"
@@ -315,7 +316,8 @@ def part_tune(args, device) -> list[dict]:
             if fmt == "int4" and ints(args.tune_half2):  # packed fp16 words (INT4_HALF2) as one more dimension
                 cvts = [{**c, "HALF2": h} for c in cvts for h in ints(args.tune_half2)]
             if ints(args.tune_loop_stages):  # the K loop pipelined (LOOP_STAGES; 0 = not) as one more dimension
-                cvts = [{**c, **({"LOOP_STAGES": st} if st else {})} for c in cvts for st in ints(args.tune_loop_stages)]
+                cvts = [{**c, **({"LOOP_STAGES": st} if st else {})} for c in cvts
+                        for st in ints(args.tune_loop_stages)]
             for block_n in ints(args.tune_block_n) or (16, 32, 64):
                 for block_k in block_ks:
                     for warps in ints(args.tune_warps) or (4, 8):

@@ -380,9 +380,9 @@ class PrefillStep:
     every batch size is its own key. A chunk reads the cache's whole static span (its start varies); a batch from
     position 0 only its padded length. Compiled with the decode steps' mode only when settings.compile_prefill (the
     `compile_prefill` knob) or COMPILE_PREFILL says so. Graphs of one step share one memory pool (they never run
-    concurrently; each keeps its output alive). On a CPU the same padded forward runs eagerly (compiled so too). Otherwise (or where a chunk's padded
-    length passes the row's slots or needs blocks the pool has not got free: counted in `eager_chunks`): eager, over
-    exactly the tokens' span.
+    concurrently; each keeps its output alive). On a CPU the same padded forward runs eagerly (compiled so too).
+    Otherwise (or where a chunk's padded length passes the row's slots or needs blocks the pool has not got free:
+    counted in `eager_chunks`): eager, over exactly the tokens' span.
     """
 
     def __init__(self, model, cache, settings: GraphSettings, device: torch.device, name: str):
