@@ -453,7 +453,34 @@ def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
         row["best_setting"], row["best_spread"] = best_setting, spread(rounds)
         row["within_noise"] = not row["adaptive_ge_best"] and len(rounds) > 1 and \
             (at["adaptive"]["goodput"] or 0.0) >= min(rounds)
+        row.update(paired_rounds(at_rate, complete, best_setting))
         out.append(row)
+    return out
+
+
+def paired_rounds(at_rate: list[dict], complete: set, best_setting: str) -> dict:
+    """Adaptive against the best setting round by round: the rounds of one rate replay the same arrivals for every
+    setting, so each round's ratio cancels what the round shares (the machine's state, the trace). Per key: the ratios
+    in round order and a verdict: "ge" every round at or above 1, "lt" every round below, "mixed" (indistinguishable
+    in these rounds), None for one round.
+
+    >>> rows = [dict(setting=s, repeat=r, goodput=g, output_throughput=t) for s, r, g, t in (
+    ...     ("adaptive", 0, 9.0, 100.0), ("off", 0, 10.0, 98.0), ("adaptive", 1, 12.0, 110.0), ("off", 1, 11.0, 100.0))]
+    >>> got = paired_rounds(rows, {0, 1}, "off")
+    >>> [round(x, 3) for x in got["goodput_paired"]], got["goodput_paired_verdict"]
+    ([0.9, 1.091], 'mixed')
+    >>> got["output_throughput_paired_verdict"]
+    'ge'
+    """
+    out = {}
+    for key in ("goodput", "output_throughput"):
+        by = {s: {x.get("repeat", 0): x.get(key) for x in at_rate if x["setting"] == s} for s in ("adaptive",
+                                                                                                 best_setting)}
+        ratios = [by["adaptive"][r] / by[best_setting][r] for r in sorted(complete)
+                  if by["adaptive"].get(r) is not None and by[best_setting].get(r)]
+        out[f"{key}_paired"] = ratios
+        out[f"{key}_paired_verdict"] = None if len(ratios) < 2 else \
+            "ge" if min(ratios) >= 1.0 else "lt" if max(ratios) < 1.0 else "mixed"
     return out
 
 
@@ -568,13 +595,17 @@ def table(r: dict) -> str:
         lines += ["", "Goal: adaptive >= the better of off and fixed k at every rate (medians over the rounds all "
                   "three finished):", "",
                   "| rate (x sat) | rounds | goodput adaptive / best | out tok/s adaptive / best | best setting's "
-                  "goodput spread over rounds | met |",
-                  "|---|---|---|---|---|---|"]
+                  "goodput spread over rounds | met | goodput / out tok/s, round by round (paired) |",
+                  "|---|---|---|---|---|---|---|"]
         for c in r["sweep_checks"]:
             verdict = "yes" if c["adaptive_ge_best"] else \
                 "no, within noise (above the best setting's lowest round)" if c.get("within_noise") else "no"
+            paired = " / ".join(" ".join(_f(v, 3) for v in c.get(f"{key}_paired") or []) + (
+                f" ({c[f'{key}_paired_verdict']})" if c.get(f"{key}_paired_verdict") else "")
+                for key in ("goodput", "output_throughput"))
             lines.append(f"| {c['rate_fraction']} | {c.get('repeats', 1)} | {_f(c['goodput_ratio'], 3)} | "
-                         f"{_f(c['output_throughput_ratio'], 3)} | {_f(c.get('best_spread'), 3)} | {verdict} |")
+                         f"{_f(c['output_throughput_ratio'], 3)} | {_f(c.get('best_spread'), 3)} | {verdict} | "
+                         f"{paired} |")
     for key, title, a, b in (
             ("prefill_checks", "Captured prefill against eager prefill (prefill_graphs on / off; decode captured in "
              "both)", "captured", "eager"),

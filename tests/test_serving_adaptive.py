@@ -414,7 +414,7 @@ def test_gpu_serving_goal_check_says_when_a_miss_is_inside_the_rounds_noise():
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_serving
 
-    assert doctest.run_docstring_examples(gpu_serving.spread, {"spread": gpu_serving.spread}) is None
+    assert gpu_serving.spread([90.0, 100.0, 120.0]) == pytest.approx(0.3)  # its docstring's worked example
     assert gpu_serving.spread([5.0]) is None
 
     def rec(setting, rep, good):
@@ -432,6 +432,18 @@ def test_gpu_serving_goal_check_says_when_a_miss_is_inside_the_rounds_noise():
     assert not check["adaptive_ge_best"] and not check["within_noise"]
     (check,) = gpu_serving.sweep_checks(sweep((100.0, 101.0, 102.0)), "k=4")
     assert check["adaptive_ge_best"] and not check["within_noise"]
+    # paired round by round against the best setting (k=4: 90, 100, 110): 100/90, 101/100, 102/110 straddle 1
+    assert check["goodput_paired"] == pytest.approx([100 / 90, 1.01, 102 / 110])
+    assert check["goodput_paired_verdict"] == "mixed"
+    (check,) = gpu_serving.sweep_checks(sweep((91.0, 101.0, 111.0)), "k=4")  # above it in every round
+    assert check["goodput_paired_verdict"] == "ge" and check["output_throughput_paired_verdict"] == "ge"
+    (check,) = gpu_serving.sweep_checks(sweep((89.0, 99.0, 109.0)), "k=4")  # below it in every round
+    assert check["goodput_paired_verdict"] == "lt" and check["within_noise"]
+    runner = doctest.DocTestRunner()
+    globs = {"paired_rounds": gpu_serving.paired_rounds}
+    for test in doctest.DocTestFinder().find(gpu_serving.paired_rounds, globs=globs):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries == 4
 
 
 def test_gpu_serving_threshold_check_compares_a_cliff_with_its_rounds_spread():
