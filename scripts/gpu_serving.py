@@ -274,10 +274,10 @@ def main(argv=None) -> int:
     # -- the rate sweep -----------------------------------------------------------------------------------------
     for frac in (float(x) for x in args.rates.split(",")):
         for rep in range(args.repeats):
-            for name in settings_of:
+            for position, name in enumerate(round_order(list(settings_of), rep)):
                 res, rec = run(name, "sweep", rate=frac * saturation, seed=rep)
                 if res is not None:
-                    rec.update(rate_fraction=frac, repeat=rep)
+                    rec.update(rate_fraction=frac, repeat=rep, position=position)
                     result["sweep"].append(rec)
                     runs[(name, frac, rep)] = res  # the replay's fit, oracle and reference: every round
                     result["sweep_checks"] = sweep_checks(result["sweep"], fixed)
@@ -402,6 +402,18 @@ def control_checks(sweep: list[dict], fixed: str, control: str = EAGER) -> list[
 # cost model -> (key prefix in a replay entry, column title)
 REPLAY_MODELS = {"old": ("old_", "old model"), "new": ("", "new model"),
                  "new+cal": ("cal_", "new, + calibration iterations")}
+
+
+def round_order(names: list[str], rep: int) -> list[str]:
+    """The settings of sweep round `rep`, rotated by the round, so that no setting always runs first or last (call z
+    ran them in one order every round and adaptive read 0.3-0.5 % below k = 4 in every round at 1.5x: an order
+    effect could not be told apart from a real one, BENCHMARKS.md 18.7). Each record keeps its `position`.
+
+    >>> [round_order(["off", "k=4", "adaptive"], r) for r in range(3)]
+    [['off', 'k=4', 'adaptive'], ['k=4', 'adaptive', 'off'], ['adaptive', 'off', 'k=4']]
+    """
+    shift = rep % len(names) if names else 0
+    return names[shift:] + names[:shift]
 
 
 def spread(values: list[float]) -> float | None:

@@ -296,6 +296,10 @@ def test_gpu_serving_script_smoke_on_cpu(tmp_path):
     assert sorted((x["repeat"], x["setting"]) for x in r["sweep"]) == sorted(
         (i, s) for i in range(2) for s in ("off", "k=4", "adaptive", "k=2 (held out)"))
     assert r["sweep_checks"][0]["repeats"] == 2
+    # the order of settings rotates by round (no setting always first): round 1 starts with round 0's second
+    pos = {(x["repeat"], x["setting"]): x["position"] for x in r["sweep"]}
+    assert pos[(0, "off")] == 0 and pos[(0, "k=4")] == 1 and pos[(1, "k=4")] == 0 and pos[(1, "off")] == 3
+    assert gpu_serving.round_order(["a", "b", "c"], 4) == ["b", "c", "a"]
     assert r["schedule_thresholds"] == [2] and not r["skipped"]
     assert sorted({x["max_concurrency"] for x in r["thresholds"]}) == [1, 2, 3]
     assert {x["setting"] for x in r["thresholds"]} == {"off", "k=4", "adaptive"}
