@@ -469,16 +469,30 @@ if TRITON_AVAILABLE:
         return (v * (s * (1.0 / (1 << BIT))) + z) * x
 
     @triton.jit
+    def _word_lanes(x):
+        """x [..., 2, 2, 2] (weight i = 4a + 2b + d of a word, the "dequant" packing's order) -> its 8 lanes x0..x7,
+        each [...]."""
+        x_d0, x_d1 = tl.split(x)  # [..., 2, 2]
+        x0, x4 = tl.split(tl.split(x_d0)[0])  # b = 0, d = 0
+        x2, x6 = tl.split(tl.split(x_d0)[1])
+        x1, x5 = tl.split(tl.split(x_d1)[0])
+        x3, x7 = tl.split(tl.split(x_d1)[1])
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
+    def _pow2_scale(amax):
+        """(inv, undo) for a max |x| `amax`: inv = 2^(126 - E) with E its biased exponent (capped at 252), so that
+        amax * inv < 1, and undo = 1 / inv exactly (both powers of two)."""
+        e = tl.minimum((amax.to(tl.int32, bitcast=True) >> 23) & 255, 252)
+        return ((253 - e) << 23).to(tl.float32, bitcast=True), ((e + 1) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _int4_words_dot(wd, s, z, x, magic):
         """sum over the 8 weights of each word of ((q - 8) s + z) x: wd [R, G, C] int32 words of the "dequant" packing
         (byte j: k = 2j high nibble, 2j + 1 low), s / z [R, G, 1] (their group's), x [1, G, C, 2, 2, 2] (weight
         i = 4a + 2b + d of word c) -> [R, G, C] fp32. Per weight an and-or, a subtraction and two multiply-adds."""
         hi = wd >> 12  # the top three nibbles (bits 20..31) at bits 8..19
-        x_d0, x_d1 = tl.split(x)  # [1, G, C, 2, 2]
-        x0, x4 = tl.split(tl.split(x_d0)[0])  # i = 4a + 2b + d: b = 0, d = 0
-        x2, x6 = tl.split(tl.split(x_d0)[1])
-        x1, x5 = tl.split(tl.split(x_d1)[0])
-        x3, x7 = tl.split(tl.split(x_d1)[1])
+        x0, x1, x2, x3, x4, x5, x6, x7 = _word_lanes(x)  # each [1, G, C]
         acc = _nibble_term(wd, 4, s, z, x0, magic)  # k = 8c + i: bit 4 of byte i // 2 for even i, bit 0 for odd
         acc += _nibble_term(wd, 0, s, z, x1, magic)
         acc += _nibble_term(wd, 12, s, z, x2, magic)
@@ -660,19 +674,13 @@ if TRITON_AVAILABLE:
                     magic = 0x4B000000 + (K >> 31)
                     if HALF2 == 2:  # per word, in the threads that hold it: its 8 x's own power-of-two scale and
                         # their sum (no reduction across threads in the loop), the rest as below
-                        x_d0, x_d1 = tl.split(tl.reshape(x.to(tl.float32), [1, TILE_GROUPS,
-                                                                             BLOCK_K // TILE_GROUPS // 8, 2, 2, 2]))
-                        f0, f4 = tl.split(tl.split(x_d0)[0])
-                        f2, f6 = tl.split(tl.split(x_d0)[1])
-                        f1, f5 = tl.split(tl.split(x_d1)[0])
-                        f3, f7 = tl.split(tl.split(x_d1)[1])
+                        f0, f1, f2, f3, f4, f5, f6, f7 = _word_lanes(tl.reshape(
+                            x.to(tl.float32), [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8, 2, 2, 2]))
                         amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(f0), tl.abs(f1)),
                                                      tl.maximum(tl.abs(f2), tl.abs(f3))),
                                           tl.maximum(tl.maximum(tl.abs(f4), tl.abs(f5)),
                                                      tl.maximum(tl.abs(f6), tl.abs(f7))))
-                        e = tl.minimum((amax.to(tl.int32, bitcast=True) >> 23) & 255, 252)  # [1, G, C]
-                        inv = ((253 - e) << 23).to(tl.float32, bitcast=True)
-                        undo = ((e + 1) << 23).to(tl.float32, bitcast=True)
+                        inv, undo = _pow2_scale(amax)  # [1, G, C]
                         dots = _int4_half2_word_dot(
                             tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
                             _f16_pair(f1 * inv, f5 * inv, HALF2_EMULATE), _f16_pair(f0 * inv, f4 * inv, HALF2_EMULATE),
@@ -683,16 +691,9 @@ if TRITON_AVAILABLE:
                     elif HALF2:  # sum (q - 8) x per word in packed fp16, x / 2^e in fp16 (|x| / 2^e < 1: no
                         # overflow in a word's sums of 8 products); then scale 2^e per group and zero sum(x)
                         xf = x.to(tl.float32)  # [1, BK]
-                        e = (tl.max(tl.abs(xf)).to(tl.int32, bitcast=True) >> 23) & 255  # amax's biased exponent
-                        e = tl.minimum(e, 252)
-                        inv = ((253 - e) << 23).to(tl.float32, bitcast=True)  # 2^(126 - E): amax * inv < 1
-                        undo = ((e + 1) << 23).to(tl.float32, bitcast=True)  # 2^(E - 126) = 1 / inv, exactly
-                        xh = tl.reshape(xf * inv, [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8, 2, 2, 2])  # i = 4a+2b+d
-                        x_d0, x_d1 = tl.split(xh)
-                        h0, h4 = tl.split(tl.split(x_d0)[0])
-                        h2, h6 = tl.split(tl.split(x_d0)[1])
-                        h1, h5 = tl.split(tl.split(x_d1)[0])
-                        h3, h7 = tl.split(tl.split(x_d1)[1])
+                        inv, undo = _pow2_scale(tl.max(tl.abs(xf)))  # one scale for the tile
+                        h0, h1, h2, h3, h4, h5, h6, h7 = _word_lanes(tl.reshape(
+                            xf * inv, [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8, 2, 2, 2]))
                         dots = _int4_half2_word_dot(
                             tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
                             _f16_pair(h1, h5, HALF2_EMULATE), _f16_pair(h0, h4, HALF2_EMULATE),

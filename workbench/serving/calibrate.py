@@ -174,8 +174,8 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
     many passes and the median of each point's runs counts (one short run can be 20 % off: BENCHMARKS.md 16.5). A
     run that would end past `budget_s` (judged by the longest run so far) is skipped, so a tight budget still measures
     every batch size once before any is repeated (call z measured b by b and left 32 and 64 out: BENCHMARKS.md 17.2);
-    a (b, k) none of whose runs fit is listed. `measure(b, k) -> tokens/s` replaces the serve (tests); gc_freeze: each run
-    with the heap frozen (loop.frozen_gc), like serve-bench's measured run. serve_kwargs go to
+    a (b, k) none of whose runs fit is listed. `measure(b, k) -> tokens/s` replaces the serve (tests); gc_freeze: each
+    run with the heap frozen (loop.frozen_gc), like serve-bench's measured run. serve_kwargs go to
     `ServingLoop` (policy, num_blocks, prefill_chunk, prefix_caching). ServeError for bad arguments, before any work."""
     from workbench.serving import metrics
     from workbench.serving.loop import RealClock, ServingLoop, frozen_gc

@@ -349,9 +349,9 @@ class DenseGemvLinear(QuantLinear):
         self._add_counters(kernel, linear.weight.device)
 
     def _use_gemv(self, x2: Tensor) -> bool:
-        """One row, or up to quant_gemv.CUDA_ROWS_MAX rows (its CUDA-core form; 0 = off, not yet measured): at M = 4
-        the dense kernel's tensor-core path measured 0.80-1.04x cuBLAS on the H200 (at M = 1 the swept tiles are
-        1.04-1.11x), so verify widths keep cuBLAS otherwise."""
+        """One row, or up to quant_gemv.CUDA_ROWS_MAX rows (its CUDA-core form; 0 = off: measured 0.23-0.42x cuBLAS at
+        5 rows, BENCHMARKS.md 18.1): at M = 4 the dense kernel's tensor-core path measured 0.80-1.04x cuBLAS on the
+        H200 (at M = 1 the swept tiles are 1.04-1.11x), so verify widths keep cuBLAS otherwise."""
         return self.kernel == "triton" and (x2.shape[0] == 1 or x2.shape[0] <= quant_gemv.CUDA_ROWS_MAX)
 
     def forward(self, x: Tensor) -> Tensor:
