@@ -199,11 +199,13 @@ CUDA_ROWS_MAX = int(os.environ.get("WORKBENCH_GEMV_CUDA_ROWS", "0"))
 CUDA_ROWS_FORMATS = ("dense", "fp8", "int8")
 # One-row int4 tiles spanning whole groups (BLOCK_K a multiple of g; each weight dequantized with its group's scale and
 # summed per lane, reduced once after the loop, as dense / fp8 do). True: the measured rule (`_int4_wide_tile`), from
-# per-linear sweeps on the H200 at 1.45 B and 6.7 B with g = 128, 8 warps: since call f2 (BENCHMARKS.md 18.3) 64 x 512
-# words in packed fp16 (HALF2 1) for N >= 8192; down projections (K >= 2 N) 64 x 512 (N >= 4096) or 128 x 1024 with
-# HALF2 1, split to about 4 programs per SM; 16 x 1024 fp32 words elsewhere. "e3": the rule of call e3 (17.4):
-# 64 x 256 for N >= 8192, 16 x 1024 below, fp32 words. Unsplit unless fewer than half the SMs get a tile (down
-# projections: the split rule). A dict: that tile for every shape; False / None / {}: the group-tiled 64 x g tiles.
+# per-linear sweeps on the H200 at 1.45 B and 6.7 B with g = 128: since call g1 (BENCHMARKS.md 19.1) 32-row tiles with
+# 4 warps in packed fp16 (HALF2 1) for N >= 8192 (K tiles of 1024, 512 for K < 4096) and for down projections
+# (K >= 2 N; 32 x 512, split to about 4 programs per SM); 16 x 1024 fp32 words with 8 warps elsewhere. "f2": the
+# rule of call f2 (18.3): 8 warps, 64 x 512 in packed fp16 for N >= 8192, down projections 64 x 512 (N >= 4096) or
+# 128 x 1024 in packed fp16, split. "e3": the rule of call e3 (17.4): 64 x 256 for N >= 8192, 16 x 1024 below, fp32
+# words. Unsplit unless fewer than half the SMs get a tile (down projections: the split rule). A dict: that tile for
+# every shape; False / None / {}: the group-tiled 64 x g tiles.
 INT4_WIDE_TILES: dict | bool | str | None = True
 # One-row int4 words (the wide tiles above, words widened) in packed fp16 arithmetic: two weights per instruction
 # (lop3 into two fp16 lanes, one packed subtraction, one packed multiply-add with x), about 4.3 instructions a weight
@@ -226,21 +228,28 @@ LOOP_STAGES: int | None = int(os.environ["WORKBENCH_GEMV_LOOP_STAGES"]) \
 
 
 def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int, rule: bool | str = True) -> dict | None:
-    """INT4_WIDE_TILES' rule for one shape (True: call f2's, "e3": call e3's), or None where its K tile holds no whole
-    number of groups."""
-    half2, min_tiles = 0, sm_count // 2
+    """INT4_WIDE_TILES' rule for one shape (True: call g1's, "f2" / "e3": those calls'), or None where its K tile holds
+    no whole number of groups."""
+    half2, min_tiles, warps = 0, sm_count // 2, 8
     if rule == "e3":
         block_n, block_k = (64, 256) if n >= 8192 else (16, 1024)
+    elif rule == "f2":
+        if n >= 8192:
+            block_n, block_k, half2 = 64, 512, 1
+        elif k >= 2 * n:  # a down projection: few N tiles, a long K; split
+            block_n, block_k, half2, min_tiles = (64, 512, 1, 0) if n >= 4096 else (128, 1024, 1, 0)
+        else:
+            block_n, block_k = 16, 1024
     elif n >= 8192:
-        block_n, block_k, half2 = 64, 512, 1
+        block_n, block_k, half2, warps = 32, 1024 if k >= 4096 else 512, 1, 4
     elif k >= 2 * n:  # a down projection: few N tiles, a long K; split
-        block_n, block_k, half2, min_tiles = (64, 512, 1, 0) if n >= 4096 else (128, 1024, 1, 0)
+        block_n, block_k, half2, warps, min_tiles = 32, 512, 1, 4, 0
     else:
         block_n, block_k = 16, 1024
     block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))
     if block_k % group_size:
         return None
-    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=3, min_tiles=min_tiles, HALF2=half2)
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3, min_tiles=min_tiles, HALF2=half2)
 
 
 def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None, sm_count: int = 132,
@@ -260,7 +269,7 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     row at a time (BLOCK_M = 1), is a multiple of g (a K tile of whole groups: each weight times its group's scale,
     summed per lane and reduced after the loop, the `ELEMENTWISE` form; override ELEMENTWISE=True takes it for
     BLOCK_K <= g too); anything else is a GemvError. `int4_wide`: one-row int4 tiles of that form (None:
-    INT4_WIDE_TILES; True: its measured rule; "e3": the rule before it; a dict: that tile; False or {}: the
+    INT4_WIDE_TILES; True: its measured rule; "f2" / "e3": the rules before it; a dict: that tile; False or {}: the
     group-tiled ones). One-row int4 configurations of that form carry HALF2 (packed fp16 words): INT4_HALF2 when set,
     else the rule's or the dict's entry (0 for a tile in `override` without one).
 
@@ -268,8 +277,8 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     16): int8 / fp8 / dense read 32 rows per program for N >= 8192 with 8 warps and long K tiles, unsplit when the
     N tiles alone give every SM a program; below that int8 takes 16 rows, and so do dense and fp8 unless 16-row tiles
     would give fewer than 1.5 programs per SM, where they take 8 (`narrow`, default NARROW_TILES; measured at 1.45 B
-    and 6.7 B); int4 K tiles of whole groups by INT4_WIDE_TILES' rule (64 x 512 in packed fp16 for N >= 8192, down
-    projections 64 x 512 or 128 x 1024 in packed fp16 and split, else 16 x 1024), where its K tile holds whole
+    and 6.7 B); int4 K tiles of whole groups by INT4_WIDE_TILES' rule (32 x 1024 or 512 in packed fp16 with 4 warps
+    for N >= 8192, down projections 32 x 512 in packed fp16 and split, else 16 x 1024), where its K tile holds whole
     groups, else 64 rows x one group per tile, split to ~4 programs per SM (so are M > 1
     int4 calls, and every call with int4_wide False). int8g takes int4's group-tiled shape
     (BLOCK_K = min(128, g): 32 for GGUF Q8_0), untuned: not yet swept on a GPU.
@@ -282,8 +291,14 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"], c["HALF2"]
     (1, 16, 1024, 1, 8, 0)
     >>> c = gemv_config("int4", 1, 4096, 11008, 128)  # 6.7 B's down projection: packed fp16 words, split
-    >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["HALF2"]
-    (64, 512, 8, 1)
+    >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"], c["HALF2"]
+    (32, 512, 5, 4, 1)
+    >>> c = gemv_config("int4", 1, 22016, 4096, 128)  # 6.7 B's gate / up: 32 x 1024 with 4 warps, unsplit
+    >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"], c["HALF2"]
+    (32, 1024, 1, 4, 1)
+    >>> c = gemv_config("int4", 1, 22016, 4096, 128, int4_wide="f2")  # the rule before call g1
+    >>> c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]
+    (64, 512, 8)
     >>> c = gemv_config("int4", 1, 4096, 4096, 128, int4_wide=False)  # the group-tiled form
     >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
     (1, 64, 128, 8)
@@ -304,7 +319,7 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     block_m = 1 if m == 1 or rows_form else 16  # the CUDA_ROWS form starts from the one-row tile
     warps, stages, min_tiles = 4, 3, 0
     wide = INT4_WIDE_TILES if int4_wide is None else int4_wide
-    if wide is True or wide == "e3":
+    if wide is True or wide in ("e3", "f2"):
         wide = _int4_wide_tile(n, k, group_size, sm_count, wide) if fmt == "int4" and group_size else None
     if block_m == 1:
         if fmt == "int4" and wide:

@@ -73,7 +73,8 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # "+rows8": calls of 2..8 rows (verify widths) in the GEMVs' CUDA-rows form (quant_gemv.CUDA_ROWS_MAX = 8).
 # "+h2" / "+h2w" / "+h20": one-row int4 words in packed fp16 arithmetic, two weights per instruction, x scaled per K
 # tile / per word, or fp32 words, for every tile (quant_gemv.INT4_HALF2 = 1 / 2 / 0; without them each tile's own:
-# the rule's since call f2); "+i4e3": one-row int4 tiles by call e3's rule (quant_gemv.INT4_WIDE_TILES = "e3");
+# the rule's since call f2); "+i4e3" / "+i4f2": one-row int4 tiles by call e3's / f2's rule (quant_gemv.INT4_WIDE_TILES
+# = "e3" / "f2");
 # "+ls3": one-row GEMVs' K loop software-pipelined 3 deep (quant_gemv.LOOP_STAGES = 3).
 # Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
@@ -83,6 +84,7 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 "i4g": {(quant_gemv, "INT4_WIDE_TILES"): False}, "rows8": {(quant_gemv, "CUDA_ROWS_MAX"): 8},
                 "h2": {(quant_gemv, "INT4_HALF2"): 1}, "h2w": {(quant_gemv, "INT4_HALF2"): 2},
                 "h20": {(quant_gemv, "INT4_HALF2"): 0}, "i4e3": {(quant_gemv, "INT4_WIDE_TILES"): "e3"},
+                "i4f2": {(quant_gemv, "INT4_WIDE_TILES"): "f2"},
                 "ls3": {(quant_gemv, "LOOP_STAGES"): 3}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 

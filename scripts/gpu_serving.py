@@ -465,27 +465,34 @@ def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
         row["best_setting"], row["best_spread"] = best_setting, spread(rounds)
         row["within_noise"] = not row["adaptive_ge_best"] and len(rounds) > 1 and \
             (at["adaptive"]["goodput"] or 0.0) >= min(rounds)
-        row.update(paired_rounds(at_rate, complete, best_setting))
+        # paired per metric against that metric's own best setting (by goodput when every goodput is 0 "off" would
+        # win the tie, and call g's output tokens/s were read against off instead of k = 4)
+        best_by = {key: max(("off", fixed), key=lambda s: at[s][key] or 0.0) for key in PAIRED_KEYS}
+        row["output_throughput_best_setting"] = best_by["output_throughput"]
+        row.update(paired_rounds(at_rate, complete, best_by))
         out.append(row)
     return out
 
 
-def paired_rounds(at_rate: list[dict], complete: set, best_setting: str) -> dict:
+PAIRED_KEYS = ("goodput", "output_throughput")
+
+
+def paired_rounds(at_rate: list[dict], complete: set, best: dict[str, str]) -> dict:
     """Adaptive against the best setting round by round: the rounds of one rate replay the same arrivals for every
-    setting, so each round's ratio cancels what the round shares (the machine's state, the trace). Per key: the ratios
-    in round order and a verdict: "ge" every round at or above 1, "lt" every round below, "mixed" (indistinguishable
-    in these rounds), None for one round.
+    setting, so each round's ratio cancels what the round shares (the machine's state, the trace). Per key of `best`
+    (key -> the setting best by that key): the ratios in round order and a verdict: "ge" every round at or above 1,
+    "lt" every round below, "mixed" (indistinguishable in these rounds), None for one round.
 
     >>> rows = [dict(setting=s, repeat=r, goodput=g, output_throughput=t) for s, r, g, t in (
     ...     ("adaptive", 0, 9.0, 100.0), ("off", 0, 10.0, 98.0), ("adaptive", 1, 12.0, 110.0), ("off", 1, 11.0, 100.0))]
-    >>> got = paired_rounds(rows, {0, 1}, "off")
+    >>> got = paired_rounds(rows, {0, 1}, {"goodput": "off", "output_throughput": "off"})
     >>> [round(x, 3) for x in got["goodput_paired"]], got["goodput_paired_verdict"]
     ([0.9, 1.091], 'mixed')
     >>> got["output_throughput_paired_verdict"]
     'ge'
     """
     out = {}
-    for key in ("goodput", "output_throughput"):
+    for key, best_setting in best.items():
         by = {s: {x.get("repeat", 0): x.get(key) for x in at_rate if x["setting"] == s} for s in ("adaptive",
                                                                                                  best_setting)}
         ratios = [by["adaptive"][r] / by[best_setting][r] for r in sorted(complete)

@@ -20,7 +20,7 @@
 # e6 (verify widths on the CUDA cores: per linear, then n-gram on small) are prepared, not run.
 # PART=f1 (e6 then e5), f2 (int4 words in packed fp16), f3 (int4's new rule; prefill compiled on small), f4
 # (f3's small speed part again, per-repeat tok/s): the twelfth session's calls; g1 (the K loop software-pipelined)
-# is prepared for the next one.
+# and z, then g2 (int4 tiles around g1's) and z2 (serving at 1.5x, longer windows): the thirteenth session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -53,7 +53,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -404,7 +404,7 @@ elif [ "$PART" = f4 ]; then
   step speed 60 $PY scripts/gpu_fastpath.py --out "$R/speed" --parts speed --preset small --modes "$C,$C+cprefill" \
     --methods ar,ngram:4,ngram:2 --repeats 5
 elif [ "$PART" = g1 ]; then
-  # prepared in the twelfth session, not run (device time spent): the one-row GEMVs' K loop software-pipelined
+  # prepared in the twelfth session, run in the thirteenth (BENCHMARKS.md 19.1): the one-row GEMVs' K loop software-pipelined
   # (quant_gemv.LOOP_STAGES; the kernel's num_stages pipelines only loads that feed tl.dot): per linear without / with
   # 3 stages for int4, fp8 and dense, int4 tiles swept with it, then the floor rows with and without it
   C=graphs+compile+overlap
@@ -418,6 +418,28 @@ elif [ "$PART" = g1 ]; then
 int4-triton+glo+pdl+tc@$C,fp8-triton+all+pdl@$C,fp8-triton+all+pdl+ls3@$C"
   floor quant145 40 1.45b --m1-tiles "$T" --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+ls3@$C,\
 int4-triton+all+pdl+tc@$C"
+elif [ "$PART" = g2 ]; then
+  # thirteenth session: call g1's sweep made 32-row int4 tiles with 4 warps the rule (INT4_WIDE_TILES True since; the
+  # pipelined K loop lost everywhere): a sweep around it (2 and 4 warps, 16 and 32 rows, K tiles to 2048, packed fp16
+  # words or not), then the floor with the new rule against f2's, the swept tiles and tinygemm (int4 = aten), and our
+  # int4 with the engine's default fusion (+res) beside tinygemm: which one quant_kernel auto should run
+  C=graphs+compile+overlap
+  step tune 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tune" --parts tune --sweep-configs 6.7b,1.45b \
+    --formats int4 --tune-block-n 16,32 --tune-block-k 512,1024,2048 --tune-warps 2,4 --tune-stages 3 \
+    --tune-half2 0,1 --replays 20 --tune-budget-s "${TUNE_S:-150}"
+  T=$R/tune/gemv_tune_tiles.json; [ -f "$T" ] || echo '{}' > "$T"
+  floor quant67 60 6.7b --m1-tiles "$T" --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+i4f2@$C,\
+int4-triton+glo+pdl+tc@$C,int4-triton+res+pdl@$C,int4@$C"
+  floor quant145 40 1.45b --m1-tiles "$T" --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+i4f2@$C,\
+int4-triton+all+pdl+tc@$C,int4-triton+res+pdl@$C,int4@$C"
+elif [ "$PART" = z2 ]; then
+  # thirteenth session: serving on small at 1.5x saturation only (call z's "lt": adaptive, whose schedule is k = 4's,
+  # 0.3-0.5 % below k = 4 in every round of a fixed order; call g's rotated rounds swung +-25 % with 256-request
+  # windows), 3x longer windows and 5 rotated rounds, no threshold runs
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.5 --repeats 5 --no-thresholds \
+    --budget-s "${SERVING_S:-250}"
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call

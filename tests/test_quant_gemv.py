@@ -322,17 +322,23 @@ def test_grouped_k_tiles_lie_in_one_group_or_hold_whole_groups():
             gemv_config(fmt, 1, 64, 1024, 32, BLOCK_K=64, ELEMENTWISE=False)
         with pytest.raises(GemvError, match="one-row form"):
             gemv_config(fmt, 4, 64, 1024, 32, ELEMENTWISE=True)
-    # the default: the measured rule (INT4_WIDE_TILES True): 16 x 1024 fp32 words unsplit while half the SMs get a
-    # tile, 64 x 512 packed fp16 words from N = 8192, down projections (K >= 2 N) packed and split; "e3": the rule
-    # before (64 x 256 from N = 8192, fp32 words); a group that no such tile holds whole, or int4_wide False / {}: one
+    # the default: the measured rule (INT4_WIDE_TILES True, call g1): 16 x 1024 fp32 words unsplit while half the
+    # SMs get a tile, 32 x 1024 (K >= 4096) or 32 x 512 packed fp16 words with 4 warps from N = 8192, down
+    # projections (K >= 2 N) 32 x 512 packed with 4 warps and split; "f2" / "e3": the rules before (8 warps; 64 x 512
+    # packed / 64 x 256 fp32 words from N = 8192); a group that no such tile holds whole, or int4_wide False / {}: one
     # group a tile
     tile = lambda c: (c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"], c.get("HALF2"))  # noqa: E731
     assert tile(gemv_config("int4", 1, 4096, 4096, 128)) == (16, 1024, 1, 8, 0)
-    assert tile(gemv_config("int4", 1, 22016, 4096, 128)) == (64, 512, 1, 8, 1)
-    assert tile(gemv_config("int4", 1, 4096, 11008, 128)) == (64, 512, 8, 8, 1)  # split; a partial last K tile
-    assert tile(gemv_config("int4", 1, 2048, 8192, 128)) == (128, 1024, 8, 8, 1)  # 1.45 B's down projection
-    assert tile(gemv_config("int4", 1, 512, 4096, 128)) == (128, 1024, 4, 8, 1)  # K >= 2 N: split, a K tile each
+    assert tile(gemv_config("int4", 1, 22016, 4096, 128)) == (32, 1024, 1, 4, 1)
+    assert tile(gemv_config("int4", 1, 16384, 2048, 128)) == (32, 512, 1, 4, 1)  # 1.45 B's gate / up: K < 4096
+    assert tile(gemv_config("int4", 1, 4096, 11008, 128)) == (32, 512, 5, 4, 1)  # split; a partial last K tile
+    assert tile(gemv_config("int4", 1, 2048, 8192, 128)) == (32, 512, 8, 4, 1)  # 1.45 B's down projection
+    assert tile(gemv_config("int4", 1, 512, 4096, 128)) == (32, 512, 8, 4, 1)  # K >= 2 N: split, a K tile each
     assert tile(gemv_config("int4", 1, 2560, 2048, 128)) == (16, 1024, 1, 8, 0)
+    assert tile(gemv_config("int4", 1, 22016, 4096, 128, int4_wide="f2")) == (64, 512, 1, 8, 1)
+    assert tile(gemv_config("int4", 1, 4096, 11008, 128, int4_wide="f2")) == (64, 512, 8, 8, 1)
+    assert tile(gemv_config("int4", 1, 2048, 8192, 128, int4_wide="f2")) == (128, 1024, 8, 8, 1)
+    assert tile(gemv_config("int4", 1, 4096, 4096, 128, int4_wide="f2")) == (16, 1024, 1, 8, 0)
     assert tile(gemv_config("int4", 1, 22016, 4096, 128, int4_wide="e3")) == (64, 256, 1, 8, 0)
     assert tile(gemv_config("int4", 1, 4096, 11008, 128, int4_wide="e3")) == (16, 1024, 1, 8, 0)
     assert gemv_config("int4", 1, 22016, 4096, 128, BLOCK_K=256)["HALF2"] == 0  # a tile of its own: fp32 words

@@ -443,6 +443,12 @@ def test_gpu_serving_goal_check_says_when_a_miss_is_inside_the_rounds_noise():
     assert check["goodput_paired_verdict"] == "ge" and check["output_throughput_paired_verdict"] == "ge"
     (check,) = gpu_serving.sweep_checks(sweep((89.0, 99.0, 109.0)), "k=4")  # below it in every round
     assert check["goodput_paired_verdict"] == "lt" and check["within_noise"]
+    # every goodput 0 (an overloaded rate, call g): output tokens/s is paired against its own best (k=4), not "off"
+    zero = [dict(r, goodput=0.0) for r in sweep((89.0, 99.0, 109.0))]
+    (check,) = gpu_serving.sweep_checks(zero, "k=4")
+    assert check["output_throughput_best_setting"] == "k=4"
+    assert check["output_throughput_paired"] == pytest.approx([89 / 90, 0.99, 109 / 110])
+    assert check["output_throughput_paired_verdict"] == "lt" and check["goodput_paired"] == []
     runner = doctest.DocTestRunner()
     globs = {"paired_rounds": gpu_serving.paired_rounds}
     for test in doctest.DocTestFinder().find(gpu_serving.paired_rounds, globs=globs):
