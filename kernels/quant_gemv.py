@@ -221,7 +221,8 @@ INT4_HALF2: int | None = int(os.environ["WORKBENCH_INT4_HALF2"]) if os.environ.g
 # the weight loads into async copies N - 1 tiles ahead, so the loads of the next tiles are in flight while this one
 # is computed. The kernel's `num_stages` pipelines only loads that feed tl.dot: the one-row loops issue a tile's loads
 # and wait for them in the same iteration. SASS compiled on the CPU VM (triton 3.9, sm_90) shows the async copies
-# (LDGSTS, 3 stages) for int4 64 x 512; not yet measured on a GPU. None: off (env WORKBENCH_GEMV_LOOP_STAGES; a
+# (LDGSTS, 3 stages) for int4 64 x 512. Measured slower on the H200 (call g1, BENCHMARKS.md 19.1): 0.81-0.91x per
+# int4 linear, 0.75-0.95x fp8, 18-22 % slower decode at 6.7 B and 1.45 B. None: off (env WORKBENCH_GEMV_LOOP_STAGES; a
 # tile's LOOP_STAGES entry; gpu_quant.py "+ls3"; gpu_gemv.py --loop-stages / --tune-loop-stages).
 LOOP_STAGES: int | None = int(os.environ["WORKBENCH_GEMV_LOOP_STAGES"]) \
     if os.environ.get("WORKBENCH_GEMV_LOOP_STAGES") else None
