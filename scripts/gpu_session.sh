@@ -53,7 +53,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -440,6 +440,15 @@ elif [ "$PART" = z2 ]; then
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
     --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.5 --repeats 5 --no-thresholds \
     --budget-s "${SERVING_S:-250}"
+elif [ "$PART" = z3 ]; then
+  # thirteenth session, last call: call z2's schedule (1-32:4,33-64:2) given on tiny (no training), after the fix of
+  # the per-step upload that synchronized every shortened step (BENCHMARKS.md 19.4): is adaptive now between k = 2
+  # and k = 4? Then our int4 against tinygemm above one row (verify widths, a short prefill): may auto pick ours?
+  step serving 60 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/serving" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.5 --repeats 5 --no-thresholds \
+    --k-by-batch 1-32:4,33-64:2 --budget-s "${SERVING_S:-100}"
+  step speed 15 $PY scripts/gpu_gemv.py --device cuda --out "$R/speed" --parts speed --configs 1.45b,6.7b \
+    --formats int4 --ms 1,5,16 --replays 10
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call

@@ -482,12 +482,7 @@ class SpecEngine:
             if n_nodes and self.drafter is not None:
                 tree = self.drafter.propose(state)
                 if n_nodes < full or row_nodes is not None:
-                    keep = torch.arange(n_nodes, device=dev).unsqueeze(0)  # [1, n]
-                    limit = torch.tensor(row_nodes if row_nodes is not None else [n_nodes] * len(live), device=dev)
-                    valid = tree.valid[:, :n_nodes] & (keep < limit.unsqueeze(1))
-                    probs = tree.draft_probs[:, :n_nodes] if tree.draft_probs is not None else None
-                    tree = DraftTree.chain(tree.token_ids[:, :n_nodes], valid, probs) if tree.is_chain else \
-                        DraftTree(tree.token_ids, tree.parents, tree.depths, valid, probs, depth_bound=tree.depth_bound)
+                    tree = shorten(tree, n_nodes, row_nodes)
             else:
                 tree = DraftTree.empty(len(live), dev)
         n = tree.num_nodes
@@ -798,3 +793,28 @@ def _pack(acc: Acceptance, tree: DraftTree) -> torch.Tensor:
     if tree.beam_pairs is not None:
         parts.append(tree.beam_pairs)
     return torch.cat(parts, 1)
+
+
+def shorten(tree: DraftTree, n: int, row_nodes: list[int] | None = None) -> DraftTree:
+    """A step's drafts cut to their first n nodes (chains; `decode_step(num_nodes=n)`), and with `row_nodes` each row
+    to its own count (drafts past it marked invalid, never accepted). A uniform cut only slices (no new mask: nothing
+    to upload); per-row counts go up through `_upload`."""
+    valid = tree.valid[:, :n]
+    if row_nodes is not None:
+        dev = tree.valid.device
+        valid = valid & (torch.arange(n, device=dev) < _upload(row_nodes, dev).unsqueeze(1))
+    probs = tree.draft_probs[:, :n] if tree.draft_probs is not None else None
+    if tree.is_chain:
+        return DraftTree.chain(tree.token_ids[:, :n], valid, probs)
+    return DraftTree(tree.token_ids, tree.parents, tree.depths, valid, probs, depth_bound=tree.depth_bound)
+
+
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small host list as a long tensor on `device` without waiting for the GPU: `torch.tensor(values,
+    device=cuda)` copies from pageable memory and synchronizes the stream, which cost adaptive serving steps their
+    lead over the GPU (BENCHMARKS.md 19.4); a pinned copy is queued on the stream instead."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
