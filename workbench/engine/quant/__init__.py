@@ -209,8 +209,10 @@ def _triton_problem(device: torch.device) -> str | None:
 def auto_kernel(fmt: str, cuda: bool, triton_ok: bool) -> str:
     """What quant_kernel "auto" runs, by measurement on the H200 (BENCHMARKS.md 9.3, 6.7 B decode, batch 1): int8 and
     fp8 take the Triton GEMVs on a GPU where Triton runs (1.24x / 1.41x bf16, where PyTorch's int8 op gave 0.10x and
-    `_scaled_mm` 0.74x), int4 keeps tinygemm (1.50x, faster than our Triton int4 at 1.13x); on a CPU fp8 uses
-    `_scaled_mm` and int8 / int4 dequantize then multiply.
+    `_scaled_mm` 0.74x); int4 keeps tinygemm. Our int4 GEMV is faster at one row since call g1 (BENCHMARKS.md 19.3:
+    1.875x against tinygemm's 1.614x bf16 at 6.7 B, default fusion), but tinygemm is 1.2-1.5x faster at a 5-row
+    verify (19.5), the width speculation runs: `--quant-kernel triton` picks ours. On a CPU fp8 uses `_scaled_mm`
+    and int8 / int4 dequantize then multiply.
 
     >>> auto_kernel("fp8", True, True), auto_kernel("int4", True, True), auto_kernel("int8", True, False)
     ('triton', 'aten', 'aten')
