@@ -127,6 +127,11 @@ def parse_args(argv=None):
     p.add_argument("--catch-up-max", type=int, default=0,
                    help="adaptive's spec_catch_up_max: a row that decoded more than this many tokens at k = 0 stays "
                    "autoregressive when the batch dips into a drafting size (0 = always catch up)")
+    p.add_argument("--profile-settings", default="",
+                   help="after the sweep, one more run of each of these settings (comma-separated names, e.g. "
+                        "'k=4,adaptive,k=2 (held out)') at the last rate under torch.profiler: host (and GPU) time and "
+                        "op counts per step, and which ops differ from the first setting (profiles.md)")
+    p.add_argument("--profile-requests", type=int, default=128, help="requests of each profiled run")
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="wall-clock budget after the models are loaded (H200, small: about 30 s more in total)")
     return p.parse_args(argv)
@@ -313,6 +318,22 @@ def main(argv=None) -> int:
                             result["threshold_checks_other_shape"] = threshold_checks(
                                 result["thresholds"], fixed, args.cliff_pct, adaptive=OTHER)
                         flush()
+    # -- profiles: where a setting's steps spend host time (why adaptive trails the fixed k it runs: 19.5) --------
+    if args.profile_settings:
+        frac = float(args.rates.split(",")[-1])
+        profiles = {}
+        for name in [n.strip() for n in args.profile_settings.split(",") if n.strip()]:
+            if name not in settings_of:
+                result["skipped"].append({"part": "profile", "setting": name, "why": "no such setting"})
+                continue
+            res, prof = profiled(lambda n=name: run(n, "profile", True, rate=frac * saturation, seed=0,
+                                                    num_requests=args.profile_requests),
+                                 args.device.startswith("cuda"))
+            if res is not None:
+                profiles[name] = op_summary(prof, max(1, len(res.result.iterations)))
+        result["profiles"] = profiles
+        (out / "profiles.md").write_text(profile_table(profiles))
+        flush()
     # -- replay -------------------------------------------------------------------------------------------------
     fit = [it for (name, _, _), r in runs.items() if name in ("off", fixed) for it in r.result.iterations]
     if fit:
@@ -363,6 +384,65 @@ def main(argv=None) -> int:
     flush()
     print(table(result))
     return 0
+
+
+def profiled(fn, cuda: bool):
+    """fn() under torch.profiler (CPU activity, and CUDA on a GPU): (fn's first result, the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        res, _ = fn()
+    return res, prof
+
+
+def op_summary(prof, steps: int) -> dict:
+    """Per op name: calls, host self µs and device self µs, each per serving iteration (`steps`); and the totals."""
+    ops = {}
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(e, "self_cuda_time_total", 0.0)
+        ops[e.key] = {"calls": e.count / steps, "host_us": e.self_cpu_time_total / steps, "device_us": dev / steps}
+    return {"steps": steps, "host_us": sum(o["host_us"] for o in ops.values()),
+            "device_us": sum(o["device_us"] for o in ops.values()), "ops": ops}
+
+
+def profile_diff(a: dict, b: dict, top: int = 15) -> list[tuple[str, float, float]]:
+    """The ops whose host µs per iteration differ most from setting a to setting b: (op, calls b - a, µs b - a).
+
+    >>> a = {"ops": {"x": {"calls": 1.0, "host_us": 5.0}, "y": {"calls": 2.0, "host_us": 8.0}}}
+    >>> b = {"ops": {"x": {"calls": 1.0, "host_us": 5.5}, "z": {"calls": 3.0, "host_us": 30.0}}}
+    >>> profile_diff(a, b)
+    [('z', 3.0, 30.0), ('y', -2.0, -8.0), ('x', 0.0, 0.5)]
+    """
+    names = set(a["ops"]) | set(b["ops"])
+    zero = {"calls": 0.0, "host_us": 0.0}
+    rows = [(n, b["ops"].get(n, zero)["calls"] - a["ops"].get(n, zero)["calls"],
+             b["ops"].get(n, zero)["host_us"] - a["ops"].get(n, zero)["host_us"]) for n in names]
+    return sorted(rows, key=lambda r: -abs(r[2]))[:top]
+
+
+def profile_table(profiles: dict) -> str:
+    """Markdown: per profiled setting its iterations and host / device µs per iteration, its top ops, and each later
+    setting's largest host-time differences from the first."""
+    if not profiles:
+        return "No profiled runs.\n"
+    lines = ["# Serving profiles (per serving iteration; times include the profiler's own overhead)", "",
+             "| setting | iterations | host µs / iteration | device µs / iteration |", "|---|---|---|---|"]
+    lines += [f"| {n} | {p['steps']} | {p['host_us']:.1f} | {p['device_us']:.1f} |" for n, p in profiles.items()]
+    names = list(profiles)
+    for n in names:
+        lines += ["", f"## {n}: top ops by host µs per iteration", "", "| op | calls | host µs | device µs |",
+                  "|---|---|---|---|"]
+        ops = sorted(profiles[n]["ops"].items(), key=lambda kv: -kv[1]["host_us"])[:20]
+        lines += [f"| {op} | {o['calls']:.2f} | {o['host_us']:.1f} | {o['device_us']:.1f} |" for op, o in ops]
+    for n in names[1:]:
+        lines += ["", f"## {n} against {names[0]}: the largest host-time differences per iteration", "",
+                  "| op | calls | host µs |", "|---|---|---|"]
+        lines += [f"| {op} | {dc:+.2f} | {du:+.1f} |" for op, dc, du in profile_diff(profiles[names[0]],
+                                                                                       profiles[n])]
+    return "\n".join(lines) + "\n"
 
 
 EAGER = "{}, eager prefill"  # the control settings of --eager-prefill-controls

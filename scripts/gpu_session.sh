@@ -20,7 +20,9 @@
 # e6 (verify widths on the CUDA cores: per linear, then n-gram on small) are prepared, not run.
 # PART=f1 (e6 then e5), f2 (int4 words in packed fp16), f3 (int4's new rule; prefill compiled on small), f4
 # (f3's small speed part again, per-repeat tok/s): the twelfth session's calls; g1 (the K loop software-pipelined)
-# and z, then g2 (int4 tiles around g1's) and z2 (serving at 1.5x, longer windows): the thirteenth session's.
+# and z, then g2 (int4 tiles around g1's), z2 (serving at 1.5x, longer windows) and z3 (z2's schedule on tiny after
+# the sync fix; int4 above one row): the thirteenth session's; z4 (serving with unbiased calibrations, profiled) is
+# prepared for the next one.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -449,6 +451,14 @@ elif [ "$PART" = z3 ]; then
     --k-by-batch 1-32:4,33-64:2 --budget-s "${SERVING_S:-100}"
   step speed 15 $PY scripts/gpu_gemv.py --device cuda --out "$R/speed" --parts speed --configs 1.45b,6.7b \
     --formats int4 --ms 1,5,16 --replays 10
+elif [ "$PART" = z4 ]; then
+  # prepared in the thirteenth session, not run (device time spent): serving on small with the calibrations no longer
+  # biased toward the full length (the shortened-step sync fixed, BENCHMARKS.md 19.4), 3 rates x 3 rotated rounds of
+  # 768 requests, then one profiled run each of k = 2, adaptive and k = 4 (why adaptive trailed k = 2 on tiny, 19.5)
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 0.5,1.0,1.5 --repeats 3 --no-thresholds \
+    --profile-settings "k=2 (held out),adaptive,k=4" --budget-s "${SERVING_S:-330}"
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call

@@ -349,6 +349,31 @@ def test_gpu_serving_script_smoke_on_cpu(tmp_path):
         {"thresholds"} if r["schedule_thresholds"] else set())
 
 
+def test_gpu_serving_profiles_settings_and_diffs_them(tmp_path):
+    """--profile-settings: one more run per named setting under torch.profiler; per iteration host time and op counts,
+    and the ops that differ most from the first setting, in results.json and profiles.md; an unknown name is
+    skipped by name."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    args = ["--device", "cpu", "--preset", "tiny", "--num-requests", "3", "--warmup-requests", "1",
+            "--max-new-tokens", "5", "--rates", "1", "--max-num-seqs", "2", "--calibration-steps", "2",
+            "--k-by-batch", "1-2:2", "--repeats", "1", "--no-thresholds", "--out", str(tmp_path),
+            "--profile-settings", "k=4,adaptive,nonesuch", "--profile-requests", "3"]
+    assert gpu_serving.main(args) == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert set(r["profiles"]) == {"k=4", "adaptive"}
+    assert {"part": "profile", "setting": "nonesuch", "why": "no such setting"} in r["skipped"]
+    for prof in r["profiles"].values():
+        assert prof["steps"] > 0 and prof["host_us"] > 0
+        assert prof["ops"]["aten::mm"]["calls"] > 0  # the target's linears ran under the profiler
+    text = (tmp_path / "profiles.md").read_text()
+    assert "## adaptive against k=4" in text and "| aten::mm |" in text
+
+
 def test_gpu_serving_eager_prefill_controls(tmp_path):
     """--eager-prefill-controls: off and fixed k also run with prefill_graphs off in every round, on the same arrivals,
     and prefill_checks compares them (ratio = captured / eager median tokens/s; the fixed-shape step runs on a CPU)."""
