@@ -226,6 +226,16 @@ INT4_HALF2: int | None = int(os.environ["WORKBENCH_INT4_HALF2"]) if os.environ.g
 # tile's LOOP_STAGES entry; gpu_quant.py "+ls3"; gpu_gemv.py --loop-stages / --tune-loop-stages).
 LOOP_STAGES: int | None = int(os.environ["WORKBENCH_GEMV_LOOP_STAGES"]) \
     if os.environ.get("WORKBENCH_GEMV_LOOP_STAGES") else None
+# Multi-row int4 calls (verify widths, prefill; BLOCK_M 16 on the tensor cores) in K tiles of whole groups: each
+# [BN, BK] weight tile dequantized with its groups' scales and zeros (the one-row ELEMENTWISE form's weights), in x's
+# dtype, then one tl.dot per tile, instead of one group per K tile (64 x g, a dot and a rescale per group). Measured
+# need (call z3, BENCHMARKS.md 19.5): at M = 5 our int4 reads 0.72-0.99x bf16 and tinygemm 1.02-1.33x. A dict: that
+# tile (BLOCK_N, BLOCK_K, num_warps, num_stages) for every int4 call of M > 1 whose K tile holds whole groups; None:
+# off, the default (prepared in the thirteenth session, not yet run on a GPU). Env WORKBENCH_INT4_WIDE_ROWS=1 takes
+# INT4_WIDE_ROWS_TILE; gpu_quant.py's "+i4r" rows and gpu_gemv.py --int4-wide-rows-compare set it.
+INT4_WIDE_ROWS_TILE = dict(BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3)
+INT4_WIDE_ROWS: dict | None = dict(INT4_WIDE_ROWS_TILE) if os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "1" \
+    else None
 
 
 def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int, rule: bool | str = True) -> dict | None:
@@ -255,7 +265,7 @@ def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int, rule: bool |
 
 def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None, sm_count: int = 132,
                 narrow: bool | None = None, int4_wide: dict | None = None, cuda_rows: int | None = None,
-                **override) -> dict:
+                int4_rows: dict | None = None, **override) -> dict:
     """Tile sizes, split count and warps for one call, from shapes only (so a captured graph replays the same launch).
     `override` replaces any entry (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, and the kernel switches CVT_BITS,
     F16_DOT, ELEMENTWISE, PREFETCH_TILES, LATE_TRIGGER; the benchmark sweeps them). `cuda_rows` (default
@@ -344,7 +354,15 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
             block_k = min(row_bytes, 1 << max(4, (max(k // 2, 1)).bit_length() - 1))  # and at most half of K
     else:
         block_n, block_k = 64, 128
-    if fmt in GROUPED and not (fmt == "int4" and wide and block_m == 1):
+    rows_wide = INT4_WIDE_ROWS if int4_rows is None else int4_rows
+    wide_rows = False  # int4, M > 1: K tiles of whole groups on the tensor cores (INT4_WIDE_ROWS)
+    if block_m > 1 and fmt == "int4" and rows_wide and group_size and not rows_form:
+        rk = min(rows_wide.get("BLOCK_K", 256), max(16, 1 << (k - 1).bit_length()))
+        if rk % group_size == 0:
+            wide_rows = True
+            block_n, block_k = rows_wide.get("BLOCK_N", 64), rk
+            warps, stages = rows_wide.get("num_warps", 4), rows_wide.get("num_stages", 3)
+    if fmt in GROUPED and not (fmt == "int4" and wide and block_m == 1) and not wide_rows:
         block_k = min(block_k, group_size)
     block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))  # no K tile past the next power of two of K
     if rows_form:  # every row in one program: the K tile cut by the rows, so the [BM, BN, BK] sums fit the registers
@@ -357,6 +375,8 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
         cfg["HALF2"] = INT4_HALF2 if INT4_HALF2 is not None else own
     if rows_form:
         cfg["CUDA_ROWS"] = True
+    if wide_rows:  # the ELEMENTWISE weights, multiplied on the tensor cores
+        cfg.update(ELEMENTWISE=True, WIDE_ROWS=True)
     cfg.update({key: v for key, v in override.items() if key != "SPLIT_K"})
     if fmt in GROUPED:
         _check_group_tile(fmt, cfg, group_size)
@@ -372,13 +392,16 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
 
 
 def _check_group_tile(fmt: str, cfg: dict, group_size: int) -> None:
-    """GemvError unless the K tile of a grouped format lies inside one group or (one-row) holds whole groups."""
+    """GemvError unless the K tile of a grouped format lies inside one group or (one-row, or int4 with
+    INT4_WIDE_ROWS) holds whole groups."""
     block_k, one_row, elementwise = cfg["BLOCK_K"], cfg["BLOCK_M"] == 1, cfg.get("ELEMENTWISE")
-    if group_size % block_k and (block_k % group_size or not one_row):
+    wide_rows = cfg.get("WIDE_ROWS") and fmt == "int4"  # INT4_WIDE_ROWS: whole groups above one row
+    if group_size % block_k and (block_k % group_size or not (one_row or wide_rows)):
         raise GemvError(f"BLOCK_K={block_k} must divide the {fmt} group size {group_size} or, one row at a time "
                         f"(BLOCK_M = 1), be a multiple of it")
-    if elementwise and not one_row:
-        raise GemvError("ELEMENTWISE (grouped weights dequantized per weight) is a one-row form: BLOCK_M must be 1")
+    if elementwise and not one_row and not wide_rows:
+        raise GemvError("ELEMENTWISE (grouped weights dequantized per weight) is a one-row form (int4 takes it above "
+                        "one row only with INT4_WIDE_ROWS): BLOCK_M must be 1")
     if elementwise is False and block_k > group_size:
         raise GemvError(f"BLOCK_K={block_k} spans several {fmt} groups of {group_size}: only the ELEMENTWISE form "
                         "reads such tiles")
@@ -406,8 +429,8 @@ def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
 @functools.lru_cache(maxsize=4096)
 def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple, switches: tuple = ()) -> dict:
     """gemv_config with M1_TILES applied, cached; `switches` (the module switches gemv_config reads: NARROW_TILES,
-    WIDE_FP8_WARPS, INT4_WIDE_TILES, CUDA_ROWS_MAX, INT4_HALF2) is part of the key only, so a benchmark row that flips
-    one gets its own configurations."""
+    WIDE_FP8_WARPS, INT4_WIDE_TILES, CUDA_ROWS_MAX, INT4_HALF2, INT4_WIDE_ROWS) is part of the key only, so a benchmark
+    row that flips one gets its own configurations."""
     tiles = M1_TILES.get((fmt, n, k), {}) if m == 1 else {}
     return gemv_config(fmt, m, n, k, group_size, sm_count, **{**tiles, **dict(override)})
 
@@ -656,7 +679,8 @@ if TRITON_AVAILABLE:
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8], dtype=tl.float32)
             if HALF2 == 1:
                 accz = tl.zeros([BLOCK_N, TILE_GROUPS], dtype=tl.float32)  # zero x sum(x) per group
-        elif TILE_GROUPS > 0:  # [BN, groups of the tile, weights of a group in the tile]: reduced after the loop
+        elif TILE_GROUPS > 0 and BLOCK_M == 1:  # [BN, groups of the tile, weights of a group in the tile]: reduced
+            # after the loop (M > 1: the dequantized tile goes to tl.dot, into acc)
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS], dtype=tl.float32)
         for kt in tl.range(kt_start, kt_end, num_stages=LOOP_STAGES):
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
@@ -736,7 +760,11 @@ if TRITON_AVAILABLE:
                     w = tl.reshape(qf, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS]) * s[:, :, None]  # [BN, G, BK/G]
                     if FMT == 1:  # + zero - 8 scale: one multiply-add per weight
                         w += (z - 8.0 * s)[:, :, None]
-                    acc3 += w * tl.reshape(x.to(tl.float32), [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS])
+                    if BLOCK_M == 1:
+                        acc3 += w * tl.reshape(x.to(tl.float32), [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS])
+                    else:  # INT4_WIDE_ROWS: the tile's weights rounded once to x's dtype, on the tensor cores
+                        acc += tl.dot(x, tl.trans(tl.reshape(w, [BLOCK_N, BLOCK_K]).to(x.dtype)),
+                                      input_precision=DOT_PRECISION)
             elif FMT == 1 or FMT == 4:  # int4 / int8g: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
                 if FMT == 1:
                     offs_b = kt * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
@@ -787,7 +815,7 @@ if TRITON_AVAILABLE:
         if PDL and LATE_TRIGGER:  # this program's weights are read: the next kernel may take the SM slots we free
             gdc_launch_dependents()
         sq = tl.sum(sq2, axis=1)  # [BM]: this split's sum of x^2 per row (NORM)
-        if TILE_GROUPS > 0:
+        if TILE_GROUPS > 0 and BLOCK_M == 1:
             acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
             if FMT == 1 and CVT_BITS and HALF2 == 1:
                 acc += tl.sum(accz, axis=1)[None, :]
@@ -888,11 +916,12 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())),
                          (NARROW_TILES, WIDE_FP8_WARPS, tuple(sorted(INT4_WIDE_TILES.items()))
                           if isinstance(INT4_WIDE_TILES, dict) else INT4_WIDE_TILES or False, CUDA_ROWS_MAX,
-                          INT4_HALF2))
+                          INT4_HALF2, tuple(sorted(INT4_WIDE_ROWS.items())) if INT4_WIDE_ROWS else None))
     tile_groups = 0  # grouped formats: the group-tiled form, or the ELEMENTWISE one with this many groups per K tile
     if fmt in GROUPED and cfg.get("ELEMENTWISE", cfg["BLOCK_K"] > group_size):
         tile_groups = max(1, cfg["BLOCK_K"] // group_size)
-    cvt_bits = cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS)
+    cvt_bits = cfg.get("CVT_BITS", fmt in CVT_BITS_FORMATS) and not (tile_groups and cfg["BLOCK_M"] > 1)  # the
+    # widened words are a one-row form: multi-row tiles of whole groups dequantize per weight for tl.dot
     half2 = int(cfg.get("HALF2") or 0) if fmt == "int4" and tile_groups > 0 and cvt_bits \
         and x.dtype in (torch.bfloat16, torch.float16) else 0
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

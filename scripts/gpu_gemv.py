@@ -200,26 +200,32 @@ def part_speed(args, device) -> list[dict]:
                     continue
                 clones = rotating(mod, device)
                 nbytes = weight_bytes(mod) - (mod.gemv_counters.numel() * 4 if hasattr(mod, "gemv_counters") else 0)
-                defaults = quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2, quant_gemv.LOOP_STAGES
+                defaults = (quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2, quant_gemv.LOOP_STAGES,
+                            quant_gemv.INT4_WIDE_ROWS)
                 for m in map(int, args.ms.split(",")):
                     # --cuda-rows N: triton calls of 2..N rows once more in the CUDA-rows form (CUDA_ROWS_MAX);
                     # --half2-compare: one-row int4 triton calls with packed fp16 words 0 / 1 / 2 (INT4_HALF2);
-                    # --loop-stages-compare N: one-row triton calls with the K loop pipelined N deep (LOOP_STAGES)
+                    # --loop-stages-compare N: one-row triton calls with the K loop pipelined N deep (LOOP_STAGES);
+                    # --int4-wide-rows-compare: int4 triton calls of M > 1 in K tiles of whole groups (INT4_WIDE_ROWS)
                     variants = [defaults]
                     if kernel == "triton" and 1 < m <= args.cuda_rows:
                         variants.append((args.cuda_rows, *defaults[1:]))
                     if kernel == "triton" and fmt == "int4" and m == 1 and args.half2_compare:
-                        variants = [(0, h, defaults[2]) for h in (0, 1, 2)]
+                        variants = [(0, h, defaults[2], defaults[3]) for h in (0, 1, 2)]
                     if kernel == "triton" and m == 1 and args.loop_stages_compare:
-                        variants += [(r, h, args.loop_stages_compare) for r, h, _ in variants]
-                    for rows_max, half2, stages in variants:
+                        variants += [(r, h, args.loop_stages_compare, w) for r, h, _, w in variants]
+                    if kernel == "triton" and fmt == "int4" and m > 1 and args.int4_wide_rows_compare:
+                        variants.append((*defaults[:3], dict(quant_gemv.INT4_WIDE_ROWS_TILE)))
+                    for rows_max, half2, stages, wide_rows in variants:
                         quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2 = rows_max, half2
-                        quant_gemv.LOOP_STAGES = stages
+                        quant_gemv.LOOP_STAGES, quant_gemv.INT4_WIDE_ROWS = stages, wide_rows
                         row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt,
                                    kernel=mod.kernel + ("+rows" if rows_max else "")
                                    + (f"+h2={half2}" if half2 is not None and kernel == "triton" and fmt == "int4"
                                       and args.half2_compare else "")
-                                   + (f"+ls{stages}" if stages and kernel == "triton" else ""))
+                                   + (f"+ls{stages}" if stages and kernel == "triton" else "")
+                                   + ("+i4r" if wide_rows and kernel == "triton" and fmt == "int4" and m > 1
+                                      else ""))
                         try:
                             x = torch.randn(m, k, device=device, dtype=args.dtype)
                             us = time_us([lambda c=c: c(x) for c in clones], device, args.replays)
@@ -235,7 +241,8 @@ def part_speed(args, device) -> list[dict]:
                             row["error"] = f"{type(e).__name__}: {e}"[:300]
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-                    quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2, quant_gemv.LOOP_STAGES = defaults
+                    (quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2, quant_gemv.LOOP_STAGES,
+                     quant_gemv.INT4_WIDE_ROWS) = defaults
                 del clones
             del mods
             if device.type == "cuda":
@@ -540,6 +547,9 @@ def main() -> None:
                     "deep (kernels.quant_gemv.LOOP_STAGES) for every part")
     ap.add_argument("--loop-stages-compare", type=int, default=0, help="speed part: one-row triton calls timed "
                     "once more with LOOP_STAGES = N (kernel suffix '+lsN')")
+    ap.add_argument("--int4-wide-rows-compare", action="store_true", help="speed part: int4 triton calls of M > 1 "
+                    "timed once more in K tiles of whole groups on the tensor cores (kernels.quant_gemv."
+                    "INT4_WIDE_ROWS = INT4_WIDE_ROWS_TILE; kernel suffix '+i4r')")
     ap.add_argument("--parity-rtol", type=float, default=2 ** -7, help="max |err| / max |ref| that counts as ok")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=32000)

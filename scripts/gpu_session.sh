@@ -21,8 +21,8 @@
 # PART=f1 (e6 then e5), f2 (int4 words in packed fp16), f3 (int4's new rule; prefill compiled on small), f4
 # (f3's small speed part again, per-repeat tok/s): the twelfth session's calls; g1 (the K loop software-pipelined)
 # and z, then g2 (int4 tiles around g1's), z2 (serving at 1.5x, longer windows) and z3 (z2's schedule on tiny after
-# the sync fix; int4 above one row): the thirteenth session's; z4 (serving with unbiased calibrations, profiled) is
-# prepared for the next one.
+# the sync fix; int4 above one row): the thirteenth session's; g3 (int4 above one row in K tiles of whole groups)
+# and z4 (serving with unbiased calibrations, profiled) are prepared for the next one.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -55,7 +55,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -451,6 +451,12 @@ elif [ "$PART" = z3 ]; then
     --k-by-batch 1-32:4,33-64:2 --budget-s "${SERVING_S:-100}"
   step speed 15 $PY scripts/gpu_gemv.py --device cuda --out "$R/speed" --parts speed --configs 1.45b,6.7b \
     --formats int4 --ms 1,5,16 --replays 10
+elif [ "$PART" = g3 ]; then
+  # prepared in the thirteenth session, not run: int4 above one row in K tiles of whole groups on the tensor cores
+  # (quant_gemv.INT4_WIDE_ROWS, off by default; its one tile, 64 x 256 with 8 warps, is a guess: the tune part sweeps
+  # one-row tiles only) against the one-group tiles and tinygemm at verify and prefill widths
+  step speed 20 $PY scripts/gpu_gemv.py --device cuda --out "$R/speed" --parts speed --configs 1.45b,6.7b \
+    --formats int4 --ms 2,5,9,16,64 --int4-wide-rows-compare --replays 10
 elif [ "$PART" = z4 ]; then
   # prepared in the thirteenth session, not run (device time spent): serving on small with the calibrations no longer
   # biased toward the full length (the shortened-step sync fixed, BENCHMARKS.md 19.4), 3 rates x 3 rotated rounds of

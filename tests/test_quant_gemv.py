@@ -602,6 +602,61 @@ def test_int4_wide_tiles_switch_reaches_the_launch(monkeypatch):
     assert launched == [(512, 16), (32, 0), (128, 4)]  # the rule's 1024 capped at K's next power of two
 
 
+def test_int4_wide_rows_config_is_off_by_default_and_takes_whole_groups():
+    """INT4_WIDE_ROWS (M > 1 int4 in K tiles of whole groups on the tensor cores) is off by default (one group a K
+    tile); on, M > 1 calls take its tile where the K tile holds whole groups, else keep one group a tile; one-row
+    calls are untouched."""
+    tile = dict(BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3)
+    assert qg.INT4_WIDE_ROWS is None or os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "1"
+    off = gemv_config("int4", 5, 4096, 4096, 128, int4_rows={})
+    assert (off["BLOCK_M"], off["BLOCK_N"], off["BLOCK_K"], off.get("ELEMENTWISE")) == (16, 64, 128, None)
+    on = gemv_config("int4", 5, 4096, 4096, 128, int4_rows=tile)
+    assert (on["BLOCK_M"], on["BLOCK_N"], on["BLOCK_K"], on["num_warps"], on["ELEMENTWISE"], on["WIDE_ROWS"]) == (
+        16, 64, 256, 8, True, True)
+    assert gemv_config("int4", 64, 4096, 4096, 128, int4_rows=tile)["BLOCK_K"] == 256  # prefill widths too
+    odd = gemv_config("int4", 5, 4096, 3072, 96, int4_rows=tile)  # 256 holds no whole number of groups of 96
+    assert (odd["BLOCK_K"], odd.get("ELEMENTWISE")) == (96, None)
+    assert gemv_config("int4", 1, 4096, 4096, 128, int4_rows=tile) == gemv_config("int4", 1, 4096, 4096, 128)
+    assert gemv_config("int8g", 5, 4096, 4096, 32, int4_rows=tile).get("ELEMENTWISE") is None  # int4 only
+    with pytest.raises(GemvError, match="one-row form"):  # the multi-row ELEMENTWISE form is int4's switch only
+        gemv_config("int4", 5, 4096, 4096, 128, ELEMENTWISE=True)
+
+
+@interpreter
+@pytest.mark.parametrize("fusion", ["none", "glu+residual", "norm"])
+@pytest.mark.parametrize("split", [None, 3])
+@pytest.mark.parametrize("m", [2, 5, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", GROUP_TILE_SHAPES)
+def test_int4_wide_rows_match_reference(shape, dtype, m, split, fusion, monkeypatch, interpreter_bf16_dot):
+    """INT4_WIDE_ROWS on: verify widths (2, 5) and two row tiles (17), K tiles of 4 groups (the last one partial at
+    K = 320 and 352), split or not, with the fusions: the reference within the multi-row tolerance; the launch takes
+    the tensor-core tile of whole groups, never the one-row words."""
+    n, k, group = GROUP_TILE_SHAPES[shape]
+    _, buffers = stored("int4", n, k, group, dtype=dtype, seed=m)
+    g = torch.Generator().manual_seed(11)
+    glu, norm = "glu" in fusion, "norm" in fusion
+    x = torch.randn(m, 2 * k if glu else k, generator=g).to(dtype) * (4 if norm else 1)
+    fused = dict(glu=glu, residual=torch.randn(m, n, generator=g).to(dtype) if "residual" in fusion else None,
+                 norm_weight=(torch.rand(k, generator=g) + 0.5).to(dtype) if norm else None)
+    monkeypatch.setattr(qg, "INT4_WIDE_ROWS", dict(BLOCK_N=16, BLOCK_K=4 * group, num_warps=4, num_stages=2))
+    launched = []
+    kernel = qg._gemv_kernel
+    monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
+        launched.append((kw["BLOCK_M"], kw["BLOCK_K"], kw["TILE_GROUPS"], kw["CVT_BITS"], kw["HALF2"])),
+        kernel[grid](*a, **kw))[1]})())
+    counters = counters_for(n, "cpu")
+    got = quant_gemv_triton(x, "int4", **buffers, counters=counters, **fused,
+                            **({} if split is None else dict(SPLIT_K=split))).float()
+    want = quant_gemv_reference(x, "int4", **buffers, **fused).float()
+    assert launched == [(16, 4 * group, 4, False, 0)]
+    # the dequantized weights are rounded to x's dtype before the dot (as tinygemm's are): in bf16 a relative error
+    # of about 2^-8 per weight, so a bound relative to the output's size, as the fusion tests use
+    tol = 1e-4 if dtype == torch.float32 else 2 ** -6
+    assert (got - want).abs().max() <= tol * want.abs().max()
+    assert not counters.any()
+
+
 @interpreter
 def test_split_k_reuses_its_counters_across_calls(interpreter_bf16_dot):
     _, buffers = stored("int8", 72, 512)
