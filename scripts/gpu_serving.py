@@ -545,8 +545,9 @@ def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
         row["best_setting"], row["best_spread"] = best_setting, spread(rounds)
         row["within_noise"] = not row["adaptive_ge_best"] and len(rounds) > 1 and \
             (at["adaptive"]["goodput"] or 0.0) >= min(rounds)
-        # paired per metric against that metric's own best setting (by goodput when every goodput is 0 "off" would
-        # win the tie, and call g's output tokens/s were read against off instead of k = 4)
+        # paired per metric against that metric's own best setting: when every goodput is 0, "off" wins the tie
+        # by goodput, and the thirteenth session's call z read output tokens/s against off instead of k = 4
+        # (BENCHMARKS.md 19.2)
         best_by = {key: max(("off", fixed), key=lambda s: at[s][key] or 0.0) for key in PAIRED_KEYS}
         row["output_throughput_best_setting"] = best_by["output_throughput"]
         row.update(paired_rounds(at_rate, complete, best_by))
