@@ -499,8 +499,65 @@ def part_decode(args, device) -> list[dict]:
     return part_floor(ns, device)
 
 
+def part_rows(args, device) -> list[dict]:
+    """int4 above one row (verify widths) on the --sweep-configs shapes, at each of --rows-ms: tinygemm ("aten"), our
+    one-group tiles (INT4_WIDE_ROWS off) and each INT4_WIDE_ROWS tile of the --rows-* grid, each with its max |error|
+    / max |reference| and its speedup over tinygemm; the fastest parity-clean Triton tile per (shape, M) is marked."""
+    rows = []
+    problem = kernel_ok(device)
+    if problem:
+        return [dict(error=problem)]
+    grid = [None] + [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3) for bn in ints(args.rows_block_n)
+                     for bk in ints(args.rows_block_k) for w in ints(args.rows_warps)]
+    saved = quant_gemv.INT4_WIDE_ROWS
+    t_end = time.perf_counter() + args.tune_budget_s
+    for config, name, k, n in shapes_of(args.sweep_configs):
+        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size)
+        clones = {kind: rotating(mod, device) for kind, mod in mods.items()}
+        nbytes = weight_bytes(mods["triton"]) - mods["triton"].gemv_counters.numel() * 4
+        for m in ints(args.rows_ms):
+            x = torch.randn(m, k, device=device, dtype=args.dtype)
+            ref = x.float() @ dequantize_weight("int4", **buffers(mods["triton"])).T
+            ref_max = ref.abs().max()
+            at_m = []
+            for kind, tile in [("aten", None)] + [("triton", t) for t in grid]:
+                if time.perf_counter() > t_end:
+                    rows.append(dict(config=config, linear=name, M=m, error="rows budget spent"))
+                    quant_gemv.INT4_WIDE_ROWS = saved
+                    return rows
+                quant_gemv.INT4_WIDE_ROWS = tile
+                row = dict(config=config, linear=name, K=k, N=n, M=m, kernel=kind,
+                           tile="-" if kind == "aten" else "one group" if tile is None else
+                           f"{tile['BLOCK_N']}x{tile['BLOCK_K']} w{tile['num_warps']}")
+                try:
+                    with torch.no_grad():
+                        got = mods[kind](x).float()
+                        row["rel_err"] = ((got - ref).abs().max() / ref_max).item()
+                        row["us"] = time_us([lambda c=c: c(x) for c in clones[kind]], device, args.replays)
+                    row["gb_per_s"] = nbytes / row["us"] / 1e3
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                at_m.append(row)
+            quant_gemv.INT4_WIDE_ROWS = saved
+            aten = next((r["us"] for r in at_m if r["kernel"] == "aten" and "us" in r), None)
+            for r in at_m:
+                if aten and "us" in r:
+                    r["speedup_vs_tinygemm"] = aten / r["us"]
+            best = min((r for r in at_m if r["kernel"] == "triton" and "us" in r and r["rel_err"] <= args.parity_rtol),
+                       key=lambda r: r["us"], default=None)
+            if best:
+                best["best"] = True
+            rows += at_m
+            for r in at_m:
+                print(json.dumps(r), flush=True)
+        del mods, clones
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 PARTS = {"parity": part_parity, "speed": part_speed, "sweep": part_sweep, "tune": part_tune, "tc": part_tc,
-         "f16": part_f16, "cvt": part_cvt, "decode": part_decode}
+         "f16": part_f16, "cvt": part_cvt, "decode": part_decode, "rows": part_rows}
 
 
 def main() -> None:
@@ -547,6 +604,10 @@ def main() -> None:
                     "deep (kernels.quant_gemv.LOOP_STAGES) for every part")
     ap.add_argument("--loop-stages-compare", type=int, default=0, help="speed part: one-row triton calls timed "
                     "once more with LOOP_STAGES = N (kernel suffix '+lsN')")
+    ap.add_argument("--rows-ms", default="5", help="rows part: activation rows M (verify widths)")
+    ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: INT4_WIDE_ROWS BLOCK_N values")
+    ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")
+    ap.add_argument("--rows-warps", default="4,8", help="rows part: INT4_WIDE_ROWS num_warps values")
     ap.add_argument("--int4-wide-rows-compare", action="store_true", help="speed part: int4 triton calls of M > 1 "
                     "timed once more in K tiles of whole groups on the tensor cores (kernels.quant_gemv."
                     "INT4_WIDE_ROWS = INT4_WIDE_ROWS_TILE; kernel suffix '+i4r')")

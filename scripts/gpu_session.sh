@@ -453,10 +453,13 @@ elif [ "$PART" = z3 ]; then
     --formats int4 --ms 1,5,16 --replays 10
 elif [ "$PART" = g3 ]; then
   # prepared in the thirteenth session, not run: int4 above one row in K tiles of whole groups on the tensor cores
-  # (quant_gemv.INT4_WIDE_ROWS, off by default; its one tile, 64 x 256 with 8 warps, is a guess: the tune part sweeps
-  # one-row tiles only) against the one-group tiles and tinygemm at verify and prefill widths
+  # (quant_gemv.INT4_WIDE_ROWS, off by default; its default tile, 64 x 256 with 8 warps, is a guess) against the
+  # one-group tiles and tinygemm at verify and prefill widths, then its tile swept at M = 2, 5 and 9 (the rows part:
+  # 32 / 64 / 128 rows x K tiles of 256 / 512 x 4 / 8 warps, each against tinygemm)
   step speed 20 $PY scripts/gpu_gemv.py --device cuda --out "$R/speed" --parts speed --configs 1.45b,6.7b \
     --formats int4 --ms 2,5,9,16,64 --int4-wide-rows-compare --replays 10
+  step rows 30 $PY scripts/gpu_gemv.py --device cuda --out "$R/rows" --parts rows --sweep-configs 6.7b,1.45b \
+    --rows-ms 2,5,9 --replays 10 --tune-budget-s 150
 elif [ "$PART" = z4 ]; then
   # prepared in the thirteenth session, not run (device time spent): serving on small with the calibrations no longer
   # biased toward the full length (the shortened-step sync fixed, BENCHMARKS.md 19.4), 3 rates x 3 rotated rounds of

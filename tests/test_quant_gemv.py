@@ -658,6 +658,33 @@ def test_int4_wide_rows_match_reference(shape, dtype, m, split, fusion, monkeypa
 
 
 @interpreter
+def test_gpu_gemv_rows_part_times_wide_row_tiles_against_tinygemm(tmp_path, monkeypatch):
+    """scripts/gpu_gemv.py --parts rows on the mini config (interpreter): per linear and M, tinygemm, the one-group
+    tiles and each INT4_WIDE_ROWS tile of the grid, each parity-checked; one best Triton tile each; the module switch
+    is restored afterwards."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_gemv
+
+    monkeypatch.setattr(sys, "argv", ["gpu_gemv.py", "--device", "cpu", "--out", str(tmp_path), "--parts", "rows",
+                                      "--sweep-configs", "mini", "--rows-ms", "3,5", "--rows-block-n", "32",
+                                      "--rows-block-k", "64,128", "--rows-warps", "4", "--replays", "1",
+                                      "--int4-group-size", "32"])
+    gpu_gemv.main()
+    rows = json.loads((tmp_path / "gemv_rows.json").read_text())["rows"]
+    assert all("error" not in r for r in rows)
+    groups = {(r["linear"], r["M"]) for r in rows}
+    assert len(groups) == 4 * 2
+    for key in groups:
+        at = [r for r in rows if (r["linear"], r["M"]) == key]
+        assert [r["tile"] for r in at] == ["-", "one group", "32x64 w4", "32x128 w4"]
+        assert all(r["rel_err"] <= 2 ** -7 for r in at) and sum(bool(r.get("best")) for r in at) == 1
+    assert qg.INT4_WIDE_ROWS is None or os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "1"
+
+
+@interpreter
 def test_split_k_reuses_its_counters_across_calls(interpreter_bf16_dot):
     _, buffers = stored("int8", 72, 512)
     counters = counters_for(72, "cpu")
