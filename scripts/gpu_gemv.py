@@ -19,6 +19,9 @@ tc     : M = 1 on the --configs shapes: gemv_config's CUDA-core tile against ten
          parity; the best per (format, shape) into gemv_tc_tiles.json (for scripts/gpu_quant.py --m1-tiles).
 f16    : M > 1 (verify widths): int8 / fp8 tensor-core tiles with fp16 operands against the fp32-widened weight.
 cvt    : M = 1: int8 / fp8 weights widened by integer ops against conversion instructions, and all 256 bytes exact.
+rows   : int4 at verify widths (--rows-ms, default 5) on the --sweep-configs shapes: tinygemm, the one-group tiles
+         and each INT4_WIDE_ROWS tile of the --rows-block-n x --rows-block-k x --rows-warps grid, with parity and
+         the speedup over tinygemm; the fastest parity-clean Triton tile per (shape, M) marked.
 decode : AR decode at batch 1 of the random 6.7 B (and --decode-configs) through scripts/gpu_quant.py's floor part,
          formats none + {int8,int4,fp8}-triton (quant_kernel "triton"): ms/token, fraction of that format's HBM floor,
          speedup vs bf16.
