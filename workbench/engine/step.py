@@ -811,8 +811,8 @@ def shorten(tree: DraftTree, n: int, row_nodes: list[int] | None = None) -> Draf
 
 def _upload(values: list[int], device: torch.device) -> torch.Tensor:
     """A small host list as a long tensor on `device` without waiting for the GPU: `torch.tensor(values,
-    device=cuda)` copies from pageable memory and synchronizes the stream, which cost adaptive serving steps their
-    lead over the GPU (BENCHMARKS.md 19.4); a pinned copy is queued on the stream instead."""
+    device=cuda)` synchronizes the stream after its copy, which made every shortened serving step wait for the GPU
+    (BENCHMARKS.md 19.4); a pinned copy is queued on the stream instead."""
     host = torch.tensor(values, dtype=torch.long)
     if device.type != "cuda":
         return host.to(device)
