@@ -117,7 +117,7 @@ def part_parity(args) -> dict:
         for method in ("ar", "draft", "ngram"):
             for batch in (1, 4):
                 outs = {}
-                for mode in ("eager", "graphs", "graphs-sdpa", "graphs+compile"):
+                for mode in ("eager", "graphs", "graphs-sdpa", "graphs+overlap", "graphs+compile"):
                     if mode == "graphs+compile" and (batch != 1 or dtype != torch.bfloat16):
                         continue  # compile per shape is slow: one setting per method is enough here
                     eng = engine_for(target, draft, method, mode, 48, batch)

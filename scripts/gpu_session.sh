@@ -464,6 +464,9 @@ elif [ "$PART" = z4 ]; then
   # prepared in the thirteenth session, not run (device time spent): serving on small with the calibrations no longer
   # biased toward the full length (the shortened-step sync fixed, BENCHMARKS.md 19.4), 3 rates x 3 rotated rounds of
   # 768 requests, then one profiled run each of k = 2, adaptive and k = 4 (why adaptive trailed k = 2 on tiny, 19.5)
+  # (fourteenth session: first greedy parity on tiny, graph modes and the overlapped loop against eager, now that
+  # every per-step and per-request upload is queued without waiting for the GPU: engine.graphs.upload)
+  step parity 40 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
   train_small
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
     --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 0.5,1.0,1.5 --repeats 3 --no-thresholds \

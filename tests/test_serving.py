@@ -377,3 +377,36 @@ def test_gc_freeze_covers_exactly_the_measured_run(target, draft, monkeypatch, f
     assert len(seen) > 1  # the calibration's runs and the measured one
     assert all((n > 0) == freeze for n in seen), seen
     assert gc.get_freeze_count() == 0
+
+
+def test_serving_uploads_host_values_without_a_device_argument(target, draft, solo, monkeypatch):
+    """On a GPU `torch.tensor(values, device=cuda)` waits for the stream after its copy. The serving loop's
+    per-step and per-request uploads (live rows, prefill chunks, a row's start, the drafter's prefill and catch-up)
+    go through `upload` instead, which queues a pinned copy; on CPU it is the same tensor, so outputs are unchanged."""
+    from workbench.engine import graphs as graphs_mod
+    from workbench.engine import step as step_mod
+
+    real, calls = torch.tensor, []
+
+    def spy(*args, **kw):
+        if kw.get("device") is not None:
+            import traceback
+            calls.append(traceback.extract_stack(limit=2)[0].name)
+        return real(*args, **kw)
+
+    class Torch:  # torch as the two modules see it, with `tensor` spied on
+        def __getattr__(self, name):
+            return spy if name == "tensor" else getattr(torch, name)
+
+    engine = make_engine("draft", target, draft)  # a draft model: prefill, catch-up and start all run
+    reqs = random_requests(6)
+    serve(engine, reqs[:1])  # setup (buffers, pad rows) may upload once; the spy covers the runs after it
+    monkeypatch.setattr(step_mod, "torch", Torch())
+    monkeypatch.setattr(graphs_mod, "torch", Torch())
+    uploads = []
+    real_upload = step_mod.upload
+    monkeypatch.setattr(step_mod, "upload", lambda v, d: uploads.append(1) or real_upload(v, d))
+    res = serve(engine, reqs, prefill_chunk=5)
+    assert_solo(res, reqs, solo)
+    assert calls == [], f"syncing uploads in {sorted(set(calls))}"
+    assert len(uploads) >= len(reqs)  # the uploads did happen, through `upload`

@@ -273,13 +273,13 @@ def test_schedule_turns_speculation_off_where_it_stops_paying():
 def test_a_shorter_step_slices_its_drafts_and_uploads_nothing(monkeypatch):
     """An adaptive step that verifies n < N nodes cuts the drafts by slicing only: in call z2 a per-step
     `torch.tensor(..., device=cuda)` (a copy that synchronizes the stream) cost adaptive 6-12 % of k = 4's output
-    (BENCHMARKS.md 19.4). Per-row counts go up through `_upload` (pinned and non-blocking on a GPU)."""
+    (BENCHMARKS.md 19.4). Per-row counts go up through `upload` (pinned and non-blocking on a GPU)."""
     from workbench.engine import step as step_mod
     from workbench.engine.tree import DraftTree
 
     uploads = []
-    real = step_mod._upload
-    monkeypatch.setattr(step_mod, "_upload", lambda values, dev: uploads.append(list(values)) or real(values, dev))
+    real = step_mod.upload
+    monkeypatch.setattr(step_mod, "upload", lambda values, dev: uploads.append(list(values)) or real(values, dev))
     ids = torch.arange(12).view(3, 4)
     valid = torch.tensor([[True] * 4, [True, True, False, False], [True] * 4])
     tree = DraftTree.chain(ids, valid, torch.rand(3, 4))
@@ -290,7 +290,7 @@ def test_a_shorter_step_slices_its_drafts_and_uploads_nothing(monkeypatch):
     per_row = step_mod.shorten(tree, 3, [3, 1, 0])
     assert uploads == [[3, 1, 0]]
     assert per_row.valid.tolist() == [[True, True, True], [True, False, False], [False, False, False]]
-    assert step_mod._upload([2, 5], torch.device("cpu")).tolist() == [2, 5]
+    assert step_mod.upload([2, 5], torch.device("cpu")).tolist() == [2, 5]
 
 
 def test_node_counts_cover_every_length_a_step_can_verify():

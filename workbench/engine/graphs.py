@@ -441,8 +441,8 @@ class PrefillStep:
         """One row's tokens ids [1, T] at positions start.. (its KV below `start` already written) -> hidden [1, T, H].
         Captured, the padding's blocks go back to the pool before it returns."""
         t = ids.shape[1]
-        rows = torch.tensor([row], dtype=torch.long, device=self.device)
-        base = torch.tensor([start], dtype=torch.long, device=self.device)
+        rows = upload([row], self.device)
+        base = upload([start], self.device)
         padded = -(-t // PREFILL_LEN_MULTIPLE) * PREFILL_LEN_MULTIPLE
         if not self.fixed_shape or start + padded > self.cache.max_len or not self._room(row, start + padded):
             if self.fixed_shape:  # no graph per exact length (unbounded keys): this chunk runs eagerly
@@ -485,3 +485,14 @@ class PrefillStep:
 
     def replay_callables(self) -> dict:
         return {**self.fixed.replay_callables(), **self.fixed_at.replay_callables()}
+
+
+def upload(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list (or list of lists) as a long tensor on `device` without waiting for the GPU:
+    `torch.tensor(values, device=cuda)` synchronizes the stream after its copy, which made every shortened serving
+    step wait for the GPU (BENCHMARKS.md 19.4); a pinned copy is queued on the stream instead (the caching host
+    allocator keeps the pinned block until the copy has run)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -47,7 +47,7 @@ import torch
 
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
 from workbench.engine.graphs import (DEFAULT_BUCKETS, PAD_LEN, PREFILL_LEN_MULTIPLE, FixedShapeStep, GraphSettings,
-                                     GraphStats, ModelStep, PrefillStep, prefill_len)
+                                     GraphStats, ModelStep, PrefillStep, prefill_len, upload)
 from workbench.engine.kv_cache import ATTENTION_BACKENDS, make_cache
 from workbench.engine.kv_quant import kv_format
 from workbench.engine.sampling import SamplingParams, next_token
@@ -537,9 +537,10 @@ class SpecEngine:
 
     def _live_rows(self, live: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """`live` as a device tensor [B], and those rows' kv_len [B] as of then (what a drafter without `reads_kv_len`
-        is given: not refreshed); both made again only when the live rows change (an upload waits for the GPU)."""
+        is given: not refreshed); both made again only when the live rows change (uploaded in stream order, without
+        waiting for the GPU: `upload`)."""
         if self._live is None or self._live[0] != live:
-            live_t = torch.tensor(live, dtype=torch.long, device=self.device)
+            live_t = upload(live, self.device)
             self._live = (list(live), live_t, self.kv_len[live_t])
         return self._live[1], self._live[2]
 
@@ -618,7 +619,7 @@ class SpecEngine:
             launched = None
             if launch:
                 if len(launch_t) != len(launch):
-                    launch_t = torch.tensor(launch, dtype=torch.long, device=dev)
+                    launch_t = upload(launch, dev)  # in stream order: the step in flight is not drained
                 ahead = 1 + n if inflight is not None else 0  # every launched row is in the step in flight
                 hi = [known[r] + ahead for r in launch]
                 state.rows, state.rows_host, state.kv_len_host = launch_t, launch, hi
@@ -664,7 +665,7 @@ class SpecEngine:
         in the cache: earlier chunks, or prefix blocks shared with other requests). Writes the tokens into the
         row's `tokens` buffer. Returns (logits [V] at the chunk's last position, hidden [T, H] of the chunk)."""
         dev, t = self.device, len(ids)
-        chunk = torch.tensor([ids], dtype=torch.long, device=dev)  # [1, T]
+        chunk = upload([ids], dev)  # [1, T]
         self.tokens[row, start:start + t] = chunk[0]
         hidden = self.prefill_step.chunk(row, chunk, start)  # [1, T, H]; captured with prefill_graphs
         return self.target.compute_logits(hidden[0, -1]), hidden[0]
@@ -678,7 +679,7 @@ class SpecEngine:
         prefill_drafter False leaves a draft model's own KV empty, for `catch_up_drafter` before the row's first draft
         (serving: a row that never drafts never pays for it)."""
         dev, n = self.device, len(context)
-        self.tokens[row, :n] = torch.tensor(context, dtype=torch.long, device=dev)
+        self.tokens[row, :n] = upload(context, dev)
         self.tokens[row, n] = root
         self.kv_len[row] = n
         if prefill_drafter:
@@ -691,9 +692,9 @@ class SpecEngine:
         if self.drafter is None:
             return
         dev = self.device
-        rows = torch.tensor([row], dtype=torch.long, device=dev)
+        rows = upload([row], dev)
         state = BatchState(rows=rows, rows_host=[row], tokens=self.tokens, tokens_host=[],
-                           kv_len=torch.tensor([n], device=dev), kv_len_host=[n], kv_len_all=self.kv_len)
+                           kv_len=upload([n], dev), kv_len_host=[n], kv_len_all=self.kv_len)
         ids = self.tokens[row, :n].unsqueeze(0)  # [1, n]
         positions = torch.arange(n, device=dev).unsqueeze(0)
         if self._wants_hidden():
@@ -710,11 +711,11 @@ class SpecEngine:
         dev = self.device
         t = max(e - s for s, e in zip(starts, ends))
         first = [max(0, e - t) for e in ends]
-        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
-        positions = torch.tensor(first, dtype=torch.long, device=dev).unsqueeze(1) + torch.arange(t, device=dev)
+        rows_t = upload(rows, dev)
+        positions = upload(first, dev).unsqueeze(1) + torch.arange(t, device=dev)
         ids = self.tokens[rows_t.unsqueeze(1), positions]  # [B, T]
         state = BatchState(rows=rows_t, rows_host=list(rows), tokens=self.tokens, tokens_host=[],
-                           kv_len=torch.tensor(ends, device=dev), kv_len_host=list(ends), kv_len_all=self.kv_len)
+                           kv_len=upload(ends, dev), kv_len_host=list(ends), kv_len_all=self.kv_len)
         self.drafter.catch_up(state, ids, positions, first)
 
     @torch.inference_mode()  # its buffers may have been made under inference mode (e.g. by a calibration)
@@ -798,23 +799,12 @@ def _pack(acc: Acceptance, tree: DraftTree) -> torch.Tensor:
 def shorten(tree: DraftTree, n: int, row_nodes: list[int] | None = None) -> DraftTree:
     """A step's drafts cut to their first n nodes (chains; `decode_step(num_nodes=n)`), and with `row_nodes` each row
     to its own count (drafts past it marked invalid, never accepted). A uniform cut only slices (no new mask: nothing
-    to upload); per-row counts go up through `_upload`."""
+    to upload); per-row counts go up through `upload`."""
     valid = tree.valid[:, :n]
     if row_nodes is not None:
         dev = tree.valid.device
-        valid = valid & (torch.arange(n, device=dev) < _upload(row_nodes, dev).unsqueeze(1))
+        valid = valid & (torch.arange(n, device=dev) < upload(row_nodes, dev).unsqueeze(1))
     probs = tree.draft_probs[:, :n] if tree.draft_probs is not None else None
     if tree.is_chain:
         return DraftTree.chain(tree.token_ids[:, :n], valid, probs)
     return DraftTree(tree.token_ids, tree.parents, tree.depths, valid, probs, depth_bound=tree.depth_bound)
-
-
-def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    """A small host list as a long tensor on `device` without waiting for the GPU: `torch.tensor(values,
-    device=cuda)` synchronizes the stream after its copy, which made every shortened serving step wait for the GPU
-    (BENCHMARKS.md 19.4); a pinned copy is queued on the stream instead."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
