@@ -460,13 +460,13 @@ elif [ "$PART" = g3 ]; then
     --formats int4 --ms 2,5,9,16,64 --int4-wide-rows-compare --replays 10
   step rows 30 $PY scripts/gpu_gemv.py --device cuda --out "$R/rows" --parts rows --sweep-configs 6.7b,1.45b \
     --rows-ms 2,5,9 --replays 10 --tune-budget-s 150
+  # (fourteenth session: greedy parity on tiny, graph modes and the overlapped loop against eager, now that every
+  # per-step and per-request upload is queued without waiting for the GPU: engine.graphs.upload)
+  step parity 40 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
 elif [ "$PART" = z4 ]; then
   # prepared in the thirteenth session, not run (device time spent): serving on small with the calibrations no longer
   # biased toward the full length (the shortened-step sync fixed, BENCHMARKS.md 19.4), 3 rates x 3 rotated rounds of
   # 768 requests, then one profiled run each of k = 2, adaptive and k = 4 (why adaptive trailed k = 2 on tiny, 19.5)
-  # (fourteenth session: first greedy parity on tiny, graph modes and the overlapped loop against eager, now that
-  # every per-step and per-request upload is queued without waiting for the GPU: engine.graphs.upload)
-  step parity 40 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
   train_small
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
     --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 0.5,1.0,1.5 --repeats 3 --no-thresholds \
