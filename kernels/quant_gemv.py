@@ -228,14 +228,16 @@ LOOP_STAGES: int | None = int(os.environ["WORKBENCH_GEMV_LOOP_STAGES"]) \
     if os.environ.get("WORKBENCH_GEMV_LOOP_STAGES") else None
 # Multi-row int4 calls (verify widths, prefill; BLOCK_M 16 on the tensor cores) in K tiles of whole groups: each
 # [BN, BK] weight tile dequantized with its groups' scales and zeros (the one-row ELEMENTWISE form's weights), in x's
-# dtype, then one tl.dot per tile, instead of one group per K tile (64 x g, a dot and a rescale per group). Measured
-# need (call z3, BENCHMARKS.md 19.5): at M = 5 our int4 reads 0.72-0.99x bf16 and tinygemm 1.02-1.33x. A dict: that
+# dtype, then one tl.dot per tile, instead of one group per K tile (64 x g, a dot and a rescale per group). A dict: that
 # tile (BLOCK_N, BLOCK_K, num_warps, num_stages) for every int4 call of M > 1 whose K tile holds whole groups; None:
-# off, the default (prepared in the thirteenth session, not yet run on a GPU). Env WORKBENCH_INT4_WIDE_ROWS=1 takes
-# INT4_WIDE_ROWS_TILE; gpu_quant.py's "+i4r" rows and gpu_gemv.py --int4-wide-rows-compare set it.
-INT4_WIDE_ROWS_TILE = dict(BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3)
-INT4_WIDE_ROWS: dict | None = dict(INT4_WIDE_ROWS_TILE) if os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "1" \
-    else None
+# one group per K tile. On by default since call g3 (BENCHMARKS.md 20.1): at M = 2-16 it took 0.75-0.91x the time of
+# one group per tile on every linear of 1.45 B and 6.7 B; its tile swept at M = 2, 5, 9, 32 x 256 with 4 warps was
+# the fastest in sum at both sizes (1-3 % ahead of 64 x 256 with 8 warps). tinygemm stays faster at M <= 5 (0.62x /
+# 0.93x of ours per 6.7 B layer at M = 2 / 5), ours at M = 9 (0.77x of tinygemm's). Env WORKBENCH_INT4_WIDE_ROWS=0:
+# off; gpu_quant.py's "+i4r" rows and gpu_gemv.py --int4-wide-rows-compare set INT4_WIDE_ROWS_TILE explicitly.
+INT4_WIDE_ROWS_TILE = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
+INT4_WIDE_ROWS: dict | None = None if os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "0" \
+    else dict(INT4_WIDE_ROWS_TILE)
 
 
 def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int, rule: bool | str = True) -> dict | None:

@@ -218,7 +218,8 @@ def part_speed(args, device) -> list[dict]:
                     if kernel == "triton" and m == 1 and args.loop_stages_compare:
                         variants += [(r, h, args.loop_stages_compare, w) for r, h, _, w in variants]
                     if kernel == "triton" and fmt == "int4" and m > 1 and args.int4_wide_rows_compare:
-                        variants.append((*defaults[:3], dict(quant_gemv.INT4_WIDE_ROWS_TILE)))
+                        # (the other state of the switch: one group per K tile when it is on, the default)
+                        variants.append((*defaults[:3], None if defaults[3] else dict(quant_gemv.INT4_WIDE_ROWS_TILE)))
                     for rows_max, half2, stages, wide_rows in variants:
                         quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2 = rows_max, half2
                         quant_gemv.LOOP_STAGES, quant_gemv.INT4_WIDE_ROWS = stages, wide_rows
@@ -612,8 +613,9 @@ def main() -> None:
     ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")
     ap.add_argument("--rows-warps", default="4,8", help="rows part: INT4_WIDE_ROWS num_warps values")
     ap.add_argument("--int4-wide-rows-compare", action="store_true", help="speed part: int4 triton calls of M > 1 "
-                    "timed once more in K tiles of whole groups on the tensor cores (kernels.quant_gemv."
-                    "INT4_WIDE_ROWS = INT4_WIDE_ROWS_TILE; kernel suffix '+i4r')")
+                    "timed once more with kernels.quant_gemv.INT4_WIDE_ROWS in its other state (K tiles of whole "
+                    "groups on the tensor cores, kernel suffix '+i4r', is the default; one group per K tile, no "
+                    "suffix, when the env WORKBENCH_INT4_WIDE_ROWS=0 did not already turn it off)")
     ap.add_argument("--parity-rtol", type=float, default=2 ** -7, help="max |err| / max |ref| that counts as ok")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=32000)

@@ -132,6 +132,11 @@ def parse_args(argv=None):
                         "'k=4,adaptive,k=2 (held out)') at the last rate under torch.profiler: host (and GPU) time and "
                         "op counts per step, and which ops differ from the first setting (profiles.md)")
     p.add_argument("--profile-requests", type=int, default=128, help="requests of each profiled run")
+    p.add_argument("--sync-sites", default="",
+                   help="after the profiles, one more run of each of these settings at the last rate (--profile-"
+                        "requests requests) with torch.cuda.set_sync_debug_mode('warn'): every host-device "
+                        "synchronization PyTorch makes, counted per serving iteration by the workbench lines that "
+                        "called it (syncs.md); with --repeats 0 only warm-up, saturation and these runs are served")
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="wall-clock budget after the models are loaded (H200, small: about 30 s more in total)")
     return p.parse_args(argv)
@@ -333,6 +338,23 @@ def main(argv=None) -> int:
                 profiles[name] = op_summary(prof, max(1, len(res.result.iterations)))
         result["profiles"] = profiles
         (out / "profiles.md").write_text(profile_table(profiles))
+    # -- syncs: where the host waits for the GPU, by call site (the profile's cudaStreamSynchronize calls) ---------
+    if args.sync_sites:
+        frac = float(args.rates.split(",")[-1])
+        syncs = {}
+        for name in [n.strip() for n in args.sync_sites.split(",") if n.strip()]:
+            if name not in settings_of:
+                result["skipped"].append({"part": "syncs", "setting": name, "why": "no such setting"})
+                continue
+            (res, _), sites = counted_syncs(lambda n=name: run(n, "syncs", True, rate=frac * saturation, seed=0,
+                                                               num_requests=args.profile_requests),
+                                            args.device.startswith("cuda"))
+            if res is not None:
+                syncs[name] = {"iterations": max(1, len(res.result.iterations)), "total": sum(sites.values()),
+                               "sites": dict(sites.most_common())}
+            result["syncs"] = syncs
+            (out / "syncs.md").write_text(sync_table(syncs))
+            flush()
         flush()
     # -- replay -------------------------------------------------------------------------------------------------
     fit = [it for (name, _, _), r in runs.items() if name in ("off", fixed) for it in r.result.iterations]
@@ -394,6 +416,79 @@ def profiled(fn, cuda: bool):
     with profile(activities=acts) as prof:
         res, _ = fn()
     return res, prof
+
+
+SYNC_WARNING = "synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_mode("warn") says
+
+
+def counted_syncs(fn, cuda: bool, roots: tuple[str, ...] = ("workbench", "kernels")):
+    """fn() with every host-device synchronization PyTorch makes reported (torch.cuda.set_sync_debug_mode("warn") on a
+    GPU; a warning whose text holds SYNC_WARNING): (fn's result, Counter of call sites, `call_site` of each)."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    import torch
+
+    sites = Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if SYNC_WARNING in str(message):
+            sites[call_site(traceback.extract_stack()[:-1], roots)] += 1
+
+    with warnings.catch_warnings():  # restores warnings.showwarning and the filters on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            res = fn()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+    return res, sites
+
+
+def call_site(stack, roots: tuple[str, ...], depth: int = 2) -> str:
+    """The innermost `depth` frames of `stack` (traceback.extract_stack(), outermost first) in a folder named in
+    `roots`, innermost first: "workbench/engine/step.py:508 decode_step < workbench/serving/loop.py:382 _decode";
+    the innermost frame of all when none is. Decorators' frames (named "wrapper") are left out.
+
+    >>> import traceback
+    >>> fs = [traceback.FrameSummary("/r/workbench/serving/loop.py", 382, "_decode"),
+    ...       traceback.FrameSummary("/r/workbench/engine/step.py", 67, "wrapper"),
+    ...       traceback.FrameSummary("/r/workbench/engine/step.py", 508, "decode_step"),
+    ...       traceback.FrameSummary("/usr/lib/torch/_tensor.py", 9, "cpu")]
+    >>> call_site(fs, ("workbench",))
+    'workbench/engine/step.py:508 decode_step < workbench/serving/loop.py:382 _decode'
+    """
+    ours = []
+    for f in reversed(stack):
+        parts = Path(f.filename).parts
+        hit = next((i for i in range(len(parts) - 1, -1, -1) if parts[i] in roots), None)
+        if hit is not None and f.name != "wrapper":
+            ours.append(f"{'/'.join(parts[hit:])}:{f.lineno} {f.name}")
+            if len(ours) == depth:
+                break
+    if not ours and stack:
+        f = stack[-1]
+        ours.append(f"{f.filename}:{f.lineno} {f.name}")
+    return " < ".join(ours)
+
+
+def sync_table(syncs: dict) -> str:
+    """Markdown: per setting its iterations and synchronizations per iteration, then its call sites."""
+    if not syncs:
+        return "No sync runs.\n"
+    lines = ["# Host-device synchronizations made by PyTorch, per serving iteration "
+             "(torch.cuda.set_sync_debug_mode)", "", "| setting | iterations | syncs | per iteration |",
+             "|---|---|---|---|"]
+    lines += [f"| {n} | {s['iterations']} | {s['total']} | {s['total'] / s['iterations']:.2f} |"
+              for n, s in syncs.items()]
+    for n, s in syncs.items():
+        lines += ["", f"## {n}: call sites (innermost first)", "", "| site | syncs | per iteration |", "|---|---|---|"]
+        lines += [f"| `{site}` | {c} | {c / s['iterations']:.2f} |" for site, c in s["sites"].items()]
+    return "\n".join(lines) + "\n"
 
 
 def op_summary(prof, steps: int) -> dict:

@@ -55,7 +55,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -471,6 +471,21 @@ elif [ "$PART" = z4 ]; then
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
     --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 0.5,1.0,1.5 --repeats 3 --no-thresholds \
     --profile-settings "k=2 (held out),adaptive,k=4" --budget-s "${SERVING_S:-330}"
+elif [ "$PART" = h1 ]; then
+  # fifteenth session, first call (no training): where the serving loop waits for the GPU, by call site (z4's
+  # profiles: host 4.7 ms against 2.4-2.6 ms of GPU time per iteration, 6-7 cudaStreamSynchronize per iteration), on
+  # tiny at 1.5x with z2's schedule, beside profiles of the same settings; then greedy parity and speed of int4 on
+  # tiny with our kernel's new default above one row (INT4_WIDE_ROWS, K tiles of whole groups), the old one and tinygemm
+  step syncs 60 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/syncs" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 256 --warmup-requests 32 --rates 1.5 --repeats 0 --no-thresholds \
+    --k-by-batch 1-32:4,33-64:2 --sync-sites "off,k=4,adaptive,k=2 (held out)" \
+    --profile-settings "k=2 (held out),adaptive,k=4" --profile-requests 256 --budget-s "${SERVING_S:-150}"
+  for spec in "ngram 1 triton 1" "ngram 1 triton 0" "ngram 1 aten 1" "draft 4 triton 1" "draft 4 aten 1"; do
+    set -- $spec
+    step "int4_$1_b$2_$3_rows$4" 20 env WORKBENCH_INT4_WIDE_ROWS="$4" $PY -m workbench bench --preset tiny \
+      --method "$1" --k 4 --batch "$2" --max-new-tokens 64 --num-prompts 8 --repeats 3 --cuda-graphs \
+      --graph-batch-sizes "$2" --target-quant int4 --quant-kernel "$3" --temperature 0 --no-store --json
+  done
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call

@@ -316,12 +316,14 @@ def test_grouped_k_tiles_lie_in_one_group_or_hold_whole_groups():
         assert gemv_config(fmt, 1, 64, 1024, 32, BLOCK_K=16)["BLOCK_K"] == 16  # half a group
         with pytest.raises(GemvError, match="BLOCK_K=48 must divide the .* group size 32 or, one row at a time"):
             gemv_config(fmt, 1, 64, 1024, 32, BLOCK_K=48)
-        with pytest.raises(GemvError, match="BLOCK_K=64 must divide"):
-            gemv_config(fmt, 4, 64, 1024, 32, BLOCK_K=64)  # M > 1: tensor-core tiles take one group a tile
+        with pytest.raises(GemvError, match="BLOCK_K=64 must divide"):  # M > 1 without int4's INT4_WIDE_ROWS:
+            gemv_config(fmt, 4, 64, 1024, 32, BLOCK_K=64, int4_rows={})  # tensor-core tiles take one group a tile
         with pytest.raises(GemvError, match="only the ELEMENTWISE form"):
             gemv_config(fmt, 1, 64, 1024, 32, BLOCK_K=64, ELEMENTWISE=False)
         with pytest.raises(GemvError, match="one-row form"):
-            gemv_config(fmt, 4, 64, 1024, 32, ELEMENTWISE=True)
+            gemv_config(fmt, 4, 64, 1024, 32, ELEMENTWISE=True, int4_rows={})
+    # int4 with INT4_WIDE_ROWS (the default): M > 1 tiles of whole groups are its form
+    assert gemv_config("int4", 4, 64, 1024, 32, BLOCK_K=64, int4_rows=qg.INT4_WIDE_ROWS_TILE)["BLOCK_K"] == 64
     # the default: the measured rule (INT4_WIDE_TILES True, call g1): 16 x 1024 fp32 words unsplit while half the
     # SMs get a tile, 32 x 1024 (K >= 4096) or 32 x 512 packed fp16 words with 4 warps from N = 8192, down
     # projections (K >= 2 N) 32 x 512 packed with 4 warps and split; "f2" / "e3": the rules before (8 warps; 64 x 512
@@ -350,7 +352,8 @@ def test_grouped_k_tiles_lie_in_one_group_or_hold_whole_groups():
     wide = dict(BLOCK_N=32, BLOCK_K=512, num_warps=8, num_stages=3)
     c = gemv_config("int4", 1, 4096, 4096, 128, int4_wide=wide)
     assert {key: c[key] for key in wide} == wide and c["BLOCK_M"] == 1
-    assert gemv_config("int4", 4, 4096, 4096, 128, int4_wide=wide)["BLOCK_K"] == 128  # M > 1 keeps its tiles
+    assert gemv_config("int4", 4, 4096, 4096, 128, int4_wide=wide, int4_rows={})["BLOCK_K"] == 128  # M > 1 keeps
+    assert gemv_config("int4", 4, 4096, 4096, 128, int4_wide=wide)["BLOCK_K"] == 256  # its tiles (INT4_WIDE_ROWS')
     assert gemv_config("int4", 1, 64, 256, 32, int4_wide=wide)["BLOCK_K"] == 256  # no K tile past K
     qg.set_m1_tiles({("int4", 4096, 4096): dict(BLOCK_N=16, BLOCK_K=1024, ELEMENTWISE=True, CVT_BITS=True)})
     try:  # a tune's int4 winners load as measured tiles (scripts/gpu_quant.py --m1-tiles)
@@ -602,12 +605,19 @@ def test_int4_wide_tiles_switch_reaches_the_launch(monkeypatch):
     assert launched == [(512, 16), (32, 0), (128, 4)]  # the rule's 1024 capped at K's next power of two
 
 
-def test_int4_wide_rows_config_is_off_by_default_and_takes_whole_groups():
-    """INT4_WIDE_ROWS (M > 1 int4 in K tiles of whole groups on the tensor cores) is off by default (one group a K
-    tile); on, M > 1 calls take its tile where the K tile holds whole groups, else keep one group a tile; one-row
-    calls are untouched."""
+def test_int4_wide_rows_config_is_on_by_default_and_takes_whole_groups():
+    """INT4_WIDE_ROWS (M > 1 int4 in K tiles of whole groups on the tensor cores) is on by default with call g3's
+    fastest tile (32 x 256, 4 warps) unless the env turns it off; on, M > 1 calls take its tile where the K tile holds
+    whole groups, else keep one group a tile; off ({} or None), one group a K tile; one-row calls are untouched."""
+    if os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "0":
+        assert qg.INT4_WIDE_ROWS is None
+    else:
+        assert qg.INT4_WIDE_ROWS == qg.INT4_WIDE_ROWS_TILE == dict(BLOCK_N=32, BLOCK_K=256, num_warps=4,
+                                                                   num_stages=3)
+        default = gemv_config("int4", 5, 4096, 4096, 128)
+        assert (default["BLOCK_N"], default["BLOCK_K"], default["num_warps"], default.get("WIDE_ROWS")) == (
+            32, 256, 4, True)
     tile = dict(BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3)
-    assert qg.INT4_WIDE_ROWS is None or os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "1"
     off = gemv_config("int4", 5, 4096, 4096, 128, int4_rows={})
     assert (off["BLOCK_M"], off["BLOCK_N"], off["BLOCK_K"], off.get("ELEMENTWISE")) == (16, 64, 128, None)
     on = gemv_config("int4", 5, 4096, 4096, 128, int4_rows=tile)
@@ -619,7 +629,7 @@ def test_int4_wide_rows_config_is_off_by_default_and_takes_whole_groups():
     assert gemv_config("int4", 1, 4096, 4096, 128, int4_rows=tile) == gemv_config("int4", 1, 4096, 4096, 128)
     assert gemv_config("int8g", 5, 4096, 4096, 32, int4_rows=tile).get("ELEMENTWISE") is None  # int4 only
     with pytest.raises(GemvError, match="one-row form"):  # the multi-row ELEMENTWISE form is int4's switch only
-        gemv_config("int4", 5, 4096, 4096, 128, ELEMENTWISE=True)
+        gemv_config("int4", 5, 4096, 4096, 128, int4_rows={}, ELEMENTWISE=True)
 
 
 @interpreter

@@ -374,6 +374,44 @@ def test_gpu_serving_profiles_settings_and_diffs_them(tmp_path):
     assert "## adaptive against k=4" in text and "| aten::mm |" in text
 
 
+def test_gpu_serving_counts_sync_sites_per_setting(tmp_path, monkeypatch):
+    """--sync-sites: one more run per named setting with PyTorch's sync warnings counted by workbench call site (on a
+    CPU no op synchronizes, so the test makes the step's one device->host read, `Tensor.cpu`, warn as a GPU would);
+    other warnings are not counted; --repeats 0 serves no sweep; an unknown name is skipped by name."""
+    import json
+    import sys
+    import warnings
+
+    import torch
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    cpu = torch.Tensor.cpu
+
+    def warning_cpu(self, *a, **kw):
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else")
+        return cpu(self, *a, **kw)
+
+    args = ["--device", "cpu", "--preset", "tiny", "--num-requests", "3", "--warmup-requests", "1",
+            "--max-new-tokens", "5", "--rates", "1", "--max-num-seqs", "2", "--k-by-batch", "1-2:2",
+            "--repeats", "0", "--no-thresholds", "--out", str(tmp_path), "--sync-sites", "k=4,nonesuch",
+            "--profile-requests", "3"]
+    monkeypatch.setattr(torch.Tensor, "cpu", warning_cpu)
+    assert gpu_serving.main(args) == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert not r["sweep"] and set(r["syncs"]) == {"k=4"}
+    assert {"part": "syncs", "setting": "nonesuch", "why": "no such setting"} in r["skipped"]
+    s = r["syncs"]["k=4"]
+    step_sites = [site for site in s["sites"] if site.startswith("workbench/engine/step.py:")
+                  and site.split(" < ")[0].endswith(" decode_step")]
+    assert len(step_sites) == 1 and " < workbench/serving/" in step_sites[0]
+    assert 0 < s["sites"][step_sites[0]] <= s["iterations"] and s["total"] == sum(s["sites"].values())
+    text = (tmp_path / "syncs.md").read_text()
+    assert f"`{step_sites[0]}`" in text and "| k=4 |" in text
+
+
 def test_gpu_serving_eager_prefill_controls(tmp_path):
     """--eager-prefill-controls: off and fixed k also run with prefill_graphs off in every round, on the same arrivals,
     and prefill_checks compares them (ratio = captured / eager median tokens/s; the fixed-shape step runs on a CPU)."""

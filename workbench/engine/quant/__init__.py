@@ -210,8 +210,9 @@ def auto_kernel(fmt: str, cuda: bool, triton_ok: bool) -> str:
     """What quant_kernel "auto" runs, by measurement on the H200 (BENCHMARKS.md 9.3, 6.7 B decode, batch 1): int8 and
     fp8 take the Triton GEMVs on a GPU where Triton runs (1.24x / 1.41x bf16, where PyTorch's int8 op gave 0.10x and
     `_scaled_mm` 0.74x); int4 keeps tinygemm. Our int4 GEMV is faster at one row since call g1 (BENCHMARKS.md 19.3:
-    1.875x against tinygemm's 1.614x bf16 at 6.7 B, default fusion), but tinygemm is 1.2-1.5x faster at a 5-row
-    verify (19.5), the width speculation runs: `--quant-kernel triton` picks ours. On a CPU fp8 uses `_scaled_mm`
+    1.875x against tinygemm's 1.614x bf16 at 6.7 B, default fusion), but tinygemm is faster at the 2-5 row verifies
+    speculation runs: with K tiles of whole groups (call g3, 20.1) ours takes 1.07x tinygemm's time per 6.7 B layer
+    at 5 rows and 1.6x at 2 (at 9 rows 0.77x). `--quant-kernel triton` picks ours. On a CPU fp8 uses `_scaled_mm`
     and int8 / int4 dequantize then multiply.
 
     >>> auto_kernel("fp8", True, True), auto_kernel("int4", True, True), auto_kernel("int8", True, False)
