@@ -22,7 +22,8 @@
 # (f3's small speed part again, per-repeat tok/s): the twelfth session's calls; g1 (the K loop software-pipelined)
 # and z, then g2 (int4 tiles around g1's), z2 (serving at 1.5x, longer windows) and z3 (z2's schedule on tiny after
 # the sync fix; int4 above one row): the thirteenth session's; g3 (int4 above one row in K tiles of whole groups)
-# and z4 (serving with unbiased calibrations, profiled) are prepared for the next one.
+# and z4 (serving with unbiased calibrations, profiled): the fourteenth's; h1 (the serving loop's syncs by call site;
+# int4 benches), h2 (h1 after its fixes; trains small) and z5 (z4's sweep after them): the fifteenth's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -55,7 +56,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -486,6 +487,29 @@ elif [ "$PART" = h1 ]; then
       --method "$1" --k 4 --batch "$2" --max-new-tokens 64 --num-prompts 8 --repeats 3 --cuda-graphs \
       --graph-batch-sizes "$2" --target-quant int4 --quant-kernel "$3" --temperature 0 --no-store --json
   done
+elif [ "$PART" = h2 ]; then
+  # fifteenth session, second call: h1's sync count and profiles on tiny again after its fixes (the block table
+  # uploaded as one image, no host scalar written into engine state, an iteration's first tokens read at once);
+  # h1's int4 benches in bf16 (the int4 kernels' input type; h1 forgot --dtype); then train small for call z5
+  step syncs 60 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/syncs" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 256 --warmup-requests 32 --rates 1.5 --repeats 0 --no-thresholds \
+    --k-by-batch 1-32:4,33-64:2 --sync-sites "off,k=4,adaptive,k=2 (held out)" \
+    --profile-settings "k=2 (held out),adaptive,k=4" --profile-requests 256 --budget-s "${SERVING_S:-150}"
+  for spec in "ngram 1 triton 1" "ngram 1 triton 0" "ngram 1 aten 1" "draft 4 triton 1" "draft 4 aten 1"; do
+    set -- $spec
+    step "int4_$1_b$2_$3_rows$4" 20 env WORKBENCH_INT4_WIDE_ROWS="$4" $PY -m workbench bench --preset tiny \
+      --method "$1" --k 4 --batch "$2" --max-new-tokens 64 --num-prompts 8 --repeats 3 --cuda-graphs \
+      --graph-batch-sizes "$2" --target-quant int4 --quant-kernel "$3" --dtype bfloat16 --temperature 0 \
+      --no-store --json
+  done
+  train_small
+elif [ "$PART" = z5 ]; then
+  # fifteenth session, right after h2 on the same machine (small trained there): z4's sweep again after h1's fixes
+  # of the serving loop's host work (every setting gains; does adaptive now reach the better of off and fixed k?)
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 0.5,1.0,1.5 --repeats 3 --no-thresholds \
+    --budget-s "${SERVING_S:-330}"
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call

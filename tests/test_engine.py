@@ -373,3 +373,36 @@ def test_block_table_uploads_do_not_wait_for_the_device():
     assert modes == [True]
     assert [table[r, :len(b)].tolist() for r, b in enumerate(cache._host_table[:2])] == cache._host_table[:2]
     assert [len(b) for b in cache._host_table[:2]] == [2, 3]
+
+
+def test_block_table_upload_is_one_copy_of_the_host_image(monkeypatch):
+    """Each upload of the block table is one copy of a host image refreshed only in the rows that changed (taken,
+    dropped, re-taken blocks; a prefix cache's attached blocks): no tensor is built per cache row (about 5 host ops
+    per row per upload before: 190 per serving iteration on tiny, call h1). After any such sequence the device table
+    is every row's host blocks, then zeros; the padding row keeps its own blocks."""
+    from workbench.engine import kv_cache as kv_mod
+    from workbench.serving.prefix_cache import PrefixCachingKVCache
+
+    made = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(kv_mod.torch, "tensor", lambda *a, **kw: made.append(1) or real_tensor(*a, **kw))
+    cache = PagedKVCache(1, 1, 2, max_rows=3, max_len=12, dtype=torch.float32, device="cpu", block_size=2)
+
+    def expect(c):
+        rows = [b + [0] * (c.blocks_per_row - len(b)) for b in c._host_table]
+        assert c.block_table.tolist() == rows
+
+    cache.plan([0, 1, 2], [0, 2, 4], 3)  # 2, 3 and 4 blocks
+    expect(cache)
+    cache.truncate(1, 1)  # row 1 drops to one block: the device keeps stale entries until the next upload
+    cache.free(2)
+    cache.plan([0, 1], [3, 1], 4)  # row 0 grows to 4 blocks, row 1 back to 3 (blocks reused from rows 1 and 2)
+    expect(cache)
+    assert cache.block_table[cache.pad_row].tolist() == cache._host_table[-1]
+    assert made == [], "a tensor built per row"
+    shared = PrefixCachingKVCache(1, 1, 2, max_rows=2, max_len=8, dtype=torch.float32, device="cpu", block_size=2)
+    shared.plan([0], [0], 6)
+    shared.register(0, list(range(6)), 6)
+    shared.attach(1, shared.match(list(range(6)), 2))  # row 1 starts with row 0's first two blocks
+    expect(shared)
+    assert shared._host_table[1] == shared._host_table[0][:2] and made == []

@@ -410,3 +410,50 @@ def test_serving_uploads_host_values_without_a_device_argument(target, draft, so
     assert_solo(res, reqs, solo)
     assert calls == [], f"syncing uploads in {sorted(set(calls))}"
     assert len(uploads) >= len(reqs)  # the uploads did happen, through `upload`
+
+
+def test_serving_writes_no_host_scalar_into_engine_state(target, draft, solo, monkeypatch):
+    """`state[row] = n` on a CUDA tensor copies a host scalar and synchronizes (call h1 found 3 such syncs per request
+    in serving: a row's root token and kv_len at its start, its kv_len at release). The engine's per-row state
+    (tokens, kv_len) is written by `upload` or `fill_` instead: no Python number ever reaches their __setitem__
+    during a serve with chunked prefill (on CPU the same values land, so outputs are unchanged)."""
+    engine = make_engine("draft", target, draft)
+    reqs = random_requests(6)
+    serve(engine, reqs[:1])
+    state = (engine.tokens, engine.kv_len)
+    real, scalars = torch.Tensor.__setitem__, []
+
+    def spy(self, index, value):
+        if any(self is t for t in state) and isinstance(value, (int, float, bool)):
+            scalars.append(index)
+        return real(self, index, value)
+
+    monkeypatch.setattr(torch.Tensor, "__setitem__", spy)
+    res = serve(engine, reqs, prefill_chunk=5)
+    assert_solo(res, reqs, solo)
+    assert scalars == [], f"host scalars written into engine state at {scalars[:5]}"
+
+
+def test_serving_reads_an_iterations_first_tokens_at_once(target, draft, solo, monkeypatch):
+    """Requests that finish their prefill in the same iteration have their first tokens read together: one
+    device->host read per such iteration, not one per request (each read waits for the GPU). Requests all arriving at
+    once make several finish together; the outputs still equal each request's solo greedy output."""
+    import traceback
+
+    from workbench.serving import loop as loop_mod
+
+    reqs = [Request(i, r.prompt, r.max_new_tokens, arrival_s=0.0) for i, r in enumerate(random_requests(3))]
+    engine = make_engine("ngram", target, draft)
+    reads, real_tolist, real_int = [], torch.Tensor.tolist, torch.Tensor.__int__
+
+    def site():
+        return traceback.extract_stack(limit=3)[0].filename == loop_mod.__file__
+
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: (reads.append(self.numel()) if site() else None)
+                        or real_tolist(self))
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda self: (reads.append("int") if site() else None)
+                        or real_int(self))
+    res = serve(engine, reqs, max_num_seqs=4)
+    assert_solo(res, reqs, solo)
+    assert "int" not in reads and sum(reads) == len(reqs)  # every first token read once, all through tolist
+    assert len(reads) < len(reqs) and max(reads) == 4  # 4 rows joined together in the first iteration

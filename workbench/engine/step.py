@@ -679,9 +679,9 @@ class SpecEngine:
         prefill_drafter False leaves a draft model's own KV empty, for `catch_up_drafter` before the row's first draft
         (serving: a row that never drafts never pays for it)."""
         dev, n = self.device, len(context)
-        self.tokens[row, :n] = upload(context, dev)
-        self.tokens[row, n] = root
-        self.kv_len[row] = n
+        self.tokens[row, :n + 1] = upload(list(context) + [root], dev)
+        self.kv_len[row].fill_(n)  # a kernel with n as its argument: `kv_len[row] = n` copies a host scalar and
+        # synchronizes (one of 3 syncs per request that call h1 found in serving: --sync-sites)
         if prefill_drafter:
             self.sync_drafter(row, n, hidden)
 
@@ -730,7 +730,7 @@ class SpecEngine:
     def release_row(self, row: int) -> None:
         """The row's sequence finished or was preempted: its cache blocks and the drafter's state are released."""
         self.cache.free(row)
-        self.kv_len[row] = PAD_LEN
+        self.kv_len[row].fill_(PAD_LEN)  # no host scalar copied (that synchronizes): see start_row
         if self.drafter is not None:
             self.drafter.release(row)
 

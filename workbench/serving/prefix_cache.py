@@ -111,6 +111,7 @@ class PrefixCachingKVCache(PagedKVCache):
             self._ref[block] += 1
         self._host_table[row] = list(blocks)
         if blocks:
+            self._stale.add(row)
             self._sync_table()
 
     def register(self, row: int, tokens: list[int], upto: int) -> None:
