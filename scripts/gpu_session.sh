@@ -23,7 +23,8 @@
 # and z, then g2 (int4 tiles around g1's), z2 (serving at 1.5x, longer windows) and z3 (z2's schedule on tiny after
 # the sync fix; int4 above one row): the thirteenth session's; g3 (int4 above one row in K tiles of whole groups)
 # and z4 (serving with unbiased calibrations, profiled): the fourteenth's; h1 (the serving loop's syncs by call site;
-# int4 benches), h2 (h1 after its fixes; trains small) and z5 (z4's sweep after them): the fifteenth's.
+# int4 benches), h2 (h1 after its fixes; trains small), z5 (z4's sweep after them) and h3 (serving parity on the GPU,
+# the fast path's parity): the fifteenth's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -56,7 +57,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -510,6 +511,13 @@ elif [ "$PART" = z5 ]; then
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
     --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 0.5,1.0,1.5 --repeats 3 --no-thresholds \
     --budget-s "${SERVING_S:-330}"
+elif [ "$PART" = h3 ]; then
+  # fifteenth session, last call: after the serving loop's fixes (the block table uploaded as one pinned image, no
+  # host scalar into engine state, first tokens read at once), in-flight parity on the GPU (every request against its
+  # solo greedy output: chains, an adaptive schedule, chunked prefill, prefix reuse, max_util preemption) and the
+  # fast path's greedy parity (graph modes and the overlapped loop, which uploads block tables while a step runs)
+  step serving_parity 40 $PY scripts/gpu_serving_parity.py --device cuda --preset tiny --out "$R/serving_parity"
+  step parity 40 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call

@@ -457,3 +457,21 @@ def test_serving_reads_an_iterations_first_tokens_at_once(target, draft, solo, m
     assert_solo(res, reqs, solo)
     assert "int" not in reads and sum(reads) == len(reqs)  # every first token read once, all through tolist
     assert len(reads) < len(reqs) and max(reads) == 4  # 4 rows joined together in the first iteration
+
+
+def test_gpu_serving_parity_script_on_cpu(tmp_path):
+    """scripts/gpu_serving_parity.py (the GPU record of in-flight parity) on a CPU with the committed tiny preset:
+    every setting serves all requests equal to their solo greedy outputs, with real batching, preemptions and
+    prefix hits; both files written; exit status 0."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving_parity
+
+    assert gpu_serving_parity.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "6",
+                                    "--max-new-tokens", "10", "--out", str(tmp_path)]) == 0
+    rows = {r["setting"]: r for r in json.loads((tmp_path / "serving_parity.json").read_text())["rows"]}
+    assert set(rows) == set(gpu_serving_parity.SETTINGS)
+    assert all(r["equal"] == r["requests"] == 6 and not r["differ"] for r in rows.values())
+    assert rows["off"]["max_batch"] > 1
+    assert rows["draft k=4, max_util preemption"]["preemptions"] > 0
+    assert rows["ngram k=4, prefix reuse"]["prefix_hit_rate"] > 0
+    assert "| off | 6/6 |" in (tmp_path / "serving_parity.md").read_text()
