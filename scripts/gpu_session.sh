@@ -23,8 +23,8 @@
 # and z, then g2 (int4 tiles around g1's), z2 (serving at 1.5x, longer windows) and z3 (z2's schedule on tiny after
 # the sync fix; int4 above one row): the thirteenth session's; g3 (int4 above one row in K tiles of whole groups)
 # and z4 (serving with unbiased calibrations, profiled): the fourteenth's; h1 (the serving loop's syncs by call site;
-# int4 benches), h2 (h1 after its fixes; trains small), z5 (z4's sweep after them) and h3 (serving parity on the GPU,
-# the fast path's parity): the fifteenth's.
+# int4 benches), h2 (h1 after its fixes; trains small), z5 (z4's sweep after them), h3 (serving parity on the GPU,
+# the fast path's parity) and h4 (small's serving iteration profiled after the fixes): the fifteenth's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -518,6 +518,15 @@ elif [ "$PART" = h3 ]; then
   # fast path's greedy parity (graph modes and the overlapped loop, which uploads block tables while a step runs)
   step serving_parity 40 $PY scripts/gpu_serving_parity.py --device cuda --preset tiny --out "$R/serving_parity"
   step parity 40 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
+elif [ "$PART" = h4 ]; then
+  # fifteenth session: where small's serving iteration spends its time after h1's fixes (z4 profiled 4.7 ms of host
+  # against 2.4-2.6 ms of GPU time per iteration; z5's replay fit charges 1.4 ms per prefill forward): syncs by call
+  # site and profiles of off, k = 2 and k = 4 at 1.0x saturation, no sweep
+  train_small
+  step syncs 60 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/syncs" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 1.0 --repeats 0 --no-thresholds \
+    --k-by-batch 1-64:3 --sync-sites "off,k=4" --profile-settings "off,k=2 (held out),k=4" \
+    --profile-requests 512 --budget-s "${SERVING_S:-150}"
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call
