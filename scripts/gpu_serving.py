@@ -323,38 +323,34 @@ def main(argv=None) -> int:
                             result["threshold_checks_other_shape"] = threshold_checks(
                                 result["thresholds"], fixed, args.cliff_pct, adaptive=OTHER)
                         flush()
+    def watched(names: str, part: str, watch):
+        """One more run of each named setting at the last rate under `watch` (`profiled`, `counted_syncs`): yields
+        (name, the run's result, what `watch` recorded); an unknown name is skipped by name."""
+        frac = float(args.rates.split(",")[-1])
+        for name in [n.strip() for n in names.split(",") if n.strip()]:
+            if name not in settings_of:
+                result["skipped"].append({"part": part, "setting": name, "why": "no such setting"})
+                continue
+            res, seen = watch(lambda n=name: run(n, part, True, rate=frac * saturation, seed=0,
+                                                 num_requests=args.profile_requests), args.device.startswith("cuda"))
+            if res is not None:
+                yield name, res, seen
+
     # -- profiles: where a setting's steps spend host time (why adaptive trails the fixed k it runs: 19.5) --------
     if args.profile_settings:
-        frac = float(args.rates.split(",")[-1])
-        profiles = {}
-        for name in [n.strip() for n in args.profile_settings.split(",") if n.strip()]:
-            if name not in settings_of:
-                result["skipped"].append({"part": "profile", "setting": name, "why": "no such setting"})
-                continue
-            res, prof = profiled(lambda n=name: run(n, "profile", True, rate=frac * saturation, seed=0,
-                                                    num_requests=args.profile_requests),
-                                 args.device.startswith("cuda"))
-            if res is not None:
-                profiles[name] = op_summary(prof, max(1, len(res.result.iterations)))
+        profiles = {name: op_summary(prof, max(1, len(res.result.iterations)))
+                    for name, res, prof in watched(args.profile_settings, "profile", profiled)}
         result["profiles"] = profiles
         (out / "profiles.md").write_text(profile_table(profiles))
     # -- syncs: where the host waits for the GPU, by call site (the profile's cudaStreamSynchronize calls) ---------
     if args.sync_sites:
-        frac = float(args.rates.split(",")[-1])
-        syncs = {}
-        for name in [n.strip() for n in args.sync_sites.split(",") if n.strip()]:
-            if name not in settings_of:
-                result["skipped"].append({"part": "syncs", "setting": name, "why": "no such setting"})
-                continue
-            (res, _), sites = counted_syncs(lambda n=name: run(n, "syncs", True, rate=frac * saturation, seed=0,
-                                                               num_requests=args.profile_requests),
-                                            args.device.startswith("cuda"))
-            if res is not None:
-                syncs[name] = {"iterations": max(1, len(res.result.iterations)), "total": sum(sites.values()),
-                               "sites": dict(sites.most_common())}
-            result["syncs"] = syncs
+        syncs = result["syncs"] = {}
+        for name, res, sites in watched(args.sync_sites, "syncs", counted_syncs):
+            syncs[name] = {"iterations": max(1, len(res.result.iterations)), "total": sum(sites.values()),
+                           "sites": dict(sites.most_common())}
             (out / "syncs.md").write_text(sync_table(syncs))
             flush()
+        (out / "syncs.md").write_text(sync_table(syncs))
         flush()
     # -- replay -------------------------------------------------------------------------------------------------
     fit = [it for (name, _, _), r in runs.items() if name in ("off", fixed) for it in r.result.iterations]
@@ -423,7 +419,7 @@ SYNC_WARNING = "synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_
 
 def counted_syncs(fn, cuda: bool, roots: tuple[str, ...] = ("workbench", "kernels")):
     """fn() with every host-device synchronization PyTorch makes reported (torch.cuda.set_sync_debug_mode("warn") on a
-    GPU; a warning whose text holds SYNC_WARNING): (fn's result, Counter of call sites, `call_site` of each)."""
+    GPU; a warning whose text holds SYNC_WARNING): (fn's first result, Counter of call sites, `call_site` of each)."""
     import traceback
     import warnings
     from collections import Counter
@@ -442,7 +438,7 @@ def counted_syncs(fn, cuda: bool, roots: tuple[str, ...] = ("workbench", "kernel
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            res = fn()
+            res, _ = fn()
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode(0)

@@ -77,6 +77,22 @@ eagle_tiny() {  # eagle_tiny STEP pdl|no-pdl [EAGER]: bench eagle on tiny (k = 4
     --max-new-tokens 48 --num-prompts 8 --repeats 3 --cuda-graphs --graph-batch-sizes 1,2,4 --temperature 0 --"$2" \
     --no-store --json
 }
+syncs_tiny() {  # the serving loop's syncs by call site and its profiles on tiny at 1.5x, z2's schedule (h1, h2)
+  step syncs 60 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/syncs" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 256 --warmup-requests 32 --rates 1.5 --repeats 0 --no-thresholds \
+    --k-by-batch 1-32:4,33-64:2 --sync-sites "off,k=4,adaptive,k=2 (held out)" \
+    --profile-settings "k=2 (held out),adaptive,k=4" --profile-requests 256 --budget-s "${SERVING_S:-150}"
+}
+int4_tiny() {  # int4_tiny [BENCH ARGS...]: an int4 target on tiny, n-gram batch 1 (our kernel with whole-group rows
+  # or one group, tinygemm) and the draft model at batch 4 (ours, tinygemm): greedy parity with the same target's AR
+  local spec m b kern rows
+  for spec in "ngram 1 triton 1" "ngram 1 triton 0" "ngram 1 aten 1" "draft 4 triton 1" "draft 4 aten 1"; do
+    read -r m b kern rows <<< "$spec"
+    step "int4_${m}_b${b}_${kern}_rows${rows}" 20 env WORKBENCH_INT4_WIDE_ROWS="$rows" $PY -m workbench bench \
+      --preset tiny --method "$m" --k 4 --batch "$b" --max-new-tokens 64 --num-prompts 8 --repeats 3 --cuda-graphs \
+      --graph-batch-sizes "$b" --target-quant int4 --quant-kernel "$kern" --temperature 0 --no-store --json "$@"
+  done
+}
 ngram_small() {  # ngram_small STEP QUANT_KERNEL GEMV_FUSION [ENV=VALUE...]: bench n-gram k = 4 on small, batch 1, bf16,
   # graphs + compile, 5 repeats (AR and n-gram in one process), under the given environment
   local name=$1 kern=$2 fusion=$3; shift 3
@@ -478,31 +494,15 @@ elif [ "$PART" = h1 ]; then
   # profiles: host 4.7 ms against 2.4-2.6 ms of GPU time per iteration, 6-7 cudaStreamSynchronize per iteration), on
   # tiny at 1.5x with z2's schedule, beside profiles of the same settings; then greedy parity and speed of int4 on
   # tiny with our kernel's new default above one row (INT4_WIDE_ROWS, K tiles of whole groups), the old one and tinygemm
-  step syncs 60 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/syncs" --method ngram --k 4 \
-    --max-num-seqs 64 --num-requests 256 --warmup-requests 32 --rates 1.5 --repeats 0 --no-thresholds \
-    --k-by-batch 1-32:4,33-64:2 --sync-sites "off,k=4,adaptive,k=2 (held out)" \
-    --profile-settings "k=2 (held out),adaptive,k=4" --profile-requests 256 --budget-s "${SERVING_S:-150}"
-  for spec in "ngram 1 triton 1" "ngram 1 triton 0" "ngram 1 aten 1" "draft 4 triton 1" "draft 4 aten 1"; do
-    set -- $spec
-    step "int4_$1_b$2_$3_rows$4" 20 env WORKBENCH_INT4_WIDE_ROWS="$4" $PY -m workbench bench --preset tiny \
-      --method "$1" --k 4 --batch "$2" --max-new-tokens 64 --num-prompts 8 --repeats 3 --cuda-graphs \
-      --graph-batch-sizes "$2" --target-quant int4 --quant-kernel "$3" --temperature 0 --no-store --json
-  done
+  # (as run: without --dtype bfloat16, so every bench refused to start; h2 ran them in bf16)
+  syncs_tiny
+  int4_tiny
 elif [ "$PART" = h2 ]; then
   # fifteenth session, second call: h1's sync count and profiles on tiny again after its fixes (the block table
   # uploaded as one image, no host scalar written into engine state, an iteration's first tokens read at once);
-  # h1's int4 benches in bf16 (the int4 kernels' input type; h1 forgot --dtype); then train small for call z5
-  step syncs 60 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/syncs" --method ngram --k 4 \
-    --max-num-seqs 64 --num-requests 256 --warmup-requests 32 --rates 1.5 --repeats 0 --no-thresholds \
-    --k-by-batch 1-32:4,33-64:2 --sync-sites "off,k=4,adaptive,k=2 (held out)" \
-    --profile-settings "k=2 (held out),adaptive,k=4" --profile-requests 256 --budget-s "${SERVING_S:-150}"
-  for spec in "ngram 1 triton 1" "ngram 1 triton 0" "ngram 1 aten 1" "draft 4 triton 1" "draft 4 aten 1"; do
-    set -- $spec
-    step "int4_$1_b$2_$3_rows$4" 20 env WORKBENCH_INT4_WIDE_ROWS="$4" $PY -m workbench bench --preset tiny \
-      --method "$1" --k 4 --batch "$2" --max-new-tokens 64 --num-prompts 8 --repeats 3 --cuda-graphs \
-      --graph-batch-sizes "$2" --target-quant int4 --quant-kernel "$3" --dtype bfloat16 --temperature 0 \
-      --no-store --json
-  done
+  # h1's int4 benches in bf16 (the int4 kernels' input type); then train small for call z5
+  syncs_tiny
+  int4_tiny --dtype bfloat16
   train_small
 elif [ "$PART" = z5 ]; then
   # fifteenth session, right after h2 on the same machine (small trained there): z4's sweep again after h1's fixes
