@@ -988,3 +988,29 @@ def test_one_row_widening_is_exact_for_every_byte_value(fmt, cvt_bits):
         buffers = dict(scale=torch.ones(256) if fmt == "int8" else torch.ones(1, 256))
     got = quant_gemv_triton(x, fmt, w, **buffers, CVT_BITS=cvt_bits)[0]
     assert torch.equal(got, want)
+
+
+@interpreter
+def test_gpu_gemv_speed_part_compares_int4_rows_with_the_other_form(tmp_path, monkeypatch):
+    """scripts/gpu_gemv.py --parts speed --int4-wide-rows-compare (interpreter, mini config): each int4 Triton call of
+    M > 1 is timed in the default form (whole groups per K tile, suffix "+i4r") and once more in the other (one group
+    per K tile); one-row calls once; the switch is restored afterwards."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_gemv
+
+    before = qg.INT4_WIDE_ROWS
+    monkeypatch.setattr(sys, "argv", ["gpu_gemv.py", "--device", "cpu", "--out", str(tmp_path), "--parts", "speed",
+                                      "--configs", "mini", "--formats", "int4", "--ms", "1,2",
+                                      "--int4-wide-rows-compare", "--replays", "1", "--int4-group-size", "32"])
+    gpu_gemv.main()
+    rows = [r for r in json.loads((tmp_path / "gemv_speed.json").read_text())["rows"]
+            if r["format"] == "int4" and r["kernel"].startswith("triton")]
+    assert rows and all("error" not in r for r in rows)
+    for name in {r["linear"] for r in rows}:
+        kinds = {(r["M"], r["kernel"]): r["config_used"] for r in rows if r["linear"] == name}
+        assert set(kinds) == {(1, "triton"), (2, "triton+i4r"), (2, "triton")}
+        assert kinds[(2, "triton+i4r")] != kinds[(2, "triton")]  # two forms, two tiles
+    assert qg.INT4_WIDE_ROWS == before
