@@ -24,7 +24,8 @@
 # the sync fix; int4 above one row): the thirteenth session's; g3 (int4 above one row in K tiles of whole groups)
 # and z4 (serving with unbiased calibrations, profiled): the fourteenth's; h1 (the serving loop's syncs by call site;
 # int4 benches), h2 (h1 after its fixes; trains small), z5 (z4's sweep after them), h3 (serving parity on the GPU,
-# the fast path's parity) and h4 (small's serving iteration profiled after the fixes): the fifteenth's.
+# the fast path's parity), h4 (small's serving iteration profiled after the fixes) and z6 (z3 again after them): the
+# fifteenth's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -57,7 +58,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -527,6 +528,12 @@ elif [ "$PART" = h4 ]; then
     --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 1.0 --repeats 0 --no-thresholds \
     --k-by-batch 1-64:3 --sync-sites "off,k=4" --profile-settings "off,k=2 (held out),k=4" \
     --profile-requests 512 --budget-s "${SERVING_S:-150}"
+elif [ "$PART" = z6 ]; then
+  # fifteenth session, last call: call z3 again (z2's schedule given on tiny, 1.5x, 5 rotated rounds) after the
+  # serving loop's fixes (20.3): does adaptive still trail the fixed k = 2 it runs above 32 rows (19.5: 0.87-0.997)?
+  step serving 60 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/serving" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.5 --repeats 5 --no-thresholds \
+    --k-by-batch 1-32:4,33-64:2 --budget-s "${SERVING_S:-100}"
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call
