@@ -24,8 +24,8 @@
 # the sync fix; int4 above one row): the thirteenth session's; g3 (int4 above one row in K tiles of whole groups)
 # and z4 (serving with unbiased calibrations, profiled): the fourteenth's; h1 (the serving loop's syncs by call site;
 # int4 benches), h2 (h1 after its fixes; trains small), z5 (z4's sweep after them), h3 (serving parity on the GPU,
-# the fast path's parity), h4 (small's serving iteration profiled after the fixes) and z6 (z3 again after them): the
-# fifteenth's.
+# the fast path's parity) and h4 (small's serving iteration profiled after the fixes): the fifteenth's; z6 (z3 again
+# after them) is prepared for the next one (no device time was left to start a machine).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -529,7 +529,8 @@ elif [ "$PART" = h4 ]; then
     --k-by-batch 1-64:3 --sync-sites "off,k=4" --profile-settings "off,k=2 (held out),k=4" \
     --profile-requests 512 --budget-s "${SERVING_S:-150}"
 elif [ "$PART" = z6 ]; then
-  # fifteenth session, last call: call z3 again (z2's schedule given on tiny, 1.5x, 5 rotated rounds) after the
+  # prepared in the fifteenth session, not run (no device time left): call z3 again (z2's schedule given on tiny, 1.5x,
+  # 5 rotated rounds) after the
   # serving loop's fixes (20.3): does adaptive still trail the fixed k = 2 it runs above 32 rows (19.5: 0.87-0.997)?
   step serving 60 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/serving" --method ngram --k 4 \
     --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.5 --repeats 5 --no-thresholds \
