@@ -530,8 +530,8 @@ elif [ "$PART" = h4 ]; then
     --profile-requests 512 --budget-s "${SERVING_S:-150}"
 elif [ "$PART" = z6 ]; then
   # prepared in the fifteenth session, not run (no device time left): call z3 again (z2's schedule given on tiny, 1.5x,
-  # 5 rotated rounds) after the
-  # serving loop's fixes (20.3): does adaptive still trail the fixed k = 2 it runs above 32 rows (19.5: 0.87-0.997)?
+  # 5 rotated rounds) after the serving loop's fixes (20.3): does adaptive still trail the fixed k = 2 it runs above
+  # 32 rows (19.5: 0.87-0.997)?
   step serving 60 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/serving" --method ngram --k 4 \
     --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.5 --repeats 5 --no-thresholds \
     --k-by-batch 1-32:4,33-64:2 --budget-s "${SERVING_S:-100}"
