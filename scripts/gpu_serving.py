@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench import settings  # noqa: E402
 from workbench.harness.bench import BenchSession  # noqa: E402
+from workbench.serving import loop as loop_mod  # noqa: E402
 from workbench.serving import replay  # noqa: E402
 from workbench.serving.adaptive import format_k_by_batch  # noqa: E402
 from workbench.serving.bench import engine_for, serve_bench  # noqa: E402
@@ -113,6 +114,10 @@ def parse_args(argv=None):
                    help="also run off and fixed k with prefill_graphs off (prompts eager, decode captured) in every "
                    "sweep round, interleaved with the rest: the captured prefill against the eager one on the same "
                    "arrivals (prefill_checks)")
+    p.add_argument("--batch-prefill-controls", type=int, default=0, metavar="N",
+                   help="also run off and fixed k with an iteration's prefill chunks in forwards of up to N rows "
+                   "(workbench.serving.loop.BATCH_PREFILL; prepared, off by default) in every sweep round, on the same "
+                   "arrivals (batch_prefill_checks: ratio = one row a forward / batched)")
     p.add_argument("--gc-controls", action="store_true",
                    help="also run off and fixed k with gc_freeze off (the collector free to rescan the whole heap "
                    "inside the run) in every sweep round (gc_checks)")
@@ -201,6 +206,8 @@ def main(argv=None) -> int:
     if args.gc_controls:
         settings_of.update({GC.format("off"): dict(method="ar", gc_freeze=False),
                             GC.format(fixed): dict(gc_freeze=False)})
+    if args.batch_prefill_controls > 1:  # the same configs: the loop's module switch tells them apart (run below)
+        settings_of.update({BATCHED.format("off"): dict(method="ar"), BATCHED.format(fixed): {}})
     runs: dict[tuple, object] = {}
 
     def run(name: str, part: str, essential: bool = False, **kw):
@@ -212,7 +219,13 @@ def main(argv=None) -> int:
             flush()
             return None, None
         t0 = time.perf_counter()
-        res = serve_bench(session, cfg, engine=engine(cfg))
+        saved = loop_mod.BATCH_PREFILL
+        if name.endswith(BATCHED.format("")):
+            loop_mod.BATCH_PREFILL = args.batch_prefill_controls
+        try:
+            res = serve_bench(session, cfg, engine=engine(cfg))
+        finally:
+            loop_mod.BATCH_PREFILL = saved
         last_wall[part] = max(last_wall.get(part, 0.0), time.perf_counter() - t0)
         rec = {key: res.record.get(key) for key in SHOW}
         rec.update(setting=name, rate=cfg.rate, arrival=cfg.arrival, max_concurrency=cfg.max_concurrency,
@@ -224,7 +237,7 @@ def main(argv=None) -> int:
     warm = dict(arrival="concurrency", max_concurrency=args.max_num_seqs, warmup_requests=0,
                 num_requests=max(args.max_num_seqs, len(used)))
     for name in ("off", fixed, "k=2 (held out)") + tuple(
-            n for n in settings_of if n.endswith((EAGER.format(""), GC.format("")))):
+            n for n in settings_of if n.endswith((EAGER.format(""), GC.format(""), BATCHED.format("")))):
         run(name, "warm-up", essential=True, **warm)
     # -- calibrate (loop): closed-loop serves per (batch bucket, k) on the fixed-k engine, its cache and graphs ---
     if args.k_by_batch == "auto":
@@ -293,6 +306,7 @@ def main(argv=None) -> int:
                     result["sweep_checks"] = sweep_checks(result["sweep"], fixed)
                     result["prefill_checks"] = control_checks(result["sweep"], fixed, EAGER)
                     result["gc_checks"] = control_checks(result["sweep"], fixed, GC)
+                    result["batch_prefill_checks"] = control_checks(result["sweep"], fixed, BATCHED)
                     if other_ranges is not None:
                         result["shape_checks"] = shape_checks(result["sweep"])
                     flush()
@@ -539,6 +553,7 @@ def profile_table(profiles: dict) -> str:
 EAGER = "{}, eager prefill"  # the control settings of --eager-prefill-controls
 OTHER = "adaptive, other shape"  # and of --shape-controls
 GC = "{}, gc unfrozen"  # and of --gc-controls
+BATCHED = "{}, batched prefill"  # and of --batch-prefill-controls
 
 
 def control_checks(sweep: list[dict], fixed: str, control: str = EAGER) -> list[dict]:
@@ -800,7 +815,9 @@ def table(r: dict) -> str:
     for key, title, a, b in (
             ("prefill_checks", "Captured prefill against eager prefill (prefill_graphs on / off; decode captured in "
              "both)", "captured", "eager"),
-            ("gc_checks", "Frozen GC heap against an unfrozen one (gc_freeze on / off)", "frozen", "unfrozen")):
+            ("gc_checks", "Frozen GC heap against an unfrozen one (gc_freeze on / off)", "frozen", "unfrozen"),
+            ("batch_prefill_checks", "A forward per prefilling row against batched prefill forwards "
+             "(--batch-prefill-controls)", "per row", "batched")):
         if not r.get(key):
             continue
         lines += ["", f"{title}, same arrivals, medians over the rounds both finished; spread = (max - min) / median "

@@ -25,7 +25,7 @@
 # and z4 (serving with unbiased calibrations, profiled): the fourteenth's; h1 (the serving loop's syncs by call site;
 # int4 benches), h2 (h1 after its fixes; trains small), z5 (z4's sweep after them), h3 (serving parity on the GPU,
 # the fast path's parity) and h4 (small's serving iteration profiled after the fixes): the fifteenth's; z6 (z3 again
-# after them) is prepared for the next one (no device time was left to start a machine).
+# after them) and z7 (batched prefill against a forward per row, on small) are prepared for the next one.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -535,6 +535,15 @@ elif [ "$PART" = z6 ]; then
   step serving 60 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/serving" --method ngram --k 4 \
     --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.5 --repeats 5 --no-thresholds \
     --k-by-batch 1-32:4,33-64:2 --budget-s "${SERVING_S:-100}"
+elif [ "$PART" = z7 ]; then
+  # prepared in the fifteenth session, not run: batched prefill (serving.loop.BATCH_PREFILL: an iteration's prefill
+  # chunks in forwards of up to 4 rows, CPU-tested) against a forward per row, off and fixed k, on small at 1.0x and
+  # 1.5x in 3 rotated rounds (z5's replay fit charged 1.41 ms per prefill forward; prefill took 1.2-1.4 s of each 3 s
+  # run)
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 --no-thresholds \
+    --k-by-batch 1-64:3 --batch-prefill-controls 4 --budget-s "${SERVING_S:-300}"
 elif [ "$PART" = e2 ]; then
   # eleventh session: sp1's benches in bf16 (cuBLAS against the dense Triton GEMV in the 5-token verify, with and
   # without the norm prologues), then the speed part again with the prefill's GPU time per call

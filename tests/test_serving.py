@@ -348,6 +348,44 @@ def test_captured_prefill_in_serving_keeps_outputs(target, draft, solo, kind, se
     assert engine.cache.used_blocks == 0  # every row released, the padding's blocks included
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
+@pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
+@pytest.mark.parametrize("setting", ["whole", "chunked", "prefix", "preempt"])
+def test_batched_prefill_keeps_outputs(target, draft, solo, kind, setting, graphs, monkeypatch):
+    """BATCH_PREFILL = 3 (prepared, off by default): an iteration's prefill chunks run up to 3 rows per forward
+    (engine.prefill_rows; right-padded to the longest, and with fixed shapes to a multiple of 32, each row's padding
+    truncated after): outputs equal each request's solo greedy output under chunking, prefix reuse and preemption;
+    some forward really held several rows; every block comes back."""
+    from workbench.serving import loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "BATCH_PREFILL", 3)
+    shared = [random.Random(12).randrange(64) for _ in range(9)] if setting == "prefix" else None
+    reqs = [Request(r.id, r.prompt, r.max_new_tokens, arrival_s=0.0) for r in long_requests(7, shared=shared)]
+    extra = dict(cuda_graphs=True, graph_batch_sizes=(1, 2, 4)) if graphs else {}
+    engine = make_engine(kind, target, draft, **extra)
+    rows_per_forward, kept = [], []
+    real = engine.prefill_rows
+
+    def spy(rows, chunks, starts):
+        rows_per_forward.append(len(rows))
+        out = real(rows, chunks, starts)
+        kept.extend((len(engine.cache._host_table[r]), math.ceil((st + len(c)) / BS))
+                    for r, c, st in zip(rows, chunks, starts))  # the padding's blocks went back
+        return out
+
+    engine.prefill_rows = spy
+    kw = {"whole": {}, "chunked": {"prefill_chunk": 12}, "prefix": {"prefix_caching": True, "prefill_chunk": 12},
+          "preempt": {"policy": "max_util", "prefill_chunk": 12,
+                      "num_blocks": max(math.ceil((len(r.prompt) + r.max_new_tokens + 5) / BS) for r in reqs) + 2}}
+    res = serve(engine, reqs, **kw[setting])
+    assert_solo(res, reqs, solo)
+    assert rows_per_forward and max(rows_per_forward) in (2, 3)
+    assert kept and all(have == want for have, want in kept)
+    if setting == "preempt":
+        assert res.preemptions > 0 and res.max_used_blocks <= kw["preempt"]["num_blocks"]
+    assert engine.cache.used_blocks == 0
+
+
 @pytest.mark.parametrize("freeze", [True, False])
 def test_gc_freeze_covers_exactly_the_measured_run(target, draft, monkeypatch, freeze):
     """gc_freeze: the measured run sees a frozen heap (gc.freeze: the collector never rescans what was alive before

@@ -412,6 +412,36 @@ def test_gpu_serving_counts_sync_sites_per_setting(tmp_path, monkeypatch):
     assert f"`{step_sites[0]}`" in text and "| k=4 |" in text
 
 
+def test_gpu_serving_batch_prefill_controls(tmp_path, monkeypatch):
+    """--batch-prefill-controls N: off and fixed k also run with BATCH_PREFILL = N in every round, on the same
+    arrivals; those runs (and only those) prefill several rows per forward; batch_prefill_checks compares them; the
+    module switch is back to its default afterwards."""
+    import json
+    import sys
+
+    from workbench.engine.step import SpecEngine
+    from workbench.serving import loop as loop_mod
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    batched = []
+    real = SpecEngine.prefill_rows
+    monkeypatch.setattr(SpecEngine, "prefill_rows", lambda self, rows, *a: batched.append(
+        (loop_mod.BATCH_PREFILL, len(rows))) or real(self, rows, *a))
+    before = loop_mod.BATCH_PREFILL
+    assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--warmup-requests", "1",
+                             "--max-new-tokens", "6", "--rates", "4", "--max-num-seqs", "4", "--k-by-batch", "1-4:2",
+                             "--repeats", "1", "--no-thresholds", "--batch-prefill-controls", "3",
+                             "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert {"off, batched prefill", "k=4, batched prefill"} <= {x["setting"] for x in r["sweep"]}
+    assert {c["setting"] for c in r["batch_prefill_checks"]} == {"off", "k=4"}
+    assert batched and all(switch == 3 and 1 < n <= 3 for switch, n in batched)
+    assert loop_mod.BATCH_PREFILL == before
+    assert "batched prefill forwards" in (tmp_path / "table.md").read_text()
+
+
 def test_gpu_serving_eager_prefill_controls(tmp_path):
     """--eager-prefill-controls: off and fixed k also run with prefill_graphs off in every round, on the same arrivals,
     and prefill_checks compares them (ratio = captured / eager median tokens/s; the fixed-shape step runs on a CPU)."""

@@ -455,6 +455,45 @@ class PrefillStep:
         self.cache.truncate(row, start + t)
         return out
 
+    def chunks(self, rows_host: list[int], ids: torch.Tensor, lengths: list[int], starts: list[int]) -> torch.Tensor:
+        """Several rows' chunks in one forward (serving's batched prefill): row i's first lengths[i] tokens of
+        ids [B, T] (right-padded) at positions starts[i].. (its KV below starts[i] already written) -> hidden
+        [B, T, H] (row i's first lengths[i] positions are its chunk's). The padding's KV is written, then dropped by a
+        truncate to each row's end, as one row's chunk padding is. Captured per (B, padded length) where every row has
+        the slots and the pool the free blocks for the padding; else eager, padded to T only when every row has room
+        for that (else a forward per row: `chunk`)."""
+        b, t = ids.shape
+        ends = [s + n for s, n in zip(starts, lengths)]
+        padded = -(-t // PREFILL_LEN_MULTIPLE) * PREFILL_LEN_MULTIPLE
+        rows = upload(rows_host, self.device)
+        base = upload(starts, self.device)
+        if self.fixed_shape and self._room_rows(rows_host, [s + padded for s in starts]):
+            self.cache.plan(rows_host, starts, padded)
+            out = self.fixed_at(padded, b, {"ids": torch.nn.functional.pad(ids, (0, padded - t)), "rows": rows,
+                                            "base": base}, rows_host)[:, :t]
+        elif self._room_rows(rows_host, [s + t for s in starts]):
+            if self.fixed_shape:
+                self.eager_chunks += 1
+            self.cache.begin(rows, base, starts, t, rows_host=rows_host, prefill=True)
+            out = self.model(ids, base.unsqueeze(1) + torch.arange(t, device=self.device), self.cache)
+        else:  # the padding does not fit: each row on its own, padded (or not) as `chunk` decides
+            parts = [self.chunk(row, ids[i:i + 1, :n], start)[0]
+                     for i, (row, n, start) in enumerate(zip(rows_host, lengths, starts))]  # [T_i, H] each
+            return torch.stack([torch.nn.functional.pad(h, (0, 0, 0, t - h.shape[0])) for h in parts])
+        for row, end in zip(rows_host, ends):
+            self.cache.truncate(row, end)
+        return out
+
+    def _room_rows(self, rows_host: list[int], ends: list[int]) -> bool:
+        """Whether every row has slots below its end and the pool never-used free blocks for all of them at once."""
+        if max(ends) > self.cache.max_len:
+            return False
+        if not hasattr(self.cache, "_host_table"):
+            return True
+        bs = self.cache.block_size
+        need = sum(max(0, -(-end // bs) - len(self.cache._host_table[row])) for row, end in zip(rows_host, ends))
+        return need <= len(self.cache._free)
+
     def capture(self, rows_host: list[int], length: int) -> None:
         """Capture (GPU) the prefill of len(rows_host) prompts of up to `length` tokens in these cache rows ahead of
         use (it allocates their blocks; the caller resets the cache before the next batch)."""
@@ -467,21 +506,25 @@ class PrefillStep:
             bufs.load(b, {"rows": torch.tensor(rows_host, device=self.device)}, rows_host)
             self.fixed._record(bufs, padded)
 
-    def capture_chunks(self, row: int, max_tokens: int) -> None:
-        """Capture (GPU) every padded chunk length up to `max_tokens` in cache row `row` (allocating and then
-        releasing its blocks), so that serving replays prefill chunks only."""
+    def capture_chunks(self, row: int, max_tokens: int, rows: int = 1) -> None:
+        """Capture (GPU) every padded chunk length up to `max_tokens` for 1..`rows` rows at once (cache rows row,
+        row + 1, ...; allocating and then releasing their blocks), so that serving replays prefill chunks only
+        (`chunk`, and `chunks` for a batched prefill)."""
         if not (self.fixed_shape and self.fixed_at._capture):
             return
-        for padded in range(PREFILL_LEN_MULTIPLE, prefill_len(max_tokens, self.cache.max_len) + 1,
-                            PREFILL_LEN_MULTIPLE):
-            if padded > self.cache.max_len or not self._room(row, padded):
-                break
-            self.cache.plan([row], [0], padded)
-            bufs = self.fixed_at._get(1, padded)
-            if bufs.graph is None:
-                bufs.load(1, {"rows": torch.tensor([row], device=self.device)}, [row])
-                self.fixed_at._record(bufs, padded)
-            self.cache.truncate(row, 0)
+        for b in range(1, rows + 1):
+            rows_host = list(range(row, row + b))
+            for padded in range(PREFILL_LEN_MULTIPLE, prefill_len(max_tokens, self.cache.max_len) + 1,
+                                PREFILL_LEN_MULTIPLE):
+                if padded > self.cache.max_len or not self._room_rows(rows_host, [padded] * b):
+                    break
+                self.cache.plan(rows_host, [0] * b, padded)
+                bufs = self.fixed_at._get(b, padded)
+                if bufs.graph is None:
+                    bufs.load(b, {"rows": torch.tensor(rows_host, device=self.device)}, rows_host)
+                    self.fixed_at._record(bufs, padded)
+                for r in rows_host:
+                    self.cache.truncate(r, 0)
 
     def replay_callables(self) -> dict:
         return {**self.fixed.replay_callables(), **self.fixed_at.replay_callables()}

@@ -227,18 +227,19 @@ class SpecEngine:
 
     @_with_pdl
     def capture_graphs(self, max_batch: int, node_counts: tuple[int, ...] | None = None,
-                       prompt_batches: list[list[int]] | None = None, max_prefill_tokens: int = 0) -> None:
+                       prompt_batches: list[list[int]] | None = None, max_prefill_tokens: int = 0,
+                       prefill_rows: int = 1) -> None:
         """Capture every bucket a batch of up to max_batch can shrink through (target verify and drafter forwards),
         so that timed generations replay graphs only. Needs a first `generate` or `setup_rows` (it sizes the caches).
         node_counts: every `decode_step(num_nodes=n)` the run will ask for (adaptive speculation; 0 = autoregressive
         steps); None = only the drafter's N. prompt_batches: the prompt lengths of each `generate` call to come, whose
         prefills (target and draft model) are captured too (`prefill_graphs`); max_prefill_tokens: serving's
         rows join one at a time (`prefill_row`, `sync_drafter`): every padded chunk / prompt length up to this many
-        tokens is captured for one row."""
+        tokens is captured for one row (target chunks for 1..prefill_rows rows: a batched prefill, `prefill_rows`)."""
         if self.target_step is None or not self.config.cuda_graphs:
             return
         self.capture_prefill(prompt_batches or [])
-        self.capture_row_prefill(max_prefill_tokens)
+        self.capture_row_prefill(max_prefill_tokens, prefill_rows)
         top = self.config.graphs.bucket(max_batch)
         sizes = [s for s in self.config.graph_batch_sizes if top is not None and s <= top]
         counts = sorted(set(node_counts)) if node_counts is not None else [self.num_nodes]
@@ -268,14 +269,14 @@ class SpecEngine:
             drafter.cache.reset()
 
     @_with_pdl
-    def capture_row_prefill(self, max_tokens: int) -> None:
-        """Capture one row's prefill chunks (target) and prompt prefills (draft model) of up to max_tokens tokens, in
-        row 0 (left empty after; call it while no row is live)."""
+    def capture_row_prefill(self, max_tokens: int, rows: int = 1) -> None:
+        """Capture one row's prefill chunks (target; and those of 2..rows rows at once) and prompt prefills (draft
+        model) of up to max_tokens tokens, in rows 0.. (left empty after; call it while no row is live)."""
         if max_tokens < 1 or self.prefill_step is None or not self.prefill_step.fixed_shape:
             return
         drafter = getattr(self.drafter, "prefill_step", None)
         with torch.inference_mode():
-            self.prefill_step.capture_chunks(0, max_tokens)
+            self.prefill_step.capture_chunks(0, max_tokens, min(rows, self.cache.max_rows))
             if drafter is not None:
                 for length in range(PREFILL_LEN_MULTIPLE, max_tokens + PREFILL_LEN_MULTIPLE, PREFILL_LEN_MULTIPLE):
                     if drafter.padded_len(min(length, max_tokens)) > drafter.cache.max_len:
@@ -669,6 +670,19 @@ class SpecEngine:
         self.tokens[row, start:start + t] = chunk[0]
         hidden = self.prefill_step.chunk(row, chunk, start)  # [1, T, H]; captured with prefill_graphs
         return self.target.compute_logits(hidden[0, -1]), hidden[0]
+
+    def prefill_rows(self, rows: list[int], chunks: list[list[int]], starts: list[int]
+                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`prefill_row` for several rows in one forward (PrefillStep.chunks): row i's tokens chunks[i] at positions
+        starts[i]... Returns (logits [B, V] at each chunk's last position, per row its chunk's hidden [T_i, H])."""
+        lengths = [len(c) for c in chunks]
+        t = max(lengths)
+        ids = upload([c + [0] * (t - len(c)) for c in chunks], self.device)  # [B, T], right-padded
+        for i, (row, n, start) in enumerate(zip(rows, lengths, starts)):
+            self.tokens[row, start:start + n] = ids[i, :n]
+        hidden = self.prefill_step.chunks(rows, ids, lengths, starts)  # [B, T, H]
+        last = hidden[torch.arange(len(rows), device=self.device), upload([n - 1 for n in lengths], self.device)]
+        return self.target.compute_logits(last), [hidden[i, :n] for i, n in enumerate(lengths)]
 
     @_with_pdl
     def start_row(self, row: int, context: list[int], root: int, hidden: torch.Tensor | None = None,

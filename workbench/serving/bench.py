@@ -20,6 +20,7 @@ from workbench import settings
 from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.graphs import compile_fallback_columns, recompile_limit_hits
 from workbench.engine.sampling import SamplingParams
+from workbench.serving import loop as loop_mod
 from workbench.serving import metrics
 from workbench.serving.adaptive import AdaptiveSpeculation, format_k_by_batch
 from workbench.serving.config import SERVE_CONFIG_KNOBS, ServeConfig, ServeError, check_config
@@ -120,7 +121,8 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
         loop = make_loop(adaptive)
     if cfg.cuda_graphs:  # before the clock starts, every (bucket, draft length) the adaptive rules can ask for
         engine.capture_graphs(cfg.max_num_seqs, node_counts=adaptive.node_counts(cfg.max_num_seqs, loop.chains),
-                              max_prefill_tokens=max((len(r.prompt) for r in requests), default=0))
+                              max_prefill_tokens=max((len(r.prompt) for r in requests), default=0),
+                              prefill_rows=max(1, min(loop_mod.BATCH_PREFILL, cfg.max_num_seqs)))
     graphs_before, eager_before = engine.graph_stats(), getattr(engine.prefill_step, "eager_chunks", 0)
     t0 = time.perf_counter()
     try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -154,6 +155,10 @@ class ServeResult:
         return {s.req.id: s.output for s in self.states}
 
 
+# Prefill chunks of one iteration run in forwards of up to this many rows (engine.prefill_rows; 0 or 1: a forward
+# per request). Prepared in the fifteenth session, not yet measured on a GPU (z5's replay fit charged 1.41 ms per
+# prefill forward on small); env WORKBENCH_BATCH_PREFILL=N.
+BATCH_PREFILL = int(os.environ.get("WORKBENCH_BATCH_PREFILL", "0") or 0)
 CATCH_UP_SHORT = 8  # catch-up gaps up to this many tokens share one forward (a few skipped steps' worth)
 
 
@@ -433,7 +438,10 @@ class ServingLoop:
         eng, cfg = self.engine, self.engine.config
         budget = self.prefill_chunk or math.inf
         done_tokens = 0
-        completed: list[tuple] = []  # (request, what it prefilled, its first token on the device or None): done
+        # plan: each prefilling request's chunk this iteration, oldest first, preempting younger requests for blocks
+        # (the blocks a planned chunk will take count as taken for the next one's check)
+        planned: list[tuple[RequestState, list[int], int]] = []  # (request, what it prefills, chunk length)
+        promised = 0
         for s in sorted((s for s in self.running if s.phase == "prefill"), key=lambda s: s.admit_seq):
             if budget <= 0:
                 break
@@ -443,30 +451,50 @@ class ServingLoop:
             t = int(min(len(tokens) - s.prefilled, budget))
             if t > 0:
                 need = self._blocks_for(s, s.prefilled + t)
-                while need > self.cache.free_blocks:
+                while need > self.cache.free_blocks - promised:
                     victim = self.scheduler.victim(self.running, older_than=s.admit_seq)
                     if victim is None:
                         break
                     self._preempt(victim, waiting)
-                if need > self.cache.free_blocks:
+                if need > self.cache.free_blocks - promised:
                     if self.scheduler.policy == "no_evict":  # its worst case was reserved: cannot happen
                         raise AssertionError("no_evict: a reserved request found no free blocks")
                     continue
-                with self.timer.phase("prefill"):
-                    logits, hidden = eng.prefill_row(s.row, tokens[s.prefilled:s.prefilled + t], s.prefilled)
-                if eng.drafter is not None and eng.drafter.wants_hidden:
-                    s.hidden.append(hidden)
-                s.prefilled += t
+                promised += need
                 budget -= t
+            planned.append((s, tokens, t))
+        # run: the chunks in forwards of up to BATCH_PREFILL rows (one row each when it is 0 or 1)
+        outs: dict[int, torch.Tensor] = {}  # id(request) -> logits [V] at its chunk's last position
+        group = max(1, BATCH_PREFILL)
+        work = [(s, tokens, t) for s, tokens, t in planned if t > 0]
+        for i in range(0, len(work), group):
+            batch = work[i:i + group]
+            with self.timer.phase("prefill"):
+                if len(batch) == 1:
+                    s, tokens, t = batch[0]
+                    logits, hidden = eng.prefill_row(s.row, tokens[s.prefilled:s.prefilled + t], s.prefilled)
+                    logits, hiddens = logits.unsqueeze(0), [hidden]
+                else:
+                    logits, hiddens = eng.prefill_rows([s.row for s, _, _ in batch],
+                                                       [tokens[s.prefilled:s.prefilled + t] for s, tokens, t in batch],
+                                                       [s.prefilled for s, _, _ in batch])
+            result.prefill_forwards += 1
+            for j, (s, tokens, t) in enumerate(batch):
+                outs[id(s)] = logits[j]
+                if eng.drafter is not None and eng.drafter.wants_hidden:
+                    s.hidden.append(hiddens[j])
+                s.prefilled += t
                 done_tokens += t
-                result.prefill_forwards += 1
                 if self.prefix_caching:
                     self.cache.register(s.row, tokens, s.prefilled)
+        # finish: requests whose prompt is now all in the cache
+        completed: list[tuple] = []  # (request, what it prefilled, its first token on the device or None): done
+        for s, tokens, _ in planned:
             if s.prefilled < len(tokens):
                 continue
             # prefill complete: the root is the sampled first token (sampled here, read below with the others), or
             # (recompute) the token it already had
-            completed.append((s, tokens, None if s.output else next_token(logits.unsqueeze(0), cfg.sampling,
+            completed.append((s, tokens, None if s.output else next_token(outs[id(s)].unsqueeze(0), cfg.sampling,
                                                                           eng.generator)[0]))
         if not completed:
             return done_tokens
