@@ -55,6 +55,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    names = [n.strip() for n in args.settings.split(";") if n.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        print(f"unknown settings {unknown}; known (separate them with ';'): {'; '.join(SETTINGS)}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     session = BenchSession.load(preset=args.preset, device=args.device, dtype=args.dtype)
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
         return memo[key]
 
     rows = []
-    for name in [n.strip() for n in args.settings.split(";") if n.strip()]:
+    for name in names:
         cfg = replace(base, **SETTINGS[name])
         prompt_ids = session.encode(len(session.prompts)) if cfg.lengths == "file" else []
         requests = make_requests(cfg, prompt_ids, int(session.target.config.vocab_size))

@@ -513,3 +513,36 @@ def test_gpu_serving_parity_script_on_cpu(tmp_path):
     assert rows["draft k=4, max_util preemption"]["preemptions"] > 0
     assert rows["ngram k=4, prefix reuse"]["prefix_hit_rate"] > 0
     assert "| off | 6/6 |" in (tmp_path / "serving_parity.md").read_text()
+
+
+def test_batch_prefill_switch_reads_a_row_count_or_names_the_problem():
+    """WORKBENCH_BATCH_PREFILL: empty or unset is 0 (a forward per row); a whole number is the most rows per prefill
+    forward; anything else is a ValueError that names the variable and what to give (the worked examples too)."""
+    import doctest
+
+    from workbench.serving import loop as loop_mod
+
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(loop_mod._batch_prefill_env, "_batch_prefill_env",
+                                             globs={"_batch_prefill_env": loop_mod._batch_prefill_env}):
+        runner.run(test)
+    assert (runner.failures, runner.tries) == (0, 1)
+    assert loop_mod._batch_prefill_env(" 3 ") == 3
+    for bad in ("two", "-1", "2.5"):
+        with pytest.raises(ValueError, match="WORKBENCH_BATCH_PREFILL=.*whole number"):
+            loop_mod._batch_prefill_env(bad)
+
+
+def test_gpu_serving_parity_names_unknown_settings(tmp_path, capsys, monkeypatch):
+    """An unknown --settings name stops the parity script before any model loads (exit 2), listing the known ones."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving_parity
+
+    loads = []
+    monkeypatch.setattr(gpu_serving_parity.BenchSession, "load", lambda *a, **kw: loads.append(1))
+
+    assert gpu_serving_parity.main(["--device", "cpu", "--out", str(tmp_path), "--settings", "off;nonesuch"]) == 2
+    err = capsys.readouterr().err
+    assert "nonesuch" in err and "ngram k=4, prefix reuse" in err
+    assert not (tmp_path / "serving_parity.json").exists()
+    assert loads == []

@@ -158,7 +158,21 @@ class ServeResult:
 # Prefill chunks of one iteration run in forwards of up to this many rows (engine.prefill_rows; 0 or 1: a forward
 # per request). Prepared in the fifteenth session, not yet measured on a GPU (z5's replay fit charged 1.41 ms per
 # prefill forward on small); env WORKBENCH_BATCH_PREFILL=N.
-BATCH_PREFILL = int(os.environ.get("WORKBENCH_BATCH_PREFILL", "0") or 0)
+def _batch_prefill_env(value: str) -> int:
+    """WORKBENCH_BATCH_PREFILL's value as a row count; anything else is a named error.
+
+    >>> _batch_prefill_env(""), _batch_prefill_env("4")
+    (0, 4)
+    """
+    if not value.strip():
+        return 0
+    if not value.strip().isdigit():
+        raise ValueError(f"WORKBENCH_BATCH_PREFILL={value!r}: give the most rows per prefill forward as a whole number "
+                         "(0 or 1: a forward per row, the default), or unset it")
+    return int(value)
+
+
+BATCH_PREFILL = _batch_prefill_env(os.environ.get("WORKBENCH_BATCH_PREFILL", ""))
 CATCH_UP_SHORT = 8  # catch-up gaps up to this many tokens share one forward (a few skipped steps' worth)
 
 
