@@ -286,6 +286,10 @@ SERVING_SPECS: list[ColumnSpec] = [
                "(only where every step drafts; else catch-up before a row's first draft)"),
     ColumnSpec("draft_catch_up_skips", "int", "serving", "row-steps that did not draft at a drafting batch size "
                "because the row was further behind than spec_catch_up_max"),
+    ColumnSpec("drain_s", "float", "serving", "seconds from the last measured arrival to the last completion (the "
+               "tail of shrinking batches once nothing arrives)"),
+    ColumnSpec("drain_output_share", "float", "serving", "share of the measured output tokens emitted in that tail "
+               "(above saturation output_throughput mixes the full-batch and the draining regime)"),
 ]
 
 # One row per request of a serving run (`ResultStore.append(..., requests=)`, requests/<run_id>.parquet).

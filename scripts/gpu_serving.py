@@ -62,7 +62,9 @@ SHOW = ["request_throughput", "output_throughput", "goodput", "tpot_ms_p99", "tp
         "acceptance_by_batch_size", "draft_prefill_tokens", "draft_catch_up_skips",
         # where a run's time went (ms, summed over the run; CUDA events): draft = chains + catch-ups, prefill = target
         # prefills + draft prefills at join; compare adaptive's with off's where its schedule says off
-        "time_prefill_ms", "time_draft_ms", "time_verify_ms", "time_accept_ms", "time_kv_ms"]
+        "time_prefill_ms", "time_draft_ms", "time_verify_ms", "time_accept_ms", "time_kv_ms",
+        # the tail after the last arrival (above saturation a run ends in shrinking batches: 20.4)
+        "drain_s", "drain_output_share"]
 
 
 def other_shape(shape: str) -> str:

@@ -546,3 +546,29 @@ def test_gpu_serving_parity_names_unknown_settings(tmp_path, capsys, monkeypatch
     assert "nonesuch" in err and "ngram k=4, prefix reuse" in err
     assert not (tmp_path / "serving_parity.json").exists()
     assert loads == []
+
+
+def test_drain_metrics_count_the_tail_after_the_last_arrival(target, draft):
+    """drain_s / drain_output_share (StepClock, one unit per iteration; a token at the last arrival's time counts in
+    the tail): all requests at t = 0 put every token in the tail (share 1, drain = the whole run); a late last
+    arrival leaves the earlier tokens out of it. The share
+    counts each output token once: recounted here from each request's emission times and the steps' kept tokens."""
+    from workbench.serving.metrics import summarize
+
+    at_once = [Request(i, r.prompt, r.max_new_tokens, arrival_s=0.0) for i, r in enumerate(random_requests(4))]
+    res = serve(make_engine("ngram", target, draft), at_once)
+    rec = summarize(res)
+    assert rec["drain_output_share"] == 1.0 and rec["drain_s"] == pytest.approx(rec["duration_s"])
+    late = [Request(i, r.prompt, r.max_new_tokens, arrival_s=float(i)) for i, r in enumerate(random_requests(5))]
+    late.append(Request(len(late), late[0].prompt, 2, arrival_s=60.0))  # arrives after the others finished
+    res = serve(make_engine("ngram", target, draft), late)
+    rec = summarize(res)
+    last = max(s.t_arrival for s in res.states)
+    assert last == 60.0 and rec["drain_s"] == pytest.approx(max(s.t_done for s in res.states) - 60.0)
+    tokens = {s.req.id: len(s.output) for s in res.states}
+    after = sum(1 for s in res.states if s.t_first_token >= last)  # first tokens, by their time
+    after += sum(t.emitted for t in res.traces if res.iterations[t.step].t_end >= last)
+    assert sum(t.emitted for t in res.traces) + len(res.states) == sum(tokens.values())  # each token counted once
+    assert rec["drain_output_share"] == pytest.approx(after / sum(tokens.values()))
+    assert 0 < rec["drain_output_share"] < 0.2
+    assert after <= tokens[len(late) - 1]  # only the late request's tokens are in the tail

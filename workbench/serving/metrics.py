@@ -13,7 +13,12 @@
 - kv_cache_util = blocks referenced by live rows / pool, per iteration (mean, max); prefix_hit_rate = prompt tokens
   found in cached blocks / prompt tokens looked up at admission; mean_batch_size = decoding rows per decode step;
 - acceptance by batch size / by context length = accepted / drafted draft tokens of the steps with that live batch
-  size / of rows whose context falls in that bin (bins of `context_bin` tokens).
+  size / of rows whose context falls in that bin (bins of `context_bin` tokens);
+- drain_s = last measured completion - last measured arrival (the tail once no request arrives any more);
+  drain_output_share = the measured requests' output tokens emitted in that tail (at or after the last arrival:
+  first tokens by their time, a step's tokens by its iteration's end) / all their output tokens. A run above
+  saturation ends in a long tail of shrinking batches, where drafting pays more than at a full batch: its
+  output_throughput mixes both regimes.
 """
 from __future__ import annotations
 
@@ -85,6 +90,9 @@ def summarize(result: ServeResult, slo_ttft_ms: float = 0.0, slo_tpot_ms: float 
             cell[0] += t.accepted
             cell[1] += t.drafted
     rate = lambda table: json.dumps({str(k): (a / d if d else None) for k, (a, d) in sorted(table.items())})  # noqa
+    last_arrival = max(s.t_arrival for s in measured)
+    drained = sum(t.emitted for t in tr if result.iterations[t.step].t_end >= last_arrival) + \
+        sum(1 for s in measured if s.output and s.t_first_token is not None and s.t_first_token >= last_arrival)
     pairs = len(tr)
     rec = {
         "completed": len(measured), "duration_s": duration,
@@ -108,6 +116,8 @@ def summarize(result: ServeResult, slo_ttft_ms: float = 0.0, slo_tpot_ms: float 
         "accepted_path_length_mean": accepted / pairs if pairs else None,
         "tokens_per_s": out_tokens / duration if duration > 0 else None,
         "ttft_ms": percentile(ttft, 50),
+        "drain_s": max(s.t_done for s in measured) - last_arrival,
+        "drain_output_share": drained / out_tokens if out_tokens else None,
     }
     for phase, ms in result.phase_ms.items():
         if phase in ("draft", "verify", "accept", "kv", "prefill"):
