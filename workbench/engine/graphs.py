@@ -429,14 +429,6 @@ class PrefillStep:
         ids = torch.nn.functional.pad(ids, (0, padded - length))
         return self.fixed(padded, b, {"ids": ids, "rows": rows, "base": None}, rows_host)[:, :length]
 
-    def _room(self, row: int, end: int) -> bool:
-        """Whether the pool has never-used free blocks for `row`'s positions below `end` (padding never evicts a
-        prefix-cached block); a contiguous cache always has room."""
-        if not hasattr(self.cache, "_host_table"):
-            return True
-        need = -(-end // self.cache.block_size) - len(self.cache._host_table[row])
-        return need <= len(self.cache._free)
-
     def chunk(self, row: int, ids: torch.Tensor, start: int) -> torch.Tensor:
         """One row's tokens ids [1, T] at positions start.. (its KV below `start` already written) -> hidden [1, T, H].
         Captured, the padding's blocks go back to the pool before it returns."""
@@ -444,7 +436,7 @@ class PrefillStep:
         rows = upload([row], self.device)
         base = upload([start], self.device)
         padded = -(-t // PREFILL_LEN_MULTIPLE) * PREFILL_LEN_MULTIPLE
-        if not self.fixed_shape or start + padded > self.cache.max_len or not self._room(row, start + padded):
+        if not self.fixed_shape or not self._room_rows([row], [start + padded]):
             if self.fixed_shape:  # no graph per exact length (unbounded keys): this chunk runs eagerly
                 self.eager_chunks += 1
             self.cache.begin(rows, base, [start], t, rows_host=[row], prefill=True)
@@ -485,7 +477,8 @@ class PrefillStep:
         return out
 
     def _room_rows(self, rows_host: list[int], ends: list[int]) -> bool:
-        """Whether every row has slots below its end and the pool never-used free blocks for all of them at once."""
+        """Whether every row has slots below its end and the pool never-used free blocks for all of them at once
+        (padding never evicts a prefix-cached block); a contiguous cache has room wherever the rows have slots."""
         if max(ends) > self.cache.max_len:
             return False
         if not hasattr(self.cache, "_host_table"):
@@ -516,7 +509,7 @@ class PrefillStep:
             rows_host = list(range(row, row + b))
             for padded in range(PREFILL_LEN_MULTIPLE, prefill_len(max_tokens, self.cache.max_len) + 1,
                                 PREFILL_LEN_MULTIPLE):
-                if padded > self.cache.max_len or not self._room_rows(rows_host, [padded] * b):
+                if not self._room_rows(rows_host, [padded] * b):
                     break
                 self.cache.plan(rows_host, [0] * b, padded)
                 bufs = self.fixed_at._get(b, padded)
