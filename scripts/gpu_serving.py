@@ -435,14 +435,23 @@ SYNC_WARNING = "synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_
 
 def counted_syncs(fn, cuda: bool, roots: tuple[str, ...] = ("workbench", "kernels")):
     """fn() with every host-device synchronization PyTorch makes reported (torch.cuda.set_sync_debug_mode("warn") on a
-    GPU; a warning whose text holds SYNC_WARNING): (fn's first result, Counter of call sites, `call_site` of each)."""
+    GPU; a warning whose text holds SYNC_WARNING): (fn's first result, Counter of call sites, `call_site` of each).
+    The engine's explicit waits (`HostCopy.get`: a step's read, an iteration's first tokens) wait on an event, which
+    the debug mode does not see: they are counted too, as they are called (on a CPU as well)."""
     import traceback
     import warnings
     from collections import Counter
 
     import torch
 
+    from workbench.engine.step import HostCopy
+
     sites = Counter()
+    real_get = HostCopy.get
+
+    def counted_get(self):
+        warnings.warn(f"HostCopy.get waits on an event: counted as a {SYNC_WARNING}")
+        return real_get(self)
 
     def show(message, category, filename, lineno, file=None, line=None):
         if SYNC_WARNING in str(message):
@@ -453,9 +462,11 @@ def counted_syncs(fn, cuda: bool, roots: tuple[str, ...] = ("workbench", "kernel
         warnings.showwarning = show
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
+        HostCopy.get = counted_get
         try:
             res, _ = fn()
         finally:
+            HostCopy.get = real_get
             if cuda:
                 torch.cuda.set_sync_debug_mode(0)
     return res, sites
@@ -463,16 +474,16 @@ def counted_syncs(fn, cuda: bool, roots: tuple[str, ...] = ("workbench", "kernel
 
 def call_site(stack, roots: tuple[str, ...], depth: int = 2) -> str:
     """The innermost `depth` frames of `stack` (traceback.extract_stack(), outermost first) in a folder named in
-    `roots`, innermost first: "workbench/engine/step.py:508 decode_step < workbench/serving/loop.py:382 _decode";
+    `roots`, innermost first: "workbench/engine/step.py:508 finish_step < workbench/serving/loop.py:382 _decode";
     the innermost frame of all when none is. Decorators' frames (named "wrapper") are left out.
 
     >>> import traceback
     >>> fs = [traceback.FrameSummary("/r/workbench/serving/loop.py", 382, "_decode"),
     ...       traceback.FrameSummary("/r/workbench/engine/step.py", 67, "wrapper"),
-    ...       traceback.FrameSummary("/r/workbench/engine/step.py", 508, "decode_step"),
+    ...       traceback.FrameSummary("/r/workbench/engine/step.py", 508, "finish_step"),
     ...       traceback.FrameSummary("/usr/lib/torch/_tensor.py", 9, "cpu")]
     >>> call_site(fs, ("workbench",))
-    'workbench/engine/step.py:508 decode_step < workbench/serving/loop.py:382 _decode'
+    'workbench/engine/step.py:508 finish_step < workbench/serving/loop.py:382 _decode'
     """
     ours = []
     for f in reversed(stack):

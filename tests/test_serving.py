@@ -386,6 +386,49 @@ def test_batched_prefill_keeps_outputs(target, draft, solo, kind, setting, graph
     assert engine.cache.used_blocks == 0
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
+@pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
+@pytest.mark.parametrize("setting", ["chunked", "prefix", "preempt"])
+def test_prefill_enqueued_behind_the_step_in_flight(target, draft, solo, kind, setting, overlap, monkeypatch):
+    """OVERLAP_PREFILL (the default): an iteration's prefill is planned before its step is launched and runs between
+    `launch_step` and `finish_step`; no row is released while a step is in flight (a preemption for a chunk's
+    blocks happens before the launch); outputs equal each request's solo greedy output and the pool is never
+    exceeded. Off: the step is read before any prefill."""
+    from workbench.serving import loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "OVERLAP_PREFILL", overlap)
+    shared = [random.Random(5).randrange(64) for _ in range(9)] if setting == "prefix" else None
+    reqs = long_requests(3, n=8, shared=shared)
+    engine = make_engine(kind, target, draft)
+    calls, in_flight = [], []
+
+    def spy(name):
+        real = getattr(engine, name)
+
+        def call(*args, **kwargs):
+            if name == "release_row":
+                in_flight.append(bool(calls) and calls[-1] == "launch_step")
+            if name != "release_row":
+                calls.append(name)
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("launch_step", "finish_step", "prefill_row", "release_row"):
+        monkeypatch.setattr(engine, name, spy(name))
+    kw = {"chunked": {"prefill_chunk": 6}, "prefix": {"prefix_caching": True, "prefill_chunk": 8},
+          "preempt": {"policy": "max_util", "prefill_chunk": 6,
+                      "num_blocks": max(math.ceil((len(r.prompt) + r.max_new_tokens + 5) / BS) for r in reqs) + 3}}
+    res = serve(engine, reqs, **kw[setting])
+    assert_solo(res, reqs, solo)
+    between = [i for i, c in enumerate(calls) if c == "prefill_row" and "launch_step" in calls[:i]
+               and calls[:i][::-1].index("launch_step") < (calls[:i][::-1] + ["finish_step"]).index("finish_step")]
+    assert (len(between) > 0) == overlap  # prefills ran while a step was in flight: only with the overlap
+    assert in_flight and not any(in_flight)  # rows were released (finished or preempted), never under a step
+    if setting == "preempt":
+        assert res.preemptions > 0 and res.max_used_blocks <= kw["preempt"]["num_blocks"]
+    assert engine.cache.used_blocks == 0
+
+
 @pytest.mark.parametrize("freeze", [True, False])
 def test_gc_freeze_covers_exactly_the_measured_run(target, draft, monkeypatch, freeze):
     """gc_freeze: the measured run sees a frozen heap (gc.freeze: the collector never rescans what was alive before

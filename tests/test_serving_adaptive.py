@@ -376,8 +376,9 @@ def test_gpu_serving_profiles_settings_and_diffs_them(tmp_path):
 
 def test_gpu_serving_counts_sync_sites_per_setting(tmp_path, monkeypatch):
     """--sync-sites: one more run per named setting with PyTorch's sync warnings counted by workbench call site (on a
-    CPU no op synchronizes, so the test makes the step's one device->host read, `Tensor.cpu`, warn as a GPU would);
-    other warnings are not counted; --repeats 0 serves no sweep; an unknown name is skipped by name."""
+    CPU no op synchronizes, so the test makes `Tensor.cpu` warn as a GPU would) and the engine's explicit waits
+    (`HostCopy.get`: the step's one read, waited for in finish_step) counted where they are called; other warnings
+    are not counted; --repeats 0 serves no sweep; an unknown name is skipped by name."""
     import json
     import sys
     import warnings
@@ -399,13 +400,17 @@ def test_gpu_serving_counts_sync_sites_per_setting(tmp_path, monkeypatch):
             "--repeats", "0", "--no-thresholds", "--out", str(tmp_path), "--sync-sites", "k=4,nonesuch",
             "--profile-requests", "3"]
     monkeypatch.setattr(torch.Tensor, "cpu", warning_cpu)
+    from workbench.engine.step import HostCopy
+
+    get = HostCopy.get
     assert gpu_serving.main(args) == 0
+    assert HostCopy.get is get  # the counting wrapper is gone afterwards
     r = json.loads((tmp_path / "results.json").read_text())
     assert not r["sweep"] and set(r["syncs"]) == {"k=4"}
     assert {"part": "syncs", "setting": "nonesuch", "why": "no such setting"} in r["skipped"]
     s = r["syncs"]["k=4"]
     step_sites = [site for site in s["sites"] if site.startswith("workbench/engine/step.py:")
-                  and site.split(" < ")[0].endswith(" decode_step")]
+                  and site.split(" < ")[0].endswith(" finish_step")]
     assert len(step_sites) == 1 and " < workbench/serving/" in step_sites[0]
     assert 0 < s["sites"][step_sites[0]] <= s["iterations"] and s["total"] == sum(s["sites"].values())
     text = (tmp_path / "syncs.md").read_text()
