@@ -120,6 +120,11 @@ def parse_args(argv=None):
                    help="also run off and fixed k with an iteration's prefill chunks in forwards of up to N rows "
                    "(workbench.serving.loop.BATCH_PREFILL; prepared, off by default) in every sweep round, on the same "
                    "arrivals (batch_prefill_checks: ratio = one row a forward / batched)")
+    p.add_argument("--overlap-controls", action="store_true",
+                   help="also run off and fixed k with the step read before the prefill is planned "
+                   "(workbench.serving.loop.OVERLAP_PREFILL off; on by default: the prefill enqueued behind the step "
+                   "in flight) in every sweep round, on the same arrivals (overlap_checks: ratio = overlapped / "
+                   "sequential)")
     p.add_argument("--gc-controls", action="store_true",
                    help="also run off and fixed k with gc_freeze off (the collector free to rescan the whole heap "
                    "inside the run) in every sweep round (gc_checks)")
@@ -210,6 +215,8 @@ def main(argv=None) -> int:
                             GC.format(fixed): dict(gc_freeze=False)})
     if args.batch_prefill_controls > 1:  # the same configs: the loop's module switch tells them apart (run below)
         settings_of.update({BATCHED.format("off"): dict(method="ar"), BATCHED.format(fixed): {}})
+    if args.overlap_controls:  # likewise told apart by the loop's module switch
+        settings_of.update({SEQUENTIAL.format("off"): dict(method="ar"), SEQUENTIAL.format(fixed): {}})
     runs: dict[tuple, object] = {}
 
     def run(name: str, part: str, essential: bool = False, **kw):
@@ -221,13 +228,15 @@ def main(argv=None) -> int:
             flush()
             return None, None
         t0 = time.perf_counter()
-        saved = loop_mod.BATCH_PREFILL
+        saved = loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL
         if name.endswith(BATCHED.format("")):
             loop_mod.BATCH_PREFILL = args.batch_prefill_controls
+        if name.endswith(SEQUENTIAL.format("")):
+            loop_mod.OVERLAP_PREFILL = False
         try:
             res = serve_bench(session, cfg, engine=engine(cfg))
         finally:
-            loop_mod.BATCH_PREFILL = saved
+            loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL = saved
         last_wall[part] = max(last_wall.get(part, 0.0), time.perf_counter() - t0)
         rec = {key: res.record.get(key) for key in SHOW}
         rec.update(setting=name, rate=cfg.rate, arrival=cfg.arrival, max_concurrency=cfg.max_concurrency,
@@ -239,7 +248,8 @@ def main(argv=None) -> int:
     warm = dict(arrival="concurrency", max_concurrency=args.max_num_seqs, warmup_requests=0,
                 num_requests=max(args.max_num_seqs, len(used)))
     for name in ("off", fixed, "k=2 (held out)") + tuple(
-            n for n in settings_of if n.endswith((EAGER.format(""), GC.format(""), BATCHED.format("")))):
+            n for n in settings_of if n.endswith((EAGER.format(""), GC.format(""), BATCHED.format(""),
+                                                  SEQUENTIAL.format("")))):
         run(name, "warm-up", essential=True, **warm)
     # -- calibrate (loop): closed-loop serves per (batch bucket, k) on the fixed-k engine, its cache and graphs ---
     if args.k_by_batch == "auto":
@@ -309,6 +319,7 @@ def main(argv=None) -> int:
                     result["prefill_checks"] = control_checks(result["sweep"], fixed, EAGER)
                     result["gc_checks"] = control_checks(result["sweep"], fixed, GC)
                     result["batch_prefill_checks"] = control_checks(result["sweep"], fixed, BATCHED)
+                    result["overlap_checks"] = control_checks(result["sweep"], fixed, SEQUENTIAL)
                     if other_ranges is not None:
                         result["shape_checks"] = shape_checks(result["sweep"])
                     flush()
@@ -567,6 +578,7 @@ EAGER = "{}, eager prefill"  # the control settings of --eager-prefill-controls
 OTHER = "adaptive, other shape"  # and of --shape-controls
 GC = "{}, gc unfrozen"  # and of --gc-controls
 BATCHED = "{}, batched prefill"  # and of --batch-prefill-controls
+SEQUENTIAL = "{}, step read first"  # and of --overlap-controls
 
 
 def control_checks(sweep: list[dict], fixed: str, control: str = EAGER) -> list[dict]:
@@ -830,7 +842,9 @@ def table(r: dict) -> str:
              "both)", "captured", "eager"),
             ("gc_checks", "Frozen GC heap against an unfrozen one (gc_freeze on / off)", "frozen", "unfrozen"),
             ("batch_prefill_checks", "A forward per prefilling row against batched prefill forwards "
-             "(--batch-prefill-controls)", "per row", "batched")):
+             "(--batch-prefill-controls)", "per row", "batched"),
+            ("overlap_checks", "The prefill enqueued behind the step in flight against the step read first "
+             "(--overlap-controls)", "overlapped", "sequential")):
         if not r.get(key):
             continue
         lines += ["", f"{title}, same arrivals, medians over the rounds both finished; spread = (max - min) / median "

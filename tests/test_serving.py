@@ -576,6 +576,24 @@ def test_batch_prefill_switch_reads_a_row_count_or_names_the_problem():
             loop_mod._batch_prefill_env(bad)
 
 
+def test_overlap_switch_reads_0_or_1_or_names_the_problem():
+    """WORKBENCH_SERVE_OVERLAP: unset, empty or 1 overlaps (the default), 0 reads the step first; anything else is a
+    ValueError that names the variable and the values it takes (the worked example too)."""
+    import doctest
+
+    from workbench.serving import loop as loop_mod
+
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(loop_mod._overlap_env, "_overlap_env",
+                                             globs={"_overlap_env": loop_mod._overlap_env}):
+        runner.run(test)
+    assert (runner.failures, runner.tries) == (0, 1)
+    assert loop_mod._overlap_env(" 0 ") is False
+    for bad in ("yes", "2", "off"):
+        with pytest.raises(ValueError, match="WORKBENCH_SERVE_OVERLAP=.*give 1 .* or 0"):
+            loop_mod._overlap_env(bad)
+
+
 def test_gpu_serving_parity_names_unknown_settings(tmp_path, capsys, monkeypatch):
     """An unknown --settings name stops the parity script before any model loads (exit 2), listing the known ones."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

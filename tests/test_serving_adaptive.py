@@ -447,6 +447,42 @@ def test_gpu_serving_batch_prefill_controls(tmp_path, monkeypatch):
     assert "batched prefill forwards" in (tmp_path / "table.md").read_text()
 
 
+def test_gpu_serving_overlap_controls(tmp_path, monkeypatch):
+    """--overlap-controls: off and fixed k also run with OVERLAP_PREFILL off (the step read before the prefill) in
+    every round, on the same arrivals; those runs, and only those, never prefill while a step is in flight;
+    overlap_checks compares them; the module switch is back to its default afterwards."""
+    import json
+    import sys
+
+    from workbench.engine.step import SpecEngine
+    from workbench.serving import loop as loop_mod
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    pending, seen = [0], []  # steps launched and not yet finished; (switch, a step in flight) at each prefill
+    launch, finish, prefill = SpecEngine.launch_step, SpecEngine.finish_step, SpecEngine.prefill_row
+    monkeypatch.setattr(SpecEngine, "launch_step", lambda self, *a, **k: pending.__setitem__(0, pending[0] + 1)
+                        or launch(self, *a, **k))
+    monkeypatch.setattr(SpecEngine, "finish_step", lambda self, *a, **k: pending.__setitem__(0, pending[0] - 1)
+                        or finish(self, *a, **k))
+    monkeypatch.setattr(SpecEngine, "prefill_row", lambda self, *a: seen.append(
+        (loop_mod.OVERLAP_PREFILL, pending[0] > 0)) or prefill(self, *a))
+    before = loop_mod.OVERLAP_PREFILL
+    assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--warmup-requests", "1",
+                             "--max-new-tokens", "6", "--rates", "4", "--max-num-seqs", "4", "--k-by-batch", "1-4:2",
+                             "--repeats", "1", "--no-thresholds", "--overlap-controls",
+                             "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert {"off, step read first", "k=4, step read first"} <= {x["setting"] for x in r["sweep"]}
+    assert {c["setting"] for c in r["overlap_checks"]} == {"off", "k=4"}
+    assert all(c["ratio"] > 0 for c in r["overlap_checks"])
+    assert any(flag and busy for flag, busy in seen)  # the default overlaps somewhere
+    assert not any(busy for flag, busy in seen if not flag)  # the controls never do
+    assert loop_mod.OVERLAP_PREFILL == before
+    assert "against the step read first" in (tmp_path / "table.md").read_text()
+
+
 def test_gpu_serving_eager_prefill_controls(tmp_path):
     """--eager-prefill-controls: off and fixed k also run with prefill_graphs off in every round, on the same arrivals,
     and prefill_checks compares them (ratio = captured / eager median tokens/s; the fixed-shape step runs on a CPU)."""
