@@ -545,16 +545,17 @@ elif [ "$PART" = k1 ]; then
   train_small
 elif [ "$PART" = k2 ]; then
   # sixteenth session, third call: the serving loop with an iteration's prefill enqueued behind its step in flight
-  # (serving.loop.OVERLAP_PREFILL, the new default): in-flight parity and the fast path's parity on the GPU (the step
-  # is now launch_step + finish_step), then the sweep with off and fixed k also run with the step read first in every
-  # round (--overlap-controls), and the syncs by call site; on small when a warm machine still has it, else on tiny
+  # (serving.loop.OVERLAP_PREFILL, the new default) and batched prefill on by default (up to 4 rows, after z7):
+  # in-flight parity on the GPU (the step is now launch_step + finish_step), greedy parity of generate with the draft
+  # model and graphs, then train small and serve it with off and fixed k also run with the step read first
+  # (--overlap-controls) and with a forward per prefilling row (--batch-prefill-controls 1) in every round
   step serving_parity 40 $PY scripts/gpu_serving_parity.py --device cuda --preset tiny --out "$R/serving_parity"
-  step parity 40 $PY scripts/gpu_fastpath.py --out "$R/parity" --parts parity --preset tiny
-  preset=tiny; [ -f zoo_cache/small/manifest.json ] && preset=small
-  echo "serving preset: $preset" | tee -a "$R/steps.txt"
-  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset "$preset" --out "$R/serving" --method ngram \
+  step bench_draft 20 $PY -m workbench bench --preset tiny --method draft --k 4 --batch 4 --max-new-tokens 48 \
+    --num-prompts 8 --repeats 2 --cuda-graphs --graph-batch-sizes 1,2,4 --temperature 0 --no-store --json
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram \
     --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 --no-thresholds \
-    --k-by-batch 1-64:3 --overlap-controls --sync-sites "off,k=4" --budget-s "${SERVING_S:-280}"
+    --k-by-batch 1-64:3 --overlap-controls --batch-prefill-controls 1 --budget-s "${SERVING_S:-250}"
 elif [ "$PART" = z7 ]; then
   # prepared in the fifteenth session, not run: batched prefill (serving.loop.BATCH_PREFILL: an iteration's prefill
   # chunks in forwards of up to 4 rows, CPU-tested) against a forward per row, off and fixed k, on small at 1.0x and

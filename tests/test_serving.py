@@ -63,9 +63,14 @@ def assert_solo(result, requests, solo):
 
 
 # ---- outputs equal solo greedy outputs -------------------------------------------------------------------------
+@pytest.mark.parametrize("batch_prefill", [4, 1], ids=["batched-prefill", "prefill-per-row"])
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_in_flight_outputs_equal_solo_greedy_in_random_arrival_orders(target, draft, solo, kind, seed):
+def test_in_flight_outputs_equal_solo_greedy_in_random_arrival_orders(target, draft, solo, kind, seed, batch_prefill,
+                                                                      monkeypatch):
+    from workbench.serving import loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "BATCH_PREFILL", batch_prefill)
     reqs = random_requests(seed)
     res = serve(make_engine(kind, target, draft), reqs)
     assert_solo(res, reqs, solo)
@@ -352,7 +357,7 @@ def test_captured_prefill_in_serving_keeps_outputs(target, draft, solo, kind, se
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("setting", ["whole", "chunked", "prefix", "preempt"])
 def test_batched_prefill_keeps_outputs(target, draft, solo, kind, setting, graphs, monkeypatch):
-    """BATCH_PREFILL = 3 (prepared, off by default): an iteration's prefill chunks run up to 3 rows per forward
+    """BATCH_PREFILL = 3 (the default is 4): an iteration's prefill chunks run up to 3 rows per forward
     (engine.prefill_rows; right-padded to the longest, and with fixed shapes to a multiple of 32, each row's padding
     truncated after): outputs equal each request's solo greedy output under chunking, prefix reuse and preemption;
     some forward really held several rows; every block comes back."""
@@ -413,14 +418,14 @@ def test_prefill_enqueued_behind_the_step_in_flight(target, draft, solo, kind, s
             return real(*args, **kwargs)
         return call
 
-    for name in ("launch_step", "finish_step", "prefill_row", "release_row"):
+    for name in ("launch_step", "finish_step", "prefill_row", "prefill_rows", "release_row"):
         monkeypatch.setattr(engine, name, spy(name))
     kw = {"chunked": {"prefill_chunk": 6}, "prefix": {"prefix_caching": True, "prefill_chunk": 8},
           "preempt": {"policy": "max_util", "prefill_chunk": 6,
                       "num_blocks": max(math.ceil((len(r.prompt) + r.max_new_tokens + 5) / BS) for r in reqs) + 3}}
     res = serve(engine, reqs, **kw[setting])
     assert_solo(res, reqs, solo)
-    between = [i for i, c in enumerate(calls) if c == "prefill_row" and "launch_step" in calls[:i]
+    between = [i for i, c in enumerate(calls) if c.startswith("prefill_row") and "launch_step" in calls[:i]
                and calls[:i][::-1].index("launch_step") < (calls[:i][::-1] + ["finish_step"]).index("finish_step")]
     assert (len(between) > 0) == overlap  # prefills ran while a step was in flight: only with the overlap
     assert in_flight and not any(in_flight)  # rows were released (finished or preempted), never under a step
@@ -559,8 +564,9 @@ def test_gpu_serving_parity_script_on_cpu(tmp_path):
 
 
 def test_batch_prefill_switch_reads_a_row_count_or_names_the_problem():
-    """WORKBENCH_BATCH_PREFILL: empty or unset is 0 (a forward per row); a whole number is the most rows per prefill
-    forward; anything else is a ValueError that names the variable and what to give (the worked examples too)."""
+    """WORKBENCH_BATCH_PREFILL: empty or unset is the default (4 rows per prefill forward); a whole number is the most
+    rows per prefill forward (0 or 1: one each); anything else is a ValueError that names the variable and what to
+    give (the worked examples too)."""
     import doctest
 
     from workbench.serving import loop as loop_mod

@@ -419,8 +419,8 @@ def test_gpu_serving_counts_sync_sites_per_setting(tmp_path, monkeypatch):
 
 def test_gpu_serving_batch_prefill_controls(tmp_path, monkeypatch):
     """--batch-prefill-controls N: off and fixed k also run with BATCH_PREFILL = N in every round, on the same
-    arrivals; those runs (and only those) prefill several rows per forward; batch_prefill_checks compares them; the
-    module switch is back to its default afterwards."""
+    arrivals; those runs (and only those) prefill at most N rows per forward, the default's up to 4 (some forward
+    holds several); batch_prefill_checks compares them; the module switch is back to its default afterwards."""
     import json
     import sys
 
@@ -430,21 +430,26 @@ def test_gpu_serving_batch_prefill_controls(tmp_path, monkeypatch):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_serving
 
-    batched = []
-    real = SpecEngine.prefill_rows
-    monkeypatch.setattr(SpecEngine, "prefill_rows", lambda self, rows, *a: batched.append(
-        (loop_mod.BATCH_PREFILL, len(rows))) or real(self, rows, *a))
+    forwards = []
+    real_rows, real_row = SpecEngine.prefill_rows, SpecEngine.prefill_row
+    monkeypatch.setattr(SpecEngine, "prefill_rows", lambda self, rows, *a: forwards.append(
+        (loop_mod.BATCH_PREFILL, len(rows))) or real_rows(self, rows, *a))
+    monkeypatch.setattr(SpecEngine, "prefill_row", lambda self, *a: forwards.append(
+        (loop_mod.BATCH_PREFILL, 1)) or real_row(self, *a))
     before = loop_mod.BATCH_PREFILL
+    assert before == loop_mod.DEFAULT_BATCH_PREFILL == 4
     assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--warmup-requests", "1",
                              "--max-new-tokens", "6", "--rates", "4", "--max-num-seqs", "4", "--k-by-batch", "1-4:2",
-                             "--repeats", "1", "--no-thresholds", "--batch-prefill-controls", "3",
+                             "--repeats", "1", "--no-thresholds", "--batch-prefill-controls", "1",
                              "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
-    assert {"off, batched prefill", "k=4, batched prefill"} <= {x["setting"] for x in r["sweep"]}
+    assert {"off, prefill rows 1", "k=4, prefill rows 1"} <= {x["setting"] for x in r["sweep"]}
     assert {c["setting"] for c in r["batch_prefill_checks"]} == {"off", "k=4"}
-    assert batched and all(switch == 3 and 1 < n <= 3 for switch, n in batched)
+    assert r["batch_prefill"] == {"default": 4, "control": 1}
+    assert {n for switch, n in forwards if switch == 1} == {1}  # the controls: a forward per row
+    assert max(n for switch, n in forwards if switch == 4) > 1  # the default batches
     assert loop_mod.BATCH_PREFILL == before
-    assert "batched prefill forwards" in (tmp_path / "table.md").read_text()
+    assert "forwards (up to 4 rows) against forwards of up to 1 rows" in (tmp_path / "table.md").read_text()
 
 
 def test_gpu_serving_overlap_controls(tmp_path, monkeypatch):

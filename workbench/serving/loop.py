@@ -156,19 +156,23 @@ class ServeResult:
 
 
 # Prefill chunks of one iteration run in forwards of up to this many rows (engine.prefill_rows; 0 or 1: a forward
-# per request). Prepared in the fifteenth session, not yet measured on a GPU (z5's replay fit charged 1.41 ms per
-# prefill forward on small); env WORKBENCH_BATCH_PREFILL=N.
-def _batch_prefill_env(value: str) -> int:
-    """WORKBENCH_BATCH_PREFILL's value as a row count; anything else is a named error.
+# per request). 4 by default since call z7 (BENCHMARKS.md 21.2: on small at 1.5x saturation, a forward per row served
+# 0.75-0.80x the output tok/s of forwards of up to 4 rows); env WORKBENCH_BATCH_PREFILL=N.
+DEFAULT_BATCH_PREFILL = 4
 
-    >>> _batch_prefill_env(""), _batch_prefill_env("4")
-    (0, 4)
+
+def _batch_prefill_env(value: str) -> int:
+    """WORKBENCH_BATCH_PREFILL's value as a row count (unset or empty: DEFAULT_BATCH_PREFILL); anything else is a
+    named error.
+
+    >>> _batch_prefill_env(""), _batch_prefill_env("1")
+    (4, 1)
     """
     if not value.strip():
-        return 0
+        return DEFAULT_BATCH_PREFILL
     if not value.strip().isdigit():
         raise ValueError(f"WORKBENCH_BATCH_PREFILL={value!r}: give the most rows per prefill forward as a whole number "
-                         "(0 or 1: a forward per row, the default), or unset it")
+                         f"(0 or 1: a forward per row; {DEFAULT_BATCH_PREFILL}, the default, when unset)")
     return int(value)
 
 
