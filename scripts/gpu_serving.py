@@ -118,8 +118,13 @@ def parse_args(argv=None):
                    "arrivals (prefill_checks)")
     p.add_argument("--batch-prefill-controls", type=int, default=0, metavar="N",
                    help="also run off and fixed k with an iteration's prefill chunks in forwards of up to N rows "
-                   "(workbench.serving.loop.BATCH_PREFILL; prepared, off by default) in every sweep round, on the same "
-                   "arrivals (batch_prefill_checks: ratio = one row a forward / batched)")
+                   "(workbench.serving.loop.BATCH_PREFILL; 1 = a forward per row; the default is 4) in every sweep "
+                   "round, on the same arrivals (batch_prefill_checks: ratio = the default's / N's)")
+    p.add_argument("--overlap-controls", action="store_true",
+                   help="also run off and fixed k with the step read before the prefill is planned "
+                   "(workbench.serving.loop.OVERLAP_PREFILL off; on by default: the prefill enqueued behind the step "
+                   "in flight) in every sweep round, on the same arrivals (overlap_checks: ratio = overlapped / "
+                   "sequential)")
     p.add_argument("--gc-controls", action="store_true",
                    help="also run off and fixed k with gc_freeze off (the collector free to rescan the whole heap "
                    "inside the run) in every sweep round (gc_checks)")
@@ -208,8 +213,12 @@ def main(argv=None) -> int:
     if args.gc_controls:
         settings_of.update({GC.format("off"): dict(method="ar", gc_freeze=False),
                             GC.format(fixed): dict(gc_freeze=False)})
-    if args.batch_prefill_controls > 1:  # the same configs: the loop's module switch tells them apart (run below)
-        settings_of.update({BATCHED.format("off"): dict(method="ar"), BATCHED.format(fixed): {}})
+    batched = BATCHED.format(n=max(1, args.batch_prefill_controls))  # "{}, prefill rows N"
+    if args.batch_prefill_controls:  # the same configs: the loop's module switch tells them apart (run below)
+        settings_of.update({batched.format("off"): dict(method="ar"), batched.format(fixed): {}})
+        result["batch_prefill"] = {"default": loop_mod.BATCH_PREFILL, "control": args.batch_prefill_controls}
+    if args.overlap_controls:  # likewise told apart by the loop's module switch
+        settings_of.update({SEQUENTIAL.format("off"): dict(method="ar"), SEQUENTIAL.format(fixed): {}})
     runs: dict[tuple, object] = {}
 
     def run(name: str, part: str, essential: bool = False, **kw):
@@ -221,13 +230,15 @@ def main(argv=None) -> int:
             flush()
             return None, None
         t0 = time.perf_counter()
-        saved = loop_mod.BATCH_PREFILL
-        if name.endswith(BATCHED.format("")):
+        saved = loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL
+        if name.endswith(batched.format("")):
             loop_mod.BATCH_PREFILL = args.batch_prefill_controls
+        if name.endswith(SEQUENTIAL.format("")):
+            loop_mod.OVERLAP_PREFILL = False
         try:
             res = serve_bench(session, cfg, engine=engine(cfg))
         finally:
-            loop_mod.BATCH_PREFILL = saved
+            loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL = saved
         last_wall[part] = max(last_wall.get(part, 0.0), time.perf_counter() - t0)
         rec = {key: res.record.get(key) for key in SHOW}
         rec.update(setting=name, rate=cfg.rate, arrival=cfg.arrival, max_concurrency=cfg.max_concurrency,
@@ -239,7 +250,8 @@ def main(argv=None) -> int:
     warm = dict(arrival="concurrency", max_concurrency=args.max_num_seqs, warmup_requests=0,
                 num_requests=max(args.max_num_seqs, len(used)))
     for name in ("off", fixed, "k=2 (held out)") + tuple(
-            n for n in settings_of if n.endswith((EAGER.format(""), GC.format(""), BATCHED.format("")))):
+            n for n in settings_of if n.endswith((EAGER.format(""), GC.format(""), batched.format(""),
+                                                  SEQUENTIAL.format("")))):
         run(name, "warm-up", essential=True, **warm)
     # -- calibrate (loop): closed-loop serves per (batch bucket, k) on the fixed-k engine, its cache and graphs ---
     if args.k_by_batch == "auto":
@@ -308,7 +320,8 @@ def main(argv=None) -> int:
                     result["sweep_checks"] = sweep_checks(result["sweep"], fixed)
                     result["prefill_checks"] = control_checks(result["sweep"], fixed, EAGER)
                     result["gc_checks"] = control_checks(result["sweep"], fixed, GC)
-                    result["batch_prefill_checks"] = control_checks(result["sweep"], fixed, BATCHED)
+                    result["batch_prefill_checks"] = control_checks(result["sweep"], fixed, batched)
+                    result["overlap_checks"] = control_checks(result["sweep"], fixed, SEQUENTIAL)
                     if other_ranges is not None:
                         result["shape_checks"] = shape_checks(result["sweep"])
                     flush()
@@ -435,14 +448,23 @@ SYNC_WARNING = "synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_
 
 def counted_syncs(fn, cuda: bool, roots: tuple[str, ...] = ("workbench", "kernels")):
     """fn() with every host-device synchronization PyTorch makes reported (torch.cuda.set_sync_debug_mode("warn") on a
-    GPU; a warning whose text holds SYNC_WARNING): (fn's first result, Counter of call sites, `call_site` of each)."""
+    GPU; a warning whose text holds SYNC_WARNING): (fn's first result, Counter of call sites, `call_site` of each).
+    The engine's explicit waits (`HostCopy.get`: a step's read, an iteration's first tokens) wait on an event, which
+    the debug mode does not see: they are counted too, as they are called (on a CPU as well)."""
     import traceback
     import warnings
     from collections import Counter
 
     import torch
 
+    from workbench.engine.step import HostCopy
+
     sites = Counter()
+    real_get = HostCopy.get
+
+    def counted_get(self):
+        warnings.warn(f"HostCopy.get waits on an event: counted as a {SYNC_WARNING}")
+        return real_get(self)
 
     def show(message, category, filename, lineno, file=None, line=None):
         if SYNC_WARNING in str(message):
@@ -453,9 +475,11 @@ def counted_syncs(fn, cuda: bool, roots: tuple[str, ...] = ("workbench", "kernel
         warnings.showwarning = show
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
+        HostCopy.get = counted_get
         try:
             res, _ = fn()
         finally:
+            HostCopy.get = real_get
             if cuda:
                 torch.cuda.set_sync_debug_mode(0)
     return res, sites
@@ -463,16 +487,16 @@ def counted_syncs(fn, cuda: bool, roots: tuple[str, ...] = ("workbench", "kernel
 
 def call_site(stack, roots: tuple[str, ...], depth: int = 2) -> str:
     """The innermost `depth` frames of `stack` (traceback.extract_stack(), outermost first) in a folder named in
-    `roots`, innermost first: "workbench/engine/step.py:508 decode_step < workbench/serving/loop.py:382 _decode";
+    `roots`, innermost first: "workbench/engine/step.py:508 finish_step < workbench/serving/loop.py:382 _decode";
     the innermost frame of all when none is. Decorators' frames (named "wrapper") are left out.
 
     >>> import traceback
     >>> fs = [traceback.FrameSummary("/r/workbench/serving/loop.py", 382, "_decode"),
     ...       traceback.FrameSummary("/r/workbench/engine/step.py", 67, "wrapper"),
-    ...       traceback.FrameSummary("/r/workbench/engine/step.py", 508, "decode_step"),
+    ...       traceback.FrameSummary("/r/workbench/engine/step.py", 508, "finish_step"),
     ...       traceback.FrameSummary("/usr/lib/torch/_tensor.py", 9, "cpu")]
     >>> call_site(fs, ("workbench",))
-    'workbench/engine/step.py:508 decode_step < workbench/serving/loop.py:382 _decode'
+    'workbench/engine/step.py:508 finish_step < workbench/serving/loop.py:382 _decode'
     """
     ours = []
     for f in reversed(stack):
@@ -555,7 +579,8 @@ def profile_table(profiles: dict) -> str:
 EAGER = "{}, eager prefill"  # the control settings of --eager-prefill-controls
 OTHER = "adaptive, other shape"  # and of --shape-controls
 GC = "{}, gc unfrozen"  # and of --gc-controls
-BATCHED = "{}, batched prefill"  # and of --batch-prefill-controls
+BATCHED = "{{}}, prefill rows {n}"  # and of --batch-prefill-controls N (.format(n=N))
+SEQUENTIAL = "{}, step read first"  # and of --overlap-controls
 
 
 def control_checks(sweep: list[dict], fixed: str, control: str = EAGER) -> list[dict]:
@@ -818,10 +843,13 @@ def table(r: dict) -> str:
             ("prefill_checks", "Captured prefill against eager prefill (prefill_graphs on / off; decode captured in "
              "both)", "captured", "eager"),
             ("gc_checks", "Frozen GC heap against an unfrozen one (gc_freeze on / off)", "frozen", "unfrozen"),
-            ("batch_prefill_checks", "A forward per prefilling row against batched prefill forwards "
-             "(--batch-prefill-controls)", "per row", "batched")):
+            ("batch_prefill_checks", "The default prefill forwards (up to {default} rows) against forwards of up to "
+             "{control} rows (--batch-prefill-controls)", "default", "{control} rows"),
+            ("overlap_checks", "The prefill enqueued behind the step in flight against the step read first "
+             "(--overlap-controls)", "overlapped", "sequential")):
         if not r.get(key):
             continue
+        title, b = (x.format(**r.get("batch_prefill", {})) for x in (title, b))
         lines += ["", f"{title}, same arrivals, medians over the rounds both finished; spread = (max - min) / median "
                   "over rounds; prefill share = prefill forwards' GPU time / run wall time:", "",
                   f"| rate (x sat) | setting | rounds | out tok/s {a} | {b} | ratio | spread {a} | {b} | "

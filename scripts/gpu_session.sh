@@ -26,7 +26,8 @@
 # int4 benches), h2 (h1 after its fixes; trains small), z5 (z4's sweep after them), h3 (serving parity on the GPU,
 # the fast path's parity) and h4 (small's serving iteration profiled after the fixes): the fifteenth's; z6 (z3 again
 # after them) and z7 (batched prefill against a forward per row, on small) are prepared for the next one.
-# PART=k1 (h3 + z6, then trains small) and z7: the sixteenth session's first two calls.
+# PART=k1 (h3 + z6, then trains small) and z7: the sixteenth session's first two calls; k2 (the prefill behind the
+# step in flight: parity, then served against the step read first) its third.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -59,7 +60,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -542,6 +543,19 @@ elif [ "$PART" = k1 ]; then
   PART=h3 BUDGET=$(( $(left) - 320 )) bash "$0"
   PART=z6 BUDGET=$(( $(left) - 210 )) bash "$0"
   train_small
+elif [ "$PART" = k2 ]; then
+  # sixteenth session, third call: the serving loop with an iteration's prefill enqueued behind its step in flight
+  # (serving.loop.OVERLAP_PREFILL, the new default) and batched prefill on by default (up to 4 rows, after z7):
+  # in-flight parity on the GPU (the step is now launch_step + finish_step), greedy parity of generate with the draft
+  # model and graphs, then train small and serve it with off and fixed k also run with the step read first
+  # (--overlap-controls) and with a forward per prefilling row (--batch-prefill-controls 1) in every round
+  step serving_parity 40 $PY scripts/gpu_serving_parity.py --device cuda --preset tiny --out "$R/serving_parity"
+  step bench_draft 20 $PY -m workbench bench --preset tiny --method draft --k 4 --batch 4 --max-new-tokens 48 \
+    --num-prompts 8 --repeats 2 --cuda-graphs --graph-batch-sizes 1,2,4 --temperature 0 --no-store --json
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram \
+    --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 --no-thresholds \
+    --k-by-batch 1-64:3 --overlap-controls --batch-prefill-controls 1 --budget-s "${SERVING_S:-250}"
 elif [ "$PART" = z7 ]; then
   # prepared in the fifteenth session, not run: batched prefill (serving.loop.BATCH_PREFILL: an iteration's prefill
   # chunks in forwards of up to 4 rows, CPU-tested) against a forward per row, off and fixed k, on small at 1.0x and

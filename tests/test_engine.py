@@ -114,19 +114,33 @@ def test_finished_sequences_leave_the_batch(target, draft):
 @pytest.mark.parametrize("kind", ["ar", "draft", "ngram", "redrafter-w3", "eagle"])
 def test_one_host_read_per_step(kind, fixed, target, draft, monkeypatch):
     """generate's synchronous loop (SpecEngine.decode_step) reads the device once per step: the packed accepted /
-    drafted / emitted counts (and, for trees, the path ranks and beam pairs) in one `.cpu()`."""
-    reads = []
-    real_cpu = torch.Tensor.cpu
+    drafted / emitted counts (and, for trees, the path ranks and beam pairs) in one `host_read` (launch_step), and
+    nothing else is read to the host per step (`.cpu()` / `.tolist()` / `.item()` on the step's path)."""
+    import workbench.engine.step as step_module
 
-    def counting_cpu(self, *args, **kwargs):
-        reads.append(tuple(self.shape))
-        return real_cpu(self, *args, **kwargs)
+    reads, other = [], []
+    real_read = step_module.host_read
+
+    def counting_read(t):
+        reads.append(tuple(t.shape))
+        return real_read(t)
+
+    def counting(name):
+        real = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, **kwargs):
+            other.append(name)
+            return real(self, *args, **kwargs)
+        return wrapper
 
     engine = SpecEngine(target, make_drafter(kind, draft, target),
                         EngineConfig(max_new_tokens=9, cuda_graphs=fixed, kv_block_size=4))
     engine.generate(PROMPTS)  # warm-up: caches, buffers and steps are built outside the count
-    monkeypatch.setattr(torch.Tensor, "cpu", counting_cpu)
+    monkeypatch.setattr(step_module, "host_read", counting_read)
+    for name in ("cpu", "item"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
     res = engine.generate(PROMPTS)
+    assert other == [], other  # (tolist: the host side of the read, and the prefill's first tokens, use it)
     monkeypatch.undo()
     assert len(reads) == len(res.steps) and [r[0] for r in reads] == [len(s.rows) for s in res.steps]
     assert res.outputs == [reference_greedy(target, p, 9) for p in PROMPTS]

@@ -63,9 +63,14 @@ def assert_solo(result, requests, solo):
 
 
 # ---- outputs equal solo greedy outputs -------------------------------------------------------------------------
+@pytest.mark.parametrize("batch_prefill", [4, 1], ids=["batched-prefill", "prefill-per-row"])
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_in_flight_outputs_equal_solo_greedy_in_random_arrival_orders(target, draft, solo, kind, seed):
+def test_in_flight_outputs_equal_solo_greedy_in_random_arrival_orders(target, draft, solo, kind, seed, batch_prefill,
+                                                                      monkeypatch):
+    from workbench.serving import loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "BATCH_PREFILL", batch_prefill)
     reqs = random_requests(seed)
     res = serve(make_engine(kind, target, draft), reqs)
     assert_solo(res, reqs, solo)
@@ -352,7 +357,7 @@ def test_captured_prefill_in_serving_keeps_outputs(target, draft, solo, kind, se
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("setting", ["whole", "chunked", "prefix", "preempt"])
 def test_batched_prefill_keeps_outputs(target, draft, solo, kind, setting, graphs, monkeypatch):
-    """BATCH_PREFILL = 3 (prepared, off by default): an iteration's prefill chunks run up to 3 rows per forward
+    """BATCH_PREFILL = 3 (the default is 4): an iteration's prefill chunks run up to 3 rows per forward
     (engine.prefill_rows; right-padded to the longest, and with fixed shapes to a multiple of 32, each row's padding
     truncated after): outputs equal each request's solo greedy output under chunking, prefix reuse and preemption;
     some forward really held several rows; every block comes back."""
@@ -381,6 +386,49 @@ def test_batched_prefill_keeps_outputs(target, draft, solo, kind, setting, graph
     assert_solo(res, reqs, solo)
     assert rows_per_forward and max(rows_per_forward) in (2, 3)
     assert kept and all(have == want for have, want in kept)
+    if setting == "preempt":
+        assert res.preemptions > 0 and res.max_used_blocks <= kw["preempt"]["num_blocks"]
+    assert engine.cache.used_blocks == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
+@pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
+@pytest.mark.parametrize("setting", ["chunked", "prefix", "preempt"])
+def test_prefill_enqueued_behind_the_step_in_flight(target, draft, solo, kind, setting, overlap, monkeypatch):
+    """OVERLAP_PREFILL (the default): an iteration's prefill is planned before its step is launched and runs between
+    `launch_step` and `finish_step`; no row is released while a step is in flight (a preemption for a chunk's
+    blocks happens before the launch); outputs equal each request's solo greedy output and the pool is never
+    exceeded. Off: the step is read before any prefill."""
+    from workbench.serving import loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "OVERLAP_PREFILL", overlap)
+    shared = [random.Random(5).randrange(64) for _ in range(9)] if setting == "prefix" else None
+    reqs = long_requests(3, n=8, shared=shared)
+    engine = make_engine(kind, target, draft)
+    calls, in_flight = [], []
+
+    def spy(name):
+        real = getattr(engine, name)
+
+        def call(*args, **kwargs):
+            if name == "release_row":
+                in_flight.append(bool(calls) and calls[-1] == "launch_step")
+            if name != "release_row":
+                calls.append(name)
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("launch_step", "finish_step", "prefill_row", "prefill_rows", "release_row"):
+        monkeypatch.setattr(engine, name, spy(name))
+    kw = {"chunked": {"prefill_chunk": 6}, "prefix": {"prefix_caching": True, "prefill_chunk": 8},
+          "preempt": {"policy": "max_util", "prefill_chunk": 6,
+                      "num_blocks": max(math.ceil((len(r.prompt) + r.max_new_tokens + 5) / BS) for r in reqs) + 3}}
+    res = serve(engine, reqs, **kw[setting])
+    assert_solo(res, reqs, solo)
+    between = [i for i, c in enumerate(calls) if c.startswith("prefill_row") and "launch_step" in calls[:i]
+               and calls[:i][::-1].index("launch_step") < (calls[:i][::-1] + ["finish_step"]).index("finish_step")]
+    assert (len(between) > 0) == overlap  # prefills ran while a step was in flight: only with the overlap
+    assert in_flight and not any(in_flight)  # rows were released (finished or preempted), never under a step
     if setting == "preempt":
         assert res.preemptions > 0 and res.max_used_blocks <= kw["preempt"]["num_blocks"]
     assert engine.cache.used_blocks == 0
@@ -516,8 +564,9 @@ def test_gpu_serving_parity_script_on_cpu(tmp_path):
 
 
 def test_batch_prefill_switch_reads_a_row_count_or_names_the_problem():
-    """WORKBENCH_BATCH_PREFILL: empty or unset is 0 (a forward per row); a whole number is the most rows per prefill
-    forward; anything else is a ValueError that names the variable and what to give (the worked examples too)."""
+    """WORKBENCH_BATCH_PREFILL: empty or unset is the default (4 rows per prefill forward); a whole number is the most
+    rows per prefill forward (0 or 1: one each); anything else is a ValueError that names the variable and what to
+    give (the worked examples too)."""
     import doctest
 
     from workbench.serving import loop as loop_mod
@@ -531,6 +580,24 @@ def test_batch_prefill_switch_reads_a_row_count_or_names_the_problem():
     for bad in ("two", "-1", "2.5"):
         with pytest.raises(ValueError, match="WORKBENCH_BATCH_PREFILL=.*whole number"):
             loop_mod._batch_prefill_env(bad)
+
+
+def test_overlap_switch_reads_0_or_1_or_names_the_problem():
+    """WORKBENCH_SERVE_OVERLAP: unset, empty or 1 overlaps (the default), 0 reads the step first; anything else is a
+    ValueError that names the variable and the values it takes (the worked example too)."""
+    import doctest
+
+    from workbench.serving import loop as loop_mod
+
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(loop_mod._overlap_env, "_overlap_env",
+                                             globs={"_overlap_env": loop_mod._overlap_env}):
+        runner.run(test)
+    assert (runner.failures, runner.tries) == (0, 1)
+    assert loop_mod._overlap_env(" 0 ") is False
+    for bad in ("yes", "2", "off"):
+        with pytest.raises(ValueError, match="WORKBENCH_SERVE_OVERLAP=.*give 1 .* or 0"):
+            loop_mod._overlap_env(bad)
 
 
 def test_gpu_serving_parity_names_unknown_settings(tmp_path, capsys, monkeypatch):

@@ -376,8 +376,9 @@ def test_gpu_serving_profiles_settings_and_diffs_them(tmp_path):
 
 def test_gpu_serving_counts_sync_sites_per_setting(tmp_path, monkeypatch):
     """--sync-sites: one more run per named setting with PyTorch's sync warnings counted by workbench call site (on a
-    CPU no op synchronizes, so the test makes the step's one device->host read, `Tensor.cpu`, warn as a GPU would);
-    other warnings are not counted; --repeats 0 serves no sweep; an unknown name is skipped by name."""
+    CPU no op synchronizes, so the test makes `Tensor.cpu` warn as a GPU would) and the engine's explicit waits
+    (`HostCopy.get`: the step's one read, waited for in finish_step) counted where they are called; other warnings
+    are not counted; --repeats 0 serves no sweep; an unknown name is skipped by name."""
     import json
     import sys
     import warnings
@@ -399,13 +400,17 @@ def test_gpu_serving_counts_sync_sites_per_setting(tmp_path, monkeypatch):
             "--repeats", "0", "--no-thresholds", "--out", str(tmp_path), "--sync-sites", "k=4,nonesuch",
             "--profile-requests", "3"]
     monkeypatch.setattr(torch.Tensor, "cpu", warning_cpu)
+    from workbench.engine.step import HostCopy
+
+    get = HostCopy.get
     assert gpu_serving.main(args) == 0
+    assert HostCopy.get is get  # the counting wrapper is gone afterwards
     r = json.loads((tmp_path / "results.json").read_text())
     assert not r["sweep"] and set(r["syncs"]) == {"k=4"}
     assert {"part": "syncs", "setting": "nonesuch", "why": "no such setting"} in r["skipped"]
     s = r["syncs"]["k=4"]
     step_sites = [site for site in s["sites"] if site.startswith("workbench/engine/step.py:")
-                  and site.split(" < ")[0].endswith(" decode_step")]
+                  and site.split(" < ")[0].endswith(" finish_step")]
     assert len(step_sites) == 1 and " < workbench/serving/" in step_sites[0]
     assert 0 < s["sites"][step_sites[0]] <= s["iterations"] and s["total"] == sum(s["sites"].values())
     text = (tmp_path / "syncs.md").read_text()
@@ -414,8 +419,8 @@ def test_gpu_serving_counts_sync_sites_per_setting(tmp_path, monkeypatch):
 
 def test_gpu_serving_batch_prefill_controls(tmp_path, monkeypatch):
     """--batch-prefill-controls N: off and fixed k also run with BATCH_PREFILL = N in every round, on the same
-    arrivals; those runs (and only those) prefill several rows per forward; batch_prefill_checks compares them; the
-    module switch is back to its default afterwards."""
+    arrivals; those runs (and only those) prefill at most N rows per forward, the default's up to 4 (some forward
+    holds several); batch_prefill_checks compares them; the module switch is back to its default afterwards."""
     import json
     import sys
 
@@ -425,21 +430,62 @@ def test_gpu_serving_batch_prefill_controls(tmp_path, monkeypatch):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_serving
 
-    batched = []
-    real = SpecEngine.prefill_rows
-    monkeypatch.setattr(SpecEngine, "prefill_rows", lambda self, rows, *a: batched.append(
-        (loop_mod.BATCH_PREFILL, len(rows))) or real(self, rows, *a))
+    forwards = []
+    real_rows, real_row = SpecEngine.prefill_rows, SpecEngine.prefill_row
+    monkeypatch.setattr(SpecEngine, "prefill_rows", lambda self, rows, *a: forwards.append(
+        (loop_mod.BATCH_PREFILL, len(rows))) or real_rows(self, rows, *a))
+    monkeypatch.setattr(SpecEngine, "prefill_row", lambda self, *a: forwards.append(
+        (loop_mod.BATCH_PREFILL, 1)) or real_row(self, *a))
     before = loop_mod.BATCH_PREFILL
+    assert before == loop_mod.DEFAULT_BATCH_PREFILL == 4
     assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--warmup-requests", "1",
                              "--max-new-tokens", "6", "--rates", "4", "--max-num-seqs", "4", "--k-by-batch", "1-4:2",
-                             "--repeats", "1", "--no-thresholds", "--batch-prefill-controls", "3",
+                             "--repeats", "1", "--no-thresholds", "--batch-prefill-controls", "1",
                              "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
-    assert {"off, batched prefill", "k=4, batched prefill"} <= {x["setting"] for x in r["sweep"]}
+    assert {"off, prefill rows 1", "k=4, prefill rows 1"} <= {x["setting"] for x in r["sweep"]}
     assert {c["setting"] for c in r["batch_prefill_checks"]} == {"off", "k=4"}
-    assert batched and all(switch == 3 and 1 < n <= 3 for switch, n in batched)
+    assert r["batch_prefill"] == {"default": 4, "control": 1}
+    assert {n for switch, n in forwards if switch == 1} == {1}  # the controls: a forward per row
+    assert max(n for switch, n in forwards if switch == 4) > 1  # the default batches
     assert loop_mod.BATCH_PREFILL == before
-    assert "batched prefill forwards" in (tmp_path / "table.md").read_text()
+    assert "forwards (up to 4 rows) against forwards of up to 1 rows" in (tmp_path / "table.md").read_text()
+
+
+def test_gpu_serving_overlap_controls(tmp_path, monkeypatch):
+    """--overlap-controls: off and fixed k also run with OVERLAP_PREFILL off (the step read before the prefill) in
+    every round, on the same arrivals; those runs, and only those, never prefill while a step is in flight;
+    overlap_checks compares them; the module switch is back to its default afterwards."""
+    import json
+    import sys
+
+    from workbench.engine.step import SpecEngine
+    from workbench.serving import loop as loop_mod
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    pending, seen = [0], []  # steps launched and not yet finished; (switch, a step in flight) at each prefill
+    launch, finish, prefill = SpecEngine.launch_step, SpecEngine.finish_step, SpecEngine.prefill_row
+    monkeypatch.setattr(SpecEngine, "launch_step", lambda self, *a, **k: pending.__setitem__(0, pending[0] + 1)
+                        or launch(self, *a, **k))
+    monkeypatch.setattr(SpecEngine, "finish_step", lambda self, *a, **k: pending.__setitem__(0, pending[0] - 1)
+                        or finish(self, *a, **k))
+    monkeypatch.setattr(SpecEngine, "prefill_row", lambda self, *a: seen.append(
+        (loop_mod.OVERLAP_PREFILL, pending[0] > 0)) or prefill(self, *a))
+    before = loop_mod.OVERLAP_PREFILL
+    assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--warmup-requests", "1",
+                             "--max-new-tokens", "6", "--rates", "4", "--max-num-seqs", "4", "--k-by-batch", "1-4:2",
+                             "--repeats", "1", "--no-thresholds", "--overlap-controls",
+                             "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert {"off, step read first", "k=4, step read first"} <= {x["setting"] for x in r["sweep"]}
+    assert {c["setting"] for c in r["overlap_checks"]} == {"off", "k=4"}
+    assert all(c["ratio"] > 0 for c in r["overlap_checks"])
+    assert any(flag and busy for flag, busy in seen)  # the default overlaps somewhere
+    assert not any(busy for flag, busy in seen if not flag)  # the controls never do
+    assert loop_mod.OVERLAP_PREFILL == before
+    assert "against the step read first" in (tmp_path / "table.md").read_text()
 
 
 def test_gpu_serving_eager_prefill_controls(tmp_path):

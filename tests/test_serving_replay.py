@@ -215,24 +215,27 @@ class WorkLoop(ServingLoop):
         ms = sum(self.coef[f] * x for f, x in zip(replay.FEATURES, work.features(replay.FEATURES)))
         return (ms if whole else ms - self.coef["1"]) / 1e3
 
-    def _decode(self, decoding, it, result):
-        before, step = _work(result), self.engine.decode_step
+    def _decode_launch(self, decoding, it, result):
+        before, launch = _work(result), self.engine.launch_step
 
         def timed(live, tokens_host, timer, num_nodes=None, row_nodes=None):
             slots, forwards = (a - b for a, b in zip(_work(result)[4:], before[4:]))
             self.clock.t += self.cost_s(replay.Work(len(live), num_nodes, 0, 0, slots, forwards), whole=True)
-            return step(live, tokens_host, timer, num_nodes=num_nodes, row_nodes=row_nodes)
+            return launch(live, tokens_host, timer, num_nodes=num_nodes, row_nodes=row_nodes)
 
-        self.engine.decode_step, self.decoded = timed, True
+        self.engine.launch_step, self.decoded = timed, True
         try:
-            return super()._decode(decoding, it, result)
+            return super()._decode_launch(decoding, it, result)
         finally:
-            del self.engine.decode_step
+            del self.engine.launch_step
 
-    def _prefill(self, waiting, result):
-        before = _work(result)
-        tokens = super()._prefill(waiting, result)
-        forwards, joined_tokens, joins = (a - b for a, b in zip(_work(result)[:3], before[:3]))
+    def _run_prefill(self, planned, result):
+        self.before_prefill = _work(result)
+        return super()._run_prefill(planned, result)
+
+    def _finish_prefill(self, ran, result):
+        tokens = super()._finish_prefill(ran, result)
+        forwards, joined_tokens, joins = (a - b for a, b in zip(_work(result)[:3], self.before_prefill[:3]))
         self.clock.dt = self.cost_s(replay.Work(0, 0, tokens, forwards, joined_tokens, joins), whole=not self.decoded)
         self.decoded = False
         return tokens

@@ -450,11 +450,10 @@ class SpecEngine:
             result.graph_stats = self.graph_stats().since(stats_before)
         return result
 
-    @_with_pdl
     def decode_step(self, live: list[int], tokens_host: list[list[int] | None], timer: PhaseTimer,
                     num_nodes: int | None = None, row_nodes: list[int] | None = None,
                     retire: Callable[[DecodeStep], list[int]] | None = None) -> DecodeStep:
-        """One step (draft -> verify -> accept -> kv) over the live rows: afterwards the device state (tokens, kv_len,
+        """`launch_step` then `finish_step` (see both): one step (draft -> verify -> accept -> kv) over the live rows: afterwards the device state (tokens, kv_len,
         cache) holds the accepted tokens, `tokens_host[row]` is extended by the emitted tokens, rejected drafts' blocks
         are truncated and the drafter has committed. `generate`'s synchronous loop is this step until no row is live;
         serving (workbench/serving) runs it once per iteration over whatever rows are live then.
@@ -466,6 +465,15 @@ class SpecEngine:
         retire: called in the kv phase once the step's host read is parsed and before the drafter commits (generate:
         cap the outputs, record the step, free the rows that finished); returns the rows it released, which are then
         not truncated (they are `retired` in the result)."""
+        return self.finish_step(self.launch_step(live, tokens_host, timer, num_nodes, row_nodes), timer, retire)
+
+    @_with_pdl
+    def launch_step(self, live: list[int], tokens_host: list[list[int] | None], timer: PhaseTimer,
+                    num_nodes: int | None = None, row_nodes: list[int] | None = None) -> LaunchedStep:
+        """The part of `decode_step` that enqueues work: draft, verify and accept, and the packed result's copy to
+        the host, which is not waited for (on a GPU: a non-blocking copy and an event). Between this and
+        `finish_step` the caller may enqueue other work that does not touch these rows (serving: the prefill of
+        rows that join) and plan on the host while the GPU runs the step."""
         dev, cache = self.device, self.cache
         full = self.num_nodes
         n_nodes = full if num_nodes is None else num_nodes
@@ -506,7 +514,22 @@ class SpecEngine:
             else:
                 acc = self.verifier.accept(tree, logits)
                 packed_dev = _pack(acc, tree)
-            packed = packed_dev.cpu()  # the step's one device->host read: accepted, drafted, emitted tokens
+            # the step's one device->host read (accepted, drafted, emitted tokens), waited for in finish_step
+            packed = host_read(packed_dev)
+        return LaunchedStep(live, base_host, n, fused, tree, acc, state, packed,
+                            verify_hidden if not fused and self._wants_hidden() else None)
+
+    @_with_pdl
+    def finish_step(self, step: LaunchedStep, timer: PhaseTimer,
+                    retire: Callable[[DecodeStep], list[int]] | None = None) -> DecodeStep:
+        """Waits for a launched step's host read, then its kv phase (see `decode_step`): rows' tokens on the host,
+        rejected drafts' blocks truncated, the drafter committed."""
+        dev, cache = self.device, self.cache
+        live, base_host, n, fused, tree, acc, state = (step.live, step.base_host, step.n, step.fused, step.tree,
+                                                       step.acc, step.state)
+        tokens_host, base, live_t = state.tokens_host, state.kv_len, state.rows
+        with timer.phase("accept"):
+            packed = step.packed.get()
         t_emit = time.perf_counter()
         with timer.phase("kv"):
             d = acc.emitted.shape[1] - 1  # deepest path the step could accept
@@ -526,6 +549,7 @@ class SpecEngine:
             state.kv_len_host = [len(tokens_host[r]) - 1 for r in live]
             if self.drafter is not None:
                 if self._wants_hidden():  # the committed tokens' hidden: root (row 0), accepted nodes (1 + node)
+                    verify_hidden = step.verify_hidden
                     src = torch.cat([torch.zeros_like(acc.path_nodes[:, :1]), 1 + acc.path_nodes], 1)  # -1 -> 0
                     committed = verify_hidden.gather(1, src.unsqueeze(-1).expand(-1, -1, verify_hidden.shape[-1]))
                     self.drafter.commit(state, acc, base_host, hidden=committed)  # [B, 1 + D, H]
@@ -747,6 +771,45 @@ class SpecEngine:
         self.kv_len[row].fill_(PAD_LEN)  # no host scalar copied (that synchronizes): see start_row
         if self.drafter is not None:
             self.drafter.release(row)
+
+
+class HostCopy:
+    """A device tensor's copy on its way to the host: on a GPU a non-blocking copy into pinned memory (the caching
+    host allocator's) and an event recorded after it; on a CPU a plain copy (a fixed-shape step's output buffer is
+    overwritten by its next call). `get` waits for it (the caller's one wait for the GPU) and returns it."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event = None
+        if t.is_cuda:
+            self.tensor = t.to("cpu", non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.tensor = t.clone()
+
+    def get(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensor
+
+
+def host_read(t: torch.Tensor) -> HostCopy:
+    """`t` copied to the host without waiting for the GPU (`HostCopy`)."""
+    return HostCopy(t)
+
+
+@dataclass
+class LaunchedStep:
+    """A decode step enqueued by `SpecEngine.launch_step`, its packed result on its way to the host."""
+    live: list[int]
+    base_host: list[int]
+    n: int  # draft nodes verified per row
+    fused: bool
+    tree: DraftTree
+    acc: Acceptance
+    state: BatchState
+    packed: HostCopy  # the packed read [B, 3 + D (+ D) (+ 2)] (`_pack`)
+    verify_hidden: torch.Tensor | None  # the unfused verify's hidden states, for drafters that want them
 
 
 @dataclass

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.engine.sampling import next_token
-from workbench.engine.step import PhaseTimer, SpecEngine, cap_emitted
+from workbench.engine.step import HostCopy, LaunchedStep, PhaseTimer, SpecEngine, cap_emitted, host_read
 from workbench.serving.adaptive import AdaptiveSpeculation
 from workbench.serving.config import ServeError
 from workbench.serving.prefix_cache import PrefixCachingKVCache
@@ -156,24 +156,60 @@ class ServeResult:
 
 
 # Prefill chunks of one iteration run in forwards of up to this many rows (engine.prefill_rows; 0 or 1: a forward
-# per request). Prepared in the fifteenth session, not yet measured on a GPU (z5's replay fit charged 1.41 ms per
-# prefill forward on small); env WORKBENCH_BATCH_PREFILL=N.
-def _batch_prefill_env(value: str) -> int:
-    """WORKBENCH_BATCH_PREFILL's value as a row count; anything else is a named error.
+# per request). 4 by default since call z7 (BENCHMARKS.md 21.2: on small at 1.5x saturation, a forward per row served
+# 0.75-0.80x the output tok/s of forwards of up to 4 rows); env WORKBENCH_BATCH_PREFILL=N.
+DEFAULT_BATCH_PREFILL = 4
 
-    >>> _batch_prefill_env(""), _batch_prefill_env("4")
-    (0, 4)
+
+def _batch_prefill_env(value: str) -> int:
+    """WORKBENCH_BATCH_PREFILL's value as a row count (unset or empty: DEFAULT_BATCH_PREFILL); anything else is a
+    named error.
+
+    >>> _batch_prefill_env(""), _batch_prefill_env("1")
+    (4, 1)
     """
     if not value.strip():
-        return 0
+        return DEFAULT_BATCH_PREFILL
     if not value.strip().isdigit():
         raise ValueError(f"WORKBENCH_BATCH_PREFILL={value!r}: give the most rows per prefill forward as a whole number "
-                         "(0 or 1: a forward per row, the default), or unset it")
+                         f"(0 or 1: a forward per row; {DEFAULT_BATCH_PREFILL}, the default, when unset)")
     return int(value)
 
 
 BATCH_PREFILL = _batch_prefill_env(os.environ.get("WORKBENCH_BATCH_PREFILL", ""))
 CATCH_UP_SHORT = 8  # catch-up gaps up to this many tokens share one forward (a few skipped steps' worth)
+
+
+def _overlap_env(value: str) -> bool:
+    """WORKBENCH_SERVE_OVERLAP's value: 1 (or unset) enqueues an iteration's prefill behind its step in flight, 0
+    reads the step first; anything else is a named error.
+
+    >>> _overlap_env(""), _overlap_env("0"), _overlap_env("1")
+    (True, False, True)
+    """
+    v = value.strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"WORKBENCH_SERVE_OVERLAP={value!r}: give 1 (the prefill enqueued behind the step in flight) "
+                         "or 0 (the step read first), or unset it")
+    return v != "0"
+
+
+# An iteration's prefill is planned before its step is launched and enqueued behind it, and one wait then covers
+# both: the host plans and launches the prefill while the GPU runs the step (0: the step is read, then the prefill
+# planned with the blocks the step gave back; the loop before the sixteenth session). Env WORKBENCH_SERVE_OVERLAP=0|1.
+OVERLAP_PREFILL = _overlap_env(os.environ.get("WORKBENCH_SERVE_OVERLAP", ""))
+
+
+@dataclass
+class _Decoding:
+    """An iteration's step between its launch and its read."""
+    decoding: list[RequestState]
+    live: list[int]
+    contexts: list[int]
+    ks: list[int]
+    n: int
+    current: list[bool]
+    step: LaunchedStep
 
 
 def catch_up_groups(gaps: list[int], short: int = CATCH_UP_SHORT) -> list[list[int]]:
@@ -306,9 +342,18 @@ class ServingLoop:
             if decoding and self.scheduler.policy == "max_util":
                 decoding = self._reserve(decoding, waiting)
             step_nodes = 0
-            if decoding:
-                step_nodes = self._decode(decoding, it, result)
-            prefilled = self._prefill(waiting, result)
+            if OVERLAP_PREFILL:  # the prefill enqueued behind the step in flight; one wait for both
+                planned, decoding = self._plan_prefill(waiting, decoding)
+                launched = self._decode_launch(decoding, it, result) if decoding else None
+                ran = self._run_prefill(planned, result)
+                if launched is not None:
+                    step_nodes = self._decode_finish(launched, it, result)
+            else:  # the step read before the prefill is planned (it plans with the blocks the step gave back)
+                if decoding:
+                    step_nodes = self._decode_finish(self._decode_launch(decoding, it, result), it, result)
+                planned, _ = self._plan_prefill(waiting, [])
+                ran = self._run_prefill(planned, result)
+            prefilled = self._finish_prefill(ran, result)
             self.clock.tick()
             t_end = self.clock.now()
             for tr in result.traces[len(result.traces) - len(decoding):] if decoding else []:
@@ -377,7 +422,9 @@ class ServingLoop:
             self._preempt(victim, waiting)
             decoding = [s for s in decoding if s is not victim]
 
-    def _decode(self, decoding: list[RequestState], it: int, result: ServeResult) -> int:
+    def _decode_launch(self, decoding: list[RequestState], it: int, result: ServeResult) -> _Decoding:
+        """The iteration's step over the decoding rows, enqueued (`SpecEngine.launch_step`): per-row draft lengths
+        from the adaptive rules, behind draft models caught up first."""
         eng = self.engine
         live = [s.row for s in decoding]
         contexts = [len(self.tokens_host[r]) - 1 for r in live]
@@ -398,7 +445,14 @@ class ServingLoop:
             self._catch_up([row for row, k in zip(live, ks) if k], result)
         row_nodes = None if all(k == n for k in ks) else ks
         current = [self._draft_valid.get(row, 0) >= c - 1 for row, c in zip(live, contexts)]
-        out = eng.decode_step(live, self.tokens_host, self.timer, num_nodes=n, row_nodes=row_nodes)
+        step = eng.launch_step(live, self.tokens_host, self.timer, num_nodes=n, row_nodes=row_nodes)
+        return _Decoding(decoding, live, contexts, ks, n, current, step)
+
+    def _decode_finish(self, d: _Decoding, it: int, result: ServeResult) -> int:
+        """Waits for the launched step's read; the rows' tokens and counters; rows that reach max_new_tokens
+        leave. Returns the step's draft nodes."""
+        decoding, live, contexts, ks, n, current = d.decoding, d.live, d.contexts, d.ks, d.n, d.current
+        out = self.engine.finish_step(d.step, self.timer)
         if n and self._own_draft_kv:  # the chain wrote [t_(L-1), root] and its drafts: valid up to the new root,
             for row, a, cur in zip(live, out.accepted, current):  # unless all n were accepted (the last draft was
                 if not cur:  # never fed); a row still behind keeps its hole below t_(L-1) for a later catch-up
@@ -448,14 +502,19 @@ class ServingLoop:
         self.running.remove(s)
         s.row = None
 
-    def _prefill(self, waiting: list[RequestState], result: ServeResult) -> int:
-        eng, cfg = self.engine, self.engine.config
+    def _plan_prefill(self, waiting: list[RequestState], decoding: list[RequestState]
+                      ) -> tuple[list[tuple[RequestState, list[int], int]], list[RequestState]]:
+        """Each prefilling request's chunk this iteration, oldest first: (request, what it prefills, chunk length),
+        and `decoding` less the requests preempted here. Blocks a planned chunk will take count as taken for the next
+        one's check, and so do those of the step about to run over `decoding` (planned before it is launched, so a
+        preemption never frees a row while a step over it is in flight). max_util preempts younger requests for
+        blocks; no_evict reserved every admitted request's worst case, so its chunks always fit."""
         budget = self.prefill_chunk or math.inf
-        done_tokens = 0
-        # plan: each prefilling request's chunk this iteration, oldest first, preempting younger requests for blocks
-        # (the blocks a planned chunk will take count as taken for the next one's check)
-        planned: list[tuple[RequestState, list[int], int]] = []  # (request, what it prefills, chunk length)
+        planned: list[tuple[RequestState, list[int], int]] = []
         promised = 0
+
+        def step_blocks() -> int:  # what the step over `decoding` may take (root + N nodes per row)
+            return sum(self._blocks_for(d, len(self.tokens_host[d.row]) + self.n_nodes) for d in decoding)
         for s in sorted((s for s in self.running if s.phase == "prefill"), key=lambda s: s.admit_seq):
             if budget <= 0:
                 break
@@ -465,20 +524,30 @@ class ServingLoop:
             t = int(min(len(tokens) - s.prefilled, budget))
             if t > 0:
                 need = self._blocks_for(s, s.prefilled + t)
-                while need > self.cache.free_blocks - promised:
+                while need > self.cache.free_blocks - promised - step_blocks():
                     victim = self.scheduler.victim(self.running, older_than=s.admit_seq)
                     if victim is None:
                         break
                     self._preempt(victim, waiting)
-                if need > self.cache.free_blocks - promised:
+                    decoding = [d for d in decoding if d is not victim]
+                if need > self.cache.free_blocks - promised - step_blocks():
                     if self.scheduler.policy == "no_evict":  # its worst case was reserved: cannot happen
                         raise AssertionError("no_evict: a reserved request found no free blocks")
                     continue
                 promised += need
                 budget -= t
             planned.append((s, tokens, t))
-        # run: the chunks in forwards of up to BATCH_PREFILL rows (one row each when it is 0 or 1)
+        return planned, decoding
+
+    def _run_prefill(self, planned: list[tuple[RequestState, list[int], int]], result: ServeResult
+                     ) -> tuple[int, list[tuple], HostCopy | None]:
+        """The planned chunks in forwards of up to BATCH_PREFILL rows (one row each when it is 0 or 1); the first
+        tokens of requests whose prompt is now all in the cache sampled, and their copy to the host enqueued.
+        Returns (tokens prefilled, completed: (request, what it prefilled, sampled or None: it keeps its root),
+        the sampled first tokens on their way to the host (a HostCopy, or None))."""
+        eng, cfg = self.engine, self.engine.config
         outs: dict[int, torch.Tensor] = {}  # id(request) -> logits [V] at its chunk's last position
+        done_tokens = 0
         group = max(1, BATCH_PREFILL)
         work = [(s, tokens, t) for s, tokens, t in planned if t > 0]
         for i in range(0, len(work), group):
@@ -501,21 +570,26 @@ class ServingLoop:
                 done_tokens += t
                 if self.prefix_caching:
                     self.cache.register(s.row, tokens, s.prefilled)
-        # finish: requests whose prompt is now all in the cache
-        completed: list[tuple] = []  # (request, what it prefilled, its first token on the device or None): done
+        completed: list[tuple] = []
         for s, tokens, _ in planned:
             if s.prefilled < len(tokens):
                 continue
-            # prefill complete: the root is the sampled first token (sampled here, read below with the others), or
-            # (recompute) the token it already had
+            # prefill complete: the root is the sampled first token, or (recompute) the token it already had
             completed.append((s, tokens, None if s.output else next_token(outs[id(s)].unsqueeze(0), cfg.sampling,
                                                                           eng.generator)[0]))
-        if not completed:
-            return done_tokens
+        sampled = [first for _, _, first in completed if first is not None]
         # one device->host read for every first token of this iteration: a read per request waited for the GPU once
         # per joining request (call h1: 0.8-1.8 such syncs per serving iteration on tiny at 1.5x saturation)
-        sampled = [first for _, _, first in completed if first is not None]
-        firsts = iter(torch.stack(sampled).tolist() if sampled else [])
+        return done_tokens, completed, host_read(torch.stack(sampled)) if sampled else None
+
+    def _finish_prefill(self, ran: tuple, result: ServeResult) -> int:
+        """Requests whose prompt is now all in the cache get their first token (read here) and start decoding
+        (`SpecEngine.start_row`). Returns the tokens prefilled this iteration."""
+        eng = self.engine
+        done_tokens, completed, firsts = ran
+        if not completed:
+            return done_tokens
+        firsts = iter(firsts.get().tolist() if firsts is not None else [])
         now = self.clock.now()
         for s, tokens, first in completed:
             if first is not None:
