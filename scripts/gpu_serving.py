@@ -415,7 +415,8 @@ def main(argv=None) -> int:
                     preds.append(replay.replay(
                         rec_run.states, rec_run.traces, args.k, costs, (lambda b: 2) if name.startswith("k=2")
                         else sched, max_num_seqs=args.max_num_seqs, prefill_chunk=base.prefill_chunk,
-                        draft_kv=rec_run.draft_kv, catch_up_max=args.catch_up_max if name == "adaptive" else 0))
+                        draft_kv=rec_run.draft_kv, catch_up_max=args.catch_up_max if name == "adaptive" else 0,
+                        batch_prefill=rec_run.batch_prefill))
                 tps = [p["output_throughput"] for p in preds]
                 pred = statistics.median(tps)
                 pre = REPLAY_MODELS[m][0]

@@ -60,7 +60,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -556,6 +556,13 @@ elif [ "$PART" = k2 ]; then
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram \
     --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 --no-thresholds \
     --k-by-batch 1-64:3 --overlap-controls --batch-prefill-controls 1 --budget-s "${SERVING_S:-250}"
+elif [ "$PART" = k3 ]; then
+  # sixteenth session, last call (about 300 s of device time left): the replay against the new loop (prefill forwards
+  # of up to 4 rows, counted as the loop runs them since this call; k2's replay counted one forward per chunk) on tiny,
+  # z6's shape (off, k = 4, adaptive, held-out k = 2) at 1.0x and 1.5x, 2 rounds
+  step serving 60 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/serving" --method ngram --k 4 \
+    --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 2 --no-thresholds \
+    --k-by-batch 1-32:4,33-64:2 --budget-s "${SERVING_S:-110}"
 elif [ "$PART" = z7 ]; then
   # prepared in the fifteenth session, not run: batched prefill (serving.loop.BATCH_PREFILL: an iteration's prefill
   # chunks in forwards of up to 4 rows, CPU-tested) against a forward per row, off and fixed k, on small at 1.0x and

@@ -245,18 +245,28 @@ class WorkLoop(ServingLoop):
 WORK_COSTS = {"1": 1.0, "B": 0.1, "B*n": 0.05, "n": 0.8, "n>0": 0.0, "P": 0.01, "F": 2.0, "D": 0.005, "G": 1.5}
 
 
-def test_held_out_settings_are_predicted_from_off_and_a_fixed_k(target, solo):
+@pytest.mark.parametrize("batch_prefill", [1, 4])
+@pytest.mark.parametrize("spread_s", [0.04, 0.004], ids=["spread", "bursty"])
+def test_held_out_settings_are_predicted_from_off_and_a_fixed_k(target, solo, monkeypatch, batch_prefill, spread_s):
     """Fit on speculation off + fixed k = 3 (their iterations timed by WORK_COSTS), replay a held-out k = 1 and a
     schedule that skips drafting at batch 2 (catch-ups): the fit recovers WORK_COSTS and the replay the real loops'
     tokens/s under the same clock (to 0.5 %), the old model misses by more (it cannot price prefill forwards, the
-    draft model's prefill at join, catch-ups or a shorter chain)."""
+    draft model's prefill at join, catch-ups or a shorter chain). With prefill forwards of up to 4 rows and bursty
+    arrivals (several requests join in one iteration) the replay counts forwards as the loop ran them
+    (`ServeResult.batch_prefill`)."""
+    from workbench.serving import loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "BATCH_PREFILL", batch_prefill)
     rng = random.Random(5)
     reqs = [Request(i, [rng.randrange(64) for _ in range(rng.randint(2, 30))], rng.randint(4, 16),
-                    arrival_s=rng.uniform(0.0, 0.04)) for i in range(16)]
+                    arrival_s=rng.uniform(0.0, spread_s)) for i in range(16)]
     serve = lambda drafter, adaptive=None: WorkLoop(  # noqa: E731
         SpecEngine(target, drafter, EngineConfig(max_new_tokens=64, kv_block_size=BS)), reqs, coef=WORK_COSTS,
         adaptive=adaptive, max_num_seqs=4).run()
     off, rec = serve(None), serve(DraftModelDrafter(target, 3))
+    assert rec.batch_prefill == max(1, batch_prefill)
+    if batch_prefill > 1 and spread_s < 0.01:  # some forward held several rows' chunks
+        assert sum(it.prefill_forwards for it in rec.iterations) < len(reqs)
     fit = off.iterations + rec.iterations
     new, old = replay.fit_costs(fit), replay.fit_costs(fit, replay.OLD_FEATURES, nonnegative=False)
     assert new.named() == pytest.approx(WORK_COSTS, rel=1e-6, abs=1e-9) and new.dropped == ("n>0",)
@@ -266,6 +276,6 @@ def test_held_out_settings_are_predicted_from_off_and_a_fixed_k(target, solo):
         errors = {}
         for name, costs in (("new", new), ("old", old)):
             pred = replay.replay(rec.states, rec.traces, 3, costs, adaptive=AdaptiveSpeculation(3, ranges),
-                                 max_num_seqs=4, draft_kv=True)
+                                 max_num_seqs=4, draft_kv=True, batch_prefill=rec.batch_prefill)
             errors[name] = abs(pred["output_throughput"] / metrics.summarize(real)["output_throughput"] - 1)
         assert errors["new"] < 0.005 and errors["old"] > 0.02, (ranges, errors)

@@ -149,6 +149,7 @@ class ServeResult:
     draft_prefills: int = 0  # draft-model prefill forwards at join (one per request whose draft was prefilled)
     prefill_forwards: int = 0  # target prefill forwards (one per request chunk)
     draft_kv: bool = False  # the drafter keeps its own KV (a draft model): prefill at join and catch-up apply
+    batch_prefill: int = 1  # the most prefill chunks per forward in this run (BATCH_PREFILL then; replay reads it)
 
     @property
     def outputs(self) -> dict[int, list[int]]:
@@ -318,7 +319,8 @@ class ServingLoop:
         pending = list(states)
         waiting: list[RequestState] = []
         self.running: list[RequestState] = []
-        result = ServeResult(states, num_blocks=self.num_blocks, draft_kv=self._own_draft_kv)
+        result = ServeResult(states, num_blocks=self.num_blocks, draft_kv=self._own_draft_kv,
+                             batch_prefill=max(1, BATCH_PREFILL))
         it = 0
         self.clock.start()  # arrival times count from here (after any graph capture)
         while pending or waiting or self.running:
