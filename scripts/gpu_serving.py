@@ -125,6 +125,10 @@ def parse_args(argv=None):
                    "(workbench.serving.loop.OVERLAP_PREFILL off; on by default: the prefill enqueued behind the step "
                    "in flight) in every sweep round, on the same arrivals (overlap_checks: ratio = overlapped / "
                    "sequential)")
+    p.add_argument("--full-overlap-controls", action="store_true",
+                   help="also run off and fixed k with each step launched before the previous one is read "
+                   "(workbench.serving.loop.FULL_OVERLAP; prepared, off by default) in every sweep round, on the same "
+                   "arrivals (full_overlap_checks: ratio = default / full overlap)")
     p.add_argument("--gc-controls", action="store_true",
                    help="also run off and fixed k with gc_freeze off (the collector free to rescan the whole heap "
                    "inside the run) in every sweep round (gc_checks)")
@@ -219,6 +223,8 @@ def main(argv=None) -> int:
         result["batch_prefill"] = {"default": loop_mod.BATCH_PREFILL, "control": args.batch_prefill_controls}
     if args.overlap_controls:  # likewise told apart by the loop's module switch
         settings_of.update({SEQUENTIAL.format("off"): dict(method="ar"), SEQUENTIAL.format(fixed): {}})
+    if args.full_overlap_controls:
+        settings_of.update({AHEAD.format("off"): dict(method="ar"), AHEAD.format(fixed): {}})
     runs: dict[tuple, object] = {}
 
     def run(name: str, part: str, essential: bool = False, **kw):
@@ -230,15 +236,17 @@ def main(argv=None) -> int:
             flush()
             return None, None
         t0 = time.perf_counter()
-        saved = loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL
+        saved = loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL, loop_mod.FULL_OVERLAP
         if name.endswith(batched.format("")):
             loop_mod.BATCH_PREFILL = args.batch_prefill_controls
         if name.endswith(SEQUENTIAL.format("")):
             loop_mod.OVERLAP_PREFILL = False
+        if name.endswith(AHEAD.format("")):
+            loop_mod.FULL_OVERLAP = True
         try:
             res = serve_bench(session, cfg, engine=engine(cfg))
         finally:
-            loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL = saved
+            loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL, loop_mod.FULL_OVERLAP = saved
         last_wall[part] = max(last_wall.get(part, 0.0), time.perf_counter() - t0)
         rec = {key: res.record.get(key) for key in SHOW}
         rec.update(setting=name, rate=cfg.rate, arrival=cfg.arrival, max_concurrency=cfg.max_concurrency,
@@ -251,7 +259,7 @@ def main(argv=None) -> int:
                 num_requests=max(args.max_num_seqs, len(used)))
     for name in ("off", fixed, "k=2 (held out)") + tuple(
             n for n in settings_of if n.endswith((EAGER.format(""), GC.format(""), batched.format(""),
-                                                  SEQUENTIAL.format("")))):
+                                                  SEQUENTIAL.format(""), AHEAD.format("")))):
         run(name, "warm-up", essential=True, **warm)
     # -- calibrate (loop): closed-loop serves per (batch bucket, k) on the fixed-k engine, its cache and graphs ---
     if args.k_by_batch == "auto":
@@ -322,6 +330,7 @@ def main(argv=None) -> int:
                     result["gc_checks"] = control_checks(result["sweep"], fixed, GC)
                     result["batch_prefill_checks"] = control_checks(result["sweep"], fixed, batched)
                     result["overlap_checks"] = control_checks(result["sweep"], fixed, SEQUENTIAL)
+                    result["full_overlap_checks"] = control_checks(result["sweep"], fixed, AHEAD)
                     if other_ranges is not None:
                         result["shape_checks"] = shape_checks(result["sweep"])
                     flush()
@@ -582,6 +591,7 @@ OTHER = "adaptive, other shape"  # and of --shape-controls
 GC = "{}, gc unfrozen"  # and of --gc-controls
 BATCHED = "{{}}, prefill rows {n}"  # and of --batch-prefill-controls N (.format(n=N))
 SEQUENTIAL = "{}, step read first"  # and of --overlap-controls
+AHEAD = "{}, full overlap"  # and of --full-overlap-controls
 
 
 def control_checks(sweep: list[dict], fixed: str, control: str = EAGER) -> list[dict]:
@@ -847,7 +857,9 @@ def table(r: dict) -> str:
             ("batch_prefill_checks", "The default prefill forwards (up to {default} rows) against forwards of up to "
              "{control} rows (--batch-prefill-controls)", "default", "{control} rows"),
             ("overlap_checks", "The prefill enqueued behind the step in flight against the step read first "
-             "(--overlap-controls)", "overlapped", "sequential")):
+             "(--overlap-controls)", "overlapped", "sequential"),
+            ("full_overlap_checks", "The default loop against each step launched before the previous one is read "
+             "(--full-overlap-controls)", "default", "full overlap")):
         if not r.get(key):
             continue
         title, b = (x.format(**r.get("batch_prefill", {})) for x in (title, b))

@@ -7,7 +7,8 @@ tests/test_serving.py checks this on a CPU with random models. Here the preset's
 benchmarks use (fp32 by default, where the engine's graph modes reproduce eager greedy output exactly; CUDA graphs on
 a GPU), through `serve_bench` with Poisson arrivals above what the batch can hold, in settings that exercise each
 serving path: speculation off, n-gram and draft-model chains, an adaptive schedule that changes the draft length with
-the batch, chunked prefill, prefix block reuse, and `max_util` preemption with a small block pool. Each request's
+the batch, chunked prefill, prefix block reuse, `max_util` preemption with a small block pool, and full overlap
+(`workbench.serving.loop.FULL_OVERLAP`: each step launched before the previous one is read). Each request's
 output is compared with `generate` of its prompt alone (no drafter, eager). Writes serving_parity.json and
 serving_parity.md; exit status 1 when any request differs.
 """
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench.engine.step import EngineConfig, SpecEngine  # noqa: E402
 from workbench.harness.bench import BenchSession  # noqa: E402
+from workbench.serving import loop as loop_mod  # noqa: E402
 from workbench.serving.bench import serve_bench  # noqa: E402
 from workbench.serving.config import ServeConfig  # noqa: E402
 from workbench.serving.loadgen import make_requests  # noqa: E402
@@ -36,7 +38,13 @@ SETTINGS = {
                                     prefix_caching=True),
     "draft k=4, adaptive 1-3:4,4-64:2": dict(method="draft", k=4, k_by_batch="1-3:4,4-64:2", prefill_chunk=128),
     "draft k=4, max_util preemption": dict(method="draft", k=4, sched_policy="max_util", kv_blocks=40),
+    "off, full overlap": dict(method="ar"),
+    "ngram k=4, full overlap, chunked prefill": dict(method="ngram", k=4, prefill_chunk=64),
+    "draft k=4, full overlap, prefix reuse": dict(method="draft", k=4, lengths="random", input_len=48,
+                                                  shared_prefix_len=32, prefix_caching=True),
 }
+# settings served with workbench.serving.loop's module switches set (name -> {switch: value})
+SWITCHES = {name: {"FULL_OVERLAP": True} for name in SETTINGS if "full overlap" in name}
 
 
 def parse_args(argv=None):
@@ -50,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--rate", type=float, default=400.0, help="Poisson arrivals per second (above what 8 rows hold)")
     p.add_argument("--settings", default=";".join(SETTINGS), help="names of SETTINGS, separated by ';'")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="fixed-shape steps (CUDA graphs on a GPU; on a CPU the padded buffers run eagerly); default: on "
+                   "for cuda. Full overlap needs them (the device n-gram lookup, the fused accept)")
     return p.parse_args(argv)
 
 
@@ -63,7 +74,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     session = BenchSession.load(preset=args.preset, device=args.device, dtype=args.dtype)
-    graphs = args.device.startswith("cuda")
+    graphs = args.device.startswith("cuda") if args.graphs is None else args.graphs
     base = ServeConfig(max_new_tokens=args.max_new_tokens, num_requests=args.num_requests, warmup_requests=0,
                        max_num_seqs=args.max_num_seqs, rate=args.rate, cuda_graphs=graphs,
                        graph_batch_sizes=tuple(b for b in (1, 2, 4) if b < args.max_num_seqs) + (args.max_num_seqs,))
@@ -87,8 +98,15 @@ def main(argv=None) -> int:
         requests = make_requests(cfg, prompt_ids, int(session.target.config.vocab_size))
         t0 = time.perf_counter()
         row = {"setting": name, "requests": len(requests)}
+        saved = {k: getattr(loop_mod, k) for k in SWITCHES.get(name, {})}
         try:
-            res = serve_bench(session, cfg, requests=requests)
+            for k, v in SWITCHES.get(name, {}).items():
+                setattr(loop_mod, k, v)
+            try:
+                res = serve_bench(session, cfg, requests=requests)
+            finally:
+                for k, v in saved.items():
+                    setattr(loop_mod, k, v)
             outputs = res.result.outputs
             differ = [r.id for r in requests if outputs.get(r.id) != solo(r.prompt, r.max_new_tokens)]
             rec = res.record
@@ -96,7 +114,8 @@ def main(argv=None) -> int:
                        max_batch=max((i.batch_size for i in res.result.iterations), default=0),
                        preemptions=rec.get("preemptions"), prefix_hit_rate=rec.get("prefix_hit_rate"),
                        acceptance_rate=rec.get("acceptance_rate"),
-                       graph_captures_in_run=rec.get("graph_captures_in_run"))
+                       graph_captures_in_run=rec.get("graph_captures_in_run"),
+                       steps_ahead=res.result.steps_ahead)
         except Exception as e:  # noqa: BLE001 -- recorded, the other settings still run
             row["error"] = f"{type(e).__name__}: {e}"[:400]
         row["wall_s"] = time.perf_counter() - t0
@@ -107,13 +126,13 @@ def main(argv=None) -> int:
     (out / "serving_parity.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     lines = [f"# Serving parity: {args.preset} on {session.device} ({args.dtype}, graphs {'on' if graphs else 'off'})",
              "", "| setting | requests equal to solo greedy | max batch | mean batch | preemptions | prefix hit rate |"
-             " accept |", "|---|---|---|---|---|---|---|"]
+             " accept | steps launched ahead |", "|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)  # noqa: E731
     for r in rows:
         got = f"error: {r['error']}" if "error" in r else f"{r['equal']}/{r['requests']}"
         lines.append(f"| {r['setting']} | {got} | {fmt(r.get('max_batch'))} | {fmt(r.get('mean_batch_size'))} | "
                      f"{fmt(r.get('preemptions'))} | {fmt(r.get('prefix_hit_rate'))} | "
-                     f"{fmt(r.get('acceptance_rate'))} |")
+                     f"{fmt(r.get('acceptance_rate'))} | {fmt(r.get('steps_ahead'))} |")
     (out / "serving_parity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all("error" not in r and not r["differ"] for r in rows) else 1

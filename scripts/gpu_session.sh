@@ -27,7 +27,8 @@
 # the fast path's parity) and h4 (small's serving iteration profiled after the fixes): the fifteenth's; z6 (z3 again
 # after them) and z7 (batched prefill against a forward per row, on small) are prepared for the next one.
 # PART=k1 (h3 + z6, then trains small) and z7: the sixteenth session's first two calls; k2 (the prefill behind the
-# step in flight: parity, then served against the step read first) its third.
+# step in flight: parity, then served against the step read first) its third; k3 (the replay's forward count) and k4
+# (full overlap: parity, then served against the default) are prepared for the next one.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -563,6 +564,15 @@ elif [ "$PART" = k3 ]; then
   step serving 60 $PY scripts/gpu_serving.py --device cuda --preset tiny --out "$R/serving" --method ngram --k 4 \
     --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 2 --no-thresholds \
     --k-by-batch 1-32:4,33-64:2 --budget-s "${SERVING_S:-110}"
+elif [ "$PART" = k4 ]; then
+  # prepared in the sixteenth session, not run (no device time left): full overlap (serving.loop.FULL_OVERLAP, off by
+  # default; each step launched before the previous one is read). In-flight parity on the GPU (its settings include
+  # three with full overlap), then small at 1.0x and 1.5x, 3 rounds, off and k = 4 also run with full overlap
+  step serving_parity 40 $PY scripts/gpu_serving_parity.py --device cuda --preset tiny --out "$R/serving_parity"
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram \
+    --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 --no-thresholds \
+    --k-by-batch 1-64:4 --full-overlap-controls --budget-s "${SERVING_S:-250}"
 elif [ "$PART" = z7 ]; then
   # prepared in the fifteenth session, not run: batched prefill (serving.loop.BATCH_PREFILL: an iteration's prefill
   # chunks in forwards of up to 4 rows, CPU-tested) against a forward per row, off and fixed k, on small at 1.0x and

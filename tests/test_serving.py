@@ -3,6 +3,7 @@ preemption + recompute and prefix reuse; the scheduler never exceeds the pool; n
 Poisson arrivals pass a goodness-of-fit test; exported snippets parse; serve-bench writes its rows."""
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -548,14 +549,17 @@ def test_serving_reads_an_iterations_first_tokens_at_once(target, draft, solo, m
 def test_gpu_serving_parity_script_on_cpu(tmp_path):
     """scripts/gpu_serving_parity.py (the GPU record of in-flight parity) on a CPU with the committed tiny preset:
     every setting serves all requests equal to their solo greedy outputs, with real batching, preemptions and
-    prefix hits; both files written; exit status 0."""
+    prefix hits, and the full-overlap settings (and only those) launch steps ahead; both files written; exit status
+    0."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_serving_parity
 
     assert gpu_serving_parity.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "6",
-                                    "--max-new-tokens", "10", "--out", str(tmp_path)]) == 0
+                                    "--max-new-tokens", "10", "--graphs", "--out", str(tmp_path)]) == 0
     rows = {r["setting"]: r for r in json.loads((tmp_path / "serving_parity.json").read_text())["rows"]}
     assert set(rows) == set(gpu_serving_parity.SETTINGS)
+    for name, r in rows.items():  # full overlap where the switch is set (fixed shapes), nowhere else
+        assert (r["steps_ahead"] > 0) == ("full overlap" in name), (name, r["steps_ahead"])
     assert all(r["equal"] == r["requests"] == 6 and not r["differ"] for r in rows.values())
     assert rows["off"]["max_batch"] > 1
     assert rows["draft k=4, max_util preemption"]["preemptions"] > 0
@@ -580,6 +584,89 @@ def test_batch_prefill_switch_reads_a_row_count_or_names_the_problem():
     for bad in ("two", "-1", "2.5"):
         with pytest.raises(ValueError, match="WORKBENCH_BATCH_PREFILL=.*whole number"):
             loop_mod._batch_prefill_env(bad)
+
+
+@pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
+@pytest.mark.parametrize("setting", ["whole", "chunked", "prefix", "schedule"])
+def test_full_overlap_launches_ahead_and_keeps_outputs(target, draft, solo, kind, setting, monkeypatch):
+    """FULL_OVERLAP (prepared, off by default): with fixed shapes (the device n-gram lookup and the draft model's
+    fused chain read the device) each step is launched before the previous one is read: two steps are in flight at
+    some point, outputs equal each request's solo greedy output, no row is released or prefilled while a step over
+    it is in flight, and every block comes back."""
+    from workbench.serving import loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "FULL_OVERLAP", True)
+    shared = [random.Random(5).randrange(64) for _ in range(9)] if setting == "prefix" else None
+    reqs = long_requests(4, n=8, shared=shared)
+    engine = make_engine(kind, target, draft, cuda_graphs=True, graph_batch_sizes=(1, 2, 4))
+    pending: list[set[int]] = []  # rows of each launched, unread step (oldest first)
+    events = {"most_pending": 0, "released_under_step": 0, "prefilled_under_step": 0}
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            if name == "launch_step":
+                out = real(*args, **kwargs)
+                pending.append(set(args[0]))
+                events["most_pending"] = max(events["most_pending"], len(pending))
+                return out
+            if name == "finish_step":
+                pending.pop(0)
+            elif name == "release_row":
+                events["released_under_step"] += any(args[0] in rows for rows in pending)
+            elif name in ("prefill_row", "prefill_rows"):
+                rows = args[0] if name == "prefill_rows" else [args[0]]
+                events["prefilled_under_step"] += any(r in p for r in rows for p in pending)
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("launch_step", "finish_step", "release_row", "prefill_row", "prefill_rows"):
+        monkeypatch.setattr(engine, name, spy(name, getattr(engine, name)))
+    kw = {"whole": {}, "chunked": {"prefill_chunk": 6}, "prefix": {"prefix_caching": True, "prefill_chunk": 8},
+          "schedule": {"adaptive": AdaptiveSpeculation(3, k_by_batch=[(1, 1, 3), (2, 3, 2), (4, 64, 1)])}}
+    res = serve(engine, reqs, **kw[setting])
+    assert_solo(res, reqs, solo)
+    assert res.full_overlap and res.steps_ahead > 0 and events["most_pending"] == 2
+    assert events["released_under_step"] == 0 and events["prefilled_under_step"] == 0
+    assert not pending and engine.cache.used_blocks == 0
+
+
+@pytest.mark.parametrize("why", ["max_util", "eager", "draft-schedule-with-zero"])
+def test_full_overlap_falls_back_where_it_cannot_apply(target, draft, solo, why, monkeypatch):
+    """Where a step needs the host's read of the one before (a host n-gram scan without fixed shapes), a draft model
+    that some steps skip (catch-up reads exact lengths), or a policy that preempts, FULL_OVERLAP leaves the loop as
+    it was: no step launched ahead, outputs still equal solo greedy."""
+    from workbench.serving import loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "FULL_OVERLAP", True)
+    reqs = long_requests(4, n=6)
+    kind, graphs, kw = {
+        "max_util": ("ar", True, {"policy": "max_util"}),
+        "eager": ("ngram", False, {}),
+        "draft-schedule-with-zero": ("draft", True, {"adaptive": AdaptiveSpeculation(3, k_by_batch=[(1, 1, 3),
+                                                                                                    (2, 64, 0)])}),
+    }[why]
+    extra = dict(cuda_graphs=True, graph_batch_sizes=(1, 2, 4)) if graphs else {}
+    res = serve(make_engine(kind, target, draft, **extra), reqs, **kw)
+    assert_solo(res, reqs, solo)
+    assert not res.full_overlap and res.steps_ahead == 0
+
+
+def test_full_overlap_switch_reads_0_or_1_or_names_the_problem():
+    """WORKBENCH_SERVE_FULL_OVERLAP: unset, empty or 0 is off (the default), 1 on; anything else is a ValueError that
+    names the variable and its values (the worked example too)."""
+    import doctest
+
+    from workbench.serving import loop as loop_mod
+
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(loop_mod._full_overlap_env, "_full_overlap_env",
+                                             globs={"_full_overlap_env": loop_mod._full_overlap_env}):
+        runner.run(test)
+    assert (runner.failures, runner.tries) == (0, 1)
+    assert loop_mod.FULL_OVERLAP is False or os.environ.get("WORKBENCH_SERVE_FULL_OVERLAP", "").strip() == "1"
+    for bad in ("yes", "2"):
+        with pytest.raises(ValueError, match="WORKBENCH_SERVE_FULL_OVERLAP=.*give 1 .* or 0"):
+            loop_mod._full_overlap_env(bad)
 
 
 def test_overlap_switch_reads_0_or_1_or_names_the_problem():

@@ -488,6 +488,36 @@ def test_gpu_serving_overlap_controls(tmp_path, monkeypatch):
     assert "against the step read first" in (tmp_path / "table.md").read_text()
 
 
+def test_gpu_serving_full_overlap_controls(tmp_path, monkeypatch):
+    """--full-overlap-controls: off and fixed k also run with FULL_OVERLAP on in every round, on the same arrivals;
+    those runs, and only those, launch steps ahead (graphs on a CPU: the fixed-shape path); full_overlap_checks
+    compares them; the module switch is back to its default afterwards."""
+    import json
+    import sys
+
+    from workbench.serving import loop as loop_mod
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    ahead = []
+    real = loop_mod.ServingLoop.run
+    monkeypatch.setattr(loop_mod.ServingLoop, "run", lambda self: (
+        lambda res: ahead.append((loop_mod.FULL_OVERLAP, res.steps_ahead)) or res)(real(self)))
+    before = loop_mod.FULL_OVERLAP
+    assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--warmup-requests", "1",
+                             "--max-new-tokens", "6", "--rates", "4", "--max-num-seqs", "4", "--k-by-batch", "1-4:2",
+                             "--repeats", "1", "--no-thresholds", "--full-overlap-controls", "--cuda-graphs",
+                             "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert {"off, full overlap", "k=4, full overlap"} <= {x["setting"] for x in r["sweep"]}
+    assert {c["setting"] for c in r["full_overlap_checks"]} == {"off", "k=4"}
+    assert any(flag and n > 0 for flag, n in ahead)  # the controls launch ahead
+    assert not any(n for flag, n in ahead if not flag)  # nothing else does
+    assert loop_mod.FULL_OVERLAP == before
+    assert "each step launched before the previous one is read" in (tmp_path / "table.md").read_text()
+
+
 def test_gpu_serving_eager_prefill_controls(tmp_path):
     """--eager-prefill-controls: off and fixed k also run with prefill_graphs off in every round, on the same arrivals,
     and prefill_checks compares them (ratio = captured / eager median tokens/s; the fixed-shape step runs on a CPU)."""

@@ -303,6 +303,11 @@ class SpecEngine:
         """Every step's tree is a chain whose verify needs no hidden states (what the fused step can serve)."""
         return self.drafter is None or (self.drafter.proposes_chains and not self.drafter.wants_hidden)
 
+    def can_launch_ahead(self) -> bool:
+        """Whether a step can be launched before the previous one is read (`launch_step(lengths=)`): greedy chains
+        with the fused accept and a drafter whose propose reads the device; `overlaps` without generate's knob."""
+        return self._fused_accept(self._chains()) and (self.drafter is None or self.drafter.overlaps)
+
     def overlaps(self) -> bool:
         """Whether `generate` runs overlapped steps under the current settings (see the module docstring)."""
         return (self.config.overlap and self._fused_accept(self._chains())
@@ -469,19 +474,29 @@ class SpecEngine:
 
     @_with_pdl
     def launch_step(self, live: list[int], tokens_host: list[list[int] | None], timer: PhaseTimer,
-                    num_nodes: int | None = None, row_nodes: list[int] | None = None) -> LaunchedStep:
+                    num_nodes: int | None = None, row_nodes: list[int] | None = None,
+                    lengths: list[int] | None = None) -> LaunchedStep:
         """The part of `decode_step` that enqueues work: draft, verify and accept, and the packed result's copy to
         the host, which is not waited for (on a GPU: a non-blocking copy and an event). Between this and
         `finish_step` the caller may enqueue other work that does not touch these rows (serving: the prefill of
-        rows that join) and plan on the host while the GPU runs the step."""
+        rows that join) and plan on the host while the GPU runs the step.
+
+        lengths: per live row an upper bound of its committed tokens, for a step launched while an earlier step over
+        the row is still unread (serving's full overlap; as `generate`'s overlapped loop): greedy chains with the
+        fused accept only, whose device step reads roots and lengths itself; the bounds size storage only, and the
+        step's `finish_step` then keeps its rows' blocks and does not commit the drafter (a later step may be
+        writing them)."""
         dev, cache = self.device, self.cache
         full = self.num_nodes
         n_nodes = full if num_nodes is None else num_nodes
         if n_nodes not in (0, full) and not (self.drafter is not None and self.drafter.proposes_chains):
             raise ValueError(f"num_nodes={n_nodes}: only chains can be verified shorter than their N={full}")
         fused = self._fused_accept(self._chains())
+        if lengths is not None and not (fused and (self.drafter is None or self.drafter.overlaps)):
+            raise ValueError("launch_step(lengths=...) needs greedy chains with the fused accept and a drafter whose "
+                             "propose reads the device (Drafter.overlaps)")
         live_t, kv_len_then = self._live_rows(live)
-        base_host = [len(tokens_host[r]) - 1 for r in live]
+        base_host = [len(tokens_host[r]) - 1 for r in live] if lengths is None else list(lengths)
         reads_kv_len = not fused or (self.drafter is not None and self.drafter.reads_kv_len)
         state = BatchState(rows=live_t, rows_host=list(live), tokens=self.tokens, tokens_host=tokens_host,
                            kv_len=self.kv_len[live_t] if reads_kv_len else kv_len_then, kv_len_host=base_host,
@@ -517,13 +532,15 @@ class SpecEngine:
             # the step's one device->host read (accepted, drafted, emitted tokens), waited for in finish_step
             packed = host_read(packed_dev)
         return LaunchedStep(live, base_host, n, fused, tree, acc, state, packed,
-                            verify_hidden if not fused and self._wants_hidden() else None)
+                            verify_hidden if not fused and self._wants_hidden() else None, lengths is not None)
 
     @_with_pdl
     def finish_step(self, step: LaunchedStep, timer: PhaseTimer,
-                    retire: Callable[[DecodeStep], list[int]] | None = None) -> DecodeStep:
+                    retire: Callable[[DecodeStep], list[int]] | None = None, keep: bool = False) -> DecodeStep:
         """Waits for a launched step's host read, then its kv phase (see `decode_step`): rows' tokens on the host,
-        rejected drafts' blocks truncated, the drafter committed."""
+        rejected drafts' blocks truncated, the drafter committed. keep (and any step launched with `lengths`):
+        neither truncate nor commit, because a later step over these rows may already be in flight; the rows'
+        blocks are then freed when they are released. Steps must be finished in the order they were launched."""
         dev, cache = self.device, self.cache
         live, base_host, n, fused, tree, acc, state = (step.live, step.base_host, step.n, step.fused, step.tree,
                                                        step.acc, step.state)
@@ -546,6 +563,8 @@ class SpecEngine:
             for row, emitted in zip(live, out.emitted):
                 tokens_host[row].extend(emitted)
             out.retired = retire(out) if retire is not None else []
+            if keep or step.bounded:
+                return out
             state.kv_len_host = [len(tokens_host[r]) - 1 for r in live]
             if self.drafter is not None:
                 if self._wants_hidden():  # the committed tokens' hidden: root (row 0), accepted nodes (1 + node)
@@ -810,6 +829,7 @@ class LaunchedStep:
     state: BatchState
     packed: HostCopy  # the packed read [B, 3 + D (+ D) (+ 2)] (`_pack`)
     verify_hidden: torch.Tensor | None  # the unfused verify's hidden states, for drafters that want them
+    bounded: bool = False  # launched with upper-bound lengths (`launch_step(lengths=)`): finish keeps blocks
 
 
 @dataclass

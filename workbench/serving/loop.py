@@ -150,6 +150,8 @@ class ServeResult:
     prefill_forwards: int = 0  # target prefill forwards (one per request chunk)
     draft_kv: bool = False  # the drafter keeps its own KV (a draft model): prefill at join and catch-up apply
     batch_prefill: int = 1  # the most prefill chunks per forward in this run (BATCH_PREFILL then; replay reads it)
+    full_overlap: bool = False  # steps launched before the previous one was read (FULL_OVERLAP, where it applies)
+    steps_ahead: int = 0  # steps launched while another was in flight
 
     @property
     def outputs(self) -> dict[int, list[int]]:
@@ -201,6 +203,30 @@ def _overlap_env(value: str) -> bool:
 OVERLAP_PREFILL = _overlap_env(os.environ.get("WORKBENCH_SERVE_OVERLAP", ""))
 
 
+def _full_overlap_env(value: str) -> bool:
+    """WORKBENCH_SERVE_FULL_OVERLAP's value: 1 launches each step before the previous one is read, 0 (or unset) does
+    not; anything else is a named error.
+
+    >>> _full_overlap_env(""), _full_overlap_env("0"), _full_overlap_env("1")
+    (False, False, True)
+    """
+    v = value.strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"WORKBENCH_SERVE_FULL_OVERLAP={value!r}: give 1 (each step launched before the previous one "
+                         "is read) or 0 (off, the default), or unset it")
+    return v == "1"
+
+
+# Full overlap (prepared in the sixteenth session, off by default, not yet measured on a GPU): step t + 1 is launched
+# before step t is read, as `generate`'s overlapped loop does, so the host's bookkeeping of step t, the joins and the
+# next plan run while the GPU computes. Only where the device step needs nothing from the host read: greedy chains
+# with the fused accept and a drafter that reads the device (`SpecEngine.can_launch_ahead`), a draft model only when
+# every step drafts (no catch-up), and the no_evict policy (no preemption while a step is in flight). A row that
+# could reach max_new_tokens in the step in flight skips the next one (no wasted step, never released under a step).
+# Env WORKBENCH_SERVE_FULL_OVERLAP=0|1.
+FULL_OVERLAP = _full_overlap_env(os.environ.get("WORKBENCH_SERVE_FULL_OVERLAP", ""))
+
+
 @dataclass
 class _Decoding:
     """An iteration's step between its launch and its read."""
@@ -211,6 +237,7 @@ class _Decoding:
     n: int
     current: list[bool]
     step: LaunchedStep
+    it: int = 0  # the iteration that launched it
 
 
 def catch_up_groups(gaps: list[int], short: int = CATCH_UP_SHORT) -> list[list[int]]:
@@ -311,6 +338,9 @@ class ServingLoop:
         if catch_up_max < 0:
             raise ServeError(f"catch_up_max must be >= 0 (0 = no limit), got {catch_up_max}")
         self.catch_up_max = catch_up_max
+        self.full_overlap = (FULL_OVERLAP and engine.can_launch_ahead() and policy == "no_evict"
+                             and (not self._own_draft_kv or self.adaptive.drafts_always(max_num_seqs)))
+        self._inflight: _Decoding | None = None  # full overlap: the step launched and not yet read
 
     # -- the loop -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -320,7 +350,8 @@ class ServingLoop:
         waiting: list[RequestState] = []
         self.running: list[RequestState] = []
         result = ServeResult(states, num_blocks=self.num_blocks, draft_kv=self._own_draft_kv,
-                             batch_prefill=max(1, BATCH_PREFILL))
+                             batch_prefill=max(1, BATCH_PREFILL), full_overlap=self.full_overlap)
+        self._inflight = None
         it = 0
         self.clock.start()  # arrival times count from here (after any graph capture)
         while pending or waiting or self.running:
@@ -344,21 +375,25 @@ class ServingLoop:
             if decoding and self.scheduler.policy == "max_util":
                 decoding = self._reserve(decoding, waiting)
             step_nodes = 0
-            if OVERLAP_PREFILL:  # the prefill enqueued behind the step in flight; one wait for both
+            traces_before = len(result.traces)
+            if self.full_overlap:  # step t + 1 launched before step t is read
+                decoding, step_nodes, prefilled = self._iterate_ahead(waiting, it, result)
+            elif OVERLAP_PREFILL:  # the prefill enqueued behind the step in flight; one wait for both
                 planned, decoding = self._plan_prefill(waiting, decoding)
                 launched = self._decode_launch(decoding, it, result) if decoding else None
                 ran = self._run_prefill(planned, result)
                 if launched is not None:
-                    step_nodes = self._decode_finish(launched, it, result)
+                    step_nodes = self._decode_finish(launched, result)
             else:  # the step read before the prefill is planned (it plans with the blocks the step gave back)
                 if decoding:
-                    step_nodes = self._decode_finish(self._decode_launch(decoding, it, result), it, result)
+                    step_nodes = self._decode_finish(self._decode_launch(decoding, it, result), result)
                 planned, _ = self._plan_prefill(waiting, [])
                 ran = self._run_prefill(planned, result)
-            prefilled = self._finish_prefill(ran, result)
+            if not self.full_overlap:
+                prefilled = self._finish_prefill(ran, result)
             self.clock.tick()
             t_end = self.clock.now()
-            for tr in result.traces[len(result.traces) - len(decoding):] if decoding else []:
+            for tr in result.traces[traces_before:]:  # the step read in this iteration (full overlap: the last one's)
                 tr.step_ms = (t_end - t_start) * 1e3
             used = self.cache.used_blocks
             result.max_used_blocks = max(result.max_used_blocks, used)
@@ -424,12 +459,38 @@ class ServingLoop:
             self._preempt(victim, waiting)
             decoding = [s for s in decoding if s is not victim]
 
-    def _decode_launch(self, decoding: list[RequestState], it: int, result: ServeResult) -> _Decoding:
+    def _iterate_ahead(self, waiting: list[RequestState], it: int, result: ServeResult
+                       ) -> tuple[list[RequestState], int, int]:
+        """One iteration with full overlap: plan and run the prefill (behind the step in flight), launch the next
+        step over the decoding rows (their lengths bounded by what the step in flight can emit), then read the step
+        in flight and start the rows whose prefill completed. Returns (the rows of the step launched, its draft
+        nodes, tokens prefilled): the iteration's log describes the step it launched."""
+        inflight = self._inflight
+        ahead = {row: 1 + inflight.n for row in inflight.live} if inflight is not None else {}
+        # a row that could reach max_new_tokens in the step in flight skips this one: it is never released (nor its
+        # blocks reused) while a step over it runs, and no step is spent on a finished request
+        decoding = [s for s in self.running if s.phase == "decode"
+                    and len(s.output) + ahead.get(s.row, 0) < s.req.max_new_tokens]
+        planned, decoding = self._plan_prefill(waiting, decoding, ahead)
+        ran = self._run_prefill(planned, result)
+        launched = self._decode_launch(decoding, it, result, ahead) if decoding else None
+        if launched is not None and inflight is not None:
+            result.steps_ahead += 1
+        if inflight is not None:
+            self._decode_finish(inflight, result, launched)
+        prefilled = self._finish_prefill(ran, result)
+        self._inflight = launched
+        return decoding, launched.n if launched is not None else 0, prefilled
+
+    def _decode_launch(self, decoding: list[RequestState], it: int, result: ServeResult,
+                       ahead: dict[int, int] | None = None) -> _Decoding:
         """The iteration's step over the decoding rows, enqueued (`SpecEngine.launch_step`): per-row draft lengths
-        from the adaptive rules, behind draft models caught up first."""
+        from the adaptive rules, behind draft models caught up first. ahead (full overlap): per row in the step in
+        flight, the most tokens that step can add; the step is then launched on those upper bounds."""
         eng = self.engine
         live = [s.row for s in decoding]
-        contexts = [len(self.tokens_host[r]) - 1 for r in live]
+        exact = [len(self.tokens_host[r]) - 1 for r in live]
+        contexts = exact if ahead is None else [c + ahead.get(r, 0) for r, c in zip(live, exact)]
         batch_k = self.adaptive.batch_k(len(live))
         ks = [self.adaptive.row_k(s, c, batch_k) for s, c in zip(decoding, contexts)]
         if not self.chains:  # trees are verified whole or not at all
@@ -438,7 +499,7 @@ class ServingLoop:
             # a row whose draft model missed more than catch_up_max generated tokens (it decoded that long at k = 0)
             # stays autoregressive: its whole-context catch-up for a dip of the batch into a drafting size rarely
             # pays; missing only the prompt, it catches up as a fixed k would have prefilled it at its join
-            for j, (s, row, c) in enumerate(zip(decoding, live, contexts)):
+            for j, (s, row, c) in enumerate(zip(decoding, live, exact)):
                 if ks[j] and c - 1 - max(self._draft_valid[row], len(s.req.prompt)) > self.catch_up_max:
                     ks[j] = 0
                     result.draft_catch_up_skips += 1
@@ -446,15 +507,18 @@ class ServingLoop:
         if n and self._own_draft_kv:  # only the rows that draft: the others' drafts are masked out anyway
             self._catch_up([row for row, k in zip(live, ks) if k], result)
         row_nodes = None if all(k == n for k in ks) else ks
-        current = [self._draft_valid.get(row, 0) >= c - 1 for row, c in zip(live, contexts)]
-        step = eng.launch_step(live, self.tokens_host, self.timer, num_nodes=n, row_nodes=row_nodes)
-        return _Decoding(decoding, live, contexts, ks, n, current, step)
+        current = [self._draft_valid.get(row, 0) >= c - 1 for row, c in zip(live, exact)]
+        step = eng.launch_step(live, self.tokens_host, self.timer, num_nodes=n, row_nodes=row_nodes,
+                               lengths=contexts if ahead is not None else None)
+        return _Decoding(decoding, live, contexts, ks, n, current, step, it)
 
-    def _decode_finish(self, d: _Decoding, it: int, result: ServeResult) -> int:
+    def _decode_finish(self, d: _Decoding, result: ServeResult, launched: _Decoding | None = None) -> int:
         """Waits for the launched step's read; the rows' tokens and counters; rows that reach max_new_tokens
-        leave. Returns the step's draft nodes."""
-        decoding, live, contexts, ks, n, current = d.decoding, d.live, d.contexts, d.ks, d.n, d.current
-        out = self.engine.finish_step(d.step, self.timer)
+        leave. Returns the step's draft nodes. launched (full overlap): the step launched since, whose rows must
+        not leave here."""
+        decoding, live, ks, n, current, it = d.decoding, d.live, d.ks, d.n, d.current, d.it
+        contexts = [len(self.tokens_host[r]) - 1 for r in live]  # exact now (steps are read in launch order)
+        out = self.engine.finish_step(d.step, self.timer, keep=self.full_overlap)
         if n and self._own_draft_kv:  # the chain wrote [t_(L-1), root] and its drafts: valid up to the new root,
             for row, a, cur in zip(live, out.accepted, current):  # unless all n were accepted (the last draft was
                 if not cur:  # never fed); a row still behind keeps its hole below t_(L-1) for a later catch-up
@@ -474,6 +538,9 @@ class ServingLoop:
             result.traces.append(StepTrace(s.req.id, it, len(live), ks[j], n, contexts[j], out.drafted[j],
                                            out.accepted[j], len(kept), 0.0))
             if s.finished:
+                if launched is not None and s.row in launched.live:
+                    raise AssertionError(f"request {s.req.id} finished while a later step over row {s.row} is in "
+                                         "flight (the loop's max_new_tokens bound failed)")
                 self._finish(s, t)
         return n
 
@@ -504,7 +571,8 @@ class ServingLoop:
         self.running.remove(s)
         s.row = None
 
-    def _plan_prefill(self, waiting: list[RequestState], decoding: list[RequestState]
+    def _plan_prefill(self, waiting: list[RequestState], decoding: list[RequestState],
+                      ahead: dict[int, int] | None = None
                       ) -> tuple[list[tuple[RequestState, list[int], int]], list[RequestState]]:
         """Each prefilling request's chunk this iteration, oldest first: (request, what it prefills, chunk length),
         and `decoding` less the requests preempted here. Blocks a planned chunk will take count as taken for the next
@@ -515,8 +583,12 @@ class ServingLoop:
         planned: list[tuple[RequestState, list[int], int]] = []
         promised = 0
 
-        def step_blocks() -> int:  # what the step over `decoding` may take (root + N nodes per row)
-            return sum(self._blocks_for(d, len(self.tokens_host[d.row]) + self.n_nodes) for d in decoding)
+        ahead = ahead or {}
+
+        def step_blocks() -> int:  # what the step over `decoding` may take (root + N nodes per row, past what a step
+            # in flight may add: full overlap)
+            return sum(self._blocks_for(d, len(self.tokens_host[d.row]) + ahead.get(d.row, 0) + self.n_nodes)
+                       for d in decoding)
         for s in sorted((s for s in self.running if s.phase == "prefill"), key=lambda s: s.admit_seq):
             if budget <= 0:
                 break
