@@ -290,6 +290,8 @@ SERVING_SPECS: list[ColumnSpec] = [
                "tail of shrinking batches once nothing arrives)"),
     ColumnSpec("drain_output_share", "float", "serving", "share of the measured output tokens emitted in that tail "
                "(above saturation output_throughput mixes the full-batch and the draining regime)"),
+    ColumnSpec("arrival_window_output_throughput", "float", "serving", "output tokens/s while requests still arrive "
+               "(emitted before the last measured arrival / first to last measured arrival): the drain left out"),
 ]
 
 # One row per request of a serving run (`ResultStore.append(..., requests=)`, requests/<run_id>.parquet).

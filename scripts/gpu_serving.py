@@ -64,7 +64,7 @@ SHOW = ["request_throughput", "output_throughput", "goodput", "tpot_ms_p99", "tp
         # prefills + draft prefills at join; compare adaptive's with off's where its schedule says off
         "time_prefill_ms", "time_draft_ms", "time_verify_ms", "time_accept_ms", "time_kv_ms",
         # the tail after the last arrival (above saturation a run ends in shrinking batches: 20.4)
-        "drain_s", "drain_output_share"]
+        "drain_s", "drain_output_share", "arrival_window_output_throughput"]
 
 
 def other_shape(shape: str) -> str:
@@ -825,13 +825,14 @@ def table(r: dict) -> str:
         lines += [f"saturation (off, concurrency = max_num_seqs): {_f(r['saturation_request_throughput'], 2)} req/s at "
                   f"mean batch {_f(r['saturation_mean_batch'])}; SLOs TTFT <= {_f(r['slo_ttft_ms'])} ms, "
                   f"TPOT <= {_f(r['slo_tpot_ms'])} ms", ""]
-    lines += ["| rate (x sat) | round | setting | req/s | out tok/s | goodput | p99 TPOT ms | p99 TTFT ms | batch | "
-              "accept | captures in run | prefill / draft / verify ms | draft prefill / catch-up tokens |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| rate (x sat) | round | setting | req/s | out tok/s | while arriving | drain share | goodput | "
+              "p99 TPOT ms | p99 TTFT ms | batch | accept | captures in run | prefill / draft / verify ms | "
+              "draft prefill / catch-up tokens |", "|---" * 15 + "|"]
     for x in r["sweep"]:
         lines.append(f"| {x['rate_fraction']} | {x.get('repeat', 0)} | {x['setting']} | "
-                     f"{_f(x['request_throughput'], 2)} | "
-                     f"{_f(x['output_throughput'])} | {_f(x['goodput'], 2)} | {_f(x['tpot_ms_p99'])} | "
+                     f"{_f(x['request_throughput'], 2)} | {_f(x['output_throughput'])} | "
+                     f"{_f(x.get('arrival_window_output_throughput'))} | {_f(x.get('drain_output_share'), 2)} | "
+                     f"{_f(x['goodput'], 2)} | {_f(x['tpot_ms_p99'])} | "
                      f"{_f(x['ttft_ms_p99'])} | {_f(x['mean_batch_size'])} | {_f(x['acceptance_rate'], 2)} | "
                      f"{_f(x['graph_captures_in_run'])} | {_phases(x)} | {_f(x.get('draft_prefill_tokens'))} / "
                      f"{_f(x.get('draft_catch_up_tokens'))} |")

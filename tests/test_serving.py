@@ -331,10 +331,15 @@ def long_requests(seed: int, n: int = 6, shared: list[int] | None = None) -> lis
 
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("setting", ["whole", "chunked", "prefix", "preempt"])
-def test_captured_prefill_in_serving_keeps_outputs(target, draft, solo, kind, setting):
+def test_captured_prefill_in_serving_keeps_outputs(target, draft, solo, kind, setting, monkeypatch):
     """With cuda_graphs (on a CPU: the padded buffers a GPU graph reads, run eagerly) every prefill chunk of the
     target and every draft-model prefill runs at a length padded up to a multiple of 32: outputs still equal each
-    request's solo greedy output, under chunking, prefix reuse and preemption, and the padding's blocks go back."""
+    request's solo greedy output, under chunking, prefix reuse and preemption, and the padding's blocks go back.
+    A forward per row (BATCH_PREFILL = 1): several rows' padding at once need not fit a tight pool, and such a forward
+    then runs eagerly by design (test_batched_prefill_keeps_outputs covers the batched forwards)."""
+    from workbench.serving import loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "BATCH_PREFILL", 1)
     shared = [random.Random(12).randrange(64) for _ in range(9)] if setting == "prefix" else None
     reqs = long_requests(7, shared=shared)
     engine = make_engine(kind, target, draft, cuda_graphs=True, graph_batch_sizes=(1, 2, 4))
@@ -706,7 +711,8 @@ def test_drain_metrics_count_the_tail_after_the_last_arrival(target, draft):
     """drain_s / drain_output_share (StepClock, one unit per iteration; a token at the last arrival's time counts in
     the tail): all requests at t = 0 put every token in the tail (share 1, drain = the whole run); a late last
     arrival leaves the earlier tokens out of it. The share
-    counts each output token once: recounted here from each request's emission times and the steps' kept tokens."""
+    counts each output token once: recounted here from each request's emission times and the steps' kept tokens.
+    arrival_window_output_throughput is the rest over the arrival window (None when all arrive at once)."""
     from workbench.serving.metrics import summarize
 
     at_once = [Request(i, r.prompt, r.max_new_tokens, arrival_s=0.0) for i, r in enumerate(random_requests(4))]
@@ -726,3 +732,8 @@ def test_drain_metrics_count_the_tail_after_the_last_arrival(target, draft):
     assert rec["drain_output_share"] == pytest.approx(after / sum(tokens.values()))
     assert 0 < rec["drain_output_share"] < 0.2
     assert after <= tokens[len(late) - 1]  # only the late request's tokens are in the tail
+    # the output rate while requests arrive: the tokens before the last arrival over first -> last arrival
+    first = min(s.t_arrival for s in res.states)
+    assert rec["arrival_window_output_throughput"] == pytest.approx(
+        (sum(tokens.values()) - after) / (last - first))
+    assert summarize(serve(make_engine("ngram", target, draft), at_once))["arrival_window_output_throughput"] is None

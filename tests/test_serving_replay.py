@@ -218,10 +218,10 @@ class WorkLoop(ServingLoop):
     def _decode_launch(self, decoding, it, result):
         before, launch = _work(result), self.engine.launch_step
 
-        def timed(live, tokens_host, timer, num_nodes=None, row_nodes=None):
+        def timed(live, tokens_host, timer, num_nodes=None, row_nodes=None, lengths=None):
             slots, forwards = (a - b for a, b in zip(_work(result)[4:], before[4:]))
             self.clock.t += self.cost_s(replay.Work(len(live), num_nodes, 0, 0, slots, forwards), whole=True)
-            return launch(live, tokens_host, timer, num_nodes=num_nodes, row_nodes=row_nodes)
+            return launch(live, tokens_host, timer, num_nodes=num_nodes, row_nodes=row_nodes, lengths=lengths)
 
         self.engine.launch_step, self.decoded = timed, True
         try:

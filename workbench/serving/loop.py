@@ -120,7 +120,7 @@ class IterationLog:
 class StepTrace:
     """Per (request, decode step): what the replay and the acceptance breakdowns read."""
     request: int
-    step: int  # iteration index
+    step: int  # the iteration that read the step (its tokens reached the host at that iteration's end)
     batch_size: int
     k: int  # draft tokens this row was allowed
     num_nodes: int
@@ -477,7 +477,7 @@ class ServingLoop:
         if launched is not None and inflight is not None:
             result.steps_ahead += 1
         if inflight is not None:
-            self._decode_finish(inflight, result, launched)
+            self._decode_finish(inflight, result, launched, it)
         prefilled = self._finish_prefill(ran, result)
         self._inflight = launched
         return decoding, launched.n if launched is not None else 0, prefilled
@@ -512,11 +512,14 @@ class ServingLoop:
                                lengths=contexts if ahead is not None else None)
         return _Decoding(decoding, live, contexts, ks, n, current, step, it)
 
-    def _decode_finish(self, d: _Decoding, result: ServeResult, launched: _Decoding | None = None) -> int:
+    def _decode_finish(self, d: _Decoding, result: ServeResult, launched: _Decoding | None = None,
+                       it: int | None = None) -> int:
         """Waits for the launched step's read; the rows' tokens and counters; rows that reach max_new_tokens
         leave. Returns the step's draft nodes. launched (full overlap): the step launched since, whose rows must
-        not leave here."""
-        decoding, live, ks, n, current, it = d.decoding, d.live, d.ks, d.n, d.current, d.it
+        not leave here; it: the iteration reading it (its traces' `step`: when the tokens reached the host), else
+        the one that launched it."""
+        decoding, live, ks, n, current = d.decoding, d.live, d.ks, d.n, d.current
+        it = d.it if it is None else it
         contexts = [len(self.tokens_host[r]) - 1 for r in live]  # exact now (steps are read in launch order)
         out = self.engine.finish_step(d.step, self.timer, keep=self.full_overlap)
         if n and self._own_draft_kv:  # the chain wrote [t_(L-1), root] and its drafts: valid up to the new root,

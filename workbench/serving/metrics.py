@@ -18,7 +18,10 @@
   drain_output_share = the measured requests' output tokens emitted in that tail (at or after the last arrival:
   first tokens by their time, a step's tokens by its iteration's end) / all their output tokens. A run above
   saturation ends in a long tail of shrinking batches, where drafting pays more than at a full batch: its
-  output_throughput mixes both regimes.
+  output_throughput mixes both regimes;
+- arrival_window_output_throughput = the measured requests' output tokens emitted before the last arrival /
+  (last measured arrival - first measured arrival): the output rate while requests still arrive, with the drain
+  left out (None when every request arrives at once).
 """
 from __future__ import annotations
 
@@ -118,6 +121,8 @@ def summarize(result: ServeResult, slo_ttft_ms: float = 0.0, slo_tpot_ms: float 
         "ttft_ms": percentile(ttft, 50),
         "drain_s": max(s.t_done for s in measured) - last_arrival,
         "drain_output_share": drained / out_tokens if out_tokens else None,
+        "arrival_window_output_throughput": (out_tokens - drained) / (last_arrival - start)
+        if last_arrival > start else None,
     }
     for phase, ms in result.phase_ms.items():
         if phase in ("draft", "verify", "accept", "kv", "prefill"):
