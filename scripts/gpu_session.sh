@@ -28,7 +28,8 @@
 # after them) and z7 (batched prefill against a forward per row, on small) are prepared for the next one.
 # PART=k1 (h3 + z6, then trains small) and z7: the sixteenth session's first two calls; k2 (the prefill behind the
 # step in flight: parity, then served against the step read first) its third; k3 (the replay's forward count) and k4
-# (full overlap: parity, then served against the default) are prepared for the next one.
+# (full overlap: parity, then served against the default) and k5 (the goal check with a calibrated schedule and its
+# thresholds) are prepared for the next one.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -573,6 +574,16 @@ elif [ "$PART" = k4 ]; then
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram \
     --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 --no-thresholds \
     --k-by-batch 1-64:4 --full-overlap-controls --budget-s "${SERVING_S:-250}"
+elif [ "$PART" = k5 ]; then
+  # prepared in the sixteenth session, not run: issue 11's goal check as written, with both of this session's new
+  # defaults (batched prefill, the prefill behind the step in flight): the loop calibration picks the schedule on
+  # small, the sweep serves it against off, fixed k and a held-out k at 0.5, 1.0 and 1.5x in 3 rounds, and each of
+  # the schedule's thresholds is served at t - 1, t, t + 1 (the cliff check; no call has run it since the calibration
+  # found schedules without thresholds)
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram \
+    --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 0.5,1.0,1.5 --repeats 3 \
+    --budget-s "${SERVING_S:-330}"
 elif [ "$PART" = z7 ]; then
   # prepared in the fifteenth session, not run: batched prefill (serving.loop.BATCH_PREFILL: an iteration's prefill
   # chunks in forwards of up to 4 rows, CPU-tested) against a forward per row, off and fixed k, on small at 1.0x and

@@ -418,6 +418,12 @@ def test_gpu_serving_counts_sync_sites_per_setting(tmp_path, monkeypatch):
     assert f"`{step_sites[0]}`" in text and "| k=4 |" in text
 
 
+# a one-round sweep on the tiny preset, small enough for a CPU (the control-run tests add their flags)
+SMALL_SWEEP = ["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--warmup-requests", "1",
+               "--max-new-tokens", "6", "--rates", "4", "--max-num-seqs", "4", "--k-by-batch", "1-4:2", "--repeats", "1",
+               "--no-thresholds"]
+
+
 def test_gpu_serving_batch_prefill_controls(tmp_path, monkeypatch):
     """--batch-prefill-controls N: off and fixed k also run with BATCH_PREFILL = N in every round, on the same
     arrivals; those runs (and only those) prefill at most N rows per forward, the default's up to 4 (some forward
@@ -439,10 +445,7 @@ def test_gpu_serving_batch_prefill_controls(tmp_path, monkeypatch):
         (loop_mod.BATCH_PREFILL, 1)) or real_row(self, *a))
     before = loop_mod.BATCH_PREFILL
     assert before == loop_mod.DEFAULT_BATCH_PREFILL == 4
-    assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--warmup-requests", "1",
-                             "--max-new-tokens", "6", "--rates", "4", "--max-num-seqs", "4", "--k-by-batch", "1-4:2",
-                             "--repeats", "1", "--no-thresholds", "--batch-prefill-controls", "1",
-                             "--out", str(tmp_path)]) == 0
+    assert gpu_serving.main(SMALL_SWEEP + ["--batch-prefill-controls", "1", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
     assert {"off, prefill rows 1", "k=4, prefill rows 1"} <= {x["setting"] for x in r["sweep"]}
     assert {c["setting"] for c in r["batch_prefill_checks"]} == {"off", "k=4"}
@@ -475,10 +478,7 @@ def test_gpu_serving_overlap_controls(tmp_path, monkeypatch):
     monkeypatch.setattr(SpecEngine, "prefill_row", lambda self, *a: seen.append(
         (loop_mod.OVERLAP_PREFILL, pending[0] > 0)) or prefill(self, *a))
     before = loop_mod.OVERLAP_PREFILL
-    assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--warmup-requests", "1",
-                             "--max-new-tokens", "6", "--rates", "4", "--max-num-seqs", "4", "--k-by-batch", "1-4:2",
-                             "--repeats", "1", "--no-thresholds", "--overlap-controls",
-                             "--out", str(tmp_path)]) == 0
+    assert gpu_serving.main(SMALL_SWEEP + ["--overlap-controls", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
     assert {"off, step read first", "k=4, step read first"} <= {x["setting"] for x in r["sweep"]}
     assert {c["setting"] for c in r["overlap_checks"]} == {"off", "k=4"}
@@ -506,10 +506,7 @@ def test_gpu_serving_full_overlap_controls(tmp_path, monkeypatch):
     monkeypatch.setattr(loop_mod.ServingLoop, "run", lambda self: (
         lambda res: ahead.append((loop_mod.FULL_OVERLAP, res.steps_ahead)) or res)(real(self)))
     before = loop_mod.FULL_OVERLAP
-    assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--warmup-requests", "1",
-                             "--max-new-tokens", "6", "--rates", "4", "--max-num-seqs", "4", "--k-by-batch", "1-4:2",
-                             "--repeats", "1", "--no-thresholds", "--full-overlap-controls", "--cuda-graphs",
-                             "--out", str(tmp_path)]) == 0
+    assert gpu_serving.main(SMALL_SWEEP + ["--full-overlap-controls", "--cuda-graphs", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
     assert {"off, full overlap", "k=4, full overlap"} <= {x["setting"] for x in r["sweep"]}
     assert {c["setting"] for c in r["full_overlap_checks"]} == {"off", "k=4"}

@@ -183,6 +183,16 @@ BATCH_PREFILL = _batch_prefill_env(os.environ.get("WORKBENCH_BATCH_PREFILL", "")
 CATCH_UP_SHORT = 8  # catch-up gaps up to this many tokens share one forward (a few skipped steps' worth)
 
 
+def _switch_env(name: str, value: str, default: bool, on: str, off: str) -> bool:
+    """An environment switch: 1 or 0 (unset or empty: `default`); anything else is a ValueError naming the variable
+    and what each value does (`on`, `off`)."""
+    v = value.strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"{name}={value!r}: give 1 ({on}) or 0 ({off}), or unset it "
+                         f"(the default: {'1' if default else '0'})")
+    return default if not v else v == "1"
+
+
 def _overlap_env(value: str) -> bool:
     """WORKBENCH_SERVE_OVERLAP's value: 1 (or unset) enqueues an iteration's prefill behind its step in flight, 0
     reads the step first; anything else is a named error.
@@ -190,11 +200,8 @@ def _overlap_env(value: str) -> bool:
     >>> _overlap_env(""), _overlap_env("0"), _overlap_env("1")
     (True, False, True)
     """
-    v = value.strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"WORKBENCH_SERVE_OVERLAP={value!r}: give 1 (the prefill enqueued behind the step in flight) "
-                         "or 0 (the step read first), or unset it")
-    return v != "0"
+    return _switch_env("WORKBENCH_SERVE_OVERLAP", value, True, "the prefill enqueued behind the step in flight",
+                       "the step read first")
 
 
 # An iteration's prefill is planned before its step is launched and enqueued behind it, and one wait then covers
@@ -210,11 +217,8 @@ def _full_overlap_env(value: str) -> bool:
     >>> _full_overlap_env(""), _full_overlap_env("0"), _full_overlap_env("1")
     (False, False, True)
     """
-    v = value.strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"WORKBENCH_SERVE_FULL_OVERLAP={value!r}: give 1 (each step launched before the previous one "
-                         "is read) or 0 (off, the default), or unset it")
-    return v == "1"
+    return _switch_env("WORKBENCH_SERVE_FULL_OVERLAP", value, False,
+                       "each step launched before the previous one is read", "off")
 
 
 # Full overlap (prepared in the sixteenth session, off by default, not yet measured on a GPU): step t + 1 is launched
