@@ -5,10 +5,17 @@ One iteration, as named phases:
     admit    the scheduler gives queued requests a cache row (preempted ones first, then by arrival); with prefix
              caching their leading prompt blocks are looked up and shared
     reserve  (max_util) blocks for every decoding row's next step; when short, preempt the most recently admitted
-    decode   one `SpecEngine.decode_step` over every decoding row (draft -> verify -> accept -> kv), the draft length
-             per row from the adaptive rules; rows that reach max_new_tokens leave (row and blocks released)
-    prefill  up to `prefill_chunk` prompt tokens (0 = all), oldest admitted first; a request whose prefill completes
-             gets its first token (or keeps its root, after a preemption) and decodes from the next iteration
+    plan     up to `prefill_chunk` prompt tokens (0 = all), oldest admitted first, counting the blocks of the step
+             about to run (max_util: preempting younger requests when short, before any step is in flight)
+    decode   one step over every decoding row (draft -> verify -> accept -> kv; `SpecEngine.launch_step`, read by
+             `finish_step`), the draft length per row from the adaptive rules; rows that reach max_new_tokens leave
+             (row and blocks released)
+    prefill  the planned chunks, in forwards of up to BATCH_PREFILL rows; a request whose prefill completes gets its
+             first token (or keeps its root, after a preemption) and decodes from the next iteration
+
+By default (OVERLAP_PREFILL) the prefill is enqueued behind the step in flight and read after it, so the host plans
+and launches it while the GPU runs the step; with OVERLAP_PREFILL off the step is read before the prefill is planned.
+FULL_OVERLAP (off by default) launches each step before the previous one is read (see the switch's comment).
 
 Adaptive speculation changes the draft length between steps at no extra cost when the engine's graphs for every
 length it can ask for were captured first (`AdaptiveSpeculation.node_counts`, `SpecEngine.capture_graphs`). A draft
