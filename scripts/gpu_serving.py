@@ -64,7 +64,8 @@ SHOW = ["request_throughput", "output_throughput", "goodput", "tpot_ms_p99", "tp
         # prefills + draft prefills at join; compare adaptive's with off's where its schedule says off
         "time_prefill_ms", "time_draft_ms", "time_verify_ms", "time_accept_ms", "time_kv_ms",
         # the tail after the last arrival (above saturation a run ends in shrinking batches: 20.4)
-        "drain_s", "drain_output_share", "arrival_window_output_throughput"]
+        "drain_s", "drain_output_share", "arrival_window_output_throughput", "loop_batch_prefill", "loop_overlap",
+        "loop_steps_ahead"]
 
 
 def other_shape(shape: str) -> str:

@@ -481,6 +481,9 @@ def test_gpu_serving_overlap_controls(tmp_path, monkeypatch):
     assert gpu_serving.main(SMALL_SWEEP + ["--overlap-controls", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
     assert {"off, step read first", "k=4, step read first"} <= {x["setting"] for x in r["sweep"]}
+    for x in r["sweep"]:  # each record says how its loop ran
+        assert x["loop_overlap"] == ("none" if "step read first" in x["setting"] else "prefill"), x["setting"]
+        assert x["loop_batch_prefill"] == 4 and x["loop_steps_ahead"] == 0
     assert {c["setting"] for c in r["overlap_checks"]} == {"off", "k=4"}
     assert all(c["ratio"] > 0 for c in r["overlap_checks"])
     assert any(flag and busy for flag, busy in seen)  # the default overlaps somewhere
@@ -509,6 +512,9 @@ def test_gpu_serving_full_overlap_controls(tmp_path, monkeypatch):
     assert gpu_serving.main(SMALL_SWEEP + ["--full-overlap-controls", "--cuda-graphs", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
     assert {"off, full overlap", "k=4, full overlap"} <= {x["setting"] for x in r["sweep"]}
+    for x in r["sweep"]:
+        ahead_run = "full overlap" in x["setting"]
+        assert x["loop_overlap"] == ("full" if ahead_run else "prefill") and (x["loop_steps_ahead"] > 0) == ahead_run
     assert {c["setting"] for c in r["full_overlap_checks"]} == {"off", "k=4"}
     assert any(flag and n > 0 for flag, n in ahead)  # the controls launch ahead
     assert not any(n for flag, n in ahead if not flag)  # nothing else does

@@ -147,6 +147,10 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
            "num_prompts": len(requests), "batch": None, "wall_s": wall,
            **metrics.summarize(result, cfg.slo_ttft_ms, cfg.slo_tpot_ms), **calibrated,
            **environment_info(str(session.device) if session.device.type == "cuda" else None)}
+    # how the loop itself ran (module / env switches, not settings): stored, so that runs of different loops are
+    # never compared unawares (BENCHMARKS.md 21.2-21.3: each switch moves output tok/s by 1.06-1.35x)
+    rec.update(loop_batch_prefill=result.batch_prefill, loop_overlap=result.overlap,
+               loop_steps_ahead=result.steps_ahead)
     if calibrated:  # the schedule the run served with (config_json keeps the settings as given)
         rec["k_by_batch"] = format_k_by_batch(ranges)
     if cfg.method == "ar":

@@ -158,6 +158,7 @@ class ServeResult:
     draft_kv: bool = False  # the drafter keeps its own KV (a draft model): prefill at join and catch-up apply
     batch_prefill: int = 1  # the most prefill chunks per forward in this run (BATCH_PREFILL then; replay reads it)
     full_overlap: bool = False  # steps launched before the previous one was read (FULL_OVERLAP, where it applies)
+    overlap: str = "none"  # what ran beside a step in flight: "full", "prefill" (OVERLAP_PREFILL) or "none"
     steps_ahead: int = 0  # steps launched while another was in flight
 
     @property
@@ -361,7 +362,8 @@ class ServingLoop:
         waiting: list[RequestState] = []
         self.running: list[RequestState] = []
         result = ServeResult(states, num_blocks=self.num_blocks, draft_kv=self._own_draft_kv,
-                             batch_prefill=max(1, BATCH_PREFILL), full_overlap=self.full_overlap)
+                             batch_prefill=max(1, BATCH_PREFILL), full_overlap=self.full_overlap,
+                             overlap="full" if self.full_overlap else "prefill" if OVERLAP_PREFILL else "none")
         self._inflight = None
         it = 0
         self.clock.start()  # arrival times count from here (after any graph capture)
