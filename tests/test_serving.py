@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -397,6 +398,62 @@ def test_batched_prefill_keeps_outputs(target, draft, solo, kind, setting, graph
     assert engine.cache.used_blocks == 0
 
 
+def static_outputs(monkeypatch):
+    """CUDA-graph replays emulated on a CPU as a GPU runs them: each (bucket, key) keeps ONE output tensor, and every
+    replay writes into it in place, so a view of an earlier replay's output changes under whoever still holds it (on a
+    CPU the fixed-shape path otherwise returns a fresh tensor per call, which hides such aliasing)."""
+    from workbench.engine.graphs import FixedShapeStep
+
+    init = FixedShapeStep.__init__
+
+    def patched_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._capture = self.settings.cuda_graphs
+
+    def record(self, bufs, key):
+        def replay():
+            fresh = self._fn(**bufs.buf)
+            if bufs.out is None:
+                bufs.out = fresh
+            elif isinstance(fresh, tuple):
+                for o, f in zip(bufs.out, fresh):
+                    o.copy_(f)
+            else:
+                bufs.out.copy_(fresh)
+        bufs.out = None
+        bufs.graph = SimpleNamespace(replay=replay)
+
+    monkeypatch.setattr(FixedShapeStep, "__init__", patched_init)
+    monkeypatch.setattr(FixedShapeStep, "_record", record)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "redrafter-w3", "draft"])
+@pytest.mark.parametrize("setting", ["whole", "chunked"])
+def test_serving_holds_no_view_of_a_replayed_output(target, draft, solo, kind, setting, monkeypatch):
+    """With graph outputs that every replay overwrites (as on a GPU), in-flight serving drafts exactly as with fresh
+    outputs: the same accepted / drafted counts at every step (a corrupted drafter input would only lower acceptance,
+    never change the output, so parity alone could not show it). The prefill's hidden states that feature-based
+    drafters (EAGLE, ReDrafter) keep until a request's prefill completes (across the chunks of several iterations,
+    and the other rows' forwards of one iteration) must be copies, not views of a captured output."""
+    from tests.test_engine import make_drafter
+
+    reqs = [Request(r.id, r.prompt, r.max_new_tokens, arrival_s=float(r.id // 3)) for r in long_requests(6, n=8)]
+
+    def run():
+        engine = SpecEngine(target, make_drafter(kind, draft, target), EngineConfig(
+            max_new_tokens=64, kv_block_size=BS, cuda_graphs=True, graph_batch_sizes=(1, 2, 4)))
+        res = serve(engine, reqs, **({"prefill_chunk": 6} if setting == "chunked" else {}))
+        assert_solo(res, reqs, solo)
+        return [(t.request, t.accepted, t.drafted) for t in res.traces], engine
+
+    fresh, _ = run()
+    static_outputs(monkeypatch)
+    static, engine = run()
+    assert engine.prefill_step.fixed_at.stats.hits > 0  # the prefill really replayed captured (emulated) outputs
+    assert sum(a for _, a, _ in fresh) > 0  # the drafter's drafts are accepted at all (else nothing to compare)
+    assert static == fresh
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sequential"])
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("setting", ["chunked", "prefix", "preempt"])
@@ -591,16 +648,20 @@ def test_batch_prefill_switch_reads_a_row_count_or_names_the_problem():
             loop_mod._batch_prefill_env(bad)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["fresh", "static-outputs"])
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("setting", ["whole", "chunked", "prefix", "schedule"])
-def test_full_overlap_launches_ahead_and_keeps_outputs(target, draft, solo, kind, setting, monkeypatch):
+def test_full_overlap_launches_ahead_and_keeps_outputs(target, draft, solo, kind, setting, static, monkeypatch):
     """FULL_OVERLAP (prepared, off by default): with fixed shapes (the device n-gram lookup and the draft model's
     fused chain read the device) each step is launched before the previous one is read: two steps are in flight at
     some point, outputs equal each request's solo greedy output, no row is released or prefilled while a step over
-    it is in flight, and every block comes back."""
+    it is in flight, and every block comes back; also when every replay overwrites its graph's one output tensor,
+    as on a GPU (`static_outputs`: the next step's replay lands before the last one is read)."""
     from workbench.serving import loop as loop_mod
 
     monkeypatch.setattr(loop_mod, "FULL_OVERLAP", True)
+    if static:
+        static_outputs(monkeypatch)
     shared = [random.Random(5).randrange(64) for _ in range(9)] if setting == "prefix" else None
     reqs = long_requests(4, n=8, shared=shared)
     engine = make_engine(kind, target, draft, cuda_graphs=True, graph_batch_sizes=(1, 2, 4))

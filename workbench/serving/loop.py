@@ -654,8 +654,9 @@ class ServingLoop:
             result.prefill_forwards += 1
             for j, (s, tokens, t) in enumerate(batch):
                 outs[id(s)] = logits[j]
-                if eng.drafter is not None and eng.drafter.wants_hidden:
-                    s.hidden.append(hiddens[j])
+                if eng.drafter is not None and eng.drafter.wants_hidden:  # a copy: with captured prefill this is a
+                    # view of the graph's output, which the next replay (another row, the next chunk) overwrites
+                    s.hidden.append(hiddens[j].clone())
                 s.prefilled += t
                 done_tokens += t
                 if self.prefix_caching:
