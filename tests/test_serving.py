@@ -428,29 +428,38 @@ def static_outputs(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "redrafter-w3", "draft"])
-@pytest.mark.parametrize("setting", ["whole", "chunked"])
+@pytest.mark.parametrize("setting", ["whole", "chunked", "schedule-with-0"])
 def test_serving_holds_no_view_of_a_replayed_output(target, draft, solo, kind, setting, monkeypatch):
     """With graph outputs that every replay overwrites (as on a GPU), in-flight serving drafts exactly as with fresh
     outputs: the same accepted / drafted counts at every step (a corrupted drafter input would only lower acceptance,
     never change the output, so parity alone could not show it). The prefill's hidden states that feature-based
     drafters (EAGLE, ReDrafter) keep until a request's prefill completes (across the chunks of several iterations,
-    and the other rows' forwards of one iteration) must be copies, not views of a captured output."""
+    and the other rows' forwards of one iteration) must be copies, not views of a captured output. A schedule that
+    drafts only at batch 1 runs these tree drafters' steps without drafts too (their commit then gets the root's
+    hidden state alone)."""
     from tests.test_engine import make_drafter
 
     reqs = [Request(r.id, r.prompt, r.max_new_tokens, arrival_s=float(r.id // 3)) for r in long_requests(6, n=8)]
 
     def run():
-        engine = SpecEngine(target, make_drafter(kind, draft, target), EngineConfig(
+        drafter = make_drafter(kind, draft, target)
+        engine = SpecEngine(target, drafter, EngineConfig(
             max_new_tokens=64, kv_block_size=BS, cuda_graphs=True, graph_batch_sizes=(1, 2, 4)))
-        res = serve(engine, reqs, **({"prefill_chunk": 6} if setting == "chunked" else {}))
+        kw = {"whole": {}, "chunked": {"prefill_chunk": 6},
+              "schedule-with-0": {"adaptive": AdaptiveSpeculation(drafter.num_nodes, k_by_batch=[
+                  (1, 1, drafter.num_nodes), (2, 64, 0)])}}[setting]
+        res = serve(engine, reqs, **kw)
         assert_solo(res, reqs, solo)
+        if setting == "schedule-with-0":
+            assert {t.num_nodes for t in res.traces} == {0, drafter.num_nodes}  # steps with and without drafts
         return [(t.request, t.accepted, t.drafted) for t in res.traces], engine
 
     fresh, _ = run()
     static_outputs(monkeypatch)
     static, engine = run()
     assert engine.prefill_step.fixed_at.stats.hits > 0  # the prefill really replayed captured (emulated) outputs
-    assert sum(a for _, a, _ in fresh) > 0  # the drafter's drafts are accepted at all (else nothing to compare)
+    if setting != "schedule-with-0":  # (drafting only at batch 1, few steps draft at all)
+        assert sum(a for _, a, _ in fresh) > 0  # the drafter's drafts are accepted at all (else nothing to compare)
     assert static == fresh
 
 

@@ -569,7 +569,8 @@ class SpecEngine:
             if self.drafter is not None:
                 if self._wants_hidden():  # the committed tokens' hidden: root (row 0), accepted nodes (1 + node)
                     verify_hidden = step.verify_hidden
-                    src = torch.cat([torch.zeros_like(acc.path_nodes[:, :1]), 1 + acc.path_nodes], 1)  # -1 -> 0
+                    root = torch.zeros(acc.path_nodes.shape[0], 1, dtype=torch.long, device=dev)  # verify row 0
+                    src = torch.cat([root, 1 + acc.path_nodes], 1)  # -1 -> 0; a step without drafts: the root only
                     committed = verify_hidden.gather(1, src.unsqueeze(-1).expand(-1, -1, verify_hidden.shape[-1]))
                     self.drafter.commit(state, acc, base_host, hidden=committed)  # [B, 1 + D, H]
                 else:
