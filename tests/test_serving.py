@@ -657,6 +657,33 @@ def test_batch_prefill_switch_reads_a_row_count_or_names_the_problem():
             loop_mod._batch_prefill_env(bad)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("kind", ["eagle", "redrafter-w3", "draft", "ngram"])
+@pytest.mark.parametrize("rule", ["switch-off", "long-context"])
+def test_adaptive_rules_with_every_drafter_keep_outputs(target, draft, solo, kind, rule, graphs, monkeypatch):
+    """Per-row switch-off by acceptance and the long-context cut give some rows k = 0 while others draft (tree
+    drafters too: verified whole or not at all), eager and with fixed shapes: outputs equal solo greedy, and with
+    graph outputs overwritten per replay (`static_outputs`) every step drafts and accepts as with fresh outputs."""
+    from tests.test_engine import make_drafter
+
+    reqs = [Request(r.id, r.prompt, r.max_new_tokens, arrival_s=float(r.id // 3)) for r in long_requests(6, n=8)]
+    def run():
+        drafter = make_drafter(kind, draft, target)
+        n = drafter.num_nodes
+        ad = AdaptiveSpeculation(n, off_acceptance=0.9, window=2) if rule == "switch-off" else \
+            AdaptiveSpeculation(n, max_context=25, long_context_k=0)
+        engine = SpecEngine(target, drafter, EngineConfig(max_new_tokens=64, kv_block_size=BS, cuda_graphs=graphs,
+                                                          graph_batch_sizes=(1, 2, 4)))
+        res = serve(engine, reqs, adaptive=ad)
+        assert_solo(res, reqs, solo)
+        return [(t.request, t.accepted, t.drafted, t.k) for t in res.traces]
+    fresh = run()
+    assert any(k == 0 for *_, k in fresh) and any(k > 0 for *_, k in fresh)
+    if graphs:
+        static_outputs(monkeypatch)
+        assert run() == fresh
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["fresh", "static-outputs"])
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("setting", ["whole", "chunked", "prefix", "schedule"])
