@@ -95,6 +95,17 @@ def test_percentiles_acceptance_and_request_views(workspace):
     assert acc[["batch_size", "acceptance"]].values.tolist() == [[1, 0.75], [2, 0.5]]  # a null cell is skipped
     labels = {r["run_id"]: sv.run_label(r) for _, r in fixed.iterrows()}
     box = sv.latency_distribution(store.load_requests(list(labels)), labels, "ttft_ms")
+    # a run's label says how the loop ran where that differs from the defaults (worked examples: loop_note's)
+    import doctest
+
+    runner = doctest.DocTestRunner()
+    for test in doctest.DocTestFinder().find(sv.loop_note, "loop_note", globs={"loop_note": sv.loop_note}):
+        runner.run(test)
+    assert (runner.failures, runner.tries) == (0, 2)
+    row = fixed.iloc[0].copy()
+    assert " · loop" not in sv.run_label(row)  # the seeded rows predate the record: no note
+    row["loop_overlap"], row["loop_batch_prefill"] = "full", 1
+    assert " · loop full, prefill rows 1 · " in sv.run_label(row)
     assert sorted(box.data[0].y) == [3.0, 4.0, 5.0]  # the warm-up request (999 ms) is left out
 
 

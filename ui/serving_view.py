@@ -79,10 +79,33 @@ def line_label(row) -> str:
     return f"adaptive · {method} k={k} · " + " ".join(parts)
 
 
+DEFAULT_LOOP = ("prefill", 4)  # the serving loop's defaults (loop_overlap, loop_batch_prefill) since 2026-12-03
+
+
+def loop_note(row) -> str:
+    """How the serving loop ran, where it differs from today's defaults ("" where it does not, or where the run
+    predates the record): the loop's switches move tokens/s by 1.06-1.35x (BENCHMARKS.md 21.2-21.3).
+
+    >>> loop_note({"loop_overlap": "full", "loop_batch_prefill": 4}), loop_note({"loop_overlap": "prefill"})
+    ('loop full', '')
+    >>> loop_note({"loop_overlap": "none", "loop_batch_prefill": 1})
+    'loop none, prefill rows 1'
+    """
+    overlap, rows = row.get("loop_overlap"), row.get("loop_batch_prefill")
+    parts = []
+    if not _missing(overlap) and overlap != DEFAULT_LOOP[0]:
+        parts.append(f"loop {overlap}")
+    if not _missing(rows) and int(_num(rows)) != DEFAULT_LOOP[1]:
+        parts.append(f"prefill rows {int(_num(rows))}")
+    return ", ".join(parts)
+
+
 def run_label(row) -> str:
     created = row.get("created_at")
     when = created.strftime("%m-%d %H:%M:%S") if hasattr(created, "strftime") else str(created)
-    return f"{when} · {line_label(row)} · rate {_num(row.get('rate')):g} · {str(row.get('run_id'))[-6:]}"
+    note = loop_note(row)
+    return (f"{when} · {line_label(row)} · rate {_num(row.get('rate')):g}" + (f" · {note}" if note else "")
+            + f" · {str(row.get('run_id'))[-6:]}")
 
 
 def with_setting(runs: pd.DataFrame) -> pd.DataFrame:
