@@ -59,8 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--rate", type=float, default=400.0, help="Poisson arrivals per second (above what 8 rows hold)")
     p.add_argument("--settings", default=";".join(SETTINGS), help="names of SETTINGS, separated by ';'")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="fixed-shape steps (CUDA graphs on a GPU; on a CPU the padded buffers run eagerly); default: on "
-                   "for cuda. Full overlap needs them (the device n-gram lookup, the fused accept)")
+                   help="fixed-shape steps (CUDA graphs on a GPU; on a CPU the padded buffers run eagerly); "
+                   "default: on for cuda. Full overlap needs them (the device n-gram lookup, the fused accept)")
     return p.parse_args(argv)
 
 

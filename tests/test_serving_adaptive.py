@@ -420,8 +420,8 @@ def test_gpu_serving_counts_sync_sites_per_setting(tmp_path, monkeypatch):
 
 # a one-round sweep on the tiny preset, small enough for a CPU (the control-run tests add their flags)
 SMALL_SWEEP = ["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--warmup-requests", "1",
-               "--max-new-tokens", "6", "--rates", "4", "--max-num-seqs", "4", "--k-by-batch", "1-4:2", "--repeats", "1",
-               "--no-thresholds"]
+               "--max-new-tokens", "6", "--rates", "4", "--max-num-seqs", "4", "--k-by-batch", "1-4:2",
+               "--repeats", "1", "--no-thresholds"]
 
 
 def test_gpu_serving_batch_prefill_controls(tmp_path, monkeypatch):

@@ -458,9 +458,9 @@ class SpecEngine:
     def decode_step(self, live: list[int], tokens_host: list[list[int] | None], timer: PhaseTimer,
                     num_nodes: int | None = None, row_nodes: list[int] | None = None,
                     retire: Callable[[DecodeStep], list[int]] | None = None) -> DecodeStep:
-        """`launch_step` then `finish_step` (see both): one step (draft -> verify -> accept -> kv) over the live rows: afterwards the device state (tokens, kv_len,
-        cache) holds the accepted tokens, `tokens_host[row]` is extended by the emitted tokens, rejected drafts' blocks
-        are truncated and the drafter has committed. `generate`'s synchronous loop is this step until no row is live;
+        """`launch_step` then `finish_step` (see both): one step (draft -> verify -> accept -> kv) over the live rows:
+        afterwards the device state (tokens, kv_len, cache) holds the accepted tokens, `tokens_host[row]` is extended
+        by the emitted tokens, rejected drafts' blocks are truncated and the drafter has committed. `generate`'s synchronous loop is this step until no row is live;
         serving (workbench/serving) runs it once per iteration over whatever rows are live then.
 
         tokens_host: per cache row, the row's committed tokens up to and including the root (None = not live).

@@ -13,8 +13,8 @@ lookups, full acceptance) - the prediction error against real runs says how good
 Step cost. `fit_costs` fits ms per iteration as a linear function of what the iteration did (`FEATURES`):
     ms = c0 + c1 B + c2 B n + c3 n + c4 [n > 0] + c5 P + c6 F + c7 D + c8 G
 by least squares over measured iterations: B decoding rows, n draft nodes verified per row (a draft model runs n
-forwards for them), P target prefill tokens in F forwards (of up to BATCH_PREFILL request chunks), and the draft model's work outside
-its chain: D positions written in G forwards, by the draft prefill when a request joins where every step drafts and
+forwards for them), P target prefill tokens in F forwards (of up to BATCH_PREFILL request chunks), and the draft
+model's work outside its chain: D positions written in G forwards, by the draft prefill when a request joins where every step drafts and
 by catch-up forwards (rows x T, padding included) before a row that skipped drafting drafts again. Draft prefill and
 catch-up share c7 and c8 (the same kind of work: a draft-model forward over T positions outside the chain's graphs),
 so a fit on runs that never catch up (speculation off and a fixed k) still prices the catch-ups of a schedule with
