@@ -14,8 +14,9 @@ Step cost. `fit_costs` fits ms per iteration as a linear function of what the it
     ms = c0 + c1 B + c2 B n + c3 n + c4 [n > 0] + c5 P + c6 F + c7 D + c8 G
 by least squares over measured iterations: B decoding rows, n draft nodes verified per row (a draft model runs n
 forwards for them), P target prefill tokens in F forwards (of up to BATCH_PREFILL request chunks), and the draft
-model's work outside its chain: D positions written in G forwards, by the draft prefill when a request joins where every step drafts and
-by catch-up forwards (rows x T, padding included) before a row that skipped drafting drafts again. Draft prefill and
+model's work outside its chain: D positions written in G forwards, by the draft prefill when a request joins where
+every step drafts and by catch-up forwards (rows x T, padding included) before a row that skipped drafting drafts
+again. Draft prefill and
 catch-up share c7 and c8 (the same kind of work: a draft-model forward over T positions outside the chain's graphs),
 so a fit on runs that never catch up (speculation off and a fixed k) still prices the catch-ups of a schedule with
 k = 0 at some batch sizes. Graph buckets end up in the constants. A column the measured iterations cannot tell apart
