@@ -16,9 +16,8 @@ by least squares over measured iterations: B decoding rows, n draft nodes verifi
 forwards for them), P target prefill tokens in F forwards (of up to BATCH_PREFILL request chunks), and the draft
 model's work outside its chain: D positions written in G forwards, by the draft prefill when a request joins where
 every step drafts and by catch-up forwards (rows x T, padding included) before a row that skipped drafting drafts
-again. Draft prefill and
-catch-up share c7 and c8 (the same kind of work: a draft-model forward over T positions outside the chain's graphs),
-so a fit on runs that never catch up (speculation off and a fixed k) still prices the catch-ups of a schedule with
+again. Draft prefill and catch-up share c7 and c8 (the same kind of work: a draft-model forward over T positions
+outside the chain's graphs), so a fit on runs that never catch up (speculation off and a fixed k) still prices the catch-ups of a schedule with
 k = 0 at some batch sizes. Graph buckets end up in the constants. A column the measured iterations cannot tell apart
 from the columns before it in FEATURES order is dropped (coefficient 0, named in `CostModel.dropped`): one that is
 all zero (no draft model: D, G; no catch-up and no prefill at join), or a multiple of earlier ones (n = k [n > 0]
