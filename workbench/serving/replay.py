@@ -17,16 +17,16 @@ forwards for them), P target prefill tokens in F forwards (of up to BATCH_PREFIL
 model's work outside its chain: D positions written in G forwards, by the draft prefill when a request joins where
 every step drafts and by catch-up forwards (rows x T, padding included) before a row that skipped drafting drafts
 again. Draft prefill and catch-up share c7 and c8 (the same kind of work: a draft-model forward over T positions
-outside the chain's graphs), so a fit on runs that never catch up (speculation off and a fixed k) still prices the catch-ups of a schedule with
-k = 0 at some batch sizes. Graph buckets end up in the constants. A column the measured iterations cannot tell apart
-from the columns before it in FEATURES order is dropped (coefficient 0, named in `CostModel.dropped`): one that is
-all zero (no draft model: D, G; no catch-up and no prefill at join), or a multiple of earlier ones (n = k [n > 0]
-when every drafting step of the fit verified k nodes: n is kept, so a shorter held-out k costs fewer draft forwards -
-a prior, not a measurement: BENCHMARKS 10.5's phase times on the H200 put the draft phase about half per node, half
-per step, a CPU's tiny models nearly all per step; iterations that verify other lengths, such as the loop
-calibration's, tell the two apart). Coefficients are fitted >= 0 (`nnls`).
-`OLD_FEATURES` is the model from before the prefill forwards and the draft-side work were counted, kept so that
-scripts/gpu_serving.py can report both fits' errors on one run.
+outside the chain's graphs), so a fit on runs that never catch up (speculation off and a fixed k) still prices the
+catch-ups of a schedule with k = 0 at some batch sizes. Graph buckets end up in the constants. A column the measured
+iterations cannot tell apart from the columns before it in FEATURES order is dropped (coefficient 0, named in
+`CostModel.dropped`): one that is all zero (no draft model: D, G; no catch-up and no prefill at join), or a multiple
+of earlier ones (n = k [n > 0] when every drafting step of the fit verified k nodes: n is kept, so a shorter held-out
+k costs fewer draft forwards - a prior, not a measurement: BENCHMARKS 10.5's phase times on the H200 put the draft
+phase about half per node, half per step, a CPU's tiny models nearly all per step; iterations that verify other
+lengths, such as the loop calibration's, tell the two apart). Coefficients are fitted >= 0 (`nnls`). `OLD_FEATURES` is
+the model from before the prefill forwards and the draft-side work were counted, kept so that scripts/gpu_serving.py
+can report both fits' errors on one run.
 
 Replay then walks the same arrivals through a simplified loop (a row per request up to max_num_seqs, prefill of up
 to prefill_chunk tokens per iteration oldest admitted first, a request decoding from the iteration after its prefill
