@@ -398,33 +398,13 @@ def test_batched_prefill_keeps_outputs(target, draft, solo, kind, setting, graph
     assert engine.cache.used_blocks == 0
 
 
-def static_outputs(monkeypatch):
-    """CUDA-graph replays emulated on a CPU as a GPU runs them: each (bucket, key) keeps ONE output tensor, and every
-    replay writes into it in place, so a view of an earlier replay's output changes under whoever still holds it (on a
-    CPU the fixed-shape path otherwise returns a fresh tensor per call, which hides such aliasing)."""
-    from workbench.engine.graphs import FixedShapeStep
+def static_outputs(monkeypatch, on: bool = True):
+    """CUDA-graph outputs emulated on a CPU as a GPU replays them (graphs.STATIC_CPU_OUTPUTS, the default): each
+    (bucket, key) keeps ONE output tensor and every call writes into it, so a view of an earlier call's output changes
+    under whoever still holds it. on=False: a fresh tensor per call, which hides such aliasing (the baseline)."""
+    from workbench.engine import graphs
 
-    init = FixedShapeStep.__init__
-
-    def patched_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self._capture = self.settings.cuda_graphs
-
-    def record(self, bufs, key):
-        def replay():
-            fresh = self._fn(**bufs.buf)
-            if bufs.out is None:
-                bufs.out = fresh
-            elif isinstance(fresh, tuple):
-                for o, f in zip(bufs.out, fresh):
-                    o.copy_(f)
-            else:
-                bufs.out.copy_(fresh)
-        bufs.out = None
-        bufs.graph = SimpleNamespace(replay=replay)
-
-    monkeypatch.setattr(FixedShapeStep, "__init__", patched_init)
-    monkeypatch.setattr(FixedShapeStep, "_record", record)
+    monkeypatch.setattr(graphs, "STATIC_CPU_OUTPUTS", on)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "redrafter-w3", "draft"])
@@ -454,6 +434,7 @@ def test_serving_holds_no_view_of_a_replayed_output(target, draft, solo, kind, s
             assert {t.num_nodes for t in res.traces} == {0, drafter.num_nodes}  # steps with and without drafts
         return [(t.request, t.accepted, t.drafted) for t in res.traces], engine
 
+    static_outputs(monkeypatch, on=False)
     fresh, _ = run()
     static_outputs(monkeypatch)
     static, engine = run()
@@ -677,6 +658,7 @@ def test_adaptive_rules_with_every_drafter_keep_outputs(target, draft, solo, kin
         res = serve(engine, reqs, adaptive=ad)
         assert_solo(res, reqs, solo)
         return [(t.request, t.accepted, t.drafted, t.k) for t in res.traces]
+    static_outputs(monkeypatch, on=False)
     fresh = run()
     assert any(k == 0 for *_, k in fresh) and any(k > 0 for *_, k in fresh)
     if graphs:
@@ -696,8 +678,7 @@ def test_full_overlap_launches_ahead_and_keeps_outputs(target, draft, solo, kind
     from workbench.serving import loop as loop_mod
 
     monkeypatch.setattr(loop_mod, "FULL_OVERLAP", True)
-    if static:
-        static_outputs(monkeypatch)
+    static_outputs(monkeypatch, on=static)
     shared = [random.Random(5).randrange(64) for _ in range(9)] if setting == "prefix" else None
     reqs = long_requests(4, n=8, shared=shared)
     engine = make_engine(kind, target, draft, cuda_graphs=True, graph_batch_sizes=(1, 2, 4))
