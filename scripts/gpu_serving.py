@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -707,15 +708,18 @@ def paired_rounds(at_rate: list[dict], complete: set, best: dict[str, str]) -> d
     """Adaptive against the best setting round by round: the rounds of one rate replay the same arrivals for every
     setting, so each round's ratio cancels what the round shares (the machine's state, the trace). Per key of `best`
     (key -> the setting best by that key): the ratios in round order and a verdict: "ge" every round at or above 1,
-    "lt" every round below, "mixed" (indistinguishable in these rounds), None for one round.
+    "lt" every round below, "mixed" (indistinguishable in these rounds), None for one round; and `{key}_paired_p`,
+    the one-sided sign test's p-value for the side most rounds fell on (no difference: each round above or below
+    with probability 1/2). All of 3 rounds on one side gives only p = 0.125: a verdict of 3 rounds is a direction,
+    not a significant result at 5 % (that needs 5 rounds all on one side).
 
     >>> rows = [dict(setting=s, repeat=r, goodput=g, output_throughput=t) for s, r, g, t in (
     ...     ("adaptive", 0, 9.0, 100.0), ("off", 0, 10.0, 98.0), ("adaptive", 1, 12.0, 110.0), ("off", 1, 11.0, 100.0))]
     >>> got = paired_rounds(rows, {0, 1}, {"goodput": "off", "output_throughput": "off"})
-    >>> [round(x, 3) for x in got["goodput_paired"]], got["goodput_paired_verdict"]
-    ([0.9, 1.091], 'mixed')
-    >>> got["output_throughput_paired_verdict"]
-    'ge'
+    >>> [round(x, 3) for x in got["goodput_paired"]], got["goodput_paired_verdict"], got["goodput_paired_p"]
+    ([0.9, 1.091], 'mixed', 0.75)
+    >>> got["output_throughput_paired_verdict"], got["output_throughput_paired_p"]
+    ('ge', 0.25)
     """
     out = {}
     for key, best_setting in best.items():
@@ -726,7 +730,18 @@ def paired_rounds(at_rate: list[dict], complete: set, best: dict[str, str]) -> d
         out[f"{key}_paired"] = ratios
         out[f"{key}_paired_verdict"] = None if len(ratios) < 2 else \
             "ge" if min(ratios) >= 1.0 else "lt" if max(ratios) < 1.0 else "mixed"
+        out[f"{key}_paired_p"] = sign_test_p(sum(r < 1.0 for r in ratios), len(ratios)) if len(ratios) > 1 else None
     return out
+
+
+def sign_test_p(below: int, n: int) -> float:
+    """One-sided sign test: P(at least max(below, n - below) of n rounds on one side | each side 1/2).
+
+    >>> sign_test_p(3, 3), sign_test_p(0, 5), sign_test_p(1, 2)
+    (0.125, 0.03125, 0.75)
+    """
+    k = max(below, n - below)
+    return sum(math.comb(n, j) for j in range(k, n + 1)) / 2 ** n
 
 
 def shape_checks(sweep: list[dict]) -> list[dict]:
@@ -847,6 +862,8 @@ def table(r: dict) -> str:
             verdict = "yes" if c["adaptive_ge_best"] else \
                 "no, within noise (above the best setting's lowest round)" if c.get("within_noise") else "no"
             paired = " / ".join(" ".join(_f(v, 3) for v in c.get(f"{key}_paired") or []) + (
+                f" ({c[f'{key}_paired_verdict']}, sign test p = {c[f'{key}_paired_p']:.3g})"
+                if c.get(f"{key}_paired_verdict") and c.get(f"{key}_paired_p") is not None else
                 f" ({c[f'{key}_paired_verdict']})" if c.get(f"{key}_paired_verdict") else "")
                 for key in ("goodput", "output_throughput"))
             lines.append(f"| {c['rate_fraction']} | {c.get('repeats', 1)} | {_f(c['goodput_ratio'], 3)} | "

@@ -645,11 +645,15 @@ def test_gpu_serving_goal_check_says_when_a_miss_is_inside_the_rounds_noise():
     assert check["output_throughput_best_setting"] == "k=4"
     assert check["output_throughput_paired"] == pytest.approx([89 / 90, 0.99, 109 / 110])
     assert check["output_throughput_paired_verdict"] == "lt" and check["goodput_paired"] == []
+    # 3 rounds all below: a direction, not significant (one-sided sign test p = 1/8); mixed rounds: 2 of 3, p = 1/2
+    assert check["output_throughput_paired_p"] == pytest.approx(0.125)
+    (check,) = gpu_serving.sweep_checks(sweep((100.0, 101.0, 102.0)), "k=4")
+    assert check["goodput_paired_p"] == pytest.approx(0.5)
     runner = doctest.DocTestRunner()
-    globs = {"paired_rounds": gpu_serving.paired_rounds}
-    for test in doctest.DocTestFinder().find(gpu_serving.paired_rounds, globs=globs):
-        runner.run(test)
-    assert runner.failures == 0 and runner.tries == 4
+    for fn in (gpu_serving.paired_rounds, gpu_serving.sign_test_p):
+        for test in doctest.DocTestFinder().find(fn, globs={fn.__name__: fn}):
+            runner.run(test)
+    assert runner.failures == 0 and runner.tries == 5
 
 
 def test_gpu_serving_threshold_check_compares_a_cliff_with_its_rounds_spread():
