@@ -114,16 +114,16 @@ def test_finished_sequences_leave_the_batch(target, draft):
 @pytest.mark.parametrize("kind", ["ar", "draft", "ngram", "redrafter-w3", "eagle"])
 def test_one_host_read_per_step(kind, fixed, target, draft, monkeypatch):
     """generate's synchronous loop (SpecEngine.decode_step) reads the device once per step: the packed accepted /
-    drafted / emitted counts (and, for trees, the path ranks and beam pairs) in one `host_read` (launch_step), and
-    nothing else is read to the host per step (`.cpu()` / `.tolist()` / `.item()` on the step's path)."""
+    drafted / emitted counts (and, for trees, the path ranks and beam pairs) in one `HostCopy` (launch_step), and
+    nothing else is read to the host per step (no `.cpu()` or `.item()`; `.tolist()` is the read's own unpacking)."""
     import workbench.engine.step as step_module
 
     reads, other = [], []
-    real_read = step_module.host_read
+    real_init = step_module.HostCopy.__init__
 
-    def counting_read(t):
+    def counting_init(self, t):
         reads.append(tuple(t.shape))
-        return real_read(t)
+        real_init(self, t)
 
     def counting(name):
         real = getattr(torch.Tensor, name)
@@ -136,7 +136,7 @@ def test_one_host_read_per_step(kind, fixed, target, draft, monkeypatch):
     engine = SpecEngine(target, make_drafter(kind, draft, target),
                         EngineConfig(max_new_tokens=9, cuda_graphs=fixed, kv_block_size=4))
     engine.generate(PROMPTS)  # warm-up: caches, buffers and steps are built outside the count
-    monkeypatch.setattr(step_module, "host_read", counting_read)
+    monkeypatch.setattr(step_module.HostCopy, "__init__", counting_init)
     for name in ("cpu", "item"):
         monkeypatch.setattr(torch.Tensor, name, counting(name))
     res = engine.generate(PROMPTS)

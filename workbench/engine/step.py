@@ -310,8 +310,7 @@ class SpecEngine:
 
     def overlaps(self) -> bool:
         """Whether `generate` runs overlapped steps under the current settings (see the module docstring)."""
-        return (self.config.overlap and self._fused_accept(self._chains())
-                and (self.drafter is None or self.drafter.overlaps))
+        return self.config.overlap and self.can_launch_ahead()
 
     def _fused_accept(self, chain: bool) -> bool:
         """Greedy acceptance of a chain runs inside the fixed-shape verify step (one graph, no extra launches)."""
@@ -530,7 +529,7 @@ class SpecEngine:
                 acc = self.verifier.accept(tree, logits)
                 packed_dev = _pack(acc, tree)
             # the step's one device->host read (accepted, drafted, emitted tokens), waited for in finish_step
-            packed = host_read(packed_dev)
+            packed = HostCopy(packed_dev)
         return LaunchedStep(live, base_host, n, fused, tree, acc, state, packed,
                             verify_hidden if not fused and self._wants_hidden() else None, lengths is not None)
 
@@ -811,11 +810,6 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()
         return self.tensor
-
-
-def host_read(t: torch.Tensor) -> HostCopy:
-    """`t` copied to the host without waiting for the GPU (`HostCopy`)."""
-    return HostCopy(t)
 
 
 @dataclass

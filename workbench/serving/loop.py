@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.engine.sampling import next_token
-from workbench.engine.step import HostCopy, LaunchedStep, PhaseTimer, SpecEngine, cap_emitted, host_read
+from workbench.engine.step import HostCopy, LaunchedStep, PhaseTimer, SpecEngine, cap_emitted
 from workbench.serving.adaptive import AdaptiveSpeculation
 from workbench.serving.config import ServeError
 from workbench.serving.prefix_cache import PrefixCachingKVCache
@@ -244,7 +244,6 @@ class _Decoding:
     """An iteration's step between its launch and its read."""
     decoding: list[RequestState]
     live: list[int]
-    contexts: list[int]
     ks: list[int]
     n: int
     current: list[bool]
@@ -390,7 +389,7 @@ class ServingLoop:
             step_nodes = 0
             traces_before = len(result.traces)
             if self.full_overlap:  # step t + 1 launched before step t is read
-                decoding, step_nodes, prefilled = self._iterate_ahead(waiting, it, result)
+                decoding, step_nodes, ran = self._iterate_ahead(waiting, it, result)
             elif OVERLAP_PREFILL:  # the prefill enqueued behind the step in flight; one wait for both
                 planned, decoding = self._plan_prefill(waiting, decoding)
                 launched = self._decode_launch(decoding, it, result) if decoding else None
@@ -402,8 +401,7 @@ class ServingLoop:
                     step_nodes = self._decode_finish(self._decode_launch(decoding, it, result), result)
                 planned, _ = self._plan_prefill(waiting, [])
                 ran = self._run_prefill(planned, result)
-            if not self.full_overlap:
-                prefilled = self._finish_prefill(ran, result)
+            prefilled = self._finish_prefill(ran, result)
             self.clock.tick()
             t_end = self.clock.now()
             for tr in result.traces[traces_before:]:  # the step read in this iteration (full overlap: the last one's)
@@ -473,11 +471,11 @@ class ServingLoop:
             decoding = [s for s in decoding if s is not victim]
 
     def _iterate_ahead(self, waiting: list[RequestState], it: int, result: ServeResult
-                       ) -> tuple[list[RequestState], int, int]:
+                       ) -> tuple[list[RequestState], int, tuple]:
         """One iteration with full overlap: plan and run the prefill (behind the step in flight), launch the next
         step over the decoding rows (their lengths bounded by what the step in flight can emit), then read the step
-        in flight and start the rows whose prefill completed. Returns (the rows of the step launched, its draft
-        nodes, tokens prefilled): the iteration's log describes the step it launched."""
+        in flight. Returns (the rows of the step launched, its draft nodes, the prefill's run for `_finish_prefill`,
+        which starts the rows whose prefill completed): the iteration's log describes the step it launched."""
         inflight = self._inflight
         ahead = {row: 1 + inflight.n for row in inflight.live} if inflight is not None else {}
         # a row that could reach max_new_tokens in the step in flight skips this one: it is never released (nor its
@@ -491,9 +489,8 @@ class ServingLoop:
             result.steps_ahead += 1
         if inflight is not None:
             self._decode_finish(inflight, result, launched, it)
-        prefilled = self._finish_prefill(ran, result)
         self._inflight = launched
-        return decoding, launched.n if launched is not None else 0, prefilled
+        return decoding, launched.n if launched is not None else 0, ran
 
     def _decode_launch(self, decoding: list[RequestState], it: int, result: ServeResult,
                        ahead: dict[int, int] | None = None) -> _Decoding:
@@ -523,7 +520,7 @@ class ServingLoop:
         current = [self._draft_valid.get(row, 0) >= c - 1 for row, c in zip(live, exact)]
         step = eng.launch_step(live, self.tokens_host, self.timer, num_nodes=n, row_nodes=row_nodes,
                                lengths=contexts if ahead is not None else None)
-        return _Decoding(decoding, live, contexts, ks, n, current, step, it)
+        return _Decoding(decoding, live, ks, n, current, step, it)
 
     def _decode_finish(self, d: _Decoding, result: ServeResult, launched: _Decoding | None = None,
                        it: int | None = None) -> int:
@@ -671,7 +668,7 @@ class ServingLoop:
         sampled = [first for _, _, first in completed if first is not None]
         # one device->host read for every first token of this iteration: a read per request waited for the GPU once
         # per joining request (call h1: 0.8-1.8 such syncs per serving iteration on tiny at 1.5x saturation)
-        return done_tokens, completed, host_read(torch.stack(sampled)) if sampled else None
+        return done_tokens, completed, HostCopy(torch.stack(sampled)) if sampled else None
 
     def _finish_prefill(self, ran: tuple, result: ServeResult) -> int:
         """Requests whose prompt is now all in the cache get their first token (read here) and start decoding
