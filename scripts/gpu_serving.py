@@ -220,13 +220,16 @@ def main(argv=None) -> int:
         settings_of.update({GC.format("off"): dict(method="ar", gc_freeze=False),
                             GC.format(fixed): dict(gc_freeze=False)})
     batched = BATCHED.format(n=max(1, args.batch_prefill_controls))  # "{}, prefill rows N"
-    if args.batch_prefill_controls:  # the same configs: the loop's module switch tells them apart (run below)
-        settings_of.update({batched.format("off"): dict(method="ar"), batched.format(fixed): {}})
+    # the same configs as off and fixed k, told apart by the loop's module switches (set around each run below)
+    switches_of: dict[str, dict] = {}
+    for on, label, switch in ((args.batch_prefill_controls, batched, {"BATCH_PREFILL": args.batch_prefill_controls}),
+                              (args.overlap_controls, SEQUENTIAL, {"OVERLAP_PREFILL": False}),
+                              (args.full_overlap_controls, AHEAD, {"FULL_OVERLAP": True})):
+        if on:
+            settings_of.update({label.format("off"): dict(method="ar"), label.format(fixed): {}})
+            switches_of.update({label.format("off"): switch, label.format(fixed): switch})
+    if args.batch_prefill_controls:
         result["batch_prefill"] = {"default": loop_mod.BATCH_PREFILL, "control": args.batch_prefill_controls}
-    if args.overlap_controls:  # likewise told apart by the loop's module switch
-        settings_of.update({SEQUENTIAL.format("off"): dict(method="ar"), SEQUENTIAL.format(fixed): {}})
-    if args.full_overlap_controls:
-        settings_of.update({AHEAD.format("off"): dict(method="ar"), AHEAD.format(fixed): {}})
     runs: dict[tuple, object] = {}
 
     def run(name: str, part: str, essential: bool = False, **kw):
@@ -238,17 +241,8 @@ def main(argv=None) -> int:
             flush()
             return None, None
         t0 = time.perf_counter()
-        saved = loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL, loop_mod.FULL_OVERLAP
-        if name.endswith(batched.format("")):
-            loop_mod.BATCH_PREFILL = args.batch_prefill_controls
-        if name.endswith(SEQUENTIAL.format("")):
-            loop_mod.OVERLAP_PREFILL = False
-        if name.endswith(AHEAD.format("")):
-            loop_mod.FULL_OVERLAP = True
-        try:
+        with loop_mod.switches(**switches_of.get(name, {})):
             res = serve_bench(session, cfg, engine=engine(cfg))
-        finally:
-            loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL, loop_mod.FULL_OVERLAP = saved
         last_wall[part] = max(last_wall.get(part, 0.0), time.perf_counter() - t0)
         rec = {key: res.record.get(key) for key in SHOW}
         rec.update(setting=name, rate=cfg.rate, arrival=cfg.arrival, max_concurrency=cfg.max_concurrency,

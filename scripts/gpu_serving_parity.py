@@ -98,15 +98,9 @@ def main(argv=None) -> int:
         requests = make_requests(cfg, prompt_ids, int(session.target.config.vocab_size))
         t0 = time.perf_counter()
         row = {"setting": name, "requests": len(requests)}
-        saved = {k: getattr(loop_mod, k) for k in SWITCHES.get(name, {})}
         try:
-            for k, v in SWITCHES.get(name, {}).items():
-                setattr(loop_mod, k, v)
-            try:
+            with loop_mod.switches(**SWITCHES.get(name, {})):
                 res = serve_bench(session, cfg, requests=requests)
-            finally:
-                for k, v in saved.items():
-                    setattr(loop_mod, k, v)
             outputs = res.result.outputs
             differ = [r.id for r in requests if outputs.get(r.id) != solo(r.prompt, r.max_new_tokens)]
             rec = res.record

@@ -734,6 +734,23 @@ def test_full_overlap_falls_back_where_it_cannot_apply(target, draft, solo, why,
     assert not res.full_overlap and res.steps_ahead == 0
 
 
+def test_loop_switches_are_set_for_a_block_and_put_back():
+    """loop.switches: the named module switches hold the given values inside the block and their old ones after it,
+    also when the block raises; an unknown name raises before any switch changes."""
+    from workbench.serving import loop as loop_mod
+
+    before = (loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL, loop_mod.FULL_OVERLAP)
+    with pytest.raises(RuntimeError):
+        with loop_mod.switches(BATCH_PREFILL=1, FULL_OVERLAP=not before[2]):
+            assert (loop_mod.BATCH_PREFILL, loop_mod.FULL_OVERLAP) == (1, not before[2])
+            raise RuntimeError("inside")
+    assert (loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL, loop_mod.FULL_OVERLAP) == before
+    with pytest.raises(AttributeError):
+        with loop_mod.switches(OVERLAP_PREFILL=not before[1], NO_SUCH_SWITCH=1):
+            pass
+    assert (loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL, loop_mod.FULL_OVERLAP) == before
+
+
 def test_full_overlap_switch_reads_0_or_1_or_names_the_problem():
     """WORKBENCH_SERVE_FULL_OVERLAP: unset, empty or 0 is off (the default), 1 on; anything else is a ValueError that
     names the variable and its values (the worked example too)."""

@@ -239,6 +239,23 @@ def _full_overlap_env(value: str) -> bool:
 FULL_OVERLAP = _full_overlap_env(os.environ.get("WORKBENCH_SERVE_FULL_OVERLAP", ""))
 
 
+@contextmanager
+def switches(**values):
+    """This module's switches (BATCH_PREFILL, OVERLAP_PREFILL, FULL_OVERLAP) set to `values` for the block and put
+    back after (the benchmark scripts' control runs); an unknown name is an AttributeError before anything changes."""
+    import sys
+
+    module = sys.modules[__name__]
+    saved = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 @dataclass
 class _Decoding:
     """An iteration's step between its launch and its read."""
