@@ -128,9 +128,10 @@ def parse_args(argv=None):
                    "in flight) in every sweep round, on the same arrivals (overlap_checks: ratio = overlapped / "
                    "sequential)")
     p.add_argument("--full-overlap-controls", action="store_true",
-                   help="also run off and fixed k with each step launched before the previous one is read "
-                   "(workbench.serving.loop.FULL_OVERLAP; prepared, off by default) in every sweep round, on the same "
-                   "arrivals (full_overlap_checks: ratio = default / full overlap)")
+                   help="also run off and fixed k with workbench.serving.loop.FULL_OVERLAP (each step launched "
+                   "before the previous one is read, where that applies) the other way from the default (on unless "
+                   "WORKBENCH_SERVE_FULL_OVERLAP=0) in every sweep round, on the same arrivals (full_overlap_checks: "
+                   "ratio = default / control)")
     p.add_argument("--gc-controls", action="store_true",
                    help="also run off and fixed k with gc_freeze off (the collector free to rescan the whole heap "
                    "inside the run) in every sweep round (gc_checks)")
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
     switches_of: dict[str, dict] = {}
     for on, label, switch in ((args.batch_prefill_controls, batched, {"BATCH_PREFILL": args.batch_prefill_controls}),
                               (args.overlap_controls, SEQUENTIAL, {"OVERLAP_PREFILL": False}),
-                              (args.full_overlap_controls, AHEAD, {"FULL_OVERLAP": True})):
+                              (args.full_overlap_controls, AHEAD, {"FULL_OVERLAP": AHEAD_CONTROL})):
         if on:
             settings_of.update({label.format("off"): dict(method="ar"), label.format(fixed): {}})
             switches_of.update({label.format("off"): switch, label.format(fixed): switch})
@@ -587,7 +588,9 @@ OTHER = "adaptive, other shape"  # and of --shape-controls
 GC = "{}, gc unfrozen"  # and of --gc-controls
 BATCHED = "{{}}, prefill rows {n}"  # and of --batch-prefill-controls N (.format(n=N))
 SEQUENTIAL = "{}, step read first"  # and of --overlap-controls
-AHEAD = "{}, full overlap"  # and of --full-overlap-controls
+# and of --full-overlap-controls: full overlap the other way from the default
+AHEAD_CONTROL = not loop_mod.FULL_OVERLAP
+AHEAD = "{}, full overlap" if AHEAD_CONTROL else "{}, no full overlap"
 
 
 def control_checks(sweep: list[dict], fixed: str, control: str = EAGER) -> list[dict]:
@@ -871,8 +874,8 @@ def table(r: dict) -> str:
              "{control} rows (--batch-prefill-controls)", "default", "{control} rows"),
             ("overlap_checks", "The prefill enqueued behind the step in flight against the step read first "
              "(--overlap-controls)", "overlapped", "sequential"),
-            ("full_overlap_checks", "The default loop against each step launched before the previous one is read "
-             "(--full-overlap-controls)", "default", "full overlap")):
+            ("full_overlap_checks", "The default loop against full overlap (each step launched before the previous "
+             "one is read) switched the other way (--full-overlap-controls)", "default", AHEAD.format("").lstrip(", "))):
         if not r.get(key):
             continue
         title, b = (x.format(**r.get("batch_prefill", {})) for x in (title, b))

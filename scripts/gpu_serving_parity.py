@@ -7,8 +7,9 @@ tests/test_serving.py checks this on a CPU with random models. Here the preset's
 benchmarks use (fp32 by default, where the engine's graph modes reproduce eager greedy output exactly; CUDA graphs on
 a GPU), through `serve_bench` with Poisson arrivals above what the batch can hold, in settings that exercise each
 serving path: speculation off, n-gram and draft-model chains, an adaptive schedule that changes the draft length with
-the batch, chunked prefill, prefix block reuse, `max_util` preemption with a small block pool, and full overlap
-(`workbench.serving.loop.FULL_OVERLAP`: each step launched before the previous one is read). Each request's
+the batch, chunked prefill, prefix block reuse, `max_util` preemption with a small block pool, with and without full
+overlap (`workbench.serving.loop.FULL_OVERLAP`, on by default where it applies: each step launched before the previous
+one is read; three settings switch it off). Each request's
 output is compared with `generate` of its prompt alone (no drafter, eager). Writes serving_parity.json and
 serving_parity.md; exit status 1 when any request differs.
 """
@@ -38,13 +39,14 @@ SETTINGS = {
                                     prefix_caching=True),
     "draft k=4, adaptive 1-3:4,4-64:2": dict(method="draft", k=4, k_by_batch="1-3:4,4-64:2", prefill_chunk=128),
     "draft k=4, max_util preemption": dict(method="draft", k=4, sched_policy="max_util", kv_blocks=40),
-    "off, full overlap": dict(method="ar"),
-    "ngram k=4, full overlap, chunked prefill": dict(method="ngram", k=4, prefill_chunk=64),
-    "draft k=4, full overlap, prefix reuse": dict(method="draft", k=4, lengths="random", input_len=48,
-                                                  shared_prefix_len=32, prefix_caching=True),
+    "off, no full overlap": dict(method="ar"),
+    "ngram k=4, no full overlap, chunked prefill": dict(method="ngram", k=4, prefill_chunk=64),
+    "draft k=4, no full overlap, prefix reuse": dict(method="draft", k=4, lengths="random", input_len=48,
+                                                     shared_prefix_len=32, prefix_caching=True),
 }
-# settings served with workbench.serving.loop's module switches set (name -> {switch: value})
-SWITCHES = {name: {"FULL_OVERLAP": True} for name in SETTINGS if "full overlap" in name}
+# settings served with workbench.serving.loop's module switches set (name -> {switch: value}); the others run the
+# defaults (full overlap where it applies)
+SWITCHES = {name: {"FULL_OVERLAP": False} for name in SETTINGS if "no full overlap" in name}
 
 
 def parse_args(argv=None):

@@ -29,7 +29,8 @@
 # PART=k1 (h3 + z6, then trains small) and z7: the sixteenth session's first two calls; k2 (the prefill behind the
 # step in flight: parity, then served against the step read first) its third; k3 (the replay's forward count) and k4
 # (full overlap: parity, then served against the default) and k5 (the goal check with a calibrated schedule and its
-# thresholds) are prepared for the next one.
+# thresholds) are prepared for the next one. PART=k4, k5, k3: the seventeenth session's first three calls; k6 (full
+# overlap as the default: parity, served against it off; a schedule with a threshold and its cliff check) its fourth.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -584,6 +585,17 @@ elif [ "$PART" = k5 ]; then
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram \
     --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 5 \
     --budget-s "${SERVING_S:-330}"
+elif [ "$PART" = k6 ]; then
+  # seventeenth session, after k4 (full overlap 1.02-1.48x in 10 of 12 pairs) made full overlap the default where it
+  # applies: in-flight parity on the GPU under the new default (three settings switch it off), then small with the
+  # loop calibration's monotone schedule of k5 given (1-8:4,9-64:0: k5's sticky pick was one k for every size, so no
+  # threshold to check), at 1.0x and 1.5x, 3 rounds, off and k = 4 also run without full overlap, then the cliff
+  # check at the schedule's threshold (concurrency 8, 9, 10)
+  step serving_parity 40 $PY scripts/gpu_serving_parity.py --device cuda --preset tiny --out "$R/serving_parity"
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram \
+    --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 \
+    --k-by-batch 1-8:4,9-64:0 --full-overlap-controls --budget-s "${SERVING_S:-270}"
 elif [ "$PART" = z7 ]; then
   # prepared in the fifteenth session, not run: batched prefill (serving.loop.BATCH_PREFILL: an iteration's prefill
   # chunks in forwards of up to 4 rows, CPU-tested) against a forward per row, off and fixed k, on small at 1.0x and

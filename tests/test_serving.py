@@ -601,8 +601,8 @@ def test_serving_reads_an_iterations_first_tokens_at_once(target, draft, solo, m
 def test_gpu_serving_parity_script_on_cpu(tmp_path):
     """scripts/gpu_serving_parity.py (the GPU record of in-flight parity) on a CPU with the committed tiny preset:
     every setting serves all requests equal to their solo greedy outputs, with real batching, preemptions and
-    prefix hits, and the full-overlap settings (and only those) launch steps ahead; both files written; exit status
-    0."""
+    prefix hits; full overlap (the default) launches steps ahead in every setting it applies to, and the settings that
+    switch it off, or that preempt (max_util), launch none; both files written; exit status 0."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_serving_parity
 
@@ -610,8 +610,8 @@ def test_gpu_serving_parity_script_on_cpu(tmp_path):
                                     "--max-new-tokens", "10", "--graphs", "--out", str(tmp_path)]) == 0
     rows = {r["setting"]: r for r in json.loads((tmp_path / "serving_parity.json").read_text())["rows"]}
     assert set(rows) == set(gpu_serving_parity.SETTINGS)
-    for name, r in rows.items():  # full overlap where the switch is set (fixed shapes), nowhere else
-        assert (r["steps_ahead"] > 0) == ("full overlap" in name), (name, r["steps_ahead"])
+    for name, r in rows.items():  # full overlap by default (fixed shapes), not where switched off or preempting
+        assert (r["steps_ahead"] > 0) == ("no full overlap" not in name and "max_util" not in name), name
     assert all(r["equal"] == r["requests"] == 6 and not r["differ"] for r in rows.values())
     assert rows["off"]["max_batch"] > 1
     assert rows["draft k=4, max_util preemption"]["preemptions"] > 0
@@ -752,8 +752,8 @@ def test_loop_switches_are_set_for_a_block_and_put_back():
 
 
 def test_full_overlap_switch_reads_0_or_1_or_names_the_problem():
-    """WORKBENCH_SERVE_FULL_OVERLAP: unset, empty or 0 is off (the default), 1 on; anything else is a ValueError that
-    names the variable and its values (the worked example too)."""
+    """WORKBENCH_SERVE_FULL_OVERLAP: unset, empty or 1 is on (the default, where it applies), 0 off; anything else is a
+    ValueError that names the variable and its values (the worked example too)."""
     import doctest
 
     from workbench.serving import loop as loop_mod
@@ -763,7 +763,7 @@ def test_full_overlap_switch_reads_0_or_1_or_names_the_problem():
                                              globs={"_full_overlap_env": loop_mod._full_overlap_env}):
         runner.run(test)
     assert (runner.failures, runner.tries) == (0, 1)
-    assert loop_mod.FULL_OVERLAP is False or os.environ.get("WORKBENCH_SERVE_FULL_OVERLAP", "").strip() == "1"
+    assert loop_mod.FULL_OVERLAP is True or os.environ.get("WORKBENCH_SERVE_FULL_OVERLAP", "").strip() == "0"
     for bad in ("yes", "2"):
         with pytest.raises(ValueError, match="WORKBENCH_SERVE_FULL_OVERLAP=.*give 1 .* or 0"):
             loop_mod._full_overlap_env(bad)

@@ -493,9 +493,11 @@ def test_gpu_serving_overlap_controls(tmp_path, monkeypatch):
 
 
 def test_gpu_serving_full_overlap_controls(tmp_path, monkeypatch):
-    """--full-overlap-controls: off and fixed k also run with FULL_OVERLAP on in every round, on the same arrivals;
-    those runs, and only those, launch steps ahead (graphs on a CPU: the fixed-shape path); full_overlap_checks
-    compares them; the module switch is back to its default afterwards."""
+    """--full-overlap-controls: off and fixed k also run with FULL_OVERLAP the other way from the default in every
+    round, on the same arrivals; with it on by default the controls, and only they, read each step before launching
+    the next (graphs on a CPU: the fixed-shape path, where it applies); full_overlap_checks compares them; the module
+    switch is back to its default afterwards. Also under the old default (off): the controls then launch ahead."""
+    import importlib
     import json
     import sys
 
@@ -508,18 +510,26 @@ def test_gpu_serving_full_overlap_controls(tmp_path, monkeypatch):
     real = loop_mod.ServingLoop.run
     monkeypatch.setattr(loop_mod.ServingLoop, "run", lambda self: (
         lambda res: ahead.append((loop_mod.FULL_OVERLAP, res.steps_ahead)) or res)(real(self)))
-    before = loop_mod.FULL_OVERLAP
-    assert gpu_serving.main(SMALL_SWEEP + ["--full-overlap-controls", "--cuda-graphs", "--out", str(tmp_path)]) == 0
-    r = json.loads((tmp_path / "results.json").read_text())
-    assert {"off, full overlap", "k=4, full overlap"} <= {x["setting"] for x in r["sweep"]}
-    for x in r["sweep"]:
-        ahead_run = "full overlap" in x["setting"]
-        assert x["loop_overlap"] == ("full" if ahead_run else "prefill") and (x["loop_steps_ahead"] > 0) == ahead_run
-    assert {c["setting"] for c in r["full_overlap_checks"]} == {"off", "k=4"}
-    assert any(flag and n > 0 for flag, n in ahead)  # the controls launch ahead
-    assert not any(n for flag, n in ahead if not flag)  # nothing else does
-    assert loop_mod.FULL_OVERLAP == before
-    assert "each step launched before the previous one is read" in (tmp_path / "table.md").read_text()
+    for default in (True, False):
+        monkeypatch.setattr(loop_mod, "FULL_OVERLAP", default)
+        importlib.reload(gpu_serving)  # its control label and switch follow the default at import
+        control = "no full overlap" if default else "full overlap"
+        ahead.clear()
+        out = tmp_path / str(default)
+        assert gpu_serving.main(SMALL_SWEEP + ["--full-overlap-controls", "--cuda-graphs", "--out", str(out)]) == 0
+        r = json.loads((out / "results.json").read_text())
+        assert {f"off, {control}", f"k=4, {control}"} <= {x["setting"] for x in r["sweep"]}
+        for x in r["sweep"]:
+            full = x["setting"].endswith(", full overlap") or (default and not x["setting"].endswith(control))
+            assert x["loop_overlap"] == ("full" if full else "prefill") and (x["loop_steps_ahead"] > 0) == full, x
+        assert {c["setting"] for c in r["full_overlap_checks"]} == {"off", "k=4"}
+        assert any(flag and n > 0 for flag, n in ahead)  # full overlap launches ahead
+        assert not any(n for flag, n in ahead if not flag)  # nothing else does
+        assert any(not flag for flag, n in ahead)  # and some runs had it off
+        assert loop_mod.FULL_OVERLAP == default
+        assert f"| out tok/s default | {control} | ratio |" in (out / "table.md").read_text()
+    monkeypatch.undo()
+    importlib.reload(gpu_serving)
 
 
 def test_gpu_serving_eager_prefill_controls(tmp_path):

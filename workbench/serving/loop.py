@@ -15,7 +15,8 @@ One iteration, as named phases:
 
 By default (OVERLAP_PREFILL) the prefill is enqueued behind the step in flight and read after it, so the host plans
 and launches it while the GPU runs the step; with OVERLAP_PREFILL off the step is read before the prefill is planned.
-FULL_OVERLAP (off by default) launches each step before the previous one is read (see the switch's comment).
+FULL_OVERLAP (on by default where it applies) launches each step before the previous one is read (see the switch's
+comment).
 
 Adaptive speculation changes the draft length between steps at no extra cost when the engine's graphs for every
 length it can ask for were captured first (`AdaptiveSpeculation.node_counts`, `SpecEngine.capture_graphs`). A draft
@@ -219,17 +220,18 @@ OVERLAP_PREFILL = _overlap_env(os.environ.get("WORKBENCH_SERVE_OVERLAP", ""))
 
 
 def _full_overlap_env(value: str) -> bool:
-    """WORKBENCH_SERVE_FULL_OVERLAP's value: 1 launches each step before the previous one is read, 0 (or unset) does
-    not; anything else is a named error.
+    """WORKBENCH_SERVE_FULL_OVERLAP's value: 1 (or unset) launches each step before the previous one is read where
+    that applies, 0 does not; anything else is a named error.
 
     >>> _full_overlap_env(""), _full_overlap_env("0"), _full_overlap_env("1")
-    (False, False, True)
+    (True, False, True)
     """
-    return _switch_env("WORKBENCH_SERVE_FULL_OVERLAP", value, False,
-                       "each step launched before the previous one is read", "off")
+    return _switch_env("WORKBENCH_SERVE_FULL_OVERLAP", value, True,
+                       "each step launched before the previous one is read, where that applies", "off")
 
 
-# Full overlap (prepared in the sixteenth session, off by default, not yet measured on a GPU): step t + 1 is launched
+# Full overlap (built in the sixteenth session; on by default since the seventeenth, after call k4 served small
+# 1.02-1.48x faster with it in 10 of 12 paired runs, BENCHMARKS.md section 22): step t + 1 is launched
 # before step t is read, as `generate`'s overlapped loop does, so the host's bookkeeping of step t, the joins and the
 # next plan run while the GPU computes. Only where the device step needs nothing from the host read: greedy chains
 # with the fused accept and a drafter that reads the device (`SpecEngine.can_launch_ahead`), a draft model only when
