@@ -63,7 +63,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -596,6 +596,22 @@ elif [ "$PART" = k6 ]; then
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram \
     --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 \
     --k-by-batch 1-8:4,9-64:0 --full-overlap-controls --budget-s "${SERVING_S:-270}"
+elif [ "$PART" = q1 ]; then
+  # seventeenth session, last call: two one-row int4 loop variants built after issue 10's 1.96x (CPU-checked bit for
+  # bit under the interpreter; the SASS of 6.7 B's tiles compiled on the CPU VM shows 8-14 barriers per K iteration):
+  # REG_PREFETCH (the next tile's words a tile ahead in registers) and X_LANES (x loaded lane by lane in the words'
+  # layout: no barrier in o_proj's loop, 4 in down's), per linear at 6.7 B (one process per switch), then the floor
+  C=graphs+compile+overlap
+  for v in "0 0" "1 0" "0 1" "1 1"; do
+    read -r rp xl <<< "$v"
+    step "lin_rp${rp}_xl${xl}" 15 env WORKBENCH_INT4_REG_PREFETCH="$rp" WORKBENCH_INT4_X_LANES="$xl" $PY \
+      scripts/gpu_gemv.py --device cuda --out "$R/lin_rp${rp}_xl${xl}" --parts speed --configs 6.7b --formats int4 \
+      --ms 1 --replays 20
+  done
+  floor quant67 60 6.7b --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+rp@$C,\
+int4-triton+glo+pdl+xl@$C,int4-triton+glo+pdl+rp+xl@$C"
+  floor quant145 40 1.45b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+rp@$C,\
+int4-triton+all+pdl+xl@$C,int4-triton+all+pdl+rp+xl@$C"
 elif [ "$PART" = z7 ]; then
   # prepared in the fifteenth session, not run: batched prefill (serving.loop.BATCH_PREFILL: an iteration's prefill
   # chunks in forwards of up to 4 rows, CPU-tested) against a forward per row, off and fixed k, on small at 1.0x and

@@ -591,6 +591,77 @@ def test_loop_stages_reach_one_row_launches_only_and_keep_the_result(fmt, monkey
 
 
 @interpreter
+@pytest.mark.parametrize("half2", [0, 1, 2])
+def test_int4_reg_prefetch_keeps_the_result_bit_for_bit(half2, monkeypatch):
+    """INT4_REG_PREFETCH (the next K tile's words, scales and zeros loaded a tile ahead into registers; its speed is a
+    GPU question) changes when loads are issued, never what is summed: the same output bit for bit as without it, in
+    fp32 and packed fp16 words, unsplit and split into K ranges of several tiles, with a partial last K tile and a
+    partial last row tile; it reaches one-row int4 word launches only (not M > 1, not with LOOP_STAGES), from the
+    module switch or a tile's entry."""
+    n, k, group = 40, 416, 32  # 13 groups: 4-group K tiles leave a partial last one (one group)
+    _, buffers = stored("int4", n, k, group, dtype=torch.bfloat16, seed=11)
+    launched = []
+    kernel = qg._gemv_kernel
+    monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
+        launched.append((kw["BLOCK_M"], kw.get("REG_PREFETCH", False))), kernel[grid](*a, **kw))[1]})())
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    for split in (1, 2, 3):
+        tile = dict(BLOCK_N=16, BLOCK_K=4 * group, CVT_BITS=True, ELEMENTWISE=True, HALF2=half2, SPLIT_K=split)
+        plain = quant_gemv_triton(x, "int4", **buffers, **tile)
+        ahead = quant_gemv_triton(x, "int4", **buffers, **tile, REG_PREFETCH=True)
+        assert torch.equal(plain, ahead), (split, (plain.float() - ahead.float()).abs().max())
+        monkeypatch.setattr(qg, "INT4_REG_PREFETCH", True)
+        assert torch.equal(plain, quant_gemv_triton(x, "int4", **buffers, **tile))
+        assert torch.equal(plain, quant_gemv_triton(x, "int4", **buffers, **tile, LOOP_STAGES=2))  # not both
+        monkeypatch.setattr(qg, "INT4_REG_PREFETCH", False)
+    want = quant_gemv_reference(x, "int4", **buffers).float()
+    assert (plain.float() - want).abs().max() <= 2 ** -6 * want.abs().max()
+    monkeypatch.setattr(qg, "INT4_REG_PREFETCH", True)
+    quant_gemv_triton(torch.randn(3, k, generator=g).to(torch.bfloat16), "int4", **buffers)  # M > 1: tensor cores
+    assert launched == [(1, False), (1, True), (1, True), (1, False)] * 3 + [(16, False)]
+
+
+@interpreter
+@pytest.mark.parametrize("half2", [0, 1, 2])
+@pytest.mark.parametrize("fusion", ["", "norm", "glu+residual"])
+def test_int4_x_lanes_keep_the_words_arithmetic(half2, fusion, monkeypatch):
+    """INT4_X_LANES (each word's 8 activations loaded straight into the words' layout; its speed is a GPU question):
+    fp32 words give the same output bit for bit as without it, packed fp16 words (HALF2 1 or 2) that of HALF2 2 (a
+    scale per word), through the SwiGLU prologue and the residual epilogue, unsplit and split, with a partial last K
+    tile and row tile, with and without REG_PREFETCH; with the RMSNorm prologue the same within the sum of x^2's order
+    (a few ulps of bf16). It reaches one-row int4 word launches only, from the module switch or a tile's entry."""
+    n, k, group = 40, 416, 32
+    dtype = torch.bfloat16
+    _, buffers = stored("int4", n, k, group, dtype=dtype, seed=13)
+    launched = []
+    kernel = qg._gemv_kernel
+    monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
+        launched.append((kw["BLOCK_M"], kw.get("X_LANES", False))), kernel[grid](*a, **kw))[1]})())
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(1, 2 * k if "glu" in fusion else k, generator=g).to(dtype)
+    fused = dict(glu="glu" in fusion, residual=torch.randn(1, n, generator=g).to(dtype) if "residual" in fusion
+                 else None, norm_weight=(torch.rand(k, generator=g) + 0.5).to(dtype) if "norm" in fusion else None)
+    for split in (1, 3):
+        tile = dict(BLOCK_N=16, BLOCK_K=4 * group, CVT_BITS=True, ELEMENTWISE=True, SPLIT_K=split)
+        plain = quant_gemv_triton(x, "int4", **buffers, **fused, **tile, HALF2=2 if half2 else 0)
+        for extra in (dict(X_LANES=True), dict(X_LANES=True, REG_PREFETCH=True)):
+            lanes = quant_gemv_triton(x, "int4", **buffers, **fused, **tile, HALF2=half2, **extra)
+            if "norm" in fusion:
+                torch.testing.assert_close(lanes.float(), plain.float(), rtol=2 ** -6, atol=2 ** -6 * plain.abs().max())
+            else:
+                assert torch.equal(lanes, plain), (split, extra, (lanes.float() - plain.float()).abs().max())
+    want = quant_gemv_reference(x, "int4", **buffers, **fused).float()
+    assert (lanes.float() - want).abs().max() <= 2 ** -5 * want.abs().max()
+    launched.clear()
+    monkeypatch.setattr(qg, "INT4_X_LANES", True)
+    quant_gemv_triton(x, "int4", **buffers, **fused, **tile, HALF2=half2)
+    two_rows = dict(fused, residual=None if fused["residual"] is None else torch.cat([fused["residual"]] * 2))
+    quant_gemv_triton(torch.cat([x, x]), "int4", **buffers, **two_rows)  # M > 1: not the one-row words
+    assert launched[0] == (1, True) and launched[1][1] is False
+
+
+@interpreter
 def test_int4_wide_tiles_switch_reaches_the_launch(monkeypatch):
     """INT4_WIDE_TILES (the measured rule by default) gives one-row int4 calls K tiles of whole groups through the
     custom op, and the launch cache keys on it: the same call under each setting takes that setting's tile."""
