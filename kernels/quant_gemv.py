@@ -543,6 +543,19 @@ if TRITON_AVAILABLE:
         return ((253 - e) << 23).to(tl.float32, bitcast=True), ((e + 1) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _half2_word_terms(wd3, s, z, f0, f1, f2, f3, f4, f5, f6, f7, EMULATE: tl.constexpr):
+        """((q - 8) s + z) x summed over each word's 8 weights in packed fp16, the 8 x's (f0..f7, [1, G, C] fp32) under
+        a power-of-two scale of their own (no reduction across threads): HALF2 2's arithmetic -> [BN, G, C]."""
+        amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(f0), tl.abs(f1)), tl.maximum(tl.abs(f2), tl.abs(f3))),
+                          tl.maximum(tl.maximum(tl.abs(f4), tl.abs(f5)), tl.maximum(tl.abs(f6), tl.abs(f7))))
+        inv, undo = _pow2_scale(amax)  # [1, G, C]
+        dots = _int4_half2_word_dot(wd3, _f16_pair(f1 * inv, f5 * inv, EMULATE), _f16_pair(f0 * inv, f4 * inv, EMULATE),
+                                    _f16_pair(f3 * inv, f7 * inv, EMULATE), _f16_pair(f2 * inv, f6 * inv, EMULATE),
+                                    EMULATE)  # [BN, G, C]
+        xsum = ((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7))  # [1, G, C]
+        return dots * undo * s + z * xsum
+
+    @triton.jit
     def _x_lane(x_ptr, nw_ptr, row_off, idx, K, GLU: tl.constexpr, NORM: tl.constexpr):
         """Lane j of every word's activations, loaded straight into the words' layout (X_LANES): x[idx] for idx =
         8 c + j ([1, G, C]), through the SwiGLU / RMSNorm prologues as the [BM, BK] path computes them (the same
@@ -568,6 +581,20 @@ if TRITON_AVAILABLE:
         are."""
         x, q = _x_lane(x_ptr, nw_ptr, row_off, idx, K, GLU, NORM)
         return tl.reshape(x, [1, G, C]), tl.reshape(q, [1, G, C])
+
+    @triton.jit
+    def _x_word_lanes(x_ptr, nw_ptr, row_off, base, K, GLU: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr,
+                      C: tl.constexpr):
+        """The 8 lanes of every word (x[base + j], base = 8 c), each [1, G, C], and their x^2 summed (NORM)."""
+        f0, q0 = _x_lane3(x_ptr, nw_ptr, row_off, base, K, GLU, NORM, G, C)
+        f1, q1 = _x_lane3(x_ptr, nw_ptr, row_off, base + 1, K, GLU, NORM, G, C)
+        f2, q2 = _x_lane3(x_ptr, nw_ptr, row_off, base + 2, K, GLU, NORM, G, C)
+        f3, q3 = _x_lane3(x_ptr, nw_ptr, row_off, base + 3, K, GLU, NORM, G, C)
+        f4, q4 = _x_lane3(x_ptr, nw_ptr, row_off, base + 4, K, GLU, NORM, G, C)
+        f5, q5 = _x_lane3(x_ptr, nw_ptr, row_off, base + 5, K, GLU, NORM, G, C)
+        f6, q6 = _x_lane3(x_ptr, nw_ptr, row_off, base + 6, K, GLU, NORM, G, C)
+        f7, q7 = _x_lane3(x_ptr, nw_ptr, row_off, base + 7, K, GLU, NORM, G, C)
+        return f0, f1, f2, f3, f4, f5, f6, f7, ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
 
     @triton.jit
     def _int4_words_dot_lanes(wd, s, z, x0, x1, x2, x3, x4, x5, x6, x7, magic):
@@ -812,38 +839,14 @@ if TRITON_AVAILABLE:
                     if X_LANES:
                         base = kt * BLOCK_K + lane_idx  # [1, BK / 8]; each lane reshaped as the words are
                         row_off = pid_m * BLOCK_M * sx_m
-                        f0, q0 = _x_lane3(x_ptr, nw_ptr, row_off, base, K, GLU, NORM,
-                                              TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8)
-                        f1, q1 = _x_lane3(x_ptr, nw_ptr, row_off, base + 1, K, GLU, NORM,
-                                              TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8)
-                        f2, q2 = _x_lane3(x_ptr, nw_ptr, row_off, base + 2, K, GLU, NORM,
-                                              TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8)
-                        f3, q3 = _x_lane3(x_ptr, nw_ptr, row_off, base + 3, K, GLU, NORM,
-                                              TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8)
-                        f4, q4 = _x_lane3(x_ptr, nw_ptr, row_off, base + 4, K, GLU, NORM,
-                                              TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8)
-                        f5, q5 = _x_lane3(x_ptr, nw_ptr, row_off, base + 5, K, GLU, NORM,
-                                              TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8)
-                        f6, q6 = _x_lane3(x_ptr, nw_ptr, row_off, base + 6, K, GLU, NORM,
-                                              TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8)
-                        f7, q7 = _x_lane3(x_ptr, nw_ptr, row_off, base + 7, K, GLU, NORM,
-                                              TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8)
+                        f0, f1, f2, f3, f4, f5, f6, f7, sq_words = _x_word_lanes(
+                            x_ptr, nw_ptr, row_off, base, K, GLU, NORM, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8)
                         if NORM:
-                            sqw += ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
+                            sqw += sq_words
                         wd3 = tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8])
                         if HALF2:  # a power-of-two scale per word (as HALF2 2), no reduction across threads
-                            amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(f0), tl.abs(f1)),
-                                                         tl.maximum(tl.abs(f2), tl.abs(f3))),
-                                              tl.maximum(tl.maximum(tl.abs(f4), tl.abs(f5)),
-                                                         tl.maximum(tl.abs(f6), tl.abs(f7))))
-                            inv, undo = _pow2_scale(amax)  # [1, G, C]
-                            dots = _int4_half2_word_dot(
-                                wd3, _f16_pair(f1 * inv, f5 * inv, HALF2_EMULATE),
-                                _f16_pair(f0 * inv, f4 * inv, HALF2_EMULATE),
-                                _f16_pair(f3 * inv, f7 * inv, HALF2_EMULATE),
-                                _f16_pair(f2 * inv, f6 * inv, HALF2_EMULATE), HALF2_EMULATE)  # [BN, G, C]
-                            xsum = ((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7))
-                            acc3 += dots * undo * s[:, :, None] + z[:, :, None] * xsum
+                            acc3 += _half2_word_terms(wd3, s[:, :, None], z[:, :, None],
+                                                      f0, f1, f2, f3, f4, f5, f6, f7, HALF2_EMULATE)
                         else:
                             acc3 += _int4_words_dot_lanes(wd3, s[:, :, None], z[:, :, None],
                                                           f0, f1, f2, f3, f4, f5, f6, f7, magic)
@@ -851,18 +854,9 @@ if TRITON_AVAILABLE:
                         # their sum (no reduction across threads in the loop), the rest as below
                         f0, f1, f2, f3, f4, f5, f6, f7 = _word_lanes(tl.reshape(
                             x.to(tl.float32), [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8, 2, 2, 2]))
-                        amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(f0), tl.abs(f1)),
-                                                     tl.maximum(tl.abs(f2), tl.abs(f3))),
-                                          tl.maximum(tl.maximum(tl.abs(f4), tl.abs(f5)),
-                                                     tl.maximum(tl.abs(f6), tl.abs(f7))))
-                        inv, undo = _pow2_scale(amax)  # [1, G, C]
-                        dots = _int4_half2_word_dot(
-                            tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
-                            _f16_pair(f1 * inv, f5 * inv, HALF2_EMULATE), _f16_pair(f0 * inv, f4 * inv, HALF2_EMULATE),
-                            _f16_pair(f3 * inv, f7 * inv, HALF2_EMULATE), _f16_pair(f2 * inv, f6 * inv, HALF2_EMULATE),
-                            HALF2_EMULATE)  # [BN, G, C]
-                        xsum = ((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7))  # [1, G, C]
-                        acc3 += dots * undo * s[:, :, None] + z[:, :, None] * xsum
+                        acc3 += _half2_word_terms(tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
+                                                  s[:, :, None], z[:, :, None], f0, f1, f2, f3, f4, f5, f6, f7,
+                                                  HALF2_EMULATE)
                     elif HALF2:  # sum (q - 8) x per word in packed fp16, x / 2^e in fp16 (|x| / 2^e < 1: no
                         # overflow in a word's sums of 8 products); then scale 2^e per group and zero sum(x)
                         xf = x.to(tl.float32)  # [1, BK]

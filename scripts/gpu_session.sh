@@ -597,10 +597,12 @@ elif [ "$PART" = k6 ]; then
     --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 \
     --k-by-batch 1-8:4,9-64:0 --full-overlap-controls --budget-s "${SERVING_S:-270}"
 elif [ "$PART" = q1 ]; then
-  # seventeenth session, last call: two one-row int4 loop variants built after issue 10's 1.96x (CPU-checked bit for
-  # bit under the interpreter; the SASS of 6.7 B's tiles compiled on the CPU VM shows 8-14 barriers per K iteration):
-  # REG_PREFETCH (the next tile's words a tile ahead in registers) and X_LANES (x loaded lane by lane in the words'
-  # layout: no barrier in o_proj's loop, 4 in down's), per linear at 6.7 B (one process per switch), then the floor
+  # prepared in the seventeenth session (its device time was spent on serving): two one-row int4 loop variants built
+  # after issue 10's 1.96x, checked bit for bit under the interpreter. REG_PREFETCH: the next tile's words a tile ahead
+  # in registers. X_LANES: x loaded lane by lane in the words' layout; the SASS compiled on the CPU VM has no barrier in
+  # the K loop where a thread holds at most 8 words (16 x 1024 or 32 x 512 with 8 warps, 16 x 512 with 4), against
+  # 8-14 per iteration in the default form (BENCHMARKS.md 22.5). Per linear at 6.7 B under each switch (one process
+  # each), a tile sweep with both as dimensions, then the floor with each switch and with the sweep's tiles (+tc)
   C=graphs+compile+overlap
   for v in "0 0" "1 0" "0 1" "1 1"; do
     read -r rp xl <<< "$v"
@@ -608,10 +610,12 @@ elif [ "$PART" = q1 ]; then
       scripts/gpu_gemv.py --device cuda --out "$R/lin_rp${rp}_xl${xl}" --parts speed --configs 6.7b --formats int4 \
       --ms 1 --replays 20
   done
-  floor quant67 60 6.7b --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+rp@$C,\
-int4-triton+glo+pdl+xl@$C,int4-triton+glo+pdl+rp+xl@$C"
-  floor quant145 40 1.45b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+rp@$C,\
-int4-triton+all+pdl+xl@$C,int4-triton+all+pdl+rp+xl@$C"
+  step tune 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tune" --parts tune --sweep-configs 6.7b \
+    --formats int4 --tune-block-n 8,16,32 --tune-block-k 512,1024 --tune-warps 4,8 --tune-stages 3 --tune-half2 1 \
+    --tune-x-lanes 0,1 --tune-reg-prefetch 0,1 --replays 20 --tune-budget-s "${TUNE_S:-150}"
+  T=$R/tune/gemv_tune_tiles.json; [ -f "$T" ] || echo '{}' > "$T"
+  floor quant67 60 6.7b --m1-tiles "$T" --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+rp@$C,\
+int4-triton+glo+pdl+xl@$C,int4-triton+glo+pdl+rp+xl@$C,int4-triton+glo+pdl+tc@$C"
 elif [ "$PART" = z7 ]; then
   # prepared in the fifteenth session, not run: batched prefill (serving.loop.BATCH_PREFILL: an iteration's prefill
   # chunks in forwards of up to 4 rows, CPU-tested) against a forward per row, off and fixed k, on small at 1.0x and

@@ -771,6 +771,37 @@ def test_gpu_gemv_rows_part_times_wide_row_tiles_against_tinygemm(tmp_path, monk
 
 
 @interpreter
+def test_gpu_gemv_tune_part_sweeps_the_int4_loop_variants(tmp_path, monkeypatch):
+    """scripts/gpu_gemv.py --parts tune with --tune-x-lanes 0,1 --tune-reg-prefetch 0,1 (interpreter, the mini
+    config, bf16 x): every tile is timed in all four loop forms, each parity-checked against the dequantized weights; a
+    best tile written to gemv_tune_tiles.json carries its loop form, so gpu_quant.py --m1-tiles ("+tc") runs it."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_gemv
+
+    monkeypatch.setattr(sys, "argv", ["gpu_gemv.py", "--device", "cpu", "--out", str(tmp_path), "--parts", "tune",
+                                      "--sweep-configs", "mini", "--formats", "int4", "--tune-block-n", "16",
+                                      "--tune-block-k", "64", "--tune-warps", "4", "--tune-stages", "3",
+                                      "--tune-splits", "1", "--tune-half2", "1", "--tune-x-lanes", "0,1",
+                                      "--tune-reg-prefetch", "0,1", "--replays", "1", "--int4-group-size", "32"])
+    gpu_gemv.main()
+    rows = [r for r in json.loads((tmp_path / "gemv_tune.json").read_text())["rows"] if r.get("tile") != "auto"
+            and "BLOCK_N" in r]
+    assert rows and all("error" not in r for r in rows)
+    forms = {(r["linear"], bool(r.get("X_LANES")), bool(r.get("REG_PREFETCH"))) for r in rows}
+    linears = {r["linear"] for r in rows}
+    assert forms == {(lin, xl, rp) for lin in linears for xl in (False, True) for rp in (False, True)}
+    assert all(r["rel_err"] <= 2 ** -6 for r in rows)
+    tiles = json.loads((tmp_path / "gemv_tune_tiles.json").read_text())
+    best = [r for r in rows if r.get("best")]
+    for r in best:
+        want = {key: r[key] for key in ("X_LANES", "REG_PREFETCH") if key in r}
+        assert all(tiles[f"int4,{r['N']},{r['K']}"].get(key) == v for key, v in want.items())
+
+
+@interpreter
 def test_split_k_reuses_its_counters_across_calls(interpreter_bf16_dot):
     _, buffers = stored("int8", 72, 512)
     counters = counters_for(72, "cpu")
