@@ -81,7 +81,7 @@ def line_label(row) -> str:
 
 # the serving loop's base (loop_overlap, loop_batch_prefill): the prefill behind the step, forwards of up to 4 rows.
 # Full overlap is the default too where it applies (greedy chains, fixed shapes, no_evict), but not everywhere, so a
-# run label names it: rows of the two loops differ by about 1.1x (BENCHMARKS.md section 22)
+# run label names it: rows of the two loops differ by 1.05-1.5x (BENCHMARKS.md section 22)
 DEFAULT_LOOP = ("prefill", 4)
 
 
