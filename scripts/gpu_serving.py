@@ -393,7 +393,8 @@ def main(argv=None) -> int:
         # the cost models on the same iterations and traces: the old one (no prefill forwards, no draft-side work)
         # and the new one, so the difference is measured on one run; and the new one fitted with the loop
         # calibration's iterations too (they verify every k in 0..k, so n and [n > 0] come apart)
-        models = {"old": replay.fit_costs(fit, replay.OLD_FEATURES, nonnegative=False), "new": replay.fit_costs(fit)}
+        models = {"old": replay.fit_costs(fit, replay.OLD_FEATURES, nonnegative=False), "new": replay.fit_costs(fit),
+                  "per-step": replay.fit_costs(fit, replay.PER_STEP_FEATURES)}
         if cal_iterations:
             models["new+cal"] = replay.fit_costs(fit + cal_iterations)
         result["replay_costs"] = {m: c.named() for m, c in models.items()}
@@ -624,6 +625,7 @@ def control_checks(sweep: list[dict], fixed: str, control: str = EAGER) -> list[
 
 # cost model -> (key prefix in a replay entry, column title)
 REPLAY_MODELS = {"old": ("old_", "old model"), "new": ("", "new model"),
+                 "per-step": ("step_", "new, draft cost per step"),
                  "new+cal": ("cal_", "new, + calibration iterations")}
 
 
@@ -924,6 +926,9 @@ def table(r: dict) -> str:
                   "from its own arrivals, tok/s and errors are medians over the rounds). Old model: ms = c0 + "
                   "c1 B + c2 B n + c3 P + c4 [n>0]; new: + n, prefill forwards, draft prefill at join and catch-up "
                   "(positions and forwards), fitted >= 0, simulated as the loop runs them (workbench/serving/replay.py)"
+                  + ("; new, draft cost per step: the new model keeping [n>0] where the fit cannot tell it from n "
+                     "(every drafting step of the fit verified one length; replay.PER_STEP_FEATURES)"
+                     if "per-step" in models else "")
                   + ("; new + calibration iterations: the new model fitted with the loop calibration's runs too"
                      if "new+cal" in models else "") + ":", "",
                   "| setting | rate (x sat) | real tok/s | "

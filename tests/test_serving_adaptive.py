@@ -333,15 +333,16 @@ def test_gpu_serving_script_smoke_on_cpu(tmp_path):
     assert "Thresholds [2]" in (tmp_path / "a" / "table.md").read_text()
     # replay: both cost models on the same run, side by side, and the draft work each setting really ran beside
     # the replay's (the adaptive schedule is 0 at batch 2: no prefill at join)
-    assert set(r["replay_costs"]) == {"old", "new"} and "n" in r["replay_costs"]["new"]
+    assert set(r["replay_costs"]) == {"old", "new", "per-step"} and "n" in r["replay_costs"]["new"]
     assert {e["setting"] for e in r["replay"]} == {"adaptive", "k=2 (held out)"}
     for e in r["replay"]:
-        assert e["old_error"] is not None and e["error"] is not None
+        assert e["old_error"] is not None and e["error"] is not None and e["step_error"] is not None
         assert e["rounds"] == 2 and len(e["round_errors"]) == 2 and len(e["real_round_output_throughput"]) == 2
         assert e["real_output_throughput"] == pytest.approx(sum(e["real_round_output_throughput"]) / 2)  # median
         assert e["predicted_draft_prefill_tokens"] == e["real_draft_prefill_tokens"]
         assert (e["real_draft_prefill_tokens"] == 0) == (e["setting"] == "adaptive")
     assert "old model" in (tmp_path / "a" / "table.md").read_text()
+    assert "new, draft cost per step | error" in (tmp_path / "a" / "table.md").read_text()
     assert gpu_serving.main(common + ["--out", str(tmp_path / "b"), "--budget-s", "0"]) == 0
     r = json.loads((tmp_path / "b" / "results.json").read_text())
     assert r["schedule_source"].startswith("measured (step calibration") and r["calibration"]["table"]

@@ -81,6 +81,28 @@ def test_fit_drops_columns_its_iterations_cannot_tell_apart():
     assert replay.independent_columns(np.array([[1.0, 0.0, 2.0, 4.0], [1.0, 0.0, 2.0, 0.0]])) == [0, 3]
 
 
+def test_per_step_fit_keeps_the_draft_cost_per_step_where_the_fit_cannot_tell():
+    """Every drafting step of the fit verifies one length (k = 4, as a fit on off + fixed k): n = 4 [n > 0], so the
+    draft phase's cost can be per node or per step. FEATURES keeps n (a held-out k = 2 costs half the draft work),
+    PER_STEP_FEATURES keeps [n > 0] (it costs all of it). Both fit the measured iterations equally well; on the
+    held-out length they bound the truth, here a cost that is half per node and half per step. With lengths 1-4 in the
+    fit both fits find the same costs."""
+    truth = dict(KNOWN, **{"n": 0.3, "n>0": 1.2})
+    its = synthetic_iterations(truth, nodes=(0, 4))  # speculation off and k = 4
+    per_node, per_step = replay.fit_costs(its), replay.fit_costs(its, replay.PER_STEP_FEATURES)
+    assert per_node.dropped == ("n>0",) and per_step.dropped == ("n",)
+    for i in its:
+        assert per_node.ms(replay.Work.of(i)) == pytest.approx(per_step.ms(replay.Work.of(i)), abs=1e-6)
+    k2 = replay.Work.of(IterationLog(0, 0, 8, 2, 0, 0, 0))
+    real = sum(truth[f] * x for f, x in zip(replay.FEATURES, k2.features(replay.FEATURES)))
+    assert per_node.ms(k2) < real < per_step.ms(k2)
+    both = synthetic_iterations(truth, nodes=(0, 1, 2, 3, 4))
+    a, b = replay.fit_costs(both), replay.fit_costs(both, replay.PER_STEP_FEATURES)
+    assert a.dropped == b.dropped == ()
+    assert a.named() == pytest.approx(truth, rel=1e-6, abs=1e-9) and b.named() == pytest.approx(truth, rel=1e-6,
+                                                                                                 abs=1e-9)
+
+
 def test_fit_keeps_every_cost_nonnegative_unless_asked_not_to():
     """Prefill tokens and forwards together (F = 1 per prefill, P its prompt): a convex prefill cost (CPU attention)
     makes plain least squares price a forward below zero; the default fit keeps it at 0 and stays the best

@@ -48,6 +48,12 @@ from workbench.serving.loop import catch_up_groups
 
 FEATURES = ("1", "B", "B*n", "n", "n>0", "P", "F", "D", "G")
 OLD_FEATURES = ("1", "B", "B*n", "P", "n>0")  # c0 + c1 B + c2 B n + c3 P + c4 [n > 0]: no forwards, no draft work
+# FEATURES with [n > 0] before n: where the fit's drafting steps all verified one length (n = k [n > 0]), the draft
+# phase's cost is kept per step instead of per node, the other end of the prior in the module docstring. A held-out
+# shorter k is then charged the full k's draft cost; the per-node fit charges it in proportion. The two predictions
+# bound what the fit cannot tell (scripts/gpu_serving.py reports both; BENCHMARKS.md 22.4: the per-node fit
+# overpredicted a held-out k = 2 at 1.5x saturation in every small call, +5.7 to +15.3 %).
+PER_STEP_FEATURES = ("1", "B", "B*n", "n>0", "n", "P", "F", "D", "G")
 
 
 @dataclass(frozen=True)
