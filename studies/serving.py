@@ -17,7 +17,11 @@ switch-off by acceptance (`spec_off_acceptance`, `spec_window`), the context cut
 model's prefill at join and catch-ups, as the loop runs them); it does not model the KV block pool, so `sched_policy`
 only matters in the real trials (every trial records `replay_ignores`).
 Every trial has user attr `fidelity` = "replay" | "real"; real ones also `replay_goodput`, `replay_tpot_ms_p99`,
-`run_id`. One study = one rate: resuming a study under another rate or base settings is refused.
+`run_id`. The record runs verify one draft length, so the step-cost fit cannot tell a per-node draft cost from a
+per-step one (workbench/serving/replay.py); replay trials are scored with the per-node fit and also carry the per-step
+fit's prediction (`replay_goodput_per_step`, `replay_tpot_ms_p99_per_step`; real trials keep both), the other end of
+what the fit cannot tell: a trial's shorter draft lengths cost less under the first. The report gives both errors.
+One study = one rate: resuming a study under another rate or base settings is refused.
 """
 from __future__ import annotations
 
@@ -148,10 +152,11 @@ def run_study(session, base, *, study_name: str, storage, replay_trials: int, re
     log(f"[serving] record: speculation off and fixed k={base.k} at rate {base.rate:g}")
     off = run_real(replace(base, method="ar"))
     rec = run_real(base)
-    costs = replay.fit_costs(off.result.iterations + rec.result.iterations)
+    fit = off.result.iterations + rec.result.iterations
+    costs, per_step = replay.fit_costs(fit), replay.fit_costs(fit, replay.PER_STEP_FEATURES)
     dists = distributions(base.max_num_seqs, base.k)
 
-    def predict(cfg) -> dict:
+    def predict(cfg, costs=costs) -> dict:
         return replay.replay(rec.result.states, rec.result.traces, base.k, costs, max_num_seqs=cfg.max_num_seqs,
                              adaptive=adaptive_for(cfg, cfg.k), prefill_chunk=cfg.prefill_chunk,
                              draft_kv=rec.result.draft_kv, catch_up_max=cfg.spec_catch_up_max,
@@ -163,10 +168,14 @@ def run_study(session, base, *, study_name: str, storage, replay_trials: int, re
         trial = study.ask(dists)
         trial.set_user_attr("fidelity", "replay")
         trial.set_user_attr("replay_ignores", REPLAY_IGNORES)
-        pred = predict(config_of(base, trial.params))
+        cfg = config_of(base, trial.params)
+        pred = predict(cfg)
         if pred["goodput"] is None or pred["tpot_ms_p99"] is None:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             continue
+        alt = predict(cfg, per_step)
+        trial.set_user_attr("replay_goodput_per_step", alt["goodput"])
+        trial.set_user_attr("replay_tpot_ms_p99_per_step", alt["tpot_ms_p99"])
         study.tell(trial, [pred["goodput"], pred["tpot_ms_p99"]])
     replayed = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
                 if t.user_attrs.get("fidelity") == "replay"]
@@ -177,7 +186,11 @@ def run_study(session, base, *, study_name: str, storage, replay_trials: int, re
             continue
         study.enqueue_trial(src.params, user_attrs={"fidelity": "real", "replay_trial": src.number,
                                                     "replay_goodput": src.values[0],
-                                                    "replay_tpot_ms_p99": src.values[1]})
+                                                    "replay_tpot_ms_p99": src.values[1],
+                                                    "replay_goodput_per_step":
+                                                        src.user_attrs.get("replay_goodput_per_step"),
+                                                    "replay_tpot_ms_p99_per_step":
+                                                        src.user_attrs.get("replay_tpot_ms_p99_per_step")})
         trial = study.ask(dists)
         cfg = config_of(base, trial.params)
         log(f"[serving] real trial {trial.number} (replay trial {src.number}): --k-by-batch {cfg.k_by_batch} "
@@ -210,8 +223,10 @@ def report(study: optuna.Study, max_num_seqs: int) -> str:
     for t in sorted(real, key=lambda t: -t.values[0]):
         p, a = t.params, t.user_attrs
         lines.append(f"  real trial {t.number}: goodput {t.values[0]:.3g} req/s (replay "
-                     f"{_pct(a.get('replay_goodput'), t.values[0])}), p99 TPOT {t.values[1]:.3g} ms (replay "
-                     f"{_pct(a.get('replay_tpot_ms_p99'), t.values[1])})"
+                     f"{_pct(a.get('replay_goodput'), t.values[0])}, per-step "
+                     f"{_pct(a.get('replay_goodput_per_step'), t.values[0])}), p99 TPOT {t.values[1]:.3g} ms (replay "
+                     f"{_pct(a.get('replay_tpot_ms_p99'), t.values[1])}, per-step "
+                     f"{_pct(a.get('replay_tpot_ms_p99_per_step'), t.values[1])})"
                      f" · --k-by-batch {k_by_batch_text(p, max_num_seqs)} --spec-off-acceptance "
                      f"{p['spec_off_acceptance']:g} --spec-window {p['spec_window']} --spec-max-context "
                      f"{p['spec_max_context']} --long-context-k {p['long_context_k']} --prefill-chunk "

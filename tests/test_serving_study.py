@@ -50,6 +50,8 @@ def test_study_replays_then_runs_the_best_for_real(session, tmp_path):
     for t in real:  # the same params as the replay trial it came from, and the prediction kept beside it
         src = by_number[t.user_attrs["replay_trial"]]
         assert t.params == src.params and t.user_attrs["replay_goodput"] == src.values[0]
+        for key in ("replay_goodput_per_step", "replay_tpot_ms_p99_per_step"):  # the per-step fit's, kept too
+            assert t.user_attrs[key] == src.user_attrs[key] is not None
         assert t.state == optuna.trial.TrialState.COMPLETE and t.values[0] > 0 and t.values[1] > 0
     picked = {t.user_attrs["replay_trial"] for t in real}
     assert picked == {t.number for t in ss.pick_for_real(replayed, 2)}
@@ -57,7 +59,7 @@ def test_study_replays_then_runs_the_best_for_real(session, tmp_path):
     assert len(rows) == 4  # the two record runs (off, fixed k) and the two real trials
     assert set(rows["run_id"]) >= {t.user_attrs["run_id"] for t in real}
     assert sorted(rows["method"]) == ["ar", "ngram", "ngram", "ngram"]
-    assert "real trial" in ss.report(study, BASE.max_num_seqs)
+    assert "real trial" in ss.report(study, BASE.max_num_seqs) and "per-step" in ss.report(study, BASE.max_num_seqs)
     # resuming runs no new replay trial and no real trial twice
     again = ss.run_study(session, BASE, study_name="srv", storage=storage, replay_trials=6, real_trials=2,
                          store=None, log=lambda *_: None)
@@ -65,6 +67,38 @@ def test_study_replays_then_runs_the_best_for_real(session, tmp_path):
     with pytest.raises(ss.ServingStudyError, match="already exists with other base settings \\(rate\\)"):
         ss.run_study(session, ServeConfig(**{**BASE.__dict__, "rate": 5.0}), study_name="srv", storage=storage,
                      replay_trials=6, real_trials=2, log=lambda *_: None)
+
+
+def test_replay_trials_carry_the_per_step_fit_which_agrees_at_the_recorded_length(session, tmp_path, monkeypatch):
+    """Each replay trial also carries the per-step cost fit's prediction. The two fits price every step at the
+    recorded k and at 0 alike, so a trial that drafts only k = 3 gets the same prediction from both; a trial at k = 1
+    gets a slower one from the per-step fit. (The record runs are timed, so the fits are replaced here by known
+    costs, one per feature order: 1 ms a step plus 6 ms a drafting step, or 2 ms a draft node.)"""
+    from workbench.serving import replay
+
+    def known(iterations, features=replay.FEATURES, nonnegative=True):
+        draft = {"n>0": 6.0} if features == replay.PER_STEP_FEATURES else {"n": 2.0}
+        return replay.CostModel([{"1": 1.0, **draft}.get(f, 0.0) for f in features], tuple(features))
+
+    monkeypatch.setattr(replay, "fit_costs", known)
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    pre = optuna.create_study(study_name="srv2", storage=storage, directions=list(ss.DIRECTIONS))
+    common = dict(spec_off_acceptance=0.0, spec_window=4, spec_max_context=0, long_context_k=0, prefill_chunk=0,
+                  sched_policy="no_evict")
+    recorded = {f"k_bs{lo}": BASE.k for lo, _ in ss.buckets(BASE.max_num_seqs)} | common
+    shorter = {f"k_bs{lo}": 1 for lo, _ in ss.buckets(BASE.max_num_seqs)} | common
+    pre.enqueue_trial(recorded)
+    pre.enqueue_trial(shorter)
+    study = ss.run_study(session, BASE, study_name="srv2", storage=storage, replay_trials=2, real_trials=0,
+                         log=lambda *_: None)
+    a, b = study.get_trials(deepcopy=False)
+    assert a.params == recorded and b.params == shorter
+    for t in (a, b):
+        assert t.user_attrs["replay_goodput_per_step"] is not None
+        assert t.user_attrs["replay_tpot_ms_p99_per_step"] is not None
+    assert (a.user_attrs["replay_goodput_per_step"], a.user_attrs["replay_tpot_ms_p99_per_step"]) == \
+        pytest.approx((a.values[0], a.values[1]), rel=1e-9)
+    assert b.user_attrs["replay_tpot_ms_p99_per_step"] > 1.5 * b.values[1]  # 7 ms against 3 ms a step
 
 
 def test_pick_for_real_front_first_and_distinct():
