@@ -543,6 +543,20 @@ if TRITON_AVAILABLE:
         return ((253 - e) << 23).to(tl.float32, bitcast=True), ((e + 1) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _int4_words_tile(w_ptr, s_ptr, z_ptr, offs_n, mask_n, sw_n, ss_n, ss_g, kt, w_lim, g_lim,
+                         BLOCK_K: tl.constexpr, GROUP: tl.constexpr, TILE_GROUPS: tl.constexpr):
+        """K tile kt's int4 words [BN, BK / 8] and its groups' scales and zeros [BN, G] (fp32), loaded for REG_PREFETCH;
+        words at or past `w_lim` and groups at or past `g_lim` (the program's K range) masked: 0."""
+        offs_w = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        wd = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (sw_n // 4) + offs_w[None, :],
+                     mask=mask_n[:, None] & (offs_w < w_lim)[None, :], other=0)
+        offs_g = (kt * BLOCK_K) // GROUP + tl.arange(0, TILE_GROUPS)
+        sz = offs_n[:, None] * ss_n + offs_g[None, :] * ss_g
+        m = mask_n[:, None] & (offs_g < g_lim)[None, :]
+        return (wd, tl.load(s_ptr + sz, mask=m, other=0.0).to(tl.float32),
+                tl.load(z_ptr + sz, mask=m, other=0.0).to(tl.float32))
+
+    @triton.jit
     def _half2_word_terms(wd3, s, z, f0, f1, f2, f3, f4, f5, f6, f7, EMULATE: tl.constexpr):
         """((q - 8) s + z) x summed over each word's 8 weights in packed fp16, the 8 x's (f0..f7, [1, G, C] fp32) under
         a power-of-two scale of their own (no reduction across threads): HALF2 2's arithmetic -> [BN, G, C]."""
@@ -556,10 +570,12 @@ if TRITON_AVAILABLE:
         return dots * undo * s + z * xsum
 
     @triton.jit
-    def _x_lane(x_ptr, nw_ptr, row_off, idx, K, GLU: tl.constexpr, NORM: tl.constexpr):
+    def _x_lane(x_ptr, nw_ptr, row_off, idx, K, GLU: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr,
+                C: tl.constexpr):
         """Lane j of every word's activations, loaded straight into the words' layout (X_LANES): x[idx] for idx =
-        8 c + j ([1, G, C]), through the SwiGLU / RMSNorm prologues as the [BM, BK] path computes them (the same
-        roundings) -> (x as fp32, x^2 before the norm weight for the 1 / rms sum; 0 without NORM)."""
+        8 c + j ([1, BK / 8], the words' column layout), through the SwiGLU / RMSNorm prologues as the [BM, BK] path
+        computes them (the same roundings) -> (x as fp32, x^2 before the norm weight for the 1 / rms sum; 0 without
+        NORM), each reshaped to [1, G, C] as the words are."""
         m = idx < K
         if GLU:
             gate = tl.load(x_ptr + row_off + idx, mask=m, other=0.0).to(tl.float32)
@@ -570,54 +586,30 @@ if TRITON_AVAILABLE:
         xn = x.to(tl.float32)
         if NORM:
             nw = tl.load(nw_ptr + idx, mask=m, other=0.0).to(tl.float32)
-            return (xn * nw).to(x_ptr.dtype.element_ty).to(tl.float32), xn * xn
+            xs, sq = (xn * nw).to(x_ptr.dtype.element_ty).to(tl.float32), xn * xn
         else:
-            return xn, xn * 0.0
-
-    @triton.jit
-    def _x_lane3(x_ptr, nw_ptr, row_off, idx, K, GLU: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr,
-                 C: tl.constexpr):
-        """_x_lane on [1, BK / 8] indices (the words' column layout), each result reshaped to [1, G, C] as the words
-        are."""
-        x, q = _x_lane(x_ptr, nw_ptr, row_off, idx, K, GLU, NORM)
-        return tl.reshape(x, [1, G, C]), tl.reshape(q, [1, G, C])
+            xs, sq = xn, xn * 0.0
+        return tl.reshape(xs, [1, G, C]), tl.reshape(sq, [1, G, C])
 
     @triton.jit
     def _x_word_lanes(x_ptr, nw_ptr, row_off, base, K, GLU: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr,
                       C: tl.constexpr):
         """The 8 lanes of every word (x[base + j], base = 8 c), each [1, G, C], and their x^2 summed (NORM)."""
-        f0, q0 = _x_lane3(x_ptr, nw_ptr, row_off, base, K, GLU, NORM, G, C)
-        f1, q1 = _x_lane3(x_ptr, nw_ptr, row_off, base + 1, K, GLU, NORM, G, C)
-        f2, q2 = _x_lane3(x_ptr, nw_ptr, row_off, base + 2, K, GLU, NORM, G, C)
-        f3, q3 = _x_lane3(x_ptr, nw_ptr, row_off, base + 3, K, GLU, NORM, G, C)
-        f4, q4 = _x_lane3(x_ptr, nw_ptr, row_off, base + 4, K, GLU, NORM, G, C)
-        f5, q5 = _x_lane3(x_ptr, nw_ptr, row_off, base + 5, K, GLU, NORM, G, C)
-        f6, q6 = _x_lane3(x_ptr, nw_ptr, row_off, base + 6, K, GLU, NORM, G, C)
-        f7, q7 = _x_lane3(x_ptr, nw_ptr, row_off, base + 7, K, GLU, NORM, G, C)
+        f0, q0 = _x_lane(x_ptr, nw_ptr, row_off, base, K, GLU, NORM, G, C)
+        f1, q1 = _x_lane(x_ptr, nw_ptr, row_off, base + 1, K, GLU, NORM, G, C)
+        f2, q2 = _x_lane(x_ptr, nw_ptr, row_off, base + 2, K, GLU, NORM, G, C)
+        f3, q3 = _x_lane(x_ptr, nw_ptr, row_off, base + 3, K, GLU, NORM, G, C)
+        f4, q4 = _x_lane(x_ptr, nw_ptr, row_off, base + 4, K, GLU, NORM, G, C)
+        f5, q5 = _x_lane(x_ptr, nw_ptr, row_off, base + 5, K, GLU, NORM, G, C)
+        f6, q6 = _x_lane(x_ptr, nw_ptr, row_off, base + 6, K, GLU, NORM, G, C)
+        f7, q7 = _x_lane(x_ptr, nw_ptr, row_off, base + 7, K, GLU, NORM, G, C)
         return f0, f1, f2, f3, f4, f5, f6, f7, ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
 
     @triton.jit
     def _int4_words_dot_lanes(wd, s, z, x0, x1, x2, x3, x4, x5, x6, x7, magic):
-        """_int4_words_dot with the 8 lanes given ([1, G, C] each), the same terms in the same order."""
-        hi = wd >> 12
-        acc = _nibble_term(wd, 4, s, z, x0, magic)
-        acc += _nibble_term(wd, 0, s, z, x1, magic)
-        acc += _nibble_term(wd, 12, s, z, x2, magic)
-        acc += _nibble_term(wd, 8, s, z, x3, magic)
-        acc += _nibble_term(hi, 8, s, z, x4, magic)
-        acc += _nibble_term(wd, 16, s, z, x5, magic)
-        acc += _nibble_term(hi, 16, s, z, x6, magic)
-        acc += _nibble_term(hi, 12, s, z, x7, magic)
-        return acc
-
-    @triton.jit
-    def _int4_words_dot(wd, s, z, x, magic):
-        """sum over the 8 weights of each word of ((q - 8) s + z) x: wd [R, G, C] int32 words of the "dequant" packing
-        (byte j: k = 2j high nibble, 2j + 1 low), s / z [R, G, 1] (their group's), x [1, G, C, 2, 2, 2] (weight
-        i = 4a + 2b + d of word c) -> [R, G, C] fp32. Per weight an and-or, a subtraction and two multiply-adds."""
+        """_int4_words_dot with the 8 lanes given ([1, G, C] each; x_i is weight i of word c, k = 8c + i)."""
         hi = wd >> 12  # the top three nibbles (bits 20..31) at bits 8..19
-        x0, x1, x2, x3, x4, x5, x6, x7 = _word_lanes(x)  # each [1, G, C]
-        acc = _nibble_term(wd, 4, s, z, x0, magic)  # k = 8c + i: bit 4 of byte i // 2 for even i, bit 0 for odd
+        acc = _nibble_term(wd, 4, s, z, x0, magic)  # bit 4 of byte i // 2 for even i, bit 0 for odd
         acc += _nibble_term(wd, 0, s, z, x1, magic)
         acc += _nibble_term(wd, 12, s, z, x2, magic)
         acc += _nibble_term(wd, 8, s, z, x3, magic)
@@ -626,6 +618,14 @@ if TRITON_AVAILABLE:
         acc += _nibble_term(hi, 16, s, z, x6, magic)  # bit 28
         acc += _nibble_term(hi, 12, s, z, x7, magic)  # bit 24
         return acc
+
+    @triton.jit
+    def _int4_words_dot(wd, s, z, x, magic):
+        """sum over the 8 weights of each word of ((q - 8) s + z) x: wd [R, G, C] int32 words of the "dequant" packing
+        (byte j: k = 2j high nibble, 2j + 1 low), s / z [R, G, 1] (their group's), x [1, G, C, 2, 2, 2] (weight
+        i = 4a + 2b + d of word c) -> [R, G, C] fp32. Per weight an and-or, a subtraction and two multiply-adds."""
+        x0, x1, x2, x3, x4, x5, x6, x7 = _word_lanes(x)  # each [1, G, C]
+        return _int4_words_dot_lanes(wd, s, z, x0, x1, x2, x3, x4, x5, x6, x7, magic)
 
     # One int4 word (8 weights of the "dequant" packing) times its 8 activations, two weights per instruction:
     # each nibble pair is or-ed into two fp16 lanes' mantissas under 1024's exponent (lop3: 1024 + q, or 1024 + 16 q
@@ -780,14 +780,8 @@ if TRITON_AVAILABLE:
             # last) is masked, so a split program reads no weight outside its range
             w_lim = tl.minimum(kt_end * (BLOCK_K // 8), K // 8)
             g_lim = tl.minimum(tl.cdiv(kt_end * BLOCK_K, GROUP), K // GROUP)
-            pf_w = kt_start * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-            wd_next = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (sw_n // 4) + pf_w[None, :],
-                              mask=mask_n[:, None] & (pf_w < w_lim)[None, :], other=0)
-            pf_g = (kt_start * BLOCK_K) // GROUP + tl.arange(0, TILE_GROUPS)
-            pf_sz = offs_n[:, None] * ss_n + pf_g[None, :] * ss_g
-            pf_m = mask_n[:, None] & (pf_g < g_lim)[None, :]
-            s_next = tl.load(s_ptr + pf_sz, mask=pf_m, other=0.0).to(tl.float32)
-            z_next = tl.load(z_ptr + pf_sz, mask=pf_m, other=0.0).to(tl.float32)
+            wd_next, s_next, z_next = _int4_words_tile(w_ptr, s_ptr, z_ptr, offs_n, mask_n, sw_n, ss_n, ss_g, kt_start,
+                                                       w_lim, g_lim, BLOCK_K, GROUP, TILE_GROUPS)
         for kt in tl.range(kt_start, kt_end, num_stages=LOOP_STAGES):
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
             x_mask = mask_m[:, None] & (offs_k < K)[None, :]
@@ -812,15 +806,8 @@ if TRITON_AVAILABLE:
                 if REG_PREFETCH:  # this tile's words, scales and zeros came in the last iteration (or before the
                     # loop); the next tile's are issued now, their latency covered by this tile's arithmetic
                     wd, s, z = wd_next, s_next, z_next
-                    nx_w = (kt + 1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-                    wd_next = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (sw_n // 4)
-                                      + nx_w[None, :],
-                                      mask=mask_n[:, None] & (nx_w < w_lim)[None, :], other=0)
-                    nx_g = ((kt + 1) * BLOCK_K) // GROUP + tl.arange(0, TILE_GROUPS)
-                    nx_sz = offs_n[:, None] * ss_n + nx_g[None, :] * ss_g
-                    nx_m = mask_n[:, None] & (nx_g < g_lim)[None, :]
-                    s_next = tl.load(s_ptr + nx_sz, mask=nx_m, other=0.0).to(tl.float32)
-                    z_next = tl.load(z_ptr + nx_sz, mask=nx_m, other=0.0).to(tl.float32)
+                    wd_next, s_next, z_next = _int4_words_tile(w_ptr, s_ptr, z_ptr, offs_n, mask_n, sw_n, ss_n, ss_g,
+                                                               kt + 1, w_lim, g_lim, BLOCK_K, GROUP, TILE_GROUPS)
                 else:
                     sz_offs = offs_n[:, None] * ss_n + offs_g[None, :] * ss_g  # [BN, G]
                     sz_mask = mask_n[:, None] & (offs_g < K // GROUP)[None, :]

@@ -491,7 +491,7 @@ class SpecEngine:
         if n_nodes not in (0, full) and not (self.drafter is not None and self.drafter.proposes_chains):
             raise ValueError(f"num_nodes={n_nodes}: only chains can be verified shorter than their N={full}")
         fused = self._fused_accept(self._chains())
-        if lengths is not None and not (fused and (self.drafter is None or self.drafter.overlaps)):
+        if lengths is not None and not self.can_launch_ahead():
             raise ValueError("launch_step(lengths=...) needs greedy chains with the fused accept and a drafter whose "
                              "propose reads the device (Drafter.overlaps)")
         live_t, kv_len_then = self._live_rows(live)
