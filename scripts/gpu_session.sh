@@ -31,6 +31,8 @@
 # (full overlap: parity, then served against the default) and k5 (the goal check with a calibrated schedule and its
 # thresholds) are prepared for the next one. PART=k4, k5, k3: the seventeenth session's first three calls; k6 (full
 # overlap as the default: parity, served against it off; a schedule with a threshold and its cliff check) its fourth.
+# PART=q1 (int4 loop variants per linear, tuned, floor) and k8 (k7's sweep with the per-step replay fit): the
+# eighteenth session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -453,7 +455,7 @@ elif [ "$PART" = g2 ]; then
   step tune 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tune" --parts tune --sweep-configs 6.7b,1.45b \
     --formats int4 --tune-block-n 16,32 --tune-block-k 512,1024,2048 --tune-warps 2,4 --tune-stages 3 \
     --tune-half2 0,1 --replays 20 --tune-budget-s "${TUNE_S:-150}"
-  T=$R/tune/gemv_tune_tiles.json; [ -f "$T" ] || echo '{}' > "$T"
+  T=$R/tune/gemv_tune_tiles.json; mkdir -p "$R/tune"; [ -f "$T" ] || echo '{}' > "$T"
   floor quant67 60 6.7b --m1-tiles "$T" --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+i4f2@$C,\
 int4-triton+glo+pdl+tc@$C,int4-triton+res+pdl@$C,int4@$C"
   floor quant145 40 1.45b --m1-tiles "$T" --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+i4f2@$C,\
@@ -596,6 +598,14 @@ elif [ "$PART" = k6 ]; then
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram \
     --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 \
     --k-by-batch 1-8:4,9-64:0 --full-overlap-controls --budget-s "${SERVING_S:-270}"
+elif [ "$PART" = k8 ]; then
+  # eighteenth session: issue 11's last check. k7's sweep (small, the loop calibration's 1-64:4 given, off, k = 4,
+  # adaptive and the held-out k = 2 at 1.0x and 1.5x, 5 rounds) now that the replay also reports its per-step fit
+  # (draft cost per step, not per node: replay.PER_STEP_FEATURES); no controls, so the rounds fit the budget
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram \
+    --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 5 --no-thresholds \
+    --k-by-batch 1-64:4 --budget-s "${SERVING_S:-270}"
 elif [ "$PART" = q1 ]; then
   # prepared in the seventeenth session (its device time was spent on serving): two one-row int4 loop variants built
   # after issue 10's 1.96x, checked bit for bit under the interpreter. REG_PREFETCH: the next tile's words a tile ahead
@@ -613,7 +623,7 @@ elif [ "$PART" = q1 ]; then
   step tune 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tune" --parts tune --sweep-configs 6.7b \
     --formats int4 --tune-block-n 8,16,32 --tune-block-k 512,1024 --tune-warps 4,8 --tune-stages 3 --tune-half2 1 \
     --tune-x-lanes 0,1 --tune-reg-prefetch 0,1 --replays 20 --tune-budget-s "${TUNE_S:-150}"
-  T=$R/tune/gemv_tune_tiles.json; [ -f "$T" ] || echo '{}' > "$T"
+  T=$R/tune/gemv_tune_tiles.json; mkdir -p "$R/tune"; [ -f "$T" ] || echo '{}' > "$T"
   floor quant67 60 6.7b --m1-tiles "$T" --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+rp@$C,\
 int4-triton+glo+pdl+xl@$C,int4-triton+glo+pdl+rp+xl@$C,int4-triton+glo+pdl+tc@$C"
 elif [ "$PART" = z7 ]; then
