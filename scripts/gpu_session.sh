@@ -31,8 +31,8 @@
 # (full overlap: parity, then served against the default) and k5 (the goal check with a calibrated schedule and its
 # thresholds) are prepared for the next one. PART=k4, k5, k3: the seventeenth session's first three calls; k6 (full
 # overlap as the default: parity, served against it off; a schedule with a threshold and its cliff check) its fourth.
-# PART=q1 (int4 loop variants per linear, tuned, floor) and k8 (k7's sweep with the per-step replay fit): the
-# eighteenth session's.
+# PART=q1 (int4 loop variants per linear, tuned, floor) k8 (k7's sweep with the per-step replay fit) and k9 (the draft
+# model's full overlap, timed): the eighteenth session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -606,6 +606,13 @@ elif [ "$PART" = k8 ]; then
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method ngram \
     --k 4 --max-num-seqs 64 --num-requests 768 --warmup-requests 64 --rates 1.0,1.5 --repeats 5 --no-thresholds \
     --k-by-batch 1-64:4 --budget-s "${SERVING_S:-270}"
+elif [ "$PART" = k9 ]; then
+  # eighteenth session: full overlap with the draft model (GPU parity in k4/k6, never timed): small, draft model k = 4
+  # (every step drafts, so full overlap applies), off and k = 4 also run with it switched off, 1.0x and 1.5x, 3 rounds
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method draft \
+    --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 --no-thresholds \
+    --k-by-batch 1-64:4 --full-overlap-controls --budget-s "${SERVING_S:-300}"
 elif [ "$PART" = q1 ]; then
   # prepared in the seventeenth session (its device time was spent on serving): two one-row int4 loop variants built
   # after issue 10's 1.96x, checked bit for bit under the interpreter. REG_PREFETCH: the next tile's words a tile ahead
