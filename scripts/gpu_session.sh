@@ -32,7 +32,7 @@
 # thresholds) are prepared for the next one. PART=k4, k5, k3: the seventeenth session's first three calls; k6 (full
 # overlap as the default: parity, served against it off; a schedule with a threshold and its cliff check) its fourth.
 # PART=q1 (int4 loop variants per linear, tuned, floor) k8 (k7's sweep with the per-step replay fit) and k9 (the draft
-# model's full overlap, timed): the eighteenth session's.
+# model's full overlap, timed), k10 (int4 6.7 B profiled; the draft model's goal check): the eighteenth session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -613,6 +613,17 @@ elif [ "$PART" = k9 ]; then
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method draft \
     --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 --no-thresholds \
     --k-by-batch 1-64:4 --full-overlap-controls --budget-s "${SERVING_S:-300}"
+elif [ "$PART" = k10 ]; then
+  # eighteenth session, last call: where the default int4 decode's time goes at 6.7 B (kernel profile of the floor
+  # rows; q1's variants both lost), then issue 11's goal with the draft model, where k9 found k = 4 below off at
+  # 1.0x and 1.5x: the loop calibration picks the schedule, served against off, fixed k and the held-out k, with the
+  # cliff check at its thresholds
+  C=graphs+compile+overlap
+  floor quant67 60 6.7b --formats "none@$C,int4-triton+glo+pdl@$C" --profile
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method draft \
+    --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 \
+    --budget-s "${SERVING_S:-300}"
 elif [ "$PART" = q1 ]; then
   # prepared in the seventeenth session (its device time was spent on serving): two one-row int4 loop variants built
   # after issue 10's 1.96x, checked bit for bit under the interpreter. REG_PREFETCH: the next tile's words a tile ahead
