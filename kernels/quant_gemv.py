@@ -226,21 +226,6 @@ INT4_HALF2: int | None = int(os.environ["WORKBENCH_INT4_HALF2"]) if os.environ.g
 # tile's LOOP_STAGES entry; gpu_quant.py "+ls3"; gpu_gemv.py --loop-stages / --tune-loop-stages).
 LOOP_STAGES: int | None = int(os.environ["WORKBENCH_GEMV_LOOP_STAGES"]) \
     if os.environ.get("WORKBENCH_GEMV_LOOP_STAGES") else None
-# One-row int4 words (K tiles of whole groups, words widened): the next K tile's weight words, scales and zeros
-# loaded into registers at the top of each iteration, before this tile's arithmetic (double-buffered in registers; the
-# loop otherwise issues a tile's loads and waits for them in the same iteration, LOOP_STAGES' async copies having
-# measured slower). Costs a second tile of words in registers (32 per thread in 32 x 1024 tiles with 4 warps).
-# Prepared in the seventeenth session; False: off (env WORKBENCH_INT4_REG_PREFETCH=1 turns it on; a tile's
-# REG_PREFETCH entry; gpu_quant.py "+rp"; gpu_gemv.py --reg-prefetch-compare).
-INT4_REG_PREFETCH: bool = os.environ.get("WORKBENCH_INT4_REG_PREFETCH", "0") == "1"
-# One-row int4 words: each word's 8 activations loaded straight into the words' layout, lane by lane (x[8 c + j],
-# through the norm / SwiGLU prologues), instead of a [1, BK] tile reshaped and split into lanes. The SASS of 6.7 B's
-# gate / up tile (compiled for sm_90 on the CPU VM, triton 3.9) has 14 barriers per K iteration in the default form:
-# x's layout conversions into the words' lanes and the per-tile max and per-group sums of packed fp16 (HALF2 1). With
-# lanes, packed fp16 takes a scale and a zero sum per word (HALF2 2's arithmetic) and the loop needs no barrier.
-# Prepared in the seventeenth session; False: off (env WORKBENCH_INT4_X_LANES=1; a tile's X_LANES entry; gpu_quant.py
-# "+xl"; gpu_gemv.py --x-lanes-compare).
-INT4_X_LANES: bool = os.environ.get("WORKBENCH_INT4_X_LANES", "0") == "1"
 # Multi-row int4 calls (verify widths, prefill; BLOCK_M 16 on the tensor cores) in K tiles of whole groups: each
 # [BN, BK] weight tile dequantized with its groups' scales and zeros (the one-row ELEMENTWISE form's weights), in x's
 # dtype, then one tl.dot per tile, instead of one group per K tile (64 x g, a dot and a rescale per group). A dict: that
@@ -429,7 +414,7 @@ def _check_group_tile(fmt: str, cfg: dict, group_size: int) -> None:
 # scripts/gpu_quant.py --m1-tiles reads them), empty by default.
 M1_TILES: dict[tuple[str, int, int], dict] = {}
 M1_TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "CVT_BITS", "ELEMENTWISE",
-                "HALF2", "LOOP_STAGES", "REG_PREFETCH", "X_LANES")
+                "HALF2", "LOOP_STAGES")
 
 
 def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
@@ -543,73 +528,13 @@ if TRITON_AVAILABLE:
         return ((253 - e) << 23).to(tl.float32, bitcast=True), ((e + 1) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _int4_words_tile(w_ptr, s_ptr, z_ptr, offs_n, mask_n, sw_n, ss_n, ss_g, kt, w_lim, g_lim,
-                         BLOCK_K: tl.constexpr, GROUP: tl.constexpr, TILE_GROUPS: tl.constexpr):
-        """K tile kt's int4 words [BN, BK / 8] and its groups' scales and zeros [BN, G] (fp32), loaded for REG_PREFETCH;
-        words at or past `w_lim` and groups at or past `g_lim` (the program's K range) masked: 0."""
-        offs_w = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-        wd = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (sw_n // 4) + offs_w[None, :],
-                     mask=mask_n[:, None] & (offs_w < w_lim)[None, :], other=0)
-        offs_g = (kt * BLOCK_K) // GROUP + tl.arange(0, TILE_GROUPS)
-        sz = offs_n[:, None] * ss_n + offs_g[None, :] * ss_g
-        m = mask_n[:, None] & (offs_g < g_lim)[None, :]
-        return (wd, tl.load(s_ptr + sz, mask=m, other=0.0).to(tl.float32),
-                tl.load(z_ptr + sz, mask=m, other=0.0).to(tl.float32))
-
-    @triton.jit
-    def _half2_word_terms(wd3, s, z, f0, f1, f2, f3, f4, f5, f6, f7, EMULATE: tl.constexpr):
-        """((q - 8) s + z) x summed over each word's 8 weights in packed fp16, the 8 x's (f0..f7, [1, G, C] fp32) under
-        a power-of-two scale of their own (no reduction across threads): HALF2 2's arithmetic -> [BN, G, C]."""
-        amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(f0), tl.abs(f1)), tl.maximum(tl.abs(f2), tl.abs(f3))),
-                          tl.maximum(tl.maximum(tl.abs(f4), tl.abs(f5)), tl.maximum(tl.abs(f6), tl.abs(f7))))
-        inv, undo = _pow2_scale(amax)  # [1, G, C]
-        dots = _int4_half2_word_dot(wd3, _f16_pair(f1 * inv, f5 * inv, EMULATE), _f16_pair(f0 * inv, f4 * inv, EMULATE),
-                                    _f16_pair(f3 * inv, f7 * inv, EMULATE), _f16_pair(f2 * inv, f6 * inv, EMULATE),
-                                    EMULATE)  # [BN, G, C]
-        xsum = ((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7))  # [1, G, C]
-        return dots * undo * s + z * xsum
-
-    @triton.jit
-    def _x_lane(x_ptr, nw_ptr, row_off, idx, K, GLU: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr,
-                C: tl.constexpr):
-        """Lane j of every word's activations, loaded straight into the words' layout (X_LANES): x[idx] for idx =
-        8 c + j ([1, BK / 8], the words' column layout), through the SwiGLU / RMSNorm prologues as the [BM, BK] path
-        computes them (the same roundings) -> (x as fp32, x^2 before the norm weight for the 1 / rms sum; 0 without
-        NORM), each reshaped to [1, G, C] as the words are."""
-        m = idx < K
-        if GLU:
-            gate = tl.load(x_ptr + row_off + idx, mask=m, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + row_off + K + idx, mask=m, other=0.0)
-            x = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        else:
-            x = tl.load(x_ptr + row_off + idx, mask=m, other=0.0)
-        xn = x.to(tl.float32)
-        if NORM:
-            nw = tl.load(nw_ptr + idx, mask=m, other=0.0).to(tl.float32)
-            xs, sq = (xn * nw).to(x_ptr.dtype.element_ty).to(tl.float32), xn * xn
-        else:
-            xs, sq = xn, xn * 0.0
-        return tl.reshape(xs, [1, G, C]), tl.reshape(sq, [1, G, C])
-
-    @triton.jit
-    def _x_word_lanes(x_ptr, nw_ptr, row_off, base, K, GLU: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr,
-                      C: tl.constexpr):
-        """The 8 lanes of every word (x[base + j], base = 8 c), each [1, G, C], and their x^2 summed (NORM)."""
-        f0, q0 = _x_lane(x_ptr, nw_ptr, row_off, base, K, GLU, NORM, G, C)
-        f1, q1 = _x_lane(x_ptr, nw_ptr, row_off, base + 1, K, GLU, NORM, G, C)
-        f2, q2 = _x_lane(x_ptr, nw_ptr, row_off, base + 2, K, GLU, NORM, G, C)
-        f3, q3 = _x_lane(x_ptr, nw_ptr, row_off, base + 3, K, GLU, NORM, G, C)
-        f4, q4 = _x_lane(x_ptr, nw_ptr, row_off, base + 4, K, GLU, NORM, G, C)
-        f5, q5 = _x_lane(x_ptr, nw_ptr, row_off, base + 5, K, GLU, NORM, G, C)
-        f6, q6 = _x_lane(x_ptr, nw_ptr, row_off, base + 6, K, GLU, NORM, G, C)
-        f7, q7 = _x_lane(x_ptr, nw_ptr, row_off, base + 7, K, GLU, NORM, G, C)
-        return f0, f1, f2, f3, f4, f5, f6, f7, ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
-
-    @triton.jit
-    def _int4_words_dot_lanes(wd, s, z, x0, x1, x2, x3, x4, x5, x6, x7, magic):
-        """_int4_words_dot with the 8 lanes given ([1, G, C] each; x_i is weight i of word c, k = 8c + i)."""
+    def _int4_words_dot(wd, s, z, x, magic):
+        """sum over the 8 weights of each word of ((q - 8) s + z) x: wd [R, G, C] int32 words of the "dequant" packing
+        (byte j: k = 2j high nibble, 2j + 1 low), s / z [R, G, 1] (their group's), x [1, G, C, 2, 2, 2] (weight
+        i = 4a + 2b + d of word c) -> [R, G, C] fp32. Per weight an and-or, a subtraction and two multiply-adds."""
         hi = wd >> 12  # the top three nibbles (bits 20..31) at bits 8..19
-        acc = _nibble_term(wd, 4, s, z, x0, magic)  # bit 4 of byte i // 2 for even i, bit 0 for odd
+        x0, x1, x2, x3, x4, x5, x6, x7 = _word_lanes(x)  # each [1, G, C]
+        acc = _nibble_term(wd, 4, s, z, x0, magic)  # k = 8c + i: bit 4 of byte i // 2 for even i, bit 0 for odd
         acc += _nibble_term(wd, 0, s, z, x1, magic)
         acc += _nibble_term(wd, 12, s, z, x2, magic)
         acc += _nibble_term(wd, 8, s, z, x3, magic)
@@ -618,14 +543,6 @@ if TRITON_AVAILABLE:
         acc += _nibble_term(hi, 16, s, z, x6, magic)  # bit 28
         acc += _nibble_term(hi, 12, s, z, x7, magic)  # bit 24
         return acc
-
-    @triton.jit
-    def _int4_words_dot(wd, s, z, x, magic):
-        """sum over the 8 weights of each word of ((q - 8) s + z) x: wd [R, G, C] int32 words of the "dequant" packing
-        (byte j: k = 2j high nibble, 2j + 1 low), s / z [R, G, 1] (their group's), x [1, G, C, 2, 2, 2] (weight
-        i = 4a + 2b + d of word c) -> [R, G, C] fp32. Per weight an and-or, a subtraction and two multiply-adds."""
-        x0, x1, x2, x3, x4, x5, x6, x7 = _word_lanes(x)  # each [1, G, C]
-        return _int4_words_dot_lanes(wd, s, z, x0, x1, x2, x3, x4, x5, x6, x7, magic)
 
     # One int4 word (8 weights of the "dequant" packing) times its 8 activations, two weights per instruction:
     # each nibble pair is or-ed into two fp16 lanes' mantissas under 1024's exponent (lop3: 1024 + q, or 1024 + 16 q
@@ -730,14 +647,9 @@ if TRITON_AVAILABLE:
             # packed fp16 (_int4_half2_word_dot); x scaled by a power of two into fp16's range, 1: per K tile (a
             # max across the program) and zeros per group, 2: per word (the 8 x's of each word, in its threads)
             HALF2_EMULATE: tl.constexpr = False,  # HALF2 in Triton ops instead of PTX (the interpreter runs no PTX)
-            LOOP_STAGES: tl.constexpr = None,  # the K loop software-pipelined into this many stages (tl.range):
+            LOOP_STAGES: tl.constexpr = None):  # the K loop software-pipelined into this many stages (tl.range):
             # the next tiles' weight loads in flight (async copies) while this tile computes; None: the loop as
             # before (the kernel's num_stages pipelines only loads feeding tl.dot, so one-row loops are not)
-            REG_PREFETCH: tl.constexpr = False,  # int4 one-row words: the next K tile's words, scales and zeros
-            # loaded into registers before this tile's arithmetic (INT4_REG_PREFETCH)
-            X_LANES: tl.constexpr = False):  # int4 one-row words: each word's 8 activations loaded straight into
-            # the words' layout, lane by lane (no layout conversion or reduction across threads in the loop;
-            # packed fp16 words take a scale per word, as HALF2 2) (INT4_X_LANES)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -772,30 +684,17 @@ if TRITON_AVAILABLE:
         elif TILE_GROUPS > 0 and BLOCK_M == 1:  # [BN, groups of the tile, weights of a group in the tile]: reduced
             # after the loop (M > 1: the dequantized tile goes to tl.dot, into acc)
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS], dtype=tl.float32)
-        if X_LANES:  # NORM's x^2 per word column (the lanes' sum), reduced after the loop
-            sqw = tl.zeros([1, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8], dtype=tl.float32)
-            lane_idx = tl.arange(0, BLOCK_K // 8)[None, :] * 8  # [1, BK / 8]: 8 c, as the words' columns
-        if REG_PREFETCH:  # the first K tile's words, scales and zeros (int4 one-row words only; see the loop)
-            # this program's K range as bounds on word and group indices: a load past kt_end (the tile after the
-            # last) is masked, so a split program reads no weight outside its range
-            w_lim = tl.minimum(kt_end * (BLOCK_K // 8), K // 8)
-            g_lim = tl.minimum(tl.cdiv(kt_end * BLOCK_K, GROUP), K // GROUP)
-            wd_next, s_next, z_next = _int4_words_tile(w_ptr, s_ptr, z_ptr, offs_n, mask_n, sw_n, ss_n, ss_g, kt_start,
-                                                       w_lim, g_lim, BLOCK_K, GROUP, TILE_GROUPS)
         for kt in tl.range(kt_start, kt_end, num_stages=LOOP_STAGES):
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
             x_mask = mask_m[:, None] & (offs_k < K)[None, :]
-            if X_LANES:  # the activations come lane by lane in the words' branch below
-                x = tl.zeros([BLOCK_M, BLOCK_K], dtype=x_ptr.dtype.element_ty)
-            elif GLU:  # SwiGLU prologue: x = silu(gate) * up from [gate | up], in fp32, rounded once to x's dtype
+            if GLU:  # SwiGLU prologue: x = silu(gate) * up from [gate | up], in fp32, rounded once to x's dtype
                 gate = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)
                 up = tl.load(x_ptr + offs_m[:, None] * sx_m + K + offs_k[None, :], mask=x_mask, other=0.0)
                 gate = gate.to(tl.float32)
                 x = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)  # [BM, BK]
             else:
                 x = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=x_mask, other=0.0)  # [BM, BK]
-            if NORM and not X_LANES:  # RMSNorm prologue: x * norm weight here, x^2 summed for 1 / rms, applied
-                # after the sum over K
+            if NORM:  # RMSNorm prologue: x * norm weight here, x^2 summed for 1 / rms, applied after the sum over K
                 xn = x.to(tl.float32)
                 sq2 += xn * xn  # reduced once after the loop: a reduction here would put a barrier in every step
                 nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)  # [BK]
@@ -803,47 +702,34 @@ if TRITON_AVAILABLE:
             if TILE_GROUPS > 0:  # int4 / int8g one-row, K tiles of whole groups: each weight times its group's scale
                 # (the last tile may be partial: its groups past K are masked, scale and zero 0, and so is x)
                 offs_g = (kt * BLOCK_K) // GROUP + tl.arange(0, TILE_GROUPS)  # [G]: the tile's groups
-                if REG_PREFETCH:  # this tile's words, scales and zeros came in the last iteration (or before the
-                    # loop); the next tile's are issued now, their latency covered by this tile's arithmetic
-                    wd, s, z = wd_next, s_next, z_next
-                    wd_next, s_next, z_next = _int4_words_tile(w_ptr, s_ptr, z_ptr, offs_n, mask_n, sw_n, ss_n, ss_g,
-                                                               kt + 1, w_lim, g_lim, BLOCK_K, GROUP, TILE_GROUPS)
-                else:
-                    sz_offs = offs_n[:, None] * ss_n + offs_g[None, :] * ss_g  # [BN, G]
-                    sz_mask = mask_n[:, None] & (offs_g < K // GROUP)[None, :]
-                    s = tl.load(s_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)  # [BN, G]
-                    if FMT == 1:
-                        z = tl.load(z_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)
+                sz_offs = offs_n[:, None] * ss_n + offs_g[None, :] * ss_g  # [BN, G]
+                sz_mask = mask_n[:, None] & (offs_g < K // GROUP)[None, :]
+                s = tl.load(s_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)  # [BN, G]
+                if FMT == 1:
+                    z = tl.load(z_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)
                 if FMT == 1 and CVT_BITS:  # 32-bit words of 8 weights widened by integer ops, x split to match
-                    if not REG_PREFETCH:
-                        offs_w = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-                        wd = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (sw_n // 4)
-                                     + offs_w[None, :], mask=mask_n[:, None] & (offs_w < K // 8)[None, :],
-                                     other=0)  # [BN, BK / 8]
+                    offs_w = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+                    wd = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (sw_n // 4) + offs_w[None, :],
+                                 mask=mask_n[:, None] & (offs_w < K // 8)[None, :], other=0)  # [BN, BK / 8]
                     # 2^23's bits as a value the compiler cannot fold (K >> 31 is 0): held in a register, so each
                     # nibble's and-or is one instruction with its mask inline (folded, ptxas re-made a mask per weight)
                     magic = 0x4B000000 + (K >> 31)
-                    if X_LANES:
-                        base = kt * BLOCK_K + lane_idx  # [1, BK / 8]; each lane reshaped as the words are
-                        row_off = pid_m * BLOCK_M * sx_m
-                        f0, f1, f2, f3, f4, f5, f6, f7, sq_words = _x_word_lanes(
-                            x_ptr, nw_ptr, row_off, base, K, GLU, NORM, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8)
-                        if NORM:
-                            sqw += sq_words
-                        wd3 = tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8])
-                        if HALF2:  # a power-of-two scale per word (as HALF2 2), no reduction across threads
-                            acc3 += _half2_word_terms(wd3, s[:, :, None], z[:, :, None],
-                                                      f0, f1, f2, f3, f4, f5, f6, f7, HALF2_EMULATE)
-                        else:
-                            acc3 += _int4_words_dot_lanes(wd3, s[:, :, None], z[:, :, None],
-                                                          f0, f1, f2, f3, f4, f5, f6, f7, magic)
-                    elif HALF2 == 2:  # per word, in the threads that hold it: its 8 x's own power-of-two scale and
+                    if HALF2 == 2:  # per word, in the threads that hold it: its 8 x's own power-of-two scale and
                         # their sum (no reduction across threads in the loop), the rest as below
                         f0, f1, f2, f3, f4, f5, f6, f7 = _word_lanes(tl.reshape(
                             x.to(tl.float32), [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8, 2, 2, 2]))
-                        acc3 += _half2_word_terms(tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
-                                                  s[:, :, None], z[:, :, None], f0, f1, f2, f3, f4, f5, f6, f7,
-                                                  HALF2_EMULATE)
+                        amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(f0), tl.abs(f1)),
+                                                     tl.maximum(tl.abs(f2), tl.abs(f3))),
+                                          tl.maximum(tl.maximum(tl.abs(f4), tl.abs(f5)),
+                                                     tl.maximum(tl.abs(f6), tl.abs(f7))))
+                        inv, undo = _pow2_scale(amax)  # [1, G, C]
+                        dots = _int4_half2_word_dot(
+                            tl.reshape(wd, [BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8]),
+                            _f16_pair(f1 * inv, f5 * inv, HALF2_EMULATE), _f16_pair(f0 * inv, f4 * inv, HALF2_EMULATE),
+                            _f16_pair(f3 * inv, f7 * inv, HALF2_EMULATE), _f16_pair(f2 * inv, f6 * inv, HALF2_EMULATE),
+                            HALF2_EMULATE)  # [BN, G, C]
+                        xsum = ((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7))  # [1, G, C]
+                        acc3 += dots * undo * s[:, :, None] + z[:, :, None] * xsum
                     elif HALF2:  # sum (q - 8) x per word in packed fp16, x / 2^e in fp16 (|x| / 2^e < 1: no
                         # overflow in a word's sums of 8 products); then scale 2^e per group and zero sum(x)
                         xf = x.to(tl.float32)  # [1, BK]
@@ -930,13 +816,10 @@ if TRITON_AVAILABLE:
                     acc += tl.dot(x, tl.trans(w.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)
         if PDL and LATE_TRIGGER:  # this program's weights are read: the next kernel may take the SM slots we free
             gdc_launch_dependents()
-        if X_LANES:
-            sq = tl.sum(tl.reshape(sqw, [1, BLOCK_K // 8]), axis=1)  # [1]: this split's sum of x^2 (NORM)
-        else:
-            sq = tl.sum(sq2, axis=1)  # [BM]: this split's sum of x^2 per row (NORM)
+        sq = tl.sum(sq2, axis=1)  # [BM]: this split's sum of x^2 per row (NORM)
         if TILE_GROUPS > 0 and BLOCK_M == 1:
             acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]
-            if FMT == 1 and CVT_BITS and HALF2 == 1 and not X_LANES:
+            if FMT == 1 and CVT_BITS and HALF2 == 1:
                 acc += tl.sum(accz, axis=1)[None, :]
         if FMT != 1 and FMT != 4:
             if BLOCK_M == 1 or CUDA_ROWS:
@@ -1068,12 +951,6 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     loop_stages = cfg.get("LOOP_STAGES", LOOP_STAGES) if cfg["BLOCK_M"] == 1 else None
     extra = dict(pdl, LOOP_STAGES=int(loop_stages)) if loop_stages else pdl  # passed only when set: the kernel's
     # default (None) leaves the loop as it was
-    if fmt == "int4" and tile_groups > 0 and cvt_bits and cfg["BLOCK_M"] == 1 and not loop_stages \
-            and cfg.get("REG_PREFETCH", INT4_REG_PREFETCH):
-        extra = dict(extra, REG_PREFETCH=True)  # (passed only when on, as LOOP_STAGES)
-    if fmt == "int4" and tile_groups > 0 and cvt_bits and cfg["BLOCK_M"] == 1 and m == 1 \
-            and cfg.get("X_LANES", INT4_X_LANES):
-        extra = dict(extra, X_LANES=True)
     _gemv_kernel[grid](
         x, weight, scale2, zero2, out, partials, counters, res, nw, sq,
         m, n, k, cfg["tiles_per_split"], float(eps),

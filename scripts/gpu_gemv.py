@@ -329,11 +329,6 @@ def part_tune(args, device) -> list[dict]:
             if ints(args.tune_loop_stages):  # the K loop pipelined (LOOP_STAGES; 0 = not) as one more dimension
                 cvts = [{**c, **({"LOOP_STAGES": st} if st else {})} for c in cvts
                         for st in ints(args.tune_loop_stages)]
-            if fmt == "int4" and ints(args.tune_x_lanes):  # x lane by lane in the words' layout (X_LANES)
-                cvts = [{**c, **({"X_LANES": True} if v else {})} for c in cvts for v in ints(args.tune_x_lanes)]
-            if fmt == "int4" and ints(args.tune_reg_prefetch):  # the next tile a tile ahead (REG_PREFETCH)
-                cvts = [{**c, **({"REG_PREFETCH": True} if v else {})} for c in cvts
-                        for v in ints(args.tune_reg_prefetch)]
             for block_n in ints(args.tune_block_n) or (16, 32, 64):
                 for block_k in block_ks:
                     for warps in ints(args.tune_warps) or (4, 8):
@@ -371,8 +366,7 @@ def part_tune(args, device) -> list[dict]:
                 if best.get("tile") != "auto":  # a measured tile for gpu_quant.py --m1-tiles ("+tc" rows)
                     best_tiles[f"{fmt},{n},{k}"] = {key: best[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps",
                                                                                "num_stages", "SPLIT_K", "CVT_BITS",
-                                                                               "HALF2", "LOOP_STAGES", "X_LANES",
-                                                                               "REG_PREFETCH")
+                                                                               "HALF2", "LOOP_STAGES")
                                                     if key in best}
                 print(json.dumps(best), flush=True)
     _write_tiles(args, best_tiles, "gemv_tune_tiles.json")
@@ -592,10 +586,6 @@ def main() -> None:
                     "(default: the module's INT4_HALF2)")
     ap.add_argument("--tune-loop-stages", default="", help="tune part: LOOP_STAGES values (the K loop software-"
                     "pipelined; 0 = not), e.g. 0,3")
-    ap.add_argument("--tune-x-lanes", default="", help="tune part: int4's X_LANES values (x loaded lane by lane in the "
-                    "words' layout), e.g. 0,1")
-    ap.add_argument("--tune-reg-prefetch", default="", help="tune part: int4's REG_PREFETCH values (the next K tile "
-                    "loaded a tile ahead into registers), e.g. 0,1")
     ap.add_argument("--tune-splits", default="", help="tune part: SPLIT_K values (default 1 and gemv_config's)")
     ap.add_argument("--decode-extra", default="", help="more gpu_quant formats to decode beside none and the triton "
                     "ones, comma-separated (e.g. int4 = tinygemm, fp8 = _scaled_mm; BENCHMARKS 8.4 has them)")
@@ -645,8 +635,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "int4_wide_tiles": quant_gemv.INT4_WIDE_TILES,
-           "int4_half2": quant_gemv.INT4_HALF2, "loop_stages": quant_gemv.LOOP_STAGES,
-           "int4_reg_prefetch": quant_gemv.INT4_REG_PREFETCH, "int4_x_lanes": quant_gemv.INT4_X_LANES}
+           "int4_half2": quant_gemv.INT4_HALF2, "loop_stages": quant_gemv.LOOP_STAGES}
     try:
         import triton
         env["triton"] = triton.__version__

@@ -78,8 +78,6 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # "+ls3": one-row GEMVs' K loop software-pipelined 3 deep (quant_gemv.LOOP_STAGES = 3); "+i4r": int4 calls of M > 1
 # (verify widths, prefill) in K tiles of whole groups on the tensor cores (quant_gemv.INT4_WIDE_ROWS; the default
 # since call g3, so "+i4r" only restates it) and "+i4r0": one group per K tile (INT4_WIDE_ROWS None, the old default).
-# "+rp": one-row int4 words' next K tile loaded a tile ahead into registers (quant_gemv.INT4_REG_PREFETCH); "+xl": their
-# activations loaded lane by lane in the words' layout (quant_gemv.INT4_X_LANES).
 # Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
                 "rope": {(kv_cache, "FUSE_ROPE"): True}, "norope": {(kv_cache, "FUSE_ROPE"): False},
@@ -91,8 +89,7 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 "i4f2": {(quant_gemv, "INT4_WIDE_TILES"): "f2"},
                 "ls3": {(quant_gemv, "LOOP_STAGES"): 3},
                 "i4r": {(quant_gemv, "INT4_WIDE_ROWS"): dict(quant_gemv.INT4_WIDE_ROWS_TILE)},
-                "i4r0": {(quant_gemv, "INT4_WIDE_ROWS"): None},
-                "rp": {(quant_gemv, "INT4_REG_PREFETCH"): True}, "xl": {(quant_gemv, "INT4_X_LANES"): True}}
+                "i4r0": {(quant_gemv, "INT4_WIDE_ROWS"): None}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 
 

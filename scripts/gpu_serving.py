@@ -663,9 +663,10 @@ def medians(rows: list[dict]) -> dict:
 
 def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
     """Per rate: adaptive's goodput and output tokens/s against the better of off and fixed k (medians over the
-    repeats each setting has, compared only over rounds all three finished). `within_noise`: not above the best
-    (by goodput) but at or above that setting's own lowest round, i.e. inside what the same setting reads from round to
-    round; `best_spread` is that setting's spread of goodput over the rounds."""
+    repeats each setting has, compared only over rounds all three finished). The verdict (`adaptive_ge_best`) is
+    judged by goodput, or by output tokens/s where off and fixed k both had goodput 0 (`verdict_key` says which).
+    `within_noise`: not above the best (by that metric) but at or above that setting's own lowest round, i.e. inside
+    what the same setting reads from round to round; `best_spread` is that setting's spread of it over the rounds."""
     out = []
     for frac in sorted({x["rate_fraction"] for x in sweep}):
         at_rate = [x for x in sweep if x["rate_fraction"] == frac]
@@ -683,13 +684,17 @@ def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
             row[f"{key}_adaptive"] = at["adaptive"][key]
             row[f"{key}_ratio"] = at["adaptive"][key] / best if best and at["adaptive"][key] is not None else None
         row["tpot_ms_p99"] = {s: at[s]["tpot_ms_p99"] for s in ("off", fixed, "adaptive")}
-        row["adaptive_ge_best"] = (row["goodput_ratio"] or 0) >= 1.0
-        best_setting = max(("off", fixed), key=lambda s: at[s]["goodput"] or 0.0)
-        rounds = [x["goodput"] for x in at_rate if x["setting"] == best_setting and x.get("repeat", 0) in complete
-                  and x.get("goodput") is not None]
+        # the verdict's metric: goodput, unless neither off nor fixed k met the SLOs at all (an overloaded rate);
+        # then output tokens/s, since 0 against 0 says nothing (it read "within noise" for every setting: call k9)
+        key = "goodput" if row["goodput_best_of_off_fixed"] > 0 else "output_throughput"
+        row["verdict_key"] = key
+        row["adaptive_ge_best"] = (row[f"{key}_ratio"] or 0) >= 1.0
+        best_setting = max(("off", fixed), key=lambda s: at[s][key] or 0.0)
+        rounds = [x[key] for x in at_rate if x["setting"] == best_setting and x.get("repeat", 0) in complete
+                  and x.get(key) is not None]
         row["best_setting"], row["best_spread"] = best_setting, spread(rounds)
         row["within_noise"] = not row["adaptive_ge_best"] and len(rounds) > 1 and \
-            (at["adaptive"]["goodput"] or 0.0) >= min(rounds)
+            (at["adaptive"][key] or 0.0) >= min(rounds)
         # paired per metric against that metric's own best setting: when every goodput is 0, "off" wins the tie
         # by goodput, and the thirteenth session's call z read output tokens/s against off instead of k = 4
         # (BENCHMARKS.md 19.2)
@@ -855,11 +860,13 @@ def table(r: dict) -> str:
         lines += ["", "Goal: adaptive >= the better of off and fixed k at every rate (medians over the rounds all "
                   "three finished):", "",
                   "| rate (x sat) | rounds | goodput adaptive / best | out tok/s adaptive / best | best setting's "
-                  "goodput spread over rounds | met | goodput / out tok/s, round by round (paired) |",
+                  "spread over rounds (verdict metric) | met (by) | goodput / out tok/s, round by round (paired) |",
                   "|---|---|---|---|---|---|---|"]
         for c in r["sweep_checks"]:
             verdict = "yes" if c["adaptive_ge_best"] else \
                 "no, within noise (above the best setting's lowest round)" if c.get("within_noise") else "no"
+            verdict += " (out tok/s: no setting met the SLOs)" if c.get("verdict_key") == "output_throughput" else \
+                " (goodput)"
             paired = " / ".join(" ".join(_f(v, 3) for v in c.get(f"{key}_paired") or []) + (
                 f" ({c[f'{key}_paired_verdict']}, sign test p = {c[f'{key}_paired_p']:.3g})"
                 if c.get(f"{key}_paired_verdict") and c.get(f"{key}_paired_p") is not None else

@@ -591,77 +591,6 @@ def test_loop_stages_reach_one_row_launches_only_and_keep_the_result(fmt, monkey
 
 
 @interpreter
-@pytest.mark.parametrize("half2", [0, 1, 2])
-def test_int4_reg_prefetch_keeps_the_result_bit_for_bit(half2, monkeypatch):
-    """INT4_REG_PREFETCH (the next K tile's words, scales and zeros loaded a tile ahead into registers; its speed is a
-    GPU question) changes when loads are issued, never what is summed: the same output bit for bit as without it, in
-    fp32 and packed fp16 words, unsplit and split into K ranges of several tiles, with a partial last K tile and a
-    partial last row tile; it reaches one-row int4 word launches only (not M > 1, not with LOOP_STAGES), from the
-    module switch or a tile's entry."""
-    n, k, group = 40, 416, 32  # 13 groups: 4-group K tiles leave a partial last one (one group)
-    _, buffers = stored("int4", n, k, group, dtype=torch.bfloat16, seed=11)
-    launched = []
-    kernel = qg._gemv_kernel
-    monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
-        launched.append((kw["BLOCK_M"], kw.get("REG_PREFETCH", False))), kernel[grid](*a, **kw))[1]})())
-    g = torch.Generator().manual_seed(12)
-    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
-    for split in (1, 2, 3):
-        tile = dict(BLOCK_N=16, BLOCK_K=4 * group, CVT_BITS=True, ELEMENTWISE=True, HALF2=half2, SPLIT_K=split)
-        plain = quant_gemv_triton(x, "int4", **buffers, **tile)
-        ahead = quant_gemv_triton(x, "int4", **buffers, **tile, REG_PREFETCH=True)
-        assert torch.equal(plain, ahead), (split, (plain.float() - ahead.float()).abs().max())
-        monkeypatch.setattr(qg, "INT4_REG_PREFETCH", True)
-        assert torch.equal(plain, quant_gemv_triton(x, "int4", **buffers, **tile))
-        assert torch.equal(plain, quant_gemv_triton(x, "int4", **buffers, **tile, LOOP_STAGES=2))  # not both
-        monkeypatch.setattr(qg, "INT4_REG_PREFETCH", False)
-    want = quant_gemv_reference(x, "int4", **buffers).float()
-    assert (plain.float() - want).abs().max() <= 2 ** -6 * want.abs().max()
-    monkeypatch.setattr(qg, "INT4_REG_PREFETCH", True)
-    quant_gemv_triton(torch.randn(3, k, generator=g).to(torch.bfloat16), "int4", **buffers)  # M > 1: tensor cores
-    assert launched == [(1, False), (1, True), (1, True), (1, False)] * 3 + [(16, False)]
-
-
-@interpreter
-@pytest.mark.parametrize("half2", [0, 1, 2])
-@pytest.mark.parametrize("fusion", ["", "norm", "glu+residual"])
-def test_int4_x_lanes_keep_the_words_arithmetic(half2, fusion, monkeypatch):
-    """INT4_X_LANES (each word's 8 activations loaded straight into the words' layout; its speed is a GPU question):
-    fp32 words give the same output bit for bit as without it, packed fp16 words (HALF2 1 or 2) that of HALF2 2 (a
-    scale per word), through the SwiGLU prologue and the residual epilogue, unsplit and split, with a partial last K
-    tile and row tile, with and without REG_PREFETCH; with the RMSNorm prologue the same within the sum of x^2's order
-    (a few ulps of bf16). It reaches one-row int4 word launches only, from the module switch or a tile's entry."""
-    n, k, group = 40, 416, 32
-    dtype = torch.bfloat16
-    _, buffers = stored("int4", n, k, group, dtype=dtype, seed=13)
-    launched = []
-    kernel = qg._gemv_kernel
-    monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
-        launched.append((kw["BLOCK_M"], kw.get("X_LANES", False))), kernel[grid](*a, **kw))[1]})())
-    g = torch.Generator().manual_seed(14)
-    x = torch.randn(1, 2 * k if "glu" in fusion else k, generator=g).to(dtype)
-    fused = dict(glu="glu" in fusion, residual=torch.randn(1, n, generator=g).to(dtype) if "residual" in fusion
-                 else None, norm_weight=(torch.rand(k, generator=g) + 0.5).to(dtype) if "norm" in fusion else None)
-    for split in (1, 3):
-        tile = dict(BLOCK_N=16, BLOCK_K=4 * group, CVT_BITS=True, ELEMENTWISE=True, SPLIT_K=split)
-        plain = quant_gemv_triton(x, "int4", **buffers, **fused, **tile, HALF2=2 if half2 else 0)
-        for extra in (dict(X_LANES=True), dict(X_LANES=True, REG_PREFETCH=True)):
-            lanes = quant_gemv_triton(x, "int4", **buffers, **fused, **tile, HALF2=half2, **extra)
-            if "norm" in fusion:
-                torch.testing.assert_close(lanes.float(), plain.float(), rtol=2 ** -6, atol=2 ** -6 * plain.abs().max())
-            else:
-                assert torch.equal(lanes, plain), (split, extra, (lanes.float() - plain.float()).abs().max())
-    want = quant_gemv_reference(x, "int4", **buffers, **fused).float()
-    assert (lanes.float() - want).abs().max() <= 2 ** -5 * want.abs().max()
-    launched.clear()
-    monkeypatch.setattr(qg, "INT4_X_LANES", True)
-    quant_gemv_triton(x, "int4", **buffers, **fused, **tile, HALF2=half2)
-    two_rows = dict(fused, residual=None if fused["residual"] is None else torch.cat([fused["residual"]] * 2))
-    quant_gemv_triton(torch.cat([x, x]), "int4", **buffers, **two_rows)  # M > 1: not the one-row words
-    assert launched[0] == (1, True) and launched[1][1] is False
-
-
-@interpreter
 def test_int4_wide_tiles_switch_reaches_the_launch(monkeypatch):
     """INT4_WIDE_TILES (the measured rule by default) gives one-row int4 calls K tiles of whole groups through the
     custom op, and the launch cache keys on it: the same call under each setting takes that setting's tile."""
@@ -768,37 +697,6 @@ def test_gpu_gemv_rows_part_times_wide_row_tiles_against_tinygemm(tmp_path, monk
         assert [r["tile"] for r in at] == ["-", "one group", "32x64 w4", "32x128 w4"]
         assert all(r["rel_err"] <= 2 ** -7 for r in at) and sum(bool(r.get("best")) for r in at) == 1
     assert qg.INT4_WIDE_ROWS == before  # the default, restored
-
-
-@interpreter
-def test_gpu_gemv_tune_part_sweeps_the_int4_loop_variants(tmp_path, monkeypatch):
-    """scripts/gpu_gemv.py --parts tune with --tune-x-lanes 0,1 --tune-reg-prefetch 0,1 (interpreter, the mini
-    config, bf16 x): every tile is timed in all four loop forms, each parity-checked against the dequantized weights; a
-    best tile written to gemv_tune_tiles.json carries its loop form, so gpu_quant.py --m1-tiles ("+tc") runs it."""
-    import json
-    import sys
-
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
-    import gpu_gemv
-
-    monkeypatch.setattr(sys, "argv", ["gpu_gemv.py", "--device", "cpu", "--out", str(tmp_path), "--parts", "tune",
-                                      "--sweep-configs", "mini", "--formats", "int4", "--tune-block-n", "16",
-                                      "--tune-block-k", "64", "--tune-warps", "4", "--tune-stages", "3",
-                                      "--tune-splits", "1", "--tune-half2", "1", "--tune-x-lanes", "0,1",
-                                      "--tune-reg-prefetch", "0,1", "--replays", "1", "--int4-group-size", "32"])
-    gpu_gemv.main()
-    rows = [r for r in json.loads((tmp_path / "gemv_tune.json").read_text())["rows"] if r.get("tile") != "auto"
-            and "BLOCK_N" in r]
-    assert rows and all("error" not in r for r in rows)
-    forms = {(r["linear"], bool(r.get("X_LANES")), bool(r.get("REG_PREFETCH"))) for r in rows}
-    linears = {r["linear"] for r in rows}
-    assert forms == {(lin, xl, rp) for lin in linears for xl in (False, True) for rp in (False, True)}
-    assert all(r["rel_err"] <= 2 ** -6 for r in rows)
-    tiles = json.loads((tmp_path / "gemv_tune_tiles.json").read_text())
-    best = [r for r in rows if r.get("best")]
-    for r in best:
-        want = {key: r[key] for key in ("X_LANES", "REG_PREFETCH") if key in r}
-        assert all(tiles[f"int4,{r['N']},{r['K']}"].get(key) == v for key, v in want.items())
 
 
 @interpreter

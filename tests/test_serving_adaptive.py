@@ -656,6 +656,14 @@ def test_gpu_serving_goal_check_says_when_a_miss_is_inside_the_rounds_noise():
     assert check["output_throughput_best_setting"] == "k=4"
     assert check["output_throughput_paired"] == pytest.approx([89 / 90, 0.99, 109 / 110])
     assert check["output_throughput_paired_verdict"] == "lt" and check["goodput_paired"] == []
+    # and the verdict is judged by output tokens/s: 99 against k=4's 100 is a miss inside k=4's rounds (90-110)
+    assert check["verdict_key"] == "output_throughput" and check["best_setting"] == "k=4"
+    assert not check["adaptive_ge_best"] and check["within_noise"]
+    # below the best setting's lowest round with every goodput 0 (call k9): a plain miss, not "within noise" (0 >= 0)
+    (check,) = gpu_serving.sweep_checks([dict(r, goodput=0.0) for r in sweep((80.0, 82.0, 84.0))], "k=4")
+    assert check["verdict_key"] == "output_throughput" and not check["within_noise"]
+    (check,) = gpu_serving.sweep_checks(sweep((80.0, 82.0, 84.0)), "k=4")  # goodput > 0: judged by goodput
+    assert check["verdict_key"] == "goodput" and not check["within_noise"]
     # 3 rounds all below: a direction, not significant (one-sided sign test p = 1/8); mixed rounds: 2 of 3, p = 1/2
     assert check["output_throughput_paired_p"] == pytest.approx(0.125)
     (check,) = gpu_serving.sweep_checks(sweep((100.0, 101.0, 102.0)), "k=4")
