@@ -625,7 +625,8 @@ elif [ "$PART" = k10 ]; then
     --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 \
     --budget-s "${SERVING_S:-300}"
 elif [ "$PART" = q1 ]; then
-  # prepared in the seventeenth session (its device time was spent on serving): two one-row int4 loop variants built
+  # run in the eighteenth session (both variants lost and were removed after it, BENCHMARKS.md 23.1: rerunning it needs
+  # commit dd84419): prepared in the seventeenth session: two one-row int4 loop variants built
   # after issue 10's 1.96x, checked bit for bit under the interpreter. REG_PREFETCH: the next tile's words a tile ahead
   # in registers. X_LANES: x loaded lane by lane in the words' layout; the SASS compiled on the CPU VM has no barrier in
   # the K loop where a thread holds at most 8 words (16 x 1024 or 32 x 512 with 8 warps, 16 x 512 with 4), against
