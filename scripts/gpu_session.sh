@@ -618,12 +618,13 @@ elif [ "$PART" = k10 ]; then
   # rows; q1's variants both lost), then issue 11's goal with the draft model, where k9 found k = 4 below off at
   # 1.0x and 1.5x: the loop calibration picks the schedule, served against off, fixed k and the held-out k, with the
   # cliff check at its thresholds
+  # (the profile last: device time was short after refusals, and the goal check matters more)
   C=graphs+compile+overlap
-  floor quant67 60 6.7b --formats "none@$C,int4-triton+glo+pdl@$C" --profile
   train_small
   step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method draft \
     --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 \
     --budget-s "${SERVING_S:-300}"
+  floor quant67 60 6.7b --formats "none@$C,int4-triton+glo+pdl@$C" --profile
 elif [ "$PART" = q1 ]; then
   # run in the eighteenth session (both variants lost and were removed after it, BENCHMARKS.md 23.1: rerunning it needs
   # commit dd84419): prepared in the seventeenth session: two one-row int4 loop variants built
