@@ -1014,3 +1014,78 @@ def test_gpu_gemv_speed_part_compares_int4_rows_with_the_other_form(tmp_path, mo
         assert set(kinds) == {(1, "triton"), (2, "triton+i4r"), (2, "triton")}
         assert kinds[(2, "triton+i4r")] != kinds[(2, "triton")]  # two forms, two tiles
     assert qg.INT4_WIDE_ROWS == before
+
+
+# ---- int4 prefill dequantization in one kernel (kernels/int4_dequant.py) ------------------------------------------
+def test_int4_dequant_reference_is_the_stored_weights_function():
+    """The PyTorch ops the prefill path runs give dequantize_weight's weight (the GEMV's reference) in fp32."""
+    from kernels.int4_dequant import int4_dequant_reference
+
+    _, buffers = stored("int4", 40, 256, group_size=64)
+    got = int4_dequant_reference(buffers["weight"], buffers["scale"], buffers["zero"], 64)
+    torch.testing.assert_close(got, dequantize_weight("int4", **buffers), atol=0, rtol=0)
+
+
+def test_int4_dequant_rejects_a_group_that_does_not_fit_before_any_work():
+    from kernels.int4_dequant import int4_dequant_triton
+
+    _, buffers = stored("int4", 8, 128, group_size=32)
+    with pytest.raises(ValueError, match="group size 48 must be even and divide K = 128"):
+        int4_dequant_triton(buffers["weight"], buffers["scale"], buffers["zero"], 48)
+    with pytest.raises(ValueError, match="scale / zero be"):  # scales of another group size
+        int4_dequant_triton(buffers["weight"], buffers["scale"], buffers["zero"], 64)
+
+
+@pytest.fixture
+def interpreter_bf16_rtne(monkeypatch):
+    """The interpreter (triton 3.9) truncates fp32 -> bf16 casts (and its "rtne" mode rounds half up without a carry);
+    the GPU rounds them to nearest even (cvt.rn), as PyTorch does. Round them through PyTorch."""
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    cast = interp.InterpreterBuilder.cast_impl
+
+    def rtne(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(src.data.astype("float32")).to(torch.bfloat16).view(torch.int16).numpy()
+            return interp.TensorHandle(bits.view(interp._get_np_dtype(dst_type)), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    monkeypatch.setattr(interp.InterpreterBuilder, "cast_impl", rtne)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,group", [(40, 320, 32), (32, 256, 128), (7, 512, 64)])
+def test_int4_dequant_kernel_equals_the_torch_ops_bit_for_bit(dtype, n, k, group, interpreter_bf16_rtne):
+    """One kernel, the same weight as the six PyTorch ops: every rounding of the model dtype where they round (partial
+    row and byte tiles: 40 rows and 160 bytes against 32 x 128 tiles)."""
+    from kernels.int4_dequant import int4_dequant_reference, int4_dequant_triton
+
+    _, buffers = stored("int4", n, k, group_size=group, dtype=dtype, seed=n + k)
+    args = (buffers["weight"], buffers["scale"], buffers["zero"], group)
+    want, got = int4_dequant_reference(*args), int4_dequant_triton(*args)
+    assert got.dtype == want.dtype == dtype and got.shape == (n, k)
+    assert torch.equal(got, want)
+
+
+@interpreter
+def test_int4_prefill_through_the_dequant_kernel_matches_the_torch_ops(monkeypatch, interpreter_bf16_rtne):
+    """Int4Linear with kernel "triton": a call past GEMV_MAX_ROWS (prefill) gives the same output, bit for bit,
+    whichever way INT4_PREFILL_DEQUANT dequantizes; decode-sized calls do not reach it."""
+    import workbench.engine.quant.linears as linears
+
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 48, bias=False).to(torch.bfloat16)
+    mod = Int4Linear(lin, 64, "triton")
+    x = torch.randn(linears.GEMV_MAX_ROWS + 4, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = mod(x)
+        monkeypatch.setattr(linears, "INT4_PREFILL_DEQUANT", "triton")
+        calls = []
+        real = linears.int4_dequant_triton
+        monkeypatch.setattr(linears, "int4_dequant_triton", lambda *a: calls.append(1) or real(*a))
+        got = mod(x)
+        assert calls and torch.equal(got, want)
+        mod(x[:1])  # one row: the GEMV, not the dequant
+        assert len(calls) == 1

@@ -32,15 +32,23 @@ kernel), so a quantized module stays on the device it was built on.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels import quant_gemv
+from kernels.int4_dequant import int4_dequant_reference, int4_dequant_triton
 from kernels.quant_gemv import counters_for, quant_gemv_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 GEMV_MAX_ROWS = 16  # kernel "triton": calls with more rows than this (prefill) take the "dequant" form
+# int4 with kernel "triton", calls past GEMV_MAX_ROWS: the weight dequantized by "torch" ops (six kernels per linear,
+# each over the whole weight: about 71 ms of GPU time per 64-token prompt at 6.7 B, BENCHMARKS.md 23.5) or by one
+# "triton" kernel (kernels/int4_dequant.py, bit for bit the same weight; not yet timed on a GPU, so not the default).
+# Env WORKBENCH_INT4_PREFILL_DEQUANT.
+INT4_PREFILL_DEQUANT: str = os.environ.get("WORKBENCH_INT4_PREFILL_DEQUANT", "torch")
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4pack kernels accept
 
@@ -282,10 +290,9 @@ class Int4Linear(QuantLinear):
             y = quant_gemv_triton(x2, "int4", self.weight, self.scale, self.zero, self.group_size,
                                   counters=self.gemv_counters)
         elif self.kernel in ("dequant", "triton"):
-            n, k = self.out_features, self.in_features
-            q = torch.stack((self.weight >> 4, self.weight & 15), dim=-1).reshape(n, -1, self.group_size)
-            w = ((q.to(x2.dtype) - 8) * self.scale[..., None] + self.zero[..., None]).reshape(n, k)
-            y = F.linear(x2, w)
+            dequant = int4_dequant_triton if self.kernel == "triton" and INT4_PREFILL_DEQUANT == "triton" \
+                else int4_dequant_reference
+            y = F.linear(x2, dequant(self.weight, self.scale, self.zero, self.group_size).to(x2.dtype))
         elif self.weight.is_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.weight, self.group_size, self.scales_and_zeros)
         else:
