@@ -22,6 +22,8 @@ cvt    : M = 1: int8 / fp8 weights widened by integer ops against conversion ins
 rows   : int4 at verify widths (--rows-ms, default 5) on the --sweep-configs shapes: tinygemm, the one-group tiles
          and each INT4_WIDE_ROWS tile of the --rows-block-n x --rows-block-k x --rows-warps grid, with parity and
          the speedup over tinygemm; the fastest parity-clean Triton tile per (shape, M) marked.
+prefill: int4 past GEMV_MAX_ROWS (--prefill-ms, default 64,512) on the --sweep-configs shapes: bf16, tinygemm, kernel
+         "triton" with its weight dequantized by PyTorch ops (the default) and by one kernel (kernels/int4_dequant.py).
 decode : AR decode at batch 1 of the random 6.7 B (and --decode-configs) through scripts/gpu_quant.py's floor part,
          formats none + {int8,int4,fp8}-triton (quant_kernel "triton"): ms/token, fraction of that format's HBM floor,
          speedup vs bf16.
@@ -560,8 +562,48 @@ def part_rows(args, device) -> list[dict]:
     return rows
 
 
+def part_prefill(args, device) -> list[dict]:
+    """int4 calls past GEMV_MAX_ROWS (prefill) on the --sweep-configs shapes, at each of --prefill-ms: bf16 F.linear,
+    tinygemm ("aten"), and kernel "triton" with its weight dequantized by the PyTorch ops ("triton+torch", the default)
+    or by one kernel ("triton+dq", linears.INT4_PREFILL_DEQUANT "triton"), each with its max |error| / max |reference|
+    and its speedup over bf16."""
+    import workbench.engine.quant.linears as linears
+
+    rows, saved = [], linears.INT4_PREFILL_DEQUANT
+    for config, name, k, n in shapes_of(args.sweep_configs):
+        lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
+        nn.init.normal_(lin.weight, std=0.02)
+        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size)
+        clones = {"bf16": rotating(lin, device), **{kind: rotating(mod, device) for kind, mod in mods.items()}}
+        for m in ints(args.prefill_ms):
+            x = torch.randn(m, k, device=device, dtype=args.dtype)
+            ref = x.float() @ dequantize_weight("int4", **buffers(mods["triton"])).T
+            base = None
+            for kind, how in (("bf16", None), ("aten", None), ("triton", "torch"), ("triton", "triton")):
+                linears.INT4_PREFILL_DEQUANT = how or saved
+                row = dict(config=config, linear=name, K=k, N=n, M=m,
+                           kernel=kind + (f"+{'dq' if how == 'triton' else 'torch'}" if how else ""))
+                try:
+                    with torch.no_grad():
+                        if kind != "bf16":
+                            row["rel_err"] = ((mods[kind](x).float() - ref).abs().max() / ref.abs().max()).item()
+                        row["us"] = time_us([lambda c=c: c(x) for c in clones[kind]], device, args.replays)
+                    base = base or row["us"]
+                    row["speedup_vs_bf16"] = base / row["us"]
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                linears.INT4_PREFILL_DEQUANT = saved
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del mods, clones, lin
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 PARTS = {"parity": part_parity, "speed": part_speed, "sweep": part_sweep, "tune": part_tune, "tc": part_tc,
-         "f16": part_f16, "cvt": part_cvt, "decode": part_decode, "rows": part_rows}
+         "f16": part_f16, "cvt": part_cvt, "decode": part_decode, "rows": part_rows,
+         "prefill": part_prefill}
 
 
 def main() -> None:
@@ -609,6 +651,7 @@ def main() -> None:
     ap.add_argument("--loop-stages-compare", type=int, default=0, help="speed part: one-row triton calls timed "
                     "once more with LOOP_STAGES = N (kernel suffix '+lsN')")
     ap.add_argument("--rows-ms", default="5", help="rows part: activation rows M (verify widths)")
+    ap.add_argument("--prefill-ms", default="64,512", help="prefill part: activation rows M (prompt tokens)")
     ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: INT4_WIDE_ROWS BLOCK_N values")
     ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")
     ap.add_argument("--rows-warps", default="4,8", help="rows part: INT4_WIDE_ROWS num_warps values")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -40,6 +41,7 @@ from kernels.pdl import pdl_problem, set_pdl  # noqa: E402
 from kernels import paged_attention, quant_gemv  # noqa: E402
 from kernels.quant_gemv import set_m1_tiles  # noqa: E402
 from workbench.engine import kv_cache  # noqa: E402
+from workbench.engine.quant import linears  # noqa: E402
 
 CONFIGS = {**RANDOM_CONFIGS, "mini": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2)}  # CPU smoke test only
@@ -78,6 +80,9 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # "+ls3": one-row GEMVs' K loop software-pipelined 3 deep (quant_gemv.LOOP_STAGES = 3); "+i4r": int4 calls of M > 1
 # (verify widths, prefill) in K tiles of whole groups on the tensor cores (quant_gemv.INT4_WIDE_ROWS; the default
 # since call g3, so "+i4r" only restates it) and "+i4r0": one group per K tile (INT4_WIDE_ROWS None, the old default).
+# "+dq": int4 (kernel "triton") prompts past GEMV_MAX_ROWS dequantize the weight in one Triton kernel
+# (linears.INT4_PREFILL_DEQUANT = "triton", kernels/int4_dequant.py) instead of six PyTorch ops; every row records its
+# prefill (`prefill_ms_median`: the prompt's forward to its first token, as generate times it).
 # Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
                 "rope": {(kv_cache, "FUSE_ROPE"): True}, "norope": {(kv_cache, "FUSE_ROPE"): False},
@@ -89,7 +94,8 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 "i4f2": {(quant_gemv, "INT4_WIDE_TILES"): "f2"},
                 "ls3": {(quant_gemv, "LOOP_STAGES"): 3},
                 "i4r": {(quant_gemv, "INT4_WIDE_ROWS"): dict(quant_gemv.INT4_WIDE_ROWS_TILE)},
-                "i4r0": {(quant_gemv, "INT4_WIDE_ROWS"): None}}
+                "i4r0": {(quant_gemv, "INT4_WIDE_ROWS"): None},
+                "dq": {(linears, "INT4_PREFILL_DEQUANT"): "triton"}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 
 
@@ -153,11 +159,13 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     engine = SpecEngine(model, None, EngineConfig(max_new_tokens=args.max_new_tokens, **MODES[mode],
                                                                   pdl=pdl), device)
                     warm(engine, prompts, 1)
-                    ms = []
+                    ms, prefill_ms = [], []
                     for _ in range(args.repeats):
                         res = engine.generate(prompts)
                         sync(device)
                         ms.append((res.t_done[0] - res.t_first_token) * 1e3 / (len(res.outputs[0]) - 1))
+                        prefill_ms.append((res.t_first_token - res.t_start) * 1e3)
+                    row["prefill_ms_median"] = statistics.median(prefill_ms)
                     tokens = res.outputs[0]
                     if fmt_name != plain_name and (plain_name, mode) in row_tokens:  # launches moved, not values
                         row["tokens_equal_to_plain_row"] = equal_prefix(tokens, row_tokens[(plain_name, mode)])

@@ -32,7 +32,8 @@
 # thresholds) are prepared for the next one. PART=k4, k5, k3: the seventeenth session's first three calls; k6 (full
 # overlap as the default: parity, served against it off; a schedule with a threshold and its cliff check) its fourth.
 # PART=q1 (int4 loop variants per linear, tuned, floor) k8 (k7's sweep with the per-step replay fit) and k9 (the draft
-# model's full overlap, timed), k10 (int4 6.7 B profiled; the draft model's goal check): the eighteenth session's.
+# model's full overlap, timed), k10 (int4 6.7 B profiled; the draft model's goal check): the eighteenth session's; q2 (int4's prefill
+# dequantized in one kernel) is prepared for the next.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -65,7 +66,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -625,6 +626,16 @@ elif [ "$PART" = k10 ]; then
     --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 \
     --budget-s "${SERVING_S:-300}"
   floor quant67 60 6.7b --formats "none@$C,int4-triton+glo+pdl@$C" --profile
+elif [ "$PART" = q2 ]; then
+  # prepared in the eighteenth session (no device time left): int4's prefill. k10's profile of the 6.7 B int4 model
+  # (kernel "triton") put ~71 ms of GPU time per 64-token prompt in the six PyTorch ops that dequantize each weight
+  # past GEMV_MAX_ROWS. Per linear at 6.7 B, 64 and 512 rows: bf16, tinygemm, the PyTorch ops, the one-kernel dequant
+  # (kernels/int4_dequant.py); then the floor at 6.7 B with each row's prefill time, 64- and 512-token prompts
+  C=graphs+compile+overlap
+  step prefill 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/prefill" --parts prefill --sweep-configs 6.7b \
+    --prefill-ms 64,512 --replays 10
+  floor quant67 60 6.7b --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+dq@$C,int4@$C"
+  floor quant67_p512 60 6.7b --prompt-len 512 --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+dq@$C,int4@$C"
 elif [ "$PART" = q1 ]; then
   # run in the eighteenth session (both variants lost and were removed after it, BENCHMARKS.md 23.1: rerunning it needs
   # commit dd84419): prepared in the seventeenth session: two one-row int4 loop variants built
