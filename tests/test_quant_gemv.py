@@ -1089,3 +1089,29 @@ def test_int4_prefill_through_the_dequant_kernel_matches_the_torch_ops(monkeypat
         assert calls and torch.equal(got, want)
         mod(x[:1])  # one row: the GEMV, not the dequant
         assert len(calls) == 1
+
+
+@interpreter
+def test_gpu_gemv_prefill_part_times_both_dequants_with_parity(tmp_path, monkeypatch, interpreter_bf16_rtne):
+    """scripts/gpu_gemv.py --parts prefill on the mini config (interpreter): per linear and M, bf16, tinygemm and
+    kernel "triton" dequantized both ways; both triton rows within the parity bound and equal to each other (the same
+    weight), the switch restored afterwards."""
+    import json
+    import sys
+
+    import workbench.engine.quant.linears as linears
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_gemv
+
+    monkeypatch.setattr(sys, "argv", ["gpu_gemv.py", "--device", "cpu", "--out", str(tmp_path), "--parts", "prefill",
+                                      "--sweep-configs", "mini", "--prefill-ms", "20", "--replays", "1",
+                                      "--int4-group-size", "32"])
+    gpu_gemv.main()
+    rows = json.loads((tmp_path / "gemv_prefill.json").read_text())["rows"]
+    assert all("error" not in r for r in rows) and len(rows) == 4 * 4
+    for name in {r["linear"] for r in rows}:
+        at = {r["kernel"]: r for r in rows if r["linear"] == name}
+        assert list(at) == ["bf16", "aten", "triton+torch", "triton+dq"]
+        assert at["triton+dq"]["rel_err"] == at["triton+torch"]["rel_err"] <= 2 ** -7
+    assert linears.INT4_PREFILL_DEQUANT == "torch"
