@@ -14,6 +14,9 @@ Kernels:
   matmul); the quant linears use it with kernel "triton" (knob `quant_kernel`). Tests: tests/test_quant_gemv.py
   (the Triton half under TRITON_INTERPRET=1); GPU parity, speed and decode: scripts/gpu_gemv.py. Not measured on a
   GPU yet.
+- `int4_dequant.py`: the int4 "dequant" packing dequantized in one pass for prefill-sized calls (kernel "triton"
+  past GEMV_MAX_ROWS), `int4_dequant_triton` beside `int4_dequant_reference` (the six PyTorch ops it replaces, bit for
+  bit). Off by default until a GPU times it (`linears.INT4_PREFILL_DEQUANT`). Tests: tests/test_quant_gemv.py.
 - `pdl.py`: programmatic dependent launch (Hopper+) for the kernels above: `gdc_wait` / `gdc_launch_dependents` in
   the kernels, `use_pdl(device)` at their launches, switched per engine call by the `pdl` knob (BENCHMARKS.md 14).
 """
