@@ -604,7 +604,7 @@ def test_gpu_serving_goal_check_reads_medians_over_complete_rounds():
 
     def rec(setting, rep, tok, good):
         return {"setting": setting, "repeat": rep, "rate_fraction": 1.0, "output_throughput": tok, "goodput": good,
-                "tpot_ms_p99": 1.0}
+                "request_throughput": good, "tpot_ms_p99": 1.0}
 
     sweep = [rec("off", 0, 100.0, 10.0), rec("k=4", 0, 120.0, 12.0), rec("adaptive", 0, 60.0, 1.0),  # one stall
              rec("off", 1, 100.0, 10.0), rec("k=4", 1, 118.0, 11.0), rec("adaptive", 1, 121.0, 12.0),
@@ -630,7 +630,7 @@ def test_gpu_serving_goal_check_says_when_a_miss_is_inside_the_rounds_noise():
 
     def rec(setting, rep, good):
         return {"setting": setting, "repeat": rep, "rate_fraction": 1.0, "output_throughput": good, "goodput": good,
-                "tpot_ms_p99": 1.0}
+                "request_throughput": good, "tpot_ms_p99": 1.0}
 
     def sweep(adaptive):
         return [rec("off", r, 50.0) for r in range(3)] + [rec("k=4", r, g) for r, g in enumerate((90, 100, 110))] + \
@@ -664,6 +664,14 @@ def test_gpu_serving_goal_check_says_when_a_miss_is_inside_the_rounds_noise():
     assert check["verdict_key"] == "output_throughput" and not check["within_noise"]
     (check,) = gpu_serving.sweep_checks(sweep((80.0, 82.0, 84.0)), "k=4")  # goodput > 0: judged by goodput
     assert check["verdict_key"] == "goodput" and not check["within_noise"]
+    # a handful of requests met the SLOs (call k10: 15 against 7 req/s of 520): judged by output tokens/s, where
+    # adaptive (below k=4 in every round) is not "yes" though its goodput is twice k=4's
+    few = [dict(r, goodput=(14.0 if r["setting"] == "adaptive" else 7.0), request_throughput=520.0)
+           for r in sweep((89.0, 99.0, 109.0))]
+    (check,) = gpu_serving.sweep_checks(few, "k=4")
+    assert check["goodput_ratio"] == pytest.approx(2.0)
+    assert check["verdict_key"] == "output_throughput" and not check["adaptive_ge_best"]
+    assert gpu_serving.goodput_share({"goodput": 52.0, "request_throughput": 520.0}) == pytest.approx(0.1)
     # 3 rounds all below: a direction, not significant (one-sided sign test p = 1/8); mixed rounds: 2 of 3, p = 1/2
     assert check["output_throughput_paired_p"] == pytest.approx(0.125)
     (check,) = gpu_serving.sweep_checks(sweep((100.0, 101.0, 102.0)), "k=4")
