@@ -878,9 +878,8 @@ def table(r: dict) -> str:
         for c in r["sweep_checks"]:
             verdict = "yes" if c["adaptive_ge_best"] else \
                 "no, within noise (above the best setting's lowest round)" if c.get("within_noise") else "no"
-            verdict += " (out tok/s: under 10 % of requests met the SLOs)" if c.get("verdict_key") == \
-                "output_throughput" else \
-                " (goodput)"
+            verdict += f" (out tok/s: under {GOODPUT_MIN_SHARE:.0%} of requests met the SLOs)" \
+                if c.get("verdict_key") == "output_throughput" else " (goodput)"
             paired = " / ".join(" ".join(_f(v, 3) for v in c.get(f"{key}_paired") or []) + (
                 f" ({c[f'{key}_paired_verdict']}, sign test p = {c[f'{key}_paired_p']:.3g})"
                 if c.get(f"{key}_paired_verdict") and c.get(f"{key}_paired_p") is not None else
