@@ -255,7 +255,7 @@ SERVING_SPECS: list[ColumnSpec] = [
                               "calibration_budget_s"),
     *_cols("config", "int", "max_concurrency num_requests warmup_requests input_len shared_prefix_len kv_blocks "
                             "max_num_seqs prefill_chunk spec_window spec_max_context long_context_k spec_catch_up_max "
-                            "calibration_repeats"),
+                            "spec_off_queue calibration_repeats"),
     ColumnSpec("prefix_caching", "bool", "config", "full prompt blocks shared between requests"),
     ColumnSpec("gc_freeze", "bool", "config", "Python's heap collected and frozen (gc.freeze) before the measured run"),
     *_cols("serving", "int", "completed preemptions"),

@@ -51,7 +51,7 @@ from workbench import settings  # noqa: E402
 from workbench.harness.bench import BenchSession  # noqa: E402
 from workbench.serving import loop as loop_mod  # noqa: E402
 from workbench.serving import replay  # noqa: E402
-from workbench.serving.adaptive import format_k_by_batch  # noqa: E402
+from workbench.serving.adaptive import AdaptiveSpeculation, format_k_by_batch  # noqa: E402
 from workbench.serving.bench import engine_for, serve_bench  # noqa: E402
 from workbench.serving.calibrate import calibrate, calibrate_loop  # noqa: E402
 from workbench.serving.config import ServeConfig  # noqa: E402
@@ -143,6 +143,8 @@ def parse_args(argv=None):
     p.add_argument("--threshold-requests", type=int, default=12,
                    help="measured requests per threshold run (at least 3 x the concurrency)")
     p.add_argument("--cliff-pct", type=float, default=10.0)
+    p.add_argument("--spec-off-queue", type=int, default=0, help="the adaptive setting drafts nothing in a step "
+                   "while at least this many requests wait for a row (spec_off_queue; 0 = never)")
     p.add_argument("--catch-up-max", type=int, default=0,
                    help="adaptive's spec_catch_up_max: a row that decoded more than this many tokens at k = 0 stays "
                    "autoregressive when the batch dips into a drafting size (0 = always catch up)")
@@ -289,8 +291,9 @@ def main(argv=None) -> int:
     else:
         ranges, k_by_batch, source = settings.parse_k_by_batch(args.k_by_batch), args.k_by_batch, "given"
         cal_iterations = []
-    settings_of["adaptive"] = dict(k_by_batch=k_by_batch, spec_catch_up_max=args.catch_up_max)
-    result.update(k_by_batch=k_by_batch, schedule_source=source)
+    settings_of["adaptive"] = dict(k_by_batch=k_by_batch, spec_catch_up_max=args.catch_up_max,
+                                   spec_off_queue=args.spec_off_queue)
+    result.update(k_by_batch=k_by_batch, schedule_source=source, spec_off_queue=args.spec_off_queue)
     print(f"schedule {k_by_batch} ({source})", flush=True)
     other_ranges = None
     if args.shape_controls and "loop_calibration" in result and source.startswith("measured (loop"):
@@ -422,6 +425,8 @@ def main(argv=None) -> int:
                     preds.append(replay.replay(
                         rec_run.states, rec_run.traces, args.k, costs, (lambda b: 2) if name.startswith("k=2")
                         else sched, max_num_seqs=args.max_num_seqs, prefill_chunk=base.prefill_chunk,
+                        adaptive=AdaptiveSpeculation(args.k, ranges, off_queue=args.spec_off_queue)
+                        if name == "adaptive" and args.spec_off_queue else None,
                         draft_kv=rec_run.draft_kv, catch_up_max=args.catch_up_max if name == "adaptive" else 0,
                         batch_prefill=rec_run.batch_prefill))
                 tps = [p["output_throughput"] for p in preds]
@@ -827,7 +832,8 @@ def _f(v, digits=1):
 
 def table(r: dict) -> str:
     lines = [f"# Serving: {r['preset']} on {r['device']} ({r['dtype']}, graphs {'on' if r['cuda_graphs'] else 'off'}), "
-             f"{r['method']} k={r['k']}, adaptive {r['k_by_batch']} ({r['schedule_source']})", ""]
+             f"{r['method']} k={r['k']}, adaptive {r['k_by_batch']} ({r['schedule_source']})"
+             + (f", no drafts while >= {r['spec_off_queue']} requests wait" if r.get("spec_off_queue") else ""), ""]
     cal = r.get("calibration")
     if cal:
         ks = sorted({x["k"] for x in cal["table"]})

@@ -13,7 +13,8 @@ with what-if replay (workbench/serving/replay.py) as a cheap first fidelity.
 
 Searched: the draft length per batch-size bucket (`k_by_batch`; equal k everywhere = fixed k, 0 everywhere = off),
 switch-off by acceptance (`spec_off_acceptance`, `spec_window`), the context cut-off (`spec_max_context`,
-`long_context_k`), `prefill_chunk` and `sched_policy`. Replay models the first four and chunked prefill (and a draft
+`long_context_k`), switch-off by queue (`spec_off_queue`), `prefill_chunk` and `sched_policy`. Replay models the first
+five and chunked prefill (and a draft
 model's prefill at join and catch-ups, as the loop runs them); it does not model the KV block pool, so `sched_policy`
 only matters in the real trials (every trial records `replay_ignores`).
 Every trial has user attr `fidelity` = "replay" | "real"; real ones also `replay_goodput`, `replay_tpot_ms_p99`,
@@ -39,6 +40,7 @@ STUDY_KEY = "serving_study"
 DIRECTIONS = ("maximize", "minimize")
 OBJECTIVES = ("goodput", "tpot_ms_p99")
 WINDOWS, CONTEXTS, CHUNKS = (4, 8, 16), (0, 64, 128, 256), (0, 16, 32, 64)
+QUEUES = (0, 1, 4, 16)  # spec_off_queue: never, or off while this many requests wait
 REPLAY_IGNORES = "sched_policy (no KV block pool in replay)"
 
 
@@ -64,7 +66,7 @@ def distributions(max_num_seqs: int, k_max: int) -> dict:
     dists = {f"k_bs{lo}": IntDistribution(0, k_max) for lo, _ in buckets(max_num_seqs)}
     dists.update(spec_off_acceptance=FloatDistribution(0.0, 0.6, step=0.05),
                  spec_window=CategoricalDistribution(WINDOWS), spec_max_context=CategoricalDistribution(CONTEXTS),
-                 long_context_k=IntDistribution(0, k_max),
+                 long_context_k=IntDistribution(0, k_max), spec_off_queue=CategoricalDistribution(QUEUES),
                  prefill_chunk=CategoricalDistribution(CHUNKS), sched_policy=CategoricalDistribution(SCHED_POLICIES))
     return dists
 
@@ -82,7 +84,8 @@ def config_of(base, params: dict):
     """The ServeConfig a trial's params describe (draft length k = the base's k, the schedule caps it per bucket)."""
     keys = ("spec_off_acceptance", "spec_window", "spec_max_context", "long_context_k", "prefill_chunk",
             "sched_policy")
-    return replace(base, k_by_batch=k_by_batch_text(params, base.max_num_seqs), **{k: params[k] for k in keys})
+    return replace(base, k_by_batch=k_by_batch_text(params, base.max_num_seqs), **{k: params[k] for k in keys},
+                   spec_off_queue=params.get("spec_off_queue", 0))  # (trials from before it was searched: never)
 
 
 def check(base, replay_trials: int, real_trials: int) -> None:
@@ -229,7 +232,8 @@ def report(study: optuna.Study, max_num_seqs: int) -> str:
                      f"{_pct(a.get('replay_tpot_ms_p99_per_step'), t.values[1])})"
                      f" · --k-by-batch {k_by_batch_text(p, max_num_seqs)} --spec-off-acceptance "
                      f"{p['spec_off_acceptance']:g} --spec-window {p['spec_window']} --spec-max-context "
-                     f"{p['spec_max_context']} --long-context-k {p['long_context_k']} --prefill-chunk "
+                     f"{p['spec_max_context']} --long-context-k {p['long_context_k']} --spec-off-queue "
+                     f"{p.get('spec_off_queue', 0)} --prefill-chunk "
                      f"{p['prefill_chunk']} --sched-policy {p['sched_policy']}")
     if not real:
         lines.append("  no real trial completed: the replay front is a prediction only")

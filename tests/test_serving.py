@@ -155,6 +155,25 @@ def test_switch_off_by_acceptance(target, draft, solo):
         assert len(drafting) <= 2
 
 
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_switch_off_by_queue(target, draft, solo, kind):
+    """spec_off_queue: a step drafts nothing while at least that many requests wait for a row, and drafts again once
+    the queue is shorter (a draft model then catches up); outputs equal solo greedy."""
+    reqs = [Request(r.id, r.prompt, r.max_new_tokens, arrival_s=0.0) for r in random_requests(3, n=10)]
+    seen = []
+
+    class Logged(AdaptiveSpeculation):
+        def batch_k(self, batch_size, queued=0):
+            k = super().batch_k(batch_size, queued)
+            seen.append((queued, k))
+            return k
+
+    res = serve(make_engine(kind, target, draft), reqs, adaptive=Logged(3, off_queue=3), max_num_seqs=2)
+    assert_solo(res, reqs, solo)
+    assert {k for q, k in seen if q >= 3} == {0} and {k for q, k in seen if q < 3} == {3}
+    assert any(t.k == 0 for t in res.traces) and any(t.drafted for t in res.traces)
+
+
 # ---- capacity ----------------------------------------------------------------------------------------------------
 def test_no_evict_never_preempts_and_never_exceeds_the_pool(target, draft, solo):
     reqs = random_requests(10, n=10)

@@ -302,6 +302,33 @@ def test_node_counts_cover_every_length_a_step_can_verify():
     assert AdaptiveSpeculation(3).node_counts(16) == (3,)
 
 
+def test_gpu_serving_spec_off_queue_reaches_the_adaptive_run_and_its_replay(tmp_path):
+    """--spec-off-queue N: the adaptive setting serves with the queue rule (its record says so), the table names it,
+    and the replay of that setting applies the same rule (a draft model: no prefill at join once a step may skip
+    drafting, in the real run and in the replay alike)."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_serving
+
+    args = ["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--warmup-requests", "1",
+            "--max-new-tokens", "6", "--rates", "2", "--max-num-seqs", "2", "--calibration-steps", "2",
+            "--k-by-batch", "1-2:4", "--spec-off-queue", "1", "--repeats", "1", "--no-thresholds",
+            "--out", str(tmp_path)]
+    assert gpu_serving.main(args) == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    runs = {x["setting"]: x for x in r["sweep"]}
+    assert r["spec_off_queue"] == 1
+    # k = 4 at every batch size, so only the queue rule skips drafts: the skipped positions are caught up
+    assert runs["adaptive"]["draft_prefill_tokens"] == 0 < runs["k=4"]["draft_prefill_tokens"]
+    assert runs["adaptive"]["draft_catch_up_tokens"] > 0 == runs["k=4"]["draft_catch_up_tokens"]
+    (entry,) = [e for e in r["replay"] if e["setting"] == "adaptive"]
+    assert entry["predicted_draft_prefill_tokens"] == entry["real_draft_prefill_tokens"] == 0
+    assert entry["predicted_draft_catch_up_tokens"] == entry["real_draft_catch_up_tokens"] > 0
+    assert "no drafts while >= 1 requests wait" in (tmp_path / "table.md").read_text()
+
+
 def test_gpu_serving_script_smoke_on_cpu(tmp_path):
     """scripts/gpu_serving.py end to end on the tiny preset (its CPU smoke test): every part, the goal and cliff
     checks, a threshold measured at t - 1, t, t + 1; then a zero budget skips every optional run by name."""

@@ -146,7 +146,7 @@ def arrivals(seed: int, n: int = 10) -> list[Request]:
 
 STEP_CLOCK = replay.CostModel([1e3] + [0.0] * (len(replay.FEATURES) - 1))  # a StepClock iteration: 1 s, exactly
 SCHEDULES = {"fixed": [], "off above 1": [(1, 1, 3), (2, 64, 0)], "switching": [(1, 1, 3), (2, 2, 0), (3, 64, 2)],
-             "off": [(1, 64, 0)]}
+             "off": [(1, 64, 0)], "off while 1 waits": "queue"}  # the last: spec_off_queue = 1, fixed k otherwise
 
 
 @pytest.fixture(scope="module", params=["random draft", "self draft"])
@@ -165,7 +165,8 @@ def test_replay_does_the_draft_work_the_loop_does(target, solo, recorded, schedu
     caught_up = 0
     for seed, rec in runs.items():
         reqs = arrivals(seed)
-        adaptive = lambda: AdaptiveSpeculation(3, SCHEDULES[schedule])  # noqa: E731 (the rules keep no state)
+        adaptive = lambda: AdaptiveSpeculation(3, off_queue=1) if SCHEDULES[schedule] == "queue" else \
+            AdaptiveSpeculation(3, SCHEDULES[schedule])  # noqa: E731 (the rules keep no state)
         real = ServingLoop(engine_with(model, target), reqs, adaptive=adaptive(), clock=StepClock(), max_num_seqs=4,
                            catch_up_max=catch_up_max).run()
         assert_solo(real, reqs, solo)
@@ -176,7 +177,7 @@ def test_replay_does_the_draft_work_the_loop_does(target, solo, recorded, schedu
         per_iteration = sum(i.draft_prefill_tokens + i.catch_up_tokens for i in real.iterations)
         assert per_iteration == real.draft_prefill_tokens + real.draft_catch_up_tokens  # the fit's columns add up
         caught_up += real.draft_catch_up_tokens
-    if schedule in ("switching", "off above 1") and not catch_up_max:  # the case this test is for: rows that
+    if schedule in ("switching", "off above 1", "off while 1 waits") and not catch_up_max:  # the case this test is for: rows that
         assert caught_up > 0  # skipped drafting catch up, and the replay counted the same tokens
 
 

@@ -29,11 +29,14 @@ def session():
 def test_buckets_and_schedule_text():
     assert ss.buckets(1) == [(1, 1)] and ss.buckets(16) == [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16)]
     params = {"k_bs1": 3, "k_bs2": 2, "k_bs3": 1, "k_bs5": 0, "spec_off_acceptance": 0.1, "spec_window": 4,
-              "spec_max_context": 64, "long_context_k": 1, "prefill_chunk": 16, "sched_policy": "max_util"}
+              "spec_max_context": 64, "long_context_k": 1, "spec_off_queue": 4, "prefill_chunk": 16,
+              "sched_policy": "max_util"}
     cfg = ss.config_of(ServeConfig(k=3, max_num_seqs=6), params)
     assert cfg.k_by_batch == "1-1:3,2-2:2,3-4:1,5-6:0" and cfg.k == 3
-    assert (cfg.spec_window, cfg.prefill_chunk, cfg.sched_policy) == (4, 16, "max_util")
+    assert (cfg.spec_window, cfg.spec_off_queue, cfg.prefill_chunk, cfg.sched_policy) == (4, 4, 16, "max_util")
     assert set(ss.distributions(6, 3)) == set(params)
+    older = {k: v for k, v in params.items() if k != "spec_off_queue"}  # a trial from before it was searched
+    assert ss.config_of(ServeConfig(k=3, max_num_seqs=6), older).spec_off_queue == 0
 
 
 def test_study_replays_then_runs_the_best_for_real(session, tmp_path):
@@ -83,8 +86,8 @@ def test_replay_trials_carry_the_per_step_fit_which_agrees_at_the_recorded_lengt
     monkeypatch.setattr(replay, "fit_costs", known)
     storage = f"sqlite:///{tmp_path / 'studies.db'}"
     pre = optuna.create_study(study_name="srv2", storage=storage, directions=list(ss.DIRECTIONS))
-    common = dict(spec_off_acceptance=0.0, spec_window=4, spec_max_context=0, long_context_k=0, prefill_chunk=0,
-                  sched_policy="no_evict")
+    common = dict(spec_off_acceptance=0.0, spec_window=4, spec_max_context=0, long_context_k=0, spec_off_queue=0,
+                  prefill_chunk=0, sched_policy="no_evict")
     recorded = {f"k_bs{lo}": BASE.k for lo, _ in ss.buckets(BASE.max_num_seqs)} | common
     shorter = {f"k_bs{lo}": 1 for lo, _ in ss.buckets(BASE.max_num_seqs)} | common
     pre.enqueue_trial(recorded)

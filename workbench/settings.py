@@ -373,6 +373,10 @@ SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
          "spec_window steps falls below this (0 = never)", "Switch-off acceptance", "adaptive", 0.0, 1.0),
     Knob("spec_window", "int", 8, "steps in a request's acceptance window", "Acceptance window", "adaptive", 1,
          100_000),
+    Knob("spec_off_queue", "int", 0, "no drafts in a step while at least this many requests wait for a row (0 = "
+         "never): under overload speculation's extra work per step can cost more throughput than it gains (a draft "
+         "model at 1.5x saturation, BENCHMARKS.md 23.4), and batch size alone cannot tell overload from a full "
+         "batch", "Switch-off queue", "adaptive", 0, 1_000_000),
     Knob("spec_max_context", "int", 0, "past this context length a request drafts at most long_context_k tokens "
          "(0 = no limit)", "Long-context limit", "adaptive", 0, 10_000_000),
     Knob("long_context_k", "int", 0, "draft length past spec_max_context (0 = no drafts)", "Long-context k",

@@ -1,8 +1,10 @@
 """Adaptive speculation: how many draft tokens each live row verifies this step.
 
-Three rules, applied in order (each a serving knob of workbench.settings):
+Four rules, applied in order (each a serving knob of workbench.settings):
 - **by batch size** (`k_by_batch`, vLLM-style inclusive ranges '1-4:4,5-8:2,9-64:0'): the step's draft length for
   its live batch size; sizes no range covers use `k`;
+- **by queue** (`spec_off_queue`): no drafts in a step while at least that many requests wait for a row (overload;
+  no engine we export to has this rule);
 - **switch-off by acceptance** (`spec_off_acceptance`, `spec_window`): a request whose acceptance rate over its last
   `spec_window` drafting steps is below the threshold drafts no more (for the rest of the request);
 - **by context length** (`spec_max_context`, `long_context_k`): past that many context tokens a row drafts at most
@@ -17,6 +19,9 @@ drafter's own forwards (a draft model always drafts its full k when it runs).
     [4, 2, 0, 4]
     >>> a.node_counts(16)          # the draft lengths a step of up to 16 rows can verify: capture them all first
     (0, 2, 4)
+    >>> q = AdaptiveSpeculation(k=4, off_queue=3)
+    >>> [q.batch_k(8, queued) for queued in (0, 2, 3)], q.node_counts(8), q.drafts_always(8)
+    ([4, 4, 0], (0, 4), False)
 
 Where the schedule comes from: `schedule_from_costs` picks, per batch size, the draft length with the most tokens per
 millisecond from measured step costs (by batch size and draft length, 0 = autoregressive) and the mean tokens a row
@@ -31,16 +36,19 @@ from workbench.serving.request import RequestState
 
 class AdaptiveSpeculation:
     def __init__(self, k: int, k_by_batch: list[tuple[int, int, int]] | None = None, off_acceptance: float = 0.0,
-                 window: int = 8, max_context: int = 0, long_context_k: int = 0):
-        self.k, self.k_by_batch = k, list(k_by_batch or [])
+                 window: int = 8, max_context: int = 0, long_context_k: int = 0, off_queue: int = 0):
+        self.k, self.k_by_batch, self.off_queue = k, list(k_by_batch or []), off_queue
         self.off_acceptance, self.window = off_acceptance, window
         self.max_context, self.long_context_k = max_context, long_context_k
 
     @property
     def is_static(self) -> bool:
-        return not (self.k_by_batch or self.off_acceptance > 0 or self.max_context > 0)
+        return not (self.k_by_batch or self.off_acceptance > 0 or self.max_context > 0 or self.off_queue > 0)
 
-    def batch_k(self, batch_size: int) -> int:
+    def batch_k(self, batch_size: int, queued: int = 0) -> int:
+        """The step's draft length for its live batch size, 0 while `queued` >= off_queue requests wait."""
+        if self.off_queue > 0 and queued >= self.off_queue:
+            return 0
         for lo, hi, k in self.k_by_batch:
             if lo <= batch_size <= hi:
                 return min(k, self.k)
@@ -55,7 +63,7 @@ class AdaptiveSpeculation:
         >>> AdaptiveSpeculation(4, [(1, 1, 1), (2, 16, 0)]).drafts_always(16)
         False
         """
-        if self.off_acceptance > 0 or (self.max_context and self.long_context_k == 0):
+        if self.off_acceptance > 0 or self.off_queue > 0 or (self.max_context and self.long_context_k == 0):
             return False
         return all(self.batch_k(b) > 0 for b in range(1, max_batch + 1))
 
@@ -65,7 +73,7 @@ class AdaptiveSpeculation:
         counts = {self.batch_k(b) for b in range(1, max_batch + 1)}
         if self.max_context:
             counts |= {min(k, self.long_context_k) for k in counts}
-        if self.off_acceptance > 0:
+        if self.off_acceptance > 0 or self.off_queue > 0:
             counts.add(0)
         if not chains:
             counts = {self.k if c else 0 for c in counts}

@@ -55,7 +55,7 @@ def adaptive_for(cfg, num_nodes: int, k_by_batch: list[tuple[int, int, int]] | N
     """The adaptive rules of cfg; k_by_batch (ranges) replaces cfg.k_by_batch (a calibrated schedule)."""
     ranges = settings.parse_k_by_batch(cfg.k_by_batch) if k_by_batch is None else k_by_batch
     return AdaptiveSpeculation(num_nodes, ranges, cfg.spec_off_acceptance, cfg.spec_window, cfg.spec_max_context,
-                               cfg.long_context_k)
+                               cfg.long_context_k, cfg.spec_off_queue)
 
 
 def calibration_sizes(cfg) -> tuple[int, ...]:

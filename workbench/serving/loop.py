@@ -371,6 +371,7 @@ class ServingLoop:
         self.full_overlap = (FULL_OVERLAP and engine.can_launch_ahead() and policy == "no_evict"
                              and (not self._own_draft_kv or self.adaptive.drafts_always(max_num_seqs)))
         self._inflight: _Decoding | None = None  # full overlap: the step launched and not yet read
+        self._queued = 0  # requests waiting for a row after this iteration's admissions (spec_off_queue)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -382,7 +383,7 @@ class ServingLoop:
         result = ServeResult(states, num_blocks=self.num_blocks, draft_kv=self._own_draft_kv,
                              batch_prefill=max(1, BATCH_PREFILL), full_overlap=self.full_overlap,
                              overlap="full" if self.full_overlap else "prefill" if OVERLAP_PREFILL else "none")
-        self._inflight = None
+        self._inflight, self._queued = None, 0
         it = 0
         self.clock.start()  # arrival times count from here (after any graph capture)
         while pending or waiting or self.running:
@@ -402,6 +403,7 @@ class ServingLoop:
             preempted_before = self.scheduler.preemptions
             work_before = _work(result)
             self._admit(waiting)
+            self._queued = len(waiting)  # requests still waiting for a row: the adaptive rules' queue (spec_off_queue)
             decoding = [s for s in self.running if s.phase == "decode"]
             if decoding and self.scheduler.policy == "max_util":
                 decoding = self._reserve(decoding, waiting)
@@ -520,7 +522,7 @@ class ServingLoop:
         live = [s.row for s in decoding]
         exact = [len(self.tokens_host[r]) - 1 for r in live]
         contexts = exact if ahead is None else [c + ahead.get(r, 0) for r, c in zip(live, exact)]
-        batch_k = self.adaptive.batch_k(len(live))
+        batch_k = self.adaptive.batch_k(len(live), self._queued)
         ks = [self.adaptive.row_k(s, c, batch_k) for s, c in zip(decoding, contexts)]
         if not self.chains:  # trees are verified whole or not at all
             ks = [self.n_nodes if k else 0 for k in ks]

@@ -249,7 +249,7 @@ def replay(requests, traces, recorded_k: int, costs: CostModel, schedule=None, *
             prefilling.append([s, len(s.req.prompt)])
         # decode: the rows' draft lengths, then (draft model) the catch-up of the rows that draft
         contexts = [len(s.req.prompt) + pos - 1 for s, pos, _ in live]  # the loop's: committed tokens before the root
-        batch_k = min(adaptive.batch_k(len(live)), recorded_k) if live else 0
+        batch_k = min(adaptive.batch_k(len(live), len(waiting)), recorded_k) if live else 0
         ks = [adaptive.row_k(row_state[s.req.id], c, batch_k) for (s, _, _), c in zip(live, contexts)]
         if draft_kv and catch_up_max and any(ks):
             for j, ((s, _, _), c) in enumerate(zip(live, contexts)):
