@@ -33,7 +33,7 @@
 # overlap as the default: parity, served against it off; a schedule with a threshold and its cliff check) its fourth.
 # PART=q1 (int4 loop variants per linear, tuned, floor) k8 (k7's sweep with the per-step replay fit) and k9 (the draft
 # model's full overlap, timed), k10 (int4 6.7 B profiled; the draft model's goal check): the eighteenth session's; q2 (int4's prefill
-# dequantized in one kernel) is prepared for the next.
+# dequantized in one kernel) and k11 (the queue rule served) are prepared for the next.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -626,6 +626,16 @@ elif [ "$PART" = k10 ]; then
     --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 \
     --budget-s "${SERVING_S:-300}"
   floor quant67 60 6.7b --formats "none@$C,int4-triton+glo+pdl@$C" --profile
+elif [ "$PART" = k11 ]; then
+  # prepared in the eighteenth session (no device time left): the queue rule (spec_off_queue) against k10's miss (the
+  # draft model's calibrated k = 3 at 0.91x of off at 1.5x; at 1.0x k = 4 was best). Small, draft model, 1.0x and
+  # 1.5x, 3 rounds, adaptive = k = 3 with no drafts while >= 4 (then >= 16) requests wait, replayed with the rule
+  train_small
+  for q in 4 16; do
+    step "serving_q$q" 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving_q$q" \
+      --method draft --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 \
+      --no-thresholds --k-by-batch 1-64:3 --spec-off-queue "$q" --budget-s "${SERVING_S:-150}"
+  done
 elif [ "$PART" = q2 ]; then
   # prepared in the eighteenth session (no device time left): int4's prefill. k10's profile of the 6.7 B int4 model
   # (kernel "triton") put ~71 ms of GPU time per 64-token prompt in the six PyTorch ops that dequantize each weight
