@@ -61,6 +61,8 @@ def test_settings_and_schedules_of_rows():
     assert sv.setting_of({**row, "method": "ar", "k": 0}) == "off"
     assert sv.setting_of({**row, "spec_off_acceptance": 0.2}) == "adaptive"
     assert sv.setting_of({**row, "spec_max_context": 512}) == "adaptive"
+    assert sv.setting_of({**row, "spec_off_queue": 4}) == "adaptive"
+    assert sv.line_label({**row, "spec_off_queue": 4}) == "adaptive · ngram k=3 · off while queue>=4"
     # a gap between ranges and sizes above them get k; a range's k is capped at k; max_num_seqs ends the schedule
     assert sv.schedule_of({**row, "k_by_batch": "2-4:5,8-32:0"}) == [(1, 1, 3), (2, 4, 3), (5, 7, 3), (8, 16, 0)]
     assert sv.schedule_of({**row, "method": "ar", "k": 0}) == [(1, 16, 0)]

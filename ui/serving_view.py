@@ -58,7 +58,8 @@ def setting_of(row) -> str:
     if row.get("method") == "ar" or _num(row.get("k")) == 0:
         return "off"
     adaptive = (not _missing(row.get("k_by_batch")) and str(row.get("k_by_batch")).strip()) \
-        or _num(row.get("spec_off_acceptance")) > 0 or _num(row.get("spec_max_context")) > 0
+        or _num(row.get("spec_off_acceptance")) > 0 or _num(row.get("spec_max_context")) > 0 \
+        or _num(row.get("spec_off_queue")) > 0
     return "adaptive" if adaptive else "fixed"
 
 
@@ -76,6 +77,8 @@ def line_label(row) -> str:
         parts.append(f"off<{_num(row.get('spec_off_acceptance')):g}/{int(_num(row.get('spec_window'), 8))}")
     if _num(row.get("spec_max_context")) > 0:
         parts.append(f"ctx>{int(_num(row.get('spec_max_context')))}:k{int(_num(row.get('long_context_k')))}")
+    if _num(row.get("spec_off_queue")) > 0:
+        parts.append(f"off while queue>={int(_num(row.get('spec_off_queue')))}")
     return f"adaptive · {method} k={k} · " + " ".join(parts)
 
 
