@@ -55,9 +55,11 @@ if TRITON_AVAILABLE:
         s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32)
         ty = out_ptr.dtype.element_ty
-        row = out_ptr + offs_n[:, None] * (2 * KB) + 2 * offs_b[None, :]
-        tl.store(row, _dq((b >> 4) & 15, s, z, ty), mask=mask)
-        tl.store(row + 1, _dq(b & 15, s, z, ty), mask=mask)
+        # weights 2b (high nibble) and 2b + 1 (low) side by side: one contiguous [BN, 2 BB] tile, stored whole
+        w = tl.reshape(tl.join(_dq((b >> 4) & 15, s, z, ty), _dq(b & 15, s, z, ty)), [BN, 2 * BB])
+        offs_k = pid_b * (2 * BB) + tl.arange(0, 2 * BB)
+        tl.store(out_ptr + offs_n[:, None] * (2 * KB) + offs_k[None, :], w,
+                 mask=(offs_n < N)[:, None] & (offs_k < 2 * KB)[None, :])
 
 
 def int4_dequant_triton(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
