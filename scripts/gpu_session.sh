@@ -629,12 +629,15 @@ elif [ "$PART" = k10 ]; then
 elif [ "$PART" = k11 ]; then
   # prepared in the eighteenth session (no device time left): the queue rule (spec_off_queue) against k10's miss (the
   # draft model's calibrated k = 3 at 0.91x of off at 1.5x; at 1.0x k = 4 was best). Small, draft model, 1.0x and
-  # 1.5x, 3 rounds, adaptive = k = 3 with no drafts while >= 4 (then >= 16) requests wait, replayed with the rule
+  # 1.5x, 3 rounds, adaptive = k = 3 with no drafts while >= 4 (then >= 16) requests wait, replayed with the rule.
+  # A draft model keeps full overlap only where every step drafts, so the rule forfeits it (k9: worth 1.05-1.20x):
+  # off and k = 4 also run without full overlap (--full-overlap-controls), the fair comparison for the rule
   train_small
   for q in 4 16; do
     step "serving_q$q" 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving_q$q" \
       --method draft --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 1.0,1.5 --repeats 3 \
-      --no-thresholds --k-by-batch 1-64:3 --spec-off-queue "$q" --budget-s "${SERVING_S:-150}"
+      --no-thresholds --k-by-batch 1-64:3 --spec-off-queue "$q" --full-overlap-controls \
+      --budget-s "${SERVING_S:-160}"
   done
 elif [ "$PART" = q2 ]; then
   # prepared in the eighteenth session (no device time left): int4's prefill. k10's profile of the 6.7 B int4 model
