@@ -1115,3 +1115,23 @@ def test_gpu_gemv_prefill_part_times_both_dequants_with_parity(tmp_path, monkeyp
         assert list(at) == ["bf16", "aten", "triton+torch", "triton+dq"]
         assert at["triton+dq"]["rel_err"] == at["triton+torch"]["rel_err"] <= 2 ** -7
     assert linears.INT4_PREFILL_DEQUANT == "torch"
+
+
+@interpreter
+def test_a_compiled_prefill_traces_through_the_dequant_op_without_a_graph_break(monkeypatch, interpreter_bf16_rtne):
+    """The compiled prefill (compile_prefill) of an int4 "triton" linear with the one-kernel dequant: fullgraph=True
+    traces through `torch.ops.workbench.int4_dequant` (its fake gives the weight's shape) and computes the eager
+    output, bit for bit."""
+    import torch._dynamo
+
+    import workbench.engine.quant.linears as linears
+
+    monkeypatch.setattr(linears, "INT4_PREFILL_DEQUANT", "triton")
+    torch.manual_seed(2)
+    mod = Int4Linear(nn.Linear(256, 40, bias=False).to(torch.bfloat16), 64, "triton")
+    x = torch.randn(linears.GEMV_MAX_ROWS + 8, 256, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = mod(x) + 1
+        got = torch.compile(lambda t: mod(t) + 1, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(got, want)
