@@ -14,9 +14,8 @@ with what-if replay (workbench/serving/replay.py) as a cheap first fidelity.
 Searched: the draft length per batch-size bucket (`k_by_batch`; equal k everywhere = fixed k, 0 everywhere = off),
 switch-off by acceptance (`spec_off_acceptance`, `spec_window`), the context cut-off (`spec_max_context`,
 `long_context_k`), switch-off by queue (`spec_off_queue`), `prefill_chunk` and `sched_policy`. Replay models the first
-five and chunked prefill (and a draft
-model's prefill at join and catch-ups, as the loop runs them); it does not model the KV block pool, so `sched_policy`
-only matters in the real trials (every trial records `replay_ignores`).
+five and chunked prefill (and a draft model's prefill at join and catch-ups, as the loop runs them); it does not model
+the KV block pool, so `sched_policy` only matters in the real trials (every trial records `replay_ignores`).
 Every trial has user attr `fidelity` = "replay" | "real"; real ones also `replay_goodput`, `replay_tpot_ms_p99`,
 `run_id`. The record runs verify one draft length, so the step-cost fit cannot tell a per-node draft cost from a
 per-step one (workbench/serving/replay.py); replay trials are scored with the per-node fit and also carry the per-step
