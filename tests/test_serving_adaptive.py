@@ -325,7 +325,10 @@ def test_gpu_serving_spec_off_queue_reaches_the_adaptive_run_and_its_replay(tmp_
     assert runs["adaptive"]["draft_catch_up_tokens"] > 0 == runs["k=4"]["draft_catch_up_tokens"]
     (entry,) = [e for e in r["replay"] if e["setting"] == "adaptive"]
     assert entry["predicted_draft_prefill_tokens"] == entry["real_draft_prefill_tokens"] == 0
-    assert entry["predicted_draft_catch_up_tokens"] == entry["real_draft_catch_up_tokens"] > 0
+    # the replay applied the queue rule too (with k = 4 at every size only it makes catch-ups). Its count is not
+    # compared with the real one here: on a wall clock the simulated queue differs by a request now and then
+    # (660 against 659 in one run); tests/test_serving_replay.py checks them equal on a step clock
+    assert entry["predicted_draft_catch_up_tokens"] > 0
     assert "no drafts while >= 1 requests wait" in (tmp_path / "table.md").read_text()
 
 
