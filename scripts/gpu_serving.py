@@ -51,8 +51,8 @@ from workbench import settings  # noqa: E402
 from workbench.harness.bench import BenchSession  # noqa: E402
 from workbench.serving import loop as loop_mod  # noqa: E402
 from workbench.serving import replay  # noqa: E402
-from workbench.serving.adaptive import AdaptiveSpeculation, format_k_by_batch  # noqa: E402
-from workbench.serving.bench import engine_for, serve_bench  # noqa: E402
+from workbench.serving.adaptive import format_k_by_batch  # noqa: E402
+from workbench.serving.bench import adaptive_for, engine_for, serve_bench  # noqa: E402
 from workbench.serving.calibrate import calibrate, calibrate_loop  # noqa: E402
 from workbench.serving.config import ServeConfig  # noqa: E402
 from workbench.serving.schedules import SCHEDULE_SHAPES  # noqa: E402
@@ -402,7 +402,8 @@ def main(argv=None) -> int:
             models["new+cal"] = replay.fit_costs(fit + cal_iterations)
         result["replay_costs"] = {m: c.named() for m, c in models.items()}
         result["replay_dropped"] = {m: list(c.dropped) for m, c in models.items()}
-        sched = lambda b: next((k for lo, hi, k in ranges if lo <= b <= hi), args.k)  # noqa: E731
+        # the adaptive setting's rules as its real run built them (its schedule, and the queue rule if given)
+        adaptive_rules = adaptive_for(replace(base, **settings_of["adaptive"]), args.k, ranges)
         # each round r is predicted from round r's fixed-k traces (its own arrivals) and scored against round r's
         # real run; the entry compares the medians over the rounds both have (one run near saturation varies by
         # 10-30 % from round to round: BENCHMARKS.md 11.5), and keeps every round's error
@@ -423,10 +424,8 @@ def main(argv=None) -> int:
                 for rep in reps:
                     rec_run = runs[(fixed, frac, rep)].result
                     preds.append(replay.replay(
-                        rec_run.states, rec_run.traces, args.k, costs, (lambda b: 2) if name.startswith("k=2")
-                        else sched, max_num_seqs=args.max_num_seqs, prefill_chunk=base.prefill_chunk,
-                        adaptive=AdaptiveSpeculation(args.k, ranges, off_queue=args.spec_off_queue)
-                        if name == "adaptive" and args.spec_off_queue else None,
+                        rec_run.states, rec_run.traces, args.k, costs, lambda b: 2, max_num_seqs=args.max_num_seqs,
+                        prefill_chunk=base.prefill_chunk, adaptive=adaptive_rules if name == "adaptive" else None,
                         draft_kv=rec_run.draft_kv, catch_up_max=args.catch_up_max if name == "adaptive" else 0,
                         batch_prefill=rec_run.batch_prefill))
                 tps = [p["output_throughput"] for p in preds]
