@@ -24,6 +24,10 @@ rows   : int4 at verify widths (--rows-ms, default 5) on the --sweep-configs sha
          the speedup over tinygemm; the fastest parity-clean Triton tile per (shape, M) marked.
 prefill: int4 past GEMV_MAX_ROWS (--prefill-ms, default 64,512) on the --sweep-configs shapes: bf16, tinygemm, kernel
          "triton" with its weight dequantized by PyTorch ops (the default) and by one kernel (kernels/int4_dequant.py).
+read   : one-row int4 on the --sweep-configs shapes against a read-only floor: kernels/stream_read.py streams a buffer
+         of the linear's stored int4 bytes (weight, scales, zeros) and of its bf16 bytes in one launch, over a grid of
+         --read-blocks x --read-iters x --read-warps tiles (best marked), beside our GEMV, tinygemm and bf16 F.linear
+         of the same shape; then the sums over one decoder layer (what no one-launch-per-linear design can beat).
 decode : AR decode at batch 1 of the random 6.7 B (and --decode-configs) through scripts/gpu_quant.py's floor part,
          formats none + {int8,int4,fp8}-triton (quant_kernel "triton"): ms/token, fraction of that format's HBM floor,
          speedup vs bf16.
@@ -601,9 +605,89 @@ def part_prefill(args, device) -> list[dict]:
     return rows
 
 
+def part_read(args, device) -> list[dict]:
+    """The read floor per linear (see the module docstring's "read"): rows per (shape, tile) for stream_read over
+    the int4 and bf16 bytes, rows for the GEMV ("triton"), tinygemm ("aten") and F.linear, then one "layer" row per
+    kernel summing its best over the config's linears."""
+    from kernels.stream_read import stream_read
+
+    rows, problem = [], kernel_ok(device)
+    blocks, iters_, warps = ints(args.read_blocks), ints(args.read_iters), ints(args.read_warps)
+    for config, name, k, n in shapes_of(args.sweep_configs):
+        lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
+        nn.init.normal_(lin.weight, std=0.02)
+        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size)
+        int4_bytes = weight_bytes(mods["triton"]) - mods["triton"].gemv_counters.numel() * 4
+        x = torch.randn(1, k, device=device, dtype=args.dtype)
+        base = dict(config=config, linear=name, K=k, N=n, M=1)
+        for kind, calls_of, nbytes in (("bf16 F.linear", rotating(lin, device), k * n * 2),
+                                       ("tinygemm", rotating(mods["aten"], device), int4_bytes),
+                                       ("triton", rotating(mods["triton"], device), int4_bytes)):
+            row = dict(base, kernel=kind, bytes=nbytes)
+            if kind == "triton" and problem:
+                row["error"] = problem
+            else:
+                try:
+                    with torch.no_grad():
+                        row["us"] = time_us([lambda c=c: c(x) for c in calls_of], device, args.replays)
+                    row["gb_per_s"] = nbytes / row["us"] / 1e3
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del mods, lin
+        for what, nbytes in (("int4", int4_bytes), ("bf16", k * n * 2)):
+            words = math.ceil(nbytes / 4)
+            count = 1 if device.type != "cuda" else max(2, min(64, math.ceil(L2_FLUSH_BYTES / nbytes)))
+            bufs = [torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), dtype=torch.int32, device=device)
+                    for _ in range(count)]
+            outs = [torch.empty(triton_cdiv(words, 32), dtype=torch.int32, device=device) for _ in bufs]
+            best = None
+            for block in blocks:
+                for iters in iters_:
+                    for nw in warps:
+                        row = dict(base, kernel=f"read {what}", bytes=nbytes, tile=f"{block} x {iters}, {nw} warps")
+                        if problem:
+                            row["error"] = problem
+                        else:
+                            try:
+                                calls = [lambda b=b, o=o: stream_read(b, block, iters, nw, out=o)
+                                         for b, o in zip(bufs, outs)]
+                                calls[0]()  # compile outside the graph
+                                row["us"] = time_us(calls, device, args.replays)
+                                row["gb_per_s"] = nbytes / row["us"] / 1e3
+                                best = row if best is None or row["us"] < best["us"] else best
+                            except Exception as e:  # noqa: BLE001
+                                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+            if best is not None:
+                best["best"] = True
+            del bufs, outs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for config in dict.fromkeys(c for c, *_ in shapes_of(args.sweep_configs)):
+        for kind in ("bf16 F.linear", "read bf16", "tinygemm", "triton", "read int4"):
+            timed = [r for r in rows if r["config"] == config and r["kernel"] == kind and "us" in r]
+            per_linear = {}
+            for r in timed:
+                if r["linear"] not in per_linear or r["us"] < per_linear[r["linear"]]["us"]:
+                    per_linear[r["linear"]] = r
+            if per_linear:
+                us, nbytes = sum(r["us"] for r in per_linear.values()), sum(r["bytes"] for r in per_linear.values())
+                rows.append(dict(config=config, linear="layer", kernel=kind, M=1, us=us, bytes=nbytes,
+                                 gb_per_s=nbytes / us / 1e3, linears=len(per_linear)))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 PARTS = {"parity": part_parity, "speed": part_speed, "sweep": part_sweep, "tune": part_tune, "tc": part_tc,
          "f16": part_f16, "cvt": part_cvt, "decode": part_decode, "rows": part_rows,
-         "prefill": part_prefill}
+         "prefill": part_prefill, "read": part_read}
 
 
 def main() -> None:
@@ -652,6 +736,9 @@ def main() -> None:
                     "once more with LOOP_STAGES = N (kernel suffix '+lsN')")
     ap.add_argument("--rows-ms", default="5", help="rows part: activation rows M (verify widths)")
     ap.add_argument("--prefill-ms", default="64,512", help="prefill part: activation rows M (prompt tokens)")
+    ap.add_argument("--read-blocks", default="256,512,1024,2048", help="read part: stream_read block (words)")
+    ap.add_argument("--read-iters", default="1,2,4,8", help="read part: stream_read blocks per program")
+    ap.add_argument("--read-warps", default="4,8", help="read part: stream_read num_warps values")
     ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: INT4_WIDE_ROWS BLOCK_N values")
     ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")
     ap.add_argument("--rows-warps", default="4,8", help="rows part: INT4_WIDE_ROWS num_warps values")

@@ -647,7 +647,12 @@ elif [ "$PART" = q2 ]; then
   C=graphs+compile+overlap
   step prefill 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/prefill" --parts prefill --sweep-configs 6.7b \
     --prefill-ms 64,512 --replays 10
-  floor quant67 60 6.7b --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+dq@$C,int4@$C"
+  # + the norm prologue row (+all): k10's profile put 0.137 ms per token in the two norm kernels at 6.7 B (e4 timed
+  # +all equal to +glo, 3.080 vs 3.082 ms, when the GEMVs took 1.4x longer than now)
+  floor quant67 60 6.7b --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+dq@$C,int4-triton+all+pdl@$C,int4@$C"
+  # the read floor (nineteenth session): each 6.7 B linear's int4 and bf16 bytes streamed by one launch of
+  # kernels/stream_read.py (a tile grid, best marked) beside our GEMV, tinygemm and F.linear, and the layer's sums
+  step read 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/read" --parts read --sweep-configs 6.7b --replays 20
   floor quant67_p512 60 6.7b --prompt-len 512 --formats "none@$C,int4-triton+glo+pdl@$C,int4-triton+glo+pdl+dq@$C,int4@$C"
 elif [ "$PART" = q1 ]; then
   # run in the eighteenth session (both variants lost and were removed after it, BENCHMARKS.md 23.1: rerunning it needs
