@@ -81,7 +81,8 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # (verify widths, prefill) in K tiles of whole groups on the tensor cores (quant_gemv.INT4_WIDE_ROWS; the default
 # since call g3, so "+i4r" only restates it) and "+i4r0": one group per K tile (INT4_WIDE_ROWS None, the old default).
 # "+dq": int4 (kernel "triton") prompts past GEMV_MAX_ROWS dequantize the weight in one Triton kernel
-# (linears.INT4_PREFILL_DEQUANT = "triton", kernels/int4_dequant.py) instead of six PyTorch ops; every row records its
+# (linears.INT4_PREFILL_DEQUANT = "triton", kernels/int4_dequant.py; the default since call q2, so "+dq" only restates
+# it) and "+dqt": by six PyTorch ops (the old default); every row records its
 # prefill (`prefill_ms_median`: the prompt's forward to its first token, as generate times it).
 # Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
@@ -95,7 +96,8 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 "ls3": {(quant_gemv, "LOOP_STAGES"): 3},
                 "i4r": {(quant_gemv, "INT4_WIDE_ROWS"): dict(quant_gemv.INT4_WIDE_ROWS_TILE)},
                 "i4r0": {(quant_gemv, "INT4_WIDE_ROWS"): None},
-                "dq": {(linears, "INT4_PREFILL_DEQUANT"): "triton"}}
+                "dq": {(linears, "INT4_PREFILL_DEQUANT"): "triton"},
+                "dqt": {(linears, "INT4_PREFILL_DEQUANT"): "torch"}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 
 

@@ -276,9 +276,11 @@ def main(argv=None) -> int:
                                           "shape": args.calibration_shape, "other_shape": other,
                                           "other_k_by_batch": format_k_by_batch(cal.schedule(args.max_num_seqs,
                                                                                              other)),
-                                          "wall_s": cal.wall_s, "budget_s": budget,
+                                          "uniform": cal.uniform, "wall_s": cal.wall_s, "budget_s": budget,
                                           "skipped": [list(x) for x in cal.skipped]}
-            print(f"loop calibration: schedule {format_k_by_batch(loop_ranges)} ({cal.wall_s:.1f} s)", flush=True)
+            print(f"loop calibration: schedule {format_k_by_batch(loop_ranges)} ({cal.wall_s:.1f} s"
+                  + (", one k for every size: a draft model under full overlap" if cal.uniform else "") + ")",
+                  flush=True)
         else:
             result["skipped"].append({"part": "calibration-loop", "setting": "adaptive"})
         if args.calibration == "loop" and loop_ranges is not None:

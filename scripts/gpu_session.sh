@@ -34,6 +34,7 @@
 # PART=q1 (int4 loop variants per linear, tuned, floor) k8 (k7's sweep with the per-step replay fit) and k9 (the draft
 # model's full overlap, timed), k10 (int4 6.7 B profiled; the draft model's goal check): the eighteenth session's; q2 (int4's prefill
 # dequantized in one kernel) and k11 (the queue rule served) are prepared for the next.
+# PART=k12: the nineteenth session's last call (the draft model's uniform calibrated schedule; int4 prefill default).
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -639,6 +640,19 @@ elif [ "$PART" = k11 ]; then
       --no-thresholds --k-by-batch 1-64:3 --spec-off-queue "$q" --full-overlap-controls \
       --budget-s "${SERVING_S:-160}"
   done
+elif [ "$PART" = k12 ]; then
+  # nineteenth session: k11 found the queue rule a loss (0.66-0.80 of the best) and why the loop calibration
+  # under-rated off: its k = 0 points ran the draft-model engine without full overlap (worth 1.15-1.29x to off).
+  # Now a schedule that never drafts keeps full overlap, and a draft model's calibrated schedule is one k for every
+  # batch size (the largest size's pick: a mixed one forfeits full overlap). The goal check with the draft model:
+  # loop calibration, served against off, fixed k = 4 and the held-out k = 2, at 0.5x, 1.0x and 1.5x saturation;
+  # then int4's prefill with the new default dequant against the old (+dqt) and the +all row, at 6.7 B
+  C=graphs+compile+overlap
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method draft \
+    --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 0.5,1.0,1.5 --repeats 3 \
+    --budget-s "${SERVING_S:-280}"
+  floor quant67 60 6.7b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+dqt@$C"
 elif [ "$PART" = q2 ]; then
   # prepared in the eighteenth session (no device time left): int4's prefill. k10's profile of the 6.7 B int4 model
   # (kernel "triton") put ~71 ms of GPU time per 64-token prompt in the six PyTorch ops that dequantize each weight

@@ -1079,7 +1079,9 @@ def test_int4_prefill_through_the_dequant_kernel_matches_the_torch_ops(monkeypat
     lin = nn.Linear(256, 48, bias=False).to(torch.bfloat16)
     mod = Int4Linear(lin, 64, "triton")
     x = torch.randn(linears.GEMV_MAX_ROWS + 4, 256, dtype=torch.bfloat16)
+    assert linears.INT4_PREFILL_DEQUANT == "triton" or os.environ.get("WORKBENCH_INT4_PREFILL_DEQUANT")  # default
     with torch.no_grad():
+        monkeypatch.setattr(linears, "INT4_PREFILL_DEQUANT", "torch")
         want = mod(x)
         monkeypatch.setattr(linears, "INT4_PREFILL_DEQUANT", "triton")
         calls = []

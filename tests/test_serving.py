@@ -732,6 +732,29 @@ def test_full_overlap_launches_ahead_and_keeps_outputs(target, draft, solo, kind
     assert not pending and engine.cache.used_blocks == 0
 
 
+@pytest.mark.parametrize("adaptive", [AdaptiveSpeculation(3, k_by_batch=[(1, 64, 0)]), AdaptiveSpeculation(0)],
+                         ids=["schedule-all-zero", "k0"])
+def test_full_overlap_with_a_draft_model_that_never_drafts(target, draft, solo, adaptive, monkeypatch):
+    """A draft-model engine whose schedule never drafts (k = 0 at every batch size: what a loop calibration measures
+    as "off") launches ahead as speculation off does: steps in flight two at a time, outputs equal solo greedy, and
+    the draft model never runs (no prefill at join, no catch-up). Before, it lost full overlap, so the calibration
+    rated off below what serving off gives (call k11: 1.15-1.29x)."""
+    from workbench.serving import loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "FULL_OVERLAP", True)
+    reqs = long_requests(4, n=8)
+    engine = make_engine("draft", target, draft, cuda_graphs=True, graph_batch_sizes=(1, 2, 4))
+    draft_calls = []
+    for obj, name in ((engine, "catch_up_drafter"), (engine.drafter, "prefill"), (engine.drafter, "propose")):
+        real = getattr(obj, name)
+        monkeypatch.setattr(obj, name, lambda *a, _r=real, _n=name, **k: draft_calls.append(_n) or _r(*a, **k))
+    res = serve(engine, reqs, adaptive=adaptive)
+    assert_solo(res, reqs, solo)
+    assert res.full_overlap and res.steps_ahead > 0
+    assert res.draft_catch_up_tokens == 0 and not draft_calls
+    assert all(t.k == 0 and t.drafted == 0 for t in res.traces)
+
+
 @pytest.mark.parametrize("why", ["max_util", "eager", "draft-schedule-with-zero"])
 def test_full_overlap_falls_back_where_it_cannot_apply(target, draft, solo, why, monkeypatch):
     """Where a step needs the host's read of the one before (a host n-gram scan without fixed shapes), a draft model

@@ -745,6 +745,10 @@ def test_gpu_serving_shape_controls(tmp_path, monkeypatch):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_serving
 
+    from workbench.serving import loop as loop_mod
+
+    # the draft model keeps mixed schedules only without full overlap (with it: one k everywhere, uniform_choice)
+    monkeypatch.setattr(loop_mod, "FULL_OVERLAP", False)
     made_up = {(1, 0): 10.0, (1, 4): 20.0, (2, 0): 30.0, (2, 4): 20.0, (4, 0): 40.0, (4, 4): 60.0}
     real = gpu_serving.calibrate_loop
     monkeypatch.setattr(gpu_serving, "calibrate_loop", lambda *a, **kw: real(

@@ -50,6 +50,33 @@ def test_schedule_is_built_from_the_measured_table(target, draft):
     assert loop_schedule({(2, 0): 1.0, (2, 2): 3.0, (4, 0): 2.0}, 3) == [(1, 2, 2), (3, 3, 0)]
 
 
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+def test_a_draft_model_under_full_overlap_gets_one_k_for_every_size(target, draft, kind, monkeypatch):
+    """A drafter with its own KV (a draft model), graphs (steps launched ahead) and FULL_OVERLAP: the loop mixes
+    drafting and non-drafting sizes only without full overlap, which every calibration point had, so the schedule is
+    uniform: the largest size's pick everywhere (here off: k = 0 wins at 4 rows), and the table marks that. An n-gram
+    lookup keeps no KV, keeps full overlap under any schedule and keeps its mixed schedule; so does a draft model
+    with FULL_OVERLAP off."""
+    from workbench.engine.drafters import NgramDrafter
+    from workbench.serving import loop as loop_mod
+
+    drafter = DraftModelDrafter(draft, 3) if kind == "draft" else NgramDrafter(3)
+    engine = engine_with(drafter, target, graphs=True)
+    for overlap in (True, False):
+        monkeypatch.setattr(loop_mod, "FULL_OVERLAP", overlap)
+        cal = calibrate_loop(engine, prompts(), (1, 2, 4), max_new_tokens=4, max_num_seqs=4, shape="monotone",
+                             measure=lambda b, k: MEASURED[(b, k)])
+        uniform = kind == "draft" and overlap
+        assert cal.uniform == uniform == cal_mod.uniform_schedules(engine)
+        assert cal.schedule(4) == ([(1, 4, 0)] if uniform else [(1, 1, 3), (2, 2, 2), (3, 4, 0)])
+        chosen = {(r["batch_size"], r["k"]) for r in cal.table() if r.get("chosen")}
+        assert chosen == ({(1, 0), (2, 0), (4, 0)} if uniform else {(1, 3), (2, 2), (4, 0)})
+    monkeypatch.setattr(loop_mod, "FULL_OVERLAP", True)
+    assert not cal_mod.uniform_schedules(engine, policy="max_util")  # preemption: no full overlap anyway
+    assert loop_schedule({(1, 0): 1.0, (1, 2): 3.0, (4, 0): 4.0, (4, 2): 3.0}, 4, uniform=True) == [(1, 4, 0)]
+    assert loop_schedule({(1, 0): 1.0, (1, 2): 3.0, (4, 0): 2.0, (4, 2): 3.0}, 4, uniform=True) == [(1, 4, 2)]
+
+
 def test_runs_past_the_budget_are_skipped_and_listed(target, draft, monkeypatch):
     engine = engine_with(DraftModelDrafter(draft, 3), target)
     now = [0.0]

@@ -224,6 +224,10 @@ def test_calibration_views_read_the_stored_table():
         (1, 4), (2, 4), (4, 4), (8, 4), (16, 0), (32, 3), (64, 2)}
     assert sv.schedule_shapes(loop, frame) == {"sticky": "1-8:4,9-64:2", "monotone": "1-8:4,9-64:2",
                                                "free": "1-8:4,9-16:2,17-64:3"}
+    assert not sv.calibration_uniform(loop)
+    uniform = {**loop, "calibration_table": json.dumps({**json.loads(loop["calibration_table"]), "uniform": True})}
+    assert sv.calibration_uniform(uniform) and not sv.calibration_uniform({**loop, "calibration_table": "{bad"})
+    assert sv.schedule_shapes(uniform, frame) == {"sticky": "1-64:2", "monotone": "1-64:2", "free": "1-64:3"}
     fig = sv.calibration_chart(frame, kind)
     assert fig.data[0].z.shape == (7, 6) and "9738.6 *" in fig.data[0].text[4][0].replace(",", "")
     frame, kind = sv.calibration_frame(step)

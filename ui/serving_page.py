@@ -300,7 +300,9 @@ def calibration_section(view: pd.DataFrame) -> None:
     served = row.get("k_by_batch") or "-"
     shape = row.get("calibration_shape")
     shape = shape if isinstance(shape, str) and shape else "free (a run from before calibration_shape)"
-    lines = [f"served: `{served}`" + (f" ({shape})" if kind == "loop" else " (step calibration)")]
+    uniform = " made uniform: one k for every batch size, a draft model keeps full overlap only so" \
+        if kind == "loop" and sv.calibration_uniform(row) else ""
+    lines = [f"served: `{served}`" + (f" ({shape}{uniform})" if kind == "loop" else " (step calibration)")]
     if kind == "loop":
         lines += [f"{name}: `{text}`" for name, text in sv.schedule_shapes(row, frame).items()]
     st.markdown("  \n".join(lines))

@@ -292,10 +292,19 @@ def calibration_chart(frame: pd.DataFrame, kind: str) -> go.Figure:
     return fig
 
 
+def calibration_uniform(row) -> bool:
+    """Whether the run's loop calibration gave one k to every batch size (a draft model under full overlap:
+    schedules.uniform_choice), as its stored table says."""
+    try:
+        return bool(json.loads(row.get("calibration_table") or "{}").get("uniform", False))
+    except (ValueError, TypeError, AttributeError):
+        return False
+
+
 def schedule_shapes(row, frame: pd.DataFrame) -> dict[str, str]:
     """A loop calibration's schedule under each shape (workbench/serving/schedules.py, serve-bench's default
-    MIN_GAIN), recomputed from the stored table: {"sticky": "1-8:4,9-64:2", "monotone": ..., "free": ...}. Empty for
-    step tables."""
+    MIN_GAIN), recomputed from the stored table: {"sticky": "1-8:4,9-64:2", "monotone": ..., "free": ...}, each made
+    uniform as the run's was (`calibration_uniform`). Empty for step tables."""
     from workbench.serving.adaptive import format_k_by_batch  # torch-free
     from workbench.serving.schedules import MIN_GAIN, SCHEDULE_SHAPES, loop_schedule
 
@@ -304,4 +313,5 @@ def schedule_shapes(row, frame: pd.DataFrame) -> dict[str, str]:
     top = max(1, int(_num(row.get("max_num_seqs"), 1)))
     if not tps:
         return {}
-    return {shape: format_k_by_batch(loop_schedule(tps, top, MIN_GAIN, shape)) for shape in SCHEDULE_SHAPES}
+    uniform = calibration_uniform(row)
+    return {shape: format_k_by_batch(loop_schedule(tps, top, MIN_GAIN, shape, uniform)) for shape in SCHEDULE_SHAPES}

@@ -67,6 +67,15 @@ class AdaptiveSpeculation:
             return False
         return all(self.batch_k(b) > 0 for b in range(1, max_batch + 1))
 
+    def never_drafts(self, max_batch: int) -> bool:
+        """Whether no step of up to max_batch rows drafts (k = 0 at every batch size, whatever waits): a draft model
+        is then never run, so nothing of it is prefilled, caught up or read between steps.
+
+        >>> AdaptiveSpeculation(4, [(1, 16, 0)]).never_drafts(16), AdaptiveSpeculation(4, [(1, 8, 0)]).never_drafts(16)
+        (True, False)
+        """
+        return all(self.batch_k(b) == 0 for b in range(1, max_batch + 1))
+
     def node_counts(self, max_batch: int, chains: bool = True) -> tuple[int, ...]:
         """Every draft length (`decode_step(num_nodes=)`) a step of up to max_batch rows can ask for: the schedule's,
         their long-context limits, and 0 once rows can switch off. Trees (chains False) verify all k nodes or none."""

@@ -86,7 +86,8 @@ def calibrate_schedule(engine: SpecEngine, cfg, requests, loop: ServingLoop) -> 
         ranges, table = cal.schedule(cfg.max_num_seqs), cal.table()
     chosen = [{"batch_start": lo, "batch_end": hi, "k": k} for lo, hi, k in ranges]
     return ranges, {"calibration_s": time.perf_counter() - t0,
-                    "calibration_table": json.dumps({"measured": table, "schedule": chosen})}
+                    "calibration_table": json.dumps({"measured": table, "schedule": chosen,
+                                                     **({"uniform": True} if getattr(cal, "uniform", False) else {})})}
 
 
 def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: SpecEngine | None = None,

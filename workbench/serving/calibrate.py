@@ -147,19 +147,35 @@ class LoopCalibration:
     iterations: list = field(default_factory=list)  # the runs' IterationLogs: every k, for the replay's cost fit
     shape: str = DEFAULT_SHAPE  # loop_schedule's: "sticky", "monotone" (k never grows with the batch size) or "free"
     runs: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # every run's tokens/s; the median counts
+    # one k for every batch size (schedules.uniform_choice): the engine's drafter keeps its own KV and full overlap
+    # applies, so a schedule mixing drafting and non-drafting sizes would lose it (`uniform_schedules`)
+    uniform: bool = False
 
     def schedule(self, max_batch: int, shape: str | None = None) -> list[tuple[int, int, int]]:
-        return loop_schedule(self.tokens_per_s, max_batch, self.min_gain, shape or self.shape)
+        return loop_schedule(self.tokens_per_s, max_batch, self.min_gain, shape or self.shape, self.uniform)
 
     def table(self) -> list[dict]:
         """One row per (batch size, k): output tokens/s (None: skipped for the budget) and whether it was chosen."""
-        chosen = choose(self.tokens_per_s, self.min_gain, self.shape)
+        chosen = choose(self.tokens_per_s, self.min_gain, self.shape, self.uniform)
         rows = [{"batch_size": b, "k": k, "tokens_per_s": rate, "chosen": chosen.get(b) == k,
                  **({"runs": len(self.runs[(b, k)]), "tokens_per_s_min": min(self.runs[(b, k)]),
                      "tokens_per_s_max": max(self.runs[(b, k)])} if len(self.runs.get((b, k), ())) > 1 else {})}
                 for (b, k), rate in self.tokens_per_s.items()]
         rows += [{"batch_size": b, "k": k, "tokens_per_s": None, "skipped": True} for b, k in self.skipped]
         return sorted(rows, key=lambda r: (r["batch_size"], r["k"]))
+
+
+def uniform_schedules(engine: SpecEngine, policy: str = "no_evict") -> bool:
+    """Whether the loop calibration gives this engine one draft length for every batch size: its drafter keeps its
+    own KV (a draft model) and the serving loop would launch steps ahead (loop.FULL_OVERLAP, no_evict, an engine
+    that can), which it does only when every step drafts or none does. Each calibration point runs one k for all
+    sizes, so it has full overlap; a mixed schedule built from those points would not. (A draft model's chain reads
+    the device exactly where the engine's greedy fused accept runs, so the engine's settings decide, before the
+    drafter is set up: `SpecEngine.can_launch_ahead` once it is.)"""
+    from workbench.serving import loop
+
+    return (loop.keeps_draft_kv(engine.drafter) and loop.FULL_OVERLAP and policy == "no_evict"
+            and engine._fused_accept(engine._chains()))
 
 
 def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tuple[int, ...],
@@ -222,4 +238,5 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
                 longest = max(longest, time.perf_counter() - t0)
     tokens_per_s = {key: statistics.median(rates) for key, rates in runs.items()}
     skipped = [(b, k) for b in sorted(set(batch_sizes)) for k in counts if (b, k) not in runs]
-    return LoopCalibration(tokens_per_s, skipped, time.perf_counter() - t_begin, min_gain, iterations, shape, runs)
+    return LoopCalibration(tokens_per_s, skipped, time.perf_counter() - t_begin, min_gain, iterations, shape, runs,
+                           uniform=uniform_schedules(engine, serve_kwargs.get("policy", "no_evict")))

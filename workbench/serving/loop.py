@@ -230,12 +230,19 @@ def _full_overlap_env(value: str) -> bool:
                        "each step launched before the previous one is read, where that applies", "off")
 
 
+def keeps_draft_kv(drafter) -> bool:
+    """Whether the drafter keeps a KV cache of its own that a step without drafts leaves behind (a draft model; not
+    EAGLE-style heads, which read the target's hidden states, nor lookups)."""
+    return drafter is not None and drafter.model_forwards_per_step > 0 and not drafter.wants_hidden
+
+
 # Full overlap (built in the sixteenth session; on by default since the seventeenth, after call k4 served small
 # 1.02-1.48x faster with it in 10 of 12 paired runs, BENCHMARKS.md section 22): step t + 1 is launched
 # before step t is read, as `generate`'s overlapped loop does, so the host's bookkeeping of step t, the joins and the
 # next plan run while the GPU computes. Only where the device step needs nothing from the host read: greedy chains
 # with the fused accept and a drafter that reads the device (`SpecEngine.can_launch_ahead`), a draft model only when
-# every step drafts (no catch-up), and the no_evict policy (no preemption while a step is in flight). A row that
+# every step drafts or none does (no catch-up; none: since the nineteenth session, after call k11 served small's
+# "off" 1.15-1.29x faster with it than without), and the no_evict policy (no preemption while a step is in flight). A row that
 # could reach max_new_tokens in the step in flight skips the next one (no wasted step, never released under a step).
 # Env WORKBENCH_SERVE_FULL_OVERLAP=0|1.
 FULL_OVERLAP = _full_overlap_env(os.environ.get("WORKBENCH_SERVE_FULL_OVERLAP", ""))
@@ -360,7 +367,7 @@ class ServingLoop:
         self.tokens_host: list[list[int] | None] = [None] * (max_num_seqs + 1)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         # a draft model keeps its own KV: steps that skip drafting leave it behind (caught up before the next draft)
-        self._own_draft_kv = drafter is not None and drafter.model_forwards_per_step > 0 and not drafter.wants_hidden
+        self._own_draft_kv = keeps_draft_kv(drafter)
         self._draft_valid: dict[int, int] = {}  # row -> positions below which the draft model's KV is valid
         # prefill a draft model at join only where every step drafts; else its first draft catches it up (a request
         # that joins while its batch is at k = 0 then never runs the draft model, as with speculation off)
@@ -368,8 +375,11 @@ class ServingLoop:
         if catch_up_max < 0:
             raise ServeError(f"catch_up_max must be >= 0 (0 = no limit), got {catch_up_max}")
         self.catch_up_max = catch_up_max
+        # a draft model with its own KV launches ahead only where no catch-up can come (catch-up reads exact lengths):
+        # every step drafts, or none does (a schedule at k = 0 everywhere serves as speculation off, at its speed)
         self.full_overlap = (FULL_OVERLAP and engine.can_launch_ahead() and policy == "no_evict"
-                             and (not self._own_draft_kv or self.adaptive.drafts_always(max_num_seqs)))
+                             and (not self._own_draft_kv or self.adaptive.drafts_always(max_num_seqs)
+                                  or self.adaptive.never_drafts(max_num_seqs)))
         self._inflight: _Decoding | None = None  # full overlap: the step launched and not yet read
         self._queued = 0  # requests waiting for a row after this iteration's admissions (spec_off_queue)
 

@@ -5,7 +5,7 @@ torch-free (the dashboard recomputes a run's schedule under the other shape from
     free_choice     every size its own pick_k
     sticky_choice   from the smallest size up: keep the last k unless a shorter draft wins by more than min_gain
     monotone_choice every size at once: k never grows with the batch size
-    choose          batch size -> k under a shape ("sticky", "monotone" or "free")
+    choose          batch size -> k under a shape ("sticky", "monotone" or "free"), or one k for every size (uniform)
     loop_schedule   vLLM-style inclusive ranges [(start, end, k), ...] over 1..max_batch, by shape
 """
 from __future__ import annotations
@@ -121,11 +121,25 @@ SHAPE_RULES = {"sticky": sticky_choice, "monotone": monotone_choice, "free": fre
 assert set(SHAPE_RULES) == set(SCHEDULE_SHAPES), "every calibration_shape choice needs its rule here"
 
 
+def uniform_choice(choice: dict[int, int]) -> dict[int, int]:
+    """One draft length for every measured size: the largest size's. For an engine where a schedule that drafts at
+    some batch sizes and not at others costs more than its measured points say: a draft model keeps its own KV, so
+    such a schedule needs catch-ups and loses full overlap (loop.FULL_OVERLAP), worth 1.07x to small's draft model at
+    k = 4 and 1.15-1.29x to off in call k11 (BENCHMARKS.md 24). The largest size decides because under load, where
+    tokens/s is scarce, the batch fills up (k10, k11: mean batch 53-62 of 64 at 1.0x and 1.5x saturation).
+
+    >>> uniform_choice({1: 4, 16: 4, 64: 0})
+    {1: 0, 16: 0, 64: 0}
+    """
+    k = choice[max(choice)]
+    return {b: k for b in choice}
+
+
 def choose(tokens_per_s: dict[tuple[int, int], float | None], min_gain: float = MIN_GAIN,
-           shape: str = DEFAULT_SHAPE) -> dict[int, int]:
+           shape: str = DEFAULT_SHAPE, uniform: bool = False) -> dict[int, int]:
     """Batch size -> chosen k over the measured (batch size, k) -> tokens/s (None = skipped for the budget);
-    shape "free": each size's `pick_k`, "monotone": `monotone_choice`, "sticky": `sticky_choice`. {} when nothing was
-    measured."""
+    shape "free": each size's `pick_k`, "monotone": `monotone_choice`, "sticky": `sticky_choice`; uniform: then one
+    k for every size (`uniform_choice`). {} when nothing was measured."""
     if shape not in SCHEDULE_SHAPES:
         raise ServeError(f"unknown calibration_shape {shape!r}; choose one of {', '.join(SCHEDULE_SHAPES)}")
     by_size: dict[int, dict[int, float]] = {}
@@ -134,20 +148,22 @@ def choose(tokens_per_s: dict[tuple[int, int], float | None], min_gain: float = 
             by_size.setdefault(b, {})[k] = rate
     if not by_size:
         return {}
-    return SHAPE_RULES[shape](by_size, min_gain)
+    choice = SHAPE_RULES[shape](by_size, min_gain)
+    return uniform_choice(choice) if uniform else choice
 
 
 def loop_schedule(tokens_per_s: dict[tuple[int, int], float], max_batch: int, min_gain: float = MIN_GAIN,
-                  shape: str = DEFAULT_SHAPE) -> list[tuple[int, int, int]]:
+                  shape: str = DEFAULT_SHAPE, uniform: bool = False) -> list[tuple[int, int, int]]:
     """vLLM-style inclusive ranges [(start, end, k), ...] over 1..max_batch from tokens/s measured per (batch size,
     k): shape "free": each measured size gets `pick_k` of its row; "monotone": `monotone_choice` (k never grows with
     the batch size); "sticky": `sticky_choice` (that, changing k only on a clear win). A size not measured takes the
-    choice of the next measured size up (a step pads to that bucket), sizes past the largest its choice.
+    choice of the next measured size up (a step pads to that bucket), sizes past the largest its choice; uniform: one
+    k everywhere (`uniform_choice`).
 
     >>> loop_schedule({(1, 0): 50, (1, 4): 80, (4, 0): 190, (4, 4): 200, (8, 0): 380, (8, 4): 300}, 8)
     [(1, 4, 4), (5, 8, 0)]
     """
-    choice = choose(tokens_per_s, min_gain, shape)
+    choice = choose(tokens_per_s, min_gain, shape, uniform)
     if not choice:
         raise ServeError("the loop calibration measured nothing (every run skipped): raise --calibration-budget-s")
     sizes = sorted(choice)
