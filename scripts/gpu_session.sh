@@ -67,7 +67,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -653,6 +653,17 @@ elif [ "$PART" = k12 ]; then
     --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 0.5,1.0,1.5 --repeats 3 \
     --budget-s "${SERVING_S:-280}"
   floor quant67 60 6.7b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+dqt@$C"
+elif [ "$PART" = q3 ]; then
+  # nineteenth session: q2's read floor put the 6.7 B int4 layer's GEMVs at 52.6 us against 31.5 us for one launch
+  # that only streams the same bytes, whose best tiles run 800-2,900 small programs where our GEMV runs 256-688
+  # large ones. Split-K was never swept for int4 (the tune took 1 and gemv_config's split only): BLOCK_N x BLOCK_K x
+  # SPLIT_K 1, 2, 4, 8 at 4 warps, packed fp16 words; then the floor with the best tiles (+tc) and +all
+  C=graphs+compile+overlap
+  step tune 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/tune" --parts tune --sweep-configs 6.7b \
+    --formats int4 --tune-block-n 8,16,32 --tune-block-k 512,1024 --tune-warps 4 --tune-stages 3 --tune-half2 1 \
+    --tune-splits 1,2,4,8 --replays 20 --tune-budget-s "${TUNE_S:-100}"
+  T=$R/tune/gemv_tune_tiles.json; mkdir -p "$R/tune"; [ -f "$T" ] || echo '{}' > "$T"
+  floor quant67 50 6.7b --m1-tiles "$T" --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+tc@$C"
 elif [ "$PART" = q2 ]; then
   # prepared in the eighteenth session (no device time left): int4's prefill. k10's profile of the 6.7 B int4 model
   # (kernel "triton") put ~71 ms of GPU time per 64-token prompt in the six PyTorch ops that dequantize each weight
