@@ -242,8 +242,9 @@ def keeps_draft_kv(drafter) -> bool:
 # next plan run while the GPU computes. Only where the device step needs nothing from the host read: greedy chains
 # with the fused accept and a drafter that reads the device (`SpecEngine.can_launch_ahead`), a draft model only when
 # every step drafts or none does (no catch-up; none: since the nineteenth session, after call k11 served small's
-# "off" 1.15-1.29x faster with it than without), and the no_evict policy (no preemption while a step is in flight). A row that
-# could reach max_new_tokens in the step in flight skips the next one (no wasted step, never released under a step).
+# "off" 1.15-1.29x faster with it than without), and the no_evict policy (no preemption while a step is in flight).
+# A row that could reach max_new_tokens in the step in flight skips the next one (no wasted step, never released
+# under a step).
 # Env WORKBENCH_SERVE_FULL_OVERLAP=0|1.
 FULL_OVERLAP = _full_overlap_env(os.environ.get("WORKBENCH_SERVE_FULL_OVERLAP", ""))
 

@@ -45,7 +45,7 @@ from kernels.quant_gemv import counters_for, quant_gemv_triton
 FP8_DTYPE = torch.float8_e4m3fn
 GEMV_MAX_ROWS = 16  # kernel "triton": calls with more rows than this (prefill) take the "dequant" form
 # int4 with kernel "triton", calls past GEMV_MAX_ROWS: the weight dequantized by one "triton" kernel
-# (kernels/int4_dequant.py, bit for bit the weight of the PyTorch ops; the default since call q2, BENCHMARKS.md 24.2:
+# (kernels/int4_dequant.py, bit for bit the weight of the PyTorch ops; the default since call q2, BENCHMARKS.md 24.3:
 # 3.4-5.3x faster per 6.7 B linear, the 6.7 B int4 prefill 77.2 -> 20.9 ms for a 64-token prompt and 85.9 -> 29.7 ms
 # for 512) or by six "torch" ops (each over the whole weight). Env WORKBENCH_INT4_PREFILL_DEQUANT.
 INT4_PREFILL_DEQUANT: str = os.environ.get("WORKBENCH_INT4_PREFILL_DEQUANT", "triton")
