@@ -23,7 +23,8 @@ rows   : int4 at verify widths (--rows-ms, default 5) on the --sweep-configs sha
          and each INT4_WIDE_ROWS tile of the --rows-block-n x --rows-block-k x --rows-warps grid, with parity and
          the speedup over tinygemm; the fastest parity-clean Triton tile per (shape, M) marked.
 prefill: int4 past GEMV_MAX_ROWS (--prefill-ms, default 64,512) on the --sweep-configs shapes: bf16, tinygemm, kernel
-         "triton" with its weight dequantized by PyTorch ops (the default) and by one kernel (kernels/int4_dequant.py).
+         "triton" with its weight dequantized by PyTorch ops, by one kernel (kernels/int4_dequant.py, the default) and
+         through the GEMV kernel's tensor-core form with no weight written (linears.INT4_PREFILL_GEMM_ROWS).
 read   : one-row int4 on the --sweep-configs shapes against a read-only floor: kernels/stream_read.py streams a buffer
          of the linear's stored int4 bytes (weight, scales, zeros) and of its bf16 bytes in one launch, over a grid of
          --read-blocks x --read-iters x --read-warps tiles (best marked), beside our GEMV, tinygemm and bf16 F.linear
@@ -568,12 +569,13 @@ def part_rows(args, device) -> list[dict]:
 
 def part_prefill(args, device) -> list[dict]:
     """int4 calls past GEMV_MAX_ROWS (prefill) on the --sweep-configs shapes, at each of --prefill-ms: bf16 F.linear,
-    tinygemm ("aten"), and kernel "triton" with its weight dequantized by the PyTorch ops ("triton+torch", the default)
-    or by one kernel ("triton+dq", linears.INT4_PREFILL_DEQUANT "triton"), each with its max |error| / max |reference|
-    and its speedup over bf16."""
+    tinygemm ("aten"), and kernel "triton" with its weight dequantized by the PyTorch ops ("triton+torch") or by one
+    kernel ("triton+dq", linears.INT4_PREFILL_DEQUANT "triton", the default since call q2), or no weight written at
+    all ("triton+gemv": the GEMV kernel's tensor-core form over 16-row tiles, linears.INT4_PREFILL_GEMM_ROWS), each
+    with its max |error| / max |reference| and its speedup over bf16."""
     import workbench.engine.quant.linears as linears
 
-    rows, saved = [], linears.INT4_PREFILL_DEQUANT
+    rows, saved, saved_rows = [], linears.INT4_PREFILL_DEQUANT, linears.INT4_PREFILL_GEMM_ROWS
     for config, name, k, n in shapes_of(args.sweep_configs):
         lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
         nn.init.normal_(lin.weight, std=0.02)
@@ -583,10 +585,12 @@ def part_prefill(args, device) -> list[dict]:
             x = torch.randn(m, k, device=device, dtype=args.dtype)
             ref = x.float() @ dequantize_weight("int4", **buffers(mods["triton"])).T
             base = None
-            for kind, how in (("bf16", None), ("aten", None), ("triton", "torch"), ("triton", "triton")):
-                linears.INT4_PREFILL_DEQUANT = how or saved
+            for kind, how in (("bf16", None), ("aten", None), ("triton", "torch"), ("triton", "triton"),
+                              ("triton", "gemv")):
+                linears.INT4_PREFILL_DEQUANT = how if how in ("torch", "triton") else saved
+                linears.INT4_PREFILL_GEMM_ROWS = m if how == "gemv" else saved_rows
                 row = dict(config=config, linear=name, K=k, N=n, M=m,
-                           kernel=kind + (f"+{'dq' if how == 'triton' else 'torch'}" if how else ""))
+                           kernel=kind + (f"+{dict(triton='dq').get(how, how)}" if how else ""))
                 try:
                     with torch.no_grad():
                         if kind != "bf16":
@@ -596,7 +600,7 @@ def part_prefill(args, device) -> list[dict]:
                     row["speedup_vs_bf16"] = base / row["us"]
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
-                linears.INT4_PREFILL_DEQUANT = saved
+                linears.INT4_PREFILL_DEQUANT, linears.INT4_PREFILL_GEMM_ROWS = saved, saved_rows
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del mods, clones, lin

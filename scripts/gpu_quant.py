@@ -82,7 +82,8 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # since call g3, so "+i4r" only restates it) and "+i4r0": one group per K tile (INT4_WIDE_ROWS None, the old default).
 # "+dq": int4 (kernel "triton") prompts past GEMV_MAX_ROWS dequantize the weight in one Triton kernel
 # (linears.INT4_PREFILL_DEQUANT = "triton", kernels/int4_dequant.py; the default since call q2, so "+dq" only restates
-# it) and "+dqt": by six PyTorch ops (the old default); every row records its
+# it) and "+dqt": by six PyTorch ops (the old default); "+pg": through the GEMV kernel's tensor-core form, no weight
+# written (linears.INT4_PREFILL_GEMM_ROWS, prepared in the nineteenth session); every row records its
 # prefill (`prefill_ms_median`: the prompt's forward to its first token, as generate times it).
 # Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
@@ -97,7 +98,8 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 "i4r": {(quant_gemv, "INT4_WIDE_ROWS"): dict(quant_gemv.INT4_WIDE_ROWS_TILE)},
                 "i4r0": {(quant_gemv, "INT4_WIDE_ROWS"): None},
                 "dq": {(linears, "INT4_PREFILL_DEQUANT"): "triton"},
-                "dqt": {(linears, "INT4_PREFILL_DEQUANT"): "torch"}}
+                "dqt": {(linears, "INT4_PREFILL_DEQUANT"): "torch"},
+                "pg": {(linears, "INT4_PREFILL_GEMM_ROWS"): 1 << 20}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 
 

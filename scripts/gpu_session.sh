@@ -34,7 +34,8 @@
 # PART=q1 (int4 loop variants per linear, tuned, floor) k8 (k7's sweep with the per-step replay fit) and k9 (the draft
 # model's full overlap, timed), k10 (int4 6.7 B profiled; the draft model's goal check): the eighteenth session's; q2 (int4's prefill
 # dequantized in one kernel) and k11 (the queue rule served) are prepared for the next.
-# PART=k12: the nineteenth session's last call (the draft model's uniform calibrated schedule; int4 prefill default).
+# PART=k11, q2, k12, q3: the nineteenth session's calls (BENCHMARKS.md 24); q4 (int4 prefill through the GEMV kernel)
+# is prepared for the next.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -67,7 +68,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -653,6 +654,15 @@ elif [ "$PART" = k12 ]; then
     --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 0.5,1.0,1.5 --repeats 3 \
     --budget-s "${SERVING_S:-280}"
   floor quant67 60 6.7b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+dqt@$C"
+elif [ "$PART" = q4 ]; then
+  # prepared in the nineteenth session (no device time left): int4 prefill with no bf16 weight written at all, through
+  # the GEMV kernel's tensor-core form in 16-row tiles (linears.INT4_PREFILL_GEMM_ROWS; q2's one-kernel dequant still
+  # left the 6.7 B prefill at 3.2x bf16's for a 64-token prompt). Per linear at 17-512 rows, then the floor's prefill
+  C=graphs+compile+overlap
+  step prefill 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/prefill" --parts prefill --sweep-configs 6.7b \
+    --prefill-ms 17,32,64,128,512 --replays 10
+  floor quant67 60 6.7b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+pg@$C"
+  floor quant67_p512 60 6.7b --prompt-len 512 --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+pg@$C"
 elif [ "$PART" = q3 ]; then
   # nineteenth session: q2's read floor put the 6.7 B int4 layer's GEMVs at 52.6 us against 31.5 us for one launch
   # that only streams the same bytes, whose best tiles run 800-2,900 small programs where our GEMV runs 256-688

@@ -1094,10 +1094,40 @@ def test_int4_prefill_through_the_dequant_kernel_matches_the_torch_ops(monkeypat
 
 
 @interpreter
-def test_gpu_gemv_prefill_part_times_both_dequants_with_parity(tmp_path, monkeypatch, interpreter_bf16_rtne):
+@pytest.mark.parametrize("m", [17, 40])
+def test_int4_prefill_through_the_gemv_kernel_is_within_the_wide_rows_bound(m, monkeypatch, interpreter_bf16_dot):
+    """INT4_PREFILL_GEMM_ROWS (off by default): an int4 "triton" call of GEMV_MAX_ROWS < M <= that many rows goes
+    through the GEMV kernel's tensor-core form (16-row tiles, a partial last one) instead of a dequantized weight: the
+    output stays within the bound of the M > 1 form (weights rounded once to bf16 before the dot) of the dequant
+    path's, and no weight is dequantized; past the limit the dequant path runs again."""
+    import workbench.engine.quant.linears as linears
+
+    torch.manual_seed(1)
+    lin = nn.Linear(256, 48, bias=False).to(torch.bfloat16)
+    mod = Int4Linear(lin, 64, "triton")
+    x = torch.randn(m, 256, dtype=torch.bfloat16)
+    calls = []
+    real = linears.int4_dequant_triton
+    monkeypatch.setattr(linears, "int4_dequant_triton", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        monkeypatch.setattr(linears, "INT4_PREFILL_DEQUANT", "torch")
+        want = mod(x).float()
+        monkeypatch.setattr(linears, "INT4_PREFILL_DEQUANT", "triton")
+        monkeypatch.setattr(linears, "INT4_PREFILL_GEMM_ROWS", 64)
+        got = mod(x).float()
+        assert not calls and got.shape == (m, 48)
+        torch.testing.assert_close(got, want, rtol=0, atol=2 ** -6 * want.abs().max().item())
+        monkeypatch.setattr(linears, "INT4_PREFILL_GEMM_ROWS", m - 1)
+        mod(x)
+        assert calls  # past the limit: the dequant kernel
+
+
+@interpreter
+def test_gpu_gemv_prefill_part_times_both_dequants_with_parity(tmp_path, monkeypatch, interpreter_bf16_rtne,
+                                                              interpreter_bf16_dot):
     """scripts/gpu_gemv.py --parts prefill on the mini config (interpreter): per linear and M, bf16, tinygemm and
-    kernel "triton" dequantized both ways; both triton rows within the parity bound and equal to each other (the same
-    weight), the switch restored afterwards."""
+    kernel "triton" dequantized both ways and through the GEMV kernel; both dequant rows within the parity bound and
+    equal to each other (the same weight), the GEMV row within the tensor-core form's, the switches restored."""
     import json
     import sys
 
@@ -1106,18 +1136,19 @@ def test_gpu_gemv_prefill_part_times_both_dequants_with_parity(tmp_path, monkeyp
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_gemv
 
-    default = linears.INT4_PREFILL_DEQUANT
+    default, rows_default = linears.INT4_PREFILL_DEQUANT, linears.INT4_PREFILL_GEMM_ROWS
     monkeypatch.setattr(sys, "argv", ["gpu_gemv.py", "--device", "cpu", "--out", str(tmp_path), "--parts", "prefill",
                                       "--sweep-configs", "mini", "--prefill-ms", "20", "--replays", "1",
                                       "--int4-group-size", "32"])
     gpu_gemv.main()
     rows = json.loads((tmp_path / "gemv_prefill.json").read_text())["rows"]
-    assert all("error" not in r for r in rows) and len(rows) == 4 * 4
+    assert all("error" not in r for r in rows) and len(rows) == 4 * 5
     for name in {r["linear"] for r in rows}:
         at = {r["kernel"]: r for r in rows if r["linear"] == name}
-        assert list(at) == ["bf16", "aten", "triton+torch", "triton+dq"]
+        assert list(at) == ["bf16", "aten", "triton+torch", "triton+dq", "triton+gemv"]
         assert at["triton+dq"]["rel_err"] == at["triton+torch"]["rel_err"] <= 2 ** -7
-    assert linears.INT4_PREFILL_DEQUANT == default
+        assert at["triton+gemv"]["rel_err"] <= 2 ** -6  # weights rounded to bf16 once, then the tensor-core dot
+    assert linears.INT4_PREFILL_DEQUANT == default and linears.INT4_PREFILL_GEMM_ROWS == rows_default
 
 
 @interpreter

@@ -49,6 +49,12 @@ GEMV_MAX_ROWS = 16  # kernel "triton": calls with more rows than this (prefill) 
 # 3.4-5.3x faster per 6.7 B linear, the 6.7 B int4 prefill 77.2 -> 20.9 ms for a 64-token prompt and 85.9 -> 29.7 ms
 # for 512) or by six "torch" ops (each over the whole weight). Env WORKBENCH_INT4_PREFILL_DEQUANT.
 INT4_PREFILL_DEQUANT: str = os.environ.get("WORKBENCH_INT4_PREFILL_DEQUANT", "triton")
+# int4 with kernel "triton", calls of GEMV_MAX_ROWS < M <= INT4_PREFILL_GEMM_ROWS: through the GEMV kernel's
+# tensor-core form instead (K tiles of whole groups dequantized in registers into tl.dot, kernels/quant_gemv.py
+# INT4_WIDE_ROWS): no bf16 weight written, each 16-row tile reading the packed weight once. 0 = never (the default:
+# prepared in the nineteenth session, not yet timed on a GPU; `gpu_gemv.py --parts prefill` rows "triton+gemv").
+# Env WORKBENCH_INT4_PREFILL_GEMM_ROWS.
+INT4_PREFILL_GEMM_ROWS: int = int(os.environ.get("WORKBENCH_INT4_PREFILL_GEMM_ROWS", "0") or 0)
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4pack kernels accept
 
@@ -286,7 +292,7 @@ class Int4Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = self._flat(x)
-        if self._use_gemv(x2):
+        if self._use_gemv(x2) or (self.kernel == "triton" and x2.shape[0] <= INT4_PREFILL_GEMM_ROWS):
             y = quant_gemv_triton(x2, "int4", self.weight, self.scale, self.zero, self.group_size,
                                   counters=self.gemv_counters)
         elif self.kernel in ("dequant", "triton"):
