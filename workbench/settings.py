@@ -376,7 +376,8 @@ SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("spec_off_queue", "int", 0, "no drafts in a step while at least this many requests wait for a row (0 = "
          "never): under overload speculation's extra work per step can cost more throughput than it gains (a draft "
          "model at 1.5x saturation, BENCHMARKS.md 23.4), and batch size alone cannot tell overload from a full "
-         "batch", "Switch-off queue", "adaptive", 0, 1_000_000),
+         "batch; served with a draft model it lost (0.66-0.80 of the best, BENCHMARKS.md 24.1: catch-ups, no full "
+         "overlap)", "Switch-off queue", "adaptive", 0, 1_000_000),
     Knob("spec_max_context", "int", 0, "past this context length a request drafts at most long_context_k tokens "
          "(0 = no limit)", "Long-context limit", "adaptive", 0, 10_000_000),
     Knob("long_context_k", "int", 0, "draft length past spec_max_context (0 = no drafts)", "Long-context k",
