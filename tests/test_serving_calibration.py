@@ -297,3 +297,15 @@ def test_monotone_choice_keeps_the_order_and_the_free_picks_that_keep_it(seed):
     best = max(rel(sorted(c, reverse=True)) for c in combinations_with_replacement(ks, len(sizes)))
     got = rel([choice[b] for b in sizes])
     assert best / (1 + gain) - 1e-9 <= got <= best + 1e-9
+
+
+def test_schedule_and_adaptive_docstrings_hold():
+    """The examples in workbench/serving/schedules.py (the shape rules, uniform_choice) and adaptive.py
+    (drafts_always, never_drafts, ...) run as written."""
+    import doctest
+
+    from workbench.serving import adaptive, schedules
+
+    for mod in (schedules, adaptive):
+        result = doctest.testmod(mod)
+        assert result.failed == 0 and result.attempted > 0
