@@ -17,7 +17,7 @@ Kernels:
   (BENCHMARKS.md sections 9-24).
 - `int4_dequant.py`: the int4 "dequant" packing dequantized in one pass for prefill-sized calls (kernel "triton"
   past GEMV_MAX_ROWS), `int4_dequant_triton` beside `int4_dequant_reference` (the six PyTorch ops it replaces, bit for
-  bit). The default since call q2 timed it 3.4-5.3x faster per 6.7 B linear (`linears.INT4_PREFILL_DEQUANT`).
+  bit). The default since call q2 timed it 3.1-5.3x faster per 6.7 B linear (`linears.INT4_PREFILL_DEQUANT`).
   Tests: tests/test_quant_gemv.py.
 - `stream_read.py`: a read-only floor for one launch (a buffer's words streamed and xor-folded per program), what
   scripts/gpu_gemv.py --parts read times each linear's GEMV against. Tests: tests/test_stream_read.py.

@@ -314,12 +314,12 @@ def test_auto_kernel_follows_the_measured_choice():
 def test_int4_prefill_switches_name_a_bad_value():
     """WORKBENCH_INT4_PREFILL_DEQUANT takes triton (the default) or torch, WORKBENCH_INT4_PREFILL_GEMM_ROWS a whole
     number of rows (0, the default, = never); a typo is a named error, not a silent fallback to another path."""
-    from workbench.engine.quant.linears import _prefill_env
+    from workbench.engine.quant.linears import _choice_env, _rows_env
 
-    assert _prefill_env("WORKBENCH_INT4_PREFILL_DEQUANT", "", ("triton", "torch")) == "triton"
-    assert _prefill_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS", "128") == 128
+    assert _choice_env("WORKBENCH_INT4_PREFILL_DEQUANT", "", ("triton", "torch")) == "triton"
+    assert _rows_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS", "128") == 128
     with pytest.raises(ValueError, match=r"WORKBENCH_INT4_PREFILL_DEQUANT='tritn': give one of triton, torch"):
-        _prefill_env("WORKBENCH_INT4_PREFILL_DEQUANT", "tritn", ("triton", "torch"))
+        _choice_env("WORKBENCH_INT4_PREFILL_DEQUANT", "tritn", ("triton", "torch"))
     for bad in ("-1", "64.5", "all"):
         with pytest.raises(ValueError, match="WORKBENCH_INT4_PREFILL_GEMM_ROWS=.*whole number of rows"):
-            _prefill_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS", bad)
+            _rows_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS", bad)

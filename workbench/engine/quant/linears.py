@@ -44,39 +44,48 @@ from kernels.quant_gemv import counters_for, quant_gemv_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 GEMV_MAX_ROWS = 16  # kernel "triton": calls with more rows than this (prefill) take the "dequant" form
-def _prefill_env(name: str, value: str, choices: tuple[str, ...] | None = None) -> str | int:
-    """An int4 prefill switch from the environment: one of `choices` (unset or empty: the first), or, without
-    choices, a whole number >= 0 (unset or empty: 0); anything else is a ValueError naming the variable.
 
-    >>> _prefill_env("V", "", ("triton", "torch")), _prefill_env("V", " torch ", ("triton", "torch"))
+
+def _choice_env(name: str, value: str, choices: tuple[str, ...]) -> str:
+    """An environment switch that takes one of `choices` (unset or empty: the first); anything else is a ValueError
+    naming the variable.
+
+    >>> _choice_env("V", "", ("triton", "torch")), _choice_env("V", " torch ", ("triton", "torch"))
     ('triton', 'torch')
-    >>> _prefill_env("V", ""), _prefill_env("V", "64")
+    """
+    v = value.strip()
+    if v and v not in choices:
+        raise ValueError(f"{name}={value!r}: give one of {', '.join(choices)}, or unset it (the default: "
+                         f"{choices[0]})")
+    return v or choices[0]
+
+
+def _rows_env(name: str, value: str) -> int:
+    """An environment row count: a whole number >= 0 (unset or empty: 0 = never); anything else is a ValueError
+    naming the variable (as serving's WORKBENCH_BATCH_PREFILL, loop._batch_prefill_env).
+
+    >>> _rows_env("V", ""), _rows_env("V", "64")
     (0, 64)
     """
     v = value.strip()
-    if choices is not None:
-        if v and v not in choices:
-            raise ValueError(f"{name}={value!r}: give one of {', '.join(choices)}, or unset it (the default: "
-                             f"{choices[0]})")
-        return v or choices[0]
-    if v and not (v.isdigit()):
+    if v and not v.isdigit():
         raise ValueError(f"{name}={value!r}: give a whole number of rows >= 0 (0 = never), or unset it")
     return int(v or 0)
 
 
 # int4 with kernel "triton", calls past GEMV_MAX_ROWS: the weight dequantized by one "triton" kernel
 # (kernels/int4_dequant.py, bit for bit the weight of the PyTorch ops; the default since call q2, BENCHMARKS.md 24.3:
-# 3.4-5.3x faster per 6.7 B linear, the 6.7 B int4 prefill 77.2 -> 20.9 ms for a 64-token prompt and 85.9 -> 29.7 ms
+# 3.1-5.3x faster per 6.7 B linear, the 6.7 B int4 prefill 77.2 -> 20.9 ms for a 64-token prompt and 85.9 -> 29.7 ms
 # for 512) or by six "torch" ops (each over the whole weight). Env WORKBENCH_INT4_PREFILL_DEQUANT.
-INT4_PREFILL_DEQUANT: str = _prefill_env("WORKBENCH_INT4_PREFILL_DEQUANT",
-                                          os.environ.get("WORKBENCH_INT4_PREFILL_DEQUANT", ""), ("triton", "torch"))
+INT4_PREFILL_DEQUANT: str = _choice_env("WORKBENCH_INT4_PREFILL_DEQUANT",
+                                         os.environ.get("WORKBENCH_INT4_PREFILL_DEQUANT", ""), ("triton", "torch"))
 # int4 with kernel "triton", calls of GEMV_MAX_ROWS < M <= INT4_PREFILL_GEMM_ROWS: through the GEMV kernel's
 # tensor-core form instead (K tiles of whole groups dequantized in registers into tl.dot, kernels/quant_gemv.py
 # INT4_WIDE_ROWS): no bf16 weight written, each 16-row tile reading the packed weight once. 0 = never (the default:
 # prepared in the nineteenth session, not yet timed on a GPU; `gpu_gemv.py --parts prefill` rows "triton+gemv").
 # Env WORKBENCH_INT4_PREFILL_GEMM_ROWS.
-INT4_PREFILL_GEMM_ROWS: int = _prefill_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS",
-                                            os.environ.get("WORKBENCH_INT4_PREFILL_GEMM_ROWS", ""))
+INT4_PREFILL_GEMM_ROWS: int = _rows_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS",
+                                        os.environ.get("WORKBENCH_INT4_PREFILL_GEMM_ROWS", ""))
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4pack kernels accept
 
