@@ -25,6 +25,9 @@ rows   : int4 at verify widths (--rows-ms, default 5) on the --sweep-configs sha
 prefill: int4 past GEMV_MAX_ROWS (--prefill-ms, default 64,512) on the --sweep-configs shapes: bf16, tinygemm, kernel
          "triton" with its weight dequantized by PyTorch ops, by one kernel (kernels/int4_dequant.py, the default) and
          through the GEMV kernel's tensor-core form with no weight written (linears.INT4_PREFILL_GEMM_ROWS).
+mma    : int4 at 1..16 rows (--mma-ms) on the tensor cores (kernels/int4_mma.py) on the --sweep-configs shapes: a grid of
+         its tiles (--mma-block-n x --mma-warps x --mma-stages x --mma-per-sm) beside bf16, tinygemm and our CUDA-core
+         GEMV, with parity; the best per (shape, M) marked, and per-layer sums.
 read   : one-row int4 on the --sweep-configs shapes against a read-only floor: kernels/stream_read.py streams a buffer
          of the linear's stored int4 bytes (weight, scales, zeros) and of its bf16 bytes in one launch, over a grid of
          --read-blocks x --read-iters x --read-warps tiles (best marked), beside our GEMV, tinygemm and bf16 F.linear
@@ -685,13 +688,90 @@ def part_read(args, device) -> list[dict]:
     return rows
 
 
+def part_mma(args, device) -> list[dict]:
+    """int4 at 1..16 rows on the tensor cores (kernels/int4_mma.py) on the --sweep-configs shapes, at each of
+    --mma-ms: bf16 F.linear, tinygemm ("aten"), our CUDA-core GEMV ("triton", its default tile) and each int4_mma
+    tile of the --mma-block-n x --mma-warps x --mma-stages x --mma-per-sm grid (per-sm: programs per SM the split
+    aims at), each with its max |error| / max |reference|, its speedup over the GEMV and over bf16; the fastest
+    parity-clean int4_mma tile per (shape, M) is marked. Then one "layer" row per kernel and M summing its best."""
+    from kernels.int4_mma import counters_for as mma_counters, int4_mma_gemv
+
+    rows, problem = [], kernel_ok(device)
+    if problem:
+        return [dict(error=problem)]
+    grid = [dict(BLOCK_N=bn, num_warps=w, num_stages=st, programs_per_sm=ps) for bn in ints(args.mma_block_n)
+            for w in ints(args.mma_warps) for st in ints(args.mma_stages) for ps in ints(args.mma_per_sm)
+            if not (bn >= 256 and w < 8)]
+    for config, name, k, n in shapes_of(args.sweep_configs):
+        lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
+        nn.init.normal_(lin.weight, std=0.02)
+        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size)
+        clones = {"bf16": rotating(lin, device), **{kind: rotating(mod, device) for kind, mod in mods.items()}}
+        nbytes = weight_bytes(mods["triton"]) - mods["triton"].gemv_counters.numel() * 4
+        counters = mma_counters(n, device)
+        for m in ints(args.mma_ms):
+            x = torch.randn(m, k, device=device, dtype=args.dtype)
+            ref = x.float() @ dequantize_weight("int4", **buffers(mods["triton"])).T
+            ref_max = ref.abs().max()
+            at_m = []
+            for kind, tile in [("bf16", None), ("aten", None), ("triton", None)] + [("mma", t) for t in grid]:
+                row = dict(config=config, linear=name, K=k, N=n, M=m, kernel=kind,
+                           tile="-" if tile is None else
+                           f"{tile['BLOCK_N']} w{tile['num_warps']} s{tile['num_stages']} ps{tile['programs_per_sm']}")
+                try:
+                    with torch.no_grad():
+                        if kind == "mma":
+                            calls = [lambda c=c, t=tile: int4_mma_gemv(x, c.weight, c.scale, c.zero, c.group_size,
+                                                                       counters, **t) for c in clones["triton"]]
+                            got = calls[0]().float()
+                        else:
+                            calls = [lambda c=c: c(x) for c in clones[kind]]
+                            got = calls[0]().float()
+                        if kind != "bf16":
+                            row["rel_err"] = ((got - ref).abs().max() / ref_max).item()
+                        row["us"] = time_us(calls, device, args.replays)
+                    row["gb_per_s"] = nbytes / row["us"] / 1e3
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                at_m.append(row)
+            base = {r["kernel"]: r["us"] for r in at_m if r["kernel"] in ("bf16", "triton") and "us" in r}
+            for r in at_m:
+                if "us" in r:
+                    r.update({f"speedup_vs_{key}": us / r["us"] for key, us in base.items()})
+            best = min((r for r in at_m if r["kernel"] == "mma" and "us" in r and r["rel_err"] <= args.parity_rtol),
+                       key=lambda r: r["us"], default=None)
+            if best:
+                best["best"] = True
+            rows += at_m
+            for r in at_m:
+                print(json.dumps(r), flush=True)
+        del mods, clones, lin
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for config in dict.fromkeys(c for c, *_ in shapes_of(args.sweep_configs)):
+        for m in ints(args.mma_ms):
+            for kind in ("bf16", "aten", "triton", "mma"):
+                per_linear = {}
+                for r in rows:
+                    if r.get("config") == config and r.get("M") == m and r.get("kernel") == kind and "us" in r \
+                            and (kind != "mma" or r.get("best")):
+                        per_linear[r["linear"]] = r
+                if per_linear:
+                    rows.append(dict(config=config, linear="layer", kernel=kind, M=m,
+                                     us=sum(r["us"] for r in per_linear.values()), linears=len(per_linear),
+                                     tiles=", ".join(f"{lin}: {r['tile']}" for lin, r in per_linear.items())
+                                     if kind == "mma" else "-"))
+                    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 PARTS = {"parity": part_parity, "speed": part_speed, "sweep": part_sweep, "tune": part_tune, "tc": part_tc,
          "f16": part_f16, "cvt": part_cvt, "decode": part_decode, "rows": part_rows,
-         "prefill": part_prefill, "read": part_read}
+         "prefill": part_prefill, "read": part_read, "mma": part_mma}
 
 
 def main() -> None:
@@ -743,6 +823,11 @@ def main() -> None:
     ap.add_argument("--read-blocks", default="256,512,1024,2048", help="read part: stream_read block (words)")
     ap.add_argument("--read-iters", default="1,2,4,8", help="read part: stream_read blocks per program")
     ap.add_argument("--read-warps", default="4,8", help="read part: stream_read num_warps values")
+    ap.add_argument("--mma-ms", default="1,5,16", help="mma part: activation rows M (1..16)")
+    ap.add_argument("--mma-block-n", default="64,128,256", help="mma part: int4_mma BLOCK_N values")
+    ap.add_argument("--mma-warps", default="4,8", help="mma part: int4_mma num_warps values")
+    ap.add_argument("--mma-stages", default="2,3,4", help="mma part: int4_mma num_stages values")
+    ap.add_argument("--mma-per-sm", default="1,2,4", help="mma part: programs per SM the split aims at")
     ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: INT4_WIDE_ROWS BLOCK_N values")
     ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")
     ap.add_argument("--rows-warps", default="4,8", help="rows part: INT4_WIDE_ROWS num_warps values")

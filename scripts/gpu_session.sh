@@ -36,6 +36,7 @@
 # dequantized in one kernel) and k11 (the queue rule served) are prepared for the next.
 # PART=k11, q2, k12, q3: the nineteenth session's calls (BENCHMARKS.md 24); q4 (int4 prefill through the GEMV kernel)
 # is prepared for the next.
+# PART=m1 (int4 on the tensor cores, kernels/int4_mma.py, per linear): the twentieth session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -68,7 +69,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -654,6 +655,14 @@ elif [ "$PART" = k12 ]; then
     --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 0.5,1.0,1.5 --repeats 3 \
     --budget-s "${SERVING_S:-280}"
   floor quant67 60 6.7b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+dqt@$C"
+elif [ "$PART" = m1 ]; then
+  # twentieth session: int4 at 1..16 rows on the tensor cores (kernels/int4_mma.py: each weight dequantized in
+  # registers into the MMA's A operand, about 3 instructions a weight in the SASS against 4.3 for the CUDA-core GEMV).
+  # Per linear, a tile grid with parity, beside bf16, tinygemm and our GEMV: 6.7 B at 1, 5, 16 rows, 1.45 B at 1
+  step mma67 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/mma67" --parts mma --sweep-configs 6.7b \
+    --mma-ms 1,5,16 --mma-block-n 64,128,256 --mma-warps 4,8 --mma-stages 3,4 --mma-per-sm 1,2,4 --replays 10
+  step mma145 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/mma145" --parts mma --sweep-configs 1.45b \
+    --mma-ms 1 --mma-block-n 64,128,256 --mma-warps 4,8 --mma-stages 3,4 --mma-per-sm 1,2,4 --replays 10
 elif [ "$PART" = q4 ]; then
   # prepared in the nineteenth session (no device time left): int4 prefill with no bf16 weight written at all, through
   # the GEMV kernel's tensor-core form in 16-row tiles (linears.INT4_PREFILL_GEMM_ROWS; q2's one-kernel dequant still

@@ -1,0 +1,105 @@
+"""kernels/int4_mma.py: the tensor-core int4 GEMV (1-16 rows) against the fp32 reference under the Triton interpreter
+(its weights computed by Triton ops, the same values the PTX computes on a GPU: scripts/gpu_int4_mma.py checks the
+PTX there), its configuration and its refusals (on any machine)."""
+import doctest
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from kernels import int4_mma as im
+from kernels.quant_gemv import dequantize_weight
+from workbench.engine.quant.linears import Int4Linear
+
+
+def stored(n: int, k: int, group: int, dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=False).to(dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g))
+    mod = Int4Linear(lin, group, "dequant")
+    return dict(weight=mod.weight, scale=mod.scale, zero=mod.zero, group_size=group)
+
+
+def test_doctests():
+    assert doctest.testmod(im).failed == 0
+
+
+def test_refusals_name_the_problem():
+    b = stored(64, 256, 64, torch.bfloat16)
+    with pytest.raises(im.Int4MmaError, match="1..16 rows"):
+        im.check(torch.zeros(17, 256, dtype=torch.bfloat16), b["weight"], b["scale"], b["zero"], 64)
+    with pytest.raises(im.Int4MmaError, match="bf16 or fp16"):
+        im.check(torch.zeros(1, 256), b["weight"], b["scale"], b["zero"], 64)
+    with pytest.raises(im.Int4MmaError, match="group size 32"):
+        im.check(torch.zeros(1, 256, dtype=torch.bfloat16), b["weight"], b["scale"], b["zero"], 32)
+    with pytest.raises(im.Int4MmaError, match="scale and zero must be in x's dtype"):
+        im.check(torch.zeros(1, 256, dtype=torch.float16), b["weight"], b["scale"], b["zero"], 64)
+
+
+def test_config_splits_to_fill_the_gpu():
+    c = im.int4_mma_config(1, 4096, 11008, 128)  # 6.7 B's down projection: 32 tiles of 128 rows, 86 groups
+    assert c["BLOCK_N"] == 128 and c["SPLIT_K"] * c["groups_per_split"] >= 86 > (c["SPLIT_K"] - 1) * c[
+        "groups_per_split"]
+    assert 32 * c["SPLIT_K"] >= 2 * 132 or c["SPLIT_K"] == im.MAX_SPLIT_K
+    assert im.int4_mma_config(1, 64, 256, 128, SPLIT_K=5)["SPLIT_K"] == 2  # no empty splits (2 groups)
+
+
+interpreter = pytest.mark.skipif(
+    not (im.TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="the kernel runs here only under the Triton interpreter (TRITON_INTERPRET=1); on a GPU: "
+           "scripts/gpu_int4_mma.py")
+
+
+@pytest.fixture
+def interpreter_bf16_dot(monkeypatch):
+    """The interpreter's tl.dot (triton 3.9) multiplies bf16 bit patterns as integers; widen them first (exact, as the
+    tensor cores' bf16 products are): tests/test_quant_gemv.py's fixture."""
+    import triton.language as tl
+    from triton.runtime.interpreter import interpreter_builder as builder
+
+    def widen(handle):
+        return builder.cast_impl(handle, tl.float32) if handle.dtype == tl.bfloat16 else handle
+
+    dot = builder.create_dot
+    monkeypatch.setattr(builder, "create_dot", lambda a, b, acc, *rest: dot(widen(a), widen(b), acc, *rest))
+
+
+@interpreter
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_matches_reference(dtype, m, split, block_n, interpreter_bf16_dot):
+    n, k, group = 200, 768, 128  # N not a multiple of the tile, six groups (split 3: two each)
+    b = stored(n, k, group, dtype, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(dtype)
+    residual = torch.randn(m, n, generator=torch.Generator().manual_seed(6)).to(dtype) if split == 3 else None
+    counters = im.counters_for(n, "cpu")
+    got = im.int4_mma_gemv(x, **b, counters=counters, residual=residual, SPLIT_K=split, BLOCK_N=block_n)
+    assert got.dtype == dtype and got.shape == (m, n)
+    want = x.float() @ dequantize_weight("int4", **b).T + (residual.float() if residual is not None else 0)
+    # each weight rounded once to x's dtype before exact products and fp32 sums: INT4_WIDE_ROWS' bound
+    # (tests/test_quant_gemv.py), relative to the output's size
+    atol = (2 ** -6 if dtype == torch.bfloat16 else 2 ** -8) * want.abs().max().item()
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=atol)
+    assert not counters.any()  # the last split of each tile reset its counter
+    if m > 1:  # rows are independent: row 0 alone (15 masked rows) gives the same bits
+        one = im.int4_mma_gemv(x[:1], **b, counters=counters, residual=None if residual is None else residual[:1],
+                               SPLIT_K=split, BLOCK_N=block_n)
+        torch.testing.assert_close(one.float(), got[:1].float(), rtol=0, atol=0)
+
+
+@interpreter
+def test_every_nibble_position_and_value_lands_on_its_k(interpreter_bf16_dot):
+    """x = e_k for every k of two groups: column k of the dequantized weight, exactly (scale 1, zero 0: the weight
+    q - 8 is exact in bf16), so a nibble read from the wrong position or paired with the wrong x fails."""
+    n, k, group = 64, 256, 128
+    q = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    weight = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+    scale = torch.ones(n, k // group, dtype=torch.bfloat16)
+    zero = torch.zeros(n, k // group, dtype=torch.bfloat16)
+    x = torch.eye(k, dtype=torch.bfloat16)
+    got = torch.cat([im.int4_mma_gemv(x[i:i + 16], weight, scale, zero, group, SPLIT_K=1) for i in range(0, k, 16)])
+    assert torch.equal(got.float(), (q - 8).float().T)
