@@ -33,6 +33,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import gdc_launch_dependents, gdc_wait
     TRITON_AVAILABLE = True
 except ImportError:  # pragma: no cover - CPU machines without triton
     TRITON_AVAILABLE = False
@@ -46,20 +48,22 @@ class Int4MmaError(ValueError):
 
 
 def int4_mma_config(m: int, n: int, k: int, group_size: int, sm_count: int = 132, **override) -> dict:
-    """Tile and split for one call. BLOCK_N rows of W per program (the MMA's M: 64 per warpgroup), one group per K
-    step; split K until the programs give each SM about `programs_per_sm` (2, unmeasured).
+    """Tile and split for one call: BLOCK_N rows of W per program (the MMA's M: 64 per warpgroup), one group per K
+    step, K split until the programs give each SM about `programs_per_sm`. The defaults, 64 rows, 4 warps, 3 stages,
+    4 programs per SM, were the best single tile over the 6.7 B linears at 1, 5 and 16 rows and the 1.45 B ones at 1
+    in call m1 (BENCHMARKS.md 25.1: within 2.2 % of each linear's own best tile summed over a layer).
 
-    >>> c = int4_mma_config(1, 4096, 4096, 128)
+    >>> c = int4_mma_config(5, 4096, 4096, 128)  # 6.7 B's o_proj: 64 tiles, 32 groups
     >>> c["BLOCK_N"], c["SPLIT_K"], c["groups_per_split"], c["num_warps"]
-    (128, 8, 4, 8)
-    >>> c = int4_mma_config(1, 22016, 4096, 128)
+    (64, 8, 4, 4)
+    >>> c = int4_mma_config(5, 22016, 4096, 128)  # gate / up: 344 tiles, split 2
     >>> c["BLOCK_N"], c["SPLIT_K"]
-    (128, 2)
+    (64, 2)
     """
-    block_n = override.get("BLOCK_N", 128)
-    warps = override.get("num_warps", 8 if block_n >= 128 else 4)
+    block_n = override.get("BLOCK_N", 64)
+    warps = override.get("num_warps", 4)
     stages = override.get("num_stages", 3)
-    per_sm = override.get("programs_per_sm", 2)
+    per_sm = override.get("programs_per_sm", 4)
     groups = k // group_size
     tiles = math.ceil(n / block_n)
     split = override.get("SPLIT_K", max(1, min(math.ceil(per_sm * sm_count / tiles), groups, MAX_SPLIT_K)))
@@ -121,11 +125,12 @@ if TRITON_AVAILABLE:
                 "=r,r,r,r", [h, s, z], dtype=s.dtype, is_pure=True, pack=2)
 
     @triton.jit(do_not_specialize=["M", "groups_per_split", "SPLIT_K"])
-    def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, r_ptr,
-                         M, N, K, groups_per_split, sx_m, sw_n, ss_n, ss_g, so_m, sr_m, SPLIT_K,
+    def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, r_ptr, nw_ptr, sq_ptr,
+                         M, N, K, groups_per_split, eps, sx_m, sw_n, ss_n, ss_g, so_m, sr_m, SPLIT_K,
                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                         RESIDUAL: tl.constexpr, F16: tl.constexpr,
-                         EMULATE: tl.constexpr):
+                         GLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, F16: tl.constexpr,
+                         EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+        # x [M, K] (GLU: [M, 2K] = [gate | up]); nw: the RMSNorm weight [K] (NORM); sq: [SPLIT_K, M] fp32 (NORM, split)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -135,7 +140,10 @@ if TRITON_AVAILABLE:
         QG: tl.constexpr = GROUP // 4  # int16 elements per row and group
         g_start = pid_k * groups_per_split
         g_end = tl.minimum(g_start + groups_per_split, K // GROUP)
+        if PDL:  # dependent launch (kernels/pdl.py): nothing above reads what an earlier kernel writes
+            gdc_wait()
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
+        sq2 = tl.zeros([BLOCK_M, GROUP], dtype=tl.float32)  # NORM: x^2 per row and lane, summed after the loop
         for g in range(g_start, g_end):
             offs_j = g * QG + tl.arange(0, QG)
             h = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_j[None, :], mask=mask_n[:, None], other=0)  # [BN, QG]
@@ -144,7 +152,18 @@ if TRITON_AVAILABLE:
             s = tl.broadcast_to(s[:, None], [BLOCK_N, QG])
             z = tl.broadcast_to(z[:, None], [BLOCK_N, QG])
             offs_k = g * GROUP + tl.arange(0, GROUP)
-            xa = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            x_ptrs = x_ptr + offs_m[:, None] * sx_m + offs_k[None, :]
+            if GLU:  # SwiGLU prologue: silu(gate) * up in fp32, rounded once to x's dtype
+                gate = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0).to(tl.float32)
+                up = tl.load(x_ptrs + K, mask=mask_m[:, None], other=0.0).to(tl.float32)
+                xa = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)  # [BM, G]: all 16 rows, the
+                # padding too (in the SASS about 4 more instructions a weight at 64 rows per program: not timed)
+            else:
+                xa = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)  # [BM, G]
+            if NORM:  # RMSNorm prologue: x * norm weight here, 1 / rms(x) applied to the sums after the loop
+                xf = xa.to(tl.float32)
+                sq2 += xf * xf
+                xa = (xf * tl.load(nw_ptr + offs_k).to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
             even, odd = tl.split(tl.reshape(xa, [BLOCK_M, QG, 2, 2]))  # k = 4j + {0, 2} | {1, 3} (the last dim)
             x0, x2 = tl.split(even)
             x1, x3 = tl.split(odd)
@@ -154,9 +173,14 @@ if TRITON_AVAILABLE:
             acc = tl.dot(_nibble_weights(h, s, z, 1, F16, EMULATE), x0, acc)
             acc = tl.dot(_nibble_weights(h, s, z, 2, F16, EMULATE), x3, acc)
             acc = tl.dot(_nibble_weights(h, s, z, 3, F16, EMULATE), x2, acc)
+        if PDL:  # this program's weights are read: the next kernel may take the SM slots we free
+            gdc_launch_dependents()
+        sq = tl.sum(sq2, axis=1)  # [BM]: this split's sum of x^2 per row (NORM)
         out_ptrs = out_ptr + offs_m[None, :] * so_m + offs_n[:, None]  # [BN, BM]: out^T
         out_mask = mask_n[:, None] & mask_m[None, :]
         if SPLIT_K == 1:
+            if NORM:
+                acc = acc * (1.0 / tl.sqrt_rn(sq / K + eps))[None, :]
             if RESIDUAL:
                 acc += tl.load(r_ptr + offs_m[None, :] * sr_m + offs_n[:, None], mask=out_mask, other=0.0).to(
                     tl.float32)
@@ -164,12 +188,19 @@ if TRITON_AVAILABLE:
         else:
             part = part_ptr + offs_m[None, :] * N + offs_n[:, None]  # partials [SPLIT_K, M, N] fp32
             tl.store(part + pid_k * M * N, acc, mask=out_mask)
+            if NORM:  # every N tile of this split stores the same sums (the same x range): a benign race
+                tl.store(sq_ptr + pid_k * M + offs_m, sq, mask=mask_m)
             tl.debug_barrier()  # every thread's partial is written before the counter says so
             arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:  # the last split of this tile: add them up in order
                 total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                sq_all = tl.zeros([BLOCK_M], dtype=tl.float32)
                 for sk in range(0, SPLIT_K):
                     total += tl.load(part + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                    if NORM:
+                        sq_all += tl.load(sq_ptr + sk * M + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
+                if NORM:
+                    total = total * (1.0 / tl.sqrt_rn(sq_all / K + eps))[None, :]
                 if RESIDUAL:
                     total += tl.load(r_ptr + offs_m[None, :] * sr_m + offs_n[:, None], mask=out_mask,
                                      other=0.0).to(tl.float32)
@@ -188,17 +219,21 @@ def counters_for(n: int, device, block_n: int = 64) -> torch.Tensor:
 
 
 def int4_mma_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                  counters: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
+                  counters: torch.Tensor | None = None, *, glu: bool = False, residual: torch.Tensor | None = None,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False,
                   **override) -> torch.Tensor:
-    """x [M, K] (M <= 16, bf16 / fp16) times the int4 weight ("dequant" packing) -> [M, N] in x's dtype, plus
-    `residual` [M, N] if given. `counters`: int32 zeros, one per N tile (counters_for), needed when K is split;
-    they are left at zero. `override`: int4_mma_config's entries."""
-    check(x, weight, scale, zero, group_size)
+    """x [M, K] (M <= 16, bf16 / fp16) times the int4 weight ("dequant" packing) -> [M, N] in x's dtype. The fusions
+    of kernels/quant_gemv.py, with the same meaning: glu (x = [gate | up] [M, 2K], silu(gate) * up taken), norm_weight
+    (x RMS-normalized: x * norm_weight rounded to x's dtype, 1 / rms in fp32 applied to the sums), residual [M, N]
+    (added before the final rounding). `counters`: int32 zeros, one per N tile (counters_for), used when K is split
+    and left at zero. pdl: launch with programmatic dependent launch (the caller asks kernels/pdl.py). `override`:
+    int4_mma_config's entries."""
     import os
-    emulate = os.environ.get("TRITON_INTERPRET") == "1"
-    m, k = x.shape
-    n = weight.shape[0]
     x = x.contiguous()
+    m, k = x.shape
+    k = k // 2 if glu else k
+    check(x[:, :k], weight, scale, zero, group_size)
+    n = weight.shape[0]
     index = x.device.index if x.device.type == "cuda" else None
     cfg = int4_mma_config(m, n, k, group_size, _sm_count(index), **override)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -206,22 +241,24 @@ def int4_mma_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ze
     tiles = math.ceil(n / cfg["BLOCK_N"])
     if split > 1:
         part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-        if counters is None:
+        if counters is None or counters.numel() < tiles:
             counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
-        elif counters.numel() < tiles:
-            raise Int4MmaError(f"{counters.numel()} split-K counters for {tiles} N tiles")
     else:
         part = out
         counters = counters if counters is not None else torch.zeros(1, dtype=torch.int32, device=x.device)
     if residual is not None and tuple(residual.shape) != (m, n):
         raise Int4MmaError(f"residual must be [M, N] = [{m}, {n}]; got {tuple(residual.shape)}")
-    r = residual if residual is not None else out
+    r = residual.contiguous() if residual is not None else out  # never read without RESIDUAL
+    nw = norm_weight.contiguous() if norm_weight is not None else out  # never read without NORM
+    sq = torch.empty(split, m, dtype=torch.float32, device=x.device) if norm_weight is not None and split > 1 \
+        else part
     w16 = weight.view(torch.int16)
     _int4_mma_kernel[(tiles, split)](
-        x, w16, scale, zero, out, part, counters, r,
-        m, n, k, cfg["groups_per_split"], x.stride(0), w16.stride(0), scale.stride(0), scale.stride(1),
+        x, w16, scale, zero, out, part, counters, r, nw, sq,
+        m, n, k, cfg["groups_per_split"], float(eps), x.stride(0), w16.stride(0), scale.stride(0), scale.stride(1),
         out.stride(0), r.stride(0), split,
-        GROUP=group_size, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=MAX_ROWS,
-        RESIDUAL=residual is not None, F16=x.dtype == torch.float16, EMULATE=emulate,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        GROUP=group_size, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=MAX_ROWS, GLU=glu, NORM=norm_weight is not None,
+        RESIDUAL=residual is not None, F16=x.dtype == torch.float16,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **(dict(PDL=True, launch_pdl=True) if pdl else {}))
     return out

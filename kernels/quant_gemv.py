@@ -235,6 +235,13 @@ LOOP_STAGES: int | None = int(os.environ["WORKBENCH_GEMV_LOOP_STAGES"]) \
 # the fastest in sum at both sizes (1-3 % ahead of 64 x 256 with 8 warps). tinygemm stays faster at M <= 5 (0.62x /
 # 0.93x of ours per 6.7 B layer at M = 2 / 5), ours at M = 9 (0.77x of tinygemm's). Env WORKBENCH_INT4_WIDE_ROWS=0:
 # off; gpu_quant.py's "+i4r" rows and gpu_gemv.py --int4-wide-rows-compare set INT4_WIDE_ROWS_TILE explicitly.
+# int4 calls of 2..INT4_MMA_ROWS rows (verify widths) on the tensor cores with each weight dequantized in registers
+# straight into the MMA's operand (kernels/int4_mma.py), bf16 / fp16 x with scales in its dtype and groups of 64+,
+# instead of the K tiles of whole groups below (INT4_WIDE_ROWS). Call m1 (BENCHMARKS.md 25.1) timed the 6.7 B layer's
+# four linears at 75.5 us (5 rows) and 77.3 us (16 rows) against 109.8 / 110.0 us here and 101.1 / 237.8 us for
+# tinygemm; at one row it is slower than this kernel (74.4 against 52.8 us), so one-row calls stay here. 0: off
+# (env WORKBENCH_INT4_MMA_ROWS; gpu_quant.py "+mma0").
+INT4_MMA_ROWS = int(os.environ.get("WORKBENCH_INT4_MMA_ROWS", "16"))
 INT4_WIDE_ROWS_TILE = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
 INT4_WIDE_ROWS: dict | None = None if os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "0" \
     else dict(INT4_WIDE_ROWS_TILE)
@@ -905,6 +912,13 @@ def _(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=Non
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+def _mma_takes(x, scale, zero, group_size) -> bool:
+    """Whether kernels/int4_mma.py takes this int4 call (INT4_MMA_ROWS): 16-bit x, scales and zeros in its dtype,
+    groups of 64+ in multiples of 16 (the rest stay here)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and scale.dtype == x.dtype and zero.dtype == x.dtype \
+        and group_size % 16 == 0 and group_size >= 64
+
+
 def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, norm_weight=None, eps=1e-6,
             **override) -> torch.Tensor:
     if not TRITON_AVAILABLE:
@@ -914,6 +928,10 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     m, k = x.shape
     k = k // 2 if glu else k
     n = weight.shape[0]
+    if fmt == "int4" and 1 < m <= INT4_MMA_ROWS and not override and _mma_takes(x, scale, zero, group_size):
+        from .int4_mma import int4_mma_gemv
+        return int4_mma_gemv(x, weight, scale, zero, group_size, counters, glu=glu, residual=residual,
+                             norm_weight=norm_weight, eps=eps, pdl=use_pdl(x.device))
     sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
     cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())),
                          (NARROW_TILES, WIDE_FP8_WARPS, tuple(sorted(INT4_WIDE_TILES.items()))

@@ -84,7 +84,8 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # (linears.INT4_PREFILL_DEQUANT = "triton", kernels/int4_dequant.py; the default since call q2, so "+dq" only restates
 # it) and "+dqt": by six PyTorch ops (the old default); "+pg": through the GEMV kernel's tensor-core form, no weight
 # written (linears.INT4_PREFILL_GEMM_ROWS, prepared in the nineteenth session); every row records its
-# prefill (`prefill_ms_median`: the prompt's forward to its first token, as generate times it).
+# prefill (`prefill_ms_median`: the prompt's forward to its first token, as generate times it). "+mma0": int4 calls of
+# 2..16 rows (verify widths) stay in kernels/quant_gemv.py instead of kernels/int4_mma.py (quant_gemv.INT4_MMA_ROWS 0).
 # Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
                 "rope": {(kv_cache, "FUSE_ROPE"): True}, "norope": {(kv_cache, "FUSE_ROPE"): False},
@@ -99,7 +100,8 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 "i4r0": {(quant_gemv, "INT4_WIDE_ROWS"): None},
                 "dq": {(linears, "INT4_PREFILL_DEQUANT"): "triton"},
                 "dqt": {(linears, "INT4_PREFILL_DEQUANT"): "torch"},
-                "pg": {(linears, "INT4_PREFILL_GEMM_ROWS"): 1 << 20}}
+                "pg": {(linears, "INT4_PREFILL_GEMM_ROWS"): 1 << 20},
+                "mma0": {(quant_gemv, "INT4_MMA_ROWS"): 0}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 
 
@@ -211,27 +213,29 @@ def part_grid(args, device: torch.device) -> list[dict]:
 
     session = BenchSession.load(preset=args.preset, device=str(device), dtype=args.grid_dtype)
     rows, bf16_ar = [], None
-    for tq in args.grid_targets.split(","):
-        for dq in args.grid_drafts.split(","):
-            row = {"target_quant": tq, "draft_quant": dq}
-            cfg = BenchConfig(method="draft", k=4, batch=1, max_new_tokens=args.grid_new_tokens,
-                              num_prompts=args.grid_prompts, repeats=args.repeats, warmup=1, temperature=0.0,
-                              cuda_graphs=True, graph_batch_sizes=(1,), target_quant=tq, draft_quant=dq,
-                              int4_group_size=args.int4_group_size)
-            try:
-                rec = session.run(cfg).record
-                if tq == "none" and bf16_ar is None:
-                    bf16_ar = rec["ar_tokens_per_s"]
-                row.update({k: rec.get(k) for k in (
-                    "acceptance_rate", "mean_accepted_tokens", "tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar",
-                    "quant_ppl_delta_pct", "quant_token_agreement", "quant_sequences_identical",
-                    "quant_acceptance_ref", "quant_acceptance_delta", "quant_within_bound", "greedy_matches_ar",
-                    "greedy_near_tie", "target_weight_mb", "draft_weight_mb", "noisy", "plausible")})
-                row["speedup_vs_bf16_ar"] = rec["tokens_per_s"] / bf16_ar if bf16_ar else None
-            except Exception as e:  # noqa: BLE001
-                row["error"] = f"{type(e).__name__}: {e}"[:400]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    kernels = args.grid_quant_kernels.split(",")
+    cells = [(tq, dq, qk) for tq in args.grid_targets.split(",") for dq in args.grid_drafts.split(",")
+             for qk in ([kernels[0]] if (tq, dq) == ("none", "none") else kernels)]  # bf16 x bf16: once
+    for tq, dq, qk in cells:
+        row = {"target_quant": tq, "draft_quant": dq, "quant_kernel": qk}
+        cfg = BenchConfig(method="draft", k=4, batch=1, max_new_tokens=args.grid_new_tokens,
+                          num_prompts=args.grid_prompts, repeats=args.repeats, warmup=1, temperature=0.0,
+                          cuda_graphs=True, graph_batch_sizes=(1,), target_quant=tq, draft_quant=dq,
+                          int4_group_size=args.int4_group_size, quant_kernel=qk)
+        try:
+            rec = session.run(cfg).record
+            if tq == "none" and bf16_ar is None:
+                bf16_ar = rec["ar_tokens_per_s"]
+            row.update({k: rec.get(k) for k in (
+                "acceptance_rate", "mean_accepted_tokens", "tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar",
+                "quant_ppl_delta_pct", "quant_token_agreement", "quant_sequences_identical",
+                "quant_acceptance_ref", "quant_acceptance_delta", "quant_within_bound", "greedy_matches_ar",
+                "greedy_near_tie", "target_weight_mb", "draft_weight_mb", "noisy", "plausible")})
+            row["speedup_vs_bf16_ar"] = rec["tokens_per_s"] / bf16_ar if bf16_ar else None
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -284,6 +288,8 @@ def main() -> None:
     ap.add_argument("--grid-dtype", default="bfloat16")
     ap.add_argument("--grid-targets", default="none,int8,int4,int4-awq,fp8")
     ap.add_argument("--grid-drafts", default="none,int8,int4")
+    ap.add_argument("--grid-quant-kernels", default="auto", help="grid part: quant_kernel values, each a row per "
+                    "quantized cell (e.g. aten,triton: tinygemm against ours for int4); bf16 x bf16 runs once, auto")
     ap.add_argument("--grid-prompts", type=int, default=4)
     ap.add_argument("--grid-new-tokens", type=int, default=96)
     ap.add_argument("--m1-tiles", default="", help="a JSON file of one-row GEMV tiles per shape, as scripts/gpu_gemv.py "

@@ -36,7 +36,8 @@
 # dequantized in one kernel) and k11 (the queue rule served) are prepared for the next.
 # PART=k11, q2, k12, q3: the nineteenth session's calls (BENCHMARKS.md 24); q4 (int4 prefill through the GEMV kernel)
 # is prepared for the next.
-# PART=m1 (int4 on the tensor cores, kernels/int4_mma.py, per linear): the twentieth session's.
+# PART=m1 (int4 on the tensor cores, kernels/int4_mma.py, per linear) and m2 (int4 verifies on it: parity, small's
+# draft model with an int4 target): the twentieth session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -663,6 +664,18 @@ elif [ "$PART" = m1 ]; then
     --mma-ms 1,5,16 --mma-block-n 64,128,256 --mma-warps 4,8 --mma-stages 3,4 --mma-per-sm 1,2,4 --replays 10
   step mma145 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/mma145" --parts mma --sweep-configs 1.45b \
     --mma-ms 1 --mma-block-n 64,128,256 --mma-warps 4,8 --mma-stages 3,4 --mma-per-sm 1,2,4 --replays 10
+elif [ "$PART" = m2 ]; then
+  # twentieth session: m1 put int4 verifies (5 and 16 rows) on the tensor cores 1.45x faster per 6.7 B layer than
+  # our GEMV and 1.34x than tinygemm; quant_gemv now hands 2..16-row int4 calls to kernels/int4_mma.py. Parity of
+  # every 6.7 B linear at 1-16 rows through Int4Linear; then the small preset's draft model k = 4 with an int4 target,
+  # tinygemm ("aten") against ours ("triton", verifies on the tensor cores), and ours with the old verify (+mma0)
+  train_small
+  step parity 30 $PY scripts/gpu_gemv.py --device cuda --out "$R/parity" --parts parity --configs 6.7b,1.45b \
+    --formats int4 --ms 1,2,5,9,16
+  step grid 100 $PY scripts/gpu_quant.py --device cuda --out "$R/grid" --preset small --parts grid \
+    --grid-targets none,int4 --grid-drafts none,int4 --grid-quant-kernels aten,triton --repeats 3
+  step grid_mma0 60 env WORKBENCH_INT4_MMA_ROWS=0 $PY scripts/gpu_quant.py --device cuda --out "$R/grid_mma0" \
+    --preset small --parts grid --grid-targets int4 --grid-drafts none,int4 --grid-quant-kernels triton --repeats 3
 elif [ "$PART" = q4 ]; then
   # prepared in the nineteenth session (no device time left): int4 prefill with no bf16 weight written at all, through
   # the GEMV kernel's tensor-core form in 16-row tiles (linears.INT4_PREFILL_GEMM_ROWS; q2's one-kernel dequant still

@@ -39,7 +39,7 @@ def test_refusals_name_the_problem():
 
 
 def test_config_splits_to_fill_the_gpu():
-    c = im.int4_mma_config(1, 4096, 11008, 128)  # 6.7 B's down projection: 32 tiles of 128 rows, 86 groups
+    c = im.int4_mma_config(1, 4096, 11008, 128, BLOCK_N=128)  # 6.7 B's down projection: 32 tiles of 128 rows
     assert c["BLOCK_N"] == 128 and c["SPLIT_K"] * c["groups_per_split"] >= 86 > (c["SPLIT_K"] - 1) * c[
         "groups_per_split"]
     assert 32 * c["SPLIT_K"] >= 2 * 132 or c["SPLIT_K"] == im.MAX_SPLIT_K
@@ -103,3 +103,51 @@ def test_every_nibble_position_and_value_lands_on_its_k(interpreter_bf16_dot):
     x = torch.eye(k, dtype=torch.bfloat16)
     got = torch.cat([im.int4_mma_gemv(x[i:i + 16], weight, scale, zero, group, SPLIT_K=1) for i in range(0, k, 16)])
     assert torch.equal(got.float(), (q - 8).float().T)
+
+
+@interpreter
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("fusion", ["glu", "norm", "norm+residual"])
+def test_fusions_match_quant_gemv_reference(fusion, split, interpreter_bf16_dot):
+    """The prologues and the epilogue of kernels/quant_gemv.py, with its reference's meaning (quant_gemv_reference)."""
+    from kernels.quant_gemv import quant_gemv_reference
+
+    n, k, group, m, dtype = 72, 768, 128, 5, torch.bfloat16
+    b = stored(n, k, group, dtype, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(m, 2 * k if fusion == "glu" else k, generator=gen).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype) if "norm" in fusion else None
+    residual = torch.randn(m, n, generator=gen).to(dtype) if "residual" in fusion else None
+    got = im.int4_mma_gemv(x, **b, glu=fusion == "glu", norm_weight=nw, residual=residual, SPLIT_K=split)
+    want = quant_gemv_reference(x, "int4", **b, glu=fusion == "glu", norm_weight=nw, residual=residual).float()
+    atol = 2 ** -6 * want.abs().max().item()
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=atol)
+
+
+@interpreter
+def test_quant_gemv_hands_verify_widths_to_it(monkeypatch, interpreter_bf16_dot):
+    """INT4_MMA_ROWS: int4 calls of 2..16 rows through quant_gemv_triton are this kernel's (bit for bit), one-row
+    calls and calls it does not take (fp32 x, groups of 32) stay in kernels/quant_gemv.py, and 0 turns it off."""
+    from kernels import quant_gemv as qg
+
+    n, k = 72, 512
+    b = stored(n, k, 128, torch.bfloat16, seed=4)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    counters = qg.counters_for(n, "cpu")
+    mma = im.int4_mma_gemv(x, **b)
+    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 16)
+    assert torch.equal(qg.quant_gemv_triton(x, "int4", **b, counters=counters), mma)
+    calls = []
+    monkeypatch.setattr(im, "int4_mma_gemv", lambda *a, **kw: calls.append(1))
+    qg.quant_gemv_triton(x[:1], "int4", **b, counters=counters)  # one row: the CUDA-core GEMV
+    b32 = stored(n, k, 32, torch.bfloat16, seed=4)
+    qg.quant_gemv_triton(x, "int4", **b32, counters=counters)  # groups of 32
+    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 0)
+    qg.quant_gemv_triton(x, "int4", **b, counters=counters)
+    assert calls == []
+    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 4)  # 5 rows past it
+    qg.quant_gemv_triton(x, "int4", **b, counters=counters)
+    assert calls == []
+    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 16)
+    qg.quant_gemv_triton(x, "int4", **b, counters=counters)
+    assert calls == [1]
