@@ -523,7 +523,9 @@ def part_rows(args, device) -> list[dict]:
         return [dict(error=problem)]
     grid = [None] + [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3) for bn in ints(args.rows_block_n)
                      for bk in ints(args.rows_block_k) for w in ints(args.rows_warps)]
-    saved = quant_gemv.INT4_WIDE_ROWS
+    saved, saved_mma = quant_gemv.INT4_WIDE_ROWS, quant_gemv.INT4_MMA_ROWS
+    quant_gemv.INT4_MMA_ROWS = 0  # the INT4_WIDE_ROWS tiles themselves (verify widths go to int4_mma otherwise;
+    # the mma part times that kernel)
     t_end = time.perf_counter() + args.tune_budget_s
     for config, name, k, n in shapes_of(args.sweep_configs):
         mods = modules("int4", k, n, device, args.dtype, args.int4_group_size)
@@ -537,7 +539,7 @@ def part_rows(args, device) -> list[dict]:
             for kind, tile in [("aten", None)] + [("triton", t) for t in grid]:
                 if time.perf_counter() > t_end:
                     rows.append(dict(config=config, linear=name, M=m, error="rows budget spent"))
-                    quant_gemv.INT4_WIDE_ROWS = saved
+                    quant_gemv.INT4_WIDE_ROWS, quant_gemv.INT4_MMA_ROWS = saved, saved_mma
                     return rows
                 quant_gemv.INT4_WIDE_ROWS = tile
                 row = dict(config=config, linear=name, K=k, N=n, M=m, kernel=kind,
@@ -567,6 +569,7 @@ def part_rows(args, device) -> list[dict]:
         del mods, clones
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    quant_gemv.INT4_MMA_ROWS = saved_mma
     return rows
 
 
@@ -834,7 +837,8 @@ def main() -> None:
     ap.add_argument("--int4-wide-rows-compare", action="store_true", help="speed part: int4 triton calls of M > 1 "
                     "timed once more with kernels.quant_gemv.INT4_WIDE_ROWS in its other state (K tiles of whole "
                     "groups on the tensor cores, kernel suffix '+i4r', is the default; one group per K tile, no "
-                    "suffix, when the env WORKBENCH_INT4_WIDE_ROWS=0 did not already turn it off)")
+                    "suffix, when the env WORKBENCH_INT4_WIDE_ROWS=0 did not already turn it off); sets "
+                    "kernels.quant_gemv.INT4_MMA_ROWS 0 for the run, so those calls stay in that kernel")
     ap.add_argument("--parity-rtol", type=float, default=2 ** -7, help="max |err| / max |ref| that counts as ok")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -849,6 +853,8 @@ def main() -> None:
         quant_gemv.INT4_HALF2 = args.int4_half2
     if args.loop_stages:
         quant_gemv.LOOP_STAGES = args.loop_stages
+    if args.int4_wide_rows_compare:  # the two INT4_WIDE_ROWS states themselves, not int4_mma's verify widths
+        quant_gemv.INT4_MMA_ROWS = 0
     torch.manual_seed(0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

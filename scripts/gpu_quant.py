@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_fastpath import MODES, RANDOM_CONFIGS, warm  # noqa: E402
 from gpu_timing import equal_prefix, floor_row, kernel_summary, run_parts, sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
+from workbench.engine.drafters import NgramDrafter  # noqa: E402
 from workbench.engine.quant import check_quant, quantize_model, set_fusion  # noqa: E402
 from kernels.pdl import pdl_problem, set_pdl  # noqa: E402
 from kernels import paged_attention, quant_gemv  # noqa: E402
@@ -162,8 +163,9 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     set_fusion(model, fusion)  # what each GEMV linear fuses (linears.QuantLinear.fusion)
                     sync(device)
                     row["quantize_s"] = time.perf_counter() - t0
-                    engine = SpecEngine(model, None, EngineConfig(max_new_tokens=args.max_new_tokens, **MODES[mode],
-                                                                  pdl=pdl), device)
+                    drafter = NgramDrafter(args.floor_ngram) if args.floor_ngram else None
+                    engine = SpecEngine(model, drafter, EngineConfig(max_new_tokens=args.max_new_tokens,
+                                                                     **MODES[mode], pdl=pdl), device)
                     warm(engine, prompts, 1)
                     ms, prefill_ms = [], []
                     for _ in range(args.repeats):
@@ -172,6 +174,10 @@ def part_floor(args, device: torch.device) -> list[dict]:
                         ms.append((res.t_done[0] - res.t_first_token) * 1e3 / (len(res.outputs[0]) - 1))
                         prefill_ms.append((res.t_first_token - res.t_start) * 1e3)
                     row["prefill_ms_median"] = statistics.median(prefill_ms)
+                    if drafter is not None:  # ms per emitted token then includes the drafts' verifies
+                        acc = [a for st in res.steps for a in st.accepted]
+                        row.update(ngram_k=args.floor_ngram, steps=len(res.steps),
+                                   mean_accepted=sum(acc) / max(1, len(acc)))
                     tokens = res.outputs[0]
                     if fmt_name != plain_name and (plain_name, mode) in row_tokens:  # launches moved, not values
                         row["tokens_equal_to_plain_row"] = equal_prefix(tokens, row_tokens[(plain_name, mode)])
@@ -281,6 +287,9 @@ def main() -> None:
     ap.add_argument("--floor-modes", default="graphs", help=f"engine modes of gpu_fastpath: {', '.join(MODES)}")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--floor-ngram", type=int, default=0, help="floor part: decode with the n-gram drafter at this k "
+                    "(0: AR), so int4 verifies of k + 1 rows are timed in the model; rows record mean_accepted and "
+                    "steps, and ms per token is per emitted token")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--int4-group-size", type=int, default=128)

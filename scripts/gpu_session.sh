@@ -37,7 +37,8 @@
 # PART=k11, q2, k12, q3: the nineteenth session's calls (BENCHMARKS.md 24); q4 (int4 prefill through the GEMV kernel)
 # is prepared for the next.
 # PART=m1 (int4 on the tensor cores, kernels/int4_mma.py, per linear) and m2 (int4 verifies on it: parity, small's
-# draft model with an int4 target): the twentieth session's.
+# draft model with an int4 target), m3 (n-gram
+# verifies at 6.7 B per int4 kernel): the twentieth session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -70,7 +71,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -676,6 +677,14 @@ elif [ "$PART" = m2 ]; then
     --grid-targets none,int4 --grid-drafts none,int4 --grid-quant-kernels aten,triton --repeats 3
   step grid_mma0 60 env WORKBENCH_INT4_MMA_ROWS=0 $PY scripts/gpu_quant.py --device cuda --out "$R/grid_mma0" \
     --preset small --parts grid --grid-targets int4 --grid-drafts none,int4 --grid-quant-kernels triton --repeats 3
+elif [ "$PART" = m3 ]; then
+  # twentieth session: m2 found no end-to-end change on small (launch-bound). At 6.7 B (random weights, batch 1) the
+  # n-gram drafter at k = 4 puts 5-row int4 verifies in the model: tinygemm, ours with verifies on int4_mma (+all:
+  # norm and SwiGLU prologues; default fusion "residual": SwiGLU by PyTorch), ours with the old verify (+mma0); then
+  # AR rows of bf16 and ours in the same process
+  C=graphs+compile+overlap
+  floor ngram67 60 6.7b --floor-ngram 4 --formats "none@$C,int4@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+mma0@$C,int4-triton+pdl@$C"
+  floor ar67 40 6.7b --formats "none@$C,int4@$C,int4-triton+all+pdl@$C"
 elif [ "$PART" = q4 ]; then
   # prepared in the nineteenth session (no device time left): int4 prefill with no bf16 weight written at all, through
   # the GEMV kernel's tensor-core form in 16-row tiles (linears.INT4_PREFILL_GEMM_ROWS; q2's one-kernel dequant still

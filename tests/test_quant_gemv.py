@@ -573,6 +573,7 @@ def test_loop_stages_reach_one_row_launches_only_and_keep_the_result(fmt, monkey
     n, k = 40, 1024
     dtype = torch.bfloat16
     _, buffers = stored(fmt, n, k, 128, dtype=dtype if fmt != "fp8" else torch.float32, seed=9)
+    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 0)  # 3-row int4 calls stay in this kernel (else kernels/int4_mma.py)
     launched = []
     kernel = qg._gemv_kernel
     monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
@@ -654,6 +655,7 @@ def test_int4_wide_rows_match_reference(shape, dtype, m, split, fusion, monkeypa
     fused = dict(glu=glu, residual=torch.randn(m, n, generator=g).to(dtype) if "residual" in fusion else None,
                  norm_weight=(torch.rand(k, generator=g) + 0.5).to(dtype) if norm else None)
     monkeypatch.setattr(qg, "INT4_WIDE_ROWS", dict(BLOCK_N=16, BLOCK_K=4 * group, num_warps=4, num_stages=2))
+    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 0)  # verify widths stay in this kernel (else kernels/int4_mma.py)
     launched = []
     kernel = qg._gemv_kernel
     monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
