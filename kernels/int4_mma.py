@@ -41,6 +41,10 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 
 MAX_ROWS = 16  # the B operand's columns: calls of 1..16 rows
 MAX_SPLIT_K = 16
+# Each group's activations, scales and zeros loaded one iteration ahead, into registers (the weights are pipelined by
+# Triton: they feed the MMA through shared memory; these pass through reshapes first, so each iteration waited for
+# them). False until timed on a GPU (`gpu_gemv.py --parts mma --mma-prefetch 0,1`).
+PREFETCH = False
 
 
 class Int4MmaError(ValueError):
@@ -64,12 +68,13 @@ def int4_mma_config(m: int, n: int, k: int, group_size: int, sm_count: int = 132
     warps = override.get("num_warps", 4)
     stages = override.get("num_stages", 3)
     per_sm = override.get("programs_per_sm", 4)
+    prefetch = bool(override.get("PREFETCH", PREFETCH))
     groups = k // group_size
     tiles = math.ceil(n / block_n)
     split = override.get("SPLIT_K", max(1, min(math.ceil(per_sm * sm_count / tiles), groups, MAX_SPLIT_K)))
     per_split = math.ceil(groups / split)
     return dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, SPLIT_K=math.ceil(groups / per_split),
-                groups_per_split=per_split)
+                groups_per_split=per_split, PREFETCH=prefetch)
 
 
 def check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> None:
@@ -124,12 +129,26 @@ if TRITON_AVAILABLE:
                 + fma + " $0, $0, one, off; " + fma + " $0, $0, $2, $3; }",
                 "=r,r,r,r", [h, s, z], dtype=s.dtype, is_pure=True, pack=2)
 
+    @triton.jit
+    def _group_inputs(x_ptr, s_ptr, z_ptr, nw_ptr, g, offs_m, mask_m, offs_n, mask_n, sx_m, ss_n, ss_g, K,
+                      GROUP: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr):
+        """What group g needs besides its weights: (x [BM, G] or the gate, the up half (GLU; else x again), scale
+        [BN], zero [BN], the norm weight [G] (NORM; else zeros, never read))."""
+        offs_k = g * GROUP + tl.arange(0, GROUP)
+        x_ptrs = x_ptr + offs_m[:, None] * sx_m + offs_k[None, :]
+        a = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        b = tl.load(x_ptrs + K, mask=mask_m[:, None], other=0.0) if GLU else a
+        s = tl.load(s_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0)
+        z = tl.load(z_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0)
+        nw = tl.load(nw_ptr + offs_k) if NORM else tl.zeros([GROUP], dtype=x_ptr.dtype.element_ty)
+        return a, b, s, z, nw
+
     @triton.jit(do_not_specialize=["M", "groups_per_split", "SPLIT_K"])
     def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, r_ptr, nw_ptr, sq_ptr,
                          M, N, K, groups_per_split, eps, sx_m, sw_n, ss_n, ss_g, so_m, sr_m, SPLIT_K,
                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                          GLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, F16: tl.constexpr,
-                         EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+                         EMULATE: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
         # x [M, K] (GLU: [M, 2K] = [gate | up]); nw: the RMSNorm weight [K] (NORM); sq: [SPLIT_K, M] fp32 (NORM, split)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -144,26 +163,33 @@ if TRITON_AVAILABLE:
             gdc_wait()
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
         sq2 = tl.zeros([BLOCK_M, GROUP], dtype=tl.float32)  # NORM: x^2 per row and lane, summed after the loop
+        if PREFETCH:  # the first group's activations, scales and zeros, ahead of the loop
+            a_n, b_n, s_n, z_n, nw_n = _group_inputs(x_ptr, s_ptr, z_ptr, nw_ptr, g_start, offs_m, mask_m, offs_n,
+                                                     mask_n, sx_m, ss_n, ss_g, K, GROUP, GLU, NORM)
         for g in range(g_start, g_end):
+            if PREFETCH:  # this group's inputs were loaded an iteration ago; the next group's are loaded now (the
+                # last iteration reloads its own), so their latency overlaps this group's work
+                a, b, s, z, nw = a_n, b_n, s_n, z_n, nw_n
+                a_n, b_n, s_n, z_n, nw_n = _group_inputs(x_ptr, s_ptr, z_ptr, nw_ptr, tl.minimum(g + 1, g_end - 1),
+                                                         offs_m, mask_m, offs_n, mask_n, sx_m, ss_n, ss_g, K, GROUP,
+                                                         GLU, NORM)
+            else:
+                a, b, s, z, nw = _group_inputs(x_ptr, s_ptr, z_ptr, nw_ptr, g, offs_m, mask_m, offs_n, mask_n, sx_m,
+                                               ss_n, ss_g, K, GROUP, GLU, NORM)
             offs_j = g * QG + tl.arange(0, QG)
             h = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_j[None, :], mask=mask_n[:, None], other=0)  # [BN, QG]
-            s = tl.load(s_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0)
-            z = tl.load(z_ptr + offs_n * ss_n + g * ss_g, mask=mask_n, other=0.0)
             s = tl.broadcast_to(s[:, None], [BLOCK_N, QG])
             z = tl.broadcast_to(z[:, None], [BLOCK_N, QG])
-            offs_k = g * GROUP + tl.arange(0, GROUP)
-            x_ptrs = x_ptr + offs_m[:, None] * sx_m + offs_k[None, :]
             if GLU:  # SwiGLU prologue: silu(gate) * up in fp32, rounded once to x's dtype
-                gate = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0).to(tl.float32)
-                up = tl.load(x_ptrs + K, mask=mask_m[:, None], other=0.0).to(tl.float32)
-                xa = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)  # [BM, G]: all 16 rows, the
-                # padding too (in the SASS about 4 more instructions a weight at 64 rows per program: not timed)
+                gate = a.to(tl.float32)
+                xa = (gate / (1.0 + tl.exp(-gate)) * b.to(tl.float32)).to(x_ptr.dtype.element_ty)  # [BM, G]: all
+                # 16 rows, the padding too (in the SASS about 4 more instructions a weight at 64 rows per program)
             else:
-                xa = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)  # [BM, G]
+                xa = a  # [BM, G]
             if NORM:  # RMSNorm prologue: x * norm weight here, 1 / rms(x) applied to the sums after the loop
                 xf = xa.to(tl.float32)
                 sq2 += xf * xf
-                xa = (xf * tl.load(nw_ptr + offs_k).to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
+                xa = (xf * nw.to(tl.float32)[None, :]).to(x_ptr.dtype.element_ty)
             even, odd = tl.split(tl.reshape(xa, [BLOCK_M, QG, 2, 2]))  # k = 4j + {0, 2} | {1, 3} (the last dim)
             x0, x2 = tl.split(even)
             x1, x3 = tl.split(odd)
@@ -259,6 +285,7 @@ def int4_mma_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ze
         out.stride(0), r.stride(0), split,
         GROUP=group_size, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=MAX_ROWS, GLU=glu, NORM=norm_weight is not None,
         RESIDUAL=residual is not None, F16=x.dtype == torch.float16,
-        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
         **(dict(PDL=True, launch_pdl=True) if pdl else {}))
     return out

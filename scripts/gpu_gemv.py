@@ -26,7 +26,7 @@ prefill: int4 past GEMV_MAX_ROWS (--prefill-ms, default 64,512) on the --sweep-c
          "triton" with its weight dequantized by PyTorch ops, by one kernel (kernels/int4_dequant.py, the default) and
          through the GEMV kernel's tensor-core form with no weight written (linears.INT4_PREFILL_GEMM_ROWS).
 mma    : int4 at 1..16 rows (--mma-ms) on the tensor cores (kernels/int4_mma.py) on the --sweep-configs shapes: a grid of
-         its tiles (--mma-block-n x --mma-warps x --mma-stages x --mma-per-sm) beside bf16, tinygemm and our CUDA-core
+         its tiles (--mma-block-n x --mma-warps x --mma-stages x --mma-per-sm x --mma-prefetch) beside bf16, tinygemm and our CUDA-core
          GEMV, with parity; the best per (shape, M) marked, and per-layer sums.
 read   : one-row int4 on the --sweep-configs shapes against a read-only floor: kernels/stream_read.py streams a buffer
          of the linear's stored int4 bytes (weight, scales, zeros) and of its bf16 bytes in one launch, over a grid of
@@ -702,9 +702,9 @@ def part_mma(args, device) -> list[dict]:
     rows, problem = [], kernel_ok(device)
     if problem:
         return [dict(error=problem)]
-    grid = [dict(BLOCK_N=bn, num_warps=w, num_stages=st, programs_per_sm=ps) for bn in ints(args.mma_block_n)
-            for w in ints(args.mma_warps) for st in ints(args.mma_stages) for ps in ints(args.mma_per_sm)
-            if not (bn >= 256 and w < 8)]
+    grid = [dict(BLOCK_N=bn, num_warps=w, num_stages=st, programs_per_sm=ps, PREFETCH=bool(pf))
+            for bn in ints(args.mma_block_n) for w in ints(args.mma_warps) for st in ints(args.mma_stages)
+            for ps in ints(args.mma_per_sm) for pf in ints(args.mma_prefetch) if not (bn >= 256 and w < 8)]
     for config, name, k, n in shapes_of(args.sweep_configs):
         lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
         nn.init.normal_(lin.weight, std=0.02)
@@ -720,7 +720,8 @@ def part_mma(args, device) -> list[dict]:
             for kind, tile in [("bf16", None), ("aten", None), ("triton", None)] + [("mma", t) for t in grid]:
                 row = dict(config=config, linear=name, K=k, N=n, M=m, kernel=kind,
                            tile="-" if tile is None else
-                           f"{tile['BLOCK_N']} w{tile['num_warps']} s{tile['num_stages']} ps{tile['programs_per_sm']}")
+                           f"{tile['BLOCK_N']} w{tile['num_warps']} s{tile['num_stages']} ps{tile['programs_per_sm']}"
+                           + (" pf" if tile["PREFETCH"] else ""))
                 try:
                     with torch.no_grad():
                         if kind == "mma":
@@ -831,6 +832,8 @@ def main() -> None:
     ap.add_argument("--mma-warps", default="4,8", help="mma part: int4_mma num_warps values")
     ap.add_argument("--mma-stages", default="2,3,4", help="mma part: int4_mma num_stages values")
     ap.add_argument("--mma-per-sm", default="1,2,4", help="mma part: programs per SM the split aims at")
+    ap.add_argument("--mma-prefetch", default="0", help="mma part: int4_mma PREFETCH values (1: each group's "
+                    "activations, scales and zeros loaded an iteration ahead)")
     ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: INT4_WIDE_ROWS BLOCK_N values")
     ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")
     ap.add_argument("--rows-warps", default="4,8", help="rows part: INT4_WIDE_ROWS num_warps values")

@@ -682,6 +682,10 @@ elif [ "$PART" = m3 ]; then
   # n-gram drafter at k = 4 puts 5-row int4 verifies in the model: tinygemm, ours with verifies on int4_mma (+all:
   # norm and SwiGLU prologues; default fusion "residual": SwiGLU by PyTorch), ours with the old verify (+mma0); then
   # AR rows of bf16 and ours in the same process
+  # First the mma part again with PREFETCH (each group's x, scales and zeros loaded an iteration ahead) as a grid
+  # dimension, 6.7 B at 1 and 5 rows
+  step mma67 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/mma67" --parts mma --sweep-configs 6.7b \
+    --mma-ms 1,5 --mma-block-n 64,128 --mma-warps 4,8 --mma-stages 3 --mma-per-sm 2,4 --mma-prefetch 0,1 --replays 10
   C=graphs+compile+overlap
   floor ngram67 60 6.7b --floor-ngram 4 --formats "none@$C,int4@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+mma0@$C,int4-triton+pdl@$C"
   floor ar67 40 6.7b --formats "none@$C,int4@$C,int4-triton+all+pdl@$C"

@@ -151,3 +151,22 @@ def test_quant_gemv_hands_verify_widths_to_it(monkeypatch, interpreter_bf16_dot)
     monkeypatch.setattr(qg, "INT4_MMA_ROWS", 16)
     qg.quant_gemv_triton(x, "int4", **b, counters=counters)
     assert calls == [1]
+
+
+@interpreter
+@pytest.mark.parametrize("fusion", ["", "glu", "norm+residual"])
+def test_prefetch_changes_no_bit(fusion, interpreter_bf16_dot):
+    """PREFETCH (a group's activations, scales and zeros loaded an iteration ahead) gives the same bits, split or not,
+    through the fusions (the last iteration of each split reloads its own group)."""
+    n, k, group, m, dtype = 72, 768, 128, 3, torch.bfloat16
+    b = stored(n, k, group, dtype, seed=8)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(m, 2 * k if fusion == "glu" else k, generator=gen).to(dtype)
+    fused = dict(glu=fusion == "glu",
+                 norm_weight=(1 + 0.1 * torch.randn(k, generator=gen)).to(dtype) if "norm" in fusion else None,
+                 residual=torch.randn(m, n, generator=gen).to(dtype) if "residual" in fusion else None)
+    for split in (1, 4):
+        plain = im.int4_mma_gemv(x, **b, **fused, SPLIT_K=split, PREFETCH=False)
+        ahead = im.int4_mma_gemv(x, **b, **fused, SPLIT_K=split, PREFETCH=True)
+        assert torch.equal(plain, ahead)
+    assert im.int4_mma_config(1, 64, 256, 128, PREFETCH=True)["PREFETCH"] is True
