@@ -1,6 +1,6 @@
 """kernels/int4_mma.py: the tensor-core int4 GEMV (1-16 rows) against the fp32 reference under the Triton interpreter
-(its weights computed by Triton ops, the same values the PTX computes on a GPU: scripts/gpu_int4_mma.py checks the
-PTX there), its configuration and its refusals (on any machine)."""
+(its weights computed by Triton ops, the same values the PTX computes on a GPU: scripts/gpu_gemv.py --parts mma and
+--parts parity check the PTX there), its configuration and its refusals (on any machine)."""
 import doctest
 import os
 
@@ -49,21 +49,7 @@ def test_config_splits_to_fill_the_gpu():
 interpreter = pytest.mark.skipif(
     not (im.TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET") == "1"),
     reason="the kernel runs here only under the Triton interpreter (TRITON_INTERPRET=1); on a GPU: "
-           "scripts/gpu_int4_mma.py")
-
-
-@pytest.fixture
-def interpreter_bf16_dot(monkeypatch):
-    """The interpreter's tl.dot (triton 3.9) multiplies bf16 bit patterns as integers; widen them first (exact, as the
-    tensor cores' bf16 products are): tests/test_quant_gemv.py's fixture."""
-    import triton.language as tl
-    from triton.runtime.interpreter import interpreter_builder as builder
-
-    def widen(handle):
-        return builder.cast_impl(handle, tl.float32) if handle.dtype == tl.bfloat16 else handle
-
-    dot = builder.create_dot
-    monkeypatch.setattr(builder, "create_dot", lambda a, b, acc, *rest: dot(widen(a), widen(b), acc, *rest))
+           "scripts/gpu_gemv.py --parts mma")
 
 
 @interpreter

@@ -178,20 +178,6 @@ TRITON_CASES = {
 }
 
 
-@pytest.fixture
-def interpreter_bf16_dot(monkeypatch):
-    """The interpreter's tl.dot (triton 3.9) multiplies bf16 operands' bit patterns (stored as uint16) as integers;
-    widen them to float32 first, which is exact, as the GPU's tensor cores are for bf16 products."""
-    import triton.language as tl
-    from triton.runtime.interpreter import interpreter_builder as builder
-
-    def widen(handle):
-        return builder.cast_impl(handle, tl.float32) if handle.dtype == tl.bfloat16 else handle
-
-    dot = builder.create_dot
-    monkeypatch.setattr(builder, "create_dot", lambda a, b, acc, *rest: dot(widen(a), widen(b), acc, *rest))
-
-
 @interpreter
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -192,20 +192,6 @@ interpreter = pytest.mark.skipif(
            "(on a GPU: scripts/gpu_gemv.py)")
 
 
-@pytest.fixture
-def interpreter_bf16_dot(monkeypatch):
-    """The interpreter's tl.dot (triton 3.9) multiplies bf16 operands' bit patterns as integers; widen them first
-    (exact, as the tensor cores' bf16 products are). The same patch as tests/test_kernels.py."""
-    import triton.language as tl
-    from triton.runtime.interpreter import interpreter_builder as builder
-
-    def widen(handle):
-        return builder.cast_impl(handle, tl.float32) if handle.dtype == tl.bfloat16 else handle
-
-    dot = builder.create_dot
-    monkeypatch.setattr(builder, "create_dot", lambda a, b, acc, *rest: dot(widen(a), widen(b), acc, *rest))
-
-
 # The kernel accumulates exact products in fp32, so against the fp32 reference it differs by summation order
 # (fp32 inputs) or by the final rounding to the output dtype: half an ulp (2^-12 relative for fp16) on a GPU; the
 # interpreter's fp32 -> bf16 cast truncates (1.0078 -> 1.0), so one bf16 ulp (2^-8) here.
