@@ -38,7 +38,8 @@
 # is prepared for the next.
 # PART=m1 (int4 on the tensor cores, kernels/int4_mma.py, per linear) and m2 (int4 verifies on it: parity, small's
 # draft model with an int4 target), m3 (n-gram
-# verifies at 6.7 B per int4 kernel): the twentieth session's.
+# verifies at 6.7 B per int4 kernel), k13 (k12's draft-model goal check, 5 rounds at 0.5x and 1.0x): the twentieth
+# session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -689,6 +690,13 @@ elif [ "$PART" = m3 ]; then
   C=graphs+compile+overlap
   floor ngram67 60 6.7b --floor-ngram 4 --formats "none@$C,int4@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+mma0@$C,int4-triton+pdl@$C"
   floor ar67 40 6.7b --formats "none@$C,int4@$C,int4-triton+all+pdl@$C"
+elif [ "$PART" = k13 ]; then
+  # twentieth session: k12's draft-model goal check missed at 0.5x by goodput (0.528 of the best) while goodput swung
+  # 20x between its 3 rounds, and read 0.976 (within noise) at 1.0x. The same check at those two rates with 5 rounds,
+  # to tell a miss from noise (no code in the serving path changed since k12)
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method draft \
+    --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 0.5,1.0 --repeats 5 \
+    --budget-s "${SERVING_S:-300}"
 elif [ "$PART" = q4 ]; then
   # prepared in the nineteenth session (no device time left): int4 prefill with no bf16 weight written at all, through
   # the GEMV kernel's tensor-core form in 16-row tiles (linears.INT4_PREFILL_GEMM_ROWS; q2's one-kernel dequant still
