@@ -912,7 +912,7 @@ def _(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=Non
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _mma_takes(x, scale, zero, group_size) -> bool:
+def int4_mma_takes(x, scale, zero, group_size) -> bool:
     """Whether kernels/int4_mma.py takes this int4 call (INT4_MMA_ROWS): 16-bit x, scales and zeros in its dtype,
     groups of 64+ in multiples of 16 (the rest stay here)."""
     return x.dtype in (torch.bfloat16, torch.float16) and scale.dtype == x.dtype and zero.dtype == x.dtype \
@@ -928,7 +928,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     m, k = x.shape
     k = k // 2 if glu else k
     n = weight.shape[0]
-    if fmt == "int4" and 1 < m <= INT4_MMA_ROWS and not override and _mma_takes(x, scale, zero, group_size):
+    if fmt == "int4" and 1 < m <= INT4_MMA_ROWS and not override and int4_mma_takes(x, scale, zero, group_size):
         from .int4_mma import int4_mma_gemv
         return int4_mma_gemv(x, weight, scale, zero, group_size, counters, glu=glu, residual=residual,
                              norm_weight=norm_weight, eps=eps, pdl=use_pdl(x.device))

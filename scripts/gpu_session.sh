@@ -38,8 +38,8 @@
 # is prepared for the next.
 # PART=m1 (int4 on the tensor cores, kernels/int4_mma.py, per linear) and m2 (int4 verifies on it: parity, small's
 # draft model with an int4 target), m3 (n-gram
-# verifies at 6.7 B per int4 kernel), k13 (k12's draft-model goal check, 5 rounds at 0.5x and 1.0x): the twentieth
-# session's.
+# verifies at 6.7 B per int4 kernel), k13 (k12's draft-model goal check, 5 rounds at 0.5x and 1.0x; not run), m4 (m3's rows
+# with the prologues unfused at verify widths, then k13 at 0.5x only): the twentieth session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -72,7 +72,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -690,6 +690,20 @@ elif [ "$PART" = m3 ]; then
   C=graphs+compile+overlap
   floor ngram67 60 6.7b --floor-ngram 4 --formats "none@$C,int4@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+mma0@$C,int4-triton+pdl@$C"
   floor ar67 40 6.7b --formats "none@$C,int4@$C,int4-triton+all+pdl@$C"
+elif [ "$PART" = m4 ]; then
+  # twentieth session: m3 timed 6.7 B n-gram verifies (k = 4, nothing accepted on random weights: every step a 5-row
+  # verify) at 3.963 ms with int4_mma's norm / SwiGLU prologues against 3.325 without them (fusion "residual"); now
+  # verify-width int4 calls leave the prologues to torch.compile (QuantLinear._fuses_prologue). The same rows again,
+  # then AR rows; then (small trained) k13's serving check at 0.5x with 5 rounds, and small's int4 grid
+  C=graphs+compile+overlap
+  floor ngram67 60 6.7b --floor-ngram 4 --formats "none@$C,int4@$C,int4-triton+all+pdl@$C,int4-triton+pdl@$C"
+  floor ar67 40 6.7b --formats "none@$C,int4@$C,int4-triton+all+pdl@$C"
+  train_small
+  step serving 120 $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method draft \
+    --k 4 --max-num-seqs 64 --num-requests 512 --warmup-requests 64 --rates 0.5 --repeats 5 \
+    --budget-s "${SERVING_S:-200}"
+  step grid 50 $PY scripts/gpu_quant.py --device cuda --out "$R/grid" --preset small --parts grid \
+    --grid-targets none,int4 --grid-drafts none --grid-quant-kernels aten,triton --repeats 3
 elif [ "$PART" = k13 ]; then
   # twentieth session: k12's draft-model goal check missed at 0.5x by goodput (0.528 of the best) while goodput swung
   # 20x between its 3 rounds, and read 0.976 (within noise) at 1.0x. The same check at those two rates with 5 rounds,

@@ -156,3 +156,32 @@ def test_prefetch_changes_no_bit(fusion, interpreter_bf16_dot):
         ahead = im.int4_mma_gemv(x, **b, **fused, SPLIT_K=split, PREFETCH=True)
         assert torch.equal(plain, ahead)
     assert im.int4_mma_config(1, 64, 256, 128, PREFETCH=True)["PREFETCH"] is True
+
+
+def test_verify_width_calls_leave_the_prologues_to_pytorch(monkeypatch):
+    """With the norm / SwiGLU fusions set, an int4 "triton" linear fuses them at one row but not where its call goes
+    to the tensor-core kernel (2..INT4_MMA_ROWS rows: call m3 timed its prologues slower than torch.compile's), and
+    keeps the residual epilogue there; INT4_MMA_ROWS 0 brings the fused prologues back at every width."""
+    from kernels import quant_gemv as qg
+    from workbench.engine.quant import linears
+
+    lin = nn.Linear(256, 64, bias=False).to(torch.bfloat16)
+    mod = Int4Linear(lin, 128, "triton")
+    mod.fusion = "norm+glu+residual"
+    one, five = (torch.zeros(m, 256, dtype=torch.bfloat16) for m in (1, 5))
+    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 16)
+    assert mod._fuses_prologue("norm", one) and mod._fuses_prologue("glu", one)
+    assert not mod._fuses_prologue("norm", five) and not mod._fuses_prologue("glu", five)
+    assert mod._fuses("residual", five)
+    assert mod.norm_linear(five, torch.ones(256, dtype=torch.bfloat16), 1e-6) is None  # the caller norms, then calls
+    seen = []
+    monkeypatch.setattr(linears, "quant_gemv_triton", lambda h, *a, glu=False, residual=None, **kw: (
+        seen.append((tuple(h.shape), glu)), residual)[1])
+    mod.glu_residual(torch.zeros(5, 512, dtype=torch.bfloat16), torch.zeros(5, 64, dtype=torch.bfloat16))
+    assert seen == [((5, 256), False)]  # SiLU-mul done before the call, the residual still fused
+    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 0)
+    assert mod._fuses_prologue("norm", five) and mod._fuses_prologue("glu", five)
+    fp32 = Int4Linear(nn.Linear(256, 64, bias=False), 128, "triton")  # fp32 x: not the kernel's, prologues fused
+    fp32.fusion = "norm+glu+residual"
+    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 16)
+    assert fp32._fuses_prologue("norm", five.float())

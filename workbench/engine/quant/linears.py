@@ -216,6 +216,18 @@ class QuantLinear(nn.Module):
     def _fuses(self, part: str, x2: Tensor) -> bool:
         return part in self.fusion.split("+") and self.bias is None and self._use_gemv(x2)
 
+    def _fuses_prologue(self, part: str, x2: Tensor) -> bool:
+        """_fuses for the prologues ("norm", "glu"), which calls on the tensor-core int4 kernel leave to PyTorch /
+        torch.compile (`_mma_call`)."""
+        return self._fuses(part, x2) and not self._mma_call(x2)
+
+    def _mma_call(self, x2: Tensor) -> bool:
+        """Whether this call goes to kernels/int4_mma.py (int4 verify widths, quant_gemv.INT4_MMA_ROWS). Its RMSNorm
+        and SwiGLU prologues run on all 16 padded rows in every program: call m3 (BENCHMARKS.md 25.3) timed a 6.7 B
+        n-gram verify step at 3.963 ms with them against 3.325 ms with the norms and SiLU-mul left to torch.compile,
+        so there they are not fused."""
+        return False
+
     def glu_residual(self, h: Tensor, residual: Tensor) -> Tensor | None:
         """As a SwiGLU down projection: residual + self(silu(gate) * up), h = [gate | up] [..., 2K], fused into the
         GEMV as `fusion` says; None when fusion has no "residual" or this call does not take the kernel (the caller
@@ -224,7 +236,7 @@ class QuantLinear(nn.Module):
         if not self._fuses("residual", h2):
             return None
         fmt, buffers = self._gemv_args()
-        glu = "glu" in self.fusion.split("+")
+        glu = self._fuses_prologue("glu", h2)
         if not glu:
             gate, up = h2.chunk(2, dim=-1)
             h2 = F.silu(gate) * up
@@ -237,7 +249,7 @@ class QuantLinear(nn.Module):
         product in fp32: rounds differently from the separate norm, within bf16's near-ties); None when fusion has no
         "norm" or this call does not take the kernel."""
         x2 = self._flat(x)
-        if not self._fuses("norm", x2):
+        if not self._fuses_prologue("norm", x2):
             return None
         fmt, buffers = self._gemv_args()
         y = quant_gemv_triton(x2, fmt, **buffers, counters=self.gemv_counters, norm_weight=norm_weight, eps=eps)
@@ -338,6 +350,10 @@ class Int4Linear(QuantLinear):
 
     def _gemv_args(self) -> tuple[str, dict]:
         return "int4", dict(weight=self.weight, scale=self.scale, zero=self.zero, group_size=self.group_size)
+
+    def _mma_call(self, x2: Tensor) -> bool:
+        return self.kernel == "triton" and 1 < x2.shape[0] <= quant_gemv.INT4_MMA_ROWS \
+            and quant_gemv.int4_mma_takes(x2, self.scale, self.zero, self.group_size)
 
     def dequantized_weight(self) -> Tensor:
         """Recovered through the module itself by multiplying the identity (the kernel's own unpacking)."""
