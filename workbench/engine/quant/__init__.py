@@ -21,8 +21,8 @@ Formats (`FORMATS`), each a weight rule in `linears.py`:
               32: exact; other decoder linears stay float (dequantized, with a note)
 
 Kernels (`quantize_model(kernel=...)`, the knob `quant_kernel`): "auto" (`auto_kernel`: on a GPU Triton GEMVs for int8 /
-fp8 and tinygemm for int4, measured; dequant on a CPU, fp8 there through `_scaled_mm`), "aten",
-"dequant", or "triton": kernels/quant_gemv.py, Triton weight-only GEMVs for decode-sized calls (<= 16 rows; larger
+fp8 and for int4 in groups of 64+, tinygemm for int4 in groups of 32, measured; dequant on a CPU, fp8 there through
+`_scaled_mm`), "aten", "dequant", or "triton": kernels/quant_gemv.py, Triton weight-only GEMVs for decode-sized calls (<= 16 rows; larger
 ones dequantize, then one matmul) on a CUDA GPU; with it fp8 keeps activations in bf16 (weight-only fp8).
 
 What is swapped: the four linears of every decoder layer (qkv_proj, o_proj, gate_up_proj, down_proj). Embeddings, the
@@ -167,7 +167,7 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
     if kernel == "auto":
         device = next(model.parameters()).device
         triton_ok = device.type == "cuda" and _triton_problem(device) is None
-        kernel = auto_kernel(fmt, device.type == "cuda", triton_ok)
+        kernel = auto_kernel(fmt, device.type == "cuda", triton_ok, group_size)
     if kernel not in KERNELS:
         raise QuantError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
     out = model if inplace else copy.deepcopy(model)
@@ -206,22 +206,27 @@ def _triton_problem(device: torch.device) -> str | None:
     return triton_problem(device)
 
 
-def auto_kernel(fmt: str, cuda: bool, triton_ok: bool) -> str:
+def auto_kernel(fmt: str, cuda: bool, triton_ok: bool, group_size: int = 128) -> str:
     """What quant_kernel "auto" runs, by measurement on the H200 (BENCHMARKS.md 9.3, 6.7 B decode, batch 1): int8 and
     fp8 take the Triton GEMVs on a GPU where Triton runs (1.24x / 1.41x bf16, where PyTorch's int8 op gave 0.10x and
-    `_scaled_mm` 0.74x); int4 keeps tinygemm. Our int4 GEMV is faster at one row since call g1 (BENCHMARKS.md 19.3:
-    1.875x against tinygemm's 1.614x bf16 at 6.7 B, default fusion), but tinygemm is faster at the 2-5 row verifies
-    speculation runs: with K tiles of whole groups (call g3, 20.1) ours takes 1.07x tinygemm's time per 6.7 B layer
-    at 5 rows and 1.6x at 2 (at 9 rows 0.77x). `--quant-kernel triton` picks ours. On a CPU fp8 uses `_scaled_mm`
-    and int8 / int4 dequantize then multiply.
+    `_scaled_mm` 0.74x). int4 takes ours too since the twentieth session, for groups of 64 or more, where its verify
+    widths (2-16 rows) run on the tensor cores (kernels/int4_mma.py). At 6.7 B, call m4 (BENCHMARKS.md 25.3) timed
+    ours at 2.056 ms a token against tinygemm's 2.731 (AR), and at 3.270 against 3.984 ms for an n-gram verify step
+    of 5 rows. On the small preset (50 MB of int4 weights, launch-bound) tinygemm was 2-5 % ahead end to end with the
+    draft model (25.2, 25.3). Groups of 32 keep tinygemm: ours would verify them in the older form, 2.2x slower than
+    tinygemm per 6.7 B step in call m3. On a CPU fp8 uses `_scaled_mm` and int8 / int4 dequantize then multiply.
 
     >>> auto_kernel("fp8", True, True), auto_kernel("int4", True, True), auto_kernel("int8", True, False)
-    ('triton', 'aten', 'aten')
+    ('triton', 'triton', 'aten')
+    >>> auto_kernel("int4", True, True, group_size=32), auto_kernel("int4", True, False)
+    ('aten', 'aten')
     >>> auto_kernel("fp8", False, False), auto_kernel("int8", False, False)
     ('aten', 'dequant')
     """
     if cuda:
-        return "triton" if triton_ok and fmt in ("int8", "fp8") else "aten"
+        if triton_ok and (fmt in ("int8", "fp8") or (fmt in ("int4", "int4-awq") and group_size >= 64)):
+            return "triton"
+        return "aten"
     return "aten" if fmt == "fp8" else "dequant"
 
 
