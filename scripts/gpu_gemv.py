@@ -25,9 +25,9 @@ rows   : int4 at verify widths (--rows-ms, default 5) on the --sweep-configs sha
 prefill: int4 past GEMV_MAX_ROWS (--prefill-ms, default 64,512) on the --sweep-configs shapes: bf16, tinygemm, kernel
          "triton" with its weight dequantized by PyTorch ops, by one kernel (kernels/int4_dequant.py, the default) and
          through the GEMV kernel's tensor-core form with no weight written (linears.INT4_PREFILL_GEMM_ROWS).
-mma    : int4 at 1..16 rows (--mma-ms) on the tensor cores (kernels/int4_mma.py) on the --sweep-configs shapes: a grid of
-         its tiles (--mma-block-n x --mma-warps x --mma-stages x --mma-per-sm x --mma-prefetch) beside bf16, tinygemm and our CUDA-core
-         GEMV, with parity; the best per (shape, M) marked, and per-layer sums.
+mma    : int4 at 1..16 rows (--mma-ms) on the tensor cores (kernels/int4_mma.py) on the --sweep-configs shapes: a grid
+         of its tiles (--mma-block-n x --mma-warps x --mma-stages x --mma-per-sm x --mma-prefetch) beside bf16,
+         tinygemm and our CUDA-core GEMV, with parity; the best per (shape, M) marked, and per-layer sums.
 read   : one-row int4 on the --sweep-configs shapes against a read-only floor: kernels/stream_read.py streams a buffer
          of the linear's stored int4 bytes (weight, scales, zeros) and of its bf16 bytes in one launch, over a grid of
          --read-blocks x --read-iters x --read-warps tiles (best marked), beside our GEMV, tinygemm and bf16 F.linear

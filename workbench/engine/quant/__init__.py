@@ -22,8 +22,9 @@ Formats (`FORMATS`), each a weight rule in `linears.py`:
 
 Kernels (`quantize_model(kernel=...)`, the knob `quant_kernel`): "auto" (`auto_kernel`: on a GPU Triton GEMVs for int8 /
 fp8 and for int4 in groups of 64+, tinygemm for int4 in groups of 32, measured; dequant on a CPU, fp8 there through
-`_scaled_mm`), "aten", "dequant", or "triton": kernels/quant_gemv.py, Triton weight-only GEMVs for decode-sized calls (<= 16 rows; larger
-ones dequantize, then one matmul) on a CUDA GPU; with it fp8 keeps activations in bf16 (weight-only fp8).
+`_scaled_mm`), "aten", "dequant", or "triton": kernels/quant_gemv.py, Triton weight-only GEMVs for decode-sized calls
+(<= 16 rows; int4 at 2-16 rows on the tensor cores, kernels/int4_mma.py; larger ones dequantize, then one matmul) on a
+CUDA GPU; with it fp8 keeps activations in bf16 (weight-only fp8).
 
 What is swapped: the four linears of every decoder layer (qkv_proj, o_proj, gate_up_proj, down_proj). Embeddings, the
 LM head (tied or not) and the norms stay in the model dtype: the head is what logits and acceptance are computed
