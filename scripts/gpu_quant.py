@@ -10,10 +10,13 @@ floor : random-weight Llama 1.45 B (22 x 2048, GQA 32/4) and 6.7 B (32 x 4096, M
         (aten._weight_int8pack_mm), int8-dq (dequantize + matmul: what torch.compile can fuse; add --floor-modes
         graphs,graphs+compile to see it compiled), int4 (tinygemm _weight_int4pack_mm), int4-awq (same kernels, AWQ
         scales from random calibration tokens: the speed is the point here), fp8 (_scaled_mm, row-wise scales).
+        --floor-ngram K decodes with the n-gram drafter instead (verifies of K + 1 rows in the model; on random weights
+        it accepts nothing, so each step is one verify and ms/token its time).
 grid  : a zoo preset (--preset; it must exist locally) in bf16, method draft k=4, batch 1, graphs on, through
         BenchSession.run: for each (target format, draft format): acceptance, tokens/s, speedup vs the AR of the same
         target format and vs bf16 AR, held-out perplexity delta, token agreement, acceptance change, greedy parity
-        against the same quantized target's AR.
+        against the same quantized target's AR; each quantized cell once per --grid-quant-kernels entry (e.g.
+        aten,triton: tinygemm against ours for int4).
 Writes quant_<part>.json and quant_<part>.md (a table) into --out; one failing row or part is recorded, not fatal.
 CPU smoke test: --device cpu --floor-configs mini --formats none,int8,int4 --preset tiny --int4-group-size 32 ...
 """
