@@ -4,9 +4,13 @@ operand (Hopper's wgmma takes its A operand from registers), the activations the
 Why: the CUDA-core GEMV (kernels/quant_gemv.py) spends about 4.3 instructions per weight on the H200 (a multiply-add
 per weight with x, its widening, its scale), more than the 3.5 per weight an SM can issue while HBM delivers int4 at
 its peak; it reached 60 % of its read floor. Here the multiply-adds with x run on the tensor cores, and per weight
-the CUDA cores do about two instructions: the output is computed transposed, out^T = W x^T, so the dequantized weight
-tile is the MMA's A operand, which may live in registers, and x^T (padded to 16 columns, M of them real) the B operand
-in shared memory.
+the CUDA cores spend about two instructions on dequantization (3-3.8 in all in the loop's SASS, by tile): the output
+is computed transposed, out^T = W x^T, so the dequantized weight tile is the MMA's A operand, which may live in
+registers, and x^T (padded to 16 columns, M of them real) the B operand in shared memory.
+
+Measured on the H200 (BENCHMARKS.md 25): at 2-16 rows a 6.7 B layer takes 75-77 us, against 110 us for the CUDA-core
+GEMV's multi-row form and 101-238 us for tinygemm, so kernels/quant_gemv.py hands it those calls (INT4_MMA_ROWS). At
+one row it is slower than the CUDA-core GEMV (74 against 53 us), for reasons not yet found; decode stays there.
 
 Weights: Int4Linear's "dequant" packing, [N, K / 2] bytes (byte j: k = 2j in the high nibble, 2j + 1 in the low),
 read as int16 [N, K / 4]: element j holds k = 4j + 1 at bits 0-3, 4j at 4-7, 4j + 3 at 8-11, 4j + 2 at 12-15. A K tile
@@ -42,8 +46,9 @@ except ImportError:  # pragma: no cover - CPU machines without triton
 MAX_ROWS = 16  # the B operand's columns: calls of 1..16 rows
 MAX_SPLIT_K = 16
 # Each group's activations, scales and zeros loaded one iteration ahead, into registers (the weights are pipelined by
-# Triton: they feed the MMA through shared memory; these pass through reshapes first, so each iteration waited for
-# them). False until timed on a GPU (`gpu_gemv.py --parts mma --mma-prefetch 0,1`).
+# Triton: they feed the MMA through shared memory; these pass through reshapes first, so each iteration waits for
+# them). Timed in call m3 (BENCHMARKS.md 25.3, `gpu_gemv.py --parts mma --mma-prefetch 0,1`): -4 % to +3 % per 6.7 B
+# linear, about 1 % in the best single tile, so off.
 PREFETCH = False
 
 
