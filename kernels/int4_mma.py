@@ -39,6 +39,7 @@ try:
     import triton.language as tl
 
     from .pdl import gdc_launch_dependents, gdc_wait
+    from .quant_gemv import sum_splits
     TRITON_AVAILABLE = True
 except ImportError:  # pragma: no cover - CPU machines without triton
     TRITON_AVAILABLE = False
@@ -224,12 +225,9 @@ if TRITON_AVAILABLE:
             tl.debug_barrier()  # every thread's partial is written before the counter says so
             arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:  # the last split of this tile: add them up in order
-                total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                sq_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for sk in range(0, SPLIT_K):
-                    total += tl.load(part + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                    if NORM:
-                        sq_all += tl.load(sq_ptr + sk * M + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
+                total, sq_all = sum_splits(part, sq_ptr, offs_m, mask_m, out_mask, M, N, SPLIT_K,
+                                           tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32),
+                                           tl.zeros([BLOCK_M], dtype=tl.float32), NORM)
                 if NORM:
                     total = total * (1.0 / tl.sqrt_rn(sq_all / K + eps))[None, :]
                 if RESIDUAL:

@@ -634,6 +634,18 @@ if TRITON_AVAILABLE:
         wi = w.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended: bit 31 is the sign
         return ((wi << 20) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
 
+    @triton.jit
+    def sum_splits(part, sq_ptr, offs_m, mask_m, out_mask, M, N, SPLIT_K, total, sq_all, NORM: tl.constexpr):
+        """What the last split of a tile adds up, in split order (the same sum whatever the arrival order): the fp32
+        partials at `part` (this tile's pointers into split 0 of [SPLIT_K, M, N]) into `total`, and (NORM) the sums
+        of x^2 per row at sq_ptr [SPLIT_K, M] into `sq_all`; both passed in as zeros of the shapes wanted (this
+        kernel's tiles are [BM, BN], kernels/int4_mma.py's [BN, BM])."""
+        for sk in range(0, SPLIT_K):
+            total += tl.load(part + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if NORM:
+                sq_all += tl.load(sq_ptr + sk * M + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
+        return total, sq_all
+
     @triton.jit(do_not_specialize=["M", "tiles_per_split", "SPLIT_K"])  # one compile per format and tile shape
     def _gemv_kernel(
             x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, r_ptr, nw_ptr, sq_ptr,
@@ -856,12 +868,9 @@ if TRITON_AVAILABLE:
             tile = pid_m * tl.num_programs(0) + pid_n
             arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:  # the last split of this tile: add them all up
-                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                sq_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for sk in range(0, SPLIT_K):
-                    total += tl.load(part + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                    if NORM:
-                        sq_all += tl.load(sq_ptr + sk * M + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
+                total, sq_all = sum_splits(part, sq_ptr, offs_m, mask_m, out_mask, M, N, SPLIT_K,
+                                           tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                                           tl.zeros([BLOCK_M], dtype=tl.float32), NORM)
                 if NORM:
                     total = total * (1.0 / tl.sqrt_rn(sq_all / K + eps))[:, None]
                 if RESIDUAL:

@@ -513,6 +513,18 @@ def part_decode(args, device) -> list[dict]:
     return part_floor(ns, device)
 
 
+def mark_best(rows: list[dict], kernel: str, rtol: float) -> list[dict]:
+    """Mark the fastest timed row of `kernel` whose rel_err is within `rtol` ("best": True), print every row, and
+    return them."""
+    best = min((r for r in rows if r["kernel"] == kernel and "us" in r and r["rel_err"] <= rtol),
+               key=lambda r: r["us"], default=None)
+    if best:
+        best["best"] = True
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
 def part_rows(args, device) -> list[dict]:
     """int4 above one row (verify widths) on the --sweep-configs shapes, at each of --rows-ms: tinygemm ("aten"), our
     one-group tiles (INT4_WIDE_ROWS off) and each INT4_WIDE_ROWS tile of the --rows-* grid, each with its max |error|
@@ -559,13 +571,7 @@ def part_rows(args, device) -> list[dict]:
             for r in at_m:
                 if aten and "us" in r:
                     r["speedup_vs_tinygemm"] = aten / r["us"]
-            best = min((r for r in at_m if r["kernel"] == "triton" and "us" in r and r["rel_err"] <= args.parity_rtol),
-                       key=lambda r: r["us"], default=None)
-            if best:
-                best["best"] = True
-            rows += at_m
-            for r in at_m:
-                print(json.dumps(r), flush=True)
+            rows += mark_best(at_m, "triton", args.parity_rtol)
         del mods, clones
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -742,13 +748,7 @@ def part_mma(args, device) -> list[dict]:
             for r in at_m:
                 if "us" in r:
                     r.update({f"speedup_vs_{key}": us / r["us"] for key, us in base.items()})
-            best = min((r for r in at_m if r["kernel"] == "mma" and "us" in r and r["rel_err"] <= args.parity_rtol),
-                       key=lambda r: r["us"], default=None)
-            if best:
-                best["best"] = True
-            rows += at_m
-            for r in at_m:
-                print(json.dumps(r), flush=True)
+            rows += mark_best(at_m, "mma", args.parity_rtol)
         del mods, clones, lin
         if device.type == "cuda":
             torch.cuda.empty_cache()

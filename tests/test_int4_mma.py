@@ -185,3 +185,33 @@ def test_verify_width_calls_leave_the_prologues_to_pytorch(monkeypatch):
     fp32.fusion = "norm+glu+residual"
     monkeypatch.setattr(qg, "INT4_MMA_ROWS", 16)
     assert fp32._fuses_prologue("norm", five.float())
+
+
+@interpreter
+def test_gpu_gemv_mma_part_times_its_tiles_beside_the_others(tmp_path, monkeypatch):
+    """scripts/gpu_gemv.py --parts mma on the mini config (interpreter): per linear and M, bf16, tinygemm, our
+    GEMV and each int4_mma tile of the grid with its parity, one best int4_mma tile each, then the layer sums."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_gemv
+
+    monkeypatch.setattr(sys, "argv", ["gpu_gemv.py", "--device", "cpu", "--out", str(tmp_path), "--parts", "mma",
+                                      "--sweep-configs", "mini", "--mma-ms", "2", "--mma-block-n", "64",
+                                      "--mma-warps", "4", "--mma-stages", "3", "--mma-per-sm", "2",
+                                      "--mma-prefetch", "0,1", "--replays", "1", "--int4-group-size", "64"])
+    gpu_gemv.main()
+    rows = json.loads((tmp_path / "gemv_mma.json").read_text())["rows"]
+    assert all("error" not in r for r in rows)
+    per_linear = [r for r in rows if r["linear"] != "layer"]
+    linears = {r["linear"] for r in per_linear}
+    assert len(linears) == 4
+    for lin in linears:
+        at = [r for r in per_linear if r["linear"] == lin]
+        assert [r["kernel"] for r in at] == ["bf16", "aten", "triton", "mma", "mma"]
+        assert [r["tile"] for r in at][3:] == ["64 w4 s3 ps2", "64 w4 s3 ps2 pf"]
+        assert sum(bool(r.get("best")) for r in at) == 1 and all(r["rel_err"] <= 2 ** -7 for r in at[1:])
+    layer = {r["kernel"]: r for r in rows if r["linear"] == "layer"}
+    assert set(layer) == {"bf16", "aten", "triton", "mma"} and layer["mma"]["linears"] == 4
