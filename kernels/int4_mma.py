@@ -29,10 +29,12 @@ The Triton interpreter runs no PTX: `EMULATE` computes the same weights in Trito
 """
 from __future__ import annotations
 
-import functools
 import math
+import os
 
 import torch
+
+from .quant_gemv import _sm_count
 
 try:
     import triton
@@ -237,16 +239,6 @@ if TRITON_AVAILABLE:
                 tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count if index is not None else 132
-
-
-def counters_for(n: int, device, block_n: int = 64) -> torch.Tensor:
-    """Zeroed split-K arrival counters for N outputs at BLOCK_N >= block_n (one per N tile)."""
-    return torch.zeros(math.ceil(n / block_n), dtype=torch.int32, device=device)
-
-
 def int4_mma_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                   counters: torch.Tensor | None = None, *, glu: bool = False, residual: torch.Tensor | None = None,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False,
@@ -254,10 +246,9 @@ def int4_mma_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ze
     """x [M, K] (M <= 16, bf16 / fp16) times the int4 weight ("dequant" packing) -> [M, N] in x's dtype. The fusions
     of kernels/quant_gemv.py, with the same meaning: glu (x = [gate | up] [M, 2K], silu(gate) * up taken), norm_weight
     (x RMS-normalized: x * norm_weight rounded to x's dtype, 1 / rms in fp32 applied to the sums), residual [M, N]
-    (added before the final rounding). `counters`: int32 zeros, one per N tile (counters_for), used when K is split
-    and left at zero. pdl: launch with programmatic dependent launch (the caller asks kernels/pdl.py). `override`:
+    (added before the final rounding). `counters`: int32 zeros, at least one per N tile (quant_gemv.counters_for
+    sizes them for any tile), used when K is split and left at zero. pdl: launch with programmatic dependent launch (the caller asks kernels/pdl.py). `override`:
     int4_mma_config's entries."""
-    import os
     x = x.contiguous()
     m, k = x.shape
     k = k // 2 if glu else k

@@ -922,10 +922,11 @@ def _(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=Non
 
 
 def int4_mma_takes(x, scale, zero, group_size) -> bool:
-    """Whether kernels/int4_mma.py takes this int4 call (INT4_MMA_ROWS): 16-bit x, scales and zeros in its dtype,
-    groups of 64+ in multiples of 16 (the rest stay here)."""
-    return x.dtype in (torch.bfloat16, torch.float16) and scale.dtype == x.dtype and zero.dtype == x.dtype \
-        and group_size % 16 == 0 and group_size >= 64
+    """Whether kernels/int4_mma.py takes this int4 call: 2..INT4_MMA_ROWS rows of 16-bit x, scales and zeros in its
+    dtype, groups of 64+ in multiples of 16 (the rest stay here). The one rule for the dispatch below and for the
+    linears that leave their prologues to PyTorch there (linears.Int4Linear._mma_call)."""
+    return 1 < x.shape[0] <= INT4_MMA_ROWS and x.dtype in (torch.bfloat16, torch.float16) \
+        and scale.dtype == x.dtype and zero.dtype == x.dtype and group_size % 16 == 0 and group_size >= 64
 
 
 def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, norm_weight=None, eps=1e-6,
@@ -937,7 +938,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     m, k = x.shape
     k = k // 2 if glu else k
     n = weight.shape[0]
-    if fmt == "int4" and 1 < m <= INT4_MMA_ROWS and not override and int4_mma_takes(x, scale, zero, group_size):
+    if fmt == "int4" and not override and int4_mma_takes(x, scale, zero, group_size):
         from .int4_mma import int4_mma_gemv
         return int4_mma_gemv(x, weight, scale, zero, group_size, counters, glu=glu, residual=residual,
                              norm_weight=norm_weight, eps=eps, pdl=use_pdl(x.device))

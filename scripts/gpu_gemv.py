@@ -59,8 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_quant import CONFIGS, table  # noqa: E402
 from gpu_timing import graph_us, run_parts  # noqa: E402
 from kernels import quant_gemv  # noqa: E402
-from kernels.quant_gemv import (GEMV_FORMATS, all_byte_values, dequantize_weight, gemv_config,  # noqa: E402
-                                quant_gemv_triton, triton_problem)
+from kernels.quant_gemv import (GEMV_FORMATS, all_byte_values, counters_for, dequantize_weight,  # noqa: E402
+                                gemv_config, quant_gemv_triton, triton_problem)
 from workbench.engine.quant import linear_shapes, weight_bytes  # noqa: E402
 from workbench.engine.quant.linears import (DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear,  # noqa: E402
                                             fp8_linear_reference)
@@ -703,7 +703,7 @@ def part_mma(args, device) -> list[dict]:
     tile of the --mma-block-n x --mma-warps x --mma-stages x --mma-per-sm grid (per-sm: programs per SM the split
     aims at), each with its max |error| / max |reference|, its speedup over the GEMV and over bf16; the fastest
     parity-clean int4_mma tile per (shape, M) is marked. Then one "layer" row per kernel and M summing its best."""
-    from kernels.int4_mma import counters_for as mma_counters, int4_mma_gemv
+    from kernels.int4_mma import int4_mma_gemv
 
     rows, problem = [], kernel_ok(device)
     if problem:
@@ -717,7 +717,7 @@ def part_mma(args, device) -> list[dict]:
         mods = modules("int4", k, n, device, args.dtype, args.int4_group_size)
         clones = {"bf16": rotating(lin, device), **{kind: rotating(mod, device) for kind, mod in mods.items()}}
         nbytes = weight_bytes(mods["triton"]) - mods["triton"].gemv_counters.numel() * 4
-        counters = mma_counters(n, device)
+        counters = counters_for(n, device)
         for m in ints(args.mma_ms):
             x = torch.randn(m, k, device=device, dtype=args.dtype)
             ref = x.float() @ dequantize_weight("int4", **buffers(mods["triton"])).T

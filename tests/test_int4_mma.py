@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kernels import int4_mma as im
-from kernels.quant_gemv import dequantize_weight
+from kernels.quant_gemv import counters_for, dequantize_weight
 from workbench.engine.quant.linears import Int4Linear
 
 
@@ -62,7 +62,7 @@ def test_matches_reference(dtype, m, split, block_n, interpreter_bf16_dot):
     b = stored(n, k, group, dtype, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).to(dtype)
     residual = torch.randn(m, n, generator=torch.Generator().manual_seed(6)).to(dtype) if split == 3 else None
-    counters = im.counters_for(n, "cpu")
+    counters = counters_for(n, "cpu")
     got = im.int4_mma_gemv(x, **b, counters=counters, residual=residual, SPLIT_K=split, BLOCK_N=block_n)
     assert got.dtype == dtype and got.shape == (m, n)
     want = x.float() @ dequantize_weight("int4", **b).T + (residual.float() if residual is not None else 0)

@@ -352,8 +352,7 @@ class Int4Linear(QuantLinear):
         return "int4", dict(weight=self.weight, scale=self.scale, zero=self.zero, group_size=self.group_size)
 
     def _mma_call(self, x2: Tensor) -> bool:
-        return self.kernel == "triton" and 1 < x2.shape[0] <= quant_gemv.INT4_MMA_ROWS \
-            and quant_gemv.int4_mma_takes(x2, self.scale, self.zero, self.group_size)
+        return self.kernel == "triton" and quant_gemv.int4_mma_takes(x2, self.scale, self.zero, self.group_size)
 
     def dequantized_weight(self) -> Tensor:
         """Recovered through the module itself by multiplying the identity (the kernel's own unpacking)."""
