@@ -242,6 +242,12 @@ LOOP_STAGES: int | None = int(os.environ["WORKBENCH_GEMV_LOOP_STAGES"]) \
 # tinygemm; at one row it is slower than this kernel (74.4 against 52.8 us), so one-row calls stay here. 0: off
 # (env WORKBENCH_INT4_MMA_ROWS; gpu_quant.py "+mma0").
 INT4_MMA_ROWS = int(os.environ.get("WORKBENCH_INT4_MMA_ROWS", "16"))
+# One-row int4 calls in CUDA C++ (kernels/int4_cuda.py: nvcc-compiled, about half the instructions per weight of the
+# Triton loop here, the first weights loaded before PDL's wait) where int4_cuda_takes them and the device has nvcc.
+# Off until measured (env WORKBENCH_INT4_CUDA=1; gpu_quant.py "+cu"); INT4_CUDA_TILE: its tile for every shape
+# (None: int4_cuda.DEFAULT_TILE).
+INT4_CUDA = os.environ.get("WORKBENCH_INT4_CUDA", "0") == "1"
+INT4_CUDA_TILE: dict | None = None
 INT4_WIDE_ROWS_TILE = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
 INT4_WIDE_ROWS: dict | None = None if os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "0" \
     else dict(INT4_WIDE_ROWS_TILE)
@@ -938,6 +944,13 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     m, k = x.shape
     k = k // 2 if glu else k
     n = weight.shape[0]
+    if fmt == "int4" and not override and m == 1 and INT4_CUDA:
+        from . import int4_cuda
+        if int4_cuda.device_problem(x.device) is None and int4_cuda.int4_cuda_takes(x, weight, scale, zero,
+                                                                                      group_size, glu):
+            return int4_cuda.int4_cuda_gemv(x, weight, scale, zero, group_size, glu=glu, residual=residual,
+                                            norm_weight=norm_weight, eps=eps, pdl=use_pdl(x.device),
+                                            **(INT4_CUDA_TILE or {}))
     if fmt == "int4" and not override and int4_mma_takes(x, scale, zero, group_size):
         from .int4_mma import int4_mma_gemv
         return int4_mma_gemv(x, weight, scale, zero, group_size, counters, glu=glu, residual=residual,

@@ -60,6 +60,7 @@ from gpu_quant import CONFIGS, table  # noqa: E402
 from gpu_timing import graph_us, run_parts  # noqa: E402
 from kernels import quant_gemv  # noqa: E402
 from kernels.quant_gemv import (GEMV_FORMATS, all_byte_values, counters_for, dequantize_weight,  # noqa: E402
+                                quant_gemv_reference,
                                 gemv_config, quant_gemv_triton, triton_problem)
 from workbench.engine.quant import linear_shapes, weight_bytes  # noqa: E402
 from workbench.engine.quant.linears import (DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear,  # noqa: E402
@@ -769,13 +770,102 @@ def part_mma(args, device) -> list[dict]:
     return rows
 
 
+def part_cuda(args, device) -> list[dict]:
+    """One-row int4 in CUDA C++ (kernels/int4_cuda.py) on the --sweep-configs shapes: bf16 F.linear, tinygemm
+    ("aten"), our Triton GEMV ("triton", its default tile, through the module as the model calls it) and each
+    int4_cuda tile of the --cuda-rows x --cuda-unroll x --cuda-warps x --cuda-wps grid, with and without PDL
+    (--cuda-pdl), each with max |error| / max |reference| and its speedup over the GEMV and bf16; the fastest
+    parity-clean tile per shape is marked. Then each fusion (RMSNorm prologue, SwiGLU prologue, residual epilogue)
+    against quant_gemv_reference with the same fusion, and one "layer" row per kernel summing its best."""
+    from kernels.int4_cuda import cuda_problem, int4_cuda_gemv
+
+    rows, problem = [], kernel_ok(device) or cuda_problem(device)
+    if problem:
+        return [dict(error=problem)]
+    grid = [dict(ROWS=r, UNROLL=u, WARPS=w, WORDS_PER_SUM=wps) for r in ints(args.cuda_rows_per_warp)
+            for u in ints(args.cuda_unroll) for w in ints(args.cuda_warps) for wps in ints(args.cuda_wps)]
+    pdls = [bool(p) for p in ints(args.cuda_pdl)]
+    for config, name, k, n in shapes_of(args.sweep_configs):
+        lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
+        nn.init.normal_(lin.weight, std=0.02)
+        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size)
+        clones = {"bf16": rotating(lin, device), **{kind: rotating(mod, device) for kind, mod in mods.items()}}
+        nbytes = weight_bytes(mods["triton"]) - mods["triton"].gemv_counters.numel() * 4
+        x = torch.randn(1, k, device=device, dtype=args.dtype)
+        ref = x.float() @ dequantize_weight("int4", **buffers(mods["triton"])).T
+        ref_max = ref.abs().max()
+        at_m = []
+        for kind, tile, pdl in [("bf16", None, False), ("aten", None, False), ("triton", None, True)] + \
+                [("cuda", t, p) for t in grid for p in pdls]:
+            row = dict(config=config, linear=name, K=k, N=n, M=1, kernel=kind, pdl=pdl,
+                       tile="-" if tile is None else
+                       f"r{tile['ROWS']} u{tile['UNROLL']} w{tile['WARPS']} s{tile['WORDS_PER_SUM']}")
+            try:
+                with torch.no_grad():
+                    if kind == "cuda":
+                        calls = [lambda c=c, t=tile, p=pdl: int4_cuda_gemv(x, c.weight, c.scale, c.zero,
+                                                                           c.group_size, pdl=p, **t)
+                                 for c in clones["triton"]]
+                    else:
+                        calls = [lambda c=c: c(x) for c in clones[kind]]
+                    got = calls[0]().float()
+                    if kind != "bf16":
+                        row["rel_err"] = ((got - ref).abs().max() / ref_max).item()
+                    row["us"] = time_us(calls, device, args.replays)
+                row["gb_per_s"] = nbytes / row["us"] / 1e3
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            at_m.append(row)
+        base = {r["kernel"]: r["us"] for r in at_m if r["kernel"] in ("bf16", "triton") and "us" in r}
+        for r in at_m:
+            if "us" in r:
+                r.update({f"speedup_vs_{key}": us / r["us"] for key, us in base.items()})
+        rows += mark_best(at_m, "cuda", args.parity_rtol)
+        m = mods["triton"]
+        for fusion in ("norm", "glu", "residual"):  # each fusion's parity, with the default tile
+            row = dict(config=config, linear=name, K=k, N=n, M=1, kernel="cuda", fusion=fusion)
+            try:
+                xin = torch.randn(1, 2 * k if fusion == "glu" else k, device=device, dtype=args.dtype)
+                kw = dict(glu=fusion == "glu",
+                          norm_weight=(1 + 0.1 * torch.randn(k, device=device)).to(args.dtype) if fusion == "norm"
+                          else None,
+                          residual=torch.randn(1, n, device=device, dtype=args.dtype) if fusion == "residual"
+                          else None)
+                want = quant_gemv_reference(xin, "int4", m.weight, m.scale, m.zero, m.group_size, **kw).float()
+                with torch.no_grad():
+                    got = int4_cuda_gemv(xin, m.weight, m.scale, m.zero, m.group_size, **kw).float()
+                row["rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
+                row["ok"] = row["rel_err"] <= args.parity_rtol
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del mods, clones, lin
+        torch.cuda.empty_cache()
+    for config in dict.fromkeys(c for c, *_ in shapes_of(args.sweep_configs)):
+        for kind in ("bf16", "aten", "triton", "cuda"):
+            per_linear = {}
+            for r in rows:
+                if r.get("config") == config and r.get("kernel") == kind and "us" in r \
+                        and (kind != "cuda" or r.get("best")):
+                    per_linear[r["linear"]] = r
+            if per_linear:
+                rows.append(dict(config=config, linear="layer", kernel=kind, M=1,
+                                 us=sum(r["us"] for r in per_linear.values()), linears=len(per_linear),
+                                 tiles=", ".join(f"{lin}: {r['tile']}{' pdl' if r.get('pdl') else ''}"
+                                                 for lin, r in per_linear.items()) if kind == "cuda" else "-"))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 PARTS = {"parity": part_parity, "speed": part_speed, "sweep": part_sweep, "tune": part_tune, "tc": part_tc,
          "f16": part_f16, "cvt": part_cvt, "decode": part_decode, "rows": part_rows,
-         "prefill": part_prefill, "read": part_read, "mma": part_mma}
+         "prefill": part_prefill, "read": part_read, "mma": part_mma,
+         "cuda": part_cuda}
 
 
 def main() -> None:
@@ -834,6 +924,12 @@ def main() -> None:
     ap.add_argument("--mma-per-sm", default="1,2,4", help="mma part: programs per SM the split aims at")
     ap.add_argument("--mma-prefetch", default="0", help="mma part: int4_mma PREFETCH values (1: each group's "
                     "activations, scales and zeros loaded an iteration ahead)")
+    ap.add_argument("--cuda-rows-per-warp", default="2,4", help="cuda part: int4_cuda ROWS (rows per warp) values")
+    ap.add_argument("--cuda-unroll", default="2,4", help="cuda part: int4_cuda UNROLL (16-byte chunks per lane per "
+                    "row per step) values")
+    ap.add_argument("--cuda-warps", default="4,8", help="cuda part: int4_cuda WARPS (warps per block) values")
+    ap.add_argument("--cuda-wps", default="4", help="cuda part: int4_cuda WORDS_PER_SUM values (words per fp16 sum)")
+    ap.add_argument("--cuda-pdl", default="1", help="cuda part: launch with PDL (1), without (0), or both (0,1)")
     ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: INT4_WIDE_ROWS BLOCK_N values")
     ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")
     ap.add_argument("--rows-warps", default="4,8", help="rows part: INT4_WIDE_ROWS num_warps values")

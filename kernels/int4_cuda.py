@@ -1,0 +1,284 @@
+"""One-row int4 GEMV in CUDA C++ (kernels/int4_gemv.cu), compiled by nvcc on first use and launched through the driver.
+
+Why it exists beside the Triton GEMV (kernels/quant_gemv.py): at batch 1 a 6.7 B int4 layer's four GEMVs took 52.6 µs
+on the H200, against 31.5 µs for a kernel that only streams the same bytes (BENCHMARKS.md 24.4). Twenty sessions of
+tiles, splits, packed-fp16 words and loop pipelining in Triton left the Triton loop at 4.25 SASS instructions per
+weight and 60 % of that read floor. Written by hand the same arithmetic is about 1.9 instructions per weight
+(int4_gemv.cu's header: lop3 into fp16 mantissas, two weights per packed instruction), every load of a step is issued
+before any is used, and with PDL the first step's weights are in flight before the previous kernel has finished.
+
+    int4_cuda_gemv(x [1, K] or [K], weight uint8 [N, K/2], scale, zero [N, K/g], g) -> [1, N] in x's dtype
+        (x bf16 or fp16; scale / zero in x's dtype; g a power of two >= 32; optional glu / residual / norm_weight
+        fusions with the meaning kernels/quant_gemv.py gives them)
+
+Build and launch, without a torch extension: nvcc (found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin) compiles
+the .cu file to a cubin for the device's architecture, once per variant (ROWS, UNROLL, WARPS, WORDS_PER_SUM, x
+dtype), cached under $WORKBENCH_CUDA_CACHE (default ~/.cache/workbench/cuda) by a hash of the source and flags; the
+driver (libcuda through ctypes) loads it per device and launches it on torch's current stream with cuLaunchKernelEx
+(PDL's attribute when kernels/pdl.py says a launch uses it). A captured CUDA graph records the launch like any
+other; torch.compile sees it inside the custom op `workbench::quant_gemv` (quant_gemv._launch routes to it).
+
+Where it runs: `int4_cuda_takes` (one row, 16-bit x, scales and zeros in x's dtype, a power-of-two group of 32+,
+16-byte aligned buffers) and `cuda_problem` (a CUDA device of compute capability 8.0+ and nvcc). Off by default until
+measured (quant_gemv.INT4_CUDA, env WORKBENCH_INT4_CUDA=1). The Triton interpreter cannot run it: on CPU,
+`int4_cuda_emulate` computes the same arithmetic (per-chunk power-of-two scales, fp16 pairs, fp16 sums of WORDS_PER_SUM
+words) in PyTorch, which tests/test_int4_cuda.py holds against quant_gemv_reference, and the tests compile every
+variant with nvcc (where nvcc exists) to check it builds without register spills.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("int4_gemv.cu")
+DEFAULT_TILE = dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=4)
+TILE_KEYS = tuple(DEFAULT_TILE)
+F_GLU, F_NORM, F_RESIDUAL = 1, 2, 4  # int4_gemv.cu's flags
+
+
+class Int4CudaError(RuntimeError):
+    """The CUDA int4 GEMV cannot build or run here (the message says what is missing and what to do)."""
+
+
+def nvcc_path() -> str | None:
+    """nvcc on PATH, in $CUDA_HOME/bin or in /usr/local/cuda/bin; None when there is none."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return str(Path(root) / "bin" / "nvcc")
+    return None
+
+
+def cuda_problem(device: torch.device | str) -> str | None:
+    """Why the CUDA int4 GEMV cannot run on `device`; None when it can."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the CUDA int4 GEMV runs on a CUDA GPU; this run is on {device.type}"
+    if nvcc_path() is None:
+        return "the CUDA int4 GEMV is compiled on first use and needs nvcc (install the CUDA toolkit or set CUDA_HOME)"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"the CUDA int4 GEMV needs compute capability 8.0+ (this GPU: {major}.x)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_problem(device: torch.device) -> str | None:
+    return cuda_problem(device)
+
+
+def device_problem(device: torch.device | str) -> str | None:
+    """`cuda_problem`, asked once per device (every dispatched call asks)."""
+    return _cached_problem(torch.device(device))
+
+
+def int4_cuda_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    group_size: int | None, glu: bool = False) -> bool:
+    """Whether an int4 call fits the kernel: one row of bf16 / fp16 x, scales and zeros in x's dtype, contiguous,
+    groups a power of two of 32+, and the buffers 16-byte aligned (x is read in 16-byte pieces)."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    g = group_size or 0
+    k = x.shape[1] // 2 if glu else x.shape[1]
+    return (g >= 32 and g & (g - 1) == 0 and k % g == 0 and weight.dtype == torch.uint8
+            and weight.shape[1] * 2 == k and scale.dtype == x.dtype and zero.dtype == x.dtype
+            and weight.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()
+            and x.is_contiguous() and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+# ---- build ----------------------------------------------------------------------------------------------------------
+def _cache_dir() -> Path:
+    return Path(os.environ.get("WORKBENCH_CUDA_CACHE", Path.home() / ".cache" / "workbench" / "cuda"))
+
+
+def build_flags(tile: dict, x_bf16: bool, arch: str) -> list[str]:
+    defines = [f"-D{key}={int(tile[key])}" for key in TILE_KEYS] + [f"-DX_BF16={int(x_bf16)}"]
+    return ["-cubin", f"-arch={arch}", "-O3", "-std=c++17", *defines]
+
+
+def compile_cubin(tile: dict, x_bf16: bool, arch: str, *, verbose: bool = False) -> tuple[bytes, str]:
+    """(cubin bytes, ptxas's report when verbose) for one variant, from the cache when built before."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise Int4CudaError(cuda_problem("cuda") or "nvcc not found")
+    source = SOURCE.read_bytes()
+    flags = build_flags(tile, x_bf16, arch) + (["-Xptxas", "-v"] if verbose else [])
+    key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:24]
+    out = _cache_dir() / f"int4_gemv_{key}.cubin"
+    if out.is_file() and not verbose:
+        return out.read_bytes(), ""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    done = subprocess.run([nvcc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise Int4CudaError(f"nvcc failed on {SOURCE.name} ({' '.join(flags)}):\n{done.stderr[-3000:]}")
+    tmp.replace(out)  # atomic: concurrent builders of one variant each write a whole file
+    return out.read_bytes(), done.stderr
+
+
+# ---- driver (ctypes) ------------------------------------------------------------------------------------------------
+class _LaunchAttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic", ctypes.c_int)]
+
+
+class _LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttrValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        msg = ctypes.c_char_p()
+        _libcuda().cuGetErrorString(result, ctypes.byref(msg))
+        raise Int4CudaError(f"{what} failed: CUDA error {result} ({(msg.value or b'?').decode()})")
+
+
+@functools.lru_cache(maxsize=None)
+def _function(device_index: int, tile_items: tuple, x_bf16: bool) -> ctypes.c_void_p:
+    """The loaded kernel for one variant on one device (compiled first if need be)."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
+    cubin, _ = compile_cubin(dict(tile_items), x_bf16, arch)
+    lib = _libcuda()
+    module, func = ctypes.c_void_p(), ctypes.c_void_p()
+    with torch.cuda.device(device_index):  # cudaSetDevice: torch's (primary) context is current on this thread
+        _check(lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), "cuModuleLoadData")
+        _check(lib.cuModuleGetFunction(ctypes.byref(func), module, b"int4_gemv"), "cuModuleGetFunction")
+        _check(lib.cuFuncSetAttribute(func, _MAX_DYNAMIC_SHARED, 160 * 1024), "cuFuncSetAttribute")
+    return func
+
+
+def shared_bytes(k: int) -> int:
+    """The kernel's dynamic shared memory for K: the x pairs (16 bytes a word) and a float2 per chunk of 32."""
+    return (k // 32) * (4 * 16 + 8)
+
+
+def int4_cuda_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                   *, glu: bool = False, residual: torch.Tensor | None = None,
+                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False,
+                   **tile) -> torch.Tensor:
+    """x [1, K] (glu: [1, 2K]) -> [1, N] in x's dtype (see the module docstring); `tile`: entries of DEFAULT_TILE."""
+    problem = device_problem(x.device)
+    if problem:
+        raise Int4CudaError(problem)
+    x2 = x.reshape(1, -1).contiguous()
+    if not int4_cuda_takes(x2, weight, scale, zero, group_size, glu):
+        raise Int4CudaError("int4_cuda_gemv takes one row of bf16 / fp16 x with scales and zeros in its dtype, a "
+                            f"power-of-two group of 32+ and 16-byte aligned buffers (got x {tuple(x.shape)} "
+                            f"{x.dtype}, scale {scale.dtype}, group {group_size})")
+    cfg = dict(DEFAULT_TILE, **tile)
+    unknown = set(cfg) - set(TILE_KEYS)
+    if unknown:
+        raise Int4CudaError(f"unknown int4_cuda tile keys {sorted(unknown)}; known: {list(TILE_KEYS)}")
+    n, k = weight.shape[0], weight.shape[1] * 2
+    if shared_bytes(k) > 160 * 1024:
+        raise Int4CudaError(f"K = {k} needs {shared_bytes(k)} bytes of shared memory (at most 160 KiB): use the "
+                            "Triton GEMV (quant_gemv.INT4_CUDA = False)")
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    func = _function(dev, tuple(sorted(cfg.items())), x.dtype == torch.bfloat16)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    flags = (F_GLU if glu else 0) | (F_NORM if norm_weight is not None else 0) | (F_RESIDUAL if residual is not None
+                                                                                  else 0)
+    nw = norm_weight.contiguous() if norm_weight is not None else x2
+    if nw.data_ptr() % 16:  # read in 16-byte pieces: a fresh copy is aligned
+        nw = nw.clone()
+    res = residual.reshape(-1).contiguous() if residual is not None else out
+    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (weight, x2, scale, zero, nw, res, out)]
+    scalars = [ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(int(math.log2(group_size))), ctypes.c_int(flags),
+               ctypes.c_float(eps)]
+    params = (ctypes.c_void_p * (len(ptrs) + len(scalars)))(
+        *[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in ptrs + scalars])
+    rows_per_block = cfg["ROWS"] * cfg["WARPS"]
+    attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value.programmatic = 1
+    conf = _LaunchConfig(math.ceil(n / rows_per_block), 1, 1, cfg["WARPS"] * 32, 1, 1, shared_bytes(k),
+                         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
+                         ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
+    _check(_libcuda().cuLaunchKernelEx(ctypes.byref(conf), func, ctypes.cast(params, ctypes.c_void_p), None),
+           "cuLaunchKernelEx (int4_gemv)")
+    return out
+
+
+# ---- CPU emulation --------------------------------------------------------------------------------------------------
+def _fp16_fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a b + c rounded to fp16, inputs fp16 values held in fp32 (the product is exact in fp32; the sum rounds once
+    in fp32 before the fp16 rounding, which can differ from a fused fp16 fma in the last bit at a tie)."""
+    return (a * b + c).to(torch.float16).float()
+
+
+def int4_cuda_emulate(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                      group_size: int, *, glu: bool = False, residual: torch.Tensor | None = None,
+                      norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                      words_per_sum: int = DEFAULT_TILE["WORDS_PER_SUM"]) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch on any device, for tests: per chunk of 32 x's a power-of-two scale, x as fp16
+    pairs, each word's products (q - 8) x~ in fp16 multiply-adds in the kernel's pair order, fp16 sums of
+    `words_per_sum` words, then s 2^e dot + z sum(x) in fp32; returns [1, N] in x's dtype."""
+    dt = x.dtype
+    xf = x.reshape(-1).float()
+    k = weight.shape[1] * 2
+    if glu:
+        gate, up = xf[:k], xf[k:]
+        xf = (gate / (1 + torch.exp(-gate)) * up).to(dt).float()
+    rstd = 1.0
+    if norm_weight is not None:
+        rstd = torch.rsqrt((xf * xf).sum() / k + eps)
+        xf = (xf * norm_weight.float()).to(dt).float()
+    nch = k // 32
+    chunks = xf.reshape(nch, 32)
+    amax = chunks.abs().amax(dim=1)
+    _, e = torch.frexp(amax)
+    e = torch.where(amax > 0, e, torch.zeros_like(e))
+    xs = (chunks * torch.ldexp(torch.ones_like(amax), -e)[:, None]).to(torch.float16).float()  # [nch, 32]
+    n = weight.shape[0]
+    w = weight.reshape(n, nch, 4, 4).to(torch.int32)  # [N, chunk, word, byte]
+    q_hi, q_lo = (w >> 4) - 8, (w & 15) - 8  # byte b of a word: k = 2b (high), 2b + 1 (low)
+    xw = xs.reshape(nch, 4, 8)  # [chunk, word, 8]
+    # the kernel's pair order per word: (k1, k5), (k0, k4), (k3, k7), (k2, k6): lanes (low, high)
+    order = [((q_lo, 0), (q_lo, 2), 1, 5), ((q_hi, 0), (q_hi, 2), 0, 4), ((q_lo, 1), (q_lo, 3), 3, 7),
+             ((q_hi, 1), (q_hi, 3), 2, 6)]
+    sums, dots = None, torch.zeros(n, nch)
+    for word in range(4):
+        if sums is None:
+            sums = [torch.zeros(n, nch), torch.zeros(n, nch)]
+        for (qa, ba), (qb, bb), ka, kb in order:
+            sums[0] = _fp16_fma(qa[:, :, word, ba].float(), xw[None, :, word, ka], sums[0])
+            sums[1] = _fp16_fma(qb[:, :, word, bb].float(), xw[None, :, word, kb], sums[1])
+        if (word + 1) % words_per_sum == 0:
+            dots = dots + (sums[0] + sums[1])
+            sums = None
+    groups = k // group_size
+    cg = torch.arange(nch) * 32 // group_size  # chunk -> group
+    s = scale.float().reshape(n, groups)[:, cg]
+    z = zero.float().reshape(n, groups)[:, cg]
+    acc = (s * torch.ldexp(torch.ones_like(amax), e)[None, :] * dots + z * chunks.sum(dim=1)[None, :]).sum(dim=1)
+    acc = acc * rstd
+    if residual is not None:
+        acc = acc + residual.float().reshape(-1)
+    return acc.to(dt).reshape(1, n)

@@ -1,0 +1,157 @@
+"""The one-row int4 GEMV in CUDA C++ (kernels/int4_cuda.py, kernels/int4_gemv.cu) on a machine without a GPU.
+
+What can be checked here: the kernel's arithmetic (per-chunk power-of-two scales, fp16 pairs in the nibbles' order,
+fp16 sums of WORDS_PER_SUM words, the fusions) through `int4_cuda_emulate` against the fp32 reference; that every
+variant the benchmarks sweep compiles with nvcc for sm_90 without register spills (where nvcc exists); and that
+calls it cannot take are named, and left to the Triton GEMV by the dispatch. The kernel itself runs on the GPU only:
+scripts/gpu_gemv.py --parts cuda holds it against the same reference there (BENCHMARKS.md)."""
+import itertools
+import re
+
+import pytest
+import torch
+
+from kernels import int4_cuda, quant_gemv
+from kernels.int4_cuda import (Int4CudaError, compile_cubin, int4_cuda_emulate, int4_cuda_gemv, int4_cuda_takes,
+                               nvcc_path)
+from kernels.quant_gemv import quant_gemv_reference
+
+RTOL = 2 ** -7  # the GPU parity bound of scripts/gpu_gemv.py
+
+
+def _case(n, k, g, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    s = (torch.rand(n, k // g, generator=gen) * 0.02 + 0.001).to(dtype)
+    z = (torch.randn(n, k // g, generator=gen) * 0.01).to(dtype)
+    return w, s, z
+
+
+def _rel(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("wps", [1, 2, 4])
+def test_emulation_matches_reference(dtype, g, wps):
+    w, s, z = _case(40, 384, g, dtype)  # 12 chunks of 32: not a multiple of a warp's 32 lanes
+    x = torch.randn(1, 384).to(dtype)
+    want = quant_gemv_reference(x, "int4", w, s, z, g)
+    got = int4_cuda_emulate(x, w, s, z, g, words_per_sum=wps)
+    assert got.shape == (1, 40) and got.dtype == dtype
+    assert _rel(got, want) <= RTOL
+
+
+def test_fp16_sums_cost_little_next_to_bf16_rounding():
+    """fp16 x has 3 more mantissa bits than bf16, so its output rounding hides less: the fp16 sums (4 words) must stay
+    within 4 ulps of fp16 at the output's scale."""
+    w, s, z = _case(64, 1024, 128, torch.float16, seed=3)
+    x = torch.randn(1, 1024).to(torch.float16)
+    assert _rel(int4_cuda_emulate(x, w, s, z, 128), quant_gemv_reference(x, "int4", w, s, z, 128)) <= 4 * 2 ** -11
+
+
+def test_every_nibble_lands_on_its_k():
+    """One weight at a time set to q = 15 (all others q = 8, i.e. 0): the output is x_k s for exactly that k, so a
+    wrong pair order or nibble position cannot cancel out."""
+    k, g = 64, 32
+    x = (torch.arange(k, dtype=torch.float32) + 1).to(torch.bfloat16)[None, :]  # distinct x per k
+    for kk in range(k):
+        w = torch.full((1, k // 2), 0x88, dtype=torch.uint8)
+        byte, low = kk // 2, kk % 2
+        w[0, byte] = 0x8F if low else 0xF8
+        s = torch.ones(1, k // g, dtype=torch.bfloat16)
+        z = torch.zeros(1, k // g, dtype=torch.bfloat16)
+        got = int4_cuda_emulate(x, w, s, z, g).float().item()
+        assert got == pytest.approx(7 * (kk + 1), rel=2 ** -8), kk
+
+
+@pytest.mark.parametrize("fusion", ["norm", "glu", "residual"])
+def test_emulated_fusions_match_reference(fusion):
+    n, k, g = 24, 256, 64
+    w, s, z = _case(n, k, g, torch.bfloat16, seed=1)
+    x = torch.randn(1, 2 * k if fusion == "glu" else k).to(torch.bfloat16)
+    kw = dict(glu=fusion == "glu",
+              norm_weight=(1 + 0.1 * torch.randn(k)).to(torch.bfloat16) if fusion == "norm" else None,
+              residual=torch.randn(1, n).to(torch.bfloat16) if fusion == "residual" else None)
+    want = quant_gemv_reference(x, "int4", w, s, z, g, **kw)
+    assert _rel(int4_cuda_emulate(x, w, s, z, g, **kw), want) <= RTOL
+    plain = quant_gemv_reference(x[:, :k], "int4", w, s, z, g)  # the fusion changes the result: it is not ignored
+    assert _rel(plain, want) > 0.05
+
+
+def test_takes_names_its_limits():
+    w, s, z = _case(8, 256, 64, torch.bfloat16)
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    assert int4_cuda_takes(x, w, s, z, 64)
+    assert not int4_cuda_takes(torch.randn(2, 256).to(torch.bfloat16), w, s, z, 64)  # verify widths: int4_mma
+    assert not int4_cuda_takes(x.float(), w, s, z, 64)  # fp32 x
+    assert not int4_cuda_takes(x, w, s.float(), z, 64)  # scales in another dtype
+    w3, s3, z3 = _case(8, 288, 96, torch.bfloat16)
+    assert not int4_cuda_takes(torch.randn(1, 288).to(torch.bfloat16), w3, s3, z3, 96)  # not a power of two
+    assert not int4_cuda_takes(x[:, 1:].contiguous()[:, :255], w, s, z, 64)  # K mismatch
+
+
+def test_cpu_call_gets_a_named_error():
+    w, s, z = _case(8, 256, 64, torch.bfloat16)
+    with pytest.raises(Int4CudaError, match="CUDA GPU"):
+        int4_cuda_gemv(torch.randn(1, 256).to(torch.bfloat16), w, s, z, 64)
+
+
+def test_dispatch_leaves_cpu_and_untaken_calls_to_triton(monkeypatch):
+    """With INT4_CUDA on, a call the CUDA kernel cannot take (here: no CUDA device) must not reach it."""
+    monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
+    called = []
+    monkeypatch.setattr(int4_cuda, "int4_cuda_gemv", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(quant_gemv, "TRITON_AVAILABLE", False)  # the Triton path's own error marks the fall-through
+    w, s, z = _case(8, 256, 64, torch.bfloat16)
+    with pytest.raises(quant_gemv.GemvError):
+        quant_gemv._launch(torch.randn(1, 256).to(torch.bfloat16), "int4", w, s, z, 64, None)
+    assert not called
+
+
+def test_dispatch_routes_taken_calls(monkeypatch):
+    """A one-row call the kernel takes goes to int4_cuda_gemv with the fusions and the module's tile."""
+    monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
+    monkeypatch.setattr(quant_gemv, "INT4_CUDA_TILE", dict(ROWS=2))
+    monkeypatch.setattr(quant_gemv, "TRITON_AVAILABLE", True)
+    monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)
+    seen = {}
+    monkeypatch.setattr(int4_cuda, "int4_cuda_gemv", lambda *a, **kw: seen.update(kw) or "cuda")
+    w, s, z = _case(8, 256, 64, torch.bfloat16)
+    r = torch.randn(1, 8).to(torch.bfloat16)
+    assert quant_gemv._launch(torch.randn(1, 256).to(torch.bfloat16), "int4", w, s, z, 64, None,
+                              residual=r) == "cuda"
+    assert seen["ROWS"] == 2 and seen["residual"] is r and seen["glu"] is False
+
+
+VARIANTS = [dict(ROWS=r, UNROLL=u, WARPS=wp, WORDS_PER_SUM=s)
+            for r, u, wp, s in itertools.product([1, 2, 4], [2, 4], [4, 8], [4])] + \
+           [dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=s) for s in (1, 2)]
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed here")
+@pytest.mark.parametrize("x_bf16", [True, False])
+@pytest.mark.parametrize("tile", VARIANTS, ids=lambda t: "r{ROWS}u{UNROLL}w{WARPS}s{WORDS_PER_SUM}".format(**t))
+def test_every_swept_variant_compiles_without_real_spills(tile, x_bf16, tmp_path, monkeypatch):
+    """ptxas may park a register or two of the setup in local memory (seen: 8-24 bytes, one store before the K loop
+    and one load per step in the SASS of r4u4w4s1); a tile whose weights or sums spilled would show hundreds."""
+    monkeypatch.setenv("WORKBENCH_CUDA_CACHE", str(tmp_path))
+    cubin, report = compile_cubin(tile, x_bf16, "sm_90a", verbose=True)
+    assert cubin[:4] == b"\x7fELF"
+    spills = [int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    assert spills and max(spills) <= 32, report
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert regs <= 255
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed here")
+def test_cubin_cache_reuses_a_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CUDA_CACHE", str(tmp_path))
+    tile = dict(int4_cuda.DEFAULT_TILE)
+    first, _ = compile_cubin(tile, True, "sm_90a")
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1
+    mtime = files[0].stat().st_mtime_ns
+    again, _ = compile_cubin(tile, True, "sm_90a")
+    assert again == first and files[0].stat().st_mtime_ns == mtime
