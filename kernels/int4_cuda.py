@@ -41,6 +41,17 @@ import torch
 SOURCE = Path(__file__).with_name("int4_gemv.cu")
 DEFAULT_TILE = dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=4)
 TILE_KEYS = tuple(DEFAULT_TILE)
+
+
+def int4_cuda_tile(n: int, k: int) -> dict:
+    """The tile for an [N, K] linear, from call n1's sweep (BENCHMARKS.md 26.1; 6.7 B and 1.45 B shapes): wide
+    outputs (q/k/v, gate/up) fastest with 4 rows a warp and 2 chunks a lane in flight per row, 4 warps; long rows
+    (the down projection, K >= 2N) with 2 rows and 4 chunks, 8 warps; the rest (o) 4 rows, 4 chunks, 8 warps."""
+    if n >= 8192:
+        return dict(DEFAULT_TILE, ROWS=4, UNROLL=2, WARPS=4)
+    if k >= 2 * n:
+        return dict(DEFAULT_TILE, ROWS=2, UNROLL=4, WARPS=8)
+    return dict(DEFAULT_TILE, ROWS=4, UNROLL=4, WARPS=8)
 F_GLU, F_NORM, F_RESIDUAL = 1, 2, 4  # int4_gemv.cu's flags
 
 
@@ -184,7 +195,8 @@ def int4_cuda_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
                    *, glu: bool = False, residual: torch.Tensor | None = None,
                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False,
                    **tile) -> torch.Tensor:
-    """x [1, K] (glu: [1, 2K]) -> [1, N] in x's dtype (see the module docstring); `tile`: entries of DEFAULT_TILE."""
+    """x [1, K] (glu: [1, 2K]) -> [1, N] in x's dtype (see the module docstring); `tile`: entries of DEFAULT_TILE
+    that replace `int4_cuda_tile`'s for this shape."""
     problem = device_problem(x.device)
     if problem:
         raise Int4CudaError(problem)
@@ -193,11 +205,11 @@ def int4_cuda_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
         raise Int4CudaError("int4_cuda_gemv takes one row of bf16 / fp16 x with scales and zeros in its dtype, a "
                             f"power-of-two group of 32+ and 16-byte aligned buffers (got x {tuple(x.shape)} "
                             f"{x.dtype}, scale {scale.dtype}, group {group_size})")
-    cfg = dict(DEFAULT_TILE, **tile)
+    n, k = weight.shape[0], weight.shape[1] * 2
+    cfg = dict(int4_cuda_tile(n, k), **tile)
     unknown = set(cfg) - set(TILE_KEYS)
     if unknown:
         raise Int4CudaError(f"unknown int4_cuda tile keys {sorted(unknown)}; known: {list(TILE_KEYS)}")
-    n, k = weight.shape[0], weight.shape[1] * 2
     if shared_bytes(k) > 160 * 1024:
         raise Int4CudaError(f"K = {k} needs {shared_bytes(k)} bytes of shared memory (at most 160 KiB): use the "
                             "Triton GEMV (quant_gemv.INT4_CUDA = False)")

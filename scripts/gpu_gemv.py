@@ -776,7 +776,8 @@ def part_cuda(args, device) -> list[dict]:
     int4_cuda tile of the --cuda-rows x --cuda-unroll x --cuda-warps x --cuda-wps grid, with and without PDL
     (--cuda-pdl), each with max |error| / max |reference| and its speedup over the GEMV and bf16; the fastest
     parity-clean tile per shape is marked. Then each fusion (RMSNorm prologue, SwiGLU prologue, residual epilogue)
-    against quant_gemv_reference with the same fusion, and one "layer" row per kernel summing its best."""
+    against quant_gemv_reference with the same fusion, timed with the shape's rule tile (int4_cuda_tile) beside the
+    plain call and the Triton GEMV with that fusion; and one "layer" row per kernel summing its best."""
     from kernels.int4_cuda import cuda_problem, int4_cuda_gemv
 
     rows, problem = [], kernel_ok(device) or cuda_problem(device)
@@ -836,6 +837,17 @@ def part_cuda(args, device) -> list[dict]:
                     got = int4_cuda_gemv(xin, m.weight, m.scale, m.zero, m.group_size, **kw).float()
                 row["rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
                 row["ok"] = row["rel_err"] <= args.parity_rtol
+                # timed with the shape's rule tile, beside the plain call and the Triton GEMV with the same fusion
+                with torch.no_grad():
+                    row["us"] = time_us([lambda c=c: int4_cuda_gemv(xin, c.weight, c.scale, c.zero, c.group_size,
+                                                                    pdl=True, **kw) for c in clones["triton"]],
+                                        device, args.replays)
+                    row["us_plain"] = time_us([lambda c=c: int4_cuda_gemv(x, c.weight, c.scale, c.zero,
+                                                                          c.group_size, pdl=True)
+                                               for c in clones["triton"]], device, args.replays)
+                    row["triton_us"] = time_us([lambda c=c: quant_gemv_triton(xin, "int4", c.weight, c.scale, c.zero,
+                                                                              c.group_size, c.gemv_counters, **kw)
+                                                for c in clones["triton"]], device, args.replays)
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             print(json.dumps(row), flush=True)

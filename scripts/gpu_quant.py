@@ -91,8 +91,9 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # prefill (`prefill_ms_median`: the prompt's forward to its first token, as generate times it). "+mma0": int4 calls of
 # 2..16 rows (verify widths) stay in kernels/quant_gemv.py instead of kernels/int4_mma.py (quant_gemv.INT4_MMA_ROWS 0).
 # Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
-# "+cu": one-row int4 calls in CUDA C++ (kernels/int4_cuda.py, quant_gemv.INT4_CUDA) with its default tile; "+cuXY":
-# with one tile entry changed (CUDA_ROWS_TILES).
+# "+cu": one-row int4 calls in CUDA C++ (kernels/int4_cuda.py, quant_gemv.INT4_CUDA) with each shape's rule tile
+# (int4_cuda.int4_cuda_tile; call n1 ran "+cu" with DEFAULT_TILE for every shape, before the rule); "+cuXY": with
+# tile entries replaced for every shape (CUDA_ROWS_TILES).
 CUDA_ROWS_TILES = {"cu": None, "cus1": dict(WORDS_PER_SUM=1), "cus2": dict(WORDS_PER_SUM=2), "cur2": dict(ROWS=2),
                    "cuu2": dict(UNROLL=2), "cuw8": dict(WARPS=8), "cur2w8": dict(ROWS=2, WARPS=8)}
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
