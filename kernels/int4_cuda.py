@@ -12,8 +12,8 @@ before any is used, and with PDL the first step's weights are in flight before t
         fusions with the meaning kernels/quant_gemv.py gives them)
 
 Build and launch, without a torch extension: nvcc (found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin) compiles
-the .cu file to a cubin for the device's architecture, once per variant (ROWS, UNROLL, WARPS, WORDS_PER_SUM, x
-dtype), cached under $WORKBENCH_CUDA_CACHE (default ~/.cache/workbench/cuda) by a hash of the source and flags; the
+the .cu file to a cubin for the device's architecture, once per variant (ROWS, UNROLL, WARPS, WORDS_PER_SUM, PIPE,
+x dtype), cached under $WORKBENCH_CUDA_CACHE (default ~/.cache/workbench/cuda) by a hash of the source and flags; the
 driver (libcuda through ctypes) loads it per device and launches it on torch's current stream with cuLaunchKernelEx
 (PDL's attribute when kernels/pdl.py says a launch uses it). A captured CUDA graph records the launch like any
 other; torch.compile sees it inside the custom op `workbench::quant_gemv` (quant_gemv._launch routes to it).
@@ -32,6 +32,7 @@ import functools
 import hashlib
 import math
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -39,14 +40,33 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("int4_gemv.cu")
-DEFAULT_TILE = dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=4)
+DEFAULT_TILE = dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=4, PIPE=0)
 TILE_KEYS = tuple(DEFAULT_TILE)
 
 
+MEASURED_TILES: dict[tuple[int, int], dict] = {}  # (N, K) -> a swept tile that replaces the rule's for that shape
+
+
+def load_measured_tiles(path: str | Path) -> dict[tuple[int, int], dict]:
+    """The fastest parity-clean tile per shape from a gpu_gemv.py --parts cuda JSON ("best" rows), as MEASURED_TILES
+    takes them."""
+    import json
+    rows = json.loads(Path(path).read_text())["rows"]
+    table = {}
+    for r in rows:
+        if r.get("kernel") == "cuda" and r.get("best") and r.get("tile"):
+            parts = dict(re.fullmatch(r"([a-z]+)(\d+)", p).groups() for p in r["tile"].split()[:4])
+            table[(r["N"], r["K"])] = dict(ROWS=int(parts["r"]), UNROLL=int(parts["u"]), WARPS=int(parts["w"]),
+                                           WORDS_PER_SUM=int(parts["s"]), PIPE=int("pipe" in r["tile"].split()))
+    return table
+
+
 def int4_cuda_tile(n: int, k: int) -> dict:
-    """The tile for an [N, K] linear, from call n1's sweep (BENCHMARKS.md 26.1; 6.7 B and 1.45 B shapes): wide
+    """MEASURED_TILES' tile for the shape when it has one, else the tile for an [N, K] linear, from call n1's sweep (BENCHMARKS.md 26.1; 6.7 B and 1.45 B shapes): wide
     outputs (q/k/v, gate/up) fastest with 4 rows a warp and 2 chunks a lane in flight per row, 4 warps; long rows
     (the down projection, K >= 2N) with 2 rows and 4 chunks, 8 warps; the rest (o) 4 rows, 4 chunks, 8 warps."""
+    if (n, k) in MEASURED_TILES:
+        return dict(DEFAULT_TILE, **MEASURED_TILES[(n, k)])
     if n >= 8192:
         return dict(DEFAULT_TILE, ROWS=4, UNROLL=2, WARPS=4)
     if k >= 2 * n:

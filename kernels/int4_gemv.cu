@@ -9,7 +9,8 @@
 //
 // Layout of the work: each warp owns ROWS consecutive output rows; lane l takes the chunks c = l, l + 32, ... of each
 // of them, UNROLL chunks per row per step, all ROWS x UNROLL 16-byte loads issued before any is used (a warp reads 512
-// contiguous bytes of a row per load instruction). A block of WARPS warps first stages x in shared memory, once per
+// contiguous bytes of a row per load instruction); PIPE: two steps held in registers, the next one's loads issued
+// before this one's math (otherwise other warps and blocks on the SM hide the latency). A block of WARPS warps first stages x in shared memory, once per
 // block: per chunk of 32 x's a power-of-two scale 2^-e (e from the chunk's max, so |x 2^-e| < 1), the scaled x's as
 // fp16 pairs in the order the nibbles come out of a word, the chunk's sum of x (fp32) and 2^e.
 //
@@ -39,6 +40,9 @@
 #endif
 #ifndef X_BF16
 #define X_BF16 1
+#endif
+#ifndef PIPE
+#define PIPE 0
 #endif
 
 #if X_BF16
@@ -115,6 +119,64 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&h);
 }
 
+struct Step {  // one step's loads: UNROLL 16-byte chunks of each of ROWS rows, with their groups' scale and zero
+    uint4 w[ROWS][UNROLL];
+    xt s[ROWS][UNROLL], z[ROWS][UNROLL];
+};
+
+__device__ __forceinline__ void load_step(Step& st, const uint4* __restrict__ w, const xt* __restrict__ s,
+                                          const xt* __restrict__ z, int base, int nch, int row0, int N, int groups,
+                                          int cshift, int lane) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int c = base + u * 32 + lane, n = row0 + r;
+            if (c < nch && n < N) {
+                st.w[r][u] = ldg_stream(w + (size_t)n * nch + c);
+                st.s[r][u] = s[(size_t)n * groups + (c >> cshift)];
+                st.z[r][u] = z[(size_t)n * groups + (c >> cshift)];
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void compute_step(const Step& st, float (&acc)[ROWS], const uint4* xp, const float2* xsum,
+                                             int base, int nch, int lane) {
+    if (base + 32 * UNROLL >= nch) grid_launch_dependents();  // the last step: every weight load is issued
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int c = base + u * 32 + lane;
+        if (c < nch) {
+            const uint4 x0 = xp[c], x1 = xp[nch + c], x2 = xp[2 * nch + c], x3 = xp[3 * nch + c];
+            const float2 xs = xsum[c];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                const uint4 wq = st.w[r][u];
+                const __half2 zero2 = __float2half2_rn(0.f);
+                float dot;
+#if WORDS_PER_SUM == 4
+                __half2 h = word_dot(wq.x, x0, zero2);
+                h = word_dot(wq.y, x1, h);
+                h = word_dot(wq.z, x2, h);
+                h = word_dot(wq.w, x3, h);
+                dot = __low2float(h) + __high2float(h);
+#elif WORDS_PER_SUM == 2
+                __half2 h = word_dot(wq.y, x1, word_dot(wq.x, x0, zero2));
+                __half2 k = word_dot(wq.w, x3, word_dot(wq.z, x2, zero2));
+                dot = (__low2float(h) + __high2float(h)) + (__low2float(k) + __high2float(k));
+#else
+                __half2 h0 = word_dot(wq.x, x0, zero2), h1 = word_dot(wq.y, x1, zero2);
+                __half2 h2 = word_dot(wq.z, x2, zero2), h3 = word_dot(wq.w, x3, zero2);
+                dot = ((__low2float(h0) + __high2float(h0)) + (__low2float(h1) + __high2float(h1))) +
+                      ((__low2float(h2) + __high2float(h2)) + (__low2float(h3) + __high2float(h3)));
+#endif
+                acc[r] = fmaf(to_f32(st.s[r][u]) * xs.y, dot, fmaf(to_f32(st.z[r][u]), xs.x, acc[r]));
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __restrict__ s,
           const xt* __restrict__ z, const xt* __restrict__ nw, const xt* __restrict__ res, xt* __restrict__ out,
@@ -130,58 +192,46 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
     const int groups = K >> G_SHIFT;
     const int cshift = G_SHIFT - 5;               // chunk -> group
 
-    uint4 wv[ROWS][UNROLL];
-    xt sv[ROWS][UNROLL], zv[ROWS][UNROLL];
-    auto load_step = [&](int base) {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int c = base + u * 32 + lane, n = row0 + r;
-                if (c < nch && n < N) {
-                    wv[r][u] = ldg_stream(w + (size_t)n * nch + c);
-                    sv[r][u] = s[(size_t)n * groups + (c >> cshift)];
-                    zv[r][u] = z[(size_t)n * groups + (c >> cshift)];
-                }
-            }
-        }
-    };
-    load_step(0);  // before the wait: weights never depend on the previous kernel
-    grid_wait();
+    Step cur, nxt;
+    load_step(cur, w, s, z, 0, nch, row0, N, groups, cshift, lane);  // before the wait: weights never depend on
+    grid_wait();                                                      // the previous kernel
 
-    // stage x: one chunk of 32 per thread per pass
+    // stage x: one chunk of 32 per thread per pass, every global load of a chunk issued before any is used
     float sq = 0.f;
     for (int c = threadIdx.x; c < nch; c += WARPS * 32) {
         float v[32];
+        uint4 xr[4], yr[4];
         const uint4* xc = reinterpret_cast<const uint4*>(x) + c * 4;
+        const uint4* yc = reinterpret_cast<const uint4*>(flags & F_GLU ? x + K : nw) + c * 4;  // up, or norm weight
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xr[q] = xc[q];
+        if (flags & (F_GLU | F_NORM)) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) yr[q] = yc[q];
+        }
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-            const uint4 raw = xc[q];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) v[q * 8 + i] = elem(raw, i);
+            for (int i = 0; i < 8; ++i) v[q * 8 + i] = elem(xr[q], i);
         }
         if (flags & F_GLU) {  // x = silu(gate) * up, rounded once to x's type
-            const uint4* uc = reinterpret_cast<const uint4*>(x + K) + c * 4;
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-                const uint4 raw = uc[q];
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     float g = v[q * 8 + i];
-                    v[q * 8 + i] = to_f32(from_f32(__fdividef(g, 1.f + __expf(-g)) * elem(raw, i)));
+                    v[q * 8 + i] = to_f32(from_f32(__fdividef(g, 1.f + __expf(-g)) * elem(yr[q], i)));
                 }
             }
         }
         if (flags & F_NORM) {  // x * norm weight, rounded to x's type; 1 / rms applied to the sum at the end
-            const uint4* nc = reinterpret_cast<const uint4*>(nw) + c * 4;
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-                const uint4 raw = nc[q];
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
                     float a = v[q * 8 + i];
                     sq += a * a;
-                    v[q * 8 + i] = to_f32(from_f32(a * elem(raw, i)));
+                    v[q * 8 + i] = to_f32(from_f32(a * elem(yr[q], i)));
                 }
             }
         }
@@ -217,41 +267,21 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
     const int step = 32 * UNROLL;
-    for (int base = 0; base < nch; base += step) {
-        if (base > 0) load_step(base);
-        if (base + step >= nch) grid_launch_dependents();  // every weight load of this warp is issued
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int c = base + u * 32 + lane;
-            if (c < nch) {
-                const uint4 x0 = xp[c], x1 = xp[nch + c], x2 = xp[2 * nch + c], x3 = xp[3 * nch + c];
-                const float2 xs = xsum[c];
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    const uint4 wq = wv[r][u];
-                    const __half2 zero2 = __float2half2_rn(0.f);
-                    float dot;
-#if WORDS_PER_SUM == 4
-                    __half2 h = word_dot(wq.x, x0, zero2);
-                    h = word_dot(wq.y, x1, h);
-                    h = word_dot(wq.z, x2, h);
-                    h = word_dot(wq.w, x3, h);
-                    dot = __low2float(h) + __high2float(h);
-#elif WORDS_PER_SUM == 2
-                    __half2 h = word_dot(wq.y, x1, word_dot(wq.x, x0, zero2));
-                    __half2 k = word_dot(wq.w, x3, word_dot(wq.z, x2, zero2));
-                    dot = (__low2float(h) + __high2float(h)) + (__low2float(k) + __high2float(k));
-#else
-                    __half2 h0 = word_dot(wq.x, x0, zero2), h1 = word_dot(wq.y, x1, zero2);
-                    __half2 h2 = word_dot(wq.z, x2, zero2), h3 = word_dot(wq.w, x3, zero2);
-                    dot = ((__low2float(h0) + __high2float(h0)) + (__low2float(h1) + __high2float(h1))) +
-                          ((__low2float(h2) + __high2float(h2)) + (__low2float(h3) + __high2float(h3)));
-#endif
-                    acc[r] = fmaf(to_f32(sv[r][u]) * xs.y, dot, fmaf(to_f32(zv[r][u]), xs.x, acc[r]));
-                }
-            }
-        }
+#if PIPE
+    // two steps in registers: the next step's loads are in flight while this one computes
+    for (int base = 0; base < nch; base += 2 * step) {
+        if (base + step < nch) load_step(nxt, w, s, z, base + step, nch, row0, N, groups, cshift, lane);
+        compute_step(cur, acc, xp, xsum, base, nch, lane);
+        if (base + step >= nch) break;
+        if (base + 2 * step < nch) load_step(cur, w, s, z, base + 2 * step, nch, row0, N, groups, cshift, lane);
+        compute_step(nxt, acc, xp, xsum, base + step, nch, lane);
     }
+#else
+    for (int base = 0; base < nch; base += step) {
+        if (base > 0) load_step(cur, w, s, z, base, nch, row0, N, groups, cshift, lane);
+        compute_step(cur, acc, xp, xsum, base, nch, lane);
+    }
+#endif
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         float a = acc[r];

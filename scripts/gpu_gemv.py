@@ -773,7 +773,7 @@ def part_mma(args, device) -> list[dict]:
 def part_cuda(args, device) -> list[dict]:
     """One-row int4 in CUDA C++ (kernels/int4_cuda.py) on the --sweep-configs shapes: bf16 F.linear, tinygemm
     ("aten"), our Triton GEMV ("triton", its default tile, through the module as the model calls it) and each
-    int4_cuda tile of the --cuda-rows x --cuda-unroll x --cuda-warps x --cuda-wps grid, with and without PDL
+    int4_cuda tile of the --cuda-rows x --cuda-unroll x --cuda-warps x --cuda-wps x --cuda-pipe grid, with and without PDL
     (--cuda-pdl), each with max |error| / max |reference| and its speedup over the GEMV and bf16; the fastest
     parity-clean tile per shape is marked. Then each fusion (RMSNorm prologue, SwiGLU prologue, residual epilogue)
     against quant_gemv_reference with the same fusion, timed with the shape's rule tile (int4_cuda_tile) beside the
@@ -783,8 +783,9 @@ def part_cuda(args, device) -> list[dict]:
     rows, problem = [], kernel_ok(device) or cuda_problem(device)
     if problem:
         return [dict(error=problem)]
-    grid = [dict(ROWS=r, UNROLL=u, WARPS=w, WORDS_PER_SUM=wps) for r in ints(args.cuda_rows_per_warp)
-            for u in ints(args.cuda_unroll) for w in ints(args.cuda_warps) for wps in ints(args.cuda_wps)]
+    grid = [dict(ROWS=r, UNROLL=u, WARPS=w, WORDS_PER_SUM=wps, PIPE=p) for r in ints(args.cuda_rows_per_warp)
+            for u in ints(args.cuda_unroll) for w in ints(args.cuda_warps) for wps in ints(args.cuda_wps)
+            for p in ints(args.cuda_pipe)]
     pdls = [bool(p) for p in ints(args.cuda_pdl)]
     for config, name, k, n in shapes_of(args.sweep_configs):
         lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
@@ -800,7 +801,8 @@ def part_cuda(args, device) -> list[dict]:
                 [("cuda", t, p) for t in grid for p in pdls]:
             row = dict(config=config, linear=name, K=k, N=n, M=1, kernel=kind, pdl=pdl,
                        tile="-" if tile is None else
-                       f"r{tile['ROWS']} u{tile['UNROLL']} w{tile['WARPS']} s{tile['WORDS_PER_SUM']}")
+                       f"r{tile['ROWS']} u{tile['UNROLL']} w{tile['WARPS']} s{tile['WORDS_PER_SUM']}"
+                       + (" pipe" if tile["PIPE"] else ""))
             try:
                 with torch.no_grad():
                     if kind == "cuda":
@@ -941,6 +943,8 @@ def main() -> None:
                     "row per step) values")
     ap.add_argument("--cuda-warps", default="4,8", help="cuda part: int4_cuda WARPS (warps per block) values")
     ap.add_argument("--cuda-wps", default="4", help="cuda part: int4_cuda WORDS_PER_SUM values (words per fp16 sum)")
+    ap.add_argument("--cuda-pipe", default="0", help="cuda part: int4_cuda PIPE values (1: the next step's loads "
+                    "issued before this step's math)")
     ap.add_argument("--cuda-pdl", default="1", help="cuda part: launch with PDL (1), without (0), or both (0,1)")
     ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: INT4_WIDE_ROWS BLOCK_N values")
     ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")

@@ -42,7 +42,7 @@ from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.drafters import NgramDrafter  # noqa: E402
 from workbench.engine.quant import check_quant, quantize_model, set_fusion  # noqa: E402
 from kernels.pdl import pdl_problem, set_pdl  # noqa: E402
-from kernels import paged_attention, quant_gemv  # noqa: E402
+from kernels import int4_cuda, paged_attention, quant_gemv  # noqa: E402
 from kernels.quant_gemv import set_m1_tiles  # noqa: E402
 from workbench.engine import kv_cache  # noqa: E402
 from workbench.engine.quant import linears  # noqa: E402
@@ -95,7 +95,9 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # (int4_cuda.int4_cuda_tile; call n1 ran "+cu" with DEFAULT_TILE for every shape, before the rule); "+cuXY": with
 # tile entries replaced for every shape (CUDA_ROWS_TILES).
 CUDA_ROWS_TILES = {"cu": None, "cus1": dict(WORDS_PER_SUM=1), "cus2": dict(WORDS_PER_SUM=2), "cur2": dict(ROWS=2),
-                   "cuu2": dict(UNROLL=2), "cuw8": dict(WARPS=8), "cur2w8": dict(ROWS=2, WARPS=8)}
+                   "cuu2": dict(UNROLL=2), "cuw8": dict(WARPS=8), "cur2w8": dict(ROWS=2, WARPS=8),
+                   "cup": dict(PIPE=1)}
+CUB_TABLE: dict = {}  # "+cub": each shape's best tile of a gpu_gemv --parts cuda sweep (--int4-cuda-best), filled in place
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
                 "rope": {(kv_cache, "FUSE_ROPE"): True}, "norope": {(kv_cache, "FUSE_ROPE"): False},
                 "fc": {(paged_attention, "FUSE_COMBINE"): True}, "nofc": {(paged_attention, "FUSE_COMBINE"): False},
@@ -112,7 +114,8 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 "pg": {(linears, "INT4_PREFILL_GEMM_ROWS"): 1 << 20},
                 "mma0": {(quant_gemv, "INT4_MMA_ROWS"): 0},
                 **{name: {(quant_gemv, "INT4_CUDA"): True, (quant_gemv, "INT4_CUDA_TILE"): tile}
-                   for name, tile in CUDA_ROWS_TILES.items()}}
+                   for name, tile in CUDA_ROWS_TILES.items()},
+                "cub": {(quant_gemv, "INT4_CUDA"): True, (int4_cuda, "MEASURED_TILES"): CUB_TABLE}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 
 
@@ -316,7 +319,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="each floor row: one more generate under torch.profiler "
                     "(kernels per token, kernel time, the top kernels)")
     ap.add_argument("--profile-top", type=int, default=14)
+    ap.add_argument("--int4-cuda-best", default="", help="a gpu_gemv.py --parts cuda JSON: its best tile per shape "
+                    "for the rows with '+cub' (int4_cuda.MEASURED_TILES)")
     args = ap.parse_args()
+    if args.int4_cuda_best:
+        CUB_TABLE.update(int4_cuda.load_measured_tiles(args.int4_cuda_best))
+        print("int4_cuda tiles:", CUB_TABLE, flush=True)
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -725,6 +725,16 @@ elif [ "$PART" = n2 ]; then
   C=graphs+compile+overlap
   floor ar67 60 6.7b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+cu@$C,int4-triton+glo+pdl+cu@$C,int4-triton+res+pdl+cu@$C,int4-triton+all+pdl+cu+cus2@$C"
   floor prof67 40 6.7b --profile --formats "int4-triton+all+pdl+cu@$C"
+elif [ "$PART" = n3 ]; then
+  # twenty-first session: n2 put 6.7 B int4 decode at 1.883 ms (2.32x bf16) with the rule tiles and all fusions; the
+  # norm / SwiGLU prologues cost 1.7-2.7 us per linear. Now the prologue's loads are issued together, and PIPE (the
+  # next step's weights in flight during this step's math) is a grid dimension; then the floor with the rule, with
+  # PIPE for every shape, and the rule tiles re-picked from this sweep (gemv tiles JSON), profiled once
+  step cuda67 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/cuda67" --parts cuda --sweep-configs 6.7b \
+    --cuda-rows-per-warp 2,4,8 --cuda-unroll 1,2,4 --cuda-warps 4,8 --cuda-wps 4 --cuda-pipe 0,1 --replays 10
+  C=graphs+compile+overlap
+  floor ar67 60 6.7b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+cu@$C,int4-triton+all+pdl+cup@$C,int4-triton+all+pdl+cub@$C" \
+    --int4-cuda-best "$R/cuda67/gemv_cuda.json"
 elif [ "$PART" = k13 ]; then
   # twentieth session: k12's draft-model goal check missed at 0.5x by goodput (0.528 of the best) while goodput swung
   # 20x between its 3 rounds, and read 0.976 (within noise) at 1.0x. The same check at those two rates with 5 rounds,

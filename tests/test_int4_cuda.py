@@ -125,14 +125,14 @@ def test_dispatch_routes_taken_calls(monkeypatch):
     assert seen["ROWS"] == 2 and seen["residual"] is r and seen["glu"] is False
 
 
-VARIANTS = [dict(ROWS=r, UNROLL=u, WARPS=wp, WORDS_PER_SUM=s)
-            for r, u, wp, s in itertools.product([1, 2, 4], [2, 4], [4, 8], [4])] + \
-           [dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=s) for s in (1, 2)]
+VARIANTS = [dict(ROWS=r, UNROLL=u, WARPS=wp, WORDS_PER_SUM=4, PIPE=p)
+            for r, u, wp, p in itertools.product([2, 4], [1, 2, 4], [4, 8], [0, 1])] + \
+           [dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=s, PIPE=0) for s in (1, 2)]
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed here")
 @pytest.mark.parametrize("x_bf16", [True, False])
-@pytest.mark.parametrize("tile", VARIANTS, ids=lambda t: "r{ROWS}u{UNROLL}w{WARPS}s{WORDS_PER_SUM}".format(**t))
+@pytest.mark.parametrize("tile", VARIANTS, ids=lambda t: "r{ROWS}u{UNROLL}w{WARPS}s{WORDS_PER_SUM}p{PIPE}".format(**t))
 def test_every_swept_variant_compiles_without_real_spills(tile, x_bf16, tmp_path, monkeypatch):
     """ptxas may park a register or two of the setup in local memory (seen: 8-24 bytes, one store before the K loop
     and one load per step in the SASS of r4u4w4s1); a tile whose weights or sums spilled would show hundreds."""
