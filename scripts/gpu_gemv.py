@@ -783,9 +783,9 @@ def part_cuda(args, device) -> list[dict]:
     rows, problem = [], kernel_ok(device) or cuda_problem(device)
     if problem:
         return [dict(error=problem)]
-    grid = [dict(ROWS=r, UNROLL=u, WARPS=w, WORDS_PER_SUM=wps, PIPE=p) for r in ints(args.cuda_rows_per_warp)
+    grid = [dict(ROWS=r, UNROLL=u, WARPS=w, WORDS_PER_SUM=wps, PIPE=p, MINB=b) for r in ints(args.cuda_rows_per_warp)
             for u in ints(args.cuda_unroll) for w in ints(args.cuda_warps) for wps in ints(args.cuda_wps)
-            for p in ints(args.cuda_pipe)]
+            for p in ints(args.cuda_pipe) for b in ints(args.cuda_minb)]
     pdls = [bool(p) for p in ints(args.cuda_pdl)]
     for config, name, k, n in shapes_of(args.sweep_configs):
         lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
@@ -802,7 +802,7 @@ def part_cuda(args, device) -> list[dict]:
             row = dict(config=config, linear=name, K=k, N=n, M=1, kernel=kind, pdl=pdl,
                        tile="-" if tile is None else
                        f"r{tile['ROWS']} u{tile['UNROLL']} w{tile['WARPS']} s{tile['WORDS_PER_SUM']}"
-                       + (" pipe" if tile["PIPE"] else ""))
+                       + (" pipe" if tile["PIPE"] else "") + (f" b{tile['MINB']}" if tile["MINB"] > 1 else ""))
             try:
                 with torch.no_grad():
                     if kind == "cuda":
@@ -945,6 +945,8 @@ def main() -> None:
     ap.add_argument("--cuda-wps", default="4", help="cuda part: int4_cuda WORDS_PER_SUM values (words per fp16 sum)")
     ap.add_argument("--cuda-pipe", default="0", help="cuda part: int4_cuda PIPE values (1: the next step's loads "
                     "issued before this step's math)")
+    ap.add_argument("--cuda-minb", default="1", help="cuda part: int4_cuda MINB values (blocks per SM the compiler "
+                    "must fit: __launch_bounds__'s second argument)")
     ap.add_argument("--cuda-pdl", default="1", help="cuda part: launch with PDL (1), without (0), or both (0,1)")
     ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: INT4_WIDE_ROWS BLOCK_N values")
     ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")
