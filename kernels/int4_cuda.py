@@ -13,7 +13,7 @@ before any is used, and with PDL the first step's weights are in flight before t
 
 Build and launch, without a torch extension: nvcc (found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin) compiles
 the .cu file to a cubin for the device's architecture, once per variant (ROWS, UNROLL, WARPS, WORDS_PER_SUM, PIPE,
-MINB, x dtype, fusion), cached under $WORKBENCH_CUDA_CACHE (default ~/.cache/workbench/cuda) by a hash of the source
+MINB, x dtype), cached under $WORKBENCH_CUDA_CACHE (default ~/.cache/workbench/cuda) by a hash of the source
 and flags; the
 driver (libcuda through ctypes) loads it per device and launches it on torch's current stream with cuLaunchKernelEx
 (PDL's attribute when kernels/pdl.py says a launch uses it). A captured CUDA graph records the launch like any
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("int4_gemv.cu")
-DEFAULT_TILE = dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=4, PIPE=0, MINB=1)
+DEFAULT_TILE = dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=4, PIPE=0, MINB=0)
 TILE_KEYS = tuple(DEFAULT_TILE)
 
 
@@ -53,30 +53,30 @@ def load_measured_tiles(path: str | Path) -> dict[tuple[int, int], dict]:
     takes them."""
     import json
     rows = json.loads(Path(path).read_text())["rows"]
-    table = {}
-    for r in rows:
-        if r.get("kernel") == "cuda" and r.get("best") and r.get("tile"):
-            parts = dict(re.fullmatch(r"([a-z]+)(\d+)", p).groups() for p in r["tile"].split()[:4])
-            words = r["tile"].split()
-            minb = [int(p[1:]) for p in words if re.fullmatch(r"b\d+", p)]
-            table[(r["N"], r["K"])] = dict(ROWS=int(parts["r"]), UNROLL=int(parts["u"]), WARPS=int(parts["w"]),
-                                           WORDS_PER_SUM=int(parts["s"]), PIPE=int("pipe" in words),
-                                           MINB=minb[0] if minb else 1)
-    return table
+    return {(r["N"], r["K"]): parse_tile(r["tile"]) for r in rows
+            if r.get("kernel") == "cuda" and r.get("best") and r.get("tile")}
+
+
+def parse_tile(text: str) -> dict:
+    """gpu_gemv's tile label ("r4 u2 w8 s4 pipe b2 pdl") -> the tile dict int4_cuda_gemv takes."""
+    words = text.split()
+    parts = dict(re.fullmatch(r"([a-z])(\d+)", p).groups() for p in words if re.fullmatch(r"[ruwsb]\d+", p))
+    return dict(ROWS=int(parts["r"]), UNROLL=int(parts["u"]), WARPS=int(parts["w"]), WORDS_PER_SUM=int(parts["s"]),
+                PIPE=int("pipe" in words), MINB=int(parts.get("b", 0)))
 
 
 def int4_cuda_tile(n: int, k: int) -> dict:
-    """MEASURED_TILES' tile for the shape when it has one, else the tile for an [N, K] linear, from call n1's sweep (BENCHMARKS.md 26.1; 6.7 B and 1.45 B shapes): wide
-    outputs (q/k/v, gate/up) fastest with 4 rows a warp and 2 chunks a lane in flight per row, 4 warps; long rows
-    (the down projection, K >= 2N) with 2 rows and 4 chunks, 8 warps; the rest (o) 4 rows, 4 chunks, 8 warps."""
+    """MEASURED_TILES' tile for the shape when it has one, else a rule from call n3's sweep (BENCHMARKS.md 26; the
+    6.7 B shapes on one H200): the widest outputs (gate/up, N >= 16384) 4 rows a warp, 2 chunks a lane per row,
+    pipelined, 4 warps; q/k/v (N >= 8192) 8 rows, 1 chunk, 4 warps; the rest (o, down) 2 rows, 2 chunks, pipelined,
+    8 warps."""
     if (n, k) in MEASURED_TILES:
         return dict(DEFAULT_TILE, **MEASURED_TILES[(n, k)])
+    if n >= 16384:
+        return dict(DEFAULT_TILE, ROWS=4, UNROLL=2, WARPS=4, PIPE=1)
     if n >= 8192:
-        return dict(DEFAULT_TILE, ROWS=4, UNROLL=2, WARPS=4)
-    if k >= 2 * n:
-        return dict(DEFAULT_TILE, ROWS=2, UNROLL=4, WARPS=8)
-    return dict(DEFAULT_TILE, ROWS=4, UNROLL=4, WARPS=8)
-F_GLU, F_NORM, F_RESIDUAL = 1, 2, 4  # int4_gemv.cu's flags
+        return dict(DEFAULT_TILE, ROWS=8, UNROLL=1, WARPS=4)
+    return dict(DEFAULT_TILE, ROWS=2, UNROLL=2, WARPS=8, PIPE=1)
 
 
 class Int4CudaError(RuntimeError):
@@ -136,20 +136,18 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("WORKBENCH_CUDA_CACHE", Path.home() / ".cache" / "workbench" / "cuda"))
 
 
-def build_flags(tile: dict, x_bf16: bool, arch: str, fusion: int = 0) -> list[str]:
-    defines = [f"-D{key}={int(tile[key])}" for key in TILE_KEYS] + [f"-DX_BF16={int(x_bf16)}", f"-DFLAGS={fusion}"]
+def build_flags(tile: dict, x_bf16: bool, arch: str) -> list[str]:
+    defines = [f"-D{key}={int(tile[key])}" for key in TILE_KEYS] + [f"-DX_BF16={int(x_bf16)}"]
     return ["-cubin", f"-arch={arch}", "-O3", "-std=c++17", *defines]
 
 
-def compile_cubin(tile: dict, x_bf16: bool, arch: str, *, fusion: int = 0,
-                  verbose: bool = False) -> tuple[bytes, str]:
-    """(cubin bytes, ptxas's report when verbose) for one variant (`fusion`: F_GLU | F_NORM | F_RESIDUAL bits, compiled
-    in), from the cache when built before."""
+def compile_cubin(tile: dict, x_bf16: bool, arch: str, *, verbose: bool = False) -> tuple[bytes, str]:
+    """(cubin bytes, ptxas's report when verbose) for one variant, from the cache when built before."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise Int4CudaError(cuda_problem("cuda") or "nvcc not found")
     source = SOURCE.read_bytes()
-    flags = build_flags(tile, x_bf16, arch, fusion) + (["-Xptxas", "-v"] if verbose else [])
+    flags = build_flags(tile, x_bf16, arch) + (["-Xptxas", "-v"] if verbose else [])
     key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:24]
     out = _cache_dir() / f"int4_gemv_{key}.cubin"
     if out.is_file() and not verbose:
@@ -198,11 +196,11 @@ def _check(result: int, what: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _function(device_index: int, tile_items: tuple, x_bf16: bool, fusion: int) -> ctypes.c_void_p:
+def _function(device_index: int, tile_items: tuple, x_bf16: bool) -> ctypes.c_void_p:
     """The loaded kernel for one variant on one device (compiled first if need be)."""
     major, minor = torch.cuda.get_device_capability(device_index)
     arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
-    cubin, _ = compile_cubin(dict(tile_items), x_bf16, arch, fusion=fusion)
+    cubin, _ = compile_cubin(dict(tile_items), x_bf16, arch)
     lib = _libcuda()
     module, func = ctypes.c_void_p(), ctypes.c_void_p()
     with torch.cuda.device(device_index):  # cudaSetDevice: torch's (primary) context is current on this thread
@@ -242,14 +240,15 @@ def int4_cuda_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     flags = (F_GLU if glu else 0) | (F_NORM if norm_weight is not None else 0) | (F_RESIDUAL if residual is not None
                                                                                   else 0)
-    func = _function(dev, tuple(sorted(cfg.items())), x.dtype == torch.bfloat16, flags)
+    func = _function(dev, tuple(sorted(cfg.items())), x.dtype == torch.bfloat16)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     nw = norm_weight.contiguous() if norm_weight is not None else x2
     if nw.data_ptr() % 16:  # read in 16-byte pieces: a fresh copy is aligned
         nw = nw.clone()
     res = residual.reshape(-1).contiguous() if residual is not None else out
     ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (weight, x2, scale, zero, nw, res, out)]
-    scalars = [ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(int(math.log2(group_size))), ctypes.c_float(eps)]
+    scalars = [ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(int(math.log2(group_size))), ctypes.c_int(flags),
+               ctypes.c_float(eps)]
     params = (ctypes.c_void_p * (len(ptrs) + len(scalars)))(
         *[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in ptrs + scalars])
     rows_per_block = cfg["ROWS"] * cfg["WARPS"]

@@ -10,7 +10,9 @@
 // Layout of the work: each warp owns ROWS consecutive output rows; lane l takes the chunks c = l, l + 32, ... of each
 // of them, UNROLL chunks per row per step, all ROWS x UNROLL 16-byte loads issued before any is used (a warp reads 512
 // contiguous bytes of a row per load instruction); PIPE: two steps held in registers, the next one's loads issued
-// before this one's math (otherwise other warps and blocks on the SM hide the latency). A block of WARPS warps first stages x in shared memory, once per
+// before this one's math (otherwise other warps and blocks on the SM hide the latency); MINB: blocks per SM the
+// compiler must fit in registers (__launch_bounds__; 0: none given), which sets how many warps share an SM.
+// A block of WARPS warps first stages x in shared memory, once per
 // block: per chunk of 32 x's a power-of-two scale 2^-e (e from the chunk's max, so |x 2^-e| < 1), the scaled x's as
 // fp16 pairs in the order the nibbles come out of a word, the chunk's sum of x (fp32) and 2^e.
 //
@@ -45,10 +47,12 @@
 #define PIPE 0
 #endif
 #ifndef MINB
-#define MINB 1
+#define MINB 0
 #endif
-#ifndef FLAGS
-#define FLAGS 0
+#if MINB > 0
+#define BOUNDS __launch_bounds__(WARPS * 32, MINB)
+#else
+#define BOUNDS __launch_bounds__(WARPS * 32)  // a second argument of 1 is not neutral: ptxas then takes up to 255
 #endif
 
 #if X_BF16
@@ -56,16 +60,14 @@ typedef __nv_bfloat16 xt;
 __device__ __forceinline__ float bits_f32(uint32_t b) { return __uint_as_float(b << 16); }  // 16 bits of a bf16
 __device__ __forceinline__ float to_f32(xt v) { return __bfloat162float(v); }
 __device__ __forceinline__ xt from_f32(float v) { return __float2bfloat16_rn(v); }
-__device__ __forceinline__ uint32_t xt_bits(xt v) { return __bfloat16_as_ushort(v); }
 #else
 typedef __half xt;
 __device__ __forceinline__ float bits_f32(uint32_t b) { return __half2float(__ushort_as_half((unsigned short)b)); }
 __device__ __forceinline__ float to_f32(xt v) { return __half2float(v); }
 __device__ __forceinline__ xt from_f32(float v) { return __float2half_rn(v); }
-__device__ __forceinline__ uint32_t xt_bits(xt v) { return __half_as_ushort(v); }
 #endif
 
-// FLAGS (compile-time, one cubin per fusion: a plain call holds no register for a prologue it does not run)
+// flags
 #define F_GLU 1
 #define F_NORM 2
 #define F_RESIDUAL 4
@@ -74,13 +76,6 @@ __device__ __forceinline__ uint32_t xt_bits(xt v) { return __half_as_ushort(v); 
 __device__ __forceinline__ float elem(uint4 v, int i) {
     const uint32_t word = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
     return bits_f32(i & 1 ? word >> 16 : word & 0xFFFFu);
-}
-
-// element i of a uint4 set to v rounded to x's type
-__device__ __forceinline__ void set_elem(uint4& v, int i, float f) {
-    const uint32_t b = xt_bits(from_f32(f));
-    uint32_t& word = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
-    word = i & 1 ? (word & 0xFFFFu) | (b << 16) : (word & 0xFFFF0000u) | b;
 }
 
 __device__ __forceinline__ uint32_t lop3_or_mask(uint32_t a, uint32_t mask, uint32_t magic) {
@@ -192,10 +187,10 @@ __device__ __forceinline__ void compute_step(const Step& st, float (&acc)[ROWS],
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
+extern "C" __global__ void BOUNDS
 int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __restrict__ s,
           const xt* __restrict__ z, const xt* __restrict__ nw, const xt* __restrict__ res, xt* __restrict__ out,
-          int N, int K, int G_SHIFT, float eps) {
+          int N, int K, int G_SHIFT, int flags, float eps) {
     extern __shared__ uint4 smem[];
     const int nch = K >> 5;                       // chunks of 32 weights per row
     uint4* xp = smem;                             // [4][nch]: word j of chunk c at j * nch + c (conflict-free)
@@ -214,65 +209,64 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
     // stage x: one chunk of 32 per thread per pass, every global load of a chunk issued before any is used
     float sq = 0.f;
     for (int c = threadIdx.x; c < nch; c += WARPS * 32) {
-        uint4 xr[4], yr[4];  // the chunk's 32 x's (8 a uint4, in order) and its up / norm weights
+        float v[32];
+        uint4 xr[4], yr[4];
         const uint4* xc = reinterpret_cast<const uint4*>(x) + c * 4;
-        const uint4* yc = reinterpret_cast<const uint4*>(FLAGS & F_GLU ? x + K : nw) + c * 4;  // up, or norm weight
+        const uint4* yc = reinterpret_cast<const uint4*>(flags & F_GLU ? x + K : nw) + c * 4;  // up, or norm weight
 #pragma unroll
         for (int q = 0; q < 4; ++q) xr[q] = xc[q];
-        if (FLAGS & (F_GLU | F_NORM)) {
+        if (flags & (F_GLU | F_NORM)) {
 #pragma unroll
             for (int q = 0; q < 4; ++q) yr[q] = yc[q];
         }
-        // the prologue's x, rounded once to x's type as the reference rounds it, written back into xr (held packed:
-        // 16 registers, not 32, beside the first step's weights already in flight)
-        if (FLAGS & (F_GLU | F_NORM)) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[q * 8 + i] = elem(xr[q], i);
+        }
+        if (flags & F_GLU) {  // x = silu(gate) * up, rounded once to x's type
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {
-                    const float a = elem(xr[q], i), b = elem(yr[q], i);
-                    float val;
-                    if (FLAGS & F_GLU) {  // silu(gate) * up
-                        val = __fdividef(a, 1.f + __expf(-a)) * b;
-                    } else {  // x * norm weight; 1 / rms applied to the sum at the end
-                        sq += a * a;
-                        val = a * b;
-                    }
-                    set_elem(xr[q], i, val);
+                    float g = v[q * 8 + i];
+                    v[q * 8 + i] = to_f32(from_f32(__fdividef(g, 1.f + __expf(-g)) * elem(yr[q], i)));
+                }
+            }
+        }
+        if (flags & F_NORM) {  // x * norm weight, rounded to x's type; 1 / rms applied to the sum at the end
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    float a = v[q * 8 + i];
+                    sq += a * a;
+                    v[q * 8 + i] = to_f32(from_f32(a * elem(yr[q], i)));
                 }
             }
         }
         float amax = 0.f, sum = 0.f;
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float a = elem(xr[q], i);
-                amax = fmaxf(amax, fabsf(a));
-                sum += a;
-            }
-        }
+        for (int i = 0; i < 32; ++i) { amax = fmaxf(amax, fabsf(v[i])); sum += v[i]; }
         // amax = m 2^e with m in [0.5, 1) (frexp's e, from the bits; 0 for amax 0): |x 2^-e| < 1
         const int e = amax > 0.f ? min(((__float_as_int(amax) >> 23) & 255) - 126, 126) : 0;
         const float inv = __int_as_float((127 - e) << 23);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // word j of the chunk: its 8 x's are xr[j]
-            const uint4 f = xr[j];
-            xp[j * nch + c] = make_uint4(pack_h2(elem(f, 1) * inv, elem(f, 5) * inv),
-                                         pack_h2(elem(f, 0) * inv, elem(f, 4) * inv),
-                                         pack_h2(elem(f, 3) * inv, elem(f, 7) * inv),
-                                         pack_h2(elem(f, 2) * inv, elem(f, 6) * inv));
+        for (int j = 0; j < 4; ++j) {
+            const float* f = v + 8 * j;
+            xp[j * nch + c] = make_uint4(pack_h2(f[1] * inv, f[5] * inv), pack_h2(f[0] * inv, f[4] * inv),
+                                         pack_h2(f[3] * inv, f[7] * inv), pack_h2(f[2] * inv, f[6] * inv));
         }
         xsum[c] = make_float2(sum, __int_as_float((127 + e) << 23));
     }
     float rstd = 1.f;
-    if (FLAGS & F_NORM) {
+    if (flags & F_NORM) {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
         if (lane == 0) red[warp] = sq;
     }
     __syncthreads();
-    if (FLAGS & F_NORM) {
+    if (flags & F_NORM) {
         float t = 0.f;
 #pragma unroll
         for (int i = 0; i < WARPS; ++i) t += red[i];
@@ -306,7 +300,7 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
         const int n = row0 + r;
         if (lane == 0 && n < N) {
             a *= rstd;
-            if (FLAGS & F_RESIDUAL) a += to_f32(res[n]);
+            if (flags & F_RESIDUAL) a += to_f32(res[n]);
             out[n] = from_f32(a);
         }
     }

@@ -776,16 +776,17 @@ def part_cuda(args, device) -> list[dict]:
     int4_cuda tile of the --cuda-rows x --cuda-unroll x --cuda-warps x --cuda-wps x --cuda-pipe grid, with and without PDL
     (--cuda-pdl), each with max |error| / max |reference| and its speedup over the GEMV and bf16; the fastest
     parity-clean tile per shape is marked. Then each fusion (RMSNorm prologue, SwiGLU prologue, residual epilogue)
-    against quant_gemv_reference with the same fusion, timed with the shape's rule tile (int4_cuda_tile) beside the
-    plain call and the Triton GEMV with that fusion; and one "layer" row per kernel summing its best."""
-    from kernels.int4_cuda import cuda_problem, int4_cuda_gemv
+    against quant_gemv_reference with the same fusion, timed with the shape's best tile beside the plain call and
+    the Triton GEMV with that fusion; and one "layer" row per kernel summing its best."""
+    from kernels.int4_cuda import cuda_problem, int4_cuda_gemv, parse_tile
 
     rows, problem = [], kernel_ok(device) or cuda_problem(device)
     if problem:
         return [dict(error=problem)]
     grid = [dict(ROWS=r, UNROLL=u, WARPS=w, WORDS_PER_SUM=wps, PIPE=p, MINB=b) for r in ints(args.cuda_rows_per_warp)
             for u in ints(args.cuda_unroll) for w in ints(args.cuda_warps) for wps in ints(args.cuda_wps)
-            for p in ints(args.cuda_pipe) for b in ints(args.cuda_minb)]
+            for p in ints(args.cuda_pipe) for b in ints(args.cuda_minb) if b * w <= 16]  # MINB x warps <= 16:
+    # at most 128 registers a thread (more blocks than that spill every step's weights)
     pdls = [bool(p) for p in ints(args.cuda_pdl)]
     for config, name, k, n in shapes_of(args.sweep_configs):
         lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
@@ -802,7 +803,7 @@ def part_cuda(args, device) -> list[dict]:
             row = dict(config=config, linear=name, K=k, N=n, M=1, kernel=kind, pdl=pdl,
                        tile="-" if tile is None else
                        f"r{tile['ROWS']} u{tile['UNROLL']} w{tile['WARPS']} s{tile['WORDS_PER_SUM']}"
-                       + (" pipe" if tile["PIPE"] else "") + (f" b{tile['MINB']}" if tile["MINB"] > 1 else ""))
+                       + (" pipe" if tile["PIPE"] else "") + (f" b{tile['MINB']}" if tile["MINB"] else ""))
             try:
                 with torch.no_grad():
                     if kind == "cuda":
@@ -824,9 +825,12 @@ def part_cuda(args, device) -> list[dict]:
             if "us" in r:
                 r.update({f"speedup_vs_{key}": us / r["us"] for key, us in base.items()})
         rows += mark_best(at_m, "cuda", args.parity_rtol)
+        best = next((r for r in at_m if r.get("best")), None)
+        best_tile = parse_tile(best["tile"]) if best else {}
         m = mods["triton"]
         for fusion in ("norm", "glu", "residual"):  # each fusion's parity, with the default tile
-            row = dict(config=config, linear=name, K=k, N=n, M=1, kernel="cuda", fusion=fusion)
+            row = dict(config=config, linear=name, K=k, N=n, M=1, kernel="cuda", fusion=fusion,
+                       tile=best["tile"] if best else "rule")
             try:
                 xin = torch.randn(1, 2 * k if fusion == "glu" else k, device=device, dtype=args.dtype)
                 kw = dict(glu=fusion == "glu",
@@ -842,10 +846,10 @@ def part_cuda(args, device) -> list[dict]:
                 # timed with the shape's rule tile, beside the plain call and the Triton GEMV with the same fusion
                 with torch.no_grad():
                     row["us"] = time_us([lambda c=c: int4_cuda_gemv(xin, c.weight, c.scale, c.zero, c.group_size,
-                                                                    pdl=True, **kw) for c in clones["triton"]],
-                                        device, args.replays)
+                                                                    pdl=True, **kw, **best_tile)
+                                         for c in clones["triton"]], device, args.replays)
                     row["us_plain"] = time_us([lambda c=c: int4_cuda_gemv(x, c.weight, c.scale, c.zero,
-                                                                          c.group_size, pdl=True)
+                                                                          c.group_size, pdl=True, **best_tile)
                                                for c in clones["triton"]], device, args.replays)
                     row["triton_us"] = time_us([lambda c=c: quant_gemv_triton(xin, "int4", c.weight, c.scale, c.zero,
                                                                               c.group_size, c.gemv_counters, **kw)
@@ -945,8 +949,8 @@ def main() -> None:
     ap.add_argument("--cuda-wps", default="4", help="cuda part: int4_cuda WORDS_PER_SUM values (words per fp16 sum)")
     ap.add_argument("--cuda-pipe", default="0", help="cuda part: int4_cuda PIPE values (1: the next step's loads "
                     "issued before this step's math)")
-    ap.add_argument("--cuda-minb", default="1", help="cuda part: int4_cuda MINB values (blocks per SM the compiler "
-                    "must fit: __launch_bounds__'s second argument)")
+    ap.add_argument("--cuda-minb", default="0", help="cuda part: int4_cuda MINB values (blocks per SM the compiler "
+                    "must fit: __launch_bounds__'s second argument; 0: none given)")
     ap.add_argument("--cuda-pdl", default="1", help="cuda part: launch with PDL (1), without (0), or both (0,1)")
     ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: INT4_WIDE_ROWS BLOCK_N values")
     ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")
