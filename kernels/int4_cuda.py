@@ -43,6 +43,7 @@ import torch
 SOURCE = Path(__file__).with_name("int4_gemv.cu")
 DEFAULT_TILE = dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=4, PIPE=0, MINB=0)
 TILE_KEYS = tuple(DEFAULT_TILE)
+F_GLU, F_NORM, F_RESIDUAL = 1, 2, 4  # int4_gemv.cu's flags
 
 
 MEASURED_TILES: dict[tuple[int, int], dict] = {}  # (N, K) -> a swept tile that replaces the rule's for that shape

@@ -243,10 +243,11 @@ LOOP_STAGES: int | None = int(os.environ["WORKBENCH_GEMV_LOOP_STAGES"]) \
 # (env WORKBENCH_INT4_MMA_ROWS; gpu_quant.py "+mma0").
 INT4_MMA_ROWS = int(os.environ.get("WORKBENCH_INT4_MMA_ROWS", "16"))
 # One-row int4 calls in CUDA C++ (kernels/int4_cuda.py: nvcc-compiled, about half the instructions per weight of the
-# Triton loop here, the first weights loaded before PDL's wait) where int4_cuda_takes them and the device has nvcc.
-# Off until measured (env WORKBENCH_INT4_CUDA=1; gpu_quant.py "+cu"); INT4_CUDA_TILE: its tile for every shape
-# (None: int4_cuda.DEFAULT_TILE).
-INT4_CUDA = os.environ.get("WORKBENCH_INT4_CUDA", "0") == "1"
+# Triton loop here, the first weights loaded before PDL's wait) where int4_cuda_takes them and the device has nvcc
+# (without nvcc they stay here). Calls n3 and n5 (BENCHMARKS.md 26) timed a 6.7 B layer's four linears at 40.2-40.8 us
+# against 52.9 here, and the 6.7 B decode at 1.864 ms against 2.054. On by default; env WORKBENCH_INT4_CUDA=0 (or
+# gpu_quant.py "+cu0") keeps them here. INT4_CUDA_TILE: tile entries that replace int4_cuda_tile's for every shape.
+INT4_CUDA = os.environ.get("WORKBENCH_INT4_CUDA", "1") == "1"
 INT4_CUDA_TILE: dict | None = None
 INT4_WIDE_ROWS_TILE = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
 INT4_WIDE_ROWS: dict | None = None if os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "0" \

@@ -92,8 +92,9 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # 2..16 rows (verify widths) stay in kernels/quant_gemv.py instead of kernels/int4_mma.py (quant_gemv.INT4_MMA_ROWS 0).
 # Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
 # "+cu": one-row int4 calls in CUDA C++ (kernels/int4_cuda.py, quant_gemv.INT4_CUDA) with each shape's rule tile
-# (int4_cuda.int4_cuda_tile; call n1 ran "+cu" with DEFAULT_TILE for every shape, before the rule); "+cuXY": with
-# tile entries replaced for every shape (CUDA_ROWS_TILES).
+# (int4_cuda.int4_cuda_tile; call n1 ran "+cu" with DEFAULT_TILE for every shape, before the rule; the default since
+# call n6, so "+cu" only restates it); "+cu0": in the Triton GEMV instead; "+cuXY": with tile entries replaced for
+# every shape (CUDA_ROWS_TILES); "+cub": each shape's best tile of a sweep (--int4-cuda-best).
 CUDA_ROWS_TILES = {"cu": None, "cus1": dict(WORDS_PER_SUM=1), "cus2": dict(WORDS_PER_SUM=2), "cur2": dict(ROWS=2),
                    "cuu2": dict(UNROLL=2), "cuw8": dict(WARPS=8), "cur2w8": dict(ROWS=2, WARPS=8),
                    "cup": dict(PIPE=1)}
@@ -115,7 +116,8 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 "mma0": {(quant_gemv, "INT4_MMA_ROWS"): 0},
                 **{name: {(quant_gemv, "INT4_CUDA"): True, (quant_gemv, "INT4_CUDA_TILE"): tile}
                    for name, tile in CUDA_ROWS_TILES.items()},
-                "cub": {(quant_gemv, "INT4_CUDA"): True, (int4_cuda, "MEASURED_TILES"): CUB_TABLE}}
+                "cub": {(quant_gemv, "INT4_CUDA"): True, (int4_cuda, "MEASURED_TILES"): CUB_TABLE},
+                "cu0": {(quant_gemv, "INT4_CUDA"): False}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 
 

@@ -72,7 +72,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|n4|n5|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|n4|n5|n6|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -758,6 +758,20 @@ elif [ "$PART" = n5 ]; then
   floor ar67 60 6.7b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+cub@$C,int4-triton+all+pdl+cu@$C" \
     --int4-cuda-best "$R/cuda67/gemv_cuda.json"
   floor ar145 40 1.45b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+cu@$C"
+elif [ "$PART" = n6 ]; then
+  # twenty-first session: n5 confirmed n3's best tiles (layer 40.2 us against 52.9 for the Triton GEMV) but lost its
+  # floor rows to a NameError (the fusion flags' constants dropped in an edit; a CPU test of the launch now covers it).
+  # One-row int4 calls now go to the CUDA kernel by default (rule tiles). Parity through the modules (1 row: CUDA, 2-5:
+  # int4_mma), each fusion timed at the rule's tiles, then the floors against the Triton GEMV ("+cu0"), profiled
+  step parity 30 $PY scripts/gpu_gemv.py --device cuda --out "$R/parity" --parts parity --configs 6.7b,1.45b \
+    --formats int4 --ms 1,2,5
+  step cuda67 40 $PY scripts/gpu_gemv.py --device cuda --out "$R/cuda67" --parts cuda --sweep-configs 6.7b \
+    --cuda-rows-per-warp 2,4,8 --cuda-unroll 1,2 --cuda-warps 4,8 --cuda-wps 4 --cuda-pipe 0,1 --cuda-minb 0 \
+    --replays 10
+  C=graphs+compile+overlap
+  floor ar67 60 6.7b --formats "none@$C,int4-triton+all+pdl+cu0@$C,int4-triton+all+pdl@$C,int4@$C"
+  floor ar145 40 1.45b --formats "none@$C,int4-triton+all+pdl+cu0@$C,int4-triton+all+pdl@$C"
+  floor prof67 30 6.7b --profile --formats "int4-triton+all+pdl@$C"
 elif [ "$PART" = k13 ]; then
   # twentieth session: k12's draft-model goal check missed at 0.5x by goodput (0.528 of the best) while goodput swung
   # 20x between its 3 rounds, and read 0.976 (within noise) at 1.0x. The same check at those two rates with 5 rounds,

@@ -175,3 +175,43 @@ def test_measured_tiles_replace_the_rule(tmp_path, monkeypatch):
     monkeypatch.setattr(int4_cuda, "MEASURED_TILES", table)
     assert int4_cuda.int4_cuda_tile(4096, 4096)["ROWS"] == 2
     assert int4_cuda.int4_cuda_tile(12288, 4096) == dict(int4_cuda.DEFAULT_TILE, ROWS=8, UNROLL=1, WARPS=4)
+
+
+def test_launch_passes_what_the_kernel_signature_takes(monkeypatch):
+    """int4_cuda_gemv up to the driver call, on CPU tensors with the driver faked: 7 pointers then N, K, log2 g, the
+    fusion flags and eps (int4_gemv.cu's parameter list), the grid of rows, the shared memory for K and PDL's
+    attribute. The kernel's own arithmetic is checked on the GPU (scripts/gpu_gemv.py --parts cuda)."""
+    import ctypes
+    monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)
+    monkeypatch.setattr(int4_cuda, "_function", lambda *a: ctypes.c_void_p(1))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 1234})())
+    seen = {}
+
+    class FakeDriver:
+        @staticmethod
+        def cuLaunchKernelEx(conf, func, params, extra):
+            c = conf._obj
+            seen.update(grid=c.gridDimX, block=c.blockDimX, smem=c.sharedMemBytes, stream=c.hStream,
+                        attrs=c.numAttrs, pdl=c.attrs[0].value.programmatic if c.numAttrs else None)
+            arr = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            seen["ints"] = [ctypes.cast(arr[i], ctypes.POINTER(ctypes.c_int))[0] for i in range(7, 11)]
+            seen["eps"] = ctypes.cast(arr[11], ctypes.POINTER(ctypes.c_float))[0]
+            seen["ptr0"] = ctypes.cast(arr[0], ctypes.POINTER(ctypes.c_void_p))[0]
+            return 0
+
+    monkeypatch.setattr(int4_cuda, "_libcuda", lambda: FakeDriver)
+    n, k, g = 100, 512, 128
+    w, s, z = _case(n, k, g, torch.bfloat16)
+    x = torch.randn(1, 2 * k).to(torch.bfloat16)
+    r = torch.randn(1, n).to(torch.bfloat16)
+    out = int4_cuda_gemv(x, w, s, z, g, glu=True, residual=r, eps=1e-5, pdl=True, ROWS=2, WARPS=8)
+    assert out.shape == (1, n) and out.dtype == torch.bfloat16
+    assert seen["ints"] == [n, k, 7, int4_cuda.F_GLU | int4_cuda.F_RESIDUAL]
+    assert seen["eps"] == pytest.approx(1e-5)
+    assert seen["ptr0"] == w.data_ptr()
+    assert seen["grid"] == -(-n // 16) and seen["block"] == 256  # 2 rows x 8 warps a block
+    assert seen["smem"] == int4_cuda.shared_bytes(k) and seen["stream"] == 1234
+    assert seen["attrs"] == 1 and seen["pdl"] == 1
+    int4_cuda_gemv(x[:, :k].contiguous(), w, s, z, g, norm_weight=torch.ones(k, dtype=torch.bfloat16))
+    assert seen["ints"][3] == int4_cuda.F_NORM and seen["attrs"] == 0
