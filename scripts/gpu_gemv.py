@@ -787,6 +787,8 @@ def part_cuda(args, device) -> list[dict]:
             for u in ints(args.cuda_unroll) for w in ints(args.cuda_warps) for wps in ints(args.cuda_wps)
             for p in ints(args.cuda_pipe) for b in ints(args.cuda_minb) if b * w <= 16]  # MINB x warps <= 16:
     # at most 128 registers a thread (more blocks than that spill every step's weights)
+    if args.cuda_tiles:  # an explicit list instead of the grid
+        grid = [dict(parse_tile(t)) for t in args.cuda_tiles.split(";")]
     pdls = [bool(p) for p in ints(args.cuda_pdl)]
     for config, name, k, n in shapes_of(args.sweep_configs):
         lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
@@ -951,6 +953,8 @@ def main() -> None:
                     "issued before this step's math)")
     ap.add_argument("--cuda-minb", default="0", help="cuda part: int4_cuda MINB values (blocks per SM the compiler "
                     "must fit: __launch_bounds__'s second argument; 0: none given)")
+    ap.add_argument("--cuda-tiles", default="", help="cuda part: tiles as labels separated by ';' (e.g. 'r8 u1 w4 s4;"
+                    "r2 u2 w8 s4 pipe') instead of the --cuda-* grid")
     ap.add_argument("--cuda-pdl", default="1", help="cuda part: launch with PDL (1), without (0), or both (0,1)")
     ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: INT4_WIDE_ROWS BLOCK_N values")
     ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")
