@@ -13,7 +13,7 @@ before any is used, and with PDL the first step's weights are in flight before t
 
 Build and launch, without a torch extension: nvcc (found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin) compiles
 the .cu file to a cubin for the device's architecture, once per variant (ROWS, UNROLL, WARPS, WORDS_PER_SUM, PIPE,
-MINB, x dtype), cached under $WORKBENCH_CUDA_CACHE (default ~/.cache/workbench/cuda) by a hash of the source
+MINB, PERSIST on or off, x dtype), cached under $WORKBENCH_CUDA_CACHE (default ~/.cache/workbench/cuda) by a hash of the source
 and flags; the
 driver (libcuda through ctypes) loads it per device and launches it on torch's current stream with cuLaunchKernelEx
 (PDL's attribute when kernels/pdl.py says a launch uses it). A captured CUDA graph records the launch like any
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("int4_gemv.cu")
-DEFAULT_TILE = dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=4, PIPE=0, MINB=0)
+DEFAULT_TILE = dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=4, PIPE=0, MINB=0, PERSIST=0)
 TILE_KEYS = tuple(DEFAULT_TILE)
 F_GLU, F_NORM, F_RESIDUAL = 1, 2, 4  # int4_gemv.cu's flags
 
@@ -59,11 +59,12 @@ def load_measured_tiles(path: str | Path) -> dict[tuple[int, int], dict]:
 
 
 def parse_tile(text: str) -> dict:
-    """gpu_gemv's tile label ("r4 u2 w8 s4 pipe b2 pdl") -> the tile dict int4_cuda_gemv takes."""
+    """gpu_gemv's tile label ("r4 u2 w8 s4 pipe b2 g3 pdl": rows, unroll, warps, words per sum, PIPE, MINB,
+    PERSIST) -> the tile dict int4_cuda_gemv takes."""
     words = text.split()
-    parts = dict(re.fullmatch(r"([a-z])(\d+)", p).groups() for p in words if re.fullmatch(r"[ruwsb]\d+", p))
+    parts = dict(re.fullmatch(r"([a-z])(\d+)", p).groups() for p in words if re.fullmatch(r"[ruwsbg]\d+", p))
     return dict(ROWS=int(parts["r"]), UNROLL=int(parts["u"]), WARPS=int(parts["w"]), WORDS_PER_SUM=int(parts["s"]),
-                PIPE=int("pipe" in words), MINB=int(parts.get("b", 0)))
+                PIPE=int("pipe" in words), MINB=int(parts.get("b", 0)), PERSIST=int(parts.get("g", 0)))
 
 
 def int4_cuda_tile(n: int, k: int) -> dict:
@@ -138,7 +139,8 @@ def _cache_dir() -> Path:
 
 
 def build_flags(tile: dict, x_bf16: bool, arch: str) -> list[str]:
-    defines = [f"-D{key}={int(tile[key])}" for key in TILE_KEYS] + [f"-DX_BF16={int(x_bf16)}"]
+    defines = [f"-D{key}={int(tile[key] if key != 'PERSIST' else bool(tile[key]))}" for key in TILE_KEYS] + \
+        [f"-DX_BF16={int(x_bf16)}"]
     return ["-cubin", f"-arch={arch}", "-O3", "-std=c++17", *defines]
 
 
@@ -211,6 +213,26 @@ def _function(device_index: int, tile_items: tuple, x_bf16: bool) -> ctypes.c_vo
     return func
 
 
+def _occupancy(func: ctypes.c_void_p, threads: int, smem: int) -> int:
+    """Blocks of the kernel one SM holds at once (the driver's count: registers, shared memory, threads)."""
+    key = (func.value, threads, smem)
+    if key not in _OCCUPANCY:
+        blocks = ctypes.c_int()
+        _check(_libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(blocks), func, threads,
+                                                                      ctypes.c_size_t(smem)),
+               "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        _OCCUPANCY[key] = max(1, blocks.value)
+    return _OCCUPANCY[key]
+
+
+_OCCUPANCY: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def shared_bytes(k: int) -> int:
     """The kernel's dynamic shared memory for K: the x pairs (16 bytes a word) and a float2 per chunk of 32."""
     return (k // 32) * (4 * 16 + 8)
@@ -252,10 +274,14 @@ def int4_cuda_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
                ctypes.c_float(eps)]
     params = (ctypes.c_void_p * (len(ptrs) + len(scalars)))(
         *[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in ptrs + scalars])
-    rows_per_block = cfg["ROWS"] * cfg["WARPS"]
+    row_groups = math.ceil(n / (cfg["ROWS"] * cfg["WARPS"]))
+    grid = row_groups  # one block per group, or PERSIST blocks per SM (at most as many as fit at once), each
+    if cfg["PERSIST"]:  # looping over row groups with x staged once
+        fit = _occupancy(func, cfg["WARPS"] * 32, shared_bytes(k))
+        grid = min(row_groups, min(cfg["PERSIST"], fit) * _sm_count(dev))
     attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value.programmatic = 1
-    conf = _LaunchConfig(math.ceil(n / rows_per_block), 1, 1, cfg["WARPS"] * 32, 1, 1, shared_bytes(k),
+    conf = _LaunchConfig(grid, 1, 1, cfg["WARPS"] * 32, 1, 1, shared_bytes(k),
                          ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
                          ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
     _check(_libcuda().cuLaunchKernelEx(ctypes.byref(conf), func, ctypes.cast(params, ctypes.c_void_p), None),

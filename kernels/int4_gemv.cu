@@ -24,6 +24,7 @@
 //
 // PDL (Hopper): the first step's weights, scales and zeros are loaded before griddepcontrol.wait (nothing the previous
 // kernel writes), x after it; griddepcontrol.launch_dependents once every weight load of this block is issued.
+// With a grid smaller than the row groups (int4_cuda.py's PERSIST) each block loops over groups, staging x once.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -48,6 +49,9 @@
 #endif
 #ifndef MINB
 #define MINB 0
+#endif
+#ifndef PERSIST
+#define PERSIST 0
 #endif
 #if MINB > 0
 #define BOUNDS __launch_bounds__(WARPS * 32, MINB)
@@ -152,8 +156,8 @@ __device__ __forceinline__ void load_step(Step& st, const uint4* __restrict__ w,
 }
 
 __device__ __forceinline__ void compute_step(const Step& st, float (&acc)[ROWS], const uint4* xp, const float2* xsum,
-                                             int base, int nch, int lane) {
-    if (base + 32 * UNROLL >= nch) grid_launch_dependents();  // the last step: every weight load is issued
+                                             int base, int nch, int lane, bool last_group) {
+    if (last_group && base + 32 * UNROLL >= nch) grid_launch_dependents();  // every weight load of the block issued
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const int c = base + u * 32 + lane;
@@ -198,7 +202,10 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
     __shared__ float red[WARPS];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
+#if PERSIST
+    const int ngroups = (N + WARPS * ROWS - 1) / (WARPS * ROWS);  // row groups: WARPS x ROWS rows each
+#endif
+    int row0 = (blockIdx.x * WARPS + warp) * ROWS;
     const int groups = K >> G_SHIFT;
     const int cshift = G_SHIFT - 5;               // chunk -> group
 
@@ -273,6 +280,19 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
         rstd = rsqrtf(t / K + eps);
     }
 
+    // PERSIST: row groups blockIdx.x, + gridDim.x, ... (the host launches PERSIST blocks per SM, each staging x once
+    // for all its groups); otherwise one group per block, as many blocks as groups
+#if PERSIST
+    for (int rg = blockIdx.x; rg < ngroups; rg += gridDim.x) {
+    const bool last_group = rg + gridDim.x >= ngroups;
+    if (rg != (int)blockIdx.x) {
+        row0 = (rg * WARPS + warp) * ROWS;
+        load_step(cur, w, s, z, 0, nch, row0, N, groups, cshift, lane);
+    }
+#else
+    {  // one row group per block
+    const bool last_group = true;
+#endif
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
@@ -281,15 +301,15 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
     // two steps in registers: the next step's loads are in flight while this one computes
     for (int base = 0; base < nch; base += 2 * step) {
         if (base + step < nch) load_step(nxt, w, s, z, base + step, nch, row0, N, groups, cshift, lane);
-        compute_step(cur, acc, xp, xsum, base, nch, lane);
+        compute_step(cur, acc, xp, xsum, base, nch, lane, last_group);
         if (base + step >= nch) break;
         if (base + 2 * step < nch) load_step(cur, w, s, z, base + 2 * step, nch, row0, N, groups, cshift, lane);
-        compute_step(nxt, acc, xp, xsum, base + step, nch, lane);
+        compute_step(nxt, acc, xp, xsum, base + step, nch, lane, last_group);
     }
 #else
     for (int base = 0; base < nch; base += step) {
         if (base > 0) load_step(cur, w, s, z, base, nch, row0, N, groups, cshift, lane);
-        compute_step(cur, acc, xp, xsum, base, nch, lane);
+        compute_step(cur, acc, xp, xsum, base, nch, lane, last_group);
     }
 #endif
 #pragma unroll
@@ -303,5 +323,6 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
             if (flags & F_RESIDUAL) a += to_f32(res[n]);
             out[n] = from_f32(a);
         }
+    }
     }
 }

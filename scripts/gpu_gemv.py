@@ -805,7 +805,7 @@ def part_cuda(args, device) -> list[dict]:
             row = dict(config=config, linear=name, K=k, N=n, M=1, kernel=kind, pdl=pdl,
                        tile="-" if tile is None else
                        f"r{tile['ROWS']} u{tile['UNROLL']} w{tile['WARPS']} s{tile['WORDS_PER_SUM']}"
-                       + (" pipe" if tile["PIPE"] else "") + (f" b{tile['MINB']}" if tile["MINB"] else ""))
+                       + (" pipe" if tile["PIPE"] else "") + (f" b{tile['MINB']}" if tile["MINB"] else "") + (f" g{tile['PERSIST']}" if tile.get("PERSIST") else ""))
             try:
                 with torch.no_grad():
                     if kind == "cuda":

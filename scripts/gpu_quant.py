@@ -94,10 +94,11 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # "+cu": one-row int4 calls in CUDA C++ (kernels/int4_cuda.py, quant_gemv.INT4_CUDA) with each shape's rule tile
 # (int4_cuda.int4_cuda_tile; call n1 ran "+cu" with DEFAULT_TILE for every shape, before the rule; the default since
 # call n6, so "+cu" only restates it); "+cu0": in the Triton GEMV instead; "+cuXY": with tile entries replaced for
-# every shape (CUDA_ROWS_TILES); "+cub": each shape's best tile of a sweep (--int4-cuda-best).
+# every shape (CUDA_ROWS_TILES; "+cug": the rule's tiles with as many blocks per SM as fit, each looping over row
+groups); "+cub": each shape's best tile of a sweep (--int4-cuda-best).
 CUDA_ROWS_TILES = {"cu": None, "cus1": dict(WORDS_PER_SUM=1), "cus2": dict(WORDS_PER_SUM=2), "cur2": dict(ROWS=2),
                    "cuu2": dict(UNROLL=2), "cuw8": dict(WARPS=8), "cur2w8": dict(ROWS=2, WARPS=8),
-                   "cup": dict(PIPE=1)}
+                   "cup": dict(PIPE=1), "cug": dict(PERSIST=8)}
 CUB_TABLE: dict = {}  # "+cub": each shape's best tile of a gpu_gemv --parts cuda sweep (--int4-cuda-best), filled in place
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
                 "rope": {(kv_cache, "FUSE_ROPE"): True}, "norope": {(kv_cache, "FUSE_ROPE"): False},

@@ -762,13 +762,15 @@ elif [ "$PART" = n6 ]; then
   # twenty-first session: n5 confirmed n3's best tiles (layer 40.2 us against 52.9 for the Triton GEMV) but lost its
   # floor rows to a NameError (the fusion flags' constants dropped in an edit; a CPU test of the launch now covers it).
   # One-row int4 calls now go to the CUDA kernel by default (rule tiles). Parity through the modules (1 row: CUDA, 2-5:
-  # int4_mma), each fusion timed at the rule's tiles, then the floors against the Triton GEMV ("+cu0"), profiled
+  # int4_mma), each fusion timed at the rule's tiles, then the floors against the Triton GEMV ("+cu0"), profiled;
+  # PERSIST beside each (as many blocks per SM as fit, each looping over row groups with x staged once: "+cug", "g8")
   C=graphs+compile+overlap
-  floor ar67 60 6.7b --formats "none@$C,int4-triton+all+pdl+cu0@$C,int4-triton+all+pdl@$C,int4@$C"
+  floor ar67 60 6.7b --formats "none@$C,int4-triton+all+pdl+cu0@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+cug@$C,int4@$C"
   step parity 30 $PY scripts/gpu_gemv.py --device cuda --out "$R/parity" --parts parity --configs 6.7b,1.45b \
     --formats int4 --ms 1,2,5
   step cuda67 30 $PY scripts/gpu_gemv.py --device cuda --out "$R/cuda67" --parts cuda --sweep-configs 6.7b \
-    --cuda-tiles "r8 u1 w4 s4;r2 u2 w8 s4 pipe;r4 u2 w4 s4 pipe" --replays 10
+    --cuda-tiles "r8 u1 w4 s4;r2 u2 w8 s4 pipe;r4 u2 w4 s4 pipe;r8 u1 w4 s4 g8;r2 u2 w8 s4 pipe g8;r4 u2 w4 s4 pipe g8;r4 u2 w4 s4 pipe g2" \
+    --replays 10
   floor ar145 40 1.45b --formats "none@$C,int4-triton+all+pdl+cu0@$C,int4-triton+all+pdl@$C"
   floor prof67 30 6.7b --profile --formats "int4-triton+all+pdl@$C"
 elif [ "$PART" = k13 ]; then

@@ -129,17 +129,20 @@ VARIANTS = [dict(ROWS=r, UNROLL=u, WARPS=wp, WORDS_PER_SUM=4, PIPE=p, MINB=0)
             for r, u, wp, p in itertools.product([2, 4], [1, 2, 4], [4, 8], [0, 1])] + \
            [dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=s, PIPE=0, MINB=0) for s in (1, 2)] + \
            [dict(ROWS=4, UNROLL=2, WARPS=4, WORDS_PER_SUM=4, PIPE=p, MINB=4) for p in (0, 1)] + \
-           [dict(ROWS=8, UNROLL=1, WARPS=4, WORDS_PER_SUM=4, PIPE=0, MINB=b) for b in (0, 2)]
+           [dict(ROWS=8, UNROLL=1, WARPS=4, WORDS_PER_SUM=4, PIPE=0, MINB=b) for b in (0, 2)] + \
+           [dict(ROWS=r, UNROLL=u, WARPS=wp, WORDS_PER_SUM=4, PIPE=p, MINB=0, PERSIST=3)
+            for r, u, wp, p in ((8, 1, 4, 0), (2, 2, 8, 1), (4, 2, 4, 1))]
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed here")
 @pytest.mark.parametrize("x_bf16", [True, False])
-@pytest.mark.parametrize("tile", VARIANTS, ids=lambda t: "r{ROWS}u{UNROLL}w{WARPS}s{WORDS_PER_SUM}p{PIPE}b{MINB}".format(**t))
+@pytest.mark.parametrize("tile", VARIANTS, ids=lambda t: "r{ROWS}u{UNROLL}w{WARPS}s{WORDS_PER_SUM}p{PIPE}b{MINB}g{PERSIST}".format(
+    **dict(int4_cuda.DEFAULT_TILE, **t)))
 def test_every_swept_variant_compiles_without_real_spills(tile, x_bf16, tmp_path, monkeypatch):
     """ptxas may park a register or two of the setup in local memory (seen: 8-24 bytes, one store before the K loop
     and one load per step in the SASS of r4u4w4s1); a tile whose weights or sums spilled would show hundreds."""
     monkeypatch.setenv("WORKBENCH_CUDA_CACHE", str(tmp_path))
-    cubin, report = compile_cubin(tile, x_bf16, "sm_90a", verbose=True)
+    cubin, report = compile_cubin(dict(int4_cuda.DEFAULT_TILE, **tile), x_bf16, "sm_90a", verbose=True)
     assert cubin[:4] == b"\x7fELF"
     spills = [int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
     assert spills and max(spills) <= 32, report
@@ -170,8 +173,10 @@ def test_measured_tiles_replace_the_rule(tmp_path, monkeypatch):
     path = tmp_path / "gemv_cuda.json"
     path.write_text(json.dumps({"rows": rows}))
     table = int4_cuda.load_measured_tiles(path)
-    assert table == {(4096, 4096): dict(ROWS=2, UNROLL=2, WARPS=8, WORDS_PER_SUM=4, PIPE=1, MINB=2)}
-    assert int4_cuda.parse_tile("r8 u1 w4 s2 pdl") == dict(ROWS=8, UNROLL=1, WARPS=4, WORDS_PER_SUM=2, PIPE=0, MINB=0)
+    assert table == {(4096, 4096): dict(ROWS=2, UNROLL=2, WARPS=8, WORDS_PER_SUM=4, PIPE=1, MINB=2, PERSIST=0)}
+    assert int4_cuda.parse_tile("r8 u1 w4 s2 pdl") == dict(ROWS=8, UNROLL=1, WARPS=4, WORDS_PER_SUM=2, PIPE=0, MINB=0,
+                                                           PERSIST=0)
+    assert int4_cuda.parse_tile("r2 u2 w8 s4 pipe g3")["PERSIST"] == 3
     monkeypatch.setattr(int4_cuda, "MEASURED_TILES", table)
     assert int4_cuda.int4_cuda_tile(4096, 4096)["ROWS"] == 2
     assert int4_cuda.int4_cuda_tile(12288, 4096) == dict(int4_cuda.DEFAULT_TILE, ROWS=8, UNROLL=1, WARPS=4)
@@ -215,3 +220,15 @@ def test_launch_passes_what_the_kernel_signature_takes(monkeypatch):
     assert seen["attrs"] == 1 and seen["pdl"] == 1
     int4_cuda_gemv(x[:, :k].contiguous(), w, s, z, g, norm_weight=torch.ones(k, dtype=torch.bfloat16))
     assert seen["ints"][3] == int4_cuda.F_NORM and seen["attrs"] == 0
+    # PERSIST: at most min(PERSIST, blocks that fit) x SMs blocks, never more than the row groups
+    monkeypatch.setattr(int4_cuda, "_sm_count", lambda dev: 3)
+    monkeypatch.setattr(int4_cuda, "_occupancy", lambda func, threads, smem: 2)
+    n2 = 1000
+    w2, s2, z2 = _case(n2, k, g, torch.bfloat16)
+    xk = x[:, :k].contiguous()
+    int4_cuda_gemv(xk, w2, s2, z2, g, ROWS=2, WARPS=4, PERSIST=4)  # 125 row groups; 2 fit a SM, 3 SMs
+    assert seen["grid"] == 6
+    int4_cuda_gemv(xk, w2, s2, z2, g, ROWS=2, WARPS=4, PERSIST=1)
+    assert seen["grid"] == 3
+    int4_cuda_gemv(xk, w2, s2, z2, g, ROWS=2, WARPS=4)
+    assert seen["grid"] == 125
