@@ -95,7 +95,7 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # (int4_cuda.int4_cuda_tile; call n1 ran "+cu" with DEFAULT_TILE for every shape, before the rule; the default since
 # call n6, so "+cu" only restates it); "+cu0": in the Triton GEMV instead; "+cuXY": with tile entries replaced for
 # every shape (CUDA_ROWS_TILES; "+cug": the rule's tiles with as many blocks per SM as fit, each looping over row
-groups); "+cub": each shape's best tile of a sweep (--int4-cuda-best).
+# groups); "+cub": each shape's best tile of a sweep (--int4-cuda-best).
 CUDA_ROWS_TILES = {"cu": None, "cus1": dict(WORDS_PER_SUM=1), "cus2": dict(WORDS_PER_SUM=2), "cur2": dict(ROWS=2),
                    "cuu2": dict(UNROLL=2), "cuw8": dict(WARPS=8), "cur2w8": dict(ROWS=2, WARPS=8),
                    "cup": dict(PIPE=1), "cug": dict(PERSIST=8)}
