@@ -772,7 +772,8 @@ def part_mma(args, device) -> list[dict]:
 
 def part_cuda(args, device) -> list[dict]:
     """One-row int4 in CUDA C++ (kernels/int4_cuda.py) on the --sweep-configs shapes: bf16 F.linear, tinygemm
-    ("aten"), our Triton GEMV ("triton", its default tile, through the module as the model calls it) and each
+    ("aten"), our Triton GEMV ("triton", its default tile, through the module as the model calls it, with
+    quant_gemv.INT4_CUDA off for it: call n6 ran before that, so its "triton" rows are the CUDA kernel's rule tiles) and each
     int4_cuda tile of the --cuda-rows x --cuda-unroll x --cuda-warps x --cuda-wps x --cuda-pipe grid, with and without PDL
     (--cuda-pdl), each with max |error| / max |reference| and its speedup over the GEMV and bf16; the fastest
     parity-clean tile per shape is marked. Then each fusion (RMSNorm prologue, SwiGLU prologue, residual epilogue)
@@ -806,6 +807,8 @@ def part_cuda(args, device) -> list[dict]:
                        tile="-" if tile is None else
                        f"r{tile['ROWS']} u{tile['UNROLL']} w{tile['WARPS']} s{tile['WORDS_PER_SUM']}"
                        + (" pipe" if tile["PIPE"] else "") + (f" b{tile['MINB']}" if tile["MINB"] else "") + (f" g{tile['PERSIST']}" if tile.get("PERSIST") else ""))
+            saved_cuda = quant_gemv.INT4_CUDA
+            quant_gemv.INT4_CUDA = False  # "triton": the Triton GEMV itself (one-row int4 goes to int4_cuda by default)
             try:
                 with torch.no_grad():
                     if kind == "cuda":
@@ -821,6 +824,8 @@ def part_cuda(args, device) -> list[dict]:
                 row["gb_per_s"] = nbytes / row["us"] / 1e3
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
+            finally:
+                quant_gemv.INT4_CUDA = saved_cuda
             at_m.append(row)
         base = {r["kernel"]: r["us"] for r in at_m if r["kernel"] in ("bf16", "triton") and "us" in r}
         for r in at_m:
@@ -853,9 +858,14 @@ def part_cuda(args, device) -> list[dict]:
                     row["us_plain"] = time_us([lambda c=c: int4_cuda_gemv(x, c.weight, c.scale, c.zero,
                                                                           c.group_size, pdl=True, **best_tile)
                                                for c in clones["triton"]], device, args.replays)
-                    row["triton_us"] = time_us([lambda c=c: quant_gemv_triton(xin, "int4", c.weight, c.scale, c.zero,
-                                                                              c.group_size, c.gemv_counters, **kw)
-                                                for c in clones["triton"]], device, args.replays)
+                    saved_cuda, quant_gemv.INT4_CUDA = quant_gemv.INT4_CUDA, False  # the Triton GEMV itself
+                    try:
+                        row["triton_us"] = time_us([lambda c=c: quant_gemv_triton(xin, "int4", c.weight, c.scale,
+                                                                                  c.zero, c.group_size,
+                                                                                  c.gemv_counters, **kw)
+                                                    for c in clones["triton"]], device, args.replays)
+                    finally:
+                        quant_gemv.INT4_CUDA = saved_cuda
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             print(json.dumps(row), flush=True)
