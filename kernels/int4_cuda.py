@@ -119,6 +119,13 @@ def device_problem(device: torch.device | str) -> str | None:
     return _cached_problem(torch.device(device))
 
 
+def int4_cuda_gemv_applies(device: torch.device | str) -> bool:
+    """Whether one-row int4 calls of the Triton quant kernel go to this kernel on `device` (quant_gemv.INT4_CUDA on,
+    a CUDA GPU of 8.0+, nvcc): the run record's `int4_cuda_gemv`."""
+    from . import quant_gemv
+    return bool(quant_gemv.INT4_CUDA) and device_problem(device) is None
+
+
 def int4_cuda_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                     group_size: int | None, glu: bool = False) -> bool:
     """Whether an int4 call fits the kernel: one row of bf16 / fp16 x, scales and zeros in x's dtype, contiguous,

@@ -180,6 +180,9 @@ _RUN_SPECS: list[ColumnSpec] = [
                "with fixed shapes); None with overlap off"),
     ColumnSpec("pdl_applied", "bool", "graphs", "our Triton kernels were launched with programmatic dependent launch "
                "(pdl on, a Hopper or newer GPU, a triton that has it); False otherwise"),
+    ColumnSpec("int4_cuda_gemv", "bool", "graphs", "one-row int4 calls of the 'triton' quant kernel ran on the CUDA C++ "
+               "GEMV (kernels/int4_cuda.py: on by default where a CUDA GPU and nvcc are present) instead of the Triton "
+               "GEMV; says nothing about whether the run had int4 weights"),
     ColumnSpec("compile_fallbacks", "int", "graphs", "compiled frames that hit torch._dynamo's recompile limit during "
                "this run, warm-up, captures and (serving) calibration included (their new variants then run eagerly: "
                "the figures understate the compiled engine); None with compile off"),

@@ -232,3 +232,13 @@ def test_launch_passes_what_the_kernel_signature_takes(monkeypatch):
     assert seen["grid"] == 3
     int4_cuda_gemv(xk, w2, s2, z2, g, ROWS=2, WARPS=4)
     assert seen["grid"] == 125
+
+
+def test_run_record_says_whether_the_cuda_gemv_served(monkeypatch):
+    """The record's int4_cuda_gemv: False on CPU or with the switch off, True only with both."""
+    assert int4_cuda.int4_cuda_gemv_applies("cpu") is False
+    monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)
+    monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
+    assert int4_cuda.int4_cuda_gemv_applies("cuda") is True
+    monkeypatch.setattr(quant_gemv, "INT4_CUDA", False)
+    assert int4_cuda.int4_cuda_gemv_applies("cuda") is False

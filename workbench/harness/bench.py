@@ -35,6 +35,7 @@ from workbench.harness.trust import trust_columns
 from workbench.engine.graphs import compile_fallback_columns, recompile_limit_hits
 from workbench.engine.kv_cache import resolve_attention
 from workbench.engine.sampling import SamplingParams
+from kernels.int4_cuda import int4_cuda_gemv_applies
 from kernels.pdl import pdl_applies
 
 DTYPES = {name: getattr(torch, name) for name in settings.KNOBS["dtype"].choices}
@@ -395,6 +396,7 @@ class BenchSession:
                 hf = hf_generate_tokens_per_s(self, cfg, prompt_ids)
             graphs = {"overlap_applied": cand_engine.overlaps()} if cfg.overlap else {}
             graphs["pdl_applied"] = pdl_applies(cfg.pdl, self.device, cfg.cuda_graphs)
+            graphs["int4_cuda_gemv"] = int4_cuda_gemv_applies(self.device)
             if cfg.compile != "off":  # frames past dynamo's recompile limit run eagerly (BENCHMARKS.md 16.1)
                 graphs |= compile_fallback_columns(fallbacks_before)
             graphs |= _graph_columns([e.graph_stats() for e in engines], stats_before,
