@@ -13,8 +13,8 @@ before any is used, and with PDL the first step's weights are in flight before t
 
 Build and launch, without a torch extension: nvcc (found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin) compiles
 the .cu file to a cubin for the device's architecture, once per variant (ROWS, UNROLL, WARPS, WORDS_PER_SUM, PIPE,
-MINB, PERSIST on or off, x dtype), cached under $WORKBENCH_CUDA_CACHE (default ~/.cache/workbench/cuda) by a hash of the source
-and flags; the
+MINB, PERSIST on or off, x dtype), cached under $WORKBENCH_CUDA_CACHE (default ~/.cache/workbench/cuda) by a
+hash of the source and flags; the
 driver (libcuda through ctypes) loads it per device and launches it on torch's current stream with cuLaunchKernelEx
 (PDL's attribute when kernels/pdl.py says a launch uses it). A captured CUDA graph records the launch like any
 other; torch.compile sees it inside the custom op `workbench::quant_gemv` (quant_gemv._launch routes to it).
@@ -56,6 +56,13 @@ def load_measured_tiles(path: str | Path) -> dict[tuple[int, int], dict]:
     rows = json.loads(Path(path).read_text())["rows"]
     return {(r["N"], r["K"]): parse_tile(r["tile"]) for r in rows
             if r.get("kernel") == "cuda" and r.get("best") and r.get("tile")}
+
+
+def tile_label(tile: dict) -> str:
+    """The tile's label, as parse_tile reads it: "r4 u2 w8 s4" plus " pipe", " bN" (MINB), " gN" (PERSIST)."""
+    t = dict(DEFAULT_TILE, **tile)
+    return (f"r{t['ROWS']} u{t['UNROLL']} w{t['WARPS']} s{t['WORDS_PER_SUM']}" + (" pipe" if t["PIPE"] else "")
+            + (f" b{t['MINB']}" if t["MINB"] else "") + (f" g{t['PERSIST']}" if t["PERSIST"] else ""))
 
 
 def parse_tile(text: str) -> dict:

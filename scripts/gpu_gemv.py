@@ -770,16 +770,22 @@ def part_mma(args, device) -> list[dict]:
     return rows
 
 
+MODEL_FUSION = {"qkv_proj": "norm", "gate_up_proj": "norm", "o_proj": "residual", "down_proj": "glu+residual"}  # the
+# fusions the model's linears take under gemv_fusion norm+glu+residual (gpu_quant's "+all")
+
+
 def part_cuda(args, device) -> list[dict]:
     """One-row int4 in CUDA C++ (kernels/int4_cuda.py) on the --sweep-configs shapes: bf16 F.linear, tinygemm
     ("aten"), our Triton GEMV ("triton", its default tile, through the module as the model calls it, with
-    quant_gemv.INT4_CUDA off for it: call n6 ran before that, so its "triton" rows are the CUDA kernel's rule tiles) and each
-    int4_cuda tile of the --cuda-rows x --cuda-unroll x --cuda-warps x --cuda-wps x --cuda-pipe grid, with and without PDL
-    (--cuda-pdl), each with max |error| / max |reference| and its speedup over the GEMV and bf16; the fastest
-    parity-clean tile per shape is marked. Then each fusion (RMSNorm prologue, SwiGLU prologue, residual epilogue)
-    against quant_gemv_reference with the same fusion, timed with the shape's best tile beside the plain call and
-    the Triton GEMV with that fusion; and one "layer" row per kernel summing its best."""
-    from kernels.int4_cuda import cuda_problem, int4_cuda_gemv, parse_tile
+    quant_gemv.INT4_CUDA off for it: call n6 ran before that, so its "triton" rows are the CUDA kernel's rule
+    tiles) and each int4_cuda tile of the --cuda-rows x --cuda-unroll x --cuda-warps x --cuda-wps x --cuda-pipe x
+    --cuda-minb grid (or --cuda-tiles), with and without PDL (--cuda-pdl; with --cuda-model-fusion the Triton and
+    CUDA rows take each linear's fusion as the model calls it), each with max |error| / max |reference| and its
+    speedup over the GEMV and bf16; the fastest parity-clean tile per shape is marked. Then each fusion (RMSNorm
+    prologue, SwiGLU prologue, residual epilogue) against quant_gemv_reference with the same fusion, timed with the
+    shape's best tile beside the plain call and the Triton GEMV with that fusion; and one "layer" row per kernel
+    summing its best."""
+    from kernels.int4_cuda import cuda_problem, int4_cuda_gemv, parse_tile, tile_label
 
     rows, problem = [], kernel_ok(device) or cuda_problem(device)
     if problem:
@@ -799,27 +805,45 @@ def part_cuda(args, device) -> list[dict]:
         nbytes = weight_bytes(mods["triton"]) - mods["triton"].gemv_counters.numel() * 4
         x = torch.randn(1, k, device=device, dtype=args.dtype)
         ref = x.float() @ dequantize_weight("int4", **buffers(mods["triton"])).T
-        ref_max = ref.abs().max()
+        fusion_kw, xin, ref_fused = {}, x, None
+        if args.cuda_model_fusion:  # the call as the model makes it (MODEL_FUSION), for the Triton and CUDA rows
+            fusion = MODEL_FUSION[name]
+            xin = torch.randn(1, 2 * k if "glu" in fusion else k, device=device, dtype=args.dtype)
+            fusion_kw = dict(glu="glu" in fusion,
+                             norm_weight=(1 + 0.1 * torch.randn(k, device=device)).to(args.dtype)
+                             if "norm" in fusion else None,
+                             residual=torch.randn(1, n, device=device, dtype=args.dtype)
+                             if "residual" in fusion else None)
+            m0 = mods["triton"]
+            ref_fused = quant_gemv_reference(xin, "int4", m0.weight, m0.scale, m0.zero, m0.group_size,
+                                             **fusion_kw).float()
         at_m = []
         for kind, tile, pdl in [("bf16", None, False), ("aten", None, False), ("triton", None, True)] + \
                 [("cuda", t, p) for t in grid for p in pdls]:
             row = dict(config=config, linear=name, K=k, N=n, M=1, kernel=kind, pdl=pdl,
-                       tile="-" if tile is None else
-                       f"r{tile['ROWS']} u{tile['UNROLL']} w{tile['WARPS']} s{tile['WORDS_PER_SUM']}"
-                       + (" pipe" if tile["PIPE"] else "") + (f" b{tile['MINB']}" if tile["MINB"] else "") + (f" g{tile['PERSIST']}" if tile.get("PERSIST") else ""))
+                       tile="-" if tile is None else tile_label(tile))
+            fused = bool(fusion_kw) and kind in ("cuda", "triton")  # bf16 / tinygemm rows stay plain
+            if fused:
+                row["fusion"] = MODEL_FUSION[name]
             saved_cuda = quant_gemv.INT4_CUDA
             quant_gemv.INT4_CUDA = False  # "triton": the Triton GEMV itself (one-row int4 goes to int4_cuda by default)
             try:
                 with torch.no_grad():
                     if kind == "cuda":
-                        calls = [lambda c=c, t=tile, p=pdl: int4_cuda_gemv(x, c.weight, c.scale, c.zero,
-                                                                           c.group_size, pdl=p, **t)
+                        calls = [lambda c=c, t=tile, p=pdl: int4_cuda_gemv(xin if fused else x, c.weight, c.scale,
+                                                                           c.zero, c.group_size, pdl=p,
+                                                                           **(fusion_kw if fused else {}), **t)
+                                 for c in clones["triton"]]
+                    elif fused:
+                        calls = [lambda c=c: quant_gemv_triton(xin, "int4", c.weight, c.scale, c.zero, c.group_size,
+                                                               c.gemv_counters, **fusion_kw)
                                  for c in clones["triton"]]
                     else:
                         calls = [lambda c=c: c(x) for c in clones[kind]]
                     got = calls[0]().float()
                     if kind != "bf16":
-                        row["rel_err"] = ((got - ref).abs().max() / ref_max).item()
+                        want = ref_fused if fused else ref
+                        row["rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
                     row["us"] = time_us(calls, device, args.replays)
                 row["gb_per_s"] = nbytes / row["us"] / 1e3
             except Exception as e:  # noqa: BLE001
@@ -965,6 +989,9 @@ def main() -> None:
                     "must fit: __launch_bounds__'s second argument; 0: none given)")
     ap.add_argument("--cuda-tiles", default="", help="cuda part: tiles as labels separated by ';' (e.g. 'r8 u1 w4 s4;"
                     "r2 u2 w8 s4 pipe') instead of the --cuda-* grid")
+    ap.add_argument("--cuda-model-fusion", action="store_true", help="cuda part: time the Triton and CUDA rows with "
+                    "each linear's fusion as the model calls it (MODEL_FUSION: q/k/v and gate/up the RMSNorm "
+                    "prologue, o the residual, down SwiGLU + residual), so the best tile is the best fused one")
     ap.add_argument("--cuda-pdl", default="1", help="cuda part: launch with PDL (1), without (0), or both (0,1)")
     ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: INT4_WIDE_ROWS BLOCK_N values")
     ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")

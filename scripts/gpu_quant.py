@@ -99,7 +99,8 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 CUDA_ROWS_TILES = {"cu": None, "cus1": dict(WORDS_PER_SUM=1), "cus2": dict(WORDS_PER_SUM=2), "cur2": dict(ROWS=2),
                    "cuu2": dict(UNROLL=2), "cuw8": dict(WARPS=8), "cur2w8": dict(ROWS=2, WARPS=8),
                    "cup": dict(PIPE=1), "cug": dict(PERSIST=8)}
-CUB_TABLE: dict = {}  # "+cub": each shape's best tile of a gpu_gemv --parts cuda sweep (--int4-cuda-best), filled in place
+CUB_TABLE: dict = {}  # "+cub": each shape's best tile of a gpu_gemv --parts cuda sweep (--int4-cuda-best), filled
+# in place
 ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
                 "rope": {(kv_cache, "FUSE_ROPE"): True}, "norope": {(kv_cache, "FUSE_ROPE"): False},
                 "fc": {(paged_attention, "FUSE_COMBINE"): True}, "nofc": {(paged_attention, "FUSE_COMBINE"): False},

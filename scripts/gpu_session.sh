@@ -40,6 +40,8 @@
 # draft model with an int4 target), m3 (n-gram
 # verifies at 6.7 B per int4 kernel), k13 (k12's draft-model goal check, 5 rounds at 0.5x and 1.0x; not run), m4 (m3's rows
 # with the prologues unfused at verify widths, then k13 at 0.5x only): the twentieth session's.
+# PART=n1..n6 (one-row int4 in CUDA C++: tiles, PIPE, MINB, PERSIST, the floor): the twenty-first session's; n7 (the
+# sweep with the model's fusions) and k13 are prepared for the next.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -72,7 +74,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|n4|n5|n6|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|n4|n5|n6|n7|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -773,6 +775,17 @@ elif [ "$PART" = n6 ]; then
     --replays 10
   floor ar145 40 1.45b --formats "none@$C,int4-triton+all+pdl+cu0@$C,int4-triton+all+pdl@$C"
   floor prof67 30 6.7b --profile --formats "int4-triton+all+pdl@$C"
+elif [ "$PART" = n7 ]; then
+  # prepared in the twenty-first session (no device time left): n6 put 6.7 B int4 at 2.351x bf16 with the CUDA GEMV,
+  # whose tiles were picked on plain calls while the model fuses the RMSNorm into q/k/v and gate/up and SwiGLU +
+  # residual into down; the prologues cost 0.8-3.2 us a call, set by how many blocks restage x. The sweep with each
+  # linear's model fusion, then the floor with those tiles ("+cub") against the rule
+  step cuda67 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/cuda67" --parts cuda --sweep-configs 6.7b \
+    --cuda-model-fusion --cuda-rows-per-warp 2,4,8 --cuda-unroll 1,2 --cuda-warps 4,8 --cuda-wps 4 --cuda-pipe 0,1 \
+    --cuda-minb 0 --replays 10
+  C=graphs+compile+overlap
+  floor ar67 60 6.7b --formats "none@$C,int4-triton+all+pdl+cu0@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+cub@$C" \
+    --int4-cuda-best "$R/cuda67/gemv_cuda.json"
 elif [ "$PART" = k13 ]; then
   # twentieth session: k12's draft-model goal check missed at 0.5x by goodput (0.528 of the best) while goodput swung
   # 20x between its 3 rounds, and read 0.976 (within noise) at 1.0x. The same check at those two rates with 5 rounds,

@@ -136,8 +136,7 @@ VARIANTS = [dict(ROWS=r, UNROLL=u, WARPS=wp, WORDS_PER_SUM=4, PIPE=p, MINB=0)
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed here")
 @pytest.mark.parametrize("x_bf16", [True, False])
-@pytest.mark.parametrize("tile", VARIANTS, ids=lambda t: "r{ROWS}u{UNROLL}w{WARPS}s{WORDS_PER_SUM}p{PIPE}b{MINB}g{PERSIST}".format(
-    **dict(int4_cuda.DEFAULT_TILE, **t)))
+@pytest.mark.parametrize("tile", VARIANTS, ids=lambda t: int4_cuda.tile_label(t).replace(" ", "_"))
 def test_every_swept_variant_compiles_without_real_spills(tile, x_bf16, tmp_path, monkeypatch):
     """ptxas may park a register or two of the setup in local memory (seen: 8-24 bytes, one store before the K loop
     and one load per step in the SASS of r4u4w4s1); a tile whose weights or sums spilled would show hundreds."""
@@ -177,6 +176,8 @@ def test_measured_tiles_replace_the_rule(tmp_path, monkeypatch):
     assert int4_cuda.parse_tile("r8 u1 w4 s2 pdl") == dict(ROWS=8, UNROLL=1, WARPS=4, WORDS_PER_SUM=2, PIPE=0, MINB=0,
                                                            PERSIST=0)
     assert int4_cuda.parse_tile("r2 u2 w8 s4 pipe g3")["PERSIST"] == 3
+    for tile in VARIANTS:  # the label and the parser agree
+        assert int4_cuda.parse_tile(int4_cuda.tile_label(tile)) == dict(int4_cuda.DEFAULT_TILE, **tile)
     monkeypatch.setattr(int4_cuda, "MEASURED_TILES", table)
     assert int4_cuda.int4_cuda_tile(4096, 4096)["ROWS"] == 2
     assert int4_cuda.int4_cuda_tile(12288, 4096) == dict(int4_cuda.DEFAULT_TILE, ROWS=8, UNROLL=1, WARPS=4)
