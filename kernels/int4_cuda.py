@@ -92,6 +92,10 @@ class Int4CudaError(RuntimeError):
     """The CUDA int4 GEMV cannot build or run here (the message says what is missing and what to do)."""
 
 
+class Int4CudaBuildError(Int4CudaError):
+    """nvcc or the module load failed: nothing ran, so the caller may fall back to the Triton GEMV."""
+
+
 def nvcc_path() -> str | None:
     """nvcc on PATH, in $CUDA_HOME/bin or in /usr/local/cuda/bin; None when there is none."""
     found = shutil.which("nvcc")
@@ -121,9 +125,24 @@ def _cached_problem(device: torch.device) -> str | None:
     return cuda_problem(device)
 
 
+_BUILD_FAILED: dict[torch.device, str] = {}  # device -> why a build failed there (the dispatch then stays in Triton)
+
+
 def device_problem(device: torch.device | str) -> str | None:
-    """`cuda_problem`, asked once per device (every dispatched call asks)."""
-    return _cached_problem(torch.device(device))
+    """`cuda_problem`, asked once per device (every dispatched call asks), or the build failure `mark_failed` noted."""
+    device = torch.device(device)
+    return _BUILD_FAILED.get(device) or _cached_problem(device)
+
+
+def mark_failed(device: torch.device | str, error: Exception) -> None:
+    """Remember that building or loading the kernel failed on `device` and warn once: later calls there stay in the
+    Triton GEMV (the dispatch in kernels/quant_gemv.py)."""
+    import warnings
+    device = torch.device(device)
+    if device not in _BUILD_FAILED:
+        warnings.warn(f"int4 CUDA GEMV unavailable on {device}, one-row int4 calls stay in the Triton GEMV: {error}",
+                      RuntimeWarning, stacklevel=3)
+    _BUILD_FAILED[device] = f"its build failed: {str(error)[:500]}"
 
 
 def int4_cuda_gemv_applies(device: torch.device | str) -> bool:
@@ -162,18 +181,22 @@ def compile_cubin(tile: dict, x_bf16: bool, arch: str, *, verbose: bool = False)
     """(cubin bytes, ptxas's report when verbose) for one variant, from the cache when built before."""
     nvcc = nvcc_path()
     if nvcc is None:
-        raise Int4CudaError(cuda_problem("cuda") or "nvcc not found")
+        raise Int4CudaBuildError(cuda_problem("cuda") or "nvcc not found")
     source = SOURCE.read_bytes()
     flags = build_flags(tile, x_bf16, arch) + (["-Xptxas", "-v"] if verbose else [])
     key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:24]
     out = _cache_dir() / f"int4_gemv_{key}.cubin"
     if out.is_file() and not verbose:
         return out.read_bytes(), ""
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    done = subprocess.run([nvcc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run([nvcc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+    except OSError as e:
+        raise Int4CudaBuildError(f"cannot build {SOURCE.name} into {out.parent} ({e}): set WORKBENCH_CUDA_CACHE to "
+                                 "a writable folder") from e
     if done.returncode != 0:
-        raise Int4CudaError(f"nvcc failed on {SOURCE.name} ({' '.join(flags)}):\n{done.stderr[-3000:]}")
+        raise Int4CudaBuildError(f"nvcc failed on {SOURCE.name} ({' '.join(flags)}):\n{done.stderr[-3000:]}")
     tmp.replace(out)  # atomic: concurrent builders of one variant each write a whole file
     return out.read_bytes(), done.stderr
 
@@ -221,9 +244,12 @@ def _function(device_index: int, tile_items: tuple, x_bf16: bool) -> ctypes.c_vo
     lib = _libcuda()
     module, func = ctypes.c_void_p(), ctypes.c_void_p()
     with torch.cuda.device(device_index):  # cudaSetDevice: torch's (primary) context is current on this thread
-        _check(lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), "cuModuleLoadData")
-        _check(lib.cuModuleGetFunction(ctypes.byref(func), module, b"int4_gemv"), "cuModuleGetFunction")
-        _check(lib.cuFuncSetAttribute(func, _MAX_DYNAMIC_SHARED, 160 * 1024), "cuFuncSetAttribute")
+        try:
+            _check(lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), "cuModuleLoadData")
+            _check(lib.cuModuleGetFunction(ctypes.byref(func), module, b"int4_gemv"), "cuModuleGetFunction")
+            _check(lib.cuFuncSetAttribute(func, _MAX_DYNAMIC_SHARED, 160 * 1024), "cuFuncSetAttribute")
+        except Int4CudaError as e:
+            raise Int4CudaBuildError(str(e)) from e
     return func
 
 

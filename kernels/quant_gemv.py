@@ -938,20 +938,23 @@ def int4_mma_takes(x, scale, zero, group_size) -> bool:
 
 def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, norm_weight=None, eps=1e-6,
             **override) -> torch.Tensor:
-    if not TRITON_AVAILABLE:
-        raise GemvError("quant_kernel 'triton' needs the triton package (a CUDA build of torch ships it): "
-                        "choose quant_kernel 'dequant' or 'aten'")
     x = x.contiguous()
     m, k = x.shape
     k = k // 2 if glu else k
     n = weight.shape[0]
-    if fmt == "int4" and not override and m == 1 and INT4_CUDA:
+    if fmt == "int4" and not override and m == 1 and INT4_CUDA:  # needs no triton
         from . import int4_cuda
         if int4_cuda.device_problem(x.device) is None and int4_cuda.int4_cuda_takes(x, weight, scale, zero,
                                                                                       group_size, glu):
-            return int4_cuda.int4_cuda_gemv(x, weight, scale, zero, group_size, glu=glu, residual=residual,
-                                            norm_weight=norm_weight, eps=eps, pdl=use_pdl(x.device),
-                                            **(INT4_CUDA_TILE or {}))
+            try:
+                return int4_cuda.int4_cuda_gemv(x, weight, scale, zero, group_size, glu=glu, residual=residual,
+                                                norm_weight=norm_weight, eps=eps, pdl=use_pdl(x.device),
+                                                **(INT4_CUDA_TILE or {}))
+            except int4_cuda.Int4CudaBuildError as e:  # nothing ran: this device stays in the Triton GEMV below
+                int4_cuda.mark_failed(x.device, e)
+    if not TRITON_AVAILABLE:
+        raise GemvError("quant_kernel 'triton' needs the triton package (a CUDA build of torch ships it): "
+                        "choose quant_kernel 'dequant' or 'aten'")
     if fmt == "int4" and not override and int4_mma_takes(x, scale, zero, group_size):
         from .int4_mma import int4_mma_gemv
         return int4_mma_gemv(x, weight, scale, zero, group_size, counters, glu=glu, residual=residual,

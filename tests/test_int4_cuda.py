@@ -99,7 +99,8 @@ def test_cpu_call_gets_a_named_error():
 
 
 def test_dispatch_leaves_cpu_and_untaken_calls_to_triton(monkeypatch):
-    """With INT4_CUDA on, a call the CUDA kernel cannot take (here: no CUDA device) must not reach it."""
+    """With INT4_CUDA on, a call the CUDA kernel cannot take (here: no CUDA device) must not reach it (the CUDA
+    branch comes before the Triton path's own check, so that check's error marks the fall-through)."""
     monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
     called = []
     monkeypatch.setattr(int4_cuda, "int4_cuda_gemv", lambda *a, **k: called.append(1))
@@ -108,6 +109,9 @@ def test_dispatch_leaves_cpu_and_untaken_calls_to_triton(monkeypatch):
     with pytest.raises(quant_gemv.GemvError):
         quant_gemv._launch(torch.randn(1, 256).to(torch.bfloat16), "int4", w, s, z, 64, None)
     assert not called
+    monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)  # a device it runs on: now it is reached
+    assert quant_gemv._launch(torch.randn(1, 256).to(torch.bfloat16), "int4", w, s, z, 64, None) is None
+    assert called == [1]
 
 
 def test_dispatch_routes_taken_calls(monkeypatch):
@@ -243,3 +247,38 @@ def test_run_record_says_whether_the_cuda_gemv_served(monkeypatch):
     assert int4_cuda.int4_cuda_gemv_applies("cuda") is True
     monkeypatch.setattr(quant_gemv, "INT4_CUDA", False)
     assert int4_cuda.int4_cuda_gemv_applies("cuda") is False
+
+
+def test_a_failed_build_falls_back_to_triton_once(monkeypatch):
+    """nvcc failing (or a cubin the driver refuses) must not fail the run: the call goes to the Triton GEMV, a warning
+    names the cause once, and later calls on that device skip the CUDA kernel."""
+    monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
+    monkeypatch.setattr(int4_cuda, "_cached_problem", lambda device: None)
+    monkeypatch.setattr(int4_cuda, "_BUILD_FAILED", {})
+    tries = []
+
+    def failing_build(*a, **k):
+        tries.append(1)
+        raise int4_cuda.Int4CudaBuildError("nvcc failed: unsupported gpu architecture")
+
+    monkeypatch.setattr(int4_cuda, "int4_cuda_gemv", failing_build)
+    monkeypatch.setattr(quant_gemv, "TRITON_AVAILABLE", False)  # the Triton path's own error marks the fall-through
+    w, s, z = _case(8, 256, 64, torch.bfloat16)
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="unsupported gpu architecture"):
+        with pytest.raises(quant_gemv.GemvError):
+            quant_gemv._launch(x, "int4", w, s, z, 64, None)
+    with pytest.raises(quant_gemv.GemvError):  # the second call does not try again
+        quant_gemv._launch(x, "int4", w, s, z, 64, None)
+    assert tries == [1]
+    assert "build failed" in int4_cuda.device_problem("cpu")
+    assert int4_cuda.int4_cuda_gemv_applies("cpu") is False
+
+
+def test_an_unwritable_cache_is_a_build_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("WORKBENCH_CUDA_CACHE", str(blocker / "sub"))  # a folder under a file cannot be made
+    monkeypatch.setattr(int4_cuda, "nvcc_path", lambda: "/bin/true")
+    with pytest.raises(int4_cuda.Int4CudaBuildError, match="WORKBENCH_CUDA_CACHE"):
+        compile_cubin(dict(int4_cuda.DEFAULT_TILE), True, "sm_90a")
