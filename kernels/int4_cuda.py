@@ -13,18 +13,21 @@ before any is used, and with PDL the first step's weights are in flight before t
 
 Build and launch, without a torch extension: nvcc (found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin) compiles
 the .cu file to a cubin for the device's architecture, once per variant (ROWS, UNROLL, WARPS, WORDS_PER_SUM, PIPE,
-MINB, PERSIST on or off, x dtype), cached under $WORKBENCH_CUDA_CACHE (default ~/.cache/workbench/cuda) by a
-hash of the source and flags; the
-driver (libcuda through ctypes) loads it per device and launches it on torch's current stream with cuLaunchKernelEx
-(PDL's attribute when kernels/pdl.py says a launch uses it). A captured CUDA graph records the launch like any
-other; torch.compile sees it inside the custom op `workbench::quant_gemv` (quant_gemv._launch routes to it).
+MINB, PERSIST on or off, x dtype; about 2 s each), cached under $WORKBENCH_CUDA_CACHE (default
+~/.cache/workbench/cuda) by a hash of the source and flags. The driver (libcuda through ctypes) loads it per device
+and launches it on torch's current stream with cuLaunchKernelEx (PDL's attribute when kernels/pdl.py says a launch
+uses it). A captured CUDA graph records the launch like any other; torch.compile sees it inside the custom op
+`workbench::quant_gemv` (quant_gemv._launch routes to it). A build that fails (`Int4CudaBuildError`) warns once and
+leaves that device in the Triton GEMV.
 
 Where it runs: `int4_cuda_takes` (one row, 16-bit x, scales and zeros in x's dtype, a power-of-two group of 32+,
-16-byte aligned buffers) and `cuda_problem` (a CUDA device of compute capability 8.0+ and nvcc). Off by default until
-measured (quant_gemv.INT4_CUDA, env WORKBENCH_INT4_CUDA=1). The Triton interpreter cannot run it: on CPU,
-`int4_cuda_emulate` computes the same arithmetic (per-chunk power-of-two scales, fp16 pairs, fp16 sums of WORDS_PER_SUM
-words) in PyTorch, which tests/test_int4_cuda.py holds against quant_gemv_reference, and the tests compile every
-variant with nvcc (where nvcc exists) to check it builds without register spills.
+16-byte aligned buffers) and `cuda_problem` (a CUDA device of compute capability 8.0+ and nvcc). On by default since
+call n6 (quant_gemv.INT4_CUDA; env WORKBENCH_INT4_CUDA=0 off; BENCHMARKS.md 26). The Triton interpreter cannot run
+it: on CPU, `int4_cuda_emulate` computes the same arithmetic (per-chunk power-of-two scales, fp16 pairs, fp16 sums of
+WORDS_PER_SUM words) in PyTorch, which tests/test_int4_cuda.py holds against quant_gemv_reference; the tests also
+compile every swept variant with nvcc (where nvcc exists; ptxas may spill at most 32 bytes) and check the launch's
+parameters against the kernel's signature with the driver faked. The kernel itself is checked on the GPU
+(scripts/gpu_gemv.py --parts cuda and --parts parity).
 """
 from __future__ import annotations
 
