@@ -12,9 +12,9 @@
 // contiguous bytes of a row per load instruction); PIPE: two steps held in registers, the next one's loads issued
 // before this one's math (otherwise other warps and blocks on the SM hide the latency); MINB: blocks per SM the
 // compiler must fit in registers (__launch_bounds__; 0: none given), which sets how many warps share an SM.
-// A block of WARPS warps first stages x in shared memory, once per
-// block: per chunk of 32 x's a power-of-two scale 2^-e (e from the chunk's max, so |x 2^-e| < 1), the scaled x's as
-// fp16 pairs in the order the nibbles come out of a word, the chunk's sum of x (fp32) and 2^e.
+// A block of WARPS warps first stages x in shared memory, once per block: per chunk of 32 x's a power-of-two scale
+// 2^-e (e from the chunk's max, so |x 2^-e| < 1), the scaled x's as fp16 pairs in the order the nibbles come out of
+// a word, the chunk's sum of x (fp32) and 2^e.
 //
 // Per 32-bit word (8 weights) the math is two weights per instruction: lop3 ors a nibble pair into the mantissas of
 // two fp16 lanes under 1024's exponent (1024 + q, or 1024 + 16 q for the high nibble of a byte), one packed
