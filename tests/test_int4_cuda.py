@@ -282,3 +282,17 @@ def test_an_unwritable_cache_is_a_build_error(tmp_path, monkeypatch):
     monkeypatch.setattr(int4_cuda, "nvcc_path", lambda: "/bin/true")
     with pytest.raises(int4_cuda.Int4CudaBuildError, match="WORKBENCH_CUDA_CACHE"):
         compile_cubin(dict(int4_cuda.DEFAULT_TILE), True, "sm_90a")
+
+
+def test_outliers_in_a_chunk_stay_within_the_bound():
+    """Activation outliers (LLM hidden states carry a few channels 100-1000x the rest): each chunk of 32 takes its
+    own power-of-two scale, so an outlier neither overflows the fp16 sums (|x 2^-e| < 1, 16 products of |q - 8| <= 8
+    per lane) nor, in other chunks, costs the small values their precision."""
+    w, s, z = _case(32, 1024, 128, torch.bfloat16, seed=5)
+    x = torch.randn(1, 1024)
+    x[0, ::97] *= 1000.0  # one outlier in most chunks, far above its neighbours
+    x[0, 512:544] *= 1e-3  # and one chunk of tiny values
+    x = x.to(torch.bfloat16)
+    got = int4_cuda_emulate(x, w, s, z, 128)
+    assert torch.isfinite(got.float()).all()
+    assert _rel(got, quant_gemv_reference(x, "int4", w, s, z, 128)) <= RTOL
