@@ -298,9 +298,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("int4_group_size", "int", 128, "input channels per int4 scale/zero group (int4, int4-awq); must divide every "
          "linear's input width", "int4 group size", "system", choices=(32, 64, 128, 256)),
     Knob("quant_kernel", "str", "auto", "matmul kernel of the decoder linears (target and draft): auto = chosen by "
-         "measurement (GPU: Triton GEMVs for int8 / fp8, tinygemm for int4, cuBLAS for unquantized; CPU: dequantize + "
-         "matmul, fp8 through _scaled_mm); aten; dequant; triton = kernels/quant_gemv.py GEMVs for calls of <= 16 rows "
-         "(GPU; fp8 then keeps bf16 activations; with an unquantized model the dense bf16 GEMV instead of cuBLAS)",
+         "measurement (GPU: our GEMVs for int8 / fp8 and for int4 in groups of 64+, tinygemm for int4 in groups of "
+         "32, cuBLAS for unquantized; CPU: dequantize + matmul, fp8 through _scaled_mm); aten; dequant; triton = our "
+         "GEMVs for calls of <= 16 rows (GPU: kernels/quant_gemv.py; int4 at one row in CUDA C++ where nvcc exists, "
+         "recorded as int4_cuda_gemv, and at 2-16 rows on the tensor cores; fp8 then keeps bf16 activations; with an "
+         "unquantized model the dense bf16 GEMV instead of cuBLAS)",
          "Linear matmul kernel", "system", choices=("auto", "aten", "dequant", "triton")),
     Knob("gemv_fusion", "str", "residual", "what our Triton GEMVs fold in at their edges (quant_kernel triton, and "
          "auto for int8 / fp8 on a GPU): residual = the MLP's residual add in the down projection's epilogue; glu "

@@ -215,7 +215,9 @@ def auto_kernel(fmt: str, cuda: bool, triton_ok: bool, group_size: int = 128) ->
     ours at 2.056 ms a token against tinygemm's 2.731 (AR), and at 3.270 against 3.984 ms for an n-gram verify step
     of 5 rows. On the small preset (50 MB of int4 weights, launch-bound) tinygemm was 2-5 % ahead end to end with the
     draft model (25.2, 25.3). Groups of 32 keep tinygemm: ours would verify them in the older form, 2.2x slower than
-    tinygemm per 6.7 B step in call m3. On a CPU fp8 uses `_scaled_mm` and int8 / int4 dequantize then multiply.
+    tinygemm per 6.7 B step in call m3. Since the twenty-first session ours runs one-row int4 calls in CUDA C++ where
+    nvcc exists (kernels/int4_cuda.py; call n6, BENCHMARKS.md 26: 1.869 ms a token at 6.7 B against 2.054 with the
+    Triton GEMV and 2.718 with tinygemm). On a CPU fp8 uses `_scaled_mm` and int8 / int4 dequantize then multiply.
 
     >>> auto_kernel("fp8", True, True), auto_kernel("int4", True, True), auto_kernel("int8", True, False)
     ('triton', 'triton', 'aten')
