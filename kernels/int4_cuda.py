@@ -306,30 +306,65 @@ def int4_cuda_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     flags = (F_GLU if glu else 0) | (F_NORM if norm_weight is not None else 0) | (F_RESIDUAL if residual is not None
                                                                                   else 0)
-    func = _function(dev, tuple(sorted(cfg.items())), x.dtype == torch.bfloat16)
+    launcher = _launcher(dev, n, k, int(group_size), x.dtype == torch.bfloat16, flags, bool(pdl),
+                         tuple(sorted(cfg.items())))
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     nw = norm_weight.contiguous() if norm_weight is not None else x2
     if nw.data_ptr() % 16:  # read in 16-byte pieces: a fresh copy is aligned
         nw = nw.clone()
     res = residual.reshape(-1).contiguous() if residual is not None else out
-    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in (weight, x2, scale, zero, nw, res, out)]
-    scalars = [ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(int(math.log2(group_size))), ctypes.c_int(flags),
-               ctypes.c_float(eps)]
-    params = (ctypes.c_void_p * (len(ptrs) + len(scalars)))(
-        *[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in ptrs + scalars])
-    row_groups = math.ceil(n / (cfg["ROWS"] * cfg["WARPS"]))
-    grid = row_groups  # one block per group, or PERSIST blocks per SM (at most as many as fit at once), each
-    if cfg["PERSIST"]:  # looping over row groups with x staged once
-        fit = _occupancy(func, cfg["WARPS"] * 32, shared_bytes(k))
-        grid = min(row_groups, min(cfg["PERSIST"], fit) * _sm_count(dev))
-    attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value.programmatic = 1
-    conf = _LaunchConfig(grid, 1, 1, cfg["WARPS"] * 32, 1, 1, shared_bytes(k),
-                         ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream),
-                         ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
-    _check(_libcuda().cuLaunchKernelEx(ctypes.byref(conf), func, ctypes.cast(params, ctypes.c_void_p), None),
-           "cuLaunchKernelEx (int4_gemv)")
+    launcher.launch((weight.data_ptr(), x2.data_ptr(), scale.data_ptr(), zero.data_ptr(), nw.data_ptr(),
+                     res.data_ptr(), out.data_ptr()), float(eps), _raw_stream(dev))
     return out
+
+
+def _raw_stream(device_index: int) -> int:
+    """torch's current stream on the device, as the driver's handle."""
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+class _Launcher:
+    """One variant's launch for one shape, built once: the loaded kernel, its grid, and the ctypes parameter block;
+    a call only writes the 7 pointers, eps and the stream, then launches (a lock keeps threads from interleaving)."""
+
+    def __init__(self, dev: int, n: int, k: int, group_size: int, x_bf16: bool, flags: int, pdl: bool,
+                 tile: dict):
+        import threading
+        self.func = _function(dev, tuple(sorted(tile.items())), x_bf16)
+        row_groups = math.ceil(n / (tile["ROWS"] * tile["WARPS"]))
+        grid = row_groups  # one block per group, or PERSIST blocks per SM (at most as many as fit at once), each
+        if tile["PERSIST"]:  # looping over row groups with x staged once
+            fit = _occupancy(self.func, tile["WARPS"] * 32, shared_bytes(k))
+            grid = min(row_groups, min(tile["PERSIST"], fit) * _sm_count(dev))
+        self.ptrs = [ctypes.c_void_p() for _ in range(7)]  # w, x, s, z, nw, res, out
+        self.eps = ctypes.c_float()
+        scalars = [ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(int(math.log2(group_size))), ctypes.c_int(flags),
+                   self.eps]
+        self.holders = self.ptrs + scalars
+        self.params = (ctypes.c_void_p * len(self.holders))(
+            *[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in self.holders])
+        self.params_ptr = ctypes.cast(self.params, ctypes.c_void_p)
+        self.attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attr.value.programmatic = 1
+        self.conf = _LaunchConfig(grid, 1, 1, tile["WARPS"] * 32, 1, 1, shared_bytes(k), None,
+                                  ctypes.pointer(self.attr) if pdl else None, 1 if pdl else 0)
+        self.conf_ref = ctypes.byref(self.conf)
+        self.lock = threading.Lock()
+
+    def launch(self, pointers: tuple, eps: float, stream: int) -> None:
+        with self.lock:
+            for holder, value in zip(self.ptrs, pointers):
+                holder.value = value
+            self.eps.value = eps
+            self.conf.hStream = stream
+            _check(_libcuda().cuLaunchKernelEx(self.conf_ref, self.func, self.params_ptr, None),
+                   "cuLaunchKernelEx (int4_gemv)")
+
+
+@functools.lru_cache(maxsize=4096)
+def _launcher(dev: int, n: int, k: int, group_size: int, x_bf16: bool, flags: int, pdl: bool,
+              tile_items: tuple) -> _Launcher:
+    return _Launcher(dev, n, k, group_size, x_bf16, flags, pdl, dict(tile_items))
 
 
 # ---- CPU emulation --------------------------------------------------------------------------------------------------

@@ -195,13 +195,14 @@ def test_launch_passes_what_the_kernel_signature_takes(monkeypatch):
     monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)
     monkeypatch.setattr(int4_cuda, "_function", lambda *a: ctypes.c_void_p(1))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 1234})())
+    monkeypatch.setattr(int4_cuda, "_raw_stream", lambda dev: 1234)
+    int4_cuda._launcher.cache_clear()  # launchers hold the (faked) driver's function
     seen = {}
 
     class FakeDriver:
         @staticmethod
         def cuLaunchKernelEx(conf, func, params, extra):
-            c = conf._obj
+            c = conf._obj if hasattr(conf, "_obj") else conf
             seen.update(grid=c.gridDimX, block=c.blockDimX, smem=c.sharedMemBytes, stream=c.hStream,
                         attrs=c.numAttrs, pdl=c.attrs[0].value.programmatic if c.numAttrs else None)
             arr = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
@@ -237,6 +238,12 @@ def test_launch_passes_what_the_kernel_signature_takes(monkeypatch):
     assert seen["grid"] == 3
     int4_cuda_gemv(xk, w2, s2, z2, g, ROWS=2, WARPS=4)
     assert seen["grid"] == 125
+    # a second call of a cached launcher carries the new call's pointers and stream
+    w3 = w2.clone()
+    monkeypatch.setattr(int4_cuda, "_raw_stream", lambda dev: 99)
+    int4_cuda_gemv(xk, w3, s2, z2, g, ROWS=2, WARPS=4)
+    assert seen["ptr0"] == w3.data_ptr() and seen["stream"] == 99
+    int4_cuda._launcher.cache_clear()
 
 
 def test_run_record_says_whether_the_cuda_gemv_served(monkeypatch):
@@ -296,3 +303,14 @@ def test_outliers_in_a_chunk_stay_within_the_bound():
     got = int4_cuda_emulate(x, w, s, z, 128)
     assert torch.isfinite(got.float()).all()
     assert _rel(got, quant_gemv_reference(x, "int4", w, s, z, 128)) <= RTOL
+
+
+def test_overhead_script_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "scripts" / "int4_cuda_overhead.py"), "--calls", "20",
+                           "--n", "256", "--k", "512"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"\d+\.\d us per call \(host side; driver faked\)\n", done.stdout)
