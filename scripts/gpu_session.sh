@@ -41,7 +41,7 @@
 # verifies at 6.7 B per int4 kernel), k13 (k12's draft-model goal check, 5 rounds at 0.5x and 1.0x; not run), m4 (m3's rows
 # with the prologues unfused at verify widths, then k13 at 0.5x only): the twentieth session's.
 # PART=n1..n6 (one-row int4 in CUDA C++: tiles, PIPE, MINB, PERSIST, the floor): the twenty-first session's; n7 (the
-# sweep with the model's fusions) and k13 are prepared for the next.
+# sweep with the model's fusions), n8 (small's int4 grid with and without it) and k13 are prepared for the next.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -786,6 +786,15 @@ elif [ "$PART" = n7 ]; then
   C=graphs+compile+overlap
   floor ar67 60 6.7b --formats "none@$C,int4-triton+all+pdl+cu0@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+cub@$C" \
     --int4-cuda-best "$R/cuda67/gemv_cuda.json"
+elif [ "$PART" = n8 ]; then
+  # prepared in the twenty-first session: the CUDA GEMV serves one-row int4 calls on small too (50 MB, launch-bound),
+  # untimed there. Small's int4 grid with the draft model (k = 4): tinygemm, ours with it (the default) and ours
+  # without it (WORKBENCH_INT4_CUDA=0), in two processes
+  train_small
+  step grid 100 $PY scripts/gpu_quant.py --device cuda --out "$R/grid" --preset small --parts grid \
+    --grid-targets none,int4 --grid-drafts none,int4 --grid-quant-kernels aten,triton --repeats 3
+  step grid_cu0 60 env WORKBENCH_INT4_CUDA=0 $PY scripts/gpu_quant.py --device cuda --out "$R/grid_cu0" \
+    --preset small --parts grid --grid-targets int4 --grid-drafts none,int4 --grid-quant-kernels triton --repeats 3
 elif [ "$PART" = k13 ]; then
   # twentieth session: k12's draft-model goal check missed at 0.5x by goodput (0.528 of the best) while goodput swung
   # 20x between its 3 rounds, and read 0.976 (within noise) at 1.0x. The same check at those two rates with 5 rounds,
