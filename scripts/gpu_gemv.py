@@ -47,6 +47,7 @@ import json
 import math
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -526,6 +527,25 @@ def mark_best(rows: list[dict], kernel: str, rtol: float) -> list[dict]:
     return rows
 
 
+def layer_sums(rows: list[dict], configs: str, kinds: tuple, tiled: str, ms: list[int]) -> list[dict]:
+    """One "layer" row per (config, M, kernel): the sum of its rows' us over the linears, for `tiled` only the rows
+    marked best (with their tiles named); printed and returned."""
+    out = []
+    for config in dict.fromkeys(c for c, *_ in shapes_of(configs)):
+        for m in ms:
+            for kind in kinds:
+                per_linear = {r["linear"]: r for r in rows
+                              if r.get("config") == config and r.get("M") == m and r.get("kernel") == kind
+                              and "us" in r and (kind != tiled or r.get("best"))}
+                if per_linear:
+                    out.append(dict(config=config, linear="layer", kernel=kind, M=m,
+                                    us=sum(r["us"] for r in per_linear.values()), linears=len(per_linear),
+                                    tiles=", ".join(f"{lin}: {r['tile']}{' pdl' if r.get('pdl') else ''}"
+                                                    for lin, r in per_linear.items()) if kind == tiled else "-"))
+                    print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def part_rows(args, device) -> list[dict]:
     """int4 above one row (verify widths) on the --sweep-configs shapes, at each of --rows-ms: tinygemm ("aten"), our
     one-group tiles (INT4_WIDE_ROWS off) and each INT4_WIDE_ROWS tile of the --rows-* grid, each with its max |error|
@@ -753,21 +773,26 @@ def part_mma(args, device) -> list[dict]:
         del mods, clones, lin
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    for config in dict.fromkeys(c for c, *_ in shapes_of(args.sweep_configs)):
-        for m in ints(args.mma_ms):
-            for kind in ("bf16", "aten", "triton", "mma"):
-                per_linear = {}
-                for r in rows:
-                    if r.get("config") == config and r.get("M") == m and r.get("kernel") == kind and "us" in r \
-                            and (kind != "mma" or r.get("best")):
-                        per_linear[r["linear"]] = r
-                if per_linear:
-                    rows.append(dict(config=config, linear="layer", kernel=kind, M=m,
-                                     us=sum(r["us"] for r in per_linear.values()), linears=len(per_linear),
-                                     tiles=", ".join(f"{lin}: {r['tile']}" for lin, r in per_linear.items())
-                                     if kind == "mma" else "-"))
-                    print(json.dumps(rows[-1]), flush=True)
-    return rows
+    return rows + layer_sums(rows, args.sweep_configs, ("bf16", "aten", "triton", "mma"), "mma", ints(args.mma_ms))
+
+
+def fusion_inputs(fusion: str, k: int, n: int, device, dtype) -> tuple[torch.Tensor, dict]:
+    """(x, keyword arguments) of a one-row call with `fusion` ("norm", "glu", "residual" or "glu+residual"): x
+    [1, 2K] for SwiGLU, a norm weight near 1, a residual [1, N]."""
+    x = torch.randn(1, 2 * k if "glu" in fusion else k, device=device, dtype=dtype)
+    return x, dict(glu="glu" in fusion,
+                   norm_weight=(1 + 0.1 * torch.randn(k, device=device)).to(dtype) if "norm" in fusion else None,
+                   residual=torch.randn(1, n, device=device, dtype=dtype) if "residual" in fusion else None)
+
+
+@contextmanager
+def triton_gemv_only():
+    """One-row int4 calls in the Triton GEMV itself for the body (they go to kernels/int4_cuda.py by default)."""
+    saved, quant_gemv.INT4_CUDA = quant_gemv.INT4_CUDA, False
+    try:
+        yield
+    finally:
+        quant_gemv.INT4_CUDA = saved
 
 
 MODEL_FUSION = {"qkv_proj": "norm", "gate_up_proj": "norm", "o_proj": "residual", "down_proj": "glu+residual"}  # the
@@ -807,13 +832,7 @@ def part_cuda(args, device) -> list[dict]:
         ref = x.float() @ dequantize_weight("int4", **buffers(mods["triton"])).T
         fusion_kw, xin, ref_fused = {}, x, None
         if args.cuda_model_fusion:  # the call as the model makes it (MODEL_FUSION), for the Triton and CUDA rows
-            fusion = MODEL_FUSION[name]
-            xin = torch.randn(1, 2 * k if "glu" in fusion else k, device=device, dtype=args.dtype)
-            fusion_kw = dict(glu="glu" in fusion,
-                             norm_weight=(1 + 0.1 * torch.randn(k, device=device)).to(args.dtype)
-                             if "norm" in fusion else None,
-                             residual=torch.randn(1, n, device=device, dtype=args.dtype)
-                             if "residual" in fusion else None)
+            xin, fusion_kw = fusion_inputs(MODEL_FUSION[name], k, n, device, args.dtype)
             m0 = mods["triton"]
             ref_fused = quant_gemv_reference(xin, "int4", m0.weight, m0.scale, m0.zero, m0.group_size,
                                              **fusion_kw).float()
@@ -825,10 +844,8 @@ def part_cuda(args, device) -> list[dict]:
             fused = bool(fusion_kw) and kind in ("cuda", "triton")  # bf16 / tinygemm rows stay plain
             if fused:
                 row["fusion"] = MODEL_FUSION[name]
-            saved_cuda = quant_gemv.INT4_CUDA
-            quant_gemv.INT4_CUDA = False  # "triton": the Triton GEMV itself (one-row int4 goes to int4_cuda by default)
             try:
-                with torch.no_grad():
+                with torch.no_grad(), triton_gemv_only():  # "triton": the Triton GEMV itself
                     if kind == "cuda":
                         calls = [lambda c=c, t=tile, p=pdl: int4_cuda_gemv(xin if fused else x, c.weight, c.scale,
                                                                            c.zero, c.group_size, pdl=p,
@@ -848,8 +865,6 @@ def part_cuda(args, device) -> list[dict]:
                 row["gb_per_s"] = nbytes / row["us"] / 1e3
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
-            finally:
-                quant_gemv.INT4_CUDA = saved_cuda
             at_m.append(row)
         base = {r["kernel"]: r["us"] for r in at_m if r["kernel"] in ("bf16", "triton") and "us" in r}
         for r in at_m:
@@ -859,22 +874,17 @@ def part_cuda(args, device) -> list[dict]:
         best = next((r for r in at_m if r.get("best")), None)
         best_tile = parse_tile(best["tile"]) if best else {}
         m = mods["triton"]
-        for fusion in ("norm", "glu", "residual"):  # each fusion's parity, with the default tile
+        for fusion in ("norm", "glu", "residual"):  # each fusion's parity (rule tile) and time (the best tile)
             row = dict(config=config, linear=name, K=k, N=n, M=1, kernel="cuda", fusion=fusion,
                        tile=best["tile"] if best else "rule")
             try:
-                xin = torch.randn(1, 2 * k if fusion == "glu" else k, device=device, dtype=args.dtype)
-                kw = dict(glu=fusion == "glu",
-                          norm_weight=(1 + 0.1 * torch.randn(k, device=device)).to(args.dtype) if fusion == "norm"
-                          else None,
-                          residual=torch.randn(1, n, device=device, dtype=args.dtype) if fusion == "residual"
-                          else None)
+                xin, kw = fusion_inputs(fusion, k, n, device, args.dtype)
                 want = quant_gemv_reference(xin, "int4", m.weight, m.scale, m.zero, m.group_size, **kw).float()
                 with torch.no_grad():
                     got = int4_cuda_gemv(xin, m.weight, m.scale, m.zero, m.group_size, **kw).float()
                 row["rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
                 row["ok"] = row["rel_err"] <= args.parity_rtol
-                # timed with the shape's rule tile, beside the plain call and the Triton GEMV with the same fusion
+                # timed with the shape's best tile, beside the plain call and the Triton GEMV with the same fusion
                 with torch.no_grad():
                     row["us"] = time_us([lambda c=c: int4_cuda_gemv(xin, c.weight, c.scale, c.zero, c.group_size,
                                                                     pdl=True, **kw, **best_tile)
@@ -882,34 +892,18 @@ def part_cuda(args, device) -> list[dict]:
                     row["us_plain"] = time_us([lambda c=c: int4_cuda_gemv(x, c.weight, c.scale, c.zero,
                                                                           c.group_size, pdl=True, **best_tile)
                                                for c in clones["triton"]], device, args.replays)
-                    saved_cuda, quant_gemv.INT4_CUDA = quant_gemv.INT4_CUDA, False  # the Triton GEMV itself
-                    try:
+                    with triton_gemv_only():
                         row["triton_us"] = time_us([lambda c=c: quant_gemv_triton(xin, "int4", c.weight, c.scale,
                                                                                   c.zero, c.group_size,
                                                                                   c.gemv_counters, **kw)
                                                     for c in clones["triton"]], device, args.replays)
-                    finally:
-                        quant_gemv.INT4_CUDA = saved_cuda
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             print(json.dumps(row), flush=True)
             rows.append(row)
         del mods, clones, lin
         torch.cuda.empty_cache()
-    for config in dict.fromkeys(c for c, *_ in shapes_of(args.sweep_configs)):
-        for kind in ("bf16", "aten", "triton", "cuda"):
-            per_linear = {}
-            for r in rows:
-                if r.get("config") == config and r.get("kernel") == kind and "us" in r \
-                        and (kind != "cuda" or r.get("best")):
-                    per_linear[r["linear"]] = r
-            if per_linear:
-                rows.append(dict(config=config, linear="layer", kernel=kind, M=1,
-                                 us=sum(r["us"] for r in per_linear.values()), linears=len(per_linear),
-                                 tiles=", ".join(f"{lin}: {r['tile']}{' pdl' if r.get('pdl') else ''}"
-                                                 for lin, r in per_linear.items()) if kind == "cuda" else "-"))
-                print(json.dumps(rows[-1]), flush=True)
-    return rows
+    return rows + layer_sums(rows, args.sweep_configs, ("bf16", "aten", "triton", "cuda"), "cuda", [1])
 
 
 def triton_cdiv(a: int, b: int) -> int:
