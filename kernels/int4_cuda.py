@@ -158,7 +158,8 @@ def int4_cuda_gemv_applies(device: torch.device | str) -> bool:
 def int4_cuda_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                     group_size: int | None, glu: bool = False) -> bool:
     """Whether an int4 call fits the kernel: one row of bf16 / fp16 x, scales and zeros in x's dtype, contiguous,
-    groups a power of two of 32+, and the buffers 16-byte aligned (x is read in 16-byte pieces)."""
+    groups a power of two of 32+, the buffers 16-byte aligned (x is read in 16-byte pieces) and x's staging within
+    MAX_SHARED bytes of shared memory (K up to 72,800)."""
     if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     g = group_size or 0
@@ -166,7 +167,8 @@ def int4_cuda_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     return (g >= 32 and g & (g - 1) == 0 and k % g == 0 and weight.dtype == torch.uint8
             and weight.shape[1] * 2 == k and scale.dtype == x.dtype and zero.dtype == x.dtype
             and weight.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()
-            and x.is_contiguous() and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+            and x.is_contiguous() and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and shared_bytes(k) <= MAX_SHARED)
 
 
 # ---- build ----------------------------------------------------------------------------------------------------------
@@ -222,6 +224,7 @@ class _LaunchConfig(ctypes.Structure):
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+MAX_SHARED = 160 * 1024  # the dynamic shared memory a launch may ask for (below Hopper's 227 KiB and Ampere's 163)
 
 
 @functools.lru_cache(maxsize=1)
@@ -250,7 +253,7 @@ def _function(device_index: int, tile_items: tuple, x_bf16: bool) -> ctypes.c_vo
         try:
             _check(lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), "cuModuleLoadData")
             _check(lib.cuModuleGetFunction(ctypes.byref(func), module, b"int4_gemv"), "cuModuleGetFunction")
-            _check(lib.cuFuncSetAttribute(func, _MAX_DYNAMIC_SHARED, 160 * 1024), "cuFuncSetAttribute")
+            _check(lib.cuFuncSetAttribute(func, _MAX_DYNAMIC_SHARED, MAX_SHARED), "cuFuncSetAttribute")
         except Int4CudaError as e:
             raise Int4CudaBuildError(str(e)) from e
     return func
@@ -293,16 +296,24 @@ def int4_cuda_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     x2 = x.reshape(1, -1).contiguous()
     if not int4_cuda_takes(x2, weight, scale, zero, group_size, glu):
         raise Int4CudaError("int4_cuda_gemv takes one row of bf16 / fp16 x with scales and zeros in its dtype, a "
-                            f"power-of-two group of 32+ and 16-byte aligned buffers (got x {tuple(x.shape)} "
-                            f"{x.dtype}, scale {scale.dtype}, group {group_size})")
+                            f"power-of-two group of 32+, 16-byte aligned buffers and K up to 72,800 (got x "
+                            f"{tuple(x.shape)} {x.dtype}, scale {scale.dtype}, group {group_size})")
+    return launch_taken(x2, weight, scale, zero, group_size, glu=glu, residual=residual, norm_weight=norm_weight,
+                        eps=eps, pdl=pdl, **tile)
+
+
+def launch_taken(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                 *, glu: bool = False, residual: torch.Tensor | None = None,
+                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False,
+                 **tile) -> torch.Tensor:
+    """`int4_cuda_gemv` for a call already known to fit (`device_problem` None, `int4_cuda_takes` true, x [1, K]
+    contiguous): the dispatch in kernels/quant_gemv.py has checked both, so a decode step does not check twice."""
     n, k = weight.shape[0], weight.shape[1] * 2
     cfg = dict(int4_cuda_tile(n, k), **tile)
     unknown = set(cfg) - set(TILE_KEYS)
     if unknown:
         raise Int4CudaError(f"unknown int4_cuda tile keys {sorted(unknown)}; known: {list(TILE_KEYS)}")
-    if shared_bytes(k) > 160 * 1024:
-        raise Int4CudaError(f"K = {k} needs {shared_bytes(k)} bytes of shared memory (at most 160 KiB): use the "
-                            "Triton GEMV (quant_gemv.INT4_CUDA = False)")
+    x2 = x
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     flags = (F_GLU if glu else 0) | (F_NORM if norm_weight is not None else 0) | (F_RESIDUAL if residual is not None
                                                                                   else 0)

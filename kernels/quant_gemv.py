@@ -947,9 +947,9 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         if int4_cuda.device_problem(x.device) is None and int4_cuda.int4_cuda_takes(x, weight, scale, zero,
                                                                                       group_size, glu):
             try:
-                return int4_cuda.int4_cuda_gemv(x, weight, scale, zero, group_size, glu=glu, residual=residual,
-                                                norm_weight=norm_weight, eps=eps, pdl=use_pdl(x.device),
-                                                **(INT4_CUDA_TILE or {}))
+                return int4_cuda.launch_taken(x, weight, scale, zero, group_size, glu=glu, residual=residual,
+                                              norm_weight=norm_weight, eps=eps, pdl=use_pdl(x.device),
+                                              **(INT4_CUDA_TILE or {}))
             except int4_cuda.Int4CudaBuildError as e:  # nothing ran: this device stays in the Triton GEMV below
                 int4_cuda.mark_failed(x.device, e)
     if not TRITON_AVAILABLE:

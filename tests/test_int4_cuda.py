@@ -90,6 +90,10 @@ def test_takes_names_its_limits():
     w3, s3, z3 = _case(8, 288, 96, torch.bfloat16)
     assert not int4_cuda_takes(torch.randn(1, 288).to(torch.bfloat16), w3, s3, z3, 96)  # not a power of two
     assert not int4_cuda_takes(x[:, 1:].contiguous()[:, :255], w, s, z, 64)  # K mismatch
+    kb = 2 ** 17  # x's staging would need more than MAX_SHARED bytes of shared memory
+    wb, sb, zb = _case(2, kb, 128, torch.bfloat16)
+    assert int4_cuda.shared_bytes(kb) > int4_cuda.MAX_SHARED
+    assert not int4_cuda_takes(torch.randn(1, kb).to(torch.bfloat16), wb, sb, zb, 128)
 
 
 def test_cpu_call_gets_a_named_error():
@@ -103,7 +107,7 @@ def test_dispatch_leaves_cpu_and_untaken_calls_to_triton(monkeypatch):
     branch comes before the Triton path's own check, so that check's error marks the fall-through)."""
     monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
     called = []
-    monkeypatch.setattr(int4_cuda, "int4_cuda_gemv", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(int4_cuda, "launch_taken", lambda *a, **k: called.append(1))
     monkeypatch.setattr(quant_gemv, "TRITON_AVAILABLE", False)  # the Triton path's own error marks the fall-through
     w, s, z = _case(8, 256, 64, torch.bfloat16)
     with pytest.raises(quant_gemv.GemvError):
@@ -121,7 +125,7 @@ def test_dispatch_routes_taken_calls(monkeypatch):
     monkeypatch.setattr(quant_gemv, "TRITON_AVAILABLE", True)
     monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)
     seen = {}
-    monkeypatch.setattr(int4_cuda, "int4_cuda_gemv", lambda *a, **kw: seen.update(kw) or "cuda")
+    monkeypatch.setattr(int4_cuda, "launch_taken", lambda *a, **kw: seen.update(kw) or "cuda")
     w, s, z = _case(8, 256, 64, torch.bfloat16)
     r = torch.randn(1, 8).to(torch.bfloat16)
     assert quant_gemv._launch(torch.randn(1, 256).to(torch.bfloat16), "int4", w, s, z, 64, None,
@@ -268,7 +272,7 @@ def test_a_failed_build_falls_back_to_triton_once(monkeypatch):
         tries.append(1)
         raise int4_cuda.Int4CudaBuildError("nvcc failed: unsupported gpu architecture")
 
-    monkeypatch.setattr(int4_cuda, "int4_cuda_gemv", failing_build)
+    monkeypatch.setattr(int4_cuda, "launch_taken", failing_build)
     monkeypatch.setattr(quant_gemv, "TRITON_AVAILABLE", False)  # the Triton path's own error marks the fall-through
     w, s, z = _case(8, 256, 64, torch.bfloat16)
     x = torch.randn(1, 256).to(torch.bfloat16)
