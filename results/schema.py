@@ -115,6 +115,8 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("draft_kv_quant", "string", "config", '"none" | "int8" | "fp8": the draft model\'s KV-cache format'),
     *_cols("config", "string", "target_quant draft_quant"),
     ColumnSpec("int4_group_size", "int", "config", "input channels per int4 scale group"),
+    ColumnSpec("quant_head", "bool", "config", "the LM head quantized too, in each model's weight format (no-op for "
+               "none)"),
     ColumnSpec("quant_kernel", "string", "config", '"auto" | "aten" | "dequant" | "triton": quantized matmul kernel'),
     ColumnSpec("max_ppl_increase_pct", "float", "config", "quality bound of studies: max perplexity increase, %"),
     ColumnSpec("phase_profile", "bool", "config", "per-phase GPU profile asked for (phase_* columns)"),

@@ -121,6 +121,9 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 "cub": {(quant_gemv, "INT4_CUDA"): True, (int4_cuda, "MEASURED_TILES"): CUB_TABLE},
                 "cu0": {(quant_gemv, "INT4_CUDA"): False}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
+# "+qh": the LM head quantized too, in the row's format (quantize_model(head=True), the knob quant_head): a different
+# model, so it stays in the row's plain name (its tokens are compared with rows of the same "+qh" only); the row
+# records the head's error against its dequantized weight in fp32 (head_rel_err)
 
 
 def parse_format(spec: str) -> tuple[str, str, bool, str | None, bool]:
@@ -130,11 +133,21 @@ def parse_format(spec: str) -> tuple[str, str, bool, str | None, bool]:
     spec, _, only_mode = spec.partition("@")
     base, *parts = spec.split("+")
     tc, pdl = "tc" in parts, any(p in PDL_SWITCHES for p in parts)
-    fusions = [p for p in parts if p != "tc" and p not in ROW_SWITCHES]
+    fusions = [p for p in parts if p not in ("tc", "qh") and p not in ROW_SWITCHES]
     if base not in FORMAT_KERNELS or len(fusions) > 1 or (fusions and fusions[0] not in FUSIONS):
         raise SystemExit(f"format {spec!r}: a name of {sorted(FORMAT_KERNELS)}, then at most one of "
-                         f"{['+' + f for f in FUSIONS if f]}, '+tc', '+pdl', '@MODE'")
+                         f"{['+' + f for f in FUSIONS if f]}, '+tc', '+qh', '+pdl', '@MODE'")
     return base, FUSIONS[fusions[0] if fusions else ""], tc, only_mode or None, pdl
+
+
+def head_error(model, device: torch.device) -> float:
+    """max |head(x) - x @ dequantized.T| / max |x @ dequantized.T| for one random row x (the one-row kernel: the
+    CUDA GEMV on a GPU for int4), the reference in fp32."""
+    x = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(device, torch.bfloat16)
+    with torch.no_grad():
+        ref = x.float() @ model.lm_head.dequantized_weight().float().T
+        got = model.compute_logits(x).float()
+    return float((got - ref).abs().max() / ref.abs().max())
 
 
 def part_floor(args, device: torch.device) -> list[dict]:
@@ -157,6 +170,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
             plain_name = "+".join(p for p in fmt_name.split("+") if p not in ROW_SWITCHES)
             switches = {key: v for p in fmt_name.split("+") if p in ROW_SWITCHES for key, v in ROW_SWITCHES[p].items()}
             fmt, kernel = FORMAT_KERNELS[base_name]
+            head = "qh" in fmt_name.split("+")
             for mode in [only_mode] if only_mode else args.floor_modes.split(","):
                 row = {"config": name, "format": fmt_name, "mode": mode}
                 # every row compiles afresh: the cache dynamo keeps across rows once pushed later rows past its
@@ -164,6 +178,8 @@ def part_floor(args, device: torch.device) -> list[dict]:
                 torch._dynamo.reset()
                 counters.clear()
                 try:
+                    if "cub" in fmt_name.split("+") and not CUB_TABLE:
+                        raise ValueError("+cub needs --int4-cuda-best (a gpu_gemv.py --parts cuda JSON with best rows)")
                     if tc and not getattr(args, "tiles", None):
                         raise ValueError("+tc needs --m1-tiles (a tiles file from scripts/gpu_gemv.py --parts tc)")
                     set_m1_tiles(args.tiles if tc else {})
@@ -172,14 +188,16 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     set_pdl(pdl)  # read when the warm-up captures the step's graphs
                     for (module, attr), value in switches.items():
                         setattr(module, attr, value)
-                    check_quant(fmt, cfg, device, torch.bfloat16, args.int4_group_size, kernel=kernel)
+                    check_quant(fmt, cfg, device, torch.bfloat16, args.int4_group_size, kernel=kernel, head=head)
                     t0 = time.perf_counter()
                     calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))
                     model = quantize_model(base, fmt, group_size=args.int4_group_size, kernel=kernel,
-                                           calibration=calib if fmt == "int4-awq" else None)
+                                           calibration=calib if fmt == "int4-awq" else None, head=head)
                     set_fusion(model, fusion)  # what each GEMV linear fuses (linears.QuantLinear.fusion)
                     sync(device)
                     row["quantize_s"] = time.perf_counter() - t0
+                    if head:
+                        row["head_rel_err"] = head_error(model, device)
                     drafter = NgramDrafter(args.floor_ngram) if args.floor_ngram else None
                     engine = SpecEngine(model, drafter, EngineConfig(max_new_tokens=args.max_new_tokens,
                                                                      **MODES[mode], pdl=pdl), device)
@@ -327,7 +345,10 @@ def main() -> None:
                     "for the rows with '+cub' (int4_cuda.MEASURED_TILES)")
     args = ap.parse_args()
     if args.int4_cuda_best:
-        CUB_TABLE.update(int4_cuda.load_measured_tiles(args.int4_cuda_best))
+        try:  # a sweep that failed leaves no file: the "+cub" rows then record an error, the others still run
+            CUB_TABLE.update(int4_cuda.load_measured_tiles(args.int4_cuda_best))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"--int4-cuda-best {args.int4_cuda_best}: {type(e).__name__}: {e}", flush=True)
         print("int4_cuda tiles:", CUB_TABLE, flush=True)
     device = torch.device(args.device)
     out = Path(args.out)

@@ -188,6 +188,49 @@ def test_quantized_models_are_smaller_and_keep_head_and_embeddings(models):
     assert isinstance(target.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)  # the original is untouched
 
 
+@pytest.mark.parametrize("fmt,kernel", [("int8", "dequant"), ("int4", "dequant"), ("int4", "aten")])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_quantized_head_computes_the_logits_of_its_dequantized_weight(fmt, kernel, tied):
+    """head=True: logits come from the head in the format (against hidden @ dequantized.T, fp32: summation order
+    only); a tied head gets its own module and the embedding stays the float one; without head the logits are the
+    float head's exactly."""
+    target = random_model(vocab=64, hidden=64, layers=2, heads=4, kv_heads=2, seed=1, std=0.3)
+    if tied:  # the same weights with the head tied to the embedding
+        from dataclasses import replace
+
+        from workbench.models import LlamaModel
+
+        tied_model = LlamaModel(replace(target.config, tie_word_embeddings=True), init_weights=False)
+        tied_model.load_state_dict(target.state_dict(), strict=False)
+        target = tied_model.eval()
+    qmodel = quantize_model(target, fmt, group_size=32, kernel=kernel, head=True)
+    head = qmodel.lm_head
+    assert isinstance(head, (Int8Linear, Int4Linear)) and qmodel.head_quantized is True
+    assert torch.equal(qmodel.model.embed_tokens.weight, target.model.embed_tokens.weight)  # float, unchanged
+    assert target.lm_head is None if tied else isinstance(target.lm_head, torch.nn.Linear)  # the original untouched
+    hidden = _x(5, 64)
+    ref = hidden @ head.dequantized_weight().T
+    got = qmodel.compute_logits(hidden)
+    assert torch.allclose(got, ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
+    float_logits = hidden @ target.lm_head_weight.T
+    assert not torch.equal(got, float_logits)  # the head's rounding shows: the check above is not of the float head
+    unquantized_head = quantize_model(target, fmt, group_size=32, kernel=kernel)
+    assert unquantized_head.lm_head is target.lm_head or isinstance(unquantized_head.lm_head, torch.nn.Linear)
+    assert torch.equal(unquantized_head.compute_logits(hidden), float_logits)
+    assert weight_bytes(qmodel) < weight_bytes(unquantized_head) or tied  # tied: a copy beside the embedding
+
+
+@pytest.mark.parametrize("drafter", ["ar", "ngram", "draft"])
+def test_greedy_output_with_a_quantized_head_equals_that_models_own_decode(drafter, models):
+    target, draft = models
+    qtarget = quantize_model(target, "int4", group_size=32, kernel="dequant", head=True)
+    make = {"ar": lambda: None, "ngram": lambda: NgramDrafter(k=3, min_n=1, max_n=3),
+            "draft": lambda: DraftModelDrafter(quantize_model(draft, "int8", kernel="dequant", head=True), k=3)}
+    n = 12
+    out = SpecEngine(qtarget, make[drafter](), EngineConfig(max_new_tokens=n, kv_block_size=4)).generate(PROMPTS)
+    assert out.outputs == [reference_greedy(qtarget, p, n) for p in PROMPTS]
+
+
 def test_gguf_note_says_which_stored_types_map_to_ours():
     from workbench.engine.quant import gguf_note
 
@@ -215,6 +258,14 @@ def test_bad_formats_are_named_errors(models):
         quantize_model(models[0], "int2")
     with pytest.raises(QuantError, match="int4-awq needs calibration token ids"):
         quantize_model(models[0], "int4-awq")
+    with pytest.raises(QuantError, match="quant_head=True quantizes the LM head.*target_quant=gguf keeps a file's own"
+                                         ".*set quant_head False"):
+        check_quant("gguf", cfg, "cpu", torch.float32, head=True, source="m.gguf")
+    from dataclasses import replace
+
+    wide = replace(cfg, vocab_size=100)  # the head's output width: fine for int4 on a CPU; CUDA's int4 needs N % 8
+    check_quant("int4", wide, "cpu", torch.float32, group_size=32, head=True)
+    check_quant("none", wide, "cpu", torch.float32, head=True)  # no-op without a format
 
 
 # ---- the harness: quality columns on the tiny preset -------------------------------------------------------------
@@ -288,6 +339,24 @@ def test_gemv_fusion_reaches_every_quantized_linear_and_keeps_a_model_per_fusion
     assert quantized_model(session, "target", cfg) is target  # kept, not made again
     rec = session.run(cfg).record
     assert rec["gemv_fusion"] == "glu+residual+ores" and rec["greedy_matches_ar"] is True
+
+
+def test_quant_head_runs_record_it_and_measure_its_own_quality(session):
+    """quant_head makes a distinct quantized model (cached apart from the float-head one), recorded in the row; its
+    perplexity is measured on that model (not the float-head one's cached value), and greedy parity stays exact."""
+    from workbench.harness.quality import quantized_model
+
+    cfg = _cfg(target_quant="int4", draft_quant="int8", quant_head=True)
+    with_head, plain = quantized_model(session, "target", cfg), quantized_model(session, "target", _cfg(
+        target_quant="int4"))
+    assert with_head is not plain and with_head.head_quantized and not getattr(plain, "head_quantized", False)
+    assert quantized_model(session, "draft", cfg).head_quantized  # the draft's head in its own format
+    rec, ref = session.run(cfg).record, session.run(_cfg(target_quant="int4", draft_quant="int8")).record
+    assert rec["quant_head"] is True and ref["quant_head"] is False
+    assert rec["greedy_matches_ar"] is True and rec["quant_ppl"] != ref["quant_ppl"]
+    assert rec["target_weight_mb"] > ref["target_weight_mb"]  # tiny's head is tied: its int4 copy adds bytes
+    none = session.run(_cfg(quant_head=True)).record  # no format: nothing to quantize, the reference itself
+    assert none["quant_ppl_delta_pct"] == 0.0
 
 
 def test_awq_run_uses_training_split_calibration(session):

@@ -295,6 +295,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "output, it costs acceptance", "Draft weights", "system",
          choices=("none", "int8", "int4", "int4-awq", "fp8", "gguf"),
          methods=("draft",), searchable=True),
+    Knob("quant_head", "bool", False, "also quantize the LM head in the target's / draft's weight format (int8, int4, "
+         "int4-awq: plain int4 for the head, fp8), as gpt-fast does; off = the head stays in the model dtype, as AWQ "
+         "and GPTQ keep it. A tied head becomes a quantized copy beside the float embedding. Lossy: its cost is in "
+         "the quality columns", "Quantize the LM head", "system", searchable=True),
     Knob("int4_group_size", "int", 128, "input channels per int4 scale/zero group (int4, int4-awq); must divide every "
          "linear's input width", "int4 group size", "system", choices=(32, 64, 128, 256)),
     Knob("quant_kernel", "str", "auto", "matmul kernel of the decoder linears (target and draft): auto = chosen by "

@@ -39,10 +39,13 @@ CALIBRATION_WINDOWS, CALIBRATION_LEN = 16, 256  # int4-awq calibration: 16 x 256
 QUANT_CACHE_SIZE = 4  # quantized copies a session keeps (oldest dropped first)
 
 
-def quant_key(cfg, role: str) -> tuple[str, int | None]:
-    """(format, int4 group size or None) of the run's target or draft."""
+def quant_key(cfg, role: str) -> tuple[str, int | None, bool]:
+    """(format, int4 group size or None, whether the LM head is quantized too) of the run's target or draft."""
+    from workbench.engine.quant import HEAD_FORMATS
+
     fmt = getattr(cfg, "target_quant" if role == "target" else "draft_quant", "none")  # serving configs have none
-    return fmt, getattr(cfg, "int4_group_size", None) if fmt.startswith("int4") else None
+    head = bool(getattr(cfg, "quant_head", False)) and fmt in HEAD_FORMATS
+    return fmt, getattr(cfg, "int4_group_size", None) if fmt.startswith("int4") else None, head
 
 
 def is_quantized(cfg) -> bool:
@@ -59,7 +62,7 @@ def check_weight_formats(session, cfg) -> None:
     for role, model in roles:
         check_quant(quant_key(cfg, role)[0], model.config, session.device, next(model.parameters()).dtype,
                     cfg.int4_group_size, role, getattr(cfg, "quant_kernel", "auto"),
-                    source=getattr(model, "source_path", None))
+                    source=getattr(model, "source_path", None), head=bool(getattr(cfg, "quant_head", False)))
 
 
 def quantized_model(session, role: str, cfg):
@@ -67,17 +70,18 @@ def quantized_model(session, role: str, cfg):
     from workbench.engine.quant import QuantLinear, quantize_model, set_fusion
 
     base = session.target if role == "target" else session.draft
-    fmt, group = quant_key(cfg, role)
+    fmt, group, head = quant_key(cfg, role)
     kernel = getattr(cfg, "quant_kernel", "auto")  # serving configs have none
     if (fmt == "none" and kernel != "triton") or base is None:  # none + triton: the dense Triton GEMV
         return base
     fusion = getattr(cfg, "gemv_fusion", QuantLinear.fusion)
-    key = (role, fmt, group, kernel, fusion)  # a copy per fusion: engines cached beside it keep their own modules
+    key = (role, fmt, group, head, kernel, fusion)  # a copy per fusion: engines cached beside it keep their own modules
     if key not in session._quantized:
         calibration = calibration_ids(session, base) if fmt == "int4-awq" else None
         while len(session._quantized) >= QUANT_CACHE_SIZE:
             session._quantized.pop(next(iter(session._quantized)))
-        model = quantize_model(base, fmt, group_size=group or 128, calibration=calibration, kernel=kernel).eval()
+        model = quantize_model(base, fmt, group_size=group or 128, calibration=calibration, kernel=kernel,
+                               head=head).eval()
         session._quantized[key] = set_fusion(model, fusion)
     return session._quantized[key]
 

@@ -248,7 +248,8 @@ class LlamaModel(nn.Module):
 
     @property
     def lm_head_weight(self) -> Tensor:
-        """[V, H] output projection (the embedding matrix when tied)."""
+        """[V, H] output projection (the embedding matrix when tied); a float head only (a quantized head's `weight`
+        is its packed buffer)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def set_rope_inv_freq(self, inv_freq: Tensor) -> None:
@@ -283,8 +284,9 @@ class LlamaModel(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [..., H] -> logits [..., V] in the model dtype."""
-        return F.linear(hidden, self.lm_head_weight)
+        """hidden [..., H] -> logits [..., V] in the model dtype (through the head module: a quantized one too,
+        `quantize_model(head=True)`, where a tied head gets its own module)."""
+        return F.linear(hidden, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
 
     def fuse_state_dict_(self, state_dict: dict[str, Tensor]) -> None:
         """In place: HF q/k/v and gate/up entries -> the fused ones, module by module, so each original can be freed

@@ -27,8 +27,11 @@ fp8 and for int4 in groups of 64+, tinygemm for int4 in groups of 32, measured; 
 CUDA GPU; with it fp8 keeps activations in bf16 (weight-only fp8).
 
 What is swapped: the four linears of every decoder layer (qkv_proj, o_proj, gate_up_proj, down_proj). Embeddings, the
-LM head (tied or not) and the norms stay in the model dtype: the head is what logits and acceptance are computed
-from, and at 7 B it is ~2 % of the weight bytes. A quantized model is a different model: the engine's greedy parity
+LM head (tied or not) and the norms stay in the model dtype by default: the head is what logits and acceptance are
+computed from (AWQ and GPTQ keep it float too). `head=True` (the knob `quant_head`) quantizes the head as well, as
+gpt-fast's int8 / int4 do: a tied head becomes a quantized copy beside the float embedding. At 6.7 B the head is
+4 % of the bf16 weight bytes and 14 % of int4's, so at batch 1 it is a real part of an int4 token (BENCHMARKS.md
+23.5: 0.065 ms of 2.245); its quality cost is measured like the format's (the harness's quality columns). A quantized model is a different model: the engine's greedy parity
 (the fidelity guard) is checked against the autoregressive output of the *same* quantized model, and its cost
 against the unquantized one is measured separately (the harness's quality columns).
 
@@ -57,6 +60,7 @@ from .linears import (FP8_DTYPE, INT4_GROUP_SIZES, DenseGemvLinear, Fp8Linear, I
                       quantize_fp8_rows, quantize_int4, quantize_int8)
 
 FORMATS = ("none", "int8", "int4", "int4-awq", "fp8", "gguf")
+HEAD_FORMATS = ("int8", "int4", "int4-awq", "fp8")  # the formats quant_head applies to (no-op with "none")
 KERNELS = ("auto", "aten", "dequant", "triton")
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 GGUF_EXACT = {"F32": "none", "F16": "none", "BF16": "none"}
@@ -66,31 +70,38 @@ GGUF_REPRESENTABLE = {"Q4_0": "int4 (group 32)", "Q4_1": "int4 (group 32)",  # k
 __all__ = ["FORMATS", "QuantError", "QuantLinear", "DenseGemvLinear", "Int8Linear", "Int4Linear", "Fp8Linear",
            "check_quant", "quantize_model", "weight_bytes", "linear_shapes", "gguf_note", "INT4_GROUP_SIZES",
            "FP8_DTYPE", "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "quantize_fp8",
-           "dequantize_fp8", "quantize_fp8_rows", "fp8_linear_reference", "format_of", "gguf_kernel", "set_fusion"]
+           "dequantize_fp8", "quantize_fp8_rows", "fp8_linear_reference", "format_of", "gguf_kernel", "set_fusion",
+           "HEAD_FORMATS", "head_quantized"]
 
 
 class QuantError(ValueError):
     """A weight format the model or the device cannot run; the message names the setting and what to do."""
 
 
-def linear_shapes(config) -> dict[str, tuple[int, int]]:
-    """(in K, out N) of each decoder linear of a ModelConfig."""
+def linear_shapes(config, head: bool = False) -> dict[str, tuple[int, int]]:
+    """(in K, out N) of each decoder linear of a ModelConfig, and of the LM head ("lm_head") with `head`."""
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     h, i = config.hidden_size, config.intermediate_size
-    return {"self_attn.qkv_proj": (h, q + 2 * kv), "self_attn.o_proj": (q, h), "mlp.gate_up_proj": (h, 2 * i),
-            "mlp.down_proj": (i, h)}
+    shapes = {"self_attn.qkv_proj": (h, q + 2 * kv), "self_attn.o_proj": (q, h), "mlp.gate_up_proj": (h, 2 * i),
+              "mlp.down_proj": (i, h)}
+    return {**shapes, "lm_head": (h, config.vocab_size)} if head else shapes
 
 
 def check_quant(fmt: str, config, device: torch.device | str, dtype: torch.dtype, group_size: int = 128,
-                role: str = "target", kernel: str = "auto", source: str | None = None) -> None:
+                role: str = "target", kernel: str = "auto", source: str | None = None, head: bool = False) -> None:
     """Raise QuantError unless `fmt` can run for a model of `config` in `dtype` on `device` with `kernel`; `source`
-    (the model's `source_path`) matters for "gguf", which needs a model loaded from a .gguf file."""
+    (the model's `source_path`) matters for "gguf", which needs a model loaded from a .gguf file; `head`: the LM head
+    is quantized too (its widths are checked with the decoder linears')."""
     device = torch.device(device)
     knob = f"{role}_quant"
     if fmt not in FORMATS:
         raise QuantError(f"{knob}={fmt!r} is not a weight format the engine has; choose one of {', '.join(FORMATS)}")
     if kernel not in KERNELS:
         raise QuantError(f"quant_kernel={kernel!r} is not a kernel choice; choose one of {', '.join(KERNELS)}")
+    if head and fmt not in HEAD_FORMATS and fmt != "none":
+        raise QuantError(f"quant_head=True quantizes the LM head in the {role}'s weight format, but {knob}={fmt} "
+                         f"keeps a file's own blocks (its head stays float): set quant_head False, or use one of "
+                         f"{', '.join(HEAD_FORMATS)}")
     if fmt == "none" and kernel != "triton":  # the model as loaded: no kernel of ours to check
         return
     if fmt == "gguf":
@@ -115,7 +126,7 @@ def check_quant(fmt: str, config, device: torch.device | str, dtype: torch.dtype
                              f"models are loaded as {str(dtype).removeprefix('torch.')}: use --dtype bfloat16 or "
                              "quant_kernel auto")
         return
-    shapes = linear_shapes(config)
+    shapes = linear_shapes(config, head)
     if fmt == "fp8":
         if device.type != "cuda":
             raise QuantError(f"{knob}=fp8 needs a CUDA GPU with FP8 tensor cores (compute capability 8.9 or newer: "
@@ -151,12 +162,13 @@ def check_quant(fmt: str, config, device: torch.device | str, dtype: torch.dtype
 
 
 def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibration: Tensor | None = None,
-                   kernel: str = "auto", inplace: bool = False) -> nn.Module:
+                   kernel: str = "auto", inplace: bool = False, head: bool = False) -> nn.Module:
     """The model with its decoder linears replaced by `fmt`'s modules (a copy unless `inplace`). "int4-awq" needs
     `calibration` token ids [S, L]. `kernel`: "aten" (the packed aten ops; fp8: _scaled_mm), "dequant" (PyTorch
     ops, then one matmul), "triton" (kernels/quant_gemv.py for decode-sized calls, weight-only for fp8 too) or
     "auto": `auto_kernel`. "gguf" keeps the Q4_0 / Q4_1 / Q8_0 blocks of the .gguf the
-    model was loaded from (gguf.py; kernel auto = triton on a GPU, else dequant). Call `check_quant` first."""
+    model was loaded from (gguf.py; kernel auto = triton on a GPU, else dequant). `head`: the LM head too (a tied
+    head as a quantized copy; the embedding stays float), formats HEAD_FORMATS. Call `check_quant` first."""
     if fmt not in FORMATS:
         raise QuantError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if fmt == "none":
@@ -178,7 +190,22 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
         out.awq_alphas = apply_awq(out, calibration, group_size)
     make = {"int8": lambda lin: Int8Linear(lin, kernel), "int4": lambda lin: Int4Linear(lin, group_size, kernel),
             "int4-awq": lambda lin: Int4Linear(lin, group_size, kernel), "fp8": lambda lin: Fp8Linear(lin, kernel)}[fmt]
-    return _swap_linears(out, make, fmt)
+    out = _swap_linears(out, make, fmt)
+    if head:
+        _quantize_head(out, make)
+    return out
+
+
+def _quantize_head(out: nn.Module, make) -> None:
+    """out.lm_head = make(the head as a bias-free linear); a tied head's weight is the embedding's, which stays as it
+    is (make only reads it); `out.head_quantized` = True. With AWQ the head's input (the final norm's output) keeps
+    no scale: apply_awq folds none into the final norm."""
+    with torch.no_grad():
+        weight = out.lm_head_weight  # [V, H]
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        lin.weight = nn.Parameter(weight.detach(), requires_grad=False)  # shares the storage: read, not copied
+        out.lm_head = make(lin)
+    out.head_quantized = True
 
 
 def _swap_linears(out: nn.Module, make, fmt: str) -> nn.Module:
@@ -262,6 +289,11 @@ def set_fusion(model: nn.Module, fusion: str) -> nn.Module:
         if isinstance(mod, QuantLinear):
             mod.fusion = fusion
     return model
+
+
+def head_quantized(model: nn.Module) -> bool:
+    """Whether `quantize_model(head=True)` quantized the model's LM head."""
+    return getattr(model, "head_quantized", False)
 
 
 def format_of(model: nn.Module) -> str:
