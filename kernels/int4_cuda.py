@@ -62,19 +62,22 @@ def load_measured_tiles(path: str | Path) -> dict[tuple[int, int], dict]:
 
 
 def tile_label(tile: dict) -> str:
-    """The tile's label, as parse_tile reads it: "r4 u2 w8 s4" plus " pipe", " bN" (MINB), " gN" (PERSIST)."""
+    """The tile's label, as parse_tile reads it: "r4 u2 w8 s4" plus " pipe" (PIPE 1) or " pipe2" (PIPE 2), " bN"
+    (MINB), " gN" (PERSIST)."""
     t = dict(DEFAULT_TILE, **tile)
-    return (f"r{t['ROWS']} u{t['UNROLL']} w{t['WARPS']} s{t['WORDS_PER_SUM']}" + (" pipe" if t["PIPE"] else "")
+    pipe = {0: "", 1: " pipe"}.get(t["PIPE"], f" pipe{t['PIPE']}")
+    return (f"r{t['ROWS']} u{t['UNROLL']} w{t['WARPS']} s{t['WORDS_PER_SUM']}" + pipe
             + (f" b{t['MINB']}" if t["MINB"] else "") + (f" g{t['PERSIST']}" if t["PERSIST"] else ""))
 
 
 def parse_tile(text: str) -> dict:
-    """gpu_gemv's tile label ("r4 u2 w8 s4 pipe b2 g3 pdl": rows, unroll, warps, words per sum, PIPE, MINB,
-    PERSIST) -> the tile dict int4_cuda_gemv takes."""
+    """gpu_gemv's tile label ("r4 u2 w8 s4 pipe2 b2 g3 pdl": rows, unroll, warps, words per sum, PIPE ("pipe" 1,
+    "pipeN" N), MINB, PERSIST) -> the tile dict int4_cuda_gemv takes."""
     words = text.split()
     parts = dict(re.fullmatch(r"([a-z])(\d+)", p).groups() for p in words if re.fullmatch(r"[ruwsbg]\d+", p))
+    pipe = next((int(p[4:] or 1) for p in words if re.fullmatch(r"pipe\d*", p)), 0)
     return dict(ROWS=int(parts["r"]), UNROLL=int(parts["u"]), WARPS=int(parts["w"]), WORDS_PER_SUM=int(parts["s"]),
-                PIPE=int("pipe" in words), MINB=int(parts.get("b", 0)), PERSIST=int(parts.get("g", 0)))
+                PIPE=pipe, MINB=int(parts.get("b", 0)), PERSIST=int(parts.get("g", 0)))
 
 
 def int4_cuda_tile(n: int, k: int) -> dict:

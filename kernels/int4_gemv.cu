@@ -10,7 +10,8 @@
 // Layout of the work: each warp owns ROWS consecutive output rows; lane l takes the chunks c = l, l + 32, ... of each
 // of them, UNROLL chunks per row per step, all ROWS x UNROLL 16-byte loads issued before any is used (a warp reads 512
 // contiguous bytes of a row per load instruction); PIPE: two steps held in registers, the next one's loads issued
-// before this one's math (otherwise other warps and blocks on the SM hide the latency); MINB: blocks per SM the
+// before this one's math (otherwise other warps and blocks on the SM hide the latency); PIPE 2: as PIPE, with the
+// second step's loads issued before x is staged too (with PDL, before the wait); MINB: blocks per SM the
 // compiler must fit in registers (__launch_bounds__; 0: none given), which sets how many warps share an SM.
 // A block of WARPS warps first stages x in shared memory, once per block: per chunk of 32 x's a power-of-two scale
 // 2^-e (e from the chunk's max, so |x 2^-e| < 1), the scaled x's as fp16 pairs in the order the nibbles come out of
@@ -211,7 +212,11 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
 
     Step cur, nxt;
     load_step(cur, w, s, z, 0, nch, row0, N, groups, cshift, lane);  // before the wait: weights never depend on
-    grid_wait();                                                      // the previous kernel
+#if PIPE == 2                                                         // the previous kernel
+    // both steps the pipeline holds are in flight while x is staged (a K of two steps: the block's every weight)
+    if (32 * UNROLL < nch) load_step(nxt, w, s, z, 32 * UNROLL, nch, row0, N, groups, cshift, lane);
+#endif
+    grid_wait();
 
     // stage x: one chunk of 32 per thread per pass, every global load of a chunk issued before any is used
     float sq = 0.f;
@@ -288,6 +293,9 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
     if (rg != (int)blockIdx.x) {
         row0 = (rg * WARPS + warp) * ROWS;
         load_step(cur, w, s, z, 0, nch, row0, N, groups, cshift, lane);
+#if PIPE == 2
+        if (32 * UNROLL < nch) load_step(nxt, w, s, z, 32 * UNROLL, nch, row0, N, groups, cshift, lane);
+#endif
     }
 #else
     {  // one row group per block
@@ -300,7 +308,8 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
 #if PIPE
     // two steps in registers: the next step's loads are in flight while this one computes
     for (int base = 0; base < nch; base += 2 * step) {
-        if (base + step < nch) load_step(nxt, w, s, z, base + step, nch, row0, N, groups, cshift, lane);
+        if (base + step < nch && (PIPE != 2 || base > 0))  // PIPE 2: the first nxt was loaded before the wait
+            load_step(nxt, w, s, z, base + step, nch, row0, N, groups, cshift, lane);
         compute_step(cur, acc, xp, xsum, base, nch, lane, last_group);
         if (base + step >= nch) break;
         if (base + 2 * step < nch) load_step(cur, w, s, z, base + 2 * step, nch, row0, N, groups, cshift, lane);

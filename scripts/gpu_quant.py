@@ -119,7 +119,10 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 **{name: {(quant_gemv, "INT4_CUDA"): True, (quant_gemv, "INT4_CUDA_TILE"): tile}
                    for name, tile in CUDA_ROWS_TILES.items()},
                 "cub": {(quant_gemv, "INT4_CUDA"): True, (int4_cuda, "MEASURED_TILES"): CUB_TABLE},
-                "cu0": {(quant_gemv, "INT4_CUDA"): False}}
+                "cu0": {(quant_gemv, "INT4_CUDA"): False},
+                # "+kvhN": the K/V write with N KV heads per program (paged_attention.KV_WRITE_HEADS; without it the
+                # module's default)
+                **{f"kvh{n}": {(paged_attention, "KV_WRITE_HEADS"): n} for n in (1, 2, 4, 8)}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 # "+qh": the LM head quantized too, in the row's format (quantize_model(head=True), the knob quant_head): a different
 # model, so it stays in the row's plain name (its tokens are compared with rows of the same "+qh" only); the row

@@ -42,8 +42,8 @@
 # with the prologues unfused at verify widths, then k13 at 0.5x only): the twentieth session's.
 # PART=n1..n6 (one-row int4 in CUDA C++: tiles, PIPE, MINB, PERSIST, the floor): the twenty-first session's; n7 (the
 # sweep with the model's fusions), n8 (small's int4 grid with and without it) and k13 are prepared for the next.
-# PART=n9 (n7's sweep, then the floor with its tiles and with the LM head quantized, quant_head): the twenty-second
-# session's.
+# PART=n9 (n7's sweep, then the floor with its tiles and with the LM head quantized, quant_head), n10 (PIPE 2 tiles,
+# the K/V write split over heads): the twenty-second session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -76,7 +76,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|n4|n5|n6|n7|n9|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|n4|n5|n6|n7|n9|n10|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -800,6 +800,18 @@ elif [ "$PART" = n9 ]; then
   floor ar67 60 6.7b --int4-cuda-best "$B" --formats "none@$C,int4-triton+all+pdl+cu0@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+cub@$C,int4-triton+all+pdl+qh@$C,int4-triton+all+pdl+cub+qh@$C"
   floor ar145 40 1.45b --formats "none@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+qh@$C"
   floor prof67 30 6.7b --profile --int4-cuda-best "$B" --formats "int4-triton+all+pdl+cub+qh@$C"
+elif [ "$PART" = n10 ]; then
+  # twenty-second session: n9 put 6.7 B int4 with the quantized head at 2.411x bf16 (1.824 ms; 2.5x is 1.759) and its
+  # profile at 3.1 us a layer for the K/V write (one program copies all 32 heads at decode) and ~6 us a layer for the
+  # GEMVs' fused prologues over the plain calls. PIPE 2 (both steps of the pipeline loaded before x is staged) on
+  # the fused calls, against the rule's tiles; then the floor with its best tiles and the K/V write split over heads
+  step cuda67 60 $PY scripts/gpu_gemv.py --device cuda --out "$R/cuda67" --parts cuda --sweep-configs 6.7b \
+    --cuda-model-fusion --replays 10 --cuda-tiles "r8 u1 w4 s4;r4 u2 w4 s4 pipe;r2 u2 w8 s4 pipe;r2 u1 w4 s4 pipe2;r2 u1 w8 s4 pipe2;r2 u2 w4 s4 pipe2;r2 u2 w8 s4 pipe2;r2 u2 w8 s4 pipe2 b2;r4 u1 w4 s4 pipe2;r4 u1 w8 s4 pipe2;r4 u1 w8 s4 pipe2 b2;r4 u2 w4 s4 pipe2;r4 u2 w8 s4 pipe2;r8 u1 w4 s4 pipe2;r2 u2 w4 s4 pipe2 b4;r8 u1 w4 s4 pipe"
+  C=graphs+compile+overlap
+  B="$R/cuda67/gemv_cuda.json"
+  I=int4-triton+all+pdl+qh
+  floor ar67 60 6.7b --int4-cuda-best "$B" --formats "none@$C,none+kvh4@$C,none+kvh1@$C,$I@$C,$I+kvh4@$C,$I+kvh1@$C,$I+cub@$C,$I+cub+kvh4@$C,$I+cub+kvh1@$C,int4-triton+all+pdl+cub+kvh1@$C"
+  floor ar145 40 1.45b --formats "none@$C,none+kvh1@$C,$I@$C,$I+kvh1@$C"
 elif [ "$PART" = n8 ]; then
   # prepared in the twenty-first session: the CUDA GEMV serves one-row int4 calls on small too (50 MB, launch-bound),
   # untimed there. Small's int4 grid with the draft model (k = 4): tinygemm, ours with it (the default) and ours

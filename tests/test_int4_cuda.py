@@ -139,7 +139,9 @@ VARIANTS = [dict(ROWS=r, UNROLL=u, WARPS=wp, WORDS_PER_SUM=4, PIPE=p, MINB=0)
            [dict(ROWS=4, UNROLL=2, WARPS=4, WORDS_PER_SUM=4, PIPE=p, MINB=4) for p in (0, 1)] + \
            [dict(ROWS=8, UNROLL=1, WARPS=4, WORDS_PER_SUM=4, PIPE=0, MINB=b) for b in (0, 2)] + \
            [dict(ROWS=r, UNROLL=u, WARPS=wp, WORDS_PER_SUM=4, PIPE=p, MINB=0, PERSIST=3)
-            for r, u, wp, p in ((8, 1, 4, 0), (2, 2, 8, 1), (4, 2, 4, 1))]
+            for r, u, wp, p in ((8, 1, 4, 0), (2, 2, 8, 1), (4, 2, 4, 1), (4, 2, 4, 2))] + \
+           [dict(ROWS=r, UNROLL=u, WARPS=wp, WORDS_PER_SUM=4, PIPE=2, MINB=0)  # PIPE 2: both steps before the wait
+            for r, u, wp in itertools.product([2, 4, 8], [1, 2], [4, 8])]
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed here")

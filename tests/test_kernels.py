@@ -254,12 +254,22 @@ def test_kv_write_reference_puts_each_token_at_its_slot():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(1, 1, 4, 2, 16), (3, 5, 6, 3, 32), (2, 1, 8, 8, 64)],
                          ids=["decode_gqa", "verify_ragged_heads", "mha"])
-def test_triton_kv_write_equals_reference(shape, dtype):
+@pytest.mark.parametrize("per", [None, 1, 2, 4], ids=lambda p: f"heads{p or 'all'}")
+def test_triton_kv_write_equals_reference(shape, dtype, per):
+    """Bit for bit (a copy), with a token's heads in one program or split over programs (3 heads in blocks of 2:
+    the last block masked)."""
     k, v, slots, (kp, vp) = _write_case(*shape, dtype, seed=sum(shape))
     want_k, want_v = kp.clone(), vp.clone()
     paged_kv_write_reference(k, v, want_k, want_v, slots)
-    paged_kv_write_triton(k, v, kp, vp, slots)
-    assert torch.equal(kp, want_k) and torch.equal(vp, want_v)  # a copy: bit for bit
+    rope = _rope(k.shape[0], k.shape[2], k.shape[3], dtype, seed=2)
+    kr, vr = kp.clone(), vp.clone()
+    paged_kv_write_triton(k, v, kp, vp, slots, heads_per_program=per)
+    assert torch.equal(kp, want_k) and torch.equal(vp, want_v)
+    paged_kv_write_reference(k, v, want_k, want_v, slots, rope=rope)
+    paged_kv_write_triton(k, v, kr, vr, slots, rope=rope, heads_per_program=per)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}[dtype]  # one rounding of the rotation against per-op ones
+    torch.testing.assert_close(kr.float(), want_k.float(), atol=tol * 8, rtol=tol)
+    assert torch.equal(vr, want_v)  # values are copied, never rotated
 
 
 # ---- RoPE folded into the K/V write and the attention's q load (kv_cache.FUSE_ROPE) --------------------------------
