@@ -415,9 +415,11 @@ if TRITON_AVAILABLE:
 
 
 # KV heads per program of the K/V write (a power of two; None: all of a token's heads in one program, grid B * T).
-# At decode (B * T = 1) one program copies every head: 3.1 us per layer at 6.7 B (32 heads) in call n9's profile,
-# one SM's serial loads. Fewer heads per program spread a token over more SMs.
-KV_WRITE_HEADS: int | None = None
+# At decode (B * T = 1) one program copied every head: 3.1 us per layer at 6.7 B (32 heads) in call n9's profile,
+# one SM's serial loads. Call n10 (BENCHMARKS.md 27), 6.7 B decode: 4 heads a program took bf16 from 4.372 to 4.349 ms
+# a token and int4 (+ quantized head) from 1.819 to 1.803; 1 head a program 4.349 / 1.809. At 1.45 B (4 KV heads)
+# 4 is the old launch; 1 read 1.407 against 1.402 (bf16) and 0.7043 against 0.7059 (int4).
+KV_WRITE_HEADS: int | None = 4
 
 
 def paged_kv_write_triton(k, v, k_pool, v_pool, slots, rope=None, heads_per_program: int | None = None):

@@ -258,14 +258,16 @@ def part_grid(args, device: torch.device) -> list[dict]:
     session = BenchSession.load(preset=args.preset, device=str(device), dtype=args.grid_dtype)
     rows, bf16_ar = [], None
     kernels = args.grid_quant_kernels.split(",")
-    cells = [(tq, dq, qk) for tq in args.grid_targets.split(",") for dq in args.grid_drafts.split(",")
-             for qk in ([kernels[0]] if (tq, dq) == ("none", "none") else kernels)]  # bf16 x bf16: once
-    for tq, dq, qk in cells:
-        row = {"target_quant": tq, "draft_quant": dq, "quant_kernel": qk}
+    heads = [bool(int(h)) for h in args.grid_quant_head.split(",")]
+    cells = [(tq, dq, qk, qh) for tq in args.grid_targets.split(",") for dq in args.grid_drafts.split(",")
+             for qk in ([kernels[0]] if (tq, dq) == ("none", "none") else kernels)  # bf16 x bf16: once
+             for qh in ([False] if (tq, dq) == ("none", "none") else heads)]
+    for tq, dq, qk, qh in cells:
+        row = {"target_quant": tq, "draft_quant": dq, "quant_kernel": qk, "quant_head": qh}
         cfg = BenchConfig(method="draft", k=4, batch=1, max_new_tokens=args.grid_new_tokens,
                           num_prompts=args.grid_prompts, repeats=args.repeats, warmup=1, temperature=0.0,
                           cuda_graphs=True, graph_batch_sizes=(1,), target_quant=tq, draft_quant=dq,
-                          int4_group_size=args.int4_group_size, quant_kernel=qk)
+                          int4_group_size=args.int4_group_size, quant_kernel=qk, quant_head=qh)
         try:
             rec = session.run(cfg).record
             if tq == "none" and bf16_ar is None:
@@ -335,6 +337,8 @@ def main() -> None:
     ap.add_argument("--grid-dtype", default="bfloat16")
     ap.add_argument("--grid-targets", default="none,int8,int4,int4-awq,fp8")
     ap.add_argument("--grid-drafts", default="none,int8,int4")
+    ap.add_argument("--grid-quant-head", default="0", help="grid part: quant_head values (0, 1 or 0,1), each a row "
+                    "per quantized cell (the LM heads quantized too, in each model's format)")
     ap.add_argument("--grid-quant-kernels", default="auto", help="grid part: quant_kernel values, each a row per "
                     "quantized cell (e.g. aten,triton: tinygemm against ours for int4); bf16 x bf16 runs once, auto")
     ap.add_argument("--grid-prompts", type=int, default=4)

@@ -43,7 +43,7 @@
 # PART=n1..n6 (one-row int4 in CUDA C++: tiles, PIPE, MINB, PERSIST, the floor): the twenty-first session's; n7 (the
 # sweep with the model's fusions), n8 (small's int4 grid with and without it) and k13 are prepared for the next.
 # PART=n9 (n7's sweep, then the floor with its tiles and with the LM head quantized, quant_head), n10 (PIPE 2 tiles,
-# the K/V write split over heads): the twenty-second session's.
+# the K/V write split over heads), n11 (the quantized head's quality on small): the twenty-second session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -812,6 +812,15 @@ elif [ "$PART" = n10 ]; then
   I=int4-triton+all+pdl+qh
   floor ar67 60 6.7b --int4-cuda-best "$B" --formats "none@$C,none+kvh4@$C,none+kvh1@$C,$I@$C,$I+kvh4@$C,$I+kvh1@$C,$I+cub@$C,$I+cub+kvh4@$C,$I+cub+kvh1@$C,int4-triton+all+pdl+cub+kvh1@$C"
   floor ar145 40 1.45b --formats "none@$C,none+kvh1@$C,$I@$C,$I+kvh1@$C"
+elif [ "$PART" = n11 ]; then
+  # twenty-second session: the quantized LM head's quality cost on a trained model (the floor's random weights show
+  # its speed only): small's grid with the draft model (k = 4), int4 target and draft, head float and quantized,
+  # the default kernel (ours, CUDA GEMV for one-row int4 calls), also n8's question (the CUDA GEMV on small)
+  train_small
+  step grid 100 $PY scripts/gpu_quant.py --device cuda --out "$R/grid" --preset small --parts grid \
+    --grid-targets none,int4 --grid-drafts none,int4 --grid-quant-kernels triton --grid-quant-head 0,1 --repeats 3
+  step grid_cu0 60 env WORKBENCH_INT4_CUDA=0 $PY scripts/gpu_quant.py --device cuda --out "$R/grid_cu0" \
+    --preset small --parts grid --grid-targets int4 --grid-drafts none,int4 --grid-quant-kernels triton --repeats 3
 elif [ "$PART" = n8 ]; then
   # prepared in the twenty-first session: the CUDA GEMV serves one-row int4 calls on small too (50 MB, launch-bound),
   # untimed there. Small's int4 grid with the draft model (k = 4): tinygemm, ours with it (the default) and ours
