@@ -46,7 +46,7 @@ import torch
 SOURCE = Path(__file__).with_name("int4_gemv.cu")
 DEFAULT_TILE = dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=4, PIPE=0, MINB=0, PERSIST=0)
 TILE_KEYS = tuple(DEFAULT_TILE)
-F_GLU, F_NORM, F_RESIDUAL = 1, 2, 4  # int4_gemv.cu's flags
+F_GLU, F_NORM, F_RESIDUAL, F_GLU_OUT = 1, 2, 4, 8  # int4_gemv.cu's flags
 
 
 MEASURED_TILES: dict[tuple[int, int], dict] = {}  # (N, K) -> a swept tile that replaces the rule's for that shape
@@ -287,12 +287,19 @@ def shared_bytes(k: int) -> int:
     return (k // 32) * (4 * 16 + 8)
 
 
+def glu_out_takes(n: int, k: int, **tile) -> bool:
+    """Whether the SwiGLU epilogue (glu_out) fits a [N, K] weight with this shape's tile: N even, ROWS even."""
+    return n % 2 == 0 and dict(int4_cuda_tile(n, k), **tile)["ROWS"] % 2 == 0
+
+
 def int4_cuda_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                    *, glu: bool = False, residual: torch.Tensor | None = None,
                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False,
-                   **tile) -> torch.Tensor:
+                   glu_out: bool = False, **tile) -> torch.Tensor:
     """x [1, K] (glu: [1, 2K]) -> [1, N] in x's dtype (see the module docstring); `tile`: entries of DEFAULT_TILE
-    that replace `int4_cuda_tile`'s for this shape."""
+    that replace `int4_cuda_tile`'s for this shape. glu_out: the weight's rows are [gate | up] (a SwiGLU MLP's
+    gate/up projection) and the result is silu(gate) * up [1, N / 2], gate and up each rounded to x's type first
+    (`glu_out_takes`; no residual)."""
     problem = device_problem(x.device)
     if problem:
         raise Int4CudaError(problem)
@@ -301,16 +308,20 @@ def int4_cuda_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
         raise Int4CudaError("int4_cuda_gemv takes one row of bf16 / fp16 x with scales and zeros in its dtype, a "
                             f"power-of-two group of 32+, 16-byte aligned buffers and K up to 72,800 (got x "
                             f"{tuple(x.shape)} {x.dtype}, scale {scale.dtype}, group {group_size})")
+    if glu_out and (residual is not None or not glu_out_takes(weight.shape[0], weight.shape[1] * 2, **tile)):
+        raise Int4CudaError(f"glu_out needs an even N and an even ROWS, and no residual (N {weight.shape[0]}, tile "
+                            f"{dict(int4_cuda_tile(weight.shape[0], weight.shape[1] * 2), **tile)})")
     return launch_taken(x2, weight, scale, zero, group_size, glu=glu, residual=residual, norm_weight=norm_weight,
-                        eps=eps, pdl=pdl, **tile)
+                        eps=eps, pdl=pdl, glu_out=glu_out, **tile)
 
 
 def launch_taken(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                  *, glu: bool = False, residual: torch.Tensor | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False,
-                 **tile) -> torch.Tensor:
+                 glu_out: bool = False, **tile) -> torch.Tensor:
     """`int4_cuda_gemv` for a call already known to fit (`device_problem` None, `int4_cuda_takes` true, x [1, K]
-    contiguous): the dispatch in kernels/quant_gemv.py has checked both, so a decode step does not check twice."""
+    contiguous, and `glu_out_takes` for glu_out): the dispatch in kernels/quant_gemv.py has checked them, so a decode
+    step does not check twice."""
     n, k = weight.shape[0], weight.shape[1] * 2
     cfg = dict(int4_cuda_tile(n, k), **tile)
     unknown = set(cfg) - set(TILE_KEYS)
@@ -319,10 +330,10 @@ def launch_taken(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zer
     x2 = x
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     flags = (F_GLU if glu else 0) | (F_NORM if norm_weight is not None else 0) | (F_RESIDUAL if residual is not None
-                                                                                  else 0)
+                                                                                  else 0) | (F_GLU_OUT if glu_out else 0)
     launcher = _launcher(dev, n, k, int(group_size), x.dtype == torch.bfloat16, flags, bool(pdl),
                          tuple(sorted(cfg.items())))
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, n // 2 if glu_out else n, dtype=x.dtype, device=x.device)
     nw = norm_weight.contiguous() if norm_weight is not None else x2
     if nw.data_ptr() % 16:  # read in 16-byte pieces: a fresh copy is aligned
         nw = nw.clone()
@@ -345,7 +356,8 @@ class _Launcher:
                  tile: dict):
         import threading
         self.func = _function(dev, tuple(sorted(tile.items())), x_bf16)
-        row_groups = math.ceil(n / (tile["ROWS"] * tile["WARPS"]))
+        rows = tile["ROWS"] // 2 if flags & F_GLU_OUT else tile["ROWS"]  # output rows a warp writes
+        row_groups = math.ceil((n // 2 if flags & F_GLU_OUT else n) / (rows * tile["WARPS"]))
         grid = row_groups  # one block per group, or PERSIST blocks per SM (at most as many as fit at once), each
         if tile["PERSIST"]:  # looping over row groups with x staged once
             fit = _occupancy(self.func, tile["WARPS"] * 32, shared_bytes(k))
@@ -391,10 +403,11 @@ def _fp16_fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor
 def int4_cuda_emulate(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                       group_size: int, *, glu: bool = False, residual: torch.Tensor | None = None,
                       norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                      words_per_sum: int = DEFAULT_TILE["WORDS_PER_SUM"]) -> torch.Tensor:
+                      words_per_sum: int = DEFAULT_TILE["WORDS_PER_SUM"], glu_out: bool = False) -> torch.Tensor:
     """The kernel's arithmetic in PyTorch on any device, for tests: per chunk of 32 x's a power-of-two scale, x as fp16
     pairs, each word's products (q - 8) x~ in fp16 multiply-adds in the kernel's pair order, fp16 sums of
-    `words_per_sum` words, then s 2^e dot + z sum(x) in fp32; returns [1, N] in x's dtype."""
+    `words_per_sum` words, then s 2^e dot + z sum(x) in fp32; returns [1, N] in x's dtype ([1, N / 2] with glu_out).
+    """
     dt = x.dtype
     xf = x.reshape(-1).float()
     k = weight.shape[1] * 2
@@ -434,6 +447,9 @@ def int4_cuda_emulate(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     z = zero.float().reshape(n, groups)[:, cg]
     acc = (s * torch.ldexp(torch.ones_like(amax), e)[None, :] * dots + z * chunks.sum(dim=1)[None, :]).sum(dim=1)
     acc = acc * rstd
+    if glu_out:  # gate and up rounded to x's type, then silu(gate) * up rounded once
+        gate, up = acc.to(dt).float().chunk(2)
+        return (gate / (1 + torch.exp(-gate)) * up).to(dt).reshape(1, n // 2)
     if residual is not None:
         acc = acc + residual.float().reshape(-1)
     return acc.to(dt).reshape(1, n)

@@ -26,6 +26,8 @@
 // PDL (Hopper): the first step's weights, scales and zeros are loaded before griddepcontrol.wait (nothing the previous
 // kernel writes), x after it; griddepcontrol.launch_dependents once every weight load of this block is issued.
 // With a grid smaller than the row groups (int4_cuda.py's PERSIST) each block loops over groups, staging x once.
+// F_GLU_OUT (a SwiGLU MLP's gate/up projection, [gate | up] rows): each warp takes ROWS / 2 gate rows and the same up
+// rows, and writes silu(gate) * up [N / 2], so the down projection reads h with no SwiGLU prologue.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -76,6 +78,7 @@ __device__ __forceinline__ xt from_f32(float v) { return __float2half_rn(v); }
 #define F_GLU 1
 #define F_NORM 2
 #define F_RESIDUAL 4
+#define F_GLU_OUT 8  // SwiGLU in the epilogue: out [N/2] = silu(gate) * up, rows [0, N/2) gate, [N/2, N) up (ROWS even)
 
 // element i (0..7) of 8 16-bit values in a uint4, as fp32 (no address taken: the uint4 stays in registers)
 __device__ __forceinline__ float elem(uint4 v, int i) {
@@ -139,15 +142,17 @@ struct Step {  // one step's loads: UNROLL 16-byte chunks of each of ROWS rows, 
     xt s[ROWS][UNROLL], z[ROWS][UNROLL];
 };
 
+// rows: row0 + r, or with F_GLU_OUT the upper half of a warp's rows shifted by hi_off (their up rows) and each row
+// checked against its own limit (lo_lim: N, or N / 2 for the gate rows)
 __device__ __forceinline__ void load_step(Step& st, const uint4* __restrict__ w, const xt* __restrict__ s,
                                           const xt* __restrict__ z, int base, int nch, int row0, int N, int groups,
-                                          int cshift, int lane) {
+                                          int cshift, int lane, int hi_off, int lo_lim) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int c = base + u * 32 + lane, n = row0 + r;
-            if (c < nch && n < N) {
+            const int c = base + u * 32 + lane, n = row0 + r + (r >= ROWS / 2 ? hi_off : 0);
+            if (c < nch && n < (r >= ROWS / 2 ? N : lo_lim)) {
                 st.w[r][u] = ldg_stream(w + (size_t)n * nch + c);
                 st.s[r][u] = s[(size_t)n * groups + (c >> cshift)];
                 st.z[r][u] = z[(size_t)n * groups + (c >> cshift)];
@@ -203,18 +208,25 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
     __shared__ float red[WARPS];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // F_GLU_OUT: a warp's ROWS / 2 gate rows and the same up rows (N / 2 further on); output row = gate row
+    const bool glu_out = flags & F_GLU_OUT;
+    const int rpw = glu_out ? ROWS / 2 : ROWS;   // output rows per warp
+    const int half = N >> 1;
+    const int hi_off = glu_out ? half - ROWS / 2 : 0, lo_lim = glu_out ? half : N;
+    int row0 = (blockIdx.x * WARPS + warp) * rpw;
 #if PERSIST
-    const int ngroups = (N + WARPS * ROWS - 1) / (WARPS * ROWS);  // row groups: WARPS x ROWS rows each
+    const int ngroups = ((glu_out ? half : N) + WARPS * rpw - 1) / (WARPS * rpw);  // row groups of WARPS x rpw rows
 #endif
-    int row0 = (blockIdx.x * WARPS + warp) * ROWS;
     const int groups = K >> G_SHIFT;
     const int cshift = G_SHIFT - 5;               // chunk -> group
 
     Step cur, nxt;
-    load_step(cur, w, s, z, 0, nch, row0, N, groups, cshift, lane);  // before the wait: weights never depend on
-#if PIPE == 2                                                         // the previous kernel
+    // before the wait: weights never depend on the previous kernel
+    load_step(cur, w, s, z, 0, nch, row0, N, groups, cshift, lane, hi_off, lo_lim);
+#if PIPE == 2
     // both steps the pipeline holds are in flight while x is staged (a K of two steps: the block's every weight)
-    if (32 * UNROLL < nch) load_step(nxt, w, s, z, 32 * UNROLL, nch, row0, N, groups, cshift, lane);
+    if (32 * UNROLL < nch)
+        load_step(nxt, w, s, z, 32 * UNROLL, nch, row0, N, groups, cshift, lane, hi_off, lo_lim);
 #endif
     grid_wait();
 
@@ -291,10 +303,11 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
     for (int rg = blockIdx.x; rg < ngroups; rg += gridDim.x) {
     const bool last_group = rg + gridDim.x >= ngroups;
     if (rg != (int)blockIdx.x) {
-        row0 = (rg * WARPS + warp) * ROWS;
-        load_step(cur, w, s, z, 0, nch, row0, N, groups, cshift, lane);
+        row0 = (rg * WARPS + warp) * rpw;
+        load_step(cur, w, s, z, 0, nch, row0, N, groups, cshift, lane, hi_off, lo_lim);
 #if PIPE == 2
-        if (32 * UNROLL < nch) load_step(nxt, w, s, z, 32 * UNROLL, nch, row0, N, groups, cshift, lane);
+        if (32 * UNROLL < nch)
+            load_step(nxt, w, s, z, 32 * UNROLL, nch, row0, N, groups, cshift, lane, hi_off, lo_lim);
 #endif
     }
 #else
@@ -309,28 +322,43 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
     // two steps in registers: the next step's loads are in flight while this one computes
     for (int base = 0; base < nch; base += 2 * step) {
         if (base + step < nch && (PIPE != 2 || base > 0))  // PIPE 2: the first nxt was loaded before the wait
-            load_step(nxt, w, s, z, base + step, nch, row0, N, groups, cshift, lane);
+            load_step(nxt, w, s, z, base + step, nch, row0, N, groups, cshift, lane, hi_off, lo_lim);
         compute_step(cur, acc, xp, xsum, base, nch, lane, last_group);
         if (base + step >= nch) break;
-        if (base + 2 * step < nch) load_step(cur, w, s, z, base + 2 * step, nch, row0, N, groups, cshift, lane);
+        if (base + 2 * step < nch)
+            load_step(cur, w, s, z, base + 2 * step, nch, row0, N, groups, cshift, lane, hi_off, lo_lim);
         compute_step(nxt, acc, xp, xsum, base + step, nch, lane, last_group);
     }
 #else
     for (int base = 0; base < nch; base += step) {
-        if (base > 0) load_step(cur, w, s, z, base, nch, row0, N, groups, cshift, lane);
+        if (base > 0)
+            load_step(cur, w, s, z, base, nch, row0, N, groups, cshift, lane, hi_off, lo_lim);
         compute_step(cur, acc, xp, xsum, base, nch, lane, last_group);
     }
 #endif
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-        float a = acc[r];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-        const int n = row0 + r;
-        if (lane == 0 && n < N) {
-            a *= rstd;
-            if (flags & F_RESIDUAL) a += to_f32(res[n]);
-            out[n] = from_f32(a);
+        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+    }
+    if (glu_out) {  // gate and up rounded to x's type as the unfused outputs would be, then the SwiGLU prologue's math
+#pragma unroll
+        for (int r = 0; r < ROWS / 2; ++r) {
+            const int n = row0 + r;
+            if (lane == 0 && n < half) {
+                const float g = to_f32(from_f32(acc[r] * rstd)), u = to_f32(from_f32(acc[r + ROWS / 2] * rstd));
+                out[n] = from_f32(__fdividef(g, 1.f + __expf(-g)) * u);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const int n = row0 + r;
+            if (lane == 0 && n < N) {
+                float a = acc[r] * rstd;
+                if (flags & F_RESIDUAL) a += to_f32(res[n]);
+                out[n] = from_f32(a);
+            }
         }
     }
     }

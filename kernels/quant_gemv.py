@@ -63,6 +63,7 @@ import math
 import os
 
 import torch
+import torch.nn.functional as F
 
 from .pdl import use_pdl
 
@@ -891,24 +892,30 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
                       zero: torch.Tensor | None = None, group_size: int | None = None,
                       counters: torch.Tensor | None = None, *, glu: bool = False,
                       residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                      eps: float = 1e-6, **override) -> torch.Tensor:
+                      eps: float = 1e-6, glu_out: bool = False, **override) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) -> [M, N] in x's dtype, through the Triton kernel. `counters`: a persistent
     `counters_for(N, device)` buffer (zero between calls; allocated here when None, which a captured graph would
     re-zero on every replay: pass one). `override`: entries of `gemv_config` (a benchmark's sweep).
     glu: x is [M, 2K] = [gate | up] and the kernel multiplies silu(gate) * up (a SwiGLU MLP's down projection, with
     no separate SiLU-mul kernel before it); residual [M, N]: added to the output in the epilogue (no add kernel after);
     norm_weight [K]: an RMSNorm (HF LlamaRMSNorm, `eps`) of x in the prologue (no norm kernel before it).
+    glu_out: the weight's rows are [gate | up] (a SwiGLU MLP's gate/up projection) and the result is silu(gate) * up
+    [M, N / 2], gate and up rounded to x's type first: in the epilogue of the one-row CUDA GEMV where it takes the
+    call (int4, `int4_cuda.glu_out_takes`), else by PyTorch ops after the full output (no residual with it).
 
     Without `override` the launch goes through the custom op `torch.ops.workbench.quant_gemv`, which torch.compile
     treats as one opaque call (its output shape from a fake implementation): the model around a quantized linear
     still compiles and fuses (norms, RoPE, residual adds) instead of breaking the graph at each Triton launch."""
     check_gemv(fmt, x, weight, scale, zero, group_size, glu, residual, norm_weight)
+    if glu_out and (residual is not None or weight.shape[0] % 2):
+        raise GemvError(f"glu_out needs an even N ([gate | up] rows; got {weight.shape[0]}) and no residual")
     if counters is None:
         counters = counters_for(weight.shape[0], x.device)
     if override:
-        return _launch(x, fmt, weight, scale, zero, group_size, counters, glu, residual, norm_weight, eps, **override)
+        return _launch(x, fmt, weight, scale, zero, group_size, counters, glu, residual, norm_weight, eps, glu_out,
+                       **override)
     return torch.ops.workbench.quant_gemv(x, fmt, weight, scale, zero, group_size or 0, counters, glu, residual,
-                                          norm_weight, eps)
+                                          norm_weight, eps, glu_out)
 
 
 # `counters` is not declared mutated: the split-K programs bump it and the last one resets it, so it holds zeros
@@ -918,14 +925,15 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
 def _quant_gemv_op(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None,
                    zero: torch.Tensor | None, group_size: int, counters: torch.Tensor, glu: bool = False,
                    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                   eps: float = 1e-6) -> torch.Tensor:
+                   eps: float = 1e-6, glu_out: bool = False) -> torch.Tensor:
     # counters: bumped by the split-K programs and reset to zero by the last one (zero again after every call)
-    return _launch(x, fmt, weight, scale, zero, group_size or None, counters, glu, residual, norm_weight, eps)
+    return _launch(x, fmt, weight, scale, zero, group_size or None, counters, glu, residual, norm_weight, eps, glu_out)
 
 
 @_quant_gemv_op.register_fake
-def _(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, norm_weight=None, eps=1e-6):
-    return x.new_empty(x.shape[0], weight.shape[0])
+def _(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, norm_weight=None, eps=1e-6,
+      glu_out=False):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2 if glu_out else weight.shape[0])
 
 
 def int4_mma_takes(x, scale, zero, group_size) -> bool:
@@ -937,7 +945,7 @@ def int4_mma_takes(x, scale, zero, group_size) -> bool:
 
 
 def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, norm_weight=None, eps=1e-6,
-            **override) -> torch.Tensor:
+            glu_out=False, **override) -> torch.Tensor:
     x = x.contiguous()
     m, k = x.shape
     k = k // 2 if glu else k
@@ -945,13 +953,18 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
     if fmt == "int4" and not override and m == 1 and INT4_CUDA:  # needs no triton
         from . import int4_cuda
         if int4_cuda.device_problem(x.device) is None and int4_cuda.int4_cuda_takes(x, weight, scale, zero,
-                                                                                      group_size, glu):
+                                                                                      group_size, glu) \
+                and (not glu_out or int4_cuda.glu_out_takes(n, k, **(INT4_CUDA_TILE or {}))):
             try:
                 return int4_cuda.launch_taken(x, weight, scale, zero, group_size, glu=glu, residual=residual,
                                               norm_weight=norm_weight, eps=eps, pdl=use_pdl(x.device),
-                                              **(INT4_CUDA_TILE or {}))
+                                              glu_out=glu_out, **(INT4_CUDA_TILE or {}))
             except int4_cuda.Int4CudaBuildError as e:  # nothing ran: this device stays in the Triton GEMV below
                 int4_cuda.mark_failed(x.device, e)
+    if glu_out:  # not in the CUDA epilogue: the full [gate | up] output, then SwiGLU of its rounded halves
+        gate, up = _launch(x, fmt, weight, scale, zero, group_size, counters, glu, residual, norm_weight, eps,
+                           **override).float().chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(x.dtype)
     if not TRITON_AVAILABLE:
         raise GemvError("quant_kernel 'triton' needs the triton package (a CUDA build of torch ships it): "
                         "choose quant_kernel 'dequant' or 'aten'")

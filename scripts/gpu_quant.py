@@ -122,7 +122,11 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 "cu0": {(quant_gemv, "INT4_CUDA"): False},
                 # "+kvhN": the K/V write with N KV heads per program (paged_attention.KV_WRITE_HEADS; without it the
                 # module's default)
-                **{f"kvh{n}": {(paged_attention, "KV_WRITE_HEADS"): n} for n in (1, 2, 4, 8)}}
+                **{f"kvh{n}": {(paged_attention, "KV_WRITE_HEADS"): n} for n in (1, 2, 4, 8)},
+                # "+ge" / "+ge0": a one-row int4 gate/up writes silu(gate) * up from the CUDA GEMV's epilogue
+                # (linears.INT4_GLU_EPILOGUE), so down reads h with no SwiGLU prologue; the row records
+                # glu_out_rel_err (layer 0's gate/up against the reference's full output, then SwiGLU in fp32)
+                "ge": {(linears, "INT4_GLU_EPILOGUE"): True}, "ge0": {(linears, "INT4_GLU_EPILOGUE"): False}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 # "+qh": the LM head quantized too, in the row's format (quantize_model(head=True), the knob quant_head): a different
 # model, so it stays in the row's plain name (its tokens are compared with rows of the same "+qh" only); the row
@@ -151,6 +155,25 @@ def head_error(model, device: torch.device) -> float:
         ref = x.float() @ model.lm_head.dequantized_weight().float().T
         got = model.compute_logits(x).float()
     return float((got - ref).abs().max() / ref.abs().max())
+
+
+def glu_out_error(model, device: torch.device) -> float | None:
+    """Layer 0's gate/up with its RMSNorm, one random row, through `swiglu_linear` (None when it does not apply):
+    max |got - want| / max |want|, want = SwiGLU in fp32 of the fp32 reference's [gate | up] rounded to bf16."""
+    from kernels.quant_gemv import quant_gemv_reference
+
+    layer = model.model.layers[0]
+    lin, norm = layer.mlp.gate_up_proj, layer.post_attention_layernorm
+    x = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
+    with torch.no_grad():
+        got = lin.swiglu_linear(x, norm.weight, norm.eps)
+        if got is None:
+            return None
+        y = quant_gemv_reference(x, "int4", lin.weight, lin.scale, lin.zero, lin.group_size,
+                                 norm_weight=norm.weight, eps=norm.eps).to(torch.bfloat16).float()
+        gate, up = y.chunk(2, dim=-1)
+        want = gate * torch.sigmoid(gate) * up
+    return float((got.float() - want).abs().max() / want.abs().max())
 
 
 def part_floor(args, device: torch.device) -> list[dict]:
@@ -201,6 +224,8 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     row["quantize_s"] = time.perf_counter() - t0
                     if head:
                         row["head_rel_err"] = head_error(model, device)
+                    if linears.INT4_GLU_EPILOGUE and fmt.startswith("int4"):
+                        row["glu_out_rel_err"] = glu_out_error(model, device)
                     drafter = NgramDrafter(args.floor_ngram) if args.floor_ngram else None
                     engine = SpecEngine(model, drafter, EngineConfig(max_new_tokens=args.max_new_tokens,
                                                                      **MODES[mode], pdl=pdl), device)

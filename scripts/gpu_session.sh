@@ -43,7 +43,8 @@
 # PART=n1..n6 (one-row int4 in CUDA C++: tiles, PIPE, MINB, PERSIST, the floor): the twenty-first session's; n7 (the
 # sweep with the model's fusions), n8 (small's int4 grid with and without it) and k13 are prepared for the next.
 # PART=n9 (n7's sweep, then the floor with its tiles and with the LM head quantized, quant_head), n10 (PIPE 2 tiles,
-# the K/V write split over heads), n11 (the quantized head's quality on small): the twenty-second session's.
+# the K/V write split over heads), n11 (the quantized head's quality on small), n12 (SwiGLU in gate/up's epilogue):
+# the twenty-second session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -76,7 +77,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|n4|n5|n6|n7|n9|n10|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|n4|n5|n6|n7|n9|n10|n12|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -821,6 +822,14 @@ elif [ "$PART" = n11 ]; then
     --grid-targets none,int4 --grid-drafts none,int4 --grid-quant-kernels triton --grid-quant-head 0,1 --repeats 3
   step grid_cu0 60 env WORKBENCH_INT4_CUDA=0 $PY scripts/gpu_quant.py --device cuda --out "$R/grid_cu0" \
     --preset small --parts grid --grid-targets int4 --grid-drafts none,int4 --grid-quant-kernels triton --repeats 3
+elif [ "$PART" = n12 ]; then
+  # twenty-second session, last call (about 170 s of device time left): SwiGLU in gate/up's epilogue ("+ge",
+  # linears.INT4_GLU_EPILOGUE, int4_gemv.cu F_GLU_OUT), so down has no SwiGLU prologue (2.1 us a layer in n10); the
+  # kernel's edit also moved registers (r4u2w4 pipe 151 -> 155, r2u2w8 pipe 115 -> 99, r8u1w4 140 -> 144), so the
+  # default row is timed again beside it
+  C=graphs+compile+overlap
+  I=int4-triton+all+pdl+qh
+  floor ar67 40 6.7b --formats "none@$C,$I@$C,$I+ge@$C"
 elif [ "$PART" = n8 ]; then
   # prepared in the twenty-first session: the CUDA GEMV serves one-row int4 calls on small too (50 MB, launch-bound),
   # untimed there. Small's int4 grid with the draft model (k = 4): tinygemm, ours with it (the default) and ours

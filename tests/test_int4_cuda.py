@@ -320,3 +320,141 @@ def test_overhead_script_runs():
                            "--n", "256", "--k", "512"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert re.fullmatch(r"\d+\.\d us per call \(host side; driver faked\)\n", done.stdout)
+
+
+# ---- SwiGLU in the epilogue (F_GLU_OUT): a gate/up projection that writes silu(gate) * up ------------------------
+def _swiglu_reference(x, w, s, z, g, norm_weight=None):
+    """The unfused path: the [gate | up] output in x's dtype (the reference GEMV), then down's SwiGLU prologue."""
+    y = quant_gemv_reference(x, "int4", w, s, z, g, norm_weight=norm_weight).float()
+    gate, up = y.chunk(2, dim=-1)
+    return (gate / (1 + torch.exp(-gate)) * up).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+def test_emulated_swiglu_epilogue_matches_the_unfused_path(dtype, norm):
+    n, k, g = 48, 256, 64  # [24 gate | 24 up] rows
+    w, s, z = _case(n, k, g, dtype, seed=5)
+    x = torch.randn(1, k).to(dtype)
+    nw = (1 + 0.1 * torch.randn(k)).to(dtype) if norm else None
+    got = int4_cuda_emulate(x, w, s, z, g, norm_weight=nw, glu_out=True)
+    want = _swiglu_reference(x, w, s, z, g, nw)
+    assert got.shape == (1, n // 2) and got.dtype == dtype
+    assert _rel(got, want) <= 2 * RTOL  # two roundings (gate / up, then the product), each within the GEMV's bound
+    full = int4_cuda_emulate(x, w, s, z, g, norm_weight=nw)
+    assert _rel(got, full[:, : n // 2]) > 0.05  # it is not the plain output's gate half
+
+
+def test_swiglu_epilogue_launch_has_half_the_outputs_and_its_flag(monkeypatch):
+    """The launch with glu_out: flag F_GLU_OUT, the full N passed (the kernel reads [gate | up] rows), a grid over
+    N / 2 output rows at ROWS / 2 a warp (the same blocks as the plain call), an output of N / 2; odd ROWS, an odd N
+    and a residual are refused before any launch."""
+    import ctypes
+    monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)
+    monkeypatch.setattr(int4_cuda, "_function", lambda *a: ctypes.c_void_p(1))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(int4_cuda, "_raw_stream", lambda dev: 1)
+    int4_cuda._launcher.cache_clear()
+    seen = {}
+
+    class FakeDriver:
+        @staticmethod
+        def cuLaunchKernelEx(conf, func, params, extra):
+            c = conf._obj if hasattr(conf, "_obj") else conf
+            arr = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            seen.update(grid=c.gridDimX, ints=[ctypes.cast(arr[i], ctypes.POINTER(ctypes.c_int))[0]
+                                               for i in range(7, 11)])
+            return 0
+
+    monkeypatch.setattr(int4_cuda, "_libcuda", lambda: FakeDriver)
+    n, k, g = 200, 256, 64
+    w, s, z = _case(n, k, g, torch.bfloat16)
+    x = torch.randn(1, k).to(torch.bfloat16)
+    out = int4_cuda_gemv(x, w, s, z, g, glu_out=True, norm_weight=torch.ones(k, dtype=torch.bfloat16), ROWS=4,
+                         WARPS=4)
+    assert out.shape == (1, n // 2)
+    assert seen["ints"] == [n, k, 6, int4_cuda.F_NORM | int4_cuda.F_GLU_OUT]
+    assert seen["grid"] == -(-(n // 2) // 8)  # 2 gate rows (and their 2 up rows) a warp, 4 warps
+    int4_cuda_gemv(x, w, s, z, g, ROWS=4, WARPS=4)
+    assert seen["grid"] == -(-n // 16)  # the plain call: the same weight rows per block
+    with pytest.raises(Int4CudaError, match="even ROWS"):
+        int4_cuda_gemv(x, w, s, z, g, glu_out=True, ROWS=1)
+    with pytest.raises(Int4CudaError, match="no residual"):
+        int4_cuda_gemv(x, w, s, z, g, glu_out=True, residual=torch.zeros(1, n, dtype=torch.bfloat16), ROWS=2)
+    assert not int4_cuda.glu_out_takes(201, k, ROWS=2) and int4_cuda.glu_out_takes(200, k, ROWS=2)
+    int4_cuda._launcher.cache_clear()
+
+
+def test_swiglu_dispatch_goes_to_cuda_or_falls_back_to_the_full_output(monkeypatch):
+    """quant_gemv_triton(glu_out=True): to the CUDA kernel where it takes the call; otherwise (the Triton path here
+    faked by the reference) the full [gate | up] output, then SwiGLU of its halves."""
+    monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
+    monkeypatch.setattr(quant_gemv, "INT4_CUDA_TILE", None)
+    monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)
+    seen = {}
+    monkeypatch.setattr(int4_cuda, "launch_taken", lambda *a, **kw: seen.update(kw) or "cuda")
+    n, k, g = 48, 256, 64
+    w, s, z = _case(n, k, g, torch.bfloat16, seed=2)
+    x = torch.randn(1, k).to(torch.bfloat16)
+    assert quant_gemv._launch(x, "int4", w, s, z, g, None, glu_out=True) == "cuda" and seen["glu_out"] is True
+    monkeypatch.setattr(int4_cuda, "device_problem", lambda device: "no GPU")
+    calls = []
+    real = quant_gemv._launch
+
+    def triton_stand_in(x_, fmt, w_, s_, z_, g_, counters, glu=False, residual=None, norm_weight=None, eps=1e-6,
+                        glu_out=False, **override):
+        if glu_out:
+            return real(x_, fmt, w_, s_, z_, g_, counters, glu, residual, norm_weight, eps, glu_out, **override)
+        calls.append(1)
+        return quant_gemv_reference(x_, fmt, w_, s_, z_, g_, norm_weight=norm_weight, eps=eps)
+
+    monkeypatch.setattr(quant_gemv, "_launch", triton_stand_in)
+    got = quant_gemv._launch(x, "int4", w, s, z, g, None, glu_out=True)
+    assert calls == [1] and got.shape == (1, n // 2)
+    assert _rel(got, _swiglu_reference(x, w, s, z, g)) <= 2 ** -8  # F.silu against exp's form: bf16 rounding
+
+
+def test_mlp_takes_the_swiglu_epilogue_and_matches_the_unfused_mlp(monkeypatch):
+    """An int4 MLP (kernel triton, fusion norm+glu+residual) at one row: with INT4_GLU_EPILOGUE on, the gate/up call
+    asks for glu_out (here served by the emulation) and the down projection gets h with no SwiGLU prologue; the layer's
+    output matches the same MLP with it off (the down's GLU prologue, served by the reference)."""
+    from workbench.engine.quant import linears, quantize_model, set_fusion
+    from workbench.models import LlamaModel, ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=192, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaModel(cfg).to(torch.bfloat16)
+    model.reset_parameters(std=0.05, generator=torch.Generator().manual_seed(0))
+    q = set_fusion(quantize_model(model, "int4", group_size=64, kernel="dequant"), "norm+glu+residual")
+    layer = q.model.layers[0]
+    for lin in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        lin.kernel = "triton"  # the GEMV path, its launches faked below (no GPU here)
+        lin.register_buffer("gemv_counters", torch.zeros(1, dtype=torch.int32), persistent=False)
+    layer.mlp.gate_up_proj.cuda_gemv_ok = True
+    asked = []
+
+    def fake_gemv(x, fmt, weight, scale=None, zero=None, group_size=None, counters=None, *, glu=False,
+                  residual=None, norm_weight=None, eps=1e-6, glu_out=False):
+        asked.append((weight.shape[0], glu, glu_out))
+        if glu_out:
+            return int4_cuda_emulate(x, weight, scale, zero, group_size, norm_weight=norm_weight, eps=eps,
+                                     glu_out=True)
+        return quant_gemv_reference(x, fmt, weight, scale, zero, group_size, glu=glu, residual=residual,
+                                    norm_weight=norm_weight, eps=eps)
+
+    monkeypatch.setattr(linears, "quant_gemv_triton", fake_gemv)
+    monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
+    x = torch.randn(1, 1, 128).to(torch.bfloat16)
+    norm = layer.post_attention_layernorm
+    monkeypatch.setattr(linears, "INT4_GLU_EPILOGUE", False)
+    want = layer.mlp(x, residual=x, norm=norm)
+    assert asked == [(384, False, False), (128, True, False)]  # gate/up with the norm, down with SwiGLU
+    asked.clear()
+    monkeypatch.setattr(linears, "INT4_GLU_EPILOGUE", True)
+    got = layer.mlp(x, residual=x, norm=norm)
+    assert asked == [(384, False, True), (128, False, False)]  # SwiGLU in gate/up's epilogue, none in down
+    assert _rel(got, want) <= 2 * RTOL
+    asked.clear()
+    layer.mlp(torch.randn(1, 2, 128).to(torch.bfloat16), residual=torch.randn(1, 2, 128).to(torch.bfloat16),
+              norm=norm)  # two rows: not the one-row kernel, so the old route
+    assert all(not glu_out for _, _, glu_out in asked)

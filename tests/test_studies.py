@@ -95,7 +95,7 @@ def test_space_suggests_only_the_knobs_of_the_method():
         "method": "ar", "batch": 4, "temperature": 0.0, "dtype": "float32", "paged": True, "kv_block_size": 16,
         "cuda_graphs": False, "compile": "off", "attention": "auto",
         "prefill_graphs": True, "compile_prefill": False, "target_kv_quant": "none", "overlap": True,
-        "target_quant": "none", "pdl": True,
+        "target_quant": "none", "pdl": True, "quant_head": False,
         "gemv_fusion": "residual"}  # fixed knobs pass through; ar reads no k (nor draft_kv_quant, draft_quant)
     got = space.suggest(optuna.trial.FixedTrial({"method": "ngram", "k": 3, "ngram_min": 3, "ngram_max": 3,
                                                  "batch": 1}))

@@ -190,6 +190,16 @@ class MLP(nn.Module):
         """down(silu(gate) * up) of x (normalized by `norm` first when given), plus `residual` when given; Triton-GEMV
         linears fuse the norm (gate/up's `norm_linear`) and SwiGLU + residual (down's `glu_residual`) into their
         launches where the call's shape takes the kernel."""
+        swiglu = getattr(self.gate_up_proj, "swiglu_linear", None)  # SwiGLU in gate/up's epilogue: h [B, T, I]
+        h = swiglu(x, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps) \
+            if swiglu is not None else None
+        if h is not None:
+            down = getattr(self.down_proj, "glu_residual", None)
+            out = down(h, residual, swiglu_done=True) if down is not None and residual is not None else None
+            if out is not None:
+                return out
+            y = self.down_proj(h)
+            return y if residual is None else residual + y
         h = self.gate_up_proj(x) if norm is None else norm_linear(self.gate_up_proj, norm, x)  # [B, T, 2I]
         fused = getattr(self.down_proj, "glu_residual", None)
         if fused is not None and residual is not None:

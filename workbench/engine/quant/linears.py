@@ -86,8 +86,24 @@ INT4_PREFILL_DEQUANT: str = _choice_env("WORKBENCH_INT4_PREFILL_DEQUANT",
 # Env WORKBENCH_INT4_PREFILL_GEMM_ROWS.
 INT4_PREFILL_GEMM_ROWS: int = _rows_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS",
                                         os.environ.get("WORKBENCH_INT4_PREFILL_GEMM_ROWS", ""))
+# int4 with kernel "triton", a SwiGLU MLP's gate/up projection at one row, fusion with "glu": silu(gate) * up in the
+# one-row CUDA GEMV's epilogue (int4_gemv.cu F_GLU_OUT: each warp takes gate rows and their up rows), so the down
+# projection reads h [I] with no SwiGLU prologue (`Int4Linear.swiglu_linear`). Off by default until timed on a GPU
+# (prepared in the twenty-second session: the down projection's SwiGLU prologue cost 2.1 us a 6.7 B layer in n10).
+# Env WORKBENCH_INT4_GLU_EPILOGUE=1 on; gpu_quant rows "+ge" / "+ge0".
+INT4_GLU_EPILOGUE: bool = os.environ.get("WORKBENCH_INT4_GLU_EPILOGUE", "0") == "1"
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4pack kernels accept
+
+
+def _int4_cuda_problem(device: torch.device) -> str | None:
+    from kernels.int4_cuda import device_problem
+    return device_problem(device)
+
+
+def _glu_out_takes(n: int, k: int, tile: dict | None) -> bool:
+    from kernels.int4_cuda import glu_out_takes
+    return glu_out_takes(n, k, **(tile or {}))
 
 
 # ---- reference math (pure PyTorch, any device) -----------------------------------------------------------------
@@ -228,16 +244,16 @@ class QuantLinear(nn.Module):
         so there they are not fused."""
         return False
 
-    def glu_residual(self, h: Tensor, residual: Tensor) -> Tensor | None:
+    def glu_residual(self, h: Tensor, residual: Tensor, swiglu_done: bool = False) -> Tensor | None:
         """As a SwiGLU down projection: residual + self(silu(gate) * up), h = [gate | up] [..., 2K], fused into the
         GEMV as `fusion` says; None when fusion has no "residual" or this call does not take the kernel (the caller
-        then runs the unfused ops)."""
+        then runs the unfused ops). swiglu_done: h is silu(gate) * up already [..., K] (`swiglu_linear`)."""
         h2 = h.reshape(-1, h.shape[-1])
         if not self._fuses("residual", h2):
             return None
         fmt, buffers = self._gemv_args()
-        glu = self._fuses_prologue("glu", h2)
-        if not glu:
+        glu = not swiglu_done and self._fuses_prologue("glu", h2)
+        if not glu and not swiglu_done:
             gate, up = h2.chunk(2, dim=-1)
             h2 = F.silu(gate) * up
         y = quant_gemv_triton(h2, fmt, **buffers, counters=self.gemv_counters, glu=glu,
@@ -254,6 +270,12 @@ class QuantLinear(nn.Module):
         fmt, buffers = self._gemv_args()
         y = quant_gemv_triton(x2, fmt, **buffers, counters=self.gemv_counters, norm_weight=norm_weight, eps=eps)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def swiglu_linear(self, x: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor | None:
+        """silu(gate) * up [..., N / 2] of this gate/up projection (rows [gate | up]) in one launch, the SwiGLU in the
+        GEMV's epilogue (and with norm_weight the RMSNorm in its prologue); None where that does not apply (the
+        caller then runs `norm_linear` / the module and the down projection's SwiGLU). Int4Linear only."""
+        return None
 
     def residual_linear(self, x: Tensor, residual: Tensor) -> Tensor | None:
         """residual + self(x) with the add in the GEMV's epilogue (an attention's o_proj, when fusion has "norm" or
@@ -324,6 +346,9 @@ class Int4Linear(QuantLinear):
         q, scale, zero = quantize_int4(linear.weight, group_size, dtype)
         self.group_size, self.kernel = group_size, kernel
         self._add_counters(kernel, q.device)
+        # the one-row CUDA GEMV can run this module's calls (decided here, on the host: `swiglu_linear` reads it
+        # under torch.compile, where the device checks would break the graph)
+        self.cuda_gemv_ok = kernel == "triton" and q.device.type == "cuda" and _int4_cuda_problem(q.device) is None
         if kernel in ("dequant", "triton"):
             self.register_buffer("weight", (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8))  # [N, K/2]
             self.register_buffer("scale", scale)  # [N, K/g]
@@ -353,6 +378,17 @@ class Int4Linear(QuantLinear):
 
     def _mma_call(self, x2: Tensor) -> bool:
         return self.kernel == "triton" and quant_gemv.int4_mma_takes(x2, self.scale, self.zero, self.group_size)
+
+    def swiglu_linear(self, x: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor | None:
+        x2 = self._flat(x)
+        if not (INT4_GLU_EPILOGUE and quant_gemv.INT4_CUDA and getattr(self, "cuda_gemv_ok", False)
+                and x2.shape[0] == 1 and x2.dtype in (torch.bfloat16, torch.float16) and self._fuses("glu", x2)
+                and (norm_weight is None or self._fuses("norm", x2))
+                and _glu_out_takes(self.out_features, self.in_features, quant_gemv.INT4_CUDA_TILE)):
+            return None
+        y = quant_gemv_triton(x2, "int4", self.weight, self.scale, self.zero, self.group_size,
+                              counters=self.gemv_counters, norm_weight=norm_weight, eps=eps, glu_out=True)
+        return y.reshape(*x.shape[:-1], self.out_features // 2)
 
     def dequantized_weight(self) -> Tensor:
         """Recovered through the module itself by multiplying the identity (the kernel's own unpacking)."""
