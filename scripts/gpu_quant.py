@@ -188,12 +188,13 @@ def part_floor(args, device: torch.device) -> list[dict]:
         base.eval()
         prompts = [list(range(100, 100 + args.prompt_len))]
         bf16_tokens: dict[str, list[int]] = {}
-        row_tokens: dict[tuple[str, str], list[int]] = {}  # (format without row switches, mode) -> greedy tokens
+        row_tokens: dict[tuple[str, str], tuple[str, list[int]]] = {}  # (format without row switches, mode) ->
+        # (the first such row's format, its greedy tokens)
         defaults = {key: getattr(*key) for switch in ROW_SWITCHES.values() for key in switch}
         for fmt_spec in args.formats.split(","):
             base_name, fusion, tc, only_mode, pdl = parse_format(fmt_spec)
             fmt_name = fmt_spec.partition("@")[0]
-            plain_name = "+".join(p for p in fmt_name.split("+") if p not in ROW_SWITCHES)
+            plain_name = "+".join(p for p in fmt_name.split("+") if p not in ROW_SWITCHES)  # the same model
             switches = {key: v for p in fmt_name.split("+") if p in ROW_SWITCHES for key, v in ROW_SWITCHES[p].items()}
             fmt, kernel = FORMAT_KERNELS[base_name]
             head = "qh" in fmt_name.split("+")
@@ -242,10 +243,12 @@ def part_floor(args, device: torch.device) -> list[dict]:
                         row.update(ngram_k=args.floor_ngram, steps=len(res.steps),
                                    mean_accepted=sum(acc) / max(1, len(acc)))
                     tokens = res.outputs[0]
-                    if fmt_name != plain_name and (plain_name, mode) in row_tokens:  # launches moved, not values
-                        row["tokens_equal_to_plain_row"] = equal_prefix(tokens, row_tokens[(plain_name, mode)])
-                    elif fmt_name == plain_name:
-                        row_tokens[(plain_name, mode)] = tokens
+                    if (plain_name, mode) in row_tokens:  # the first row of the same model: launches moved, not
+                        first, first_tokens = row_tokens[(plain_name, mode)]  # values
+                        row["tokens_equal_to_plain_row"] = equal_prefix(tokens, first_tokens)
+                        row["plain_row"] = first
+                    else:
+                        row_tokens[(plain_name, mode)] = (fmt_name, tokens)
                     if fmt_name == "none":
                         bf16_tokens[mode] = tokens
                     elif mode in bf16_tokens:  # greedy tokens equal to bf16's (same mode) before the first difference

@@ -88,10 +88,11 @@ INT4_PREFILL_GEMM_ROWS: int = _rows_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS",
                                         os.environ.get("WORKBENCH_INT4_PREFILL_GEMM_ROWS", ""))
 # int4 with kernel "triton", a SwiGLU MLP's gate/up projection at one row, fusion with "glu": silu(gate) * up in the
 # one-row CUDA GEMV's epilogue (int4_gemv.cu F_GLU_OUT: each warp takes gate rows and their up rows), so the down
-# projection reads h [I] with no SwiGLU prologue (`Int4Linear.swiglu_linear`). Off by default until timed on a GPU
-# (prepared in the twenty-second session: the down projection's SwiGLU prologue cost 2.1 us a 6.7 B layer in n10).
-# Env WORKBENCH_INT4_GLU_EPILOGUE=1 on; gpu_quant rows "+ge" / "+ge0".
-INT4_GLU_EPILOGUE: bool = os.environ.get("WORKBENCH_INT4_GLU_EPILOGUE", "0") == "1"
+# projection reads h [I] with no SwiGLU prologue (`Int4Linear.swiglu_linear`). The down projection's SwiGLU prologue
+# cost 2.1 us a 6.7 B layer (call n10); with the SwiGLU in the epilogue the 6.7 B int4 decode (quantized head) took
+# 1.774 ms a token against 1.829 (call n12, BENCHMARKS.md 27.5). On by default; env WORKBENCH_INT4_GLU_EPILOGUE=0 off;
+# gpu_quant rows "+ge" / "+ge0".
+INT4_GLU_EPILOGUE: bool = os.environ.get("WORKBENCH_INT4_GLU_EPILOGUE", "1") == "1"
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4pack kernels accept
 
