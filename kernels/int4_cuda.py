@@ -9,7 +9,8 @@ before any is used, and with PDL the first step's weights are in flight before t
 
     int4_cuda_gemv(x [1, K] or [K], weight uint8 [N, K/2], scale, zero [N, K/g], g) -> [1, N] in x's dtype
         (x bf16 or fp16; scale / zero in x's dtype; g a power of two >= 32; optional glu / residual / norm_weight
-        fusions with the meaning kernels/quant_gemv.py gives them)
+        fusions with the meaning kernels/quant_gemv.py gives them; glu_out: a [gate | up] weight's SwiGLU in the
+        epilogue, [1, N / 2] out, each warp taking ROWS / 2 gate rows and their up rows)
 
 Build and launch, without a torch extension: nvcc (found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin) compiles
 the .cu file to a cubin for the device's architecture, once per variant (ROWS, UNROLL, WARPS, WORDS_PER_SUM, PIPE,

@@ -310,7 +310,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "Linear matmul kernel", "system", choices=("auto", "aten", "dequant", "triton")),
     Knob("gemv_fusion", "str", "residual", "what our Triton GEMVs fold in at their edges (quant_kernel triton, and "
          "auto for int8 / fp8 on a GPU): residual = the MLP's residual add in the down projection's epilogue; glu "
-         "also SwiGLU in its prologue; ores also the attention's residual in o_proj's epilogue; norm also the "
+         "also SwiGLU in its prologue (for one-row int4 on the CUDA GEMV: in gate/up's epilogue instead); ores also the attention's residual in o_proj's epilogue; norm also the "
          "RMSNorms in the q/k/v and gate/up prologues (no kernel left between a layer's GEMVs); off = none. Measured "
          "best on the H200 (BENCHMARKS.md 16.3): glu+residual+ores for bf16 at 6.7 B, norm+glu+residual for fp8 "
          "and at 1.45 B", "GEMV fusions", "system",
