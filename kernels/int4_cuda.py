@@ -330,8 +330,8 @@ def launch_taken(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zer
         raise Int4CudaError(f"unknown int4_cuda tile keys {sorted(unknown)}; known: {list(TILE_KEYS)}")
     x2 = x
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    flags = (F_GLU if glu else 0) | (F_NORM if norm_weight is not None else 0) | (F_RESIDUAL if residual is not None
-                                                                                  else 0) | (F_GLU_OUT if glu_out else 0)
+    flags = (F_GLU if glu else 0) | (F_NORM if norm_weight is not None else 0) \
+        | (F_RESIDUAL if residual is not None else 0) | (F_GLU_OUT if glu_out else 0)
     launcher = _launcher(dev, n, k, int(group_size), x.dtype == torch.bfloat16, flags, bool(pdl),
                          tuple(sorted(cfg.items())))
     out = torch.empty(1, n // 2 if glu_out else n, dtype=x.dtype, device=x.device)

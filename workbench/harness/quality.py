@@ -75,7 +75,7 @@ def quantized_model(session, role: str, cfg):
     if (fmt == "none" and kernel != "triton") or base is None:  # none + triton: the dense Triton GEMV
         return base
     fusion = getattr(cfg, "gemv_fusion", QuantLinear.fusion)
-    key = (role, fmt, group, head, kernel, fusion)  # a copy per fusion: engines cached beside it keep their own modules
+    key = (role, fmt, group, head, kernel, fusion)  # a copy per fusion: engines cached beside it keep their modules
     if key not in session._quantized:
         calibration = calibration_ids(session, base) if fmt == "int4-awq" else None
         while len(session._quantized) >= QUANT_CACHE_SIZE:

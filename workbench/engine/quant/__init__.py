@@ -29,9 +29,10 @@ CUDA GPU; with it fp8 keeps activations in bf16 (weight-only fp8).
 What is swapped: the four linears of every decoder layer (qkv_proj, o_proj, gate_up_proj, down_proj). Embeddings, the
 LM head (tied or not) and the norms stay in the model dtype by default: the head is what logits and acceptance are
 computed from (AWQ and GPTQ keep it float too). `head=True` (the knob `quant_head`) quantizes the head as well, as
-gpt-fast's int8 / int4 do: a tied head becomes a quantized copy beside the float embedding. At 6.7 B the head is
-4 % of the bf16 weight bytes and 14 % of int4's, so at batch 1 it is a real part of an int4 token (BENCHMARKS.md
-23.5: 0.065 ms of 2.245); its quality cost is measured like the format's (the harness's quality columns). A quantized model is a different model: the engine's greedy parity
+gpt-fast's int8 / int4 do: a tied head becomes a quantized copy beside the float embedding. At 6.7 B the bf16 head
+is 2 % of a bf16 token's bytes but 7 % of an int4 token's, so at batch 1 it is a real part of an int4 token
+(BENCHMARKS.md 27.1: 1.873 -> 1.824 ms with it quantized); its quality cost is measured like the format's (the
+harness's quality columns; 27.3). A quantized model is a different model: the engine's greedy parity
 (the fidelity guard) is checked against the autoregressive output of the *same* quantized model, and its cost
 against the unquantized one is measured separately (the harness's quality columns).
 
