@@ -459,8 +459,10 @@ def counters_for(n: int, device: torch.device | str) -> torch.Tensor:
 
 def check_gemv(fmt: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                group_size: int | None, glu: bool = False, residual: torch.Tensor | None = None,
-               norm_weight: torch.Tensor | None = None) -> None:
+               norm_weight: torch.Tensor | None = None, glu_out: bool = False) -> None:
     """GemvError for inputs the kernel does not take (before any launch)."""
+    if glu_out and (residual is not None or weight.shape[0] % 2):
+        raise GemvError(f"glu_out needs an even N ([gate | up] rows; got {weight.shape[0]}) and no residual")
     if norm_weight is not None:
         if glu:
             raise GemvError("an RMSNorm prologue and the SwiGLU prologue do not combine: a layer's norm feeds q/k/v "
@@ -906,9 +908,7 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
     Without `override` the launch goes through the custom op `torch.ops.workbench.quant_gemv`, which torch.compile
     treats as one opaque call (its output shape from a fake implementation): the model around a quantized linear
     still compiles and fuses (norms, RoPE, residual adds) instead of breaking the graph at each Triton launch."""
-    check_gemv(fmt, x, weight, scale, zero, group_size, glu, residual, norm_weight)
-    if glu_out and (residual is not None or weight.shape[0] % 2):
-        raise GemvError(f"glu_out needs an even N ([gate | up] rows; got {weight.shape[0]}) and no residual")
+    check_gemv(fmt, x, weight, scale, zero, group_size, glu, residual, norm_weight, glu_out)
     if counters is None:
         counters = counters_for(weight.shape[0], x.device)
     if override:

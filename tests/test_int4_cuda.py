@@ -193,10 +193,11 @@ def test_measured_tiles_replace_the_rule(tmp_path, monkeypatch):
     assert int4_cuda.int4_cuda_tile(12288, 4096) == dict(int4_cuda.DEFAULT_TILE, ROWS=8, UNROLL=1, WARPS=4)
 
 
-def test_launch_passes_what_the_kernel_signature_takes(monkeypatch):
-    """int4_cuda_gemv up to the driver call, on CPU tensors with the driver faked: 7 pointers then N, K, log2 g, the
-    fusion flags and eps (int4_gemv.cu's parameter list), the grid of rows, the shared memory for K and PDL's
-    attribute. The kernel's own arithmetic is checked on the GPU (scripts/gpu_gemv.py --parts cuda)."""
+@pytest.fixture
+def fake_driver(monkeypatch):
+    """int4_cuda's launch on CPU tensors with the driver faked: the dict it returns gets each launch's grid, block,
+    shared memory, stream, PDL attribute, the four ints after the 7 pointers (N, K, log2 g, flags), eps and the first
+    pointer."""
     import ctypes
     monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)
     monkeypatch.setattr(int4_cuda, "_function", lambda *a: ctypes.c_void_p(1))
@@ -218,6 +219,15 @@ def test_launch_passes_what_the_kernel_signature_takes(monkeypatch):
             return 0
 
     monkeypatch.setattr(int4_cuda, "_libcuda", lambda: FakeDriver)
+    yield seen
+    int4_cuda._launcher.cache_clear()
+
+
+def test_launch_passes_what_the_kernel_signature_takes(fake_driver, monkeypatch):
+    """int4_cuda_gemv up to the driver call, on CPU tensors with the driver faked: 7 pointers then N, K, log2 g, the
+    fusion flags and eps (int4_gemv.cu's parameter list), the grid of rows, the shared memory for K and PDL's
+    attribute. The kernel's own arithmetic is checked on the GPU (scripts/gpu_gemv.py --parts cuda)."""
+    seen = fake_driver
     n, k, g = 100, 512, 128
     w, s, z = _case(n, k, g, torch.bfloat16)
     x = torch.randn(1, 2 * k).to(torch.bfloat16)
@@ -249,7 +259,6 @@ def test_launch_passes_what_the_kernel_signature_takes(monkeypatch):
     monkeypatch.setattr(int4_cuda, "_raw_stream", lambda dev: 99)
     int4_cuda_gemv(xk, w3, s2, z2, g, ROWS=2, WARPS=4)
     assert seen["ptr0"] == w3.data_ptr() and seen["stream"] == 99
-    int4_cuda._launcher.cache_clear()
 
 
 def test_run_record_says_whether_the_cuda_gemv_served(monkeypatch):
@@ -345,28 +354,11 @@ def test_emulated_swiglu_epilogue_matches_the_unfused_path(dtype, norm):
     assert _rel(got, full[:, : n // 2]) > 0.05  # it is not the plain output's gate half
 
 
-def test_swiglu_epilogue_launch_has_half_the_outputs_and_its_flag(monkeypatch):
+def test_swiglu_epilogue_launch_has_half_the_outputs_and_its_flag(fake_driver):
     """The launch with glu_out: flag F_GLU_OUT, the full N passed (the kernel reads [gate | up] rows), a grid over
     N / 2 output rows at ROWS / 2 a warp (the same blocks as the plain call), an output of N / 2; odd ROWS, an odd N
     and a residual are refused before any launch."""
-    import ctypes
-    monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)
-    monkeypatch.setattr(int4_cuda, "_function", lambda *a: ctypes.c_void_p(1))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(int4_cuda, "_raw_stream", lambda dev: 1)
-    int4_cuda._launcher.cache_clear()
-    seen = {}
-
-    class FakeDriver:
-        @staticmethod
-        def cuLaunchKernelEx(conf, func, params, extra):
-            c = conf._obj if hasattr(conf, "_obj") else conf
-            arr = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
-            seen.update(grid=c.gridDimX, ints=[ctypes.cast(arr[i], ctypes.POINTER(ctypes.c_int))[0]
-                                               for i in range(7, 11)])
-            return 0
-
-    monkeypatch.setattr(int4_cuda, "_libcuda", lambda: FakeDriver)
+    seen = fake_driver
     n, k, g = 200, 256, 64
     w, s, z = _case(n, k, g, torch.bfloat16)
     x = torch.randn(1, k).to(torch.bfloat16)
@@ -382,7 +374,6 @@ def test_swiglu_epilogue_launch_has_half_the_outputs_and_its_flag(monkeypatch):
     with pytest.raises(Int4CudaError, match="no residual"):
         int4_cuda_gemv(x, w, s, z, g, glu_out=True, residual=torch.zeros(1, n, dtype=torch.bfloat16), ROWS=2)
     assert not int4_cuda.glu_out_takes(201, k, ROWS=2) and int4_cuda.glu_out_takes(200, k, ROWS=2)
-    int4_cuda._launcher.cache_clear()
 
 
 def test_swiglu_dispatch_goes_to_cuda_or_falls_back_to_the_full_output(monkeypatch):

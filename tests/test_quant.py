@@ -10,8 +10,8 @@ from tests.test_engine import PROMPTS, random_model, reference_greedy
 from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.drafters import DraftModelDrafter, NgramDrafter
 from workbench.engine.quant import (Fp8Linear, Int4Linear, Int8Linear, QuantError, check_quant, dequantize_fp8,
-                                    dequantize_int4, dequantize_int8, fp8_linear_reference, quantize_fp8,
-                                    quantize_int4, quantize_int8, quantize_model, weight_bytes)
+                                    dequantize_int4, dequantize_int8, fp8_linear_reference, head_quantized,
+                                    quantize_fp8, quantize_int4, quantize_int8, quantize_model, weight_bytes)
 from workbench.engine.quant.awq import apply_awq, search_scale
 
 
@@ -205,7 +205,7 @@ def test_a_quantized_head_computes_the_logits_of_its_dequantized_weight(fmt, ker
         target = tied_model.eval()
     qmodel = quantize_model(target, fmt, group_size=32, kernel=kernel, head=True)
     head = qmodel.lm_head
-    assert isinstance(head, (Int8Linear, Int4Linear)) and qmodel.head_quantized is True
+    assert isinstance(head, (Int8Linear, Int4Linear)) and head_quantized(qmodel) is True
     assert torch.equal(qmodel.model.embed_tokens.weight, target.model.embed_tokens.weight)  # float, unchanged
     assert target.lm_head is None if tied else isinstance(target.lm_head, torch.nn.Linear)  # the original untouched
     hidden = _x(5, 64)
@@ -349,8 +349,8 @@ def test_quant_head_runs_record_it_and_measure_its_own_quality(session):
     cfg = _cfg(target_quant="int4", draft_quant="int8", quant_head=True)
     with_head, plain = quantized_model(session, "target", cfg), quantized_model(session, "target", _cfg(
         target_quant="int4"))
-    assert with_head is not plain and with_head.head_quantized and not getattr(plain, "head_quantized", False)
-    assert quantized_model(session, "draft", cfg).head_quantized  # the draft's head in its own format
+    assert with_head is not plain and head_quantized(with_head) and not head_quantized(plain)
+    assert head_quantized(quantized_model(session, "draft", cfg))  # the draft's head in its own format
     rec, ref = session.run(cfg).record, session.run(_cfg(target_quant="int4", draft_quant="int8")).record
     assert rec["quant_head"] is True and ref["quant_head"] is False
     assert rec["greedy_matches_ar"] is True and rec["quant_ppl"] != ref["quant_ppl"]

@@ -193,21 +193,18 @@ class MLP(nn.Module):
         swiglu = getattr(self.gate_up_proj, "swiglu_linear", None)  # SwiGLU in gate/up's epilogue: h [B, T, I]
         h = swiglu(x, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps) \
             if swiglu is not None else None
-        if h is not None:
-            down = getattr(self.down_proj, "glu_residual", None)
-            out = down(h, residual, swiglu_done=True) if down is not None and residual is not None else None
-            if out is not None:
-                return out
-            y = self.down_proj(h)
-            return y if residual is None else residual + y
-        h = self.gate_up_proj(x) if norm is None else norm_linear(self.gate_up_proj, norm, x)  # [B, T, 2I]
+        done = h is not None  # h = silu(gate) * up already
+        if not done:
+            h = self.gate_up_proj(x) if norm is None else norm_linear(self.gate_up_proj, norm, x)  # [B, T, 2I]
         fused = getattr(self.down_proj, "glu_residual", None)
         if fused is not None and residual is not None:
-            out = fused(h, residual)
+            out = fused(h, residual, swiglu_done=True) if done else fused(h, residual)
             if out is not None:
                 return out
-        gate, up = h.chunk(2, dim=-1)  # [B, T, I] each
-        y = self.down_proj(F.silu(gate) * up)
+        if not done:
+            gate, up = h.chunk(2, dim=-1)  # [B, T, I] each
+            h = F.silu(gate) * up
+        y = self.down_proj(h)
         return y if residual is None else residual + y
 
 

@@ -199,14 +199,13 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
 
 def _quantize_head(out: nn.Module, make) -> None:
     """out.lm_head = make(the head as a bias-free linear); a tied head's weight is the embedding's, which stays as it
-    is (make only reads it); `out.head_quantized` = True. With AWQ the head's input (the final norm's output) keeps
-    no scale: apply_awq folds none into the final norm."""
+    is (make only reads it). With AWQ the head's input (the final norm's output) keeps no scale: apply_awq folds none
+    into the final norm."""
     with torch.no_grad():
         weight = out.lm_head_weight  # [V, H]
         lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         lin.weight = nn.Parameter(weight.detach(), requires_grad=False)  # shares the storage: read, not copied
         out.lm_head = make(lin)
-    out.head_quantized = True
 
 
 def _swap_linears(out: nn.Module, make, fmt: str) -> nn.Module:
@@ -294,7 +293,7 @@ def set_fusion(model: nn.Module, fusion: str) -> nn.Module:
 
 def head_quantized(model: nn.Module) -> bool:
     """Whether `quantize_model(head=True)` quantized the model's LM head."""
-    return getattr(model, "head_quantized", False)
+    return isinstance(getattr(model, "lm_head", None), QuantLinear)
 
 
 def format_of(model: nn.Module) -> str:

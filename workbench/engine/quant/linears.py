@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import quant_gemv
+from kernels import int4_cuda, quant_gemv
 from kernels.int4_dequant import int4_dequant_reference, int4_dequant_triton
 from kernels.quant_gemv import counters_for, quant_gemv_triton
 
@@ -95,16 +95,6 @@ INT4_PREFILL_GEMM_ROWS: int = _rows_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS",
 INT4_GLU_EPILOGUE: bool = os.environ.get("WORKBENCH_INT4_GLU_EPILOGUE", "1") == "1"
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4pack kernels accept
-
-
-def _int4_cuda_problem(device: torch.device) -> str | None:
-    from kernels.int4_cuda import device_problem
-    return device_problem(device)
-
-
-def _glu_out_takes(n: int, k: int, tile: dict | None) -> bool:
-    from kernels.int4_cuda import glu_out_takes
-    return glu_out_takes(n, k, **(tile or {}))
 
 
 # ---- reference math (pure PyTorch, any device) -----------------------------------------------------------------
@@ -349,7 +339,8 @@ class Int4Linear(QuantLinear):
         self._add_counters(kernel, q.device)
         # the one-row CUDA GEMV can run this module's calls (decided here, on the host: `swiglu_linear` reads it
         # under torch.compile, where the device checks would break the graph)
-        self.cuda_gemv_ok = kernel == "triton" and q.device.type == "cuda" and _int4_cuda_problem(q.device) is None
+        self.cuda_gemv_ok = kernel == "triton" and q.device.type == "cuda" \
+            and int4_cuda.device_problem(q.device) is None
         if kernel in ("dequant", "triton"):
             self.register_buffer("weight", (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8))  # [N, K/2]
             self.register_buffer("scale", scale)  # [N, K/g]
@@ -385,7 +376,8 @@ class Int4Linear(QuantLinear):
         if not (INT4_GLU_EPILOGUE and quant_gemv.INT4_CUDA and getattr(self, "cuda_gemv_ok", False)
                 and x2.shape[0] == 1 and x2.dtype in (torch.bfloat16, torch.float16) and self._fuses("glu", x2)
                 and (norm_weight is None or self._fuses("norm", x2))
-                and _glu_out_takes(self.out_features, self.in_features, quant_gemv.INT4_CUDA_TILE)):
+                and int4_cuda.glu_out_takes(self.out_features, self.in_features,
+                                            **(quant_gemv.INT4_CUDA_TILE or {}))):
             return None
         y = quant_gemv_triton(x2, "int4", self.weight, self.scale, self.zero, self.group_size,
                               counters=self.gemv_counters, norm_weight=norm_weight, eps=eps, glu_out=True)
