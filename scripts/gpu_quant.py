@@ -126,7 +126,12 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 # "+ge" / "+ge0": a one-row int4 gate/up writes silu(gate) * up from the CUDA GEMV's epilogue
                 # (linears.INT4_GLU_EPILOGUE), so down reads h with no SwiGLU prologue; the row records
                 # glu_out_rel_err (layer 0's gate/up against the reference's full output, then SwiGLU in fp32)
-                "ge": {(linears, "INT4_GLU_EPILOGUE"): True}, "ge0": {(linears, "INT4_GLU_EPILOGUE"): False}}
+                "ge": {(linears, "INT4_GLU_EPILOGUE"): True}, "ge0": {(linears, "INT4_GLU_EPILOGUE"): False},
+                # "+fkv" / "+fkv0": attention writes the step's K / V itself, one launch a layer
+                # (paged_attention.FUSE_KV_WRITE), or the K/V write launch before it; "+stN": each attention split
+                # gets at least N KV tiles of a full table row (paged_attention.SPLIT_MIN_TILES; fewer splits)
+                "fkv": {(paged_attention, "FUSE_KV_WRITE"): True}, "fkv0": {(paged_attention, "FUSE_KV_WRITE"): False},
+                **{f"st{n}": {(paged_attention, "SPLIT_MIN_TILES"): n} for n in (1, 2, 4, 8)}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 # "+qh": the LM head quantized too, in the row's format (quantize_model(head=True), the knob quant_head): a different
 # model, so it stays in the row's plain name (its tokens are compared with rows of the same "+qh" only); the row

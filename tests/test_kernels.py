@@ -308,20 +308,30 @@ def test_references_with_rope_equal_rotating_first():
     assert torch.equal(kp, kp2) and torch.equal(vp, vp2)
 
 
+def _step_case(name, dtype, seed):
+    """An attention case of TRITON_CASES with the step's own K / V [B, Hkv, T, D] as views of one fused qkv output
+    (strided, as the model hands them over), the slots the cache writes them to (positions base_len .. + T - 1 of
+    each row, through the block table) and rope = (cos, sin_signed) [B, T, D]."""
+    case = make_case(**TRITON_CASES[name], dtype=dtype, seed=seed)
+    b, hq, t, dim = case["q"].shape
+    hkv = case["k_pool"].shape[1]
+    rope = _rope(b, t, dim, dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(b, t, hq + 2 * hkv, dim, generator=g).to(dtype)
+    k, v = qkv[:, :, hq:hq + hkv].transpose(1, 2), qkv[:, :, hq + hkv:].transpose(1, 2)
+    slots = torch.stack([case["block_table"][r, (case["base_len"][i] + torch.arange(t)) // case["block_size"]]
+                         * case["block_size"] + (case["base_len"][i] + torch.arange(t)) % case["block_size"]
+                         for i, r in enumerate(case["rows"].tolist())]).reshape(-1)  # the step's own slots
+    return case, k, v, slots, rope
+
+
 @interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", ["decode_d64", "decode_d128_mha", "tree_two_branches", "many_m_tiles_t64"])
 def test_triton_rotates_q_and_k_as_the_reference(name, dtype, interpreter_bf16_dot):
     """The fused write + attention with rope=(cos, sin_signed): q and k arrive unrotated; the keys land in the pool
     rotated (within one rounding of the reference's, which rounds per op), and the output matches the reference."""
-    case = make_case(**TRITON_CASES[name], dtype=dtype, seed=6)
-    b, hkv, t, dim = case["q"].shape[0], case["k_pool"].shape[1], case["q"].shape[2], case["q"].shape[3]
-    rope = _rope(b, t, dim, dtype, seed=6)
-    g = torch.Generator().manual_seed(7)
-    k, v = (torch.randn(b, hkv, t, dim, generator=g).to(dtype) for _ in "kv")
-    slots = torch.stack([case["block_table"][r, (case["base_len"][i] + torch.arange(t)) // case["block_size"]]
-                         * case["block_size"] + (case["base_len"][i] + torch.arange(t)) % case["block_size"]
-                         for i, r in enumerate(case["rows"].tolist())]).reshape(-1)  # the step's own slots
+    case, k, v, slots, rope = _step_case(name, dtype, seed=6)
     want_pools = {n: case[n].clone() for n in ("k_pool", "v_pool")}
     paged_kv_write_reference(k, v, want_pools["k_pool"], want_pools["v_pool"], slots, rope=rope)
     got = paged_write_attention_triton(case["q"], k, v, slots, case["k_pool"], case["v_pool"], case["block_table"],
@@ -333,3 +343,47 @@ def test_triton_rotates_q_and_k_as_the_reference(name, dtype, interpreter_bf16_d
     want = paged_attention_reference(**{**case, "q": case["q"].float(), "k_pool": case["k_pool"].float(),
                                         "v_pool": case["v_pool"].float()}, rope=tuple(r.float() for r in rope))
     torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=0)
+
+
+@interpreter
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("use_rope", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["decode_d64", "decode_d128_mha", "causal_chunk", "tree_two_branches",
+                                  "many_m_tiles_t64"])
+def test_attention_that_writes_the_step_equals_write_then_attend(name, dtype, use_rope, num_splits,
+                                                                 interpreter_bf16_dot):
+    """`paged_write_attention_triton(fuse_write=True)`: one launch writes the step's K / V into the pools and attends,
+    reading the step's positions from k / v. Bit for bit what the K/V write followed by attention gives: the same
+    pools (keys rotated the same way under RoPE) and the same output, with 1 to 3 splits and row tiles (t = 64)."""
+    case, k, v, slots, rope = _step_case(name, dtype, seed=8)
+    rope = rope if use_rope else None
+    pools = {n: case[n].clone() for n in ("k_pool", "v_pool")}
+    args = (case["block_table"], case["rows"], case["base_len"], case["intra_mask"], case["block_size"])
+    want = paged_write_attention_triton(case["q"], k, v, slots, pools["k_pool"], pools["v_pool"], *args, rope=rope,
+                                        fuse_write=False)
+    from kernels import paged_attention as pa
+    got = pa.paged_attention_triton(case["q"], case["k_pool"], case["v_pool"], *args, rope=rope,
+                                    num_splits=num_splits, step_kv=(k, v, slots))
+    if num_splits is None:
+        fused = paged_write_attention_triton(case["q"], k, v, slots, case["k_pool"].clone(), case["v_pool"].clone(),
+                                             *args, rope=rope, fuse_write=True)
+        assert torch.equal(fused, got)
+    assert torch.equal(case["k_pool"], pools["k_pool"]) and torch.equal(case["v_pool"], pools["v_pool"])
+    if num_splits is None:
+        assert torch.equal(got, want)
+    else:  # another split count sums in another order
+        torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("min_tiles, want", [(1, 3), (2, 2), (4, 1)])
+def test_split_min_tiles_caps_the_splits_of_a_short_table(monkeypatch, min_tiles, want):
+    """6.7 B decode (32 KV heads, one row) over a 192-position table: ~2 waves would take 9 splits, the table's three
+    64-key tiles cap them at 3; SPLIT_MIN_TILES tiles a split lowers the cap (ceil(3 / 2) = 2, ceil(3 / 4) = 1). A
+    long table keeps the wave rule."""
+    from kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "SPLIT_MIN_TILES", min_tiles)
+    cpu = torch.device("cpu")  # 132 SMs assumed off a GPU
+    assert pa.launch_plan(1, 32, 32, 1, 192, cpu) == (16, 1, want)
+    assert pa.launch_plan(1, 32, 32, 1, 8192, cpu)[2] == 9
