@@ -47,7 +47,7 @@ import torch
 SOURCE = Path(__file__).with_name("int4_gemv.cu")
 DEFAULT_TILE = dict(ROWS=4, UNROLL=4, WARPS=4, WORDS_PER_SUM=4, PIPE=0, MINB=0, PERSIST=0)
 TILE_KEYS = tuple(DEFAULT_TILE)
-F_GLU, F_NORM, F_RESIDUAL, F_GLU_OUT = 1, 2, 4, 8  # int4_gemv.cu's flags
+F_GLU, F_NORM, F_RESIDUAL, F_GLU_OUT, F_NORM_UNIT = 1, 2, 4, 8, 16  # int4_gemv.cu's flags
 
 
 MEASURED_TILES: dict[tuple[int, int], dict] = {}  # (N, K) -> a swept tile that replaces the rule's for that shape
@@ -296,11 +296,12 @@ def glu_out_takes(n: int, k: int, **tile) -> bool:
 def int4_cuda_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                    *, glu: bool = False, residual: torch.Tensor | None = None,
                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False,
-                   glu_out: bool = False, **tile) -> torch.Tensor:
+                   glu_out: bool = False, norm_unit: bool = False, **tile) -> torch.Tensor:
     """x [1, K] (glu: [1, 2K]) -> [1, N] in x's dtype (see the module docstring); `tile`: entries of DEFAULT_TILE
     that replace `int4_cuda_tile`'s for this shape. glu_out: the weight's rows are [gate | up] (a SwiGLU MLP's
     gate/up projection) and the result is silu(gate) * up [1, N / 2], gate and up each rounded to x's type first
-    (`glu_out_takes`; no residual)."""
+    (`glu_out_takes`; no residual). norm_unit: norm_weight is all ones (a norm folded into this weight), and the
+    kernel does not read it (the caller vouches for it: the weight is not checked)."""
     problem = device_problem(x.device)
     if problem:
         raise Int4CudaError(problem)
@@ -312,14 +313,16 @@ def int4_cuda_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     if glu_out and (residual is not None or not glu_out_takes(weight.shape[0], weight.shape[1] * 2, **tile)):
         raise Int4CudaError(f"glu_out needs an even N and an even ROWS, and no residual (N {weight.shape[0]}, tile "
                             f"{dict(int4_cuda_tile(weight.shape[0], weight.shape[1] * 2), **tile)})")
+    if norm_unit and norm_weight is None:
+        raise Int4CudaError("norm_unit is a property of norm_weight: pass the (all-ones) norm weight with it")
     return launch_taken(x2, weight, scale, zero, group_size, glu=glu, residual=residual, norm_weight=norm_weight,
-                        eps=eps, pdl=pdl, glu_out=glu_out, **tile)
+                        eps=eps, pdl=pdl, glu_out=glu_out, norm_unit=norm_unit, **tile)
 
 
 def launch_taken(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                  *, glu: bool = False, residual: torch.Tensor | None = None,
                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6, pdl: bool = False,
-                 glu_out: bool = False, **tile) -> torch.Tensor:
+                 glu_out: bool = False, norm_unit: bool = False, **tile) -> torch.Tensor:
     """`int4_cuda_gemv` for a call already known to fit (`device_problem` None, `int4_cuda_takes` true, x [1, K]
     contiguous, and `glu_out_takes` for glu_out): the dispatch in kernels/quant_gemv.py has checked them, so a decode
     step does not check twice."""
@@ -331,7 +334,8 @@ def launch_taken(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zer
     x2 = x
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     flags = (F_GLU if glu else 0) | (F_NORM if norm_weight is not None else 0) \
-        | (F_RESIDUAL if residual is not None else 0) | (F_GLU_OUT if glu_out else 0)
+        | (F_RESIDUAL if residual is not None else 0) | (F_GLU_OUT if glu_out else 0) \
+        | (F_NORM_UNIT if norm_unit and norm_weight is not None else 0)
     launcher = _launcher(dev, n, k, int(group_size), x.dtype == torch.bfloat16, flags, bool(pdl),
                          tuple(sorted(cfg.items())))
     out = torch.empty(1, n // 2 if glu_out else n, dtype=x.dtype, device=x.device)

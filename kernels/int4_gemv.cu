@@ -79,6 +79,7 @@ __device__ __forceinline__ xt from_f32(float v) { return __float2half_rn(v); }
 #define F_NORM 2
 #define F_RESIDUAL 4
 #define F_GLU_OUT 8  // SwiGLU in the epilogue: out [N/2] = silu(gate) * up, rows [0, N/2) gate, [N/2, N) up (ROWS even)
+#define F_NORM_UNIT 16  // with F_NORM: the norm's weight is all ones (folded into this weight), so nw is never read
 
 // element i (0..7) of 8 16-bit values in a uint4, as fp32 (no address taken: the uint4 stays in registers)
 __device__ __forceinline__ float elem(uint4 v, int i) {
@@ -239,7 +240,7 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
         const uint4* yc = reinterpret_cast<const uint4*>(flags & F_GLU ? x + K : nw) + c * 4;  // up, or norm weight
 #pragma unroll
         for (int q = 0; q < 4; ++q) xr[q] = xc[q];
-        if (flags & (F_GLU | F_NORM)) {
+        if ((flags & F_GLU) || (flags & (F_NORM | F_NORM_UNIT)) == F_NORM) {
 #pragma unroll
             for (int q = 0; q < 4; ++q) yr[q] = yc[q];
         }
@@ -258,7 +259,10 @@ int4_gemv(const uint4* __restrict__ w, const xt* __restrict__ x, const xt* __res
                 }
             }
         }
-        if (flags & F_NORM) {  // x * norm weight, rounded to x's type; 1 / rms applied to the sum at the end
+        if (flags & F_NORM_UNIT) {  // x * 1 is x: only the sum of squares
+#pragma unroll
+            for (int i = 0; i < 32; ++i) sq += v[i] * v[i];
+        } else if (flags & F_NORM) {  // x * norm weight, rounded to x's type; 1 / rms applied to the sum at the end
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
 #pragma unroll

@@ -894,7 +894,8 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
                       zero: torch.Tensor | None = None, group_size: int | None = None,
                       counters: torch.Tensor | None = None, *, glu: bool = False,
                       residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                      eps: float = 1e-6, glu_out: bool = False, **override) -> torch.Tensor:
+                      eps: float = 1e-6, glu_out: bool = False, norm_unit: bool = False,
+                      **override) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) -> [M, N] in x's dtype, through the Triton kernel. `counters`: a persistent
     `counters_for(N, device)` buffer (zero between calls; allocated here when None, which a captured graph would
     re-zero on every replay: pass one). `override`: entries of `gemv_config` (a benchmark's sweep).
@@ -904,6 +905,8 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
     glu_out: the weight's rows are [gate | up] (a SwiGLU MLP's gate/up projection) and the result is silu(gate) * up
     [M, N / 2], gate and up rounded to x's type first: in the epilogue of the one-row CUDA GEMV where it takes the
     call (int4, `int4_cuda.glu_out_takes`), else by PyTorch ops after the full output (no residual with it).
+    norm_unit: norm_weight is all ones (the norm's weight folded into this weight at quantization), so the one-row
+    CUDA GEMV skips reading it; every other path multiplies by the ones as given.
 
     Without `override` the launch goes through the custom op `torch.ops.workbench.quant_gemv`, which torch.compile
     treats as one opaque call (its output shape from a fake implementation): the model around a quantized linear
@@ -913,9 +916,9 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
         counters = counters_for(weight.shape[0], x.device)
     if override:
         return _launch(x, fmt, weight, scale, zero, group_size, counters, glu, residual, norm_weight, eps, glu_out,
-                       **override)
+                       norm_unit, **override)
     return torch.ops.workbench.quant_gemv(x, fmt, weight, scale, zero, group_size or 0, counters, glu, residual,
-                                          norm_weight, eps, glu_out)
+                                          norm_weight, eps, glu_out, norm_unit)
 
 
 # `counters` is not declared mutated: the split-K programs bump it and the last one resets it, so it holds zeros
@@ -925,14 +928,15 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
 def _quant_gemv_op(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None,
                    zero: torch.Tensor | None, group_size: int, counters: torch.Tensor, glu: bool = False,
                    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                   eps: float = 1e-6, glu_out: bool = False) -> torch.Tensor:
+                   eps: float = 1e-6, glu_out: bool = False, norm_unit: bool = False) -> torch.Tensor:
     # counters: bumped by the split-K programs and reset to zero by the last one (zero again after every call)
-    return _launch(x, fmt, weight, scale, zero, group_size or None, counters, glu, residual, norm_weight, eps, glu_out)
+    return _launch(x, fmt, weight, scale, zero, group_size or None, counters, glu, residual, norm_weight, eps, glu_out,
+                   norm_unit)
 
 
 @_quant_gemv_op.register_fake
 def _(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, norm_weight=None, eps=1e-6,
-      glu_out=False):
+      glu_out=False, norm_unit=False):
     return x.new_empty(x.shape[0], weight.shape[0] // 2 if glu_out else weight.shape[0])
 
 
@@ -945,7 +949,7 @@ def int4_mma_takes(x, scale, zero, group_size) -> bool:
 
 
 def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, norm_weight=None, eps=1e-6,
-            glu_out=False, **override) -> torch.Tensor:
+            glu_out=False, norm_unit=False, **override) -> torch.Tensor:
     x = x.contiguous()
     m, k = x.shape
     k = k // 2 if glu else k
@@ -958,7 +962,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
             try:
                 return int4_cuda.launch_taken(x, weight, scale, zero, group_size, glu=glu, residual=residual,
                                               norm_weight=norm_weight, eps=eps, pdl=use_pdl(x.device),
-                                              glu_out=glu_out, **(INT4_CUDA_TILE or {}))
+                                              glu_out=glu_out, norm_unit=norm_unit, **(INT4_CUDA_TILE or {}))
             except int4_cuda.Int4CudaBuildError as e:  # nothing ran: this device stays in the Triton GEMV below
                 int4_cuda.mark_failed(x.device, e)
     if glu_out:  # not in the CUDA epilogue: the full [gate | up] output, then SwiGLU of its rounded halves

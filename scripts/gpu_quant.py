@@ -45,6 +45,7 @@ from kernels.pdl import pdl_problem, set_pdl  # noqa: E402
 from kernels import int4_cuda, paged_attention, quant_gemv  # noqa: E402
 from kernels.quant_gemv import set_m1_tiles  # noqa: E402
 from workbench.engine import kv_cache  # noqa: E402
+from workbench.engine import quant  # noqa: E402
 from workbench.engine.quant import linears  # noqa: E402
 
 CONFIGS = {**RANDOM_CONFIGS, "mini": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -131,7 +132,10 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 # (paged_attention.FUSE_KV_WRITE), or the K/V write launch before it; "+stN": each attention split
                 # gets at least N KV tiles of a full table row (paged_attention.SPLIT_MIN_TILES; fewer splits)
                 "fkv": {(paged_attention, "FUSE_KV_WRITE"): True}, "fkv0": {(paged_attention, "FUSE_KV_WRITE"): False},
-                **{f"st{n}": {(paged_attention, "SPLIT_MIN_TILES"): n} for n in (1, 2, 4, 8)}}
+                **{f"st{n}": {(paged_attention, "SPLIT_MIN_TILES"): n} for n in (1, 2, 4, 8)},
+                # "+fn" / "+fn0": int4 quantizes q/k/v and gate/up with the RMSNorm weights folded in, so the one-row
+                # CUDA GEMV's norm prologue reads no weight (quant.FOLD_NORMS, the default), or as loaded
+                "fn": {(quant, "FOLD_NORMS"): True}, "fn0": {(quant, "FOLD_NORMS"): False}}
 PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
 # "+qh": the LM head quantized too, in the row's format (quantize_model(head=True), the knob quant_head): a different
 # model, so it stays in the row's plain name (its tokens are compared with rows of the same "+qh" only); the row
@@ -228,6 +232,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     set_fusion(model, fusion)  # what each GEMV linear fuses (linears.QuantLinear.fusion)
                     sync(device)
                     row["quantize_s"] = time.perf_counter() - t0
+                    row["norms_folded"] = bool(getattr(model, "norms_folded", False))
                     if head:
                         row["head_rel_err"] = head_error(model, device)
                     if linears.INT4_GLU_EPILOGUE and fmt.startswith("int4"):

@@ -242,6 +242,12 @@ def test_launch_passes_what_the_kernel_signature_takes(fake_driver, monkeypatch)
     assert seen["attrs"] == 1 and seen["pdl"] == 1
     int4_cuda_gemv(x[:, :k].contiguous(), w, s, z, g, norm_weight=torch.ones(k, dtype=torch.bfloat16))
     assert seen["ints"][3] == int4_cuda.F_NORM and seen["attrs"] == 0
+    # a norm folded into the weight (its weight all ones): the kernel is told not to read it
+    int4_cuda_gemv(x[:, :k].contiguous(), w, s, z, g, norm_weight=torch.ones(k, dtype=torch.bfloat16),
+                   norm_unit=True)
+    assert seen["ints"][3] == int4_cuda.F_NORM | int4_cuda.F_NORM_UNIT
+    with pytest.raises(int4_cuda.Int4CudaError, match="norm_unit"):
+        int4_cuda_gemv(x[:, :k].contiguous(), w, s, z, g, norm_unit=True)
     # PERSIST: at most min(PERSIST, blocks that fit) x SMs blocks, never more than the row groups
     monkeypatch.setattr(int4_cuda, "_sm_count", lambda dev: 3)
     monkeypatch.setattr(int4_cuda, "_occupancy", lambda func, threads, smem: 2)
@@ -422,11 +428,13 @@ def test_mlp_takes_the_swiglu_epilogue_and_matches_the_unfused_mlp(monkeypatch):
         lin.kernel = "triton"  # the GEMV path, its launches faked below (no GPU here)
         lin.register_buffer("gemv_counters", torch.zeros(1, dtype=torch.int32), persistent=False)
     layer.mlp.gate_up_proj.cuda_gemv_ok = True
-    asked = []
+    asked, units = [], []
 
     def fake_gemv(x, fmt, weight, scale=None, zero=None, group_size=None, counters=None, *, glu=False,
-                  residual=None, norm_weight=None, eps=1e-6, glu_out=False):
+                  residual=None, norm_weight=None, eps=1e-6, glu_out=False, norm_unit=False):
         asked.append((weight.shape[0], glu, glu_out))
+        units.append(norm_unit)
+        assert not norm_unit or torch.equal(norm_weight, torch.ones_like(norm_weight))
         if glu_out:
             return int4_cuda_emulate(x, weight, scale, zero, group_size, norm_weight=norm_weight, eps=eps,
                                      glu_out=True)
@@ -444,6 +452,7 @@ def test_mlp_takes_the_swiglu_epilogue_and_matches_the_unfused_mlp(monkeypatch):
     monkeypatch.setattr(linears, "INT4_GLU_EPILOGUE", True)
     got = layer.mlp(x, residual=x, norm=norm)
     assert asked == [(384, False, True), (128, False, False)]  # SwiGLU in gate/up's epilogue, none in down
+    assert units == [True, False, True, False]  # the norm folded into gate/up (quant.FOLD_NORMS): its weight unread
     assert _rel(got, want) <= 2 * RTOL
     asked.clear()
     layer.mlp(torch.randn(1, 2, 128).to(torch.bfloat16), residual=torch.randn(1, 2, 128).to(torch.bfloat16),

@@ -10,7 +10,7 @@ from tests.test_engine import PROMPTS, random_model, reference_greedy
 from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.drafters import DraftModelDrafter, NgramDrafter
 from workbench.engine.quant import (Fp8Linear, Int4Linear, Int8Linear, QuantError, check_quant, dequantize_fp8,
-                                    dequantize_int4, dequantize_int8, fp8_linear_reference, head_quantized,
+                                    dequantize_int4, dequantize_int8, fold_norms, fp8_linear_reference, head_quantized,
                                     quantize_fp8, quantize_int4, quantize_int8, quantize_model, weight_bytes)
 from workbench.engine.quant.awq import apply_awq, search_scale
 
@@ -130,6 +130,51 @@ def test_awq_folding_leaves_the_float_model_unchanged():
     pos = torch.arange(ids.shape[1]).unsqueeze(0)
     with torch.no_grad():
         assert torch.allclose(folded(ids, pos), model(ids, pos), atol=1e-4)
+
+
+def test_folding_the_norms_leaves_the_float_model_unchanged():
+    """fold_norms: each layer's two RMSNorm weights (made far from ones here) multiplied into q/k/v's and gate/up's
+    columns, the norms then all ones: the same function in float."""
+    model = random_model(vocab=64, hidden=64, layers=2, heads=4, kv_heads=2, std=0.1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.uniform_(0.2, 3.0)
+    folded = fold_norms(copy.deepcopy(model))
+    for layer in folded.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            assert torch.equal(norm.weight, torch.ones_like(norm.weight))
+    ids = torch.tensor([PROMPTS[2]])
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.allclose(folded(ids, pos), model(ids, pos), atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt, fold, folded", [("int4", True, True), ("int4", False, False),
+                                               ("int4-awq", True, False), ("int8", True, False)])
+def test_int4_quantizes_with_the_norms_folded_and_marks_the_linears_after_them(fmt, fold, folded, monkeypatch):
+    """quantize_model("int4") folds by default (FOLD_NORMS): the norms are ones, q/k/v and gate/up say so
+    (norm_unit, which the CUDA GEMV's norm prologue acts on) and the int4 weight is W diag(w)'s; int4-awq (whose
+    scales live in the norms) and the other formats leave the norms as loaded."""
+    from workbench.engine import quant
+
+    monkeypatch.setattr(quant, "FOLD_NORMS", fold)
+    model = random_model(vocab=64, hidden=64, layers=2, heads=4, kv_heads=2, std=0.1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 2.0)
+    calib = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    q = quantize_model(model, fmt, group_size=32, kernel="dequant", calibration=calib if fmt == "int4-awq" else None)
+    assert q.norms_folded is folded
+    layer, src = q.model.layers[0], model.model.layers[0]
+    assert layer.self_attn.qkv_proj.norm_unit is folded and layer.mlp.gate_up_proj.norm_unit is folded
+    assert not layer.self_attn.o_proj.norm_unit and not layer.mlp.down_proj.norm_unit
+    assert torch.equal(layer.input_layernorm.weight, torch.ones(64)) is folded
+    if fmt == "int4":
+        w = src.self_attn.qkv_proj.weight * (src.input_layernorm.weight if folded else 1)
+        assert torch.allclose(layer.self_attn.qkv_proj.dequantized_weight(),
+                              dequantize_int4(*quantize_int4(w, 32, torch.float32)), atol=1e-7, rtol=0)
+    assert not torch.equal(src.input_layernorm.weight, torch.ones(64))  # the copy was folded, not the model
 
 
 def test_awq_scale_search_is_never_worse_than_plain_int4_on_its_calibration_rows():

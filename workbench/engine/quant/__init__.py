@@ -11,6 +11,7 @@ Formats (`FORMATS`), each a weight rule in `linears.py`:
     int8      weight-only int8, one scale per output channel                  aten._weight_int8pack_mm (CPU, CUDA)
     int4      weight-only int4, asymmetric, a scale + zero per group of g     aten._weight_int4pack_mm (CUDA, bf16),
               input channels (g = `int4_group_size`: 32, 64, 128, 256)        _weight_int4pack_mm_for_cpu (CPU)
+              of q/k/v and gate/up with the RMSNorm weight before them folded in (`fold_norms`, FOLD_NORMS)
     int4-awq  int4 after AWQ's activation-aware per-input-channel scales (awq.py), folded into the preceding norm or
               projection rows: the same kernels as int4, scales searched on calibration tokens
     fp8       e4m3 weights, one scale per output channel, x fp8 activations   torch._scaled_mm, row-wise scales
@@ -51,6 +52,7 @@ embedding dequantized). `gguf_note` words this for a run record.
 from __future__ import annotations
 
 import copy
+import os
 from collections import Counter
 
 import torch
@@ -72,7 +74,7 @@ __all__ = ["FORMATS", "QuantError", "QuantLinear", "DenseGemvLinear", "Int8Linea
            "check_quant", "quantize_model", "weight_bytes", "linear_shapes", "gguf_note", "INT4_GROUP_SIZES",
            "FP8_DTYPE", "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "quantize_fp8",
            "dequantize_fp8", "quantize_fp8_rows", "fp8_linear_reference", "format_of", "gguf_kernel", "set_fusion",
-           "HEAD_FORMATS", "head_quantized"]
+           "HEAD_FORMATS", "head_quantized", "fold_norms"]
 
 
 class QuantError(ValueError):
@@ -189,12 +191,40 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
         from .awq import apply_awq
 
         out.awq_alphas = apply_awq(out, calibration, group_size)
+    folded = fmt == "int4" and FOLD_NORMS
+    if folded:
+        fold_norms(out)
     make = {"int8": lambda lin: Int8Linear(lin, kernel), "int4": lambda lin: Int4Linear(lin, group_size, kernel),
             "int4-awq": lambda lin: Int4Linear(lin, group_size, kernel), "fp8": lambda lin: Fp8Linear(lin, kernel)}[fmt]
     out = _swap_linears(out, make, fmt)
+    out.norms_folded = folded
+    if folded:
+        for layer in out.model.layers:
+            layer.self_attn.qkv_proj.norm_unit = layer.mlp.gate_up_proj.norm_unit = True
     if head:
         _quantize_head(out, make)
     return out
+
+
+# int4 ("int4", not "int4-awq", whose scales live in those norms) quantizes each layer's q/k/v and gate/up weights with
+# the RMSNorm weight before them folded in (`fold_norms`): the same function up to rounding, a different int4 error.
+# The norms are then all ones, which the one-row CUDA GEMV's norm prologue does not read (QuantLinear.norm_unit).
+# Env WORKBENCH_INT4_FOLD_NORMS=0: the weights quantized as loaded.
+FOLD_NORMS: bool = os.environ.get("WORKBENCH_INT4_FOLD_NORMS", "1") == "1"
+
+
+def fold_norms(model: nn.Module) -> nn.Module:
+    """In place: every decoder layer's input_layernorm weight multiplied into qkv_proj's input columns and its
+    post_attention_layernorm weight into gate_up_proj's, each norm's weight then set to ones (W (w * x^) = (W diag(w))
+    x^; the products rounded to the weights' dtype). Returns the model."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm, linear in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                                 (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+                w = norm.weight.float()
+                linear.weight.copy_((linear.weight.float() * w[None, :]).to(linear.weight.dtype))
+                norm.weight.fill_(1)
+    return model
 
 
 def _quantize_head(out: nn.Module, make) -> None:

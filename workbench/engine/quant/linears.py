@@ -183,6 +183,9 @@ class QuantLinear(nn.Module):
     """Base of the quantized linears: `forward(x [..., K]) -> [..., N]` in x's dtype; buffers hold the weight."""
 
     fmt = "?"
+    # Whether the RMSNorm before this linear has an all-ones weight because quantize_model folded it into this weight
+    # (quant.fold_norms, int4): the fused norm prologue of the one-row CUDA GEMV then skips reading it
+    norm_unit = False
 
     def __init__(self, in_features: int, out_features: int, bias: Tensor | None) -> None:
         super().__init__()
@@ -259,7 +262,8 @@ class QuantLinear(nn.Module):
         if not self._fuses_prologue("norm", x2):
             return None
         fmt, buffers = self._gemv_args()
-        y = quant_gemv_triton(x2, fmt, **buffers, counters=self.gemv_counters, norm_weight=norm_weight, eps=eps)
+        y = quant_gemv_triton(x2, fmt, **buffers, counters=self.gemv_counters, norm_weight=norm_weight, eps=eps,
+                              norm_unit=self.norm_unit)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def swiglu_linear(self, x: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor | None:
@@ -380,7 +384,8 @@ class Int4Linear(QuantLinear):
                                             **(quant_gemv.INT4_CUDA_TILE or {}))):
             return None
         y = quant_gemv_triton(x2, "int4", self.weight, self.scale, self.zero, self.group_size,
-                              counters=self.gemv_counters, norm_weight=norm_weight, eps=eps, glu_out=True)
+                              counters=self.gemv_counters, norm_weight=norm_weight, eps=eps, glu_out=True,
+                              norm_unit=self.norm_unit and norm_weight is not None)
         return y.reshape(*x.shape[:-1], self.out_features // 2)
 
     def dequantized_weight(self) -> Tensor:
