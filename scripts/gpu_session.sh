@@ -45,7 +45,8 @@
 # PART=n9 (n7's sweep, then the floor with its tiles and with the LM head quantized, quant_head), n10 (PIPE 2 tiles,
 # the K/V write split over heads), n11 (the quantized head's quality on small), n12 and n13 (SwiGLU in gate/up's
 # epilogue): the twenty-second session's. PART=n14 (attention that writes the step's K / V, fewer splits), n15
-# (the RMSNorm weights folded into int4's weights): the twenty-third session's.
+# (the RMSNorm weights folded into int4's weights), n16 (its float-head row, its quality on small): the twenty-third
+# session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -78,7 +79,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|n4|n5|n6|n7|n9|n10|n12|n13|n14|n15|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|n4|n5|n6|n7|n9|n10|n12|n13|n14|n15|n16|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -859,6 +860,17 @@ elif [ "$PART" = n15 ]; then
   floor ar67 60 6.7b --formats "none@$C,$I+fn0@$C,$I@$C,$I+fn0@$C,$I+fn@$C"
   floor ar145 30 1.45b --formats "none@$C,$I+fn0@$C,$I@$C"
   floor prof67 30 6.7b --profile --formats "$I@$C"
+elif [ "$PART" = n16 ]; then
+  # twenty-third session: n15 put int4 + quantized head with the norms folded at 2.56x bf16; the float-head int4 (the
+  # quant_head default) beside it, then the fold's quality on the trained small preset (grid, draft model k = 4, int4
+  # target and draft), folded (the default) and as loaded (WORKBENCH_INT4_FOLD_NORMS=0), in two processes
+  C=graphs+compile+overlap
+  floor ar67 60 6.7b --formats "none@$C,int4-triton+all+pdl+fn0@$C,int4-triton+all+pdl@$C,int4-triton+all+pdl+qh@$C"
+  train_small
+  step grid 80 $PY scripts/gpu_quant.py --device cuda --out "$R/grid" --preset small --parts grid \
+    --grid-targets none,int4 --grid-drafts none,int4 --grid-quant-kernels triton --repeats 3
+  step grid_fn0 50 env WORKBENCH_INT4_FOLD_NORMS=0 $PY scripts/gpu_quant.py --device cuda --out "$R/grid_fn0" \
+    --preset small --parts grid --grid-targets int4 --grid-drafts none,int4 --grid-quant-kernels triton --repeats 3
 elif [ "$PART" = n8 ]; then
   # prepared in the twenty-first session: the CUDA GEMV serves one-row int4 calls on small too (50 MB, launch-bound),
   # untimed there. Small's int4 grid with the draft model (k = 4): tinygemm, ours with it (the default) and ours
