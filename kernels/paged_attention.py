@@ -118,18 +118,6 @@ def paged_attention_reference(q, k_pool, v_pool, block_table, rows, base_len, in
 
 
 if TRITON_AVAILABLE:
-    @triton.jit
-    def _step_keys(at, cos_ptr, sin_ptr, rope_row, d, mask, D: tl.constexpr, ROPE: tl.constexpr):
-        """Step keys at `at + d` (d broadcast against the token axis of `at`); ROPE: key * cos + roll(key, D / 2) *
-        sin_signed in fp32 with cos / sin at `rope_row + d`, as `_kv_write_kernel` computes them."""
-        key = tl.load(at + d, mask=mask, other=0.0)
-        if ROPE:
-            key_roll = tl.load(at + (d + D // 2) % D, mask=mask, other=0.0)
-            cos = tl.load(cos_ptr + rope_row + d, mask=mask, other=0.0).to(tl.float32)
-            sin = tl.load(sin_ptr + rope_row + d, mask=mask, other=0.0).to(tl.float32)
-            key = key.to(tl.float32) * cos + key_roll.to(tl.float32) * sin
-        return key
-
     @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
     def _partial_kernel(
             q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, base_ptr, intra_bits_ptr, o_ptr, lse_ptr,  # intra_bits [B, T]
@@ -145,12 +133,7 @@ if TRITON_AVAILABLE:
             T: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
             DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
-            FUSE_COMBINE: tl.constexpr = False, ROPE: tl.constexpr = False,
-            # WRITE_KV: the step's own K / V arrive as kn, vn [B, Hkv, T, D] (last stride 1) and slots [B * T]; the
-            # programs of split 0, row tile 0 write them into the pools (rotating the keys under ROPE), and every
-            # program reads the step's positions from kn / vn, never from the pool, so no program waits on another
-            kn_ptr=None, vn_ptr=None, slot_ptr=None, snk_b=0, snk_h=0, snk_t=0, snv_b=0, snv_h=0, snv_t=0,
-            WRITE_KV: tl.constexpr = False, T_POW2: tl.constexpr = 1):
+            FUSE_COMBINE: tl.constexpr = False, ROPE: tl.constexpr = False):
         if PDL:  # kernels/pdl.py: every program waits (also one with no tiles), before any load or store
             gdc_wait()
         pid = tl.program_id(0)
@@ -177,19 +160,6 @@ if TRITON_AVAILABLE:
         if not CAUSAL:
             intra_bits = tl.load(intra_bits_ptr + b * T + tok)  # [BLOCK_M] int64: bit j = sees step token j
 
-        if WRITE_KV:
-            if (split == 0) & (m_tile == 0):  # one writer per (row, KV head): the step's T tokens into the pools
-                wt = tl.arange(0, T_POW2)[:, None]  # [T_POW2, 1] step token
-                w_ok = wt < T
-                w_slot = tl.load(slot_ptr + b * T + wt, mask=w_ok, other=0).to(tl.int64)
-                w_at = kn_ptr + b * snk_b + kv_head * snk_h + wt * snk_t
-                key = _step_keys(w_at, cos_ptr, sin_ptr, (b * T + wt) * D, d[None, :], w_ok, D, ROPE)
-                tl.store(k_ptr + w_slot * sk_s + kv_head * sk_h + d[None, :], key.to(k_ptr.dtype.element_ty),
-                         mask=w_ok)
-                val = tl.load(vn_ptr + b * snv_b + kv_head * snv_h + wt * snv_t + d[None, :], mask=w_ok)
-                tl.store(v_ptr + w_slot * sv_s + kv_head * sv_h + d[None, :], val.to(v_ptr.dtype.element_ty),
-                         mask=w_ok)
-
         row = tl.load(rows_ptr + b)
         base = tl.load(base_ptr + b).to(tl.int32)
         length = base + T
@@ -204,23 +174,12 @@ if TRITON_AVAILABLE:
         for tile in range(first, last):
             pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical positions
             pos_ok = pos < length
-            in_pool = pos_ok & (pos < base) if WRITE_KV else pos_ok  # WRITE_KV: the step's own tokens from kn / vn
-            block = tl.load(table_ptr + row * st_r + (pos // BLOCK_SIZE) * st_j, mask=in_pool, other=0)
+            block = tl.load(table_ptr + row * st_r + (pos // BLOCK_SIZE) * st_j, mask=pos_ok, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             k = tl.load(k_ptr + slot[None, :] * sk_s + kv_head * sk_h + d[:, None],
-                        mask=in_pool[None, :], other=0.0)  # [D, BLOCK_N]
+                        mask=pos_ok[None, :], other=0.0)  # [D, BLOCK_N]
             v = tl.load(v_ptr + slot[:, None] * sv_s + kv_head * sv_h + d[None, :],
-                        mask=in_pool[:, None], other=0.0)  # [BLOCK_N, D]
-            if WRITE_KV:
-                if tile * BLOCK_N + BLOCK_N > base:  # this tile holds step tokens: as the writer rounds them
-                    step = pos_ok & (pos >= base)
-                    st = tl.maximum(pos - base, 0)  # [BLOCK_N] step token
-                    key = _step_keys(kn_ptr + b * snk_b + kv_head * snk_h + st[None, :] * snk_t, cos_ptr, sin_ptr,
-                                     (b * T + st[None, :]) * D, d[:, None], step[None, :], D, ROPE)  # [D, BLOCK_N]
-                    k = tl.where(step[None, :], key.to(k_ptr.dtype.element_ty), k)
-                    val = tl.load(vn_ptr + b * snv_b + kv_head * snv_h + st[:, None] * snv_t + d[None, :],
-                                  mask=step[:, None], other=0.0)
-                    v = tl.where(step[:, None], val.to(v_ptr.dtype.element_ty), v)
+                        mask=pos_ok[:, None], other=0.0)  # [BLOCK_N, D]
             if QUANT:  # int8 / e4m3 values widen exactly to q's dtype; the scales act on s and p below
                 # through float32 (exact; same result): triton 3.9's interpreter casts int8 -> bf16 bitwise
                 k = k.to(tl.float32).to(q.dtype)
@@ -306,9 +265,6 @@ if TRITON_AVAILABLE:
 
 
 BLOCK_N = 64  # keys per inner iteration (several 16-slot pages; each key's page is looked up on its own)
-# KV tiles a split gets at least, at a full table row: more than 1 trades the combine launch (and the splits' partial
-# writes) against serial tiles in one program where the table is short
-SPLIT_MIN_TILES = 1
 MAX_BLOCK_M = 64  # rows of one tile; larger groups x tokens take several tiles
 
 
@@ -320,14 +276,12 @@ def _sm_count(device: torch.device) -> int:
 def launch_plan(batch: int, q_heads: int, kv_heads: int, t: int, max_positions: int,
                 device: torch.device) -> tuple[int, int, int]:
     """(block_m, m_tiles, num_splits), from shapes only. M = (Hq / Hkv) * T rows go in tiles of BLOCK_M (a power of
-    two, 16 .. 64); splits give ~2 waves of programs over the SMs, never more than a full table row's KV tiles
-    divided by SPLIT_MIN_TILES."""
+    two, 16 .. 64); splits give ~2 waves of programs over the SMs, never more than the KV tiles of a full table row."""
     rows = q_heads // kv_heads * t
     block_m = min(MAX_BLOCK_M, max(16, 1 << (rows - 1).bit_length()))
     m_tiles = math.ceil(rows / block_m)
     programs = batch * kv_heads * m_tiles
-    num_splits = max(1, min(math.ceil(2 * _sm_count(device) / programs),
-                            math.ceil(max_positions / (BLOCK_N * SPLIT_MIN_TILES))))
+    num_splits = max(1, min(math.ceil(2 * _sm_count(device) / programs), math.ceil(max_positions / BLOCK_N)))
     return block_m, m_tiles, num_splits
 
 
@@ -359,13 +313,10 @@ def _rope_rows(rope, b: int, t: int, dim: int):
 
 def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
                            k_scales=None, v_scales=None, num_splits: int | None = None,
-                           fuse_combine: bool | None = None, rope=None, step_kv=None):
+                           fuse_combine: bool | None = None, rope=None):
     """Same contract as `paged_attention_reference`; `num_splits` overrides the shape-derived split count,
     `fuse_combine` the module's FUSE_COMBINE (the last split of each tile combines the splits, no second launch);
-    rope = (cos, sin_signed) [B, T, D]: q arrives before RoPE and is rotated as it is loaded.
-    step_kv = (k, v, slots): the step's K / V [B, Hkv, T, D] (unit stride along D) are written into the (unquantized)
-    pools at slots [B * T] by this launch, as `paged_kv_write_triton` writes them (keys rotated under rope), and the
-    step's positions are read from k / v, not the pools (so the launch needs no K/V write before it)."""
+    rope = (cos, sin_signed) [B, T, D]: q arrives before RoPE and is rotated as it is loaded."""
     b, hq, t, dim = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -397,15 +348,6 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
     fuse = num_splits > 1 and (FUSE_COMBINE if fuse_combine is None else fuse_combine)
     counters = _combine_counters(q.device, b * hkv * m_tiles) if fuse else None
     fuse = counters is not None
-    write = {}
-    if step_kv is not None:
-        kn, vn, slots = step_kv
-        assert not quant and kn.shape == vn.shape == (b, hkv, t, dim) and slots.numel() == b * t, \
-            "step_kv = (k, v [B, Hkv, T, D], slots [B * T]) with unquantized pools"
-        assert kn.stride(-1) == 1 and vn.stride(-1) == 1
-        write = dict(kn_ptr=kn, vn_ptr=vn, slot_ptr=slots, snk_b=kn.stride(0), snk_h=kn.stride(1),
-                     snk_t=kn.stride(2), snv_b=vn.stride(0), snv_h=vn.stride(1), snv_t=vn.stride(2), WRITE_KV=True,
-                     T_POW2=triton.next_power_of_2(t))
     _partial_kernel[(b * hkv * m_tiles, num_splits)](
         q, k_pool, v_pool, block_table, rows, base_len, intra_bits, o, lse, out, counters if fuse else lse, cos, sin,
         k_scales, v_scales,
@@ -416,7 +358,7 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
         scale * math.log2(math.e), m_tiles, num_splits,
         T=t, GROUP=group, HKV=hkv, D=dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        FUSE_COMBINE=fuse, ROPE=rope is not None, **write,
+        FUSE_COMBINE=fuse, ROPE=rope is not None,
         num_warps=8, **pdl)  # ptxas for sm_90: 4 warps spill registers at D = 128 or 64-row tiles, 8 do not
     if num_splits > 1 and not fuse:
         _combine_kernel[(b * hq * t,)](o, lse, out, num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim,
@@ -499,20 +441,11 @@ def paged_kv_write_triton(k, v, k_pool, v_pool, slots, rope=None, heads_per_prog
         **(dict(PDL=True, launch_pdl=True) if use_pdl(k.device) else {}))
 
 
-# Whether the attention launch writes the step's K / V itself (`paged_attention_triton(step_kv=...)`), one launch a
-# layer instead of the K/V write and then attention.
-FUSE_KV_WRITE = False
-
-
 def paged_write_attention_triton(q, k, v, slots, k_pool, v_pool, block_table, rows, base_len, intra_mask,
-                                 block_size, scale=None, rope=None, fuse_write: bool | None = None):
-    """The step's K/V into the pool, and attention over it: the call an unquantized paged layer makes on the kernel
-    path, kept outside torch.compile. Two launches (`paged_kv_write_triton`, then `paged_attention_triton`), or with
-    fuse_write (default FUSE_KV_WRITE) one, which writes as it attends. With rope = (cos, sin_signed) [B, T, D], q and
-    k arrive before RoPE and the kernels rotate them (no RoPE kernel)."""
-    if FUSE_KV_WRITE if fuse_write is None else fuse_write:
-        return paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale,
-                                      rope=rope, step_kv=(k, v, slots))
+                                 block_size, scale=None, rope=None):
+    """The step's K/V into the pool (`paged_kv_write_triton`), then `paged_attention_triton` over it: the two launches
+    an unquantized paged layer makes on the kernel path, in one call the engine keeps outside torch.compile. With
+    rope = (cos, sin_signed) [B, T, D], q and k arrive before RoPE and both kernels rotate them (no RoPE kernel)."""
     paged_kv_write_triton(k, v, k_pool, v_pool, slots, rope=rope)
     return paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale,
                                   rope=rope)

@@ -128,11 +128,6 @@ ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": 
                 # (linears.INT4_GLU_EPILOGUE), so down reads h with no SwiGLU prologue; the row records
                 # glu_out_rel_err (layer 0's gate/up against the reference's full output, then SwiGLU in fp32)
                 "ge": {(linears, "INT4_GLU_EPILOGUE"): True}, "ge0": {(linears, "INT4_GLU_EPILOGUE"): False},
-                # "+fkv" / "+fkv0": attention writes the step's K / V itself, one launch a layer
-                # (paged_attention.FUSE_KV_WRITE), or the K/V write launch before it; "+stN": each attention split
-                # gets at least N KV tiles of a full table row (paged_attention.SPLIT_MIN_TILES; fewer splits)
-                "fkv": {(paged_attention, "FUSE_KV_WRITE"): True}, "fkv0": {(paged_attention, "FUSE_KV_WRITE"): False},
-                **{f"st{n}": {(paged_attention, "SPLIT_MIN_TILES"): n} for n in (1, 2, 4, 8)},
                 # "+fn" / "+fn0": int4 quantizes q/k/v and gate/up with the RMSNorm weights folded in, so the one-row
                 # CUDA GEMV's norm prologue reads no weight (quant.FOLD_NORMS, the default), or as loaded
                 "fn": {(quant, "FOLD_NORMS"): True}, "fn0": {(quant, "FOLD_NORMS"): False}}

@@ -844,7 +844,7 @@ elif [ "$PART" = n14 ]; then
   # a layer instead of the K/V write and attention; n9's profile put the write at 2-3 us a layer), fewer attention
   # splits where the table is short ("+stN": 3 splits of one 64-key tile each at 192 positions, then the combine),
   # and n13's question: the SwiGLU epilogue's tokens against the old route's ("+ge0" first). Then n-gram verifies
-  # (T = 4) through the fused write, and a profile
+  # (T = 4) through the fused write, and a profile. Both lost and were removed after the call (commit 4382125 has them)
   C=graphs+compile+overlap
   I=int4-triton+all+pdl+qh
   floor ar67 60 6.7b --formats "none@$C,none+fkv@$C,none+st4@$C,$I+ge0@$C,$I@$C,$I+fkv@$C,$I+st2@$C,$I+st4@$C,$I+fkv+st4@$C"
