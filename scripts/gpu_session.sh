@@ -46,7 +46,7 @@
 # the K/V write split over heads), n11 (the quantized head's quality on small), n12 and n13 (SwiGLU in gate/up's
 # epilogue): the twenty-second session's. PART=n14 (attention that writes the step's K / V, fewer splits), n15
 # (the RMSNorm weights folded into int4's weights), n16 (its float-head row, its quality on small), k14 (k13's check at
-# 1.5x): the twenty-third session's.
+# 1.5x), n17 (the float-head int4 again): the twenty-third session's.
 # PART=d: the third session's first call (Triton GEMVs, a kernel profile of the floor configs).
 # PART=c: what the second session built but could not run (Triton GEMVs, the de-duplicated step loop against the old
 # one, the serving study, trees with the draft model's phases, a bf16 study-throughput run); prepared, not yet run.
@@ -79,7 +79,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
-case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|n4|n5|n6|n7|n9|n10|n12|n13|n14|n15|n16|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
+case "$PART" in d|e|f|h|i|k|l|m|n|o|p|q|q1|q2|q3|q4|m1|m2|m3|m4|n1|n2|n3|n4|n5|n6|n7|n9|n10|n12|n13|n14|n15|n16|n17|pdl1|pdl2|pdl3|pdl4|pdl5|zs|rc1|rc2|rc3|rc4|sp1|e3|e4|e5|e6|f1|f2|f3|f4|g1|g2|z3|g3|h1|h2|h3|z6|k1|k2|k3) NEEDS_SMALL=0 ;; *) NEEDS_SMALL=1 ;; esac  # l trains it after its first step
 train_small() {
   if [ ! -f zoo_cache/small/manifest.json ]; then
     echo "zoo_cache/small missing: training it" | tee -a "$R/steps.txt"
@@ -871,6 +871,13 @@ elif [ "$PART" = n16 ]; then
     --grid-targets none,int4 --grid-drafts none,int4 --grid-quant-kernels triton --repeats 3
   step grid_fn0 50 env WORKBENCH_INT4_FOLD_NORMS=0 $PY scripts/gpu_quant.py --device cuda --out "$R/grid_fn0" \
     --preset small --parts grid --grid-targets int4 --grid-drafts none,int4 --grid-quant-kernels triton --repeats 3
+elif [ "$PART" = n17 ]; then
+  # twenty-third session, last call: n16's float-head int4 read 2.499x in one row; bf16 and int4 twice each, in turn,
+  # in one process, 6.7 B, then 1.45 B once
+  C=graphs+compile+overlap
+  I=int4-triton+all+pdl
+  floor ar67 60 6.7b --formats "none@$C,$I@$C,none@$C,$I@$C,$I+qh@$C"
+  floor ar145 30 1.45b --formats "none@$C,$I@$C,$I+qh@$C"
 elif [ "$PART" = n8 ]; then
   # prepared in the twenty-first session: the CUDA GEMV serves one-row int4 calls on small too (50 MB, launch-bound),
   # untimed there. Small's int4 grid with the draft model (k = 4): tinygemm, ours with it (the default) and ours
