@@ -40,7 +40,7 @@ from gpu_fastpath import MODES, RANDOM_CONFIGS, warm  # noqa: E402
 from gpu_timing import equal_prefix, floor_row, kernel_summary, run_parts, sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.drafters import NgramDrafter  # noqa: E402
-from workbench.engine.quant import check_quant, quantize_model, set_fusion  # noqa: E402
+from workbench.engine.quant import check_quant, norms_folded, quantize_model, set_fusion  # noqa: E402
 from kernels.pdl import pdl_problem, set_pdl  # noqa: E402
 from kernels import int4_cuda, paged_attention, quant_gemv  # noqa: E402
 from kernels.quant_gemv import set_m1_tiles  # noqa: E402
@@ -227,7 +227,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     set_fusion(model, fusion)  # what each GEMV linear fuses (linears.QuantLinear.fusion)
                     sync(device)
                     row["quantize_s"] = time.perf_counter() - t0
-                    row["norms_folded"] = bool(getattr(model, "norms_folded", False))
+                    row["norms_folded"] = norms_folded(model)
                     if head:
                         row["head_rel_err"] = head_error(model, device)
                     if linears.INT4_GLU_EPILOGUE and fmt.startswith("int4"):

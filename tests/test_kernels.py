@@ -343,4 +343,3 @@ def test_triton_rotates_q_and_k_as_the_reference(name, dtype, interpreter_bf16_d
     want = paged_attention_reference(**{**case, "q": case["q"].float(), "k_pool": case["k_pool"].float(),
                                         "v_pool": case["v_pool"].float()}, rope=tuple(r.float() for r in rope))
     torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=0)
-

@@ -11,7 +11,8 @@ from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.drafters import DraftModelDrafter, NgramDrafter
 from workbench.engine.quant import (Fp8Linear, Int4Linear, Int8Linear, QuantError, check_quant, dequantize_fp8,
                                     dequantize_int4, dequantize_int8, fold_norms, fp8_linear_reference, head_quantized,
-                                    quantize_fp8, quantize_int4, quantize_int8, quantize_model, weight_bytes)
+                                    norms_folded, quantize_fp8, quantize_int4, quantize_int8, quantize_model,
+                                    weight_bytes)
 from workbench.engine.quant.awq import apply_awq, search_scale
 
 
@@ -165,7 +166,7 @@ def test_int4_quantizes_with_the_norms_folded_and_marks_the_linears_after_them(f
             layer.input_layernorm.weight.uniform_(0.5, 2.0)
     calib = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
     q = quantize_model(model, fmt, group_size=32, kernel="dequant", calibration=calib if fmt == "int4-awq" else None)
-    assert q.norms_folded is folded
+    assert norms_folded(q) is folded
     layer, src = q.model.layers[0], model.model.layers[0]
     assert layer.self_attn.qkv_proj.norm_unit is folded and layer.mlp.gate_up_proj.norm_unit is folded
     assert not layer.self_attn.o_proj.norm_unit and not layer.mlp.down_proj.norm_unit

@@ -180,7 +180,7 @@ def reference_acceptance(session, cfg, prompt_ids: list[list[int]]) -> float | N
 
 def quality_columns(session, cfg, prompt_ids: list[list[int]], result) -> dict:
     """The quality columns of a run record (module docstring)."""
-    from workbench.engine.quant import gguf_note, weight_bytes
+    from workbench.engine.quant import gguf_note, norms_folded, weight_bytes
 
     rec = result.record
     target = session.model_for("target", cfg)
@@ -208,7 +208,7 @@ def quality_columns(session, cfg, prompt_ids: list[list[int]], result) -> dict:
         acc_ref = reference_acceptance(session, cfg, prompt_ids) if is_quantized(cfg) else acc
     if "int4-awq" in (cfg.target_quant, cfg.draft_quant if draft is not None else None):
         notes.append(session._quality_cache.get("calibration_note", "calibration: none"))
-    folded = [role for role, model in (("target", target), ("draft", draft)) if getattr(model, "norms_folded", False)]
+    folded = [role for role, model in (("target", target), ("draft", draft)) if norms_folded(model)]
     if folded:  # quant.FOLD_NORMS: a different int4 error than the weights quantized as loaded
         notes.append(f"int4 {' and '.join(folded)}: RMSNorm weights folded into q/k/v and gate/up before quantizing")
     gguf = gguf_note(getattr(session.target, "gguf_tensor_types", None), cfg.target_quant, target)

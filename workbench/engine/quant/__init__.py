@@ -74,7 +74,7 @@ __all__ = ["FORMATS", "QuantError", "QuantLinear", "DenseGemvLinear", "Int8Linea
            "check_quant", "quantize_model", "weight_bytes", "linear_shapes", "gguf_note", "INT4_GROUP_SIZES",
            "FP8_DTYPE", "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "quantize_fp8",
            "dequantize_fp8", "quantize_fp8_rows", "fp8_linear_reference", "format_of", "gguf_kernel", "set_fusion",
-           "HEAD_FORMATS", "head_quantized", "fold_norms"]
+           "HEAD_FORMATS", "head_quantized", "fold_norms", "norms_folded"]
 
 
 class QuantError(ValueError):
@@ -197,10 +197,10 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
     make = {"int8": lambda lin: Int8Linear(lin, kernel), "int4": lambda lin: Int4Linear(lin, group_size, kernel),
             "int4-awq": lambda lin: Int4Linear(lin, group_size, kernel), "fp8": lambda lin: Fp8Linear(lin, kernel)}[fmt]
     out = _swap_linears(out, make, fmt)
-    out.norms_folded = folded
     if folded:
         for layer in out.model.layers:
-            layer.self_attn.qkv_proj.norm_unit = layer.mlp.gate_up_proj.norm_unit = True
+            for _, linear in _normed_linears(layer):
+                linear.norm_unit = True
     if head:
         _quantize_head(out, make)
     return out
@@ -213,14 +213,18 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
 FOLD_NORMS: bool = os.environ.get("WORKBENCH_INT4_FOLD_NORMS", "1") == "1"
 
 
+def _normed_linears(layer: nn.Module) -> tuple[tuple[nn.Module, nn.Module], ...]:
+    """A decoder layer's (RMSNorm, the linear that reads its output) pairs."""
+    return ((layer.input_layernorm, layer.self_attn.qkv_proj), (layer.post_attention_layernorm, layer.mlp.gate_up_proj))
+
+
 def fold_norms(model: nn.Module) -> nn.Module:
     """In place: every decoder layer's input_layernorm weight multiplied into qkv_proj's input columns and its
     post_attention_layernorm weight into gate_up_proj's, each norm's weight then set to ones (W (w * x^) = (W diag(w))
     x^; the products rounded to the weights' dtype). Returns the model."""
     with torch.no_grad():
         for layer in model.model.layers:
-            for norm, linear in ((layer.input_layernorm, layer.self_attn.qkv_proj),
-                                 (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+            for norm, linear in _normed_linears(layer):
                 w = norm.weight.float()
                 linear.weight.copy_((linear.weight.float() * w[None, :]).to(linear.weight.dtype))
                 norm.weight.fill_(1)
@@ -324,6 +328,11 @@ def set_fusion(model: nn.Module, fusion: str) -> nn.Module:
 def head_quantized(model: nn.Module) -> bool:
     """Whether `quantize_model(head=True)` quantized the model's LM head."""
     return isinstance(getattr(model, "lm_head", None), QuantLinear)
+
+
+def norms_folded(model: nn.Module | None) -> bool:
+    """Whether `quantize_model` folded the model's RMSNorm weights into its linears (`fold_norms`, int4)."""
+    return model is not None and any(isinstance(m, QuantLinear) and m.norm_unit for m in model.modules())
 
 
 def format_of(model: nn.Module) -> str:
