@@ -30,7 +30,7 @@ What runs, batch 1, greedy, equal-length prompts (gpt-fast sizes its KV cache an
 Per method: one untimed warm-up pass over all prompts per system (compilation, graph capture; its outputs are the
 parity check), then --repeats timed passes interleaved ours, gpt-fast, ours, gpt-fast. tok/s = generated tokens /
 wall (prefill included), median [min, max] over repeats. Mean accepted = accepted draft tokens per target step.
-HBM floor (AR): (all weight bytes + KV bytes read at the mean context) / 4.3e12 B/s, as in BENCHMARKS.md.
+HBM floor (AR): (all weight bytes + KV bytes read at the mean context) / 4.3e12 B/s (the H200's HBM bandwidth).
 
 gpt-fast fixes, applied in memory to the text of its generate.py before exec (files on disk untouched; each edit
 replaces part of one line, so line numbers in tracebacks stay right; an edit whose target is not found exactly once

@@ -603,7 +603,7 @@ def part_rows(args, device) -> list[dict]:
 def part_prefill(args, device) -> list[dict]:
     """int4 calls past GEMV_MAX_ROWS (prefill) on the --sweep-configs shapes, at each of --prefill-ms: bf16 F.linear,
     tinygemm ("aten"), and kernel "triton" with its weight dequantized by the PyTorch ops ("triton+torch") or by one
-    kernel ("triton+dq", linears.INT4_PREFILL_DEQUANT "triton", the default since call q2), or no weight written at
+    kernel ("triton+dq", linears.INT4_PREFILL_DEQUANT "triton", the default), or no weight written at
     all ("triton+gemv": the GEMV kernel's tensor-core form over 16-row tiles, linears.INT4_PREFILL_GEMM_ROWS), each
     with its max |error| / max |reference| and its speedup over bf16."""
     import workbench.engine.quant.linears as linears
@@ -802,8 +802,7 @@ MODEL_FUSION = {"qkv_proj": "norm", "gate_up_proj": "norm", "o_proj": "residual"
 def part_cuda(args, device) -> list[dict]:
     """One-row int4 in CUDA C++ (kernels/int4_cuda.py) on the --sweep-configs shapes: bf16 F.linear, tinygemm
     ("aten"), our Triton GEMV ("triton", its default tile, through the module as the model calls it, with
-    quant_gemv.INT4_CUDA off for it: call n6 ran before that, so its "triton" rows are the CUDA kernel's rule
-    tiles) and each int4_cuda tile of the --cuda-rows x --cuda-unroll x --cuda-warps x --cuda-wps x --cuda-pipe x
+    quant_gemv.INT4_CUDA off for it, so its "triton" rows are the Triton GEMV's, not the CUDA kernel's) and each int4_cuda tile of the --cuda-rows x --cuda-unroll x --cuda-warps x --cuda-wps x --cuda-pipe x
     --cuda-minb grid (or --cuda-tiles), with and without PDL (--cuda-pdl; with --cuda-model-fusion the Triton and
     CUDA rows take each linear's fusion as the model calls it), each with max |error| / max |reference| and its
     speedup over the GEMV and bf16; the fastest parity-clean tile per shape is marked. Then each fusion (RMSNorm

@@ -242,7 +242,7 @@ def part_tiles(args, device: torch.device) -> list[dict]:
                                    for _ in range(copies)], n * k // 2 + 8 * n * k // g),
         }
         # auto = gemv_config's group-tiled form (one group per K tile); K tiles spanning groups (each weight times its
-        # group's scale, gathered per lane) measured 3-6x slower on the H200 (BENCHMARKS.md section 11) and were removed
+        # group's scale, gathered per lane) measured 3-6x slower on the H200 and were removed
         auto = gemv_config("int8g", 1, n, k, g, sm)
         variants = [("auto", {})] + [(f"BN{bn} w{w}", dict(BLOCK_N=bn, num_warps=w)) for bn in (32, 64, 128)
                                      for w in (4, 8)]

@@ -70,31 +70,30 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 
 
 # "+rope" / "+norope": RoPE folded into the K/V write and attention's q load or not (kv_cache.FUSE_ROPE; without either
-# the module's default: off in the ninth session's calls pdl1-pdl4 and rope1's first two rows, on since);
+# the module's default, on);
 # "+fc" / "+nofc": attention combines its splits in the last split / in a combine launch (paged_attention.FUSE_COMBINE;
-# without either the module's default: on in calls pdl2 and pdl3 of BENCHMARKS.md section 14, off since).
+# without either the module's default).
 # "+tile16": one-row dense / fp8 GEMVs with N < 8192 keep the 16-row tiles of the 6.7 B sweep instead of the 8-row
-# tiles of the 1.45 B one (quant_gemv.NARROW_TILES, on since the tenth session); "+fw4": fp8's 32-row tiles (N >= 8192)
+# tiles of the 1.45 B one (quant_gemv.NARROW_TILES, on by default); "+fw4": fp8's 32-row tiles (N >= 8192)
 # with 4 warps instead of 8 (quant_gemv.WIDE_FP8_WARPS). "+i4g": one-row int4 GEMVs keep the group-tiled 64 x g tiles
-# (quant_gemv.INT4_WIDE_TILES False) instead of the measured K tiles of whole groups (on since the eleventh session);
+# (quant_gemv.INT4_WIDE_TILES False) instead of the measured K tiles of whole groups (on by default);
 # "+rows8": calls of 2..8 rows (verify widths) in the GEMVs' CUDA-rows form (quant_gemv.CUDA_ROWS_MAX = 8).
 # "+h2" / "+h2w" / "+h20": one-row int4 words in packed fp16 arithmetic, two weights per instruction, x scaled per K
 # tile / per word, or fp32 words, for every tile (quant_gemv.INT4_HALF2 = 1 / 2 / 0; without them each tile's own:
-# the rule's since call f2); "+i4e3" / "+i4f2": one-row int4 tiles by call e3's / f2's rule (quant_gemv.INT4_WIDE_TILES
+# the rule's); "+i4e3" / "+i4f2": one-row int4 tiles by the older "e3" / "f2" rules (quant_gemv.INT4_WIDE_TILES
 # = "e3" / "f2");
 # "+ls3": one-row GEMVs' K loop software-pipelined 3 deep (quant_gemv.LOOP_STAGES = 3); "+i4r": int4 calls of M > 1
-# (verify widths, prefill) in K tiles of whole groups on the tensor cores (quant_gemv.INT4_WIDE_ROWS; the default
-# since call g3, so "+i4r" only restates it) and "+i4r0": one group per K tile (INT4_WIDE_ROWS None, the old default).
+# (verify widths, prefill) in K tiles of whole groups on the tensor cores (quant_gemv.INT4_WIDE_ROWS; the default,
+# so "+i4r" only restates it) and "+i4r0": one group per K tile (INT4_WIDE_ROWS None, the old default).
 # "+dq": int4 (kernel "triton") prompts past GEMV_MAX_ROWS dequantize the weight in one Triton kernel
-# (linears.INT4_PREFILL_DEQUANT = "triton", kernels/int4_dequant.py; the default since call q2, so "+dq" only restates
+# (linears.INT4_PREFILL_DEQUANT = "triton", kernels/int4_dequant.py; the default, so "+dq" only restates
 # it) and "+dqt": by six PyTorch ops (the old default); "+pg": through the GEMV kernel's tensor-core form, no weight
-# written (linears.INT4_PREFILL_GEMM_ROWS, prepared in the nineteenth session); every row records its
+# written (linears.INT4_PREFILL_GEMM_ROWS, off by default); every row records its
 # prefill (`prefill_ms_median`: the prompt's forward to its first token, as generate times it). "+mma0": int4 calls of
 # 2..16 rows (verify widths) stay in kernels/quant_gemv.py instead of kernels/int4_mma.py (quant_gemv.INT4_MMA_ROWS 0).
 # Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
 # "+cu": one-row int4 calls in CUDA C++ (kernels/int4_cuda.py, quant_gemv.INT4_CUDA) with each shape's rule tile
-# (int4_cuda.int4_cuda_tile; call n1 ran "+cu" with DEFAULT_TILE for every shape, before the rule; the default since
-# call n6, so "+cu" only restates it); "+cu0": in the Triton GEMV instead; "+cuXY": with tile entries replaced for
+# (int4_cuda.int4_cuda_tile; the default, so "+cu" only restates it); "+cu0": in the Triton GEMV instead; "+cuXY": with tile entries replaced for
 # every shape (CUDA_ROWS_TILES; "+cug": the rule's tiles with as many blocks per SM as fit, each looping over row
 # groups); "+cub": each shape's best tile of a sweep (--int4-cuda-best).
 CUDA_ROWS_TILES = {"cu": None, "cus1": dict(WORDS_PER_SUM=1), "cus2": dict(WORDS_PER_SUM=2), "cur2": dict(ROWS=2),
@@ -205,7 +204,7 @@ def part_floor(args, device: torch.device) -> list[dict]:
             for mode in [only_mode] if only_mode else args.floor_modes.split(","):
                 row = {"config": name, "format": fmt_name, "mode": mode}
                 # every row compiles afresh: the cache dynamo keeps across rows once pushed later rows past its
-                # recompile limit, and they ran partly eager (BENCHMARKS.md section 16); frames compiled go in the row
+                # recompile limit, and they ran partly eager; frames compiled go in the row
                 torch._dynamo.reset()
                 counters.clear()
                 try:

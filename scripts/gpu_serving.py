@@ -18,7 +18,7 @@ run of its part so far would end past --budget-s):
   sweep       Poisson arrivals at each rate: off, fixed k, adaptive, and a held-out k = 2 (for the replay);
               --repeats rounds, settings interleaved, round r with arrival seed r (the same arrivals for every
               setting of a round); the goal check reads the medians over rounds (one run near saturation can queue
-              up after a single stall: BENCHMARKS 9.4's adaptive at 1.0x did the same work as fixed k, 0.79x slower)
+              up after a single stall: an adaptive run doing fixed k's work once read 0.79x of it)
   thresholds  for each schedule threshold t (a batch size where the schedule's k changes): fixed concurrency t - 1, t,
               t + 1 with off, fixed k and adaptive, --repeats rounds (one run is ~0.5 s: single runs differed by
               +-10 %); a cliff is adaptive's median output tokens/s dropping more than --cliff-pct % from one
@@ -93,9 +93,8 @@ def parse_args(argv=None):
                    help="how the loop calibration's tokens/s become a schedule (workbench/serving/calibrate.py)")
     p.add_argument("--calibration-budget-s", type=float, default=40.0,
                    help="wall-clock budget of the loop calibration (runs past it are skipped and listed)")
-    # 6 and 0.10: one ~0.3 s closed-loop run of 3 x b requests varied ~10 % on the H200 (BENCHMARKS.md 10.3: the
-    # loop calibration's +10 % for k = 1 at batch 1 was not reproduced by the threshold runs), so runs are twice as
-    # long and a longer draft must win by more than that noise
+    # 6 and 0.10: one ~0.3 s closed-loop run of 3 x b requests varied ~10 % on the H200, so runs are twice as long
+    # and a longer draft must win by more than that noise
     p.add_argument("--calibration-repeats", type=int, default=settings.SERVE_KNOBS["calibration_repeats"].default,
                    help=settings.SERVE_KNOBS["calibration_repeats"].help)
     p.add_argument("--calibration-requests", type=int, default=6,
@@ -408,7 +407,7 @@ def main(argv=None) -> int:
         adaptive_rules = adaptive_for(replace(base, **settings_of["adaptive"]), args.k, ranges)
         # each round r is predicted from round r's fixed-k traces (its own arrivals) and scored against round r's
         # real run; the entry compares the medians over the rounds both have (one run near saturation varies by
-        # 10-30 % from round to round: BENCHMARKS.md 11.5), and keeps every round's error
+        # 10-30 % from round to round), and keeps every round's error
         for name, frac in sorted({(n, f) for n, f, _ in runs if n in ("k=2 (held out)", "adaptive")}):
             reps = sorted(rep for n, f, rep in runs if (n, f) == (name, frac) and (fixed, frac, rep) in runs)
             if not reps:
@@ -636,9 +635,8 @@ REPLAY_MODELS = {"old": ("old_", "old model"), "new": ("", "new model"),
 
 
 def round_order(names: list[str], rep: int) -> list[str]:
-    """The settings of sweep round `rep`, rotated by the round, so that no setting always runs first or last (call z
-    ran them in one order every round and adaptive read 0.3-0.5 % below k = 4 in every round at 1.5x: an order
-    effect could not be told apart from a real one, BENCHMARKS.md 18.7). Each record keeps its `position`.
+    """The settings of sweep round `rep`, rotated by the round, so that no setting always runs first or last (in a
+    fixed order an order effect of 0.3-0.5 % cannot be told apart from a real one). Each record keeps its `position`.
 
     >>> [round_order(["off", "k=4", "adaptive"], r) for r in range(3)]
     [['off', 'k=4', 'adaptive'], ['k=4', 'adaptive', 'off'], ['adaptive', 'off', 'k=4']]
@@ -693,7 +691,7 @@ def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
         row["tpot_ms_p99"] = {s: at[s]["tpot_ms_p99"] for s in ("off", fixed, "adaptive")}
         # the verdict's metric: goodput, unless in neither off nor fixed k did GOODPUT_MIN_SHARE of the requests meet
         # the SLOs (an overloaded rate); then output tokens/s: 0 against 0 says nothing (it read "within noise" for
-        # every setting: call k9), and 15 against 7 req/s of 520 is a handful of requests (call k10)
+        # every setting), and 15 against 7 req/s of 520 is a handful of requests
         met = max(goodput_share(at[s]) for s in ("off", fixed))
         key = "goodput" if met >= GOODPUT_MIN_SHARE else "output_throughput"
         row["verdict_key"] = key
@@ -705,8 +703,7 @@ def sweep_checks(sweep: list[dict], fixed: str) -> list[dict]:
         row["within_noise"] = not row["adaptive_ge_best"] and len(rounds) > 1 and \
             (at["adaptive"][key] or 0.0) >= min(rounds)
         # paired per metric against that metric's own best setting: when every goodput is 0, "off" wins the tie
-        # by goodput, and the thirteenth session's call z read output tokens/s against off instead of k = 4
-        # (BENCHMARKS.md 19.2)
+        # by goodput, and output tokens/s would then be read against off instead of the better fixed k
         best_by = {key: max(("off", fixed), key=lambda s: at[s][key] or 0.0) for key in PAIRED_KEYS}
         row["output_throughput_best_setting"] = best_by["output_throughput"]
         row.update(paired_rounds(at_rate, complete, best_by))

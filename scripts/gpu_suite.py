@@ -1,4 +1,4 @@
-"""The GPU benchmark suite behind BENCHMARKS.md: one process, same prompts, our engine vs Hugging Face transformers.
+"""A GPU benchmark suite: one process, same prompts, our engine vs Hugging Face transformers.
 
     python scripts/gpu_suite.py --preset small --out $OUT --budget-s 240
 

@@ -392,7 +392,7 @@ def test_block_table_uploads_do_not_wait_for_the_device():
 def test_block_table_upload_is_one_copy_of_the_host_image(monkeypatch):
     """Each upload of the block table is one copy of a host image refreshed only in the rows that changed (taken,
     dropped, re-taken blocks; a prefix cache's attached blocks): no tensor is built per cache row (about 5 host ops
-    per row per upload before: 190 per serving iteration on tiny, call h1). After any such sequence the device table
+    per row per upload before: 190 per serving iteration on tiny). After any such sequence the device table
     is every row's host blocks, then zeros; the padding row keeps its own blocks."""
     from workbench.engine import kv_cache as kv_mod
     from workbench.serving.prefix_cache import PrefixCachingKVCache

@@ -4,7 +4,7 @@ What can be checked here: the kernel's arithmetic (per-chunk power-of-two scales
 fp16 sums of WORDS_PER_SUM words, the fusions) through `int4_cuda_emulate` against the fp32 reference; that every
 variant the benchmarks sweep compiles with nvcc for sm_90 without register spills (where nvcc exists); and that
 calls it cannot take are named, and left to the Triton GEMV by the dispatch. The kernel itself runs on the GPU only:
-scripts/gpu_gemv.py --parts cuda holds it against the same reference there (BENCHMARKS.md)."""
+scripts/gpu_gemv.py --parts cuda holds it against the same reference there."""
 import itertools
 import re
 

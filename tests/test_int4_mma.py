@@ -160,7 +160,7 @@ def test_prefetch_changes_no_bit(fusion, interpreter_bf16_dot):
 
 def test_verify_width_calls_leave_the_prologues_to_pytorch(monkeypatch):
     """With the norm / SwiGLU fusions set, an int4 "triton" linear fuses them at one row but not where its call goes
-    to the tensor-core kernel (2..INT4_MMA_ROWS rows: call m3 timed its prologues slower than torch.compile's), and
+    to the tensor-core kernel (2..INT4_MMA_ROWS rows: its prologues timed slower than torch.compile's), and
     keeps the residual epilogue there; INT4_MMA_ROWS 0 brings the fused prologues back at every width."""
     from kernels import quant_gemv as qg
     from workbench.engine.quant import linears

@@ -203,7 +203,7 @@ def _compiled_frames(layers: int, one_call: bool) -> tuple[int, list[int], torch
 def test_one_compiled_graph_serves_every_layer():
     """With a backend whose attend is one opaque launch, the layer index is read outside the compiled frames, so the
     frames dynamo compiles do not grow with depth (reading it inside made one graph per layer and, past dynamo's
-    recompile limit, silent eager fallbacks on the H200: BENCHMARKS.md section 16). The traced path still works."""
+    recompile limit, silent eager fallbacks on the H200). The traced path still works."""
     shallow, calls, _ = _compiled_frames(2, one_call=True)
     deep, deep_calls, _ = _compiled_frames(6, one_call=True)
     assert deep == shallow, (shallow, deep)

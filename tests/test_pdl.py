@@ -1,6 +1,6 @@
 """Programmatic dependent launch (kernels/pdl.py) on CPU: the switch, its scope per engine call, the knob's way into the
 engine and the run record, and (where triton is installed) that the kernels compiled for sm_90 carry the wait and the
-trigger. Whether PDL pays, and that it changes no token, is measured on the H200 (BENCHMARKS.md section 14)."""
+trigger. Whether PDL pays, and that it changes no token, is measured on a GPU (scripts/gpu_quant.py)."""
 import importlib.util
 import inspect
 import os

@@ -314,7 +314,7 @@ def test_grouped_k_tiles_lie_in_one_group_or_hold_whole_groups():
             gemv_config(fmt, 4, 64, 1024, 32, ELEMENTWISE=True, int4_rows={})
     # int4 with INT4_WIDE_ROWS (the default): M > 1 tiles of whole groups are its form
     assert gemv_config("int4", 4, 64, 1024, 32, BLOCK_K=64, int4_rows=qg.INT4_WIDE_ROWS_TILE)["BLOCK_K"] == 64
-    # the default: the measured rule (INT4_WIDE_TILES True, call g1): 16 x 1024 fp32 words unsplit while half the
+    # the default: the measured rule (INT4_WIDE_TILES True): 16 x 1024 fp32 words unsplit while half the
     # SMs get a tile, 32 x 1024 (K >= 4096) or 32 x 512 packed fp16 words with 4 warps from N = 8192, down
     # projections (K >= 2 N) 32 x 512 packed with 4 warps and split; "f2" / "e3": the rules before (8 warps; 64 x 512
     # packed / 64 x 256 fp32 words from N = 8192); a group that no such tile holds whole, or int4_wide False / {}: one
@@ -597,7 +597,7 @@ def test_int4_wide_tiles_switch_reaches_the_launch(monkeypatch):
 
 
 def test_int4_wide_rows_config_is_on_by_default_and_takes_whole_groups():
-    """INT4_WIDE_ROWS (M > 1 int4 in K tiles of whole groups on the tensor cores) is on by default with call g3's
+    """INT4_WIDE_ROWS (M > 1 int4 in K tiles of whole groups on the tensor cores) is on by default with the sweep's
     fastest tile (32 x 256, 4 warps) unless the env turns it off; on, M > 1 calls take its tile where the K tile holds
     whole groups, else keep one group a tile; off ({} or None), one group a K tile; one-row calls are untouched."""
     if os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "0":

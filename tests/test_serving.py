@@ -571,7 +571,7 @@ def test_serving_uploads_host_values_without_a_device_argument(target, draft, so
 
 
 def test_serving_writes_no_host_scalar_into_engine_state(target, draft, solo, monkeypatch):
-    """`state[row] = n` on a CUDA tensor copies a host scalar and synchronizes (call h1 found 3 such syncs per request
+    """`state[row] = n` on a CUDA tensor copies a host scalar and synchronizes (3 such syncs per request were found
     in serving: a row's root token and kv_len at its start, its kv_len at release). The engine's per-row state
     (tokens, kv_len) is written by `upload` or `fill_` instead: no Python number ever reaches their __setitem__
     during a serve with chunked prefill (on CPU the same values land, so outputs are unchanged)."""
@@ -738,7 +738,7 @@ def test_full_overlap_with_a_draft_model_that_never_drafts(target, draft, solo, 
     """A draft-model engine whose schedule never drafts (k = 0 at every batch size: what a loop calibration measures
     as "off") launches ahead as speculation off does: steps in flight two at a time, outputs equal solo greedy, and
     the draft model never runs (no prefill at join, no catch-up). Before, it lost full overlap, so the calibration
-    rated off below what serving off gives (call k11: 1.15-1.29x)."""
+    rated off below what serving off gives (by 1.15-1.29x on the H200)."""
     from workbench.serving import loop as loop_mod
 
     monkeypatch.setattr(loop_mod, "FULL_OVERLAP", True)

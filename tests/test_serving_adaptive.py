@@ -272,9 +272,9 @@ def test_schedule_turns_speculation_off_where_it_stops_paying():
 
 
 def test_a_shorter_step_slices_its_drafts_and_uploads_nothing(monkeypatch):
-    """An adaptive step that verifies n < N nodes cuts the drafts by slicing only: in call z2 a per-step
+    """An adaptive step that verifies n < N nodes cuts the drafts by slicing only: a per-step
     `torch.tensor(..., device=cuda)` (a copy that synchronizes the stream) cost adaptive 6-12 % of k = 4's output
-    (BENCHMARKS.md 19.4). Per-row counts go up through `upload` (pinned and non-blocking on a GPU)."""
+    on the H200. Per-row counts go up through `upload` (pinned and non-blocking on a GPU)."""
     from workbench.engine import step as step_mod
     from workbench.engine.tree import DraftTree
 
@@ -680,7 +680,7 @@ def test_gpu_serving_goal_check_says_when_a_miss_is_inside_the_rounds_noise():
     assert check["goodput_paired_verdict"] == "ge" and check["output_throughput_paired_verdict"] == "ge"
     (check,) = gpu_serving.sweep_checks(sweep((89.0, 99.0, 109.0)), "k=4")  # below it in every round
     assert check["goodput_paired_verdict"] == "lt" and check["within_noise"]
-    # every goodput 0 (an overloaded rate, call g): output tokens/s is paired against its own best (k=4), not "off"
+    # every goodput 0 (an overloaded rate): output tokens/s is paired against its own best (k=4), not "off"
     zero = [dict(r, goodput=0.0) for r in sweep((89.0, 99.0, 109.0))]
     (check,) = gpu_serving.sweep_checks(zero, "k=4")
     assert check["output_throughput_best_setting"] == "k=4"
@@ -689,12 +689,12 @@ def test_gpu_serving_goal_check_says_when_a_miss_is_inside_the_rounds_noise():
     # and the verdict is judged by output tokens/s: 99 against k=4's 100 is a miss inside k=4's rounds (90-110)
     assert check["verdict_key"] == "output_throughput" and check["best_setting"] == "k=4"
     assert not check["adaptive_ge_best"] and check["within_noise"]
-    # below the best setting's lowest round with every goodput 0 (call k9): a plain miss, not "within noise" (0 >= 0)
+    # below the best setting's lowest round with every goodput 0: a plain miss, not "within noise" (0 >= 0)
     (check,) = gpu_serving.sweep_checks([dict(r, goodput=0.0) for r in sweep((80.0, 82.0, 84.0))], "k=4")
     assert check["verdict_key"] == "output_throughput" and not check["within_noise"]
     (check,) = gpu_serving.sweep_checks(sweep((80.0, 82.0, 84.0)), "k=4")  # goodput > 0: judged by goodput
     assert check["verdict_key"] == "goodput" and not check["within_noise"]
-    # a handful of requests met the SLOs (call k10: 15 against 7 req/s of 520): judged by output tokens/s, where
+    # a handful of requests met the SLOs (15 against 7 req/s of 520): judged by output tokens/s, where
     # adaptive (below k=4 in every round) is not "yes" though its goodput is twice k=4's
     few = [dict(r, goodput=(14.0 if r["setting"] == "adaptive" else 7.0), request_throughput=520.0)
            for r in sweep((89.0, 99.0, 109.0))]

@@ -99,8 +99,8 @@ def test_runs_past_the_budget_are_skipped_and_listed(target, draft, monkeypatch)
 
 def test_repeated_runs_go_in_passes_and_the_median_counts(target, draft, monkeypatch):
     """repeats = 3: every (b, k) once, then every one again, then again; the median of each (b, k) makes the table
-    (one noisy run, like call zs's k = 4 at batch 2, no longer picks the schedule); the table shows the spread; under
-    a tight budget every batch size is measured once before any is repeated (call z left 32 and 64 out)."""
+    (one noisy run, such as a lone fast k = 4 at batch 2, no longer picks the schedule); the table shows the spread; under
+    a tight budget every batch size is measured once before any is repeated (b by b, the largest sizes would be left out)."""
     engine = engine_with(DraftModelDrafter(draft, 3), target)
     calls, noise = [], {0: 1.0, 1: 0.5, 2: 1.02}  # the second round of every (b, k) reads half: an outlier
 
@@ -210,7 +210,7 @@ def test_serve_bench_calibrates_on_the_engine_that_serves(target, draft, solo, m
         assert t.k == next(k for lo, hi, k in ranges if lo <= t.batch_size <= hi)
 
 
-# call x's loop calibration (BENCHMARKS 13.4, n-gram on small, up to 64 rows): output tokens/s by (batch, k)
+# a loop calibration measured on the H200 (n-gram on small, up to 64 rows): output tokens/s by (batch, k)
 CALL_X = {1: (1040.1, 1140.4, 1447.9, 1701.0, 2093.3), 2: (1721.5, 1816.3, 2062.0, 2208.2, 2524.4),
           4: (3293.1, 3707.1, 4164.1, 4097.7, 4818.7), 8: (4945.5, 5456.8, 6790.8, 6990.3, 7803.7),
           16: (9738.6, 9409.9, 10329.7, 8252.6, 9080.4), 32: (12782.2, 12332.0, 13534.4, 14315.2, 14334.4),
@@ -218,7 +218,7 @@ CALL_X = {1: (1040.1, 1140.4, 1447.9, 1701.0, 2093.3), 2: (1721.5, 1816.3, 2062.
 
 
 def test_monotone_shape_removes_the_bands_that_made_cliffs():
-    """The free picks of call x made 4 / 0 / 3 / 2 (cliffs of 11-18 % at its thresholds 17 and 33); the monotone
+    """The free picks of the table above made 4 / 0 / 3 / 2 (cliffs of 11-18 % at its thresholds 17 and 33); the monotone
     shape keeps the order k never grows with the batch size, and reproduces free schedules that already keep it."""
     from workbench.serving.adaptive import format_k_by_batch
 
@@ -239,7 +239,7 @@ def test_monotone_shape_removes_the_bands_that_made_cliffs():
         check_config(ServeConfig(method="draft", calibration="loop", calibration_shape="zigzag"))
 
 
-# call y's loop calibration (BENCHMARKS 13.5, n-gram on tiny, up to 64 rows): output tokens/s by (batch, k)
+# a loop calibration measured on the H200 (n-gram on tiny, up to 64 rows): output tokens/s by (batch, k)
 CALL_Y = {1: (2143.7, 1755.6, 2088.3, 1989.6, 2486.8), 2: (3248.6, 2689.6, 3343.2, 3625.9, 3922.9),
           4: (5230.8, 4674.4, 5442.1, 5643.8, 5873.2), 8: (8120.8, 6720.4, 6983.2, 6988.4, 8415.4),
           16: (10974.6, 10143.5, 11174.9, 10954.5, 11989.0), 32: (13625.9, 13082.9, 14886.3, 17104.0, 18988.5),
@@ -249,11 +249,11 @@ CALL_Y = {1: (2143.7, 1755.6, 2088.3, 1989.6, 2486.8), 2: (3248.6, 2689.6, 3343.
 def test_sticky_shape_keeps_speculating_through_a_tie_at_a_bucket_edge():
     """Call y: at 64 rows k = 4 beat off by 1.9 % (a tie at the 10 % margin), so monotone switched speculation off
     above 32 rows. Served at concurrency 33, that schedule ran 18 % below fixed k = 4, because running off kept
-    the live batch above 32 (BENCHMARKS 13.5). Sticky keeps k = 4: no threshold."""
+    the live batch above 32. Sticky keeps k = 4: no threshold."""
     from workbench.serving.adaptive import format_k_by_batch
 
     tps = {(b, k): rate for b, row in CALL_Y.items() for k, rate in enumerate(row)}
-    assert format_k_by_batch(loop_schedule(tps, 64, 0.10, "monotone")) == "1-32:4,33-64:0"  # as served in call y
+    assert format_k_by_batch(loop_schedule(tps, 64, 0.10, "monotone")) == "1-32:4,33-64:0"  # as it was served on the H200
     assert format_k_by_batch(loop_schedule(tps, 64, 0.10, "sticky")) == "1-64:4"
 
 

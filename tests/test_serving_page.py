@@ -195,7 +195,7 @@ def test_tiny_serve_run_from_the_page_lands_in_the_store(workspace):
 
 
 def _calibrated_rows() -> tuple[dict, dict]:
-    """A loop-calibrated run (call x's measured table, BENCHMARKS 13.4; served with the old free rule, so no
+    """A loop-calibrated run (a measured table from the H200; served with the old free rule, so no
     calibration_shape column) and a step-calibrated one."""
     from tests.test_serving_calibration import CALL_X
 

@@ -134,7 +134,7 @@ def attend_uncompiled(attn: AttentionBackend, layer: "Attention", q: Tensor, k: 
     is one launch that torch.compile does not trace anyway (`attends_in_one_call`). The layer's index is then read
     here, not in a compiled frame: dynamo treats an nn.Module's int attributes as constants, so reading `layer_idx`
     inside the compiled layer made one graph per layer, and past torch._dynamo's recompile limit (64 graphs per frame)
-    later layers, steps and shapes silently ran eager (seen on the H200: BENCHMARKS.md section 16). One graph now
+    later layers, steps and shapes silently ran eager (seen on the H200). One graph now
     serves every layer."""
     return attn.attend(layer.layer_idx, q, k, v, **rope)
 

@@ -2,8 +2,8 @@
 
 - **step** (`calibrate`): ms per isolated decode step by batch size and draft length, and the tokens a row emits per
   step at each length; the schedule maximizes tokens per ms. Cheap, but a lone step has no prefill beside it and no
-  draft catch-up, so under load it over-rates speculation (BENCHMARKS.md 9.4: k = 4 won every batch size here and
-  lost to "off" in the loop).
+  draft catch-up, so under load it over-rates speculation (k = 4 can win every batch size here and lose to "off" in
+  the loop).
 - **loop** (`calibrate_loop`): per batch size b and draft length k, a short closed-loop serve (max_concurrency = b,
   a few x b requests from the run's prompts, the first b left out as warm-up) on the same engine, graphs reused;
   the schedule takes per b the k with the most output tokens/s (`pick_k`), kept from growing with b by default
@@ -187,9 +187,9 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
     requests_per_size x b requests cycling `prompts` (max_new_tokens each), the first b warm-up (left out of the
     rate). Every run uses max_num_seqs rows, so it shares the serving run's cache and graphs (captured once, before
     the first run, for every k). Runs go in passes over every (b, k), b by b and k by k; `repeats` > 1 makes that
-    many passes and the median of each point's runs counts (one short run can be 20 % off: BENCHMARKS.md 16.5). A
+    many passes and the median of each point's runs counts (one short run can be 20 % off). A
     run that would end past `budget_s` (judged by the longest run so far) is skipped, so a tight budget still measures
-    every batch size once before any is repeated (call z measured b by b and left 32 and 64 out: BENCHMARKS.md 17.2);
+    every batch size once before any is repeated (measured b by b, it would leave the largest sizes out);
     a (b, k) none of whose runs fit is listed. `measure(b, k) -> tokens/s` replaces the serve (tests); gc_freeze: each
     run with the heap frozen (loop.frozen_gc), like serve-bench's measured run. serve_kwargs go to
     `ServingLoop` (policy, num_blocks, prefill_chunk, prefix_caching). ServeError for bad arguments, before any work."""

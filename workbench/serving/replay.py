@@ -22,7 +22,7 @@ catch-ups of a schedule with k = 0 at some batch sizes. Graph buckets end up in 
 iterations cannot tell apart from the columns before it in FEATURES order is dropped (coefficient 0, named in
 `CostModel.dropped`): one that is all zero (no draft model: D, G; no catch-up and no prefill at join), or a multiple
 of earlier ones (n = k [n > 0] when every drafting step of the fit verified k nodes: n is kept, so a shorter held-out
-k costs fewer draft forwards - a prior, not a measurement: BENCHMARKS 10.5's phase times on the H200 put the draft
+k costs fewer draft forwards - a prior, not a measurement: phase times on the H200 put the draft
 phase about half per node, half per step, a CPU's tiny models nearly all per step; iterations that verify other
 lengths, such as the loop calibration's, tell the two apart). Coefficients are fitted >= 0 (`nnls`). `OLD_FEATURES` is
 the model from before the prefill forwards and the draft-side work were counted, kept so that scripts/gpu_serving.py
@@ -51,8 +51,8 @@ OLD_FEATURES = ("1", "B", "B*n", "P", "n>0")  # c0 + c1 B + c2 B n + c3 P + c4 [
 # FEATURES with [n > 0] before n: where the fit's drafting steps all verified one length (n = k [n > 0]), the draft
 # phase's cost is kept per step instead of per node, the other end of the prior in the module docstring. A held-out
 # shorter k is then charged the full k's draft cost; the per-node fit charges it in proportion. The two predictions
-# bound what the fit cannot tell (scripts/gpu_serving.py reports both; BENCHMARKS.md 22.4: the per-node fit
-# overpredicted a held-out k = 2 at 1.5x saturation in every small call, +5.7 to +15.3 %).
+# bound what the fit cannot tell (scripts/gpu_serving.py reports both; the per-node fit tends to overpredict a
+# held-out shorter k past saturation).
 PER_STEP_FEATURES = ("1", "B", "B*n", "n>0", "n", "P", "F", "D", "G")
 
 

@@ -49,8 +49,8 @@ def sticky_choice(by_size: dict[int, dict[int, float]], min_gain: float = MIN_GA
     min_gain of the best length not longer than it, else the longest length that is (one step down, not to off
     when a middle length ties with the best). Why: a tie between k and off at a bucket edge is noise, but turning
     speculation off there is not neutral in a serving loop. Running off makes requests take more steps, so the live
-    batch stays past the threshold that turned it off. In BENCHMARKS 13.5, at 64 rows off read 1.9 % below k = 4,
-    and `monotone` made that tie a threshold at 33, where the schedule then ran 18 % below fixed k = 4.
+    batch stays past the threshold that turned it off: a 1.9 % tie at 64 rows, made a threshold at 33 by `monotone`,
+    ran 18 % below fixed k = 4 on the H200.
 
     >>> rates = {8: {0: 4946, 2: 6791, 4: 7804}, 16: {0: 9739, 2: 10330, 4: 9080}, 32: {0: 12782, 2: 13534, 4: 14334}}
     >>> sticky_choice(rates, 0.10)   # 16: k = 4 loses 12 % to k = 2; 32: k = 2 ties with the best length <= 2
@@ -79,8 +79,8 @@ def monotone_choice(by_size: dict[int, dict[int, float]], min_gain: float = MIN_
     `pick_k` already keeps that order it is the answer; else the non-increasing sequence with the largest sum of
     each size's tokens/s relative to its own best (a small dynamic program over sizes x k), then, from the largest
     size down, each size's k re-picked by `pick_k` among the lengths between the next size's and its own (ties to
-    the shorter draft without breaking the order). Why: one short run per (batch, k) varies by 10-20 %
-    (BENCHMARKS 13.4), and free per-size picks then make schedules such as 4 / 0 / 3 whose bands cost 11-18 % at
+    the shorter draft without breaking the order). Why: one short run per (batch, k) varies by 10-20 %,
+    and free per-size picks then make schedules such as 4 / 0 / 3 whose bands cost 11-18 % at
     their thresholds; a draft's extra verify work grows with the batch while its gain per row does not, so the order
     is the prior and the measurements choose within it.
 
@@ -125,8 +125,8 @@ def uniform_choice(choice: dict[int, int]) -> dict[int, int]:
     """One draft length for every measured size: the largest size's. For an engine where a schedule that drafts at
     some batch sizes and not at others costs more than its measured points say: a draft model keeps its own KV, so
     such a schedule needs catch-ups and loses full overlap (loop.FULL_OVERLAP), worth 1.07x to small's draft model at
-    k = 4 and 1.15-1.29x to off in call k11 (BENCHMARKS.md 24). The largest size decides because under load, where
-    tokens/s is scarce, the batch fills up (k10, k11: mean batch 53-62 of 64 at 1.0x and 1.5x saturation).
+    k = 4 and 1.15-1.29x to off on the H200. The largest size decides because under load, where tokens/s is
+    scarce, the batch fills up (mean batch 53-62 of 64 at 1.0x and 1.5x saturation).
 
     >>> uniform_choice({1: 4, 16: 4, 64: 0})
     {1: 0, 16: 0, 64: 0}
