@@ -43,6 +43,7 @@ import optuna
 import pandas as pd
 
 from studies.space import METHOD_KNOBS, METHODS, SEARCH_KNOBS, RunSettings, SearchSpace, make_config, split_params
+from workbench.settings import KNOBS
 
 
 class TrialFailed(Exception):
@@ -178,7 +179,7 @@ class BenchObjective:
             config = make_config(params)
             params = {**_config_dict(config), **split_params(params)[1]}  # engine defaults filled in, + dtype
             trial.set_user_attr("config", params)
-            session = self.session_for(params.get("dtype", "float32"))
+            session = self.session_for(params.get("dtype", KNOBS["dtype"].default))
             result = session.run(config)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a recorded FAILED trial
             self._fail(trial, params, exc, config, session)

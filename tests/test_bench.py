@@ -86,7 +86,7 @@ def test_bad_settings_fail_before_work(session, change, message):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(compile="fast"), "compile='fast' is not supported by the engine; allowed: 'off', 'default', 'max-autotune'"),
+    (dict(compile="fast"), "compile='fast' is not supported by the engine; allowed: 'auto', 'off', 'default', 'max-autotune'"),
     (dict(graph_batch_sizes=()), "graph_batch_sizes is empty: give at least one batch bucket"),
     (dict(graph_batch_sizes=(4, 2, 8)), "graph_batch_sizes=4,2,8 must be strictly increasing (sorted, no duplicates)"),
     (dict(graph_batch_sizes=(1, 2, 2)), "graph_batch_sizes=1,2,2 must be strictly increasing"),

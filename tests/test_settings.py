@@ -129,7 +129,7 @@ def test_methods_declare_the_knobs_they_read():
 
 # ---- named errors ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("values, message", [
-    ({"compile": "fast"}, "compile='fast' is not supported by the engine; allowed: 'off', 'default', 'max-autotune'"),
+    ({"compile": "fast"}, "compile='fast' is not supported by the engine; allowed: 'auto', 'off', 'default', 'max-autotune'"),
     ({"graph_batch_sizes": ()}, "graph_batch_sizes is empty: give at least one batch bucket, e.g. 1,2,4,8"),
     ({"graph_batch_sizes": (2, 1)}, "graph_batch_sizes=2,1 must be strictly increasing (sorted, no duplicates), "
                                     "e.g. 1,2"),
@@ -138,7 +138,7 @@ def test_methods_declare_the_knobs_they_read():
     ({"batch": 32, "cuda_graphs": True, "graph_batch_sizes": (1, 2, 4, 8)},
      "batch 32 exceeds the largest graph bucket 8: add a bucket >= 32 to --graph-batch-sizes "
      "or turn --cuda-graphs off"),
-    ({"cuda_graphs": "yes"}, "cuda_graphs='yes' is not supported by the engine; allowed: False, True"),
+    ({"cuda_graphs": "yes"}, "cuda_graphs='yes' is not supported by the engine; allowed: 'auto', False, True"),
     ({"k": 17}, "k=17 is outside what the engine supports: 1..16"),
     ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "n-gram sizes need 1 <= ngram_min <= ngram_max, got 3, 2"),
     ({"method": "redrafter", "beam_width": 0}, "beam_width=0 is outside what the engine supports: 1..8"),

@@ -69,7 +69,7 @@ def test_space_rejects_values_outside_engine_limits():
         SearchSpace(dtype=("float32", "int3")).validate()
     with pytest.raises(SpaceError, match=r"batch=0 is outside"):
         SearchSpace(batch=(0, 1)).validate()
-    with pytest.raises(SpaceError, match=r"compile='fast' is not supported by the engine; allowed: 'off', 'default'"):
+    with pytest.raises(SpaceError, match=r"compile='fast' is not supported by the engine; allowed: 'auto', 'off', 'default'"):
         SearchSpace(compile=("off", "fast")).validate()
     with pytest.raises(SpaceError, match=r"batch 8 exceeds the largest graph bucket 4: add a bucket >= 8"):
         dataclasses.replace(make_spec(batch=(1, 8), cuda_graphs=(False, True)),
@@ -92,8 +92,8 @@ def test_space_suggests_only_the_knobs_of_the_method():
     space = SearchSpace(methods=("ar", "draft", "ngram"), k=IntRange(1, 8), ngram_min=IntRange(2, 3),
                         ngram_max=IntRange(1, 4), batch=(1, 4))
     assert space.suggest(optuna.trial.FixedTrial({"method": "ar", "batch": 4})) == {
-        "method": "ar", "batch": 4, "temperature": 0.0, "dtype": "float32", "paged": True, "kv_block_size": 16,
-        "cuda_graphs": False, "compile": "off", "attention": "auto",
+        "method": "ar", "batch": 4, "temperature": 0.0, "dtype": "auto", "paged": True, "kv_block_size": 16,
+        "cuda_graphs": "auto", "compile": "auto", "attention": "auto",
         "prefill_graphs": True, "compile_prefill": False, "target_kv_quant": "none", "overlap": True,
         "target_quant": "none", "pdl": True, "quant_head": False,
         "gemv_fusion": "residual"}  # fixed knobs pass through; ar reads no k (nor draft_kv_quant, draft_quant)

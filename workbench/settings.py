@@ -14,7 +14,7 @@ search it, and its CLI flag. From `KNOBS` and `METHODS` come:
     (1, 2, 4)
     >>> KNOBS["compile"].check("fast")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    workbench.settings.SettingError: compile='fast' is not supported by the engine; allowed: 'off', ...
+    workbench.settings.SettingError: compile='fast' is not supported by the engine; allowed: 'auto', 'off', ...
     >>> check({"batch": 16, "cuda_graphs": True, "graph_batch_sizes": (1, 2, 4, 8)})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     workbench.settings.SettingError: batch 16 exceeds the largest graph bucket 8: add a bucket >= 16 to ...
@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from results.schema import register_column
+from workbench import choices
+from workbench.choices import AUTO, tree_capacity
 
 ALL = "all"  # Knob.methods: read by every method
 KINDS = {"int": int, "float": float, "bool": bool, "str": str, "ints": tuple}  # "ints": a tuple of whole numbers
@@ -110,10 +112,12 @@ class Knob:
     search_range: tuple[int, int] | None = None
     quick_default: Any = None
     scope: str = "run"                      # "run" | "session"
+    auto: bool = False                      # also takes "auto", resolved per device before a run (`resolve_auto`)
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS and self.scope in ("run", "session"), self
         assert self.methods == ALL or set(self.methods) <= set(METHODS), self
+        assert not self.auto or self.kind == "bool" or AUTO in (self.choices or ()), self
 
     @property
     def flag(self) -> str:
@@ -125,7 +129,9 @@ class Knob:
 
     @property
     def allowed(self) -> tuple | None:
-        return (False, True) if self.kind == "bool" else self.choices
+        if self.kind == "bool":
+            return (AUTO, False, True) if self.auto else (False, True)
+        return self.choices
 
     @property
     def column_kind(self) -> str:
@@ -139,6 +145,8 @@ class Knob:
     def parse(self, text: str) -> Any:
         """'4' -> 4 (int), 'on' -> True (bool), '1,2,4' -> (1, 2, 4) (ints); SettingError names the flag."""
         text = str(text).strip()
+        if self.auto and text.lower() == AUTO:
+            return AUTO
         try:
             if self.kind == "bool":
                 if text.lower() not in BOOL_TEXT:
@@ -152,6 +160,8 @@ class Knob:
 
     def format(self, value: Any) -> str:
         """The inverse of `parse`: True -> 'on', (1, 2, 4) -> '1,2,4', 0.5 -> '0.5'."""
+        if self.auto and value == AUTO:
+            return AUTO
         if self.kind == "bool":
             return "on" if value else "off"
         if self.kind == "ints":
@@ -167,6 +177,8 @@ class Knob:
         """Raise SettingError unless the engine accepts `value` for this knob (alone; `check` adds the cross rules)."""
         if self.kind == "ints":
             return self._check_list(value)
+        if self.auto and isinstance(value, str) and value == AUTO:
+            return
         if self.allowed is not None:
             if value not in self.allowed or isinstance(value, bool) != (self.kind == "bool"):
                 raise SettingError(f"{self.name}={value!r} is not supported by the engine; allowed: "
@@ -225,9 +237,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "Tree depth D", "method", 1, 12, methods=("eagle",), searchable=True, search_range=(2, 6)),
     Knob("tree_topk", "int", 4, "EAGLE top-k K: children per expanded node, and frontier nodes expanded per depth",
          "Tree top-k K", "method", 1, 16, methods=("eagle",), searchable=True, search_range=(1, 8)),
-    # <= 63: the Triton verify kernel takes tree masks up to T = 64 (root + nodes)
     Knob("tree_budget", "int", 16, "EAGLE node budget N: the candidates kept after the rerank (the verified tree "
-         "size); tree_depth <= N <= K + (D-1) K^2", "Tree budget N", "method", 1, 63, methods=("eagle",),
+         "size); tree_depth <= N <= K + (D-1) K^2", "Tree budget N", "method", 1,
+         choices.MAX_TREE_NODES, methods=("eagle",),
          searchable=True, search_range=(4, 32)),
     Knob("batch", "int", 1, "sequences decoded together", "Batch size", "run", 1, 256, searchable=True),
     Knob("max_new_tokens", "int", 64, "tokens generated per prompt", "Max new tokens", "run", 1, 8192,
@@ -243,30 +255,32 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("top_k", "int", 0, "0 = off", "Top-k", "sampling", 0, 1_000_000),
     Knob("top_p", "float", 1.0, "1 = off", "Top-p", "sampling", 0.0, 1.0),
     Knob("seed", "int", 0, "seed of the sampler's generator", "Seed", "sampling", 0, 2**31 - 1),
-    Knob("dtype", "str", "float32", "dtype the models are loaded in", "Dtype", "system",
-         choices=("float32", "bfloat16", "float16"), searchable=True, scope="session"),
+    Knob("dtype", "str", AUTO, "dtype the models are loaded in; auto = on a GPU the model's own dtype (bfloat16 / "
+         "float16 from its config; a float32 model in bfloat16 where the GPU has it, else float16), on a CPU "
+         "float32", "Dtype", "system", choices=(AUTO, *choices.DTYPES), searchable=True, scope="session", auto=True),
     Knob("paged", "bool", True, "paged KV cache (blocks of kv_block_size tokens) instead of one contiguous buffer",
          "Paged KV cache", "system", searchable=True),
     Knob("kv_block_size", "int", 16, "tokens per KV block of the paged cache", "KV block size", "system", 1, 4096,
          searchable=True),
-    Knob("cuda_graphs", "bool", False, "capture the target verify pass and the draft model's forwards in CUDA graphs "
-         "per batch bucket (GPU; on CPU the same padded fixed-shape step runs eagerly)", "CUDA graphs", "system",
-         searchable=True),
+    Knob("cuda_graphs", "bool", AUTO, "capture the target verify pass and the draft model's forwards in CUDA graphs "
+         "per batch bucket (GPU; on CPU the same padded fixed-shape step runs eagerly); auto = on on a GPU when the "
+         "batch fits the largest bucket, off on a CPU", "CUDA graphs", "system", searchable=True, auto=True),
     Knob("graph_batch_sizes", "ints", (1, 2, 4, 8, 16, 32, 64), "batch buckets captured with --cuda-graphs, "
          "comma-separated and increasing; a batch runs padded to the smallest bucket that holds it",
          "Graph batch buckets", "system", low=1),
-    Knob("compile", "str", "off", "torch.compile mode of the step: off, default or max-autotune", "torch.compile",
-         "system", choices=("off", "default", "max-autotune"), searchable=True),
+    Knob("compile", "str", AUTO, "torch.compile mode of the step: off, default or max-autotune; auto = default on a "
+         "GPU, off on a CPU", "torch.compile", "system", choices=(AUTO, *choices.COMPILE_MODES), searchable=True,
+         auto=True),
     Knob("attention", "str", "auto", "attention backend: sdpa (gather the KV through the block table, then SDPA), "
          "triton (kernels/paged_attention.py: reads the paged pool in place; GPU, paged cache) or auto (triton where "
-         "it can run, else sdpa)", "Attention backend", "system", choices=("auto", "sdpa", "triton"), searchable=True),
+         "it can run, else sdpa)", "Attention backend", "system", choices=choices.ATTENTION_BACKENDS, searchable=True),
     Knob("prefill_graphs", "bool", True, "with --cuda-graphs, capture the prompt forwards too (target and draft model), "
          "one graph per (batch, prompt length padded up to a multiple of 32); off: prompts run eagerly",
          "Capture prefill", "system", searchable=True),
     Knob("compile_prefill", "bool", False, "with --compile and captured prefill, compile the prompt forwards too "
          "(target and draft model). Each new (batch, padded prompt length) compiles afresh: it pays with fixed prompt "
-         "lengths and costs a study with ragged ones. On small (H200) a 64-token prompt's prefill took 0.70 instead "
-         "of 1.19 ms (BENCHMARKS.md 18.4)", "Compile prefill", "system", searchable=True),
+         "lengths and costs a study with ragged ones (with fixed lengths a captured prefill runs about 1.7x faster)",
+         "Compile prefill", "system", searchable=True),
     Knob("overlap", "bool", True, "launch step t+1 before reading step t's tokens, so host bookkeeping overlaps the GPU "
          "(greedy chains with --cuda-graphs: AR and the draft model; other methods run one synchronous read per step)",
          "Overlap host and GPU", "system", searchable=True),
@@ -279,10 +293,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("target_kv_quant", "str", "none", "KV-cache format of the target, and of the AR baseline it is checked "
          "against: none = the model's dtype; int8 / fp8 (e4m3) = quantized on write with a float32 scale per token "
          "and KV head, dequantized on read. Quality against none is recorded (kv_token_agreement)",
-         "Target KV cache format", "system", choices=("none", "int8", "fp8"), searchable=True),
+         "Target KV cache format", "system", choices=choices.KV_FORMATS, searchable=True),
     Knob("draft_kv_quant", "str", "none", "KV-cache format of the draft model's own cache (none / int8 / fp8): "
          "changes acceptance only, the output stays exact", "Draft KV cache format", "method",
-         choices=("none", "int8", "fp8"), methods=("draft",), searchable=True),
+         choices=choices.KV_FORMATS, methods=("draft",), searchable=True),
     # weight formats (workbench.engine.quant): a quantized model is a module swap of the loaded one, made per run
     Knob("target_quant", "str", "none", "target weight format: none (as loaded), int8 (weight-only, per channel), "
          "int4 (weight-only, groups of int4_group_size), int4-awq (int4 after activation-aware scales from "
@@ -290,31 +304,29 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "gguf (a .gguf model only: its own Q4_0 / Q4_1 blocks kept packed as int4 and Q8_0 as int8, group 32, "
          "exactly; other decoder linears dequantized, named in quant_note). "
          "Lossy: the run records the quality cost against the unquantized target", "Target weights", "system",
-         choices=("none", "int8", "int4", "int4-awq", "fp8", "gguf"), searchable=True),
+         choices=choices.WEIGHT_FORMATS, searchable=True),
     Knob("draft_quant", "str", "none", "draft model weight format (same choices as target_quant); lossless for the "
          "output, it costs acceptance", "Draft weights", "system",
-         choices=("none", "int8", "int4", "int4-awq", "fp8", "gguf"),
-         methods=("draft",), searchable=True),
+         choices=choices.WEIGHT_FORMATS, methods=("draft",), searchable=True),
     Knob("quant_head", "bool", False, "also quantize the LM head in the target's / draft's weight format (int8, int4, "
          "int4-awq: plain int4 for the head, fp8), as gpt-fast does; off = the head stays in the model dtype, as AWQ "
          "and GPTQ keep it. A tied head becomes a quantized copy beside the float embedding. Lossy: its cost is in "
          "the quality columns", "Quantize the LM head", "system", searchable=True),
     Knob("int4_group_size", "int", 128, "input channels per int4 scale/zero group (int4, int4-awq); must divide every "
-         "linear's input width", "int4 group size", "system", choices=(32, 64, 128, 256)),
+         "linear's input width", "int4 group size", "system", choices=choices.INT4_GROUP_SIZES),
     Knob("quant_kernel", "str", "auto", "matmul kernel of the decoder linears (target and draft): auto = chosen by "
          "measurement (GPU: our GEMVs for int8 / fp8 and for int4 in groups of 64+, tinygemm for int4 in groups of "
          "32, cuBLAS for unquantized; CPU: dequantize + matmul, fp8 through _scaled_mm); aten; dequant; triton = our "
          "GEMVs for calls of <= 16 rows (GPU: kernels/quant_gemv.py; int4 at one row in CUDA C++ where nvcc exists, "
          "recorded as int4_cuda_gemv, and at 2-16 rows on the tensor cores; fp8 then keeps bf16 activations; with an "
          "unquantized model the dense bf16 GEMV instead of cuBLAS)",
-         "Linear matmul kernel", "system", choices=("auto", "aten", "dequant", "triton")),
+         "Linear matmul kernel", "system", choices=choices.QUANT_KERNELS),
     Knob("gemv_fusion", "str", "residual", "what our Triton GEMVs fold in at their edges (quant_kernel triton, and "
          "auto for int8 / fp8 on a GPU): residual = the MLP's residual add in the down projection's epilogue; glu "
          "also SwiGLU in its prologue (for one-row int4 on the CUDA GEMV: in gate/up's epilogue instead); ores also the attention's residual in o_proj's epilogue; norm also the "
-         "RMSNorms in the q/k/v and gate/up prologues (no kernel left between a layer's GEMVs); off = none. Measured "
-         "best on the H200 (BENCHMARKS.md 16.3): glu+residual+ores for bf16 at 6.7 B, norm+glu+residual for fp8 "
-         "and at 1.45 B", "GEMV fusions", "system",
-         choices=("off", "residual", "glu+residual", "glu+residual+ores", "norm+glu+residual"), searchable=True),
+         "RMSNorms in the q/k/v and gate/up prologues (no kernel left between a layer's GEMVs); off = none. Fastest "
+         "measured: glu+residual+ores for bf16 at 6.7 B, norm+glu+residual for fp8 and at 1.45 B", "GEMV fusions",
+         "system", choices=choices.GEMV_FUSIONS, searchable=True),
     Knob("max_ppl_increase_pct", "float", 2.0, "quality bound: the largest held-out perplexity increase, in percent, of "
          "the quantized target over the unquantized one that a study accepts (a constraint; runs record "
          "quant_within_bound)", "Max perplexity increase (%)", "run", 0.0, 1000.0),
@@ -381,9 +393,8 @@ SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
          100_000),
     Knob("spec_off_queue", "int", 0, "no drafts in a step while at least this many requests wait for a row (0 = "
          "never): under overload speculation's extra work per step can cost more throughput than it gains (a draft "
-         "model at 1.5x saturation, BENCHMARKS.md 23.4), and batch size alone cannot tell overload from a full "
-         "batch; served with a draft model it lost (0.66-0.80 of the best, BENCHMARKS.md 24.1: catch-ups, no full "
-         "overlap)", "Switch-off queue", "adaptive", 0, 1_000_000),
+         "model at 1.5x saturation), and batch size alone cannot tell overload from a full "
+         "batch; served with a draft model it lost (0.66-0.80 of the best: catch-ups, no full overlap)", "Switch-off queue", "adaptive", 0, 1_000_000),
     Knob("spec_max_context", "int", 0, "past this context length a request drafts at most long_context_k tokens "
          "(0 = no limit)", "Long-context limit", "adaptive", 0, 10_000_000),
     Knob("long_context_k", "int", 0, "draft length past spec_max_context (0 = no drafts)", "Long-context k",
@@ -401,16 +412,16 @@ SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
          "adaptive", choices=("off", "step", "loop")),
     Knob("calibration_shape", "str", "sticky", "calibration loop: how the measured tokens/s per (batch size, k) "
          "become a schedule: sticky = from the smallest batch size up, a size keeps the previous size's k unless a "
-         "shorter draft wins by more than the tie margin (no threshold where the measurements tie; BENCHMARKS 15); "
+         "shorter draft wins by more than the tie margin (no threshold where the measurements tie); "
          "monotone = the draft length never grows with the batch size (the best such sequence over the measured "
-         "sizes, ties to the shorter draft: a tie at a bucket edge becomes a threshold, BENCHMARKS 13.5); free = each "
-         "batch size's own best k (noisy single runs can then make bands such as 4 / 0 / 3, BENCHMARKS 13.4)",
+         "sizes, ties to the shorter draft: a tie at a bucket edge becomes a threshold); free = each "
+         "batch size's own best k (noisy single runs can then make bands such as 4 / 0 / 3)",
          "Schedule shape", "adaptive", choices=("sticky", "monotone", "free")),
     Knob("calibration_budget_s", "float", 60.0, "calibration loop: wall-clock budget in seconds; (batch, k) runs "
          "that would end past it are skipped and listed in calibration_table", "Calibration budget (s)", "adaptive",
          1.0, 3600.0),
     Knob("calibration_repeats", "int", 3, "calibration loop: runs per (batch size, k), in passes over every point, the "
-         "median counts (a single short run can read 20 % off: BENCHMARKS 16.5); runs past the budget are skipped, "
+         "median counts (a single short run can read 20 % off); runs past the budget are skipped, "
          "so a tight budget measures every batch size once before repeating any",
          "Calibration repeats", "adaptive", 1, 9),
 )}
@@ -457,7 +468,7 @@ def check_serve(values: Mapping[str, Any]) -> None:
     if v["arrival"] == "concurrency" and v["max_concurrency"] < 1:
         raise SettingError("arrival concurrency needs --max-concurrency N (N >= 1 requests in flight)",
                            "max_concurrency")
-    if v["cuda_graphs"] and v["max_num_seqs"] > max(v["graph_batch_sizes"]):
+    if v["cuda_graphs"] is True and v["max_num_seqs"] > max(v["graph_batch_sizes"]):
         raise SettingError(f"max_num_seqs {v['max_num_seqs']} exceeds the largest graph bucket: add a bucket >= "
                            f"{v['max_num_seqs']} to --graph-batch-sizes or lower --max-num-seqs", "graph_batch_sizes")
     if v["calibration"] != "off" and v["k_by_batch"].strip():
@@ -468,6 +479,62 @@ def check_serve(values: Mapping[str, Any]) -> None:
                            "or set --calibration off", "calibration")
     if v["arrival"] == "gamma" and v["rate"] == 0:
         raise SettingError("arrival gamma needs --rate > 0 (requests/s)", "rate")
+
+
+AUTO_KNOBS = tuple(k.name for k in KNOBS.values() if k.auto)  # dtype, cuda_graphs, compile
+# what "auto" becomes on a CPU: float32, and the eager step (tiny on a CPU ran fastest with graphs and compile off)
+CPU_AUTO = {"dtype": "float32", "cuda_graphs": False, "compile": "off"}
+
+
+def auto_value(name: str, device_type: str, values: Mapping[str, Any], *, model_dtype: str | None = None,
+               bf16_supported: bool = True) -> Any:
+    """What knob `name`'s "auto" means on `device_type` ("cuda" or "cpu"), as vLLM and SGLang default on a GPU:
+    the model's own half dtype (`model_dtype`, from its config; a float32 or unknown one becomes bfloat16, or float16
+    where the GPU lacks bfloat16), CUDA graphs on when the batch (or max_num_seqs) fits the largest graph bucket, and
+    compile "default". `values` gives the other knobs (missing ones take their defaults).
+
+    >>> auto_value("dtype", "cuda", {}, model_dtype="float16"), auto_value("dtype", "cuda", {}, model_dtype="float32")
+    ('float16', 'bfloat16')
+    >>> auto_value("cuda_graphs", "cuda", {"batch": 128}), auto_value("compile", "cpu", {})
+    (False, 'off')
+    """
+    if name not in AUTO_KNOBS:
+        raise SettingError(f"{name} has no auto value; knobs that take auto: {', '.join(AUTO_KNOBS)}", name)
+    if device_type != "cuda":
+        return CPU_AUTO[name]
+    if name == "dtype":
+        if model_dtype in choices.HALF_DTYPES:
+            return model_dtype
+        return "bfloat16" if bf16_supported else "float16"
+    if name == "cuda_graphs":
+        buckets = values.get("graph_batch_sizes", KNOBS["graph_batch_sizes"].default)
+        rows = max(values.get("batch", 1) or 1, values.get("max_num_seqs", 1) or 1)
+        return rows <= max(buckets)
+    return "default"  # compile
+
+
+def resolve_auto(values: Mapping[str, Any], device_type: str, *, model_dtype: str | None = None,
+                 bf16_supported: bool = True) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """(values with every "auto" replaced by `auto_value`, the names that were "auto"). Explicit values are kept.
+
+    >>> resolve_auto({"cuda_graphs": "auto", "compile": "off"}, "cuda")
+    ({'cuda_graphs': True, 'compile': 'off'}, ('cuda_graphs',))
+    """
+    out, resolved = dict(values), []
+    for name in AUTO_KNOBS:
+        if isinstance(out.get(name), str) and out[name] == AUTO:
+            out[name] = auto_value(name, device_type, out, model_dtype=model_dtype, bf16_supported=bf16_supported)
+            resolved.append(name)
+    return out, tuple(resolved)
+
+
+def resolve_config(cfg: Any, device_type: str, *, dtype_auto: bool = False, **kw: Any) -> tuple[Any, tuple[str, ...]]:
+    """A run config (BenchConfig, ServeConfig) with its "auto" fields resolved (`resolve_auto`), and the names of the
+    knobs that were auto; `dtype_auto`: the session's dtype (not a config field) was asked as auto, named first."""
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    resolved, names = resolve_auto(values, device_type, **kw)
+    return (dataclasses.replace(cfg, **{n: resolved[n] for n in names}),
+            ("dtype",) * dtype_auto + names)
 
 
 RUN_KNOBS = tuple(k for k in KNOBS.values() if k.scope == "run")          # the fields of BenchConfig
@@ -500,19 +567,10 @@ def check(values: Mapping[str, Any]) -> None:
             raise SettingError(f"tree_budget={budget} exceeds the {tree_capacity(depth, topk)} candidates that "
                                f"tree_depth={depth}, tree_topk={topk} offer (K + (D-1) K^2): lower tree_budget or "
                                f"raise tree_topk / tree_depth", "tree_budget")
-    if v["cuda_graphs"] and v["batch"] > max(v["graph_batch_sizes"]):
+    if v["cuda_graphs"] is True and v["batch"] > max(v["graph_batch_sizes"]):
         raise SettingError(f"batch {v['batch']} exceeds the largest graph bucket {max(v['graph_batch_sizes'])}: add "
                            f"a bucket >= {v['batch']} to --graph-batch-sizes or turn --cuda-graphs off",
                            "graph_batch_sizes")
-
-
-def tree_capacity(depth: int, topk: int) -> int:
-    """Candidates an EAGLE dynamic tree offers (K at depth 1, K^2 at each further depth): tree_budget's upper bound.
-
-    >>> tree_capacity(4, 4), tree_capacity(5, 1)
-    (52, 5)
-    """
-    return topk + (depth - 1) * topk * topk
 
 
 def dataclass_of(name: str, knobs: Iterable[Knob], *, quick: bool = False, module: str, doc: str,
@@ -544,3 +602,5 @@ for _knob in KNOBS.values():
     register_column(_knob.name, _knob.column_kind, "config", _knob.help)
 for _knob in SERVE_KNOBS.values():
     register_column(_knob.name, _knob.column_kind, "config", _knob.help)
+register_column("auto_knobs", "string", "config", "the knobs given as auto and resolved for the device before the "
+                "run, comma-separated (their columns hold the resolved values)")

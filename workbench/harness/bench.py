@@ -38,7 +38,7 @@ from workbench.engine.sampling import SamplingParams
 from kernels.int4_cuda import int4_cuda_gemv_applies
 from kernels.pdl import pdl_applies
 
-DTYPES = {name: getattr(torch, name) for name in settings.KNOBS["dtype"].choices}
+from workbench.models import DTYPES, stored_dtype
 
 # Greedy parity in bf16/fp16 is not exact: a 1-token decode and a (k+1)-token verify reduce in different orders, so
 # two nearly tied logits can swap. Where outputs diverge we re-score the divergence point in float32 and call it a
@@ -103,9 +103,10 @@ class BenchSession:
     """Target (+ draft) model, tokenizer and default prompts, loaded once."""
 
     def __init__(self, target, draft, tokenizer, prompts, *, device: torch.device, dtype: str, preset: str | None,
-                 target_path: str, draft_path: str | None, prompts_source: str):
+                 target_path: str, draft_path: str | None, prompts_source: str, dtype_auto: bool = False):
         self.target, self.draft, self.tokenizer, self.prompts = target, draft, tokenizer, prompts
         self.device, self.dtype, self.preset = device, dtype, preset
+        self.dtype_auto = dtype_auto  # dtype was asked as "auto" (self.dtype is what it resolved to)
         self.target_path, self.draft_path, self.prompts_source = target_path, draft_path, prompts_source
         self._engines: dict[tuple, SpecEngine] = {}  # engines (caches, graphs) reused across runs and trials
         self._redrafter: tuple[RedrafterHead, str] | None = None  # (head, where it came from), loaded once
@@ -123,8 +124,8 @@ class BenchSession:
         from workbench.harness.prompts import PromptFileError, load_prompts
         from workbench.zoo import ZooError, resolve_preset
 
-        if dtype not in DTYPES:
-            raise BenchError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        if dtype != settings.AUTO and dtype not in DTYPES:
+            raise BenchError(f"unknown dtype {dtype!r}; choose one of {settings.AUTO}, {', '.join(DTYPES)}")
         kind, _, index = str(device).partition(":")  # the devices the engine runs on: auto, cpu, cuda, cuda:N
         if not (device in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit())):
             raise BenchError(f"device={device!r} is not a device the engine runs on; use --device auto, cpu, cuda "
@@ -148,6 +149,8 @@ class BenchSession:
             prompts_path = prompts_path or str(paths.prompts_path)
         if model is None:
             raise BenchError("no model: give --preset NAME or --model PATH (a Hugging Face folder or a .gguf file)")
+        dtype_auto = dtype == settings.AUTO
+        dtype = auto_dtype(dtype, dev, model)
         try:
             target = load_model(model, dtype=DTYPES[dtype], device=dev).eval()
             tokenizer = load_tokenizer(model)
@@ -171,7 +174,13 @@ class BenchSession:
         if dev.type == "cuda":
             _hold_nvml()
         return cls(target, draft_model, tokenizer, prompt_list, device=dev, dtype=dtype, preset=preset,
-                   target_path=str(model), draft_path=str(draft) if draft else None, prompts_source=str(prompts_path))
+                   target_path=str(model), draft_path=str(draft) if draft else None, prompts_source=str(prompts_path),
+                   dtype_auto=dtype_auto)
+
+    def resolve(self, cfg: BenchConfig) -> tuple[BenchConfig, tuple[str, ...]]:
+        """cfg with its "auto" knobs resolved for this session's device (settings.resolve_config), and the names of
+        every knob that was auto, dtype included when the session's was."""
+        return settings.resolve_config(cfg, self.device.type, dtype_auto=self.dtype_auto)
 
     def _load_head(self, kind: str, head_cls, seed: int):
         """(head, source): the trained `kind` head beside the target folder (`<preset>/<kind>`, written by `zoo
@@ -336,8 +345,10 @@ class BenchSession:
 
     def run(self, cfg: BenchConfig, prompts: list[list[int]] | None = None, *, study: str | None = None,
             trial_id: int | None = None, progress: Callable[[float, str], None] | None = None) -> BenchResult:
+        """One benchmark; "auto" knobs are resolved for the device first, and the record holds what they became."""
         from workbench.harness.telemetry import GpuTelemetry
 
+        cfg, auto_knobs = self.resolve(cfg)
         prompt_ids = prompts if prompts is not None else self.encode(cfg.num_prompts)
         self.check(cfg, prompt_ids)
         progress = progress or (lambda frac, msg: None)
@@ -420,7 +431,7 @@ class BenchSession:
         result = self._result(cfg, ar_runs, cand_runs, wall, tel, hf, study, trial_id, self.environment())
         rec = result.record
         rec.update(graphs)
-        rec.update(kv, peak_mem_mb=peak)
+        rec.update(kv, peak_mem_mb=peak, auto_knobs=",".join(auto_knobs))
         progress(1.0, "quality against the unquantized models")
         t_quality = time.perf_counter()
         rec.update(quality_columns(self, cfg, prompt_ids, result))
@@ -656,6 +667,26 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # lifetime peak (KiB on Linux)
 
 
+def auto_dtype(dtype: str, device: torch.device, model: str) -> str:
+    """The dtype a session loads in: `dtype` itself, or for "auto" the device's choice (settings.auto_value) from
+    the dtype the model's config names and whether the GPU has bfloat16."""
+    if dtype != settings.AUTO:
+        return dtype
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return settings.auto_value("dtype", device.type, {}, model_dtype=stored_dtype(model), bf16_supported=bf16)
+
+
+def _failed_config_columns(cfg: BenchConfig, storable: dict) -> dict:
+    """The config columns of a failed row: a value its column cannot hold (seed=10**20, k="x", an unresolved
+    "auto" in a bool column) stays in config_json only."""
+    rec = {}
+    for knob in settings.RUN_KNOBS:
+        value = getattr(cfg, knob.name)
+        rec[knob.name] = knob.column(value) if storable[knob.kind](value) else None
+    rec["config_json"] = json.dumps(asdict(cfg), sort_keys=True, default=repr)
+    return rec
+
+
 def failed_record(cfg: BenchConfig, error: str, *, study: str | None = None, trial_id: int | None = None,
                   session: BenchSession | None = None, asked: dict | None = None) -> dict:
     """A result-store row for a run that could not complete: its settings and the reason. Without a loaded
@@ -667,13 +698,13 @@ def failed_record(cfg: BenchConfig, error: str, *, study: str | None = None, tri
                 "float": lambda v: isinstance(v, float) or storable["int"](v),
                 "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str),
                 "ints": lambda v: isinstance(v, tuple) and all(storable["int"](x) for x in v)}
-    rec = {}
-    for knob in settings.RUN_KNOBS:  # a value its column cannot hold (seed=10**20, k="x") stays in config_json only
-        value = getattr(cfg, knob.name)
-        rec[knob.name] = knob.column(value) if storable[knob.kind](value) else None
-    rec["config_json"] = json.dumps(asdict(cfg), sort_keys=True, default=repr)
+    auto_knobs = None
+    if session is not None:  # the values the run would have used, as a successful row holds them
+        cfg, resolved = session.resolve(cfg)
+        auto_knobs = ",".join(resolved)
+    rec = _failed_config_columns(cfg, storable)
     rec.update(run_id=uuid.uuid4().hex, study=study, trial_id=trial_id, status="failed", error=error,
-               **environment_info())
+               auto_knobs=auto_knobs, **environment_info())
     if session is not None:
         rec.update(dtype=session.dtype, device=str(session.device), preset=session.preset,
                    target_path=session.target_path, draft_path=session.draft_path,

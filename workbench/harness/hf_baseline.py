@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from workbench.models import DTYPES
+
 _HF_CACHE: dict[tuple[str, str, str], object] = {}
 
 
@@ -28,8 +30,6 @@ def _sync(device: torch.device) -> None:
 
 
 def hf_generate_tokens_per_s(session, cfg, prompt_ids: list[list[int]]) -> dict:
-    from workbench.harness.bench import DTYPES
-
     if session.target_path.endswith(".gguf"):
         return {"hf_reason": "HF comparison skipped for GGUF models"}
     dev, dtype = session.device, DTYPES[session.dtype]

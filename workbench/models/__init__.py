@@ -7,9 +7,10 @@
 from .attention import AttentionBackend, CausalAttention
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError, RopeScaling
 from .llama import LlamaModel
-from .loader import load_model, load_tokenizer, read_config, save_model, tokenizer_fingerprint
+from .loader import DTYPES, load_model, load_tokenizer, read_config, save_model, stored_dtype, tokenizer_fingerprint
 
 __all__ = [
+    "DTYPES",
     "AttentionBackend",
     "CausalAttention",
     "LlamaModel",
@@ -21,5 +22,6 @@ __all__ = [
     "load_tokenizer",
     "read_config",
     "save_model",
+    "stored_dtype",
     "tokenizer_fingerprint",
 ]

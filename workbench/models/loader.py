@@ -16,6 +16,9 @@ from torch import Tensor
 
 from .config import ModelConfig, ModelLoadError
 from .llama import LlamaModel
+from workbench.choices import DTYPES as DTYPE_NAMES
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the dtypes a model loads in, by knob value
 
 _INDEX_FILE = "model.safetensors.index.json"
 _SHOW = 5  # names listed in an error message before "... (N more)"
@@ -51,6 +54,18 @@ def read_config(path: str | Path) -> ModelConfig:
     if not isinstance(d, dict):
         raise ModelLoadError(config_file, "expected a JSON object")
     return ModelConfig.from_hf_dict(d, source=config_file)
+
+
+def stored_dtype(path: str | Path) -> str | None:
+    """The dtype a model folder's config.json names ("dtype", or the older "torch_dtype"), e.g. "bfloat16"; None for
+    a GGUF file, a config that names none, or one that cannot be read (loading then names the problem)."""
+    p = Path(path)
+    try:
+        d = json.loads((p / "config.json").read_text()) if p.is_dir() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    value = (d.get("dtype") or d.get("torch_dtype")) if isinstance(d, dict) else None
+    return str(value).removeprefix("torch.") if isinstance(value, str) else None
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"

@@ -42,6 +42,7 @@ class ServeBenchResult:
 def engine_for(session, cfg) -> SpecEngine:
     from workbench.harness.bench import _drafter_for
 
+    cfg = settings.resolve_config(cfg, session.device.type)[0]  # "auto" knobs for the session's device
     ecfg = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingParams(cfg.temperature, cfg.top_k,
                         cfg.top_p), paged=True, kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
                         cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
@@ -95,6 +96,8 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
     """Serve cfg's load on the session's models; ServeError for bad settings or requests (before any work)."""
     from workbench.harness.telemetry import environment_info
 
+    cfg, auto_knobs = settings.resolve_config(cfg, session.device.type,
+                                              dtype_auto=getattr(session, "dtype_auto", False))
     check_config(cfg)
     try:
         SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
@@ -145,7 +148,7 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
            "prompts_source": session.prompts_source if cfg.lengths == "file" else "random", "paged": True,
            # batch stays empty: a serving run has no fixed batch; its row cap is the max_num_seqs column, the batch
            # it really ran is mean_batch_size (rows written before this change hold max_num_seqs in batch)
-           "num_prompts": len(requests), "batch": None, "wall_s": wall,
+           "num_prompts": len(requests), "batch": None, "wall_s": wall, "auto_knobs": ",".join(auto_knobs),
            **metrics.summarize(result, cfg.slo_ttft_ms, cfg.slo_tpot_ms), **calibrated,
            **environment_info(str(session.device) if session.device.type == "cuda" else None)}
     # how the loop itself ran (module / env switches, not settings): stored, so that runs of different loops are
@@ -189,6 +192,9 @@ def failed_record(cfg, error: str, study: str | None = None) -> dict:
 
     rec = {f.name: (getattr(cfg, f.name) if not isinstance(getattr(cfg, f.name), tuple)
                     else ",".join(map(str, getattr(cfg, f.name)))) for f in fields(cfg)}
+    for knob in SERVE_CONFIG_KNOBS:  # an unresolved "auto" cannot sit in a bool column: config_json keeps it
+        if knob.kind == "bool" and not isinstance(rec.get(knob.name), bool):
+            rec[knob.name] = None
     return {**rec, "run_id": uuid.uuid4().hex, "study": study, "status": "failed", "error": error,
             "run_kind": "serve", "config_json": json.dumps(asdict(cfg), sort_keys=True, default=repr),
             **environment_info()}
