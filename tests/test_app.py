@@ -129,17 +129,39 @@ def test_run_page_rejects_bad_numbers(workspace):
     assert not at.button(key="run_start").disabled
 
 
-def widget_keys(at: AppTest) -> set[str]:
+def widget_keys(at) -> set[str]:
+    """Keys of the widgets in an AppTest's page, or in one of its blocks (an expander)."""
     def walk(block):
         for node in getattr(block, "children", {}).values():
             if getattr(node, "key", None):
                 yield node.key
             yield from walk(node)
 
-    return set(walk(at._tree))
+    return set(walk(at._tree if isinstance(at, AppTest) else at))
 
 
-def test_forms_offer_every_knob_of_the_registry(workspace):
+@pytest.fixture()
+def gpu_visible(monkeypatch):
+    """The forms' GPU probe says a CUDA GPU is here (the GPU-only knobs show)."""
+    from ui import gpu_page
+
+    monkeypatch.setattr(gpu_page, "gpu_state", lambda: {"cuda_available": True, "reason": None})
+
+
+@pytest.fixture()
+def no_gpu(monkeypatch):
+    from ui import gpu_page
+
+    monkeypatch.setattr(gpu_page, "gpu_state", lambda: {"cuda_available": False, "reason": "fixture: no GPU"})
+
+
+def keys_in(at: AppTest, label: str) -> set[str]:
+    """Widget keys inside the expander `label`."""
+    [box] = [e for e in at.expander if e.label == label]
+    return set(widget_keys(box))
+
+
+def test_forms_offer_every_knob_of_the_registry(workspace, gpu_visible):
     """The Run and Tune forms are generated from workbench.settings: a knob added there gets a field on both."""
     from studies.space import SEARCH_KNOBS, SETTING_KNOBS
     from workbench.settings import KNOBS, METHODS
@@ -156,7 +178,52 @@ def test_forms_offer_every_knob_of_the_registry(workspace):
         <= widget_keys(at)
 
 
-def test_graph_settings_are_checked_on_both_forms(workspace):
+def test_forms_show_gpu_knobs_only_where_a_gpu_is_visible(workspace, monkeypatch):
+    from studies.space import SEARCH_KNOBS
+    from ui import gpu_page
+    from workbench.settings import GPU_ONLY_KNOBS, KNOBS
+
+    assert set(GPU_ONLY_KNOBS) <= set(KNOBS)
+    for visible in (False, True):
+        monkeypatch.setattr(gpu_page, "gpu_state", lambda v=visible: {"cuda_available": v, "reason": "fixture"})
+        at = open_page("run")
+        assert not at.exception, at.exception
+        keys = widget_keys(at)
+        assert ({f"run_{n}" for n in GPU_ONLY_KNOBS} <= keys) is visible, sorted(keys)
+        assert bool({f"run_{n}" for n in GPU_ONLY_KNOBS} & keys) is visible
+        assert ("fp8" in at.selectbox(key="run_target_quant").options) is visible
+        assert "fp8" in at.selectbox(key="run_target_kv_quant").options  # the KV format runs on a CPU too
+        assert any("No GPU visible" in c.value for c in at.caption) is (not visible)
+        at = open_page("tune")
+        assert not at.exception, at.exception
+        script = at.selectbox(key="tune_script").value
+        gpu_dims = {f"tune_{n}_{script}" for n in GPU_ONLY_KNOBS if n in SEARCH_KNOBS}
+        assert gpu_dims and (gpu_dims <= widget_keys(at)) is visible
+        assert bool(gpu_dims & widget_keys(at)) is visible
+        assert ("fp8" in at.multiselect(key=f"tune_target_quant_{script}").options) is visible
+
+
+def test_forms_show_the_basic_knobs_first_and_the_rest_under_advanced(workspace, no_gpu):
+    at = open_page("run")
+    basic = {"run_k", "run_batch", "run_max_new_tokens", "run_num_prompts", "run_temperature", "run_top_p"}
+    advanced = keys_in(at, "Advanced")
+    assert basic <= widget_keys(at) and not basic & advanced, sorted(advanced)
+    assert {"run_repeats", "run_warmup", "run_dtype", "run_seed", "run_device", "run_target_quant"} <= advanced
+    at.selectbox(key="run_method").set_value("eagle").run()
+    assert {"run_tree_depth", "run_tree_topk", "run_tree_budget"} <= widget_keys(at) - keys_in(at, "Advanced")
+    at.text_input(key="run_batch").input("0").run()  # a basic field still shows its error next to it
+    assert error_next_to(at, "run_batch") == ["batch must be between 1 and 256, got 0"]
+
+    at = open_page("tune")
+    script = at.selectbox(key="tune_script").value
+    advanced = keys_in(at, "Advanced")
+    assert {f"tune_k_{script}", f"tune_batch_{script}", "tune_max_new_tokens", "tune_num_prompts"} \
+        <= keys_in(at, "Search space and run settings (defaults: the script's)")
+    assert {f"tune_dtype_{script}", "tune_repeats", "tune_device", "tune_workers"} <= advanced
+    assert f"tune_k_{script}" not in advanced
+
+
+def test_graph_settings_are_checked_on_both_forms(workspace, gpu_visible):
     at = open_page("run")
     at.text_input(key="run_graph_batch_sizes").input("4,2").run()
     assert error_next_to(at, "run_graph_batch_sizes") == [
