@@ -95,6 +95,20 @@ def test_page_renders(workspace, page):
     assert at.title[0].value.lower().startswith({"run": "run"}.get(page, page)[:3])
 
 
+@pytest.mark.parametrize("path", ["start", "run"])
+def test_direct_links_open_the_run_page(workspace, path):
+    """A browser at /<path> asks for the page by that name; Streamlit answers "Page not found" when no page of the
+    app's navigation carries it (the default page's own url_path is not served)."""
+    from streamlit.runtime.pages_manager import PagesManager
+
+    at = AppTest.from_file(APP, default_timeout=90).run()
+    assert not at.exception, at.exception
+    pages = PagesManager(APP)
+    pages.set_script_intent("", path)
+    found = pages.set_pages_and_resolve(at._registered_pages)  # no fallback: what decides "Page not found"
+    assert found is not None and Path(found["script_path"]) == ROOT / "ui" / "run_page.py"
+
+
 def test_pages_do_not_import_torch(workspace):
     """Long work runs in subprocesses: rendering every page must not pull torch into the server."""
     code = ("import sys\nfrom streamlit.testing.v1 import AppTest\n"

@@ -238,7 +238,7 @@ def test_browser_results_trust_views_and_direct_links(server):
             assert page.locator("g.errorbar").count() > 0  # the runs' 95 % intervals
             expect(page.get_by_text("Acceptance by prompt category")).to_be_visible(timeout=30_000)
             _shot(page, shots, "results-trust", 3400)
-            for path, heading in (("run", "Run a benchmark"), ("tune", "Tune")):
+            for path, heading in (("start", "Run a benchmark"), ("run", "Run a benchmark"), ("tune", "Tune")):
                 page.goto(f"{server['url']}/{path}", wait_until="domcontentloaded")
                 expect(page.get_by_role("heading", name=heading)).to_be_visible(timeout=60_000)
                 assert "Page not found" not in page.inner_text("body")
