@@ -581,6 +581,19 @@ def test_results_page_marks_flags_and_never_crowns_them(workspace, tmp_path):
     assert not at.success and any("No trusted run" in i.value for i in at.info)
 
 
+def test_results_page_calls_a_best_below_one_a_slowdown(workspace):
+    store = ResultStore(workspace["store"])
+    for k, speedup in ((2, 0.86), (4, 0.80)):
+        store.append({"status": "ok", "method": "draft", "k": k, "batch": 1, "temperature": 0.0, "preset": "tiny",
+                      "device": "cpu", "dtype": "float32", "speedup_vs_ar": speedup, "tokens_per_s": 86.0,
+                      "ar_tokens_per_s": 100.0, "noisy": False, "plausible": True})
+    at = open_page("results")
+    assert not at.exception, at.exception
+    assert not at.success  # no green box for a slowdown
+    [slow] = [w.value for w in at.warning if "Slowdown" in w.value]
+    assert "slower than autoregressive" in slow and "**0.86x (no interval)**" in slow and "k=2" in slow
+
+
 def test_results_page_heatmap_and_grouped_lines(workspace, tmp_path):
     ids = seed_trust_store(workspace["store"], tmp_path / "question.jsonl")
     at = open_page("results")
