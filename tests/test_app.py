@@ -466,6 +466,34 @@ def test_tune_page_lists_studies_of_the_cli_default_storage(workspace, tmp_path)
     assert any(m.value.startswith("**from-cli**") for m in at.markdown)
 
 
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_tune_history_best_line_runs_through_trusted_trials_only(workspace):
+    """An implausible trial with the highest value is a grey "left out" marker; the best-value line never reaches it."""
+    import optuna
+
+    from studies.storage import open_storage
+    from studies.study import SPEC_KEY
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="flagged", storage=open_storage(f"journal://{workspace['journal']}"),
+                                direction="maximize")
+    study.set_metric_names(["speedup_vs_ar"])
+    study.set_user_attr(SPEC_KEY, {"script": "speed"})
+    for value, attrs in ((1.1, {}), (3.0, {"plausible": False, "implausible_reason": "fixture: over the bound"}),
+                         (1.3, {}), (2.0, {"noisy": True, "noisy_reason": "fixture: wide interval"})):
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={"feasible": True, "plausible": True,
+                                                                           "noisy": False, **attrs}))
+    at = open_page("tune")
+    assert not at.exception, at.exception
+    [fig] = [f for f in plotly_figs(at) if f["layout"].get("title", {}).get("text") == "Optimization history"]
+    traces = {t["name"]: t for t in fig["data"]}
+    best = traces["Best value (trusted trials)"]
+    assert best["x"] == [0, 2, 3] and best["y"] == [1.1, 1.3, 1.3]
+    left = traces["Left out (infeasible, noisy or implausible)"]
+    assert left["x"] == [1, 3] and "implausible: fixture: over the bound" in left["text"][0]
+    assert traces["speedup_vs_ar"]["x"] == [0, 2]
+
+
 # ---- Results page ---------------------------------------------------------------------------------------------
 
 def seed_store(root: Path) -> list[str]:

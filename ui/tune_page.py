@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from ui import catalog, gpu_page, jobs
+from ui import catalog, charts, gpu_page, jobs
 from ui.common import GPU_ONLY_CHOICES, PYTHON, REPO_ROOT, Errors, check_model_path, int_field, job_panel, knob_field, store_root, study_storage_url
 from workbench.settings import BASIC_KNOBS, GPU_ONLY_KNOBS, KNOBS, METHODS
 
@@ -363,8 +363,11 @@ def _figures(study, metrics: list[str]) -> dict:
         except Exception as exc:  # noqa: BLE001 - e.g. too few trials for importances
             out[label] = f"{type(exc).__name__}: {exc}"
 
-    for kw in tkw:
-        attempt(f"History · {kw['target_name']}", lambda kw=kw: vis.plot_optimization_history(study, **kw))
+    if multi:  # one history per objective, no best line (a Pareto study has no single best)
+        for kw in tkw:
+            attempt(f"History · {kw['target_name']}", lambda kw=kw: vis.plot_optimization_history(study, **kw))
+    else:  # the best-value line runs through the trials the report trusts only
+        attempt(f"History · {metrics[0]}", lambda: _history(study, metrics[0]))
     if multi:
         # infeasible trials (greedy output differed from autoregressive) carry an Optuna constraint > 0: the plot
         # greys them out by itself
@@ -381,6 +384,23 @@ def _figures(study, metrics: list[str]) -> dict:
     attempt("Parallel coordinates", lambda: vis.plot_parallel_coordinate(study, **tkw[0]))
     attempt("Slice", lambda: vis.plot_slice(study, **tkw[0]))
     return out
+
+
+def _history(study, metric: str):
+    import optuna
+
+    from studies.objective import reliable_complete, unreliable_reason
+
+    trusted = {t.number for t in reliable_complete(study)}
+    points = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        why = None if t.number in trusted else (
+            unreliable_reason(t) or f"infeasible: {t.user_attrs.get('infeasible_reason') or 'a constraint > 0'}")
+        points.append((t.number, t.value, why))
+    fig = charts.optimization_history(points, study.direction.name == "MAXIMIZE", metric)
+    if fig is None:
+        raise ValueError("no completed trial yet")
+    return fig
 
 
 def best_section(study, spec: dict) -> None:
