@@ -743,7 +743,12 @@ def test_results_page_tree_charts(workspace, tmp_path):
 def test_models_page_lists_presets_and_validates_registration(workspace, tmp_path):
     at = open_page("models")
     assert not at.exception
-    assert "tiny" in at.dataframe[0].value["preset"].tolist()
+    presets = at.dataframe[0].value
+    assert "tiny" in presets["preset"].tolist()
+    from workbench.zoo import resolve_preset  # sizes in MiB, as `zoo list` prints them (tests/test_zoo.py)
+    folder = resolve_preset("tiny").root
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
+    assert presets.set_index("preset").at["tiny", "size MiB"] == round(size, 1)
     at.text_input(key="models_reg_name").input("mine")
     at.text_input(key="models_reg_target").input(str(tmp_path / "nowhere"))
     at.button(key="models_reg_submit").click().run()
