@@ -227,9 +227,13 @@ def test_models_info_on_a_broken_safetensors_is_one_named_line(tmp_path, capsys,
                "empty": b""}[cut]
     d = _model_dir(tmp_path, weights)
     assert main(["models", "info", str(d)]) == 1
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and out.startswith(f"error: {d / 'model.safetensors'}: ") and "Traceback" not in out
-    assert "truncated" in out or "corrupt" in out
+    out, err = capsys.readouterr()
+    assert out == ""  # the error goes to stderr, stdout carries only an answer
+    assert err.count("\n") == 1 and err.startswith(f"error: {d / 'model.safetensors'}: ") and "Traceback" not in err
+    assert "truncated" in err or "corrupt" in err
+    assert main(["models", "info", str(d), "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ")
     with pytest.raises(ModelLoadError):
         load_model(d)
     if cut != "tensors":
