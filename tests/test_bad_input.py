@@ -208,6 +208,23 @@ def test_studies_run_rejects_bad_counts(capsys, flag, value):
     assert exc.value.code == 2 and f"{flag} '{value}': give a whole number" in capsys.readouterr().err
 
 
+def test_studies_run_with_unwritable_store_prints_the_record_then_fails(tmp_path):
+    """As bench does: the trial's measurement is printed, the store problem named, exit status 3, no traceback."""
+    not_a_dir = tmp_path / "store-file"
+    not_a_dir.write_text("I am a file")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "studies.run", "--study", "s", "--storage",
+                        f"sqlite:///{tmp_path / 's.db'}", "--trials", "1", "--store", str(not_a_dir), "--methods",
+                        "ngram", "--max-new-tokens", "4", "--num-prompts", "1", "--repeats", "1", "--warmup", "0",
+                        "--threads", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert "the run of trial 0 was not stored" in r.stderr and str(not_a_dir) in r.stderr
+    record = json.loads(r.stdout.strip().splitlines()[-1])
+    assert record["status"] == "ok" and record["method"] == "ngram" and record["tokens_per_s"] > 0
+    assert not_a_dir.read_text() == "I am a file"
+
+
 def _model_dir(tmp_path, weights: bytes) -> Path:
     d = tmp_path / "m"
     d.mkdir()
