@@ -182,6 +182,17 @@ def test_missing_model_row_carries_its_path(tmp_path, capsys):
     assert row["target_path"] == str(tmp_path / "nope") and row["dtype"] == "float32" and row["device"] == "auto"
 
 
+def test_bench_model_without_prompts_uses_the_built_in_set(tmp_path, capsys):
+    code, df = _bench(tmp_path, "--model", str(TINY), "--method", "ngram", "--repeats", "1", "--warmup", "0",
+                      preset=())
+    builtin = str(ROOT / "workbench" / "zoo" / "weights" / "tiny" / "prompts.jsonl")
+    err = capsys.readouterr().err
+    assert code == 0, err[-2000:]
+    assert f"using the built-in set {builtin}" in err
+    row = df.iloc[0]
+    assert row["status"] == "ok" and row["prompts_source"] == builtin and row["target_path"] == str(TINY)
+
+
 @pytest.mark.parametrize("args, message", [
     (("--seed", str(10**20)), "seed=100000000000000000000 is outside what the engine supports: 0..2147483647"),
     (("--temperature", "inf"), "temperature=inf must be a finite number in 0..2"),
