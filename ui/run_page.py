@@ -3,8 +3,9 @@
 The benchmark is `python -m workbench bench ... --json --store DIR`, started as a job (ui.jobs): this page only builds
 its command line, polls it and reads the stored result back. The form has one field per knob the method reads
 (workbench.settings: label, widget kind, bounds, default and help come from there): the few a user sets first, the
-rest under "Advanced", and the GPU-only ones only where a GPU is visible (otherwise the run keeps their defaults). Every setting is validated here
-first, with the error shown under its input, and nothing is started while any input is wrong.
+rest under "Advanced", and the GPU-only ones only where a GPU is visible (otherwise the run keeps their defaults).
+Every setting is validated here first, with the error shown under its input, and nothing is started while any input
+is wrong.
 """
 from __future__ import annotations
 

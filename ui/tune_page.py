@@ -17,7 +17,8 @@ import pandas as pd
 import streamlit as st
 
 from ui import catalog, charts, gpu_page, jobs
-from ui.common import GPU_ONLY_CHOICES, PYTHON, REPO_ROOT, Errors, check_model_path, int_field, job_panel, knob_field, store_root, study_storage_url
+from ui.common import (GPU_ONLY_CHOICES, PYTHON, REPO_ROOT, Errors, check_model_path, int_field, job_panel, knob_field,
+                       store_root, study_storage_url)
 from workbench.settings import BASIC_KNOBS, GPU_ONLY_KNOBS, KNOBS, METHODS
 
 P = "tune_"
