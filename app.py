@@ -16,13 +16,15 @@ except Exception:  # noqa: BLE001 - cosmetic only
     pass
 
 PAGES = [
-    st.Page("ui/run_page.py", title="Run", icon=":material/play_circle:", url_path="start", default=True),
+    # the default page is served only at "/" (its own url_path answers "Page not found"): "home" is never linked,
+    # and the hidden aliases below make /start and /run open the Run page too
+    st.Page("ui/run_page.py", title="Run", icon=":material/play_circle:", url_path="home", default=True),
     st.Page("ui/tune_page.py", title="Tune", icon=":material/tune:", url_path="tune"),
     st.Page("ui/results_page.py", title="Results", icon=":material/table_chart:", url_path="results"),
     st.Page("ui/serving_page.py", title="Serving", icon=":material/dns:", url_path="serving"),
     st.Page("ui/models_page.py", title="Models", icon=":material/neurology:", url_path="models"),
     st.Page("ui/gpu_page.py", title="GPU", icon=":material/memory:", url_path="gpu"),
-    # Streamlit serves the default page only at "/": this hidden alias makes a direct link to /run work too
+    st.Page("ui/run_page.py", title="Run", icon=":material/play_circle:", url_path="start", visibility="hidden"),
     st.Page("ui/run_page.py", title="Run", icon=":material/play_circle:", url_path="run", visibility="hidden"),
 ]
 

@@ -8,13 +8,16 @@
     python -m studies.run --study big --script pareto --trials 200 --storage journal:///tmp/big.log --workers 0
         (create only; then start `python -m studies.worker` processes, see studies/README.md)
 
---trials N is the study's total: resuming a study that already has N trials runs none. Re-running with another
+--trials N is the study's total: resuming a study that already has N trials runs none. A trial's run that cannot be
+written to the result store (a file, read-only, full) is printed on stdout, the store problem named on stderr, and
+the exit status is 3 (the trial is FAIL in the study; run the same command again to redo it). Re-running with another
 script, search space, objective or models under the same --study name is refused with the differences listed.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import signal
 import subprocess
@@ -124,10 +127,37 @@ def build_spec(args: argparse.Namespace, stored: StudySpec | None) -> StudySpec:
                      sampler=args.sampler or (base.sampler if base else "tpe"))
 
 
-def open_store(root: str | None) -> Any:
+class StoreWriteError(RuntimeError):
+    """A trial's run could not be written to the result store (its record was printed on stdout first)."""
+
+
+class RecordFirstStore:
+    """The result store of a study process. A write that fails prints the trial's record on stdout, so the
+    measurement is not lost, then raises StoreWriteError naming the store problem: the process ends with exit status 3,
+    as `bench` and `serve-bench` do."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def append(self, record: dict[str, Any], traces: Any = None, **parts: Any) -> str:
+        from results.store import StoreError
+
+        try:
+            return self.store.append(record, traces, **parts)
+        except (StoreError, OSError) as e:
+            shown = {k: v for k, v in record.items() if k != "telemetry_timeline"}
+            print(json.dumps(shown, default=str), flush=True)
+            raise StoreWriteError(f"the run of trial {record.get('trial_id')} was not stored (its record is printed "
+                                  f"above): {e}") from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def open_store(root: str | None) -> RecordFirstStore:
     from results.store import ResultStore
 
-    return ResultStore(root=root) if root else ResultStore()
+    return RecordFirstStore(ResultStore(root=root) if root else ResultStore())
 
 
 def prepare_process(threads: int | None) -> None:
@@ -235,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         except Cancelled:
             print(CANCELLED_MESSAGE, file=sys.stderr, flush=True)
             return 128 + signal.SIGTERM
+        except StoreWriteError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 3
     else:
         codes = [p.wait() for p in spawn_workers(args, args.workers)]
         if any(codes):

@@ -12,7 +12,7 @@ import signal
 import sys
 
 
-from studies.run import CANCELLED_MESSAGE, open_store, prepare_process, print_trial, session_for
+from studies.run import CANCELLED_MESSAGE, StoreWriteError, open_store, prepare_process, print_trial, session_for
 from studies.space import first_value
 from studies.storage import StorageOpenError, open_storage, redact
 from studies.study import (Cancelled, StudyMismatchError, StudyNotFoundError, counted_trials, create_or_resume,
@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     except Cancelled:
         print(CANCELLED_MESSAGE, file=sys.stderr, flush=True)
         return 128 + signal.SIGTERM
+    except StoreWriteError as e:  # the trial's record is printed above: the measurement is not lost
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
     done, _ = counted_trials(study)
     print(f"worker on {args.device} ran {ran} trials of study {args.study!r} in {redact(args.storage)} "
           f"({done} of {target if target is not None else '?'} done)", flush=True)

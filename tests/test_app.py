@@ -95,6 +95,20 @@ def test_page_renders(workspace, page):
     assert at.title[0].value.lower().startswith({"run": "run"}.get(page, page)[:3])
 
 
+@pytest.mark.parametrize("path", ["start", "run"])
+def test_direct_links_open_the_run_page(workspace, path):
+    """A browser at /<path> asks for the page by that name; Streamlit answers "Page not found" when no page of the
+    app's navigation carries it (the default page's own url_path is not served)."""
+    from streamlit.runtime.pages_manager import PagesManager
+
+    at = AppTest.from_file(APP, default_timeout=90).run()
+    assert not at.exception, at.exception
+    pages = PagesManager(APP)
+    pages.set_script_intent("", path)
+    found = pages.set_pages_and_resolve(at._registered_pages)  # no fallback: what decides "Page not found"
+    assert found is not None and Path(found["script_path"]) == ROOT / "ui" / "run_page.py"
+
+
 def test_pages_do_not_import_torch(workspace):
     """Long work runs in subprocesses: rendering every page must not pull torch into the server."""
     code = ("import sys\nfrom streamlit.testing.v1 import AppTest\n"
@@ -129,17 +143,39 @@ def test_run_page_rejects_bad_numbers(workspace):
     assert not at.button(key="run_start").disabled
 
 
-def widget_keys(at: AppTest) -> set[str]:
+def widget_keys(at) -> set[str]:
+    """Keys of the widgets in an AppTest's page, or in one of its blocks (an expander)."""
     def walk(block):
         for node in getattr(block, "children", {}).values():
             if getattr(node, "key", None):
                 yield node.key
             yield from walk(node)
 
-    return set(walk(at._tree))
+    return set(walk(at._tree if isinstance(at, AppTest) else at))
 
 
-def test_forms_offer_every_knob_of_the_registry(workspace):
+@pytest.fixture()
+def gpu_visible(monkeypatch):
+    """The forms' GPU probe says a CUDA GPU is here (the GPU-only knobs show)."""
+    from ui import gpu_page
+
+    monkeypatch.setattr(gpu_page, "gpu_state", lambda: {"cuda_available": True, "reason": None})
+
+
+@pytest.fixture()
+def no_gpu(monkeypatch):
+    from ui import gpu_page
+
+    monkeypatch.setattr(gpu_page, "gpu_state", lambda: {"cuda_available": False, "reason": "fixture: no GPU"})
+
+
+def keys_in(at: AppTest, label: str) -> set[str]:
+    """Widget keys inside the expander `label`."""
+    [box] = [e for e in at.expander if e.label == label]
+    return set(widget_keys(box))
+
+
+def test_forms_offer_every_knob_of_the_registry(workspace, gpu_visible):
     """The Run and Tune forms are generated from workbench.settings: a knob added there gets a field on both."""
     from studies.space import SEARCH_KNOBS, SETTING_KNOBS
     from workbench.settings import KNOBS, METHODS
@@ -156,7 +192,52 @@ def test_forms_offer_every_knob_of_the_registry(workspace):
         <= widget_keys(at)
 
 
-def test_graph_settings_are_checked_on_both_forms(workspace):
+def test_forms_show_gpu_knobs_only_where_a_gpu_is_visible(workspace, monkeypatch):
+    from studies.space import SEARCH_KNOBS
+    from ui import gpu_page
+    from workbench.settings import GPU_ONLY_KNOBS, KNOBS
+
+    assert set(GPU_ONLY_KNOBS) <= set(KNOBS)
+    for visible in (False, True):
+        monkeypatch.setattr(gpu_page, "gpu_state", lambda v=visible: {"cuda_available": v, "reason": "fixture"})
+        at = open_page("run")
+        assert not at.exception, at.exception
+        keys = widget_keys(at)
+        assert ({f"run_{n}" for n in GPU_ONLY_KNOBS} <= keys) is visible, sorted(keys)
+        assert bool({f"run_{n}" for n in GPU_ONLY_KNOBS} & keys) is visible
+        assert ("fp8" in at.selectbox(key="run_target_quant").options) is visible
+        assert "fp8" in at.selectbox(key="run_target_kv_quant").options  # the KV format runs on a CPU too
+        assert any("No GPU visible" in c.value for c in at.caption) is (not visible)
+        at = open_page("tune")
+        assert not at.exception, at.exception
+        script = at.selectbox(key="tune_script").value
+        gpu_dims = {f"tune_{n}_{script}" for n in GPU_ONLY_KNOBS if n in SEARCH_KNOBS}
+        assert gpu_dims and (gpu_dims <= widget_keys(at)) is visible
+        assert bool(gpu_dims & widget_keys(at)) is visible
+        assert ("fp8" in at.multiselect(key=f"tune_target_quant_{script}").options) is visible
+
+
+def test_forms_show_the_basic_knobs_first_and_the_rest_under_advanced(workspace, no_gpu):
+    at = open_page("run")
+    basic = {"run_k", "run_batch", "run_max_new_tokens", "run_num_prompts", "run_temperature", "run_top_p"}
+    advanced = keys_in(at, "Advanced")
+    assert basic <= widget_keys(at) and not basic & advanced, sorted(advanced)
+    assert {"run_repeats", "run_warmup", "run_dtype", "run_seed", "run_device", "run_target_quant"} <= advanced
+    at.selectbox(key="run_method").set_value("eagle").run()
+    assert {"run_tree_depth", "run_tree_topk", "run_tree_budget"} <= widget_keys(at) - keys_in(at, "Advanced")
+    at.text_input(key="run_batch").input("0").run()  # a basic field still shows its error next to it
+    assert error_next_to(at, "run_batch") == ["batch must be between 1 and 256, got 0"]
+
+    at = open_page("tune")
+    script = at.selectbox(key="tune_script").value
+    advanced = keys_in(at, "Advanced")
+    assert {f"tune_k_{script}", f"tune_batch_{script}", "tune_max_new_tokens", "tune_num_prompts"} \
+        <= keys_in(at, "Search space and run settings (defaults: the script's)")
+    assert {f"tune_dtype_{script}", "tune_repeats", "tune_device", "tune_workers"} <= advanced
+    assert f"tune_k_{script}" not in advanced
+
+
+def test_graph_settings_are_checked_on_both_forms(workspace, gpu_visible):
     at = open_page("run")
     at.text_input(key="run_graph_batch_sizes").input("4,2").run()
     assert error_next_to(at, "run_graph_batch_sizes") == [
@@ -385,6 +466,34 @@ def test_tune_page_lists_studies_of_the_cli_default_storage(workspace, tmp_path)
     assert any(m.value.startswith("**from-cli**") for m in at.markdown)
 
 
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_tune_history_best_line_runs_through_trusted_trials_only(workspace):
+    """An implausible trial with the highest value is a grey "left out" marker; the best-value line never reaches it."""
+    import optuna
+
+    from studies.storage import open_storage
+    from studies.study import SPEC_KEY
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="flagged", storage=open_storage(f"journal://{workspace['journal']}"),
+                                direction="maximize")
+    study.set_metric_names(["speedup_vs_ar"])
+    study.set_user_attr(SPEC_KEY, {"script": "speed"})
+    for value, attrs in ((1.1, {}), (3.0, {"plausible": False, "implausible_reason": "fixture: over the bound"}),
+                         (1.3, {}), (2.0, {"noisy": True, "noisy_reason": "fixture: wide interval"})):
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs={"feasible": True, "plausible": True,
+                                                                           "noisy": False, **attrs}))
+    at = open_page("tune")
+    assert not at.exception, at.exception
+    [fig] = [f for f in plotly_figs(at) if f["layout"].get("title", {}).get("text") == "Optimization history"]
+    traces = {t["name"]: t for t in fig["data"]}
+    best = traces["Best value (trusted trials)"]
+    assert best["x"] == [0, 2, 3] and best["y"] == [1.1, 1.3, 1.3]
+    left = traces["Left out (infeasible, noisy or implausible)"]
+    assert left["x"] == [1, 3] and "implausible: fixture: over the bound" in left["text"][0]
+    assert traces["speedup_vs_ar"]["x"] == [0, 2]
+
+
 # ---- Results page ---------------------------------------------------------------------------------------------
 
 def seed_store(root: Path) -> list[str]:
@@ -498,6 +607,19 @@ def test_results_page_marks_flags_and_never_crowns_them(workspace, tmp_path):
     # filtering to the flagged runs only: no best at all
     at.multiselect(key="res_filter_method").set_value(["ngram"]).run()
     assert not at.success and any("No trusted run" in i.value for i in at.info)
+
+
+def test_results_page_calls_a_best_below_one_a_slowdown(workspace):
+    store = ResultStore(workspace["store"])
+    for k, speedup in ((2, 0.86), (4, 0.80)):
+        store.append({"status": "ok", "method": "draft", "k": k, "batch": 1, "temperature": 0.0, "preset": "tiny",
+                      "device": "cpu", "dtype": "float32", "speedup_vs_ar": speedup, "tokens_per_s": 86.0,
+                      "ar_tokens_per_s": 100.0, "noisy": False, "plausible": True})
+    at = open_page("results")
+    assert not at.exception, at.exception
+    assert not at.success  # no green box for a slowdown
+    [slow] = [w.value for w in at.warning if "Slowdown" in w.value]
+    assert "slower than autoregressive" in slow and "**0.86x (no interval)**" in slow and "k=2" in slow
 
 
 def test_results_page_heatmap_and_grouped_lines(workspace, tmp_path):
@@ -621,7 +743,12 @@ def test_results_page_tree_charts(workspace, tmp_path):
 def test_models_page_lists_presets_and_validates_registration(workspace, tmp_path):
     at = open_page("models")
     assert not at.exception
-    assert "tiny" in at.dataframe[0].value["preset"].tolist()
+    presets = at.dataframe[0].value
+    assert "tiny" in presets["preset"].tolist()
+    from workbench.zoo import resolve_preset  # sizes in MiB, as `zoo list` prints them (tests/test_zoo.py)
+    folder = resolve_preset("tiny").root
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
+    assert presets.set_index("preset").at["tiny", "size MiB"] == round(size, 1)
     at.text_input(key="models_reg_name").input("mine")
     at.text_input(key="models_reg_target").input(str(tmp_path / "nowhere"))
     at.button(key="models_reg_submit").click().run()

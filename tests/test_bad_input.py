@@ -182,6 +182,17 @@ def test_missing_model_row_carries_its_path(tmp_path, capsys):
     assert row["target_path"] == str(tmp_path / "nope") and row["dtype"] == "float32" and row["device"] == "auto"
 
 
+def test_bench_model_without_prompts_uses_the_built_in_set(tmp_path, capsys):
+    code, df = _bench(tmp_path, "--model", str(TINY), "--method", "ngram", "--repeats", "1", "--warmup", "0",
+                      preset=())
+    builtin = str(ROOT / "workbench" / "zoo" / "weights" / "tiny" / "prompts.jsonl")
+    err = capsys.readouterr().err
+    assert code == 0, err[-2000:]
+    assert f"using the built-in set {builtin}" in err
+    row = df.iloc[0]
+    assert row["status"] == "ok" and row["prompts_source"] == builtin and row["target_path"] == str(TINY)
+
+
 @pytest.mark.parametrize("args, message", [
     (("--seed", str(10**20)), "seed=100000000000000000000 is outside what the engine supports: 0..2147483647"),
     (("--temperature", "inf"), "temperature=inf must be a finite number in 0..2"),
@@ -208,6 +219,23 @@ def test_studies_run_rejects_bad_counts(capsys, flag, value):
     assert exc.value.code == 2 and f"{flag} '{value}': give a whole number" in capsys.readouterr().err
 
 
+def test_studies_run_with_unwritable_store_prints_the_record_then_fails(tmp_path):
+    """As bench does: the trial's measurement is printed, the store problem named, exit status 3, no traceback."""
+    not_a_dir = tmp_path / "store-file"
+    not_a_dir.write_text("I am a file")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "studies.run", "--study", "s", "--storage",
+                        f"sqlite:///{tmp_path / 's.db'}", "--trials", "1", "--store", str(not_a_dir), "--methods",
+                        "ngram", "--max-new-tokens", "4", "--num-prompts", "1", "--repeats", "1", "--warmup", "0",
+                        "--threads", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert "the run of trial 0 was not stored" in r.stderr and str(not_a_dir) in r.stderr
+    record = json.loads(r.stdout.strip().splitlines()[-1])
+    assert record["status"] == "ok" and record["method"] == "ngram" and record["tokens_per_s"] > 0
+    assert not_a_dir.read_text() == "I am a file"
+
+
 def _model_dir(tmp_path, weights: bytes) -> Path:
     d = tmp_path / "m"
     d.mkdir()
@@ -227,9 +255,13 @@ def test_models_info_on_a_broken_safetensors_is_one_named_line(tmp_path, capsys,
                "empty": b""}[cut]
     d = _model_dir(tmp_path, weights)
     assert main(["models", "info", str(d)]) == 1
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and out.startswith(f"error: {d / 'model.safetensors'}: ") and "Traceback" not in out
-    assert "truncated" in out or "corrupt" in out
+    out, err = capsys.readouterr()
+    assert out == ""  # the error goes to stderr, stdout carries only an answer
+    assert err.count("\n") == 1 and err.startswith(f"error: {d / 'model.safetensors'}: ") and "Traceback" not in err
+    assert "truncated" in err or "corrupt" in err
+    assert main(["models", "info", str(d), "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ")
     with pytest.raises(ModelLoadError):
         load_model(d)
     if cut != "tensors":

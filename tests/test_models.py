@@ -440,4 +440,5 @@ def test_cli_info_json(hf_models, capsys):
     assert main(["models", "info", str(path)]) == 0
     assert "architecture" in capsys.readouterr().out
     assert main(["models", "info", str(path / "missing")]) == 1
-    assert "does not exist" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "does not exist" in err and out == ""

@@ -15,7 +15,8 @@ import pandas as pd
 import pytest
 
 from results.store import ResultStore
-from tests.test_app import errors_of, error_next_to, open_page, plotly_figs, wait_for, workspace  # noqa: F401
+from tests.test_app import (errors_of, error_next_to, open_page, plotly_figs, wait_for, widget_keys,  # noqa: F401
+                            workspace)
 from ui import jobs, serving_view as sv
 
 RUN_TIMEOUT_S = 240
@@ -154,6 +155,21 @@ def test_serving_form_rejects_bad_input_before_starting(workspace):
     assert any("arrival concurrency needs --max-concurrency" in m for m in errors_of(at)), errors_of(at)
     assert at.button(key="srv_start").disabled
     assert not jobs.list_jobs()
+
+
+def test_serving_form_shows_gpu_knobs_only_where_a_gpu_is_visible(workspace, monkeypatch):
+    from ui import gpu_page
+    from workbench.settings import GPU_ONLY_KNOBS, SERVE_RUN_KNOBS
+
+    gpu_keys = {f"srv_{n}" for n in GPU_ONLY_KNOBS if n in SERVE_RUN_KNOBS}
+    assert {"srv_cuda_graphs", "srv_pdl"} <= gpu_keys
+    for visible in (False, True):
+        monkeypatch.setattr(gpu_page, "gpu_state", lambda v=visible: {"cuda_available": v, "reason": "fixture"})
+        at = open_page("serving")
+        assert not at.exception, at.exception
+        keys = widget_keys(at)
+        assert (gpu_keys <= keys) is visible and bool(gpu_keys & keys) is visible
+        assert {"srv_rate", "srv_k", "srv_max_num_seqs"} <= keys
 
 
 def test_form_command_line_reads_back_as_the_same_config():

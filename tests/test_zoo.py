@@ -312,3 +312,17 @@ def test_zoo_list_cli(capsys):
     assert main(["zoo", "list"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("preset") and "tiny" in out and "small" in out
+
+
+def test_zoo_list_sizes_are_mib(capsys):
+    """One unit for model sizes: MiB (2**20 bytes), as the Models page shows them (tests/test_app.py)."""
+    from workbench.__main__ import main
+    from workbench.zoo import resolve_preset
+
+    assert main(["zoo", "list"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert "MiB" in header.split() and "MB" not in header.split()
+    tiny = next(r for r in rows if r.startswith("tiny "))
+    folder = resolve_preset("tiny").root
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
+    assert f"  {size:,.1f}  {folder}" in tiny

@@ -118,13 +118,13 @@ def safetensors_params(path: Path) -> int | None:
     return total or None
 
 
-def disk_mb(path: Path) -> float | None:
-    try:
-        if path.is_file():
-            return path.stat().st_size / 2**20
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
-    except OSError:
-        return None
+def disk_mib(path: Path) -> float | None:
+    """A file's or folder's size on disk in MiB, one decimal, as `zoo list` counts it (workbench.zoo.cli.disk_mib);
+    a number, so the table sorts by it; None when it cannot be read."""
+    from workbench.zoo.cli import disk_mib as _disk_mib
+
+    mib = _disk_mib(path)
+    return None if mib is None else round(mib, 1)
 
 
 def fmt_params(n: int | None) -> str:

@@ -314,3 +314,32 @@ def diversity_vs_beam_width(data: pd.DataFrame, color: str) -> go.Figure | None:
     fig.update_layout(title=f"Diversity vs beam width, by {color}", margin=dict(t=70, b=40), height=400,
                       legend=dict(orientation="h", yanchor="top", y=-0.2, xanchor="left", x=0))
     return fig
+
+
+def optimization_history(points: list[tuple[int, float, str | None]], maximize: bool, metric: str) -> go.Figure | None:
+    """A single-objective study's trials (number, value, why it is left out or None) and the best value so far,
+    drawn through the trusted trials only: an infeasible, noisy or implausible trial is a grey marker, never best."""
+    if not points:
+        return None
+    pick = max if maximize else min
+    fig = go.Figure()
+    kept = [(n, v) for n, v, why in points if why is None]
+    left = [(n, v, why) for n, v, why in points if why is not None]
+    if kept:
+        fig.add_trace(go.Scatter(x=[n for n, _ in kept], y=[v for _, v in kept], mode="markers", name=metric,
+                                 marker={"color": "#1f77b4"}))
+        best, line = None, []
+        for n, v in sorted(kept):
+            best = v if best is None else pick(best, v)
+            line.append((n, best))
+        last = max(n for n, _, _ in points)
+        if line[-1][0] < last:
+            line.append((last, line[-1][1]))
+        fig.add_trace(go.Scatter(x=[n for n, _ in line], y=[b for _, b in line], mode="lines", line_shape="hv",
+                                 name="Best value (trusted trials)", line={"color": "#d62728"}))
+    if left:
+        fig.add_trace(go.Scatter(x=[n for n, _, _ in left], y=[v for _, v, _ in left], mode="markers",
+                                 name="Left out (infeasible, noisy or implausible)", marker={"color": "#bbbbbb"},
+                                 text=[why for _, _, why in left], hovertemplate="trial %{x}: %{y}<br>%{text}"))
+    fig.update_layout(title="Optimization history", xaxis_title="trial", yaxis_title=metric, height=420)
+    return fig

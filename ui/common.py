@@ -17,6 +17,8 @@ from ui import jobs
 
 REPO_ROOT = jobs.REPO_ROOT
 PYTHON = sys.executable
+# choices the engine runs only on a CUDA GPU (fp8 weights need compute capability 8.9+): hidden where none is visible
+GPU_ONLY_CHOICES = {"target_quant": ("fp8",), "draft_quant": ("fp8",)}
 
 
 def store_root() -> Path:
@@ -155,15 +157,17 @@ def float_field(label: str, key: str, default: float, errors: Errors, low=None, 
     return value
 
 
-def knob_field(knob, key: str, errors: Errors, default=None):
+def knob_field(knob, key: str, errors: Errors, default=None, choices: tuple | None = None):
     """The widget a setting of workbench.settings asks for, with its label, help, bounds and default (its quick
-    default unless given): a toggle for a boolean, a select box for choices, a text input for a number or a list
-    (a bad value shows its error right below)."""
+    default unless given): a toggle for a boolean, a select box for choices (`choices`: a subset of the knob's, e.g.
+    without the GPU-only ones), a text input for a number or a list (a bad value shows its error right below)."""
     default = knob.quick if default is None else default
     if knob.kind == "bool":
         return st.toggle(knob.label, value=bool(default), key=key, help=knob.help)
     if knob.choices:
-        return st.selectbox(knob.label, knob.choices, index=knob.choices.index(default), key=key, help=knob.help)
+        choices = tuple(choices or knob.choices)
+        index = choices.index(default) if default in choices else 0
+        return st.selectbox(knob.label, choices, index=index, key=key, help=knob.help)
     if knob.kind in ("int", "float"):
         field = int_field if knob.kind == "int" else float_field
         return field(knob.label, key, default, errors, knob.low, knob.high, help=knob.help, name=knob.name)

@@ -5,6 +5,7 @@ Both the probe and the live sampling run in subprocesses (`python -m ui.gpu_prob
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import streamlit as st
 
@@ -30,6 +31,18 @@ def gpu_probe() -> dict:
         return {"cuda_available": False, "reason": f"probe printed no JSON: {proc.stderr.strip()[-500:]}"}
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"cuda_available": False, "reason": f"probe failed: {exc}"}
+
+
+DEVICE_FILES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")  # NVIDIA, WSL2, ROCm: one exists wherever torch sees a GPU
+
+
+def gpu_state() -> dict:
+    """What the Run and Tune forms know of the GPU: {"cuda_available": bool, "reason": str | None}. Without a GPU
+    device file the answer needs no probe process; otherwise it is the cached probe's."""
+    if not any(Path(f).exists() for f in DEVICE_FILES):
+        return {"cuda_available": False, "reason": f"no GPU device file ({', '.join(DEVICE_FILES)})"}
+    info = gpu_probe()
+    return {"cuda_available": bool(info.get("cuda_available")), "reason": info.get("reason")}
 
 
 def environment_table(info: dict) -> None:

@@ -13,6 +13,7 @@ import streamlit as st
 
 from ui import catalog, jobs
 from ui.common import PYTHON, Errors, check_model_path, int_field, job_panel
+from workbench.zoo.cli import SIZE_UNIT
 
 P = "models_"
 STEP_RE = re.compile(r"^\[(target|draft)\] step\s+\d+.*?([\d.]+) s\s*$")
@@ -28,7 +29,7 @@ def presets_frame() -> pd.DataFrame:
                "target params": catalog.fmt_params(preset.target.param_count(preset.vocab_size)),
                "draft params": catalog.fmt_params(preset.draft.param_count(preset.vocab_size)),
                "target ppl (held-out)": None, "draft ppl (held-out)": None, "vocab": preset.vocab_size,
-               "size MB": None, "trained on": None, "description": preset.description, "where": None}
+               f"size {SIZE_UNIT}": None, "trained on": None, "description": preset.description, "where": None}
         if paths is not None:
             m = catalog.manifest_of(paths)
             for role in ("target", "draft"):
@@ -37,7 +38,7 @@ def presets_frame() -> pd.DataFrame:
                     row[f"{role} params"] = catalog.fmt_params(sec["params"])
                 if isinstance(sec.get("heldout_ppl"), (int, float)):
                     row[f"{role} ppl (held-out)"] = round(float(sec["heldout_ppl"]), 2)
-            row["size MB"] = round(catalog.disk_mb(Path(paths.root)) or 0, 1)
+            row[f"size {SIZE_UNIT}"] = catalog.disk_mib(Path(paths.root))
             row["trained on"] = m.get("device_name") or m.get("device")
             row["where"] = str(paths.root)
         else:
@@ -158,7 +159,7 @@ def local_models_section() -> None:
                 path = Path(p)
                 ok = path.exists()
                 row[f"{role} params"] = catalog.fmt_params(catalog.safetensors_params(path)) if ok else "missing"
-                row[f"{role} MB"] = round(catalog.disk_mb(path) or 0, 1) if ok else None
+                row[f"{role} {SIZE_UNIT}"] = catalog.disk_mib(path) if ok else None
             rows.append(row)
         st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
         st.caption("Held-out quality of a local model is unknown until it is benchmarked (see acceptance on the "

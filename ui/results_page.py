@@ -184,6 +184,11 @@ def best_section(view: pd.DataFrame) -> None:
         st.info("No trusted run with a speedup in this view: a best run needs status ok and no noisy / implausible "
                 f"flag{skipped}.", icon=":material/info:")
         return
+    speedup = analysis.as_float(best.get("speedup_vs_ar"))
+    if speedup is not None and speedup < 1.0:  # the best is still a slowdown: never a green "best" box
+        st.warning(f"Slowdown: even the best trusted run is slower than autoregressive decoding: "
+                   f"**{analysis.speedup_text(best)}** · {run_label(best)}{skipped}", icon=":material/trending_down:")
+        return
     st.success(f"Best trusted speedup: **{analysis.speedup_text(best)}** · {run_label(best)}{skipped}",
                icon=":material/verified:")
 

@@ -2,8 +2,10 @@
 
 The benchmark is `python -m workbench bench ... --json --store DIR`, started as a job (ui.jobs): this page only builds
 its command line, polls it and reads the stored result back. The form has one field per knob the method reads
-(workbench.settings: label, widget kind, bounds, default and help come from there). Every setting is validated here
-first, with the error shown under its input, and nothing is started while any input is wrong.
+(workbench.settings: label, widget kind, bounds, default and help come from there): the few a user sets first, the
+rest under "Advanced", and the GPU-only ones only where a GPU is visible (otherwise the run keeps their defaults).
+Every setting is validated here first, with the error shown under its input, and nothing is started while any input
+is wrong.
 """
 from __future__ import annotations
 
@@ -11,15 +13,15 @@ import math
 
 import streamlit as st
 
-from ui import catalog, charts, jobs
-from ui.common import PYTHON, Errors, check_model_path, job_label, job_panel, knob_field, store_root
-from workbench.settings import KNOBS, SettingError, check
+from ui import catalog, charts, gpu_page, jobs
+from ui.common import GPU_ONLY_CHOICES, PYTHON, Errors, check_model_path, job_label, job_panel, knob_field, store_root
+from workbench.settings import BASIC_KNOBS, GPU_ONLY_KNOBS, KNOBS, SettingError, check
 
 P = "run_"  # widget-key prefix of this page
 PRESET, LOCAL = "Built-in preset", "Local model paths"
 PROMPTS_PRESET, PROMPTS_UPLOAD, PROMPTS_PATH = "Preset prompts", "Upload a file", "File on disk"
 DEVICES = ("auto", "cpu", "cuda")
-GROUPS = {"method": None, "run": None, "sampling": "Sampling", "system": "System"}  # knob group -> heading
+GROUPS = {"method": "Method", "run": "Run", "sampling": "Sampling", "system": "System"}  # knob group -> heading
 COLUMNS = 4
 
 
@@ -99,26 +101,46 @@ def prompt_section(errors: Errors, preset_paths, local_models: bool) -> dict:
     return {}
 
 
-def settings_section(errors: Errors, method: str) -> dict:
-    """One field per knob the method reads (workbench.settings), grouped; then the rules between knobs."""
-    s: dict = {"method": method}
-    for group, heading in GROUPS.items():
-        knobs = [k for k in KNOBS.values() if k.group == group and k.name != "method" and k.reads(method)]
-        if heading:
-            st.markdown(f"**{heading}**")
-        for row in range(0, len(knobs), COLUMNS):
-            for col, knob in zip(st.columns(COLUMNS), knobs[row:row + COLUMNS]):
-                with col:
-                    s[knob.name] = knob_field(knob, f"{P}{knob.name}", errors)
-    with st.columns(COLUMNS)[0]:
-        s["device"] = st.selectbox("Device", DEVICES, key=f"{P}device", help="auto: cuda when available, else cpu")
-        if s["device"] == "cuda":
-            from ui.gpu_page import gpu_probe
+def visible_knobs(method: str, gpu: bool) -> tuple[list, list]:
+    """(basic, advanced) knobs of the form for `method`: the basic ones (workbench.settings.BASIC_KNOBS) shown first,
+    every other knob the method reads under "Advanced"; the GPU-only ones only where a GPU is visible."""
+    knobs = [k for k in KNOBS.values() if k.name != "method" and k.reads(method)
+             and (gpu or k.name not in GPU_ONLY_KNOBS)]
+    return [k for k in knobs if k.name in BASIC_KNOBS], [k for k in knobs if k.name not in BASIC_KNOBS]
 
-            probe = gpu_probe()
-            if not probe.get("cuda_available"):
-                reason = probe.get("reason") or "torch.cuda.is_available() is False"
+
+def _grid(knobs: list, s: dict, errors: Errors, gpu: bool) -> None:
+    for row in range(0, len(knobs), COLUMNS):
+        for col, knob in zip(st.columns(COLUMNS), knobs[row:row + COLUMNS]):
+            with col:
+                choices = None if gpu or not knob.choices else \
+                    tuple(c for c in knob.choices if c not in GPU_ONLY_CHOICES.get(knob.name, ()))
+                s[knob.name] = knob_field(knob, f"{P}{knob.name}", errors, choices=choices)
+
+
+def settings_section(errors: Errors, method: str) -> dict:
+    """The knobs the method reads (workbench.settings): the few a user sets first, then an "Advanced" expander
+    grouped as the registry groups them; then the rules between knobs. GPU-only knobs are left out where no GPU is
+    visible, so the run gets their defaults."""
+    s: dict = {"method": method}
+    gpu = gpu_page.gpu_state()
+    basic, advanced = visible_knobs(method, gpu["cuda_available"])
+    _grid(basic, s, errors, gpu["cuda_available"])
+    with st.expander("Advanced", expanded=False):
+        with st.columns(COLUMNS)[0]:
+            s["device"] = st.selectbox("Device", DEVICES, key=f"{P}device", help="auto: cuda when available, else cpu")
+            if s["device"] == "cuda" and not gpu["cuda_available"]:
+                reason = gpu.get("reason") or "torch.cuda.is_available() is False"
                 errors.add(f"{P}device", f"no CUDA GPU here ({reason})")
+        for group, heading in GROUPS.items():
+            knobs = [k for k in advanced if k.group == group]
+            if heading and knobs:
+                st.markdown(f"**{heading}**")
+            _grid(knobs, s, errors, gpu["cuda_available"])
+        if not gpu["cuda_available"]:
+            hidden = [KNOBS[n].label for n in GPU_ONLY_KNOBS if n in KNOBS and KNOBS[n].reads(method)]
+            st.caption(f"No GPU visible: the GPU-only settings ({', '.join(hidden)}; fp8 weights) are hidden and "
+                       "keep their defaults.")
     if not errors:
         try:
             check(s)

@@ -6,7 +6,8 @@ percentiles of each run; acceptance by live batch size and by context length (th
 per-request latency distribution (the per-request rows stored beside each run); a calibrated run's measured table
 (tokens/s by batch size and draft length) with the schedule each shape makes of it; the run's draft-length schedule as
 vLLM / TensorRT-LLM / SGLang snippets with a download. The form is generated from workbench.settings (SERVE_RUN_KNOBS
-+ SERVE_KNOBS) like the Run page's, and starts `python -m workbench serve-bench ... --json --store DIR` as a job.
++ SERVE_KNOBS) like the Run page's (GPU-only knobs only where a GPU is visible), and starts
+`python -m workbench serve-bench ... --json --store DIR` as a job.
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import json
 import pandas as pd
 import streamlit as st
 
-from ui import catalog, jobs, serving_view as sv
+from ui import catalog, gpu_page, jobs, serving_view as sv
 from ui.common import PYTHON, Errors, get_store, job_label, job_panel, knob_field, store_root
 from workbench.serving.config import SERVE_METHODS
-from workbench.settings import KNOBS, SERVE_KNOBS, SERVE_RUN_KNOBS, SettingError, check_serve, parse_k_by_batch
+from workbench.settings import (GPU_ONLY_KNOBS, KNOBS, SERVE_KNOBS, SERVE_RUN_KNOBS, SettingError, check_serve,
+                                parse_k_by_batch)
 
 P = "srv_"  # widget-key prefix of this page
 DEVICES = ("auto", "cpu", "cuda")
@@ -69,17 +71,15 @@ def form_section(errors: Errors) -> dict:
         if preset:
             _, err = catalog.resolve(preset)
             errors.add(f"{P}preset", err)
+    gpu = gpu_page.gpu_state()
     with cols[2]:
         device = st.selectbox("Device", DEVICES, key=f"{P}device", help="auto: cuda when available, else cpu")
-        if device == "cuda":
-            from ui.gpu_page import gpu_probe
-
-            probe = gpu_probe()
-            if not probe.get("cuda_available"):
-                errors.add(f"{P}device", f"no CUDA GPU here ({probe.get('reason') or 'torch.cuda unavailable'})")
+        if device == "cuda" and not gpu["cuda_available"]:
+            errors.add(f"{P}device", f"no CUDA GPU here ({gpu.get('reason') or 'torch.cuda unavailable'})")
     method = s["method"]
-    for group, heading in GROUPS.items():
-        knobs = [k for k in serve_knobs() if k.group == group and k.name != "method" and k.reads(method)]
+    for group, heading in GROUPS.items():  # GPU-only knobs only where a GPU is visible; hidden, they keep defaults
+        knobs = [k for k in serve_knobs() if k.group == group and k.name != "method" and k.reads(method)
+                 and (gpu["cuda_available"] or k.name not in GPU_ONLY_KNOBS)]
         if not knobs:
             continue
         if heading:

@@ -3,7 +3,8 @@
 A study is `python -m studies.run --study NAME --script SCRIPT --trials N --storage journal:///... ` started as a job;
 several can run at once (the journal storage is safe for several processes). The page reads the study back from the
 same storage for the live trial table, Optuna's Plotly figures, the best settings and the batch-size schedule.
-The launch form has one field per searchable knob and per run setting of workbench.settings.
+The launch form has one field per searchable knob and per run setting of workbench.settings: the basic ones
+(workbench.settings.BASIC_KNOBS) first, the rest under "Advanced", the GPU-only ones only where a GPU is visible.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from ui import catalog, jobs
-from ui.common import PYTHON, REPO_ROOT, Errors, check_model_path, int_field, job_panel, knob_field, store_root, study_storage_url
-from workbench.settings import KNOBS, METHODS
+from ui import catalog, charts, gpu_page, jobs
+from ui.common import (GPU_ONLY_CHOICES, PYTHON, REPO_ROOT, Errors, check_model_path, int_field, job_panel, knob_field,
+                       store_root, study_storage_url)
+from workbench.settings import BASIC_KNOBS, GPU_ONLY_KNOBS, KNOBS, METHODS
 
 P = "tune_"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -91,16 +93,18 @@ def dim_text(name: str, dim) -> str:
     return ",".join(KNOBS[name].format(v) for v in (dim if isinstance(dim, tuple) else (dim,)))
 
 
-def dim_field(name: str, dim, key: str, errors: Errors) -> str | None:
+def dim_field(name: str, dim, key: str, errors: Errors, allowed: tuple | None = None) -> str | None:
     """A search-space dimension of a study: a multiselect of the choices for a knob that has them (one = fixed,
-    several = searched), else a text input (a value, a list a,b,c, or a range lo-hi); each value checked against the
-    knob (workbench.settings), the error under the field. Returns the dimension as the CLI writes it, or None."""
+    several = searched; `allowed`: a subset of the knob's), else a text input (a value, a list a,b,c, or a range
+    lo-hi); each value checked against the knob (workbench.settings), the error under the field. Returns the
+    dimension as the CLI writes it, or None."""
     from studies.space import SpaceError, check_value, dim_values, parse_dim
 
     knob = KNOBS[name]
     if knob.allowed is not None:
-        picked = st.multiselect(knob.label, knob.allowed, default=dim_values(name, dim), key=key, help=knob.help,
-                                format_func=knob.format)
+        options = tuple(allowed or knob.allowed)
+        picked = st.multiselect(knob.label, options, default=[v for v in dim_values(name, dim) if v in options],
+                                key=key, help=knob.help, format_func=knob.format)
         if not picked:
             errors.add(key, f"{name}: pick at least one value")
             return None
@@ -216,22 +220,39 @@ def launch_form() -> None:
             else:
                 local = local_models_section(errors)
         space = script.space
+        gpu = gpu_page.gpu_state()
+        shown = [k for k in (*SEARCH_KNOBS, *SETTING_KNOBS) if gpu["cuda_available"] or k not in GPU_ONLY_KNOBS]
+        basic = [k for k in shown if k in BASIC_KNOBS]
+        dims, run_settings = {}, {}
+
+        def fields(knobs: list[str]) -> None:
+            searched = [k for k in knobs if k in SEARCH_KNOBS]
+            for row in range(0, len(searched), 4):
+                for col, knob in zip(st.columns(4), searched[row:row + 4]):
+                    with col:
+                        allowed = None if gpu["cuda_available"] else tuple(
+                            v for v in KNOBS[knob].allowed or () if v not in GPU_ONLY_CHOICES.get(knob, ()))
+                        dims[knob] = dim_field(knob, getattr(space, knob), f"{P}{knob}_{script_name}", errors,
+                                               allowed or None)
+            fixed = [k for k in knobs if k in SETTING_KNOBS]
+            if fixed:
+                st.markdown("**Run settings, the same for every trial**")
+            for row in range(0, len(fixed), 4):
+                for col, knob in zip(st.columns(4), fixed[row:row + 4]):
+                    with col:
+                        run_settings[knob] = knob_field(KNOBS[knob], f"{P}{knob}", errors)
+
         with st.expander("Search space and run settings (defaults: the script's)"):
             methods = st.multiselect("Methods", list(METHODS), default=list(space.methods),
                                      key=f"{P}methods_{script_name}", help=KNOBS["method"].help)
             if not methods:
                 errors.add(f"{P}methods", "pick at least one method")
-            dims = {}
-            for row in range(0, len(SEARCH_KNOBS), 4):
-                for col, knob in zip(st.columns(4), SEARCH_KNOBS[row:row + 4]):
-                    with col:
-                        dims[knob] = dim_field(knob, getattr(space, knob), f"{P}{knob}_{script_name}", errors)
-            st.markdown("**Run settings, the same for every trial**")
-            run_settings = {}
-            for row in range(0, len(SETTING_KNOBS), 4):
-                for col, knob in zip(st.columns(4), SETTING_KNOBS[row:row + 4]):
-                    with col:
-                        run_settings[knob] = knob_field(KNOBS[knob], f"{P}{knob}", errors)
+            fields(basic)
+        with st.expander("Advanced"):
+            fields([k for k in shown if k not in BASIC_KNOBS])
+            if not gpu["cuda_available"]:
+                st.caption("No GPU visible: the GPU-only settings (CUDA graphs, torch.compile, PDL, GEMV fusions, "
+                           "...; fp8 weights) are hidden and keep the script's values.")
             cols = st.columns(4)
             with cols[0]:
                 workers = int_field("Worker processes", f"{P}workers", 1, errors, 1, 16, name="workers",
@@ -239,11 +260,8 @@ def launch_form() -> None:
             with cols[1]:
                 device = st.text_input("Device", value="cpu", key=f"{P}device", help="cpu, cuda, cuda:0, ...")
                 if device.strip().startswith("cuda"):
-                    from ui.gpu_page import gpu_probe
-
-                    probe = gpu_probe()
-                    if not probe.get("cuda_available"):
-                        errors.add(f"{P}device", f"no CUDA GPU here ({probe.get('reason') or 'no CUDA'})")
+                    if not gpu["cuda_available"]:
+                        errors.add(f"{P}device", f"no CUDA GPU here ({gpu.get('reason') or 'no CUDA'})")
                 elif device.strip() != "cpu":
                     errors.add(f"{P}device", f"device must be cpu, cuda or cuda:N, got {device.strip()!r}")
         st.caption(f"Optuna storage: `{storage_url()}` · result store: `{store_root()}`")
@@ -346,8 +364,11 @@ def _figures(study, metrics: list[str]) -> dict:
         except Exception as exc:  # noqa: BLE001 - e.g. too few trials for importances
             out[label] = f"{type(exc).__name__}: {exc}"
 
-    for kw in tkw:
-        attempt(f"History · {kw['target_name']}", lambda kw=kw: vis.plot_optimization_history(study, **kw))
+    if multi:  # one history per objective, no best line (a Pareto study has no single best)
+        for kw in tkw:
+            attempt(f"History · {kw['target_name']}", lambda kw=kw: vis.plot_optimization_history(study, **kw))
+    else:  # the best-value line runs through the trials the report trusts only
+        attempt(f"History · {metrics[0]}", lambda: _history(study, metrics[0]))
     if multi:
         # infeasible trials (greedy output differed from autoregressive) carry an Optuna constraint > 0: the plot
         # greys them out by itself
@@ -364,6 +385,23 @@ def _figures(study, metrics: list[str]) -> dict:
     attempt("Parallel coordinates", lambda: vis.plot_parallel_coordinate(study, **tkw[0]))
     attempt("Slice", lambda: vis.plot_slice(study, **tkw[0]))
     return out
+
+
+def _history(study, metric: str):
+    import optuna
+
+    from studies.objective import reliable_complete, unreliable_reason
+
+    trusted = {t.number for t in reliable_complete(study)}
+    points = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        why = None if t.number in trusted else (
+            unreliable_reason(t) or f"infeasible: {t.user_attrs.get('infeasible_reason') or 'a constraint > 0'}")
+        points.append((t.number, t.value, why))
+    fig = charts.optimization_history(points, study.direction.name == "MAXIMIZE", metric)
+    if fig is None:
+        raise ValueError("no completed trial yet")
+    return fig
 
 
 def best_section(study, spec: dict) -> None:

@@ -604,3 +604,11 @@ for _knob in SERVE_KNOBS.values():
     register_column(_knob.name, _knob.column_kind, "config", _knob.help)
 register_column("auto_knobs", "string", "config", "the knobs given as auto and resolved for the device before the "
                 "run, comma-separated (their columns hold the resolved values)")
+
+# Form layout (ui/run_page.py, ui/tune_page.py): knobs that only change anything on a CUDA GPU, hidden where no GPU is
+# visible so they keep their defaults; and the few knobs a user sets first (model shape of the draft, batch, tokens,
+# sampling), shown above the "Advanced" expander that holds every other knob.
+GPU_ONLY_KNOBS = ("cuda_graphs", "graph_batch_sizes", "prefill_graphs", "compile", "compile_prefill", "overlap",
+                  "attention", "pdl", "quant_kernel", "gemv_fusion", "phase_profile")
+BASIC_KNOBS = ("method", "k", "ngram_min", "ngram_max", "beam_width", "beam_length", "tree_depth", "tree_topk",
+               "tree_budget", "batch", "max_new_tokens", "num_prompts", "temperature", "top_k", "top_p")

@@ -140,8 +140,10 @@ def test_browser_run_results_tune_models_gpu(server):
             expect(page.get_by_role("heading", name="Run a benchmark")).to_be_visible(timeout=60_000)
             _wait_idle(page)
             for label, value in (("Draft length k", "2"), ("Batch size", "1"), ("Max new tokens", "6"),
-                                 ("Number of prompts", "2"), ("Warmup runs", "0")):
+                                 ("Number of prompts", "2")):
                 _fill(page, label, value)
+            page.get_by_text("Advanced", exact=True).click()  # warm-up runs are an advanced setting
+            _fill(page, "Warmup runs", "0")
             _wait_idle(page)
             start = page.get_by_role("button", name="Start benchmark")
             expect(start).to_be_enabled(timeout=30_000)
@@ -238,7 +240,7 @@ def test_browser_results_trust_views_and_direct_links(server):
             assert page.locator("g.errorbar").count() > 0  # the runs' 95 % intervals
             expect(page.get_by_text("Acceptance by prompt category")).to_be_visible(timeout=30_000)
             _shot(page, shots, "results-trust", 3400)
-            for path, heading in (("run", "Run a benchmark"), ("tune", "Tune")):
+            for path, heading in (("start", "Run a benchmark"), ("run", "Run a benchmark"), ("tune", "Tune")):
                 page.goto(f"{server['url']}/{path}", wait_until="domcontentloaded")
                 expect(page.get_by_role("heading", name=heading)).to_be_visible(timeout=60_000)
                 assert "Page not found" not in page.inner_text("body")

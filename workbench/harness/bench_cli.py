@@ -48,7 +48,8 @@ def add_knob(group: argparse._ArgumentGroup, knob: settings.Knob) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark a drafting method against our autoregressive baseline",
                        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_session_args(p, "prompt file: JSONL {\"prompt\": ...} or MT-bench/Spec-Bench question.jsonl")
+    add_session_args(p, "prompt file: JSONL {\"prompt\": ...} or MT-bench/Spec-Bench question.jsonl (default: "
+                        "the preset's held-out prompts; with --model, the built-in set of the tiny preset)")
     groups = {name: p.add_argument_group(title) for name, title in GROUPS.items()}
     for knob in settings.RUN_KNOBS:
         add_knob(groups[knob.group], knob)
@@ -115,6 +116,24 @@ def print_record(rec: dict, args: argparse.Namespace, headline: list[str], width
     sys.stdout.flush()
 
 
+def builtin_prompts() -> str:
+    """The prompt set of a `--model` run given no --prompts: the held-out prompts shipped with the tiny preset (64 code
+    snippets, plain text, so any model's tokenizer reads them)."""
+    from workbench.zoo.presets import preset_home
+
+    return str(preset_home("tiny") / "prompts.jsonl")
+
+
+def prompts_for(args: argparse.Namespace) -> str | None:
+    """--prompts, else for --model the built-in set (named on stderr), else None (a preset brings its own)."""
+    if args.prompts is not None or args.model is None or args.preset is not None:
+        return args.prompts
+    path = builtin_prompts()
+    print(f"prompts: none given, using the built-in set {path} (held-out code prompts of the tiny preset); "
+          "--prompts FILE to choose", file=sys.stderr, flush=True)
+    return path
+
+
 def main(args: argparse.Namespace) -> int:
     from workbench.harness.bench import BenchError, BenchSession, failed_record
 
@@ -123,6 +142,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = BenchConfig(**cfg_kwargs)
     store = _store(args)
     preset = args.preset if args.preset or args.model else "tiny"
+    prompts = prompts_for(args)
     session = None
 
     def progress(frac: float, msg: str) -> None:
@@ -130,13 +150,13 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         session = BenchSession.load(preset=preset, model=args.model, draft=args.draft, device=args.device,
-                                    dtype=args.dtype, prompts=args.prompts)
+                                    dtype=args.dtype, prompts=prompts)
         result = session.run(cfg, study=args.study, progress=progress)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         if store is not None:
             asked = dict(preset=preset, target_path=args.model, draft_path=args.draft, dtype=args.dtype,
-                         device=args.device, prompts_source=args.prompts)  # a row that failed to load says what
+                         device=args.device, prompts_source=prompts)  # a row that failed to load says what
             _store_or_report(store, failed_record(cfg, str(e), study=args.study, session=session, asked=asked))
         return 2
     rec = result.record

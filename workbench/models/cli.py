@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -59,10 +60,7 @@ def _info(args: argparse.Namespace) -> int:
     try:
         info = model_info(args.path)
     except ModelLoadError as e:
-        if args.json:
-            print(json.dumps({"path": args.path, "error": str(e)}))
-        else:
-            print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)  # stdout stays for the answer: empty when there is none
         return 1
     if args.json:
         print(json.dumps(info))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from workbench.zoo.presets import PRESETS, ZooError, preset_home, resolve_dir, resolve_preset, train_command
 
@@ -54,12 +55,31 @@ def _fmt_params(n: int) -> str:
     return f"{n / 1e6:.1f}M"
 
 
-def _folder_mb(paths) -> float:
-    return sum(p.stat().st_size for p in paths.root.rglob("*") if p.is_file()) / 1e6
+SIZE_UNIT = "MiB"  # model sizes on disk, in `zoo list` and on the dashboard's Models page alike
+
+
+def disk_mib(path: Path) -> float | None:
+    """Bytes on disk of a file or a folder (all files under it) in MiB (2**20 bytes); None when it cannot be read."""
+    path = Path(path)
+    try:
+        if path.is_file():
+            return path.stat().st_size / 2**20
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
+    except OSError:
+        return None
+
+
+def fmt_mib(mib: float | None) -> str:
+    """A size from `disk_mib` as `zoo list` prints it: '12.3' (MiB), '-' when unknown.
+
+    >>> fmt_mib(1536 / 1024), fmt_mib(None)
+    ('1.5', '-')
+    """
+    return "-" if mib is None else f"{mib:,.1f}"
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    rows = [("preset", "trained", "target", "draft", "vocab", "ppl target", "ppl draft", "MB", "where / how")]
+    rows = [("preset", "trained", "target", "draft", "vocab", "ppl target", "ppl draft", SIZE_UNIT, "where / how")]
     for name, preset in PRESETS.items():
         target = _fmt_params(preset.target.param_count(preset.vocab_size))
         draft = _fmt_params(preset.draft.param_count(preset.vocab_size))
@@ -71,7 +91,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         m = paths.manifest
         rows.append((name, f"yes ({m.get('device', '?')})", _fmt_params(m["target"]["params"]),
                      _fmt_params(m["draft"]["params"]), str(m.get("tokenizer", {}).get("vocab_size", "?")),
-                     _fmt_ppl(m.get("target")), _fmt_ppl(m.get("draft")), f"{_folder_mb(paths):.1f}",
+                     _fmt_ppl(m.get("target")), _fmt_ppl(m.get("draft")), fmt_mib(disk_mib(paths.root)),
                      str(preset_home(name))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
