@@ -3,6 +3,7 @@
 # figures cite; their raw outputs are docs/gpu_runs/<date>/<part>/). See scripts/README.md.
 #   OUT=/path/to/out PART=n17 bash scripts/gpu_session.sh 2>&1 | tee $OUT/log.txt
 # Parts:
+#   defaults       bench with no speed flags against the flag combinations, tiny then small (BENCHMARKS 0)
 #   gptfast        ours beside gpt-fast: tiny (AR, draft model), random 1.45 B, small with overlapped steps
 #   rc2, rc3       AR decode against the HBM floor (bf16 dense GEMV, fp8) at 6.7 B and 1.45 B; rc3 also GPU parity
 #   n              int8 at 6.7 B
@@ -72,6 +73,11 @@ serving_small() {  # serving_small METHOD NEED ARGS...: gpu_serving.py on small,
 C=graphs+compile+overlap  # the fast mode of every floor row
 
 case "$PART" in
+defaults)
+  step tiny 240 $PY scripts/gpu_defaults.py --preset tiny --rounds 3 --out "$R/defaults_tiny.jsonl"
+  train_small
+  step small 150 $PY scripts/gpu_defaults.py --preset small --rounds 2 --out "$R/defaults_small.jsonl"
+  ;;
 gptfast)
   step tiny 120 $PY scripts/bench_fastpath.py --preset tiny --methods ar,draft --cuda-graphs --compile default \
     --out "$R/tiny"
