@@ -35,10 +35,9 @@ from workbench.harness.trust import trust_columns
 from workbench.engine.graphs import compile_fallback_columns, recompile_limit_hits
 from workbench.engine.kv_cache import resolve_attention
 from workbench.engine.sampling import SamplingParams
+from workbench.models import DTYPES, stored_dtype
 from kernels.int4_cuda import int4_cuda_gemv_applies
 from kernels.pdl import pdl_applies
-
-from workbench.models import DTYPES, stored_dtype
 
 # Greedy parity in bf16/fp16 is not exact: a 1-token decode and a (k+1)-token verify reduce in different orders, so
 # two nearly tied logits can swap. Where outputs diverge we re-score the divergence point in float32 and call it a
@@ -56,6 +55,8 @@ ENGINE_CACHE_MEMORY_FRACTION = 0.25
 # fresh drafter object (NgramDrafter keeps only its device lookup step, whose graphs the new object captures again in
 # the run's warm-up: a few kernels over the token buffer).
 HOST_ONLY_KNOBS = {"ngram": ("ngram_min", "ngram_max")}
+# EngineConfig fields swapped into a kept engine per run (`engine.config = ...`); the others key the kept engines
+PER_RUN_ENGINE_FIELDS = ("max_new_tokens", "sampling", "seed", "timing", "stop_on_eos", "eos_token_id", "overlap")
 
 
 class BenchError(Exception):
@@ -288,9 +289,8 @@ class BenchSession:
         """The engine for these settings: kept across runs (its KV caches and captured graphs with it) as long as
         the settings that shape them are the same; per-run settings (tokens, sampling, seed) are swapped in."""
         ecfg = engine_config(cfg, timing=True)
-        shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention,
-                 ecfg.prefill_graphs, ecfg.compile_prefill, ecfg.pdl,
-                 ecfg.kv_quant,
+        # every engine field but the per-run ones shapes the engine (a field added to EngineConfig joins the key)
+        shape = (*((f.name, getattr(ecfg, f.name)) for f in fields(ecfg) if f.name not in PER_RUN_ENGINE_FIELDS),
                  quant_key(cfg, "target"), cfg.quant_kernel, cfg.gemv_fusion)
         host_only = HOST_ONLY_KNOBS.get(cfg.method, ())
         method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs if k not in host_only) \
