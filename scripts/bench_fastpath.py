@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
-from workbench.engine.drafters import DraftModelDrafter  # noqa: E402
+from workbench.engine.drafters import make_drafter  # noqa: E402
 from workbench.models import LlamaModel  # noqa: E402
 from workbench.models.config import ModelConfig, ModelLoadError  # noqa: E402
 from workbench.zoo import ZooError  # noqa: E402
@@ -252,7 +252,7 @@ def hf_model_from(model: LlamaModel, device: torch.device):
 
 # -- runners: prompt [T] -> (generated tokens, accepted draft tokens per target step) --------------------------------
 def ours_runner(target, draft, k: int, max_new: int, fast: dict, device: torch.device):
-    engine = SpecEngine(target, DraftModelDrafter(draft, k) if draft is not None else None,
+    engine = SpecEngine(target, make_drafter("draft" if draft is not None else "ar", {"k": k}, draft=draft),
                         EngineConfig(max_new_tokens=max_new, **fast), device)
 
     def run(prompt: list[int]) -> tuple[list[int], list[int]]:
@@ -371,13 +371,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 def fast_settings(args: argparse.Namespace) -> tuple[dict, dict]:
     """(settings EngineConfig has, settings asked for that it lacks): the engine's fast path is work in progress."""
-    asked = {}
+    asked = {"overlap": bool(args.overlap)}  # the engine's default is on: this script's --overlap turns it on
     if args.cuda_graphs:
         asked.update(cuda_graphs=True, graph_batch_sizes=(1,))
     if args.compile is not None:
         asked["compile"] = args.compile
-    if args.overlap:
-        asked["overlap"] = True
     have = {f.name for f in dataclasses.fields(EngineConfig)}
     return {k: v for k, v in asked.items() if k in have}, {k: v for k, v in asked.items() if k not in have}
 

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.gpu_timing import sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
-from workbench.engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
+from workbench.engine.drafters import make_drafter as registry_drafter  # noqa: E402
 
-MODES = {"eager": {"attention": "sdpa"}, "graphs": {"cuda_graphs": True},
+MODES = {"eager": {"attention": "sdpa", "overlap": False}, "graphs": {"cuda_graphs": True, "overlap": False},
          "graphs+overlap": {"cuda_graphs": True, "overlap": True}}
 COLS = ["method", "mode", "batch", "tok_s", "ref_tok_s", "ratio", "steps", "ms_per_step", "ref_ms_per_step",
         "outputs_equal"]
@@ -68,7 +68,8 @@ def load_preset(name: str, dtype: torch.dtype, device: str):
 
 
 def make_drafter(method: str, draft, k: int):
-    return None if method == "ar" else DraftModelDrafter(draft, k) if method == "draft" else NgramDrafter(k, 1, 3)
+    """ar, draft or ngram (n-grams 1-3) through the drafter registry."""
+    return registry_drafter(method, {"k": k, "ngram_min": 1, "ngram_max": 3}, draft=draft)
 
 
 def timed(engine, prompts, device: str) -> tuple[float, list, int]:

@@ -32,16 +32,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_timing import kernel_summary  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine, graphs  # noqa: E402
-from workbench.engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
+from workbench.engine.drafters import make_drafter as registry_drafter  # noqa: E402
 from workbench.serving.loop import frozen_gc  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
-MODES = {"eager": {"attention": "sdpa"},  # the engine before the fast path
-         "graphs": {"cuda_graphs": True},  # attention "auto": the Triton paged kernel on a GPU
-         "graphs+compile": {"cuda_graphs": True, "compile": "default"},
-         "graphs-sdpa": {"cuda_graphs": True, "attention": "sdpa"},
-         "graphs+compile-sdpa": {"cuda_graphs": True, "compile": "default", "attention": "sdpa"},
-         "graphs+max-autotune": {"cuda_graphs": True, "compile": "max-autotune"},
+# a mode without "+overlap" turns overlap off (the engine's default is on)
+MODES = {"eager": {"attention": "sdpa", "overlap": False},  # the engine before the fast path
+         "graphs": {"cuda_graphs": True, "overlap": False},  # attention "auto": the Triton paged kernel on a GPU
+         "graphs+compile": {"cuda_graphs": True, "compile": "default", "overlap": False},
+         "graphs-sdpa": {"cuda_graphs": True, "attention": "sdpa", "overlap": False},
+         "graphs+compile-sdpa": {"cuda_graphs": True, "compile": "default", "attention": "sdpa", "overlap": False},
+         "graphs+max-autotune": {"cuda_graphs": True, "compile": "max-autotune", "overlap": False},
          "graphs+compile+overlap": {"cuda_graphs": True, "compile": "default", "overlap": True},
          "graphs+overlap": {"cuda_graphs": True, "overlap": True},
          "graphs+max-autotune+overlap": {"cuda_graphs": True, "compile": "max-autotune", "overlap": True}}
@@ -73,7 +74,7 @@ def make_drafter(method: str, draft, k: int = 4):
     """"ar", "draft", "ngram" (k = 4), or "draft:K" / "ngram:K" for another draft length."""
     name, _, kk = method.partition(":")
     k = int(kk) if kk else k
-    return None if name == "ar" else DraftModelDrafter(draft, k) if name == "draft" else NgramDrafter(k, 1, 3)
+    return registry_drafter(name, {"k": k, "ngram_min": 1, "ngram_max": 3}, draft=draft)
 
 
 def timed_generate(engine: SpecEngine, prompts, batch: int) -> tuple[float, list, list]:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_fastpath import MODES, RANDOM_CONFIGS, warm  # noqa: E402
 from gpu_timing import equal_prefix, floor_row, kernel_summary, run_parts, sync  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
-from workbench.engine.drafters import NgramDrafter  # noqa: E402
+from workbench.engine.drafters import make_drafter  # noqa: E402
 from workbench.engine.quant import check_quant, norms_folded, quantize_model, set_fusion  # noqa: E402
 from kernels.pdl import pdl_problem, set_pdl  # noqa: E402
 from kernels import int4_cuda, paged_attention, quant_gemv  # noqa: E402
@@ -231,7 +231,8 @@ def part_floor(args, device: torch.device) -> list[dict]:
                         row["head_rel_err"] = head_error(model, device)
                     if linears.INT4_GLU_EPILOGUE and fmt.startswith("int4"):
                         row["glu_out_rel_err"] = glu_out_error(model, device)
-                    drafter = NgramDrafter(args.floor_ngram) if args.floor_ngram else None
+                    drafter = make_drafter("ngram", {"k": args.floor_ngram, "ngram_min": 1, "ngram_max": 3}) \
+                        if args.floor_ngram else None
                     engine = SpecEngine(model, drafter, EngineConfig(max_new_tokens=args.max_new_tokens,
                                                                      **MODES[mode], pdl=pdl), device)
                     warm(engine, prompts, 1)

@@ -5,12 +5,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from workbench.harness.bench import BenchSession
 from workbench.engine import SpecEngine, EngineConfig
-from workbench.engine.drafters import DraftModelDrafter
+from workbench.engine.drafters import make_drafter
 
 preset = sys.argv[1] if len(sys.argv) > 1 else "tiny"
 s = BenchSession.load(preset=preset, device="cuda", dtype="bfloat16")
 p = s.encode(2)
-for name, drafter in [("ar", None), ("draft", DraftModelDrafter(s.draft, 4))]:
+for name, drafter in [("ar", None), ("draft", make_drafter("draft", {"k": 4}, draft=s.draft))]:
     e = SpecEngine(s.target, drafter, EngineConfig(max_new_tokens=64, timing=False), s.device)
     e.generate(p); torch.cuda.synchronize()
     t = time.perf_counter(); r = e.generate(p); torch.cuda.synchronize()

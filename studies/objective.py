@@ -43,7 +43,7 @@ import optuna
 import pandas as pd
 
 from studies.space import METHOD_KNOBS, METHODS, SEARCH_KNOBS, RunSettings, SearchSpace, make_config, split_params
-from workbench.settings import KNOBS
+from workbench.settings import AUTO, AUTO_KNOBS, KNOBS
 
 
 class TrialFailed(Exception):
@@ -185,6 +185,10 @@ class BenchObjective:
             self._fail(trial, params, exc, config, session)
         record = dict(result.record)
         record.update(study=self.study_name, trial_id=trial.number)
+        resolved = {k: _plain(record[k]) for k in AUTO_KNOBS if params.get(k) == AUTO and k in record}
+        if resolved:  # what "auto" became on this device, as the row holds it
+            params = {**params, **resolved}
+            trial.set_user_attr("config", params)
         run_id = self._append(record, getattr(result, "traces", None))
         trial.set_user_attr("run_id", run_id)
         trial.set_user_attr("status", "ok")

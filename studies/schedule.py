@@ -24,6 +24,7 @@ from typing import Any
 import optuna
 
 from studies.objective import exclusion_notes, reliable_complete
+from studies.storage import SPEC_KEY
 
 SCHEDULE_VERSION = 1
 
@@ -38,8 +39,6 @@ def _speedup(t: optuna.trial.FrozenTrial) -> float:
 
 
 def buckets_of(study: optuna.Study) -> list[int]:
-    from studies.study import SPEC_KEY
-
     batch = study.user_attrs[SPEC_KEY]["space"]["batch"]
     values = batch["choices"] if isinstance(batch, dict) and "choices" in batch else [batch]
     return sorted(int(b) for b in values)
@@ -62,8 +61,6 @@ def _entry(batch: int, t: optuna.trial.FrozenTrial | None, n: int) -> dict[str, 
 
 def build_schedule(study: optuna.Study) -> dict[str, Any]:
     """Best feasible setting per batch bucket, plus per-method best draft length (for single-method engines)."""
-    from studies.study import SPEC_KEY
-
     trials = reliable_complete(study)
     buckets = buckets_of(study)
     entries, per_method = [], {}

@@ -21,7 +21,8 @@ import pandas as pd
 
 from studies.objective import (PARETO, QUALITY_FRONT, REPORT_KNOBS, SPEEDUP, THROUGHPUT, ObjectiveSpec,
                                exclusion_notes, pareto_front, reliable_complete, trials_frame)
-from studies.space import GLOBAL_KNOBS, IntRange, SearchSpace
+from studies.schedule import build_schedule, export_schedule as _export
+from studies.space import GLOBAL_KNOBS, METHODS, IntRange, SearchSpace
 
 
 class UnknownScriptError(KeyError):
@@ -92,8 +93,6 @@ def report_best_k(study: optuna.Study) -> str:
 
 
 def _used(t: optuna.trial.FrozenTrial) -> tuple[str, ...]:
-    from studies.space import METHODS
-
     m = t.user_attrs.get("config", {}).get("method")
     return METHODS[m].knobs if m in METHODS else ()
 
@@ -115,8 +114,6 @@ def next_batch_bucket(study: optuna.Study, spec: Any) -> dict[str, Any] | None:
 
 
 def report_schedule(study: optuna.Study) -> str:
-    from studies.schedule import build_schedule
-
     sched = build_schedule(study)
     rows = pd.DataFrame([{k: e.get(k) for k in ("batch_size", "trials", "speculate", "method", "draft_len",
                                                    "ngram_min", "ngram_max", "speedup_vs_ar", "tokens_per_s", "trial")}
@@ -126,8 +123,6 @@ def report_schedule(study: optuna.Study) -> str:
 
 
 def export_schedule(study: optuna.Study, out_dir: Path) -> dict[str, Path]:
-    from studies.schedule import export_schedule as _export
-
     return _export(study, out_dir)
 
 

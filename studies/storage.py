@@ -18,6 +18,7 @@ from pathlib import Path
 import optuna
 
 DEFAULT_STORAGE = "sqlite:///results/studies.db"
+SPEC_KEY = "workbench_spec"  # the study user attr its StudySpec is stored under (studies.study writes it)
 HEARTBEAT_INTERVAL_S = 10
 GRACE_PERIOD_S = 60
 MAX_RETRY = 2

@@ -21,10 +21,11 @@ import optuna
 from optuna.trial import TrialState
 
 from studies.objective import OBJECTIVES, BenchObjective, ModelSpec, ObjectiveSpec, TrialFailed
+from studies.scripts import get_script
 from studies.space import GLOBAL_KNOBS, METHODS, RunSettings, SearchSpace, SpaceError, dim_values, make_config
+from studies.storage import SPEC_KEY
 from workbench.settings import SettingError, check as check_settings
 
-SPEC_KEY = "workbench_spec"
 TARGET_KEY = "target_trials"
 SPEC_VERSION = 1
 
@@ -304,8 +305,6 @@ def run_trials(study: optuna.Study, spec: StudySpec, *, store: Any, device: str,
     First (unless `sweep` is False: the caller did it) fails and re-queues the stale trials of dead workers on
     this host (`sweep_stale_trials`). SIGTERM (handled when called in the main thread) or Ctrl-C fails the running
     trial with a `failed_reason`, re-queues it and raises KeyboardInterrupt (`Cancelled` for SIGTERM)."""
-    from studies.scripts import get_script
-
     script = get_script(spec.script)
     objective = BenchObjective(space=spec.space, settings=spec.settings, objective=spec.objective, store=store,
                                study_name=study.study_name, device=device, models=spec.models,

@@ -179,7 +179,7 @@ def test_missing_model_row_carries_its_path(tmp_path, capsys):
     code, df = _bench(tmp_path, "--model", str(tmp_path / "nope"), "--method", "ngram", preset=())
     assert code == 2 and "does not exist" in capsys.readouterr().err
     row = df.iloc[0]
-    assert row["target_path"] == str(tmp_path / "nope") and row["dtype"] == "float32" and row["device"] == "auto"
+    assert row["target_path"] == str(tmp_path / "nope") and row["dtype"] == "auto" and row["device"] == "auto"
 
 
 def test_bench_model_without_prompts_uses_the_built_in_set(tmp_path, capsys):

@@ -116,7 +116,8 @@ def test_fast_settings_pass_only_fields_engine_config_has():
     applied, missing = bf.fast_settings(bf.parse_args(["--preset", "tiny", "--cuda-graphs", "--compile", "default"]))
     fields = {f.name for f in bf.dataclasses.fields(bf.EngineConfig)}
     assert set(applied) <= fields and not set(missing) & fields
-    assert {**applied, **missing} == {"cuda_graphs": True, "graph_batch_sizes": (1,), "compile": "default"}
+    assert {**applied, **missing} == {"cuda_graphs": True, "graph_batch_sizes": (1,), "compile": "default",
+                                      "overlap": False}  # the engine defaults overlap on: off unless --overlap
 
 
 def test_random_model_is_built_in_the_requested_dtype(monkeypatch):

@@ -7,6 +7,7 @@ import torch
 
 from tests.test_verify import chi_square_pvalue
 from workbench.engine.drafters import DraftModelDrafter, EagleDrafter, EagleHead, NgramDrafter, RedrafterDrafter, RedrafterHead
+from workbench.engine.drafters import make_drafter as registry_drafter
 from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.kv_cache import ContiguousKVCache, PagedKVCache
 from workbench.models import CausalAttention, LlamaModel, ModelConfig
@@ -47,29 +48,27 @@ PROMPTS = [[3, 9, 4, 1, 3, 9, 4, 1, 3], [7, 7, 2], [5, 11, 13, 5, 11, 13, 5, 11,
 
 
 def make_drafter(kind, draft_model, target_model):
-    if kind == "ar":
-        return None
-    if kind == "draft":
-        return DraftModelDrafter(draft_model, k=3)
-    if kind == "self-draft":  # the target drafting for itself: every draft accepted, exercises the bonus path
-        return DraftModelDrafter(copy.deepcopy(target_model), k=4)
-    if kind == "noisy-self-draft":  # a perturbed copy of the target: partial acceptance, mid-draft rejections
-        noisy = copy.deepcopy(target_model)
-        g = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for w in noisy.parameters():
-                w.add_(torch.randn(w.shape, generator=g) * 0.02 * w.std())
-        return DraftModelDrafter(noisy, k=4)
-    if kind == "ngram":
-        return NgramDrafter(k=3, min_n=1, max_n=3)
+    """The test drafters, built through the one registry (workbench.engine.drafters.make_drafter): each kind is a
+    method, its knobs and its models (self-draft variants hand the registry a copy of the target as the draft)."""
+    if kind in ("self-draft", "noisy-self-draft"):  # every draft accepted (bonus path) / partial acceptance
+        model = copy.deepcopy(target_model)
+        if kind == "noisy-self-draft":
+            g = torch.Generator().manual_seed(3)
+            with torch.no_grad():
+                for w in model.parameters():
+                    w.add_(torch.randn(w.shape, generator=g) * 0.02 * w.std())
+        return registry_drafter("draft", {"k": 4}, draft=model)
     if kind.startswith("redrafter"):  # an untrained head: few drafts accepted, but trees, hidden states, KV moves run
         w, length, penalty = {"redrafter-w1": (1, 4, 0.0), "redrafter-w3": (3, 3, 0.0),
                               "redrafter-diverse": (3, 2, 1.0)}[kind]
-        return RedrafterDrafter(RedrafterHead.for_target(target_model, seed=4, std=0.3), target_model, w, length,
-                                penalty)
-    if kind == "eagle":  # an untrained head: a dynamic tree of 16 nodes, depth 4, top-4
-        return EagleDrafter(EagleHead.for_target(target_model, seed=4, std=0.3), target_model, 4, 4, 16)
-    raise ValueError(kind)
+        return registry_drafter("redrafter", {"beam_width": w, "beam_length": length, "diversity_penalty": penalty},
+                                target=target_model,
+                                heads={"redrafter": RedrafterHead.for_target(target_model, seed=4, std=0.3)})
+    values = {"draft": {"k": 3}, "ngram": {"k": 3, "ngram_min": 1, "ngram_max": 3},
+              # an untrained head: a dynamic tree of 16 nodes, depth 4, top-4
+              "eagle": {"tree_depth": 4, "tree_topk": 4, "tree_budget": 16}}.get(kind, {})
+    return registry_drafter(kind, values, draft=draft_model, target=target_model,
+                            heads={"eagle": lambda: EagleHead.for_target(target_model, seed=4, std=0.3)})
 
 
 DRAFTERS = ["ar", "draft", "self-draft", "noisy-self-draft", "ngram", "redrafter-w1", "redrafter-w3",
@@ -133,8 +132,9 @@ def test_one_host_read_per_step(kind, fixed, target, draft, monkeypatch):
             return real(self, *args, **kwargs)
         return wrapper
 
+    # the synchronous step (overlapped steps read one step behind: tests/test_fast_path.py)
     engine = SpecEngine(target, make_drafter(kind, draft, target),
-                        EngineConfig(max_new_tokens=9, cuda_graphs=fixed, kv_block_size=4))
+                        EngineConfig(max_new_tokens=9, cuda_graphs=fixed, kv_block_size=4, overlap=False))
     engine.generate(PROMPTS)  # warm-up: caches, buffers and steps are built outside the count
     monkeypatch.setattr(step_module.HostCopy, "__init__", counting_init)
     for name in ("cpu", "item"):

@@ -9,7 +9,7 @@ import torch
 
 from tests.test_engine import PROMPTS, reference_greedy, target  # noqa: F401 (fixture)
 from workbench.engine import EngineConfig, SpecEngine
-from workbench.engine.drafters import RedrafterDrafter, RedrafterHead
+from workbench.engine.drafters import RedrafterDrafter, RedrafterHead, make_drafter
 from workbench.engine.drafters.base import DraftContext
 from workbench.engine.sampling import SamplingParams
 from workbench.engine.tree import DraftTree
@@ -17,7 +17,8 @@ from workbench.models import CausalAttention
 
 
 def drafter_for(target, w, length, penalty=0.0, sampling=SamplingParams()):
-    d = RedrafterDrafter(RedrafterHead.for_target(target, seed=4, std=0.3), target, w, length, penalty)
+    d = make_drafter("redrafter", {"beam_width": w, "beam_length": length, "diversity_penalty": penalty},
+                     target=target, heads={"redrafter": RedrafterHead.for_target(target, seed=4, std=0.3)})
     d.setup(DraftContext(max_rows=4, max_len=64, device=torch.device("cpu"), sampling=sampling, generator=None))
     torch.manual_seed(0)
     d.last_hidden.copy_(torch.randn_like(d.last_hidden))

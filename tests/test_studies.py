@@ -187,6 +187,12 @@ def test_small_study_writes_one_row_per_trial(tmp_path, session):
     assert set(df["run_id"]) == {t.user_attrs["run_id"] for t in trials}
     assert all(t.values[0] == pytest.approx(t.user_attrs["tokens_per_s"]) for t in trials)
     assert all(t.constraints == {"fidelity": 0.0, "quality": 0.0} for t in trials)
+    # the space leaves the speed knobs at auto: trial config and rows hold what they became on the CPU
+    assert spec.space.cuda_graphs == spec.space.compile == "auto"
+    assert all((t.user_attrs["config"]["cuda_graphs"], t.user_attrs["config"]["compile"]) == (False, "off")
+               for t in trials)
+    assert not df["cuda_graphs"].any() and (df["compile"] == "off").all()
+    assert (df["auto_knobs"] == "cuda_graphs,compile").all()  # dtype was given (float32) to the session
     assert "best setting (trial" in get_script("best_k").report(study)
     # resuming with the same total runs nothing more
     assert run_trials(study, spec, store=store, device="cpu", session_for=lambda dtype: session) == 0

@@ -26,6 +26,11 @@ at import (a no-op when results already declares it with the same kind, a ValueE
 disagree), and tests/test_settings.py checks that results declares every knob with the kind `Knob.column_kind` says:
 a knob added here and forgotten there fails a test, and a row written before results knows it is still typed.
 
+Auto: the speed knobs (`AUTO_KNOBS`: dtype, cuda_graphs, compile) default to "auto" and are resolved per device before
+a run (`resolve_config`, called by `BenchSession.run` and `serve_bench`): on a GPU the model's own half dtype, CUDA
+graphs and compile "default", as vLLM and SGLang default; on a CPU what is fastest there (`CPU_AUTO`). The row holds the
+resolved values in the knobs' own column kinds and names the knobs that were auto (`auto_knobs`).
+
 Bench vs studies booleans: `bench` writes a boolean as a flag pair (`--cuda-graphs` / `--no-cuda-graphs`); studies,
 where every space flag is a value or a list, write it as `on` / `off` (`--cuda-graphs off,on` searches both).
 
@@ -511,6 +516,17 @@ def auto_value(name: str, device_type: str, values: Mapping[str, Any], *, model_
         rows = max(values.get("batch", 1) or 1, values.get("max_num_seqs", 1) or 1)
         return rows <= max(buckets)
     return "default"  # compile
+
+
+def engine_default(name: str) -> Any:
+    """Knob `name`'s default as a concrete engine value: the registry default, or for an "auto" one its CPU value
+    (the engine is handed resolved configs; this is what a bare EngineConfig() runs).
+
+    >>> engine_default("overlap"), engine_default("cuda_graphs"), engine_default("compile")
+    (True, False, 'off')
+    """
+    default = KNOBS[name].default
+    return CPU_AUTO[name] if KNOBS[name].auto and default == AUTO else default
 
 
 def resolve_auto(values: Mapping[str, Any], device_type: str, *, model_dtype: str | None = None,

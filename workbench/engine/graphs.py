@@ -34,7 +34,7 @@ import torch
 
 from kernels.pdl import warming_for_capture
 
-COMPILE_MODES = ("off", "default", "max-autotune")
+from workbench.choices import COMPILE_MODES  # noqa: E402 - declared once, torch-free
 PREFILL_LEN_MULTIPLE = 32  # a captured prefill pads its prompts' length up to a multiple of this (within the cache)
 PAD_LEN = 1  # padding rows act as a sequence of one committed token in the cache's scratch row
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)

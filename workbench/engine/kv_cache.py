@@ -407,7 +407,7 @@ class PagedKVCache(KVCache):
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+from workbench.choices import ATTENTION_BACKENDS  # noqa: E402 - declared once, torch-free
 
 
 def resolve_attention(name: str, paged: bool, device: torch.device | str, kv_quant: str = "none") -> str:

@@ -41,12 +41,15 @@ import functools
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
+from workbench import settings
+
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
-from workbench.engine.graphs import (DEFAULT_BUCKETS, PAD_LEN, PREFILL_LEN_MULTIPLE, FixedShapeStep, GraphSettings,
+from workbench.engine.graphs import (PAD_LEN, PREFILL_LEN_MULTIPLE, FixedShapeStep, GraphSettings,
                                      GraphStats, ModelStep, PrefillStep, prefill_len, upload)
 from workbench.engine.kv_cache import ATTENTION_BACKENDS, make_cache
 from workbench.engine.kv_quant import kv_format
@@ -68,25 +71,38 @@ def _with_pdl(method):
     return wrapper
 
 
+# EngineConfig fields that take a registry knob of another name (every other knob field has the knob's own name)
+KNOB_OF_FIELD = {"kv_quant": "target_kv_quant"}
+
+
+def _knob(name: str):
+    """A field whose default is the registry's (workbench.settings.KNOBS; an "auto" knob's default is what auto
+    means on a CPU, since an engine config is concrete: `engine_config` maps a resolved run config)."""
+    return field(default=settings.engine_default(KNOB_OF_FIELD.get(name, name)))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    max_new_tokens: int = 64
+    """The engine's settings. A field named like a registry knob (or in KNOB_OF_FIELD) is that knob: its default
+    comes from the registry, and `engine_config` copies it from a run config; the rest are the engine's own."""
+
+    max_new_tokens: int = _knob("max_new_tokens")
     sampling: SamplingParams = SamplingParams()
-    paged: bool = True
-    kv_block_size: int = 16
-    seed: int = 0
+    paged: bool = _knob("paged")
+    kv_block_size: int = _knob("kv_block_size")
+    seed: int = _knob("seed")
     stop_on_eos: bool = False  # benchmarks decode a fixed length, like vLLM's bench with ignore_eos
     eos_token_id: int | None = None
     timing: bool = False  # per-phase timers (CUDA events on GPU, no extra host syncs)
-    cuda_graphs: bool = False  # fixed-shape bucketed steps, captured in CUDA graphs on a GPU (eager on CPU)
-    graph_batch_sizes: tuple[int, ...] = DEFAULT_BUCKETS  # the buckets a live batch pads up to
-    compile: str = "off"  # torch.compile of the fixed-shape steps: "off" | "default" | "max-autotune"
-    attention: str = "auto"  # "sdpa" (gather + SDPA) | "triton" (kernels/paged_attention.py) | "auto"
-    overlap: bool = False  # launch step t + 1 before reading step t (greedy chains with fixed shapes; see above)
-    kv_quant: str = "none"  # the target's KV-cache format: "none" (model dtype) | "int8" | "fp8" (engine/kv_quant.py)
-    prefill_graphs: bool = True  # with cuda_graphs: prompt forwards captured per (batch, padded length): PrefillStep
-    compile_prefill: bool = False  # with compile: those captured prompt forwards compiled too
-    pdl: bool = True  # our Triton kernels launched with programmatic dependent launch where allowed (kernels/pdl.py)
+    cuda_graphs: bool = _knob("cuda_graphs")  # fixed-shape bucketed steps, captured in CUDA graphs on a GPU
+    graph_batch_sizes: tuple[int, ...] = _knob("graph_batch_sizes")  # the buckets a live batch pads up to
+    compile: str = _knob("compile")  # torch.compile of the fixed-shape steps
+    attention: str = _knob("attention")  # "sdpa" (gather + SDPA) | "triton" (kernels/paged_attention.py) | "auto"
+    overlap: bool = _knob("overlap")  # launch step t + 1 before reading step t (greedy chains with fixed shapes)
+    kv_quant: str = _knob("kv_quant")  # the target's KV-cache format (engine/kv_quant.py)
+    prefill_graphs: bool = _knob("prefill_graphs")  # with cuda_graphs: prompt forwards captured (PrefillStep)
+    compile_prefill: bool = _knob("compile_prefill")  # with compile: those captured prompt forwards compiled too
+    pdl: bool = _knob("pdl")  # our Triton kernels launched with programmatic dependent launch (kernels/pdl.py)
 
     @functools.cached_property
     def graphs(self) -> GraphSettings:  # read every step: built (and validated) once
@@ -94,6 +110,11 @@ class EngineConfig:
                              self.compile_prefill)
 
     def __post_init__(self) -> None:
+        unresolved = [f.name for f in fields(self) if isinstance(getattr(self, f.name), str)
+                      and getattr(self, f.name) == settings.AUTO and f.name in settings.AUTO_KNOBS]
+        if unresolved:
+            raise ValueError(f"{', '.join(unresolved)}='auto' reached the engine: resolve a run config for its "
+                             "device first (workbench.settings.resolve_config)")
         self.graphs  # noqa: B018 - validates the graph settings (GraphSettingsError names the bad one)
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention!r}; choose one of "
@@ -103,6 +124,23 @@ class EngineConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+
+
+def engine_config(cfg: Any, **overrides: Any) -> EngineConfig:
+    """The one settings -> engine mapping: an EngineConfig from a run config (BenchConfig, ServeConfig) by copying
+    every field EngineConfig has under the same name (or its KNOB_OF_FIELD knob), `sampling` from temperature /
+    top_k / top_p, then `overrides` (engine-only fields such as timing). A field the run config lacks keeps the
+    registry default. Resolve "auto" knobs for the device first (workbench.settings.resolve_config)."""
+    values = {}
+    for f in fields(EngineConfig):
+        knob = KNOB_OF_FIELD.get(f.name, f.name)
+        if hasattr(cfg, knob):
+            values[f.name] = getattr(cfg, knob)
+    if all(hasattr(cfg, n) for n in ("temperature", "top_k", "top_p")):
+        values["sampling"] = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+    if "graph_batch_sizes" in values:
+        values["graph_batch_sizes"] = tuple(values["graph_batch_sizes"])
+    return EngineConfig(**{**values, **overrides})
 
 
 class PhaseTimer:

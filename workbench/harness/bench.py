@@ -26,27 +26,25 @@ import pandas as pd
 import torch
 
 from workbench import settings
-from workbench.engine.drafters import (DraftModelDrafter, Drafter, EagleDrafter, EagleHead, NgramDrafter,
-                                       RedrafterDrafter, RedrafterHead)
-from workbench.engine import EngineConfig, GenerationResult, SpecEngine
+from workbench.engine.drafters import UNTRAINED_HEAD_SEED, Drafter, DrafterError, EagleHead, RedrafterHead, make_drafter
+from workbench.engine import GenerationResult, SpecEngine
+from workbench.engine.step import engine_config
 from workbench.harness.metrics import greedy_agreement, median, percentile, summarize, traces_frame
 from workbench.harness.quality import check_weight_formats, quality_columns, quant_key, quantized_model
 from workbench.harness.trust import trust_columns
 from workbench.engine.graphs import compile_fallback_columns, recompile_limit_hits
 from workbench.engine.kv_cache import resolve_attention
 from workbench.engine.sampling import SamplingParams
+from workbench.models import DTYPES, stored_dtype
 from kernels.int4_cuda import int4_cuda_gemv_applies
 from kernels.pdl import pdl_applies
-
-from workbench.models import DTYPES, stored_dtype
 
 # Greedy parity in bf16/fp16 is not exact: a 1-token decode and a (k+1)-token verify reduce in different orders, so
 # two nearly tied logits can swap. Where outputs diverge we re-score the divergence point in float32 and call it a
 # numerical near-tie when the two competing tokens' fp32 logits differ by at most this much. float32 runs get no
 # such allowance (they must match exactly; measured on the H200: they do).
 NEAR_TIE_LOGITS = 0.25
-REDRAFTER_HEAD_SEED = 0  # the untrained ReDrafter head's initialisation (the same head in every run)
-EAGLE_HEAD_SEED = 0  # the untrained EAGLE head's initialisation
+REDRAFTER_HEAD_SEED = EAGLE_HEAD_SEED = UNTRAINED_HEAD_SEED  # an untrained head's initialisation
 # Engines a session keeps between runs (each holds KV caches and captured graphs), so a study's trials that come back
 # to a setting reuse its captures: 17 holds AR plus every k of two chain drafters (1 + 2 x 8, the best_k space; 16
 # dropped one, rebuilt and recaptured whenever it came back). On a GPU the oldest are also dropped while the kept ones
@@ -57,6 +55,8 @@ ENGINE_CACHE_MEMORY_FRACTION = 0.25
 # fresh drafter object (NgramDrafter keeps only its device lookup step, whose graphs the new object captures again in
 # the run's warm-up: a few kernels over the token buffer).
 HOST_ONLY_KNOBS = {"ngram": ("ngram_min", "ngram_max")}
+# EngineConfig fields swapped into a kept engine per run (`engine.config = ...`); the others key the kept engines
+PER_RUN_ENGINE_FIELDS = ("max_new_tokens", "sampling", "seed", "timing", "stop_on_eos", "eos_token_id", "overlap")
 
 
 class BenchError(Exception):
@@ -70,22 +70,6 @@ there; the CLI, studies, the dashboard and the result schema are generated from 
     >>> BenchConfig(method="ngram", k=3).k, BenchConfig().graph_batch_sizes
     (3, (1, 2, 4, 8, 16, 32, 64))
 """)
-
-
-def _drafter_for(cfg: BenchConfig, session: "BenchSession") -> Drafter | None:
-    """The name -> drafter registry lives here, at the edge; the engine only sees Drafter instances."""
-    if cfg.method == "ar":
-        return None
-    if cfg.method == "draft":
-        return DraftModelDrafter(session.model_for("draft", cfg), cfg.k, kv_quant=getattr(cfg, "draft_kv_quant", "none"))
-    if cfg.method == "ngram":
-        return NgramDrafter(cfg.k, cfg.ngram_min, cfg.ngram_max)
-    if cfg.method == "redrafter":
-        return RedrafterDrafter(session.redrafter_head(), session.model_for("target", cfg), cfg.beam_width,
-                                cfg.beam_length, cfg.diversity_penalty)
-    if cfg.method == "eagle":
-        return EagleDrafter(session.eagle_head(), session.model_for("target", cfg), cfg.tree_depth, cfg.tree_topk, cfg.tree_budget)
-    raise BenchError(f"unknown method {cfg.method!r}; choose one of {sorted(METHODS)}")
 
 
 METHODS = settings.METHODS  # name -> Method (description, knobs it reads)
@@ -227,6 +211,18 @@ class BenchSession:
         """The loaded ReDrafter head's folder, "untrained (seed N)", or None before any redrafter run."""
         return self._redrafter[1] if self._redrafter is not None else None
 
+    def drafter(self, cfg) -> Drafter | None:
+        """cfg.method's drafter (workbench.engine.drafters.make_drafter) over this session's models in the run's
+        weight formats and its heads; models and heads are made only if the method reads them."""
+        if cfg.method == "draft" and self.draft is None:
+            raise BenchError("method 'draft' needs a draft model: give --draft PATH or use a --preset")
+        try:
+            return make_drafter(cfg.method, cfg, draft=lambda: self.model_for("draft", cfg),
+                                target=lambda: self.model_for("target", cfg),
+                                heads={"redrafter": self.redrafter_head, "eagle": self.eagle_head})
+        except DrafterError as e:
+            raise BenchError(str(e)) from None
+
     def model_for(self, role: str, cfg: BenchConfig) -> torch.nn.Module:
         """The target or draft model in the run's weight format: the loaded model for "none", else a quantized copy
         made on first use and kept (workbench.harness.quality)."""
@@ -292,16 +288,9 @@ class BenchSession:
     def _engine(self, cfg: BenchConfig, drafter: bool) -> SpecEngine:
         """The engine for these settings: kept across runs (its KV caches and captured graphs with it) as long as
         the settings that shape them are the same; per-run settings (tokens, sampling, seed) are swapped in."""
-        ecfg = EngineConfig(max_new_tokens=cfg.max_new_tokens,
-                            sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p), paged=cfg.paged,
-                            kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
-                            cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
-                            compile=cfg.compile, attention=cfg.attention, kv_quant=cfg.target_kv_quant,
-                            overlap=cfg.overlap, prefill_graphs=cfg.prefill_graphs,
-                            compile_prefill=cfg.compile_prefill, pdl=cfg.pdl)
-        shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention,
-                 ecfg.prefill_graphs, ecfg.compile_prefill, ecfg.pdl,
-                 ecfg.kv_quant,
+        ecfg = engine_config(cfg, timing=True)
+        # every engine field but the per-run ones shapes the engine (a field added to EngineConfig joins the key)
+        shape = (*((f.name, getattr(ecfg, f.name)) for f in fields(ecfg) if f.name not in PER_RUN_ENGINE_FIELDS),
                  quant_key(cfg, "target"), cfg.quant_kernel, cfg.gemv_fusion)
         host_only = HOST_ONLY_KNOBS.get(cfg.method, ())
         method_knobs = tuple(getattr(cfg, k) for k in METHODS[cfg.method].knobs if k not in host_only) \
@@ -312,10 +301,10 @@ class BenchSession:
         if engine is None:
             while self._engines and (len(self._engines) >= ENGINE_CACHE_SIZE or self._engines_over_memory()):
                 self._engines.pop(next(iter(self._engines)))  # oldest first: its caches and graphs are freed
-            engine = SpecEngine(self.model_for("target", cfg), _drafter_for(cfg, self) if drafter else None, ecfg,
+            engine = SpecEngine(self.model_for("target", cfg), self.drafter(cfg) if drafter else None, ecfg,
                                 self.device)
         elif drafter and host_only and any(engine.drafter.settings.get(k) != getattr(cfg, k) for k in host_only):
-            engine.drafter = _drafter_for(cfg, self)
+            engine.drafter = self.drafter(cfg)
         engine.config = ecfg
         self._engines[key] = engine  # most recent last
         return engine

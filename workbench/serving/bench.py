@@ -17,7 +17,9 @@ import pandas as pd
 import torch
 
 from workbench import settings
-from workbench.engine import EngineConfig, SpecEngine
+from workbench.engine import SpecEngine
+from workbench.engine.drafters import DrafterError, make_drafter
+from workbench.engine.step import engine_config
 from workbench.engine.graphs import compile_fallback_columns, recompile_limit_hits
 from workbench.engine.sampling import SamplingParams
 from workbench.serving import loop as loop_mod
@@ -40,16 +42,19 @@ class ServeBenchResult:
 
 
 def engine_for(session, cfg) -> SpecEngine:
-    from workbench.harness.bench import _drafter_for
-
+    """The engine a serving run uses: the one settings -> engine mapping (`engine_config`) and the drafter
+    registry (`make_drafter`), over the session's models in the run's weight formats and its heads."""
     cfg = settings.resolve_config(cfg, session.device.type)[0]  # "auto" knobs for the session's device
-    ecfg = EngineConfig(max_new_tokens=cfg.max_new_tokens, sampling=SamplingParams(cfg.temperature, cfg.top_k,
-                        cfg.top_p), paged=True, kv_block_size=cfg.kv_block_size, seed=cfg.seed, timing=True,
-                        cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
-                        compile=cfg.compile, attention=cfg.attention, prefill_graphs=cfg.prefill_graphs, pdl=cfg.pdl)
+    ecfg = engine_config(cfg, timing=True)
     if cfg.method == "draft" and session.draft is None:
         raise ServeError("method 'draft' needs a draft model: give --draft PATH or use a --preset")
-    return SpecEngine(session.target, _drafter_for(cfg, session), ecfg, session.device)
+    heads = {m: getattr(session, f"{m}_head") for m in ("redrafter", "eagle") if hasattr(session, f"{m}_head")}
+    try:
+        drafter = make_drafter(cfg.method, cfg, draft=lambda: session.model_for("draft", cfg),
+                               target=lambda: session.model_for("target", cfg), heads=heads)
+    except DrafterError as e:
+        raise ServeError(str(e)) from None
+    return SpecEngine(session.target, drafter, ecfg, session.device)
 
 
 def adaptive_for(cfg, num_nodes: int, k_by_batch: list[tuple[int, int, int]] | None = None) -> AdaptiveSpeculation:

@@ -1,9 +1,117 @@
-"""Drafters: one module each, all behind the `Drafter` contract in base.py."""
+"""Drafters: one module each, all behind the `Drafter` contract in base.py, and the one method -> drafter registry.
+
+    drafter = make_drafter("ngram", {"k": 3})                            # knobs the run config lacks: registry defaults
+    drafter = make_drafter(cfg.method, cfg, draft=draft_model, target=target_model, heads={"eagle": load_head})
+
+`make_drafter` is the only place a decoding method's name becomes a drafter: the harness, serving, the tests and the
+scripts build drafters through it. A new drafter registers a factory with `@register("name")` beside a `Method` of
+that name in workbench.settings.METHODS (tests/test_drafters_registry.py checks the two agree).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+from workbench import settings
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
 from workbench.engine.drafters.draft_model import DraftModelDrafter
 from workbench.engine.drafters.eagle import EagleDrafter, EagleHead
 from workbench.engine.drafters.ngram import NgramDrafter, lookup
 from workbench.engine.drafters.redrafter import RedrafterDrafter, RedrafterHead
 
-__all__ = ["BatchState", "DraftContext", "Drafter", "DraftModelDrafter", "EagleDrafter", "EagleHead", "NgramDrafter", "RedrafterDrafter", "RedrafterHead",
-           "lookup"]
+UNTRAINED_HEAD_SEED = 0  # an untrained ReDrafter / EAGLE head's initialisation (the same head in every run)
+
+
+class DrafterError(ValueError):
+    """A method with no drafter, or a drafter that lacks a model it needs; the message names what to do."""
+
+
+class _Inputs:
+    """What a factory reads: knobs from the run config (a dataclass or a mapping; a missing one takes the registry
+    default) and the models, each given as a value or a zero-argument callable (made only if the method needs it)."""
+
+    def __init__(self, method: str, values: Any, draft: Any, target: Any, heads: Mapping[str, Any]):
+        self.method, self._values, self._draft, self._target, self._heads = method, values, draft, target, heads
+
+    def knob(self, name: str) -> Any:
+        if isinstance(self._values, Mapping):
+            return self._values.get(name, settings.KNOBS[name].default)
+        return getattr(self._values, name, settings.KNOBS[name].default)
+
+    def draft(self) -> nn.Module:
+        model = _made(self._draft)
+        if model is None:
+            raise DrafterError(f"method {self.method!r} needs a draft model: give --draft PATH or use a --preset")
+        return model
+
+    def target(self) -> nn.Module:
+        model = _made(self._target)
+        if model is None:
+            raise DrafterError(f"method {self.method!r} drafts from the target's hidden states: pass target=")
+        return model
+
+    def head(self, head_cls) -> nn.Module:
+        """The method's head from `heads`, else an untrained one for the target from UNTRAINED_HEAD_SEED."""
+        head = _made(self._heads.get(self.method))
+        return head if head is not None else head_cls.for_target(self.target(), seed=UNTRAINED_HEAD_SEED)
+
+
+def _made(x: Any) -> Any:
+    return x() if callable(x) and not isinstance(x, nn.Module) else x
+
+
+DRAFTERS: dict[str, Callable[[_Inputs], Drafter | None]] = {}
+
+
+def register(name: str):
+    """Register `factory(inputs) -> Drafter | None` as method `name`'s drafter."""
+    def wrap(factory):
+        DRAFTERS[name] = factory
+        return factory
+    return wrap
+
+
+@register("ar")
+def _ar(inputs: _Inputs) -> None:
+    return None  # the autoregressive baseline: no drafter
+
+
+@register("draft")
+def _draft_model(inputs: _Inputs) -> DraftModelDrafter:
+    return DraftModelDrafter(inputs.draft(), inputs.knob("k"), kv_quant=inputs.knob("draft_kv_quant"))
+
+
+@register("ngram")
+def _ngram(inputs: _Inputs) -> NgramDrafter:
+    return NgramDrafter(inputs.knob("k"), inputs.knob("ngram_min"), inputs.knob("ngram_max"))
+
+
+@register("redrafter")
+def _redrafter(inputs: _Inputs) -> RedrafterDrafter:
+    return RedrafterDrafter(inputs.head(RedrafterHead), inputs.target(), inputs.knob("beam_width"),
+                            inputs.knob("beam_length"), inputs.knob("diversity_penalty"))
+
+
+@register("eagle")
+def _eagle(inputs: _Inputs) -> EagleDrafter:
+    return EagleDrafter(inputs.head(EagleHead), inputs.target(), inputs.knob("tree_depth"), inputs.knob("tree_topk"),
+                        inputs.knob("tree_budget"))
+
+
+def make_drafter(method: str, values: Any = None, *, draft: Any = None, target: Any = None,
+                 heads: Mapping[str, Any] | None = None) -> Drafter | None:
+    """The drafter of decoding method `method` (None for "ar"), with its knobs from `values` (a BenchConfig,
+    ServeConfig or mapping; missing knobs take the registry defaults). `draft` / `target`: the models (or zero-argument
+    callables that make them, called only when the method needs one); `heads`: method -> trained head (or callable);
+    redrafter and eagle without one get an untrained head from UNTRAINED_HEAD_SEED. DrafterError for an unknown
+    method or a missing model."""
+    if method not in DRAFTERS:
+        raise DrafterError(f"unknown method {method!r}; choose one of {', '.join(DRAFTERS)}")
+    return DRAFTERS[method](_Inputs(method, {} if values is None else values, draft, target, heads or {}))
+
+
+__all__ = ["BatchState", "DraftContext", "Drafter", "DraftModelDrafter", "DrafterError", "DRAFTERS", "EagleDrafter",
+           "EagleHead", "NgramDrafter", "RedrafterDrafter", "RedrafterHead", "UNTRAINED_HEAD_SEED", "lookup",
+           "make_drafter", "register"]

@@ -47,20 +47,12 @@ from workbench.engine.graphs import FixedShapeStep
 from workbench.engine.kv_cache import make_cache
 from workbench.engine.tree import DraftTree
 from workbench.models.config import ModelConfig
+from workbench.choices import tree_capacity
 from workbench.models.llama import DecoderLayer, Linear
 
 
 class EagleSettingsError(ValueError):
     """A tree setting the drafter cannot build; the message names the knob and what is allowed."""
-
-
-def tree_capacity(depth: int, topk: int) -> int:
-    """Candidates a dynamic tree of this depth and top-k offers: K at depth 1, K^2 at each further depth.
-
-    >>> tree_capacity(4, 4), tree_capacity(5, 1)
-    (52, 5)
-    """
-    return topk + (depth - 1) * topk * topk
 
 
 def check_tree(depth, topk, budget, vocab_size: int | None = None) -> None:

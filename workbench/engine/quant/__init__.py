@@ -62,9 +62,8 @@ from .linears import (FP8_DTYPE, INT4_GROUP_SIZES, DenseGemvLinear, Fp8Linear, I
                       dequantize_fp8, dequantize_int4, dequantize_int8, fp8_linear_reference, quantize_fp8,
                       quantize_fp8_rows, quantize_int4, quantize_int8)
 
-FORMATS = ("none", "int8", "int4", "int4-awq", "fp8", "gguf")
+from workbench.choices import QUANT_KERNELS as KERNELS, WEIGHT_FORMATS as FORMATS  # noqa: E402 - declared once
 HEAD_FORMATS = ("int8", "int4", "int4-awq", "fp8")  # the formats quant_head applies to (no-op with "none")
-KERNELS = ("auto", "aten", "dequant", "triton")
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 GGUF_EXACT = {"F32": "none", "F16": "none", "BF16": "none"}
 GGUF_REPRESENTABLE = {"Q4_0": "int4 (group 32)", "Q4_1": "int4 (group 32)",  # kept packed by format "gguf"

@@ -94,7 +94,7 @@ INT4_PREFILL_GEMM_ROWS: int = _rows_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS",
 # gpu_quant rows "+ge" / "+ge0".
 INT4_GLU_EPILOGUE: bool = os.environ.get("WORKBENCH_INT4_GLU_EPILOGUE", "1") == "1"
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
-INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4pack kernels accept
+from workbench.choices import INT4_GROUP_SIZES  # noqa: E402 - what the int4pack kernels accept, declared once
 
 
 # ---- reference math (pure PyTorch, any device) -----------------------------------------------------------------
