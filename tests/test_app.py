@@ -243,11 +243,13 @@ def test_graph_settings_are_checked_on_both_forms(workspace, gpu_visible):
     assert error_next_to(at, "run_graph_batch_sizes") == [
         "graph_batch_sizes=4,2 must be strictly increasing (sorted, no duplicates), e.g. 2,4"]
     at.text_input(key="run_graph_batch_sizes").input("1,2")
-    at.text_input(key="run_batch").input("4")
-    at.toggle(key="run_cuda_graphs").set_value(True).run()
+    at.text_input(key="run_batch").input("4").run()
+    assert at.selectbox(key="run_cuda_graphs").value == "auto"  # auto: off where the batch fits no bucket, no error
+    assert not errors_of(at) and not at.button(key="run_start").disabled
+    at.selectbox(key="run_cuda_graphs").set_value(True).run()
     assert any(m.startswith("batch 4 exceeds the largest graph bucket 2") for m in errors_of(at)), errors_of(at)
     assert at.button(key="run_start").disabled
-    at.toggle(key="run_cuda_graphs").set_value(False).run()
+    at.selectbox(key="run_cuda_graphs").set_value(False).run()
     assert not errors_of(at) and not at.button(key="run_start").disabled
 
     at = open_page("tune")
@@ -845,3 +847,24 @@ def test_tune_page_local_models_validated_and_launchable(workspace):
     launch_small_study(at, "local-ui", trials=1)
     [row] = ResultStore(workspace["store"]).load(study="local-ui").to_dict("records")
     assert row["target_path"] == str(tiny / "target") and row["prompts_source"] == str(tiny / "prompts.jsonl")
+
+
+def test_run_form_leaves_auto_knobs_to_the_engine():
+    """An auto knob left on auto puts no flag on the bench command line (bench resolves it per device); on / off and
+    an explicit value do, and bench's own parser reads each back as given."""
+    import argparse
+
+    from ui.run_page import bench_argv
+    from workbench.harness import bench_cli
+
+    def parsed(settings):
+        argv = bench_argv(settings, {"preset": "tiny"}, {})
+        parser = argparse.ArgumentParser()
+        bench_cli.register(parser.add_subparsers())
+        return argv, parser.parse_args(argv[3:])
+
+    argv, args = parsed({"cuda_graphs": "auto", "compile": "auto", "batch": 2})
+    assert "--cuda-graphs" not in argv and "--no-cuda-graphs" not in argv and "--compile" not in argv
+    assert (args.cuda_graphs, args.compile, args.batch) == ("auto", "auto", 2)
+    argv, args = parsed({"cuda_graphs": False, "compile": "default"})
+    assert "--no-cuda-graphs" in argv and (args.cuda_graphs, args.compile) == (False, "default")

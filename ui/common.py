@@ -162,6 +162,10 @@ def knob_field(knob, key: str, errors: Errors, default=None, choices: tuple | No
     default unless given): a toggle for a boolean, a select box for choices (`choices`: a subset of the knob's, e.g.
     without the GPU-only ones), a text input for a number or a list (a bad value shows its error right below)."""
     default = knob.quick if default is None else default
+    if knob.kind == "bool" and knob.auto:  # auto / on / off: "auto" is resolved per device by the engine
+        options = knob.allowed
+        return st.selectbox(knob.label, options, index=options.index(default) if default in options else 0, key=key,
+                            help=knob.help, format_func=knob.format)
     if knob.kind == "bool":
         return st.toggle(knob.label, value=bool(default), key=key, help=knob.help)
     if knob.choices:

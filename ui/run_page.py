@@ -161,8 +161,8 @@ def bench_argv(settings: dict, models: dict, prompts: dict) -> list[str]:
     if prompts.get("prompts"):
         argv += ["--prompts", prompts["prompts"]]
     for name, value in settings.items():
-        if value is None:
-            continue
+        if value is None or (name in KNOBS and KNOBS[name].auto and value == KNOBS[name].format("auto")):
+            continue  # an auto knob left on auto: the command's own default, resolved per device
         if isinstance(value, bool):
             argv.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")
             continue

@@ -105,8 +105,8 @@ def serve_argv(settings: dict, preset: str, device: str) -> list[str]:
     argv = [PYTHON, "-m", "workbench", "serve-bench", "--preset", preset, "--device", device]
     knobs = {k.name: k for k in serve_knobs()}
     for name, value in settings.items():
-        if value is None:
-            continue
+        if value is None or (getattr(knobs.get(name), "auto", False) and value == "auto"):
+            continue  # an auto knob left on auto: serve-bench's own default, resolved per device
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             argv.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")
