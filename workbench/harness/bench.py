@@ -36,6 +36,7 @@ from workbench.engine.graphs import compile_fallback_columns, recompile_limit_hi
 from workbench.engine.kv_cache import resolve_attention
 from workbench.engine.sampling import SamplingParams
 from kernels.int4_cuda import int4_cuda_gemv_applies
+from kernels.tuning import format_tuning, parse_tuning
 from kernels.pdl import pdl_applies
 
 DTYPES = {name: getattr(torch, name) for name in settings.KNOBS["dtype"].choices}
@@ -289,9 +290,9 @@ class BenchSession:
                             cuda_graphs=cfg.cuda_graphs, graph_batch_sizes=tuple(cfg.graph_batch_sizes),
                             compile=cfg.compile, attention=cfg.attention, kv_quant=cfg.target_kv_quant,
                             overlap=cfg.overlap, prefill_graphs=cfg.prefill_graphs,
-                            compile_prefill=cfg.compile_prefill, pdl=cfg.pdl)
+                            compile_prefill=cfg.compile_prefill, pdl=cfg.pdl, kernel_tuning=cfg.kernel_tuning)
         shape = (cfg.paged, cfg.kv_block_size, ecfg.cuda_graphs, ecfg.graph_batch_sizes, ecfg.compile, ecfg.attention,
-                 ecfg.prefill_graphs, ecfg.compile_prefill, ecfg.pdl,
+                 ecfg.prefill_graphs, ecfg.compile_prefill, ecfg.pdl, parse_tuning(ecfg.kernel_tuning),
                  ecfg.kv_quant,
                  quant_key(cfg, "target"), cfg.quant_kernel, cfg.gemv_fusion)
         host_only = HOST_ONLY_KNOBS.get(cfg.method, ())
@@ -396,7 +397,7 @@ class BenchSession:
                 hf = hf_generate_tokens_per_s(self, cfg, prompt_ids)
             graphs = {"overlap_applied": cand_engine.overlaps()} if cfg.overlap else {}
             graphs["pdl_applied"] = pdl_applies(cfg.pdl, self.device, cfg.cuda_graphs)
-            graphs["int4_cuda_gemv"] = int4_cuda_gemv_applies(self.device)
+            graphs["int4_cuda_gemv"] = int4_cuda_gemv_applies(self.device, parse_tuning(cfg.kernel_tuning).int4_cuda)
             if cfg.compile != "off":  # frames past dynamo's recompile limit run eagerly (BENCHMARKS.md 16.1)
                 graphs |= compile_fallback_columns(fallbacks_before)
             graphs |= _graph_columns([e.graph_stats() for e in engines], stats_before,
@@ -517,6 +518,7 @@ class BenchSession:
         record = {
             "run_id": run_id, "study": study, "trial_id": trial_id, "status": "ok", "error": None,
             **_config_columns(cfg),
+            "kernel_tuning": format_tuning(parse_tuning(cfg.kernel_tuning)),  # resolved: every field
             "k": cfg.k if cfg.method != "ar" else 0,
             "dtype": self.dtype, "device": str(self.device), "preset": self.preset,
             "target_path": self.target_path, "draft_path": self.draft_path if cfg.method == "draft"
