@@ -6,9 +6,8 @@ its first weight loads wait a full DRAM latency, while the tail of the previous 
 (Hopper, compute capability 9.0+; CUDA's `cudaLaunchAttributeProgrammaticStreamSerialization`, Triton's
 `launch_pdl=True`) a kernel may be scheduled as soon as every program of the previous one has started, and then:
 
-    before `gdc_wait()`: only work that reads nothing the previous kernels write and writes nothing at all. Our
-                         GEMVs can prefetch the first K tiles of their weight rows into L2 here (`prefetch_l2`:
-                         weights never change during a step); measured slower, so only a sweep asks (PREFETCH_TILES).
+    before `gdc_wait()`: only work that reads nothing the previous kernels write and writes nothing at all (a
+                         prefetch of the GEMVs' first weight tiles into L2 here measured slower, so they only wait).
     `gdc_wait()`       : returns once the previous kernel has completed and its writes are visible. Every program
                          calls it, also programs with nothing to do: a kernel completes only after its own wait, so
                          completion stays transitive along the chain (kernel C may rely on A, two launches back).
@@ -136,9 +135,3 @@ if TRITON_AVAILABLE:
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
                                   is_pure=False, pack=1)
 
-    @triton.jit
-    def prefetch_l2(ptrs):
-        """Ask for the 128-byte lines at `ptrs` (a tensor of pointers, valid addresses) to be brought into L2; no
-        register receives them."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-                                  pack=1)

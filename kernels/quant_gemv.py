@@ -75,7 +75,7 @@ try:
     import triton.language as tl
     TRITON_AVAILABLE = True
     from .common import sum_splits
-    from .pdl import gdc_launch_dependents, gdc_wait, prefetch_l2
+    from .pdl import gdc_launch_dependents, gdc_wait
 except ImportError:
     TRITON_AVAILABLE = False
 
@@ -171,9 +171,6 @@ def quant_gemv_reference(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale:
 # One-row dense / fp8 calls whose 16-row tiles would give fewer than 1.5 programs per SM take 8-row tiles with 2 KB
 # of weight per row per K tile (at most half of K), 8 warps, 3 stages: more loads in flight where programs are few.
 NARROW_BELOW_PROGRAMS_PER_SM = 1.5
-# Dense / fp8 / int8 calls of 2..cuda_rows rows may take the CUDA_ROWS form (every row in one program on the CUDA cores;
-# `gemv_config(cuda_rows=...)`, a sweep's choice): slower than cuBLAS / the tensor-core tiles, so never by default.
-CUDA_ROWS_FORMATS = ("dense", "fp8", "int8")
 # Multi-row int4 calls (verify widths, prefill) in K tiles of whole groups on the tensor cores: each [BN, BK] weight
 # tile dequantized with its groups' scales and zeros, then one tl.dot per tile (faster than one group per K tile at
 # every measured width). `gemv_config(int4_rows=...)` takes another tile (a sweep) or False (one group per K tile).
@@ -199,17 +196,11 @@ def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int) -> dict | No
 
 
 def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None, sm_count: int = 132,
-                narrow: bool = True, int4_wide: dict | bool = True, cuda_rows: int = 0,
-                int4_rows: dict | bool | None = None, half2: int | None = None, **override) -> dict:
+                narrow: bool = True, int4_wide: dict | bool = True, int4_rows: dict | bool | None = None,
+                half2: int | None = None, **override) -> dict:
     """Tile sizes, split count and warps for one call, from shapes only (so a captured graph replays the same launch).
     `override` replaces any entry (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, and the kernel switches CVT_BITS,
-    F16_DOT, ELEMENTWISE, PREFETCH_TILES, LOOP_STAGES; the benchmark sweeps them). `cuda_rows` (default
-    0 = never): dense / fp8 / int8 calls of 2..cuda_rows rows take the CUDA_ROWS form, BLOCK_M the next power of
-    two of M, the one-row tile with its K tile divided by BLOCK_M.
-
-    >>> c = gemv_config("dense", 5, 2048, 8192, cuda_rows=8)  # a 5-token verify of 1.45 B's down projection
-    >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["CUDA_ROWS"], c["SPLIT_K"]
-    (8, 8, 128, True, 1)
+    F16_DOT, ELEMENTWISE; the benchmark sweeps them).
 
     Grouped formats (int4, int8g): BLOCK_K divides g (a K tile inside one group: a sum per tile, scaled once), or, one
     row at a time (BLOCK_M = 1), is a multiple of g (a K tile of whole groups: each weight times its group's scale,
@@ -258,8 +249,7 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     >>> (c[0]["BLOCK_N"], c[0]["BLOCK_K"]), (c[1]["BLOCK_N"], c[1]["BLOCK_K"])
     ((8, 1024), (16, 1024))
     """
-    rows_form = fmt in CUDA_ROWS_FORMATS and 1 < m <= cuda_rows
-    block_m = 1 if m == 1 or rows_form else 16  # the CUDA_ROWS form starts from the one-row tile
+    block_m = 1 if m == 1 else 16
     warps, stages, min_tiles = 4, 3, 0
     wide = int4_wide
     if wide is True:
@@ -286,7 +276,7 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
         block_n, block_k = 64, 128
     rows_wide = INT4_WIDE_ROWS_TILE if int4_rows is None else int4_rows
     wide_rows = False  # int4, M > 1: K tiles of whole groups on the tensor cores (INT4_WIDE_ROWS_TILE)
-    if block_m > 1 and fmt == "int4" and rows_wide and group_size and not rows_form:
+    if block_m > 1 and fmt == "int4" and rows_wide and group_size:
         rk = min(rows_wide.get("BLOCK_K", 256), max(16, 1 << (k - 1).bit_length()))
         if rk % group_size == 0:
             wide_rows = True
@@ -295,16 +285,11 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     if fmt in GROUPED and not (fmt == "int4" and wide and block_m == 1) and not wide_rows:
         block_k = min(block_k, group_size)
     block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))  # no K tile past the next power of two of K
-    if rows_form:  # every row in one program: the K tile cut by the rows, so the [BM, BN, BK] sums fit the registers
-        block_m = 1 << (m - 1).bit_length()
-        block_k = max(16, block_k // block_m)
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     if fmt == "int4" and block_m == 1 and wide:  # packed fp16 words: `half2` when given, else the tile's own (a
         # tile given in `override` without a HALF2 entry: fp32 words)
         own = 0 if "BLOCK_N" in override or "BLOCK_K" in override else wide.get("HALF2", 0)
         cfg["HALF2"] = half2 if half2 is not None else own
-    if rows_form:
-        cfg["CUDA_ROWS"] = True
     if wide_rows:  # the ELEMENTWISE weights, multiplied on the tensor cores
         cfg.update(ELEMENTWISE=True, WIDE_ROWS=True)
     cfg.update({key: v for key, v in override.items() if key != "SPLIT_K"})
@@ -342,7 +327,7 @@ def _check_group_tile(fmt: str, cfg: dict, group_size: int) -> None:
 # scripts/gpu_quant.py --m1-tiles reads them), empty by default.
 M1_TILES: dict[tuple[str, int, int], dict] = {}
 M1_TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "CVT_BITS", "ELEMENTWISE",
-                "HALF2", "LOOP_STAGES")
+                "HALF2")
 
 
 def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
@@ -575,18 +560,13 @@ if TRITON_AVAILABLE:
             FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
             NORM: tl.constexpr, F16_DOT: tl.constexpr, X_SCALE: tl.constexpr, CVT_BITS: tl.constexpr,
-            PDL: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STEP: tl.constexpr = 64,
+            PDL: tl.constexpr = False,
             TILE_GROUPS: tl.constexpr = 0,  # int4 / int8g one-row: 0 = the group-tiled form; n >= 1 = dequantized
             # per weight, the K tile as n groups (or one group's slice) of BLOCK_K // n weights, reduced after the loop
-            CUDA_ROWS: tl.constexpr = False,  # int8 / fp8 / dense, BLOCK_M > 1: every row on the CUDA cores, each
-            # weight tile read once for all of them ([BM, BN, BK] sums, reduced after the loop) instead of tl.dot
             HALF2: tl.constexpr = 0,  # int4 one-row words (TILE_GROUPS, CVT_BITS): two weights per instruction in
             # packed fp16 (_int4_half2_word_dot); x scaled by a power of two into fp16's range, 1: per K tile (a
             # max across the program) and zeros per group, 2: per word (the 8 x's of each word, in its threads)
-            HALF2_EMULATE: tl.constexpr = False,  # HALF2 in Triton ops instead of PTX (the interpreter runs no PTX)
-            LOOP_STAGES: tl.constexpr = None):  # the K loop software-pipelined into this many stages (tl.range):
-            # the next tiles' weight loads in flight (async copies) while this tile computes (measured slower on the
-            # H200: a sweep's entry only); None: not pipelined (num_stages pipelines only loads feeding tl.dot)
+            HALF2_EMULATE: tl.constexpr = False):  # HALF2 in Triton ops instead of PTX (the interpreter runs no PTX)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -597,20 +577,12 @@ if TRITON_AVAILABLE:
         k_tiles = tl.cdiv(K, BLOCK_K)
         kt_start = pid_k * tiles_per_split
         kt_end = tl.minimum(kt_start + tiles_per_split, k_tiles)
-        if PDL:  # dependent launch (kernels/pdl.py): weights into L2 while the previous kernel drains, then wait
-            if PF_LINES > 0:  # PF_LINES lines of PF_STEP weight elements per row, from this program's first K tile
-                w_row = K // 2 if FMT == 1 else K  # weight elements per row (int4: two values a byte)
-                w_tile = BLOCK_K // 2 if FMT == 1 else BLOCK_K
-                pf_cols = tl.minimum(kt_start * w_tile + tl.arange(0, PF_LINES) * PF_STEP, w_row - 1)  # [PF]
-                pf_rows = tl.minimum(offs_n, N - 1)  # [BN]: clamped, so every address is inside the weight
-                prefetch_l2(w_ptr + pf_rows[:, None].to(tl.int64) * sw_n + pf_cols[None, :])
+        if PDL:  # dependent launch (kernels/pdl.py): wait for the previous kernel before any load
             gdc_wait()  # nothing above reads what an earlier kernel writes, nothing above writes
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: x^2 per row and lane, summed after the loop
-        if FMT != 1 and FMT != 4 and CUDA_ROWS:
-            acc2 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # every row: reduced after the loop
-        elif FMT != 1 and FMT != 4 and BLOCK_M == 1:
+        if FMT != 1 and FMT != 4 and BLOCK_M == 1:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
         if TILE_GROUPS > 0 and FMT == 1 and CVT_BITS:  # [BN, groups of the tile, 32-bit words of a group in the tile]
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8], dtype=tl.float32)
@@ -619,7 +591,7 @@ if TRITON_AVAILABLE:
         elif TILE_GROUPS > 0 and BLOCK_M == 1:  # [BN, groups of the tile, weights of a group in the tile]: reduced
             # after the loop (M > 1: the dequantized tile goes to tl.dot, into acc)
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS], dtype=tl.float32)
-        for kt in tl.range(kt_start, kt_end, num_stages=LOOP_STAGES):
+        for kt in range(kt_start, kt_end):
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
             x_mask = mask_m[:, None] & (offs_k < K)[None, :]
             if GLU:  # SwiGLU prologue: x = silu(gate) * up from [gate | up], in fp32, rounded once to x's dtype
@@ -729,17 +701,14 @@ if TRITON_AVAILABLE:
             else:  # int8 / fp8 / dense: raw values, the channel scale (not dense) after the loop
                 w = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :],
                             mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)  # [BN, BK]
-                if BLOCK_M == 1 or CUDA_ROWS:
+                if BLOCK_M == 1:
                     if CVT_BITS and FMT == 2:
                         wf = _fp8_to_f32_scaled(w)
                     elif CVT_BITS and FMT == 0:
                         wf = _int8_to_f32(w)
                     else:
                         wf = w.to(tl.float32)
-                    if CUDA_ROWS:  # [1, BN, BK] x [BM, 1, BK]: the tile read once, multiplied with every row
-                        acc2 += wf[None, :, :] * x.to(tl.float32)[:, None, :]
-                    else:
-                        acc2 += wf * x.to(tl.float32)
+                    acc2 += wf * x.to(tl.float32)
                 elif F16_DOT:  # int8 / fp8 with 16-bit x: both operands fp16 (one conversion per weight, exact),
                     # x scaled by X_SCALE (a power of two, undone after the loop) so bf16 activations fit fp16's range
                     xh = (x.to(tl.float32) * X_SCALE).to(tl.float16)
@@ -757,11 +726,11 @@ if TRITON_AVAILABLE:
             if FMT == 1 and CVT_BITS and HALF2 == 1:
                 acc += tl.sum(accz, axis=1)[None, :]
         if FMT != 1 and FMT != 4:
-            if BLOCK_M == 1 or CUDA_ROWS:
-                acc = tl.sum(acc2, axis=2) if CUDA_ROWS else tl.sum(acc2, axis=1)[None, :]
+            if BLOCK_M == 1:
+                acc = tl.sum(acc2, axis=1)[None, :]
                 if CVT_BITS and FMT == 2:
                     acc = acc * 1.329227995784916e+36  # 2^120 (FP8_UNBIAS), exact
-            if F16_DOT and BLOCK_M > 1 and not CUDA_ROWS:
+            if F16_DOT and BLOCK_M > 1:
                 acc = acc * (1.0 / X_SCALE)
             if FMT != 3:
                 acc = acc * tl.load(s_ptr + offs_n * ss_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -909,14 +878,8 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         else partials
     f16_dot = cfg.get("F16_DOT", fmt in F16_DOT_FORMATS) and x.dtype != torch.float32 and fmt in ("int8", "fp8")
     pdl = {}
-    if use_pdl(x.device):  # kernels/pdl.py; a sweep's PREFETCH_TILES weight tiles per program into L2 first
-        w_tile = cfg["BLOCK_K"] // 2 if fmt == "int4" else cfg["BLOCK_K"]
-        step = 128 // weight.element_size()  # weight elements per 128-byte line
-        lines = math.ceil(min(cfg.get("PREFETCH_TILES", 0), cfg["tiles_per_split"]) * w_tile / step)
-        pdl = dict(PDL=True, PF_LINES=triton.next_power_of_2(lines) if lines else 0, PF_STEP=step, launch_pdl=True)
-    loop_stages = cfg.get("LOOP_STAGES") if cfg["BLOCK_M"] == 1 else None
-    extra = dict(pdl, LOOP_STAGES=int(loop_stages)) if loop_stages else pdl  # passed only when set: the kernel's
-    # default (None) leaves the loop as it was
+    if use_pdl(x.device):  # kernels/pdl.py
+        pdl = dict(PDL=True, launch_pdl=True)
     _gemv_kernel[grid](
         x, weight, scale2, zero2, out, partials, counters, res, nw, sq,
         m, n, k, cfg["tiles_per_split"], float(eps),
@@ -928,8 +891,7 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         NORM=norm, F16_DOT=f16_dot, X_SCALE=X_SCALE_BF16 if x.dtype == torch.bfloat16 else 1.0,
         CVT_BITS=cvt_bits, TILE_GROUPS=tile_groups, HALF2=half2,
         HALF2_EMULATE=bool(half2) and os.environ.get("TRITON_INTERPRET", "0") == "1",  # interpreter: emulated
-        CUDA_ROWS=bool(cfg.get("CUDA_ROWS", False)) and cfg["BLOCK_M"] > 1,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     return out
 
 

@@ -233,20 +233,12 @@ def part_speed(args, device) -> list[dict]:
                 triton_int4 = kernel == "triton" and fmt == "int4"
                 for m in map(int, args.ms.split(",")):
                     # variants as (kernel suffix, KernelTuning or None, gemv_config overrides), each passed per call:
-                    # --cuda-rows N: triton calls of 2..N rows once more in the CUDA-rows form (cuda_rows=N);
                     # --half2-compare: one-row int4 triton calls with packed fp16 words 0 / 1 / 2 (int4_half2);
-                    # --loop-stages-compare N: one-row triton calls with the K loop pipelined N deep (LOOP_STAGES);
                     # --int4-wide-rows-compare: int4 triton calls of M > 1 once more in one group per K tile
                     # (int4_rows False; the default K tiles of whole groups get the suffix "+i4r")
                     variants = [("+i4r" if triton_int4 and m > 1 else "", None, {})]
-                    if kernel == "triton" and 1 < m <= args.cuda_rows:
-                        variants.append(("+rows", None, dict(cuda_rows=args.cuda_rows)))
                     if triton_int4 and m == 1 and args.half2_compare:
                         variants = [(f"+h2={h}", dataclasses.replace(args.tuning, int4_half2=h), {}) for h in (0, 1, 2)]
-                    if kernel == "triton" and m == 1 and args.loop_stages_compare:
-                        variants += [(f"{suffix}+ls{args.loop_stages_compare}", t,
-                                      {**over, "LOOP_STAGES": args.loop_stages_compare})
-                                     for suffix, t, over in variants]
                     if triton_int4 and m > 1 and args.int4_wide_rows_compare:
                         variants.append(("", None, dict(int4_rows=False)))
                     for suffix, tuning, over in variants:
@@ -263,7 +255,7 @@ def part_speed(args, device) -> list[dict]:
                             if kernel == "triton":
                                 cfg = gemv_config(fmt, m, n, k, args.int4_group_size, **over)
                                 row["config_used"] = f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} BK{cfg['BLOCK_K']} " \
-                                    f"split{cfg['SPLIT_K']}" + (" rows" if cfg.get("CUDA_ROWS") else "")
+                                    f"split{cfg['SPLIT_K']}"
                         except Exception as e:  # noqa: BLE001
                             row["error"] = f"{type(e).__name__}: {e}"[:300]
                         rows.append(row)
@@ -347,9 +339,6 @@ def part_tune(args, device) -> list[dict]:
             cvts = [{"CVT_BITS": bool(v)} for v in ints(args.tune_cvt_bits)] or [{}]  # [{}]: the format's default
             if fmt == "int4" and ints(args.tune_half2):  # packed fp16 words (HALF2) as one more dimension
                 cvts = [{**c, "HALF2": h} for c in cvts for h in ints(args.tune_half2)]
-            if ints(args.tune_loop_stages):  # the K loop pipelined (LOOP_STAGES; 0 = not) as one more dimension
-                cvts = [{**c, **({"LOOP_STAGES": st} if st else {})} for c in cvts
-                        for st in ints(args.tune_loop_stages)]
             for block_n in ints(args.tune_block_n) or (16, 32, 64):
                 for block_k in block_ks:
                     for warps in ints(args.tune_warps) or (4, 8):
@@ -387,7 +376,7 @@ def part_tune(args, device) -> list[dict]:
                 if best.get("tile") != "auto":  # a measured tile for gpu_quant.py --m1-tiles ("+tc" rows)
                     best_tiles[f"{fmt},{n},{k}"] = {key: best[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps",
                                                                                "num_stages", "SPLIT_K", "CVT_BITS",
-                                                                               "HALF2", "LOOP_STAGES")
+                                                                               "HALF2")
                                                     if key in best}
                 print(json.dumps(best), flush=True)
     _write_tiles(args, best_tiles, "gemv_tune_tiles.json")
@@ -795,13 +784,13 @@ MODEL_FUSION = {"qkv_proj": "norm", "gate_up_proj": "norm", "o_proj": "residual"
 def part_cuda(args, device) -> list[dict]:
     """One-row int4 in CUDA C++ (kernels/int4_cuda.py) on the --sweep-configs shapes: bf16 F.linear, tinygemm
     ("aten"), our Triton GEMV ("triton", its default tile, through the module as the model calls it, with
-    KernelTuning.int4_cuda off for it, so the Triton kernel itself is timed) and each int4_cuda tile of the --cuda-rows
-    x --cuda-unroll x --cuda-warps x --cuda-wps x --cuda-pipe x --cuda-minb grid (or --cuda-tiles), with and without PDL
-    (--cuda-pdl; with --cuda-model-fusion the Triton and CUDA rows take each linear's fusion as the model calls it),
-    each with max |error| / max |reference| and its speedup over the GEMV and bf16; the fastest parity-clean tile per
-    shape is marked. Then each fusion (RMSNorm prologue, SwiGLU prologue, residual epilogue) against
-    quant_gemv_reference with the same fusion, timed with the shape's best tile beside the plain call and the Triton
-    GEMV with that fusion; and one "layer" row per kernel summing its best."""
+    KernelTuning.int4_cuda off for it, so the Triton kernel itself is timed) and each int4_cuda tile of the
+    --cuda-rows-per-warp x --cuda-unroll x --cuda-warps x --cuda-wps x --cuda-pipe x --cuda-minb grid (or --cuda-tiles),
+    with and without PDL (--cuda-pdl; with --cuda-model-fusion the Triton and CUDA rows take each linear's fusion as the
+    model calls it), each with max |error| / max |reference| and its speedup over the GEMV and bf16; the fastest
+    parity-clean tile per shape is marked. Then each fusion (RMSNorm prologue, SwiGLU prologue, residual epilogue)
+    against quant_gemv_reference with the same fusion, timed with the shape's best tile beside the plain call and the
+    Triton GEMV with that fusion; and one "layer" row per kernel summing its best."""
     from kernels.int4_cuda import cuda_problem, int4_cuda_gemv, parse_tile, tile_label
 
     rows, problem = [], kernel_ok(device) or cuda_problem(device)
@@ -930,8 +919,6 @@ def main() -> None:
                     "own; int4 reads it in K tiles of whole groups only)")
     ap.add_argument("--tune-half2", default="", help="tune part: int4's HALF2 values (packed fp16 words), e.g. 0,1,2 "
                     "(default: the rule's)")
-    ap.add_argument("--tune-loop-stages", default="", help="tune part: LOOP_STAGES values (the K loop software-"
-                    "pipelined; 0 = not), e.g. 0,3")
     ap.add_argument("--tune-splits", default="", help="tune part: SPLIT_K values (default 1 and gemv_config's)")
     ap.add_argument("--decode-extra", default="", help="more gpu_quant formats to decode beside none and the triton "
                     "ones, comma-separated (e.g. int4 = tinygemm, fp8 = _scaled_mm; BENCHMARKS 8.4 has them)")
@@ -941,12 +928,8 @@ def main() -> None:
     ap.add_argument("--int4-group-size", type=int, default=128)
     ap.add_argument("--kernel-tuning", default="", help="the KernelTuning every module runs with, field=value,... "
                     "(kernels/tuning.py, e.g. int4_half2=1 or int4_cuda=0; empty: the defaults)")
-    ap.add_argument("--cuda-rows", type=int, default=0, help="speed part: also time the triton calls of 2..N rows in "
-                    "the CUDA-rows form (gemv_config cuda_rows=N per call; dense linears take cuBLAS above one row)")
     ap.add_argument("--half2-compare", action="store_true", help="speed part: one-row int4 triton calls timed "
                     "with int4_half2 0, 1 and 2 (kernels 'triton+h2=0', 'triton+h2=1', 'triton+h2=2')")
-    ap.add_argument("--loop-stages-compare", type=int, default=0, help="speed part: one-row triton calls timed "
-                    "once more with LOOP_STAGES = N (kernel suffix '+lsN')")
     ap.add_argument("--rows-ms", default="5", help="rows part: activation rows M (verify widths)")
     ap.add_argument("--prefill-ms", default="64,512", help="prefill part: activation rows M (prompt tokens)")
     ap.add_argument("--read-blocks", default="256,512,1024,2048", help="read part: stream_read block (words)")
