@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from . import int4_cuda, int4_mma
 from .common import sm_count as _sm_count
 from .pdl import use_pdl
-from .tuning import KernelTuning, as_tuning, format_tuning
+from .tuning import KernelTuning, as_tuning
 
 try:
     import triton
@@ -790,12 +790,12 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
     check_gemv(fmt, x, weight, scale, zero, group_size, glu, residual, norm_weight, glu_out)
     if counters is None:
         counters = counters_for(weight.shape[0], x.device)
-    tuning = as_tuning(tuning)
     if override:
         return _launch(x, fmt, weight, scale, zero, group_size, counters, glu, residual, norm_weight, eps, glu_out,
-                       norm_unit, tuning, **override)
+                       norm_unit, as_tuning(tuning), **override)
+    text = tuning.text if isinstance(tuning, KernelTuning) else tuning or ""  # (traceable: no parsing here)
     return torch.ops.workbench.quant_gemv(x, fmt, weight, scale, zero, group_size or 0, counters, glu, residual,
-                                          norm_weight, eps, glu_out, norm_unit, format_tuning(tuning))
+                                          norm_weight, eps, glu_out, norm_unit, text)
 
 
 # `counters` is not declared mutated: the split-K programs bump it and the last one resets it, so it holds zeros

@@ -57,9 +57,10 @@ class KernelTuning:
                 or self.int4_prefill_gemm_rows < 0:
             raise KernelTuningError(f"int4_prefill_gemm_rows={self.int4_prefill_gemm_rows!r}: give a whole number "
                                     "of rows >= 0 (0 = never)")
+        # the text form, kept: a compiled caller hands it to the custom op without running Python's dataclass machinery
+        object.__setattr__(self, "text", record_text(self))
 
 
-DEFAULT = KernelTuning()
 FIELDS = tuple(f.name for f in dataclasses.fields(KernelTuning))
 
 
@@ -125,3 +126,6 @@ def parse_tuning(text: str | None) -> KernelTuning:
 def as_tuning(tuning: KernelTuning | str | None) -> KernelTuning:
     """A record as given, or parsed from its text (None / "": the defaults)."""
     return tuning if isinstance(tuning, KernelTuning) else parse_tuning(tuning or "")
+
+
+DEFAULT = KernelTuning()

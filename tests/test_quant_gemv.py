@@ -690,8 +690,9 @@ def test_the_custom_op_has_a_fake_that_gives_the_output_shape():
 @interpreter
 @pytest.mark.parametrize("fmt", qg.GEMV_FORMATS)
 def test_a_compiled_caller_traces_through_the_op_without_a_graph_break(fmt, interpreter_bf16_dot):
-    """fullgraph=True fails on any graph break: the Triton launch must sit behind the custom op, and the compiled
-    function must compute what the eager one does (norm + linear + residual around the op, as in a decoder layer)."""
+    """fullgraph=True fails on any graph break: the Triton launch must sit behind the custom op (the KernelTuning
+    record passed as the linears pass theirs), and the compiled function must compute what the eager one does (norm +
+    linear + residual around the op, as in a decoder layer)."""
     import torch._dynamo
 
     dtype = torch.bfloat16 if fmt == "dense" else torch.float32  # dense takes bf16 / fp16 only
@@ -701,8 +702,9 @@ def test_a_compiled_caller_traces_through_the_op_without_a_graph_break(fmt, inte
 
     def layer(x):
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return quant_gemv_triton(h, fmt, **buffers, counters=counters) @ proj + x
+        return quant_gemv_triton(h, fmt, **buffers, counters=counters, tuning=tuning) @ proj + x
 
+    tuning = KernelTuning(int4_half2=0)
     x = torch.randn(2, 320, generator=torch.Generator().manual_seed(1)).to(dtype)
     torch._dynamo.reset()
     with torch.no_grad():  # inference, as the engine runs it
