@@ -1,6 +1,6 @@
 """Optional fast paths (Triton / CUDA), each beside the PyTorch reference it must match.
 
-The engine's eager PyTorch path is the reference, and BENCHMARKS.md shows where time goes (host/launch overhead, not
+The engine's eager PyTorch path is the reference, and the measurements show where time goes (host/launch overhead, not
 arithmetic), so CUDA graphs come before custom kernels. A kernel added here must ship with a test comparing it to its
 reference on fresh random inputs (GPU-only tests skip on CPU CI) and a benchmark row.
 
@@ -13,14 +13,13 @@ Kernels:
 - `quant_gemv.py`: weight-only int8 / int4 (group-wise) / fp8 GEMV for decode-sized calls (M <= 16), split-K with
   an in-kernel reduction, capture-safe. `quant_gemv_triton` beside `quant_gemv_reference` (dequantize, fp32
   matmul); the quant linears use it with kernel "triton" (knob `quant_kernel`). Tests: tests/test_quant_gemv.py
-  (the Triton half under TRITON_INTERPRET=1); GPU parity, speed and decode: scripts/gpu_gemv.py
-  (BENCHMARKS.md sections 9-24).
+  (the Triton half under TRITON_INTERPRET=1); GPU parity, speed and decode: scripts/gpu_gemv.py.
 - `int4_dequant.py`: the int4 "dequant" packing dequantized in one pass for prefill-sized calls (kernel "triton"
   past GEMV_MAX_ROWS), `int4_dequant_triton` beside `int4_dequant_reference` (the six PyTorch ops it replaces, bit for
-  bit). The default since call q2 timed it 3.1-5.3x faster per 6.7 B linear (`linears.INT4_PREFILL_DEQUANT`).
+  bit), measured 3.1-5.3x faster per 6.7 B linear.
   Tests: tests/test_quant_gemv.py.
 - `stream_read.py`: a read-only floor for one launch (a buffer's words streamed and xor-folded per program), what
   scripts/gpu_gemv.py --parts read times each linear's GEMV against. Tests: tests/test_stream_read.py.
 - `pdl.py`: programmatic dependent launch (Hopper+) for the kernels above: `gdc_wait` / `gdc_launch_dependents` in
-  the kernels, `use_pdl(device)` at their launches, switched per engine call by the `pdl` knob (BENCHMARKS.md 14).
+  the kernels, `use_pdl(device)` at their launches, switched per engine call by the `pdl` knob.
 """

@@ -1,7 +1,7 @@
 """One-row int4 GEMV in CUDA C++ (kernels/int4_gemv.cu), compiled by nvcc on first use and launched through the driver.
 
 Why it exists beside the Triton GEMV (kernels/quant_gemv.py): at batch 1 a 6.7 B int4 layer's four GEMVs took 52.6 µs
-on the H200, against 31.5 µs for a kernel that only streams the same bytes (BENCHMARKS.md 24.4). Twenty sessions of
+on the H200, against 31.5 µs for a kernel that only streams the same bytes. Many rounds of
 tiles, splits, packed-fp16 words and loop pipelining in Triton left the Triton loop at 4.25 SASS instructions per
 weight and 60 % of that read floor. Written by hand the same arithmetic is about 1.9 instructions per weight
 (int4_gemv.cu's header: lop3 into fp16 mantissas, two weights per packed instruction), every load of a step is issued
@@ -22,8 +22,8 @@ uses it). A captured CUDA graph records the launch like any other; torch.compile
 leaves that device in the Triton GEMV.
 
 Where it runs: `int4_cuda_takes` (one row, 16-bit x, scales and zeros in x's dtype, a power-of-two group of 32+,
-16-byte aligned buffers) and `cuda_problem` (a CUDA device of compute capability 8.0+ and nvcc). On by default since
-call n6 (quant_gemv.INT4_CUDA; env WORKBENCH_INT4_CUDA=0 off; BENCHMARKS.md 26). The Triton interpreter cannot run
+16-byte aligned buffers) and `cuda_problem` (a CUDA device of compute capability 8.0+ and nvcc). On by default
+(KernelTuning.int4_cuda; 0 keeps the calls in Triton). The Triton interpreter cannot run
 it: on CPU, `int4_cuda_emulate` computes the same arithmetic (per-chunk power-of-two scales, fp16 pairs, fp16 sums of
 WORDS_PER_SUM words) in PyTorch, which tests/test_int4_cuda.py holds against quant_gemv_reference; the tests also
 compile every swept variant with nvcc (where nvcc exists; ptxas may spill at most 32 bytes) and check the launch's
@@ -50,12 +50,9 @@ TILE_KEYS = tuple(DEFAULT_TILE)
 F_GLU, F_NORM, F_RESIDUAL, F_GLU_OUT, F_NORM_UNIT = 1, 2, 4, 8, 16  # int4_gemv.cu's flags
 
 
-MEASURED_TILES: dict[tuple[int, int], dict] = {}  # (N, K) -> a swept tile that replaces the rule's for that shape
-
-
 def load_measured_tiles(path: str | Path) -> dict[tuple[int, int], dict]:
-    """The fastest parity-clean tile per shape from a gpu_gemv.py --parts cuda JSON ("best" rows), as MEASURED_TILES
-    takes them."""
+    """The fastest parity-clean tile per shape from a gpu_gemv.py --parts cuda JSON ("best" rows), {(N, K): tile}, as
+    `int4_cuda_tile(measured=...)` takes them."""
     import json
     rows = json.loads(Path(path).read_text())["rows"]
     return {(r["N"], r["K"]): parse_tile(r["tile"]) for r in rows
@@ -81,13 +78,13 @@ def parse_tile(text: str) -> dict:
                 PIPE=pipe, MINB=int(parts.get("b", 0)), PERSIST=int(parts.get("g", 0)))
 
 
-def int4_cuda_tile(n: int, k: int) -> dict:
-    """MEASURED_TILES' tile for the shape when it has one, else a rule from call n3's sweep (BENCHMARKS.md 26; the
-    6.7 B shapes on one H200): the widest outputs (gate/up, N >= 16384) 4 rows a warp, 2 chunks a lane per row,
-    pipelined, 4 warps; q/k/v (N >= 8192) 8 rows, 1 chunk, 4 warps; the rest (o, down) 2 rows, 2 chunks, pipelined,
-    8 warps."""
-    if (n, k) in MEASURED_TILES:
-        return dict(DEFAULT_TILE, **MEASURED_TILES[(n, k)])
+def int4_cuda_tile(n: int, k: int, measured: dict[tuple[int, int], dict] | None = None) -> dict:
+    """`measured`'s tile for the shape (a sweep's table, `load_measured_tiles`) when it has one, else the rule from a
+    tile sweep of the 6.7 B shapes on one H200: the widest outputs (gate/up, N >= 16384) 4 rows a warp, 2 chunks a lane
+    per row, pipelined, 4 warps; q/k/v (N >= 8192) 8 rows, 1 chunk, 4 warps; the rest (o, down) 2 rows, 2 chunks,
+    pipelined, 8 warps."""
+    if measured and (n, k) in measured:
+        return dict(DEFAULT_TILE, **measured[(n, k)])
     if n >= 16384:
         return dict(DEFAULT_TILE, ROWS=4, UNROLL=2, WARPS=4, PIPE=1)
     if n >= 8192:
@@ -152,11 +149,10 @@ def mark_failed(device: torch.device | str, error: Exception) -> None:
     _BUILD_FAILED[device] = f"its build failed: {str(error)[:500]}"
 
 
-def int4_cuda_gemv_applies(device: torch.device | str) -> bool:
-    """Whether one-row int4 calls of the Triton quant kernel go to this kernel on `device` (quant_gemv.INT4_CUDA on,
-    a CUDA GPU of 8.0+, nvcc): the run record's `int4_cuda_gemv`."""
-    from . import quant_gemv
-    return bool(quant_gemv.INT4_CUDA) and device_problem(device) is None
+def int4_cuda_gemv_applies(device: torch.device | str, on: bool = True) -> bool:
+    """Whether one-row int4 calls of the Triton quant kernel go to this kernel on `device` (`on`: the run's
+    KernelTuning.int4_cuda; a CUDA GPU of 8.0+, nvcc): the run record's `int4_cuda_gemv`."""
+    return bool(on) and device_problem(device) is None
 
 
 def int4_cuda_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

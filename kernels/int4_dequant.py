@@ -3,15 +3,15 @@
 An `Int4Linear` with kernel "triton" keeps the "dequant" packing (uint8 [N, K/2], byte j of a row: weight 2j in the
 high nibble, 2j + 1 in the low one; scale and zero [N, K/g] in the model dtype). Calls of more than GEMV_MAX_ROWS rows
 dequantize it and run one matmul. In PyTorch ops that is six kernels per linear (stack, two shifts/ands, a cast, the
-subtract, multiply and add), each reading and writing the whole weight in the model dtype: the eighteenth session's
-profile of a 6.7 B int4 model (BENCHMARKS.md 23.5) put them at about 71 ms of GPU time per 64-token prompt, against a
+subtract, multiply and add), each reading and writing the whole weight in the model dtype: a
+profile of a 6.7 B int4 model put them at about 71 ms of GPU time per 64-token prompt, against a
 decode token of 2.2 ms. `int4_dequant_triton` does it in one kernel: the packed bytes read once, the model-dtype
 weight written once.
 
 It computes exactly what `int4_dequant_reference` (the PyTorch ops) computes: (q - 8) * scale, rounded to the model
 dtype, + zero, rounded again (PyTorch's reduced-precision elementwise ops compute in fp32 and round each result).
-Tests: tests/test_quant_gemv.py, bit for bit under the Triton interpreter. The default since call q2 timed it 3.1-5.3x
-faster per 6.7 B linear than the PyTorch ops (BENCHMARKS.md 24.3; `linears.INT4_PREFILL_DEQUANT`).
+Tests: tests/test_quant_gemv.py, bit for bit under the Triton interpreter. Measured 3.1-5.3x
+faster per 6.7 B linear than the PyTorch ops, so kernel "triton" always takes it.
 """
 from __future__ import annotations
 
@@ -77,8 +77,8 @@ def _int4_dequant_op(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
                          f"zero be [N, K / g] = [{n}, {2 * kb // max(group_size, 1)}] (got {tuple(scale.shape)}, "
                          f"{tuple(zero.shape)})")
     if not TRITON_AVAILABLE:
-        raise RuntimeError("int4_dequant_triton needs the triton package (a CUDA build of torch ships it): set "
-                           "WORKBENCH_INT4_PREFILL_DEQUANT=torch")
+        raise RuntimeError("int4_dequant_triton needs the triton package (a CUDA build of torch ships it): install "
+                           "it, or choose quant_kernel dequant (int4_dequant_reference, the same weight)")
     weight, scale, zero = weight.contiguous(), scale.contiguous(), zero.contiguous()
     out = torch.empty(n, 2 * kb, dtype=scale.dtype, device=weight.device)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(kb, BLOCK_B))

@@ -8,9 +8,9 @@ the CUDA cores spend about two instructions on dequantization (3-3.8 in all in t
 is computed transposed, out^T = W x^T, so the dequantized weight tile is the MMA's A operand, which may live in
 registers, and x^T (padded to 16 columns, M of them real) the B operand in shared memory.
 
-Measured on the H200 (BENCHMARKS.md 25): at 2-16 rows a 6.7 B layer takes 75-77 us, against 110 us for the CUDA-core
-GEMV's multi-row form and 101-238 us for tinygemm, so kernels/quant_gemv.py hands it those calls (INT4_MMA_ROWS). At
-one row it is slower than the CUDA-core GEMV (74 against 53 us), for reasons not yet found; decode stays there.
+Measured on the H200: at 2-16 rows a 6.7 B layer takes 75-77 us, against 110 us for the CUDA-core GEMV's multi-row form
+and 101-238 us for tinygemm, so kernels/quant_gemv.py hands it those calls (KernelTuning.int4_mma_rows). At one row it
+is slower than the CUDA-core GEMV (74 against 53 us), for reasons not yet found; decode stays there.
 
 Weights: Int4Linear's "dequant" packing, [N, K / 2] bytes (byte j: k = 2j in the high nibble, 2j + 1 in the low),
 read as int16 [N, K / 4]: element j holds k = 4j + 1 at bits 0-3, 4j at 4-7, 4j + 3 at 8-11, 4j + 2 at 12-15. A K tile
@@ -18,9 +18,10 @@ is one group of g weights: four MMAs of K = g / 4, one per nibble position, each
 pair of weights (two int16 lanes of a register, the MMA's k, k + 1) the dequantization is one shift (positions 1-3),
 one lop3 that puts the nibble q under the exponent of 128 (bf16: exactly 128 + q; fp16: 1024 + q), one packed
 subtraction to q - 8 (exact) and one packed multiply-add with the group's scale and zero: the weight (q - 8) s + z
-rounded once to x's dtype, as INT4_WIDE_ROWS rounds it (kernels/quant_gemv.py); products and sums in fp32 on the
-tensor cores. Triton keeps the loaded int16 tile in the MMA operand layout (the load goes to shared memory by async
-copy, and from there into the operand's registers), and the dequantization is an elementwise inline-asm op on it.
+rounded once to x's dtype, as the GEMV's multi-row tiles of whole groups round it (kernels/quant_gemv.py); products and
+sums in fp32 on the tensor cores. Triton keeps the loaded int16 tile in the MMA operand layout (the load goes to shared
+memory by async copy, and from there into the operand's registers), and the dequantization is an elementwise inline-asm
+op on it.
 
 Split K: programs over ranges of groups write fp32 partials; the last to arrive at a tile adds them up in order (as
 kernels/quant_gemv.py does), so the result does not depend on arrival order.
@@ -34,25 +35,20 @@ import os
 
 import torch
 
-from .quant_gemv import _sm_count
+from .common import sm_count as _sm_count
 
 try:
     import triton
     import triton.language as tl
 
     from .pdl import gdc_launch_dependents, gdc_wait
-    from .quant_gemv import sum_splits
+    from .common import sum_splits
     TRITON_AVAILABLE = True
 except ImportError:  # pragma: no cover - CPU machines without triton
     TRITON_AVAILABLE = False
 
 MAX_ROWS = 16  # the B operand's columns: calls of 1..16 rows
 MAX_SPLIT_K = 16
-# Each group's activations, scales and zeros loaded one iteration ahead, into registers (the weights are pipelined by
-# Triton: they feed the MMA through shared memory; these pass through reshapes first, so each iteration waits for
-# them). Timed in call m3 (BENCHMARKS.md 25.3, `gpu_gemv.py --parts mma --mma-prefetch 0,1`): -4 % to +3 % per 6.7 B
-# linear, about 1 % in the best single tile, so off.
-PREFETCH = False
 
 
 class Int4MmaError(ValueError):
@@ -63,7 +59,7 @@ def int4_mma_config(m: int, n: int, k: int, group_size: int, sm_count: int = 132
     """Tile and split for one call: BLOCK_N rows of W per program (the MMA's M: 64 per warpgroup), one group per K
     step, K split until the programs give each SM about `programs_per_sm`. The defaults, 64 rows, 4 warps, 3 stages,
     4 programs per SM, were the best single tile over the 6.7 B linears at 1, 5 and 16 rows and the 1.45 B ones at 1
-    in call m1 (BENCHMARKS.md 25.1: within 2.2 % of each linear's own best tile summed over a layer).
+    (within 2.2 % of each linear's own best tile summed over a layer).
 
     >>> c = int4_mma_config(5, 4096, 4096, 128)  # 6.7 B's o_proj: 64 tiles, 32 groups
     >>> c["BLOCK_N"], c["SPLIT_K"], c["groups_per_split"], c["num_warps"]
@@ -76,13 +72,12 @@ def int4_mma_config(m: int, n: int, k: int, group_size: int, sm_count: int = 132
     warps = override.get("num_warps", 4)
     stages = override.get("num_stages", 3)
     per_sm = override.get("programs_per_sm", 4)
-    prefetch = bool(override.get("PREFETCH", PREFETCH))
     groups = k // group_size
     tiles = math.ceil(n / block_n)
     split = override.get("SPLIT_K", max(1, min(math.ceil(per_sm * sm_count / tiles), groups, MAX_SPLIT_K)))
     per_split = math.ceil(groups / split)
     return dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages, SPLIT_K=math.ceil(groups / per_split),
-                groups_per_split=per_split, PREFETCH=prefetch)
+                groups_per_split=per_split)
 
 
 def check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> None:
@@ -156,7 +151,7 @@ if TRITON_AVAILABLE:
                          M, N, K, groups_per_split, eps, sx_m, sw_n, ss_n, ss_g, so_m, sr_m, SPLIT_K,
                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                          GLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, F16: tl.constexpr,
-                         EMULATE: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                         EMULATE: tl.constexpr, PDL: tl.constexpr = False):
         # x [M, K] (GLU: [M, 2K] = [gate | up]); nw: the RMSNorm weight [K] (NORM); sq: [SPLIT_K, M] fp32 (NORM, split)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -171,19 +166,9 @@ if TRITON_AVAILABLE:
             gdc_wait()
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
         sq2 = tl.zeros([BLOCK_M, GROUP], dtype=tl.float32)  # NORM: x^2 per row and lane, summed after the loop
-        if PREFETCH:  # the first group's activations, scales and zeros, ahead of the loop
-            a_n, b_n, s_n, z_n, nw_n = _group_inputs(x_ptr, s_ptr, z_ptr, nw_ptr, g_start, offs_m, mask_m, offs_n,
-                                                     mask_n, sx_m, ss_n, ss_g, K, GROUP, GLU, NORM)
         for g in range(g_start, g_end):
-            if PREFETCH:  # this group's inputs were loaded an iteration ago; the next group's are loaded now (the
-                # last iteration reloads its own), so their latency overlaps this group's work
-                a, b, s, z, nw = a_n, b_n, s_n, z_n, nw_n
-                a_n, b_n, s_n, z_n, nw_n = _group_inputs(x_ptr, s_ptr, z_ptr, nw_ptr, tl.minimum(g + 1, g_end - 1),
-                                                         offs_m, mask_m, offs_n, mask_n, sx_m, ss_n, ss_g, K, GROUP,
-                                                         GLU, NORM)
-            else:
-                a, b, s, z, nw = _group_inputs(x_ptr, s_ptr, z_ptr, nw_ptr, g, offs_m, mask_m, offs_n, mask_n, sx_m,
-                                               ss_n, ss_g, K, GROUP, GLU, NORM)
+            a, b, s, z, nw = _group_inputs(x_ptr, s_ptr, z_ptr, nw_ptr, g, offs_m, mask_m, offs_n, mask_n, sx_m,
+                                           ss_n, ss_g, K, GROUP, GLU, NORM)
             offs_j = g * QG + tl.arange(0, QG)
             h = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_j[None, :], mask=mask_n[:, None], other=0)  # [BN, QG]
             s = tl.broadcast_to(s[:, None], [BLOCK_N, QG])
@@ -279,7 +264,7 @@ def int4_mma_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, ze
         out.stride(0), r.stride(0), split,
         GROUP=group_size, BLOCK_N=cfg["BLOCK_N"], BLOCK_M=MAX_ROWS, GLU=glu, NORM=norm_weight is not None,
         RESIDUAL=residual is not None, F16=x.dtype == torch.float16,
-        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"],
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **(dict(PDL=True, launch_pdl=True) if pdl else {}))
     return out

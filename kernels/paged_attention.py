@@ -35,7 +35,7 @@ Triton 3.6 compiles it for sm_90 on a CPU (ptxas: no register spills at 8 warps 
 
 `paged_kv_write_triton` writes a step's K and V into the pools in one launch (bit-exact against `index_copy_`, under
 the interpreter and through the engine's greedy parity on the H200); `paged_write_attention_triton` is that write
-followed by the attention kernel, the one call an unquantized paged layer makes (BENCHMARKS.md section 9.2).
+followed by the attention kernel, the one call an unquantized paged layer makes.
 """
 from __future__ import annotations
 
@@ -121,7 +121,6 @@ if TRITON_AVAILABLE:
     @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
     def _partial_kernel(
             q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, base_ptr, intra_bits_ptr, o_ptr, lse_ptr,  # intra_bits [B, T]
-            out_ptr, count_ptr,  # FUSE_COMBINE: out [B, Hq, T, D] contiguous; counters [B * Hkv * m_tiles] int32
             cos_ptr, sin_ptr,  # ROPE: cos, sin_signed [B * T, D] contiguous: q is rotated as it is loaded
             ks_ptr, vs_ptr,  # k_scales, v_scales [num_slots, Hkv] float32 (read only when QUANT)
             sq_b, sq_h, sq_t,  # q [B, Hq, T, D] (last stride 1)
@@ -133,7 +132,7 @@ if TRITON_AVAILABLE:
             T: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
             DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
-            FUSE_COMBINE: tl.constexpr = False, ROPE: tl.constexpr = False):
+            ROPE: tl.constexpr = False):
         if PDL:  # kernels/pdl.py: every program waits (also one with no tiles), before any load or store
             gdc_wait()
         pid = tl.program_id(0)
@@ -218,33 +217,6 @@ if TRITON_AVAILABLE:
                  mask=row_ok[:, None])
         row_id = (b * GROUP * HKV + head) * T + tok  # [BLOCK_M]: (b, head, tok) in [B, Hq, T] order
         tl.store(lse_ptr + row_id * num_splits + split, lse, mask=row_ok)
-        # FUSE_COMBINE: the split that finishes this tile last combines the others (no combine launch). Only the
-        # `used` splits that got KV tiles take part: the rest arrive at no counter, and the combine reads none of them.
-        used = tl.cdiv(tiles, per_split)
-        if FUSE_COMBINE and split < used:
-            tl.debug_barrier()  # every thread's partial is written before the counter says so
-            tile_id = (b * HKV + kv_head) * m_tiles + m_tile
-            arrived = tl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-            if arrived == used - 1:
-                top = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the splits' lse
-                den = tl.zeros([BLOCK_M], tl.float32)
-                total = tl.zeros([BLOCK_M, D], tl.float32)
-                for sp in range(0, used):
-                    lse_sp = tl.load(lse_ptr + row_id * num_splits + sp, mask=row_ok, other=float("-inf"),
-                                     cache_modifier=".cg")  # [BLOCK_M]
-                    o_sp = tl.load(o_ptr + b * so_b + head[:, None] * so_h + tok[:, None] * so_t + sp * so_s
-                                   + d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                    top_new = tl.maximum(top, lse_sp)
-                    top_safe = tl.where(top_new == float("-inf"), 0.0, top_new)  # nothing seen yet: weights 0
-                    alpha = tl.exp2(top - top_safe)
-                    w = tl.exp2(lse_sp - top_safe)
-                    den = den * alpha + w
-                    total = total * alpha[:, None] + w[:, None] * o_sp
-                    top = top_new
-                total = total / tl.maximum(den, 1e-30)[:, None]
-                tl.store(out_ptr + row_id[:, None] * D + d[None, :], total.to(out_ptr.dtype.element_ty),
-                         mask=row_ok[:, None])
-                tl.atomic_xchg(count_ptr + tile_id, 0)  # ready for the next call
 
     @triton.jit(do_not_specialize=["num_splits"])
     def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, SPLITS_POW2: tl.constexpr, D: tl.constexpr,
@@ -285,25 +257,6 @@ def launch_plan(batch: int, q_heads: int, kv_heads: int, t: int, max_positions: 
     return block_m, m_tiles, num_splits
 
 
-# Whether the last split of a tile combines the partials itself (one launch per layer, not two). Measured on the H200
-# (BENCHMARKS.md section 14): 0.3-0.7 % slower than the combine launch at 6.7 B (that one program's serial reads sit on
-# the critical path; with dependent launches the second launch costs little), mixed at 1.45 B: off by default.
-FUSE_COMBINE = False
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: zeros between calls (each call's last splits reset them)
-
-
-def _combine_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """n zeroed int32 counters shared by every call on `device` (calls on one stream run one after another, and each
-    leaves its counters at zero); None while a CUDA graph is being captured and none exist yet (a buffer zeroed
-    inside a capture would be zeroed only at replay): the caller then launches the combine kernel."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
-
-
 def _rope_rows(rope, b: int, t: int, dim: int):
     """(cos, sin_signed) [B, T, D] -> two contiguous [B * T, D] tensors for the kernels."""
     cos, sin = rope
@@ -312,11 +265,10 @@ def _rope_rows(rope, b: int, t: int, dim: int):
 
 
 def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
-                           k_scales=None, v_scales=None, num_splits: int | None = None,
-                           fuse_combine: bool | None = None, rope=None):
-    """Same contract as `paged_attention_reference`; `num_splits` overrides the shape-derived split count,
-    `fuse_combine` the module's FUSE_COMBINE (the last split of each tile combines the splits, no second launch);
-    rope = (cos, sin_signed) [B, T, D]: q arrives before RoPE and is rotated as it is loaded."""
+                           k_scales=None, v_scales=None, num_splits: int | None = None, rope=None):
+    """Same contract as `paged_attention_reference`; `num_splits` overrides the shape-derived split count (more than
+    one: a second launch combines the splits, cheap behind a dependent launch); rope = (cos, sin_signed) [B, T, D]: q
+    arrives before RoPE and is rotated as it is loaded."""
     b, hq, t, dim = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -345,11 +297,8 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
         else (0, 0, 0, 0)
     pdl = dict(PDL=True, launch_pdl=True) if use_pdl(q.device) else {}
     cos, sin = _rope_rows(rope, b, t, dim) if rope is not None else (lse, lse)  # (lse: never read without ROPE)
-    fuse = num_splits > 1 and (FUSE_COMBINE if fuse_combine is None else fuse_combine)
-    counters = _combine_counters(q.device, b * hkv * m_tiles) if fuse else None
-    fuse = counters is not None
     _partial_kernel[(b * hkv * m_tiles, num_splits)](
-        q, k_pool, v_pool, block_table, rows, base_len, intra_bits, o, lse, out, counters if fuse else lse, cos, sin,
+        q, k_pool, v_pool, block_table, rows, base_len, intra_bits, o, lse, cos, sin,
         k_scales, v_scales,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), *scale_strides,
@@ -358,9 +307,9 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
         scale * math.log2(math.e), m_tiles, num_splits,
         T=t, GROUP=group, HKV=hkv, D=dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        FUSE_COMBINE=fuse, ROPE=rope is not None,
+        ROPE=rope is not None,
         num_warps=8, **pdl)  # ptxas for sm_90: 4 warps spill registers at D = 128 or 64-row tiles, 8 do not
-    if num_splits > 1 and not fuse:
+    if num_splits > 1:
         _combine_kernel[(b * hq * t,)](o, lse, out, num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim,
                                        **pdl)
     return out
@@ -375,7 +324,7 @@ def paged_attention(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, 
 
 
 # ---- the step's K/V written into the pool, one launch for both planes ----------------------------------------------
-# What it replaces (seen in the H200 profile of an AR step, BENCHMARKS.md section 9): per layer, a copy of each strided
+# What it replaces (seen in the H200 profile of an AR step): per layer, a copy of each strided
 # K / V view to contiguous memory and an index_copy_ of each into its pool, four kernels of ~1-2.5 us plus their
 # launch gaps inside the graph, for ~1 MB of data at 6.7 B. One program per written token copies all of its KV heads.
 def paged_kv_write_reference(k, v, k_pool, v_pool, slots, rope=None):
@@ -414,23 +363,19 @@ if TRITON_AVAILABLE:
         tl.store(vp_ptr + slot * svp_s + h * svp_h + d, val.to(vp_ptr.dtype.element_ty), mask=mask)
 
 
-# KV heads per program of the K/V write (a power of two; None: all of a token's heads in one program, grid B * T).
-# At decode (B * T = 1) one program copied every head: 3.1 us per layer at 6.7 B (32 heads) in call n9's profile,
-# one SM's serial loads. Call n10 (BENCHMARKS.md 27), 6.7 B decode: 4 heads a program took bf16 from 4.372 to 4.349 ms
-# a token and int4 (+ quantized head) from 1.819 to 1.803; 1 head a program 4.349 / 1.809. At 1.45 B (4 KV heads)
-# 4 is the old launch; 1 read 1.407 against 1.402 (bf16) and 0.7043 against 0.7059 (int4).
-KV_WRITE_HEADS: int | None = 4
+# KV heads per program of the K/V write (a power of two): at decode (B * T = 1) one program per token copying every
+# head kept one SM's loads serial; 4 heads a program was the fastest measured at 6.7 B and even at 1.45 B.
+KV_WRITE_HEADS = 4
 
 
-def paged_kv_write_triton(k, v, k_pool, v_pool, slots, rope=None, heads_per_program: int | None = None):
+def paged_kv_write_triton(k, v, k_pool, v_pool, slots, rope=None, heads_per_program: int = KV_WRITE_HEADS):
     """Same contract as `paged_kv_write_reference`, one launch (grid B * T x head blocks of `heads_per_program`,
     default KV_WRITE_HEADS). Needs unit stride along D (views of the fused qkv projection have it) and a power-of-two
     head_dim."""
     b, h, t, dim = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
     assert dim & (dim - 1) == 0 and slots.numel() == b * t
-    per = heads_per_program or KV_WRITE_HEADS
-    block_h = triton.next_power_of_2(h) if per is None else min(triton.next_power_of_2(h), per)
+    block_h = min(triton.next_power_of_2(h), heads_per_program)
     assert block_h & (block_h - 1) == 0, f"heads per program must be a power of two, not {block_h}"
     cos, sin = _rope_rows(rope, b, t, dim) if rope is not None else (slots, slots)  # never read without ROPE
     _kv_write_kernel[(b * t, triton.cdiv(h, block_h))](

@@ -6,9 +6,8 @@ its first weight loads wait a full DRAM latency, while the tail of the previous 
 (Hopper, compute capability 9.0+; CUDA's `cudaLaunchAttributeProgrammaticStreamSerialization`, Triton's
 `launch_pdl=True`) a kernel may be scheduled as soon as every program of the previous one has started, and then:
 
-    before `gdc_wait()`: only work that reads nothing the previous kernels write and writes nothing at all. Our
-                         GEMVs can prefetch the first K tiles of their weight rows into L2 here (`prefetch_l2`:
-                         weights never change during a step); measured slower, so off (quant_gemv.PREFETCH_TILES).
+    before `gdc_wait()`: only work that reads nothing the previous kernels write and writes nothing at all (a
+                         prefetch of the GEMVs' first weight tiles into L2 here measured slower, so they only wait).
     `gdc_wait()`       : returns once the previous kernel has completed and its writes are visible. Every program
                          calls it, also programs with nothing to do: a kernel completes only after its own wait, so
                          completion stays transitive along the chain (kernel C may rely on A, two launches back).
@@ -36,7 +35,7 @@ try:
 except ImportError:
     TRITON_AVAILABLE = False
 
-_ENABLED = os.environ.get("WORKBENCH_PDL", "1") == "1"  # the engine sets it per call (EngineConfig.pdl)
+_ENABLED = True  # the engine sets it per call (EngineConfig.pdl, the `pdl` knob)
 
 
 def set_pdl(on: bool) -> None:
@@ -91,13 +90,11 @@ def _device_problem(device: torch.device) -> str | None:
     return None
 
 
-# PDL only for launches recorded into a CUDA graph (captured steps, where it was measured faster: BENCHMARKS.md
-# 14.2, 16.3). Eager launches of the same kernels (eagle's steps in `bench --cuda-graphs`, 14.3 and 16.6) ran 15-27 %
-# slower with it in three calls, so they launch plainly; WORKBENCH_PDL_EAGER=1 launches them with PDL too.
-CAPTURE_ONLY = os.environ.get("WORKBENCH_PDL_EAGER", "0") != "1"
+# PDL only for launches recorded into a CUDA graph (captured steps, where it measured faster); eager launches of the
+# same kernels measured 15-27 % slower with it, so they launch plainly.
 # Set while a step is warmed up for capture (`warming_for_capture`): its eager launches take PDL as the captured ones
 # will, so the kernels' PDL variants are compiled and loaded there, not inside the capture (a module loaded while a
-# stream captures can invalidate the capture; two floor rows of call f2 failed so, BENCHMARKS.md 18.3).
+# stream captures can invalidate the capture).
 _WARMING = False
 
 
@@ -113,17 +110,17 @@ def warming_for_capture():
 
 
 def use_pdl(device: torch.device | str) -> bool:
-    """Whether a launch on `device` now uses PDL: asked for (`set_pdl`), possible there, and (CAPTURE_ONLY) being
-    recorded into a CUDA graph or warmed up for that (`warming_for_capture`)."""
+    """Whether a launch on `device` now uses PDL: asked for (`set_pdl`), possible there, and being recorded into a
+    CUDA graph or warmed up for that (`warming_for_capture`)."""
     if not (_ENABLED and pdl_problem(device) is None):
         return False
-    return not CAPTURE_ONLY or _WARMING or torch.cuda.is_current_stream_capturing()
+    return _WARMING or torch.cuda.is_current_stream_capturing()
 
 
 def pdl_applies(requested: bool, device: torch.device | str, captured: bool) -> bool:
-    """Whether a run's Triton launches use PDL: asked for, possible on `device`, and (CAPTURE_ONLY) in captured
-    steps (`captured`: the run uses CUDA graphs); the run record's `pdl_applied`."""
-    return bool(requested) and pdl_problem(device) is None and (captured or not CAPTURE_ONLY)
+    """Whether a run's Triton launches use PDL: asked for, possible on `device`, and in captured steps (`captured`:
+    the run uses CUDA graphs); the run record's `pdl_applied`."""
+    return bool(requested) and pdl_problem(device) is None and bool(captured)
 
 
 if TRITON_AVAILABLE:
@@ -138,9 +135,3 @@ if TRITON_AVAILABLE:
         tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
                                   is_pure=False, pack=1)
 
-    @triton.jit
-    def prefetch_l2(ptrs):
-        """Ask for the 128-byte lines at `ptrs` (a tensor of pointers, valid addresses) to be brought into L2; no
-        register receives them."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-                                  pack=1)

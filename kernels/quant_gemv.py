@@ -35,14 +35,14 @@ How the math is arranged (each per-channel or per-group factor applied where it 
   weight element.
 - int8g: the same grouped tiles without a zero: per tile t = sum_k x_k q_k (q in -128..127, exact) and
   acc += scale * t.
-- int4 / int8g one row, K tiles of whole groups (BLOCK_K a multiple of g, the ELEMENTWISE form; int4's default
-  since BENCHMARKS.md 17.4, INT4_WIDE_TILES): each weight dequantized with its group's scale (loaded [BN, groups of
+- int4 / int8g one row, K tiles of whole groups (BLOCK_K a multiple of g, the ELEMENTWISE form; int4's default,
+  `_int4_wide_tile`): each weight dequantized with its group's scale (loaded [BN, groups of
   the tile], broadcast over the group's weights by a reshape that moves no data) and summed per lane, one reduction
   after the loop as dense / fp8 do, instead of a reduction per tile. int4 with CVT_BITS reads 32-bit words and widens
   each nibble by an and-or into 2^23's mantissa and one subtraction (`_int4_words_dot`), accumulating per word.
 - M = 1 (BLOCK_M = 1): broadcast multiply and reduce over K on the CUDA cores (a GEMV); M > 1: `tl.dot` with
   BLOCK_M = 16 row tiles (the tensor cores' smallest M; rows past M are masked). A measured tile may put M = 1 on
-  the tensor cores too (BLOCK_M = 16 in M1_TILES; measured slower in decode, BENCHMARKS.md section 11). fp8 tiles
+  the tensor cores too (BLOCK_M = 16 in M1_TILES; measured slower in decode). fp8 tiles
   there multiply fp16 operands (F16_DOT_FORMATS): the weight converts to fp16 in one step (exact).
 - Split-K: the grid is (N tiles, M tiles, SPLIT_K); when the N tiles alone cannot fill the GPU, K is cut into
   SPLIT_K ranges. Each split writes an fp32 partial, then bumps a per-tile counter; the split that arrives last adds
@@ -54,7 +54,7 @@ read on the host, no Python scalar is written into a CUDA tensor, and the partia
 
 Verified under the Triton interpreter on CPU (TRITON_INTERPRET=1, triton 3.9.0): tests/test_quant_gemv.py against
 `quant_gemv_reference` (dequantize in fp32, then matmul), and on one H200 (triton 3.6.0): scripts/gpu_gemv.py, every
-decoder shape of the random 1.45 B / 6.7 B within 2^-7 of the reference; speed in BENCHMARKS.md section 9.3.
+decoder shape of the random 1.45 B / 6.7 B within 2^-7 of the reference; speed on the results page.
 """
 from __future__ import annotations
 
@@ -65,13 +65,17 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import int4_cuda, int4_mma
+from .common import sm_count as _sm_count
 from .pdl import use_pdl
+from .tuning import KernelTuning, as_tuning
 
 try:
     import triton
     import triton.language as tl
     TRITON_AVAILABLE = True
-    from .pdl import gdc_launch_dependents, gdc_wait, prefetch_l2
+    from .common import sum_splits
+    from .pdl import gdc_launch_dependents, gdc_wait
 except ImportError:
     TRITON_AVAILABLE = False
 
@@ -83,24 +87,15 @@ MIN_BLOCK_N = 8  # the smallest N tile a measured tile may take (M1_TILES): spli
 # int8 / fp8 tensor-core tiles multiply fp16 operands; bf16 activations are scaled by this power of two first (and the
 # sum by its inverse after), so |x| up to 65504 / X_SCALE_BF16 (~4e6) fits fp16; below ~2^-8 x keeps fewer bits.
 X_SCALE_BF16 = 2.0 ** -6
-# One-row (CUDA-core) GEMVs may widen each weight to fp32 by integer ops instead of conversion instructions
-# (`_int8_to_f32`, `_fp8_to_f32_scaled`; exact for every byte, on the H200 too). Measured per linear on the H200
-# (BENCHMARKS.md section 11): int8 1.03-1.39x faster that way, fp8 2-8 % slower on 7 of 8 shapes, so the default is on
-# for the int8 formats only; a sweep may set it per call (override CVT_BITS=...). int4 reads it only in K tiles of whole
-# groups (ELEMENTWISE; the group-tiled form ignores it): 32-bit words widened in place (`_int4_words_dot`), measured
-# 1.12-1.28x faster than the cvt form in the same tiles on every swept int4 shape (BENCHMARKS.md 17.4).
+# One-row (CUDA-core) GEMVs widen each weight to fp32 by integer ops instead of conversion instructions
+# (`_int8_to_f32`, `_fp8_to_f32_scaled`; exact for every byte): faster for the int8 formats, slower for fp8, so on for
+# int8 only; a sweep may set it per call (override CVT_BITS=...). int4 reads it only in K tiles of whole groups
+# (ELEMENTWISE): 32-bit words widened in place (`_int4_words_dot`), faster than the cvt form on every swept shape.
 CVT_BITS_FORMATS = ("int8", "int8g", "int4")
 FP8_UNBIAS = 2.0 ** 120  # what _fp8_to_f32_scaled's values are multiplied by
-# Tensor-core tiles (M > 1) with fp16 operands: fp8 within 1 % of the fp32-widened form, int8 4-29 % slower
-# (BENCHMARKS.md section 11): fp8 only by default (override F16_DOT=...).
+# Tensor-core tiles (M > 1) with fp16 operands: fp8 as fast as the fp32-widened form, int8 slower: fp8 only by default
+# (override F16_DOT=...).
 F16_DOT_FORMATS = ("fp8",)
-# With dependent launches (kernels/pdl.py): how many of a program's first K tiles of weights are prefetched into L2
-# before it waits for the previous kernel (override PREFETCH_TILES=...; 0 = wait only). Two tiles were measured
-# 0.6-1.7 % slower than none on the H200 (BENCHMARKS.md section 14), so none by default.
-PREFETCH_TILES = 0
-# ... and whether a program lets the next kernel launch after its K loop (True) or first thing (False: measured
-# 1.25x slower for int4 at 6.7 B, whose programs run in several waves: waiting dependents took their SM slots)
-LATE_TRIGGER = True
 
 
 class GemvError(ValueError):
@@ -173,102 +168,22 @@ def quant_gemv_reference(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale:
 
 
 # ---- launch configuration ----------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count if index is not None else 132  # H200
-
-
 # One-row dense / fp8 calls whose 16-row tiles would give fewer than 1.5 programs per SM take 8-row tiles with 2 KB
-# of weight per row per K tile (at most half of K), 8 warps, 3 stages. The tile sweep on 1.45 B's shapes (BENCHMARKS.md
-# section 16: 128-160 programs of 16 rows, about one per SM, keep too few loads in flight) made qkv 1.06x / 1.10x,
-# o 1.23x / 1.27x and down 1.44x / 1.35x faster (dense / fp8), and the model 10 % / 16 %; at 6.7 B (N = 4096: 256
-# programs, 1.9 per SM) the same tiles were 3 % / 2 % slower in the model, so they stop there. The 1.5 lies between
-# the two measured points. False keeps the 16-row tiles everywhere (gpu_quant.py "+tile16" rows).
-NARROW_TILES = True
+# of weight per row per K tile (at most half of K), 8 warps, 3 stages: more loads in flight where programs are few.
 NARROW_BELOW_PROGRAMS_PER_SM = 1.5
-# Warps of the 32-row fp8 tiles (N >= 8192): 8 from the 6.7 B sweep. 4 was 1.24x faster on 1.45 B's gate_up alone,
-# but 3.5 % (1.45 B) and 8 % (6.7 B) slower in the model (BENCHMARKS.md 16.6, gpu_quant.py "+fw4" rows), so 8.
-WIDE_FP8_WARPS = 8
-# Verify-width calls (2..CUDA_ROWS_MAX rows) of the dense / fp8 / int8 GEMVs on the CUDA cores, every row in one
-# program: each weight tile is read once and multiplied with all rows (the `CUDA_ROWS` form, the one-row tile's rows
-# with its K tile cut by the row count to keep the registers), instead of 16-row tensor-core tiles (fp8 / int8) or
-# cuBLAS (dense linears take the GEMV for one row only). On `small` a 5-token verify kept cuBLAS while the one-row
-# GEMV sped AR up 1.27-1.63x (BENCHMARKS.md 17.3). Measured slower (18.1): 0.23-0.42x cuBLAS per dense linear at 5
-# rows, and n-gram k = 4 on `small` fell from 2.23x to 1.35x of AR with it. So 0 (off) unless WORKBENCH_GEMV_CUDA_ROWS
-# says otherwise; scripts/gpu_gemv.py --cuda-rows and gpu_quant.py's "+rows8" set it.
-CUDA_ROWS_MAX = int(os.environ.get("WORKBENCH_GEMV_CUDA_ROWS", "0"))
-CUDA_ROWS_FORMATS = ("dense", "fp8", "int8")
-# One-row int4 tiles spanning whole groups (BLOCK_K a multiple of g; each weight dequantized with its group's scale and
-# summed per lane, reduced once after the loop, as dense / fp8 do). True: the measured rule (`_int4_wide_tile`), from
-# per-linear sweeps on the H200 at 1.45 B and 6.7 B with g = 128: since call g1 (BENCHMARKS.md 19.1) 32-row tiles with
-# 4 warps in packed fp16 (HALF2 1) for N >= 8192 (K tiles of 1024, 512 for K < 4096) and for down projections
-# (K >= 2 N; 32 x 512, split to about 4 programs per SM); 16 x 1024 fp32 words with 8 warps elsewhere. "f2": the
-# rule of call f2 (18.3): 8 warps, 64 x 512 in packed fp16 for N >= 8192, down projections 64 x 512 (N >= 4096) or
-# 128 x 1024 in packed fp16, split. "e3": the rule of call e3 (17.4): 64 x 256 for N >= 8192, 16 x 1024 below, fp32
-# words. Unsplit unless fewer than half the SMs get a tile (down projections: the split rule). A dict: that tile for
-# every shape; False / None / {}: the group-tiled 64 x g tiles.
-INT4_WIDE_TILES: dict | bool | str | None = True
-# One-row int4 words (the wide tiles above, words widened) in packed fp16 arithmetic: two weights per instruction
-# (lop3 into two fp16 lanes, one packed subtraction, one packed multiply-add with x), about 4.3 instructions a weight
-# in the loop against about 5.4 (SASS of 64 x 256 tiles). x is scaled by a power of two into fp16's range; a word's 8
-# products are summed in fp16 (11-bit mantissa), words in fp32. bf16 / fp16 activations only (fp32 models keep the
-# fp32 form). 1: one scale per K tile (a max across the program) and the zeros' sums per group; 2: a scale and a sum
-# per word, in the threads that hold it (no reduction across threads in the loop). None: each tile's own choice (the
-# rule's HALF2 entry, else 0); 0 / 1 / 2 force it for every one-row int4 call (env WORKBENCH_INT4_HALF2; gpu_quant.py's
-# "+h20", "+h2", "+h2w" rows). Measured per linear in call f2 (18.3): 1.07-1.26x on the wide and down shapes in their
-# best tiles, no gain at 16 x 1024.
-INT4_HALF2: int | None = int(os.environ["WORKBENCH_INT4_HALF2"]) if os.environ.get("WORKBENCH_INT4_HALF2") else None
-# Software pipelining of the K loop of one-row calls (BLOCK_M = 1), every format: `tl.range(..., num_stages=N)` turns
-# the weight loads into async copies N - 1 tiles ahead, so the loads of the next tiles are in flight while this one
-# is computed. The kernel's `num_stages` pipelines only loads that feed tl.dot: the one-row loops issue a tile's loads
-# and wait for them in the same iteration. SASS compiled on the CPU VM (triton 3.9, sm_90) shows the async copies
-# (LDGSTS, 3 stages) for int4 64 x 512. Measured slower on the H200 (call g1, BENCHMARKS.md 19.1): 0.81-0.91x per
-# int4 linear, 0.75-0.95x fp8, 18-22 % slower decode at 6.7 B and 1.45 B. None: off (env WORKBENCH_GEMV_LOOP_STAGES; a
-# tile's LOOP_STAGES entry; gpu_quant.py "+ls3"; gpu_gemv.py --loop-stages / --tune-loop-stages).
-LOOP_STAGES: int | None = int(os.environ["WORKBENCH_GEMV_LOOP_STAGES"]) \
-    if os.environ.get("WORKBENCH_GEMV_LOOP_STAGES") else None
-# Multi-row int4 calls (verify widths, prefill; BLOCK_M 16 on the tensor cores) in K tiles of whole groups: each
-# [BN, BK] weight tile dequantized with its groups' scales and zeros (the one-row ELEMENTWISE form's weights), in x's
-# dtype, then one tl.dot per tile, instead of one group per K tile (64 x g, a dot and a rescale per group). A dict: that
-# tile (BLOCK_N, BLOCK_K, num_warps, num_stages) for every int4 call of M > 1 whose K tile holds whole groups; None:
-# one group per K tile. On by default since call g3 (BENCHMARKS.md 20.1): at M = 2-16 it took 0.75-0.91x the time of
-# one group per tile on every linear of 1.45 B and 6.7 B; its tile swept at M = 2, 5, 9, 32 x 256 with 4 warps was
-# the fastest in sum at both sizes (1-3 % ahead of 64 x 256 with 8 warps). tinygemm stays faster at M <= 5 (0.62x /
-# 0.93x of ours per 6.7 B layer at M = 2 / 5), ours at M = 9 (0.77x of tinygemm's). Env WORKBENCH_INT4_WIDE_ROWS=0:
-# off; gpu_quant.py's "+i4r" rows and gpu_gemv.py --int4-wide-rows-compare set INT4_WIDE_ROWS_TILE explicitly.
-# int4 calls of 2..INT4_MMA_ROWS rows (verify widths) on the tensor cores with each weight dequantized in registers
-# straight into the MMA's operand (kernels/int4_mma.py), bf16 / fp16 x with scales in its dtype and groups of 64+,
-# instead of the K tiles of whole groups below (INT4_WIDE_ROWS). Call m1 (BENCHMARKS.md 25.1) timed the 6.7 B layer's
-# four linears at 75.5 us (5 rows) and 77.3 us (16 rows) against 109.8 / 110.0 us here and 101.1 / 237.8 us for
-# tinygemm; at one row it is slower than this kernel (74.4 against 52.8 us), so one-row calls stay here. 0: off
-# (env WORKBENCH_INT4_MMA_ROWS; gpu_quant.py "+mma0").
-INT4_MMA_ROWS = int(os.environ.get("WORKBENCH_INT4_MMA_ROWS", "16"))
-# One-row int4 calls in CUDA C++ (kernels/int4_cuda.py: nvcc-compiled, about half the instructions per weight of the
-# Triton loop here, the first weights loaded before PDL's wait) where int4_cuda_takes them and the device has nvcc
-# (without nvcc they stay here). Calls n3 and n5 (BENCHMARKS.md 26) timed a 6.7 B layer's four linears at 40.2-40.8 us
-# against 52.9 here, and the 6.7 B decode at 1.864 ms against 2.054. On by default; env WORKBENCH_INT4_CUDA=0 (or
-# gpu_quant.py "+cu0") keeps them here. INT4_CUDA_TILE: tile entries that replace int4_cuda_tile's for every shape.
-INT4_CUDA = os.environ.get("WORKBENCH_INT4_CUDA", "1") == "1"
-INT4_CUDA_TILE: dict | None = None
+# Multi-row int4 calls (verify widths, prefill) in K tiles of whole groups on the tensor cores: each [BN, BK] weight
+# tile dequantized with its groups' scales and zeros, then one tl.dot per tile (faster than one group per K tile at
+# every measured width). `gemv_config(int4_rows=...)` takes another tile (a sweep) or False (one group per K tile).
 INT4_WIDE_ROWS_TILE = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
-INT4_WIDE_ROWS: dict | None = None if os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "0" \
-    else dict(INT4_WIDE_ROWS_TILE)
 
 
-def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int, rule: bool | str = True) -> dict | None:
-    """INT4_WIDE_TILES' rule for one shape (True: call g1's, "f2" / "e3": those calls'), or None where its K tile holds
-    no whole number of groups."""
+def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int) -> dict | None:
+    """The one-row int4 tile of whole groups for one shape (from per-linear sweeps at 1.45 B and 6.7 B, g = 128): 32-row
+    tiles with 4 warps in packed fp16 (HALF2 1) for N >= 8192 (K tiles of 1024, 512 for K < 4096) and for down
+    projections (K >= 2 N; 32 x 512, split to about 4 programs per SM); 16 x 1024 fp32 words with 8 warps elsewhere;
+    unsplit unless fewer than half the SMs get a tile. None where its K tile holds no whole number of groups."""
     half2, min_tiles, warps = 0, sm_count // 2, 8
-    if rule == "e3":
-        block_n, block_k = (64, 256) if n >= 8192 else (16, 1024)
-    elif rule == "f2":
-        if n >= 8192:
-            block_n, block_k, half2 = 64, 512, 1
-        elif k >= 2 * n:  # a down projection: few N tiles, a long K; split
-            block_n, block_k, half2, min_tiles = (64, 512, 1, 0) if n >= 4096 else (128, 1024, 1, 0)
-        else:
-            block_n, block_k = 16, 1024
-    elif n >= 8192:
+    if n >= 8192:
         block_n, block_k, half2, warps = 32, 1024 if k >= 4096 else 512, 1, 4
     elif k >= 2 * n:  # a down projection: few N tiles, a long K; split
         block_n, block_k, half2, warps, min_tiles = 32, 512, 1, 4, 0
@@ -281,34 +196,28 @@ def _int4_wide_tile(n: int, k: int, group_size: int, sm_count: int, rule: bool |
 
 
 def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None, sm_count: int = 132,
-                narrow: bool | None = None, int4_wide: dict | None = None, cuda_rows: int | None = None,
-                int4_rows: dict | None = None, **override) -> dict:
+                narrow: bool = True, int4_wide: dict | bool = True, int4_rows: dict | bool | None = None,
+                half2: int | None = None, **override) -> dict:
     """Tile sizes, split count and warps for one call, from shapes only (so a captured graph replays the same launch).
     `override` replaces any entry (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, and the kernel switches CVT_BITS,
-    F16_DOT, ELEMENTWISE, PREFETCH_TILES, LATE_TRIGGER; the benchmark sweeps them). `cuda_rows` (default
-    CUDA_ROWS_MAX): dense / fp8 / int8 calls of 2..cuda_rows rows take the CUDA_ROWS form, BLOCK_M the next power of
-    two of M, the one-row tile with its K tile divided by BLOCK_M.
-
-    >>> c = gemv_config("dense", 5, 2048, 8192, cuda_rows=8)  # a 5-token verify of 1.45 B's down projection
-    >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["CUDA_ROWS"], c["SPLIT_K"]
-    (8, 8, 128, True, 1)
+    F16_DOT, ELEMENTWISE; the benchmark sweeps them).
 
     Grouped formats (int4, int8g): BLOCK_K divides g (a K tile inside one group: a sum per tile, scaled once), or, one
     row at a time (BLOCK_M = 1), is a multiple of g (a K tile of whole groups: each weight times its group's scale,
     summed per lane and reduced after the loop, the `ELEMENTWISE` form; override ELEMENTWISE=True takes it for
-    BLOCK_K <= g too); anything else is a GemvError. `int4_wide`: one-row int4 tiles of that form (None:
-    INT4_WIDE_TILES; True: its measured rule; "f2" / "e3": the rules before it; a dict: that tile; False or {}: the
-    group-tiled ones). One-row int4 configurations of that form carry HALF2 (packed fp16 words): INT4_HALF2 when set,
-    else the rule's or the dict's entry (0 for a tile in `override` without one).
+    BLOCK_K <= g too); anything else is a GemvError. `int4_wide`: one-row int4 tiles of that form (True:
+    the measured rule, `_int4_wide_tile`; a dict: that tile; False or {}: the group-tiled ones). One-row int4
+    configurations of that form carry HALF2 (packed fp16 words): `half2` when given (KernelTuning.int4_half2), else the
+    rule's or the dict's entry (0 for a tile in `override` without one). `int4_rows`: the multi-row int4 tile of whole
+    groups (None: INT4_WIDE_ROWS_TILE; False: one group per K tile).
 
-    M = 1 (decode) tiles come from sweeps on the H200 (scripts/gpu_gemv.py --parts tune; BENCHMARKS.md sections 9 and
-    16): int8 / fp8 / dense read 32 rows per program for N >= 8192 with 8 warps and long K tiles, unsplit when the
-    N tiles alone give every SM a program; below that int8 takes 16 rows, and so do dense and fp8 unless 16-row tiles
-    would give fewer than 1.5 programs per SM, where they take 8 (`narrow`, default NARROW_TILES; measured at 1.45 B
-    and 6.7 B); int4 K tiles of whole groups by INT4_WIDE_TILES' rule (32 x 1024 or 512 in packed fp16 with 4 warps
-    for N >= 8192, down projections 32 x 512 in packed fp16 and split, else 16 x 1024), where its K tile holds whole
-    groups, else 64 rows x one group per tile, split to ~4 programs per SM (so are M > 1
-    int4 calls, and every call with int4_wide False). int8g takes int4's group-tiled shape
+    M = 1 (decode) tiles come from sweeps on the H200 (scripts/gpu_gemv.py --parts tune): int8 / fp8 / dense read 32
+    rows per program for N >= 8192 with 8 warps and long K tiles, unsplit when the N tiles alone give every SM a
+    program; below that int8 takes 16 rows, and so do dense and fp8 unless 16-row tiles would give fewer than 1.5
+    programs per SM, where they take 8 (`narrow`; measured at 1.45 B and 6.7 B); int4 K tiles of whole groups by
+    `_int4_wide_tile` (32 x 1024 or 512 in packed fp16 with 4 warps for N >= 8192, down projections 32 x 512 in packed
+    fp16 and split, else 16 x 1024), where its K tile holds whole groups, else 64 rows x one group per tile, split to ~4
+    programs per SM (so are M > 1 int4 calls, and every call with int4_wide False). int8g takes int4's group-tiled shape
     (BLOCK_K = min(128, g): 32 for GGUF Q8_0), untuned: not yet swept on a GPU.
 
     >>> c = gemv_config("int4", 1, 4096, 4096, 128, int4_wide=dict(BLOCK_N=32, BLOCK_K=512))  # four groups a tile
@@ -324,9 +233,6 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     >>> c = gemv_config("int4", 1, 22016, 4096, 128)  # 6.7 B's gate / up: 32 x 1024 with 4 warps, unsplit
     >>> c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"], c["HALF2"]
     (32, 1024, 1, 4, 1)
-    >>> c = gemv_config("int4", 1, 22016, 4096, 128, int4_wide="f2")  # the rule before call g1
-    >>> c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]
-    (64, 512, 8)
     >>> c = gemv_config("int4", 1, 4096, 4096, 128, int4_wide=False)  # the group-tiled form
     >>> c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"]
     (1, 64, 128, 8)
@@ -343,12 +249,11 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     >>> (c[0]["BLOCK_N"], c[0]["BLOCK_K"]), (c[1]["BLOCK_N"], c[1]["BLOCK_K"])
     ((8, 1024), (16, 1024))
     """
-    rows_form = fmt in CUDA_ROWS_FORMATS and 1 < m <= (CUDA_ROWS_MAX if cuda_rows is None else cuda_rows)
-    block_m = 1 if m == 1 or rows_form else 16  # the CUDA_ROWS form starts from the one-row tile
+    block_m = 1 if m == 1 else 16
     warps, stages, min_tiles = 4, 3, 0
-    wide = INT4_WIDE_TILES if int4_wide is None else int4_wide
-    if wide is True or wide in ("e3", "f2"):
-        wide = _int4_wide_tile(n, k, group_size, sm_count, wide) if fmt == "int4" and group_size else None
+    wide = int4_wide
+    if wide is True:
+        wide = _int4_wide_tile(n, k, group_size, sm_count) if fmt == "int4" and group_size else None
     if block_m == 1:
         if fmt == "int4" and wide:
             block_n, block_k = wide.get("BLOCK_N", 32), wide.get("BLOCK_K", 512)
@@ -356,24 +261,22 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
             min_tiles = wide.get("min_tiles", 0)
         elif fmt in GROUPED:
             block_n, block_k = 64, 128
-        elif fmt == "dense":  # swept on the H200 (BENCHMARKS.md section 10): 3.7-4.0 TB/s on the wide 6.7 B shapes
+        elif fmt == "dense":  # swept on the H200: 3.7-4.0 TB/s on the wide 6.7 B shapes
             block_n, block_k = (32, 256) if n >= 8192 else (16, 512)
             warps, stages, min_tiles = 8, 4, sm_count // 2  # 128 tiles unsplit: a split cost 1.45 B's o_proj 18 %
         else:
             block_n, block_k = (32, 256) if n >= 8192 else (16, 1024)
             warps, stages, min_tiles = 8, 4, sm_count
-            if fmt == "fp8" and n >= 8192:
-                warps = WIDE_FP8_WARPS
-        if (NARROW_TILES if narrow is None else narrow) and fmt in ("dense", "fp8") and n < 8192 \
+        if narrow and fmt in ("dense", "fp8") and n < 8192 \
                 and n / 16 < NARROW_BELOW_PROGRAMS_PER_SM * sm_count:
             block_n, warps, stages = 8, 8, 3
             row_bytes = 2048 // (1 if fmt == "fp8" else 2)  # 2 KB of weight per row per K tile
             block_k = min(row_bytes, 1 << max(4, (max(k // 2, 1)).bit_length() - 1))  # and at most half of K
     else:
         block_n, block_k = 64, 128
-    rows_wide = INT4_WIDE_ROWS if int4_rows is None else int4_rows
-    wide_rows = False  # int4, M > 1: K tiles of whole groups on the tensor cores (INT4_WIDE_ROWS)
-    if block_m > 1 and fmt == "int4" and rows_wide and group_size and not rows_form:
+    rows_wide = INT4_WIDE_ROWS_TILE if int4_rows is None else int4_rows
+    wide_rows = False  # int4, M > 1: K tiles of whole groups on the tensor cores (INT4_WIDE_ROWS_TILE)
+    if block_m > 1 and fmt == "int4" and rows_wide and group_size:
         rk = min(rows_wide.get("BLOCK_K", 256), max(16, 1 << (k - 1).bit_length()))
         if rk % group_size == 0:
             wide_rows = True
@@ -382,16 +285,11 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
     if fmt in GROUPED and not (fmt == "int4" and wide and block_m == 1) and not wide_rows:
         block_k = min(block_k, group_size)
     block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))  # no K tile past the next power of two of K
-    if rows_form:  # every row in one program: the K tile cut by the rows, so the [BM, BN, BK] sums fit the registers
-        block_m = 1 << (m - 1).bit_length()
-        block_k = max(16, block_k // block_m)
     cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-    if fmt == "int4" and block_m == 1 and wide:  # packed fp16 words: the switch when set, else the tile's own (a
+    if fmt == "int4" and block_m == 1 and wide:  # packed fp16 words: `half2` when given, else the tile's own (a
         # tile given in `override` without a HALF2 entry: fp32 words)
         own = 0 if "BLOCK_N" in override or "BLOCK_K" in override else wide.get("HALF2", 0)
-        cfg["HALF2"] = INT4_HALF2 if INT4_HALF2 is not None else own
-    if rows_form:
-        cfg["CUDA_ROWS"] = True
+        cfg["HALF2"] = half2 if half2 is not None else own
     if wide_rows:  # the ELEMENTWISE weights, multiplied on the tensor cores
         cfg.update(ELEMENTWISE=True, WIDE_ROWS=True)
     cfg.update({key: v for key, v in override.items() if key != "SPLIT_K"})
@@ -410,15 +308,15 @@ def gemv_config(fmt: str, m: int, n: int, k: int, group_size: int | None = None,
 
 def _check_group_tile(fmt: str, cfg: dict, group_size: int) -> None:
     """GemvError unless the K tile of a grouped format lies inside one group or (one-row, or int4 with
-    INT4_WIDE_ROWS) holds whole groups."""
+    int4 in multi-row tiles of whole groups) holds whole groups."""
     block_k, one_row, elementwise = cfg["BLOCK_K"], cfg["BLOCK_M"] == 1, cfg.get("ELEMENTWISE")
-    wide_rows = cfg.get("WIDE_ROWS") and fmt == "int4"  # INT4_WIDE_ROWS: whole groups above one row
+    wide_rows = cfg.get("WIDE_ROWS") and fmt == "int4"  # int4's tiles of whole groups above one row
     if group_size % block_k and (block_k % group_size or not (one_row or wide_rows)):
         raise GemvError(f"BLOCK_K={block_k} must divide the {fmt} group size {group_size} or, one row at a time "
                         f"(BLOCK_M = 1), be a multiple of it")
     if elementwise and not one_row and not wide_rows:
         raise GemvError("ELEMENTWISE (grouped weights dequantized per weight) is a one-row form (int4 takes it above "
-                        "one row only with INT4_WIDE_ROWS): BLOCK_M must be 1")
+                        "one row only in its multi-row tiles of whole groups): BLOCK_M must be 1")
     if elementwise is False and block_k > group_size:
         raise GemvError(f"BLOCK_K={block_k} spans several {fmt} groups of {group_size}: only the ELEMENTWISE form "
                         "reads such tiles")
@@ -429,7 +327,7 @@ def _check_group_tile(fmt: str, cfg: dict, group_size: int) -> None:
 # scripts/gpu_quant.py --m1-tiles reads them), empty by default.
 M1_TILES: dict[tuple[str, int, int], dict] = {}
 M1_TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "CVT_BITS", "ELEMENTWISE",
-                "HALF2", "LOOP_STAGES")
+                "HALF2")
 
 
 def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
@@ -444,12 +342,20 @@ def set_m1_tiles(table: dict[tuple[str, int, int], dict]) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple, switches: tuple = ()) -> dict:
-    """gemv_config with M1_TILES applied, cached; `switches` (the module switches gemv_config reads: NARROW_TILES,
-    WIDE_FP8_WARPS, INT4_WIDE_TILES, CUDA_ROWS_MAX, INT4_HALF2, INT4_WIDE_ROWS) is part of the key only, so a benchmark
-    row that flips one gets its own configurations."""
+def _cached_config(fmt, m, n, k, group_size, sm_count, override: tuple, half2: int | None = None) -> dict:
+    """gemv_config with M1_TILES applied, cached (`half2`: KernelTuning.int4_half2; `override` as `_frozen` gives
+    it)."""
     tiles = M1_TILES.get((fmt, n, k), {}) if m == 1 else {}
-    return gemv_config(fmt, m, n, k, group_size, sm_count, **{**tiles, **dict(override)})
+    over = {key: dict(v) if key in _TILE_ARGS and isinstance(v, tuple) else v for key, v in override}
+    return gemv_config(fmt, m, n, k, group_size, sm_count, half2=half2, **{**tiles, **over})
+
+
+_TILE_ARGS = ("int4_wide", "int4_rows")  # gemv_config arguments a sweep may give as a dict (a tile)
+
+
+def _frozen(override: dict) -> tuple:
+    """`override` as a cache key: its items sorted, a tile dict as its sorted items."""
+    return tuple(sorted((key, tuple(sorted(v.items())) if isinstance(v, dict) else v) for key, v in override.items()))
 
 
 def counters_for(n: int, device: torch.device | str) -> torch.Tensor:
@@ -644,18 +550,6 @@ if TRITON_AVAILABLE:
         wi = w.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended: bit 31 is the sign
         return ((wi << 20) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
 
-    @triton.jit
-    def sum_splits(part, sq_ptr, offs_m, mask_m, out_mask, M, N, SPLIT_K, total, sq_all, NORM: tl.constexpr):
-        """What the last split of a tile adds up, in split order (the same sum whatever the arrival order): the fp32
-        partials at `part` (this tile's pointers into split 0 of [SPLIT_K, M, N]) into `total`, and (NORM) the sums
-        of x^2 per row at sq_ptr [SPLIT_K, M] into `sq_all`; both passed in as zeros of the shapes wanted (this
-        kernel's tiles are [BM, BN], kernels/int4_mma.py's [BN, BM])."""
-        for sk in range(0, SPLIT_K):
-            total += tl.load(part + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if NORM:
-                sq_all += tl.load(sq_ptr + sk * M + offs_m, mask=mask_m, other=0.0, cache_modifier=".cg")
-        return total, sq_all
-
     @triton.jit(do_not_specialize=["M", "tiles_per_split", "SPLIT_K"])  # one compile per format and tile shape
     def _gemv_kernel(
             x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, r_ptr, nw_ptr, sq_ptr,
@@ -666,19 +560,13 @@ if TRITON_AVAILABLE:
             FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
             NORM: tl.constexpr, F16_DOT: tl.constexpr, X_SCALE: tl.constexpr, CVT_BITS: tl.constexpr,
-            PDL: tl.constexpr = False, PF_LINES: tl.constexpr = 0, PF_STEP: tl.constexpr = 64,
-            LATE_TRIGGER: tl.constexpr = True,
+            PDL: tl.constexpr = False,
             TILE_GROUPS: tl.constexpr = 0,  # int4 / int8g one-row: 0 = the group-tiled form; n >= 1 = dequantized
             # per weight, the K tile as n groups (or one group's slice) of BLOCK_K // n weights, reduced after the loop
-            CUDA_ROWS: tl.constexpr = False,  # int8 / fp8 / dense, BLOCK_M > 1: every row on the CUDA cores, each
-            # weight tile read once for all of them ([BM, BN, BK] sums, reduced after the loop) instead of tl.dot
             HALF2: tl.constexpr = 0,  # int4 one-row words (TILE_GROUPS, CVT_BITS): two weights per instruction in
             # packed fp16 (_int4_half2_word_dot); x scaled by a power of two into fp16's range, 1: per K tile (a
             # max across the program) and zeros per group, 2: per word (the 8 x's of each word, in its threads)
-            HALF2_EMULATE: tl.constexpr = False,  # HALF2 in Triton ops instead of PTX (the interpreter runs no PTX)
-            LOOP_STAGES: tl.constexpr = None):  # the K loop software-pipelined into this many stages (tl.range):
-            # the next tiles' weight loads in flight (async copies) while this tile computes; None: the loop as
-            # before (the kernel's num_stages pipelines only loads feeding tl.dot, so one-row loops are not)
+            HALF2_EMULATE: tl.constexpr = False):  # HALF2 in Triton ops instead of PTX (the interpreter runs no PTX)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -689,22 +577,12 @@ if TRITON_AVAILABLE:
         k_tiles = tl.cdiv(K, BLOCK_K)
         kt_start = pid_k * tiles_per_split
         kt_end = tl.minimum(kt_start + tiles_per_split, k_tiles)
-        if PDL:  # dependent launch (kernels/pdl.py): weights into L2 while the previous kernel drains, then wait
-            if PF_LINES > 0:  # PF_LINES lines of PF_STEP weight elements per row, from this program's first K tile
-                w_row = K // 2 if FMT == 1 else K  # weight elements per row (int4: two values a byte)
-                w_tile = BLOCK_K // 2 if FMT == 1 else BLOCK_K
-                pf_cols = tl.minimum(kt_start * w_tile + tl.arange(0, PF_LINES) * PF_STEP, w_row - 1)  # [PF]
-                pf_rows = tl.minimum(offs_n, N - 1)  # [BN]: clamped, so every address is inside the weight
-                prefetch_l2(w_ptr + pf_rows[:, None].to(tl.int64) * sw_n + pf_cols[None, :])
-            if not LATE_TRIGGER:
-                gdc_launch_dependents()
+        if PDL:  # dependent launch (kernels/pdl.py): wait for the previous kernel before any load
             gdc_wait()  # nothing above reads what an earlier kernel writes, nothing above writes
 
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: x^2 per row and lane, summed after the loop
-        if FMT != 1 and FMT != 4 and CUDA_ROWS:
-            acc2 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # every row: reduced after the loop
-        elif FMT != 1 and FMT != 4 and BLOCK_M == 1:
+        if FMT != 1 and FMT != 4 and BLOCK_M == 1:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # GEMV: reduce over K once, after the loop
         if TILE_GROUPS > 0 and FMT == 1 and CVT_BITS:  # [BN, groups of the tile, 32-bit words of a group in the tile]
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 8], dtype=tl.float32)
@@ -713,7 +591,7 @@ if TRITON_AVAILABLE:
         elif TILE_GROUPS > 0 and BLOCK_M == 1:  # [BN, groups of the tile, weights of a group in the tile]: reduced
             # after the loop (M > 1: the dequantized tile goes to tl.dot, into acc)
             acc3 = tl.zeros([BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS], dtype=tl.float32)
-        for kt in tl.range(kt_start, kt_end, num_stages=LOOP_STAGES):
+        for kt in range(kt_start, kt_end):
             offs_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
             x_mask = mask_m[:, None] & (offs_k < K)[None, :]
             if GLU:  # SwiGLU prologue: x = silu(gate) * up from [gate | up], in fp32, rounded once to x's dtype
@@ -793,7 +671,7 @@ if TRITON_AVAILABLE:
                         w += (z - 8.0 * s)[:, :, None]
                     if BLOCK_M == 1:
                         acc3 += w * tl.reshape(x.to(tl.float32), [1, TILE_GROUPS, BLOCK_K // TILE_GROUPS])
-                    else:  # INT4_WIDE_ROWS: the tile's weights rounded once to x's dtype, on the tensor cores
+                    else:  # int4 rows of whole groups: the weights rounded once to x's dtype, on the tensor cores
                         acc += tl.dot(x, tl.trans(tl.reshape(w, [BLOCK_N, BLOCK_K]).to(x.dtype)),
                                       input_precision=DOT_PRECISION)
             elif FMT == 1 or FMT == 4:  # int4 / int8g: a tile lies in one group (BLOCK_K divides GROUP; K % GROUP == 0)
@@ -823,17 +701,14 @@ if TRITON_AVAILABLE:
             else:  # int8 / fp8 / dense: raw values, the channel scale (not dense) after the loop
                 w = tl.load(w_ptr + offs_n[:, None] * sw_n + offs_k[None, :],
                             mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)  # [BN, BK]
-                if BLOCK_M == 1 or CUDA_ROWS:
+                if BLOCK_M == 1:
                     if CVT_BITS and FMT == 2:
                         wf = _fp8_to_f32_scaled(w)
                     elif CVT_BITS and FMT == 0:
                         wf = _int8_to_f32(w)
                     else:
                         wf = w.to(tl.float32)
-                    if CUDA_ROWS:  # [1, BN, BK] x [BM, 1, BK]: the tile read once, multiplied with every row
-                        acc2 += wf[None, :, :] * x.to(tl.float32)[:, None, :]
-                    else:
-                        acc2 += wf * x.to(tl.float32)
+                    acc2 += wf * x.to(tl.float32)
                 elif F16_DOT:  # int8 / fp8 with 16-bit x: both operands fp16 (one conversion per weight, exact),
                     # x scaled by X_SCALE (a power of two, undone after the loop) so bf16 activations fit fp16's range
                     xh = (x.to(tl.float32) * X_SCALE).to(tl.float16)
@@ -843,7 +718,7 @@ if TRITON_AVAILABLE:
                 else:
                     # widened through fp32: exact, and the interpreter's direct int8 -> bf16 cast reinterprets bits
                     acc += tl.dot(x, tl.trans(w.to(tl.float32).to(x.dtype)), input_precision=DOT_PRECISION)
-        if PDL and LATE_TRIGGER:  # this program's weights are read: the next kernel may take the SM slots we free
+        if PDL:  # this program's weights are read: the next kernel may take the SM slots we free
             gdc_launch_dependents()
         sq = tl.sum(sq2, axis=1)  # [BM]: this split's sum of x^2 per row (NORM)
         if TILE_GROUPS > 0 and BLOCK_M == 1:
@@ -851,11 +726,11 @@ if TRITON_AVAILABLE:
             if FMT == 1 and CVT_BITS and HALF2 == 1:
                 acc += tl.sum(accz, axis=1)[None, :]
         if FMT != 1 and FMT != 4:
-            if BLOCK_M == 1 or CUDA_ROWS:
-                acc = tl.sum(acc2, axis=2) if CUDA_ROWS else tl.sum(acc2, axis=1)[None, :]
+            if BLOCK_M == 1:
+                acc = tl.sum(acc2, axis=1)[None, :]
                 if CVT_BITS and FMT == 2:
                     acc = acc * 1.329227995784916e+36  # 2^120 (FP8_UNBIAS), exact
-            if F16_DOT and BLOCK_M > 1 and not CUDA_ROWS:
+            if F16_DOT and BLOCK_M > 1:
                 acc = acc * (1.0 / X_SCALE)
             if FMT != 3:
                 acc = acc * tl.load(s_ptr + offs_n * ss_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -895,7 +770,7 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
                       counters: torch.Tensor | None = None, *, glu: bool = False,
                       residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                       eps: float = 1e-6, glu_out: bool = False, norm_unit: bool = False,
-                      **override) -> torch.Tensor:
+                      tuning: KernelTuning | str | None = None, **override) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) -> [M, N] in x's dtype, through the Triton kernel. `counters`: a persistent
     `counters_for(N, device)` buffer (zero between calls; allocated here when None, which a captured graph would
     re-zero on every replay: pass one). `override`: entries of `gemv_config` (a benchmark's sweep).
@@ -907,6 +782,7 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
     call (int4, `int4_cuda.glu_out_takes`), else by PyTorch ops after the full output (no residual with it).
     norm_unit: norm_weight is all ones (the norm's weight folded into this weight at quantization), so the one-row
     CUDA GEMV skips reading it; every other path multiplies by the ones as given.
+    tuning: the run's KernelTuning (kernels/tuning.py; None: the defaults), which picks among the int4 paths.
 
     Without `override` the launch goes through the custom op `torch.ops.workbench.quant_gemv`, which torch.compile
     treats as one opaque call (its output shape from a fake implementation): the model around a quantized linear
@@ -916,9 +792,10 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
         counters = counters_for(weight.shape[0], x.device)
     if override:
         return _launch(x, fmt, weight, scale, zero, group_size, counters, glu, residual, norm_weight, eps, glu_out,
-                       norm_unit, **override)
+                       norm_unit, as_tuning(tuning), **override)
+    text = tuning.text if isinstance(tuning, KernelTuning) else tuning or ""  # (traceable: no parsing here)
     return torch.ops.workbench.quant_gemv(x, fmt, weight, scale, zero, group_size or 0, counters, glu, residual,
-                                          norm_weight, eps, glu_out, norm_unit)
+                                          norm_weight, eps, glu_out, norm_unit, text)
 
 
 # `counters` is not declared mutated: the split-K programs bump it and the last one resets it, so it holds zeros
@@ -928,59 +805,56 @@ def quant_gemv_triton(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: to
 def _quant_gemv_op(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None,
                    zero: torch.Tensor | None, group_size: int, counters: torch.Tensor, glu: bool = False,
                    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                   eps: float = 1e-6, glu_out: bool = False, norm_unit: bool = False) -> torch.Tensor:
-    # counters: bumped by the split-K programs and reset to zero by the last one (zero again after every call)
+                   eps: float = 1e-6, glu_out: bool = False, norm_unit: bool = False,
+                   tuning: str = "") -> torch.Tensor:
+    # counters: bumped by the split-K programs and reset to zero by the last one (zero again after every call);
+    # tuning: the KernelTuning as text (a custom op takes no records; parsed once per text)
     return _launch(x, fmt, weight, scale, zero, group_size or None, counters, glu, residual, norm_weight, eps, glu_out,
-                   norm_unit)
+                   norm_unit, as_tuning(tuning))
 
 
 @_quant_gemv_op.register_fake
 def _(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, norm_weight=None, eps=1e-6,
-      glu_out=False, norm_unit=False):
+      glu_out=False, norm_unit=False, tuning=""):
     return x.new_empty(x.shape[0], weight.shape[0] // 2 if glu_out else weight.shape[0])
 
 
-def int4_mma_takes(x, scale, zero, group_size) -> bool:
-    """Whether kernels/int4_mma.py takes this int4 call: 2..INT4_MMA_ROWS rows of 16-bit x, scales and zeros in its
-    dtype, groups of 64+ in multiples of 16 (the rest stay here). The one rule for the dispatch below and for the
-    linears that leave their prologues to PyTorch there (linears.Int4Linear._mma_call)."""
-    return 1 < x.shape[0] <= INT4_MMA_ROWS and x.dtype in (torch.bfloat16, torch.float16) \
+def int4_mma_takes(x, scale, zero, group_size, mma_rows: int = KernelTuning.int4_mma_rows) -> bool:
+    """Whether kernels/int4_mma.py takes this int4 call: 2..mma_rows (KernelTuning.int4_mma_rows) rows of 16-bit x,
+    scales and zeros in its dtype, groups of 64+ in multiples of 16 (the rest stay here). The one rule for the dispatch
+    below and for the linears that leave their prologues to PyTorch there (linears.Int4Linear._mma_call)."""
+    return 1 < x.shape[0] <= mma_rows and x.dtype in (torch.bfloat16, torch.float16) \
         and scale.dtype == x.dtype and zero.dtype == x.dtype and group_size % 16 == 0 and group_size >= 64
 
 
 def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residual=None, norm_weight=None, eps=1e-6,
-            glu_out=False, norm_unit=False, **override) -> torch.Tensor:
+            glu_out=False, norm_unit=False, tuning: KernelTuning = KernelTuning(), **override) -> torch.Tensor:
     x = x.contiguous()
     m, k = x.shape
     k = k // 2 if glu else k
     n = weight.shape[0]
-    if fmt == "int4" and not override and m == 1 and INT4_CUDA:  # needs no triton
-        from . import int4_cuda
+    if fmt == "int4" and not override and m == 1 and tuning.int4_cuda:  # needs no triton
         if int4_cuda.device_problem(x.device) is None and int4_cuda.int4_cuda_takes(x, weight, scale, zero,
                                                                                       group_size, glu) \
-                and (not glu_out or int4_cuda.glu_out_takes(n, k, **(INT4_CUDA_TILE or {}))):
+                and (not glu_out or int4_cuda.glu_out_takes(n, k)):
             try:
                 return int4_cuda.launch_taken(x, weight, scale, zero, group_size, glu=glu, residual=residual,
                                               norm_weight=norm_weight, eps=eps, pdl=use_pdl(x.device),
-                                              glu_out=glu_out, norm_unit=norm_unit, **(INT4_CUDA_TILE or {}))
+                                              glu_out=glu_out, norm_unit=norm_unit)
             except int4_cuda.Int4CudaBuildError as e:  # nothing ran: this device stays in the Triton GEMV below
                 int4_cuda.mark_failed(x.device, e)
     if glu_out:  # not in the CUDA epilogue: the full [gate | up] output, then SwiGLU of its rounded halves
         gate, up = _launch(x, fmt, weight, scale, zero, group_size, counters, glu, residual, norm_weight, eps,
-                           **override).float().chunk(2, dim=-1)
+                           tuning=tuning, **override).float().chunk(2, dim=-1)
         return (F.silu(gate) * up).to(x.dtype)
     if not TRITON_AVAILABLE:
         raise GemvError("quant_kernel 'triton' needs the triton package (a CUDA build of torch ships it): "
                         "choose quant_kernel 'dequant' or 'aten'")
-    if fmt == "int4" and not override and int4_mma_takes(x, scale, zero, group_size):
-        from .int4_mma import int4_mma_gemv
-        return int4_mma_gemv(x, weight, scale, zero, group_size, counters, glu=glu, residual=residual,
+    if fmt == "int4" and not override and int4_mma_takes(x, scale, zero, group_size, tuning.int4_mma_rows):
+        return int4_mma.int4_mma_gemv(x, weight, scale, zero, group_size, counters, glu=glu, residual=residual,
                              norm_weight=norm_weight, eps=eps, pdl=use_pdl(x.device))
     sm = _sm_count(x.device.index if x.device.index is not None else 0) if x.is_cuda else 132
-    cfg = _cached_config(fmt, m, n, k, group_size, sm, tuple(sorted(override.items())),
-                         (NARROW_TILES, WIDE_FP8_WARPS, tuple(sorted(INT4_WIDE_TILES.items()))
-                          if isinstance(INT4_WIDE_TILES, dict) else INT4_WIDE_TILES or False, CUDA_ROWS_MAX,
-                          INT4_HALF2, tuple(sorted(INT4_WIDE_ROWS.items())) if INT4_WIDE_ROWS else None))
+    cfg = _cached_config(fmt, m, n, k, group_size, sm, _frozen(override), tuning.int4_half2)
     tile_groups = 0  # grouped formats: the group-tiled form, or the ELEMENTWISE one with this many groups per K tile
     if fmt in GROUPED and cfg.get("ELEMENTWISE", cfg["BLOCK_K"] > group_size):
         tile_groups = max(1, cfg["BLOCK_K"] // group_size)
@@ -1004,15 +878,8 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         else partials
     f16_dot = cfg.get("F16_DOT", fmt in F16_DOT_FORMATS) and x.dtype != torch.float32 and fmt in ("int8", "fp8")
     pdl = {}
-    if use_pdl(x.device):  # kernels/pdl.py; PREFETCH_TILES weight tiles per program into L2 before the wait
-        w_tile = cfg["BLOCK_K"] // 2 if fmt == "int4" else cfg["BLOCK_K"]
-        step = 128 // weight.element_size()  # weight elements per 128-byte line
-        lines = math.ceil(min(cfg.get("PREFETCH_TILES", PREFETCH_TILES), cfg["tiles_per_split"]) * w_tile / step)
-        pdl = dict(PDL=True, PF_LINES=triton.next_power_of_2(lines) if lines else 0, PF_STEP=step,
-                   LATE_TRIGGER=cfg.get("LATE_TRIGGER", LATE_TRIGGER), launch_pdl=True)
-    loop_stages = cfg.get("LOOP_STAGES", LOOP_STAGES) if cfg["BLOCK_M"] == 1 else None
-    extra = dict(pdl, LOOP_STAGES=int(loop_stages)) if loop_stages else pdl  # passed only when set: the kernel's
-    # default (None) leaves the loop as it was
+    if use_pdl(x.device):  # kernels/pdl.py
+        pdl = dict(PDL=True, launch_pdl=True)
     _gemv_kernel[grid](
         x, weight, scale2, zero2, out, partials, counters, res, nw, sq,
         m, n, k, cfg["tiles_per_split"], float(eps),
@@ -1023,9 +890,8 @@ def _launch(x, fmt, weight, scale, zero, group_size, counters, glu=False, residu
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, RESIDUAL=residual is not None,
         NORM=norm, F16_DOT=f16_dot, X_SCALE=X_SCALE_BF16 if x.dtype == torch.bfloat16 else 1.0,
         CVT_BITS=cvt_bits, TILE_GROUPS=tile_groups, HALF2=half2,
-        HALF2_EMULATE=bool(half2) and os.environ.get("TRITON_INTERPRET", "0") == "1",
-        CUDA_ROWS=bool(cfg.get("CUDA_ROWS", False)) and cfg["BLOCK_M"] > 1,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
+        HALF2_EMULATE=bool(half2) and os.environ.get("TRITON_INTERPRET", "0") == "1",  # interpreter: emulated
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl)
     return out
 
 

@@ -5,7 +5,7 @@
 A measurement kernel, not part of the engine. A GEMV that reads the same bytes in one launch cannot be faster than
 the fastest tile of this kernel (same bytes, no arithmetic on them, nothing written but one word per program), so
 scripts/gpu_gemv.py --parts read times it beside our int4 GEMV and tinygemm on each decoder linear's packed weight:
-what the GEMV loses to its arithmetic and tiling, and what is left to win per linear at all (BENCHMARKS.md 24).
+what the GEMV loses to its arithmetic and tiling, and what is left to win per linear at all.
 
 Each program reads `iters` consecutive blocks of `block` words, the loads unrolled so all of them are in flight
 before the first is used; the grid covers the buffer (the last program masked). The xor keeps every load live

@@ -121,6 +121,8 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("max_ppl_increase_pct", "float", "config", "quality bound of studies: max perplexity increase, %"),
     ColumnSpec("phase_profile", "bool", "config", "per-phase GPU profile asked for (phase_* columns)"),
     ColumnSpec("compare_hf", "bool", "config", "Hugging Face generate() timed too (hf_* columns)"),
+    ColumnSpec("kernel_tuning", "string", "config", "the kernel variants the run ran with, resolved: every "
+               "KernelTuning field as field=value,... (kernels/tuning.py)"),
     *_cols("config", "string", "preset target_path draft_path prompts_source"),
     ColumnSpec("config_json", "string", "config", "the full engine config as JSON"),
     *_cols("metrics", "float", "acceptance_rate mean_accepted_tokens"),
@@ -263,6 +265,8 @@ SERVING_SPECS: list[ColumnSpec] = [
                             "spec_off_queue calibration_repeats"),
     ColumnSpec("prefix_caching", "bool", "config", "full prompt blocks shared between requests"),
     ColumnSpec("gc_freeze", "bool", "config", "Python's heap collected and frozen (gc.freeze) before the measured run"),
+    ColumnSpec("serve_tuning", "string", "config", "how the serving loop ran, resolved: every ServeTuning field as "
+               "field=value,... (workbench/serving/tuning.py)"),
     *_cols("serving", "int", "completed preemptions"),
     *_cols("serving", "float", "duration_s request_throughput output_throughput total_token_throughput goodput "
                                "ttft_ms_mean ttft_ms_p50 ttft_ms_p90 ttft_ms_p99 tpot_ms_mean "

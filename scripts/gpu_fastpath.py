@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_timing import kernel_summary  # noqa: E402
-from workbench.engine import EngineConfig, SpecEngine, graphs  # noqa: E402
+from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.drafters import make_drafter as registry_drafter  # noqa: E402
 from workbench.serving.loop import frozen_gc  # noqa: E402
 
@@ -89,25 +89,20 @@ def timed_generate(engine: SpecEngine, prompts, batch: int) -> tuple[float, list
     return wall, results, [o for r in results for o in r.outputs]
 
 
-CPREFILL = "+cprefill"  # a mode suffix: the captured prompt forwards compiled too (graphs.COMPILE_PREFILL)
+CPREFILL = "+cprefill"  # a mode suffix: the captured prompt forwards compiled too (EngineConfig.compile_prefill)
 
 
 def engine_for(target, draft, method, mode, max_new, batch, timing=False):
-    cfg = EngineConfig(max_new_tokens=max_new, timing=timing, **MODES[mode.removesuffix(CPREFILL)])
-    engine = SpecEngine(target, make_drafter(method, draft), cfg, "cuda")
-    engine.compile_prefill = mode.endswith(CPREFILL)  # read by warm(), where the prefill steps are made
-    return engine
+    cfg = EngineConfig(max_new_tokens=max_new, timing=timing, **MODES[mode.removesuffix(CPREFILL)],
+                       compile_prefill=mode.endswith(CPREFILL))
+    return SpecEngine(target, make_drafter(method, draft), cfg, "cuda")
 
 
 def warm(engine: SpecEngine, prompts, batch: int) -> None:
-    graphs.COMPILE_PREFILL = getattr(engine, "compile_prefill", False)
-    try:
-        engine.reserve(batch, max(len(p) for p in prompts))
-        engine.generate(prompts[:batch])
-        engine.capture_graphs(batch)
-        engine.generate(prompts[:batch])
-    finally:
-        graphs.COMPILE_PREFILL = False
+    engine.reserve(batch, max(len(p) for p in prompts))
+    engine.generate(prompts[:batch])
+    engine.capture_graphs(batch)
+    engine.generate(prompts[:batch])
 
 
 def part_parity(args) -> dict:

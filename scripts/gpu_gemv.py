@@ -20,13 +20,14 @@ tc     : M = 1 on the --configs shapes: gemv_config's CUDA-core tile against ten
 f16    : M > 1 (verify widths): int8 / fp8 tensor-core tiles with fp16 operands against the fp32-widened weight.
 cvt    : M = 1: int8 / fp8 weights widened by integer ops against conversion instructions, and all 256 bytes exact.
 rows   : int4 at verify widths (--rows-ms, default 5) on the --sweep-configs shapes: tinygemm, the one-group tiles
-         and each INT4_WIDE_ROWS tile of the --rows-block-n x --rows-block-k x --rows-warps grid, with parity and
+         and each multi-row tile of whole groups of the --rows-block-n x --rows-block-k x --rows-warps grid (passed
+         per call as gemv_config's int4_rows), with parity and
          the speedup over tinygemm; the fastest parity-clean Triton tile per (shape, M) marked.
 prefill: int4 past GEMV_MAX_ROWS (--prefill-ms, default 64,512) on the --sweep-configs shapes: bf16, tinygemm, kernel
-         "triton" with its weight dequantized by PyTorch ops, by one kernel (kernels/int4_dequant.py, the default) and
-         through the GEMV kernel's tensor-core form with no weight written (linears.INT4_PREFILL_GEMM_ROWS).
+         "triton" with its weight dequantized by one kernel (kernels/int4_dequant.py) and through the GEMV kernel's
+         tensor-core form with no weight written (KernelTuning.int4_prefill_gemm_rows).
 mma    : int4 at 1..16 rows (--mma-ms) on the tensor cores (kernels/int4_mma.py) on the --sweep-configs shapes: a grid
-         of its tiles (--mma-block-n x --mma-warps x --mma-stages x --mma-per-sm x --mma-prefetch) beside bf16,
+         of its tiles (--mma-block-n x --mma-warps x --mma-stages x --mma-per-sm) beside bf16,
          tinygemm and our CUDA-core GEMV, with parity; the best per (shape, M) marked, and per-layer sums.
 read   : one-row int4 on the --sweep-configs shapes against a read-only floor: kernels/stream_read.py streams a buffer
          of the linear's stored int4 bytes (weight, scales, zeros) and of its bf16 bytes in one launch, over a grid of
@@ -35,6 +36,8 @@ read   : one-row int4 on the --sweep-configs shapes against a read-only floor: k
 decode : AR decode at batch 1 of the random 6.7 B (and --decode-configs) through scripts/gpu_quant.py's floor part,
          formats none + {int8,int4,fp8}-triton (quant_kernel "triton"): ms/token, fraction of that format's HBM floor,
          speedup vs bf16.
+Every module runs with --kernel-tuning (kernels/tuning.py; recorded in the env block); variants a part compares are
+passed per call (gemv_config overrides or a KernelTuning), never set on the kernel modules.
 Writes gemv_<part>.json and gemv_<part>.md into --out; one failing row or part is recorded, not fatal.
 CPU smoke test (the kernel runs under the interpreter only: TRITON_INTERPRET=1 with triton installed, else its rows
 record why not):  python scripts/gpu_gemv.py --device cpu --out /tmp/g --configs mini --ms 1,3 --decode-configs mini
@@ -43,11 +46,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -59,10 +62,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_quant import CONFIGS, table  # noqa: E402
 from gpu_timing import graph_us, run_parts  # noqa: E402
-from kernels import quant_gemv  # noqa: E402
 from kernels.quant_gemv import (GEMV_FORMATS, all_byte_values, counters_for, dequantize_weight,  # noqa: E402
                                 quant_gemv_reference,
                                 gemv_config, quant_gemv_triton, triton_problem)
+from kernels.tuning import KernelTuning, format_tuning, parse_tuning  # noqa: E402
 from workbench.engine.quant import linear_shapes, weight_bytes  # noqa: E402
 from workbench.engine.quant.linears import (DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear,  # noqa: E402
                                             fp8_linear_reference)
@@ -109,21 +112,33 @@ def shapes_of(config_names: str) -> list[tuple[str, str, int, int]]:
     return out
 
 
-def modules(fmt: str, k: int, n: int, device, dtype, group_size: int) -> dict[str, nn.Module]:
-    """{"triton": ..., "aten": ...} quant modules of one random [N, K] linear (weights ~ N(0, 0.02))."""
+def modules(fmt: str, k: int, n: int, device, dtype, group_size: int,
+            tuning: KernelTuning = KernelTuning()) -> dict[str, nn.Module]:
+    """{"triton": ..., "aten": ...} quant modules of one random [N, K] linear (weights ~ N(0, 0.02)), each with the
+    run's KernelTuning (as the engine sets it)."""
     lin = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
     nn.init.normal_(lin.weight, std=0.02)
     with torch.no_grad():
         if fmt == "int8":
-            return {"triton": Int8Linear(lin, "triton"), "aten": Int8Linear(lin, "aten" if device.type == "cuda"
+            mods = {"triton": Int8Linear(lin, "triton"), "aten": Int8Linear(lin, "aten" if device.type == "cuda"
                                                                                  else "dequant")}
-        if fmt == "int4":
-            return {"triton": Int4Linear(lin, group_size, "triton"),
-                    "aten": Int4Linear(lin, group_size, "aten")}
-        if fmt == "dense":  # the unquantized weight through the GEMV; its cuBLAS twin is the "bf16" row
-            return {"triton": DenseGemvLinear(lin, "triton")}
-        return {"triton": Fp8Linear(lin, "triton"), **({"aten": Fp8Linear(lin, "aten")} if device.type == "cuda"
-                                                        else {})}
+        elif fmt == "int4":
+            mods = {"triton": Int4Linear(lin, group_size, "triton"), "aten": Int4Linear(lin, group_size, "aten")}
+        elif fmt == "dense":  # the unquantized weight through the GEMV; its cuBLAS twin is the "bf16" row
+            mods = {"triton": DenseGemvLinear(lin, "triton")}
+        else:
+            mods = {"triton": Fp8Linear(lin, "triton"), **({"aten": Fp8Linear(lin, "aten")} if device.type == "cuda"
+                                                            else {})}
+    for mod in mods.values():
+        mod.tuning = tuning
+    return mods
+
+
+def gemv_call(mod: nn.Module, x: torch.Tensor, tuning: KernelTuning | None = None, **override) -> torch.Tensor:
+    """The Triton module's GEMV on x with a compared variant passed per call: gemv_config `override` entries (a sweep's
+    tile or form) and / or a KernelTuning (None: the module's own)."""
+    return quant_gemv_triton(x, mod.fmt if mod.fmt != "none" else "dense", **buffers(mod), counters=mod.gemv_counters,
+                             tuning=tuning or mod.tuning, **override)
 
 
 def buffers(mod: nn.Module) -> dict:
@@ -136,7 +151,7 @@ def buffers(mod: nn.Module) -> dict:
 def tile_case(fmt: str, k: int, n: int, device, args):
     """What a tile sweep of one (format, shape) times at M = 1: the Triton module, its rotating clones, the weight
     bytes one call reads (split-K counters left out) and a one-row input."""
-    mod = modules(fmt, k, n, device, args.dtype, args.int4_group_size)["triton"]
+    mod = modules(fmt, k, n, device, args.dtype, args.int4_group_size, args.tuning)["triton"]
     return (mod, rotating(mod, device), weight_bytes(mod) - mod.gemv_counters.numel() * 4,
             torch.randn(1, k, device=device, dtype=args.dtype))
 
@@ -166,7 +181,7 @@ def part_parity(args, device) -> list[dict]:
     problem = kernel_ok(device)
     for config, name, k, n in shapes_of(args.configs):
         for fmt in args.formats.split(","):
-            mods = modules(fmt, k, n, device, args.dtype, args.int4_group_size)
+            mods = modules(fmt, k, n, device, args.dtype, args.int4_group_size, args.tuning)
             for m in map(int, args.ms.split(",")):
                 row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt)
                 x = torch.randn(m, k, device=device, dtype=args.dtype)
@@ -208,57 +223,43 @@ def part_speed(args, device) -> list[dict]:
             print(json.dumps(rows[-1]), flush=True)
         del bf16, lin
         for fmt in args.formats.split(","):
-            mods = modules(fmt, k, n, device, args.dtype, args.int4_group_size)
+            mods = modules(fmt, k, n, device, args.dtype, args.int4_group_size, args.tuning)
             for kernel, mod in mods.items():
                 if kernel == "triton" and problem:
                     rows.append(dict(config=config, linear=name, format=fmt, kernel=kernel, error=problem))
                     continue
                 clones = rotating(mod, device)
                 nbytes = weight_bytes(mod) - (mod.gemv_counters.numel() * 4 if hasattr(mod, "gemv_counters") else 0)
-                defaults = (quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2, quant_gemv.LOOP_STAGES,
-                            quant_gemv.INT4_WIDE_ROWS)
+                triton_int4 = kernel == "triton" and fmt == "int4"
                 for m in map(int, args.ms.split(",")):
-                    # --cuda-rows N: triton calls of 2..N rows once more in the CUDA-rows form (CUDA_ROWS_MAX);
-                    # --half2-compare: one-row int4 triton calls with packed fp16 words 0 / 1 / 2 (INT4_HALF2);
-                    # --loop-stages-compare N: one-row triton calls with the K loop pipelined N deep (LOOP_STAGES);
-                    # --int4-wide-rows-compare: int4 triton calls of M > 1 in K tiles of whole groups (INT4_WIDE_ROWS)
-                    variants = [defaults]
-                    if kernel == "triton" and 1 < m <= args.cuda_rows:
-                        variants.append((args.cuda_rows, *defaults[1:]))
-                    if kernel == "triton" and fmt == "int4" and m == 1 and args.half2_compare:
-                        variants = [(0, h, defaults[2], defaults[3]) for h in (0, 1, 2)]
-                    if kernel == "triton" and m == 1 and args.loop_stages_compare:
-                        variants += [(r, h, args.loop_stages_compare, w) for r, h, _, w in variants]
-                    if kernel == "triton" and fmt == "int4" and m > 1 and args.int4_wide_rows_compare:
-                        # (the other state of the switch: one group per K tile when it is on, the default)
-                        variants.append((*defaults[:3], None if defaults[3] else dict(quant_gemv.INT4_WIDE_ROWS_TILE)))
-                    for rows_max, half2, stages, wide_rows in variants:
-                        quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2 = rows_max, half2
-                        quant_gemv.LOOP_STAGES, quant_gemv.INT4_WIDE_ROWS = stages, wide_rows
-                        row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt,
-                                   kernel=mod.kernel + ("+rows" if rows_max else "")
-                                   + (f"+h2={half2}" if half2 is not None and kernel == "triton" and fmt == "int4"
-                                      and args.half2_compare else "")
-                                   + (f"+ls{stages}" if stages and kernel == "triton" else "")
-                                   + ("+i4r" if wide_rows and kernel == "triton" and fmt == "int4" and m > 1
-                                      else ""))
+                    # variants as (kernel suffix, KernelTuning or None, gemv_config overrides), each passed per call:
+                    # --half2-compare: one-row int4 triton calls with packed fp16 words 0 / 1 / 2 (int4_half2);
+                    # --int4-wide-rows-compare: int4 triton calls of M > 1 once more in one group per K tile
+                    # (int4_rows False; the default K tiles of whole groups get the suffix "+i4r")
+                    variants = [("+i4r" if triton_int4 and m > 1 else "", None, {})]
+                    if triton_int4 and m == 1 and args.half2_compare:
+                        variants = [(f"+h2={h}", dataclasses.replace(args.tuning, int4_half2=h), {}) for h in (0, 1, 2)]
+                    if triton_int4 and m > 1 and args.int4_wide_rows_compare:
+                        variants.append(("", None, dict(int4_rows=False)))
+                    for suffix, tuning, over in variants:
+                        row = dict(config=config, linear=name, K=k, N=n, M=m, format=fmt, kernel=mod.kernel + suffix)
                         try:
                             x = torch.randn(m, k, device=device, dtype=args.dtype)
-                            us = time_us([lambda c=c: c(x) for c in clones], device, args.replays)
+                            calls = [lambda c=c: c(x) for c in clones] if tuning is None and not over else \
+                                [lambda c=c: gemv_call(c, x, tuning, **over) for c in clones]
+                            us = time_us(calls, device, args.replays)
                             base = next(r["us"] for r in rows if r["format"] == "bf16" and r["config"] == config
                                         and r["linear"] == name and r["M"] == m)
                             row.update(us=us, gb_per_s=nbytes / us / 1e3, speedup_vs_bf16=base / us,
                                        weight_mb=nbytes / 1e6)
                             if kernel == "triton":
-                                cfg = gemv_config(fmt, m, n, k, args.int4_group_size)
+                                cfg = gemv_config(fmt, m, n, k, args.int4_group_size, **over)
                                 row["config_used"] = f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} BK{cfg['BLOCK_K']} " \
-                                    f"split{cfg['SPLIT_K']}" + (" rows" if cfg.get("CUDA_ROWS") else "")
+                                    f"split{cfg['SPLIT_K']}"
                         except Exception as e:  # noqa: BLE001
                             row["error"] = f"{type(e).__name__}: {e}"[:300]
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-                    (quant_gemv.CUDA_ROWS_MAX, quant_gemv.INT4_HALF2, quant_gemv.LOOP_STAGES,
-                     quant_gemv.INT4_WIDE_ROWS) = defaults
                 del clones
             del mods
             if device.type == "cuda":
@@ -336,11 +337,8 @@ def part_tune(args, device) -> list[dict]:
             rows.append(auto_row)
             print(json.dumps(auto_row), flush=True)
             cvts = [{"CVT_BITS": bool(v)} for v in ints(args.tune_cvt_bits)] or [{}]  # [{}]: the format's default
-            if fmt == "int4" and ints(args.tune_half2):  # packed fp16 words (INT4_HALF2) as one more dimension
+            if fmt == "int4" and ints(args.tune_half2):  # packed fp16 words (HALF2) as one more dimension
                 cvts = [{**c, "HALF2": h} for c in cvts for h in ints(args.tune_half2)]
-            if ints(args.tune_loop_stages):  # the K loop pipelined (LOOP_STAGES; 0 = not) as one more dimension
-                cvts = [{**c, **({"LOOP_STAGES": st} if st else {})} for c in cvts
-                        for st in ints(args.tune_loop_stages)]
             for block_n in ints(args.tune_block_n) or (16, 32, 64):
                 for block_k in block_ks:
                     for warps in ints(args.tune_warps) or (4, 8):
@@ -378,7 +376,7 @@ def part_tune(args, device) -> list[dict]:
                 if best.get("tile") != "auto":  # a measured tile for gpu_quant.py --m1-tiles ("+tc" rows)
                     best_tiles[f"{fmt},{n},{k}"] = {key: best[key] for key in ("BLOCK_N", "BLOCK_K", "num_warps",
                                                                                "num_stages", "SPLIT_K", "CVT_BITS",
-                                                                               "HALF2", "LOOP_STAGES")
+                                                                               "HALF2")
                                                     if key in best}
                 print(json.dumps(best), flush=True)
     _write_tiles(args, best_tiles, "gemv_tune_tiles.json")
@@ -442,7 +440,7 @@ def _flag_rows(args, device, flag: str, formats: tuple, ms: list[int]) -> list[d
         return [dict(error=problem)]
     for config, name, k, n in shapes_of(args.configs):
         for fmt in [f for f in args.formats.split(",") if f in formats]:
-            mod = modules(fmt, k, n, device, args.dtype, args.int4_group_size)["triton"]
+            mod = modules(fmt, k, n, device, args.dtype, args.int4_group_size, args.tuning)["triton"]
             clones = rotating(mod, device)
             nbytes = weight_bytes(mod) - mod.gemv_counters.numel() * 4
             for m in ms:
@@ -548,20 +546,18 @@ def layer_sums(rows: list[dict], configs: str, kinds: tuple, tiled: str, ms: lis
 
 def part_rows(args, device) -> list[dict]:
     """int4 above one row (verify widths) on the --sweep-configs shapes, at each of --rows-ms: tinygemm ("aten"), our
-    one-group tiles (INT4_WIDE_ROWS off) and each INT4_WIDE_ROWS tile of the --rows-* grid, each with its max |error|
-    / max |reference| and its speedup over tinygemm; the fastest parity-clean Triton tile per (shape, M) is marked."""
+    one-group tiles (int4_rows False) and each multi-row tile of the --rows-* grid (int4_rows), each with its max
+    |error| / max |reference| and its speedup over tinygemm; the fastest parity-clean Triton tile per (shape, M) is
+    marked."""
     rows = []
     problem = kernel_ok(device)
     if problem:
         return [dict(error=problem)]
     grid = [None] + [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3) for bn in ints(args.rows_block_n)
                      for bk in ints(args.rows_block_k) for w in ints(args.rows_warps)]
-    saved, saved_mma = quant_gemv.INT4_WIDE_ROWS, quant_gemv.INT4_MMA_ROWS
-    quant_gemv.INT4_MMA_ROWS = 0  # the INT4_WIDE_ROWS tiles themselves (verify widths go to int4_mma otherwise;
-    # the mma part times that kernel)
     t_end = time.perf_counter() + args.tune_budget_s
     for config, name, k, n in shapes_of(args.sweep_configs):
-        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size)
+        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size, args.tuning)
         clones = {kind: rotating(mod, device) for kind, mod in mods.items()}
         nbytes = weight_bytes(mods["triton"]) - mods["triton"].gemv_counters.numel() * 4
         for m in ints(args.rows_ms):
@@ -572,22 +568,23 @@ def part_rows(args, device) -> list[dict]:
             for kind, tile in [("aten", None)] + [("triton", t) for t in grid]:
                 if time.perf_counter() > t_end:
                     rows.append(dict(config=config, linear=name, M=m, error="rows budget spent"))
-                    quant_gemv.INT4_WIDE_ROWS, quant_gemv.INT4_MMA_ROWS = saved, saved_mma
                     return rows
-                quant_gemv.INT4_WIDE_ROWS = tile
                 row = dict(config=config, linear=name, K=k, N=n, M=m, kernel=kind,
                            tile="-" if kind == "aten" else "one group" if tile is None else
                            f"{tile['BLOCK_N']}x{tile['BLOCK_K']} w{tile['num_warps']}")
                 try:
                     with torch.no_grad():
-                        got = mods[kind](x).float()
+                        # a Triton tile passed per call (an override: never kernels/int4_mma.py, which the mma part
+                        # times)
+                        calls = [lambda c=c: c(x) for c in clones[kind]] if kind == "aten" else \
+                            [lambda c=c, t=tile: gemv_call(c, x, int4_rows=t or False) for c in clones[kind]]
+                        got = calls[0]().float()
                         row["rel_err"] = ((got - ref).abs().max() / ref_max).item()
-                        row["us"] = time_us([lambda c=c: c(x) for c in clones[kind]], device, args.replays)
+                        row["us"] = time_us(calls, device, args.replays)
                     row["gb_per_s"] = nbytes / row["us"] / 1e3
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 at_m.append(row)
-            quant_gemv.INT4_WIDE_ROWS = saved
             aten = next((r["us"] for r in at_m if r["kernel"] == "aten" and "us" in r), None)
             for r in at_m:
                 if aten and "us" in r:
@@ -596,34 +593,31 @@ def part_rows(args, device) -> list[dict]:
         del mods, clones
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    quant_gemv.INT4_MMA_ROWS = saved_mma
     return rows
 
 
 def part_prefill(args, device) -> list[dict]:
     """int4 calls past GEMV_MAX_ROWS (prefill) on the --sweep-configs shapes, at each of --prefill-ms: bf16 F.linear,
-    tinygemm ("aten"), and kernel "triton" with its weight dequantized by the PyTorch ops ("triton+torch") or by one
-    kernel ("triton+dq", linears.INT4_PREFILL_DEQUANT "triton", the default), or no weight written at
-    all ("triton+gemv": the GEMV kernel's tensor-core form over 16-row tiles, linears.INT4_PREFILL_GEMM_ROWS), each
-    with its max |error| / max |reference| and its speedup over bf16."""
-    import workbench.engine.quant.linears as linears
-
-    rows, saved, saved_rows = [], linears.INT4_PREFILL_DEQUANT, linears.INT4_PREFILL_GEMM_ROWS
+    tinygemm ("aten"), and kernel "triton" with its weight dequantized by one kernel ("triton+dq",
+    kernels/int4_dequant.py) or no weight written at all ("triton+gemv": the GEMV kernel's tensor-core form over
+    16-row tiles, KernelTuning.int4_prefill_gemm_rows), each with its max |error| / max |reference| and its speedup
+    over bf16."""
+    rows = []
     for config, name, k, n in shapes_of(args.sweep_configs):
         lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
         nn.init.normal_(lin.weight, std=0.02)
-        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size)
+        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size, args.tuning)
         clones = {"bf16": rotating(lin, device), **{kind: rotating(mod, device) for kind, mod in mods.items()}}
         for m in ints(args.prefill_ms):
             x = torch.randn(m, k, device=device, dtype=args.dtype)
             ref = x.float() @ dequantize_weight("int4", **buffers(mods["triton"])).T
             base = None
-            for kind, how in (("bf16", None), ("aten", None), ("triton", "torch"), ("triton", "triton"),
-                              ("triton", "gemv")):
-                linears.INT4_PREFILL_DEQUANT = how if how in ("torch", "triton") else saved
-                linears.INT4_PREFILL_GEMM_ROWS = m if how == "gemv" else saved_rows
-                row = dict(config=config, linear=name, K=k, N=n, M=m,
-                           kernel=kind + (f"+{dict(triton='dq').get(how, how)}" if how else ""))
+            for kind, how in (("bf16", None), ("aten", None), ("triton", "dq"), ("triton", "gemv")):
+                row = dict(config=config, linear=name, K=k, N=n, M=m, kernel=kind + (f"+{how}" if how else ""))
+                # the GEMV row: the modules' tuning with this M under int4_prefill_gemm_rows (as a run would set it)
+                tuning = dataclasses.replace(args.tuning, int4_prefill_gemm_rows=m if how == "gemv" else 0)
+                for c in [mods[kind]] + clones[kind] if kind == "triton" else ():
+                    c.tuning = tuning
                 try:
                     with torch.no_grad():
                         if kind != "bf16":
@@ -633,7 +627,6 @@ def part_prefill(args, device) -> list[dict]:
                     row["speedup_vs_bf16"] = base / row["us"]
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
-                linears.INT4_PREFILL_DEQUANT, linears.INT4_PREFILL_GEMM_ROWS = saved, saved_rows
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del mods, clones, lin
@@ -653,7 +646,7 @@ def part_read(args, device) -> list[dict]:
     for config, name, k, n in shapes_of(args.sweep_configs):
         lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
         nn.init.normal_(lin.weight, std=0.02)
-        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size)
+        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size, args.tuning)
         int4_bytes = weight_bytes(mods["triton"]) - mods["triton"].gemv_counters.numel() * 4
         x = torch.randn(1, k, device=device, dtype=args.dtype)
         base = dict(config=config, linear=name, K=k, N=n, M=1)
@@ -729,13 +722,13 @@ def part_mma(args, device) -> list[dict]:
     rows, problem = [], kernel_ok(device)
     if problem:
         return [dict(error=problem)]
-    grid = [dict(BLOCK_N=bn, num_warps=w, num_stages=st, programs_per_sm=ps, PREFETCH=bool(pf))
+    grid = [dict(BLOCK_N=bn, num_warps=w, num_stages=st, programs_per_sm=ps)
             for bn in ints(args.mma_block_n) for w in ints(args.mma_warps) for st in ints(args.mma_stages)
-            for ps in ints(args.mma_per_sm) for pf in ints(args.mma_prefetch) if not (bn >= 256 and w < 8)]
+            for ps in ints(args.mma_per_sm) if not (bn >= 256 and w < 8)]
     for config, name, k, n in shapes_of(args.sweep_configs):
         lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
         nn.init.normal_(lin.weight, std=0.02)
-        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size)
+        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size, args.tuning)
         clones = {"bf16": rotating(lin, device), **{kind: rotating(mod, device) for kind, mod in mods.items()}}
         nbytes = weight_bytes(mods["triton"]) - mods["triton"].gemv_counters.numel() * 4
         counters = counters_for(n, device)
@@ -747,8 +740,7 @@ def part_mma(args, device) -> list[dict]:
             for kind, tile in [("bf16", None), ("aten", None), ("triton", None)] + [("mma", t) for t in grid]:
                 row = dict(config=config, linear=name, K=k, N=n, M=m, kernel=kind,
                            tile="-" if tile is None else
-                           f"{tile['BLOCK_N']} w{tile['num_warps']} s{tile['num_stages']} ps{tile['programs_per_sm']}"
-                           + (" pf" if tile["PREFETCH"] else ""))
+                           f"{tile['BLOCK_N']} w{tile['num_warps']} s{tile['num_stages']} ps{tile['programs_per_sm']}")
                 try:
                     with torch.no_grad():
                         if kind == "mma":
@@ -785,16 +777,6 @@ def fusion_inputs(fusion: str, k: int, n: int, device, dtype) -> tuple[torch.Ten
                    residual=torch.randn(1, n, device=device, dtype=dtype) if "residual" in fusion else None)
 
 
-@contextmanager
-def triton_gemv_only():
-    """One-row int4 calls in the Triton GEMV itself for the body (they go to kernels/int4_cuda.py by default)."""
-    saved, quant_gemv.INT4_CUDA = quant_gemv.INT4_CUDA, False
-    try:
-        yield
-    finally:
-        quant_gemv.INT4_CUDA = saved
-
-
 MODEL_FUSION = {"qkv_proj": "norm", "gate_up_proj": "norm", "o_proj": "residual", "down_proj": "glu+residual"}  # the
 # fusions the model's linears take under gemv_fusion norm+glu+residual (gpu_quant's "+all")
 
@@ -802,13 +784,13 @@ MODEL_FUSION = {"qkv_proj": "norm", "gate_up_proj": "norm", "o_proj": "residual"
 def part_cuda(args, device) -> list[dict]:
     """One-row int4 in CUDA C++ (kernels/int4_cuda.py) on the --sweep-configs shapes: bf16 F.linear, tinygemm
     ("aten"), our Triton GEMV ("triton", its default tile, through the module as the model calls it, with
-    quant_gemv.INT4_CUDA off for it, so its "triton" rows are the Triton GEMV's, not the CUDA kernel's) and each int4_cuda tile of the --cuda-rows x --cuda-unroll x --cuda-warps x --cuda-wps x --cuda-pipe x
-    --cuda-minb grid (or --cuda-tiles), with and without PDL (--cuda-pdl; with --cuda-model-fusion the Triton and
-    CUDA rows take each linear's fusion as the model calls it), each with max |error| / max |reference| and its
-    speedup over the GEMV and bf16; the fastest parity-clean tile per shape is marked. Then each fusion (RMSNorm
-    prologue, SwiGLU prologue, residual epilogue) against quant_gemv_reference with the same fusion, timed with the
-    shape's best tile beside the plain call and the Triton GEMV with that fusion; and one "layer" row per kernel
-    summing its best."""
+    KernelTuning.int4_cuda off for it, so the Triton kernel itself is timed) and each int4_cuda tile of the
+    --cuda-rows-per-warp x --cuda-unroll x --cuda-warps x --cuda-wps x --cuda-pipe x --cuda-minb grid (or --cuda-tiles),
+    with and without PDL (--cuda-pdl; with --cuda-model-fusion the Triton and CUDA rows take each linear's fusion as the
+    model calls it), each with max |error| / max |reference| and its speedup over the GEMV and bf16; the fastest
+    parity-clean tile per shape is marked. Then each fusion (RMSNorm prologue, SwiGLU prologue, residual epilogue)
+    against quant_gemv_reference with the same fusion, timed with the shape's best tile beside the plain call and the
+    Triton GEMV with that fusion; and one "layer" row per kernel summing its best."""
     from kernels.int4_cuda import cuda_problem, int4_cuda_gemv, parse_tile, tile_label
 
     rows, problem = [], kernel_ok(device) or cuda_problem(device)
@@ -821,11 +803,14 @@ def part_cuda(args, device) -> list[dict]:
     if args.cuda_tiles:  # an explicit list instead of the grid
         grid = [dict(parse_tile(t)) for t in args.cuda_tiles.split(";")]
     pdls = [bool(p) for p in ints(args.cuda_pdl)]
+    triton_only = dataclasses.replace(args.tuning, int4_cuda=False)
     for config, name, k, n in shapes_of(args.sweep_configs):
         lin = nn.Linear(k, n, bias=False, device=device, dtype=args.dtype)
         nn.init.normal_(lin.weight, std=0.02)
-        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size)
+        mods = modules("int4", k, n, device, args.dtype, args.int4_group_size, args.tuning)
         clones = {"bf16": rotating(lin, device), **{kind: rotating(mod, device) for kind, mod in mods.items()}}
+        for c in clones["triton"]:  # "triton": the Triton GEMV itself (one-row int4 goes to the CUDA kernel otherwise)
+            c.tuning = triton_only
         nbytes = weight_bytes(mods["triton"]) - mods["triton"].gemv_counters.numel() * 4
         x = torch.randn(1, k, device=device, dtype=args.dtype)
         ref = x.float() @ dequantize_weight("int4", **buffers(mods["triton"])).T
@@ -844,7 +829,7 @@ def part_cuda(args, device) -> list[dict]:
             if fused:
                 row["fusion"] = MODEL_FUSION[name]
             try:
-                with torch.no_grad(), triton_gemv_only():  # "triton": the Triton GEMV itself
+                with torch.no_grad():
                     if kind == "cuda":
                         calls = [lambda c=c, t=tile, p=pdl: int4_cuda_gemv(xin if fused else x, c.weight, c.scale,
                                                                            c.zero, c.group_size, pdl=p,
@@ -852,7 +837,7 @@ def part_cuda(args, device) -> list[dict]:
                                  for c in clones["triton"]]
                     elif fused:
                         calls = [lambda c=c: quant_gemv_triton(xin, "int4", c.weight, c.scale, c.zero, c.group_size,
-                                                               c.gemv_counters, **fusion_kw)
+                                                               c.gemv_counters, tuning=triton_only, **fusion_kw)
                                  for c in clones["triton"]]
                     else:
                         calls = [lambda c=c: c(x) for c in clones[kind]]
@@ -891,11 +876,10 @@ def part_cuda(args, device) -> list[dict]:
                     row["us_plain"] = time_us([lambda c=c: int4_cuda_gemv(x, c.weight, c.scale, c.zero,
                                                                           c.group_size, pdl=True, **best_tile)
                                                for c in clones["triton"]], device, args.replays)
-                    with triton_gemv_only():
-                        row["triton_us"] = time_us([lambda c=c: quant_gemv_triton(xin, "int4", c.weight, c.scale,
-                                                                                  c.zero, c.group_size,
-                                                                                  c.gemv_counters, **kw)
-                                                    for c in clones["triton"]], device, args.replays)
+                    row["triton_us"] = time_us([lambda c=c: quant_gemv_triton(xin, "int4", c.weight, c.scale,
+                                                                              c.zero, c.group_size, c.gemv_counters,
+                                                                              tuning=triton_only, **kw)
+                                                for c in clones["triton"]], device, args.replays)
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             print(json.dumps(row), flush=True)
@@ -934,9 +918,7 @@ def main() -> None:
     ap.add_argument("--tune-cvt-bits", default="", help="tune part: CVT_BITS values, e.g. 0,1 (default: the format's "
                     "own; int4 reads it in K tiles of whole groups only)")
     ap.add_argument("--tune-half2", default="", help="tune part: int4's HALF2 values (packed fp16 words), e.g. 0,1,2 "
-                    "(default: the module's INT4_HALF2)")
-    ap.add_argument("--tune-loop-stages", default="", help="tune part: LOOP_STAGES values (the K loop software-"
-                    "pipelined; 0 = not), e.g. 0,3")
+                    "(default: the rule's)")
     ap.add_argument("--tune-splits", default="", help="tune part: SPLIT_K values (default 1 and gemv_config's)")
     ap.add_argument("--decode-extra", default="", help="more gpu_quant formats to decode beside none and the triton "
                     "ones, comma-separated (e.g. int4 = tinygemm, fp8 = _scaled_mm; BENCHMARKS 8.4 has them)")
@@ -944,21 +926,10 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(f for f in GEMV_FORMATS if f != "int8g"))
     ap.add_argument("--ms", default="1,4,9", help="activation rows M")
     ap.add_argument("--int4-group-size", type=int, default=128)
-    ap.add_argument("--int4-wide-tiles", default="", help="JSON gemv_config tiles for one-row int4 calls with K tiles "
-                    "of whole groups, set as kernels.quant_gemv.INT4_WIDE_TILES for every part (parity, speed, "
-                    "decode), e.g. '{\"BLOCK_N\": 32, \"BLOCK_K\": 512, \"num_warps\": 8, \"num_stages\": 3}'; "
-                    "default: the module's measured rule (INT4_WIDE_TILES True)")
-    ap.add_argument("--cuda-rows", type=int, default=0, help="speed part: also time the triton calls of 2..N rows in "
-                    "the CUDA-rows form (quant_gemv.CUDA_ROWS_MAX = N; dense linears take cuBLAS above one row without "
-                    "it)")
-    ap.add_argument("--int4-half2", type=int, default=None, help="one-row int4 words in packed fp16 arithmetic "
-                    "(kernels.quant_gemv.INT4_HALF2: 1 a scale per K tile, 2 per word) for every part")
+    ap.add_argument("--kernel-tuning", default="", help="the KernelTuning every module runs with, field=value,... "
+                    "(kernels/tuning.py, e.g. int4_half2=1 or int4_cuda=0; empty: the defaults)")
     ap.add_argument("--half2-compare", action="store_true", help="speed part: one-row int4 triton calls timed "
-                    "with INT4_HALF2 0, 1 and 2 (kernels 'triton', 'triton+h2=1', 'triton+h2=2')")
-    ap.add_argument("--loop-stages", type=int, default=None, help="one-row calls' K loop software-pipelined this "
-                    "deep (kernels.quant_gemv.LOOP_STAGES) for every part")
-    ap.add_argument("--loop-stages-compare", type=int, default=0, help="speed part: one-row triton calls timed "
-                    "once more with LOOP_STAGES = N (kernel suffix '+lsN')")
+                    "with int4_half2 0, 1 and 2 (kernels 'triton+h2=0', 'triton+h2=1', 'triton+h2=2')")
     ap.add_argument("--rows-ms", default="5", help="rows part: activation rows M (verify widths)")
     ap.add_argument("--prefill-ms", default="64,512", help="prefill part: activation rows M (prompt tokens)")
     ap.add_argument("--read-blocks", default="256,512,1024,2048", help="read part: stream_read block (words)")
@@ -969,8 +940,6 @@ def main() -> None:
     ap.add_argument("--mma-warps", default="4,8", help="mma part: int4_mma num_warps values")
     ap.add_argument("--mma-stages", default="2,3,4", help="mma part: int4_mma num_stages values")
     ap.add_argument("--mma-per-sm", default="1,2,4", help="mma part: programs per SM the split aims at")
-    ap.add_argument("--mma-prefetch", default="0", help="mma part: int4_mma PREFETCH values (1: each group's "
-                    "activations, scales and zeros loaded an iteration ahead)")
     ap.add_argument("--cuda-rows-per-warp", default="2,4", help="cuda part: int4_cuda ROWS (rows per warp) values")
     ap.add_argument("--cuda-unroll", default="2,4", help="cuda part: int4_cuda UNROLL (16-byte chunks per lane per "
                     "row per step) values")
@@ -986,14 +955,13 @@ def main() -> None:
                     "each linear's fusion as the model calls it (MODEL_FUSION: q/k/v and gate/up the RMSNorm "
                     "prologue, o the residual, down SwiGLU + residual), so the best tile is the best fused one")
     ap.add_argument("--cuda-pdl", default="1", help="cuda part: launch with PDL (1), without (0), or both (0,1)")
-    ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: INT4_WIDE_ROWS BLOCK_N values")
-    ap.add_argument("--rows-block-k", default="256,512", help="rows part: INT4_WIDE_ROWS BLOCK_K values")
-    ap.add_argument("--rows-warps", default="4,8", help="rows part: INT4_WIDE_ROWS num_warps values")
+    ap.add_argument("--rows-block-n", default="32,64,128", help="rows part: multi-row int4 tile BLOCK_N values")
+    ap.add_argument("--rows-block-k", default="256,512", help="rows part: multi-row int4 tile BLOCK_K values")
+    ap.add_argument("--rows-warps", default="4,8", help="rows part: multi-row int4 tile num_warps values")
     ap.add_argument("--int4-wide-rows-compare", action="store_true", help="speed part: int4 triton calls of M > 1 "
-                    "timed once more with kernels.quant_gemv.INT4_WIDE_ROWS in its other state (K tiles of whole "
-                    "groups on the tensor cores, kernel suffix '+i4r', is the default; one group per K tile, no "
-                    "suffix, when the env WORKBENCH_INT4_WIDE_ROWS=0 did not already turn it off); sets "
-                    "kernels.quant_gemv.INT4_MMA_ROWS 0 for the run, so those calls stay in that kernel")
+                    "timed in the default form (K tiles of whole groups on the tensor cores, kernel suffix '+i4r') "
+                    "and once more with one group per K tile (no suffix); runs with int4_mma_rows=0, so those calls "
+                    "stay in that kernel")
     ap.add_argument("--parity-rtol", type=float, default=2 ** -7, help="max |err| / max |ref| that counts as ok")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -1002,20 +970,14 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     args.dtype = torch.bfloat16
-    if args.int4_wide_tiles:
-        quant_gemv.INT4_WIDE_TILES = json.loads(args.int4_wide_tiles)
-    if args.int4_half2 is not None:
-        quant_gemv.INT4_HALF2 = args.int4_half2
-    if args.loop_stages:
-        quant_gemv.LOOP_STAGES = args.loop_stages
-    if args.int4_wide_rows_compare:  # the two INT4_WIDE_ROWS states themselves, not int4_mma's verify widths
-        quant_gemv.INT4_MMA_ROWS = 0
+    args.tuning = parse_tuning(args.kernel_tuning)
+    if args.int4_wide_rows_compare:  # the two multi-row forms themselves, not int4_mma's verify widths
+        args.tuning = dataclasses.replace(args.tuning, int4_mma_rows=0)
     torch.manual_seed(0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "int4_wide_tiles": quant_gemv.INT4_WIDE_TILES,
-           "int4_half2": quant_gemv.INT4_HALF2, "loop_stages": quant_gemv.LOOP_STAGES}
+           "torch": torch.__version__, "kernel_tuning": format_tuning(args.tuning)}
     try:
         import triton
         env["triton"] = triton.__version__

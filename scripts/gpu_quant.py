@@ -23,6 +23,7 @@ CPU smoke test: --device cpu --floor-configs mini --formats none,int8,int4 --pre
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -42,11 +43,9 @@ from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.drafters import make_drafter  # noqa: E402
 from workbench.engine.quant import check_quant, norms_folded, quantize_model, set_fusion  # noqa: E402
 from kernels.pdl import pdl_problem, set_pdl  # noqa: E402
-from kernels import int4_cuda, paged_attention, quant_gemv  # noqa: E402
 from kernels.quant_gemv import set_m1_tiles  # noqa: E402
-from workbench.engine import kv_cache  # noqa: E402
-from workbench.engine import quant  # noqa: E402
-from workbench.engine.quant import linears  # noqa: E402
+from kernels.tuning import format_tuning, parse_tuning  # noqa: E402
+from workbench.engine.quant import apply_kernel_tuning  # noqa: E402
 
 CONFIGS = {**RANDOM_CONFIGS, "mini": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2)}  # CPU smoke test only
@@ -64,73 +63,17 @@ FUSIONS = {"": "off", "res": "residual", "glu": "glu+residual", "norm": "norm+re
 # and "+tc": this row's one-row GEMVs take the measured tiles of --m1-tiles (other rows keep gemv_config's table);
 # "+pdl": this row's Triton kernels (GEMVs, K/V write, attention) are launched with programmatic dependent launch
 # (kernels/pdl.py), and its greedy tokens are compared with the same row without "+pdl" (run that row first);
-# "+pdl0": the same with no weight prefetch before the GEMVs' wait (quant_gemv.PREFETCH_TILES = 0); "+pdle": the GEMVs
-# let the next kernel launch first thing instead of after their K loop (quant_gemv.LATE_TRIGGER = False);
-# "@MODE" at the very end runs the format in that floor mode only (e.g. none@graphs+max-autotune+overlap)
-
-
-# "+rope" / "+norope": RoPE folded into the K/V write and attention's q load or not (kv_cache.FUSE_ROPE; without either
-# the module's default, on);
-# "+fc" / "+nofc": attention combines its splits in the last split / in a combine launch (paged_attention.FUSE_COMBINE;
-# without either the module's default).
-# "+tile16": one-row dense / fp8 GEMVs with N < 8192 keep the 16-row tiles of the 6.7 B sweep instead of the 8-row
-# tiles of the 1.45 B one (quant_gemv.NARROW_TILES, on by default); "+fw4": fp8's 32-row tiles (N >= 8192)
-# with 4 warps instead of 8 (quant_gemv.WIDE_FP8_WARPS). "+i4g": one-row int4 GEMVs keep the group-tiled 64 x g tiles
-# (quant_gemv.INT4_WIDE_TILES False) instead of the measured K tiles of whole groups (on by default);
-# "+rows8": calls of 2..8 rows (verify widths) in the GEMVs' CUDA-rows form (quant_gemv.CUDA_ROWS_MAX = 8).
-# "+h2" / "+h2w" / "+h20": one-row int4 words in packed fp16 arithmetic, two weights per instruction, x scaled per K
-# tile / per word, or fp32 words, for every tile (quant_gemv.INT4_HALF2 = 1 / 2 / 0; without them each tile's own:
-# the rule's); "+i4e3" / "+i4f2": one-row int4 tiles by the older "e3" / "f2" rules (quant_gemv.INT4_WIDE_TILES
-# = "e3" / "f2");
-# "+ls3": one-row GEMVs' K loop software-pipelined 3 deep (quant_gemv.LOOP_STAGES = 3); "+i4r": int4 calls of M > 1
-# (verify widths, prefill) in K tiles of whole groups on the tensor cores (quant_gemv.INT4_WIDE_ROWS; the default,
-# so "+i4r" only restates it) and "+i4r0": one group per K tile (INT4_WIDE_ROWS None, the old default).
-# "+dq": int4 (kernel "triton") prompts past GEMV_MAX_ROWS dequantize the weight in one Triton kernel
-# (linears.INT4_PREFILL_DEQUANT = "triton", kernels/int4_dequant.py; the default, so "+dq" only restates
-# it) and "+dqt": by six PyTorch ops (the old default); "+pg": through the GEMV kernel's tensor-core form, no weight
-# written (linears.INT4_PREFILL_GEMM_ROWS, off by default); every row records its
-# prefill (`prefill_ms_median`: the prompt's forward to its first token, as generate times it). "+mma0": int4 calls of
-# 2..16 rows (verify widths) stay in kernels/quant_gemv.py instead of kernels/int4_mma.py (quant_gemv.INT4_MMA_ROWS 0).
-# Each such suffix sets module switches for its row only, {(module, attribute): value}; the defaults come back after it.
-# "+cu": one-row int4 calls in CUDA C++ (kernels/int4_cuda.py, quant_gemv.INT4_CUDA) with each shape's rule tile
-# (int4_cuda.int4_cuda_tile; the default, so "+cu" only restates it); "+cu0": in the Triton GEMV instead; "+cuXY": with tile entries replaced for
-# every shape (CUDA_ROWS_TILES; "+cug": the rule's tiles with as many blocks per SM as fit, each looping over row
-# groups); "+cub": each shape's best tile of a sweep (--int4-cuda-best).
-CUDA_ROWS_TILES = {"cu": None, "cus1": dict(WORDS_PER_SUM=1), "cus2": dict(WORDS_PER_SUM=2), "cur2": dict(ROWS=2),
-                   "cuu2": dict(UNROLL=2), "cuw8": dict(WARPS=8), "cur2w8": dict(ROWS=2, WARPS=8),
-                   "cup": dict(PIPE=1), "cug": dict(PERSIST=8)}
-CUB_TABLE: dict = {}  # "+cub": each shape's best tile of a gpu_gemv --parts cuda sweep (--int4-cuda-best), filled
-# in place
-ROW_SWITCHES = {"pdl": {}, "pdl0": {(quant_gemv, "PREFETCH_TILES"): 0}, "pdle": {(quant_gemv, "LATE_TRIGGER"): False},
-                "rope": {(kv_cache, "FUSE_ROPE"): True}, "norope": {(kv_cache, "FUSE_ROPE"): False},
-                "fc": {(paged_attention, "FUSE_COMBINE"): True}, "nofc": {(paged_attention, "FUSE_COMBINE"): False},
-                "tile16": {(quant_gemv, "NARROW_TILES"): False}, "fw4": {(quant_gemv, "WIDE_FP8_WARPS"): 4},
-                "i4g": {(quant_gemv, "INT4_WIDE_TILES"): False}, "rows8": {(quant_gemv, "CUDA_ROWS_MAX"): 8},
-                "h2": {(quant_gemv, "INT4_HALF2"): 1}, "h2w": {(quant_gemv, "INT4_HALF2"): 2},
-                "h20": {(quant_gemv, "INT4_HALF2"): 0}, "i4e3": {(quant_gemv, "INT4_WIDE_TILES"): "e3"},
-                "i4f2": {(quant_gemv, "INT4_WIDE_TILES"): "f2"},
-                "ls3": {(quant_gemv, "LOOP_STAGES"): 3},
-                "i4r": {(quant_gemv, "INT4_WIDE_ROWS"): dict(quant_gemv.INT4_WIDE_ROWS_TILE)},
-                "i4r0": {(quant_gemv, "INT4_WIDE_ROWS"): None},
-                "dq": {(linears, "INT4_PREFILL_DEQUANT"): "triton"},
-                "dqt": {(linears, "INT4_PREFILL_DEQUANT"): "torch"},
-                "pg": {(linears, "INT4_PREFILL_GEMM_ROWS"): 1 << 20},
-                "mma0": {(quant_gemv, "INT4_MMA_ROWS"): 0},
-                **{name: {(quant_gemv, "INT4_CUDA"): True, (quant_gemv, "INT4_CUDA_TILE"): tile}
-                   for name, tile in CUDA_ROWS_TILES.items()},
-                "cub": {(quant_gemv, "INT4_CUDA"): True, (int4_cuda, "MEASURED_TILES"): CUB_TABLE},
-                "cu0": {(quant_gemv, "INT4_CUDA"): False},
-                # "+kvhN": the K/V write with N KV heads per program (paged_attention.KV_WRITE_HEADS; without it the
-                # module's default)
-                **{f"kvh{n}": {(paged_attention, "KV_WRITE_HEADS"): n} for n in (1, 2, 4, 8)},
-                # "+ge" / "+ge0": a one-row int4 gate/up writes silu(gate) * up from the CUDA GEMV's epilogue
-                # (linears.INT4_GLU_EPILOGUE), so down reads h with no SwiGLU prologue; the row records
-                # glu_out_rel_err (layer 0's gate/up against the reference's full output, then SwiGLU in fp32)
-                "ge": {(linears, "INT4_GLU_EPILOGUE"): True}, "ge0": {(linears, "INT4_GLU_EPILOGUE"): False},
-                # "+fn" / "+fn0": int4 quantizes q/k/v and gate/up with the RMSNorm weights folded in, so the one-row
-                # CUDA GEMV's norm prologue reads no weight (quant.FOLD_NORMS, the default), or as loaded
-                "fn": {(quant, "FOLD_NORMS"): True}, "fn0": {(quant, "FOLD_NORMS"): False}}
-PDL_SWITCHES = ("pdl", "pdl0", "pdle")  # the suffixes that launch the row with PDL
+# "@MODE" at the very end runs the format in that floor mode only (e.g. none@graphs+max-autotune+overlap).
+# Kernel variants a row compares are KernelTuning fields (kernels/tuning.py) on top of --kernel-tuning, recorded in the
+# row's `kernel_tuning`: "+h2" / "+h2w" / "+h20": one-row int4 words in packed fp16 arithmetic with a scale per K tile /
+# per word, or fp32 words, for every tile (int4_half2 1 / 2 / 0; without them each tile's own); "+pg": int4 prompts
+# through the GEMV kernel's tensor-core form, no weight written (int4_prefill_gemm_rows); "+mma0": int4 verify widths
+# stay in kernels/quant_gemv.py instead of kernels/int4_mma.py (int4_mma_rows 0); "+cu0": one-row int4 in the Triton
+# GEMV instead of the CUDA C++ one (int4_cuda 0; "+cu" restates the default).
+ROW_TUNING = {"pdl": {}, "h2": dict(int4_half2=1), "h2w": dict(int4_half2=2), "h20": dict(int4_half2=0),
+              "pg": dict(int4_prefill_gemm_rows=1 << 20), "mma0": dict(int4_mma_rows=0),
+              "cu": dict(int4_cuda=True), "cu0": dict(int4_cuda=False)}
+PDL_SWITCHES = ("pdl",)  # the suffixes that launch the row with PDL
 # "+qh": the LM head quantized too, in the row's format (quantize_model(head=True), the knob quant_head): a different
 # model, so it stays in the row's plain name (its tokens are compared with rows of the same "+qh" only); the row
 # records the head's error against its dequantized weight in fp32 (head_rel_err)
@@ -143,10 +86,11 @@ def parse_format(spec: str) -> tuple[str, str, bool, str | None, bool]:
     spec, _, only_mode = spec.partition("@")
     base, *parts = spec.split("+")
     tc, pdl = "tc" in parts, any(p in PDL_SWITCHES for p in parts)
-    fusions = [p for p in parts if p not in ("tc", "qh") and p not in ROW_SWITCHES]
+    fusions = [p for p in parts if p not in ("tc", "qh") and p not in ROW_TUNING]
     if base not in FORMAT_KERNELS or len(fusions) > 1 or (fusions and fusions[0] not in FUSIONS):
         raise SystemExit(f"format {spec!r}: a name of {sorted(FORMAT_KERNELS)}, then at most one of "
-                         f"{['+' + f for f in FUSIONS if f]}, '+tc', '+qh', '+pdl', '@MODE'")
+                         f"{['+' + f for f in FUSIONS if f]}, '+tc', '+qh', then any of "
+                         f"{['+' + t for t in ROW_TUNING]}, '@MODE'")
     return base, FUSIONS[fusions[0] if fusions else ""], tc, only_mode or None, pdl
 
 
@@ -193,48 +137,46 @@ def part_floor(args, device: torch.device) -> list[dict]:
         bf16_tokens: dict[str, list[int]] = {}
         row_tokens: dict[tuple[str, str], tuple[str, list[int]]] = {}  # (format without row switches, mode) ->
         # (the first such row's format, its greedy tokens)
-        defaults = {key: getattr(*key) for switch in ROW_SWITCHES.values() for key in switch}
         for fmt_spec in args.formats.split(","):
             base_name, fusion, tc, only_mode, pdl = parse_format(fmt_spec)
             fmt_name = fmt_spec.partition("@")[0]
-            plain_name = "+".join(p for p in fmt_name.split("+") if p not in ROW_SWITCHES)  # the same model
-            switches = {key: v for p in fmt_name.split("+") if p in ROW_SWITCHES for key, v in ROW_SWITCHES[p].items()}
+            plain_name = "+".join(p for p in fmt_name.split("+") if p not in ROW_TUNING)  # the same model
+            tuning = dataclasses.replace(args.tuning, **{field: v for p in fmt_name.split("+") if p in ROW_TUNING
+                                                         for field, v in ROW_TUNING[p].items()})
             fmt, kernel = FORMAT_KERNELS[base_name]
             head = "qh" in fmt_name.split("+")
             for mode in [only_mode] if only_mode else args.floor_modes.split(","):
-                row = {"config": name, "format": fmt_name, "mode": mode}
+                row = {"config": name, "format": fmt_name, "mode": mode, "kernel_tuning": format_tuning(tuning)}
                 # every row compiles afresh: the cache dynamo keeps across rows once pushed later rows past its
                 # recompile limit, and they ran partly eager; frames compiled go in the row
                 torch._dynamo.reset()
                 counters.clear()
                 try:
-                    if "cub" in fmt_name.split("+") and not CUB_TABLE:
-                        raise ValueError("+cub needs --int4-cuda-best (a gpu_gemv.py --parts cuda JSON with best rows)")
                     if tc and not getattr(args, "tiles", None):
                         raise ValueError("+tc needs --m1-tiles (a tiles file from scripts/gpu_gemv.py --parts tc)")
                     set_m1_tiles(args.tiles if tc else {})
                     if pdl and pdl_problem(device):
                         raise ValueError(f"+pdl: {pdl_problem(device)}")
                     set_pdl(pdl)  # read when the warm-up captures the step's graphs
-                    for (module, attr), value in switches.items():
-                        setattr(module, attr, value)
                     check_quant(fmt, cfg, device, torch.bfloat16, args.int4_group_size, kernel=kernel, head=head)
                     t0 = time.perf_counter()
                     calib = torch.randint(0, args.vocab, (4, 128), generator=torch.Generator().manual_seed(0))
                     model = quantize_model(base, fmt, group_size=args.int4_group_size, kernel=kernel,
                                            calibration=calib if fmt == "int4-awq" else None, head=head)
                     set_fusion(model, fusion)  # what each GEMV linear fuses (linears.QuantLinear.fusion)
+                    apply_kernel_tuning(model, tuning)  # (the engine sets it again; the checks below need it now)
                     sync(device)
                     row["quantize_s"] = time.perf_counter() - t0
                     row["norms_folded"] = norms_folded(model)
                     if head:
                         row["head_rel_err"] = head_error(model, device)
-                    if linears.INT4_GLU_EPILOGUE and fmt.startswith("int4"):
+                    if fmt.startswith("int4"):
                         row["glu_out_rel_err"] = glu_out_error(model, device)
                     drafter = make_drafter("ngram", {"k": args.floor_ngram, "ngram_min": 1, "ngram_max": 3}) \
                         if args.floor_ngram else None
                     engine = SpecEngine(model, drafter, EngineConfig(max_new_tokens=args.max_new_tokens,
-                                                                     **MODES[mode], pdl=pdl), device)
+                                                                     **MODES[mode], pdl=pdl,
+                                                                     kernel_tuning=format_tuning(tuning)), device)
                     warm(engine, prompts, 1)
                     ms, prefill_ms = [], []
                     for _ in range(args.repeats):
@@ -268,8 +210,6 @@ def part_floor(args, device: torch.device) -> list[dict]:
                     row["error"] = f"{type(e).__name__}: {e}"[:400]
                     traceback.print_exc()  # the whole story in the step's log (the row keeps 400 characters)
                 set_pdl(False)
-                for (module, attr), value in defaults.items():
-                    setattr(module, attr, value)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if device.type == "cuda":
@@ -300,7 +240,8 @@ def part_grid(args, device: torch.device) -> list[dict]:
         cfg = BenchConfig(method="draft", k=4, batch=1, max_new_tokens=args.grid_new_tokens,
                           num_prompts=args.grid_prompts, repeats=args.repeats, warmup=1, temperature=0.0,
                           cuda_graphs=True, graph_batch_sizes=(1,), target_quant=tq, draft_quant=dq,
-                          int4_group_size=args.int4_group_size, quant_kernel=qk, quant_head=qh)
+                          int4_group_size=args.int4_group_size, quant_kernel=qk, quant_head=qh,
+                          kernel_tuning=args.kernel_tuning)
         try:
             rec = session.run(cfg).record
             if tq == "none" and bf16_ar is None:
@@ -309,6 +250,7 @@ def part_grid(args, device: torch.device) -> list[dict]:
                 "acceptance_rate", "mean_accepted_tokens", "tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar",
                 "quant_ppl_delta_pct", "quant_token_agreement", "quant_sequences_identical",
                 "quant_acceptance_ref", "quant_acceptance_delta", "quant_within_bound", "greedy_matches_ar",
+                "kernel_tuning",
                 "greedy_near_tie", "target_weight_mb", "draft_weight_mb", "noisy", "plausible")})
             row["speedup_vs_bf16_ar"] = rec["tokens_per_s"] / bf16_ar if bf16_ar else None
         except Exception as e:  # noqa: BLE001
@@ -381,15 +323,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="each floor row: one more generate under torch.profiler "
                     "(kernels per token, kernel time, the top kernels)")
     ap.add_argument("--profile-top", type=int, default=14)
-    ap.add_argument("--int4-cuda-best", default="", help="a gpu_gemv.py --parts cuda JSON: its best tile per shape "
-                    "for the rows with '+cub' (int4_cuda.MEASURED_TILES)")
+    ap.add_argument("--kernel-tuning", default="", help="the KernelTuning every row starts from, field=value,... "
+                    "(kernels/tuning.py; a row's suffixes change fields on top of it)")
     args = ap.parse_args()
-    if args.int4_cuda_best:
-        try:  # a sweep that failed leaves no file: the "+cub" rows then record an error, the others still run
-            CUB_TABLE.update(int4_cuda.load_measured_tiles(args.int4_cuda_best))
-        except (OSError, ValueError, KeyError) as e:
-            print(f"--int4-cuda-best {args.int4_cuda_best}: {type(e).__name__}: {e}", flush=True)
-        print("int4_cuda tiles:", CUB_TABLE, flush=True)
+    args.tuning = parse_tuning(args.kernel_tuning)
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -48,13 +48,15 @@ def test_the_mapping_copies_every_field_of_the_same_name():
 
 
 def test_the_mapping_carries_a_new_field_without_an_edit(monkeypatch):
-    """A field added to EngineConfig and a knob of the same name (e.g. kernel_tuning) travel with no mapping edit."""
-    Extended = dataclasses.make_dataclass("Extended", [("kernel_tuning", str, dataclasses.field(default="x"))],
+    """A field added to EngineConfig and a knob of the same name travel with no mapping edit (kernel_tuning did)."""
+    resolved = BenchConfig(cuda_graphs=False, compile="off", kernel_tuning="int4_mma_rows=0")
+    assert engine_config(resolved).kernel_tuning == "int4_mma_rows=0"
+    Extended = dataclasses.make_dataclass("Extended", [("future_field", str, dataclasses.field(default="x"))],
                                           bases=(EngineConfig,), frozen=True)
     monkeypatch.setattr("workbench.engine.step.EngineConfig", Extended)
-    run = SimpleNamespace(**{f.name: getattr(BenchConfig(cuda_graphs=False, compile="off"), f.name)
-                             for f in dataclasses.fields(BenchConfig)}, kernel_tuning="measured")
-    assert engine_config(run).kernel_tuning == "measured"
+    run = SimpleNamespace(**{f.name: getattr(resolved, f.name) for f in dataclasses.fields(BenchConfig)},
+                          future_field="measured")
+    assert engine_config(run).future_field == "measured"
 
 
 def test_harness_and_serving_map_equal_values_to_equal_engine_configs():

@@ -159,21 +159,18 @@ def test_compiled_fixed_shape_step_equals_eager(target):
     assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
 
 
-def test_compiled_prefill_switch_compiles_the_prompt_forward_and_keeps_greedy_output(target, draft, monkeypatch):
-    """The `compile_prefill` knob (EngineConfig) or the process-wide graphs.COMPILE_PREFILL: the captured prompt
-    forwards (target and draft model) compile with the decode steps' mode, and the greedy output stays the
-    reference's; with neither (the default), they stay uncompiled."""
-    from workbench.engine import graphs
+def test_compiled_prefill_switch_compiles_the_prompt_forward_and_keeps_greedy_output(target, draft):
+    """The `compile_prefill` knob (EngineConfig): the captured prompt forwards (target and draft model) compile with
+    the decode steps' mode, and the greedy output stays the reference's; without it (the default), they stay
+    uncompiled."""
     n = 6
     expected = [reference_greedy(target, p, n) for p in PROMPTS]
-    for switch, knob in ((False, False), (True, False), (False, True)):
-        monkeypatch.setattr(graphs, "COMPILE_PREFILL", switch)
+    for knob in (False, True):
         engine = SpecEngine(target, DraftModelDrafter(draft, k=3),
                             fast(max_new_tokens=n, compile="default", compile_prefill=knob))
         assert engine.generate(PROMPTS).outputs == expected
         steps = [engine.prefill_step.fixed, engine.drafter.prefill_step.fixed]
-        on = switch or knob
-        assert [s._fn is not s.body for s in steps] == [on, on]
+        assert [s._fn is not s.body for s in steps] == [knob, knob]
 
 
 def test_triton_attention_without_a_gpu_is_a_named_error(target):
@@ -244,7 +241,7 @@ def test_fused_write_attention_path_equals_greedy(fixed, target, draft, monkeypa
 
     calls = []
 
-    def fused(q, k, v, slots, k_pool, v_pool, *rest, rope=None):  # rope: kv_cache.FUSE_ROPE (on by default)
+    def fused(q, k, v, slots, k_pool, v_pool, *rest, rope=None):  # rope: folded on this path
         calls.append(q.shape[2])
         pa.paged_kv_write_reference(k, v, k_pool, v_pool, slots, rope=rope)
         return pa.paged_attention_reference(q, k_pool, v_pool, *rest, rope=rope)
@@ -258,24 +255,20 @@ def test_fused_write_attention_path_equals_greedy(fixed, target, draft, monkeypa
     assert calls and set(calls) <= {1, 2, 4}
 
 
-@pytest.mark.parametrize("on", [True, False], ids=["rope-folded", "rope-in-model"])
 @pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shape"])
-def test_rope_folded_into_the_fused_call_equals_greedy(fixed, on, target, draft, monkeypatch):
-    """kv_cache.FUSE_ROPE: on the fused write + attention path the model hands q and k over unrotated with
-    rope=(cos, sin_signed), and the kernels rotate them (here their references): the same greedy tokens, every
-    kernel-path call got the rope, and prompt-length forwards (SDPA path) still rotate in the model."""
+def test_rope_folded_into_the_fused_call_equals_greedy(fixed, target, draft, monkeypatch):
+    """On the fused write + attention path the model hands q and k over unrotated with rope=(cos, sin_signed), and
+    the kernels rotate them (here their references): the same greedy tokens, every kernel-path call got the rope,
+    and prompt-length forwards (SDPA path) still rotate in the model."""
     import kernels.paged_attention as pa
-    import workbench.engine.kv_cache as kv
 
     ropes = []
 
     def fused(q, k, v, slots, k_pool, v_pool, *rest, rope=None):
-        ropes.append(rope is not None and rope[0].shape == (q.shape[0], q.shape[2], q.shape[3]) if on else
-                     rope is None)
+        ropes.append(rope is not None and rope[0].shape == (q.shape[0], q.shape[2], q.shape[3]))
         pa.paged_kv_write_reference(k, v, k_pool, v_pool, slots, rope=rope)
         return pa.paged_attention_reference(q, k_pool, v_pool, *rest, rope=rope)
 
-    monkeypatch.setattr(kv, "FUSE_ROPE", on)
     monkeypatch.setattr(pa, "paged_write_attention_triton", fused)
     assert_kernel_path_greedy(fixed, target, draft, monkeypatch)
     assert ropes and all(ropes)

@@ -15,6 +15,7 @@ from kernels import int4_cuda, quant_gemv
 from kernels.int4_cuda import (Int4CudaError, compile_cubin, int4_cuda_emulate, int4_cuda_gemv, int4_cuda_takes,
                                nvcc_path)
 from kernels.quant_gemv import quant_gemv_reference
+from kernels.tuning import KernelTuning
 
 RTOL = 2 ** -7  # the GPU parity bound of scripts/gpu_gemv.py
 
@@ -103,9 +104,9 @@ def test_cpu_call_gets_a_named_error():
 
 
 def test_dispatch_leaves_cpu_and_untaken_calls_to_triton(monkeypatch):
-    """With INT4_CUDA on, a call the CUDA kernel cannot take (here: no CUDA device) must not reach it (the CUDA
-    branch comes before the Triton path's own check, so that check's error marks the fall-through)."""
-    monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
+    """With KernelTuning.int4_cuda on (the default), a call the CUDA kernel cannot take (here: no CUDA device) must not
+    reach it (the CUDA branch comes before the Triton path's own check, so that check's error marks the
+    fall-through); with it off, a call it would take does not reach it either."""
     called = []
     monkeypatch.setattr(int4_cuda, "launch_taken", lambda *a, **k: called.append(1))
     monkeypatch.setattr(quant_gemv, "TRITON_AVAILABLE", False)  # the Triton path's own error marks the fall-through
@@ -114,14 +115,16 @@ def test_dispatch_leaves_cpu_and_untaken_calls_to_triton(monkeypatch):
         quant_gemv._launch(torch.randn(1, 256).to(torch.bfloat16), "int4", w, s, z, 64, None)
     assert not called
     monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)  # a device it runs on: now it is reached
+    with pytest.raises(quant_gemv.GemvError):
+        quant_gemv._launch(torch.randn(1, 256).to(torch.bfloat16), "int4", w, s, z, 64, None,
+                           tuning=KernelTuning(int4_cuda=False))
+    assert not called
     assert quant_gemv._launch(torch.randn(1, 256).to(torch.bfloat16), "int4", w, s, z, 64, None) is None
     assert called == [1]
 
 
 def test_dispatch_routes_taken_calls(monkeypatch):
-    """A one-row call the kernel takes goes to int4_cuda_gemv with the fusions and the module's tile."""
-    monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
-    monkeypatch.setattr(quant_gemv, "INT4_CUDA_TILE", dict(ROWS=2))
+    """A one-row call the kernel takes goes to int4_cuda_gemv with the fusions (and the shape's own tile)."""
     monkeypatch.setattr(quant_gemv, "TRITON_AVAILABLE", True)
     monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)
     seen = {}
@@ -130,7 +133,7 @@ def test_dispatch_routes_taken_calls(monkeypatch):
     r = torch.randn(1, 8).to(torch.bfloat16)
     assert quant_gemv._launch(torch.randn(1, 256).to(torch.bfloat16), "int4", w, s, z, 64, None,
                               residual=r) == "cuda"
-    assert seen["ROWS"] == 2 and seen["residual"] is r and seen["glu"] is False
+    assert "ROWS" not in seen and seen["residual"] is r and seen["glu"] is False  # no tile forced: the shape's own
 
 
 VARIANTS = [dict(ROWS=r, UNROLL=u, WARPS=wp, WORDS_PER_SUM=4, PIPE=p, MINB=0)
@@ -173,7 +176,7 @@ def test_cubin_cache_reuses_a_build(tmp_path, monkeypatch):
     assert len(list(tmp_path.iterdir())) == 2
 
 
-def test_measured_tiles_replace_the_rule(tmp_path, monkeypatch):
+def test_measured_tiles_replace_the_rule(tmp_path):
     """A sweep's best rows (gpu_gemv --parts cuda JSON) become per-shape tiles; other shapes keep the rule."""
     import json
     rows = [dict(kernel="cuda", best=True, N=4096, K=4096, tile="r2 u2 w8 s4 pipe b2"),
@@ -188,9 +191,10 @@ def test_measured_tiles_replace_the_rule(tmp_path, monkeypatch):
     assert int4_cuda.parse_tile("r2 u2 w8 s4 pipe g3")["PERSIST"] == 3
     for tile in VARIANTS:  # the label and the parser agree
         assert int4_cuda.parse_tile(int4_cuda.tile_label(tile)) == dict(int4_cuda.DEFAULT_TILE, **tile)
-    monkeypatch.setattr(int4_cuda, "MEASURED_TILES", table)
-    assert int4_cuda.int4_cuda_tile(4096, 4096)["ROWS"] == 2
-    assert int4_cuda.int4_cuda_tile(12288, 4096) == dict(int4_cuda.DEFAULT_TILE, ROWS=8, UNROLL=1, WARPS=4)
+    assert int4_cuda.int4_cuda_tile(4096, 4096, measured=table) == table[(4096, 4096)]  # MINB 2: not the rule's
+    assert int4_cuda.int4_cuda_tile(4096, 4096)["MINB"] == 0  # the rule's own without the table
+    assert int4_cuda.int4_cuda_tile(12288, 4096, measured=table) == dict(int4_cuda.DEFAULT_TILE, ROWS=8, UNROLL=1,
+                                                                         WARPS=4)
 
 
 @pytest.fixture
@@ -268,19 +272,16 @@ def test_launch_passes_what_the_kernel_signature_takes(fake_driver, monkeypatch)
 
 
 def test_run_record_says_whether_the_cuda_gemv_served(monkeypatch):
-    """The record's int4_cuda_gemv: False on CPU or with the switch off, True only with both."""
+    """The record's int4_cuda_gemv: False on CPU or with KernelTuning.int4_cuda off, True only with both."""
     assert int4_cuda.int4_cuda_gemv_applies("cpu") is False
     monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)
-    monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
     assert int4_cuda.int4_cuda_gemv_applies("cuda") is True
-    monkeypatch.setattr(quant_gemv, "INT4_CUDA", False)
-    assert int4_cuda.int4_cuda_gemv_applies("cuda") is False
+    assert int4_cuda.int4_cuda_gemv_applies("cuda", on=False) is False
 
 
 def test_a_failed_build_falls_back_to_triton_once(monkeypatch):
     """nvcc failing (or a cubin the driver refuses) must not fail the run: the call goes to the Triton GEMV, a warning
     names the cause once, and later calls on that device skip the CUDA kernel."""
-    monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
     monkeypatch.setattr(int4_cuda, "_cached_problem", lambda device: None)
     monkeypatch.setattr(int4_cuda, "_BUILD_FAILED", {})
     tries = []
@@ -385,8 +386,6 @@ def test_swiglu_epilogue_launch_has_half_the_outputs_and_its_flag(fake_driver):
 def test_swiglu_dispatch_goes_to_cuda_or_falls_back_to_the_full_output(monkeypatch):
     """quant_gemv_triton(glu_out=True): to the CUDA kernel where it takes the call; otherwise (the Triton path here
     faked by the reference) the full [gate | up] output, then SwiGLU of its halves."""
-    monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
-    monkeypatch.setattr(quant_gemv, "INT4_CUDA_TILE", None)
     monkeypatch.setattr(int4_cuda, "device_problem", lambda device: None)
     seen = {}
     monkeypatch.setattr(int4_cuda, "launch_taken", lambda *a, **kw: seen.update(kw) or "cuda")
@@ -399,9 +398,10 @@ def test_swiglu_dispatch_goes_to_cuda_or_falls_back_to_the_full_output(monkeypat
     real = quant_gemv._launch
 
     def triton_stand_in(x_, fmt, w_, s_, z_, g_, counters, glu=False, residual=None, norm_weight=None, eps=1e-6,
-                        glu_out=False, **override):
+                        glu_out=False, norm_unit=False, tuning=KernelTuning(), **override):
         if glu_out:
-            return real(x_, fmt, w_, s_, z_, g_, counters, glu, residual, norm_weight, eps, glu_out, **override)
+            return real(x_, fmt, w_, s_, z_, g_, counters, glu, residual, norm_weight, eps, glu_out, norm_unit, tuning,
+                        **override)
         calls.append(1)
         return quant_gemv_reference(x_, fmt, w_, s_, z_, g_, norm_weight=norm_weight, eps=eps)
 
@@ -412,10 +412,11 @@ def test_swiglu_dispatch_goes_to_cuda_or_falls_back_to_the_full_output(monkeypat
 
 
 def test_mlp_takes_the_swiglu_epilogue_and_matches_the_unfused_mlp(monkeypatch):
-    """An int4 MLP (kernel triton, fusion norm+glu+residual) at one row: with INT4_GLU_EPILOGUE on, the gate/up call
-    asks for glu_out (here served by the emulation) and the down projection gets h with no SwiGLU prologue; the layer's
-    output matches the same MLP with it off (the down's GLU prologue, served by the reference)."""
-    from workbench.engine.quant import linears, quantize_model, set_fusion
+    """An int4 MLP (kernel triton, fusion norm+glu+residual) at one row: with the CUDA GEMV (KernelTuning.int4_cuda,
+    the default), the gate/up call asks for glu_out (here served by the emulation) and the down projection gets h with
+    no SwiGLU prologue; the layer's output matches the same MLP with int4_cuda off (the down's GLU prologue, served by
+    the reference)."""
+    from workbench.engine.quant import apply_kernel_tuning, linears, quantize_model, set_fusion
     from workbench.models import LlamaModel, ModelConfig
 
     cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=192, num_hidden_layers=1,
@@ -431,7 +432,7 @@ def test_mlp_takes_the_swiglu_epilogue_and_matches_the_unfused_mlp(monkeypatch):
     asked, units = [], []
 
     def fake_gemv(x, fmt, weight, scale=None, zero=None, group_size=None, counters=None, *, glu=False,
-                  residual=None, norm_weight=None, eps=1e-6, glu_out=False, norm_unit=False):
+                  residual=None, norm_weight=None, eps=1e-6, glu_out=False, norm_unit=False, tuning=None):
         asked.append((weight.shape[0], glu, glu_out))
         units.append(norm_unit)
         assert not norm_unit or torch.equal(norm_weight, torch.ones_like(norm_weight))
@@ -442,17 +443,16 @@ def test_mlp_takes_the_swiglu_epilogue_and_matches_the_unfused_mlp(monkeypatch):
                                     norm_weight=norm_weight, eps=eps)
 
     monkeypatch.setattr(linears, "quant_gemv_triton", fake_gemv)
-    monkeypatch.setattr(quant_gemv, "INT4_CUDA", True)
     x = torch.randn(1, 1, 128).to(torch.bfloat16)
     norm = layer.post_attention_layernorm
-    monkeypatch.setattr(linears, "INT4_GLU_EPILOGUE", False)
+    apply_kernel_tuning(q, "int4_cuda=0")
     want = layer.mlp(x, residual=x, norm=norm)
     assert asked == [(384, False, False), (128, True, False)]  # gate/up with the norm, down with SwiGLU
     asked.clear()
-    monkeypatch.setattr(linears, "INT4_GLU_EPILOGUE", True)
+    apply_kernel_tuning(q, None)  # the defaults
     got = layer.mlp(x, residual=x, norm=norm)
     assert asked == [(384, False, True), (128, False, False)]  # SwiGLU in gate/up's epilogue, none in down
-    assert units == [True, False, True, False]  # the norm folded into gate/up (quant.FOLD_NORMS): its weight unread
+    assert units == [True, False, True, False]  # the norm folded into gate/up (int4 quantizing): its weight unread
     assert _rel(got, want) <= 2 * RTOL
     asked.clear()
     layer.mlp(torch.randn(1, 2, 128).to(torch.bfloat16), residual=torch.randn(1, 2, 128).to(torch.bfloat16),

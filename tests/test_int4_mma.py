@@ -10,6 +10,7 @@ from torch import nn
 
 from kernels import int4_mma as im
 from kernels.quant_gemv import counters_for, dequantize_weight
+from kernels.tuning import KernelTuning
 from workbench.engine.quant.linears import Int4Linear
 
 
@@ -66,7 +67,7 @@ def test_matches_reference(dtype, m, split, block_n, interpreter_bf16_dot):
     got = im.int4_mma_gemv(x, **b, counters=counters, residual=residual, SPLIT_K=split, BLOCK_N=block_n)
     assert got.dtype == dtype and got.shape == (m, n)
     want = x.float() @ dequantize_weight("int4", **b).T + (residual.float() if residual is not None else 0)
-    # each weight rounded once to x's dtype before exact products and fp32 sums: INT4_WIDE_ROWS' bound
+    # each weight rounded once to x's dtype before exact products and fp32 sums: the GEMV's multi-row bound
     # (tests/test_quant_gemv.py), relative to the output's size
     atol = (2 ** -6 if dtype == torch.bfloat16 else 2 ** -8) * want.abs().max().item()
     torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=atol)
@@ -112,8 +113,9 @@ def test_fusions_match_quant_gemv_reference(fusion, split, interpreter_bf16_dot)
 
 @interpreter
 def test_quant_gemv_hands_verify_widths_to_it(monkeypatch, interpreter_bf16_dot):
-    """INT4_MMA_ROWS: int4 calls of 2..16 rows through quant_gemv_triton are this kernel's (bit for bit), one-row
-    calls and calls it does not take (fp32 x, groups of 32) stay in kernels/quant_gemv.py, and 0 turns it off."""
+    """KernelTuning.int4_mma_rows: int4 calls of 2..16 rows through quant_gemv_triton are this kernel's (bit for bit),
+    one-row calls and calls it does not take (fp32 x, groups of 32) stay in kernels/quant_gemv.py, and 0 turns it
+    off."""
     from kernels import quant_gemv as qg
 
     n, k = 72, 512
@@ -121,55 +123,32 @@ def test_quant_gemv_hands_verify_widths_to_it(monkeypatch, interpreter_bf16_dot)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     counters = qg.counters_for(n, "cpu")
     mma = im.int4_mma_gemv(x, **b)
-    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 16)
-    assert torch.equal(qg.quant_gemv_triton(x, "int4", **b, counters=counters), mma)
+    assert torch.equal(qg.quant_gemv_triton(x, "int4", **b, counters=counters), mma)  # the default: 16
     calls = []
     monkeypatch.setattr(im, "int4_mma_gemv", lambda *a, **kw: calls.append(1))
     qg.quant_gemv_triton(x[:1], "int4", **b, counters=counters)  # one row: the CUDA-core GEMV
     b32 = stored(n, k, 32, torch.bfloat16, seed=4)
     qg.quant_gemv_triton(x, "int4", **b32, counters=counters)  # groups of 32
-    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 0)
-    qg.quant_gemv_triton(x, "int4", **b, counters=counters)
+    qg.quant_gemv_triton(x, "int4", **b, counters=counters, tuning="int4_mma_rows=0")
     assert calls == []
-    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 4)  # 5 rows past it
-    qg.quant_gemv_triton(x, "int4", **b, counters=counters)
+    qg.quant_gemv_triton(x, "int4", **b, counters=counters, tuning=KernelTuning(int4_mma_rows=4))  # 5 rows past it
     assert calls == []
-    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 16)
-    qg.quant_gemv_triton(x, "int4", **b, counters=counters)
+    qg.quant_gemv_triton(x, "int4", **b, counters=counters, tuning=KernelTuning(int4_mma_rows=16))
     assert calls == [1]
-
-
-@interpreter
-@pytest.mark.parametrize("fusion", ["", "glu", "norm+residual"])
-def test_prefetch_changes_no_bit(fusion, interpreter_bf16_dot):
-    """PREFETCH (a group's activations, scales and zeros loaded an iteration ahead) gives the same bits, split or not,
-    through the fusions (the last iteration of each split reloads its own group)."""
-    n, k, group, m, dtype = 72, 768, 128, 3, torch.bfloat16
-    b = stored(n, k, group, dtype, seed=8)
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(m, 2 * k if fusion == "glu" else k, generator=gen).to(dtype)
-    fused = dict(glu=fusion == "glu",
-                 norm_weight=(1 + 0.1 * torch.randn(k, generator=gen)).to(dtype) if "norm" in fusion else None,
-                 residual=torch.randn(m, n, generator=gen).to(dtype) if "residual" in fusion else None)
-    for split in (1, 4):
-        plain = im.int4_mma_gemv(x, **b, **fused, SPLIT_K=split, PREFETCH=False)
-        ahead = im.int4_mma_gemv(x, **b, **fused, SPLIT_K=split, PREFETCH=True)
-        assert torch.equal(plain, ahead)
-    assert im.int4_mma_config(1, 64, 256, 128, PREFETCH=True)["PREFETCH"] is True
 
 
 def test_verify_width_calls_leave_the_prologues_to_pytorch(monkeypatch):
     """With the norm / SwiGLU fusions set, an int4 "triton" linear fuses them at one row but not where its call goes
-    to the tensor-core kernel (2..INT4_MMA_ROWS rows: its prologues timed slower than torch.compile's), and
-    keeps the residual epilogue there; INT4_MMA_ROWS 0 brings the fused prologues back at every width."""
-    from kernels import quant_gemv as qg
-    from workbench.engine.quant import linears
+    to the tensor-core kernel (2..int4_mma_rows rows: its prologues measured slower than torch.compile's), and keeps
+    the residual epilogue there; its KernelTuning with int4_mma_rows 0 brings the fused prologues back at every
+    width."""
+    from workbench.engine.quant import apply_kernel_tuning, linears
 
     lin = nn.Linear(256, 64, bias=False).to(torch.bfloat16)
     mod = Int4Linear(lin, 128, "triton")
     mod.fusion = "norm+glu+residual"
     one, five = (torch.zeros(m, 256, dtype=torch.bfloat16) for m in (1, 5))
-    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 16)
+    assert mod.tuning.int4_mma_rows == 16  # the default
     assert mod._fuses_prologue("norm", one) and mod._fuses_prologue("glu", one)
     assert not mod._fuses_prologue("norm", five) and not mod._fuses_prologue("glu", five)
     assert mod._fuses("residual", five)
@@ -179,11 +158,10 @@ def test_verify_width_calls_leave_the_prologues_to_pytorch(monkeypatch):
         seen.append((tuple(h.shape), glu)), residual)[1])
     mod.glu_residual(torch.zeros(5, 512, dtype=torch.bfloat16), torch.zeros(5, 64, dtype=torch.bfloat16))
     assert seen == [((5, 256), False)]  # SiLU-mul done before the call, the residual still fused
-    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 0)
+    assert apply_kernel_tuning(mod, "int4_mma_rows=0") == mod.tuning == KernelTuning(int4_mma_rows=0)
     assert mod._fuses_prologue("norm", five) and mod._fuses_prologue("glu", five)
     fp32 = Int4Linear(nn.Linear(256, 64, bias=False), 128, "triton")  # fp32 x: not the kernel's, prologues fused
     fp32.fusion = "norm+glu+residual"
-    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 16)
     assert fp32._fuses_prologue("norm", five.float())
 
 
@@ -200,8 +178,8 @@ def test_gpu_gemv_mma_part_times_its_tiles_beside_the_others(tmp_path, monkeypat
 
     monkeypatch.setattr(sys, "argv", ["gpu_gemv.py", "--device", "cpu", "--out", str(tmp_path), "--parts", "mma",
                                       "--sweep-configs", "mini", "--mma-ms", "2", "--mma-block-n", "64",
-                                      "--mma-warps", "4", "--mma-stages", "3", "--mma-per-sm", "2",
-                                      "--mma-prefetch", "0,1", "--replays", "1", "--int4-group-size", "64"])
+                                      "--mma-warps", "4", "--mma-stages", "2,3", "--mma-per-sm", "2",
+                                      "--replays", "1", "--int4-group-size", "64"])
     gpu_gemv.main()
     rows = json.loads((tmp_path / "gemv_mma.json").read_text())["rows"]
     assert all("error" not in r for r in rows)
@@ -211,7 +189,7 @@ def test_gpu_gemv_mma_part_times_its_tiles_beside_the_others(tmp_path, monkeypat
     for lin in linears:
         at = [r for r in per_linear if r["linear"] == lin]
         assert [r["kernel"] for r in at] == ["bf16", "aten", "triton", "mma", "mma"]
-        assert [r["tile"] for r in at][3:] == ["64 w4 s3 ps2", "64 w4 s3 ps2 pf"]
+        assert [r["tile"] for r in at][3:] == ["64 w4 s2 ps2", "64 w4 s3 ps2"]
         assert sum(bool(r.get("best")) for r in at) == 1 and all(r["rel_err"] <= 2 ** -7 for r in at[1:])
     layer = {r["kernel"]: r for r in rows if r["linear"] == "layer"}
     assert set(layer) == {"bf16", "aten", "triton", "mma"} and layer["mma"]["linears"] == 4

@@ -29,13 +29,12 @@ def test_no_dependent_launches_on_a_cpu_even_when_asked():
 
 
 def test_dependent_launches_only_while_a_graph_is_captured(monkeypatch):
-    """CAPTURE_ONLY (the default): on a device that can, a launch uses PDL only while a CUDA graph is being captured
-    (eager launches measured slower with it); with CAPTURE_ONLY off, every launch does; pdl_applied follows."""
+    """On a device that can, a launch uses PDL only while a CUDA graph is being captured (eager launches measured slower
+    with it); pdl_applied follows."""
     pdl.set_pdl(True)
     monkeypatch.setattr(pdl, "pdl_problem", lambda device: None)  # a device that can (none here)
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(pdl, "CAPTURE_ONLY", True)
     assert pdl.use_pdl("cuda") is False
     capturing[0] = True
     assert pdl.use_pdl("cuda") is True
@@ -43,9 +42,6 @@ def test_dependent_launches_only_while_a_graph_is_captured(monkeypatch):
         assert pdl.use_pdl("cuda") is False  # not asked for
     assert pdl.pdl_applies(True, "cuda", captured=True) and not pdl.pdl_applies(True, "cuda", captured=False)
     assert not pdl.pdl_applies(False, "cuda", captured=True)
-    monkeypatch.setattr(pdl, "CAPTURE_ONLY", False)
-    capturing[0] = False
-    assert pdl.use_pdl("cuda") is True and pdl.pdl_applies(True, "cuda", captured=False)
 
 
 def test_a_warm_up_for_capture_launches_as_the_capture_will(monkeypatch):
@@ -54,7 +50,6 @@ def test_a_warm_up_for_capture_launches_as_the_capture_will(monkeypatch):
     pdl.set_pdl(True)
     monkeypatch.setattr(pdl, "pdl_problem", lambda device: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(pdl, "CAPTURE_ONLY", True)
     assert pdl.use_pdl("cuda") is False
     with pdl.warming_for_capture():
         assert pdl.use_pdl("cuda") is True
@@ -150,21 +145,20 @@ def test_kernels_compiled_for_hopper_carry_the_wait_and_the_trigger():
                                  "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "z_ptr": "*fp32", "part_ptr": "*fp32",
                                  "count_ptr": "*i32", "sq_ptr": "*fp32", "eps": "fp32"},
                dict(FMT=2, GROUP=1, BLOCK_M=1, BLOCK_N=32, BLOCK_K=256, DOT_PRECISION="tf32", GLU=False,
-                    RESIDUAL=True, NORM=False, F16_DOT=True, X_SCALE=2.0 ** -6, CVT_BITS=False, PDL=True,
-                    PF_LINES=4, PF_STEP=128, LATE_TRIGGER=True))
-    assert "griddepcontrol.wait" in gemv and "griddepcontrol.launch_dependents" in gemv and "prefetch.global.L2" in gemv
+                    RESIDUAL=True, NORM=False, F16_DOT=True, X_SCALE=2.0 ** -6, CVT_BITS=False, PDL=True))
+    assert "griddepcontrol.wait" in gemv and "griddepcontrol.launch_dependents" in gemv
     write_types = {n: "*bf16" for n in ("k_ptr", "v_ptr", "kp_ptr", "vp_ptr", "cos_ptr", "sin_ptr")} | {
         "slot_ptr": "*i64"}
     write = ptx(pa._kv_write_kernel, write_types, dict(BLOCK_H=32, D=128, PDL=True))
     assert "griddepcontrol.wait" in write and "griddepcontrol.launch_dependents" in write
     plain = ptx(pa._kv_write_kernel, write_types, dict(BLOCK_H=32, D=128, PDL=False))
     assert "griddepcontrol" not in plain
-    # RoPE folded in (kv_cache.FUSE_ROPE): the write and the attention kernel compile for sm_90 with it
+    # RoPE folded in (the fused path's default): the write and the attention kernel compile for sm_90 with it
     ptx(pa._kv_write_kernel, write_types, dict(BLOCK_H=32, D=128, PDL=True, ROPE=True))
     attn_types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "cos_ptr", "sin_ptr")} | dict(
         table_ptr="*i32", rows_ptr="*i64", base_ptr="*i64", intra_bits_ptr="*i64", o_ptr="*fp32", lse_ptr="*fp32",
-        count_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32", qk_scale_log2="fp32")
+        ks_ptr="*fp32", vs_ptr="*fp32", qk_scale_log2="fp32")
     attn = ptx(pa._partial_kernel, attn_types, dict(T=1, GROUP=8, HKV=4, D=64, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_N=64,
                                                     CAUSAL=True, DOT_PRECISION="tf32", QUANT=False, PDL=True,
-                                                    FUSE_COMBINE=True, ROPE=True))
-    assert "griddepcontrol.wait" in attn and "atom" in attn  # the combine's counter
+                                                    ROPE=True))
+    assert "griddepcontrol.wait" in attn

@@ -151,15 +151,11 @@ def test_folding_the_norms_leaves_the_float_model_unchanged():
         assert torch.allclose(folded(ids, pos), model(ids, pos), atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt, fold, folded", [("int4", True, True), ("int4", False, False),
-                                               ("int4-awq", True, False), ("int8", True, False)])
-def test_int4_quantizes_with_the_norms_folded_and_marks_the_linears_after_them(fmt, fold, folded, monkeypatch):
-    """quantize_model("int4") folds by default (FOLD_NORMS): the norms are ones, q/k/v and gate/up say so
-    (norm_unit, which the CUDA GEMV's norm prologue acts on) and the int4 weight is W diag(w)'s; int4-awq (whose
-    scales live in the norms) and the other formats leave the norms as loaded."""
-    from workbench.engine import quant
-
-    monkeypatch.setattr(quant, "FOLD_NORMS", fold)
+@pytest.mark.parametrize("fmt, folded", [("int4", True), ("int4-awq", False), ("int8", False)])
+def test_int4_quantizes_with_the_norms_folded_and_marks_the_linears_after_them(fmt, folded):
+    """quantize_model("int4") folds: the norms are ones, q/k/v and gate/up say so (norm_unit, which the CUDA GEMV's
+    norm prologue acts on) and the int4 weight is W diag(w)'s; int4-awq (whose scales live in the norms) and the
+    other formats leave the norms as loaded."""
     model = random_model(vocab=64, hidden=64, layers=2, heads=4, kv_heads=2, std=0.1)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -357,7 +353,7 @@ def test_quality_columns_of_quantized_and_reference_runs(session):
     assert rec["greedy_matches_ar"] is True  # fidelity against the same quantized target stays exact
     assert rec["quant_ppl_ref"] == ref["quant_ppl_ref"] and rec["quant_ppl"] != rec["quant_ppl_ref"]
     assert -5.0 < rec["quant_ppl_delta_pct"] < 25.0  # int4 g32 on a 5 M model: measured +2.5 % (+3.4 % folded)
-    assert "int4 target: RMSNorm weights folded" in rec["quant_note"]  # quant.FOLD_NORMS, the int8 draft not
+    assert "int4 target: RMSNorm weights folded" in rec["quant_note"]  # int4 folds its norms, the int8 draft not
     assert 0.5 < rec["quant_token_agreement"] <= 1.0 and 0.0 <= rec["quant_sequences_identical"] <= 1.0
     assert rec["quant_acceptance_ref"] == pytest.approx(ref["acceptance_rate"])  # same settings, reference models
     assert rec["quant_acceptance_delta"] == pytest.approx(rec["acceptance_rate"] - ref["acceptance_rate"])
@@ -428,15 +424,24 @@ def test_auto_kernel_follows_the_measured_choice():
     assert runner.failures == 0 and runner.tries == 3
 
 
-def test_int4_prefill_switches_name_a_bad_value():
-    """WORKBENCH_INT4_PREFILL_DEQUANT takes triton (the default) or torch, WORKBENCH_INT4_PREFILL_GEMM_ROWS a whole
-    number of rows (0, the default, = never); a typo is a named error, not a silent fallback to another path."""
-    from workbench.engine.quant.linears import _choice_env, _rows_env
+def test_kernel_tuning_text_round_trips_and_names_a_bad_field_or_value():
+    """KernelTuning (kernels/tuning.py) reads "field=value,..." ("" = the defaults), writes every field back, and a
+    typo in a field or a value is a named error, not a silent fallback to another path."""
+    from kernels.tuning import FIELDS, KernelTuning, KernelTuningError, format_tuning, parse_tuning
 
-    assert _choice_env("WORKBENCH_INT4_PREFILL_DEQUANT", "", ("triton", "torch")) == "triton"
-    assert _rows_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS", "128") == 128
-    with pytest.raises(ValueError, match=r"WORKBENCH_INT4_PREFILL_DEQUANT='tritn': give one of triton, torch"):
-        _choice_env("WORKBENCH_INT4_PREFILL_DEQUANT", "tritn", ("triton", "torch"))
-    for bad in ("-1", "64.5", "all"):
-        with pytest.raises(ValueError, match="WORKBENCH_INT4_PREFILL_GEMM_ROWS=.*whole number of rows"):
-            _rows_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS", bad)
+    assert parse_tuning("") == KernelTuning() and parse_tuning(" ") == KernelTuning()
+    t = parse_tuning("int4_prefill_gemm_rows=128, int4_cuda=0, int4_half2=auto")
+    assert (t.int4_prefill_gemm_rows, t.int4_cuda, t.int4_half2, t.int4_mma_rows) == (128, False, None, 16)
+    text = format_tuning(t)
+    assert [part.split("=")[0] for part in text.split(",")] == list(FIELDS) and parse_tuning(text) == t
+    with pytest.raises(KernelTuningError, match="unknown kernel tuning field 'int4_mma_row'; the fields are"):
+        parse_tuning("int4_mma_row=8")
+    for bad, match in (("int4_mma_rows=17", "int4_mma_rows=17: give a whole number of rows from 0"),
+                       ("int4_prefill_gemm_rows=-1", "int4_prefill_gemm_rows=-1"),
+                       ("int4_prefill_gemm_rows=64.5", "int4_prefill_gemm_rows='64.5': give a whole number"),
+                       ("int4_cuda=yes", "int4_cuda='yes': give 1 .on. or 0 .off."),
+                       ("int4_half2=3", "int4_half2=3: give auto"),
+                       ("int4_cuda", "write field=value"),
+                       ("int4_cuda=1,int4_cuda=0", "given twice")):
+        with pytest.raises(KernelTuningError, match=match):
+            parse_tuning(bad)

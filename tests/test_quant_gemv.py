@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import kernels.quant_gemv as qg
+from kernels.tuning import KernelTuning
 from kernels.quant_gemv import (GemvError, check_gemv, counters_for, dequantize_weight, gemv_config,
                                 quant_gemv_reference, quant_gemv_triton)
 from workbench.engine.quant import QuantError, check_quant, quantize_model, set_fusion
@@ -97,14 +98,7 @@ def test_narrow_outputs_take_eight_row_tiles_only_where_sixteen_rows_leave_sms_i
     assert gemv_config("int8", 1, 2048, 2048)["BLOCK_N"] == 16
     assert gemv_config("dense", 1, 2048, 8192)["BLOCK_K"] == 1024 and gemv_config("fp8", 1, 2048, 8192)["BLOCK_K"] == 2048
     assert gemv_config("fp8", 1, 2048, 2048)["BLOCK_K"] == 1024  # at most half of K
-    key = ("fp8", 1, 16384, 2048, None, 132, ())
-    assert qg._cached_config(*key, (True, 8))["num_warps"] == 8
-    saved = qg.WIDE_FP8_WARPS
-    try:
-        qg.WIDE_FP8_WARPS = 4
-        assert qg._cached_config(*key, (True, 4))["num_warps"] == 4
-    finally:
-        qg.WIDE_FP8_WARPS = saved
+    assert qg._cached_config("fp8", 1, 16384, 2048, None, 132, ())["num_warps"] == 8  # wide fp8 tiles: 8 warps
 
 
 def test_measured_one_row_tiles_replace_the_table_for_their_shape_only():
@@ -224,9 +218,9 @@ def test_triton_matches_reference(fmt, shape, dtype, m, split, interpreter_bf16_
     # to fp16 before the fp32 sums, so an absolute bound relative to the output's size, as on the GPU (gpu_gemv.py)
     half2 = fmt == "int4" and dtype != torch.float32 and m == 1 and split is None
     atol = 2 ** -8 * want.abs().max().item() if half2 else 1e-3
-    # int4 above one row takes K tiles of whole groups (INT4_WIDE_ROWS, the default): each weight rounded once to x's
+    # int4 above one row takes K tiles of whole groups (INT4_WIDE_ROWS_TILE): each weight rounded once to x's
     # 16-bit dtype before the tensor-core dot, as tinygemm does; the bound of test_int4_wide_rows_match_reference
-    if fmt == "int4" and dtype != torch.float32 and m > 1 and qg.INT4_WIDE_ROWS:
+    if fmt == "int4" and dtype != torch.float32 and m > 1:
         atol = (2 ** -6 if dtype == torch.bfloat16 else 2 ** -8) * want.abs().max().item()
     torch.testing.assert_close(got.float(), want, rtol=RTOL[dtype], atol=atol)
     assert not counters.any()  # the last split of each tile reset its counter
@@ -252,50 +246,21 @@ def test_eight_row_tiles(fmt, split, interpreter_bf16_dot):
 
 # ---- grouped formats, one row: K tiles of whole groups (the ELEMENTWISE form) -------------------------------------
 @interpreter
-@pytest.mark.parametrize("fusion", ["none", "glu+residual", "norm+residual"])
-@pytest.mark.parametrize("split", [None, 3])
-@pytest.mark.parametrize("m", [2, 5, 8])
-@pytest.mark.parametrize("fmt", ["dense", "fp8", "int8"])
-def test_cuda_rows_form_matches_reference(fmt, m, split, fusion, interpreter_bf16_dot):
-    """Verify widths on the CUDA cores (CUDA_ROWS: every row in one program, each weight tile read once): the rows'
-    outputs equal the reference for M = 2..8 (padded to a power of two), split or not, with the fusions; the config
-    takes the form for 2..cuda_rows rows only."""
-    n, k, group = SHAPES["ragged"]
-    dtype = torch.bfloat16
-    _, buffers = stored(fmt, n, k, group, dtype=dtype if fmt != "fp8" else torch.float32, seed=m)
-    g = torch.Generator().manual_seed(17)
-    glu = fusion.startswith("glu")
-    x = torch.randn(m, 2 * k if glu else k, generator=g).to(dtype)
-    kw = dict(glu=glu, residual=torch.randn(m, n, generator=g).to(dtype) if "residual" in fusion else None,
-              norm_weight=(torch.rand(k, generator=g) + 0.5).to(dtype) if "norm" in fusion else None, eps=1e-5)
-    override = dict(cuda_rows=8) if split is None else dict(cuda_rows=8, SPLIT_K=split, BLOCK_K=32)
-    cfg = gemv_config(fmt, m, n, k, **override)
-    assert cfg["CUDA_ROWS"] and cfg["BLOCK_M"] == 1 << (m - 1).bit_length()
-    assert "CUDA_ROWS" not in gemv_config(fmt, 9, n, k, cuda_rows=8) and "CUDA_ROWS" not in gemv_config(fmt, m, n, k,
-                                                                                                       cuda_rows=0)
-    counters = counters_for(n, "cpu")
-    got = quant_gemv_triton(x, fmt, **buffers, counters=counters, **kw, **override).float()
-    want = quant_gemv_reference(x, fmt, **buffers, **kw).float()
-    assert (got - want).abs().max() <= 2 ** -6 * want.abs().max()  # bf16: see the norm prologue's test
-    assert not counters.any()
-
-
-@interpreter
-def test_cuda_rows_switch_reaches_the_dense_linear(monkeypatch, interpreter_bf16_dot):
-    """quant_gemv.CUDA_ROWS_MAX > 0: a dense linear's 5-row call takes the GEMV in its CUDA-rows form (0: F.linear)."""
+def test_dense_linear_keeps_verify_widths_on_f_linear(monkeypatch, interpreter_bf16_dot):
+    """A dense linear's one-row call takes the GEMV; its 5-row call stays on F.linear (no GEMV launch: the GEMV's
+    multi-row forms measured slower than cuBLAS)."""
     torch.manual_seed(0)
     lin = DenseGemvLinear(nn.Linear(64, 40, bias=False).to(torch.bfloat16))
     x = torch.randn(5, 64).to(torch.bfloat16)
     launched = []
     kernel = qg._gemv_kernel
     monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
-        launched.append((kw["BLOCK_M"], kw["CUDA_ROWS"])), kernel[grid](*a, **kw))[1]})())
+        launched.append(kw["BLOCK_M"]), kernel[grid](*a, **kw))[1]})())
     want = (x.float() @ lin.weight.float().T)
-    for rows_max, calls in ((0, []), (8, [(8, True)])):
-        monkeypatch.setattr(qg, "CUDA_ROWS_MAX", rows_max)
-        launched.clear()
-        torch.testing.assert_close(lin(x).float(), want, atol=0.05, rtol=0.02)
-        assert launched == calls
+    torch.testing.assert_close(lin(x).float(), want, atol=0.05, rtol=0.02)
+    assert launched == []
+    torch.testing.assert_close(lin(x[:1]).float(), want[:1], atol=0.05, rtol=0.02)
+    assert launched == [1]
 
 
 def test_grouped_k_tiles_lie_in_one_group_or_hold_whole_groups():
@@ -306,18 +271,17 @@ def test_grouped_k_tiles_lie_in_one_group_or_hold_whole_groups():
         assert gemv_config(fmt, 1, 64, 1024, 32, BLOCK_K=16)["BLOCK_K"] == 16  # half a group
         with pytest.raises(GemvError, match="BLOCK_K=48 must divide the .* group size 32 or, one row at a time"):
             gemv_config(fmt, 1, 64, 1024, 32, BLOCK_K=48)
-        with pytest.raises(GemvError, match="BLOCK_K=64 must divide"):  # M > 1 without int4's INT4_WIDE_ROWS:
+        with pytest.raises(GemvError, match="BLOCK_K=64 must divide"):  # M > 1 without int4's wide rows:
             gemv_config(fmt, 4, 64, 1024, 32, BLOCK_K=64, int4_rows={})  # tensor-core tiles take one group a tile
         with pytest.raises(GemvError, match="only the ELEMENTWISE form"):
             gemv_config(fmt, 1, 64, 1024, 32, BLOCK_K=64, ELEMENTWISE=False)
         with pytest.raises(GemvError, match="one-row form"):
             gemv_config(fmt, 4, 64, 1024, 32, ELEMENTWISE=True, int4_rows={})
-    # int4 with INT4_WIDE_ROWS (the default): M > 1 tiles of whole groups are its form
+    # int4 with INT4_WIDE_ROWS_TILE (the default): M > 1 tiles of whole groups are its form
     assert gemv_config("int4", 4, 64, 1024, 32, BLOCK_K=64, int4_rows=qg.INT4_WIDE_ROWS_TILE)["BLOCK_K"] == 64
-    # the default: the measured rule (INT4_WIDE_TILES True): 16 x 1024 fp32 words unsplit while half the
-    # SMs get a tile, 32 x 1024 (K >= 4096) or 32 x 512 packed fp16 words with 4 warps from N = 8192, down
-    # projections (K >= 2 N) 32 x 512 packed with 4 warps and split; "f2" / "e3": the rules before (8 warps; 64 x 512
-    # packed / 64 x 256 fp32 words from N = 8192); a group that no such tile holds whole, or int4_wide False / {}: one
+    # the default: the measured rule (_int4_wide_tile): 16 x 1024 fp32 words unsplit while half the SMs get a tile,
+    # 32 x 1024 (K >= 4096) or 32 x 512 packed fp16 words with 4 warps from N = 8192, down projections (K >= 2 N)
+    # 32 x 512 packed with 4 warps and split; a group that no such tile holds whole, or int4_wide False / {}: one
     # group a tile
     tile = lambda c: (c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"], c.get("HALF2"))  # noqa: E731
     assert tile(gemv_config("int4", 1, 4096, 4096, 128)) == (16, 1024, 1, 8, 0)
@@ -327,12 +291,6 @@ def test_grouped_k_tiles_lie_in_one_group_or_hold_whole_groups():
     assert tile(gemv_config("int4", 1, 2048, 8192, 128)) == (32, 512, 8, 4, 1)  # 1.45 B's down projection
     assert tile(gemv_config("int4", 1, 512, 4096, 128)) == (32, 512, 8, 4, 1)  # K >= 2 N: split, a K tile each
     assert tile(gemv_config("int4", 1, 2560, 2048, 128)) == (16, 1024, 1, 8, 0)
-    assert tile(gemv_config("int4", 1, 22016, 4096, 128, int4_wide="f2")) == (64, 512, 1, 8, 1)
-    assert tile(gemv_config("int4", 1, 4096, 11008, 128, int4_wide="f2")) == (64, 512, 8, 8, 1)
-    assert tile(gemv_config("int4", 1, 2048, 8192, 128, int4_wide="f2")) == (128, 1024, 8, 8, 1)
-    assert tile(gemv_config("int4", 1, 4096, 4096, 128, int4_wide="f2")) == (16, 1024, 1, 8, 0)
-    assert tile(gemv_config("int4", 1, 22016, 4096, 128, int4_wide="e3")) == (64, 256, 1, 8, 0)
-    assert tile(gemv_config("int4", 1, 4096, 11008, 128, int4_wide="e3")) == (16, 1024, 1, 8, 0)
     assert gemv_config("int4", 1, 22016, 4096, 128, BLOCK_K=256)["HALF2"] == 0  # a tile of its own: fp32 words
     assert gemv_config("int4", 4, 22016, 4096, 128).get("HALF2") is None  # M > 1: tensor-core tiles
     odd = gemv_config("int4", 1, 4096, 3072, 96)  # 1024 holds no whole number of groups of 96
@@ -343,7 +301,7 @@ def test_grouped_k_tiles_lie_in_one_group_or_hold_whole_groups():
     c = gemv_config("int4", 1, 4096, 4096, 128, int4_wide=wide)
     assert {key: c[key] for key in wide} == wide and c["BLOCK_M"] == 1
     assert gemv_config("int4", 4, 4096, 4096, 128, int4_wide=wide, int4_rows={})["BLOCK_K"] == 128  # M > 1 keeps
-    assert gemv_config("int4", 4, 4096, 4096, 128, int4_wide=wide)["BLOCK_K"] == 256  # its tiles (INT4_WIDE_ROWS')
+    assert gemv_config("int4", 4, 4096, 4096, 128, int4_wide=wide)["BLOCK_K"] == 256  # its tiles (INT4_WIDE_ROWS_TILE)
     assert gemv_config("int4", 1, 64, 256, 32, int4_wide=wide)["BLOCK_K"] == 256  # no K tile past K
     qg.set_m1_tiles({("int4", 4096, 4096): dict(BLOCK_N=16, BLOCK_K=1024, ELEMENTWISE=True, CVT_BITS=True)})
     try:  # a tune's int4 winners load as measured tiles (scripts/gpu_quant.py --m1-tiles)
@@ -528,59 +486,29 @@ def test_int4_half2_is_exact_for_every_nibble_and_group(half2):
 
 
 @interpreter
-def test_int4_half2_switch_reaches_bf16_launches_only(monkeypatch):
-    """INT4_HALF2 turns the packed fp16 words on for one-row bf16 / fp16 int4 calls in K tiles of whole groups
-    through the custom op; fp32 activations and the group-tiled form keep the fp32 words."""
+def test_int4_half2_tuning_reaches_bf16_launches_only(monkeypatch):
+    """KernelTuning.int4_half2 turns the packed fp16 words on for one-row bf16 / fp16 int4 calls in K tiles of whole
+    groups through the custom op; fp32 activations and the group-tiled form keep the fp32 words."""
     _, buffers = stored("int4", 40, 320, 32, seed=6)
     launched = []
     kernel = qg._gemv_kernel
     monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
         launched.append((kw["TILE_GROUPS"], kw["HALF2"])), kernel[grid](*a, **kw))[1]})())
-    monkeypatch.setattr(qg, "INT4_HALF2", 2)
+    forced = KernelTuning(int4_half2=2)
     x = torch.randn(1, 320, generator=torch.Generator().manual_seed(6))
     bf16 = {key: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
             for key, v in buffers.items()}
-    quant_gemv_triton(x.to(torch.bfloat16), "int4", **bf16)
-    quant_gemv_triton(x, "int4", **buffers)
-    monkeypatch.setattr(qg, "INT4_WIDE_TILES", False)
-    quant_gemv_triton(x.to(torch.bfloat16), "int4", **bf16)
-    monkeypatch.setattr(qg, "INT4_HALF2", 0)
-    monkeypatch.setattr(qg, "INT4_WIDE_TILES", True)
-    quant_gemv_triton(x.to(torch.bfloat16), "int4", **bf16)
+    quant_gemv_triton(x.to(torch.bfloat16), "int4", **bf16, tuning=forced)
+    quant_gemv_triton(x, "int4", **buffers, tuning=forced)
+    quant_gemv_triton(x.to(torch.bfloat16), "int4", **bf16, tuning=forced, int4_wide=False)
+    quant_gemv_triton(x.to(torch.bfloat16), "int4", **bf16, tuning="int4_half2=0")
     assert launched == [(16, 2), (16, 0), (0, 0), (16, 0)]
 
 
 @interpreter
-@pytest.mark.parametrize("fmt", ["int4", "dense", "fp8"])
-def test_loop_stages_reach_one_row_launches_only_and_keep_the_result(fmt, monkeypatch, interpreter_bf16_dot):
-    """LOOP_STAGES (the K loop software-pipelined, tl.range num_stages; its speed is a GPU question) is passed to
-    one-row launches only (M > 1 tiles keep the kernel's own dot pipelining), from the module switch or a tile's
-    entry, and the result is the reference's either way."""
-    n, k = 40, 1024
-    dtype = torch.bfloat16
-    _, buffers = stored(fmt, n, k, 128, dtype=dtype if fmt != "fp8" else torch.float32, seed=9)
-    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 0)  # 3-row int4 calls stay in this kernel (else kernels/int4_mma.py)
-    launched = []
-    kernel = qg._gemv_kernel
-    monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
-        launched.append((kw["BLOCK_M"], kw.get("LOOP_STAGES"))), kernel[grid](*a, **kw))[1]})())
-    g = torch.Generator().manual_seed(4)
-    for m in (1, 3):
-        x = torch.randn(m, k, generator=g).to(dtype)
-        want = quant_gemv_reference(x, fmt, **buffers).float()
-        tol = 2 ** -7 * want.abs().max()
-        assert (quant_gemv_triton(x, fmt, **buffers).float() - want).abs().max() <= tol
-        monkeypatch.setattr(qg, "LOOP_STAGES", 3)
-        assert (quant_gemv_triton(x, fmt, **buffers).float() - want).abs().max() <= tol
-        monkeypatch.setattr(qg, "LOOP_STAGES", None)
-        assert (quant_gemv_triton(x, fmt, **buffers, LOOP_STAGES=2).float() - want).abs().max() <= tol
-    assert launched == [(1, None), (1, 3), (1, 2), (16, None), (16, None), (16, None)]
-
-
-@interpreter
-def test_int4_wide_tiles_switch_reaches_the_launch(monkeypatch):
-    """INT4_WIDE_TILES (the measured rule by default) gives one-row int4 calls K tiles of whole groups through the
-    custom op, and the launch cache keys on it: the same call under each setting takes that setting's tile."""
+def test_int4_wide_tiles_reach_the_launch(monkeypatch):
+    """The measured rule gives one-row int4 calls K tiles of whole groups through the custom op; a sweep's int4_wide
+    (False: one group a tile; a dict: that tile) reaches the launch, and the launch cache keys on it."""
     _, buffers = stored("int4", 40, 320, 32, seed=6)
     x = torch.randn(1, 320, generator=torch.Generator().manual_seed(6))
     want = quant_gemv_reference(x, "int4", **buffers)
@@ -589,25 +517,20 @@ def test_int4_wide_tiles_switch_reaches_the_launch(monkeypatch):
     monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
         launched.append((kw["BLOCK_K"], kw["TILE_GROUPS"])), kernel[grid](*a, **kw))[1]})())
     torch.testing.assert_close(quant_gemv_triton(x, "int4", **buffers), want, rtol=1e-5, atol=1e-4)
-    monkeypatch.setattr(qg, "INT4_WIDE_TILES", False)
-    torch.testing.assert_close(quant_gemv_triton(x, "int4", **buffers), want, rtol=1e-5, atol=1e-4)
-    monkeypatch.setattr(qg, "INT4_WIDE_TILES", dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2))
-    torch.testing.assert_close(quant_gemv_triton(x, "int4", **buffers), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(quant_gemv_triton(x, "int4", **buffers, int4_wide=False), want, rtol=1e-5, atol=1e-4)
+    wide = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2)
+    torch.testing.assert_close(quant_gemv_triton(x, "int4", **buffers, int4_wide=wide), want, rtol=1e-5, atol=1e-4)
     assert launched == [(512, 16), (32, 0), (128, 4)]  # the rule's 1024 capped at K's next power of two
 
 
 def test_int4_wide_rows_config_is_on_by_default_and_takes_whole_groups():
-    """INT4_WIDE_ROWS (M > 1 int4 in K tiles of whole groups on the tensor cores) is on by default with the sweep's
-    fastest tile (32 x 256, 4 warps) unless the env turns it off; on, M > 1 calls take its tile where the K tile holds
-    whole groups, else keep one group a tile; off ({} or None), one group a K tile; one-row calls are untouched."""
-    if os.environ.get("WORKBENCH_INT4_WIDE_ROWS") == "0":
-        assert qg.INT4_WIDE_ROWS is None
-    else:
-        assert qg.INT4_WIDE_ROWS == qg.INT4_WIDE_ROWS_TILE == dict(BLOCK_N=32, BLOCK_K=256, num_warps=4,
-                                                                   num_stages=3)
-        default = gemv_config("int4", 5, 4096, 4096, 128)
-        assert (default["BLOCK_N"], default["BLOCK_K"], default["num_warps"], default.get("WIDE_ROWS")) == (
-            32, 256, 4, True)
+    """M > 1 int4 in K tiles of whole groups on the tensor cores is the default, with the fastest measured tile
+    (32 x 256, 4 warps): M > 1 calls take its tile where the K tile holds whole groups, else keep one group a tile; a
+    sweep's int4_rows {} (or False) gives one group a K tile; one-row calls are untouched."""
+    assert qg.INT4_WIDE_ROWS_TILE == dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
+    default = gemv_config("int4", 5, 4096, 4096, 128)
+    assert (default["BLOCK_N"], default["BLOCK_K"], default["num_warps"], default.get("WIDE_ROWS")) == (
+        32, 256, 4, True)
     tile = dict(BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=3)
     off = gemv_config("int4", 5, 4096, 4096, 128, int4_rows={})
     assert (off["BLOCK_M"], off["BLOCK_N"], off["BLOCK_K"], off.get("ELEMENTWISE")) == (16, 64, 128, None)
@@ -630,9 +553,9 @@ def test_int4_wide_rows_config_is_on_by_default_and_takes_whole_groups():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", GROUP_TILE_SHAPES)
 def test_int4_wide_rows_match_reference(shape, dtype, m, split, fusion, monkeypatch, interpreter_bf16_dot):
-    """INT4_WIDE_ROWS on: verify widths (2, 5) and two row tiles (17), K tiles of 4 groups (the last one partial at
-    K = 320 and 352), split or not, with the fusions: the reference within the multi-row tolerance; the launch takes
-    the tensor-core tile of whole groups, never the one-row words."""
+    """Multi-row int4 tiles of whole groups (a sweep's int4_rows tile): verify widths (2, 5) and two row tiles (17), K
+    tiles of 4 groups (the last one partial at K = 320 and 352), split or not, with the fusions: the reference within
+    the multi-row tolerance; the launch takes the tensor-core tile of whole groups, never the one-row words."""
     n, k, group = GROUP_TILE_SHAPES[shape]
     _, buffers = stored("int4", n, k, group, dtype=dtype, seed=m)
     g = torch.Generator().manual_seed(11)
@@ -640,15 +563,14 @@ def test_int4_wide_rows_match_reference(shape, dtype, m, split, fusion, monkeypa
     x = torch.randn(m, 2 * k if glu else k, generator=g).to(dtype) * (4 if norm else 1)
     fused = dict(glu=glu, residual=torch.randn(m, n, generator=g).to(dtype) if "residual" in fusion else None,
                  norm_weight=(torch.rand(k, generator=g) + 0.5).to(dtype) if norm else None)
-    monkeypatch.setattr(qg, "INT4_WIDE_ROWS", dict(BLOCK_N=16, BLOCK_K=4 * group, num_warps=4, num_stages=2))
-    monkeypatch.setattr(qg, "INT4_MMA_ROWS", 0)  # verify widths stay in this kernel (else kernels/int4_mma.py)
+    rows = dict(BLOCK_N=16, BLOCK_K=4 * group, num_warps=4, num_stages=2)  # (an override: never kernels/int4_mma.py)
     launched = []
     kernel = qg._gemv_kernel
     monkeypatch.setattr(qg, "_gemv_kernel", type("Spy", (), {"__getitem__": lambda self, grid: lambda *a, **kw: (
         launched.append((kw["BLOCK_M"], kw["BLOCK_K"], kw["TILE_GROUPS"], kw["CVT_BITS"], kw["HALF2"])),
         kernel[grid](*a, **kw))[1]})())
     counters = counters_for(n, "cpu")
-    got = quant_gemv_triton(x, "int4", **buffers, counters=counters, **fused,
+    got = quant_gemv_triton(x, "int4", **buffers, counters=counters, **fused, int4_rows=rows,
                             **({} if split is None else dict(SPLIT_K=split))).float()
     want = quant_gemv_reference(x, "int4", **buffers, **fused).float()
     assert launched == [(16, 4 * group, 4, False, 0)]
@@ -662,8 +584,8 @@ def test_int4_wide_rows_match_reference(shape, dtype, m, split, fusion, monkeypa
 @interpreter
 def test_gpu_gemv_rows_part_times_wide_row_tiles_against_tinygemm(tmp_path, monkeypatch):
     """scripts/gpu_gemv.py --parts rows on the mini config (interpreter): per linear and M, tinygemm, the one-group
-    tiles and each INT4_WIDE_ROWS tile of the grid, each parity-checked; one best Triton tile each; the module switch
-    is restored afterwards."""
+    tiles and each multi-row tile of the grid, each parity-checked (every tile passed per call); one best Triton tile
+    each."""
     import json
     import sys
 
@@ -674,7 +596,6 @@ def test_gpu_gemv_rows_part_times_wide_row_tiles_against_tinygemm(tmp_path, monk
                                       "--sweep-configs", "mini", "--rows-ms", "3,5", "--rows-block-n", "32",
                                       "--rows-block-k", "64,128", "--rows-warps", "4", "--replays", "1",
                                       "--int4-group-size", "32"])
-    before = qg.INT4_WIDE_ROWS
     gpu_gemv.main()
     rows = json.loads((tmp_path / "gemv_rows.json").read_text())["rows"]
     assert all("error" not in r for r in rows)
@@ -684,7 +605,6 @@ def test_gpu_gemv_rows_part_times_wide_row_tiles_against_tinygemm(tmp_path, monk
         at = [r for r in rows if (r["linear"], r["M"]) == key]
         assert [r["tile"] for r in at] == ["-", "one group", "32x64 w4", "32x128 w4"]
         assert all(r["rel_err"] <= 2 ** -7 for r in at) and sum(bool(r.get("best")) for r in at) == 1
-    assert qg.INT4_WIDE_ROWS == before  # the default, restored
 
 
 @interpreter
@@ -770,8 +690,9 @@ def test_the_custom_op_has_a_fake_that_gives_the_output_shape():
 @interpreter
 @pytest.mark.parametrize("fmt", qg.GEMV_FORMATS)
 def test_a_compiled_caller_traces_through_the_op_without_a_graph_break(fmt, interpreter_bf16_dot):
-    """fullgraph=True fails on any graph break: the Triton launch must sit behind the custom op, and the compiled
-    function must compute what the eager one does (norm + linear + residual around the op, as in a decoder layer)."""
+    """fullgraph=True fails on any graph break: the Triton launch must sit behind the custom op (the KernelTuning
+    record passed as the linears pass theirs), and the compiled function must compute what the eager one does (norm +
+    linear + residual around the op, as in a decoder layer)."""
     import torch._dynamo
 
     dtype = torch.bfloat16 if fmt == "dense" else torch.float32  # dense takes bf16 / fp16 only
@@ -781,8 +702,9 @@ def test_a_compiled_caller_traces_through_the_op_without_a_graph_break(fmt, inte
 
     def layer(x):
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return quant_gemv_triton(h, fmt, **buffers, counters=counters) @ proj + x
+        return quant_gemv_triton(h, fmt, **buffers, counters=counters, tuning=tuning) @ proj + x
 
+    tuning = KernelTuning(int4_half2=0)
     x = torch.randn(2, 320, generator=torch.Generator().manual_seed(1)).to(dtype)
     torch._dynamo.reset()
     with torch.no_grad():  # inference, as the engine runs it
@@ -982,14 +904,13 @@ def test_one_row_widening_is_exact_for_every_byte_value(fmt, cvt_bits):
 def test_gpu_gemv_speed_part_compares_int4_rows_with_the_other_form(tmp_path, monkeypatch):
     """scripts/gpu_gemv.py --parts speed --int4-wide-rows-compare (interpreter, mini config): each int4 Triton call of
     M > 1 is timed in the default form (whole groups per K tile, suffix "+i4r") and once more in the other (one group
-    per K tile); one-row calls once; the switch is restored afterwards."""
+    per K tile, passed per call); one-row calls once."""
     import json
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_gemv
 
-    before = qg.INT4_WIDE_ROWS
     monkeypatch.setattr(sys, "argv", ["gpu_gemv.py", "--device", "cpu", "--out", str(tmp_path), "--parts", "speed",
                                       "--configs", "mini", "--formats", "int4", "--ms", "1,2",
                                       "--int4-wide-rows-compare", "--replays", "1", "--int4-group-size", "32"])
@@ -1001,7 +922,6 @@ def test_gpu_gemv_speed_part_compares_int4_rows_with_the_other_form(tmp_path, mo
         kinds = {(r["M"], r["kernel"]): r["config_used"] for r in rows if r["linear"] == name}
         assert set(kinds) == {(1, "triton"), (2, "triton+i4r"), (2, "triton")}
         assert kinds[(2, "triton+i4r")] != kinds[(2, "triton")]  # two forms, two tiles
-    assert qg.INT4_WIDE_ROWS == before
 
 
 # ---- int4 prefill dequantization in one kernel (kernels/int4_dequant.py) ------------------------------------------
@@ -1060,18 +980,16 @@ def test_int4_dequant_kernel_equals_the_torch_ops_bit_for_bit(dtype, n, k, group
 @interpreter
 def test_int4_prefill_through_the_dequant_kernel_matches_the_torch_ops(monkeypatch, interpreter_bf16_rtne):
     """Int4Linear with kernel "triton": a call past GEMV_MAX_ROWS (prefill) gives the same output, bit for bit,
-    whichever way INT4_PREFILL_DEQUANT dequantizes; decode-sized calls do not reach it."""
+    as the six PyTorch ops' dequantized weight times x (the "dequant" form); decode-sized calls do not reach it."""
     import workbench.engine.quant.linears as linears
 
     torch.manual_seed(0)
     lin = nn.Linear(256, 48, bias=False).to(torch.bfloat16)
     mod = Int4Linear(lin, 64, "triton")
     x = torch.randn(linears.GEMV_MAX_ROWS + 4, 256, dtype=torch.bfloat16)
-    assert linears.INT4_PREFILL_DEQUANT == "triton" or os.environ.get("WORKBENCH_INT4_PREFILL_DEQUANT")  # default
     with torch.no_grad():
-        monkeypatch.setattr(linears, "INT4_PREFILL_DEQUANT", "torch")
-        want = mod(x)
-        monkeypatch.setattr(linears, "INT4_PREFILL_DEQUANT", "triton")
+        want = torch.nn.functional.linear(x, linears.int4_dequant_reference(mod.weight, mod.scale, mod.zero,
+                                                                             64).to(x.dtype))
         calls = []
         real = linears.int4_dequant_triton
         monkeypatch.setattr(linears, "int4_dequant_triton", lambda *a: calls.append(1) or real(*a))
@@ -1084,10 +1002,10 @@ def test_int4_prefill_through_the_dequant_kernel_matches_the_torch_ops(monkeypat
 @interpreter
 @pytest.mark.parametrize("m", [17, 40])
 def test_int4_prefill_through_the_gemv_kernel_is_within_the_wide_rows_bound(m, monkeypatch, interpreter_bf16_dot):
-    """INT4_PREFILL_GEMM_ROWS (off by default): an int4 "triton" call of GEMV_MAX_ROWS < M <= that many rows goes
-    through the GEMV kernel's tensor-core form (16-row tiles, a partial last one) instead of a dequantized weight: the
-    output stays within the bound of the M > 1 form (weights rounded once to bf16 before the dot) of the dequant
-    path's, and no weight is dequantized; past the limit the dequant path runs again."""
+    """KernelTuning.int4_prefill_gemm_rows (0, off, by default): an int4 "triton" call of GEMV_MAX_ROWS < M <= that many
+    rows goes through the GEMV kernel's tensor-core form (16-row tiles, a partial last one) instead of a dequantized
+    weight: the output stays within the bound of the M > 1 form (weights rounded once to bf16 before the dot) of the
+    dequant path's, and no weight is dequantized; past the limit the dequant path runs again."""
     import workbench.engine.quant.linears as linears
 
     torch.manual_seed(1)
@@ -1098,14 +1016,13 @@ def test_int4_prefill_through_the_gemv_kernel_is_within_the_wide_rows_bound(m, m
     real = linears.int4_dequant_triton
     monkeypatch.setattr(linears, "int4_dequant_triton", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
-        monkeypatch.setattr(linears, "INT4_PREFILL_DEQUANT", "torch")
-        want = mod(x).float()
-        monkeypatch.setattr(linears, "INT4_PREFILL_DEQUANT", "triton")
-        monkeypatch.setattr(linears, "INT4_PREFILL_GEMM_ROWS", 64)
+        want = torch.nn.functional.linear(x, linears.int4_dequant_reference(mod.weight, mod.scale, mod.zero,
+                                                                             64).to(x.dtype)).float()
+        mod.tuning = KernelTuning(int4_prefill_gemm_rows=64)
         got = mod(x).float()
         assert not calls and got.shape == (m, 48)
         torch.testing.assert_close(got, want, rtol=0, atol=2 ** -6 * want.abs().max().item())
-        monkeypatch.setattr(linears, "INT4_PREFILL_GEMM_ROWS", m - 1)
+        mod.tuning = KernelTuning(int4_prefill_gemm_rows=m - 1)
         mod(x)
         assert calls  # past the limit: the dequant kernel
 
@@ -1114,8 +1031,8 @@ def test_int4_prefill_through_the_gemv_kernel_is_within_the_wide_rows_bound(m, m
 def test_gpu_gemv_prefill_part_times_both_dequants_with_parity(tmp_path, monkeypatch, interpreter_bf16_rtne,
                                                               interpreter_bf16_dot):
     """scripts/gpu_gemv.py --parts prefill on the mini config (interpreter): per linear and M, bf16, tinygemm and
-    kernel "triton" dequantized both ways and through the GEMV kernel; both dequant rows within the parity bound and
-    equal to each other (the same weight), the GEMV row within the tensor-core form's, the switches restored."""
+    kernel "triton" dequantized by one kernel and through the GEMV kernel (int4_prefill_gemm_rows set on the modules
+    for that row only); the dequant row within the parity bound, the GEMV row within the tensor-core form's."""
     import json
     import sys
 
@@ -1124,19 +1041,18 @@ def test_gpu_gemv_prefill_part_times_both_dequants_with_parity(tmp_path, monkeyp
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_gemv
 
-    default, rows_default = linears.INT4_PREFILL_DEQUANT, linears.INT4_PREFILL_GEMM_ROWS
     monkeypatch.setattr(sys, "argv", ["gpu_gemv.py", "--device", "cpu", "--out", str(tmp_path), "--parts", "prefill",
                                       "--sweep-configs", "mini", "--prefill-ms", "20", "--replays", "1",
                                       "--int4-group-size", "32"])
     gpu_gemv.main()
     rows = json.loads((tmp_path / "gemv_prefill.json").read_text())["rows"]
-    assert all("error" not in r for r in rows) and len(rows) == 4 * 5
+    assert all("error" not in r for r in rows) and len(rows) == 4 * 4
     for name in {r["linear"] for r in rows}:
         at = {r["kernel"]: r for r in rows if r["linear"] == name}
-        assert list(at) == ["bf16", "aten", "triton+torch", "triton+dq", "triton+gemv"]
-        assert at["triton+dq"]["rel_err"] == at["triton+torch"]["rel_err"] <= 2 ** -7
+        assert list(at) == ["bf16", "aten", "triton+dq", "triton+gemv"]
+        assert at["triton+dq"]["rel_err"] <= 2 ** -7
         assert at["triton+gemv"]["rel_err"] <= 2 ** -6  # weights rounded to bf16 once, then the tensor-core dot
-    assert linears.INT4_PREFILL_DEQUANT == default and linears.INT4_PREFILL_GEMM_ROWS == rows_default
+        assert at["triton+gemv"]["rel_err"] != at["triton+dq"]["rel_err"]  # two paths, not one twice
 
 
 @interpreter
@@ -1148,7 +1064,6 @@ def test_a_compiled_prefill_traces_through_the_dequant_op_without_a_graph_break(
 
     import workbench.engine.quant.linears as linears
 
-    monkeypatch.setattr(linears, "INT4_PREFILL_DEQUANT", "triton")
     torch.manual_seed(2)
     mod = Int4Linear(nn.Linear(256, 40, bias=False).to(torch.bfloat16), 64, "triton")
     x = torch.randn(linears.GEMV_MAX_ROWS + 8, 256, dtype=torch.bfloat16)

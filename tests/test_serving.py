@@ -3,7 +3,6 @@ preemption + recompute and prefix reuse; the scheduler never exceeds the pool; n
 Poisson arrivals pass a goodness-of-fit test; exported snippets parse; serve-bench writes its rows."""
 import json
 import math
-import os
 import random
 import subprocess
 import sys
@@ -638,23 +637,26 @@ def test_gpu_serving_parity_script_on_cpu(tmp_path):
     assert "| off | 6/6 |" in (tmp_path / "serving_parity.md").read_text()
 
 
-def test_batch_prefill_switch_reads_a_row_count_or_names_the_problem():
-    """WORKBENCH_BATCH_PREFILL: empty or unset is the default (4 rows per prefill forward); a whole number is the most
-    rows per prefill forward (0 or 1: one each); anything else is a ValueError that names the variable and what to
-    give (the worked examples too)."""
+def test_serve_tuning_reads_its_fields_or_names_the_problem():
+    """ServeTuning's text (the knob serve_tuning): empty is the defaults (4 rows per prefill forward, both overlaps
+    on); each field takes its value; an unknown field or a bad value is a ValueError that names it and what to give
+    (the worked examples too)."""
     import doctest
 
-    from workbench.serving import loop as loop_mod
+    from workbench.serving import tuning
 
     runner = doctest.DocTestRunner()
-    for test in doctest.DocTestFinder().find(loop_mod._batch_prefill_env, "_batch_prefill_env",
-                                             globs={"_batch_prefill_env": loop_mod._batch_prefill_env}):
+    for test in doctest.DocTestFinder().find(tuning, "tuning"):
         runner.run(test)
-    assert (runner.failures, runner.tries) == (0, 1)
-    assert loop_mod._batch_prefill_env(" 3 ") == 3
-    for bad in ("two", "-1", "2.5"):
-        with pytest.raises(ValueError, match="WORKBENCH_BATCH_PREFILL=.*whole number"):
-            loop_mod._batch_prefill_env(bad)
+    assert (runner.failures, runner.tries) == (0, 3)
+    assert tuning.parse_serve_tuning("") == tuning.ServeTuning(4, True, True)
+    assert tuning.parse_serve_tuning(" batch_prefill = 3 ").batch_prefill == 3
+    for bad, match in (("batch_prefill=two", "batch_prefill='two': give a whole number"),
+                       ("batch_prefill=-1", "batch_prefill=-1: give the most rows per prefill forward"),
+                       ("full_overlap=2", "full_overlap='2': give 1 .on. or 0 .off."),
+                       ("overlap=1", "unknown serve tuning field 'overlap'; the fields are batch_prefill")):
+        with pytest.raises(ValueError, match=match):
+            tuning.parse_serve_tuning(bad)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -791,42 +793,6 @@ def test_loop_switches_are_set_for_a_block_and_put_back():
         with loop_mod.switches(OVERLAP_PREFILL=not before[1], NO_SUCH_SWITCH=1):
             pass
     assert (loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL, loop_mod.FULL_OVERLAP) == before
-
-
-def test_full_overlap_switch_reads_0_or_1_or_names_the_problem():
-    """WORKBENCH_SERVE_FULL_OVERLAP: unset, empty or 1 is on (the default, where it applies), 0 off; anything else is a
-    ValueError that names the variable and its values (the worked example too)."""
-    import doctest
-
-    from workbench.serving import loop as loop_mod
-
-    runner = doctest.DocTestRunner()
-    for test in doctest.DocTestFinder().find(loop_mod._full_overlap_env, "_full_overlap_env",
-                                             globs={"_full_overlap_env": loop_mod._full_overlap_env}):
-        runner.run(test)
-    assert (runner.failures, runner.tries) == (0, 1)
-    assert loop_mod.FULL_OVERLAP is True or os.environ.get("WORKBENCH_SERVE_FULL_OVERLAP", "").strip() == "0"
-    for bad in ("yes", "2"):
-        with pytest.raises(ValueError, match="WORKBENCH_SERVE_FULL_OVERLAP=.*give 1 .* or 0"):
-            loop_mod._full_overlap_env(bad)
-
-
-def test_overlap_switch_reads_0_or_1_or_names_the_problem():
-    """WORKBENCH_SERVE_OVERLAP: unset, empty or 1 overlaps (the default), 0 reads the step first; anything else is a
-    ValueError that names the variable and the values it takes (the worked example too)."""
-    import doctest
-
-    from workbench.serving import loop as loop_mod
-
-    runner = doctest.DocTestRunner()
-    for test in doctest.DocTestFinder().find(loop_mod._overlap_env, "_overlap_env",
-                                             globs={"_overlap_env": loop_mod._overlap_env}):
-        runner.run(test)
-    assert (runner.failures, runner.tries) == (0, 1)
-    assert loop_mod._overlap_env(" 0 ") is False
-    for bad in ("yes", "2", "off"):
-        with pytest.raises(ValueError, match="WORKBENCH_SERVE_OVERLAP=.*give 1 .* or 0"):
-            loop_mod._overlap_env(bad)
 
 
 def test_gpu_serving_parity_names_unknown_settings(tmp_path, capsys, monkeypatch):

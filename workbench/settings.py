@@ -46,9 +46,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kernels.tuning import parse_tuning
 from results.schema import register_column
 from workbench import choices
 from workbench.choices import AUTO, tree_capacity
+from workbench.serving.tuning import parse_serve_tuning
 
 ALL = "all"  # Knob.methods: read by every method
 KINDS = {"int": int, "float": float, "bool": bool, "str": str, "ints": tuple}  # "ints": a tuple of whole numbers
@@ -184,6 +186,8 @@ class Knob:
             return self._check_list(value)
         if self.auto and isinstance(value, str) and value == AUTO:
             return
+        if self.name in TUNING_PARSERS:  # free text, checked by its own parser
+            return _check_tuning(self.name, value)
         if self.allowed is not None:
             if value not in self.allowed or isinstance(value, bool) != (self.kind == "bool"):
                 raise SettingError(f"{self.name}={value!r} is not supported by the engine; allowed: "
@@ -340,6 +344,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "--cuda-graphs)", "Per-phase GPU profile", "system"),
     Knob("compare_hf", "bool", False, "also time Hugging Face generate() on the same prompts (slow; GPU benchmarks)",
          "Compare with HF generate()", "system"),
+    Knob("kernel_tuning", "str", "", "kernel variants as field=value,... (kernels/tuning.py KernelTuning; empty = the "
+         "measured defaults): int4_mma_rows (0-16: int4 verify widths on the tensor-core kernel, 0 off), int4_cuda "
+         "(1/0: one-row int4 in the CUDA C++ GEMV), int4_half2 (auto/0/1/2: packed fp16 words in one-row int4 "
+         "Triton tiles), int4_prefill_gemm_rows (int4 prefill calls up to this many rows through the GEMV, 0 never). "
+         "The result row records it resolved, every field", "Kernel tuning", "system"),
 )}
 
 # Serving (`python -m workbench serve-bench`, workbench/serving): in-flight batching under a request load. Declared
@@ -348,7 +357,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
 # the serve-bench flags come from the same declarations, and results.schema declares their columns.
 SERVE_RUN_KNOBS = ("method", "k", "ngram_min", "ngram_max", "beam_width", "beam_length", "diversity_penalty",
                    "max_new_tokens", "temperature", "top_k", "top_p", "seed", "kv_block_size", "cuda_graphs",
-                   "graph_batch_sizes", "compile", "attention", "prefill_graphs", "pdl")  # bench knobs serving reads
+                   "graph_batch_sizes", "compile", "attention", "prefill_graphs", "pdl",
+                   "kernel_tuning")  # bench knobs serving reads
 SCHED_POLICIES = ("no_evict", "max_util")
 SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("rate", "float", 0.0, "request arrival rate in requests/s (0 = all requests arrive at once)", "Request rate",
@@ -429,6 +439,11 @@ SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
          "median counts (a single short run can read 20 % off); runs past the budget are skipped, "
          "so a tight budget measures every batch size once before repeating any",
          "Calibration repeats", "adaptive", 1, 9),
+    Knob("serve_tuning", "str", "", "how the serving loop itself runs, as field=value,... (workbench/serving/tuning.py "
+         "ServeTuning; empty = the measured defaults): batch_prefill (the most prefill chunks per forward; 0 or 1: "
+         "a forward per request), overlap_prefill (1/0: the prefill enqueued behind the step in flight), "
+         "full_overlap (1/0: each step launched before the previous one is read, where that applies). The row "
+         "records it resolved, every field", "Serving loop tuning", "serving"),
 )}
 
 
@@ -551,6 +566,17 @@ def resolve_config(cfg: Any, device_type: str, *, dtype_auto: bool = False, **kw
     resolved, names = resolve_auto(values, device_type, **kw)
     return (dataclasses.replace(cfg, **{n: resolved[n] for n in names}),
             ("dtype",) * dtype_auto + names)
+TUNING_PARSERS = {"kernel_tuning": parse_tuning, "serve_tuning": parse_serve_tuning}  # text knobs of records
+
+
+def _check_tuning(name: str, value: Any) -> None:
+    """A tuning knob's text parses (its parser's error, a ValueError naming the field, as a SettingError)."""
+    if not isinstance(value, str):
+        raise SettingError(f"{name}={value!r} must be text like 'field=value,field=value'", name)
+    try:
+        TUNING_PARSERS[name](value)
+    except ValueError as e:
+        raise SettingError(f"{name}: {e}", name) from None
 
 
 RUN_KNOBS = tuple(k for k in KNOBS.values() if k.scope == "run")          # the fields of BenchConfig

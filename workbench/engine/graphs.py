@@ -38,12 +38,6 @@ from workbench.choices import COMPILE_MODES  # noqa: E402 - declared once, torch
 PREFILL_LEN_MULTIPLE = 32  # a captured prefill pads its prompts' length up to a multiple of this (within the cache)
 PAD_LEN = 1  # padding rows act as a sequence of one committed token in the cache's scratch row
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# Whether captured prompt forwards (PrefillStep) are compiled too when the decode steps are (`compile` != off), for
-# every engine of the process (scripts/gpu_fastpath.py's mode suffix +cprefill); a run asks with the knob
-# `compile_prefill` (GraphSettings.compile_prefill; off by default: each new (batch, padded length) compiles afresh,
-# which costs a study with ragged prompts more than it saves). Measured in BENCHMARKS.md 18.2 (tiny) and 18.4 (small:
-# prefill 1.19 -> 0.70 ms per 64-token prompt, n-gram k = 4's speedup / tokens per step 0.836 -> 0.860).
-COMPILE_PREFILL = False
 
 
 class GraphSettingsError(ValueError):
@@ -56,7 +50,7 @@ class GraphSettings:
     batch_sizes: tuple[int, ...] = DEFAULT_BUCKETS  # the buckets, strictly increasing
     compile: str = "off"  # "off" | "default" | "max-autotune"
     prefill: bool = True  # with cuda_graphs: prompt forwards captured too, per (batch, padded length) (PrefillStep)
-    compile_prefill: bool = False  # those prompt forwards compiled with `compile` too (or COMPILE_PREFILL)
+    compile_prefill: bool = False  # those prompt forwards compiled with `compile` too (each new shape compiles)
 
     def __post_init__(self) -> None:
         check_graph_settings(self.batch_sizes, self.compile)
@@ -142,8 +136,8 @@ class _Buffers:
 
 # Without capture (a CPU) the fixed-shape path runs its body eagerly; its output is then written into one tensor per
 # (bucket, key), as a replayed graph's is on a GPU, so that code holding a view of an earlier call's output sees it
-# overwritten on a CPU too and the CPU tests catch such aliasing (two serving bugs hid behind fresh tensors:
-# BENCHMARKS.md 21.7). False: a fresh tensor per call.
+# overwritten on a CPU too and the CPU tests catch such aliasing (two serving bugs hid behind fresh tensors).
+# False (a test's baseline only): a fresh tensor per call.
 STATIC_CPU_OUTPUTS = True
 
 
@@ -178,7 +172,7 @@ def raise_recompile_limits() -> None:
     recompile limit dynamo runs the frame's new variants eagerly and only logs a warning. The model keeps one graph per
     frame for every layer on the fused attention path (llama.attend_uncompiled), but a backend traced by dynamo (the
     quantized-KV and non-kernel paths) reads the layer index in the trace: one graph per layer, per batch bucket and
-    per step width, which passed the old limit of 64 (BENCHMARKS.md section 16)."""
+    per step width, which passed the old limit of 64."""
     cfg = torch._dynamo.config
     for names, value in ((("recompile_limit", "cache_size_limit"), RECOMPILE_LIMIT),
                          (("accumulated_recompile_limit", "accumulated_cache_size_limit"), ACCUMULATED_RECOMPILE_LIMIT)):
@@ -189,7 +183,7 @@ def raise_recompile_limits() -> None:
 
 class RecompileWatch(logging.Handler):
     """Counts torch._dynamo's "hit config.recompile_limit" warnings in this process: each names a compiled frame
-    whose new variants run eagerly from then on, which a run's figures should say (BENCHMARKS.md 16.1)."""
+    whose new variants run eagerly from then on, which a run's figures should say."""
 
     def __init__(self) -> None:
         super().__init__(level=logging.WARNING)
@@ -404,7 +398,7 @@ class PrefillStep:
     and the model. The batch is never padded (a padding row would need a whole prompt's blocks in the scratch row):
     every batch size is its own key. A chunk reads the cache's whole static span (its start varies); a batch from
     position 0 only its padded length. Compiled with the decode steps' mode only when settings.compile_prefill (the
-    `compile_prefill` knob) or COMPILE_PREFILL says so. Graphs of one step share one memory pool (they never run
+    `compile_prefill` knob) says so. Graphs of one step share one memory pool (they never run
     concurrently; each keeps its output alive). On a CPU the same padded forward runs eagerly (compiled so too).
     Otherwise (or where a chunk's padded length passes the row's slots or needs blocks the pool has not got free:
     counted in `eager_chunks`): eager, over exactly the tokens' span.
@@ -413,7 +407,7 @@ class PrefillStep:
     def __init__(self, model, cache, settings: GraphSettings, device: torch.device, name: str):
         self.model, self.cache, self.settings, self.device = model, cache, settings, torch.device(device)
         self.fixed_shape = settings.cuda_graphs and settings.prefill
-        compiled = COMPILE_PREFILL or settings.compile_prefill
+        compiled = settings.compile_prefill
         exact = GraphSettings(settings.cuda_graphs, tuple(range(1, cache.max_rows + 1)),
                               settings.compile if compiled else "off", settings.prefill)
         pool = torch.cuda.graph_pool_handle() if self.fixed_shape and self.device.type == "cuda" else None
@@ -551,7 +545,7 @@ class PrefillStep:
 def upload(values: list, device: torch.device) -> torch.Tensor:
     """A small host list (or list of lists) as a long tensor on `device` without waiting for the GPU:
     `torch.tensor(values, device=cuda)` synchronizes the stream after its copy, which made every shortened serving
-    step wait for the GPU (BENCHMARKS.md 19.4); a pinned copy is queued on the stream instead (the caching host
+    step wait for the GPU; a pinned copy is queued on the stream instead (the caching host
     allocator keeps the pinned block until the copy has run)."""
     host = torch.tensor(values, dtype=torch.long)
     if device.type != "cuda":

@@ -25,7 +25,6 @@ dequantized in `_read` (gather + SDPA) or inside the Triton kernel. Moves copy t
 from __future__ import annotations
 
 import math
-import os
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -36,11 +35,6 @@ import torch.nn.functional as F
 from workbench.engine.kv_quant import SCALE_DTYPE, KVFormatError, kv_format
 
 
-# RoPE folded into the fused K/V write + attention call (kernels/paged_attention.py, `rope=`): the model then hands
-# q and k over unrotated and no RoPE kernel runs per layer. Checked against the references on CPU (interpreter and
-# engine greedy parity); on the H200 (BENCHMARKS.md 14.4) 1.9 % faster at 6.7 B with the same 128 greedy tokens.
-# WORKBENCH_FUSE_ROPE=0 turns it off for a process (scripts/gpu_quant.py rows: "+rope" / "+norope").
-FUSE_ROPE = os.environ.get("WORKBENCH_FUSE_ROPE", "1") == "1"
 
 
 class CacheFullError(RuntimeError):
@@ -166,9 +160,10 @@ class KVCache(ABC):
         return self._use_kernel and self.write_kernel is not None and not self.format.quantized
 
     def fuses_rope(self) -> bool:
-        """Whether this step's `attend` takes q and k before RoPE with rope=(cos, sin_signed) [B, T, D] (FUSE_ROPE on
-        and the fused K/V write + attention path: an unquantized paged cache on the kernel path)."""
-        return FUSE_ROPE and self.attends_in_one_call()
+        """Whether this step's `attend` takes q and k before RoPE with rope=(cos, sin_signed) [B, T, D]: on the fused
+        K/V write + attention path (an unquantized paged cache on the kernel path), where the kernels rotate them as
+        they load them and no RoPE kernel runs per layer (measured faster than rotating in the model)."""
+        return self.attends_in_one_call()
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -358,7 +353,7 @@ class PagedKVCache(KVCache):
         for every step already in flight (an overlapped step's pipeline drained each time a row crosses a block). On
         a GPU the image goes through a pinned copy of its own (the caching host allocator keeps it until the copy has
         run), so the image can change right after. The table was built row by row with a tensor per row before:
-        about 5 host ops per cache row per upload, 190 per serving iteration on tiny at 64 rows (call h1)."""
+        about 5 host ops per cache row per upload (190 per serving iteration on tiny at 64 rows)."""
         image = self._table_image
         for r in self._stale:
             blocks = self._host_table[r]

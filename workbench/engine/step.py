@@ -53,19 +53,23 @@ from workbench.engine.graphs import (PAD_LEN, PREFILL_LEN_MULTIPLE, FixedShapeSt
                                      GraphStats, ModelStep, PrefillStep, prefill_len, upload)
 from workbench.engine.kv_cache import ATTENTION_BACKENDS, make_cache
 from workbench.engine.kv_quant import kv_format
+from workbench.engine.quant import apply_kernel_tuning
 from workbench.engine.sampling import SamplingParams, next_token
 from workbench.engine.tree import DraftTree, sibling_rank, verify_mask
 from workbench.engine.verify import Acceptance, Verifier, accept_greedy
 from kernels.pdl import pdl_scope
+from kernels.tuning import KernelTuning, parse_tuning
 
 PHASES = ("prefill", "draft", "verify", "accept", "kv")
 
 
 def _with_pdl(method):
     """A SpecEngine entry point that launches kernels: our Triton kernels use dependent launches as the engine's
-    `pdl` says for the call (graphs keep what they captured with)."""
+    `pdl` says for the call, and the quantized linears the engine's `kernel_tuning` (graphs keep what they captured
+    with)."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        self.use_kernel_tuning()
         with pdl_scope(self.config.pdl):
             return method(self, *args, **kwargs)
     return wrapper
@@ -103,6 +107,7 @@ class EngineConfig:
     prefill_graphs: bool = _knob("prefill_graphs")  # with cuda_graphs: prompt forwards captured (PrefillStep)
     compile_prefill: bool = _knob("compile_prefill")  # with compile: those captured prompt forwards compiled too
     pdl: bool = _knob("pdl")  # our Triton kernels launched with programmatic dependent launch (kernels/pdl.py)
+    kernel_tuning: str = _knob("kernel_tuning")  # kernel variants, "field=value,..." (kernels/tuning.py)
 
     @functools.cached_property
     def graphs(self) -> GraphSettings:  # read every step: built (and validated) once
@@ -120,6 +125,7 @@ class EngineConfig:
             raise ValueError(f"unknown attention backend {self.attention!r}; choose one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
         kv_format(self.kv_quant)  # KVFormatError names the formats
+        parse_tuning(self.kernel_tuning)  # KernelTuningError names the field
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.kv_block_size < 1:
@@ -245,6 +251,16 @@ class SpecEngine:
 
     def max_context(self) -> int:
         return int(self.target.config.max_position_embeddings)
+
+    def use_kernel_tuning(self) -> KernelTuning:
+        """The config's KernelTuning set on every quantized linear of the target and of a draft model (models may be
+        shared by engines of other tunings: set again only where another engine changed it); returns it."""
+        tuning = parse_tuning(self.config.kernel_tuning)
+        for model in (self.target, getattr(self.drafter, "model", None)):
+            if isinstance(model, torch.nn.Module) and getattr(model, "kernel_tuning", None) is not tuning:
+                apply_kernel_tuning(model, tuning)
+                model.kernel_tuning = tuning
+        return tuning
 
     @property
     def num_nodes(self) -> int:

@@ -37,6 +37,7 @@ from workbench.engine.kv_cache import resolve_attention
 from workbench.engine.sampling import SamplingParams
 from workbench.models import DTYPES, stored_dtype
 from kernels.int4_cuda import int4_cuda_gemv_applies
+from kernels.tuning import format_tuning, parse_tuning
 from kernels.pdl import pdl_applies
 
 # Greedy parity in bf16/fp16 is not exact: a 1-token decode and a (k+1)-token verify reduce in different orders, so
@@ -396,7 +397,7 @@ class BenchSession:
                 hf = hf_generate_tokens_per_s(self, cfg, prompt_ids)
             graphs = {"overlap_applied": cand_engine.overlaps()} if cfg.overlap else {}
             graphs["pdl_applied"] = pdl_applies(cfg.pdl, self.device, cfg.cuda_graphs)
-            graphs["int4_cuda_gemv"] = int4_cuda_gemv_applies(self.device)
+            graphs["int4_cuda_gemv"] = int4_cuda_gemv_applies(self.device, parse_tuning(cfg.kernel_tuning).int4_cuda)
             if cfg.compile != "off":  # frames past dynamo's recompile limit run eagerly (BENCHMARKS.md 16.1)
                 graphs |= compile_fallback_columns(fallbacks_before)
             graphs |= _graph_columns([e.graph_stats() for e in engines], stats_before,
@@ -517,6 +518,7 @@ class BenchSession:
         record = {
             "run_id": run_id, "study": study, "trial_id": trial_id, "status": "ok", "error": None,
             **_config_columns(cfg),
+            "kernel_tuning": format_tuning(parse_tuning(cfg.kernel_tuning)),  # resolved: every field
             "k": cfg.k if cfg.method != "ar" else 0,
             "dtype": self.dtype, "device": str(self.device), "preset": self.preset,
             "target_path": self.target_path, "draft_path": self.draft_path if cfg.method == "draft"

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 import pandas as pd
 import torch
 
+from kernels.tuning import format_tuning, parse_tuning
 from workbench import settings
 from workbench.engine import SpecEngine
 from workbench.engine.drafters import DrafterError, make_drafter
@@ -28,6 +29,7 @@ from workbench.serving.adaptive import AdaptiveSpeculation, format_k_by_batch
 from workbench.serving.config import SERVE_CONFIG_KNOBS, ServeConfig, ServeError, check_config
 from workbench.serving.loadgen import make_requests
 from workbench.serving.loop import RealClock, ServeResult, ServingLoop, frozen_gc
+from workbench.serving.tuning import format_serve_tuning, parse_serve_tuning
 
 TRACE_COLUMNS = ["run_id", "seq", "step", "drafted", "accepted", "emitted", "batch_size", "k", "num_nodes",
                  "context_len", "step_ms"]
@@ -114,12 +116,15 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
     fallbacks_before = recompile_limit_hits()  # from here: the engine, its calibration and captures compile too
     engine = engine or engine_for(session, cfg)
 
+    # the loop's own variants: the knob's record, or (empty) the loop's defaults
+    tuning = parse_serve_tuning(cfg.serve_tuning) if cfg.serve_tuning.strip() else loop_mod.default_tuning()
+
     def make_loop(adaptive):
         return ServingLoop(engine, requests, policy=cfg.sched_policy, num_blocks=cfg.kv_blocks,
                            max_num_seqs=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk,
                            prefix_caching=cfg.prefix_caching, adaptive=adaptive,
                            max_concurrency=cfg.max_concurrency, clock=clock or RealClock(), timing=True,
-                           catch_up_max=cfg.spec_catch_up_max)
+                           catch_up_max=cfg.spec_catch_up_max, tuning=tuning)
 
     adaptive = adaptive_for(cfg, engine.num_nodes)
     loop = make_loop(adaptive)
@@ -131,7 +136,7 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
     if cfg.cuda_graphs:  # before the clock starts, every (bucket, draft length) the adaptive rules can ask for
         engine.capture_graphs(cfg.max_num_seqs, node_counts=adaptive.node_counts(cfg.max_num_seqs, loop.chains),
                               max_prefill_tokens=max((len(r.prompt) for r in requests), default=0),
-                              prefill_rows=max(1, min(loop_mod.BATCH_PREFILL, cfg.max_num_seqs)))
+                              prefill_rows=max(1, min(tuning.batch_prefill, cfg.max_num_seqs)))
     graphs_before, eager_before = engine.graph_stats(), getattr(engine.prefill_step, "eager_chunks", 0)
     t0 = time.perf_counter()
     try:
@@ -156,10 +161,11 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
            "num_prompts": len(requests), "batch": None, "wall_s": wall, "auto_knobs": ",".join(auto_knobs),
            **metrics.summarize(result, cfg.slo_ttft_ms, cfg.slo_tpot_ms), **calibrated,
            **environment_info(str(session.device) if session.device.type == "cuda" else None)}
-    # how the loop itself ran (module / env switches, not settings): stored, so that runs of different loops are
-    # never compared unawares (BENCHMARKS.md 21.2-21.3: each switch moves output tok/s by 1.06-1.35x)
+    # how the loop itself ran: stored, so that runs of different loops are never compared unawares (each variant
+    # moves output tok/s by 1.06-1.35x); the tuning records resolved, every field
     rec.update(loop_batch_prefill=result.batch_prefill, loop_overlap=result.overlap,
-               loop_steps_ahead=result.steps_ahead)
+               loop_steps_ahead=result.steps_ahead, serve_tuning=format_serve_tuning(result.tuning),
+               kernel_tuning=format_tuning(parse_tuning(cfg.kernel_tuning)))
     if calibrated:  # the schedule the run served with (config_json keeps the settings as given)
         rec["k_by_batch"] = format_k_by_batch(ranges)
     if cfg.method == "ar":

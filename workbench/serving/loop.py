@@ -10,13 +10,14 @@ One iteration, as named phases:
     decode   one step over every decoding row (draft -> verify -> accept -> kv; `SpecEngine.launch_step`, read by
              `finish_step`), the draft length per row from the adaptive rules; rows that reach max_new_tokens leave
              (row and blocks released)
-    prefill  the planned chunks, in forwards of up to BATCH_PREFILL rows; a request whose prefill completes gets its
+    prefill  the planned chunks, in forwards of up to `batch_prefill` rows; a request whose prefill completes gets its
              first token (or keeps its root, after a preemption) and decodes from the next iteration
 
-By default (OVERLAP_PREFILL) the prefill is enqueued behind the step in flight and read after it, so the host plans
-and launches it while the GPU runs the step; with OVERLAP_PREFILL off the step is read before the prefill is planned.
-FULL_OVERLAP (on by default where it applies) launches each step before the previous one is read (see the switch's
-comment).
+How the loop itself runs is the run's ServeTuning (workbench/serving/tuning.py; knob `serve_tuning`, recorded in the
+serve-bench row): by default (`overlap_prefill`) the prefill is enqueued behind the step in flight and read after it,
+so the host plans and launches it while the GPU runs the step; off, the step is read before the prefill is planned.
+`full_overlap` (on by default where it applies) launches each step before the previous one is read (see
+`ServingLoop.__init__`).
 
 Adaptive speculation changes the draft length between steps at no extra cost when the engine's graphs for every
 length it can ask for were captured first (`AdaptiveSpeculation.node_counts`, `SpecEngine.capture_graphs`). A draft
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,6 +53,7 @@ from workbench.serving.config import ServeError
 from workbench.serving.prefix_cache import PrefixCachingKVCache
 from workbench.serving.request import Request, RequestState
 from workbench.serving.scheduler import CapacityScheduler
+from workbench.serving.tuning import DEFAULT_BATCH_PREFILL, ServeTuning
 
 
 class RealClock:
@@ -157,9 +158,10 @@ class ServeResult:
     draft_prefills: int = 0  # draft-model prefill forwards at join (one per request whose draft was prefilled)
     prefill_forwards: int = 0  # target prefill forwards (one per request chunk)
     draft_kv: bool = False  # the drafter keeps its own KV (a draft model): prefill at join and catch-up apply
-    batch_prefill: int = 1  # the most prefill chunks per forward in this run (BATCH_PREFILL then; replay reads it)
-    full_overlap: bool = False  # steps launched before the previous one was read (FULL_OVERLAP, where it applies)
-    overlap: str = "none"  # what ran beside a step in flight: "full", "prefill" (OVERLAP_PREFILL) or "none"
+    batch_prefill: int = 1  # the most prefill chunks per forward in this run (tuning.batch_prefill; replay reads it)
+    full_overlap: bool = False  # steps launched before the previous one was read (tuning.full_overlap, where it can)
+    overlap: str = "none"  # what ran beside a step in flight: "full", "prefill" (tuning.overlap_prefill) or "none"
+    tuning: ServeTuning = ServeTuning()  # how the loop ran, resolved (the serve-bench row's serve_tuning)
     steps_ahead: int = 0  # steps launched while another was in flight
 
     @property
@@ -167,67 +169,22 @@ class ServeResult:
         return {s.req.id: s.output for s in self.states}
 
 
-# Prefill chunks of one iteration run in forwards of up to this many rows (engine.prefill_rows; 0 or 1: a forward
-# per request). 4 by default since call z7 (BENCHMARKS.md 21.2: on small at 1.5x saturation, a forward per row served
-# 0.75-0.80x the output tok/s of forwards of up to 4 rows); env WORKBENCH_BATCH_PREFILL=N.
-DEFAULT_BATCH_PREFILL = 4
-
-
-def _batch_prefill_env(value: str) -> int:
-    """WORKBENCH_BATCH_PREFILL's value as a row count (unset or empty: DEFAULT_BATCH_PREFILL); anything else is a
-    named error.
-
-    >>> _batch_prefill_env(""), _batch_prefill_env("1")
-    (4, 1)
-    """
-    if not value.strip():
-        return DEFAULT_BATCH_PREFILL
-    if not value.strip().isdigit():
-        raise ValueError(f"WORKBENCH_BATCH_PREFILL={value!r}: give the most rows per prefill forward as a whole number "
-                         f"(0 or 1: a forward per row; {DEFAULT_BATCH_PREFILL}, the default, when unset)")
-    return int(value)
-
-
-BATCH_PREFILL = _batch_prefill_env(os.environ.get("WORKBENCH_BATCH_PREFILL", ""))
+# The defaults of a loop given no ServeTuning (ServeTuning's own unless a control run changes them with `switches`).
+BATCH_PREFILL = DEFAULT_BATCH_PREFILL
+OVERLAP_PREFILL = True
+# Full overlap: step t + 1 is launched before step t is read, as `generate`'s overlapped loop does, so the host's
+# bookkeeping of step t, the joins and the next plan run while the GPU computes. Only where the device step needs
+# nothing from the host read: greedy chains with the fused accept and a drafter that reads the device
+# (`SpecEngine.can_launch_ahead`), a draft model only when every step drafts or none does (no catch-up), and the
+# no_evict policy (no preemption while a step is in flight). A row that could reach max_new_tokens in the step in
+# flight skips the next one (no wasted step, never released under a step).
+FULL_OVERLAP = True
 CATCH_UP_SHORT = 8  # catch-up gaps up to this many tokens share one forward (a few skipped steps' worth)
 
 
-def _switch_env(name: str, value: str, default: bool, on: str, off: str) -> bool:
-    """An environment switch: 1 or 0 (unset or empty: `default`); anything else is a ValueError naming the variable
-    and what each value does (`on`, `off`)."""
-    v = value.strip()
-    if v not in ("", "0", "1"):
-        raise ValueError(f"{name}={value!r}: give 1 ({on}) or 0 ({off}), or unset it "
-                         f"(the default: {'1' if default else '0'})")
-    return default if not v else v == "1"
-
-
-def _overlap_env(value: str) -> bool:
-    """WORKBENCH_SERVE_OVERLAP's value: 1 (or unset) enqueues an iteration's prefill behind its step in flight, 0
-    reads the step first; anything else is a named error.
-
-    >>> _overlap_env(""), _overlap_env("0"), _overlap_env("1")
-    (True, False, True)
-    """
-    return _switch_env("WORKBENCH_SERVE_OVERLAP", value, True, "the prefill enqueued behind the step in flight",
-                       "the step read first")
-
-
-# An iteration's prefill is planned before its step is launched and enqueued behind it, and one wait then covers
-# both: the host plans and launches the prefill while the GPU runs the step (0: the step is read, then the prefill
-# planned with the blocks the step gave back; the loop before the sixteenth session). Env WORKBENCH_SERVE_OVERLAP=0|1.
-OVERLAP_PREFILL = _overlap_env(os.environ.get("WORKBENCH_SERVE_OVERLAP", ""))
-
-
-def _full_overlap_env(value: str) -> bool:
-    """WORKBENCH_SERVE_FULL_OVERLAP's value: 1 (or unset) launches each step before the previous one is read where
-    that applies, 0 does not; anything else is a named error.
-
-    >>> _full_overlap_env(""), _full_overlap_env("0"), _full_overlap_env("1")
-    (True, False, True)
-    """
-    return _switch_env("WORKBENCH_SERVE_FULL_OVERLAP", value, True,
-                       "each step launched before the previous one is read, where that applies", "off")
+def default_tuning() -> ServeTuning:
+    """The ServeTuning of a loop given none: this module's defaults (as `switches` may have set them)."""
+    return ServeTuning(BATCH_PREFILL, OVERLAP_PREFILL, FULL_OVERLAP)
 
 
 def keeps_draft_kv(drafter) -> bool:
@@ -236,23 +193,11 @@ def keeps_draft_kv(drafter) -> bool:
     return drafter is not None and drafter.model_forwards_per_step > 0 and not drafter.wants_hidden
 
 
-# Full overlap (built in the sixteenth session; on by default since the seventeenth, after call k4 served small
-# 1.02-1.48x faster with it in 10 of 12 paired runs, BENCHMARKS.md section 22): step t + 1 is launched
-# before step t is read, as `generate`'s overlapped loop does, so the host's bookkeeping of step t, the joins and the
-# next plan run while the GPU computes. Only where the device step needs nothing from the host read: greedy chains
-# with the fused accept and a drafter that reads the device (`SpecEngine.can_launch_ahead`), a draft model only when
-# every step drafts or none does (no catch-up; none: since the nineteenth session, after call k11 served small's
-# "off" 1.15-1.29x faster with it than without), and the no_evict policy (no preemption while a step is in flight).
-# A row that could reach max_new_tokens in the step in flight skips the next one (no wasted step, never released
-# under a step).
-# Env WORKBENCH_SERVE_FULL_OVERLAP=0|1.
-FULL_OVERLAP = _full_overlap_env(os.environ.get("WORKBENCH_SERVE_FULL_OVERLAP", ""))
-
-
 @contextmanager
 def switches(**values):
-    """This module's switches (BATCH_PREFILL, OVERLAP_PREFILL, FULL_OVERLAP) set to `values` for the block and put
-    back after (the benchmark scripts' control runs); an unknown name is an AttributeError before anything changes."""
+    """This module's loop defaults (BATCH_PREFILL, OVERLAP_PREFILL, FULL_OVERLAP: `default_tuning`) set to `values`
+    for the block and put back after (the benchmark scripts' control runs; a run chooses with the knob serve_tuning);
+    an unknown name is an AttributeError before anything changes."""
     import sys
 
     module = sys.modules[__name__]
@@ -319,7 +264,7 @@ class ServingLoop:
     def __init__(self, engine: SpecEngine, requests: list[Request], *, policy: str = "no_evict",
                  num_blocks: int = 0, max_num_seqs: int = 16, prefill_chunk: int = 0, prefix_caching: bool = False,
                  adaptive: AdaptiveSpeculation | None = None, max_concurrency: int = 0, clock=None,
-                 timing: bool = False, max_len: int = 0, catch_up_max: int = 0):
+                 timing: bool = False, max_len: int = 0, catch_up_max: int = 0, tuning: ServeTuning | None = None):
         if not requests:
             raise ServeError("no requests to serve")
         if any(len(r.prompt) == 0 for r in requests):
@@ -330,6 +275,7 @@ class ServingLoop:
                              "target's hidden states of the whole prompt, which shared blocks skip; turn "
                              "--prefix-caching off")
         self.engine, self.requests = engine, sorted(requests, key=lambda r: (r.arrival_s, r.id))
+        self.tuning = tuning if tuning is not None else default_tuning()
         self.n_nodes = engine.num_nodes
         self.chains = drafter is None or drafter.proposes_chains
         bs = engine.config.kv_block_size
@@ -378,7 +324,7 @@ class ServingLoop:
         self.catch_up_max = catch_up_max
         # a draft model with its own KV launches ahead only where no catch-up can come (catch-up reads exact lengths):
         # every step drafts, or none does (a schedule at k = 0 everywhere serves as speculation off, at its speed)
-        self.full_overlap = (FULL_OVERLAP and engine.can_launch_ahead() and policy == "no_evict"
+        self.full_overlap = (self.tuning.full_overlap and engine.can_launch_ahead() and policy == "no_evict"
                              and (not self._own_draft_kv or self.adaptive.drafts_always(max_num_seqs)
                                   or self.adaptive.never_drafts(max_num_seqs)))
         self._inflight: _Decoding | None = None  # full overlap: the step launched and not yet read
@@ -392,8 +338,9 @@ class ServingLoop:
         waiting: list[RequestState] = []
         self.running: list[RequestState] = []
         result = ServeResult(states, num_blocks=self.num_blocks, draft_kv=self._own_draft_kv,
-                             batch_prefill=max(1, BATCH_PREFILL), full_overlap=self.full_overlap,
-                             overlap="full" if self.full_overlap else "prefill" if OVERLAP_PREFILL else "none")
+                             batch_prefill=max(1, self.tuning.batch_prefill), full_overlap=self.full_overlap,
+                             overlap="full" if self.full_overlap else "prefill" if self.tuning.overlap_prefill
+                             else "none", tuning=self.tuning)
         self._inflight, self._queued = None, 0
         it = 0
         self.clock.start()  # arrival times count from here (after any graph capture)
@@ -422,7 +369,7 @@ class ServingLoop:
             traces_before = len(result.traces)
             if self.full_overlap:  # step t + 1 launched before step t is read
                 decoding, step_nodes, ran = self._iterate_ahead(waiting, it, result)
-            elif OVERLAP_PREFILL:  # the prefill enqueued behind the step in flight; one wait for both
+            elif self.tuning.overlap_prefill:  # the prefill enqueued behind the step in flight; one wait for both
                 planned, decoding = self._plan_prefill(waiting, decoding)
                 launched = self._decode_launch(decoding, it, result) if decoding else None
                 ran = self._run_prefill(planned, result)
@@ -660,14 +607,14 @@ class ServingLoop:
 
     def _run_prefill(self, planned: list[tuple[RequestState, list[int], int]], result: ServeResult
                      ) -> tuple[int, list[tuple], HostCopy | None]:
-        """The planned chunks in forwards of up to BATCH_PREFILL rows (one row each when it is 0 or 1); the first
+        """The planned chunks in forwards of up to tuning.batch_prefill rows (one row each when it is 0 or 1); the first
         tokens of requests whose prompt is now all in the cache sampled, and their copy to the host enqueued.
         Returns (tokens prefilled, completed: (request, what it prefilled, sampled or None: it keeps its root),
         the sampled first tokens on their way to the host (a HostCopy, or None))."""
         eng, cfg = self.engine, self.engine.config
         outs: dict[int, torch.Tensor] = {}  # id(request) -> logits [V] at its chunk's last position
         done_tokens = 0
-        group = max(1, BATCH_PREFILL)
+        group = max(1, self.tuning.batch_prefill)
         work = [(s, tokens, t) for s, tokens, t in planned if t > 0]
         for i in range(0, len(work), group):
             batch = work[i:i + group]
@@ -699,7 +646,7 @@ class ServingLoop:
                                                                           eng.generator)[0]))
         sampled = [first for _, _, first in completed if first is not None]
         # one device->host read for every first token of this iteration: a read per request waited for the GPU once
-        # per joining request (call h1: 0.8-1.8 such syncs per serving iteration on tiny at 1.5x saturation)
+        # per joining request (0.8-1.8 such syncs per serving iteration on tiny at 1.5x saturation)
         return done_tokens, completed, HostCopy(torch.stack(sampled)) if sampled else None
 
     def _finish_prefill(self, ran: tuple, result: ServeResult) -> int:

@@ -11,7 +11,7 @@ Formats (`FORMATS`), each a weight rule in `linears.py`:
     int8      weight-only int8, one scale per output channel                  aten._weight_int8pack_mm (CPU, CUDA)
     int4      weight-only int4, asymmetric, a scale + zero per group of g     aten._weight_int4pack_mm (CUDA, bf16),
               input channels (g = `int4_group_size`: 32, 64, 128, 256)        _weight_int4pack_mm_for_cpu (CPU)
-              of q/k/v and gate/up with the RMSNorm weight before them folded in (`fold_norms`, FOLD_NORMS)
+              of q/k/v and gate/up with the RMSNorm weight before them folded in (`fold_norms`)
     int4-awq  int4 after AWQ's activation-aware per-input-channel scales (awq.py), folded into the preceding norm or
               projection rows: the same kernels as int4, scales searched on calibration tokens
     fp8       e4m3 weights, one scale per output channel, x fp8 activations   torch._scaled_mm, row-wise scales
@@ -32,8 +32,8 @@ LM head (tied or not) and the norms stay in the model dtype by default: the head
 computed from (AWQ and GPTQ keep it float too). `head=True` (the knob `quant_head`) quantizes the head as well, as
 gpt-fast's int8 / int4 do: a tied head becomes a quantized copy beside the float embedding. At 6.7 B the bf16 head
 is 2 % of a bf16 token's bytes but 7 % of an int4 token's, so at batch 1 it is a real part of an int4 token
-(BENCHMARKS.md 27.1: 1.873 -> 1.824 ms with it quantized); its quality cost is measured like the format's (the
-harness's quality columns; 27.3). A quantized model is a different model: the engine's greedy parity
+(measured faster with it quantized); its quality cost is measured like the format's (the harness's quality
+columns). A quantized model is a different model: the engine's greedy parity
 (the fidelity guard) is checked against the autoregressive output of the *same* quantized model, and its cost
 against the unquantized one is measured separately (the harness's quality columns).
 
@@ -52,11 +52,12 @@ embedding dequantized). `gguf_note` words this for a run record.
 from __future__ import annotations
 
 import copy
-import os
 from collections import Counter
 
 import torch
 from torch import Tensor, nn
+
+from kernels.tuning import KernelTuning, as_tuning
 
 from .linears import (FP8_DTYPE, INT4_GROUP_SIZES, DenseGemvLinear, Fp8Linear, Int4Linear, Int8Linear, QuantLinear,
                       dequantize_fp8, dequantize_int4, dequantize_int8, fp8_linear_reference, quantize_fp8,
@@ -73,7 +74,7 @@ __all__ = ["FORMATS", "QuantError", "QuantLinear", "DenseGemvLinear", "Int8Linea
            "check_quant", "quantize_model", "weight_bytes", "linear_shapes", "gguf_note", "INT4_GROUP_SIZES",
            "FP8_DTYPE", "quantize_int8", "dequantize_int8", "quantize_int4", "dequantize_int4", "quantize_fp8",
            "dequantize_fp8", "quantize_fp8_rows", "fp8_linear_reference", "format_of", "gguf_kernel", "set_fusion",
-           "HEAD_FORMATS", "head_quantized", "fold_norms", "norms_folded"]
+           "HEAD_FORMATS", "head_quantized", "fold_norms", "norms_folded", "apply_kernel_tuning"]
 
 
 class QuantError(ValueError):
@@ -190,7 +191,7 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
         from .awq import apply_awq
 
         out.awq_alphas = apply_awq(out, calibration, group_size)
-    folded = fmt == "int4" and FOLD_NORMS
+    folded = fmt == "int4"
     if folded:
         fold_norms(out)
     make = {"int8": lambda lin: Int8Linear(lin, kernel), "int4": lambda lin: Int4Linear(lin, group_size, kernel),
@@ -207,9 +208,18 @@ def quantize_model(model: nn.Module, fmt: str, *, group_size: int = 128, calibra
 
 # int4 ("int4", not "int4-awq", whose scales live in those norms) quantizes each layer's q/k/v and gate/up weights with
 # the RMSNorm weight before them folded in (`fold_norms`): the same function up to rounding, a different int4 error.
-# The norms are then all ones, which the one-row CUDA GEMV's norm prologue does not read (QuantLinear.norm_unit).
-# Env WORKBENCH_INT4_FOLD_NORMS=0: the weights quantized as loaded.
-FOLD_NORMS: bool = os.environ.get("WORKBENCH_INT4_FOLD_NORMS", "1") == "1"
+# The norms are then all ones, which the one-row CUDA GEMV's norm prologue does not read (QuantLinear.norm_unit);
+# measured faster than the weights quantized as loaded, so always.
+
+
+def apply_kernel_tuning(model: nn.Module, tuning: KernelTuning | str | None) -> KernelTuning:
+    """Set the run's KernelTuning (kernels/tuning.py; text or None: parsed / the defaults) on every quantized linear
+    of `model`, which hand it to each kernel call; returns the record. The engine calls it per build."""
+    record = as_tuning(tuning)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.tuning = record
+    return record
 
 
 def _normed_linears(layer: nn.Module) -> tuple[tuple[nn.Module, nn.Module], ...]:
@@ -268,15 +278,15 @@ def _triton_problem(device: torch.device) -> str | None:
 
 
 def auto_kernel(fmt: str, cuda: bool, triton_ok: bool, group_size: int = 128) -> str:
-    """What quant_kernel "auto" runs, by measurement on the H200 (BENCHMARKS.md 9.3, 6.7 B decode, batch 1): int8 and
+    """What quant_kernel "auto" runs, by measurement on the H200 (6.7 B decode, batch 1): int8 and
     fp8 take the Triton GEMVs on a GPU where Triton runs (1.24x / 1.41x bf16, where PyTorch's int8 op gave 0.10x and
-    `_scaled_mm` 0.74x). int4 takes ours too since the twentieth session, for groups of 64 or more, where its verify
-    widths (2-16 rows) run on the tensor cores (kernels/int4_mma.py). At 6.7 B, call m4 (BENCHMARKS.md 25.3) timed
+    `_scaled_mm` 0.74x). int4 takes ours too, for groups of 64 or more, where its verify
+    widths (2-16 rows) run on the tensor cores (kernels/int4_mma.py). At 6.7 B we timed
     ours at 2.056 ms a token against tinygemm's 2.731 (AR), and at 3.270 against 3.984 ms for an n-gram verify step
     of 5 rows. On the small preset (50 MB of int4 weights, launch-bound) tinygemm was 2-5 % ahead end to end with the
-    draft model (25.2, 25.3). Groups of 32 keep tinygemm: ours would verify them in the older form, 2.2x slower than
-    tinygemm per 6.7 B step in call m3. Since the twenty-first session ours runs one-row int4 calls in CUDA C++ where
-    nvcc exists (kernels/int4_cuda.py; call n6, BENCHMARKS.md 26: 1.869 ms a token at 6.7 B against 2.054 with the
+    draft model. Groups of 32 keep tinygemm: ours would verify them in the older form, 2.2x slower than
+    tinygemm per 6.7 B step. Ours runs one-row int4 calls in CUDA C++ where
+    nvcc exists (kernels/int4_cuda.py: 1.869 ms a token at 6.7 B against 2.054 with the
     Triton GEMV and 2.718 with tinygemm). On a CPU fp8 uses `_scaled_mm` and int8 / int4 dequantize then multiply.
 
     >>> auto_kernel("fp8", True, True), auto_kernel("int4", True, True), auto_kernel("int8", True, False)

@@ -32,8 +32,6 @@ kernel), so a quantized module stays on the device it was built on.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -41,58 +39,10 @@ from torch import Tensor, nn
 from kernels import int4_cuda, quant_gemv
 from kernels.int4_dequant import int4_dequant_reference, int4_dequant_triton
 from kernels.quant_gemv import counters_for, quant_gemv_triton
+from kernels.tuning import KernelTuning
 
 FP8_DTYPE = torch.float8_e4m3fn
 GEMV_MAX_ROWS = 16  # kernel "triton": calls with more rows than this (prefill) take the "dequant" form
-
-
-def _choice_env(name: str, value: str, choices: tuple[str, ...]) -> str:
-    """An environment switch that takes one of `choices` (unset or empty: the first); anything else is a ValueError
-    naming the variable.
-
-    >>> _choice_env("V", "", ("triton", "torch")), _choice_env("V", " torch ", ("triton", "torch"))
-    ('triton', 'torch')
-    """
-    v = value.strip()
-    if v and v not in choices:
-        raise ValueError(f"{name}={value!r}: give one of {', '.join(choices)}, or unset it (the default: "
-                         f"{choices[0]})")
-    return v or choices[0]
-
-
-def _rows_env(name: str, value: str) -> int:
-    """An environment row count: a whole number >= 0 (unset or empty: 0 = never); anything else is a ValueError
-    naming the variable (as serving's WORKBENCH_BATCH_PREFILL, loop._batch_prefill_env).
-
-    >>> _rows_env("V", ""), _rows_env("V", "64")
-    (0, 64)
-    """
-    v = value.strip()
-    if v and not v.isdigit():
-        raise ValueError(f"{name}={value!r}: give a whole number of rows >= 0 (0 = never), or unset it")
-    return int(v or 0)
-
-
-# int4 with kernel "triton", calls past GEMV_MAX_ROWS: the weight dequantized by one "triton" kernel
-# (kernels/int4_dequant.py, bit for bit the weight of the PyTorch ops; the default since call q2, BENCHMARKS.md 24.3:
-# 3.1-5.3x faster per 6.7 B linear, the 6.7 B int4 prefill 77.2 -> 20.9 ms for a 64-token prompt and 85.9 -> 29.7 ms
-# for 512) or by six "torch" ops (each over the whole weight). Env WORKBENCH_INT4_PREFILL_DEQUANT.
-INT4_PREFILL_DEQUANT: str = _choice_env("WORKBENCH_INT4_PREFILL_DEQUANT",
-                                         os.environ.get("WORKBENCH_INT4_PREFILL_DEQUANT", ""), ("triton", "torch"))
-# int4 with kernel "triton", calls of GEMV_MAX_ROWS < M <= INT4_PREFILL_GEMM_ROWS: through the GEMV kernel's
-# tensor-core form instead (K tiles of whole groups dequantized in registers into tl.dot, kernels/quant_gemv.py
-# INT4_WIDE_ROWS): no bf16 weight written, each 16-row tile reading the packed weight once. 0 = never (the default:
-# prepared in the nineteenth session, not yet timed on a GPU; `gpu_gemv.py --parts prefill` rows "triton+gemv").
-# Env WORKBENCH_INT4_PREFILL_GEMM_ROWS.
-INT4_PREFILL_GEMM_ROWS: int = _rows_env("WORKBENCH_INT4_PREFILL_GEMM_ROWS",
-                                        os.environ.get("WORKBENCH_INT4_PREFILL_GEMM_ROWS", ""))
-# int4 with kernel "triton", a SwiGLU MLP's gate/up projection at one row, fusion with "glu": silu(gate) * up in the
-# one-row CUDA GEMV's epilogue (int4_gemv.cu F_GLU_OUT: each warp takes gate rows and their up rows), so the down
-# projection reads h [I] with no SwiGLU prologue (`Int4Linear.swiglu_linear`). The down projection's SwiGLU prologue
-# cost 2.1 us a 6.7 B layer (call n10); with the SwiGLU in the epilogue the 6.7 B int4 decode (quantized head) took
-# 1.774 ms a token against 1.829 (call n12, BENCHMARKS.md 27.5). On by default; env WORKBENCH_INT4_GLU_EPILOGUE=0 off;
-# gpu_quant rows "+ge" / "+ge0".
-INT4_GLU_EPILOGUE: bool = os.environ.get("WORKBENCH_INT4_GLU_EPILOGUE", "1") == "1"
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 from workbench.choices import INT4_GROUP_SIZES  # noqa: E402 - what the int4pack kernels accept, declared once
 
@@ -186,6 +136,7 @@ class QuantLinear(nn.Module):
     # Whether the RMSNorm before this linear has an all-ones weight because quantize_model folded it into this weight
     # (quant.fold_norms, int4): the fused norm prologue of the one-row CUDA GEMV then skips reading it
     norm_unit = False
+    tuning: KernelTuning = KernelTuning()  # the run's kernel variants (set per engine: quant.apply_kernel_tuning)
 
     def __init__(self, in_features: int, out_features: int, bias: Tensor | None) -> None:
         super().__init__()
@@ -216,9 +167,9 @@ class QuantLinear(nn.Module):
     #               left between a layer's GEMVs.
     #   "ores":     only the attention's residual add in o_proj's epilogue (`residual_linear`), the norms left to
     #               PyTorch / torch.compile (at 6.7 B the norm prologue slowed the dense GEMVs more than it saved).
-    # Measured on the H200 (BENCHMARKS.md section 10, 6.7 B, batch 1, one process): "residual" made fp8 decode 1.3 %
+    # Measured on the H200 (6.7 B, batch 1, one process): "residual" made fp8 decode 1.3 %
     # (compile) / 3.1 % (max-autotune) faster and the dense GEMV 1.0 % (compile); "glu+residual" was neutral for fp8
-    # and 2 % faster for the dense GEMV; "norm+glu+residual" (section 11) 3.8-5.4 % faster for fp8 at 6.7 B but 2-5 %
+    # and 2 % faster for the dense GEMV; "norm+glu+residual" 3.8-5.4 % faster for fp8 at 6.7 B but 2-5 %
     # slower for the dense GEMV and at 1.45 B. Benchmarks set it per module (gpu_quant.py "+res", "+glu", "+norm",
     # "+all").
     fusion = "residual"
@@ -232,10 +183,9 @@ class QuantLinear(nn.Module):
         return self._fuses(part, x2) and not self._mma_call(x2)
 
     def _mma_call(self, x2: Tensor) -> bool:
-        """Whether this call goes to kernels/int4_mma.py (int4 verify widths, quant_gemv.INT4_MMA_ROWS). Its RMSNorm
-        and SwiGLU prologues run on all 16 padded rows in every program: call m3 (BENCHMARKS.md 25.3) timed a 6.7 B
-        n-gram verify step at 3.963 ms with them against 3.325 ms with the norms and SiLU-mul left to torch.compile,
-        so there they are not fused."""
+        """Whether this call goes to kernels/int4_mma.py (int4 verify widths, KernelTuning.int4_mma_rows). Its RMSNorm
+        and SwiGLU prologues run on all 16 padded rows in every program (measured slower than leaving the norms and
+        SiLU-mul to torch.compile), so there they are not fused."""
         return False
 
     def glu_residual(self, h: Tensor, residual: Tensor, swiglu_done: bool = False) -> Tensor | None:
@@ -251,7 +201,7 @@ class QuantLinear(nn.Module):
             gate, up = h2.chunk(2, dim=-1)
             h2 = F.silu(gate) * up
         y = quant_gemv_triton(h2, fmt, **buffers, counters=self.gemv_counters, glu=glu,
-                              residual=residual.reshape(-1, self.out_features))
+                              residual=residual.reshape(-1, self.out_features), tuning=self.tuning)
         return y.reshape(residual.shape)
 
     def norm_linear(self, x: Tensor, norm_weight: Tensor, eps: float) -> Tensor | None:
@@ -263,7 +213,7 @@ class QuantLinear(nn.Module):
             return None
         fmt, buffers = self._gemv_args()
         y = quant_gemv_triton(x2, fmt, **buffers, counters=self.gemv_counters, norm_weight=norm_weight, eps=eps,
-                              norm_unit=self.norm_unit)
+                              norm_unit=self.norm_unit, tuning=self.tuning)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def swiglu_linear(self, x: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor | None:
@@ -280,7 +230,7 @@ class QuantLinear(nn.Module):
             return None
         fmt, buffers = self._gemv_args()
         y = quant_gemv_triton(x2, fmt, **buffers, counters=self.gemv_counters,
-                              residual=residual.reshape(-1, self.out_features))
+                              residual=residual.reshape(-1, self.out_features), tuning=self.tuning)
         return y.reshape(residual.shape)
 
     def _out(self, y: Tensor, x: Tensor) -> Tensor:
@@ -315,7 +265,7 @@ class Int8Linear(QuantLinear):
     def forward(self, x: Tensor) -> Tensor:
         x2 = self._flat(x)
         if self._use_gemv(x2):
-            y = quant_gemv_triton(x2, "int8", self.weight, self.scale, counters=self.gemv_counters)
+            y = quant_gemv_triton(x2, "int8", self.weight, self.scale, counters=self.gemv_counters, tuning=self.tuning)
         elif self.kernel in ("dequant", "triton"):
             y = F.linear(x2, self.weight.to(x2.dtype)) * self.scale
         else:
@@ -356,12 +306,11 @@ class Int4Linear(QuantLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = self._flat(x)
-        if self._use_gemv(x2) or (self.kernel == "triton" and x2.shape[0] <= INT4_PREFILL_GEMM_ROWS):
+        if self._use_gemv(x2) or (self.kernel == "triton" and x2.shape[0] <= self.tuning.int4_prefill_gemm_rows):
             y = quant_gemv_triton(x2, "int4", self.weight, self.scale, self.zero, self.group_size,
-                                  counters=self.gemv_counters)
+                                  counters=self.gemv_counters, tuning=self.tuning)
         elif self.kernel in ("dequant", "triton"):
-            dequant = int4_dequant_triton if self.kernel == "triton" and INT4_PREFILL_DEQUANT == "triton" \
-                else int4_dequant_reference
+            dequant = int4_dequant_triton if self.kernel == "triton" else int4_dequant_reference
             y = F.linear(x2, dequant(self.weight, self.scale, self.zero, self.group_size).to(x2.dtype))
         elif self.weight.is_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.weight, self.group_size, self.scales_and_zeros)
@@ -373,18 +322,19 @@ class Int4Linear(QuantLinear):
         return "int4", dict(weight=self.weight, scale=self.scale, zero=self.zero, group_size=self.group_size)
 
     def _mma_call(self, x2: Tensor) -> bool:
-        return self.kernel == "triton" and quant_gemv.int4_mma_takes(x2, self.scale, self.zero, self.group_size)
+        return self.kernel == "triton" and quant_gemv.int4_mma_takes(x2, self.scale, self.zero, self.group_size,
+                                                                     self.tuning.int4_mma_rows)
 
     def swiglu_linear(self, x: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor | None:
         x2 = self._flat(x)
-        if not (INT4_GLU_EPILOGUE and quant_gemv.INT4_CUDA and getattr(self, "cuda_gemv_ok", False)
+        if not (self.tuning.int4_cuda and getattr(self, "cuda_gemv_ok", False)
                 and x2.shape[0] == 1 and x2.dtype in (torch.bfloat16, torch.float16) and self._fuses("glu", x2)
                 and (norm_weight is None or self._fuses("norm", x2))
-                and int4_cuda.glu_out_takes(self.out_features, self.in_features,
-                                            **(quant_gemv.INT4_CUDA_TILE or {}))):
+                and int4_cuda.glu_out_takes(self.out_features, self.in_features)):
             return None
         y = quant_gemv_triton(x2, "int4", self.weight, self.scale, self.zero, self.group_size,
                               counters=self.gemv_counters, norm_weight=norm_weight, eps=eps, glu_out=True,
+                              tuning=self.tuning,
                               norm_unit=self.norm_unit and norm_weight is not None)
         return y.reshape(*x.shape[:-1], self.out_features // 2)
 
@@ -418,7 +368,8 @@ class Fp8Linear(QuantLinear):
     def forward(self, x: Tensor) -> Tensor:
         x2 = self._flat(x)
         if self._use_gemv(x2):
-            return self._out(quant_gemv_triton(x2, "fp8", self.weight, self.scale, counters=self.gemv_counters), x)
+            return self._out(quant_gemv_triton(x2, "fp8", self.weight, self.scale, counters=self.gemv_counters,
+                                               tuning=self.tuning), x)
         if self.kernel in ("dequant", "triton"):
             return self._out((F.linear(x2, self.weight.to(x2.dtype)) * self.scale).to(x2.dtype), x)
         xq, xs = quantize_fp8_rows(x2)  # [M, K] fp8, [M, 1] fp32
@@ -442,15 +393,15 @@ class DenseGemvLinear(QuantLinear):
         self._add_counters(kernel, linear.weight.device)
 
     def _use_gemv(self, x2: Tensor) -> bool:
-        """One row, or up to quant_gemv.CUDA_ROWS_MAX rows (its CUDA-core form; 0 = off: measured 0.23-0.42x cuBLAS at
-        5 rows, BENCHMARKS.md 18.1): at M = 4 the dense kernel's tensor-core path measured 0.80-1.04x cuBLAS on the
-        H200 (at M = 1 the swept tiles are 1.04-1.11x), so verify widths keep cuBLAS otherwise."""
-        return self.kernel == "triton" and (x2.shape[0] == 1 or x2.shape[0] <= quant_gemv.CUDA_ROWS_MAX)
+        """One row only: at verify widths the dense kernel's tile forms measured slower than cuBLAS on the H200 (at
+        M = 1 the swept tiles are 1.04-1.11x faster), so verify widths keep cuBLAS."""
+        return self.kernel == "triton" and x2.shape[0] == 1
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = self._flat(x)
         if self._use_gemv(x2):
-            return self._out(quant_gemv_triton(x2, "dense", self.weight, counters=self.gemv_counters), x)
+            return self._out(quant_gemv_triton(x2, "dense", self.weight, counters=self.gemv_counters,
+                                               tuning=self.tuning), x)
         return self._out(F.linear(x2, self.weight), x)
 
     def _gemv_args(self) -> tuple[str, dict]:
