@@ -313,7 +313,7 @@ def test_run_page_cuda_without_gpu_is_an_error(workspace):
     probe = json.loads(subprocess.run([sys.executable, "-m", "ui.gpu_probe"], cwd=ROOT, capture_output=True,
                                       text=True, timeout=120).stdout)
     if probe.get("cuda_available"):
-        pytest.skip("this machine has a GPU")
+        pytest.skip("a CUDA GPU is here: this checks a machine without one")
     assert any("no CUDA GPU" in m for m in error_next_to(at, "run_device"))
 
 

@@ -147,7 +147,7 @@ VARIANTS = [dict(ROWS=r, UNROLL=u, WARPS=wp, WORDS_PER_SUM=4, PIPE=p, MINB=0)
             for r, u, wp in itertools.product([2, 4, 8], [1, 2], [4, 8])]
 
 
-@pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed here")
+@pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc (the CUDA toolkit) to compile the kernel")
 @pytest.mark.parametrize("x_bf16", [True, False])
 @pytest.mark.parametrize("tile", VARIANTS, ids=lambda t: int4_cuda.tile_label(t).replace(" ", "_"))
 def test_every_swept_variant_compiles_without_real_spills(tile, x_bf16, tmp_path, monkeypatch):
@@ -162,7 +162,7 @@ def test_every_swept_variant_compiles_without_real_spills(tile, x_bf16, tmp_path
     assert regs <= 255
 
 
-@pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed here")
+@pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc (the CUDA toolkit) to compile the kernel")
 def test_cubin_cache_reuses_a_build(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_CUDA_CACHE", str(tmp_path))
     tile = dict(int4_cuda.DEFAULT_TILE)

@@ -1,9 +1,7 @@
 """Programmatic dependent launch (kernels/pdl.py) on CPU: the switch, its scope per engine call, the knob's way into the
 engine and the run record, and (where triton is installed) that the kernels compiled for sm_90 carry the wait and the
 trigger. Whether PDL pays, and that it changes no token, is measured on a GPU (scripts/gpu_quant.py)."""
-import importlib.util
 import inspect
-import os
 
 import pytest
 import torch
@@ -124,8 +122,7 @@ def test_bench_records_pdl_and_whether_it_applied(tmp_path):
     assert rec["pdl"] is True and rec["pdl_applied"] is False  # asked for, but no GPU here
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="needs triton (compiles for sm_90 without a GPU); not under the interpreter")
+@pytest.mark.triton_compiler  # compiles for sm_90 without a GPU
 def test_kernels_compiled_for_hopper_carry_the_wait_and_the_trigger():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

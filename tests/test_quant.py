@@ -109,7 +109,7 @@ def test_fp8_linear_equals_its_reference_math():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                    reason="GPU-only: fp8 _scaled_mm needs compute capability >= 8.9")
+                    reason="needs a CUDA GPU of compute capability >= 8.9 (fp8 _scaled_mm)")
 def test_fp8_linear_on_a_gpu():
     lin = _linear(k=256, n=128).cuda().to(torch.bfloat16)
     mod = Fp8Linear(lin)
