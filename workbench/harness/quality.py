@@ -209,7 +209,7 @@ def quality_columns(session, cfg, prompt_ids: list[list[int]], result) -> dict:
     if "int4-awq" in (cfg.target_quant, cfg.draft_quant if draft is not None else None):
         notes.append(session._quality_cache.get("calibration_note", "calibration: none"))
     folded = [role for role, model in (("target", target), ("draft", draft)) if norms_folded(model)]
-    if folded:  # quant.FOLD_NORMS: a different int4 error than the weights quantized as loaded
+    if folded:  # int4 always folds the norms: a different int4 error than the weights quantized as loaded
         notes.append(f"int4 {' and '.join(folded)}: RMSNorm weights folded into q/k/v and gate/up before quantizing")
     gguf = gguf_note(getattr(session.target, "gguf_tensor_types", None), cfg.target_quant, target)
     if gguf:

@@ -18,7 +18,8 @@ class AttentionBackend(Protocol):
         """q [B, Hq, T, D]; k, v [B, Hkv, T, D] (RoPE already applied to q and k; may be strided views).
         Stores k, v for this step's tokens and returns attention output [B, Hq, T, D]. A backend that also has
         `fuses_rope() -> bool` may take q and k before RoPE, with `rope=(cos, sin_signed)` [B, T, D], in the calls
-        where it returns True (the engine's paged cache on its fused kernel path, kv_cache.FUSE_ROPE)."""
+        where it returns True (the engine's paged cache on its fused kernel path: the kernels rotate q and k as they
+        load them, so no RoPE kernel runs per layer)."""
         ...
 
 
