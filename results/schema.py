@@ -123,6 +123,8 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("compare_hf", "bool", "config", "Hugging Face generate() timed too (hf_* columns)"),
     ColumnSpec("kernel_tuning", "string", "config", "the kernel variants the run ran with, resolved: every "
                "KernelTuning field as field=value,... (kernels/tuning.py)"),
+    ColumnSpec("auto_knobs", "string", "config", "the knobs given as auto and resolved for the device before the run, "
+               "comma-separated (their columns hold the resolved values)"),
     *_cols("config", "string", "preset target_path draft_path prompts_source"),
     ColumnSpec("config_json", "string", "config", "the full engine config as JSON"),
     *_cols("metrics", "float", "acceptance_rate mean_accepted_tokens"),

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", default="on", choices=("on", "off"))
     p.add_argument("--prefill-graphs", default="on", choices=("on", "off"),
                    help="capture the prompt forwards too (default on; off = eager prefill, the old way)")
-    p.add_argument("--dtype", help="model dtype (default: the study's, float32)")
+    p.add_argument("--dtype", help="model dtype (default: the study's, auto: the model's half dtype on a GPU, float32 on a CPU)")
     p.add_argument("--threads", type=int, help="torch CPU threads of the worker (CPU runs on a shared machine)")
     p.add_argument("--sampler-seed", type=int, default=0, help="seed of the study's sampler (default 0)")
     return p
@@ -197,7 +197,7 @@ def markdown(s: dict) -> str:
     lines = [f"# Study throughput: {st['preset']} on {s.get('device_name') or st['device']}",
              "",
              f"One worker, best_k (draft model / n-gram, k 1-8), {st['num_prompts']} prompts x {st['max_new_tokens']} "
-             f"new tokens, CUDA graphs {st['cuda_graphs']}, dtype {st['dtype'] or 'float32 (study default)'}, "
+             f"new tokens, CUDA graphs {st['cuda_graphs']}, dtype {st['dtype'] or 'auto (study default)'}, "
              f"{st['seconds']:.0f} s window ({s['run']['stopped']}, exit {s['run']['exit_code']}); git "
              f"{s.get('git_commit')}.",
              "",

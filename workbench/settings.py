@@ -644,8 +644,6 @@ for _knob in KNOBS.values():
     register_column(_knob.name, _knob.column_kind, "config", _knob.help)
 for _knob in SERVE_KNOBS.values():
     register_column(_knob.name, _knob.column_kind, "config", _knob.help)
-register_column("auto_knobs", "string", "config", "the knobs given as auto and resolved for the device before the "
-                "run, comma-separated (their columns hold the resolved values)")
 
 # Form layout (ui/run_page.py, ui/tune_page.py): knobs that only change anything on a CUDA GPU, hidden where no GPU is
 # visible so they keep their defaults; and the few knobs a user sets first (model shape of the draft, batch, tokens,
