@@ -281,12 +281,13 @@ SERVING_SPECS: list[ColumnSpec] = [
                "inside the measured window; 0 when every bucket and draft length was captured first)"),
     ColumnSpec("graph_misses_in_run", "int", "serving", "steps that ran eagerly while the run served (a batch "
                "above every graph bucket)"),
-    ColumnSpec("loop_batch_prefill", "int", "serving", "the most prefill chunks per forward in the run (the serving "
-               "loop's BATCH_PREFILL, env WORKBENCH_BATCH_PREFILL; 1 = a forward per request)"),
+    ColumnSpec("loop_batch_prefill", "int", "serving", "the most prefill chunks per forward in the run (the "
+               "serve_tuning field batch_prefill; 1 = a forward per request)"),
     ColumnSpec("loop_overlap", "string", "serving", "what the serving loop overlapped with a step in flight: none "
-               "(the step read first), prefill (the iteration's prefill behind its step: the default where full "
-               "overlap does not apply), full (each step launched before the previous one was read: the default "
-               "for greedy chains with fixed shapes under no_evict since 2026-12-03; WORKBENCH_SERVE_FULL_OVERLAP)"),
+               "(the step read first: serve_tuning overlap_prefill=0), prefill (the iteration's prefill behind its "
+               "step: overlap_prefill, the default where full overlap does not apply), full (each step launched "
+               "before the previous one was read: serve_tuning full_overlap, the default where it applies: greedy "
+               "chains with fixed shapes under no_evict)"),
     ColumnSpec("loop_steps_ahead", "int", "serving", "steps launched while another was in flight (full overlap)"),
     ColumnSpec("prefill_eager_chunks", "int", "serving", "prefill chunks of the target that ran eagerly with "
                "captured prefill (prefill_graphs) on: a padded length past the row's slots or the pool's free blocks"),

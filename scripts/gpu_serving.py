@@ -49,13 +49,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench import settings  # noqa: E402
 from workbench.harness.bench import BenchSession  # noqa: E402
-from workbench.serving import loop as loop_mod  # noqa: E402
 from workbench.serving import replay  # noqa: E402
 from workbench.serving.adaptive import format_k_by_batch  # noqa: E402
 from workbench.serving.bench import adaptive_for, engine_for, serve_bench  # noqa: E402
 from workbench.serving.calibrate import calibrate, calibrate_loop  # noqa: E402
 from workbench.serving.config import ServeConfig  # noqa: E402
 from workbench.serving.schedules import SCHEDULE_SHAPES  # noqa: E402
+from workbench.serving.tuning import (ServeTuning, ServeTuningError, format_serve_tuning,  # noqa: E402
+                                      parse_serve_tuning)
 
 SHOW = ["request_throughput", "output_throughput", "goodput", "tpot_ms_p99", "tpot_ms_p50", "ttft_ms_p99",
         "ttft_ms_p50", "mean_batch_size", "acceptance_rate", "preemptions", "graph_captures_in_run",
@@ -66,7 +67,7 @@ SHOW = ["request_throughput", "output_throughput", "goodput", "tpot_ms_p99", "tp
         "time_prefill_ms", "time_draft_ms", "time_verify_ms", "time_accept_ms", "time_kv_ms",
         # the tail after the last arrival (above saturation a run ends in shrinking batches: 20.4)
         "drain_s", "drain_output_share", "arrival_window_output_throughput", "loop_batch_prefill", "loop_overlap",
-        "loop_steps_ahead"]
+        "loop_steps_ahead", "serve_tuning"]
 
 
 def other_shape(shape: str) -> str:
@@ -117,20 +118,23 @@ def parse_args(argv=None):
                    help="also run off and fixed k with prefill_graphs off (prompts eager, decode captured) in every "
                    "sweep round, interleaved with the rest: the captured prefill against the eager one on the same "
                    "arrivals (prefill_checks)")
+    p.add_argument("--serve-tuning", default=settings.SERVE_KNOBS["serve_tuning"].default, metavar="FIELD=VALUE,...",
+                   help="how the serving loop runs in every run and in the loop calibration (the serve knob "
+                   "serve_tuning: batch_prefill, overlap_prefill, full_overlap; empty = the defaults); the control "
+                   "runs below change one field of it")
     p.add_argument("--batch-prefill-controls", type=int, default=0, metavar="N",
                    help="also run off and fixed k with an iteration's prefill chunks in forwards of up to N rows "
-                   "(workbench.serving.loop.BATCH_PREFILL; 1 = a forward per row; the default is 4) in every sweep "
+                   "(serve_tuning batch_prefill=N; 1 = a forward per row; the default is 4) in every sweep "
                    "round, on the same arrivals (batch_prefill_checks: ratio = the default's / N's)")
     p.add_argument("--overlap-controls", action="store_true",
                    help="also run off and fixed k with the step read before the prefill is planned "
-                   "(workbench.serving.loop.OVERLAP_PREFILL off; on by default: the prefill enqueued behind the step "
+                   "(serve_tuning overlap_prefill=0; on by default: the prefill enqueued behind the step "
                    "in flight) in every sweep round, on the same arrivals (overlap_checks: ratio = overlapped / "
                    "sequential)")
     p.add_argument("--full-overlap-controls", action="store_true",
-                   help="also run off and fixed k with workbench.serving.loop.FULL_OVERLAP (each step launched "
-                   "before the previous one is read, where that applies) the other way from the default (on unless "
-                   "WORKBENCH_SERVE_FULL_OVERLAP=0) in every sweep round, on the same arrivals (full_overlap_checks: "
-                   "ratio = default / control)")
+                   help="also run off and fixed k with serve_tuning full_overlap (each step launched before the "
+                   "previous one is read, where that applies) the other way from --serve-tuning's (on by default) "
+                   "in every sweep round, on the same arrivals (full_overlap_checks: ratio = default / control)")
     p.add_argument("--gc-controls", action="store_true",
                    help="also run off and fixed k with gc_freeze off (the collector free to rescan the whole heap "
                    "inside the run) in every sweep round (gc_checks)")
@@ -159,7 +163,15 @@ def parse_args(argv=None):
                         "called it (syncs.md); with --repeats 0 only warm-up, saturation and these runs are served")
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="wall-clock budget after the models are loaded (H200, small: about 30 s more in total)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.batch_prefill_controls < 0:
+        p.error(f"--batch-prefill-controls {args.batch_prefill_controls}: give the control runs' most rows per "
+                "prefill forward (1 = a forward per row; 0 = no control runs)")
+    try:
+        args.tuning = parse_serve_tuning(args.serve_tuning)
+    except ServeTuningError as e:
+        p.error(f"--serve-tuning: {e}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -175,10 +187,11 @@ def main(argv=None) -> int:
     base = ServeConfig(method=args.method, k=args.k, max_new_tokens=args.max_new_tokens,
                        num_requests=args.num_requests, warmup_requests=args.warmup_requests,
                        max_num_seqs=args.max_num_seqs, cuda_graphs=graphs,
-                       graph_batch_sizes=buckets + (args.max_num_seqs,))
+                       graph_batch_sizes=buckets + (args.max_num_seqs,), serve_tuning=args.serve_tuning)
+    tuning = args.tuning  # every run's loop, the controls' but for the field each changes
     result = {"preset": args.preset, "device": str(session.device), "dtype": dtype, "method": args.method,
               "k": args.k, "catch_up_max": args.catch_up_max, "cuda_graphs": graphs, "budget_s": args.budget_s,
-              "cliff_pct": args.cliff_pct,
+              "cliff_pct": args.cliff_pct, "serve_tuning": format_serve_tuning(tuning),
               "k_by_batch": None, "schedule_source": None, "sweep": [], "thresholds": [], "threshold_checks": [],
               "skipped": [], "replay": [], "done": False}
     engines: dict[tuple, object] = {}  # (method, k) -> engine, reused across runs (cache and graphs kept)
@@ -222,16 +235,21 @@ def main(argv=None) -> int:
         settings_of.update({GC.format("off"): dict(method="ar", gc_freeze=False),
                             GC.format(fixed): dict(gc_freeze=False)})
     batched = BATCHED.format(n=max(1, args.batch_prefill_controls))  # "{}, prefill rows N"
-    # the same configs as off and fixed k, told apart by the loop's module switches (set around each run below)
-    switches_of: dict[str, dict] = {}
-    for on, label, switch in ((args.batch_prefill_controls, batched, {"BATCH_PREFILL": args.batch_prefill_controls}),
-                              (args.overlap_controls, SEQUENTIAL, {"OVERLAP_PREFILL": False}),
-                              (args.full_overlap_controls, AHEAD, {"FULL_OVERLAP": AHEAD_CONTROL})):
+    ahead = ahead_label(tuning.full_overlap)
+    # off and fixed k again, each with one field of the loop's tuning changed
+    for on, label, control in ((args.batch_prefill_controls, batched,
+                                replace(tuning, batch_prefill=args.batch_prefill_controls)),
+                               (args.overlap_controls, SEQUENTIAL, replace(tuning, overlap_prefill=False)),
+                               (args.full_overlap_controls, ahead,
+                                replace(tuning, full_overlap=not tuning.full_overlap))):
         if on:
-            settings_of.update({label.format("off"): dict(method="ar"), label.format(fixed): {}})
-            switches_of.update({label.format("off"): switch, label.format(fixed): switch})
+            text = format_serve_tuning(control)
+            settings_of.update({label.format("off"): dict(method="ar", serve_tuning=text),
+                                label.format(fixed): dict(serve_tuning=text)})
     if args.batch_prefill_controls:
-        result["batch_prefill"] = {"default": loop_mod.BATCH_PREFILL, "control": args.batch_prefill_controls}
+        result["batch_prefill"] = {"default": tuning.batch_prefill, "control": args.batch_prefill_controls}
+    if args.full_overlap_controls:
+        result["full_overlap"] = {"default": tuning.full_overlap, "control": not tuning.full_overlap}
     runs: dict[tuple, object] = {}
 
     def run(name: str, part: str, essential: bool = False, **kw):
@@ -243,8 +261,7 @@ def main(argv=None) -> int:
             flush()
             return None, None
         t0 = time.perf_counter()
-        with loop_mod.switches(**switches_of.get(name, {})):
-            res = serve_bench(session, cfg, engine=engine(cfg))
+        res = serve_bench(session, cfg, engine=engine(cfg))
         last_wall[part] = max(last_wall.get(part, 0.0), time.perf_counter() - t0)
         rec = {key: res.record.get(key) for key in SHOW}
         rec.update(setting=name, rate=cfg.rate, arrival=cfg.arrival, max_concurrency=cfg.max_concurrency,
@@ -257,7 +274,7 @@ def main(argv=None) -> int:
                 num_requests=max(args.max_num_seqs, len(used)))
     for name in ("off", fixed, "k=2 (held out)") + tuple(
             n for n in settings_of if n.endswith((EAGER.format(""), GC.format(""), batched.format(""),
-                                                  SEQUENTIAL.format(""), AHEAD.format("")))):
+                                                  SEQUENTIAL.format(""), ahead.format("")))):
         run(name, "warm-up", essential=True, **warm)
     # -- calibrate (loop): closed-loop serves per (batch bucket, k) on the fixed-k engine, its cache and graphs ---
     if args.k_by_batch == "auto":
@@ -268,7 +285,7 @@ def main(argv=None) -> int:
             cal = calibrate_loop(engine(base), used, base.graph_batch_sizes, max_new_tokens=args.max_new_tokens,
                                  max_num_seqs=args.max_num_seqs, requests_per_size=args.calibration_requests,
                                  budget_s=budget, min_gain=args.min_gain, max_len=serve_len,
-                                 shape=args.calibration_shape, repeats=args.calibration_repeats)
+                                 shape=args.calibration_shape, repeats=args.calibration_repeats, tuning=tuning)
             loop_ranges, cal_iterations = cal.schedule(args.max_num_seqs), cal.iterations
             other = other_shape(args.calibration_shape)
             result["loop_calibration"] = {"table": cal.table(), "k_by_batch": format_k_by_batch(loop_ranges),
@@ -331,7 +348,7 @@ def main(argv=None) -> int:
                     result["gc_checks"] = control_checks(result["sweep"], fixed, GC)
                     result["batch_prefill_checks"] = control_checks(result["sweep"], fixed, batched)
                     result["overlap_checks"] = control_checks(result["sweep"], fixed, SEQUENTIAL)
-                    result["full_overlap_checks"] = control_checks(result["sweep"], fixed, AHEAD)
+                    result["full_overlap_checks"] = control_checks(result["sweep"], fixed, ahead)
                     if other_ranges is not None:
                         result["shape_checks"] = shape_checks(result["sweep"])
                     flush()
@@ -428,7 +445,7 @@ def main(argv=None) -> int:
                         rec_run.states, rec_run.traces, args.k, costs, lambda b: 2, max_num_seqs=args.max_num_seqs,
                         prefill_chunk=base.prefill_chunk, adaptive=adaptive_rules if name == "adaptive" else None,
                         draft_kv=rec_run.draft_kv, catch_up_max=args.catch_up_max if name == "adaptive" else 0,
-                        batch_prefill=rec_run.batch_prefill))
+                        tuning=rec_run.tuning))
                 tps = [p["output_throughput"] for p in preds]
                 pred = statistics.median(tps)
                 pre = REPLAY_MODELS[m][0]
@@ -594,9 +611,11 @@ OTHER = "adaptive, other shape"  # and of --shape-controls
 GC = "{}, gc unfrozen"  # and of --gc-controls
 BATCHED = "{{}}, prefill rows {n}"  # and of --batch-prefill-controls N (.format(n=N))
 SEQUENTIAL = "{}, step read first"  # and of --overlap-controls
-# and of --full-overlap-controls: full overlap the other way from the default
-AHEAD_CONTROL = not loop_mod.FULL_OVERLAP
-AHEAD = "{}, full overlap" if AHEAD_CONTROL else "{}, no full overlap"
+
+
+def ahead_label(default: bool) -> str:
+    """The control settings of --full-overlap-controls: full overlap the other way from the runs' `default`."""
+    return "{}, no full overlap" if default else "{}, full overlap"
 
 
 def control_checks(sweep: list[dict], fixed: str, control: str = EAGER) -> list[dict]:
@@ -901,7 +920,9 @@ def table(r: dict) -> str:
             ("overlap_checks", "The prefill enqueued behind the step in flight against the step read first "
              "(--overlap-controls)", "overlapped", "sequential"),
             ("full_overlap_checks", "The default loop against full overlap (each step launched before the previous "
-             "one is read) switched the other way (--full-overlap-controls)", "default", AHEAD.format("").lstrip(", "))):
+             "one is read) switched the other way (--full-overlap-controls)", "default",
+             # (a results.json without the "full_overlap" entry ran ServeTuning's default)
+             ahead_label(r.get("full_overlap", {}).get("default", ServeTuning().full_overlap)).format("")[2:])):
         if not r.get(key):
             continue
         title, b = (x.format(**r.get("batch_prefill", {})) for x in (title, b))

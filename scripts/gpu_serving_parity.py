@@ -8,10 +8,9 @@ benchmarks use (fp32 by default, where the engine's graph modes reproduce eager 
 a GPU), through `serve_bench` with Poisson arrivals above what the batch can hold, in settings that exercise each
 serving path: speculation off, n-gram and draft-model chains, an adaptive schedule that changes the draft length with
 the batch, chunked prefill, prefix block reuse, `max_util` preemption with a small block pool, with and without full
-overlap (`workbench.serving.loop.FULL_OVERLAP`, on by default where it applies: each step launched before the previous
-one is read; three settings switch it off). Each request's
-output is compared with `generate` of its prompt alone (no drafter, eager). Writes serving_parity.json and
-serving_parity.md; exit status 1 when any request differs.
+overlap (the serve_tuning field full_overlap, on by default where it applies: each step launched before the previous
+one is read; three settings turn it off). Each request's output is compared with `generate` of its prompt alone (no
+drafter, eager). Writes serving_parity.json and serving_parity.md; exit status 1 when any request differs.
 """
 from __future__ import annotations
 
@@ -26,11 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench.engine.step import EngineConfig, SpecEngine  # noqa: E402
 from workbench.harness.bench import BenchSession  # noqa: E402
-from workbench.serving import loop as loop_mod  # noqa: E402
 from workbench.serving.bench import serve_bench  # noqa: E402
 from workbench.serving.config import ServeConfig  # noqa: E402
 from workbench.serving.loadgen import make_requests  # noqa: E402
+from workbench.serving.tuning import ServeTuning, format_serve_tuning  # noqa: E402
 
+NO_LAUNCH_AHEAD = format_serve_tuning(ServeTuning(full_overlap=False))  # the defaults but full_overlap=0
 # name -> ServeConfig fields over the base (what each setting exercises)
 SETTINGS = {
     "off": dict(method="ar"),
@@ -39,14 +39,13 @@ SETTINGS = {
                                     prefix_caching=True),
     "draft k=4, adaptive 1-3:4,4-64:2": dict(method="draft", k=4, k_by_batch="1-3:4,4-64:2", prefill_chunk=128),
     "draft k=4, max_util preemption": dict(method="draft", k=4, sched_policy="max_util", kv_blocks=40),
-    "off, no full overlap": dict(method="ar"),
-    "ngram k=4, no full overlap, chunked prefill": dict(method="ngram", k=4, prefill_chunk=64),
+    "off, no full overlap": dict(method="ar", serve_tuning=NO_LAUNCH_AHEAD),
+    "ngram k=4, no full overlap, chunked prefill": dict(method="ngram", k=4, prefill_chunk=64,
+                                                        serve_tuning=NO_LAUNCH_AHEAD),
     "draft k=4, no full overlap, prefix reuse": dict(method="draft", k=4, lengths="random", input_len=48,
-                                                     shared_prefix_len=32, prefix_caching=True),
+                                                     shared_prefix_len=32, prefix_caching=True,
+                                                     serve_tuning=NO_LAUNCH_AHEAD),
 }
-# settings served with workbench.serving.loop's module switches set (name -> {switch: value}); the others run the
-# defaults (full overlap where it applies)
-SWITCHES = {name: {"FULL_OVERLAP": False} for name in SETTINGS if "no full overlap" in name}
 
 
 def parse_args(argv=None):
@@ -101,8 +100,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         row = {"setting": name, "requests": len(requests)}
         try:
-            with loop_mod.switches(**SWITCHES.get(name, {})):
-                res = serve_bench(session, cfg, requests=requests)
+            res = serve_bench(session, cfg, requests=requests)
             outputs = res.result.outputs
             differ = [r.id for r in requests if outputs.get(r.id) != solo(r.prompt, r.max_new_tokens)]
             rec = res.record
@@ -111,7 +109,7 @@ def main(argv=None) -> int:
                        preemptions=rec.get("preemptions"), prefix_hit_rate=rec.get("prefix_hit_rate"),
                        acceptance_rate=rec.get("acceptance_rate"),
                        graph_captures_in_run=rec.get("graph_captures_in_run"),
-                       steps_ahead=res.result.steps_ahead)
+                       steps_ahead=res.result.steps_ahead, serve_tuning=rec.get("serve_tuning"))
         except Exception as e:  # noqa: BLE001 -- recorded, the other settings still run
             row["error"] = f"{type(e).__name__}: {e}"[:400]
         row["wall_s"] = time.perf_counter() - t0

@@ -163,7 +163,7 @@ def run_study(session, base, *, study_name: str, storage, replay_trials: int, re
                              adaptive=adaptive_for(cfg, cfg.k), prefill_chunk=cfg.prefill_chunk,
                              draft_kv=rec.result.draft_kv, catch_up_max=cfg.spec_catch_up_max,
                              slo_ttft_ms=cfg.slo_ttft_ms, slo_tpot_ms=cfg.slo_tpot_ms,
-                             batch_prefill=rec.result.batch_prefill)
+                             tuning=rec.result.tuning)
 
     done = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("fidelity") == "replay"]
     for _ in range(max(0, replay_trials - len(done))):

@@ -1,6 +1,6 @@
 """No hidden switches: no environment variable changes kernel, engine or serving behaviour, no script or test
-reassigns a kernel module's CAPS flag, and the variants that stay (KernelTuning, ServeTuning) land in the result row
-resolved, every field."""
+reassigns a CAPS flag of a kernels, engine or serving module, and the variants that stay (KernelTuning, ServeTuning)
+land in the result row resolved, every field."""
 import ast
 import re
 from pathlib import Path
@@ -75,40 +75,62 @@ def test_no_environment_variable_changes_kernel_engine_or_serving_behaviour():
     assert not stale, f"allow-list entries nothing reads any more (remove them): {sorted(stale)}"
 
 
-# ---- no kernel module flag reassigned from outside ----------------------------------------------------------------
+# ---- no kernel, engine or serving module flag reassigned from outside ----------------------------------------------
 CAPS = re.compile(r"^[A-Z][A-Z0-9_]*$")
-# facts about the machine a test fakes to reach a fallback, not tuning switches
-ALLOWED_CAPS_SETS = {"TRITON_AVAILABLE": "whether triton is installed: tests fake its absence to check the named "
-                                         "error of the fallback path"}
+FLAG_PACKAGES = ("kernels", "workbench.engine", "workbench.serving")  # whose modules' CAPS names no one else sets
+# (module.)FLAG -> why setting it from a test is not a hidden switch: facts about the machine a test fakes to reach a
+# fallback, and test-only baselines that no run can choose
+ALLOWED_CAPS_SETS = {
+    "TRITON_AVAILABLE": "whether triton is installed: tests fake its absence to check the named error of the "
+                        "fallback path",
+    "workbench.engine.graphs.STATIC_CPU_OUTPUTS": "a CPU test's baseline only: fixed-shape steps on a CPU write one "
+                                                  "kept output as GPU replays do (the default, which no run changes); "
+                                                  "the aliasing tests turn it off once to show that fresh tensors "
+                                                  "would hide what they check",
+}
 
 
-def _kernel_aliases(tree: ast.Module) -> set[str]:
-    """Names a file binds to modules of the kernels package (import kernels.x as y, from kernels import x [as y])."""
-    names = set()
+def _is_flag_module(dotted: str, root: Path = ROOT) -> bool:
+    """Whether `dotted` names a module (or package) of FLAG_PACKAGES that exists in the tree."""
+    if not any(dotted == p or dotted.startswith(p + ".") for p in FLAG_PACKAGES):
+        return False
+    path = root / dotted.replace(".", "/")
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _module_aliases(tree: ast.Module, root: Path = ROOT) -> dict[str, str]:
+    """Names a file binds to modules of FLAG_PACKAGES -> the module (import p.m as y, from p import m [as y]); names
+    imported from a module (classes, functions) are not modules and are left out."""
+    names = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {a.asname for a in node.names if a.name.startswith("kernels.") and a.asname}
-        elif isinstance(node, ast.ImportFrom) and node.module == "kernels":
-            names |= {a.asname or a.name for a in node.names}
+            names.update({a.asname: a.name for a in node.names if a.asname and _is_flag_module(a.name, root)})
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                          if _is_flag_module(f"{node.module}.{a.name}", root)})
     return names
 
 
-def _caps_sets(path: Path) -> list[tuple[int, str]]:
-    """(line, "module.FLAG") of every reassignment of a kernels module's CAPS name in a file: `m.FLAG = ...` (also
-    in tuples and augmented), `setattr(m, "FLAG", ...)` and `monkeypatch.setattr(m, "FLAG", ...)`."""
+def _caps_sets(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, "package.module.FLAG") of every reassignment of a FLAG_PACKAGES module's CAPS name in a file: `m.FLAG =
+    ...` (also in tuples and augmented; m an alias or the dotted module), `setattr(m, "FLAG", ...)`,
+    `monkeypatch.setattr(m, "FLAG", ...)` and `monkeypatch.setattr("package.module.FLAG", ...)`."""
     tree = ast.parse(path.read_text(), str(path))
-    aliases = _kernel_aliases(tree)
+    aliases = _module_aliases(tree, root)
     hits = []
+
+    def module_of(node) -> str | None:
+        dotted = node.id if isinstance(node, ast.Name) else ast.unparse(node)
+        if dotted in aliases:
+            return aliases[dotted]
+        return dotted if _is_flag_module(dotted, root) else None
 
     def check_target(t, line):
         if isinstance(t, (ast.Tuple, ast.List)):
             for e in t.elts:
                 check_target(e, line)
-        elif isinstance(t, ast.Attribute) and CAPS.match(t.attr):
-            base = t.value
-            dotted = base.id if isinstance(base, ast.Name) else ast.unparse(base)
-            if dotted in aliases or dotted.startswith("kernels."):
-                hits.append((line, f"{dotted}.{t.attr}"))
+        elif isinstance(t, ast.Attribute) and CAPS.match(t.attr) and module_of(t.value):
+            hits.append((line, f"{module_of(t.value)}.{t.attr}"))
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
@@ -116,16 +138,22 @@ def _caps_sets(path: Path) -> list[tuple[int, str]]:
                 check_target(t, node.lineno)
         elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
             check_target(node.target, node.lineno)
-        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+        elif isinstance(node, ast.Call) and node.args:
             fn = node.func
-            if (isinstance(fn, ast.Name) and fn.id == "setattr") or (isinstance(fn, ast.Attribute)
-                                                                      and fn.attr == "setattr"):
-                mod, attr = node.args[0], node.args[1]
-                dotted = mod.id if isinstance(mod, ast.Name) else ast.unparse(mod)
+            if not ((isinstance(fn, ast.Name) and fn.id == "setattr") or (isinstance(fn, ast.Attribute)
+                                                                           and fn.attr == "setattr")):
+                continue
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):  # monkeypatch's "pkg.mod.NAME" form
+                module, _, attr = first.value.rpartition(".")
+                if CAPS.match(attr) and _is_flag_module(module, root):
+                    hits.append((node.lineno, first.value))
+            elif len(node.args) >= 2:
+                attr = node.args[1]
                 if isinstance(attr, ast.Constant) and isinstance(attr.value, str) and CAPS.match(attr.value) \
-                        and (dotted in aliases or dotted.startswith("kernels.")):
-                    hits.append((node.lineno, f"{dotted}.{attr.value}"))
-    return hits
+                        and module_of(first):
+                    hits.append((node.lineno, f"{module_of(first)}.{attr.value}"))
+    return sorted(hits, key=lambda hit: hit[0])  # by line (ast.walk goes breadth-first), in order within one
 
 
 def test_caps_finder_sees_every_form(tmp_path):
@@ -133,19 +161,36 @@ def test_caps_finder_sees_every_form(tmp_path):
     src.write_text("import kernels.quant_gemv as qg\nfrom kernels import pdl, paged_attention as pa\n"
                    "qg.LOOP_STAGES = 3\n(qg.A, pa.B) = 1, 2\nsetattr(pdl, 'CAPTURE_ONLY', False)\n"
                    "monkeypatch.setattr(pa, 'FUSE_COMBINE', True)\nmonkeypatch.setattr(qg, '_gemv_kernel', 1)\n"
-                   "other.FLAG = 1\nqg.M1_TILES.update({})\n")
-    assert _caps_sets(src) == [(3, "qg.LOOP_STAGES"), (4, "qg.A"), (4, "pa.B"), (5, "pdl.CAPTURE_ONLY"),
-                               (6, "pa.FUSE_COMBINE")]
+                   "other.FLAG = 1\nqg.M1_TILES.update({})\n"
+                   "from workbench.serving import loop as loop_mod\nfrom workbench.engine import graphs, SpecEngine\n"
+                   "import workbench.serving.tuning\nfrom workbench.serving.loop import ServingLoop\n"
+                   "loop_mod.FULL_OVERLAP = False\nmonkeypatch.setattr(graphs, 'STATIC_CPU_OUTPUTS', False)\n"
+                   "workbench.serving.tuning.DEFAULT_BATCH_PREFILL += 1\n"
+                   "monkeypatch.setattr('workbench.serving.loop.CATCH_UP_SHORT', 2)\n"
+                   "monkeypatch.setattr(SpecEngine, 'MAX', 1)\nServingLoop.LIMIT = 2\n"
+                   "monkeypatch.setattr('workbench.serving.loop.catch_up_groups', len)\n"
+                   "monkeypatch.setattr(loop_mod, 'catch_up_groups', len)\nscripts.X = 1\n")
+    assert _caps_sets(src) == [
+        (3, "kernels.quant_gemv.LOOP_STAGES"), (4, "kernels.quant_gemv.A"), (4, "kernels.paged_attention.B"),
+        (5, "kernels.pdl.CAPTURE_ONLY"), (6, "kernels.paged_attention.FUSE_COMBINE"),
+        (14, "workbench.serving.loop.FULL_OVERLAP"), (15, "workbench.engine.graphs.STATIC_CPU_OUTPUTS"),
+        (16, "workbench.serving.tuning.DEFAULT_BATCH_PREFILL"), (17, "workbench.serving.loop.CATCH_UP_SHORT")]
 
 
-def test_no_script_or_test_reassigns_a_kernel_modules_flag():
-    """Kernel variants travel as KernelTuning arguments or per-call overrides: no file in scripts/ or tests/ sets a
-    kernels module's CAPS name (allow-listed: facts a test fakes, each with its reason)."""
-    hits = [f"{path.relative_to(ROOT).as_posix()}:{line} sets {name}"
-            for folder in ("scripts", "tests") for path in sorted((ROOT / folder).rglob("*.py"))
-            for line, name in _caps_sets(path) if name.rpartition(".")[2] not in ALLOWED_CAPS_SETS]
-    assert not hits, "kernel flags reassigned (pass a KernelTuning or a gemv_config override instead): " + \
-        "; ".join(hits)
+def test_no_script_or_test_reassigns_a_kernel_engine_or_serving_modules_flag():
+    """Kernel, engine and serving variants travel as arguments (KernelTuning, ServeTuning, per-call overrides): no
+    file in scripts/ or tests/ sets a CAPS name of a module under kernels/, workbench/engine/ or workbench/serving/
+    (allow-listed: facts a test fakes and test-only baselines, each with its reason)."""
+    found = [(f"{path.relative_to(ROOT).as_posix()}:{line}", name)
+             for folder in ("scripts", "tests") for path in sorted((ROOT / folder).rglob("*.py"))
+             for line, name in _caps_sets(path)]
+    hits = [f"{where} sets {name}" for where, name in found
+            if name not in ALLOWED_CAPS_SETS and name.rpartition(".")[2] not in ALLOWED_CAPS_SETS]
+    assert not hits, "module flags reassigned (pass a KernelTuning / ServeTuning, a knob or a per-call override " \
+        "instead, or allow-list it with its reason): " + "; ".join(hits)
+    used = {name for _, name in found} | {name.rpartition(".")[2] for _, name in found}
+    stale = set(ALLOWED_CAPS_SETS) - used
+    assert not stale, f"allow-list entries nothing sets any more (remove them): {sorted(stale)}"
 
 
 # ---- the tuning records in the result rows ------------------------------------------------------------------------

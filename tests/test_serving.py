@@ -23,6 +23,7 @@ from workbench.serving.loadgen import arrival_times, make_requests
 from workbench.serving.loop import ServingLoop, StepClock
 from workbench.serving.prefix_cache import PrefixCachingKVCache
 from workbench.serving.request import Request
+from workbench.serving.tuning import ServeTuning, format_serve_tuning
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 4  # small KV blocks: prompts span several, so sharing and preemption happen with few tokens
@@ -67,14 +68,11 @@ def assert_solo(result, requests, solo):
 @pytest.mark.parametrize("batch_prefill", [4, 1], ids=["batched-prefill", "prefill-per-row"])
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_in_flight_outputs_equal_solo_greedy_in_random_arrival_orders(target, draft, solo, kind, seed, batch_prefill,
-                                                                      monkeypatch):
-    from workbench.serving import loop as loop_mod
-
-    monkeypatch.setattr(loop_mod, "BATCH_PREFILL", batch_prefill)
+def test_in_flight_outputs_equal_solo_greedy_in_random_arrival_orders(target, draft, solo, kind, seed, batch_prefill):
     reqs = random_requests(seed)
-    res = serve(make_engine(kind, target, draft), reqs)
+    res = serve(make_engine(kind, target, draft), reqs, tuning=ServeTuning(batch_prefill=batch_prefill))
     assert_solo(res, reqs, solo)
+    assert res.batch_prefill == batch_prefill and res.tuning.batch_prefill == batch_prefill
     assert max(i.batch_size for i in res.iterations) > 1  # requests really shared steps
     assert len({i.batch_size for i in res.iterations if i.batch_size}) > 1  # rows joined and left
 
@@ -350,23 +348,21 @@ def long_requests(seed: int, n: int = 6, shared: list[int] | None = None) -> lis
 
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("setting", ["whole", "chunked", "prefix", "preempt"])
-def test_captured_prefill_in_serving_keeps_outputs(target, draft, solo, kind, setting, monkeypatch):
+def test_captured_prefill_in_serving_keeps_outputs(target, draft, solo, kind, setting):
     """With cuda_graphs (on a CPU: the padded buffers a GPU graph reads, run eagerly) every prefill chunk of the
     target and every draft-model prefill runs at a length padded up to a multiple of 32: outputs still equal each
     request's solo greedy output, under chunking, prefix reuse and preemption, and the padding's blocks go back.
-    A forward per row (BATCH_PREFILL = 1): several rows' padding at once need not fit a tight pool, and such a forward
+    A forward per row (batch_prefill = 1): several rows' padding at once need not fit a tight pool, and such a forward
     then runs eagerly by design (test_batched_prefill_keeps_outputs covers the batched forwards)."""
-    from workbench.serving import loop as loop_mod
-
-    monkeypatch.setattr(loop_mod, "BATCH_PREFILL", 1)
     shared = [random.Random(12).randrange(64) for _ in range(9)] if setting == "prefix" else None
     reqs = long_requests(7, shared=shared)
     engine = make_engine(kind, target, draft, cuda_graphs=True, graph_batch_sizes=(1, 2, 4))
     kw = {"whole": {}, "chunked": {"prefill_chunk": 5}, "prefix": {"prefix_caching": True, "prefill_chunk": 4},
           "preempt": {"policy": "max_util", "prefill_chunk": 6,
                       "num_blocks": max(math.ceil((len(r.prompt) + r.max_new_tokens + 5) / BS) for r in reqs) + 2}}
-    res = serve(engine, reqs, **kw[setting])
+    res = serve(engine, reqs, tuning=ServeTuning(batch_prefill=1), **kw[setting])
     assert_solo(res, reqs, solo)
+    assert res.batch_prefill == 1
     step = engine.prefill_step
     keys = [length for (_, length) in step.fixed_at._buffers]
     assert keys and all(length % 32 == 0 for length in keys)
@@ -381,14 +377,11 @@ def test_captured_prefill_in_serving_keeps_outputs(target, draft, solo, kind, se
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("setting", ["whole", "chunked", "prefix", "preempt"])
-def test_batched_prefill_keeps_outputs(target, draft, solo, kind, setting, graphs, monkeypatch):
-    """BATCH_PREFILL = 3 (the default is 4): an iteration's prefill chunks run up to 3 rows per forward
+def test_batched_prefill_keeps_outputs(target, draft, solo, kind, setting, graphs):
+    """batch_prefill = 3 (the default is 4): an iteration's prefill chunks run up to 3 rows per forward
     (engine.prefill_rows; right-padded to the longest, and with fixed shapes to a multiple of 32, each row's padding
     truncated after): outputs equal each request's solo greedy output under chunking, prefix reuse and preemption;
     some forward really held several rows; every block comes back."""
-    from workbench.serving import loop as loop_mod
-
-    monkeypatch.setattr(loop_mod, "BATCH_PREFILL", 3)
     shared = [random.Random(12).randrange(64) for _ in range(9)] if setting == "prefix" else None
     reqs = [Request(r.id, r.prompt, r.max_new_tokens, arrival_s=0.0) for r in long_requests(7, shared=shared)]
     extra = dict(cuda_graphs=True, graph_batch_sizes=(1, 2, 4)) if graphs else {}
@@ -407,7 +400,7 @@ def test_batched_prefill_keeps_outputs(target, draft, solo, kind, setting, graph
     kw = {"whole": {}, "chunked": {"prefill_chunk": 12}, "prefix": {"prefix_caching": True, "prefill_chunk": 12},
           "preempt": {"policy": "max_util", "prefill_chunk": 12,
                       "num_blocks": max(math.ceil((len(r.prompt) + r.max_new_tokens + 5) / BS) for r in reqs) + 2}}
-    res = serve(engine, reqs, **kw[setting])
+    res = serve(engine, reqs, tuning=ServeTuning(batch_prefill=3), **kw[setting])
     assert_solo(res, reqs, solo)
     assert rows_per_forward and max(rows_per_forward) in (2, 3)
     assert kept and all(have == want for have, want in kept)
@@ -466,13 +459,10 @@ def test_serving_holds_no_view_of_a_replayed_output(target, draft, solo, kind, s
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("setting", ["chunked", "prefix", "preempt"])
 def test_prefill_enqueued_behind_the_step_in_flight(target, draft, solo, kind, setting, overlap, monkeypatch):
-    """OVERLAP_PREFILL (the default): an iteration's prefill is planned before its step is launched and runs between
+    """overlap_prefill (the default): an iteration's prefill is planned before its step is launched and runs between
     `launch_step` and `finish_step`; no row is released while a step is in flight (a preemption for a chunk's
     blocks happens before the launch); outputs equal each request's solo greedy output and the pool is never
     exceeded. Off: the step is read before any prefill."""
-    from workbench.serving import loop as loop_mod
-
-    monkeypatch.setattr(loop_mod, "OVERLAP_PREFILL", overlap)
     shared = [random.Random(5).randrange(64) for _ in range(9)] if setting == "prefix" else None
     reqs = long_requests(3, n=8, shared=shared)
     engine = make_engine(kind, target, draft)
@@ -494,8 +484,10 @@ def test_prefill_enqueued_behind_the_step_in_flight(target, draft, solo, kind, s
     kw = {"chunked": {"prefill_chunk": 6}, "prefix": {"prefix_caching": True, "prefill_chunk": 8},
           "preempt": {"policy": "max_util", "prefill_chunk": 6,
                       "num_blocks": max(math.ceil((len(r.prompt) + r.max_new_tokens + 5) / BS) for r in reqs) + 3}}
-    res = serve(engine, reqs, **kw[setting])
+    res = serve(engine, reqs, tuning=ServeTuning(overlap_prefill=overlap), **kw[setting])
     assert_solo(res, reqs, solo)
+    assert res.tuning.overlap_prefill == overlap
+    assert res.overlap == ("prefill" if overlap else "none")  # eager steps: never full overlap
     between = [i for i, c in enumerate(calls) if c.startswith("prefill_row") and "launch_step" in calls[:i]
                and calls[:i][::-1].index("launch_step") < (calls[:i][::-1] + ["finish_step"]).index("finish_step")]
     assert (len(between) > 0) == overlap  # prefills ran while a step was in flight: only with the overlap
@@ -628,8 +620,9 @@ def test_gpu_serving_parity_script_on_cpu(tmp_path):
                                     "--max-new-tokens", "10", "--graphs", "--out", str(tmp_path)]) == 0
     rows = {r["setting"]: r for r in json.loads((tmp_path / "serving_parity.json").read_text())["rows"]}
     assert set(rows) == set(gpu_serving_parity.SETTINGS)
-    for name, r in rows.items():  # full overlap by default (fixed shapes), not where switched off or preempting
+    for name, r in rows.items():  # full overlap by default (fixed shapes), not where turned off or preempting
         assert (r["steps_ahead"] > 0) == ("no full overlap" not in name and "max_util" not in name), name
+        assert r["serve_tuning"] == format_serve_tuning(ServeTuning(full_overlap="no full overlap" not in name)), name
     assert all(r["equal"] == r["requests"] == 6 and not r["differ"] for r in rows.values())
     assert rows["off"]["max_batch"] > 1
     assert rows["draft k=4, max_util preemption"]["preemptions"] > 0
@@ -691,14 +684,11 @@ def test_adaptive_rules_with_every_drafter_keep_outputs(target, draft, solo, kin
 @pytest.mark.parametrize("kind", ["ar", "ngram", "draft"])
 @pytest.mark.parametrize("setting", ["whole", "chunked", "prefix", "schedule"])
 def test_full_overlap_launches_ahead_and_keeps_outputs(target, draft, solo, kind, setting, static, monkeypatch):
-    """FULL_OVERLAP (prepared, off by default): with fixed shapes (the device n-gram lookup and the draft model's
+    """full_overlap (on by default): with fixed shapes (the device n-gram lookup and the draft model's
     fused chain read the device) each step is launched before the previous one is read: two steps are in flight at
     some point, outputs equal each request's solo greedy output, no row is released or prefilled while a step over
     it is in flight, and every block comes back; also when every replay overwrites its graph's one output tensor,
     as on a GPU (`static_outputs`: the next step's replay lands before the last one is read)."""
-    from workbench.serving import loop as loop_mod
-
-    monkeypatch.setattr(loop_mod, "FULL_OVERLAP", True)
     static_outputs(monkeypatch, on=static)
     shared = [random.Random(5).randrange(64) for _ in range(9)] if setting == "prefix" else None
     reqs = long_requests(4, n=8, shared=shared)
@@ -727,7 +717,7 @@ def test_full_overlap_launches_ahead_and_keeps_outputs(target, draft, solo, kind
         monkeypatch.setattr(engine, name, spy(name, getattr(engine, name)))
     kw = {"whole": {}, "chunked": {"prefill_chunk": 6}, "prefix": {"prefix_caching": True, "prefill_chunk": 8},
           "schedule": {"adaptive": AdaptiveSpeculation(3, k_by_batch=[(1, 1, 3), (2, 3, 2), (4, 64, 1)])}}
-    res = serve(engine, reqs, **kw[setting])
+    res = serve(engine, reqs, tuning=ServeTuning(full_overlap=True), **kw[setting])
     assert_solo(res, reqs, solo)
     assert res.full_overlap and res.steps_ahead > 0 and events["most_pending"] == 2
     assert events["released_under_step"] == 0 and events["prefilled_under_step"] == 0
@@ -741,16 +731,13 @@ def test_full_overlap_with_a_draft_model_that_never_drafts(target, draft, solo, 
     as "off") launches ahead as speculation off does: steps in flight two at a time, outputs equal solo greedy, and
     the draft model never runs (no prefill at join, no catch-up). Before, it lost full overlap, so the calibration
     rated off below what serving off gives (by 1.15-1.29x on the H200)."""
-    from workbench.serving import loop as loop_mod
-
-    monkeypatch.setattr(loop_mod, "FULL_OVERLAP", True)
     reqs = long_requests(4, n=8)
     engine = make_engine("draft", target, draft, cuda_graphs=True, graph_batch_sizes=(1, 2, 4))
     draft_calls = []
     for obj, name in ((engine, "catch_up_drafter"), (engine.drafter, "prefill"), (engine.drafter, "propose")):
         real = getattr(obj, name)
         monkeypatch.setattr(obj, name, lambda *a, _r=real, _n=name, **k: draft_calls.append(_n) or _r(*a, **k))
-    res = serve(engine, reqs, adaptive=adaptive)
+    res = serve(engine, reqs, adaptive=adaptive, tuning=ServeTuning(full_overlap=True))
     assert_solo(res, reqs, solo)
     assert res.full_overlap and res.steps_ahead > 0
     assert res.draft_catch_up_tokens == 0 and not draft_calls
@@ -758,13 +745,10 @@ def test_full_overlap_with_a_draft_model_that_never_drafts(target, draft, solo, 
 
 
 @pytest.mark.parametrize("why", ["max_util", "eager", "draft-schedule-with-zero"])
-def test_full_overlap_falls_back_where_it_cannot_apply(target, draft, solo, why, monkeypatch):
+def test_full_overlap_falls_back_where_it_cannot_apply(target, draft, solo, why):
     """Where a step needs the host's read of the one before (a host n-gram scan without fixed shapes), a draft model
-    that some steps skip (catch-up reads exact lengths), or a policy that preempts, FULL_OVERLAP leaves the loop as
+    that some steps skip (catch-up reads exact lengths), or a policy that preempts, full_overlap leaves the loop as
     it was: no step launched ahead, outputs still equal solo greedy."""
-    from workbench.serving import loop as loop_mod
-
-    monkeypatch.setattr(loop_mod, "FULL_OVERLAP", True)
     reqs = long_requests(4, n=6)
     kind, graphs, kw = {
         "max_util": ("ar", True, {"policy": "max_util"}),
@@ -773,26 +757,28 @@ def test_full_overlap_falls_back_where_it_cannot_apply(target, draft, solo, why,
                                                                                                     (2, 64, 0)])}),
     }[why]
     extra = dict(cuda_graphs=True, graph_batch_sizes=(1, 2, 4)) if graphs else {}
-    res = serve(make_engine(kind, target, draft, **extra), reqs, **kw)
+    res = serve(make_engine(kind, target, draft, **extra), reqs, tuning=ServeTuning(full_overlap=True), **kw)
     assert_solo(res, reqs, solo)
     assert not res.full_overlap and res.steps_ahead == 0
 
 
-def test_loop_switches_are_set_for_a_block_and_put_back():
-    """loop.switches: the named module switches hold the given values inside the block and their old ones after it,
-    also when the block raises; an unknown name raises before any switch changes."""
-    from workbench.serving import loop as loop_mod
-
-    before = (loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL, loop_mod.FULL_OVERLAP)
-    with pytest.raises(RuntimeError):
-        with loop_mod.switches(BATCH_PREFILL=1, FULL_OVERLAP=not before[2]):
-            assert (loop_mod.BATCH_PREFILL, loop_mod.FULL_OVERLAP) == (1, not before[2])
-            raise RuntimeError("inside")
-    assert (loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL, loop_mod.FULL_OVERLAP) == before
-    with pytest.raises(AttributeError):
-        with loop_mod.switches(OVERLAP_PREFILL=not before[1], NO_SUCH_SWITCH=1):
-            pass
-    assert (loop_mod.BATCH_PREFILL, loop_mod.OVERLAP_PREFILL, loop_mod.FULL_OVERLAP) == before
+def test_loop_runs_its_own_tuning_only(target, draft, solo):
+    """A loop given no tuning runs ServeTuning's defaults and records them; each loop runs the tuning it was given,
+    whatever loops before it ran (no state outside the loop), and says how it ran; anything but a ServeTuning is a
+    named ServeError before any work."""
+    reqs = long_requests(4, n=6)
+    engine = make_engine("ngram", target, draft, cuda_graphs=True, graph_batch_sizes=(1, 2, 4))
+    default = serve(engine, reqs)
+    assert default.tuning == ServeTuning() and default.full_overlap and default.steps_ahead > 0
+    assert (default.overlap, default.batch_prefill) == ("full", ServeTuning().batch_prefill)
+    other = serve(engine, reqs, tuning=ServeTuning(batch_prefill=1, overlap_prefill=False, full_overlap=False))
+    assert (other.overlap, other.batch_prefill, other.full_overlap, other.steps_ahead) == ("none", 1, False, 0)
+    again = serve(engine, reqs)
+    assert again.tuning == ServeTuning() and again.full_overlap and again.steps_ahead > 0
+    for res in (default, other, again):
+        assert_solo(res, reqs, solo)
+    with pytest.raises(ServeError, match="tuning must be a ServeTuning.*parse_serve_tuning"):
+        ServingLoop(engine, reqs, tuning="full_overlap=0")
 
 
 def test_gpu_serving_parity_names_unknown_settings(tmp_path, capsys, monkeypatch):

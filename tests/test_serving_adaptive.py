@@ -455,112 +455,136 @@ SMALL_SWEEP = ["--device", "cpu", "--preset", "tiny", "--num-requests", "6", "--
                "--repeats", "1", "--no-thresholds"]
 
 
+def loop_tunings(monkeypatch) -> list:
+    """The tuning of the ServingLoop running now, as [tuning] (None between runs): what the engine's calls below it
+    were made under."""
+    from workbench.serving.loop import ServingLoop
+
+    current, real = [None], ServingLoop.run
+
+    def run(self):
+        current[0] = self.tuning
+        try:
+            return real(self)
+        finally:
+            current[0] = None
+    monkeypatch.setattr(ServingLoop, "run", run)
+    return current
+
+
 def test_gpu_serving_batch_prefill_controls(tmp_path, monkeypatch):
-    """--batch-prefill-controls N: off and fixed k also run with BATCH_PREFILL = N in every round, on the same
-    arrivals; those runs (and only those) prefill at most N rows per forward, the default's up to 4 (some forward
-    holds several); batch_prefill_checks compares them; the module switch is back to its default afterwards."""
+    """--batch-prefill-controls N: off and fixed k also run with serve_tuning batch_prefill=N in every round, on the
+    same arrivals; those runs (and only those) prefill at most N rows per forward, the default's up to 4 (some
+    forward holds several); every record names its tuning; batch_prefill_checks compares them."""
     import json
     import sys
 
     from workbench.engine.step import SpecEngine
-    from workbench.serving import loop as loop_mod
+    from workbench.serving.tuning import ServeTuning, format_serve_tuning
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_serving
 
-    forwards = []
+    forwards, current = [], loop_tunings(monkeypatch)
     real_rows, real_row = SpecEngine.prefill_rows, SpecEngine.prefill_row
     monkeypatch.setattr(SpecEngine, "prefill_rows", lambda self, rows, *a: forwards.append(
-        (loop_mod.BATCH_PREFILL, len(rows))) or real_rows(self, rows, *a))
+        (current[0].batch_prefill, len(rows))) or real_rows(self, rows, *a))
     monkeypatch.setattr(SpecEngine, "prefill_row", lambda self, *a: forwards.append(
-        (loop_mod.BATCH_PREFILL, 1)) or real_row(self, *a))
-    before = loop_mod.BATCH_PREFILL
-    assert before == loop_mod.DEFAULT_BATCH_PREFILL == 4
+        (current[0].batch_prefill, 1)) or real_row(self, *a))
+    assert ServeTuning().batch_prefill == 4
     assert gpu_serving.main(SMALL_SWEEP + ["--batch-prefill-controls", "1", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
     assert {"off, prefill rows 1", "k=4, prefill rows 1"} <= {x["setting"] for x in r["sweep"]}
+    for x in r["sweep"]:  # the controls ran batch_prefill=1, every other run the default
+        want = ServeTuning(batch_prefill=1) if x["setting"].endswith(", prefill rows 1") else ServeTuning()
+        assert x["serve_tuning"] == format_serve_tuning(want), x["setting"]
+        assert x["loop_batch_prefill"] == want.batch_prefill, x["setting"]
     assert {c["setting"] for c in r["batch_prefill_checks"]} == {"off", "k=4"}
     assert r["batch_prefill"] == {"default": 4, "control": 1}
-    assert {n for switch, n in forwards if switch == 1} == {1}  # the controls: a forward per row
-    assert max(n for switch, n in forwards if switch == 4) > 1  # the default batches
-    assert loop_mod.BATCH_PREFILL == before
+    assert {n for bp, n in forwards if bp == 1} == {1}  # the controls: a forward per row
+    assert max(n for bp, n in forwards if bp == 4) > 1  # the default batches
     assert "forwards (up to 4 rows) against forwards of up to 1 rows" in (tmp_path / "table.md").read_text()
 
 
 def test_gpu_serving_overlap_controls(tmp_path, monkeypatch):
-    """--overlap-controls: off and fixed k also run with OVERLAP_PREFILL off (the step read before the prefill) in
-    every round, on the same arrivals; those runs, and only those, never prefill while a step is in flight;
-    overlap_checks compares them; the module switch is back to its default afterwards."""
+    """--overlap-controls: off and fixed k also run with serve_tuning overlap_prefill=0 (the step read before the
+    prefill) in every round, on the same arrivals; those runs, and only those, never prefill while a step is in
+    flight; overlap_checks compares them."""
     import json
     import sys
 
     from workbench.engine.step import SpecEngine
-    from workbench.serving import loop as loop_mod
+    from workbench.serving.tuning import ServeTuning, format_serve_tuning
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_serving
 
-    pending, seen = [0], []  # steps launched and not yet finished; (switch, a step in flight) at each prefill
+    pending, seen = [0], []  # steps launched and not yet finished; (overlap_prefill, a step in flight) per prefill
+    current = loop_tunings(monkeypatch)
     launch, finish, prefill = SpecEngine.launch_step, SpecEngine.finish_step, SpecEngine.prefill_row
     monkeypatch.setattr(SpecEngine, "launch_step", lambda self, *a, **k: pending.__setitem__(0, pending[0] + 1)
                         or launch(self, *a, **k))
     monkeypatch.setattr(SpecEngine, "finish_step", lambda self, *a, **k: pending.__setitem__(0, pending[0] - 1)
                         or finish(self, *a, **k))
     monkeypatch.setattr(SpecEngine, "prefill_row", lambda self, *a: seen.append(
-        (loop_mod.OVERLAP_PREFILL, pending[0] > 0)) or prefill(self, *a))
-    before = loop_mod.OVERLAP_PREFILL
+        (current[0].overlap_prefill, pending[0] > 0)) or prefill(self, *a))
     assert gpu_serving.main(SMALL_SWEEP + ["--overlap-controls", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
     assert {"off, step read first", "k=4, step read first"} <= {x["setting"] for x in r["sweep"]}
     for x in r["sweep"]:  # each record says how its loop ran
-        assert x["loop_overlap"] == ("none" if "step read first" in x["setting"] else "prefill"), x["setting"]
+        control = "step read first" in x["setting"]
+        assert x["loop_overlap"] == ("none" if control else "prefill"), x["setting"]
+        assert x["serve_tuning"] == format_serve_tuning(ServeTuning(overlap_prefill=not control)), x["setting"]
         assert x["loop_batch_prefill"] == 4 and x["loop_steps_ahead"] == 0
     assert {c["setting"] for c in r["overlap_checks"]} == {"off", "k=4"}
     assert all(c["ratio"] > 0 for c in r["overlap_checks"])
     assert any(flag and busy for flag, busy in seen)  # the default overlaps somewhere
-    assert not any(busy for flag, busy in seen if not flag)  # the controls never do
-    assert loop_mod.OVERLAP_PREFILL == before
+    assert any(not flag for flag, busy in seen)  # the controls prefilled
+    assert not any(busy for flag, busy in seen if not flag)  # and never under a step in flight
     assert "against the step read first" in (tmp_path / "table.md").read_text()
 
 
 def test_gpu_serving_full_overlap_controls(tmp_path, monkeypatch):
-    """--full-overlap-controls: off and fixed k also run with FULL_OVERLAP the other way from the default in every
-    round, on the same arrivals; with it on by default the controls, and only they, read each step before launching
-    the next (graphs on a CPU: the fixed-shape path, where it applies); full_overlap_checks compares them; the module
-    switch is back to its default afterwards. Also under the old default (off): the controls then launch ahead."""
-    import importlib
+    """--full-overlap-controls: off and fixed k also run with serve_tuning full_overlap the other way from the runs'
+    (--serve-tuning's) in every round, on the same arrivals; with it on (the default) the controls, and only they,
+    read each step before launching the next (graphs on a CPU: the fixed-shape path, where it applies);
+    full_overlap_checks compares them. Also with --serve-tuning full_overlap=0: the controls then launch ahead."""
     import json
     import sys
 
-    from workbench.serving import loop as loop_mod
+    from workbench.serving.tuning import ServeTuning, format_serve_tuning
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_serving
 
+    from workbench.serving import loop as loop_mod
+
     ahead = []
     real = loop_mod.ServingLoop.run
     monkeypatch.setattr(loop_mod.ServingLoop, "run", lambda self: (
-        lambda res: ahead.append((loop_mod.FULL_OVERLAP, res.steps_ahead)) or res)(real(self)))
+        lambda res: ahead.append((self.tuning.full_overlap, res.steps_ahead)) or res)(real(self)))
+    assert ServeTuning().full_overlap
     for default in (True, False):
-        monkeypatch.setattr(loop_mod, "FULL_OVERLAP", default)
-        importlib.reload(gpu_serving)  # its control label and switch follow the default at import
         control = "no full overlap" if default else "full overlap"
         ahead.clear()
         out = tmp_path / str(default)
-        assert gpu_serving.main(SMALL_SWEEP + ["--full-overlap-controls", "--cuda-graphs", "--out", str(out)]) == 0
+        given = [] if default else ["--serve-tuning", "full_overlap=0"]
+        assert gpu_serving.main(SMALL_SWEEP + given + ["--full-overlap-controls", "--cuda-graphs",
+                                                       "--out", str(out)]) == 0
         r = json.loads((out / "results.json").read_text())
+        assert r["serve_tuning"] == format_serve_tuning(ServeTuning(full_overlap=default))
+        assert r["full_overlap"] == {"default": default, "control": not default}
         assert {f"off, {control}", f"k=4, {control}"} <= {x["setting"] for x in r["sweep"]}
         for x in r["sweep"]:
-            full = x["setting"].endswith(", full overlap") or (default and not x["setting"].endswith(control))
+            is_control = x["setting"].endswith(f", {control}")
+            assert x["serve_tuning"] == format_serve_tuning(ServeTuning(full_overlap=default != is_control)), x
+            full = x["setting"].endswith(", full overlap") or (default and not is_control)
             assert x["loop_overlap"] == ("full" if full else "prefill") and (x["loop_steps_ahead"] > 0) == full, x
         assert {c["setting"] for c in r["full_overlap_checks"]} == {"off", "k=4"}
         assert any(flag and n > 0 for flag, n in ahead)  # full overlap launches ahead
         assert not any(n for flag, n in ahead if not flag)  # nothing else does
         assert any(not flag for flag, n in ahead)  # and some runs had it off
-        assert loop_mod.FULL_OVERLAP == default
         assert f"| out tok/s default | {control} | ratio |" in (out / "table.md").read_text()
-    monkeypatch.undo()
-    importlib.reload(gpu_serving)
 
 
 def test_gpu_serving_eager_prefill_controls(tmp_path):
@@ -745,10 +769,7 @@ def test_gpu_serving_shape_controls(tmp_path, monkeypatch):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
     import gpu_serving
 
-    from workbench.serving import loop as loop_mod
-
     # the draft model keeps mixed schedules only without full overlap (with it: one k everywhere, uniform_choice)
-    monkeypatch.setattr(loop_mod, "FULL_OVERLAP", False)
     made_up = {(1, 0): 10.0, (1, 4): 20.0, (2, 0): 30.0, (2, 4): 20.0, (4, 0): 40.0, (4, 4): 60.0}
     real = gpu_serving.calibrate_loop
     monkeypatch.setattr(gpu_serving, "calibrate_loop", lambda *a, **kw: real(
@@ -756,7 +777,8 @@ def test_gpu_serving_shape_controls(tmp_path, monkeypatch):
     assert gpu_serving.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "4", "--warmup-requests", "1",
                              "--max-new-tokens", "4", "--rates", "1", "--max-num-seqs", "4", "--repeats", "1",
                              "--threshold-requests", "3", "--cuda-graphs", "--shape-controls",
-                             "--calibration-shape", "monotone", "--out", str(tmp_path)]) == 0
+                             "--calibration-shape", "monotone", "--serve-tuning", "full_overlap=0",
+                             "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
     # monotone: 4 / 4 / 4 and 4 / 0 / 0 tie on relative tokens/s (2.67 each): the shorter drafts
     assert r["loop_calibration"]["other_k_by_batch"] == "1:4,2:0,3-4:4" and r["k_by_batch"] == "1:4,2-4:0"

@@ -15,6 +15,7 @@ from workbench.serving.calibrate import calibrate_loop, loop_schedule, pick_k
 from workbench.serving.config import ServeConfig, ServeError, check_config
 from workbench.serving.loop import StepClock
 from workbench.serving.request import Request
+from workbench.serving.tuning import ServeTuning
 from workbench.settings import SERVE_KNOBS
 
 # tokens/s by (concurrency, k): speculation pays at 1-2 rows, k = 2 edges k = 3 within noise at 2, off wins from 4
@@ -51,27 +52,26 @@ def test_schedule_is_built_from_the_measured_table(target, draft):
 
 
 @pytest.mark.parametrize("kind", ["draft", "ngram"])
-def test_a_draft_model_under_full_overlap_gets_one_k_for_every_size(target, draft, kind, monkeypatch):
-    """A drafter with its own KV (a draft model), graphs (steps launched ahead) and FULL_OVERLAP: the loop mixes
+def test_a_draft_model_under_full_overlap_gets_one_k_for_every_size(target, draft, kind):
+    """A drafter with its own KV (a draft model), graphs (steps launched ahead) and full_overlap: the loop mixes
     drafting and non-drafting sizes only without full overlap, which every calibration point had, so the schedule is
     uniform: the largest size's pick everywhere (here off: k = 0 wins at 4 rows), and the table marks that. An n-gram
     lookup keeps no KV, keeps full overlap under any schedule and keeps its mixed schedule; so does a draft model
-    with FULL_OVERLAP off."""
+    with full_overlap off in the tuning the calibration is given (the run's)."""
     from workbench.engine.drafters import NgramDrafter
-    from workbench.serving import loop as loop_mod
 
     drafter = DraftModelDrafter(draft, 3) if kind == "draft" else NgramDrafter(3)
     engine = engine_with(drafter, target, graphs=True)
     for overlap in (True, False):
-        monkeypatch.setattr(loop_mod, "FULL_OVERLAP", overlap)
+        tuning = ServeTuning(full_overlap=overlap)
         cal = calibrate_loop(engine, prompts(), (1, 2, 4), max_new_tokens=4, max_num_seqs=4, shape="monotone",
-                             measure=lambda b, k: MEASURED[(b, k)])
+                             measure=lambda b, k: MEASURED[(b, k)], tuning=tuning)
         uniform = kind == "draft" and overlap
-        assert cal.uniform == uniform == cal_mod.uniform_schedules(engine)
+        assert cal.uniform == uniform == cal_mod.uniform_schedules(engine, tuning=tuning)
         assert cal.schedule(4) == ([(1, 4, 0)] if uniform else [(1, 1, 3), (2, 2, 2), (3, 4, 0)])
         chosen = {(r["batch_size"], r["k"]) for r in cal.table() if r.get("chosen")}
         assert chosen == ({(1, 0), (2, 0), (4, 0)} if uniform else {(1, 3), (2, 2), (4, 0)})
-    monkeypatch.setattr(loop_mod, "FULL_OVERLAP", True)
+    assert cal_mod.uniform_schedules(engine) == (kind == "draft")  # the default tuning: full overlap on
     assert not cal_mod.uniform_schedules(engine, policy="max_util")  # preemption: no full overlap anyway
     assert loop_schedule({(1, 0): 1.0, (1, 2): 3.0, (4, 0): 4.0, (4, 2): 3.0}, 4, uniform=True) == [(1, 4, 0)]
     assert loop_schedule({(1, 0): 1.0, (1, 2): 3.0, (4, 0): 2.0, (4, 2): 3.0}, 4, uniform=True) == [(1, 4, 2)]
@@ -177,17 +177,25 @@ def test_bad_calibration_settings_are_named_errors(target, draft):
 
 
 @pytest.mark.parametrize("mode", ["loop", "step"])
-def test_serve_bench_calibrates_on_the_engine_that_serves(target, draft, solo, mode):
+def test_serve_bench_calibrates_on_the_engine_that_serves(target, draft, solo, mode, monkeypatch):
+    """The calibration runs on the engine that serves, and (loop) its serves run the run's serve_tuning."""
     from workbench.serving import bench
+    from workbench.serving.loop import ServingLoop
 
     rng = random.Random(31)
     reqs = [Request(i, [rng.randrange(64) for _ in range(rng.randint(3, 12))], rng.randint(2, 8), float(i))
             for i in range(8)]
     cfg = ServeConfig(method="draft", k=3, max_num_seqs=4, kv_block_size=BS, max_new_tokens=8, calibration=mode,
-                      graph_batch_sizes=(1, 2, 4))
+                      graph_batch_sizes=(1, 2, 4), serve_tuning="batch_prefill=1,overlap_prefill=0")
     engine = engine_with(DraftModelDrafter(draft, 3), target)
+    tunings, init = [], ServingLoop.__init__
+    monkeypatch.setattr(ServingLoop, "__init__", lambda self, *a, **kw: init(self, *a, **kw) or tunings.append(
+        self.tuning))
     out = bench.serve_bench(fake_session(), cfg, clock=StepClock(), engine=engine, requests=reqs)
     assert_solo(out.result, reqs, solo)
+    # the run's loops, and (loop) the calibration's many serves, all with the run's tuning
+    assert len(tunings) > (2 if mode == "loop" else 1)
+    assert set(tunings) == {ServeTuning(batch_prefill=1, overlap_prefill=False)} == {out.result.tuning}
     rec = out.record
     table = json.loads(rec["calibration_table"])
     sizes = {r["batch_size"] for r in table["measured"]}

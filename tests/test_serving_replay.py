@@ -18,6 +18,7 @@ from workbench.serving import metrics, replay
 from workbench.serving.adaptive import AdaptiveSpeculation
 from workbench.serving.loop import IterationLog, ServingLoop, StepClock, _work
 from workbench.serving.request import Request
+from workbench.serving.tuning import ServeTuning
 
 COUNTERS = ("draft_prefill_tokens", "draft_catch_up_tokens", "draft_catch_up_forwards", "draft_catch_up_slots",
             "draft_catch_up_skips")
@@ -270,24 +271,21 @@ WORK_COSTS = {"1": 1.0, "B": 0.1, "B*n": 0.05, "n": 0.8, "n>0": 0.0, "P": 0.01, 
 
 @pytest.mark.parametrize("batch_prefill", [1, 4])
 @pytest.mark.parametrize("spread_s", [0.04, 0.004], ids=["spread", "bursty"])
-def test_held_out_settings_are_predicted_from_off_and_a_fixed_k(target, solo, monkeypatch, batch_prefill, spread_s):
+def test_held_out_settings_are_predicted_from_off_and_a_fixed_k(target, solo, batch_prefill, spread_s):
     """Fit on speculation off + fixed k = 3 (their iterations timed by WORK_COSTS), replay a held-out k = 1 and a
     schedule that skips drafting at batch 2 (catch-ups): the fit recovers WORK_COSTS and the replay the real loops'
     tokens/s under the same clock (to 0.5 %), the old model misses by more (it cannot price prefill forwards, the
     draft model's prefill at join, catch-ups or a shorter chain). With prefill forwards of up to 4 rows and bursty
     arrivals (several requests join in one iteration) the replay counts forwards as the loop ran them
-    (`ServeResult.batch_prefill`)."""
-    from workbench.serving import loop as loop_mod
-
-    monkeypatch.setattr(loop_mod, "BATCH_PREFILL", batch_prefill)
+    (the run's `ServeResult.tuning`)."""
     rng = random.Random(5)
     reqs = [Request(i, [rng.randrange(64) for _ in range(rng.randint(2, 30))], rng.randint(4, 16),
                     arrival_s=rng.uniform(0.0, spread_s)) for i in range(16)]
     serve = lambda drafter, adaptive=None: WorkLoop(  # noqa: E731
         SpecEngine(target, drafter, EngineConfig(max_new_tokens=64, kv_block_size=BS)), reqs, coef=WORK_COSTS,
-        adaptive=adaptive, max_num_seqs=4).run()
+        adaptive=adaptive, max_num_seqs=4, tuning=ServeTuning(batch_prefill=batch_prefill)).run()
     off, rec = serve(None), serve(DraftModelDrafter(target, 3))
-    assert rec.batch_prefill == max(1, batch_prefill)
+    assert rec.batch_prefill == max(1, batch_prefill) and rec.tuning.batch_prefill == batch_prefill
     if batch_prefill > 1 and spread_s < 0.01:  # some forward held several rows' chunks
         assert sum(it.prefill_forwards for it in rec.iterations) < len(reqs)
     fit = off.iterations + rec.iterations
@@ -299,6 +297,6 @@ def test_held_out_settings_are_predicted_from_off_and_a_fixed_k(target, solo, mo
         errors = {}
         for name, costs in (("new", new), ("old", old)):
             pred = replay.replay(rec.states, rec.traces, 3, costs, adaptive=AdaptiveSpeculation(3, ranges),
-                                 max_num_seqs=4, draft_kv=True, batch_prefill=rec.batch_prefill)
+                                 max_num_seqs=4, draft_kv=True, tuning=rec.tuning)
             errors[name] = abs(pred["output_throughput"] / metrics.summarize(real)["output_throughput"] - 1)
         assert errors["new"] < 0.005 and errors["old"] > 0.02, (ranges, errors)

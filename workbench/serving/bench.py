@@ -23,7 +23,6 @@ from workbench.engine.drafters import DrafterError, make_drafter
 from workbench.engine.step import engine_config
 from workbench.engine.graphs import compile_fallback_columns, recompile_limit_hits
 from workbench.engine.sampling import SamplingParams
-from workbench.serving import loop as loop_mod
 from workbench.serving import metrics
 from workbench.serving.adaptive import AdaptiveSpeculation, format_k_by_batch
 from workbench.serving.config import SERVE_CONFIG_KNOBS, ServeConfig, ServeError, check_config
@@ -73,7 +72,8 @@ def calibration_sizes(cfg) -> tuple[int, ...]:
 
 def calibrate_schedule(engine: SpecEngine, cfg, requests, loop: ServingLoop) -> tuple[list, dict]:
     """cfg.calibration "step" or "loop" on the engine that will serve, with the run's prompts: (the schedule as
-    k_by_batch ranges, the record's calibration columns). `loop`: the run's loop (its cache shape is reused)."""
+    k_by_batch ranges, the record's calibration columns). `loop`: the run's loop (its cache shape and its tuning are
+    reused, so the calibration serves as the run will)."""
     from workbench.serving.calibrate import calibrate, calibrate_loop
 
     prompts = list({tuple(r.prompt): r.prompt for r in requests}.values())  # distinct, in order
@@ -90,7 +90,7 @@ def calibrate_schedule(engine: SpecEngine, cfg, requests, loop: ServingLoop) -> 
                              budget_s=cfg.calibration_budget_s, policy=cfg.sched_policy, num_blocks=loop.num_blocks,
                              prefill_chunk=cfg.prefill_chunk, prefix_caching=cfg.prefix_caching,
                              max_len=loop.cache.max_len, gc_freeze=cfg.gc_freeze, shape=cfg.calibration_shape,
-                             repeats=cfg.calibration_repeats)
+                             repeats=cfg.calibration_repeats, tuning=loop.tuning)
         ranges, table = cal.schedule(cfg.max_num_seqs), cal.table()
     chosen = [{"batch_start": lo, "batch_end": hi, "k": k} for lo, hi, k in ranges]
     return ranges, {"calibration_s": time.perf_counter() - t0,
@@ -116,8 +116,8 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
     fallbacks_before = recompile_limit_hits()  # from here: the engine, its calibration and captures compile too
     engine = engine or engine_for(session, cfg)
 
-    # the loop's own variants: the knob's record, or (empty) the loop's defaults
-    tuning = parse_serve_tuning(cfg.serve_tuning) if cfg.serve_tuning.strip() else loop_mod.default_tuning()
+    # the loop's own variants: the knob's record ("": ServeTuning's defaults); the calibration serves with it too
+    tuning = parse_serve_tuning(cfg.serve_tuning)
 
     def make_loop(adaptive):
         return ServingLoop(engine, requests, policy=cfg.sched_policy, num_blocks=cfg.kv_blocks,

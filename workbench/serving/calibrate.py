@@ -35,6 +35,7 @@ from workbench.serving.adaptive import AdaptiveSpeculation, schedule_from_costs
 from workbench.serving.config import ServeError
 from workbench.serving.schedules import (DEFAULT_SHAPE, MIN_GAIN, SCHEDULE_SHAPES, choose, loop_schedule,  # noqa: F401
                                          monotone_choice, pick_k, sticky_choice)
+from workbench.serving.tuning import ServeTuning
 
 
 @dataclass
@@ -165,16 +166,16 @@ class LoopCalibration:
         return sorted(rows, key=lambda r: (r["batch_size"], r["k"]))
 
 
-def uniform_schedules(engine: SpecEngine, policy: str = "no_evict") -> bool:
+def uniform_schedules(engine: SpecEngine, policy: str = "no_evict", tuning: ServeTuning = ServeTuning()) -> bool:
     """Whether the loop calibration gives this engine one draft length for every batch size: its drafter keeps its
-    own KV (a draft model) and the serving loop would launch steps ahead (loop.FULL_OVERLAP, no_evict, an engine
+    own KV (a draft model) and the serving loop would launch steps ahead (tuning.full_overlap, no_evict, an engine
     that can), which it does only when every step drafts or none does. Each calibration point runs one k for all
     sizes, so it has full overlap; a mixed schedule built from those points would not. (A draft model's chain reads
     the device exactly where the engine's greedy fused accept runs, so the engine's settings decide, before the
     drafter is set up: `SpecEngine.can_launch_ahead` once it is.)"""
     from workbench.serving import loop
 
-    return (loop.keeps_draft_kv(engine.drafter) and loop.FULL_OVERLAP and policy == "no_evict"
+    return (loop.keeps_draft_kv(engine.drafter) and tuning.full_overlap and policy == "no_evict"
             and engine._fused_accept(engine._chains()))
 
 
@@ -182,7 +183,8 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
                    node_counts: tuple[int, ...] | None = None, *, max_new_tokens: int, max_num_seqs: int,
                    requests_per_size: int = 3, budget_s: float = 60.0, min_gain: float = MIN_GAIN,
                    measure: Callable[[int, int], float] | None = None, gc_freeze: bool = True,
-                   shape: str = DEFAULT_SHAPE, repeats: int = 1, **serve_kwargs) -> LoopCalibration:
+                   shape: str = DEFAULT_SHAPE, repeats: int = 1, tuning: ServeTuning = ServeTuning(),
+                   **serve_kwargs) -> LoopCalibration:
     """Output tokens/s of a short closed-loop serve per (batch size b, draft length k): max_concurrency = b,
     requests_per_size x b requests cycling `prompts` (max_new_tokens each), the first b warm-up (left out of the
     rate). Every run uses max_num_seqs rows, so it shares the serving run's cache and graphs (captured once, before
@@ -191,8 +193,10 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
     run that would end past `budget_s` (judged by the longest run so far) is skipped, so a tight budget still measures
     every batch size once before any is repeated (measured b by b, it would leave the largest sizes out);
     a (b, k) none of whose runs fit is listed. `measure(b, k) -> tokens/s` replaces the serve (tests); gc_freeze: each
-    run with the heap frozen (loop.frozen_gc), like serve-bench's measured run. serve_kwargs go to
-    `ServingLoop` (policy, num_blocks, prefill_chunk, prefix_caching). ServeError for bad arguments, before any work."""
+    run with the heap frozen (loop.frozen_gc), like serve-bench's measured run. tuning: how the loop runs (give the
+    served run's, so that each point is measured, and the schedule shaped, as that run will serve). serve_kwargs go
+    to `ServingLoop` (policy, num_blocks, prefill_chunk, prefix_caching). ServeError for bad arguments, before any
+    work."""
     from workbench.serving import metrics
     from workbench.serving.loop import RealClock, ServingLoop, frozen_gc
     from workbench.serving.request import Request
@@ -214,7 +218,8 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
         reqs = [Request(i, list(prompts[i % len(prompts)]), max_new_tokens, 0.0, measured=i >= b)
                 for i in range(requests_per_size * b)]
         loop = ServingLoop(engine, reqs, max_num_seqs=max_num_seqs, max_concurrency=b, clock=RealClock(),
-                           adaptive=AdaptiveSpeculation(n_full, [(1, max_num_seqs, k)]), **serve_kwargs)
+                           adaptive=AdaptiveSpeculation(n_full, [(1, max_num_seqs, k)]), tuning=tuning,
+                           **serve_kwargs)
         if engine.config.graphs.fixed_shape and not captured:  # every length, before the first timed run
             engine.capture_graphs(max_num_seqs, node_counts=counts, max_prefill_tokens=max(len(p) for p in prompts))
             captured.append(True)
@@ -239,4 +244,4 @@ def calibrate_loop(engine: SpecEngine, prompts: list[list[int]], batch_sizes: tu
     tokens_per_s = {key: statistics.median(rates) for key, rates in runs.items()}
     skipped = [(b, k) for b in sorted(set(batch_sizes)) for k in counts if (b, k) not in runs]
     return LoopCalibration(tokens_per_s, skipped, time.perf_counter() - t_begin, min_gain, iterations, shape, runs,
-                           uniform=uniform_schedules(engine, serve_kwargs.get("policy", "no_evict")))
+                           uniform=uniform_schedules(engine, serve_kwargs.get("policy", "no_evict"), tuning))

@@ -53,7 +53,7 @@ from workbench.serving.config import ServeError
 from workbench.serving.prefix_cache import PrefixCachingKVCache
 from workbench.serving.request import Request, RequestState
 from workbench.serving.scheduler import CapacityScheduler
-from workbench.serving.tuning import DEFAULT_BATCH_PREFILL, ServeTuning
+from workbench.serving.tuning import ServeTuning
 
 
 class RealClock:
@@ -158,7 +158,7 @@ class ServeResult:
     draft_prefills: int = 0  # draft-model prefill forwards at join (one per request whose draft was prefilled)
     prefill_forwards: int = 0  # target prefill forwards (one per request chunk)
     draft_kv: bool = False  # the drafter keeps its own KV (a draft model): prefill at join and catch-up apply
-    batch_prefill: int = 1  # the most prefill chunks per forward in this run (tuning.batch_prefill; replay reads it)
+    batch_prefill: int = 1  # the most prefill chunks per forward in this run (tuning.batch_prefill, at least 1)
     full_overlap: bool = False  # steps launched before the previous one was read (tuning.full_overlap, where it can)
     overlap: str = "none"  # what ran beside a step in flight: "full", "prefill" (tuning.overlap_prefill) or "none"
     tuning: ServeTuning = ServeTuning()  # how the loop ran, resolved (the serve-bench row's serve_tuning)
@@ -169,46 +169,13 @@ class ServeResult:
         return {s.req.id: s.output for s in self.states}
 
 
-# The defaults of a loop given no ServeTuning (ServeTuning's own unless a control run changes them with `switches`).
-BATCH_PREFILL = DEFAULT_BATCH_PREFILL
-OVERLAP_PREFILL = True
-# Full overlap: step t + 1 is launched before step t is read, as `generate`'s overlapped loop does, so the host's
-# bookkeeping of step t, the joins and the next plan run while the GPU computes. Only where the device step needs
-# nothing from the host read: greedy chains with the fused accept and a drafter that reads the device
-# (`SpecEngine.can_launch_ahead`), a draft model only when every step drafts or none does (no catch-up), and the
-# no_evict policy (no preemption while a step is in flight). A row that could reach max_new_tokens in the step in
-# flight skips the next one (no wasted step, never released under a step).
-FULL_OVERLAP = True
 CATCH_UP_SHORT = 8  # catch-up gaps up to this many tokens share one forward (a few skipped steps' worth)
-
-
-def default_tuning() -> ServeTuning:
-    """The ServeTuning of a loop given none: this module's defaults (as `switches` may have set them)."""
-    return ServeTuning(BATCH_PREFILL, OVERLAP_PREFILL, FULL_OVERLAP)
 
 
 def keeps_draft_kv(drafter) -> bool:
     """Whether the drafter keeps a KV cache of its own that a step without drafts leaves behind (a draft model; not
     EAGLE-style heads, which read the target's hidden states, nor lookups)."""
     return drafter is not None and drafter.model_forwards_per_step > 0 and not drafter.wants_hidden
-
-
-@contextmanager
-def switches(**values):
-    """This module's loop defaults (BATCH_PREFILL, OVERLAP_PREFILL, FULL_OVERLAP: `default_tuning`) set to `values`
-    for the block and put back after (the benchmark scripts' control runs; a run chooses with the knob serve_tuning);
-    an unknown name is an AttributeError before anything changes."""
-    import sys
-
-    module = sys.modules[__name__]
-    saved = {name: getattr(module, name) for name in values}
-    try:
-        for name, value in values.items():
-            setattr(module, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
 
 
 @dataclass
@@ -264,7 +231,7 @@ class ServingLoop:
     def __init__(self, engine: SpecEngine, requests: list[Request], *, policy: str = "no_evict",
                  num_blocks: int = 0, max_num_seqs: int = 16, prefill_chunk: int = 0, prefix_caching: bool = False,
                  adaptive: AdaptiveSpeculation | None = None, max_concurrency: int = 0, clock=None,
-                 timing: bool = False, max_len: int = 0, catch_up_max: int = 0, tuning: ServeTuning | None = None):
+                 timing: bool = False, max_len: int = 0, catch_up_max: int = 0, tuning: ServeTuning = ServeTuning()):
         if not requests:
             raise ServeError("no requests to serve")
         if any(len(r.prompt) == 0 for r in requests):
@@ -275,7 +242,10 @@ class ServingLoop:
                              "target's hidden states of the whole prompt, which shared blocks skip; turn "
                              "--prefix-caching off")
         self.engine, self.requests = engine, sorted(requests, key=lambda r: (r.arrival_s, r.id))
-        self.tuning = tuning if tuning is not None else default_tuning()
+        if not isinstance(tuning, ServeTuning):
+            raise ServeError(f"tuning must be a ServeTuning (workbench/serving/tuning.py), got "
+                             f"{type(tuning).__name__}: parse the serve_tuning text with parse_serve_tuning")
+        self.tuning = tuning
         self.n_nodes = engine.num_nodes
         self.chains = drafter is None or drafter.proposes_chains
         bs = engine.config.kv_block_size
@@ -322,7 +292,12 @@ class ServingLoop:
         if catch_up_max < 0:
             raise ServeError(f"catch_up_max must be >= 0 (0 = no limit), got {catch_up_max}")
         self.catch_up_max = catch_up_max
-        # a draft model with its own KV launches ahead only where no catch-up can come (catch-up reads exact lengths):
+        # full overlap (tuning.full_overlap): step t + 1 launched before step t is read, as `generate`'s overlapped
+        # loop does, so the host's bookkeeping, the joins and the next plan run while the GPU computes. Only where the
+        # device step needs nothing from the host read: greedy chains with the fused accept and a drafter that reads
+        # the device (`SpecEngine.can_launch_ahead`), and no_evict (no preemption under a step in flight). A row that
+        # could reach max_new_tokens in the step in flight skips the next one (never released under a step).
+        # A draft model with its own KV launches ahead only where no catch-up can come (catch-up reads exact lengths):
         # every step drafts, or none does (a schedule at k = 0 everywhere serves as speculation off, at its speed)
         self.full_overlap = (self.tuning.full_overlap and engine.can_launch_ahead() and policy == "no_evict"
                              and (not self._own_draft_kv or self.adaptive.drafts_always(max_num_seqs)

@@ -13,9 +13,9 @@ lookups, full acceptance) - the prediction error against real runs says how good
 Step cost. `fit_costs` fits ms per iteration as a linear function of what the iteration did (`FEATURES`):
     ms = c0 + c1 B + c2 B n + c3 n + c4 [n > 0] + c5 P + c6 F + c7 D + c8 G
 by least squares over measured iterations: B decoding rows, n draft nodes verified per row (a draft model runs n
-forwards for them), P target prefill tokens in F forwards (of up to BATCH_PREFILL request chunks), and the draft
-model's work outside its chain: D positions written in G forwards, by the draft prefill when a request joins where
-every step drafts and by catch-up forwards (rows x T, padding included) before a row that skipped drafting drafts
+forwards for them), P target prefill tokens in F forwards (of up to ServeTuning.batch_prefill request chunks), and
+the draft model's work outside its chain: D positions written in G forwards, by the draft prefill when a request joins
+where every step drafts and by catch-up forwards (rows x T, padding included) before a row that skipped drafting drafts
 again. Draft prefill and catch-up share c7 and c8 (the same kind of work: a draft-model forward over T positions
 outside the chain's graphs), so a fit on runs that never catch up (speculation off and a fixed k) still prices the
 catch-ups of a schedule with k = 0 at some batch sizes. Graph buckets end up in the constants. A column the measured
@@ -45,6 +45,7 @@ import numpy as np
 from workbench.harness.metrics import percentile
 from workbench.serving.adaptive import AdaptiveSpeculation
 from workbench.serving.loop import catch_up_groups
+from workbench.serving.tuning import ServeTuning
 
 FEATURES = ("1", "B", "B*n", "n", "n>0", "P", "F", "D", "G")
 OLD_FEATURES = ("1", "B", "B*n", "P", "n>0")  # c0 + c1 B + c2 B n + c3 P + c4 [n > 0]: no forwards, no draft work
@@ -62,7 +63,7 @@ class Work:
     batch: int  # B: decoding rows of the step (0: no step)
     nodes: int  # n: draft nodes verified per row (0: autoregressive or no step)
     prefill_tokens: int = 0  # P: target prefill tokens
-    prefill_forwards: int = 0  # F: target prefill forwards (each of up to BATCH_PREFILL request chunks)
+    prefill_forwards: int = 0  # F: target prefill forwards (each of up to tuning.batch_prefill request chunks)
     draft_tokens: int = 0  # D: draft-model positions written outside the chain (prefill at join + catch-up slots)
     draft_forwards: int = 0  # G: those forwards
 
@@ -204,7 +205,7 @@ def _match_at(runs: list[tuple[int, int]], pos: int) -> int:
 
 def replay(requests, traces, recorded_k: int, costs: CostModel, schedule=None, *, max_num_seqs: int = 16,
            adaptive=None, prefill_chunk: int = 0, draft_kv: bool = False, catch_up_max: int = 0,
-           slo_ttft_ms: float = 0.0, slo_tpot_ms: float = 0.0, batch_prefill: int = 1) -> dict:
+           slo_ttft_ms: float = 0.0, slo_tpot_ms: float = 0.0, tuning: ServeTuning = ServeTuning()) -> dict:
     """requests: RequestState-like (req.id, req.prompt, req.max_new_tokens, t_arrival, req.measured) of the recorded
     run; schedule(batch_size) -> draft length (<= recorded_k), or `adaptive` (an AdaptiveSpeculation: its batch
     schedule, switch-off by acceptance and context limit per row, as the serving loop applies them; the step verifies
@@ -213,11 +214,11 @@ def replay(requests, traces, recorded_k: int, costs: CostModel, schedule=None, *
     loop. draft_kv: the drafter keeps its own KV (a draft model; `ServeResult.draft_kv`): as in the loop, it is
     prefilled when a request's prefill completes if every step drafts (`AdaptiveSpeculation.drafts_always`), else
     left empty, and before a row drafts the positions it misses are caught up (grouped by `catch_up_groups`; with
-    catch_up_max > 0 a row more than that many generated tokens behind stays autoregressive). batch_prefill: an
-    iteration's prefill chunks run in forwards of up to this many rows, as the loop's `BATCH_PREFILL` (pass the value
-    the recorded run had; 0 or 1: a forward per chunk). Not modelled: the KV block pool (no preemption, no admission
-    by blocks), prefix reuse, and the prefill's overlap with the step in flight (`OVERLAP_PREFILL`: the fitted costs
-    carry it on average).
+    catch_up_max > 0 a row more than that many generated tokens behind stays autoregressive). tuning: the recorded
+    run's loop tuning (`ServeResult.tuning`): an iteration's prefill chunks run in forwards of up to its batch_prefill
+    rows, as in the loop (0 or 1: a forward per chunk). Not modelled: the KV block pool (no preemption, no admission
+    by blocks), prefix reuse, and what runs beside a step in flight (overlap_prefill, full_overlap: the costs fitted
+    on the recorded run's iterations carry them on average).
 
     Returns predicted vLLM-named metrics (goodput under the SLOs as `metrics.summarize` counts it; times in ms,
     throughputs per s) and the simulated work over every request, warm-up ones too, named as `ServeResult` counts it:
@@ -287,7 +288,7 @@ def replay(requests, traces, recorded_k: int, costs: CostModel, schedule=None, *
                     draft_tokens += len(item[0].req.prompt)
                     draft_forwards += 1
                     count["draft_prefill_tokens"] += len(item[0].req.prompt)
-        prefill_forwards = math.ceil(prefill_forwards / max(1, batch_prefill))
+        prefill_forwards = math.ceil(prefill_forwards / max(1, tuning.batch_prefill))
         t += costs.ms(Work(len(live), nodes, prefill_tokens, prefill_forwards, draft_tokens, draft_forwards)) / 1e3
         still = []
         for (s, pos, t_first), k, cur in zip(live, ks, current):

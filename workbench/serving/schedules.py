@@ -124,8 +124,8 @@ assert set(SHAPE_RULES) == set(SCHEDULE_SHAPES), "every calibration_shape choice
 def uniform_choice(choice: dict[int, int]) -> dict[int, int]:
     """One draft length for every measured size: the largest size's. For an engine where a schedule that drafts at
     some batch sizes and not at others costs more than its measured points say: a draft model keeps its own KV, so
-    such a schedule needs catch-ups and loses full overlap (loop.FULL_OVERLAP), worth 1.07x to small's draft model at
-    k = 4 and 1.15-1.29x to off on the H200. The largest size decides because under load, where tokens/s is
+    such a schedule needs catch-ups and loses full overlap (ServeTuning.full_overlap), worth 1.07x to small's draft
+    model at k = 4 and 1.15-1.29x to off on the H200. The largest size decides because under load, where tokens/s is
     scarce, the batch fills up (mean batch 53-62 of 64 at 1.0x and 1.5x saturation).
 
     >>> uniform_choice({1: 4, 16: 4, 64: 0})
