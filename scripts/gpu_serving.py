@@ -97,7 +97,7 @@ def parse_args(argv=None):
     # 6 and 0.10: one ~0.3 s closed-loop run of 3 x b requests varied ~10 % on the H200, so runs are twice as long
     # and a longer draft must win by more than that noise
     p.add_argument("--calibration-repeats", type=int, default=settings.SERVE_KNOBS["calibration_repeats"].default,
-                   help=settings.SERVE_KNOBS["calibration_repeats"].help)
+                   help=settings.SERVE_KNOBS["calibration_repeats"].help.replace("%", "%%"))
     p.add_argument("--calibration-requests", type=int, default=6,
                    help="loop calibration: requests per run = this x the concurrency (the first round is warm-up)")
     p.add_argument("--min-gain", type=float, default=0.10,
