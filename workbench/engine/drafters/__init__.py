@@ -5,7 +5,7 @@
 
 `make_drafter` is the only place a decoding method's name becomes a drafter: the harness, serving, the tests and the
 scripts build drafters through it. A new drafter registers a factory with `@register("name")` beside a `Method` of
-that name in workbench.settings.METHODS (tests/test_drafters_registry.py checks the two agree).
+that name in workbench.settings.METHODS (tests/test_bridge.py checks the two agree).
 """
 from __future__ import annotations
 
