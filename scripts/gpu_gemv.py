@@ -921,7 +921,7 @@ def main() -> None:
                     "(default: the rule's)")
     ap.add_argument("--tune-splits", default="", help="tune part: SPLIT_K values (default 1 and gemv_config's)")
     ap.add_argument("--decode-extra", default="", help="more gpu_quant formats to decode beside none and the triton "
-                    "ones, comma-separated (e.g. int4 = tinygemm, fp8 = _scaled_mm; BENCHMARKS 8.4 has them)")
+                    "ones, comma-separated (e.g. int4 = tinygemm, fp8 = _scaled_mm)")
     # int8g (GGUF Q8_0) has no module here: scripts/gpu_gguf.py --parts tiles times it
     ap.add_argument("--formats", default=",".join(f for f in GEMV_FORMATS if f != "int8g"))
     ap.add_argument("--ms", default="1,4,9", help="activation rows M")

@@ -287,7 +287,7 @@ def calibration_section(view: pd.DataFrame) -> None:
     st.caption("Runs with `--calibration loop|step` measured their draft length per batch size before serving: the "
                "table behind the schedule they served (loop: output tokens/s of a short closed-loop serve at "
                "concurrency = batch size; step: tokens per ms of isolated decode steps). Each cell is one short "
-               "run: differences of 10-20 % can be noise (BENCHMARKS.md 13.4). For loop tables, the schedule each "
+               "run: differences of 10-20 % can be noise. For loop tables, the schedule each "
                "shape makes of the same cells (`calibration_shape`).")
     tables = {r["run_id"]: (r, table) for _, r in view.iterrows() if (table := sv.calibration_frame(r)) is not None}
     if not tables:

@@ -84,13 +84,13 @@ def line_label(row) -> str:
 
 # the serving loop's base (loop_overlap, loop_batch_prefill): the prefill behind the step, forwards of up to 4 rows.
 # Full overlap is the default too where it applies (greedy chains, fixed shapes, no_evict), but not everywhere, so a
-# run label names it: rows of the two loops differ by 1.05-1.5x (BENCHMARKS.md section 22)
+# run label names it: rows of the two loops differ by 1.05-1.5x
 DEFAULT_LOOP = ("prefill", 4)
 
 
 def loop_note(row) -> str:
     """How the serving loop ran, where it differs from its base (DEFAULT_LOOP; "" where it does not, or where the run
-    predates the record): the loop's switches move tokens/s by 1.06-1.35x (BENCHMARKS.md 21.2-21.3, 22).
+    predates the record): the loop's switches move tokens/s by 1.06-1.35x.
 
     >>> loop_note({"loop_overlap": "full", "loop_batch_prefill": 4}), loop_note({"loop_overlap": "prefill"})
     ('loop full', '')

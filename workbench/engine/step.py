@@ -792,7 +792,7 @@ class SpecEngine:
         dev, n = self.device, len(context)
         self.tokens[row, :n + 1] = upload(list(context) + [root], dev)
         self.kv_len[row].fill_(n)  # a kernel with n as its argument: `kv_len[row] = n` copies a host scalar and
-        # synchronizes (one of 3 syncs per request that call h1 found in serving: --sync-sites)
+        # synchronizes (one of the few syncs per request that gpu_serving --sync-sites counts)
         if prefill_drafter:
             self.sync_drafter(row, n, hidden)
 

@@ -398,7 +398,7 @@ class BenchSession:
             graphs = {"overlap_applied": cand_engine.overlaps()} if cfg.overlap else {}
             graphs["pdl_applied"] = pdl_applies(cfg.pdl, self.device, cfg.cuda_graphs)
             graphs["int4_cuda_gemv"] = int4_cuda_gemv_applies(self.device, parse_tuning(cfg.kernel_tuning).int4_cuda)
-            if cfg.compile != "off":  # frames past dynamo's recompile limit run eagerly (BENCHMARKS.md 16.1)
+            if cfg.compile != "off":  # frames past dynamo's recompile limit run eagerly
                 graphs |= compile_fallback_columns(fallbacks_before)
             graphs |= _graph_columns([e.graph_stats() for e in engines], stats_before,
                                     cfg.cuda_graphs or cfg.compile != "off")

@@ -182,7 +182,7 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
         g = engine.graph_stats()
         rec.update(graph_capture_s=g.capture_s, graph_memory_mb=g.memory_bytes / 2**20, graph_bucket_hits=g.hits,
                    graph_bucket_misses=g.misses, graph_padding_waste=g.padding_waste)
-    if cfg.compile != "off":  # frames past dynamo's recompile limit run eagerly (BENCHMARKS.md 16.1)
+    if cfg.compile != "off":  # frames past dynamo's recompile limit run eagerly
         rec.update(compile_fallback_columns(fallbacks_before))
     traces = pd.DataFrame([{"run_id": run_id, "seq": t.request, **{k: getattr(t, k) for k in (
         "step", "drafted", "accepted", "emitted", "batch_size", "k", "num_nodes", "context_len", "step_ms")}}
