@@ -193,6 +193,20 @@ def test_bench_model_without_prompts_uses_the_built_in_set(tmp_path, capsys):
     assert row["status"] == "ok" and row["prompts_source"] == builtin and row["target_path"] == str(TINY)
 
 
+def test_serve_bench_model_without_prompts_uses_the_built_in_set(tmp_path, capsys):
+    from results.store import ResultStore
+    from workbench.__main__ import main
+
+    code = main(["serve-bench", "--model", str(TINY), "--method", "ngram", "--k", "2", "--num-requests", "2",
+                 "--max-new-tokens", "4", "--rate", "50", "--device", "cpu", "--store", str(tmp_path)])
+    builtin = str(ROOT / "workbench" / "zoo" / "weights" / "tiny" / "prompts.jsonl")
+    err = capsys.readouterr().err
+    assert code == 0, err[-2000:]
+    assert f"using the built-in set {builtin}" in err
+    row = ResultStore(tmp_path).load().iloc[0]
+    assert row["status"] == "ok" and row["prompts_source"] == builtin
+
+
 @pytest.mark.parametrize("args, message", [
     (("--seed", str(10**20)), "seed=100000000000000000000 is outside what the engine supports: 0..2147483647"),
     (("--temperature", "inf"), "temperature=inf must be a finite number in 0..2"),

@@ -14,7 +14,7 @@ import sys
 from dataclasses import fields
 
 from workbench.harness.bench_cli import (_store, _store_or_report, add_knob, add_output_args, add_session_args,
-                                         print_record, set_threads)
+                                         print_record, prompts_for, set_threads)
 
 HEADLINE = ["method", "k", "rate", "completed", "request_throughput", "output_throughput", "goodput", "ttft_ms_p50",
             "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p99", "e2el_ms_p99", "queue_ms_mean", "preemptions",
@@ -45,9 +45,10 @@ def main(args: argparse.Namespace) -> int:
     cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in fields(ServeConfig)})
     store = _store(args)
     preset = args.preset if args.preset or args.model else "tiny"
+    prompts = prompts_for(args)  # --model without --prompts: the built-in set, as bench does
     try:
         session = BenchSession.load(preset=preset, model=args.model, draft=args.draft, device=args.device,
-                                    dtype=args.dtype, prompts=args.prompts)
+                                    dtype=args.dtype, prompts=prompts)
         out = serve_bench(session, cfg, study=args.study)
     except (BenchError, ServeError) as e:
         print(f"error: {e}", file=sys.stderr)
