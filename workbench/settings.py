@@ -649,6 +649,6 @@ for _knob in SERVE_KNOBS.values():
 # visible so they keep their defaults; and the few knobs a user sets first (model shape of the draft, batch, tokens,
 # sampling), shown above the "Advanced" expander that holds every other knob.
 GPU_ONLY_KNOBS = ("cuda_graphs", "graph_batch_sizes", "prefill_graphs", "compile", "compile_prefill", "overlap",
-                  "attention", "pdl", "quant_kernel", "gemv_fusion", "phase_profile")
+                  "attention", "pdl", "quant_kernel", "gemv_fusion", "kernel_tuning", "phase_profile")
 BASIC_KNOBS = ("method", "k", "ngram_min", "ngram_max", "beam_width", "beam_length", "tree_depth", "tree_topk",
                "tree_budget", "batch", "max_new_tokens", "num_prompts", "temperature", "top_k", "top_p")
