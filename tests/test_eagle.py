@@ -176,21 +176,32 @@ def test_rerank_keeps_parents_of_tied_children():
     assert tokens.tolist() == [[1, 3]] and parents.tolist() == [[-1, 0]] and depths.tolist() == [[1, 2]]
 
 
-@pytest.mark.parametrize("lossy", [False, True], ids=["exact", "lossy-residual"])
-def test_sampled_dynamic_trees_follow_the_target_distribution(lossy, monkeypatch):
+def _greedy_after_root(tree, target_probs, uniforms):
+    """Lossy: a draw from p at the root, then the argmax at every node (a rule that is not sampling p)."""
+    import workbench.engine.verify as verify_module
+
+    choice = torch.cat([verify_module.sample_rows(target_probs[:, :1], uniforms[:, :1]),
+                        target_probs[:, 1:].argmax(-1)], 1)
+    return verify_module.accept_choices(tree, choice)
+
+
+@pytest.mark.parametrize("fixed_shape", [False, True], ids=["eager", "captured-step"])
+@pytest.mark.parametrize("lossy", [False, True], ids=["exact", "lossy-argmax"])
+def test_sampled_dynamic_trees_follow_the_target_distribution(lossy, fixed_shape, monkeypatch):
     """Temperature 1, deterministic top-k children (draft_probs None): the joint of the two tokens after the prefill
-    token, over a batch of identical prompts, matches the target's exact joint (chi-square). The same check rejects
-    a lossy rule (a rejected candidate is not removed from p), so it has power."""
+    token, over a batch of identical prompts, matches the target's exact joint (chi-square), on the eager path and
+    through the captured tree step (its body; the batch is above every bucket). The same check rejects a lossy rule
+    (argmax instead of a draw below the root), so it has power."""
     import workbench.engine.verify as verify_module
 
     if lossy:
-        monkeypatch.setattr(verify_module, "_residual", lambda p, q: p)
+        monkeypatch.setattr(verify_module, "accept_sampled_candidates", _greedy_after_root)
     small = random_model(vocab=8, hidden=16, layers=1, heads=2, kv_heads=1, seed=5, std=0.8)
     params = SamplingParams(temperature=1.0)
     prompt, n = [1, 2, 3, 1, 2], 3000
     head = EagleHead.for_target(small, seed=7, std=0.5)
-    engine = SpecEngine(small, EagleDrafter(head, small, 2, 3, 6), EngineConfig(max_new_tokens=3, sampling=params,
-                                                                                 seed=11))
+    engine = SpecEngine(small, EagleDrafter(head, small, 2, 3, 6), EngineConfig(
+        max_new_tokens=3, sampling=params, seed=11, cuda_graphs=fixed_shape, graph_batch_sizes=(1, 2)))
     res = engine.generate([prompt] * n)
     outs = torch.tensor(res.outputs)
     t0 = int(torch.mode(outs[:, 0]).values)

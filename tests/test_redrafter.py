@@ -111,18 +111,25 @@ class OracleRedrafter(RedrafterDrafter):
 
     checked = 0
 
-    def beam_tokens(self, state):
-        vocab = self.target.config.vocab_size
+    def _search(self, rows, root):
+        """The beams from the engine's device buffers (what the drafter's one step reads: on a CPU the fixed-shape
+        step runs this eagerly, padding rows included)."""
+        vocab, w = self.target.config.vocab_size, self.beam_width
         out = []
-        for i, row in enumerate(state.rows_host):
-            seq = state.tokens_host[row]  # committed tokens, then the root
+        for row in rows.tolist():
+            if row == self.ctx.max_rows:  # a padding row of the fixed-shape step
+                out.append([[0] * self.beam_length] * w)
+                continue
+            n = int(self.ctx.kv_len_all[row])
+            seq = self.ctx.tokens[row, :n + 1].tolist()  # committed tokens, then the root
+            assert seq[-1] == int(root[len(out)])
             h = self.target(torch.tensor([seq[:-1]]), torch.arange(len(seq) - 1).unsqueeze(0), CausalAttention())
             torch.testing.assert_close(self.last_hidden[row], h[0, -1], rtol=1e-4, atol=1e-4)
             self.checked += 1
             right = reference_greedy(self.target, seq, self.beam_length)
             wrong = [(t + 1) % vocab for t in right]
             out.append([wrong, right[:1] + wrong[1:], right])
-        return torch.tensor(out, device=state.tokens.device)
+        return torch.tensor(out, device=rows.device)
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "fixed-shape"])

@@ -196,6 +196,12 @@ class KVCache(ABC):
         if r.numel():
             self._copy_slots(r, src, dst)
 
+    def move_path(self, rows: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor) -> None:
+        """`move` without a skip: every src_pos[b, j] [B, D] is copied to dst_pos[b, j] (a slot that stays put has
+        src = dst), so no host read decides what moves (graph-capturable). All reads happen before the writes."""
+        r = rows.unsqueeze(1).expand_as(src_pos).reshape(-1)
+        self._copy_slots(r, src_pos.reshape(-1), dst_pos.reshape(-1))
+
     def truncate(self, row: int, new_len: int) -> None:
         """Rewind: positions >= new_len of `row` are dropped (their storage may be reused)."""
 

@@ -246,6 +246,7 @@ class SpecEngine:
         self.target_step: ModelStep | None = None  # verify pass -> logits
         self.prefill_step: PrefillStep | None = None  # the prompts' forward -> hidden
         self.accept_step: FixedShapeStep | None = None  # verify + greedy chain acceptance + state update -> packed
+        self.tree_step: FixedShapeStep | None = None  # tree verify + acceptance + KV compaction + drafter commit
         self._live: tuple | None = None  # (rows, rows [B] on the device, their kv_len [B] then): see _live_rows
         self._timer_events: list = []  # CUDA timing events generate's PhaseTimer records into, reused across calls
 
@@ -273,7 +274,7 @@ class SpecEngine:
     def graph_stats(self) -> GraphStats:
         """Cumulative fixed-shape statistics of the target's steps and the drafter's (since construction)."""
         stats = GraphStats()  # a fresh sum, never one step's own counters
-        steps = [self.prefill_step, self.target_step, self.accept_step]
+        steps = [self.prefill_step, self.target_step, self.accept_step, self.tree_step]
         for step in steps + (self.drafter.model_steps() if self.drafter else []):
             if step is not None:
                 stats = stats.add(step.stats)
@@ -343,6 +344,8 @@ class SpecEngine:
         the node count N, or the target's model step and T = 1 + N."""
         if self._fused_accept(self._chains()):
             return self.accept_step, self.num_nodes
+        if self._fused_tree():
+            return self.tree_step, self.num_nodes
         return self.target_step, 1 + self.num_nodes
 
     def reserve(self, rows: int, max_prompt_len: int) -> None:
@@ -365,6 +368,12 @@ class SpecEngine:
     def overlaps(self) -> bool:
         """Whether `generate` runs overlapped steps under the current settings (see the module docstring)."""
         return self.config.overlap and self.can_launch_ahead()
+
+    def _fused_tree(self) -> bool:
+        """Trees and feature drafters' steps run as one captured step (`_verify_tree`): fixed shapes and a drafter
+        whose commit splits into a device half (`Drafter.splits_commit`)."""
+        return (self.drafter is not None and not self._chains() and self.drafter.splits_commit
+                and self.config.graphs.fixed_shape)
 
     def _fused_accept(self, chain: bool) -> bool:
         """Greedy acceptance of a chain runs inside the fixed-shape verify step (one graph, no extra launches)."""
@@ -389,6 +398,7 @@ class SpecEngine:
             num_blocks = max(num_blocks, getattr(self.cache, "num_blocks", 0))
         # free the old pool, state and the graphs that read them before allocating the new ones
         self.cache = self.tokens = self.kv_len = self.target_step = self.accept_step = self.prefill_step = None
+        self.tree_step = None
         self._adopt(make_cache(cfg.paged, num_layers=tcfg.num_hidden_layers, num_kv_heads=tcfg.num_key_value_heads,
                                head_dim=tcfg.head_dim, max_rows=rows, max_len=max_len, dtype=self.dtype,
                                device=self.device, block_size=cfg.kv_block_size, num_blocks=num_blocks,
@@ -406,6 +416,9 @@ class SpecEngine:
         self.prefill_step = PrefillStep(self.target, cache, cfg.graphs, self.device, "target")
         self.accept_step = FixedShapeStep("target+accept", self._verify_accept, self._verify_pads, cfg.graphs,
                                           self.device, state=lambda: [self.tokens, self.kv_len])
+        self.tree_step = FixedShapeStep("target+tree", self._verify_tree, self._tree_pads, cfg.graphs, self.device,
+                                        state=lambda: [self.tokens, self.kv_len] + (
+                                            self.drafter.device_state() if self.drafter is not None else []))
 
     def _setup_drafter(self, generator: torch.Generator) -> None:
         """The drafter's setup for the cache's rows; `generator` also seeds the engine's verifier."""
@@ -438,6 +451,46 @@ class SpecEngine:
         self.tokens[rows.unsqueeze(1), base.unsqueeze(1) + 1 + offsets] = acc.emitted
         self.kv_len[rows] = base + 1 + acc.num_accepted
         self.kv_len[self.cache.pad_row:].fill_(PAD_LEN)  # padding rows wrote theirs too: back to PAD_LEN
+        return _pack(acc, tree)
+
+    def _tree_pads(self, n: int) -> dict[str, torch.Tensor]:
+        dev = self.device
+        z = torch.zeros(n, dtype=torch.long, device=dev)
+        return {"draft": z, "parents": z - 1, "depths": z + 1, "valid": z.bool(),
+                "rows": torch.tensor(self.cache.pad_row, device=dev),
+                "uniforms": torch.zeros(1 + n, device=dev), "beam_pairs": torch.zeros(2, dtype=torch.long, device=dev)}
+
+    def _verify_tree(self, draft: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor,
+                     rows: torch.Tensor, uniforms: torch.Tensor, beam_pairs: torch.Tensor) -> torch.Tensor:
+        """The captured step of trees and feature drafters, reading only persistent state: draft / parents / depths /
+        valid [B, N] (the drafter's tree), rows [B], uniforms [B, 1+N] (sampled settings' draws, `Verifier.uniforms`),
+        beam_pairs [B, 2] (merged beams' counts) -> packed [B, 3 + D (+ D) (+ 2)] (`_pack`). In one step: the target
+        over [root, nodes] under the tree mask, acceptance (greedy, or sampled over deterministic candidates), the
+        accepted path's KV moved down to its final slots, tokens and kv_len of `rows` written, and the drafter's
+        `commit_device` with the committed tokens' hidden states (root, then the path)."""
+        drafter, cache = self.drafter, self.cache
+        b, n = draft.shape
+        dev = draft.device
+        d = drafter.depth_bound if n else 0
+        tree = DraftTree(draft, parents, depths, valid, None, is_chain=n == 0 or drafter.proposes_chains,
+                         depth_bound=d, beam_pairs=beam_pairs if n and drafter.proposes_beams else None)
+        base = self.kv_len[rows]  # [B]
+        ids = torch.cat([self.tokens[rows, base].unsqueeze(1), draft], 1)  # [B, 1+N]: root, then the nodes
+        positions = base.unsqueeze(1) + torch.cat([torch.zeros_like(base).unsqueeze(1), depths], 1)
+        cache.prepare(rows, base, 1 + n, verify_mask(tree), cache.static_span)
+        hidden = self.target(ids, positions, cache)  # [B, 1+N, H]
+        acc = self.verifier.accept(tree, self.target.compute_logits(hidden), None if self.verifier.params.greedy
+                                   else uniforms)
+        steps = torch.arange(d, device=dev)
+        if d and not tree.is_chain:  # the accepted path's KV down to slots base + 1 ..; the rest stays put
+            dst = base.unsqueeze(1) + 1 + steps  # [B, D]
+            cache.move_path(rows, torch.where(acc.path_nodes >= 0, base.unsqueeze(1) + 1 + acc.path_nodes, dst), dst)
+        self.tokens[rows.unsqueeze(1), base.unsqueeze(1) + 1 + torch.arange(d + 1, device=dev)] = acc.emitted
+        self.kv_len[rows] = base + 1 + acc.num_accepted
+        self.kv_len[cache.pad_row:].fill_(PAD_LEN)  # padding rows wrote theirs too: back to PAD_LEN
+        src = torch.cat([torch.zeros_like(base).unsqueeze(1), 1 + acc.path_nodes.clamp(min=0)], 1)  # [B, 1+D]
+        committed = hidden.gather(1, src.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # root, then the path
+        drafter.commit_device(rows, acc, committed, cache.pad_row)
         return _pack(acc, tree)
 
     @torch.inference_mode()
@@ -545,12 +598,13 @@ class SpecEngine:
         if n_nodes not in (0, full) and not (self.drafter is not None and self.drafter.proposes_chains):
             raise ValueError(f"num_nodes={n_nodes}: only chains can be verified shorter than their N={full}")
         fused = self._fused_accept(self._chains())
+        fused_tree = not fused and self._fused_tree()
         if lengths is not None and not self.can_launch_ahead():
             raise ValueError("launch_step(lengths=...) needs greedy chains with the fused accept and a drafter whose "
                              "propose reads the device (Drafter.overlaps)")
         live_t, kv_len_then = self._live_rows(live)
         base_host = [len(tokens_host[r]) - 1 for r in live] if lengths is None else list(lengths)
-        reads_kv_len = not fused or (self.drafter is not None and self.drafter.reads_kv_len)
+        reads_kv_len = not (fused or fused_tree) or (self.drafter is not None and self.drafter.reads_kv_len)
         state = BatchState(rows=live_t, rows_host=list(live), tokens=self.tokens, tokens_host=tokens_host,
                            kv_len=self.kv_len[live_t] if reads_kv_len else kv_len_then, kv_len_host=base_host,
                            kv_len_all=self.kv_len, num_nodes=n_nodes if n_nodes != full else None)
@@ -569,6 +623,13 @@ class SpecEngine:
                 packed_dev = self.accept_step(n, len(live), {
                     "draft": tree.token_ids if n else None, "rows": live_t,
                     "valid": tree.valid if n else None}, live)  # [B, 3 + N], state already updated
+            elif fused_tree:
+                cache.plan(live, base_host, 1 + n)
+                packed_dev = self.tree_step(n, len(live), {
+                    "draft": tree.token_ids if n else None, "parents": tree.parents if n else None,
+                    "depths": tree.depths if n else None, "valid": tree.valid if n else None, "rows": live_t,
+                    "uniforms": self.verifier.uniforms(len(live), n, dev),
+                    "beam_pairs": tree.beam_pairs if n else None}, live)  # state, cache and drafter updated
             else:
                 ids = torch.cat([state.root.unsqueeze(1), tree.token_ids], 1)  # [B, 1+N]
                 offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
@@ -579,13 +640,17 @@ class SpecEngine:
         with timer.phase("accept"):
             if fused:  # a chain's accepted path is its first num_accepted nodes: no path needed (no KV move)
                 acc = Acceptance(packed_dev[:, 0], tree.parents[:, :0], packed_dev[:, 2:])
+            elif fused_tree:  # everything but the host read happened in the step: its width is all finish needs
+                d = self.drafter.depth_bound if n else 0
+                acc = Acceptance(packed_dev[:, 0], tree.parents[:, :d], packed_dev[:, 2:3 + d])
             else:
                 acc = self.verifier.accept(tree, logits)
                 packed_dev = _pack(acc, tree)
             # the step's one device->host read (accepted, drafted, emitted tokens), waited for in finish_step
             packed = HostCopy(packed_dev)
         return LaunchedStep(live, base_host, n, fused, tree, acc, state, packed,
-                            verify_hidden if not fused and self._wants_hidden() else None, lengths is not None)
+                            verify_hidden if not (fused or fused_tree) and self._wants_hidden() else None,
+                            lengths is not None, fused_tree)
 
     @_with_pdl
     def finish_step(self, step: LaunchedStep, timer: PhaseTimer,
@@ -603,11 +668,11 @@ class SpecEngine:
         t_emit = time.perf_counter()
         with timer.phase("kv"):
             d = acc.emitted.shape[1] - 1  # deepest path the step could accept
-            if not fused:
+            if not (fused or step.fused_tree):
                 if not tree.is_chain and d:
-                    src = torch.where(acc.path_nodes >= 0, base.unsqueeze(1) + 1 + acc.path_nodes,
-                                      torch.full_like(acc.path_nodes, -1))
-                    cache.move(live_t, src, base.unsqueeze(1) + 1 + torch.arange(d, device=dev))
+                    dst = base.unsqueeze(1) + 1 + torch.arange(d, device=dev)
+                    cache.move_path(live_t, torch.where(acc.path_nodes >= 0, base.unsqueeze(1) + 1 + acc.path_nodes,
+                                                        dst), dst)
                 self.kv_len[live_t] = base + 1 + acc.num_accepted
                 write = base.unsqueeze(1) + 1 + torch.arange(d + 1, device=dev)
                 self.tokens[live_t.unsqueeze(1), write] = acc.emitted
@@ -620,7 +685,9 @@ class SpecEngine:
                 return out
             state.kv_len_host = [len(tokens_host[r]) - 1 for r in live]
             if self.drafter is not None:
-                if self._wants_hidden():  # the committed tokens' hidden: root (row 0), accepted nodes (1 + node)
+                if step.fused_tree:
+                    self.drafter.commit_host(state, base_host)
+                elif self._wants_hidden():  # the committed tokens' hidden: root (row 0), accepted nodes (1 + node)
                     verify_hidden = step.verify_hidden
                     root = torch.zeros(acc.path_nodes.shape[0], 1, dtype=torch.long, device=dev)  # verify row 0
                     src = torch.cat([root, 1 + acc.path_nodes], 1)  # -1 -> 0; a step without drafts: the root only
@@ -754,6 +821,7 @@ class SpecEngine:
         the persistent tokens [R + 1, S] / kv_len [R + 1] buffers and the steps around it; set the drafter up for
         the same rows. Drops whatever `generate` had reserved (and its graphs)."""
         self.cache = self.tokens = self.kv_len = self.target_step = self.accept_step = self.prefill_step = None
+        self.tree_step = None
         self._adopt(cache, max_len)
         self._setup_drafter(torch.Generator(device=self.device).manual_seed(self.config.seed))
 
@@ -879,6 +947,7 @@ class LaunchedStep:
     packed: HostCopy  # the packed read [B, 3 + D (+ D) (+ 2)] (`_pack`)
     verify_hidden: torch.Tensor | None  # the unfused verify's hidden states, for drafters that want them
     bounded: bool = False  # launched with upper-bound lengths (`launch_step(lengths=)`): finish keeps blocks
+    fused_tree: bool = False  # the captured tree step ran (`_verify_tree`): the drafter's device commit is done
 
 
 @dataclass

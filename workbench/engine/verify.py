@@ -12,7 +12,9 @@ Rules (p = target distribution, q = the draft distribution the node was drawn fr
 - sampled: visit a node's children in order; accept child x with probability min(1, p(x) / q(x)); after a rejection
   p <- norm(max(p - q, 0)) and try the next child; when all children fail, sample the recovered token from what is
   left of p. Deterministic candidates (no q: n-gram, top-k/beam candidates) use q = one-hot(x), which gives
-  "accept with probability p(x); else zero p(x) and renormalise". Both produce exact samples from p.
+  "accept with probability p(x); else zero p(x) and renormalise": the same as one draw y ~ p per verify row,
+  followed where a child holds y (`accept_sampled_candidates`, vectorised over the whole tree: what the captured tree
+  step runs). Both produce exact samples from p.
 """
 from __future__ import annotations
 
@@ -54,20 +56,37 @@ def _assemble(tree: DraftTree, on_path: torch.Tensor, last_token: torch.Tensor) 
     return Acceptance(num_accepted, path_nodes, emitted)
 
 
-def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:
-    """target_logits [B, 1+N, V] (row 0 = root, row 1+i = node i) -> the longest path of argmax matches.
+def _first_sibling(tree: DraftTree) -> torch.Tensor:
+    """[B, N] bool: the node is valid and no earlier valid sibling (same parent) holds its token. Drafters list
+    siblings without repeats (EAGLE's top-K, deduplicated beams); the rule keeps acceptance lossless if one did not."""
+    n = tree.num_nodes
+    same = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & \
+        (tree.token_ids.unsqueeze(2) == tree.token_ids.unsqueeze(1)) & tree.valid.unsqueeze(1)  # [B, N, N]
+    before = torch.ones(n, n, dtype=torch.bool, device=tree.token_ids.device).tril(-1)  # [N, N]: j < i
+    return tree.valid & ~(same & before).any(-1)
 
-    Example (chain): draft [5, 7, 9], target argmax at rows [5, 7, 2, 4] -> accepted [5, 7], bonus 2.
+
+def accept_choices(tree: DraftTree, choice: torch.Tensor) -> Acceptance:
+    """choice [B, 1+N] long: the token the target picks at each verify row (row 0 = root, row 1+i = node i) -> the
+    longest path of nodes whose token is the choice at their parent, then the choice at its last node.
+
+    With choice = argmax this is greedy verification. With choice sampled from p at every row it is lossless
+    verification of deterministic candidates (one-hot q): trying a node's children in order, accepting child x with
+    probability p(x) and zeroing it after a rejection (SpecInfer's rule with one-hot q) accepts x with probability
+    p(x) and stops on a token outside the children with probability p(token): exactly one draw y ~ p, followed where a
+    child holds y. Every emitted token is then a draw from p given the tokens before it. A repeated sibling token is
+    never followed (only its first occurrence), so which branch is taken never depends on later rows' draws.
+
+    Example (chain): draft [5, 7, 9], choices at rows [5, 7, 2, 4] -> accepted [5, 7], then 2.
     """
-    argmax = target_logits.argmax(-1)  # [B, 1+N]
     if tree.num_nodes == 0:
-        return _assemble(tree, tree.valid, argmax[:, 0])
-    expected = argmax.gather(1, tree.parents + 1)  # [B, N]: argmax at each node's parent
-    eligible = tree.valid & (tree.token_ids == expected)
+        return _assemble(tree, tree.valid, choice[:, 0])
+    expected = choice.gather(1, tree.parents + 1)  # [B, N]: the choice at each node's parent
     if tree.is_chain:
-        on_path = eligible.long().cumprod(-1).bool()
+        on_path = (tree.valid & (tree.token_ids == expected)).long().cumprod(-1).bool()
         last_row = on_path.sum(-1)
     else:
+        eligible = _first_sibling(tree) & (tree.token_ids == expected)
         anc = ancestor_matrix(tree.parents)  # [B, N, N]
         path_ok = ~(anc & ~eligible.unsqueeze(1)).any(-1)  # every ancestor (and self) eligible
         score = torch.where(path_ok, tree.depths, torch.zeros_like(tree.depths))
@@ -75,8 +94,28 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:
         reached = score.gather(1, best.unsqueeze(1)).squeeze(1) > 0
         on_path = anc.gather(1, best.view(-1, 1, 1).expand(-1, 1, tree.num_nodes)).squeeze(1) & reached.unsqueeze(1)
         last_row = torch.where(reached, best + 1, torch.zeros_like(best))
-    bonus = argmax.gather(1, last_row.unsqueeze(1)).squeeze(1)
-    return _assemble(tree, on_path, bonus)
+    return _assemble(tree, on_path, choice.gather(1, last_row.unsqueeze(1)).squeeze(1))
+
+
+def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:
+    """target_logits [B, 1+N, V] (row 0 = root, row 1+i = node i) -> the longest path of argmax matches.
+
+    Example (chain): draft [5, 7, 9], target argmax at rows [5, 7, 2, 4] -> accepted [5, 7], bonus 2.
+    """
+    return accept_choices(tree, target_logits.argmax(-1))
+
+
+def sample_rows(target_probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """target_probs [B, M, V], uniforms [B, M] in [0, 1) -> one inverse-CDF draw per row [B, M] (no host sync)."""
+    cdf = target_probs.cumsum(-1)
+    ids = torch.searchsorted(cdf, (uniforms * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return ids.clamp_(max=target_probs.shape[-1] - 1)
+
+
+def accept_sampled_candidates(tree: DraftTree, target_probs: torch.Tensor, uniforms: torch.Tensor) -> Acceptance:
+    """Lossless verification of a tree of deterministic candidates (draft_probs None), vectorised: one draw from p per
+    verify row (uniforms [B, 1+N]), then `accept_choices`. What the captured tree step runs."""
+    return accept_choices(tree, sample_rows(target_probs, uniforms))
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -170,17 +209,32 @@ def accept_sampled_tree(tree: DraftTree, target_probs: torch.Tensor,
 
 
 class Verifier:
-    """Picks the rule for the step: greedy, vectorised chain sampling, or vectorised tree sampling."""
+    """Picks the rule for the step: greedy; deterministic candidates (any tree without draft_probs) by one draw per
+    verify row (`accept_sampled_candidates`); chains drafted from q by vectorised rejection sampling; trees drafted
+    from q by `accept_sampled_tree`."""
 
     def __init__(self, params: SamplingParams, generator: torch.Generator | None = None):
         self.params = params
         self.generator = generator
 
-    def accept(self, tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:
-        """target_logits [B, 1+N, V] -> Acceptance."""
+    def uniforms(self, batch: int, num_nodes: int, device) -> torch.Tensor | None:
+        """The draws a sampled step over deterministic candidates needs ([B, 1+N] float32 from the generator); None
+        for greedy settings. Drawn outside a captured step, which then reads them as an input."""
+        if self.params.greedy:
+            return None
+        return torch.rand(batch, 1 + num_nodes, device=device, generator=self.generator)
+
+    def accept(self, tree: DraftTree, target_logits: torch.Tensor, uniforms: torch.Tensor | None = None
+               ) -> Acceptance:
+        """target_logits [B, 1+N, V] -> Acceptance. uniforms: `uniforms(...)` drawn ahead (a captured step's input);
+        None = drawn here when the rule needs them."""
         if self.params.greedy:
             return accept_greedy(tree, target_logits)
         target_probs = probs_from_logits(target_logits, self.params)
+        if tree.draft_probs is None:
+            if uniforms is None:
+                uniforms = self.uniforms(tree.token_ids.shape[0], tree.num_nodes, target_logits.device)
+            return accept_sampled_candidates(tree, target_probs, uniforms)
         if tree.is_chain:
             return accept_sampled_chain(tree, target_probs, self.generator)
         return accept_sampled_tree(tree, target_probs, self.generator)

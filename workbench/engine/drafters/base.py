@@ -108,6 +108,27 @@ class Drafter(ABC):
         `wants_hidden`: also hidden= [B, 1 + D, H], the committed tokens' target hidden states (root, accepted
         nodes)."""
 
+    # the captured tree step (engine/step.py): a drafter whose commit splits into `commit_device` (device writes only,
+    # run inside the target's captured verify + accept step) and `commit_host` (host bookkeeping after the read)
+    splits_commit: bool = False
+
+    def commit_device(self, rows: torch.Tensor, acc, hidden: torch.Tensor | None, pad_row: int) -> None:
+        """The device half of `commit` for rows [B] (padding rows hold `pad_row`, whose state must stay as
+        `setup` left it): no host reads or host->device copies (it is captured in the step's CUDA graph)."""
+        raise NotImplementedError(f"drafter {self.name!r} does not split its commit (splits_commit is False)")
+
+    def commit_host(self, state: BatchState, old_kv_len_host: list[int]) -> None:
+        """The host half of `commit`, after the step's read (storage bookkeeping)."""
+
+    def device_state(self) -> list[torch.Tensor]:
+        """The persistent tensors `commit_device` advances (a captured step's warm-up puts them back after it)."""
+        return []
+
+    @property
+    def depth_bound(self) -> int:
+        """The deepest path a proposed tree can hold (static): N for chains; a tree drafter's depth."""
+        return self.num_nodes
+
     def release(self, row: int) -> None:
         pass
 

@@ -267,15 +267,32 @@ class EagleDrafter(OneStepDrafter):
         return DraftTree(tokens, parents, depths, valid, None, is_chain=self.proposes_chains,
                          depth_bound=self.tree_depth)
 
+    splits_commit = True
+
     def commit(self, state: BatchState, acc, old_kv_len_host: list[int],
                hidden: torch.Tensor | None = None) -> None:
         """The step's committed pairs become pending: (h of the root, first accepted token), ..., (h of the last
         accepted node, bonus/recovered token); entries past acc.num_accepted are padding."""
-        rows = state.rows
+        self.commit_device(state.rows, acc, hidden, None)
+        self.commit_host(state, old_kv_len_host)
+
+    def commit_device(self, rows: torch.Tensor, acc, hidden: torch.Tensor | None, pad_row: int | None) -> None:
         self.pend_base[rows] = self.pend_base[rows] + self.pend_count[rows]  # the old root's position
         self.pend_hidden[rows] = hidden
         self.pend_tokens[rows] = acc.emitted
         self.pend_count[rows] = acc.num_accepted + 1
+        if pad_row is not None:  # padding rows of a captured step: the scratch row keeps one pair at position 0
+            self.pend_base[pad_row:].zero_()
+            self.pend_count[pad_row:].fill_(1)
+
+    def device_state(self) -> list[torch.Tensor]:
+        return [self.pend_base, self.pend_count, self.pend_hidden, self.pend_tokens]
+
+    @property
+    def depth_bound(self) -> int:
+        return self.tree_depth
+
+    def commit_host(self, state: BatchState, old_kv_len_host: list[int]) -> None:
         for row, base in zip(state.rows_host, old_kv_len_host):
             self.pend_base_host[row] = base
             self.cache.truncate(row, base)  # paged: give back blocks that held only this step's draft entries

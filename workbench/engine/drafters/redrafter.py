@@ -122,7 +122,7 @@ class RedrafterDrafter(OneStepDrafter):
             self.last_hidden = torch.zeros(ctx.max_rows + 1, c.hidden_size, dtype=dtype, device=ctx.device)
         key = (ctx.graphs, ctx.sampling)  # the search bakes the sampling settings in (greedy vs tempered log-probs)
         if ctx.graphs.fixed_shape and key != self._step_key:
-            self.step = FixedShapeStep("redrafter", self._search, self._pads, ctx.graphs, ctx.device)
+            self.step = FixedShapeStep("redrafter", self._draft, self._pads, ctx.graphs, ctx.device)
             self.step.stats = stats if stats is not None else self.step.stats
             self._step_key = key
         elif not ctx.graphs.fixed_shape:
@@ -137,10 +137,21 @@ class RedrafterDrafter(OneStepDrafter):
         b = prompt_ids.shape[0]
         self.last_hidden[state.rows] = hidden[torch.arange(b, device=hidden.device), state.kv_len - 1]
 
+    splits_commit = True
+
     def commit(self, state: BatchState, acc, old_kv_len_host: list[int],
                hidden: torch.Tensor | None = None) -> None:
-        b = hidden.shape[0]
-        self.last_hidden[state.rows] = hidden[torch.arange(b, device=hidden.device), acc.num_accepted]
+        self.commit_device(state.rows, acc, hidden, None)
+
+    def device_state(self) -> list[torch.Tensor]:
+        return [self.last_hidden]
+
+    @property
+    def depth_bound(self) -> int:
+        return self.beam_length
+
+    def commit_device(self, rows: torch.Tensor, acc, hidden: torch.Tensor | None, pad_row: int | None) -> None:
+        self.last_hidden[rows] = hidden.gather(1, acc.num_accepted.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))[:, 0]
 
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [..., V] -> float32 log-probabilities that score the beams (-inf where top-k / top-p cut)."""
@@ -192,15 +203,24 @@ class RedrafterDrafter(OneStepDrafter):
             prev = token.reshape(b * w)
         return beams
 
+    def _draft(self, rows: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """rows [B], root [B] -> the merged prefix tree's (token_ids, parents, depths, valid [B, W*L], beam_pairs
+        [B, 2]): the beam search and the merge as one fixed-shape step."""
+        tree, _ = DraftTree.from_beams(self._search(rows, root))
+        return tree.token_ids, tree.parents, tree.depths, tree.valid, tree.beam_pairs
+
     def beam_tokens(self, state: BatchState) -> torch.Tensor:
-        """The step's W beams of L tokens for state.rows: [B, W, L] long."""
-        if self.step is not None:
-            return self.step(0, len(state.rows_host), {"rows": state.rows, "root": state.root}, state.rows_host)
+        """The step's W beams of L tokens for state.rows: [B, W, L] long (eager; for inspection and tests)."""
         return self._search(state.rows, state.root)
 
     def propose(self, state: BatchState) -> DraftTree:
-        tree, _ = DraftTree.from_beams(self.beam_tokens(state))
-        return tree
+        if self.step is not None:
+            parts = self.step(0, len(state.rows_host), {"rows": state.rows, "root": state.root}, state.rows_host)
+        else:
+            parts = self._draft(state.rows, state.root)
+        tokens, parents, depths, valid, pairs = parts
+        return DraftTree(tokens, parents, depths, valid, None, is_chain=self.proposes_chains,
+                         depth_bound=self.beam_length, beam_pairs=pairs)
 
     @property
     def settings(self) -> dict:
