@@ -22,10 +22,10 @@ def drafter(kind: str, target):
     return RedrafterDrafter(RedrafterHead.for_target(target, seed=4, std=0.3), target, beam_width=3, beam_length=3)
 
 
-def run(target, kind, prompts, graphs: bool, paged: bool, sampling=SamplingParams(), n=12):
+def run(target, kind, prompts, graphs: bool, paged: bool, sampling=SamplingParams(), n=12, overlap=False):
     engine = SpecEngine(target, drafter(kind, target), EngineConfig(
         max_new_tokens=n, paged=paged, kv_block_size=4, cuda_graphs=graphs, graph_batch_sizes=(1, 2, 4),
-        sampling=sampling, seed=3))
+        sampling=sampling, seed=3, overlap=overlap))
     return engine, engine.generate(prompts)
 
 
@@ -42,6 +42,18 @@ def test_captured_tree_step_equals_the_eager_step(kind, prompts, paged, sampling
     assert [s.beam_pairs for s in fixed.steps] == [s.beam_pairs for s in eager.steps]
     assert engine.tree_step.stats.hits == len(fixed.steps)  # every step ran the one tree step
     assert engine.target_step.stats.hits == 0
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("kind", ["eagle", "redrafter"])
+def test_overlapped_tree_steps_equal_the_eager_ones(kind, paged, target):
+    """Greedy: step t + 1 launched before step t is read (the drafters plan from upper bounds and read their roots
+    and pending pairs on the device) gives the eager tokens and accepted counts."""
+    _, eager = run(target, kind, PROMPTS, False, paged)
+    engine, over = run(target, kind, PROMPTS, True, paged, overlap=True)
+    assert engine.overlaps()
+    assert over.outputs == eager.outputs
+    assert sorted(a for s in over.steps for a in s.accepted) == sorted(a for s in eager.steps for a in s.accepted)
 
 
 def test_tree_step_reads_nothing_on_the_host(target, monkeypatch):

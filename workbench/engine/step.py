@@ -361,9 +361,15 @@ class SpecEngine:
         return self.drafter is None or (self.drafter.proposes_chains and not self.drafter.wants_hidden)
 
     def can_launch_ahead(self) -> bool:
-        """Whether a step can be launched before the previous one is read (`launch_step(lengths=)`): greedy chains
-        with the fused accept and a drafter whose propose reads the device; `overlaps` without generate's knob."""
-        return self._fused_accept(self._chains()) and (self.drafter is None or self.drafter.overlaps)
+        """Whether a step can be launched before the previous one is read (`launch_step(lengths=)`): one captured
+        step (greedy chains with the fused accept, or the tree step) and a drafter whose propose reads the device;
+        `overlaps` without generate's knob."""
+        fused = self._fused_accept(self._chains()) or self._fused_tree()
+        return fused and (self.drafter is None or self.drafter.overlaps)
+
+    def _max_accept(self, n: int) -> int:
+        """The most draft tokens a step of n nodes can accept: n for chains, the tree's depth bound for trees."""
+        return min(n, self.drafter.depth_bound) if n and self.drafter is not None else n
 
     def overlaps(self) -> bool:
         """Whether `generate` runs overlapped steps under the current settings (see the module docstring)."""
@@ -743,19 +749,23 @@ class SpecEngine:
 
     def _decode_overlapped(self, state: BatchState, live: list[int], outputs: list[list[int]], done_at: list[float],
                            result: GenerationResult, timer: PhaseTimer) -> None:
-        """The decode loop with step t + 1 launched before step t is read (greedy chains, fused verify + accept).
+        """The decode loop with step t + 1 launched before step t is read (greedy chains with the fused verify +
+        accept, and the captured tree step).
 
-        Host lengths are upper bounds while a step is in flight (known root index + 1 + N); they size storage only.
+        Host lengths are upper bounds while a step is in flight (known root index + 1 + D, D = the most a step can
+        accept); they size storage only.
         The drafter's propose reads its roots and lengths from the device (Drafter.overlaps); commit is not called
         (it would only free blocks, which the next step may still write): storage is freed when a sequence finishes.
         Phases: "draft" and "verify" time what they enqueue (CUDA events: GPU time), "accept" the wait for a result.
         """
         dev, cache, drafter = self.device, self.cache, self.drafter
         n = self.num_nodes
+        d = self._max_accept(n)
+        tree_step = self._fused_tree()
         cuda = dev.type == "cuda"
         known = {r: len(state.tokens_host[r]) - 1 for r in live}  # root index after the last step read
         finished: set[int] = set()
-        bufs = [torch.empty(cache.max_rows, 3 + n, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        bufs: list[torch.Tensor | None] = [None, None]  # pinned host buffers of the packed reads, made on first use
         inflight = None  # (rows, packed host buffer, event)
         launch, launch_t = list(live), state.rows
         step = 0
@@ -766,7 +776,9 @@ class SpecEngine:
             with timer.phase("accept"):
                 if event is not None:
                     event.synchronize()  # step t's tokens; step t + 1 keeps the GPU busy meanwhile
-            out = DecodeStep.unpack(packed, time.perf_counter(), rows, [known[r] for r in rows], n, width=n)
+            out = DecodeStep.unpack(packed, time.perf_counter(), rows, [known[r] for r in rows], n, width=d,
+                                    ranks=tree_step and not drafter.proposes_chains,
+                                    beams=tree_step and drafter.proposes_beams)
             if all(r in finished for r in rows):
                 result.wasted_steps += 1
             for row, emitted in zip(rows, out.emitted):
@@ -776,7 +788,7 @@ class SpecEngine:
             finished.update(self._record_step(result, outputs, done_at, out, skip=finished))
 
         while launch or inflight is not None:
-            if inflight is not None and launch and all(len(outputs[r]) + 1 + n >= limit for r in launch):
+            if inflight is not None and launch and all(len(outputs[r]) + 1 + d >= limit for r in launch):
                 read(inflight)  # each row may finish in the step in flight: a launch now would likely be wasted
                 inflight = None
                 launch = [r for r in launch if r not in finished]
@@ -785,16 +797,26 @@ class SpecEngine:
             if launch:
                 if len(launch_t) != len(launch):
                     launch_t = upload(launch, dev)  # in stream order: the step in flight is not drained
-                ahead = 1 + n if inflight is not None else 0  # every launched row is in the step in flight
+                ahead = 1 + d if inflight is not None else 0  # every launched row is in the step in flight
                 hi = [known[r] + ahead for r in launch]
                 state.rows, state.rows_host, state.kv_len_host = launch_t, launch, hi
                 with timer.phase("draft"):
                     tree = drafter.propose(state) if drafter else None
                 with timer.phase("verify"):
                     cache.plan(launch, hi, 1 + n)
-                    packed_dev = self.accept_step(n, len(launch), {
-                        "draft": tree.token_ids if n else None, "rows": launch_t,
-                        "valid": tree.valid if n else None}, launch)  # [B, 3 + N]; overwritten by the next replay
+                    if tree_step:
+                        packed_dev = self.tree_step(n, len(launch), {
+                            "draft": tree.token_ids, "parents": tree.parents, "depths": tree.depths,
+                            "valid": tree.valid, "rows": launch_t,
+                            "uniforms": self.verifier.uniforms(len(launch), n, dev),
+                            "beam_pairs": tree.beam_pairs}, launch)
+                    else:
+                        packed_dev = self.accept_step(n, len(launch), {
+                            "draft": tree.token_ids if n else None, "rows": launch_t,
+                            "valid": tree.valid if n else None}, launch)  # [B, 3 + N]; overwritten by the next replay
+                if bufs[step % 2] is None:
+                    bufs[step % 2] = torch.empty(cache.max_rows, packed_dev.shape[1], dtype=torch.long,
+                                                 pin_memory=cuda)
                 buf = bufs[step % 2][:len(launch)]
                 buf.copy_(packed_dev, non_blocking=cuda)
                 event = None

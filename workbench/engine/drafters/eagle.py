@@ -180,6 +180,8 @@ class EagleHead(SavedHead):
 class EagleDrafter(OneStepDrafter):
     name = "eagle"
     wants_hidden = True
+    reads_kv_len = False  # the draft reads its own pending pairs
+    overlaps = True  # propose reads the device only (the engine's kv_len_host may be upper bounds)
 
     def __init__(self, head: EagleHead, target, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 16):
         check_tree(tree_depth, tree_topk, tree_budget, target.config.vocab_size)
@@ -197,7 +199,6 @@ class EagleDrafter(OneStepDrafter):
         self.pend_tokens: torch.Tensor | None = None  # [R + 1, 1 + D] long: the token after each, x_{j+1}
         self.pend_count: torch.Tensor | None = None  # [R + 1] long: valid pairs (>= 1)
         self.pend_base: torch.Tensor | None = None  # [R + 1] long: head position of the first pending pair
-        self.pend_base_host: list[int] = []
 
     # -- buffers --------------------------------------------------------------------------------------------------
     def _draft_slots(self) -> int:
@@ -222,7 +223,6 @@ class EagleDrafter(OneStepDrafter):
         self.pend_tokens = torch.zeros(rows, 1 + d, dtype=torch.long, device=ctx.device)
         self.pend_count = torch.ones(rows, dtype=torch.long, device=ctx.device)  # pad_row: 1 pair at position 0
         self.pend_base = torch.zeros(rows, dtype=torch.long, device=ctx.device)
-        self.pend_base_host = [0] * rows
         k = self.tree_topk
         # constants the step reads (built here: a host->device copy inside a captured step is refused)
         self._cand_depth = torch.cat([torch.ones(k, dtype=torch.long)] + [torch.full((k * k,), i, dtype=torch.long)
@@ -253,12 +253,13 @@ class EagleDrafter(OneStepDrafter):
         self.pend_count[rows] = 1
         self.pend_base[rows] = last
         for row, n in zip(state.rows_host, state.kv_len_host):
-            self.pend_base_host[row] = n - 1
             self.cache.truncate(row, n - 1)
 
     def propose(self, state: BatchState) -> DraftTree:
-        base_host = [self.pend_base_host[r] for r in state.rows_host]
-        # room for every head entry of this step: the pending pairs (<= 1 + D), then the frontier forwards
+        # room for every head entry of this step: the pending pairs (<= 1 + D), then the frontier forwards. The first
+        # pending pair sits at the previous step's root, at most the root's index - 1: sized from the engine's (upper
+        # bound of the) root index, so a step launched before the last one is read plans without reading the device
+        base_host = [n - 1 for n in state.kv_len_host]
         self.cache.plan(state.rows_host, base_host, 1 + self.tree_depth + self._draft_slots())
         if self.step is not None:
             tokens, parents, depths, valid = self.step(0, len(state.rows_host), {"rows": state.rows}, state.rows_host)
@@ -294,7 +295,6 @@ class EagleDrafter(OneStepDrafter):
 
     def commit_host(self, state: BatchState, old_kv_len_host: list[int]) -> None:
         for row, base in zip(state.rows_host, old_kv_len_host):
-            self.pend_base_host[row] = base
             self.cache.truncate(row, base)  # paged: give back blocks that held only this step's draft entries
 
     def release(self, row: int) -> None:

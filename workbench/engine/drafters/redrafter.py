@@ -89,6 +89,8 @@ class RedrafterDrafter(OneStepDrafter):
     name = "redrafter"
     wants_hidden = True
     proposes_beams = True
+    reads_kv_len = False  # the search reads its roots from the engine's buffers (or `state.root` without them)
+    overlaps = True
 
     def __init__(self, head: RedrafterHead, target, beam_width: int = 2, beam_length: int = 4,
                  diversity_penalty: float = 0.0):
@@ -120,7 +122,9 @@ class RedrafterDrafter(OneStepDrafter):
                 or self.last_hidden.device != torch.device(ctx.device):
             self.step = self._step_key = None  # a captured search reads the old buffer: drop it first
             self.last_hidden = torch.zeros(ctx.max_rows + 1, c.hidden_size, dtype=dtype, device=ctx.device)
-        key = (ctx.graphs, ctx.sampling)  # the search bakes the sampling settings in (greedy vs tempered log-probs)
+        # the search bakes the sampling settings in (greedy vs tempered log-probs) and reads the engine's buffers
+        key = (ctx.graphs, ctx.sampling, *(t.data_ptr() if t is not None else None
+                                           for t in (ctx.tokens, ctx.kv_len_all)))
         if ctx.graphs.fixed_shape and key != self._step_key:
             self.step = FixedShapeStep("redrafter", self._draft, self._pads, ctx.graphs, ctx.device)
             self.step.stats = stats if stats is not None else self.step.stats
@@ -203,10 +207,17 @@ class RedrafterDrafter(OneStepDrafter):
             prev = token.reshape(b * w)
         return beams
 
+    def _roots(self, rows: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+        """The rows' roots read from the engine's buffers where the drafter was set up with them (so a step launched
+        before the previous one is read finds its root on the device); else `root`."""
+        if self.ctx.tokens is None or self.ctx.kv_len_all is None:
+            return root
+        return self.ctx.tokens[rows, self.ctx.kv_len_all[rows]]
+
     def _draft(self, rows: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """rows [B], root [B] -> the merged prefix tree's (token_ids, parents, depths, valid [B, W*L], beam_pairs
         [B, 2]): the beam search and the merge as one fixed-shape step."""
-        tree, _ = DraftTree.from_beams(self._search(rows, root))
+        tree, _ = DraftTree.from_beams(self._search(rows, self._roots(rows, root)))
         return tree.token_ids, tree.parents, tree.depths, tree.valid, tree.beam_pairs
 
     def beam_tokens(self, state: BatchState) -> torch.Tensor:
@@ -215,9 +226,10 @@ class RedrafterDrafter(OneStepDrafter):
 
     def propose(self, state: BatchState) -> DraftTree:
         if self.step is not None:
-            parts = self.step(0, len(state.rows_host), {"rows": state.rows, "root": state.root}, state.rows_host)
+            root = state.root if self.ctx.tokens is None else None  # None: read from the engine's buffers
+            parts = self.step(0, len(state.rows_host), {"rows": state.rows, "root": root}, state.rows_host)
         else:
-            parts = self._draft(state.rows, state.root)
+            parts = self._draft(state.rows, state.root if self.ctx.tokens is None else None)
         tokens, parents, depths, valid, pairs = parts
         return DraftTree(tokens, parents, depths, valid, None, is_chain=self.proposes_chains,
                          depth_bound=self.beam_length, beam_pairs=pairs)
