@@ -159,10 +159,11 @@ class RecordingEagle(EagleDrafter):
         return tree
 
 
-def test_head_cache_on_the_kernel_drafts_the_trees_of_gather_and_sdpa(monkeypatch):
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "fixed-shape"])
+def test_head_cache_on_the_kernel_drafts_the_trees_of_gather_and_sdpa(cuda_graphs, monkeypatch):
     """The head's paged cache with the Triton kernels attached (the interpreter runs them on a CPU; on a GPU the
     engine's attention backend attaches them) drafts the same trees as gather + SDPA, token for token and parent for
-    parent: the committed tiny target and head in float32, a ragged batch, D = 4 so that two frontier forwards hand
+    parent: the committed tiny target and head in float32, a ragged batch (fixed-shape: padded to 4 rows), D = 4 so that two frontier forwards hand
     the kernel a prefix mask (their ancestors among the earlier draft levels), and the full budget N = K + (D-1) K^2
     so that every child those forwards draft is in the tree (a kernel that ignored the prefix mask fails here)."""
     import workbench.engine.drafters.eagle as eagle_module
@@ -171,7 +172,7 @@ def test_head_cache_on_the_kernel_drafts_the_trees_of_gather_and_sdpa(monkeypatc
 
     target = load_model(TINY / "target")
     head = EagleHead.load(HEAD, dtype=torch.float32)
-    prompts = [[1, 50, 300, 7, 9, 50, 300], [12, 40, 2]]
+    prompts = [[1, 50, 300, 7, 9, 50, 300], [12, 40, 2], [5, 77]]
     runs, prefix_calls = {}, []
 
     def with_kernels(*args, **kwargs):
@@ -190,7 +191,8 @@ def test_head_cache_on_the_kernel_drafts_the_trees_of_gather_and_sdpa(monkeypatc
         if kernel:
             monkeypatch.setattr(eagle_module, "make_cache", with_kernels)
         drafter = RecordingEagle(head, target, 4, 3, 30)
-        engine = SpecEngine(target, drafter, EngineConfig(max_new_tokens=8, kv_block_size=16))
+        engine = SpecEngine(target, drafter, EngineConfig(max_new_tokens=8, kv_block_size=16, cuda_graphs=cuda_graphs,
+                                                          graph_batch_sizes=(1, 4)))
         runs[kernel] = (engine.generate(prompts).outputs, drafter.trees)
     assert runs[True] == runs[False]
     steps = len(runs[True][1])
