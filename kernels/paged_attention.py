@@ -3,7 +3,9 @@
 One layer's KV lives in a pool of fixed-size blocks; `block_table[r, j]` is the physical block holding logical
 positions [j * block_size, (j + 1) * block_size) of cache row r. A step's T query tokens of row b attend to every
 committed position p < base_len[b] and, among the step's own tokens (already written at base_len[b] + j), to those
-`intra_mask[b, t, j]` allows (None = causal).
+`intra_mask[b, t, j]` allows (None = causal). An optional `prefix_mask` [B, T, M] narrows the M committed slots just
+before the step, base_len[b] - M + i (a drafter's own tree levels, written by earlier forwards of the same step: an
+EAGLE frontier node sees only its ancestors); slots before those stay fully visible.
 
 The kernel is flash-decoding (split-K) so that batch 1 with a few KV heads still fills the GPU:
 1. `_partial_kernel`, grid (B * Hkv * m_tiles, num_splits): a program takes one KV head and the rows of one tile,
@@ -11,7 +13,8 @@ The kernel is flash-decoding (split-K) so that batch 1 with a few KV heads still
    all of them). Row b's KV tiles 0 .. ceil((base_len[b] + T) / BLOCK_N) - 1 are split evenly over the num_splits
    programs; each runs an online softmax over its share (tiles past the row's length are never visited) and writes
    its normalized partial output and its log-sum-exp (base 2). A tree mask reaches the kernel as one int64 per
-   query token (bit j = sees step token j, so T <= 64); causal steps need none.
+   query token over the mask's window, the M prefix slots then the T step tokens (bit i = sees position
+   base_len[b] - M + i, so M + T <= 64; M = 0 without a prefix mask); causal steps without a prefix mask need none.
 2. `_combine_kernel`, grid (B * Hq * T): out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max).
 With one split the partial is already the answer and goes straight to the output.
 
@@ -29,7 +32,9 @@ Verified on CPU only, under the Triton interpreter (TRITON_INTERPRET=1, triton 3
 run a loop with tensor bounds): tests/test_kernels.py matches the float32 reference within 1e-5 (fp32 inputs; seen
 <= 4.2e-7), 3e-3 (fp16; seen <= 8.7e-4) and 3e-2 (bf16, the interpreter's bf16 tl.dot patched to widen first; seen
 <= 1.5e-2 at |out| ~3) over decode, causal chunks, tree masks, GQA / MHA, head dims 64 / 128, block sizes 16 / 32 /
-64, T up to 64 (4 row tiles), ragged lengths, permuted rows, shuffled int32 / int64 block tables and 1 to 64 splits.
+64, T up to 64 (4 row tiles), ragged lengths, permuted rows, shuffled int32 / int64 block tables and 1 to 64 splits;
+prefix masks (M 3 to 60, bit 63 included) against the reference and SDPA under a mask built by hand. With PREFIX off
+the sm_90 PTX is the same instructions as without the prefix code (checked on a CPU build).
 Triton 3.6 compiles it for sm_90 on a CPU (ptxas: no register spills at 8 warps except 16 bytes at D = 128 with
 64-row tiles). Speed and graph capture on a GPU are scripts/gpu_kernels.py's to show.
 
@@ -56,6 +61,7 @@ except ImportError:
     TRITON_AVAILABLE = False
 
 
+MASK_WINDOW = 64  # prefix slots + step tokens one query token's mask bits cover (one int64 word)
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn)  # pools it loads
 
 
@@ -88,14 +94,15 @@ def rope_reference(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | No
 
 
 def paged_attention_reference(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
-                              k_scales=None, v_scales=None, rope=None):
+                              k_scales=None, v_scales=None, rope=None, prefix_mask=None):
     """Gather every position of the block table, mask, and run SDPA (the engine's path; the kernels' reference).
 
     q [B, Hq, T, D]; k_pool, v_pool [num_slots, Hkv, D]; block_table [R, max_blocks] int; rows [B] long;
     base_len [B] long; intra_mask [B, T, T] bool or None (causal) -> [B, Hq, T, D] in q's dtype.
     k_scales, v_scales [num_slots, Hkv] float32 (quantized pools: int8 / float8 e4m3 values) or None; the gathered
     values are dequantized in float32 and cast to q's dtype. rope = (cos, sin_signed) [B, T, D]: q arrives before
-    RoPE and is rotated first (`rope_reference`).
+    RoPE and is rotated first (`rope_reference`). prefix_mask [B, T, M] bool or None: query token t sees slot
+    base_len[b] - M + i only where prefix_mask[b, t, i] (slots before base_len[b] - M stay visible).
     """
     q = rope_reference(q, rope)
     b, hq, t, _ = q.shape
@@ -113,12 +120,19 @@ def paged_attention_reference(q, k_pool, v_pool, block_table, rows, base_len, in
         intra_mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril().expand(b, t, t)
     in_step = intra_mask.gather(2, rel.clamp(0, t - 1).unsqueeze(1).expand(b, t, span))  # [B, T, S]
     visible = (rel < 0).unsqueeze(1) | (in_step & (rel < t).unsqueeze(1))  # [B, T, S]
+    m = 0 if prefix_mask is None else prefix_mask.shape[-1]
+    if m:
+        w = rel + m  # [B, S]: index among the M prefix slots
+        in_prefix = ((w >= 0) & (w < m)).unsqueeze(1)  # [B, 1, S]
+        seen = prefix_mask.gather(2, w.clamp(0, m - 1).unsqueeze(1).expand(b, t, span))  # [B, T, S]
+        visible = visible & (~in_prefix | seen)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible.unsqueeze(1), scale=scale,
                                           enable_gqa=hq != keys.shape[1])
 
 
 if TRITON_AVAILABLE:
-    @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
+    # one compiled kernel for every split count and every prefix length
+    @triton.jit(do_not_specialize=["num_splits", "prefix_len"])
     def _partial_kernel(
             q_ptr, k_ptr, v_ptr, table_ptr, rows_ptr, base_ptr, intra_bits_ptr, o_ptr, lse_ptr,  # intra_bits [B, T]
             cos_ptr, sin_ptr,  # ROPE: cos, sin_signed [B * T, D] contiguous: q is rotated as it is loaded
@@ -129,10 +143,11 @@ if TRITON_AVAILABLE:
             st_r, st_j,  # block_table [R, max_blocks]
             so_b, so_h, so_t, so_s,  # o [B, Hq, T, splits, D] (last stride 1); lse [B, Hq, T, splits] contiguous
             qk_scale_log2, m_tiles, num_splits,
+            prefix_len,  # M: the mask window starts M slots before base (read only when PREFIX)
             T: tl.constexpr, GROUP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
             DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
-            ROPE: tl.constexpr = False):
+            ROPE: tl.constexpr = False, PREFIX: tl.constexpr = False):
         if PDL:  # kernels/pdl.py: every program waits (also one with no tiles), before any load or store
             gdc_wait()
         pid = tl.program_id(0)
@@ -157,7 +172,8 @@ if TRITON_AVAILABLE:
             sin = tl.load(sin_ptr + rope_at, mask=row_ok[:, None], other=0.0).to(tl.float32)
             q = (q.to(tl.float32) * cos + q_roll.to(tl.float32) * sin).to(q_ptr.dtype.element_ty)
         if not CAUSAL:
-            intra_bits = tl.load(intra_bits_ptr + b * T + tok)  # [BLOCK_M] int64: bit j = sees step token j
+            # [BLOCK_M] int64: bit i = sees window position i (the M prefix slots, then the step's tokens)
+            intra_bits = tl.load(intra_bits_ptr + b * T + tok)
 
         row = tl.load(rows_ptr + b)
         base = tl.load(base_ptr + b).to(tl.int32)
@@ -191,6 +207,8 @@ if TRITON_AVAILABLE:
                 s = s * k_scale[None, :]
 
             j = pos - base  # index among the step's tokens (negative = committed before the step)
+            if PREFIX:
+                j = j + prefix_len  # index in the mask window, which starts M slots earlier
             if CAUSAL:
                 in_step = j[None, :] <= tok[:, None]
             else:
@@ -264,11 +282,46 @@ def _rope_rows(rope, b: int, t: int, dim: int):
     return cos.reshape(b * t, dim).contiguous(), sin.reshape(b * t, dim).contiguous()
 
 
+def check_prefix_mask(prefix_mask, b: int, t: int) -> int:
+    """M of a prefix mask [B, T, M] (0 for None); ValueError for another shape or M + T > MASK_WINDOW (shapes only)."""
+    if prefix_mask is None:
+        return 0
+    if prefix_mask.dim() != 3 or tuple(prefix_mask.shape[:2]) != (b, t):
+        raise ValueError(f"prefix_mask must be [B, T, M] = [{b}, {t}, M], got {list(prefix_mask.shape)}")
+    m = prefix_mask.shape[-1]
+    if m and m + t > MASK_WINDOW:
+        raise ValueError(f"the kernel packs a query token's mask into one int64 word: M + T = {m} prefix slots + {t} "
+                         f"step tokens exceeds {MASK_WINDOW}; use gather + SDPA (attention 'sdpa') for this step")
+    return m
+
+
+def mask_bits(intra_mask, prefix_mask, b: int, t: int, device) -> tuple[torch.Tensor | None, int]:
+    """(bits [B, T] int64 or None, M): each query token's mask over the window of the M = prefix_mask.shape[-1] slots
+    before the step and the step's T tokens (bit i = sees window position i), built with tensor ops (no host read);
+    None for a causal step without a prefix mask (the kernel needs no bits). ValueError when M + T > MASK_WINDOW.
+
+    >>> mask_bits(torch.tensor([[[1, 0], [1, 1]]], dtype=torch.bool), torch.tensor([[[0, 1], [1, 0]]]).bool(), 1, 2,
+    ...           "cpu")
+    (tensor([[ 6, 13]]), 2)
+    """
+    m = check_prefix_mask(prefix_mask, b, t)
+    if intra_mask is None and not m:
+        return None, 0
+    if m + t > MASK_WINDOW:
+        raise ValueError(f"the kernel packs a query token's tree mask into one int64 word: {t} step tokens exceed "
+                         f"{MASK_WINDOW}; use gather + SDPA (attention 'sdpa') for this step")
+    if intra_mask is None:
+        intra_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
+    window = intra_mask if not m else torch.cat([prefix_mask.to(torch.bool), intra_mask.to(torch.bool)], -1)
+    return (window.long() << torch.arange(m + t, device=device)).sum(-1), m  # distinct bits: the sum is an OR
+
+
 def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
-                           k_scales=None, v_scales=None, num_splits: int | None = None, rope=None):
+                           k_scales=None, v_scales=None, num_splits: int | None = None, rope=None, prefix_mask=None):
     """Same contract as `paged_attention_reference`; `num_splits` overrides the shape-derived split count (more than
     one: a second launch combines the splits, cheap behind a dependent launch); rope = (cos, sin_signed) [B, T, D]: q
-    arrives before RoPE and is rotated as it is loaded."""
+    arrives before RoPE and is rotated as it is loaded; prefix_mask [B, T, M] with M + T <= MASK_WINDOW (M = 0 or
+    None: the plain path)."""
     b, hq, t, dim = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -287,12 +340,10 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
     lse = torch.empty(b, hq, t, num_splits, dtype=torch.float32, device=q.device)
     o = out.unsqueeze(3) if num_splits == 1 else torch.empty(b, hq, t, num_splits, dim, dtype=torch.float32,
                                                              device=q.device)  # [B, Hq, T, splits, D]
-    causal = intra_mask is None
+    intra_bits, prefix_len = mask_bits(intra_mask, prefix_mask, b, t, q.device)  # [B, T] int64 or None, M
+    causal = intra_bits is None
     if causal:
         intra_bits = base_len  # any tensor: never read
-    else:
-        assert t <= 64, "a tree mask row is packed into one int64"
-        intra_bits = (intra_mask.long() << torch.arange(t, device=q.device)).sum(-1)  # [B, T]
     scale_strides = (k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1)) if quant \
         else (0, 0, 0, 0)
     pdl = dict(PDL=True, launch_pdl=True) if use_pdl(q.device) else {}
@@ -304,10 +355,10 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), *scale_strides,
         block_table.stride(0), block_table.stride(1),
         o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        scale * math.log2(math.e), m_tiles, num_splits,
+        scale * math.log2(math.e), m_tiles, num_splits, prefix_len,
         T=t, GROUP=group, HKV=hkv, D=dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        ROPE=rope is not None,
+        ROPE=rope is not None, PREFIX=prefix_len > 0,
         num_warps=8, **pdl)  # ptxas for sm_90: 4 warps spill registers at D = 128 or 64-row tiles, 8 do not
     if num_splits > 1:
         _combine_kernel[(b * hq * t,)](o, lse, out, num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim,
@@ -316,11 +367,11 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
 
 
 def paged_attention(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
-                    k_scales=None, v_scales=None):
+                    k_scales=None, v_scales=None, prefix_mask=None):
     """The Triton kernel on CUDA when triton imports, else the reference (same arguments)."""
     fn = paged_attention_triton if TRITON_AVAILABLE and q.is_cuda else paged_attention_reference
     return fn(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale, k_scales=k_scales,
-              v_scales=v_scales)
+              v_scales=v_scales, prefix_mask=prefix_mask)
 
 
 # ---- the step's K/V written into the pool, one launch for both planes ----------------------------------------------
@@ -387,10 +438,12 @@ def paged_kv_write_triton(k, v, k_pool, v_pool, slots, rope=None, heads_per_prog
 
 
 def paged_write_attention_triton(q, k, v, slots, k_pool, v_pool, block_table, rows, base_len, intra_mask,
-                                 block_size, scale=None, rope=None):
+                                 block_size, scale=None, rope=None, prefix_mask=None):
     """The step's K/V into the pool (`paged_kv_write_triton`), then `paged_attention_triton` over it: the two launches
     an unquantized paged layer makes on the kernel path, in one call the engine keeps outside torch.compile. With
-    rope = (cos, sin_signed) [B, T, D], q and k arrive before RoPE and both kernels rotate them (no RoPE kernel)."""
+    rope = (cos, sin_signed) [B, T, D], q and k arrive before RoPE and both kernels rotate them (no RoPE kernel).
+    prefix_mask [B, T, M]: as for `paged_attention_triton` (checked before anything is written)."""
+    check_prefix_mask(prefix_mask, q.shape[0], q.shape[2])
     paged_kv_write_triton(k, v, k_pool, v_pool, slots, rope=rope)
     return paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale,
-                                  rope=rope)
+                                  rope=rope, prefix_mask=prefix_mask)

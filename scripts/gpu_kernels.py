@@ -1,6 +1,6 @@
 """Paged attention on the GPU: the Triton kernel against its reference (gather + SDPA), for parity and for time.
 
-    python scripts/gpu_kernels.py --out $OUT            # ~54 shapes, bf16, block 16; well under a minute on an H200
+    python scripts/gpu_kernels.py --out $OUT            # ~72 shapes, bf16, block 16; about a minute on an H200
 
 For each shape (batch x model x step tokens x context) it records:
 - max |triton - reference| against the float32 reference (the same bf16 inputs, upcast) and against the bf16
@@ -11,7 +11,9 @@ For each shape (batch x model x step tokens x context) it records:
   gives the eager result for the new values (the kernel reads them on the device);
 - the kernel's achieved bandwidth over the K/V bytes it must read.
 One failing shape records its error and the others still run. Rows go to <out>/kernels.json; a table to stdout.
-T = 9 steps verify a random 8-node draft tree (tree mask); T = 1 and 5 are causal.
+T = 9 steps verify a random 8-node draft tree (tree mask); T = 1 and 5 are causal; T = 4 with M = 8 is an EAGLE
+frontier forward (4 frontier nodes, each seeing itself and a random half of the 8 draft slots before the step through
+a prefix mask).
 """
 from __future__ import annotations
 
@@ -34,12 +36,13 @@ from scripts import gpu_timing  # noqa: E402
 from scripts.gpu_timing import eager_us  # noqa: E402
 
 MODELS = {"gqa32/4_d64": (32, 4, 64), "mha32_d128": (32, 32, 128)}  # name -> (Hq, Hkv, D)
-BATCHES, STEP_TOKENS, CONTEXTS = (1, 8, 32), (1, 5, 9), (256, 1024, 4096)
+BATCHES, CONTEXTS = (1, 8, 32), (256, 1024, 4096)
+STEPS = ((1, 0), (5, 0), (9, 0), (4, 8))  # (step tokens T, prefix slots M)
 BLOCK_SIZE = 16
 DEVICE = "cuda"
 TOLERANCE = 2e-2  # bf16 inputs, against the float32 reference: about a few bf16 ulps of the output
 CALLS_PER_GRAPH = 8
-COLS = ["model", "batch", "T", "context", "splits", "ok", "err_fp32", "err_bf16", "triton_us", "ref_us",
+COLS = ["model", "batch", "T", "M", "context", "splits", "ok", "err_fp32", "err_bf16", "triton_us", "ref_us",
         "triton_graph_us", "ref_graph_us", "graph_speedup", "triton_gbps", "graph_follows_inputs", "error"]
 
 
@@ -51,8 +54,9 @@ def random_tree_mask(batch: int, nodes: int, gen: torch.Generator) -> torch.Tens
     return verify_mask(tree)
 
 
-def make_inputs(batch, hq, hkv, dim, t, context, seed=0):
-    """A shuffled pool with exactly the blocks the rows need; rows are permuted and lengths a little ragged."""
+def make_inputs(batch, hq, hkv, dim, t, context, prefix=0, seed=0):
+    """A shuffled pool with exactly the blocks the rows need; rows are permuted and lengths a little ragged. prefix =
+    M > 0: each token sees itself among the step's and a random half of the M slots before it (prefix_mask)."""
     gen = torch.Generator(DEVICE).manual_seed(seed)
     max_blocks = math.ceil((context + t) / BLOCK_SIZE)
     num_blocks = batch * max_blocks
@@ -60,6 +64,10 @@ def make_inputs(batch, hq, hkv, dim, t, context, seed=0):
     base_len = context - torch.randint(0, BLOCK_SIZE, (batch,), generator=gen, device=DEVICE)
     base_len[0] = context  # the longest row fills the table
     intra_mask = random_tree_mask(batch, t - 1, torch.Generator().manual_seed(seed)).to(DEVICE) if t == 9 else None
+    extra = {}
+    if prefix:
+        intra_mask = torch.eye(t, dtype=torch.bool, device=DEVICE).expand(batch, t, t)
+        extra["prefix_mask"] = torch.rand(batch, t, prefix, generator=gen, device=DEVICE) < 0.5  # [B, T, M]
     return dict(
         q=torch.randn(batch, hq, t, dim, generator=gen, device=DEVICE),  # [B, Hq, T, D]
         k_pool=torch.randn(pool_shape, generator=gen, device=DEVICE),  # [slots, Hkv, D]
@@ -67,7 +75,8 @@ def make_inputs(batch, hq, hkv, dim, t, context, seed=0):
         block_table=torch.randperm(num_blocks, generator=gen, device=DEVICE).view(batch, max_blocks),  # [B, blocks]
         rows=torch.randperm(batch, generator=gen, device=DEVICE),  # [B]
         base_len=base_len,  # [B]
-        intra_mask=intra_mask)  # [B, T, T] or None
+        intra_mask=intra_mask,  # [B, T, T] or None
+        **extra)
 
 
 def bf16(args):
@@ -82,12 +91,12 @@ def graph_us(graph, reps=20) -> float:
     return eager_us(graph.replay, reps) / CALLS_PER_GRAPH
 
 
-def run_shape(model, batch, t, context) -> dict:
+def run_shape(model, batch, t, prefix, context) -> dict:
     hq, hkv, dim = MODELS[model]
-    args = bf16(make_inputs(batch, hq, hkv, dim, t, context))
+    args = bf16(make_inputs(batch, hq, hkv, dim, t, context, prefix))
     upcast = {k: v.float() if k in ("q", "k_pool", "v_pool") else v for k, v in args.items()}
-    rec = {"model": model, "hq": hq, "hkv": hkv, "head_dim": dim, "batch": batch, "T": t, "context": context,
-           "block_size": BLOCK_SIZE, "dtype": "bfloat16", "tree": t == 9}
+    rec = {"model": model, "hq": hq, "hkv": hkv, "head_dim": dim, "batch": batch, "T": t, "M": prefix,
+           "context": context, "block_size": BLOCK_SIZE, "dtype": "bfloat16", "tree": t == 9}
     rec["block_m"], rec["m_tiles"], rec["splits"] = launch_plan(batch, hq, hkv, t, args["block_table"].shape[1] *
                                                                 BLOCK_SIZE, args["q"].device)
 
@@ -123,25 +132,24 @@ def run_shape(model, batch, t, context) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
-    ap.add_argument("--budget-s", type=float, default=60)
+    ap.add_argument("--budget-s", type=float, default=90)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     records = []
     for model in MODELS:
-        for t in STEP_TOKENS:
+        for t, prefix in STEPS:
             for batch in BATCHES:
                 for context in CONTEXTS:
+                    shape = {"model": model, "batch": batch, "T": t, "M": prefix, "context": context}
                     if time.perf_counter() - t0 > args.budget_s:
-                        records.append({"model": model, "batch": batch, "T": t, "context": context,
-                                        "error": "skipped: time budget spent"})
+                        records.append({**shape, "error": "skipped: time budget spent"})
                         continue
                     try:
-                        rec = run_shape(model, batch, t, context)
+                        rec = run_shape(model, batch, t, prefix, context)
                     except Exception as e:  # one failing shape must not stop the others
-                        rec = {"model": model, "batch": batch, "T": t, "context": context,
-                               "error": f"{type(e).__name__}: {e}"}
+                        rec = {**shape, "error": f"{type(e).__name__}: {e}"}
                     torch.cuda.empty_cache()
                     records.append(rec)
                     print(" ".join(f"{c}={fmt(rec.get(c))}" for c in COLS if c in rec), flush=True)

@@ -146,6 +146,60 @@ def test_accepted_paths_longer_than_one_keep_the_head_cache_right(target):
     assert max(accepted) >= 2  # runs of committed pairs longer than one went through the pending buffers
 
 
+class RecordingEagle(EagleDrafter):
+    """Every proposed tree's tokens and parents, in order."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.trees = []
+
+    def propose(self, state):
+        tree = super().propose(state)
+        self.trees.append((tree.token_ids.tolist(), tree.parents.tolist()))
+        return tree
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "fixed-shape"])
+def test_head_cache_on_the_kernel_drafts_the_trees_of_gather_and_sdpa(cuda_graphs, monkeypatch):
+    """The head's paged cache with the Triton kernels attached (the interpreter runs them on a CPU; on a GPU the
+    engine's attention backend attaches them) drafts the same trees as gather + SDPA, token for token and parent for
+    parent: the committed tiny target and head in float32, a ragged batch (fixed-shape: padded to 4 rows), D = 4 so that two frontier forwards hand
+    the kernel a prefix mask (their ancestors among the earlier draft levels), and the full budget N = K + (D-1) K^2
+    so that every child those forwards draft is in the tree (a kernel that ignored the prefix mask fails here)."""
+    import workbench.engine.drafters.eagle as eagle_module
+    from workbench.engine.kv_cache import make_cache, set_kernels
+    from workbench.models.loader import load_model
+
+    target = load_model(TINY / "target")
+    head = EagleHead.load(HEAD, dtype=torch.float32)
+    prompts = [[1, 50, 300, 7, 9, 50, 300], [12, 40, 2], [5, 77]]
+    runs, prefix_calls = {}, []
+
+    def with_kernels(*args, **kwargs):
+        cache = make_cache(*args, **kwargs)
+        set_kernels(cache)
+        fused = cache.write_kernel
+
+        def counted(*a, **kw):
+            prefix_calls.append(kw.get("prefix_mask") is not None)
+            return fused(*a, **kw)
+
+        cache.write_kernel = counted
+        return cache
+
+    for kernel in (False, True):
+        if kernel:
+            monkeypatch.setattr(eagle_module, "make_cache", with_kernels)
+        drafter = RecordingEagle(head, target, 4, 3, 30)
+        engine = SpecEngine(target, drafter, EngineConfig(max_new_tokens=8, kv_block_size=16, cuda_graphs=cuda_graphs,
+                                                          graph_batch_sizes=(1, 4)))
+        runs[kernel] = (engine.generate(prompts).outputs, drafter.trees)
+    assert runs[True] == runs[False]
+    steps = len(runs[True][1])
+    assert steps >= 2 and sum(prefix_calls) == 2 * steps  # frontier forwards at depths 2 and 3 carry prefix masks
+    assert len(prefix_calls) == 4 * steps  # every head forward of a draft took the kernel path
+
+
 @pytest.mark.parametrize("tree", TREES, ids=lambda t: "D{}K{}N{}".format(*t))
 def test_propose_makes_no_host_sync(tree, target, monkeypatch):
     """No .tolist() / .item() / bool(tensor) / int(tensor) in a whole propose: one fixed-shape step per depth set."""

@@ -5,11 +5,13 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kernels.paged_attention import (paged_attention, paged_attention_reference,
+import kernels.paged_attention as pa
+from kernels.paged_attention import (MASK_WINDOW, paged_attention, paged_attention_reference,
                                      paged_attention_triton, paged_kv_write_reference, paged_kv_write_triton,
                                      paged_write_attention_triton, rope_reference)
-from workbench.engine.kv_cache import PagedKVCache
+from workbench.engine.kv_cache import PagedKVCache, set_kernels
 from workbench.engine.kv_quant import KV_FORMATS
 from workbench.engine.tree import DraftTree, verify_mask
 
@@ -22,10 +24,12 @@ TWO_BRANCHES = torch.tensor([[1, 0, 0, 0],
 
 
 def make_case(*, base_lens=(7, 20), hq=4, hkv=4, t=1, dim=16, block_size=4, tree=False, dtype=torch.float32,
-              permute_rows=True, shuffle_table=True, table_dtype=torch.long, spare_blocks=1, seed=0, kv_quant="none"):
+              permute_rows=True, shuffle_table=True, table_dtype=torch.long, spare_blocks=1, seed=0, kv_quant="none",
+              prefix=None):
     """Random inputs in the kernels' layout. Every slot of the pool holds noise, so anything read past a row's
     length or through a wrong block shows up in the output. kv_quant "int8" / "fp8": the pools hold quantized values
-    (as the kernel reads them) and the case has k_scales / v_scales [slots, Hkv]."""
+    (as the kernel reads them) and the case has k_scales / v_scales [slots, Hkv]. prefix = M: the case has a random
+    prefix_mask [B, T, M] (about half of the M slots before each row's base visible to each query token)."""
     g = torch.Generator().manual_seed(seed)
     batch = len(base_lens)
     num_rows = batch + 1
@@ -43,13 +47,15 @@ def make_case(*, base_lens=(7, 20), hq=4, hkv=4, t=1, dim=16, block_size=4, tree
     q = torch.randn(batch, hq, t, dim, generator=g).to(dtype)  # [B, Hq, T, D]
     pools = [torch.randn(num_blocks * block_size, hkv, dim, generator=g) for _ in "kv"]  # [slots, Hkv, D]
     fmt = KV_FORMATS[kv_quant]
-    scales = {}
+    extra = {}  # scales, prefix mask
     if fmt.quantized:
         (k, ks), (v, vs) = (fmt.quantize(x) for x in pools)
         pools = [fmt.kernel_view(k), fmt.kernel_view(v)]
-        scales = dict(k_scales=ks, v_scales=vs)  # [slots, Hkv]
+        extra.update(k_scales=ks, v_scales=vs)  # [slots, Hkv]
     else:
         pools = [x.to(dtype) for x in pools]
+    if prefix is not None:
+        extra["prefix_mask"] = torch.rand(batch, t, prefix, generator=g) < 0.5  # [B, T, M]
     return dict(
         q=q,
         k_pool=pools[0],
@@ -59,7 +65,7 @@ def make_case(*, base_lens=(7, 20), hq=4, hkv=4, t=1, dim=16, block_size=4, tree
         base_len=torch.tensor(base_lens),  # [B]
         intra_mask=intra,  # [B, T, T] or None
         block_size=block_size,
-        **scales)
+        **extra)
 
 
 def naive_attention(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, k_scales=None,
@@ -209,6 +215,181 @@ def test_triton_reads_quantized_kv(name, kv_quant, dtype, num_splits, interprete
     assert got.dtype == dtype and got.shape == case["q"].shape
     want = paged_attention_reference(**{**case, "q": case["q"].float()})
     torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=0)
+
+
+# ---- prefix masks: a drafter's own tree levels, written just before the step by earlier forwards ------------------
+def hand_masked_sdpa(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, k_scales=None,
+                     v_scales=None, prefix_mask=None):
+    """Gather + SDPA written out by hand, in float32: each row's keys looked up position by position, and the [B, T, S]
+    mask filled in from the rules: a position before the M prefix slots is seen, prefix slot i (position
+    base - M + i) where prefix_mask[b, t, i], step token j where intra_mask[b, t, j] (j <= t when None), nothing past
+    the row's base + T. Quantized pools are dequantized (value x scale)."""
+    if k_scales is not None:
+        k_pool, v_pool = k_pool.float() * k_scales.unsqueeze(-1), v_pool.float() * v_scales.unsqueeze(-1)
+    batch, hq, t, dim = q.shape
+    hkv = k_pool.shape[1]
+    m = 0 if prefix_mask is None else prefix_mask.shape[-1]
+    span = int(base_len.max()) + t
+    keys, values = torch.zeros(batch, hkv, span, dim), torch.zeros(batch, hkv, span, dim)
+    mask = torch.zeros(batch, t, span, dtype=torch.bool)
+    for b in range(batch):
+        base, row = int(base_len[b]), int(rows[b])
+        for p in range(base + t):
+            slot = int(block_table[row, p // block_size]) * block_size + p % block_size
+            keys[b, :, p], values[b, :, p] = k_pool[slot].float(), v_pool[slot].float()
+            for tok in range(t):
+                if p < base - m:
+                    mask[b, tok, p] = True
+                elif p < base:
+                    mask[b, tok, p] = bool(prefix_mask[b, tok, p - (base - m)])
+                else:
+                    mask[b, tok, p] = p - base <= tok if intra_mask is None else bool(intra_mask[b, tok, p - base])
+    return F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask.unsqueeze(1), enable_gqa=hq != hkv)
+
+
+PREFIX_CASES = {  # M + T <= 64; rows whose base is below M have fewer prefix slots (the first ones do not exist)
+    "m3_t4_tree_gqa_ragged": dict(base_lens=(2, 40, 19), hq=8, hkv=2, t=4, tree=True, prefix=3, dim=32, block_size=4),
+    "m8_t1_decode": dict(base_lens=(8, 30), hq=4, hkv=1, t=1, prefix=8, dim=32, block_size=16),
+    "m12_t4_causal_block32": dict(base_lens=(12, 75, 33), hq=4, hkv=2, t=4, prefix=12, dim=32, block_size=32),
+    "m0_t4_tree": dict(base_lens=(5, 21), hq=4, hkv=2, t=4, tree=True, prefix=0, dim=32, block_size=16),
+    "m60_t4_sign_bit": dict(base_lens=(60, 70), hq=2, hkv=1, t=4, tree=True, prefix=60, dim=32, block_size=16),
+}
+
+
+@pytest.mark.parametrize("name", PREFIX_CASES)
+def test_reference_prefix_mask_is_gather_and_sdpa_under_the_hand_built_mask(name):
+    case = make_case(**PREFIX_CASES[name], seed=5)
+    torch.testing.assert_close(paged_attention_reference(**case), hand_masked_sdpa(**case), atol=1e-6, rtol=0)
+    if case["prefix_mask"].shape[-1]:  # the mask does bite: without it the output differs
+        plain = {**case, "prefix_mask": None}
+        assert not torch.allclose(paged_attention_reference(**plain), hand_masked_sdpa(**case), atol=1e-3)
+
+
+def test_mask_bits_pack_prefix_then_step_tokens_and_refuse_more_than_one_word():
+    intra = TWO_BRANCHES.expand(2, 4, 4)
+    prefix = torch.zeros(2, 4, 60, dtype=torch.bool)
+    prefix[1, 2, 59] = prefix[0, 0, 0] = True
+    bits, m = pa.mask_bits(intra, prefix, 2, 4, "cpu")
+    assert m == 60 and bits.dtype == torch.int64
+    for b in range(2):
+        for t in range(4):
+            window = torch.cat([prefix[b, t], intra[b, t]]).tolist()
+            assert [(int(bits[b, t]) >> i) & 1 for i in range(64)] == [int(x) for x in window]
+    assert pa.mask_bits(None, None, 2, 100, "cpu") == (None, 0)  # causal: no bits, any T
+    assert pa.mask_bits(None, prefix[:, :, :0], 2, 4, "cpu") == (None, 0)  # M = 0 is the plain path
+    causal_one = (prefix[:, :1, :3].long() << torch.arange(3)).sum(-1) + 8  # causal T = 1: bit M = itself
+    assert torch.equal(pa.mask_bits(None, prefix[:, :1, :3], 2, 1, "cpu")[0], causal_one)
+    with pytest.raises(ValueError, match="M \\+ T = 61 prefix slots \\+ 4 step tokens exceeds 64"):
+        pa.mask_bits(intra, torch.zeros(2, 4, 61, dtype=torch.bool), 2, 4, "cpu")
+    with pytest.raises(ValueError, match="prefix_mask must be \\[B, T, M\\]"):
+        pa.mask_bits(intra, torch.zeros(2, 3, 8, dtype=torch.bool), 2, 4, "cpu")
+    assert MASK_WINDOW == 64
+
+
+def test_doctests():
+    import doctest
+
+    assert doctest.testmod(pa).failed == 0
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "int8"])
+@pytest.mark.parametrize("m", [0, 5])
+def test_paged_cache_hands_the_prefix_mask_to_its_kernel(m, kv_quant):
+    """prepare(prefix_mask=) on a cache with a kernel takes the kernel path (here the reference stands in for the
+    kernels) and gives what gather + SDPA under the prefix mask gives, quantized pools included; a step whose
+    M + T exceeds MASK_WINDOW goes through gather + SDPA."""
+    batch, hq, hkv, t, dim, bs = 3, 4, 2, 4, 16, 4
+    caches = []
+    for with_kernel in (False, True):
+        cache = PagedKVCache(1, hkv, dim, max_rows=4, max_len=64, dtype=torch.float32, device="cpu", block_size=bs,
+                             kv_quant=kv_quant)
+        if with_kernel:
+            calls = []
+
+            def kernel(*args, **kwargs):
+                calls.append(kwargs.get("prefix_mask"))
+                return paged_attention_reference(*args, **kwargs)
+
+            def write_kernel(q, k, v, slots, k_pool, v_pool, *rest, **kwargs):
+                paged_kv_write_reference(k, v, k_pool, v_pool, slots, rope=kwargs.get("rope"))
+                return kernel(q, k_pool, v_pool, *rest, **kwargs)
+
+            cache.kernel, cache.write_kernel = kernel, write_kernel
+        caches.append(cache)
+    g = torch.Generator().manual_seed(m)
+    rows, base_len = torch.tensor([2, 0, 3]), torch.tensor([9, 6, 22])
+    outs = []
+    for cache in caches:  # the same history in both: committed tokens, then a step under a prefix mask
+        gen = torch.Generator().manual_seed(7)
+        cache.begin(rows, torch.zeros(3, dtype=torch.long), [0] * 3, 22, prefill=True)
+        cache.attend(0, *(torch.randn(batch, h, 22, dim, generator=gen) for h in (hq, hkv, hkv)))
+        for r, n in zip(rows.tolist(), base_len.tolist()):
+            cache.truncate(r, n)
+        cache.plan(rows.tolist(), base_len.tolist(), t)
+        prefix = torch.rand(batch, t, m, generator=torch.Generator().manual_seed(m)) < 0.5
+        cache.prepare(rows, base_len, t, TWO_BRANCHES.expand(batch, t, t), cache.static_span, prefix_mask=prefix)
+        outs.append(cache.attend(0, *(torch.randn(batch, h, t, dim, generator=gen) for h in (hq, hkv, hkv))))
+    assert caches[1]._use_kernel and len(calls) == 1 and (calls[0] is None) == (m == 0)
+    if m:
+        assert torch.equal(calls[0], prefix)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=0)
+    caches[1].prepare(rows, base_len, t, None, caches[1].static_span,
+                      prefix_mask=torch.ones(batch, t, MASK_WINDOW - t + 1, dtype=torch.bool))
+    assert not caches[1]._use_kernel  # one bit too many for the kernel's word
+
+
+TRITON_PREFIX_CASES = [  # (case, dtype, num_splits): a handful, the interpreter is slow
+    ("m3_t4_tree_gqa_ragged", torch.float32, None),
+    ("m8_t1_decode", torch.bfloat16, 3),
+    ("m12_t4_causal_block32", torch.float32, 1),
+    ("m12_t4_causal_block32", torch.bfloat16, None),
+    ("m0_t4_tree", torch.bfloat16, None),
+    ("m60_t4_sign_bit", torch.float32, 3),
+]
+
+
+@interpreter
+@pytest.mark.parametrize("name, dtype, num_splits", TRITON_PREFIX_CASES,
+                         ids=[f"{n}-{str(d)[6:]}-splits{s}" for n, d, s in TRITON_PREFIX_CASES])
+def test_triton_prefix_mask_matches_reference_and_hand_built_mask(name, dtype, num_splits, interpreter_bf16_dot):
+    """The kernel under a prefix mask against the float32 reference and against gather + SDPA under the mask built
+    by hand; M = 0 is the plain path, bit for bit."""
+    case = make_case(**PREFIX_CASES[name], dtype=dtype, seed=5)
+    got = paged_attention_triton(**case, num_splits=num_splits)
+    assert got.dtype == dtype and got.shape == case["q"].shape
+    upcast = {k: v.float() if k in ("q", "k_pool", "v_pool") else v for k, v in case.items()}
+    torch.testing.assert_close(got.float(), paged_attention_reference(**upcast), atol=TOLERANCE[dtype], rtol=0)
+    torch.testing.assert_close(got.float(), hand_masked_sdpa(**upcast), atol=TOLERANCE[dtype], rtol=0)
+    if not case["prefix_mask"].shape[-1]:
+        assert torch.equal(got, paged_attention_triton(**{**case, "prefix_mask": None}, num_splits=num_splits))
+
+
+@interpreter
+def test_triton_prefix_mask_on_quantized_kv_and_fused_write(interpreter_bf16_dot):
+    """An int8 pool with its scales under a prefix mask; the fused K/V write + attention (with RoPE) passes the mask on
+    and refuses one that does not fit the word before writing anything."""
+    case = make_case(**PREFIX_CASES["m3_t4_tree_gqa_ragged"], seed=6, kv_quant="int8")
+    got = paged_attention_triton(**case)
+    torch.testing.assert_close(got, paged_attention_reference(**case), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, hand_masked_sdpa(**case), atol=1e-5, rtol=0)
+
+    case, k, v, slots, rope = _step_case("tree_two_branches", torch.float32, seed=7)
+    case["prefix_mask"] = torch.rand(case["q"].shape[0], 4, 12, generator=torch.Generator().manual_seed(7)) < 0.5
+    want_pools = {n: case[n].clone() for n in ("k_pool", "v_pool")}
+    paged_kv_write_reference(k, v, want_pools["k_pool"], want_pools["v_pool"], slots, rope=rope)
+    with pytest.raises(ValueError, match="exceeds 64"):
+        paged_write_attention_triton(case["q"], k, v, slots, case["k_pool"], case["v_pool"], case["block_table"],
+                                     case["rows"], case["base_len"], case["intra_mask"], case["block_size"],
+                                     rope=rope, prefix_mask=torch.ones(2, 4, 61, dtype=torch.bool))
+    assert not torch.equal(case["k_pool"], want_pools["k_pool"])  # nothing written yet
+    got = paged_write_attention_triton(case["q"], k, v, slots, case["k_pool"], case["v_pool"], case["block_table"],
+                                       case["rows"], case["base_len"], case["intra_mask"], case["block_size"],
+                                       rope=rope, prefix_mask=case["prefix_mask"])
+    torch.testing.assert_close(case["k_pool"], want_pools["k_pool"], atol=1e-5, rtol=1e-5)
+    want = paged_attention_reference(**case, rope=rope)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, hand_masked_sdpa(**{**case, "q": rope_reference(case["q"], rope)}), atol=1e-5,
+                               rtol=0)
 
 
 # ---- the fused K/V write -------------------------------------------------------------------------------------------

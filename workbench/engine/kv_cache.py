@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.paged_attention import MASK_WINDOW
 from workbench.engine.kv_quant import SCALE_DTYPE, KVFormatError, kv_format
 
 
@@ -56,6 +57,7 @@ class KVCache(ABC):
         self._span = 0  # S: key positions read this step
         self._base: torch.Tensor | None = None  # [B] committed length before this step
         self._intra_mask: torch.Tensor | None = None  # [B, T, T] bool or None (causal)
+        self._prefix_mask: torch.Tensor | None = None  # [B, T, M] bool (M > 0) or None: the kernel path's prefix mask
         self.kernel = None  # attention kernel over the pool (paged caches, "triton" backend); None = gather + SDPA
         self._use_kernel = False  # this step uses it (never for prefill)
         # paged caches on the kernel path: K/V write + attention in one call (unquantized pools); None = write, then
@@ -124,22 +126,24 @@ class KVCache(ABC):
         rows [B], base_len [B] long; intra_mask [B, T, T] bool or None (causal); span: key slots read per row;
         prefix_mask [B, T, M] bool or None: which of the M slots just before base_len each new token sees (None: all;
         a drafter's own tree levels written by earlier forwards of the same step: EAGLE sees only its ancestors).
-        A prefix mask always uses gather + SDPA (the kernel masks by lengths only).
+        The kernel path takes a prefix mask as it takes the intra mask (one bit-word per query token); a step whose
+        M + T exceeds the kernel's MASK_WINDOW bits goes through gather + SDPA instead.
         """
         t = torch.arange(num_new, device=self.device)
+        m = 0 if prefix_mask is None else prefix_mask.shape[-1]
         self._rows = rows
         self._base = base_len
         self._intra_mask = intra_mask
-        self._use_kernel = kernel and self.kernel is not None and prefix_mask is None
+        self._prefix_mask = prefix_mask if m else None
+        self._use_kernel = kernel and self.kernel is not None and (not m or m + num_new <= MASK_WINDOW)
         self._write_pos = base_len.unsqueeze(1) + t  # [B, T]
         self._span = span
         self._prepare_slots()
-        if self._use_kernel:  # the kernel masks from lengths and the intra mask itself: no [B, 1, T, S] mask
+        if self._use_kernel:  # the kernel masks from lengths and the intra / prefix masks itself: no [B, 1, T, S] mask
             return
         key_pos = torch.arange(self._span, device=self.device)  # [S]
         before = key_pos.view(1, 1, -1) < base_len.view(-1, 1, 1)  # [B, 1, S]
-        if prefix_mask is not None and prefix_mask.shape[-1]:
-            m = prefix_mask.shape[-1]
+        if m:
             rel_prefix = key_pos.view(1, -1) - (base_len.view(-1, 1) - m)  # [B, S]: index among the M prefix slots
             in_prefix = (rel_prefix >= 0) & (rel_prefix < m)
             seen = prefix_mask.gather(2, rel_prefix.clamp(0, m - 1).unsqueeze(1).expand(-1, num_new, -1))  # [B, T, S]
@@ -171,6 +175,8 @@ class KVCache(ABC):
         if self.attends_in_one_call():
             # one call, outside torch.compile: K/V into the pool (one launch) and attention over it
             extra = {} if rope is None else {"rope": rope}
+            if self._prefix_mask is not None:
+                extra["prefix_mask"] = self._prefix_mask
             return self.write_kernel(q, k, v, self._write_slots, self.k[layer_idx], self.v[layer_idx],
                                      self.block_table, self._rows, self._base, self._intra_mask, self.block_size,
                                      **extra)
@@ -179,10 +185,11 @@ class KVCache(ABC):
         self._write(layer_idx, k.transpose(1, 2), v.transpose(1, 2))
         if self._use_kernel:  # reads the pool in place through the block table: no gather, no mask tensor
             fmt, quant = self.format, self.format.quantized
+            extra = {} if self._prefix_mask is None else {"prefix_mask": self._prefix_mask}
             return self.kernel(q, fmt.kernel_view(self.k[layer_idx]), fmt.kernel_view(self.v[layer_idx]),
                                self.block_table, self._rows, self._base, self._intra_mask, self.block_size,
                                k_scales=self.k_scale[layer_idx] if quant else None,
-                               v_scales=self.v_scale[layer_idx] if quant else None)
+                               v_scales=self.v_scale[layer_idx] if quant else None, **extra)
         keys, values = self._read(layer_idx)  # [B, Hkv, S, D]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self._mask,
                                               enable_gqa=q.shape[1] != keys.shape[1])

@@ -218,7 +218,7 @@ class EagleDrafter(OneStepDrafter):
         rows = ctx.max_rows + 1
         self.cache = make_cache(ctx.paged, num_layers=1, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
                                 max_rows=ctx.max_rows, max_len=need, dtype=dtype, device=ctx.device,
-                                block_size=ctx.kv_block_size, attention="sdpa")  # tree prefix masks: gather + SDPA
+                                block_size=ctx.kv_block_size, attention=ctx.attention)  # the kernel takes prefix masks
         self.pend_hidden = torch.zeros(rows, 1 + d, c.hidden_size, dtype=dtype, device=ctx.device)
         self.pend_tokens = torch.zeros(rows, 1 + d, dtype=torch.long, device=ctx.device)
         self.pend_count = torch.ones(rows, dtype=torch.long, device=ctx.device)  # pad_row: 1 pair at position 0
