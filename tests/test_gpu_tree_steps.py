@@ -82,3 +82,14 @@ def test_a_context_past_the_model_is_named(tmp_path):
     assert ts.main(argv) == 2
     notes = json.loads((tmp_path / "results.json").read_text())["notes"]
     assert any("lower --context or --steps" in n for n in notes)
+
+
+def test_bench_trees_refuses_a_batch_above_its_prompt_count(capsys):
+    """The batch sweep on presets runs through scripts/bench_trees.py too: a batch larger than --num-prompts would
+    silently run the prompts as one smaller batch, so it is refused before any model loads."""
+    spec = importlib.util.spec_from_file_location("bench_trees", ROOT / "scripts" / "bench_trees.py")
+    bt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bt)
+    assert bt.main(["--preset", "tiny", "--device", "cpu", "--batches", "1,4,16", "--num-prompts", "8",
+                    "--out", "unused"]) == 2
+    assert "batch 16 needs at least 16 prompts: give --num-prompts >= 16 (now 8)" in capsys.readouterr().err
