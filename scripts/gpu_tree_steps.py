@@ -2,6 +2,7 @@
 
     python scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out $OUT/steps8b
     python scripts/gpu_tree_steps.py --device cuda --preset small --out $OUT/steps_small
+    OUT=/tmp/out PART=treesteps bash scripts/gpu_session.sh   # the 8B shape then tiny (PART=treesmall: small)
     # CPU smoke run (what tests/test_gpu_tree_steps.py runs):
     python scripts/gpu_tree_steps.py --device cpu --target-config tiny-random --preset tiny --batches 1,2 \
         --context 24 --steps 6 --rounds 2 --out out/treesteps
@@ -20,7 +21,8 @@ Per target and batch (--batches), every method through the engine itself (SpecEn
               random target)
   redrafter   ReDrafter beams, width / length = --beam-width / --beam-length
   tree        a fixed tree of --tree-budget nodes (--beam-width branches of equal depth) with no drafting cost: the
-              engine's tree verify step (the target over 1 + N tokens with a tree mask, acceptance, KV compaction)
+              engine's tree verify step (the target over 1 + N tokens with a tree mask, acceptance, KV compaction);
+              its verify phase is the bare tree verify ("verify x AR step" in the table), its ms/step the whole step
 Each engine first runs one warm-up generate (it captures the graphs the timed calls replay: greedy decoding repeats
 the same steps), whose outputs are compared with AR's (greedy: equal in float32; bf16 may flip near-ties). A timed
 generate is B prompts of --context tokens for --steps new tokens; ms per target step = the decode loop's wall time
@@ -98,7 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tree-depth", type=int, default=4, help="eagle tree depth D (default 4)")
     ap.add_argument("--tree-topk", type=int, default=4, help="eagle children per node K (default 4)")
     ap.add_argument("--tree-budget", type=int, default=16, help="eagle nodes N, and the fixed tree's (default 16)")
-    ap.add_argument("--beam-width", type=int, default=4, help="redrafter beams W, the fixed tree's branches (default 4)")
+    ap.add_argument("--beam-width", type=int, default=4,
+                    help="redrafter beams W, and the fixed tree's branches (default 4)")
     ap.add_argument("--beam-length", type=int, default=4, help="redrafter beam length L (default 4)")
     ap.add_argument("--compile", choices=("off", "default", "max-autotune"), default="off",
                     help="torch.compile of the fixed-shape steps (default off: at 8B each shape compiles for minutes)")
@@ -318,7 +321,7 @@ def measure_batch(target: Target, batch: int, methods: list[tuple[str, str]], t0
         if time.perf_counter() - t0 > a.budget_s:
             errors[method] = "skipped: time budget spent"
             continue
-        s = time.perf_counter()
+        s, eng = time.perf_counter(), None
         try:
             eng = SpecEngine(target.model, target.drafter(method), cfg, device)
             eng.reserve(batch, a.context)
@@ -328,6 +331,7 @@ def measure_batch(target: Target, batch: int, methods: list[tuple[str, str]], t0
         except Exception as e:  # noqa: BLE001 - one failing method must not cost the call the other rows
             traceback.print_exc()
             errors[method] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+            eng = None  # a half-built engine's caches go before the next one is built
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         warm_s[method] = time.perf_counter() - s
@@ -413,10 +417,10 @@ def fmt(v, spec: str = ".3g") -> str:
 def table_md(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Target-step cost per method and batch · {m['device_name']} · {m['dtype']}", "",
-             f"Prompts of {m['context']} tokens, {m['steps']} new tokens, {m['rounds']} interleaved rounds, CUDA graphs "
-             f"on, compile {m['compile']}, overlap {fmt(m['overlap'])}; {m['elapsed_s']:.0f} s in all. ms/step: decode "
-             "wall time / target steps (median [min, max] over rounds); phases: GPU ms per step; x AR: over the AR "
-             "step of the same target and batch.", ""]
+             f"Prompts of {m['context']} tokens, {m['steps']} new tokens, {m['rounds']} interleaved rounds, "
+             f"CUDA graphs on, compile {m['compile']}, overlap {fmt(m['overlap'])}; {m['elapsed_s']:.0f} s in all. "
+             "ms/step: decode wall time / target steps (median [min, max] over rounds); phases: GPU ms per step; "
+             "x AR: over the AR step of the same target and batch.", ""]
     head = ["target", "batch", "method", "ms/step median [min, max]", "x AR step", "goal", "draft", "verify",
             "accept", "kv", "verify x AR step", "tokens/s", "tok/s x AR", "tokens per row-step", "outputs = AR"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -465,10 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     rows, notes, names = [], [], []  # names: the targets measured (each model is freed before the next loads)
     heads: dict[str, dict] = {}
 
-    def result() -> dict:
-        from workbench.harness.telemetry import environment_info
+    from workbench.harness.telemetry import environment_info
 
-        env = environment_info(str(device) if device.type == "cuda" else None)
+    env = environment_info(str(device) if device.type == "cuda" else None)  # read once: git calls, NVML
+
+    def result() -> dict:
         return {"meta": {"device": str(device), "device_name": env.get("device_name") or "cpu", "dtype": args.dtype,
                          "context": args.context, "steps": args.steps, "rounds": args.rounds, "compile": args.compile,
                          "overlap": args.overlap, "heads": heads, "elapsed_s": time.perf_counter() - t0,
