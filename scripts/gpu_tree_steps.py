@@ -27,7 +27,8 @@ Each engine first runs one warm-up generate (it captures the graphs the timed ca
 the same steps), whose outputs are compared with AR's (greedy: equal in float32; bf16 may flip near-ties). A timed
 generate is B prompts of --context tokens for --steps new tokens; ms per target step = the decode loop's wall time
 (first token -> last row done) / the target steps it ran; per-phase GPU ms per step from the result's phase_ms
-(draft / verify / accept / kv); tokens/s = decode tokens / decode wall time.
+(draft / verify / accept / kv); tokens/s = decode tokens / decode wall time. At --busy-batches, one more generate per
+method under torch.profiler gives GPU busy and device kernels per step (GPU only).
 
 Rows: median [min, max] over rounds, ratio to the AR step of the same target and batch, the issue's goal where it
 names one (8B batch 1: tree <= 1.10x, eagle <= 1.35x, redrafter <= 1.35x; presets batch 1: eagle and redrafter
@@ -103,6 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--beam-width", type=int, default=4,
                     help="redrafter beams W, and the fixed tree's branches (default 4)")
     ap.add_argument("--beam-length", type=int, default=4, help="redrafter beam length L (default 4)")
+    ap.add_argument("--busy-batches", type=lambda t: ints(t) if t.strip() else (), default=(1,),
+                    help="batches whose methods get one extra generate under torch.profiler for GPU busy and "
+                         "kernels per step (default 1; '' = none)")
     ap.add_argument("--compile", choices=("off", "default", "max-autotune"), default="off",
                     help="torch.compile of the fixed-shape steps (default off: at 8B each shape compiles for minutes)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
@@ -305,6 +309,44 @@ def timed(engine: SpecEngine, prompts: list[list[int]], device: torch.device) ->
             "captured_in_call": len(engine.graph_stats().captured) - captured_before}
 
 
+def busy_fraction(intervals: list[tuple[float, float]]) -> float | None:
+    """The share of the span from the first interval's start to the last one's end that some interval covers
+    (kernels that overlap, e.g. with dependent launches, count once).
+
+    >>> busy_fraction([(0, 2), (1, 3), (5, 6)])  # 0..3 and 5..6 covered of 0..6
+    0.6666666666666666
+    >>> busy_fraction([]) is None
+    True
+    """
+    if not intervals:
+        return None
+    iv = sorted(intervals)
+    covered, (lo, hi) = 0.0, iv[0]
+    for start, end in iv[1:]:
+        if start > hi:
+            covered, (lo, hi) = covered + hi - lo, (start, end)
+        else:
+            hi = max(hi, end)
+    covered += hi - lo
+    span = max(end for _, end in iv) - iv[0][0]
+    return covered / span if span > 0 else None
+
+
+def profiled(engine: SpecEngine, prompts: list[list[int]], device: torch.device) -> dict:
+    """One generate under torch.profiler: GPU busy (the share of the first kernel -> last kernel span some kernel or
+    copy ran; the prompt's prefill included) and device kernels per target step. None on a CPU (no device events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        res = engine.generate(prompts)
+        sync(device)
+    iv = [(ev.time_range.start, ev.time_range.end) for ev in prof.events()
+          if ev.device_type == torch.autograd.DeviceType.CUDA]
+    steps = len(res.steps) + res.wasted_steps
+    return {"gpu_busy": busy_fraction(iv), "kernels_per_step": len(iv) / max(steps, 1) if iv else None}
+
+
 def median3(xs: list[float]) -> tuple[float, float, float]:
     return statistics.median(xs), min(xs), max(xs)
 
@@ -349,6 +391,18 @@ def measure_batch(target: Target, batch: int, methods: list[tuple[str, str]], t0
                 traceback.print_exc()
                 errors[method] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
                 del engines[method]
+    busy = {}
+    if batch in a.busy_batches:
+        for method in list(engines):
+            if time.perf_counter() - t0 > a.budget_s:
+                notes.append(f"{target.name} batch {batch}: GPU busy not profiled for {method} (time budget spent)")
+                continue
+            try:
+                busy[method] = profiled(engines[method], prompts, device)
+            except Exception as e:  # noqa: BLE001 - the timings stand without it
+                traceback.print_exc()
+                busy[method] = {"gpu_busy": None, "kernels_per_step": None,
+                                "profile_error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
     rows = []
     ar = runs.get("ar") or []
     ar_ms = statistics.median(x["ms_per_step"] for x in ar) if ar else None
@@ -377,6 +431,8 @@ def measure_batch(target: Target, batch: int, methods: list[tuple[str, str]], t0
                              "timed rounds (those rounds include capture time)")
             if method != "ar" and row["phase_ms_per_step"]["verify"] and ar and ar_ms:
                 row["verify_ratio_vs_ar"] = row["phase_ms_per_step"]["verify"] / ar_ms
+        if method in busy:
+            row.update(busy[method])
         if row["goal_max_ratio"] is not None and row.get("ratio_vs_ar") is not None:
             row["goal_met"] = row["ratio_vs_ar"] <= row["goal_max_ratio"]
         rows.append(row)
@@ -420,9 +476,11 @@ def table_md(result: dict) -> str:
              f"Prompts of {m['context']} tokens, {m['steps']} new tokens, {m['rounds']} interleaved rounds, "
              f"CUDA graphs on, compile {m['compile']}, overlap {fmt(m['overlap'])}; {m['elapsed_s']:.0f} s in all. "
              "ms/step: decode wall time / target steps (median [min, max] over rounds); phases: GPU ms per step; "
-             "x AR: over the AR step of the same target and batch.", ""]
+             "x AR: over the AR step of the same target and batch. GPU busy (goal on presets at batch 1: >= 80 % "
+             "for eagle and redrafter): share of one profiled generate's kernel span some kernel ran.", ""]
     head = ["target", "batch", "method", "ms/step median [min, max]", "x AR step", "goal", "draft", "verify",
-            "accept", "kv", "verify x AR step", "tokens/s", "tok/s x AR", "tokens per row-step", "outputs = AR"]
+            "accept", "kv", "verify x AR step", "tokens/s", "tok/s x AR", "tokens per row-step", "GPU busy",
+            "kernels per step", "outputs = AR"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
         if r.get("ms_per_step") is None:
@@ -439,6 +497,7 @@ def table_md(result: dict) -> str:
             f"{fmt(r.get('verify_ratio_vs_ar'), '.2f')}x" if r.get("verify_ratio_vs_ar") is not None else "—",
             fmt(r["tokens_per_s"], ".1f"), f"{fmt(r['speedup_vs_ar'], '.2f')}x" if r["speedup_vs_ar"] else "—",
             fmt(r["tokens_per_row_step"], ".2f"),
+            f"{r['gpu_busy']:.0%}" if r.get("gpu_busy") is not None else "—", fmt(r.get("kernels_per_step"), ".0f"),
             f"{r['outputs_equal_ar']}/{r['batch']}" if "outputs_equal_ar" in r else "—"]) + " |")
     if result["stops_paying"]:
         lines += ["", "## Where the tree stops paying (eagle tokens/s over AR per batch)", ""]
