@@ -283,7 +283,7 @@ def goal_of(target: Target, batch: int, method: str) -> float | None:
         return {"tree": 1.10 if a.tree_budget == 16 else None, "eagle": 1.35 if issue_tree else None,
                 "redrafter": 1.35 if issue_beams else None}.get(method)
     if target.kind == "preset" and target.name in ("tiny", "small"):
-        return {"eagle": 2.0, "redrafter": 2.0}.get(method)
+        return {"eagle": 2.0 if issue_tree else None, "redrafter": 2.0 if issue_beams else None}.get(method)
     return None
 
 
