@@ -121,6 +121,10 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[str, BenchConfig]], list[
                        repeats=args.repeats, warmup=args.warmup, cuda_graphs=args.cuda_graphs,
                        k=args.k, beam_length=args.beam_length)
     notes, rows = [], []
+    short = [b for b in args.batches if b > args.num_prompts]
+    if short:  # a batch above the prompt count would run the prompts as one smaller batch, under the bigger label
+        raise PlanError(f"batch {max(short)} needs at least {max(short)} prompts: give --num-prompts >= "
+                        f"{max(short)} (now {args.num_prompts})")
     eagle = eagle_note()
     if eagle:
         notes.append(eagle)

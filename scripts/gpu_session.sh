@@ -14,6 +14,10 @@
 #   e1, f4, e5     speculative chains against AR at batch 1 (small; small with the compiled prefill; tiny)
 #   u              batch sweep on small
 #   trees          trees and beams (EAGLE-2, ReDrafter) against chains and AR on small
+#   treesteps      ms per target step of AR, n-gram, eagle, redrafter and a bare 17-node tree verify at the random
+#                  Llama-3.1-8B shape, then on tiny; batch 1, 4, 16, 32 (issue 40's goals)
+#   treesmall      the same on small (with the draft-model chain), then bench_trees' batch sweep on small (tokens/s
+#                  of eagle and redrafter against AR per batch: where the tree stops paying)
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -134,6 +138,19 @@ trees)
   heads
   step trees 60 $PY scripts/bench_trees.py --preset small --device cuda --out "$R/trees" --batches 1 \
     --tree-budgets 16,32 --tree-topk 8 --beam-widths 1,4 --category-prompts 0 --budget-s "${TREES_S:-100}" ;;
+treesteps)
+  step steps8b 150 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/steps8b" \
+    --batches 1,4,16,32 --context 512 --steps 64 --rounds 3 --budget-s "${STEPS_S:-380}"
+  step stepstiny 60 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --out "$R/stepstiny" \
+    --batches 1,4,16,32 --context 512 --steps 64 --rounds 3 --budget-s "$(( $(left) - 30 ))" ;;
+treesmall)
+  train_small
+  heads
+  step stepssmall 90 $PY scripts/gpu_tree_steps.py --device cuda --preset small --out "$R/stepssmall" \
+    --batches 1,4,16,32 --context 512 --steps 64 --rounds 3 --budget-s "${STEPS_S:-150}"
+  step sweep 60 $PY scripts/bench_trees.py --preset small --device cuda --out "$R/sweep" --batches 1,4,16,32 \
+    --num-prompts 32 --max-new-tokens 64 --tree-budgets 16 --tree-depth 4 --tree-topk 4 --beam-widths 4 \
+    --category-prompts 0 --repeats 3 --budget-s "$(( $(left) - 40 ))" ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small
