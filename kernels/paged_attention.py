@@ -94,8 +94,9 @@ def rope_reference(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | No
 
 
 def paged_attention_reference(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
-                              k_scales=None, v_scales=None, rope=None, prefix_mask=None):
+                              k_scales=None, v_scales=None, rope=None, prefix_mask=None, bits=None):
     """Gather every position of the block table, mask, and run SDPA (the engine's path; the kernels' reference).
+    `bits` (the kernel's precomputed mask words) is accepted for the same signature and not read: the masks are.
 
     q [B, Hq, T, D]; k_pool, v_pool [num_slots, Hkv, D]; block_table [R, max_blocks] int; rows [B] long;
     base_len [B] long; intra_mask [B, T, T] bool or None (causal) -> [B, Hq, T, D] in q's dtype.
@@ -317,11 +318,13 @@ def mask_bits(intra_mask, prefix_mask, b: int, t: int, device) -> tuple[torch.Te
 
 
 def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,
-                           k_scales=None, v_scales=None, num_splits: int | None = None, rope=None, prefix_mask=None):
+                           k_scales=None, v_scales=None, num_splits: int | None = None, rope=None, prefix_mask=None,
+                           bits=None):
     """Same contract as `paged_attention_reference`; `num_splits` overrides the shape-derived split count (more than
     one: a second launch combines the splits, cheap behind a dependent launch); rope = (cos, sin_signed) [B, T, D]: q
     arrives before RoPE and is rotated as it is loaded; prefix_mask [B, T, M] with M + T <= MASK_WINDOW (M = 0 or
-    None: the plain path)."""
+    None: the plain path); bits: `mask_bits(intra_mask, prefix_mask, ...)` computed once for a step's every layer
+    (then the masks are not read here)."""
     b, hq, t, dim = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -340,7 +343,7 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
     lse = torch.empty(b, hq, t, num_splits, dtype=torch.float32, device=q.device)
     o = out.unsqueeze(3) if num_splits == 1 else torch.empty(b, hq, t, num_splits, dim, dtype=torch.float32,
                                                              device=q.device)  # [B, Hq, T, splits, D]
-    intra_bits, prefix_len = mask_bits(intra_mask, prefix_mask, b, t, q.device)  # [B, T] int64 or None, M
+    intra_bits, prefix_len = bits if bits is not None else mask_bits(intra_mask, prefix_mask, b, t, q.device)
     causal = intra_bits is None
     if causal:
         intra_bits = base_len  # any tensor: never read
@@ -438,12 +441,12 @@ def paged_kv_write_triton(k, v, k_pool, v_pool, slots, rope=None, heads_per_prog
 
 
 def paged_write_attention_triton(q, k, v, slots, k_pool, v_pool, block_table, rows, base_len, intra_mask,
-                                 block_size, scale=None, rope=None, prefix_mask=None):
+                                 block_size, scale=None, rope=None, prefix_mask=None, bits=None):
     """The step's K/V into the pool (`paged_kv_write_triton`), then `paged_attention_triton` over it: the two launches
     an unquantized paged layer makes on the kernel path, in one call the engine keeps outside torch.compile. With
     rope = (cos, sin_signed) [B, T, D], q and k arrive before RoPE and both kernels rotate them (no RoPE kernel).
-    prefix_mask [B, T, M]: as for `paged_attention_triton` (checked before anything is written)."""
+    prefix_mask [B, T, M], bits: as for `paged_attention_triton` (checked before anything is written)."""
     check_prefix_mask(prefix_mask, q.shape[0], q.shape[2])
     paged_kv_write_triton(k, v, k_pool, v_pool, slots, rope=rope)
     return paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale,
-                                  rope=rope, prefix_mask=prefix_mask)
+                                  rope=rope, prefix_mask=prefix_mask, bits=bits)

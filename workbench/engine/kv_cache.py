@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import MASK_WINDOW
+from kernels.paged_attention import MASK_WINDOW, mask_bits
 from workbench.engine.kv_quant import SCALE_DTYPE, KVFormatError, kv_format
 
 
@@ -58,6 +58,9 @@ class KVCache(ABC):
         self._base: torch.Tensor | None = None  # [B] committed length before this step
         self._intra_mask: torch.Tensor | None = None  # [B, T, T] bool or None (causal)
         self._prefix_mask: torch.Tensor | None = None  # [B, T, M] bool (M > 0) or None: the kernel path's prefix mask
+        # the kernel path's mask bit-words (kernels.paged_attention.mask_bits) of a tree- or prefix-masked step, built
+        # once in `prepare` for every layer; None: a causal step
+        self._bits: tuple[torch.Tensor, int] | None = None
         self.kernel = None  # attention kernel over the pool (paged caches, "triton" backend); None = gather + SDPA
         self._use_kernel = False  # this step uses it (never for prefill)
         # paged caches on the kernel path: K/V write + attention in one call (unquantized pools); None = write, then
@@ -139,7 +142,10 @@ class KVCache(ABC):
         self._write_pos = base_len.unsqueeze(1) + t  # [B, T]
         self._span = span
         self._prepare_slots()
+        self._bits = None
         if self._use_kernel:  # the kernel masks from lengths and the intra / prefix masks itself: no [B, 1, T, S] mask
+            if intra_mask is not None or m:
+                self._bits = mask_bits(intra_mask, self._prefix_mask, rows.shape[0], num_new, self.device)
             return
         key_pos = torch.arange(self._span, device=self.device)  # [S]
         before = key_pos.view(1, 1, -1) < base_len.view(-1, 1, 1)  # [B, 1, S]
@@ -175,8 +181,8 @@ class KVCache(ABC):
         if self.attends_in_one_call():
             # one call, outside torch.compile: K/V into the pool (one launch) and attention over it
             extra = {} if rope is None else {"rope": rope}
-            if self._prefix_mask is not None:
-                extra["prefix_mask"] = self._prefix_mask
+            if self._bits is not None:  # a tree or prefix mask: its bit-words, built once for every layer
+                extra.update(prefix_mask=self._prefix_mask, bits=self._bits)
             return self.write_kernel(q, k, v, self._write_slots, self.k[layer_idx], self.v[layer_idx],
                                      self.block_table, self._rows, self._base, self._intra_mask, self.block_size,
                                      **extra)
@@ -185,7 +191,7 @@ class KVCache(ABC):
         self._write(layer_idx, k.transpose(1, 2), v.transpose(1, 2))
         if self._use_kernel:  # reads the pool in place through the block table: no gather, no mask tensor
             fmt, quant = self.format, self.format.quantized
-            extra = {} if self._prefix_mask is None else {"prefix_mask": self._prefix_mask}
+            extra = {} if self._bits is None else {"prefix_mask": self._prefix_mask, "bits": self._bits}
             return self.kernel(q, fmt.kernel_view(self.k[layer_idx]), fmt.kernel_view(self.v[layer_idx]),
                                self.block_table, self._rows, self._base, self._intra_mask, self.block_size,
                                k_scales=self.k_scale[layer_idx] if quant else None,

@@ -218,7 +218,8 @@ class RedrafterDrafter(OneStepDrafter):
         """rows [B], root [B] -> the merged prefix tree's (token_ids, parents, depths, valid [B, W*L], beam_pairs
         [B, 2]): the beam search and the merge as one fixed-shape step."""
         tree, _ = DraftTree.from_beams(self._search(rows, self._roots(rows, root)))
-        return tree.token_ids, tree.parents, tree.depths, tree.valid, tree.beam_pairs
+        # contiguous: one beam's chain has expanded parents / depths, which a kept step output cannot be copied into
+        return tuple(x.contiguous() for x in (tree.token_ids, tree.parents, tree.depths, tree.valid, tree.beam_pairs))
 
     def beam_tokens(self, state: BatchState) -> torch.Tensor:
         """The step's W beams of L tokens for state.rows: [B, W, L] long (eager; for inspection and tests)."""
