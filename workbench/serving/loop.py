@@ -268,7 +268,7 @@ class ServingLoop:
             raise ServeError(f"a request needs more positions than the target's context {engine.max_context()}: "
                              "lower --max-new-tokens or the prompt length")
         self.max_num_seqs, self.prefill_chunk, self.prefix_caching = max_num_seqs, prefill_chunk, prefix_caching
-        self.adaptive = adaptive or AdaptiveSpeculation(k=self.n_nodes)
+        self.adaptive = adaptive or AdaptiveSpeculation(k=self.n_nodes, tree=not self.chains)
         self.max_concurrency = max_concurrency
         self.clock = clock or RealClock()
         self.timer = PhaseTimer(engine.device, timing)
@@ -457,7 +457,7 @@ class ServingLoop:
         contexts = exact if ahead is None else [c + ahead.get(r, 0) for r, c in zip(live, exact)]
         batch_k = self.adaptive.batch_k(len(live), self._queued)
         ks = [self.adaptive.row_k(s, c, batch_k) for s, c in zip(decoding, contexts)]
-        if not self.chains:  # trees are verified whole or not at all
+        if not self.chains:  # trees are verified whole or not at all (rules built without tree=True too)
             ks = [self.n_nodes if k else 0 for k in ks]
         if self._own_draft_kv and self.catch_up_max and any(ks):
             # a row whose draft model missed more than catch_up_max generated tokens (it decoded that long at k = 0)
