@@ -204,7 +204,8 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
     requests_df = metrics.request_rows(result)
     requests_df.insert(0, "run_id", run_id)
     # last, after every engine statistic was read: the solo decodes run on an engine of their own, untimed
-    rec.update(solo_columns(session, cfg, requests, result.outputs))
+    rec.update(solo_columns(engine, cfg, requests, result.outputs, getattr(session, "divergence_margins", None),
+                            str(session.dtype)))
     return ServeBenchResult(rec, traces, requests_df, result)
 
 

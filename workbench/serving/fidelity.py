@@ -1,7 +1,7 @@
 """Greedy fidelity under load: at temperature 0 every served output must equal that request's solo greedy output.
 
 The reference of a request is its prompt decoded alone: batch 1, autoregressive (no drafter), `SpecEngine.generate`
-with the run's engine settings (dtype, attention, KV format, graphs, compile) and the request's max_new_tokens. So the
+with the serving engine's settings (dtype, attention, KV format, graphs, compile) and the request's max_new_tokens. So the
 check covers both what load does (batching, joins, chunked prefill, preemption and recompute) and what speculation
 does (a drafter never changes greedy output). It runs after the timed run, untimed, on at most
 `greedy_check_requests` requests (the first by id; each distinct prompt and length decoded once).
@@ -21,7 +21,6 @@ import time
 from dataclasses import replace
 
 from workbench.engine import SpecEngine
-from workbench.engine.step import engine_config
 
 
 def checked_requests(requests, limit: int) -> list:
@@ -73,21 +72,38 @@ def compare_columns(served: dict[int, list[int]], reference: dict[int, list[int]
     return cols
 
 
-def solo_columns(session, cfg, requests, served: dict[int, list[int]]) -> dict:
-    """`greedy_matches_solo` and its companions for a finished serving run (cfg resolved: no "auto" left); all None
+_kept: list = []  # the solo engine made last (at most one)
+
+
+def solo_engine(engine: SpecEngine) -> SpecEngine:
+    """An engine without a drafter over `engine`'s target with `engine`'s settings (untimed). The one made last is
+    kept for the next run over the same target with the same settings, so a study's or a sweep's runs do not build,
+    capture and compile it again each time; one at a time (its cache and graphs hold device memory, and it holds
+    its target until another replaces it)."""
+    config = replace(engine.config, timing=False)
+    if _kept:
+        kept = _kept[0]
+        if kept.target is engine.target and kept.config == config and kept.device == engine.device:
+            return kept
+        _kept.clear()  # freed before the next one is made
+    _kept.append(SpecEngine(engine.target, None, config, engine.device))
+    return _kept[0]
+
+
+def solo_columns(engine: SpecEngine, cfg, requests, served: dict[int, list[int]], margins=None,
+                 dtype: str = "float32") -> dict:
+    """`greedy_matches_solo` and its companions for a finished serving run on `engine` (cfg resolved: no "auto"
+    left); the solo decodes run on an engine of their own (`solo_engine`): the same target and settings, no drafter.
+    margins(prompts, ours, theirs, cfg): `BenchSession.divergence_margins` (None: no near-tie columns). All None
     where nothing is checked (sampling, or greedy_check_requests 0)."""
     none = {"greedy_matches_solo": None, "greedy_solo_compared": None, "greedy_solo_s": None}
     picked = checked_requests(requests, cfg.greedy_check_requests)
     if cfg.temperature != 0.0 or not picked:
         return none
     t0 = time.perf_counter()
-    engine = SpecEngine(session.model_for("target", cfg), None, engine_config(cfg), session.device)
-    reference = solo_outputs(engine, picked)
-    del engine  # its cache and graphs
-    margins = getattr(session, "divergence_margins", None)
+    reference = solo_outputs(solo_engine(engine), picked)
     cols = compare_columns(served, reference, {r.id: list(r.prompt) for r in picked},
-                           None if margins is None else lambda p, ours, theirs: margins(p, ours, theirs, cfg),
-                           str(getattr(session, "dtype", "float32")))
+                           None if margins is None else lambda p, ours, theirs: margins(p, ours, theirs, cfg), dtype)
     cols["greedy_solo_s"] = time.perf_counter() - t0
     return cols
 
