@@ -158,7 +158,8 @@ def test_study_searches_a_tree_whole_or_off_per_bucket(session, tmp_path):
     every trial and the real trial serves the tree at the node count the record run verified."""
     base = ServeConfig(method="eagle", tree_depth=3, tree_topk=2, tree_budget=6, rate=20.0, num_requests=4,
                        max_new_tokens=8, max_num_seqs=4, greedy_check_requests=0)
-    assert ss.is_tree_method(base) and not ss.is_tree_method(replace(base, tree_topk=1))
+    assert ss.is_tree_method(base) and ss.is_tree_method(replace(base, tree_topk=1))  # (loop.verifies_shorter)
+    assert not ss.is_tree_method(replace(base, method="redrafter", beam_width=1))
     store = ResultStore(tmp_path / "store")
     study = ss.run_study(session, base, study_name="tree", storage=f"sqlite:///{tmp_path / 'studies.db'}",
                          replay_trials=4, real_trials=1, store=store, log=lambda *_: None)

@@ -245,3 +245,24 @@ def test_tree_knobs_are_serving_knobs():
     assert set(SERVE_METHODS) == set(METHODS)
     assert {f.name for f in fields(ServeConfig)} == names
     check_config(ServeConfig(method="eagle", tree_depth=3, tree_topk=2, tree_budget=6))
+
+
+@pytest.mark.parametrize("method, knobs, shorter", [
+    ("eagle", {"tree_depth": 4, "tree_topk": 1, "tree_budget": 4}, False),  # a chain, but its commit needs all D
+    ("redrafter", {"beam_width": 1, "beam_length": 4}, True),  # one beam: a chain, verified at any length
+])
+def test_chain_shaped_heads_follow_what_the_engine_can_verify(target, solo, method, knobs, shorter):
+    from workbench.engine.drafters import EagleHead, RedrafterHead
+    from workbench.engine.drafters import make_drafter as registry_drafter
+    from workbench.serving.loop import verifies_shorter
+
+    heads = {"eagle": EagleHead.for_target(target, seed=4, std=0.3),
+             "redrafter": RedrafterHead.for_target(target, seed=4, std=0.3)}
+    drafter = registry_drafter(method, knobs, target=target, heads=heads)
+    assert drafter.proposes_chains and verifies_shorter(drafter) is shorter
+    reqs = poisson_requests(7)
+    engine = SpecEngine(target, drafter, EngineConfig(max_new_tokens=64, kv_block_size=BS))
+    res = serve(engine, reqs, adaptive=AdaptiveSpeculation(4, k_by_batch=[(1, 1, 2), (2, 2, 1), (3, 64, 0)]))
+    assert_solo(res, reqs, solo)
+    lengths = {t.num_nodes for t in res.traces}
+    assert lengths == ({0, 1, 2} if shorter else {0, 4})

@@ -33,7 +33,7 @@ from workbench.serving.adaptive import AdaptiveSpeculation, format_k_by_batch
 from workbench.serving.config import SERVE_CONFIG_KNOBS, ServeConfig, ServeError, check_config
 from workbench.serving.fidelity import solo_columns
 from workbench.serving.loadgen import make_requests
-from workbench.serving.loop import RealClock, ServeResult, ServingLoop, frozen_gc
+from workbench.serving.loop import RealClock, ServeResult, ServingLoop, frozen_gc, verifies_shorter
 from workbench.serving.tuning import format_serve_tuning, parse_serve_tuning
 
 TRACE_COLUMNS = ["run_id", "seq", "step", "drafted", "accepted", "emitted", "batch_size", "k", "num_nodes",
@@ -74,8 +74,8 @@ def adaptive_for(cfg, num_nodes: int, k_by_batch: list[tuple[int, int, int]] | N
 
 
 def is_tree(engine: SpecEngine) -> bool:
-    """Whether the engine's drafter proposes trees or beams (verified whole or not at all), not chains."""
-    return engine.drafter is not None and not engine.drafter.proposes_chains
+    """Whether the engine's drafter is verified whole or not at all (trees, beams; `loop.verifies_shorter`)."""
+    return not verifies_shorter(engine.drafter)
 
 
 def calibration_sizes(cfg) -> tuple[int, ...]:
