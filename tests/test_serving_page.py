@@ -320,4 +320,5 @@ def test_tree_rows_are_labelled_by_shape_and_have_no_schedule_to_export():
     assert sv.line_label(row) == "adaptive · eagle D4 K4 N16 · 1-4:1"
     assert sv.line_label({"method": "redrafter", "k": 4, "beam_width": 2, "beam_length": 4}) == \
         "fixed · redrafter W2 L4"
-    assert sv.fidelity_note({"greedy_matches_solo": None}).endswith("not checked (sampling, or greedy_check_requests 0)")
+    assert sv.fidelity_note({"greedy_matches_solo": None}).endswith(
+        "not checked (sampling, or greedy_check_requests 0)")

@@ -1,9 +1,9 @@
 """Greedy fidelity under load: at temperature 0 every served output must equal that request's solo greedy output.
 
 The reference of a request is its prompt decoded alone: batch 1, autoregressive (no drafter), `SpecEngine.generate`
-with the serving engine's settings (dtype, attention, KV format, graphs, compile) and the request's max_new_tokens. So the
-check covers both what load does (batching, joins, chunked prefill, preemption and recompute) and what speculation
-does (a drafter never changes greedy output). It runs after the timed run, untimed, on at most
+with the serving engine's settings (dtype, attention, KV format, graphs, compile) and the request's max_new_tokens.
+So the check covers both what load does (batching, joins, chunked prefill, preemption and recompute) and what
+speculation does (a drafter never changes greedy output). It runs after the timed run, untimed, on at most
 `greedy_check_requests` requests (the first by id; each distinct prompt and length decoded once).
 
 Columns of the serve-bench row (`solo_columns`):
