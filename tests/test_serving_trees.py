@@ -52,12 +52,15 @@ def test_served_trees_equal_solo_greedy_under_poisson_arrivals(target, draft, so
     assert {t.num_nodes for t in res.traces} == {n}  # every step verified the whole tree
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
 @pytest.mark.parametrize("kind", TREES)
-def test_served_trees_equal_solo_greedy_under_preemption(target, draft, solo, kind):
+def test_served_trees_equal_solo_greedy_under_preemption(target, draft, solo, kind, graphs):
     reqs = poisson_requests(4)
     n = make_drafter(kind, draft, target).num_nodes
     pool = max(math.ceil((len(r.prompt) + r.max_new_tokens + n + 2) / BS) for r in reqs)  # the largest worst case
-    res = serve(tree_engine(kind, target, draft), reqs, policy="max_util", num_blocks=pool, prefill_chunk=6)
+    extra = dict(cuda_graphs=True, graph_batch_sizes=(1, 2, 4)) if graphs else {}
+    res = serve(tree_engine(kind, target, draft, **extra), reqs, policy="max_util", num_blocks=pool,
+                prefill_chunk=6)
     assert res.preemptions > 0 and any(s.preemptions for s in res.states)
     assert_solo(res, reqs, solo)
     assert res.max_used_blocks <= pool
@@ -266,3 +269,27 @@ def test_chain_shaped_heads_follow_what_the_engine_can_verify(target, solo, meth
     assert_solo(res, reqs, solo)
     lengths = {t.num_nodes for t in res.traces}
     assert lengths == ({0, 1, 2} if shorter else {0, 4})
+
+
+def test_a_calibrated_tree_schedule_is_recorded_as_on_and_off(target, draft, solo):
+    """A step calibration of a tree times 0 and the whole tree only; the row's k_by_batch says on (1) / off (0) per
+    batch range, as the knob reads it, and every step served so."""
+    from tests.test_serving_adaptive import fake_session
+    from workbench.serving import bench
+    from workbench.serving.loop import StepClock
+    from workbench.settings import parse_k_by_batch
+
+    reqs = poisson_requests(5)
+    engine = tree_engine("eagle", target, draft)
+    n = engine.num_nodes
+    cfg = ServeConfig(method="eagle", max_num_seqs=4, kv_block_size=BS, max_new_tokens=12, calibration="step",
+                      graph_batch_sizes=(1, 2, 4))
+    out = bench.serve_bench(fake_session(), cfg, clock=StepClock(), engine=engine, requests=reqs)
+    assert_solo(out.result, reqs, solo)
+    rec = out.record
+    assert {r["k"] for r in json.loads(rec["calibration_table"])["measured"]} == {0, n}
+    ranges = parse_k_by_batch(rec["k_by_batch"])
+    assert ranges[0][0] == 1 and ranges[-1][1] == 4 and {k for *_, k in ranges} <= {0, 1}
+    for t in out.result.traces:
+        assert t.num_nodes == n * next(k for lo, hi, k in ranges if lo <= t.batch_size <= hi)
+    assert rec["greedy_matches_solo"] is True and rec["greedy_solo_compared"] == len(reqs)

@@ -180,8 +180,10 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
     rec.update(loop_batch_prefill=result.batch_prefill, loop_overlap=result.overlap,
                loop_steps_ahead=result.steps_ahead, serve_tuning=format_serve_tuning(result.tuning),
                kernel_tuning=format_tuning(parse_tuning(cfg.kernel_tuning)))
-    if calibrated:  # the schedule the run served with (config_json keeps the settings as given)
-        rec["k_by_batch"] = format_k_by_batch(ranges)
+    if calibrated:  # the schedule the run served with (config_json keeps the settings as given); a tree's on / off
+        # as 1 / 0, as the knob reads it (its N nodes may exceed what the knob's k allows)
+        rec["k_by_batch"] = format_k_by_batch([(lo, hi, int(k > 0)) for lo, hi, k in ranges] if is_tree(engine)
+                                              else ranges)
     if cfg.method == "ar":
         for key in ("acceptance_rate", "mean_accepted_tokens", "tree_size_mean", "accepted_path_length_mean"):
             rec[key] = None
