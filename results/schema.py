@@ -264,7 +264,7 @@ SERVING_SPECS: list[ColumnSpec] = [
                               "calibration_budget_s"),
     *_cols("config", "int", "max_concurrency num_requests warmup_requests input_len shared_prefix_len kv_blocks "
                             "max_num_seqs prefill_chunk spec_window spec_max_context long_context_k spec_catch_up_max "
-                            "spec_off_queue calibration_repeats"),
+                            "spec_off_queue calibration_repeats greedy_check_requests"),
     ColumnSpec("prefix_caching", "bool", "config", "full prompt blocks shared between requests"),
     ColumnSpec("gc_freeze", "bool", "config", "Python's heap collected and frozen (gc.freeze) before the measured run"),
     ColumnSpec("serve_tuning", "string", "config", "how the serving loop ran, resolved: every ServeTuning field as "
@@ -305,6 +305,15 @@ SERVING_SPECS: list[ColumnSpec] = [
                "(only where every step drafts; else catch-up before a row's first draft)"),
     ColumnSpec("draft_catch_up_skips", "int", "serving", "row-steps that did not draft at a drafting batch size "
                "because the row was further behind than spec_catch_up_max"),
+    ColumnSpec("adaptive_granularity", "string", "serving", "what the adaptive rules chose per row and step: "
+               "draft_length (chains: any 0..k) or tree_on_off (trees and beams, eagle / redrafter: 0 or the whole "
+               "tree, which the engine cannot verify shorter); None for ar"),
+    ColumnSpec("greedy_matches_solo", "bool", "serving", "temperature 0: every compared served output equals that "
+               "request's solo greedy output (alone, batch 1, autoregressive, the run's engine settings; "
+               "workbench/serving/fidelity.py); None when not checked (sampling, greedy_check_requests 0)"),
+    ColumnSpec("greedy_solo_compared", "int", "serving", "requests compared for greedy_matches_solo (the first "
+               "greedy_check_requests by id)"),
+    ColumnSpec("greedy_solo_s", "float", "serving", "seconds the solo greedy decodes took, after the timed run"),
     ColumnSpec("drain_s", "float", "serving", "seconds from the last measured arrival to the last completion (the "
                "tail of shrinking batches once nothing arrives)"),
     ColumnSpec("drain_output_share", "float", "serving", "share of the measured output tokens emitted in that tail "

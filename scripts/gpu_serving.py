@@ -387,8 +387,10 @@ def main(argv=None) -> int:
             if name not in settings_of:
                 result["skipped"].append({"part": part, "setting": name, "why": "no such setting"})
                 continue
+            # no solo greedy check after these runs: its decodes are not the serving loop's (profiles, syncs)
             res, seen = watch(lambda n=name: run(n, part, True, rate=frac * saturation, seed=0,
-                                                 num_requests=args.profile_requests), args.device.startswith("cuda"))
+                                                 num_requests=args.profile_requests, greedy_check_requests=0),
+                              args.device.startswith("cuda"))
             if res is not None:
                 yield name, res, seen
 

@@ -11,6 +11,11 @@ with what-if replay (workbench/serving/replay.py) as a cheap first fidelity.
    enqueued with the same params and run for real; their rows go to the result store under the study name (the
    Serving page shows them), with the replay's prediction beside the measurement.
 
+Trees and beams (eagle, redrafter) are searched as the engine serves them: whole or not at all, so each bucket's
+param is 0 (off) or 1 (the full tree on; `AdaptiveSpeculation(tree=True)` reads any nonzero k so), and so is
+long_context_k; replay then reads the recorded tree steps' accepted lengths as a chain's (positions a later tree
+reaches from another root are an estimate, as for a calibration's shorter lengths).
+
 Searched: the draft length per batch-size bucket (`k_by_batch`; equal k everywhere = fixed k, 0 everywhere = off),
 switch-off by acceptance (`spec_off_acceptance`, `spec_window`), the context cut-off (`spec_max_context`,
 `long_context_k`), switch-off by queue (`spec_off_queue`), `prefill_chunk` and `sched_policy`. Replay models the first
@@ -79,6 +84,17 @@ def k_by_batch_text(params: dict, max_num_seqs: int) -> str:
     return ",".join(f"{lo}-{hi}:{params[f'k_bs{lo}']}" for lo, hi in buckets(max_num_seqs))
 
 
+def is_tree_method(cfg) -> bool:
+    """Whether cfg's method is served whole or not at all (workbench.serving.loop.verifies_shorter): eagle (its K = 1
+    chain too) and redrafter with beam_width > 1 (one beam is a chain).
+
+    >>> from types import SimpleNamespace as N
+    >>> is_tree_method(N(method="eagle", tree_topk=1)), is_tree_method(N(method="redrafter", beam_width=1))
+    (True, False)
+    """
+    return cfg.method == "eagle" or (cfg.method == "redrafter" and cfg.beam_width > 1)
+
+
 def config_of(base, params: dict):
     """The ServeConfig a trial's params describe (draft length k = the base's k, the schedule caps it per bucket)."""
     keys = ("spec_off_acceptance", "spec_window", "spec_max_context", "long_context_k", "prefill_chunk",
@@ -94,9 +110,9 @@ def check(base, replay_trials: int, real_trials: int) -> None:
         check_config(base)
     except ServeError as e:
         raise ServingStudyError(str(e)) from None
-    if base.method not in ("draft", "ngram"):
-        raise ServingStudyError(f"method {base.method!r}: the serving study searches draft-length schedules of a "
-                                "chain drafter; use --method draft or ngram")
+    if base.method == "ar":
+        raise ServingStudyError("method 'ar': the serving study searches speculation schedules; use a speculative "
+                                "method (draft, ngram, eagle, redrafter)")
     if base.rate <= 0:
         raise ServingStudyError("--rate must be > 0 requests/s: the study optimizes goodput at one arrival rate")
     if base.calibration != "off":
@@ -151,16 +167,20 @@ def run_study(session, base, *, study_name: str, storage, replay_trials: int, re
             store.append(out.record, out.traces, requests=out.requests)
         return out
 
-    log(f"[serving] record: speculation off and fixed k={base.k} at rate {base.rate:g}")
+    tree = is_tree_method(base)
+    log("[serving] record: speculation off and " + ("the full tree" if tree else f"fixed k={base.k}") +
+        f" at rate {base.rate:g}")
     off = run_real(replace(base, method="ar"))
     rec = run_real(base)
     fit = off.result.iterations + rec.result.iterations
     costs, per_step = replay.fit_costs(fit), replay.fit_costs(fit, replay.PER_STEP_FEATURES)
-    dists = distributions(base.max_num_seqs, base.k)
+    # a tree's k is its node count (what a step verifies); its buckets are off (0) or on (1)
+    recorded_k = max((t.num_nodes for t in rec.result.traces), default=0) if tree else base.k
+    dists = distributions(base.max_num_seqs, 1 if tree else base.k)
 
     def predict(cfg, costs=costs) -> dict:
-        return replay.replay(rec.result.states, rec.result.traces, base.k, costs, max_num_seqs=cfg.max_num_seqs,
-                             adaptive=adaptive_for(cfg, cfg.k), prefill_chunk=cfg.prefill_chunk,
+        return replay.replay(rec.result.states, rec.result.traces, recorded_k, costs, max_num_seqs=cfg.max_num_seqs,
+                             adaptive=adaptive_for(cfg, recorded_k, tree=tree), prefill_chunk=cfg.prefill_chunk,
                              draft_kv=rec.result.draft_kv, catch_up_max=cfg.spec_catch_up_max,
                              slo_ttft_ms=cfg.slo_ttft_ms, slo_tpot_ms=cfg.slo_tpot_ms,
                              tuning=rec.result.tuning)

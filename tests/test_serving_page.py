@@ -272,3 +272,53 @@ def test_serving_page_shows_a_calibrated_runs_table(workspace):
     assert not at.exception, at.exception
     titles = [f["layout"]["title"]["text"] for f in plotly_figs(at)]
     assert any(t.startswith("Calibration: tokens per ms") for t in titles)
+
+
+def test_serving_form_offers_trees_with_their_knobs_and_named_errors(workspace):
+    """eagle and redrafter are served: picking one shows its tree / beam knobs (from the registry, no k); a tree the
+    knobs cannot build and prefix caching with a feature drafter are named errors that keep the run from starting."""
+    at = open_page("serving")
+    at.selectbox(key="srv_method").set_value("eagle").run()
+    assert not at.exception, at.exception
+    keys = widget_keys(at)
+    assert {"srv_tree_depth", "srv_tree_topk", "srv_tree_budget", "srv_greedy_check_requests"} <= keys
+    assert "srv_k" not in keys and "srv_beam_width" not in keys
+    assert not errors_of(at), errors_of(at)
+    at.text_input(key="srv_tree_depth").input("2")
+    at.text_input(key="srv_tree_topk").input("2")
+    at.text_input(key="srv_tree_budget").input("9").run()
+    assert "tree_budget=9 exceeds the 6 candidates that tree_depth=2, tree_topk=2 offer (K + (D-1) K^2): lower " \
+        "tree_budget or raise tree_topk / tree_depth" in errors_of(at)  # a rule between knobs, from check_serve
+    assert at.button(key="srv_start").disabled
+    at.text_input(key="srv_tree_budget").input("6")
+    at.toggle(key="srv_prefix_caching").set_value(True).run()
+    assert any("prefix caching with method 'eagle' is not supported" in m for m in errors_of(at)), errors_of(at)
+    at.toggle(key="srv_prefix_caching").set_value(False).run()
+    assert not errors_of(at) and not at.button(key="srv_start").disabled
+    at.selectbox(key="srv_method").set_value("redrafter").run()
+    assert {"srv_beam_width", "srv_beam_length", "srv_diversity_penalty"} <= widget_keys(at)
+    assert not jobs.list_jobs()
+
+
+def test_tree_knobs_on_the_command_line_read_back():
+    from ui.serving_page import serve_argv
+    from workbench.serving import cli
+    from workbench.serving.config import ServeConfig
+
+    s = {"method": "eagle", "tree_depth": 3, "tree_topk": 2, "tree_budget": 6, "rate": 4.0, "k_by_batch": "1-2:1",
+         "greedy_check_requests": 5}
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(serve_argv(s, "tiny", "cpu")[3:])
+    cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in fields(ServeConfig)})
+    for name, value in s.items():
+        assert getattr(cfg, name) == value, name
+
+
+def test_tree_rows_are_labelled_by_shape_and_have_no_schedule_to_export():
+    row = {"method": "eagle", "k": 4, "tree_depth": 4, "tree_topk": 4, "tree_budget": 16, "k_by_batch": "1-4:1"}
+    assert sv.line_label(row) == "adaptive · eagle D4 K4 N16 · 1-4:1"
+    assert sv.line_label({"method": "redrafter", "k": 4, "beam_width": 2, "beam_length": 4}) == \
+        "fixed · redrafter W2 L4"
+    assert sv.fidelity_note({"greedy_matches_solo": None}).endswith(
+        "not checked (sampling, or greedy_check_requests 0)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import optuna
@@ -116,7 +117,7 @@ def test_pick_for_real_front_first_and_distinct():
 
 @pytest.mark.parametrize("change, message", [
     ({"rate": 0.0}, "--rate must be > 0"),
-    ({"method": "ar"}, "use --method draft or ngram"),
+    ({"method": "ar"}, "use a speculative method"),
     ({"k_by_batch": "4-1:2"}, "k_by_batch part"),
 ])
 def test_bad_settings_are_named_errors_before_work(change, message):
@@ -150,3 +151,27 @@ def test_replay_options_default_to_the_plain_schedule_and_change_predictions(ses
                         adaptive=AdaptiveSpeculation(3, off_acceptance=1.0, window=1))  # off after the first step
     assert off != plain
     assert json.dumps(plain)  # plain numbers, storable as trial attrs
+
+
+def test_study_searches_a_tree_whole_or_off_per_bucket(session, tmp_path):
+    """eagle: each bucket's param is 0 (off) or 1 (the whole tree on), and so is the long-context k; replay predicts
+    every trial and the real trial serves the tree at the node count the record run verified."""
+    base = ServeConfig(method="eagle", tree_depth=3, tree_topk=2, tree_budget=6, rate=20.0, num_requests=4,
+                       max_new_tokens=8, max_num_seqs=4, greedy_check_requests=0)
+    assert ss.is_tree_method(base) and ss.is_tree_method(replace(base, tree_topk=1))  # (loop.verifies_shorter)
+    assert not ss.is_tree_method(replace(base, method="redrafter", beam_width=1))
+    store = ResultStore(tmp_path / "store")
+    study = ss.run_study(session, base, study_name="tree", storage=f"sqlite:///{tmp_path / 'studies.db'}",
+                         replay_trials=4, real_trials=1, store=store, log=lambda *_: None)
+    trials = study.get_trials(deepcopy=False)
+    replayed = [t for t in trials if t.user_attrs.get("fidelity") == "replay"]
+    assert len(replayed) == 4 and all(t.state == optuna.trial.TrialState.COMPLETE for t in replayed)
+    for t in replayed:
+        ks = [v for name, v in t.params.items() if name.startswith("k_bs")] + [t.params["long_context_k"]]
+        assert set(ks) <= {0, 1}
+    [real] = [t for t in trials if t.user_attrs.get("fidelity") == "real"]
+    assert real.state == optuna.trial.TrialState.COMPLETE
+    rows = store.load(study="tree")
+    assert sorted(rows["method"]) == ["ar", "eagle", "eagle"]
+    traces = store.load_traces(rows.loc[rows["method"].eq("eagle"), "run_id"].tolist())
+    assert set(traces["num_nodes"]) <= {0, 6} and 6 in set(traces["num_nodes"])

@@ -19,8 +19,8 @@ import streamlit as st
 from ui import catalog, gpu_page, jobs, serving_view as sv
 from ui.common import PYTHON, Errors, get_store, job_label, job_panel, knob_field, store_root
 from workbench.serving.config import SERVE_METHODS
-from workbench.settings import (GPU_ONLY_KNOBS, KNOBS, SERVE_KNOBS, SERVE_RUN_KNOBS, SettingError, check_serve,
-                                parse_k_by_batch)
+from workbench.settings import (FEATURE_METHODS, GPU_ONLY_KNOBS, KNOBS, SERVE_KNOBS, SERVE_RUN_KNOBS, SettingError,
+                                check_serve, parse_k_by_batch)
 
 P = "srv_"  # widget-key prefix of this page
 DEVICES = ("auto", "cpu", "cuda")
@@ -129,7 +129,8 @@ def launch_section() -> None:
                      icon=":material/play_arrow:"):
             s = form["settings"]
             argv = serve_argv(s, form["preset"], form["device"])
-            title = f"serve {s['method']}" + (f" k={s['k']}" if "k" in s else "") + f" rate={s['rate']:g}"
+            title = f"serve {sv.method_label(s)}" if s["method"] != "ar" else "serve ar"
+            title += f" rate={s['rate']:g}"
             title += f" · {form['preset']}"
             job = jobs.start_job("serve", argv, title, params={**s, "preset": form["preset"],
                                                                 "device": form["device"]})
@@ -165,6 +166,7 @@ def job_section() -> None:
             for col, (key, label, fmt) in zip(cols, HEADLINE):
                 v = rec.get(key)
                 col.metric(label, "—" if v is None else fmt.format(float(v)))
+            st.caption(sv.fidelity_note(rec))
 
 
 # ---- the runs ----------------------------------------------------------------------------------------------------
@@ -264,8 +266,11 @@ def export_section(view: pd.DataFrame) -> None:
                "off) up to its max_num_seqs, in each engine's terms. Each snippet names the engine version it "
                "assumes: check the keys against that version before deploying.")
     ok = view[view["status"].eq("ok").fillna(False)] if "status" in view else view
+    if not ok.empty and "method" in ok:  # a tree or beam is on or off per batch size: no draft length to export
+        ok = ok[~ok["method"].isin(FEATURE_METHODS)]
     if ok.empty:
-        st.info("no finished serving run")
+        st.info("no finished serving run with a draft-length schedule (tree and beam runs, eagle and redrafter, "
+                "turn their whole tree on or off by batch size: they have none to export)")
         return
     labels = {r["run_id"]: sv.run_label(r) for _, r in ok.iterrows()}
     rid = st.selectbox("Run", list(labels), key=f"{P}export_run", format_func=labels.get)

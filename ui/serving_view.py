@@ -63,13 +63,48 @@ def setting_of(row) -> str:
     return "adaptive" if adaptive else "fixed"
 
 
+def method_label(row) -> str:
+    """The method and its draft shape: a chain's k, an EAGLE tree's D / K / N, ReDrafter's beams W x L.
+
+    >>> method_label({"method": "eagle", "k": 4, "tree_depth": 4, "tree_topk": 4, "tree_budget": 16})
+    'eagle D4 K4 N16'
+    >>> method_label({"method": "redrafter", "k": 4, "beam_width": 2, "beam_length": 4})
+    'redrafter W2 L4'
+    """
+    method = row.get("method")
+    shape = {"eagle": (("D", "tree_depth"), ("K", "tree_topk"), ("N", "tree_budget")),
+             "redrafter": (("W", "beam_width"), ("L", "beam_length"))}.get(method)
+    if shape and not any(_missing(row.get(c)) for _, c in shape):
+        return f"{method} " + " ".join(f"{p}{int(_num(row.get(c)))}" for p, c in shape)
+    return f"{method} k={int(_num(row.get('k')))}"
+
+
+def fidelity_note(row) -> str:
+    """The run's greedy check in words (`greedy_matches_solo`, workbench/serving/fidelity.py).
+
+    >>> fidelity_note({"greedy_matches_solo": True, "greedy_solo_compared": 8})
+    'greedy outputs equal solo: yes (8 requests compared)'
+    >>> fidelity_note({"greedy_matches_solo": False, "greedy_solo_compared": 8, "greedy_divergent_sequences": 1,
+    ...                "greedy_near_tie": True})
+    'greedy outputs equal solo: NO, 1 of 8 differ (near-ties of a low-precision dtype)'
+    """
+    match = row.get("greedy_matches_solo")
+    if _missing(match):
+        return "greedy outputs against solo: not checked (sampling, or greedy_check_requests 0)"
+    n = int(_num(row.get("greedy_solo_compared")))
+    if match:
+        return f"greedy outputs equal solo: yes ({n} requests compared)"
+    tie = " (near-ties of a low-precision dtype)" if row.get("greedy_near_tie") is True else ""
+    return f"greedy outputs equal solo: NO, {int(_num(row.get('greedy_divergent_sequences')))} of {n} differ{tie}"
+
+
 def line_label(row) -> str:
     setting = setting_of(row)
     if setting == "off":
         return "off"
-    method, k = row.get("method"), int(_num(row.get("k")))
+    method = method_label(row)
     if setting == "fixed":
-        return f"fixed · {method} k={k}"
+        return f"fixed · {method}"
     parts = []
     if not _missing(row.get("k_by_batch")) and str(row.get("k_by_batch")).strip():
         parts.append(str(row.get("k_by_batch")))
@@ -79,7 +114,7 @@ def line_label(row) -> str:
         parts.append(f"ctx>{int(_num(row.get('spec_max_context')))}:k{int(_num(row.get('long_context_k')))}")
     if _num(row.get("spec_off_queue")) > 0:
         parts.append(f"off while queue>={int(_num(row.get('spec_off_queue')))}")
-    return f"adaptive · {method} k={k} · " + " ".join(parts)
+    return f"adaptive · {method} · " + " ".join(parts)
 
 
 # the serving loop's base (loop_overlap, loop_batch_prefill): the prefill behind the step, forwards of up to 4 rows.

@@ -356,10 +356,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
 # reach all of those); `ServeConfig` (workbench.serving.config) has one field per SERVE_RUN_KNOBS + SERVE_KNOBS knob,
 # the serve-bench flags come from the same declarations, and results.schema declares their columns.
 SERVE_RUN_KNOBS = ("method", "k", "ngram_min", "ngram_max", "beam_width", "beam_length", "diversity_penalty",
-                   "max_new_tokens", "temperature", "top_k", "top_p", "seed", "kv_block_size", "cuda_graphs",
-                   "graph_batch_sizes", "compile", "attention", "prefill_graphs", "pdl",
+                   "tree_depth", "tree_topk", "tree_budget", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                   "kv_block_size", "cuda_graphs", "graph_batch_sizes", "compile", "attention", "prefill_graphs", "pdl",
                    "kernel_tuning")  # bench knobs serving reads
 SCHED_POLICIES = ("no_evict", "max_util")
+FEATURE_METHODS = ("redrafter", "eagle")  # heads over the target's hidden states (`Drafter.wants_hidden`)
 SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("rate", "float", 0.0, "request arrival rate in requests/s (0 = all requests arrive at once)", "Request rate",
          "load", 0.0, 1e6),
@@ -398,7 +399,12 @@ SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
          "as vLLM does after its start-up: the collector then never rescans the engine's long-lived objects inside "
          "the run (off: its pauses land in TPOT at random)", "Freeze the GC heap", "serving"),
     Knob("prefix_caching", "bool", False, "share full prompt blocks between requests with the same prefix (hashed "
-         "blocks, reference counts)", "Prefix caching", "serving"),
+         "blocks, reference counts); not with eagle or redrafter (their heads read the target's hidden states of the "
+         "whole prompt, which a shared block never computes)", "Prefix caching", "serving"),
+    Knob("greedy_check_requests", "int", 16, "temperature 0: after the timed run (untimed), decode up to this many "
+         "of the served requests alone (batch 1, autoregressive, the run's engine settings) and record whether each "
+         "served output equals it (greedy_matches_solo; greedy_solo_compared counts them; 0 = no check)",
+         "Solo greedy check (requests)", "serving", 0, 1_000_000),
     Knob("k_by_batch", "str", "", "adaptive draft length by live batch size, vLLM-style inclusive ranges "
          "'start-end:k,...' (e.g. '1-4:4,5-8:2,9-64:0'; sizes not covered use k; empty = always k)",
          "Draft length by batch size", "adaptive", searchable=False),
@@ -497,6 +503,10 @@ def check_serve(values: Mapping[str, Any]) -> None:
     if v["calibration"] != "off" and v["method"] == "ar":
         raise SettingError("calibration measures draft lengths: method 'ar' has none; choose a speculative method "
                            "or set --calibration off", "calibration")
+    if v["prefix_caching"] is True and v["method"] in FEATURE_METHODS:
+        raise SettingError(f"prefix caching with method {v['method']!r} is not supported: its head reads the target's "
+                           "hidden states of the whole prompt, which shared prefix blocks never compute; turn "
+                           "--prefix-caching off", "prefix_caching")
     if v["arrival"] == "gamma" and v["rate"] == 0:
         raise SettingError("arrival gamma needs --rate > 0 (requests/s)", "rate")
 

@@ -14,6 +14,14 @@ The step verifies max(row k) nodes; rows with less have their extra drafts marke
 whose rows all get 0 skips drafting (an autoregressive step). Shorter drafts save verify work; only 0 saves the
 drafter's own forwards (a draft model always drafts its full k when it runs).
 
+Trees and beams (`tree=True`: EAGLE, ReDrafter; the engine verifies a tree whole or not at all, only chains can be
+verified shorter): every rule chooses between 0 and the full tree, k = its N nodes; a rule's nonzero length means
+"the tree on". The serve-bench row names which (`adaptive_granularity`: "draft_length" or "tree_on_off").
+
+    >>> t = AdaptiveSpeculation(k=16, k_by_batch=[(1, 2, 4), (3, 64, 0)], tree=True)
+    >>> [t.batch_k(b) for b in (1, 3)], t.node_counts(8), t.granularity
+    ([16, 0], (0, 16), 'tree_on_off')
+
     >>> a = AdaptiveSpeculation(k=4, k_by_batch=[(1, 2, 4), (3, 8, 2), (9, 64, 0)])
     >>> [a.batch_k(b) for b in (1, 3, 9, 100)]
     [4, 2, 0, 4]
@@ -36,10 +44,20 @@ from workbench.serving.request import RequestState
 
 class AdaptiveSpeculation:
     def __init__(self, k: int, k_by_batch: list[tuple[int, int, int]] | None = None, off_acceptance: float = 0.0,
-                 window: int = 8, max_context: int = 0, long_context_k: int = 0, off_queue: int = 0):
+                 window: int = 8, max_context: int = 0, long_context_k: int = 0, off_queue: int = 0,
+                 tree: bool = False):
         self.k, self.k_by_batch, self.off_queue = k, list(k_by_batch or []), off_queue
         self.off_acceptance, self.window = off_acceptance, window
         self.max_context, self.long_context_k = max_context, long_context_k
+        self.tree = tree  # trees and beams: 0 or all k nodes (the engine cannot verify a tree shorter)
+
+    @property
+    def granularity(self) -> str:
+        """What the rules choose: "draft_length" (chains: any 0..k) or "tree_on_off" (trees: 0 or the full tree)."""
+        return "tree_on_off" if self.tree else "draft_length"
+
+    def _whole(self, k: int) -> int:
+        return (self.k if k else 0) if self.tree else k
 
     @property
     def is_static(self) -> bool:
@@ -51,7 +69,7 @@ class AdaptiveSpeculation:
             return 0
         for lo, hi, k in self.k_by_batch:
             if lo <= batch_size <= hi:
-                return min(k, self.k)
+                return self._whole(min(k, self.k))
         return self.k
 
     def drafts_always(self, max_batch: int) -> bool:
@@ -84,7 +102,7 @@ class AdaptiveSpeculation:
             counts |= {min(k, self.long_context_k) for k in counts}
         if self.off_acceptance > 0 or self.off_queue > 0:
             counts.add(0)
-        if not chains:
+        if not chains or self.tree:
             counts = {self.k if c else 0 for c in counts}
         return tuple(sorted(counts))
 
@@ -92,7 +110,7 @@ class AdaptiveSpeculation:
         if state.spec_off:
             return 0
         if self.max_context and context_len > self.max_context:
-            return min(batch_k, self.long_context_k)
+            return self._whole(min(batch_k, self.long_context_k))
         return batch_k
 
     def record(self, state: RequestState, accepted: int, drafted: int) -> None:

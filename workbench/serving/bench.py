@@ -5,6 +5,10 @@
     out.record     # flat dict: the run row (config columns, vLLM-named serving metrics, environment)
     out.traces     # DataFrame: one row per (request, decode step): batch size, k, context length, drafted, accepted
     out.requests   # DataFrame: one row per request: prompt/output length, queue, TTFT, TPOT, E2EL, preemptions
+
+Every method serves, trees and beams too (eagle, redrafter: their knobs are serving knobs, passed to `make_drafter`
+as `bench` passes them). At temperature 0 the row records whether the served outputs equal each request's solo greedy
+output (`greedy_matches_solo`, workbench/serving/fidelity.py), checked after the timed run.
 """
 from __future__ import annotations
 
@@ -20,14 +24,16 @@ from kernels.tuning import format_tuning, parse_tuning
 from workbench import settings
 from workbench.engine import SpecEngine
 from workbench.engine.drafters import DrafterError, make_drafter
+from workbench.engine.drafters.eagle import EagleSettingsError
 from workbench.engine.step import engine_config
 from workbench.engine.graphs import compile_fallback_columns, recompile_limit_hits
 from workbench.engine.sampling import SamplingParams
 from workbench.serving import metrics
 from workbench.serving.adaptive import AdaptiveSpeculation, format_k_by_batch
 from workbench.serving.config import SERVE_CONFIG_KNOBS, ServeConfig, ServeError, check_config
+from workbench.serving.fidelity import solo_columns
 from workbench.serving.loadgen import make_requests
-from workbench.serving.loop import RealClock, ServeResult, ServingLoop, frozen_gc
+from workbench.serving.loop import RealClock, ServeResult, ServingLoop, frozen_gc, verifies_shorter
 from workbench.serving.tuning import format_serve_tuning, parse_serve_tuning
 
 TRACE_COLUMNS = ["run_id", "seq", "step", "drafted", "accepted", "emitted", "batch_size", "k", "num_nodes",
@@ -53,16 +59,23 @@ def engine_for(session, cfg) -> SpecEngine:
     try:
         drafter = make_drafter(cfg.method, cfg, draft=lambda: session.model_for("draft", cfg),
                                target=lambda: session.model_for("target", cfg), heads=heads)
-    except DrafterError as e:
+    except (DrafterError, EagleSettingsError) as e:  # a missing model; a tree the vocabulary cannot fill
         raise ServeError(str(e)) from None
     return SpecEngine(session.target, drafter, ecfg, session.device)
 
 
-def adaptive_for(cfg, num_nodes: int, k_by_batch: list[tuple[int, int, int]] | None = None) -> AdaptiveSpeculation:
-    """The adaptive rules of cfg; k_by_batch (ranges) replaces cfg.k_by_batch (a calibrated schedule)."""
+def adaptive_for(cfg, num_nodes: int, k_by_batch: list[tuple[int, int, int]] | None = None, *,
+                 tree: bool = False) -> AdaptiveSpeculation:
+    """The adaptive rules of cfg; k_by_batch (ranges) replaces cfg.k_by_batch (a calibrated schedule). tree: the
+    engine drafts trees or beams (`is_tree`): every rule then turns the whole tree on or off."""
     ranges = settings.parse_k_by_batch(cfg.k_by_batch) if k_by_batch is None else k_by_batch
     return AdaptiveSpeculation(num_nodes, ranges, cfg.spec_off_acceptance, cfg.spec_window, cfg.spec_max_context,
-                               cfg.long_context_k, cfg.spec_off_queue)
+                               cfg.long_context_k, cfg.spec_off_queue, tree=tree)
+
+
+def is_tree(engine: SpecEngine) -> bool:
+    """Whether the engine's drafter is verified whole or not at all (trees, beams; `loop.verifies_shorter`)."""
+    return not verifies_shorter(engine.drafter)
 
 
 def calibration_sizes(cfg) -> tuple[int, ...]:
@@ -126,12 +139,12 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
                            max_concurrency=cfg.max_concurrency, clock=clock or RealClock(), timing=True,
                            catch_up_max=cfg.spec_catch_up_max, tuning=tuning)
 
-    adaptive = adaptive_for(cfg, engine.num_nodes)
+    adaptive = adaptive_for(cfg, engine.num_nodes, tree=is_tree(engine))
     loop = make_loop(adaptive)
     calibrated = {}
     if cfg.calibration != "off":  # the schedule measured now, on this engine; the run's loop afresh after it
         ranges, calibrated = calibrate_schedule(engine, cfg, requests, loop)
-        adaptive = adaptive_for(cfg, engine.num_nodes, ranges)
+        adaptive = adaptive_for(cfg, engine.num_nodes, ranges, tree=is_tree(engine))
         loop = make_loop(adaptive)
     if cfg.cuda_graphs:  # before the clock starts, every (bucket, draft length) the adaptive rules can ask for
         engine.capture_graphs(cfg.max_num_seqs, node_counts=adaptive.node_counts(cfg.max_num_seqs, loop.chains),
@@ -163,11 +176,14 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
            **environment_info(str(session.device) if session.device.type == "cuda" else None)}
     # how the loop itself ran: stored, so that runs of different loops are never compared unawares (each variant
     # moves output tok/s by 1.06-1.35x); the tuning records resolved, every field
+    rec["adaptive_granularity"] = adaptive.granularity if cfg.method != "ar" else None
     rec.update(loop_batch_prefill=result.batch_prefill, loop_overlap=result.overlap,
                loop_steps_ahead=result.steps_ahead, serve_tuning=format_serve_tuning(result.tuning),
                kernel_tuning=format_tuning(parse_tuning(cfg.kernel_tuning)))
-    if calibrated:  # the schedule the run served with (config_json keeps the settings as given)
-        rec["k_by_batch"] = format_k_by_batch(ranges)
+    if calibrated:  # the schedule the run served with (config_json keeps the settings as given); a tree's on / off
+        # as 1 / 0, as the knob reads it (its N nodes may exceed what the knob's k allows)
+        rec["k_by_batch"] = format_k_by_batch([(lo, hi, int(k > 0)) for lo, hi, k in ranges] if is_tree(engine)
+                                              else ranges)
     if cfg.method == "ar":
         for key in ("acceptance_rate", "mean_accepted_tokens", "tree_size_mean", "accepted_path_length_mean"):
             rec[key] = None
@@ -189,6 +205,9 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
         for t in result.traces], columns=TRACE_COLUMNS)
     requests_df = metrics.request_rows(result)
     requests_df.insert(0, "run_id", run_id)
+    # last, after every engine statistic was read: the solo decodes run on an engine of their own, untimed
+    rec.update(solo_columns(engine, cfg, requests, result.outputs, getattr(session, "divergence_margins", None),
+                            str(session.dtype)))
     return ServeBenchResult(rec, traces, requests_df, result)
 
 
@@ -211,5 +230,5 @@ def failed_record(cfg, error: str, study: str | None = None) -> dict:
             **environment_info()}
 
 
-__all__ = ["ServeBenchResult", "ServeConfig", "serve_bench", "engine_for", "adaptive_for", "calibrate_schedule",
-           "calibration_sizes", "config_columns"]
+__all__ = ["ServeBenchResult", "ServeConfig", "serve_bench", "engine_for", "adaptive_for", "is_tree",
+           "calibrate_schedule", "calibration_sizes", "config_columns"]

@@ -33,6 +33,7 @@ from workbench.engine.sampling import next_token
 from workbench.engine.step import PhaseTimer, SpecEngine
 from workbench.serving.adaptive import AdaptiveSpeculation, schedule_from_costs
 from workbench.serving.config import ServeError
+from workbench.serving.loop import verifies_shorter
 from workbench.serving.schedules import (DEFAULT_SHAPE, MIN_GAIN, SCHEDULE_SHAPES, choose, loop_schedule,  # noqa: F401
                                          monotone_choice, pick_k, sticky_choice)
 from workbench.serving.tuning import ServeTuning
@@ -60,7 +61,7 @@ def _draft_lengths(engine: SpecEngine, node_counts, prompts: list[list[int]]) ->
     """(the engine's full draft length, whether it drafts chains, the lengths to calibrate: `node_counts` or every
     0..n for chains, 0 and n for trees); ServeError for empty prompts or a length the engine cannot run."""
     n_full = engine.num_nodes
-    chains = engine.drafter is None or engine.drafter.proposes_chains
+    chains = verifies_shorter(engine.drafter)
     counts = tuple(sorted(set(node_counts if node_counts is not None else
                               (range(n_full + 1) if chains else {0, n_full}))))
     if not prompts or any(len(p) == 0 for p in prompts):

@@ -18,7 +18,8 @@ from workbench.harness.bench_cli import (_store, _store_or_report, add_knob, add
 
 HEADLINE = ["method", "k", "rate", "completed", "request_throughput", "output_throughput", "goodput", "ttft_ms_p50",
             "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p99", "e2el_ms_p99", "queue_ms_mean", "preemptions",
-            "kv_cache_util_mean", "prefix_hit_rate", "mean_batch_size", "acceptance_rate", "acceptance_by_batch_size"]
+            "kv_cache_util_mean", "prefix_hit_rate", "mean_batch_size", "acceptance_rate", "acceptance_by_batch_size",
+            "tree_size_mean", "greedy_matches_solo", "greedy_solo_compared"]
 GROUPS = {"method": "method", "run": "run settings", "sampling": "sampling", "system": "system", "load": "load",
           "serving": "scheduler and cache", "adaptive": "adaptive speculation"}
 
@@ -39,11 +40,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from workbench.harness.bench import BenchError, BenchSession
     from workbench.serving.bench import ServeConfig, failed_record, serve_bench
-    from workbench.serving.config import ServeError
+    from workbench.serving.config import ServeError, check_config
 
     set_threads(args)
     cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in fields(ServeConfig)})
     store = _store(args)
+    try:
+        check_config(cfg)  # bad settings (a tree that cannot be built, ...) before any model loads
+    except ServeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        if store is not None:
+            _store_or_report(store, failed_record(cfg, str(e), args.study))
+        return 2
     preset = args.preset if args.preset or args.model else "tiny"
     prompts = prompts_for(args)  # --model without --prompts: the built-in set, as bench does
     try:

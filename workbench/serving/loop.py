@@ -172,6 +172,13 @@ class ServeResult:
 CATCH_UP_SHORT = 8  # catch-up gaps up to this many tokens share one forward (a few skipped steps' worth)
 
 
+def verifies_shorter(drafter) -> bool:
+    """Whether a step may verify fewer than the drafter's N nodes (adaptive lengths 0..N), else 0 or N only: chains
+    can, trees and beams cannot; nor can EAGLE's K = 1 chain (its commit expects the full depth's hidden states:
+    a shorter verify fails there with a shape mismatch)."""
+    return drafter is None or (drafter.proposes_chains and drafter.name != "eagle")
+
+
 def keeps_draft_kv(drafter) -> bool:
     """Whether the drafter keeps a KV cache of its own that a step without drafts leaves behind (a draft model; not
     EAGLE-style heads, which read the target's hidden states, nor lookups)."""
@@ -247,7 +254,7 @@ class ServingLoop:
                              f"{type(tuning).__name__}: parse the serve_tuning text with parse_serve_tuning")
         self.tuning = tuning
         self.n_nodes = engine.num_nodes
-        self.chains = drafter is None or drafter.proposes_chains
+        self.chains = verifies_shorter(drafter)  # else whole or not at all
         bs = engine.config.kv_block_size
         # KV slots per row: what the longest request needs, or more (max_len: share the cache of a longer run)
         max_len = max(max_len, max(len(r.prompt) + r.max_new_tokens for r in requests) + self.n_nodes + 2)
@@ -268,7 +275,7 @@ class ServingLoop:
             raise ServeError(f"a request needs more positions than the target's context {engine.max_context()}: "
                              "lower --max-new-tokens or the prompt length")
         self.max_num_seqs, self.prefill_chunk, self.prefix_caching = max_num_seqs, prefill_chunk, prefix_caching
-        self.adaptive = adaptive or AdaptiveSpeculation(k=self.n_nodes)
+        self.adaptive = adaptive or AdaptiveSpeculation(k=self.n_nodes, tree=not self.chains)
         self.max_concurrency = max_concurrency
         self.clock = clock or RealClock()
         self.timer = PhaseTimer(engine.device, timing)
@@ -457,7 +464,7 @@ class ServingLoop:
         contexts = exact if ahead is None else [c + ahead.get(r, 0) for r, c in zip(live, exact)]
         batch_k = self.adaptive.batch_k(len(live), self._queued)
         ks = [self.adaptive.row_k(s, c, batch_k) for s, c in zip(decoding, contexts)]
-        if not self.chains:  # trees are verified whole or not at all
+        if not self.chains:  # trees are verified whole or not at all (also under rules built without tree=True)
             ks = [self.n_nodes if k else 0 for k in ks]
         if self._own_draft_kv and self.catch_up_max and any(ks):
             # a row whose draft model missed more than catch_up_max generated tokens (it decoded that long at k = 0)
