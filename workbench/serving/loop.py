@@ -174,9 +174,8 @@ CATCH_UP_SHORT = 8  # catch-up gaps up to this many tokens share one forward (a 
 
 def verifies_shorter(drafter) -> bool:
     """Whether a step may verify fewer than the drafter's N nodes (adaptive lengths 0..N), else 0 or N only: chains
-    can, trees and beams cannot; nor can EAGLE's K = 1 chain (its commit expects the full depth's hidden states:
-    a shorter verify fails there with a shape mismatch)."""
-    return drafter is None or (drafter.proposes_chains and drafter.name != "eagle")
+    can (EAGLE's K = 1 and ReDrafter's W = 1 included), trees and beams cannot."""
+    return drafter is None or drafter.proposes_chains
 
 
 def keeps_draft_kv(drafter) -> bool:

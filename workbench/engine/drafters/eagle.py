@@ -279,8 +279,9 @@ class EagleDrafter(OneStepDrafter):
 
     def commit_device(self, rows: torch.Tensor, acc, hidden: torch.Tensor | None, pad_row: int | None) -> None:
         self.pend_base[rows] = self.pend_base[rows] + self.pend_count[rows]  # the old root's position
-        self.pend_hidden[rows] = hidden
-        self.pend_tokens[rows] = acc.emitted
+        w = hidden.shape[1]  # 1 + D, or fewer for a step verified shorter (a K = 1 chain cut by the engine)
+        self.pend_hidden[rows, :w] = hidden  # entries past the count are padding
+        self.pend_tokens[rows, :w] = acc.emitted
         self.pend_count[rows] = acc.num_accepted + 1
         if pad_row is not None:  # padding rows of a captured step: the scratch row keeps one pair at position 0
             self.pend_base[pad_row:].zero_()
