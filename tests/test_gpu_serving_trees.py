@@ -1,0 +1,37 @@
+"""scripts/gpu_serving_trees.py on a CPU (its smoke run): every method served, rows with spreads and paired ratios,
+the greedy check run, and a bad setting named before any model loads."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import gpu_serving_trees  # noqa: E402
+
+
+def test_smoke_run_serves_every_method_and_checks_greedy(tmp_path):
+    rc = gpu_serving_trees.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "4", "--max-new-tokens",
+                                 "6", "--repeats", "1", "--max-num-seqs", "2", "--rates", "1",
+                                 "--greedy-check-requests", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {"ar", "draft", "eagle", "redrafter"}
+    for method, row in rows.items():
+        assert row["rounds"] == 1 and not row["errors"]
+        assert row["output_throughput"][0] > 0 and row["output_x_ar"][0] > 0
+        assert row["greedy_matches_solo"] is True  # float32 on a CPU: exact
+    assert rows["ar"]["output_x_ar"][0] == 1.0
+    assert rows["eagle"]["mean_accepted_tokens"][0] >= 1.0
+    assert "eagle D4 K4 N16" in (tmp_path / "table.md").read_text()
+
+
+def test_bad_tree_setting_is_named_before_loading(tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded for a bad setting")
+
+    monkeypatch.setattr(gpu_serving_trees.BenchSession, "load", refuse)
+    with pytest.raises(Exception, match="tree_budget"):
+        gpu_serving_trees.main(["--device", "cpu", "--preset", "tiny", "--tree-budget", "99", "--out", str(tmp_path)])
