@@ -20,16 +20,20 @@ target's KV cache, sized for a maximum batch and length and grown only when a ca
 host planning (block allocation, row bookkeeping, retiring finished rows) and device steps that read only persistent
 buffers, so with `cuda_graphs` the verify pass (per batch bucket and node count) and the draft model's forwards replay
 captured graphs. Greedy chains go further: verify, accept and the state update are one captured step (so `accept`
-above then only unpacks its result).
+above then only unpacks its result). So do trees and feature drafters (EAGLE, ReDrafter; `Drafter.splits_commit`),
+greedy or sampled: `_verify_tree` is verify under the tree mask, acceptance (sampled: one draw per verify row over
+deterministic candidates, drawn before the step), the accepted path's KV moved down, tokens and kv_len written, and
+the drafter's `commit_device` with the committed tokens' hidden states, all in one step; with the drafter's own one
+step for the draft, a tree step is two graph replays, a host read and host bookkeeping (`commit_host`, truncation).
 
 Feature-based drafters (`Drafter.wants_hidden`, e.g. ReDrafter) get the target's final hidden states: the prompts' at
-prefill, and after each step those of the tokens it committed (verify rows 0 and 1 + path nodes); their steps take the
-unfused path, whose verify step then returns (logits, hidden).
+prefill, and after each step those of the tokens it committed (verify rows 0 and 1 + path nodes): inside the tree
+step with fixed shapes, else on the unfused path, whose verify step then returns (logits, hidden).
 
-Overlapped steps (`overlap`, greedy chains with fixed shapes: AR and the draft model's fused chain): step t + 1 is
-launched before step t's tokens are read, so the host's bookkeeping runs while the GPU computes (the idea of SGLang's
+Overlapped steps (`overlap`, with fixed shapes: AR, greedy chains with the fused accept, and the tree step): step
+t + 1 is launched before step t's tokens are read, so the host's bookkeeping runs while the GPU computes (the idea of SGLang's
 overlap scheduler). Everything step t + 1 reads on the device (roots, lengths) step t wrote there; the host only plans
-storage, from upper bounds (a step emits at most 1 + N tokens). Costs: blocks of rejected drafts are kept until the
+storage, from upper bounds (a step emits at most 1 + D tokens, D = N for chains, the depth bound for trees). Costs: blocks of rejected drafts are kept until the
 sequence finishes (no per-step truncation), and a sequence that finishes in step t may have step t + 1 launched for it
 anyway (its tokens dropped). That wasted step is avoided where it is foreseeable: when every row of step t + 1 could
 reach max_new_tokens in step t (it emits at most 1 + N tokens), step t is read first and step t + 1 launched after
