@@ -238,9 +238,10 @@ if TRITON_AVAILABLE:
         tl.store(lse_ptr + row_id * num_splits + split, lse, mask=row_ok)
 
     @triton.jit(do_not_specialize=["num_splits"])
-    def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, SPLITS_POW2: tl.constexpr, D: tl.constexpr,
+    def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, HQ, T, SPLITS_POW2: tl.constexpr, D: tl.constexpr,
                         PDL: tl.constexpr = False):
-        # o [B * Hq * T, splits, D], lse [B * Hq * T, splits], out [B * Hq * T, D], all contiguous
+        # o [B * Hq * T, splits, D], lse [B * Hq * T, splits] contiguous; out [B, T, Hq, D] contiguous (row r of
+        # o is (b, h, t) in [B, Hq, T] order)
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
@@ -252,7 +253,9 @@ if TRITON_AVAILABLE:
         w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0
         o = tl.load(o_ptr + (r * num_splits + s[:, None]) * D + d[None, :], mask=(s < num_splits)[:, None], other=0.0)
         out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-        tl.store(out_ptr + r * D + d, out)
+        bh, t = r // T, r % T
+        bb, h = bh // HQ, bh % HQ
+        tl.store(out_ptr + ((bb * T + t) * HQ + h) * D + d, out)
 
 
 BLOCK_N = 64  # keys per inner iteration (several 16-slot pages; each key's page is looked up on its own)
@@ -339,7 +342,8 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
     num_splits = num_splits or default_splits
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
 
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, T, D]
+    # [B, Hq, T, D], stored as [B, T, Hq, D]: the model's transpose back to [B, T, Hq * D] for o_proj is then a view
+    out = torch.empty(b, t, hq, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty(b, hq, t, num_splits, dtype=torch.float32, device=q.device)
     o = out.unsqueeze(3) if num_splits == 1 else torch.empty(b, hq, t, num_splits, dim, dtype=torch.float32,
                                                              device=q.device)  # [B, Hq, T, splits, D]
@@ -364,8 +368,8 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
         ROPE=rope is not None, PREFIX=prefix_len > 0,
         num_warps=8, **pdl)  # ptxas for sm_90: 4 warps spill registers at D = 128 or 64-row tiles, 8 do not
     if num_splits > 1:
-        _combine_kernel[(b * hq * t,)](o, lse, out, num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim,
-                                       **pdl)
+        _combine_kernel[(b * hq * t,)](o, lse, out, num_splits, hq, t,
+                                       SPLITS_POW2=triton.next_power_of_2(num_splits), D=dim, **pdl)
     return out
 
 

@@ -192,6 +192,9 @@ def test_triton_matches_reference(name, dtype, num_splits, interpreter_bf16_dot)
     case = make_case(**TRITON_CASES[name], dtype=dtype, seed=3)
     got = paged_attention_triton(**case, num_splits=num_splits)
     assert got.dtype == dtype and got.shape == case["q"].shape
+    b, hq, t, d = got.shape  # stored [B, T, Hq, D]: the model's transpose back to [B, T, Hq * D] is a view
+    assert got.transpose(1, 2).is_contiguous() and got.transpose(1, 2).reshape(b, t, hq * d).data_ptr() == \
+        got.data_ptr()
     # against the float32 reference: the kernel accumulates in float32 whatever the input dtype
     want = paged_attention_reference(**{k: v.float() if k in ("q", "k_pool", "v_pool") else v
                                         for k, v in case.items()})
