@@ -85,3 +85,23 @@ def test_padding_rows_leave_the_drafter_scratch_row_as_set_up(target):
     pad = engine.cache.pad_row
     assert int(d.pend_base[pad]) == 0 and int(d.pend_count[pad]) == 1
     assert len(res.steps) > 3
+
+
+@pytest.mark.parametrize("kind", ["eagle", "redrafter"])
+def test_steps_are_rebuilt_when_the_drafter_state_they_read_is_replaced(kind, target):
+    """A captured step reads the tensors it was built over: when a drafter's setup replaces them (here one drafter
+    serves two engines of different row counts in turn), the engine's tree step and the drafter's own step are built
+    again over the new ones, and the outputs stay the engine's greedy ones."""
+    d = drafter(kind, target)
+    cfg = EngineConfig(max_new_tokens=6, cuda_graphs=True, graph_batch_sizes=(1, 2, 4))
+    one, three = SpecEngine(target, d, cfg), SpecEngine(target, d, cfg)
+    ref = SpecEngine(target, None, cfg)
+    assert one.generate(PROMPTS[:1]).outputs == ref.generate(PROMPTS[:1]).outputs
+    tree_step, draft_step = one.tree_step, d.step
+    assert three.generate(PROMPTS).outputs == ref.generate(PROMPTS).outputs  # the drafter set up for 3 rows
+    assert one.generate(PROMPTS[:1]).outputs == ref.generate(PROMPTS[:1]).outputs  # and for 1 row again
+    assert one.tree_step is not tree_step and d.step is not draft_step
+    assert all(a is b for a, b in zip(one._tree_state, d.device_state()))
+    again = one.tree_step
+    one.generate(PROMPTS[:1])  # nothing replaced: the same steps
+    assert one.tree_step is again

@@ -251,6 +251,7 @@ class SpecEngine:
         self.prefill_step: PrefillStep | None = None  # the prompts' forward -> hidden
         self.accept_step: FixedShapeStep | None = None  # verify + greedy chain acceptance + state update -> packed
         self.tree_step: FixedShapeStep | None = None  # tree verify + acceptance + KV compaction + drafter commit
+        self._tree_state: list = []  # the drafter's device-state tensors the tree step was built over
         self._live: tuple | None = None  # (rows, rows [B] on the device, their kv_len [B] then): see _live_rows
         self._timer_events: list = []  # CUDA timing events generate's PhaseTimer records into, reused across calls
 
@@ -426,9 +427,15 @@ class SpecEngine:
         self.prefill_step = PrefillStep(self.target, cache, cfg.graphs, self.device, "target")
         self.accept_step = FixedShapeStep("target+accept", self._verify_accept, self._verify_pads, cfg.graphs,
                                           self.device, state=lambda: [self.tokens, self.kv_len])
-        self.tree_step = FixedShapeStep("target+tree", self._verify_tree, self._tree_pads, cfg.graphs, self.device,
-                                        state=lambda: [self.tokens, self.kv_len] + (
-                                            self.drafter.device_state() if self.drafter is not None else []))
+        self.tree_step = self._tree_step()
+
+    def _tree_step(self) -> FixedShapeStep:
+        """The captured tree step over the current buffers and the drafter's device state (`_setup_drafter` builds
+        it again when the drafter's setup replaced those tensors: its graphs would read the old ones)."""
+        self._tree_state = list(self.drafter.device_state()) if self.drafter is not None else []
+        return FixedShapeStep("target+tree", self._verify_tree, self._tree_pads, self.config.graphs, self.device,
+                              state=lambda: [self.tokens, self.kv_len] + (
+                                  self.drafter.device_state() if self.drafter is not None else []))
 
     def _setup_drafter(self, generator: torch.Generator) -> None:
         """The drafter's setup for the cache's rows; `generator` also seeds the engine's verifier."""
@@ -440,6 +447,12 @@ class SpecEngine:
                                             sampling=cfg.sampling, generator=generator, paged=cfg.paged,
                                             kv_block_size=cfg.kv_block_size, graphs=cfg.graphs,
                                             attention=cfg.attention, tokens=self.tokens, kv_len_all=self.kv_len))
+            state = self.drafter.device_state()
+            if self.tree_step is not None and (len(state) != len(self._tree_state) or any(
+                    a is not b for a, b in zip(state, self._tree_state))):
+                stats = self.tree_step.stats
+                self.tree_step = self._tree_step()
+                self.tree_step.stats = stats
 
     def _verify_pads(self, n: int) -> dict[str, torch.Tensor]:
         dev = self.device

@@ -112,6 +112,7 @@ class RedrafterDrafter(OneStepDrafter):
         self.last_hidden: torch.Tensor | None = None  # [R + 1, H]: the last committed token's target hidden state
         self.step: FixedShapeStep | None = None  # the whole beam search as one fixed-shape step
         self._step_key = None
+        self._step_buffers: tuple = (None, None)  # the engine's tokens / kv_len_all the step was built over
 
     def setup(self, ctx: DraftContext) -> None:
         super().setup(ctx)
@@ -122,10 +123,14 @@ class RedrafterDrafter(OneStepDrafter):
                 or self.last_hidden.device != torch.device(ctx.device):
             self.step = self._step_key = None  # a captured search reads the old buffer: drop it first
             self.last_hidden = torch.zeros(ctx.max_rows + 1, c.hidden_size, dtype=dtype, device=ctx.device)
-        # the search bakes the sampling settings in (greedy vs tempered log-probs) and reads the engine's buffers
-        key = (ctx.graphs, ctx.sampling, *(t.data_ptr() if t is not None else None
-                                           for t in (ctx.tokens, ctx.kv_len_all)))
-        if ctx.graphs.fixed_shape and key != self._step_key:
+        # the search bakes the sampling settings in (greedy vs tempered log-probs) and reads the engine's buffers:
+        # the very tensors (compared by identity while held here; an address could be reused by a tensor of another
+        # shape, which a captured graph would read with the old one's)
+        key = (ctx.graphs, ctx.sampling)
+        buffers = (ctx.tokens, ctx.kv_len_all)
+        same = self._step_key == key and all(a is b for a, b in zip(self._step_buffers, buffers))
+        self._step_buffers = buffers
+        if ctx.graphs.fixed_shape and not same:
             self.step = FixedShapeStep("redrafter", self._draft, self._pads, ctx.graphs, ctx.device)
             self.step.stats = stats if stats is not None else self.step.stats
             self._step_key = key
