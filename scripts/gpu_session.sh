@@ -18,6 +18,8 @@
 #                  Llama-3.1-8B shape, then on tiny; batch 1, 4, 16, 32 (issue 40's goals)
 #   treesmall      the same on small (with the draft-model chain), then bench_trees' batch sweep on small (tokens/s
 #                  of eagle and redrafter against AR per batch: where the tree stops paying)
+#   trees40        issue 40's closing figures: verify width at the 8B shape, step costs there (batch 1), tiny end to end
+#                  with bench_trees, then trees served under load on tiny (gpu_serving_trees.py)
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -151,6 +153,16 @@ treesmall)
   step sweep 60 $PY scripts/bench_trees.py --preset small --device cuda --out "$R/sweep" --batches 1,4,16,32 \
     --num-prompts 32 --max-new-tokens 64 --tree-budgets 16 --tree-depth 4 --tree-topk 4 --beam-widths 4 \
     --category-prompts 0 --repeats 3 --budget-s "$(( $(left) - 40 ))" ;;
+trees40)
+  step width 60 $PY scripts/gpu_verify_width.py --device cuda --widths 1,5,17 --out "$R/width"
+  step steps8b 90 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/steps8b" --batches 1 \
+    --context 512 --steps 64 --rounds 3 --budget-s 100
+  step trees_tiny 90 $PY scripts/bench_trees.py --preset tiny --device cuda --out "$R/trees_tiny" --batches 1 \
+    --num-prompts 8 --max-new-tokens 128 --tree-depth 4 --tree-topk 4 --tree-budgets 16 --beam-widths 4 \
+    --beam-length 4 --category-prompts 0 --budget-s 160
+  step serving_tiny 120 $PY scripts/gpu_serving_trees.py --device cuda --preset tiny \
+    --methods ar,draft,ngram,eagle,redrafter --max-num-seqs 16 --num-requests 64 --max-new-tokens 64 --rates 0.5,1 \
+    --repeats 3 --budget-s "$(( $(left) - 20 ))" --out "$R/serving_tiny" ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small
