@@ -139,10 +139,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 class StaticTreeDrafter(Drafter):
     """A fixed tree of `branches` chains of `depth` nodes below the root, costing no drafting: tokens root + 1 + i
-    (mod vocab), so a step is the engine's tree verify, acceptance and KV compaction alone."""
+    (mod vocab), so a step is the engine's captured tree step (verify, acceptance and KV compaction) alone."""
 
     name = "static-tree"
     proposes_chains = False
+    splits_commit = True  # nothing to commit: the engine's captured tree step runs it (verify + accept + KV move)
+
+    def commit_device(self, rows, acc, hidden, pad_row) -> None:
+        pass
+
+    @property
+    def depth_bound(self) -> int:
+        return self.depth
 
     def __init__(self, branches: int, depth: int, vocab_size: int):
         self.branches, self.depth, self.vocab_size = branches, depth, vocab_size
