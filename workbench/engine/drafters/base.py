@@ -18,6 +18,10 @@ runs: it calls these methods in this order, for one generation:
                                   acc.num_accepted is the last committed token's, entries past it are padding)
     release(row)                  a sequence finished: free its storage
 
+A drafter with `splits_commit` (EAGLE, ReDrafter) splits commit into `commit_device` (device writes only, run inside
+the engine's captured tree step, padding rows included) and `commit_host` (host bookkeeping after the step's read);
+`device_state()` names the tensors commit_device advances, `depth_bound` the deepest path a tree can hold.
+
 Rules every drafter must keep (the conformance tests check them):
 - propose must not change committed tokens or the target's cache; it reads `state.tokens` / `state.tokens_host`;
 - drafted tokens must come from `sampling.probs_from_logits` with `ctx.sampling` when the drafter samples, and then
