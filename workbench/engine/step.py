@@ -31,13 +31,14 @@ prefill, and after each step those of the tokens it committed (verify rows 0 and
 step with fixed shapes, else on the unfused path, whose verify step then returns (logits, hidden).
 
 Overlapped steps (`overlap`, with fixed shapes: AR, greedy chains with the fused accept, and the tree step): step
-t + 1 is launched before step t's tokens are read, so the host's bookkeeping runs while the GPU computes (the idea of SGLang's
-overlap scheduler). Everything step t + 1 reads on the device (roots, lengths) step t wrote there; the host only plans
-storage, from upper bounds (a step emits at most 1 + D tokens, D = N for chains, the depth bound for trees). Costs: blocks of rejected drafts are kept until the
-sequence finishes (no per-step truncation), and a sequence that finishes in step t may have step t + 1 launched for it
-anyway (its tokens dropped). That wasted step is avoided where it is foreseeable: when every row of step t + 1 could
-reach max_new_tokens in step t (it emits at most 1 + N tokens), step t is read first and step t + 1 launched after
-(one host gap instead of one whole step; an EOS cannot be foreseen).
+t + 1 is launched before step t's tokens are read, so the host's bookkeeping runs while the GPU computes (the idea of
+SGLang's overlap scheduler). Everything step t + 1 reads on the device (roots, lengths) step t wrote there; the host
+only plans storage, from upper bounds (a step emits at most 1 + D tokens, D = N for chains, the depth bound for
+trees). Costs: blocks of rejected drafts are kept until the sequence finishes (no per-step truncation), and a sequence
+that finishes in step t may have step t + 1 launched for it anyway (its tokens dropped). That wasted step is avoided
+where it is foreseeable: when every row of step t + 1 could reach max_new_tokens in step t (it emits at most 1 + D
+tokens), step t is read first and step t + 1 launched after (one host gap instead of one whole step; an EOS cannot be
+foreseen).
 """
 from __future__ import annotations
 
@@ -623,8 +624,8 @@ class SpecEngine:
         fused = self._fused_accept(self._chains())
         fused_tree = not fused and self._fused_tree()
         if lengths is not None and not self.can_launch_ahead():
-            raise ValueError("launch_step(lengths=...) needs greedy chains with the fused accept and a drafter whose "
-                             "propose reads the device (Drafter.overlaps)")
+            raise ValueError("launch_step(lengths=...) needs one captured step (greedy chains with the fused accept, "
+                             "or the tree step) and a drafter whose propose reads the device (Drafter.overlaps)")
         live_t, kv_len_then = self._live_rows(live)
         base_host = [len(tokens_host[r]) - 1 for r in live] if lengths is None else list(lengths)
         reads_kv_len = not (fused or fused_tree) or (self.drafter is not None and self.drafter.reads_kv_len)
