@@ -5,14 +5,14 @@ speedup over autoregressive decoding measured in the same run) is chosen; a buck
 whose best method is autoregressive) is "off": speculation loses there. Trials whose run was noisy or implausible
 are skipped and listed under "excluded" (`studies.objective.exclusion_notes`).
 
-Exports (`export_schedule`): `schedule.json` plus config snippets in the shape each engine takes:
-  - TensorRT-LLM: `speculative_config.draft_len_schedule` {batch_size: draft_len} (batch sizes up to the key use that
-    length; above the largest key speculation is off), with `max_draft_len`;
-  - vLLM: `speculative_config` (`num_speculative_tokens`, n-gram `prompt_lookup_min/max`) per bucket, and one to
-    deploy with `disable_by_batch_size` where speculation stops paying;
-  - SGLang: server args `speculative_num_steps` / `speculative_eagle_topk` / `speculative_num_draft_tokens` per
-    bucket (a chain of k tokens: k steps, top-k 1, k + 1 draft tokens including the root).
-vLLM and SGLang take one setting per server: their snippets name the per-bucket values and a recommended one.
+Exports (`export_schedule`): `schedule.json` (per bucket the winning drafter's shape, and the engine sources the
+snippets were checked against) plus one snippet per engine, built by `workbench.serving.exports` from the
+winning method's per-bucket draft lengths and checked by its engine's mirrored validator
+(`workbench.serving.engine_schemas`), or {"refused": why} where that engine cannot say the schedule:
+  - vLLM: `speculative_config.num_speculative_tokens_per_batch_size` [[start_bs, end_bs, k], ...];
+  - TensorRT-LLM: `speculative_config.draft_len_schedule` {end_bs: k} (above the largest key: off);
+  - SGLang: one setting per server (`speculative_num_steps` / `speculative_eagle_topk` /
+    `speculative_num_draft_tokens`), with the measured ranges it does not match.
 """
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ import optuna
 
 from studies.objective import exclusion_notes, reliable_complete
 from studies.storage import SPEC_KEY
+from workbench.serving.engine_schemas import ENGINE_VERSIONS
 
-SCHEDULE_VERSION = 1
+SCHEDULE_VERSION = 2  # 2: per-bucket drafter shape, engines_checked_against
 
 
 def _config(t: optuna.trial.FrozenTrial) -> dict[str, Any]:
@@ -44,6 +45,11 @@ def buckets_of(study: optuna.Study) -> list[int]:
     return sorted(int(b) for b in values)
 
 
+def _draft_len(c: dict[str, Any]) -> int:
+    """Draft tokens per step as the engines count them: the tree depth for eagle, k otherwise."""
+    return int(c["tree_depth"]) if c.get("method") == "eagle" and c.get("tree_depth") else int(c["k"])
+
+
 def _entry(batch: int, t: optuna.trial.FrozenTrial | None, n: int) -> dict[str, Any]:
     if t is None:
         return {"batch_size": batch, "trials": n, "speculate": None, "method": None, "draft_len": None,
@@ -51,7 +57,7 @@ def _entry(batch: int, t: optuna.trial.FrozenTrial | None, n: int) -> dict[str, 
     c = _config(t)
     on = c["method"] != "ar" and _speedup(t) > 1.0
     return {"batch_size": batch, "trials": n, "speculate": on, "method": c["method"] if on else "ar",
-            "draft_len": int(c["k"]) if on else 0,
+            "draft_len": _draft_len(c) if on else 0, "shape": _shape(c) if on else None,
             "ngram_min": int(c["ngram_min"]) if on and c["method"] == "ngram" else None,
             "ngram_max": int(c["ngram_max"]) if on and c["method"] == "ngram" else None,
             "speedup_vs_ar": t.user_attrs.get("speedup_vs_ar"), "tokens_per_s": t.user_attrs.get("tokens_per_s"),
@@ -77,9 +83,9 @@ def build_schedule(study: optuna.Study) -> dict[str, Any]:
             "settings": spec["settings"], "objective": "speedup_vs_ar (same prompts, same process)",
             "bucket_semantics": "bucket b covers batch sizes (previous bucket, b]",
             "buckets": entries, "excluded": exclusion_notes(study),
-            "per_method": {m: {str(b): {"speedup_vs_ar": s, "k": c["k"], "ngram_min": c.get("ngram_min"),
-                                        "ngram_max": c.get("ngram_max")} for b, (s, c) in sorted(v.items())}
-                           for m, v in per_method.items()}}
+            "per_method": {m: {str(b): {"speedup_vs_ar": s, **_shape(c), "k": _draft_len(c)}
+                               for b, (s, c) in sorted(v.items())} for m, v in per_method.items()},
+            "engines_checked_against": dict(ENGINE_VERSIONS)}
 
 
 def _draft_path(models: dict[str, Any]) -> str:
@@ -111,63 +117,62 @@ def _method_schedule(schedule: dict[str, Any], method: str) -> dict[int, dict[st
     for e in schedule["buckets"]:
         best = table.get(str(e["batch_size"]))
         on = best is not None and best["speedup_vs_ar"] > 1.0
-        out[e["batch_size"]] = {"k": int(best["k"]) if on else 0, **({"ngram_min": best["ngram_min"],
-                                                                         "ngram_max": best["ngram_max"]} if on else {})}
+        out[e["batch_size"]] = {**(best if on else {}), "k": int(best["k"]) if on else 0}
     return out
 
 
-def trtllm_snippet(schedule: dict[str, Any]) -> dict[str, Any]:
+def _shape(c: dict[str, Any]) -> dict[str, Any]:
+    """The drafter shape of a trial's config: method, k and the method's own knobs (n-gram sizes, tree, beams)."""
+    keys = {"ngram": ("ngram_min", "ngram_max"), "eagle": ("tree_depth", "tree_topk", "tree_budget"),
+            "redrafter": ("beam_width", "beam_length")}.get(c.get("method"), ())
+    return {"method": c.get("method"), "k": c.get("k"), **{k: c.get(k) for k in keys}}
+
+
+def _method_ranges(schedule: dict[str, Any]) -> tuple[str, list[list[int]], dict[str, Any]] | None:
+    """(method, its inclusive ranges, the shape of its first speculating bucket) for the method that wins the most
+    buckets; None when no bucket speculates."""
     method = _chosen_method(schedule)
     if method is None:
-        return {"note": "speculation did not beat autoregressive decoding at any measured batch size: leave "
-                        "speculative_config unset"}
+        return None
     per = _method_schedule(schedule, method)
-    lengths = {b: v["k"] for b, v in sorted(per.items())}
-    while lengths and list(lengths.values())[-1] == 0:  # above the largest key TensorRT-LLM turns speculation off
-        lengths.popitem()
-    cfg: dict[str, Any] = {"max_draft_len": max(lengths.values(), default=0),
-                           "draft_len_schedule": {str(b): k for b, k in lengths.items()}}
-    if method == "draft":
-        cfg = {"decoding_type": "DraftTarget", "speculative_model": _draft_path(schedule["models"]), **cfg}
-    elif method == "ngram":
-        ngram_max = max((v.get("ngram_max") or 0) for v in per.values()) or 2
-        cfg = {"decoding_type": "NGram", "max_matching_ngram_size": ngram_max, **cfg}
-    else:
-        cfg = {"decoding_type": method, **cfg}
-    return {"speculative_config": cfg,
-            "note": "LLM API: LLM(model, speculative_config=...); or put this in extra_llm_api_options (JSON is "
-                    "valid YAML). Batch sizes up to each key use its draft length; above the largest key: off."}
+    first = next(v for _, v in sorted(per.items()) if v["k"] > 0)
+    return method, batch_ranges(schedule, method), first
 
 
-def _vllm_config(method: str, k: int, entry: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": entry.get("ngram_min") or 1,
-                "prompt_lookup_max": entry.get("ngram_max") or 1}
-    if method == "draft":
-        return {"method": "draft_model", "model": _draft_path(models), "num_speculative_tokens": k}
-    return {"method": method, "num_speculative_tokens": k}
+def _engine_snippet(schedule: dict[str, Any], name: str, max_num_seqs: int | None = None) -> dict[str, Any]:
+    """The checked snippet of one engine (`workbench.serving.exports`), or {"refused": why}."""
+    from workbench.serving import exports
+
+    picked = _method_ranges(schedule)
+    if picked is None:
+        return {"refused": "off: speculation did not beat autoregressive decoding at any measured batch size; leave "
+                           "speculative_config unset", "checked_against": exports.es.ENGINE_VERSIONS[name]}
+    method, ranges, first = picked
+    ngram = (first.get("ngram_min") or 1, first.get("ngram_max") or 1) if method == "ngram" else None
+    tree = ((first["tree_depth"], first["tree_topk"], first["tree_budget"])
+            if method == "eagle" and first.get("tree_depth") else None)
+    path = _draft_path(schedule["models"]) if method == "draft" else None
+    make = dict(exports.MAKERS)[name]
+    try:
+        return make(ranges, method, ngram, path, tree, max_num_seqs)
+    except exports.ExportRefused as exc:
+        return {"refused": str(exc), "checked_against": exports.es.ENGINE_VERSIONS[name]}
 
 
-def vllm_snippet(schedule: dict[str, Any]) -> dict[str, Any]:
-    per_bucket = {str(e["batch_size"]): (_vllm_config(e["method"], e["draft_len"], e, schedule["models"])
-                                         if e.get("speculate") else None) for e in schedule["buckets"]}
-    on = [e for e in schedule["buckets"] if e.get("speculate")]
-    if not on:
-        return {"per_batch_size": per_bucket, "speculative_config": None,
-                "note": "speculation did not pay at any measured batch size: leave speculative_config unset"}
-    first = on[0]
-    recommended = _vllm_config(first["method"], first["draft_len"], first, schedule["models"])
-    ranges = batch_ranges(schedule, first["method"])
-    if ranges:  # vLLM's per-batch-size key (workbench/serving/exports.py says which version it assumes)
-        recommended["num_speculative_tokens"] = max(k for _, _, k in ranges)
-        recommended["num_speculative_tokens_per_batch_size"] = ranges
-    off_after = [e["batch_size"] for e in schedule["buckets"] if e.get("speculate") is False
-                 and e["batch_size"] > first["batch_size"]]
-    if off_after:
-        recommended["disable_by_batch_size"] = off_after[0]
-    return {"speculative_config": recommended, "per_batch_size": per_bucket,
-            "note": "vLLM takes one num_speculative_tokens per server: speculative_config is the smallest batch "
-                    "bucket's best setting (null entries: speculation off). --speculative-config '<json>'"}
+def trtllm_snippet(schedule: dict[str, Any], max_num_seqs: int | None = None) -> dict[str, Any]:
+    out = _engine_snippet(schedule, "trtllm", max_num_seqs)
+    if "speculative_config" in out:
+        out["note"] += ("; LLM API: LLM(model, speculative_config=...), or put it in extra_llm_api_options (JSON is "
+                        "valid YAML)")
+    return out
+
+
+def vllm_snippet(schedule: dict[str, Any], max_num_seqs: int | None = None) -> dict[str, Any]:
+    return _engine_snippet(schedule, "vllm", max_num_seqs)
+
+
+def sglang_snippet(schedule: dict[str, Any], max_num_seqs: int | None = None) -> dict[str, Any]:
+    return _engine_snippet(schedule, "sglang", max_num_seqs)
 
 
 def batch_ranges(schedule: dict[str, Any], method: str) -> list[list[int]]:
@@ -183,28 +188,6 @@ def batch_ranges(schedule: dict[str, Any], method: str) -> list[list[int]]:
 def k_by_batch_text(ranges: list[list[int]]) -> str:
     """[[1, 2, 4], [3, 8, 0]] -> '1-2:4,3-8:0' (the serve-bench --k-by-batch form)."""
     return ",".join(f"{lo}-{hi}:{k}" for lo, hi, k in ranges)
-
-
-def _sglang_args(e: dict[str, Any], models: dict[str, Any]) -> dict[str, Any]:
-    k = int(e["draft_len"])
-    args: dict[str, Any] = {"speculative_algorithm": {"draft": "STANDALONE", "ngram": "NGRAM"}.get(e["method"],
-                                                                                                    e["method"].upper()),
-                            "speculative_num_steps": k, "speculative_eagle_topk": 1,
-                            "speculative_num_draft_tokens": k + 1}
-    if e["method"] == "draft":
-        args["speculative_draft_model_path"] = _draft_path(models)
-    return args
-
-
-def sglang_snippet(schedule: dict[str, Any]) -> dict[str, Any]:
-    per_bucket = {str(e["batch_size"]): (_sglang_args(e, schedule["models"]) if e.get("speculate") else None)
-                  for e in schedule["buckets"]}
-    on = [e for e in schedule["buckets"] if e.get("speculate")]
-    recommended = _sglang_args(on[0], schedule["models"]) if on else None
-    cli = (" ".join(f"--{k.replace('_', '-')} {v}" for k, v in recommended.items()) if recommended else "")
-    return {"server_args": recommended, "cli": cli, "per_batch_size": per_bucket,
-            "note": "a chain of k draft tokens: num_steps k, eagle_topk 1, num_draft_tokens k + 1 (root included); "
-                    "one setting per server: server_args is the smallest batch bucket's best"}
 
 
 SNIPPET_FILES = {"vllm_speculative_config.json": vllm_snippet, "sglang_server_args.json": sglang_snippet,

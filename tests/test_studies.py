@@ -29,6 +29,7 @@ from studies.objective import ModelSpec, pareto_front
 from studies.run import main as run_main
 from studies.worker import main as worker_main
 from studies.schedule import build_schedule, export_schedule, sglang_snippet, trtllm_snippet, vllm_snippet
+from workbench.serving.engine_schemas import ENGINE_VERSIONS, check_sglang, check_trtllm, check_vllm
 from studies.scripts import get_script
 from studies.space import IntRange, RunSettings, SearchSpace, SpaceError, parse_dim
 from studies.storage import StorageOpenError, open_storage
@@ -291,11 +292,26 @@ def test_batch_schedule_exports_json_and_engine_snippets(tmp_path, session):
     buckets = data["schedule"]["buckets"]  # a trial flagged noisy (a busy CPU) is counted under "excluded" instead
     assert all(b["trials"] <= 2 for b in buckets)
     assert sum(b["trials"] for b in buckets) + len(data["schedule"]["excluded"]) == 4
-    assert set(data["vllm"]["per_batch_size"]) == {"1", "2"} and set(data["sglang"]["per_batch_size"]) == {"1", "2"}
-    # TensorRT-LLM gets a speculative_config exactly when some bucket speculates (its "note" is always there)
+    # every snippet written from a real study passes its engine's mirrored check, or is refused by name
     speculates = any(b["speculate"] for b in data["schedule"]["buckets"])
-    assert ("speculative_config" in data["trtllm"]) is speculates and data["trtllm"]["note"]
+    assert_handed_over(data, speculates)
+    assert data["schedule"]["engines_checked_against"] == ENGINE_VERSIONS
     assert "best setting per batch-size bucket" in get_script("batch_schedule").report(study)
+
+
+def assert_handed_over(data: dict, speculates: bool) -> None:
+    """Each engine file is a config its mirrored check accepts, or a refusal naming why (off: nothing paid;
+    TensorRT-LLM: a schedule whose longest draft is not at batch size 1)."""
+    checks = {"vllm": ("speculative_config", check_vllm), "trtllm": ("speculative_config", check_trtllm),
+              "sglang": ("server_args", check_sglang)}
+    for name, (key, check) in checks.items():
+        snippet = data[name]
+        assert snippet["checked_against"] == ENGINE_VERSIONS[name]
+        if "refused" in snippet:
+            assert not speculates and snippet["refused"].startswith("off: ") or (
+                name == "trtllm" and "longest draft at batch size 1" in snippet["refused"]), snippet
+        else:
+            assert speculates and check(snippet[key]) == [], (name, snippet)
 
 
 def test_schedule_snippets_from_known_trials():
@@ -325,21 +341,23 @@ def test_schedule_snippets_from_known_trials():
     sched = build_schedule(study)
     got = [(b["batch_size"], b["speculate"], b["method"], b["draft_len"]) for b in sched["buckets"]]
     assert got == [(1, True, "draft", 4), (4, True, "ngram", 2), (16, False, "ar", 0)]
+    assert sched["buckets"][0]["shape"] == {"method": "draft", "k": 4} and sched["buckets"][2]["shape"] is None
     trt = trtllm_snippet(sched)["speculative_config"]
     # draft wins (ties -> smallest batch); its best k per bucket: 4 at batch 1, 1 at 4; off (dropped) at 16
-    assert trt["decoding_type"] == "DraftTarget" and trt["draft_len_schedule"] == {"1": 4, "4": 1}
-    assert trt["max_draft_len"] == 4
-    v = vllm_snippet(sched)
-    assert v["speculative_config"]["num_speculative_tokens"] == 4 and v["speculative_config"]["method"] == "draft_model"
-    assert v["speculative_config"]["disable_by_batch_size"] == 16
-    assert v["per_batch_size"]["4"] == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2,
-                                        "prompt_lookup_max": 3}
-    assert v["per_batch_size"]["16"] is None
+    assert trt["decoding_type"] == "Draft_Target" and trt["draft_len_schedule"] == {"1": 4, "4": 1}
+    assert trt["max_draft_len"] == 4 and check_trtllm(trt) == []
+    v = vllm_snippet(sched)["speculative_config"]
+    assert v["num_speculative_tokens"] == 4 and v["method"] == "draft_model" and "disable_by_batch_size" not in v
+    # the off bucket is an explicit k = 0 range up to the largest bucket (vLLM would otherwise keep a k there)
+    assert v["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 4, 1], [5, 16, 0]]
+    assert check_vllm(v, max_num_seqs=16) == []
+    assert vllm_snippet(sched, max_num_seqs=64)["speculative_config"]["num_speculative_tokens_per_batch_size"][-1] \
+        == [5, 64, 0]
     s = sglang_snippet(sched)
-    assert s["server_args"]["speculative_algorithm"] == "STANDALONE"
+    assert s["server_args"]["speculative_algorithm"] == "STANDALONE" and check_sglang(s["server_args"]) == []
     assert (s["server_args"]["speculative_num_steps"], s["server_args"]["speculative_eagle_topk"],
             s["server_args"]["speculative_num_draft_tokens"]) == (4, 1, 5)
-    assert s["per_batch_size"]["4"]["speculative_algorithm"] == "NGRAM" and "--speculative-num-steps 4" in s["cli"]
+    assert s["differs_from_schedule"] == [[2, 4, 1], [5, 16, 0]] and "--speculative-num-steps 4" in s["cli"]
 
 
 def test_cli_runs_a_study_and_prints_the_pareto_front(tmp_path, capsys):
