@@ -11,6 +11,7 @@ import random
 import pytest
 from hypothesis import given, settings as hyp_settings, strategies as st
 
+from tests.test_engine import draft, target  # noqa: F401 (fixtures)
 from workbench.serving import engine_schemas as es
 from workbench.serving.exports import ExportRefused, export_snippets, sglang_snippet, trtllm_snippet, vllm_snippet
 
@@ -196,3 +197,41 @@ def test_exports_expand_back_to_the_schedule_at_every_batch_size(seed, top, meth
     assert {b: es.trtllm_k_at(t, b) for b in want} == want
     s = sglang_snippet(ranges, method, (1, 3), "/d")
     assert s["differs_from_schedule"] == [list(r) for r in ranges if r[2] != ranges[0][2]]
+
+
+# ---- exports of a real measured schedule (tiny models, CPU) --------------------------------------------------------
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_exports_of_a_real_loop_calibration_pass_their_checks(target, draft, kind):
+    """serve-bench's loop calibration run for real on the tiny models; each shape's schedule is exported as the
+    serving page does (max_num_seqs past the largest measured size) and checked: a config the engine accepts that
+    expands back to the schedule at every batch size, or a refusal by name."""
+    from tests.test_serving_adaptive import engine_with
+    from tests.test_serving_calibration import prompts
+    from workbench.engine.drafters import DraftModelDrafter
+    from workbench.engine.drafters.ngram import NgramDrafter
+    from workbench.serving.calibrate import calibrate_loop
+
+    drafter = NgramDrafter(3, 1, 3) if kind == "ngram" else DraftModelDrafter(draft, 3)
+    cal = calibrate_loop(engine_with(drafter, target), prompts(), (1, 2, 4), max_new_tokens=4, max_num_seqs=4,
+                         budget_s=60.0)
+    for shape in ("sticky", "monotone", "free"):
+        ranges = cal.schedule(6, shape)
+        want = {b: k for lo, hi, k in ranges for b in range(lo, hi + 1)}
+        got = {name: json.loads(text) for name, text in
+               export_snippets(ranges, kind, ngram=(1, 3), draft_path="/d", max_num_seqs=6).items()}
+        for name, snippet in got.items():
+            if "refused" in snippet:
+                off = all(k == 0 for k in want.values())
+                assert snippet["refused"].startswith("off: ") if off else (
+                    name == "trtllm" and "longest draft at batch size 1" in snippet["refused"]), (shape, snippet)
+                continue
+            if name == "vllm":
+                assert es.check_vllm(snippet["speculative_config"], max_num_seqs=6) == []
+                assert {b: es.vllm_k_at(snippet["speculative_config"], b) for b in want} == want
+            elif name == "trtllm":
+                assert es.check_trtllm(snippet["speculative_config"]) == []
+                assert {b: es.trtllm_k_at(snippet["speculative_config"], b) for b in want} == want
+            else:
+                assert es.check_sglang(snippet["server_args"]) == []
+                k = es.sglang_chain(snippet["server_args"])[0]
+                assert snippet["differs_from_schedule"] == [list(r) for r in ranges if r[2] != k]

@@ -280,6 +280,11 @@ def export_section(view: pd.DataFrame) -> None:
     tabs = st.tabs(["vLLM", "TensorRT-LLM", "SGLang"])
     for tab, name in zip(tabs, ("vllm", "trtllm", "sglang")):
         with tab:
+            obj = json.loads(snippets[name])
+            if obj.get("refused"):
+                st.warning(obj["refused"])
+            else:
+                st.caption(f"checked against {obj['checked_against']}")
             st.code(snippets[name], language="json")
     bundle = json.dumps({"run_id": rid, **{n: json.loads(t) for n, t in snippets.items()}}, indent=2)
     st.download_button("Download snippets (JSON)", bundle, file_name=f"serving_snippets_{rid[-6:]}.json",

@@ -457,6 +457,10 @@ def schedule_section(study) -> None:
             except Exception as exc:  # noqa: BLE001
                 st.warning(f"cannot build this snippet: {exc}")
                 continue
+            if isinstance(obj, dict) and obj.get("refused"):
+                st.warning(obj["refused"])
+            elif isinstance(obj, dict) and obj.get("checked_against"):
+                st.caption(f"checked against {obj['checked_against']}")
             if isinstance(obj, dict) and obj.get("cli"):
                 st.code(obj["cli"], language="bash")
             st.code(json.dumps(obj, indent=2, default=str), language=lang)
