@@ -154,9 +154,17 @@ def _engine_snippet(schedule: dict[str, Any], name: str, max_num_seqs: int | Non
     path = _draft_path(schedule["models"]) if method == "draft" else None
     make = dict(exports.MAKERS)[name]
     try:
-        return make(ranges, method, ngram, path, tree, max_num_seqs)
+        out = make(ranges, method, ngram, path, tree, max_num_seqs)
     except exports.ExportRefused as exc:
         return {"refused": str(exc), "checked_against": exports.es.ENGINE_VERSIONS[name]}
+    if ngram is not None:  # one n-gram window per server: say where other buckets measured best with another
+        other = {b: (v.get("ngram_min"), v.get("ngram_max")) for b, v in _method_schedule(schedule, method).items()
+                 if v["k"] > 0 and (v.get("ngram_min") or 1, v.get("ngram_max") or 1) != ngram}
+        if other:
+            out["note"] += (f"; n-gram sizes {ngram[0]}..{ngram[1]} are the first speculating bucket's; buckets "
+                            + ", ".join(f"{b}: {lo}..{hi}" for b, (lo, hi) in sorted(other.items()))
+                            + " measured best with other sizes")
+    return out
 
 
 def trtllm_snippet(schedule: dict[str, Any], max_num_seqs: int | None = None) -> dict[str, Any]:

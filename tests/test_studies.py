@@ -28,8 +28,10 @@ from results.store import ResultStore
 from studies.objective import ModelSpec, pareto_front
 from studies.run import main as run_main
 from studies.worker import main as worker_main
-from studies.schedule import build_schedule, export_schedule, sglang_snippet, trtllm_snippet, vllm_snippet
-from workbench.serving.engine_schemas import ENGINE_VERSIONS, check_sglang, check_trtllm, check_vllm
+from studies.schedule import (batch_ranges, build_schedule, export_schedule, sglang_snippet, trtllm_snippet,
+                              vllm_snippet)
+from workbench.serving.engine_schemas import (ENGINE_VERSIONS, check_sglang, check_trtllm, check_vllm, trtllm_k_at,
+                                              vllm_k_at)
 from studies.scripts import get_script
 from studies.space import IntRange, RunSettings, SearchSpace, SpaceError, parse_dim
 from studies.storage import StorageOpenError, open_storage
@@ -312,6 +314,15 @@ def assert_handed_over(data: dict, speculates: bool) -> None:
                 name == "trtllm" and "longest draft at batch size 1" in snippet["refused"]), snippet
         else:
             assert speculates and check(snippet[key]) == [], (name, snippet)
+    # the engines with a per-batch-size key run the chosen method's measured k at every batch size up to the last
+    # bucket (an engine's expansion of its own file equals the study's choice)
+    if speculates:
+        method = next(b["method"] for b in data["schedule"]["buckets"] if b["speculate"])
+        chosen = {b: k for lo, hi, k in batch_ranges(data["schedule"], method) for b in range(lo, hi + 1)}
+        if "speculative_config" in data["vllm"]:
+            assert {b: vllm_k_at(data["vllm"]["speculative_config"], b) for b in chosen} == chosen
+        if "speculative_config" in data["trtllm"]:
+            assert {b: trtllm_k_at(data["trtllm"]["speculative_config"], b) for b in chosen} == chosen
 
 
 def test_schedule_snippets_from_known_trials():
@@ -358,6 +369,8 @@ def test_schedule_snippets_from_known_trials():
     assert (s["server_args"]["speculative_num_steps"], s["server_args"]["speculative_eagle_topk"],
             s["server_args"]["speculative_num_draft_tokens"]) == (4, 1, 5)
     assert s["differs_from_schedule"] == [[2, 4, 1], [5, 16, 0]] and "--speculative-num-steps 4" in s["cli"]
+    assert_handed_over({"schedule": sched, "vllm": vllm_snippet(sched), "trtllm": trtllm_snippet(sched),
+                        "sglang": s}, speculates=True)
 
 
 def test_cli_runs_a_study_and_prints_the_pareto_front(tmp_path, capsys):
@@ -475,3 +488,22 @@ def test_a_dead_workers_trial_is_retried_on_postgres(tmp_path, postgres_url, ses
     assert retried[0].params["method"] == dead.params["method"]
     done = [t for t in trials if t.state.name == "COMPLETE"]
     assert len(done) == 2 and len(store.load(study="stale")) == 2
+
+
+def test_ngram_schedule_names_buckets_that_measured_other_sizes():
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr(SPEC_KEY, make_spec("batch_schedule", batch=(1, 4)).to_dict())
+    dist = {"batch": optuna.distributions.CategoricalDistribution((1, 4))}
+    for batch, k, sizes, speedup in ((1, 3, (1, 3), 1.5), (4, 2, (2, 4), 1.2)):
+        cfg = {"method": "ngram", "k": k, "ngram_min": sizes[0], "ngram_max": sizes[1], "batch": batch,
+               "temperature": 0.0, "dtype": "float32"}
+        study.add_trial(optuna.trial.create_trial(params={"batch": batch}, distributions=dist, value=speedup,
+                                                  user_attrs={"config": cfg, "speedup_vs_ar": speedup,
+                                                              "feasible": True}, constraints={"fidelity": 0.0}))
+    sched = build_schedule(study)
+    v = vllm_snippet(sched)
+    assert (v["speculative_config"]["prompt_lookup_min"], v["speculative_config"]["prompt_lookup_max"]) == (1, 3)
+    assert "buckets 4: 2..4 measured best with other sizes" in v["note"]
+    sg = sglang_snippet(sched)["server_args"]
+    assert sg["speculative_ngram_max_bfs_breadth"] == 1 and check_sglang(sg) == []  # the measured chain
+    assert trtllm_snippet(sched)["speculative_config"]["decoding_type"] == "NGram"
