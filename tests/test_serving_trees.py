@@ -175,8 +175,8 @@ def test_serve_bench_row_records_greedy_matches_solo(tiny, monkeypatch):
     # a solo reference that differs in one token: the row says so
     real = fidelity.solo_outputs
 
-    def off_by_one(engine, requests):
-        out = real(engine, requests)
+    def off_by_one(engine, requests, memo=None):
+        out = real(engine, requests, memo)
         first = requests[0].id
         out[first] = out[first][:-1] + [(out[first][-1] + 1) % 64]
         return out
@@ -190,6 +190,25 @@ def test_serve_bench_row_records_greedy_matches_solo(tiny, monkeypatch):
     for cfg in (small_cfg(method="ngram", temperature=0.7), small_cfg(method="ar", greedy_check_requests=0)):
         rec = serve_bench(tiny, cfg).record  # sampling, or the check turned off: not checked
         assert rec["greedy_matches_solo"] is None and rec["greedy_solo_compared"] is None
+
+
+def test_solo_references_are_decoded_once_per_kept_solo_engine(tiny):
+    """A study's trials serve the same prompts again: the kept solo engine decodes each (prompt, length) once."""
+    from workbench.serving.bench import serve_bench
+
+    fidelity._kept.clear()  # a solo engine of its own (earlier tests' one may hold these prompts already)
+    fidelity._kept_memo.clear()
+    serve_bench(tiny, small_cfg(method="ar", greedy_check_requests=2))
+    solo = fidelity._kept[0]
+    calls, real_generate = [], solo.generate
+    solo.generate = lambda prompts: calls.append(prompts) or real_generate(prompts)
+    try:
+        rec = serve_bench(tiny, small_cfg(method="ar", greedy_check_requests=2)).record
+        assert rec["greedy_matches_solo"] is True and rec["greedy_solo_compared"] == 2 and calls == []
+        rec = serve_bench(tiny, small_cfg(method="ar", greedy_check_requests=3)).record  # one request more
+        assert rec["greedy_matches_solo"] is True and rec["greedy_solo_compared"] == 3 and len(calls) == 1
+    finally:
+        del solo.generate
 
 
 # ---- the CLI: tree knobs are serving knobs -----------------------------------------------------------------------

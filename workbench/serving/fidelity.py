@@ -28,9 +28,11 @@ def checked_requests(requests, limit: int) -> list:
     return sorted(requests, key=lambda r: r.id)[:max(0, limit)]
 
 
-def solo_outputs(engine: SpecEngine, requests) -> dict[int, list[int]]:
-    """Each request's prompt decoded alone (batch 1) on `engine` to its own max_new_tokens: request id -> tokens."""
-    memo: dict[tuple, list[int]] = {}
+def solo_outputs(engine: SpecEngine, requests, memo: dict | None = None) -> dict[int, list[int]]:
+    """Each request's prompt decoded alone (batch 1) on `engine` to its own max_new_tokens: request id -> tokens.
+    memo: (prompt, max_new_tokens) -> tokens already decoded on this engine (greedy and deterministic: a study's
+    trials serve the same prompts again), filled here; None = a fresh one."""
+    memo = {} if memo is None else memo
     full = engine.config
     out = {}
     try:
@@ -73,12 +75,14 @@ def compare_columns(served: dict[int, list[int]], reference: dict[int, list[int]
 
 
 _kept: list = []  # the solo engine made last (at most one)
+_kept_memo: dict = {}  # its solo outputs so far, (prompt, max_new_tokens) -> tokens (dropped with it)
 
 
 def solo_engine(engine: SpecEngine) -> SpecEngine:
     """An engine without a drafter over `engine`'s target with `engine`'s settings (untimed). The one made last is
     kept for the next run over the same target with the same settings, so a study's or a sweep's runs do not build,
-    capture and compile it again each time; one at a time (its cache and graphs hold device memory, and it holds
+    capture and compile it again each time, nor decode again a prompt it already decoded (`_kept_memo`); one at a
+    time (its cache and graphs hold device memory, and it holds
     its target until another replaces it)."""
     config = replace(engine.config, timing=False)
     if _kept:
@@ -86,6 +90,7 @@ def solo_engine(engine: SpecEngine) -> SpecEngine:
         if kept.target is engine.target and kept.config == config and kept.device == engine.device:
             return kept
         _kept.clear()  # freed before the next one is made
+        _kept_memo.clear()
     _kept.append(SpecEngine(engine.target, None, config, engine.device))
     return _kept[0]
 
@@ -101,7 +106,8 @@ def solo_columns(engine: SpecEngine, cfg, requests, served: dict[int, list[int]]
     if cfg.temperature != 0.0 or not picked:
         return none
     t0 = time.perf_counter()
-    reference = solo_outputs(solo_engine(engine), picked)
+    solo = solo_engine(engine)
+    reference = solo_outputs(solo, picked, _kept_memo if _kept and _kept[0] is solo else None)
     cols = compare_columns(served, reference, {r.id: list(r.prompt) for r in picked},
                            None if margins is None else lambda p, ours, theirs: margins(p, ours, theirs, cfg), dtype)
     cols["greedy_solo_s"] = time.perf_counter() - t0
