@@ -197,8 +197,12 @@ def to_gpt_fast(model_mod: types.ModuleType, model: LlamaModel, block_size: int)
 
 # -- models, prompts, floor ------------------------------------------------------------------------------------------
 def random_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaModel:
+    """A random-weight Llama of RANDOM_CONFIGS[name] (`random_llama`)."""
+    return random_llama(ModelConfig(**RANDOM_CONFIGS[name]), dtype, device, seed)
+
+
+def random_llama(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaModel:
     """A random-weight Llama built directly in `dtype` on `device` (no fp32 copy, no files)."""
-    cfg = ModelConfig(**RANDOM_CONFIGS[name])
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

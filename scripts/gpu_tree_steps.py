@@ -57,6 +57,10 @@ from workbench.engine.tree import DraftTree  # noqa: E402
 from workbench.models import LlamaModel, ModelConfig  # noqa: E402
 from workbench.serving.loop import frozen_gc  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fastpath import random_llama  # noqa: E402
+from bench_trees import fmt  # noqa: E402
+
 RANDOM_CONFIGS = {
     # Llama-3.1-8B's shapes (its llama3 RoPE scaling changes no cost and is left out)
     "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -175,17 +179,8 @@ class StaticTreeDrafter(Drafter):
 
 
 def random_target(name: str, dtype: torch.dtype, device: torch.device) -> LlamaModel:
-    """A random-weight Llama built directly in `dtype` on `device` (no float32 copy)."""
-    cfg = ModelConfig(**RANDOM_CONFIGS[name])
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaModel(cfg, init_weights=False)
-    finally:
-        torch.set_default_dtype(default)
-    model.reset_parameters(generator=torch.Generator(device=device).manual_seed(0))
-    return model.eval().requires_grad_(False)
+    """A random-weight Llama of RANDOM_CONFIGS[name], built directly in `dtype` on `device` (no float32 copy)."""
+    return random_llama(ModelConfig(**RANDOM_CONFIGS[name]), dtype, device, seed=0)
 
 
 class Target:
@@ -466,16 +461,6 @@ def stops_paying(rows: list[dict], target: str, method: str = "eagle") -> dict:
                       if r["target"] == target and r["method"] == method and r.get("speedup_vs_ar") is not None)
     first = next((b for b, s in by_batch if s < 1.0), None)
     return {"speedup_by_batch": by_batch, "stops_paying_at_batch": first}
-
-
-def fmt(v, spec: str = ".3g") -> str:
-    if v is None:
-        return "—"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return format(v, spec)
-    return str(v)
 
 
 def table_md(result: dict) -> str:
