@@ -12,7 +12,7 @@ import torch
 from tests.test_engine import PROMPTS, random_model, reference_greedy, target  # noqa: F401 (fixture)
 from tests.test_verify import chi_square_pvalue
 from workbench.engine import EngineConfig, SpecEngine
-from workbench.engine.drafters import EagleDrafter, EagleHead
+from workbench.engine.drafters import DrafterError, EagleDrafter, EagleHead, make_drafter
 from workbench.engine.drafters.eagle import EagleSettingsError, check_tree, rerank, tree_capacity
 from workbench.engine.sampling import SamplingParams, probs_from_logits
 from workbench.models import CausalAttention
@@ -291,6 +291,14 @@ def test_bad_tree_settings_are_named(tree, message, target):
     with pytest.raises(EagleSettingsError) as e:
         EagleDrafter(untrained(target), target, *tree)
     assert str(e.value).startswith(message)
+
+
+def test_the_registry_names_a_tree_the_vocabulary_cannot_fill_as_a_drafter_error(target):
+    """Every caller of make_drafter (bench, serving, studies) catches one error class for a drafter that cannot be
+    built."""
+    values = {"tree_depth": 2, "tree_topk": 65, "tree_budget": 70}  # the tiny test target has 64 tokens
+    with pytest.raises(DrafterError, match=r"tree_topk=65 exceeds the vocabulary \(64 tokens\)"):
+        make_drafter("eagle", values, target=target, heads={"eagle": untrained(target)})
 
 
 @pytest.mark.parametrize("values, message", [

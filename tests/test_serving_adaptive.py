@@ -298,7 +298,8 @@ def test_node_counts_cover_every_length_a_step_can_verify():
     a = AdaptiveSpeculation(4, [(1, 2, 4), (3, 8, 2)], off_acceptance=0.2, max_context=100, long_context_k=1)
     assert a.node_counts(8) == (0, 1, 2, 4)
     assert a.node_counts(2) == (0, 1, 4)
-    assert a.node_counts(8, chains=False) == (0, 4)
+    a.tree = True  # trees and beams: the whole tree or none
+    assert a.node_counts(8) == (0, 4)
     assert AdaptiveSpeculation(3).node_counts(16) == (3,)
 
 

@@ -94,15 +94,15 @@ class AdaptiveSpeculation:
         """
         return all(self.batch_k(b) == 0 for b in range(1, max_batch + 1))
 
-    def node_counts(self, max_batch: int, chains: bool = True) -> tuple[int, ...]:
+    def node_counts(self, max_batch: int) -> tuple[int, ...]:
         """Every draft length (`decode_step(num_nodes=)`) a step of up to max_batch rows can ask for: the schedule's,
-        their long-context limits, and 0 once rows can switch off. Trees (chains False) verify all k nodes or none."""
+        their long-context limits, and 0 once rows can switch off. Trees (`tree`) verify all k nodes or none."""
         counts = {self.batch_k(b) for b in range(1, max_batch + 1)}
         if self.max_context:
             counts |= {min(k, self.long_context_k) for k in counts}
         if self.off_acceptance > 0 or self.off_queue > 0:
             counts.add(0)
-        if not chains or self.tree:
+        if self.tree:
             counts = {self.k if c else 0 for c in counts}
         return tuple(sorted(counts))
 

@@ -24,7 +24,6 @@ from kernels.tuning import format_tuning, parse_tuning
 from workbench import settings
 from workbench.engine import SpecEngine
 from workbench.engine.drafters import DrafterError, make_drafter
-from workbench.engine.drafters.eagle import EagleSettingsError
 from workbench.engine.step import engine_config
 from workbench.engine.graphs import compile_fallback_columns, recompile_limit_hits
 from workbench.engine.sampling import SamplingParams
@@ -59,7 +58,7 @@ def engine_for(session, cfg) -> SpecEngine:
     try:
         drafter = make_drafter(cfg.method, cfg, draft=lambda: session.model_for("draft", cfg),
                                target=lambda: session.model_for("target", cfg), heads=heads)
-    except (DrafterError, EagleSettingsError) as e:  # a missing model; a tree the vocabulary cannot fill
+    except DrafterError as e:  # a missing model; a tree the vocabulary cannot fill
         raise ServeError(str(e)) from None
     return SpecEngine(session.target, drafter, ecfg, session.device)
 
@@ -147,7 +146,7 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
         adaptive = adaptive_for(cfg, engine.num_nodes, ranges, tree=is_tree(engine))
         loop = make_loop(adaptive)
     if cfg.cuda_graphs:  # before the clock starts, every (bucket, draft length) the adaptive rules can ask for
-        engine.capture_graphs(cfg.max_num_seqs, node_counts=adaptive.node_counts(cfg.max_num_seqs, loop.chains),
+        engine.capture_graphs(cfg.max_num_seqs, node_counts=adaptive.node_counts(cfg.max_num_seqs),
                               max_prefill_tokens=max((len(r.prompt) for r in requests), default=0),
                               prefill_rows=max(1, min(tuning.batch_prefill, cfg.max_num_seqs)))
     graphs_before, eager_before = engine.graph_stats(), getattr(engine.prefill_step, "eager_chunks", 0)

@@ -17,7 +17,7 @@ from torch import nn
 from workbench import settings
 from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
 from workbench.engine.drafters.draft_model import DraftModelDrafter
-from workbench.engine.drafters.eagle import EagleDrafter, EagleHead
+from workbench.engine.drafters.eagle import EagleDrafter, EagleHead, EagleSettingsError
 from workbench.engine.drafters.ngram import NgramDrafter, lookup
 from workbench.engine.drafters.redrafter import RedrafterDrafter, RedrafterHead
 
@@ -106,10 +106,13 @@ def make_drafter(method: str, values: Any = None, *, draft: Any = None, target: 
     ServeConfig or mapping; missing knobs take the registry defaults). `draft` / `target`: the models (or zero-argument
     callables that make them, called only when the method needs one); `heads`: method -> trained head (or callable);
     redrafter and eagle without one get an untrained head from UNTRAINED_HEAD_SEED. DrafterError for an unknown
-    method or a missing model."""
+    method, a missing model or a tree the target cannot fill."""
     if method not in DRAFTERS:
         raise DrafterError(f"unknown method {method!r}; choose one of {', '.join(DRAFTERS)}")
-    return DRAFTERS[method](_Inputs(method, {} if values is None else values, draft, target, heads or {}))
+    try:
+        return DRAFTERS[method](_Inputs(method, {} if values is None else values, draft, target, heads or {}))
+    except EagleSettingsError as e:  # a tree this target's vocabulary cannot fill: one error class for every caller
+        raise DrafterError(str(e)) from None
 
 
 __all__ = ["BatchState", "DraftContext", "Drafter", "DraftModelDrafter", "DrafterError", "DRAFTERS", "EagleDrafter",
