@@ -59,6 +59,8 @@ def parse_args(argv):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--greedy-check-requests", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument("--compile", default="auto", choices=("auto", "off", "default", "max-autotune"),
+                    help="torch.compile of every method's step (auto: default on a GPU); off warms up in seconds")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -71,7 +73,8 @@ def config_of(args, method: str) -> ServeConfig:
     cfg = ServeConfig(method=method, k=args.k, tree_depth=args.tree_depth, tree_topk=args.tree_topk,
                       tree_budget=args.tree_budget, beam_width=args.beam_width, beam_length=args.beam_length,
                       max_num_seqs=args.max_num_seqs, num_requests=args.num_requests,
-                      max_new_tokens=args.max_new_tokens, greedy_check_requests=0, warmup_requests=0)
+                      max_new_tokens=args.max_new_tokens, greedy_check_requests=0, warmup_requests=0,
+                      compile=args.compile)
     check_config(cfg)  # a bad setting is named before any model loads
     return cfg
 
@@ -119,7 +122,8 @@ def write(out: Path, result: dict) -> None:
     lines = [f"# Trees served under load · {m['preset']} · {m['device_name']} · {m['dtype']}", "",
              f"{m['num_requests']} requests x {m['max_new_tokens']} new tokens, max_num_seqs {m['max_num_seqs']}, "
              f"Poisson at fractions of AR's saturation rate ({_f(m.get('saturation_rps'))} req/s), "
-             f"{m['repeats']} rounds (median [min, max]); {m['elapsed_s']:.0f} s.", "",
+             f"{m['repeats']} rounds (median [min, max]); torch.compile {m['args'].get('compile', 'auto')}; "
+             f"{m['elapsed_s']:.0f} s.", "",
              "| rate | method | output tok/s | x AR (paired) | p50 TPOT ms | p50 TTFT ms | accepted / step | "
              "greedy = solo |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

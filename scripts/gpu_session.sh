@@ -20,6 +20,8 @@
 #                  of eagle and redrafter against AR per batch: where the tree stops paying)
 #   trees40        issue 40's closing figures: verify width at the 8B shape, step costs there (batch 1), tiny end to end
 #                  with bench_trees, then trees served under load on tiny (gpu_serving_trees.py)
+#   treesload      issue 40 after the captured tree step: tiny end to end again (the ReDrafter row crashed before), then
+#                  small at batch 1, and trees served under load on small (graphs on, compile off: warm-ups in seconds)
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -163,6 +165,18 @@ trees40)
   step serving_tiny 120 $PY scripts/gpu_serving_trees.py --device cuda --preset tiny \
     --methods ar,draft,ngram,eagle,redrafter --max-num-seqs 16 --num-requests 64 --max-new-tokens 64 --rates 0.5,1 \
     --repeats 3 --budget-s "$(( $(left) - 20 ))" --out "$R/serving_tiny" ;;
+treesload)
+  step trees_tiny 90 $PY scripts/bench_trees.py --preset tiny --device cuda --out "$R/trees_tiny" --batches 1 \
+    --num-prompts 8 --max-new-tokens 128 --tree-depth 4 --tree-topk 4 --tree-budgets 16 --beam-widths 4 \
+    --beam-length 4 --category-prompts 0 --budget-s 160
+  train_small
+  heads
+  step trees_small 90 $PY scripts/bench_trees.py --preset small --device cuda --out "$R/trees_small" --batches 1 \
+    --num-prompts 8 --max-new-tokens 128 --tree-depth 4 --tree-topk 4 --tree-budgets 16 --beam-widths 4 \
+    --beam-length 4 --category-prompts 0 --budget-s 120
+  step serving_small 120 $PY scripts/gpu_serving_trees.py --device cuda --preset small --compile off \
+    --methods ar,draft,eagle,redrafter --max-num-seqs 16 --num-requests 64 --max-new-tokens 64 --rates 0.5,1 \
+    --repeats 3 --budget-s "$(( $(left) - 20 ))" --out "$R/serving_small" ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small
