@@ -6,6 +6,7 @@ from. Positive cases are configs the engine's own validators take; negative ones
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -13,7 +14,8 @@ from hypothesis import given, settings as hyp_settings, strategies as st
 
 from tests.test_engine import draft, target  # noqa: F401 (fixtures)
 from workbench.serving import engine_schemas as es
-from workbench.serving.exports import ExportRefused, export_snippets, sglang_snippet, trtllm_snippet, vllm_snippet
+from workbench.serving.exports import (GATE_Z, ExportRefused, acceptance_gate, break_even_acceptance, export_snippets,
+                                       normalize, sglang_adaptive_config, sglang_snippet, trtllm_snippet, vllm_snippet)
 
 
 def problems_about(problems: list[str], key: str) -> list[str]:
@@ -130,6 +132,110 @@ def test_sglang_refuses_or_rewrites_what_its_server_args_do(mirror, args, key):
     assert problems_about(got, key), got
 
 
+def test_trtllm_acceptance_switch_off_fields_as_its_validators_take_them():  # MIRRORS["trtllm.acceptance"]
+    ok = {**TRT_OK, "acceptance_rate_window_size": 30, "acceptance_rate_threshold": 0.3}
+    assert es.check_trtllm(ok) == [] and es.trtllm_gate(ok) == (30, 0.3)
+    assert problems_about(es.check_trtllm({**ok, "acceptance_rate_window_size": -1}), "acceptance_rate_window_size")
+    assert problems_about(es.check_trtllm({**ok, "acceptance_rate_threshold": -0.1}), "acceptance_rate_threshold")
+    off = {**ok, "acceptance_rate_window_size": 0}  # "If not set or set to 0, the feature is disabled"
+    assert es.trtllm_gate(off) is None
+    got = es.check_trtllm(off)
+    assert len(got) == 1 and got[0].startswith("meaning: acceptance_rate_threshold is set")
+    assert "trtllm.acceptance_gate" in es.MIRRORS and "trtllm.max_concurrency_translation" in es.MIRRORS
+
+
+def test_break_even_acceptance_is_where_the_measured_step_cost_meets_autoregressive():
+    a, m, s = 0.6, 2.8, 1.5  # 1.8 accepted of 3 drafted per step, 2.8 tokens per step, 1.5x AR
+    t = break_even_acceptance(a, m, s)
+    drafted = (m - 1) / a
+    assert (1 + drafted * t) / (m / s) == pytest.approx(1.0)  # tokens per step over its cost in AR steps: 1x
+    assert 0 < t < a
+    assert break_even_acceptance(a, m, 1.0) == pytest.approx(a)  # measured at exactly 1x: breaks even right there
+    assert break_even_acceptance(0.9, 1.9, 3.0) == 0.0  # so cheap a step that no acceptance loses (clipped)
+
+
+def test_acceptance_gate_takes_the_lowest_break_even_and_a_window_that_holds_the_measured_acceptance():
+    points = [(0.7, 3.1, 1.4), (0.65, 2.9, 1.1), (0.2, 1.6, 0.8)]  # the last bucket measured slower than AR
+    window, threshold = acceptance_gate(points)
+    assert threshold == math.floor(min(break_even_acceptance(*p) for p in points[:2]) * 1e4) / 1e4
+    z = lambda n: (0.65 - threshold) / math.sqrt(0.65 * 0.35 / n)  # noqa: E731 - the lowest measured acceptance
+    assert z(window) >= GATE_Z > z(window - 1)  # the fewest iterations that keep it GATE_Z sigmas above
+    assert acceptance_gate([(0.2, 1.6, 0.8)]) is None and acceptance_gate([(None, None, 1.3), (0.0, 1.0, 1.2)]) is None
+
+
+def test_trtllm_export_says_one_k_then_off_as_max_concurrency_and_carries_the_gate():
+    cfg = trtllm_snippet([(1, 8, 3), (9, 64, 0)], "draft", draft_path="/d", gate=(40, 0.35))["speculative_config"]
+    assert cfg["max_concurrency"] == 8 and "draft_len_schedule" not in cfg  # mutually exclusive: one of them
+    assert es.check_trtllm(cfg) == [] and es.trtllm_gate(cfg) == (40, 0.35)
+    assert [es.trtllm_k_at(cfg, b) for b in range(1, 65)] == [3] * 8 + [0] * 56
+    always = trtllm_snippet([(1, 64, 3)], "ngram", (1, 3))["speculative_config"]
+    assert "max_concurrency" not in always and "draft_len_schedule" not in always and es.check_trtllm(always) == []
+    tree = trtllm_snippet([(1, 8, 4)], "eagle", draft_path="/h", tree=(4, 4, 16), gate=(40, 0.35))
+    assert es.trtllm_gate(tree["speculative_config"]) is None and "no acceptance switch-off for a tree" in tree["note"]
+
+
+# ---- SGLang's adaptive JSON (python/sglang/srt/speculative/adaptive_spec_params.py) ----------------------------------
+ADAPTIVE_OK = {"1": {"candidate_steps": [4]}, "3": {"candidate_steps": [2]}, "9": {"candidate_steps": [0]}}
+EAGLE_ADAPTIVE = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/h", "speculative_num_steps": 4,
+                  "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 5, "speculative_adaptive": True,
+                  "speculative_adaptive_config": "adaptive.json"}
+
+
+def test_sglang_adaptive_config_takes_batch_size_slots_and_shared_knobs():
+    assert es.check_sglang_adaptive(ADAPTIVE_OK) == []
+    assert es.check_sglang_adaptive({"ema_alpha": 0.3, "strategy": "ema",
+                                     "1": {"candidate_steps": [1, 3, 7], "up_hysteresis": 0.1}}) == []
+    assert es.check_sglang(EAGLE_ADAPTIVE, ADAPTIVE_OK) == []
+
+
+@pytest.mark.parametrize("mirror, cfg, key", [
+    ("sglang.adaptive_file", [1, 3], "must hold a JSON object"),
+    ("sglang.adaptive_file", {"ema_alpha": 0.2}, "at least one integer-string batch-size key"),
+    ("sglang.adaptive_file", {"1": {"candidate_steps": []}}, "1: candidate_steps"),
+    ("sglang.adaptive_file", {"1": {"candidate_steps": [-1]}}, "1: candidate_steps"),
+    ("sglang.adaptive_file", {"1": {"candidate_steps": ["2"]}}, "1: candidate_steps"),
+    ("sglang.adaptive_knobs", {"1": {"candidate_steps": [1], "ema": 0.1}}, "meaning: 1.ema"),
+    ("sglang.adaptive_knobs", {"warmup": 3, "1": {"candidate_steps": [1]}}, "meaning: warmup"),
+    ("sglang.adaptive_knobs", {"strategy": "greedy", "1": {"candidate_steps": [1]}}, "strategy: 'greedy'"),
+])
+def test_sglang_adaptive_config_refuses_what_its_loader_refuses(mirror, cfg, key):
+    assert mirror in es.MIRRORS and es.SGLANG_ADAPTIVE.commit[:12] in es.MIRRORS[mirror]
+    got = es.check_sglang_adaptive(cfg)
+    assert problems_about(got, key), got
+
+
+@pytest.mark.parametrize("mirror, edit, key", [
+    ("sglang.adaptive_supported", {"speculative_algorithm": "STANDALONE"}, "adapts steps only for EAGLE"),
+    ("sglang.adaptive_supported", {"speculative_eagle_topk": 4, "speculative_num_draft_tokens": 9},
+     "adapts steps only for EAGLE"),
+    ("sglang.adaptive_steps", {"speculative_num_steps": 3, "speculative_num_draft_tokens": 4},
+     "not one of the adaptive config's candidate_steps [0, 2, 4]"),
+    ("sglang.adaptive_steps", {"speculative_num_draft_tokens": 9}, "sets it to speculative_num_steps + 1"),
+    ("sglang.adaptive_file", {"speculative_adaptive_config": None}, "built-in per-batch-size steps"),
+    ("sglang.adaptive_file", {"speculative_adaptive": None}, "without speculative_adaptive true"),
+])
+def test_sglang_server_args_with_the_adaptive_file(mirror, edit, key):
+    assert mirror in es.MIRRORS
+    args = {k: v for k, v in {**EAGLE_ADAPTIVE, **edit}.items() if v is not None}
+    got = es.check_sglang(args, ADAPTIVE_OK)
+    assert problems_about(got, key), got
+
+
+def test_sglang_routes_a_batch_to_its_slot_after_cuda_graph_padding():  # MIRRORS["sglang.adaptive_route"]
+    ranges = [(1, 3, 4), (4, 8, 2), (9, 16, 0)]
+    cfg = sglang_adaptive_config(ranges)
+    assert cfg == {"1": {"candidate_steps": [4]}, "4": {"candidate_steps": [2]}, "9": {"candidate_steps": [0]}}
+    assert [es.sglang_steps_at(cfg, b) for b in (1, 3, 4, 8, 9, 100)] == [[4], [4], [2], [2], [0], [0]]
+    assert es.sglang_steps_at(cfg, 3, cuda_graph_bs=[1, 2, 4, 8, 16]) == [2]  # 3 padded to 4 runs the next slot
+    assert es.sglang_steps_at(cfg, 3, cuda_graph_bs=[1, 2, 3, 4, 8, 16]) == [4]
+    snippet = sglang_snippet(ranges, "eagle", draft_path="/h")
+    assert snippet["cuda_graph_bs_must_include"] == [3, 8] and snippet["adaptive_config"] == cfg
+    assert snippet["server_args"]["speculative_adaptive_config"] == "sglang_adaptive_config.json"
+    assert "--speculative-adaptive --speculative-adaptive-config" in snippet["cli"]
+    assert sglang_adaptive_config([(1, 2, 3), (3, 4, 3), (5, 8, 1)]) == {"1": {"candidate_steps": [3]},
+                                                                         "5": {"candidate_steps": [1]}}
+
+
 # ---- the exports --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method, ranges, why", [
     ("redrafter", [(1, 8, 3)], "redrafter: no engine serves beam drafting"),
@@ -186,17 +292,69 @@ def monotone_ranges(rng: random.Random, top: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def free_ranges(rng: random.Random, top: int) -> list[tuple[int, int, int]]:
+    """Random contiguous ranges over 1..top with any k in 0..6 (k may grow with the batch size; at least one k > 0)."""
+    cuts = sorted(rng.sample(range(1, top), rng.randint(0, min(5, top - 1))))
+    ks = [rng.randint(0, 6) for _ in range(len(cuts) + 1)]
+    ks[rng.randrange(len(ks))] = rng.randint(1, 6)
+    out, lo = [], 1
+    for hi, k in zip([*cuts, top], ks):
+        out.append((lo, hi, k))
+        lo = hi + 1
+    return out
+
+
+REFUSALS = ("off: ", "redrafter: ", "trtllm: draft_len_schedule needs its longest draft at batch size 1",
+            "trtllm: the EAGLE tree's")
+
+
+def assert_expands_to(snippets: dict[str, dict], ranges, top: int) -> None:
+    """Each engine's snippet is accepted by its mirrored check and runs, at every batch size 1..top, the k the ranges
+    state (SGLang: the adaptive JSON's slot, with and without CUDA-graph padding over the sizes the snippet names;
+    one setting per server otherwise, with the ranges it does not match listed), or is refused by name."""
+    want = {b: k for lo, hi, k in normalize(ranges, top) for b in range(lo, hi + 1)}
+    for name, snippet in snippets.items():
+        if "refused" in snippet:
+            assert snippet["refused"].startswith(REFUSALS), (name, snippet)
+            assert name == "trtllm" or snippet["refused"].startswith(("off: ", "redrafter: ")), (name, snippet)
+            continue
+        if name == "vllm":
+            cfg = snippet["speculative_config"]
+            assert es.check_vllm(cfg, max_num_seqs=top) == []
+            assert {b: es.vllm_k_at(cfg, b) for b in want} == want
+        elif name == "trtllm":
+            cfg = snippet["speculative_config"]
+            assert es.check_trtllm(cfg) == []
+            assert {b: es.trtllm_k_at(cfg, b) for b in want} == want
+        else:
+            args, adaptive = snippet["server_args"], snippet["adaptive_config"]
+            if "refused" in adaptive:
+                assert es.check_sglang(args) == [] and adaptive["refused"].startswith("sglang adaptive: ")
+                k = es.sglang_chain(args)[0]
+                assert snippet["differs_from_schedule"] == [list(r) for r in normalize(ranges, top) if r[2] != k]
+                continue
+            assert es.check_sglang(args, adaptive) == [] and snippet["differs_from_schedule"] == []
+            graphs = sorted({*snippet["cuda_graph_bs_must_include"], 1, 2, 4, 8, top})
+            for sizes in (None, graphs):
+                assert {b: es.sglang_steps_at(adaptive, b, sizes) for b in want} == {b: [k] for b, k in want.items()}
+
+
 @hyp_settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10**6), top=st.integers(1, 256), method=st.sampled_from(["draft", "ngram"]))
-def test_exports_expand_back_to_the_schedule_at_every_batch_size(seed, top, method):
-    ranges = monotone_ranges(random.Random(seed), top)
-    want = {b: k for lo, hi, k in ranges for b in range(lo, hi + 1)}
-    v = vllm_snippet(ranges, method, (1, 3), "/d")["speculative_config"]  # each maker runs its engine's check
-    t = trtllm_snippet(ranges, method, (1, 3), "/d")["speculative_config"]
-    assert {b: es.vllm_k_at(v, b) for b in want} == want
-    assert {b: es.trtllm_k_at(t, b) for b in want} == want
-    s = sglang_snippet(ranges, method, (1, 3), "/d")
-    assert s["differs_from_schedule"] == [list(r) for r in ranges if r[2] != ranges[0][2]]
+@given(seed=st.integers(0, 10**6), top=st.integers(1, 256), method=st.sampled_from(["draft", "ngram", "eagle"]),
+       monotone=st.booleans())
+def test_exports_expand_back_to_the_schedule_at_every_batch_size(seed, top, method, monotone):
+    rng = random.Random(seed)
+    ranges = monotone_ranges(rng, top) if monotone else free_ranges(rng, top)
+    snippets = {"vllm": vllm_snippet(ranges, method, (1, 3), "/d"),  # each maker runs its engine's check
+                "sglang": sglang_snippet(ranges, method, (1, 3), "/d")}
+    try:
+        snippets["trtllm"] = trtllm_snippet(ranges, method, (1, 3), "/d", gate=(30, 0.25))
+        assert es.trtllm_gate(snippets["trtllm"]["speculative_config"]) == (30, 0.25)
+    except ExportRefused as exc:  # only a schedule whose longest draft is not at batch size 1
+        assert not monotone and "longest draft at batch size 1" in str(exc)
+        snippets["trtllm"] = {"refused": str(exc)}
+    assert_expands_to(snippets, ranges, top)
+    assert ("refused" in snippets["sglang"]["adaptive_config"]) == (method != "eagle")  # only EAGLE chains adapt
 
 
 # ---- exports of a real measured schedule (tiny models, CPU) --------------------------------------------------------
@@ -216,22 +374,8 @@ def test_exports_of_a_real_loop_calibration_pass_their_checks(target, draft, kin
                          budget_s=60.0)
     for shape in ("sticky", "monotone", "free"):
         ranges = cal.schedule(6, shape)
-        want = {b: k for lo, hi, k in ranges for b in range(lo, hi + 1)}
         got = {name: json.loads(text) for name, text in
                export_snippets(ranges, kind, ngram=(1, 3), draft_path="/d", max_num_seqs=6).items()}
-        for name, snippet in got.items():
-            if "refused" in snippet:
-                off = all(k == 0 for k in want.values())
-                assert snippet["refused"].startswith("off: ") if off else (
-                    name == "trtllm" and "longest draft at batch size 1" in snippet["refused"]), (shape, snippet)
-                continue
-            if name == "vllm":
-                assert es.check_vllm(snippet["speculative_config"], max_num_seqs=6) == []
-                assert {b: es.vllm_k_at(snippet["speculative_config"], b) for b in want} == want
-            elif name == "trtllm":
-                assert es.check_trtllm(snippet["speculative_config"]) == []
-                assert {b: es.trtllm_k_at(snippet["speculative_config"], b) for b in want} == want
-            else:
-                assert es.check_sglang(snippet["server_args"]) == []
-                k = es.sglang_chain(snippet["server_args"])[0]
-                assert snippet["differs_from_schedule"] == [list(r) for r in ranges if r[2] != k]
+        if all(k == 0 for _, _, k in ranges):
+            assert all(s["refused"].startswith("off: ") for s in got.values()), got
+        assert_expands_to(got, ranges, 6)
