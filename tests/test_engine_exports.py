@@ -379,3 +379,158 @@ def test_exports_of_a_real_loop_calibration_pass_their_checks(target, draft, kin
         if all(k == 0 for _, _, k in ranges):
             assert all(s["refused"].startswith("off: ") for s in got.values()), got
         assert_expands_to(got, ranges, 6)
+
+
+# ---- exports of a real batch_schedule study (tiny, CPU) -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def real_study(tmp_path_factory):
+    """A batch_schedule study run for real on tiny: draft, n-gram and EAGLE chains (the preset's trained head) over
+    buckets 1 and 2."""
+    import dataclasses
+
+    from results.store import ResultStore
+    from studies.objective import ModelSpec
+    from studies.scripts import get_script
+    from studies.space import IntRange, RunSettings
+    from studies.storage import open_storage
+    from studies.study import StudySpec, create_or_resume, run_trials
+    from workbench.harness.bench import BenchSession
+
+    tmp = tmp_path_factory.mktemp("study")
+    script = get_script("batch_schedule")
+    space = dataclasses.replace(script.space, methods=("draft", "ngram", "eagle"), batch=(1, 2), k=IntRange(1, 3),
+                                tree_topk=1, tree_depth=IntRange(2, 3), tree_budget=IntRange(2, 3))
+    spec = StudySpec(script=script.name, objective=script.objective, space=space, models=ModelSpec(preset="tiny"),
+                     settings=RunSettings(max_new_tokens=8, num_prompts=2, repeats=1, warmup=0))
+    session = BenchSession.load(preset="tiny", device="cpu", dtype="float32")
+    study, spec = create_or_resume(open_storage(f"sqlite:///{tmp}/s.db"), "exports", spec, target_trials=8)
+    run_trials(study, spec, store=ResultStore(tmp / "store"), device="cpu", session_for=lambda dtype: session)
+    return study
+
+
+def test_every_method_a_real_study_measured_exports_what_it_measured(real_study):
+    """Per method, the best measured k of each bucket (whether or not it beat AR) as a schedule up to max_num_seqs 8,
+    with the head / draft folder the trials ran and the acceptance switch-off from their measurements: every engine
+    takes it and runs those k at every batch size, or refuses it by name."""
+    from studies.schedule import build_schedule
+
+    schedule = build_schedule(real_study)
+    assert set(schedule["per_method"]) == {"draft", "ngram", "eagle"}
+    buckets = [e["batch_size"] for e in schedule["buckets"]]
+    for method, table in schedule["per_method"].items():
+        ranges, lo = [], 1
+        for b in buckets:
+            ranges.append((lo, b, int(table[str(b)]["k"]) if str(b) in table else 0))
+            lo = b + 1
+        first = next(v for _, v in sorted(table.items(), key=lambda kv: int(kv[0])))
+        tree = (first["tree_depth"], first["tree_topk"], first["tree_budget"]) if method == "eagle" else None
+        path = first.get("draft_path")
+        gate = acceptance_gate([(v["acceptance_rate"], v["mean_accepted_tokens"], v["speedup_vs_ar"])
+                                for v in table.values()])
+        got = {name: json.loads(text) for name, text in
+               export_snippets(ranges, method, ngram=(first.get("ngram_min"), first.get("ngram_max")) if method ==
+                               "ngram" else None, draft_path=path, tree=tree, max_num_seqs=8, gate=gate).items()}
+        assert_expands_to(got, ranges, 8)
+        if method == "eagle":  # the zoo head the bench loaded, handed to every engine that takes the schedule
+            assert path.endswith("tiny/eagle") and "refused" not in got["sglang"]["adaptive_config"]
+            assert got["sglang"]["server_args"]["speculative_draft_model_path"] == path
+            assert got["vllm"]["speculative_config"]["model"] == path
+        if "speculative_config" in got["trtllm"]:
+            assert es.trtllm_gate(got["trtllm"]["speculative_config"]) == gate
+
+
+def test_a_real_study_export_writes_checked_files_up_to_the_serving_limit(real_study, tmp_path):
+    from studies.schedule import _chosen_method, batch_ranges, export_schedule, with_unmeasured_tail
+
+    files = export_schedule(real_study, tmp_path, max_num_seqs=8)
+    data = {name: json.loads(path.read_text()) for name, path in files.items()}
+    assert data["schedule"]["engines_checked_against"] == es.ENGINE_VERSIONS
+    picked = [b for b in data["schedule"]["buckets"] if b["speculate"]]
+    if not picked:  # nothing beat AR on this run: every engine is told so by name
+        assert all(data[n]["refused"].startswith("off: ") for n in ("vllm", "trtllm", "sglang"))
+        return
+    method = _chosen_method(data["schedule"])
+    ranges = with_unmeasured_tail(batch_ranges(data["schedule"], method), 8)
+    assert_expands_to({n: data[n] for n in ("vllm", "trtllm", "sglang")}, ranges, 8)
+    adaptive = data["sglang"].get("adaptive_config", {})
+    assert ("sglang_adaptive" in files) == ("refused" not in adaptive)
+    if "sglang_adaptive" in files:
+        assert data["sglang_adaptive"] == adaptive and files["sglang_adaptive"].name == \
+            data["sglang"]["server_args"]["speculative_adaptive_config"]
+    if ranges[-1][1] > data["schedule"]["buckets"][-1]["batch_size"] and "speculative_config" in data["vllm"]:
+        assert "were not measured" in data["vllm"]["note"]
+
+
+def test_study_exports_state_batch_sizes_above_the_largest_bucket_as_off():
+    from studies.schedule import with_unmeasured_tail
+    from workbench.serving.config import ServeError
+
+    assert with_unmeasured_tail([[1, 2, 4], [3, 8, 2]], 32) == [[1, 2, 4], [3, 8, 2], [9, 32, 0]]
+    assert with_unmeasured_tail([[1, 2, 4], [3, 8, 0]], 32) == [[1, 2, 4], [3, 32, 0]]
+    assert with_unmeasured_tail([[1, 8, 2]], None) == with_unmeasured_tail([[1, 8, 2]], 8) == [[1, 8, 2]]
+    with pytest.raises(ServeError, match="max_num_seqs 4 is below the largest measured bucket 8"):
+        with_unmeasured_tail([[1, 8, 2]], 4)
+
+
+def hand_built_study(rows):
+    """A batch_schedule study over buckets (1, 4, 16) from (batch, config, user attrs) rows, without running."""
+    import dataclasses
+
+    import optuna
+
+    from studies.objective import ModelSpec
+    from studies.scripts import get_script
+    from studies.space import RunSettings
+    from studies.study import SPEC_KEY, StudySpec
+
+    script = get_script("batch_schedule")
+    study = optuna.create_study(direction="maximize")
+    spec = StudySpec(script=script.name, objective=script.objective, models=ModelSpec(preset="tiny"),
+                     space=dataclasses.replace(script.space, batch=(1, 4, 16)), settings=RunSettings())
+    study.set_user_attr(SPEC_KEY, spec.to_dict())
+    dist = {"batch": optuna.distributions.CategoricalDistribution((1, 4, 16))}
+    for batch, cfg, attrs in rows:
+        study.add_trial(optuna.trial.create_trial(
+            params={"batch": batch}, distributions=dist, value=attrs["speedup_vs_ar"],
+            user_attrs={"config": {"batch": batch, "temperature": 0.0, "dtype": "float32", **cfg}, "feasible": True,
+                        **attrs}, constraints={"fidelity": 0.0}))
+    return study
+
+
+def test_a_study_hands_trtllm_the_gate_its_speculating_buckets_measured_and_the_head_it_ran():
+    from studies.schedule import build_schedule, sglang_snippet as study_sglang, trtllm_snippet as study_trtllm
+
+    eagle = {"method": "eagle", "k": 4, "tree_depth": 3, "tree_topk": 1, "tree_budget": 3}
+    head = "untrained (seed 7)"
+    study = hand_built_study([
+        (1, eagle, {"speedup_vs_ar": 1.6, "acceptance_rate": 0.7, "mean_accepted_tokens": 3.1, "draft_path": head}),
+        (4, eagle, {"speedup_vs_ar": 1.1, "acceptance_rate": 0.66, "mean_accepted_tokens": 2.98, "draft_path": head}),
+        (16, eagle, {"speedup_vs_ar": 0.7, "acceptance_rate": 0.6, "mean_accepted_tokens": 2.8, "draft_path": head})])
+    schedule = build_schedule(study)
+    trt = study_trtllm(schedule)
+    cfg = trt["speculative_config"]
+    assert cfg["max_concurrency"] == 4 and es.check_trtllm(cfg) == []  # k 3 up to bucket 4, off at 16
+    assert es.trtllm_gate(cfg) == acceptance_gate([(0.7, 3.1, 1.6), (0.66, 2.98, 1.1)])  # bucket 16 lost to AR
+    # the study ran an untrained head: no folder to hand over, and the note says how to get one
+    assert cfg["speculative_model"] == "<path to the EAGLE head>" and "zoo train-head --kind eagle" in trt["note"]
+    sg = study_sglang(schedule, max_num_seqs=32, draft_head="/heads/eagle")
+    assert sg["server_args"]["speculative_draft_model_path"] == "/heads/eagle"
+    assert sg["adaptive_config"] == {"1": {"candidate_steps": [3]}, "5": {"candidate_steps": [0]}}
+    assert es.check_sglang(sg["server_args"], sg["adaptive_config"]) == [] and "17..32 were not measured" in sg["note"]
+
+
+def test_the_serving_page_exports_an_eagle_row_with_its_head_and_tree():
+    import ui.serving_view as sv
+
+    row = {"method": "eagle", "k": 4, "max_num_seqs": 8, "k_by_batch": "1-4:1,5-8:0", "tree_depth": 3,
+           "tree_topk": 2, "tree_budget": 5, "draft_path": "/zoo/tiny/eagle"}
+    got = {name: json.loads(text) for name, text in sv.snippets_for(row).items()}
+    trt = got["trtllm"]["speculative_config"]  # a tree's on / off schedule, its draft length the depth
+    assert (trt["speculative_model"], trt["max_draft_len"], trt["dynamic_tree_max_topK"],
+            trt["max_total_draft_tokens"], trt["max_concurrency"]) == ("/zoo/tiny/eagle", 3, 2, 5, 4)
+    assert got["vllm"]["speculative_config"]["model"] == "/zoo/tiny/eagle"
+    assert es.sglang_chain(got["sglang"]["server_args"]) == (3, 2, 6)  # steps D, top-k K, budget N + 1
+    assert got["sglang"]["adaptive_config"]["refused"].startswith("sglang adaptive: ")
+    assert_expands_to(got, [(1, 4, 3), (5, 8, 0)], 8)
+    untrained = json.loads(sv.snippets_for({**row, "draft_path": "untrained (seed 7)"})["vllm"])
+    assert untrained["speculative_config"]["model"] == "<path to the EAGLE head>"

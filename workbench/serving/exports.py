@@ -153,7 +153,7 @@ def trtllm_snippet(ranges, method: str, ngram=None, draft_path=None, tree=None, 
         cfg = {"decoding_type": "Draft_Target", "speculative_model": draft_path or DRAFT_PLACEHOLDER, **cfg}
     elif method == "eagle":
         cfg = {"decoding_type": "Eagle", "speculative_model": draft_path or HEAD_PLACEHOLDER, **cfg}
-        if tree:
+        if tree and int(tree[1]) > 1:  # top-k 1 is a chain: TensorRT-LLM's linear EAGLE of max_draft_len
             depth, topk, budget = (int(x) for x in tree)
             if not depth <= budget <= topk * depth:
                 raise ExportRefused(f"trtllm: the EAGLE tree's budget {budget} is outside what TensorRT-LLM's dynamic "
