@@ -123,13 +123,27 @@ def _draft_path(models: dict[str, Any]) -> str:
     return "<path to draft model>"
 
 
-def _chosen_method(schedule: dict[str, Any]) -> str | None:
-    """The speculative method that wins the most buckets (ties: the one winning the smallest batch)."""
+UNSERVED = frozenset({"redrafter"})  # methods no serving engine runs (beam drafting)
+
+
+def chosen_method(schedule: dict[str, Any]) -> str | None:
+    """The speculative method the engine snippets hand over: of those an engine serves, the one that wins the most
+    buckets (ties: the one winning the smallest batch); where only an unserved method (redrafter) wins, the served
+    method that beats AR in the most buckets; that unserved method where none does (its snippets are refused by
+    name); None when no bucket speculates."""
     wins = [e["method"] for e in schedule["buckets"] if e.get("speculate")]
     if not wins:
         return None
-    counts = Counter(wins)
-    return max(counts, key=lambda m: (counts[m], -wins.index(m)))
+    served = [m for m in wins if m not in UNSERVED]
+    if served:
+        counts = Counter(served)
+        return max(counts, key=lambda m: (counts[m], -served.index(m)))
+    paying = {m: [int(b) for b, v in table.items() if v["speedup_vs_ar"] > 1.0]
+              for m, table in schedule["per_method"].items() if m not in UNSERVED}
+    paying = {m: bs for m, bs in paying.items() if bs}
+    if paying:
+        return max(paying, key=lambda m: (len(paying[m]), -min(paying[m])))
+    return wins[0]
 
 
 def _method_schedule(schedule: dict[str, Any], method: str) -> dict[int, dict[str, Any]]:
@@ -153,7 +167,7 @@ def _shape(c: dict[str, Any]) -> dict[str, Any]:
 def _method_ranges(schedule: dict[str, Any]) -> tuple[str, list[list[int]], dict[str, Any]] | None:
     """(method, its inclusive ranges, the shape of its first speculating bucket) for the method that wins the most
     buckets; None when no bucket speculates."""
-    method = _chosen_method(schedule)
+    method = chosen_method(schedule)
     if method is None:
         return None
     per = _method_schedule(schedule, method)
@@ -212,6 +226,11 @@ def _engine_snippet(schedule: dict[str, Any], name: str, max_num_seqs: int | Non
         return {"refused": str(exc), "checked_against": exports.es.ENGINE_VERSIONS[name]}
     if path_note:
         out["note"] += f"; head path: {path_note}"
+    unserved = [e["batch_size"] for e in schedule["buckets"] if e.get("speculate") and e["method"] in UNSERVED]
+    if unserved and method not in UNSERVED:
+        out["note"] += (f"; buckets {', '.join(map(str, unserved))} measured best with "
+                        f"{'/'.join(sorted({e['method'] for e in schedule['buckets'] if e['method'] in UNSERVED}))}, "
+                        f"which no engine serves: this is {method}'s schedule there (k = 0 where it lost to AR)")
     if max_num_seqs is not None and max_num_seqs > measured[-1][1]:
         out["note"] += (f"; batch sizes {measured[-1][1] + 1}..{max_num_seqs} were not measured (largest bucket "
                         f"{measured[-1][1]}): speculation is off there")

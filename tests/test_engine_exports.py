@@ -440,7 +440,7 @@ def test_every_method_a_real_study_measured_exports_what_it_measured(real_study)
 
 
 def test_a_real_study_export_writes_checked_files_up_to_the_serving_limit(real_study, tmp_path):
-    from studies.schedule import _chosen_method, batch_ranges, export_schedule, with_unmeasured_tail
+    from studies.schedule import chosen_method, batch_ranges, export_schedule, with_unmeasured_tail
 
     files = export_schedule(real_study, tmp_path, max_num_seqs=8)
     data = {name: json.loads(path.read_text()) for name, path in files.items()}
@@ -449,7 +449,7 @@ def test_a_real_study_export_writes_checked_files_up_to_the_serving_limit(real_s
     if not picked:  # nothing beat AR on this run: every engine is told so by name
         assert all(data[n]["refused"].startswith("off: ") for n in ("vllm", "trtllm", "sglang"))
         return
-    method = _chosen_method(data["schedule"])
+    method = chosen_method(data["schedule"])
     ranges = with_unmeasured_tail(batch_ranges(data["schedule"], method), 8)
     assert_expands_to({n: data[n] for n in ("vllm", "trtllm", "sglang")}, ranges, 8)
     adaptive = data["sglang"].get("adaptive_config", {})
@@ -534,3 +534,20 @@ def test_the_serving_page_exports_an_eagle_row_with_its_head_and_tree():
     assert_expands_to(got, [(1, 4, 3), (5, 8, 0)], 8)
     untrained = json.loads(sv.snippets_for({**row, "draft_path": "untrained (seed 7)"})["vllm"])
     assert untrained["speculative_config"]["model"] == "<path to the EAGLE head>"
+
+
+def test_a_study_won_by_redrafter_hands_over_the_best_served_method_or_refuses_by_name():
+    from studies.schedule import build_schedule, trtllm_snippet as study_trtllm, vllm_snippet as study_vllm
+
+    beams = {"method": "redrafter", "k": 4, "beam_width": 2, "beam_length": 4}
+    rows = [(1, beams, {"speedup_vs_ar": 1.8}), (4, beams, {"speedup_vs_ar": 1.3}),
+            (1, {"method": "draft", "k": 3}, {"speedup_vs_ar": 1.5}), (4, {"method": "draft", "k": 2},
+                                                                        {"speedup_vs_ar": 0.9})]
+    schedule = build_schedule(hand_built_study(rows))
+    assert [e["method"] for e in schedule["buckets"]] == ["redrafter", "redrafter", None]
+    v = study_vllm(schedule)
+    assert v["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 4, 0], [5, 16, 0]]
+    assert "buckets 1, 4 measured best with redrafter, which no engine serves: this is draft's schedule" in v["note"]
+    assert es.check_trtllm(study_trtllm(schedule)["speculative_config"]) == []
+    only = build_schedule(hand_built_study(rows[:2] + [(1, {"method": "draft", "k": 3}, {"speedup_vs_ar": 0.9})]))
+    assert study_vllm(only)["refused"].startswith("redrafter: no engine serves beam drafting")
