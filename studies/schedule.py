@@ -207,6 +207,8 @@ def _engine_snippet(schedule: dict[str, Any], name: str, max_num_seqs: int | Non
     folder to hand over (default: the one the winning trials ran)."""
     from workbench.serving import exports
 
+    largest = max(e["batch_size"] for e in schedule["buckets"])
+    with_unmeasured_tail([[1, largest, 0]], max_num_seqs)  # a limit below the buckets is an error, even when off
     picked = _method_ranges(schedule)
     if picked is None:
         return {"refused": "off: speculation did not beat autoregressive decoding at any measured batch size; leave "

@@ -551,3 +551,21 @@ def test_a_study_won_by_redrafter_hands_over_the_best_served_method_or_refuses_b
     assert es.check_trtllm(study_trtllm(schedule)["speculative_config"]) == []
     only = build_schedule(hand_built_study(rows[:2] + [(1, {"method": "draft", "k": 3}, {"speedup_vs_ar": 0.9})]))
     assert study_vllm(only)["refused"].startswith("redrafter: no engine serves beam drafting")
+
+
+def test_the_study_cli_states_the_serving_limit_or_names_a_limit_below_the_buckets(tmp_path, capsys):
+    from studies.run import main as run_main
+
+    args = ["--preset", "tiny", "--study", "lim", "--script", "batch_schedule", "--trials", "2", "--storage",
+            f"sqlite:///{tmp_path}/s.db", "--store", str(tmp_path / "store"), "--batch", "1,2", "--methods", "ngram",
+            "--export-dir", str(tmp_path / "out"), "--max-new-tokens", "8", "--num-prompts", "2", "--repeats", "1",
+            "--warmup", "0"]
+    assert run_main([*args, "--max-num-seqs", "1"]) == 2
+    assert "max_num_seqs 1 is below the largest measured bucket 2" in capsys.readouterr().err
+    assert run_main([*args, "--max-num-seqs", "16"]) == 0  # resumes the finished study, writes its files
+    vllm = json.loads((tmp_path / "out" / "vllm_speculative_config.json").read_text())
+    if "speculative_config" in vllm:
+        assert vllm["speculative_config"]["num_speculative_tokens_per_batch_size"][-1][1:] == [16, 0]
+        assert es.check_vllm(vllm["speculative_config"], max_num_seqs=16) == []
+    else:
+        assert vllm["refused"].startswith("off: ")

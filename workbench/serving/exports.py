@@ -96,9 +96,17 @@ def refusal(ranges, method: str) -> str | None:
     return None
 
 
+HEAD_NOTE = ("the EAGLE head path is the folder the run loaded, saved in the workbench's own layout, which the "
+             "engines' EAGLE loaders were not checked against")
+
+
 def _checked(problems: list[str], engine: str, snippet: dict) -> dict:
     if problems:
         raise ExportError(f"{engine} export failed its mirrored check: " + "; ".join(problems))
+    cfg = snippet.get("speculative_config") or snippet.get("server_args") or {}
+    if cfg.get("method") == "eagle" or cfg.get("decoding_type") == "Eagle" or \
+            cfg.get("speculative_algorithm") == "EAGLE":
+        snippet["note"] += "; " + HEAD_NOTE
     return snippet
 
 
