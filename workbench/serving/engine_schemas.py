@@ -415,8 +415,8 @@ def check_sglang_adaptive(cfg: Any) -> list[str]:
     if strategy not in SGLANG_ADAPTIVE_STRATEGIES:
         out.append(f"strategy: {strategy!r}; SGLang accepts 'ema' or 'throughput_aware'")
     elif strategy != "ema":
-        out.append("meaning: strategy: 'throughput_aware' picks steps from its own start-up profiling, not from "
-                   "the slots' candidate steps")
+        out.append("meaning: strategy: 'throughput_aware' hands the steps to another controller than the EMA slots "
+                   "this check mirrors; leave strategy unset or 'ema'")
     return out
 
 
