@@ -383,9 +383,9 @@ def test_exports_of_a_real_loop_calibration_pass_their_checks(target, draft, kin
 
 # ---- exports of a real batch_schedule study (tiny, CPU) -------------------------------------------------------------
 @pytest.fixture(scope="module")
-def real_study(tmp_path_factory):
-    """A batch_schedule study run for real on tiny: draft, n-gram and EAGLE chains (the preset's trained head) over
-    buckets 1 and 2."""
+def real_studies(tmp_path_factory):
+    """{method: a batch_schedule study of that method run for real on tiny over buckets 1 and 2}: draft, n-gram and
+    an EAGLE chain (the preset's trained head), one study each so that every method is measured."""
     import dataclasses
 
     from results.store import ResultStore
@@ -398,51 +398,62 @@ def real_study(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("study")
     script = get_script("batch_schedule")
-    space = dataclasses.replace(script.space, methods=("draft", "ngram", "eagle"), batch=(1, 2), k=IntRange(1, 3),
-                                tree_topk=1, tree_depth=IntRange(2, 3), tree_budget=IntRange(2, 3))
-    spec = StudySpec(script=script.name, objective=script.objective, space=space, models=ModelSpec(preset="tiny"),
-                     settings=RunSettings(max_new_tokens=8, num_prompts=2, repeats=1, warmup=0))
     session = BenchSession.load(preset="tiny", device="cpu", dtype="float32")
-    study, spec = create_or_resume(open_storage(f"sqlite:///{tmp}/s.db"), "exports", spec, target_trials=8)
-    run_trials(study, spec, store=ResultStore(tmp / "store"), device="cpu", session_for=lambda dtype: session)
-    return study
+    storage = open_storage(f"sqlite:///{tmp}/s.db")
+    out = {}
+    for method in ("draft", "ngram", "eagle"):
+        space = dataclasses.replace(script.space, methods=(method,), batch=(1, 2), k=IntRange(1, 3), tree_topk=1,
+                                    tree_depth=IntRange(2, 3), tree_budget=IntRange(2, 3))
+        spec = StudySpec(script=script.name, objective=script.objective, space=space, models=ModelSpec(preset="tiny"),
+                         settings=RunSettings(max_new_tokens=8, num_prompts=2, repeats=1, warmup=0))
+        study, spec = create_or_resume(storage, f"exports-{method}", spec, target_trials=2)
+        run_trials(study, spec, store=ResultStore(tmp / "store"), device="cpu", session_for=lambda dtype: session)
+        out[method] = study
+    return out
 
 
-def test_every_method_a_real_study_measured_exports_what_it_measured(real_study):
-    """Per method, the best measured k of each bucket (whether or not it beat AR) as a schedule up to max_num_seqs 8,
-    with the head / draft folder the trials ran and the acceptance switch-off from their measurements: every engine
-    takes it and runs those k at every batch size, or refuses it by name."""
-    from studies.schedule import build_schedule
+@pytest.mark.parametrize("method", ["draft", "ngram", "eagle"])
+def test_every_method_a_real_study_measured_exports_what_it_measured(real_studies, method):
+    """The best measured trial of each bucket (whether or not it beat AR, noisy or not) as a schedule up to
+    max_num_seqs 8, with the head / draft folder it ran and the acceptance switch-off from the measurements: every
+    engine takes it and runs those k at every batch size, or refuses it by name."""
+    best = {}
+    for t in real_studies[method].trials:
+        if t.state.name == "COMPLETE" and t.user_attrs.get("speedup_vs_ar") is not None:
+            b = int(t.user_attrs["config"]["batch"])
+            if b not in best or t.user_attrs["speedup_vs_ar"] > best[b].user_attrs["speedup_vs_ar"]:
+                best[b] = t
+    assert best, "the study measured nothing"
+    ranges, lo = [], 1
+    for b in (1, 2):
+        cfg = best[b].user_attrs["config"] if b in best else None
+        ranges.append((lo, b, 0 if cfg is None else int(cfg["tree_depth"] if method == "eagle" else cfg["k"])))
+        lo = b + 1
+    first = best[min(best)]
+    cfg = first.user_attrs["config"]
+    tree = (cfg["tree_depth"], cfg["tree_topk"], cfg["tree_budget"]) if method == "eagle" else None
+    path = first.user_attrs.get("draft_path")
+    gate = acceptance_gate([(t.user_attrs["acceptance_rate"], t.user_attrs["mean_accepted_tokens"],
+                             t.user_attrs["speedup_vs_ar"]) for t in best.values()])
+    ngram = (cfg["ngram_min"], cfg["ngram_max"]) if method == "ngram" else None
+    got = {name: json.loads(text) for name, text in
+           export_snippets(ranges, method, ngram=ngram, draft_path=path, tree=tree, max_num_seqs=8, gate=gate).items()}
+    assert_expands_to(got, ranges, 8)
+    if method == "eagle":  # the zoo head the bench loaded, handed to every engine that takes the schedule
+        assert path.endswith("tiny/eagle") and "refused" not in got["sglang"]["adaptive_config"]
+        assert got["sglang"]["server_args"]["speculative_draft_model_path"] == path
+        assert got["vllm"]["speculative_config"]["model"] == path
+    if method == "draft":
+        assert got["vllm"]["speculative_config"]["model"] == path and path.endswith("tiny/draft")
+    if "speculative_config" in got["trtllm"]:
+        assert es.trtllm_gate(got["trtllm"]["speculative_config"]) == gate
 
-    schedule = build_schedule(real_study)
-    assert set(schedule["per_method"]) == {"draft", "ngram", "eagle"}
-    buckets = [e["batch_size"] for e in schedule["buckets"]]
-    for method, table in schedule["per_method"].items():
-        ranges, lo = [], 1
-        for b in buckets:
-            ranges.append((lo, b, int(table[str(b)]["k"]) if str(b) in table else 0))
-            lo = b + 1
-        first = next(v for _, v in sorted(table.items(), key=lambda kv: int(kv[0])))
-        tree = (first["tree_depth"], first["tree_topk"], first["tree_budget"]) if method == "eagle" else None
-        path = first.get("draft_path")
-        gate = acceptance_gate([(v["acceptance_rate"], v["mean_accepted_tokens"], v["speedup_vs_ar"])
-                                for v in table.values()])
-        got = {name: json.loads(text) for name, text in
-               export_snippets(ranges, method, ngram=(first.get("ngram_min"), first.get("ngram_max")) if method ==
-                               "ngram" else None, draft_path=path, tree=tree, max_num_seqs=8, gate=gate).items()}
-        assert_expands_to(got, ranges, 8)
-        if method == "eagle":  # the zoo head the bench loaded, handed to every engine that takes the schedule
-            assert path.endswith("tiny/eagle") and "refused" not in got["sglang"]["adaptive_config"]
-            assert got["sglang"]["server_args"]["speculative_draft_model_path"] == path
-            assert got["vllm"]["speculative_config"]["model"] == path
-        if "speculative_config" in got["trtllm"]:
-            assert es.trtllm_gate(got["trtllm"]["speculative_config"]) == gate
 
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_a_real_study_export_writes_checked_files_up_to_the_serving_limit(real_studies, method, tmp_path):
+    from studies.schedule import batch_ranges, chosen_method, export_schedule, with_unmeasured_tail
 
-def test_a_real_study_export_writes_checked_files_up_to_the_serving_limit(real_study, tmp_path):
-    from studies.schedule import chosen_method, batch_ranges, export_schedule, with_unmeasured_tail
-
-    files = export_schedule(real_study, tmp_path, max_num_seqs=8)
+    files = export_schedule(real_studies[method], tmp_path, max_num_seqs=8)
     data = {name: json.loads(path.read_text()) for name, path in files.items()}
     assert data["schedule"]["engines_checked_against"] == es.ENGINE_VERSIONS
     picked = [b for b in data["schedule"]["buckets"] if b["speculate"]]
