@@ -73,7 +73,7 @@ OBJECTIVES = {o.name: o for o in (THROUGHPUT, SPEEDUP, PARETO, QUALITY_FRONT)}
 SUMMARY_FIELDS = ("tokens_per_s", "ar_tokens_per_s", "speedup_vs_ar", "peak_mem_mb", "tpot_ms_p99", "acceptance_rate",
                   "mean_accepted_tokens", "greedy_matches_ar", "speedup_ci_low", "speedup_ci_high", "noisy",
                   "noisy_reason", "plausible", "implausible_reason", "quant_ppl_delta_pct", "quant_token_agreement",
-                  "quant_acceptance_delta")
+                  "quant_acceptance_delta", "draft_path")
 
 # Optuna's fANOVA importances from fewer completed trials than this rank noise as often as knobs: say so beside them.
 IMPORTANCE_MIN_TRIALS = 20

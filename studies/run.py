@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_count("--threads", 1), help="torch CPU threads per worker process (default: torch's choice; "
                                                 "on a shared CPU, cores / workers avoids oversubscription)")
     p.add_argument("--export-dir", help="where batch_schedule writes its schedule (default out/schedules/STUDY)")
+    p.add_argument("--max-num-seqs", type=_count("--max-num-seqs", 1),
+                   help="the serving limit batch_schedule's engine snippets state every batch size up to; above the "
+                        "largest bucket speculation is off (default: the largest bucket)")
     p.add_argument("--sampler-seed", type=_count("--sampler-seed", 0, 2**32 - 1), help="seed the sampler (single-process runs only)")
     g = p.add_argument_group("models (stored with the study)")
     g.add_argument("--preset", help="zoo preset (default tiny unless --model is given)")
@@ -275,7 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     print(script.report(study), flush=True)
     if script.export is not None:
         out = Path(args.export_dir or Path("out") / "schedules" / args.study)
-        for name, path in script.export(study, out).items():
+        from workbench.serving.config import ServeError
+
+        try:
+            written = script.export(study, out, max_num_seqs=args.max_num_seqs)
+        except ServeError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
+        for name, path in written.items():
             print(f"wrote {name}: {path}", flush=True)
     return 0
 

@@ -39,7 +39,7 @@ class StudyScript:
     report: Callable[[optuna.Study], str]
     # fixed params for the next trial (enqueued before it), e.g. the least-covered batch bucket; None: sampler only
     next_params: Callable[[optuna.Study, Any], dict[str, Any] | None] | None = None
-    export: Callable[[optuna.Study, Path], dict[str, Path]] | None = None
+    export: Callable[..., dict[str, Path]] | None = None  # (study, out_dir, max_num_seqs=None)
 
 
 def _table(df: pd.DataFrame, columns: list[str] | None = None) -> str:
@@ -122,8 +122,8 @@ def report_schedule(study: optuna.Study) -> str:
                       "best setting per batch-size bucket:", _table(rows)])
 
 
-def export_schedule(study: optuna.Study, out_dir: Path) -> dict[str, Path]:
-    return _export(study, out_dir)
+def export_schedule(study: optuna.Study, out_dir: Path, max_num_seqs: int | None = None) -> dict[str, Path]:
+    return _export(study, out_dir, max_num_seqs=max_num_seqs)
 
 
 def report_pareto(study: optuna.Study) -> str:

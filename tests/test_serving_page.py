@@ -315,7 +315,7 @@ def test_tree_knobs_on_the_command_line_read_back():
         assert getattr(cfg, name) == value, name
 
 
-def test_tree_rows_are_labelled_by_shape_and_have_no_schedule_to_export():
+def test_tree_rows_are_labelled_by_shape():
     row = {"method": "eagle", "k": 4, "tree_depth": 4, "tree_topk": 4, "tree_budget": 16, "k_by_batch": "1-4:1"}
     assert sv.line_label(row) == "adaptive · eagle D4 K4 N16 · 1-4:1"
     assert sv.line_label({"method": "redrafter", "k": 4, "beam_width": 2, "beam_length": 4}) == \

@@ -231,6 +231,14 @@ def test_serve_bench_cli_serves_eagle_end_to_end(tmp_path):
     assert row["greedy_matches_solo"] is True and row["greedy_solo_compared"] == 4 and row["tree_budget"] == 6
     traces = store.load_traces([rec["run_id"]])
     assert set(traces["num_nodes"]) <= {0, 6} and 6 in set(traces["num_nodes"])
+    # the dashboard's export of this row: the head the run loaded, its tree, the served on / off schedule
+    from tests.test_engine_exports import assert_expands_to
+    from ui.serving_view import snippets_for
+
+    assert row["draft_path"].endswith("tiny/eagle")
+    snippets = {name: json.loads(text) for name, text in snippets_for(row).items()}
+    assert snippets["vllm"]["speculative_config"]["model"] == row["draft_path"]
+    assert_expands_to(snippets, [(1, 2, 3), (3, 4, 0)], 4)
 
 
 @pytest.mark.parametrize("argv, message", [

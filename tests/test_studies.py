@@ -312,6 +312,8 @@ def assert_handed_over(data: dict, speculates: bool) -> None:
         if "refused" in snippet:
             assert not speculates and snippet["refused"].startswith("off: ") or (
                 name == "trtllm" and "longest draft at batch size 1" in snippet["refused"]), snippet
+        elif name == "sglang" and "refused" not in snippet.get("adaptive_config", {"refused": ""}):
+            assert speculates and check(snippet[key], snippet["adaptive_config"]) == [], (name, snippet)
         else:
             assert speculates and check(snippet[key]) == [], (name, snippet)
     # the engines with a per-batch-size key run the chosen method's measured k at every batch size up to the last

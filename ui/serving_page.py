@@ -19,7 +19,7 @@ import streamlit as st
 from ui import catalog, gpu_page, jobs, serving_view as sv
 from ui.common import PYTHON, Errors, get_store, job_label, job_panel, knob_field, store_root
 from workbench.serving.config import SERVE_METHODS
-from workbench.settings import (FEATURE_METHODS, GPU_ONLY_KNOBS, KNOBS, SERVE_KNOBS, SERVE_RUN_KNOBS, SettingError,
+from workbench.settings import (GPU_ONLY_KNOBS, KNOBS, SERVE_KNOBS, SERVE_RUN_KNOBS, SettingError,
                                 check_serve, parse_k_by_batch)
 
 P = "srv_"  # widget-key prefix of this page
@@ -263,14 +263,13 @@ def requests_section(runs: pd.DataFrame) -> None:
 def export_section(view: pd.DataFrame) -> None:
     st.subheader("Engine snippets")
     st.caption("The run's draft length by batch size (its k_by_batch ranges, k where they leave a size out, 0 for "
-               "off) up to its max_num_seqs, in each engine's terms. Each snippet names the engine version it "
-               "assumes: check the keys against that version before deploying.")
+               "off; an EAGLE tree's depth where it is on) up to its max_num_seqs, in each engine's terms: vLLM "
+               "num_speculative_tokens_per_batch_size, TensorRT-LLM draft_len_schedule or max_concurrency, SGLang's "
+               "adaptive JSON for EAGLE chains (one setting per server otherwise). Each snippet passed the engine's "
+               "mirrored validators at the commit it names, or says by name why that engine cannot take it.")
     ok = view[view["status"].eq("ok").fillna(False)] if "status" in view else view
-    if not ok.empty and "method" in ok:  # a tree or beam is on or off per batch size: no draft length to export
-        ok = ok[~ok["method"].isin(FEATURE_METHODS)]
     if ok.empty:
-        st.info("no finished serving run with a draft-length schedule (tree and beam runs, eagle and redrafter, "
-                "turn their whole tree on or off by batch size: they have none to export)")
+        st.info("no finished serving run to export")
         return
     labels = {r["run_id"]: sv.run_label(r) for _, r in ok.iterrows()}
     rid = st.selectbox("Run", list(labels), key=f"{P}export_run", format_func=labels.get)

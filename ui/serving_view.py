@@ -271,8 +271,15 @@ def snippets_for(row) -> dict[str, str]:
     from workbench.serving.exports import export_snippets  # torch-free (json only)
 
     ngram = (int(_num(row.get("ngram_min"), 1)), int(_num(row.get("ngram_max"), 3)))
-    draft = None if _missing(row.get("draft_path")) else str(row.get("draft_path"))
-    return export_snippets(schedule_of(row), str(row.get("method")), ngram=ngram, draft_path=draft)
+    path = None if _missing(row.get("draft_path")) else str(row.get("draft_path"))
+    draft = None if path is None or path.startswith("untrained") else path  # an untrained head has no folder
+    tree = None
+    if row.get("method") == "eagle" and not any(_missing(row.get(k)) for k in ("tree_depth", "tree_topk", "tree_budget")):
+        tree = tuple(int(_num(row.get(k))) for k in ("tree_depth", "tree_topk", "tree_budget"))
+    ranges = schedule_of(row)
+    if tree and tree[1] > 1:  # a tree's schedule is on / off; the engines count its draft length as the depth
+        ranges = [(lo, hi, tree[0] if k > 0 else 0) for lo, hi, k in ranges]
+    return export_snippets(ranges, str(row.get("method")), ngram=ngram, draft_path=draft, tree=tree)
 
 
 CALIBRATION_VALUES = {"loop": ("tokens_per_s", "output tokens/s of a closed-loop serve"),

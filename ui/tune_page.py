@@ -464,6 +464,11 @@ def schedule_section(study) -> None:
             if isinstance(obj, dict) and obj.get("cli"):
                 st.code(obj["cli"], language="bash")
             st.code(json.dumps(obj, indent=2, default=str), language=lang)
+            adaptive = obj.get("adaptive_config") if isinstance(obj, dict) else None
+            if isinstance(adaptive, dict) and "refused" not in adaptive:  # the file --speculative-adaptive-config names
+                name = obj["server_args"]["speculative_adaptive_config"]
+                st.download_button(f"Download {name}", json.dumps(adaptive, indent=2), file_name=name,
+                                   mime="application/json", key=f"{P}adaptive_download", on_click="ignore")
     st.download_button("Download schedule.json", json.dumps(schedule, indent=2, default=str),
                        file_name=f"{study.study_name}-schedule.json", mime="application/json",
                        key=f"{P}schedule_download", on_click="ignore")

@@ -166,7 +166,8 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
            **config_columns(cfg), "k": cfg.k if cfg.method != "ar" else 0,
            "kv_blocks": loop.num_blocks,  # the pool actually used (0 asks for the automatic size)
            "dtype": session.dtype, "device": str(session.device), "preset": session.preset,
-           "target_path": session.target_path, "draft_path": session.draft_path if cfg.method == "draft" else None,
+           "target_path": session.target_path, "draft_path": session.draft_path if cfg.method == "draft"
+           else session.eagle_head_source if cfg.method == "eagle" else None,  # the head's folder or "untrained"
            "prompts_source": session.prompts_source if cfg.lengths == "file" else "random", "paged": True,
            # batch stays empty: a serving run has no fixed batch; its row cap is the max_num_seqs column, the batch
            # it really ran is mean_batch_size (rows written before this change hold max_num_seqs in batch)

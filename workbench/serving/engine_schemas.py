@@ -11,8 +11,11 @@ unstated default). Those problems start with "meaning:" so a reader can tell the
 
     check_vllm(speculative_config)       vllm serve --speculative-config JSON
     check_trtllm(speculative_config)     LLM(..., speculative_config=...) / extra_llm_api_options
-    check_sglang(server_args)            sglang.launch_server --speculative-* arguments
-    trtllm_k_at(cfg, b), vllm_k_at(cfg, b), sglang_chain(args)   what each engine runs at batch size b
+    check_sglang(server_args, adaptive)  sglang.launch_server --speculative-* arguments (+ the adaptive JSON file)
+    check_sglang_adaptive(adaptive)      the JSON file --speculative-adaptive-config names
+    trtllm_k_at(cfg, b), vllm_k_at(cfg, b), sglang_chain(args), sglang_steps_at(adaptive, b)
+                                         what each engine runs at batch size b
+    trtllm_gate(cfg)                     TensorRT-LLM's acceptance switch-off: (window, threshold) or None
 """
 from __future__ import annotations
 
@@ -38,11 +41,18 @@ TRTLLM = Source("TensorRT-LLM", "NVIDIA/TensorRT-LLM", "0004396720054fd8e205cbf6
                 "tensorrt_llm/llmapi/llm_args.py")
 SGLANG = Source("SGLang", "sgl-project/sglang", "unreported (stored snapshot 8356329, 177122 chars)",
                 "python/sglang/srt/server_args.py")
+SGLANG_ADAPTIVE = Source("SGLang", "sgl-project/sglang", "015c872628e328b530880bcf95ae91222604b225",
+                         "python/sglang/srt/speculative/adaptive_spec_params.py")
+SGLANG_ROUTER = Source("SGLang", "sgl-project/sglang", "a12239f6ac74d804d169ee5d3cfed3c49fa7162c",
+                       "python/sglang/srt/speculative/adaptive_step_router.py")
+SGLANG_HOOK = Source("SGLang", "sgl-project/sglang", "004c82e07d876f6e4a0ad6e15325706b0f478f1a",
+                     "python/sglang/srt/arg_groups/speculative_hook.py")
 
 ENGINE_VERSIONS = {  # what schedule.json and each snippet name as "checked against"
     "vllm": f"{VLLM.repo}@{VLLM.commit[:12]} ({VLLM.path})",
     "trtllm": f"{TRTLLM.repo}@{TRTLLM.commit[:12]} ({TRTLLM.path})",
-    "sglang": f"{SGLANG.repo} snapshot with _handle_speculative_decoding NGRAM override ({SGLANG.path})",
+    "sglang": f"{SGLANG.repo} snapshot with _handle_speculative_decoding NGRAM override ({SGLANG.path}); "
+              f"adaptive config @{SGLANG_ADAPTIVE.commit[:12]} ({SGLANG_ADAPTIVE.path})",
 }
 
 # ---- vLLM ------------------------------------------------------------------------------------------------------
@@ -82,8 +92,16 @@ MIRRORS: dict[str, str] = {
                                            "the largest key 0"),
     "trtllm.max_concurrency": TRTLLM.at("max_concurrency: Optional[PositiveInt]; validate_max_concurrency_and_"
                                         "draft_len_schedule_mutually_exclusive"),
-    "trtllm.acceptance": TRTLLM.at("acceptance_rate_window_size: NonNegativeInt; acceptance_rate_threshold: "
+    "trtllm.acceptance": TRTLLM.at("DecodingBaseConfig.acceptance_rate_window_size: Optional[NonNegativeInt] "
+                                   "(unset or 0: feature off); acceptance_rate_threshold: Optional[float] = "
                                    "Field(ge=0.0, le=1.0)"),
+    "trtllm.acceptance_gate": TRTLLM.at("acceptance_rate_threshold description: speculation is disabled "
+                                        "permanently once the rolling mean of the true acceptance rate "
+                                        "(accepted_draft_tokens / drafted_tokens) over the last "
+                                        "acceptance_rate_window_size speculation-enabled iterations drops below it"),
+    "trtllm.max_concurrency_translation": TRTLLM.at("validate_max_concurrency_and_draft_len_schedule_mutually_"
+                                                    "exclusive: max_concurrency alone becomes draft_len_schedule "
+                                                    "{max_concurrency: max_draft_len} (off above it)"),
     "trtllm.ngram": TRTLLM.at("NGramDecodingConfig.max_matching_ngram_size: PositiveInt"),
     "trtllm.eagle_tree": TRTLLM.at("EagleDecodingConfig.validate_eagle_config dynamic tree: dynamic_tree_max_topK "
                                    "> 0, max_draft_len <= max_total_draft_tokens <= topK * max_draft_len"),
@@ -93,6 +111,24 @@ MIRRORS: dict[str, str] = {
     "sglang.ngram_breadth": SGLANG.at("_handle_speculative_decoding NGRAM: speculative_eagle_topk = "
                                       "speculative_ngram_max_bfs_breadth (default 10); num_draft_tokens unset = "
                                       "speculative_ngram_max_match_window_size (default 12)"),
+    "sglang.adaptive_file": SGLANG_ADAPTIVE.at("_load_adaptive_config: a JSON object; integer-string keys are "
+                                               "batch-size slots, each with candidate_steps a non-empty list of "
+                                               "ints >= 0; at least one slot; other top-level keys are shared "
+                                               "defaults merged under each slot"),
+    "sglang.adaptive_knobs": SGLANG_ADAPTIVE.at("AdaptiveStepSlot.__init__: ema_alpha 0.2, update_interval 5, "
+                                                "warmup_batches 10, down_hysteresis -0.25, up_hysteresis 0.0, "
+                                                "ceiling_coeff 0 (read with .get: other keys are ignored); "
+                                                "resolve_adaptive_strategy: strategy 'ema' | 'throughput_aware'"),
+    "sglang.adaptive_supported": SGLANG_ADAPTIVE.at("adaptive_unsupported_reason: only EAGLE / EAGLE3, "
+                                                    "speculative_eagle_topk unset or 1 (else SGLang warns and "
+                                                    "serves the static settings)"),
+    "sglang.adaptive_steps": SGLANG_HOOK.at("_init_adaptive_speculative_params: speculative_num_steps must be "
+                                            "one of the slots' candidate_steps (ValueError); unset = the middle "
+                                            "one; speculative_num_draft_tokens = steps + 1"),
+    "sglang.adaptive_route": SGLANG_ROUTER.at("batch_size_key_for_batch: pad the batch size to the next CUDA-graph "
+                                              "size, then the largest slot key <= it (the smallest key below "
+                                              "all); a one-candidate slot never moves (AdaptiveStepSlot."
+                                              "_recompute_params)"),
 }
 
 # ---- TensorRT-LLM ----------------------------------------------------------------------------------------------
@@ -119,6 +155,10 @@ TRTLLM_NEEDS_DRAFT_LEN = frozenset({"Draft_Target", "NGram", "Eagle", "Eagle3", 
 SGLANG_ALGORITHMS = frozenset({"EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"})
 SGLANG_NGRAM_MAX_BFS_BREADTH_DEFAULT = 10
 SGLANG_NGRAM_MAX_MATCH_WINDOW_DEFAULT = 12  # NGRAM's num_draft_tokens when unset
+SGLANG_ADAPTIVE_ALGORITHMS = frozenset({"EAGLE", "EAGLE3"})
+SGLANG_ADAPTIVE_KNOBS = {"ema_alpha": 0.2, "update_interval": 5, "warmup_batches": 10, "down_hysteresis": -0.25,
+                         "up_hysteresis": 0.0, "ceiling_coeff": 0}  # each slot's defaults
+SGLANG_ADAPTIVE_STRATEGIES = frozenset({"ema", "throughput_aware"})
 
 
 def _int(v: Any) -> int | None:
@@ -223,6 +263,9 @@ def check_trtllm(cfg: dict[str, Any] | None) -> list[str]:
         out.append(f"acceptance_rate_window_size: {win!r}; TensorRT-LLM accepts a non-negative integer")
     if thr is not None and not (isinstance(thr, (int, float)) and not isinstance(thr, bool) and 0.0 <= thr <= 1.0):
         out.append(f"acceptance_rate_threshold: {thr!r}; TensorRT-LLM accepts a number in [0, 1]")
+    if thr is not None and not _int(win):
+        out.append("meaning: acceptance_rate_threshold is set but acceptance_rate_window_size is unset or 0, which "
+                   "turns the acceptance switch-off off; give a window > 0")
     if tag == "NGram" and "max_matching_ngram_size" in cfg:
         m = _int(cfg["max_matching_ngram_size"])
         if m is None or m < 1:
@@ -265,9 +308,17 @@ def trtllm_k_at(cfg: dict[str, Any], batch_size: int) -> int:
     return 0 if mc is not None and batch_size > int(mc) else int(cfg["max_draft_len"])
 
 
-def check_sglang(args: dict[str, Any] | None) -> list[str]:
+def trtllm_gate(cfg: dict[str, Any]) -> tuple[int, float] | None:
+    """(window, threshold) of TensorRT-LLM's permanent acceptance switch-off, None where it is off (no window > 0 or
+    no threshold; MIRRORS["trtllm.acceptance_gate"])."""
+    win, thr = _int(cfg.get("acceptance_rate_window_size")), cfg.get("acceptance_rate_threshold")
+    return (win, float(thr)) if win and thr is not None else None
+
+
+def check_sglang(args: dict[str, Any] | None, adaptive: Any = None) -> list[str]:
     """Problems SGLang's server-args handling would raise on args (see MIRRORS["sglang.*"]), plus "meaning:" problems
-    where SGLang would silently run something other than the args say."""
+    where SGLang would silently run something other than the args say. adaptive: the JSON object the file named by
+    speculative_adaptive_config holds (checked with check_sglang_adaptive; required when that key is set)."""
     if not isinstance(args, dict):
         return ["server_args: must be a JSON object (leave speculative_algorithm unset to serve without "
                 "speculation)"]
@@ -289,6 +340,11 @@ def check_sglang(args: dict[str, Any] | None) -> list[str]:
         if algo in ("EAGLE", "EAGLE3", "STANDALONE") and not args.get("speculative_draft_model_path"):
             out.append(f"speculative_draft_model_path: {algo} loads its draft / head from this path (SGLang fills "
                        f"it itself only for targets with built-in MTP layers)")
+    if args.get("speculative_adaptive"):
+        out += _sglang_adaptive_args_problems(args, algo, topk, steps, adaptive)
+    elif args.get("speculative_adaptive_config") is not None:
+        out.append("meaning: speculative_adaptive_config is set without speculative_adaptive true; SGLang reads the "
+                   "file only when speculative_adaptive is on")
     if algo == "NGRAM":
         breadth = _int(args.get("speculative_ngram_max_bfs_breadth", SGLANG_NGRAM_MAX_BFS_BREADTH_DEFAULT))
         if topk is not None and _int(topk) != breadth:
@@ -308,3 +364,70 @@ def sglang_chain(args: dict[str, Any]) -> tuple[int, int, int]:
     steps, topk, ntok = (int(args[k]) for k in ("speculative_num_steps", "speculative_eagle_topk",
                                                 "speculative_num_draft_tokens"))
     return steps, topk, steps + 1 if topk == 1 else ntok
+
+
+def _sglang_adaptive_args_problems(args: dict[str, Any], algo: str, topk: Any, steps: Any, adaptive: Any) -> list[str]:
+    if algo not in SGLANG_ADAPTIVE_ALGORITHMS or (topk is not None and _int(topk) != 1):
+        return [f"meaning: speculative_adaptive: SGLang adapts steps only for EAGLE / EAGLE3 with "
+                f"speculative_eagle_topk 1; with {algo} and top-k {topk} it warns and serves the static settings"]
+    if not args.get("speculative_adaptive_config"):
+        return ["meaning: speculative_adaptive_config: unset, so SGLang runs its built-in per-batch-size steps "
+                "instead of the measured ones; name the exported adaptive JSON file"]
+    if adaptive is None:
+        return ["speculative_adaptive_config: give the JSON object the file holds to check it"]
+    out = check_sglang_adaptive(adaptive)
+    if out:
+        return out
+    union = sorted({int(s) for k, e in adaptive.items() if k.isdigit() for s in e["candidate_steps"]})
+    if steps is not None and _int(steps) not in union:
+        out.append(f"speculative_num_steps: {steps} is not one of the adaptive config's candidate_steps {union}; "
+                   f"SGLang refuses it")
+    ntok = args.get("speculative_num_draft_tokens")
+    if steps is not None and ntok is not None and _int(ntok) != _int(steps) + 1:
+        out.append(f"meaning: speculative_num_draft_tokens: {ntok}; with speculative_adaptive SGLang sets it to "
+                   f"speculative_num_steps + 1 = {_int(steps) + 1}")
+    return out
+
+
+def check_sglang_adaptive(cfg: Any) -> list[str]:
+    """Problems SGLang's adaptive-config loader would raise on the JSON object cfg (MIRRORS["sglang.adaptive_*"]),
+    plus "meaning:" problems for keys SGLang reads with a default and so ignores when misspelt."""
+    if not isinstance(cfg, dict):
+        return ["speculative_adaptive_config: the file must hold a JSON object"]
+    out = []
+    slots = {k: v for k, v in cfg.items() if isinstance(k, str) and k.isdigit()}
+    if not slots:
+        out.append('speculative_adaptive_config: needs at least one integer-string batch-size key, e.g. '
+                   '{"1": {"candidate_steps": [1, 3]}}')
+    for key, entry in slots.items():
+        steps = entry.get("candidate_steps") if isinstance(entry, dict) else None
+        if not (isinstance(steps, list) and steps and all(_int(s) is not None and not isinstance(s, str)
+                                                          and _int(s) >= 0 for s in steps)):
+            out.append(f"{key}: candidate_steps must be a non-empty list of integers >= 0, got {steps!r}")
+            continue
+        out += [f"meaning: {key}.{name}: not an adaptive knob SGLang reads (it has candidate_steps, "
+                f"{', '.join(SGLANG_ADAPTIVE_KNOBS)})" for name in sorted(set(entry) - set(SGLANG_ADAPTIVE_KNOBS)
+                                                                          - {"candidate_steps"})]
+    shared = set(cfg) - set(slots)
+    out += [f"meaning: {name}: not an adaptive key SGLang reads (it has strategy, {', '.join(SGLANG_ADAPTIVE_KNOBS)} "
+            f"and integer batch-size keys)" for name in sorted(shared - set(SGLANG_ADAPTIVE_KNOBS) - {"strategy"})]
+    strategy = cfg.get("strategy", "ema")
+    if strategy not in SGLANG_ADAPTIVE_STRATEGIES:
+        out.append(f"strategy: {strategy!r}; SGLang accepts 'ema' or 'throughput_aware'")
+    elif strategy != "ema":
+        out.append("meaning: strategy: 'throughput_aware' hands the steps to another controller than the EMA slots "
+                   "this check mirrors; leave strategy unset or 'ema'")
+    return out
+
+
+def sglang_steps_at(cfg: dict[str, Any], batch_size: int, cuda_graph_bs: list[int] | None = None) -> list[int]:
+    """The candidate steps SGLang's adaptive config gives a batch size: pad it to the next CUDA-graph size (when
+    given), then the slot with the largest key <= it (the smallest slot below all keys). One candidate: the steps
+    run at that size whatever the acceptance (MIRRORS["sglang.adaptive_route"]); more: chosen at runtime by the
+    EMA of accepted drafts."""
+    keys = sorted(int(k) for k in cfg if k.isdigit())
+    b = batch_size
+    if cuda_graph_bs:
+        b = next((g for g in sorted(cuda_graph_bs) if g >= batch_size), batch_size)
+    key = max((k for k in keys if k <= b), default=keys[0])
+    return sorted({int(s) for s in cfg[str(key)]["candidate_steps"]})
