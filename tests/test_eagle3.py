@@ -194,3 +194,56 @@ def test_head_folder_round_trip(target, tmp_path):
     assert back.config == head.config and back.config.aux_layers == (1, 3, 5)
     for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+# ---- training (training-time test rollout) and the zoo CLI ---------------------------------------------------------
+def test_a_few_training_steps_lower_the_loss_on_the_draft_vocabulary(target):
+    from dataclasses import replace
+
+    from workbench.zoo.train_eagle3 import Eagle3TrainSpec, _loss, frequent_tokens, make_eagle3_head, train_eagle3
+
+    torch.manual_seed(0)
+    windows = torch.randint(0, 40, (8, 24))  # ids 40..63 never occur: left out of a 40-token draft vocabulary
+    spec = replace(Eagle3TrainSpec(), depth=2, seq_len=24, batch_size=8, lr=1e-2, warmup_steps=2, max_steps=40,
+                   max_seconds=120, draft_vocab_size=40)
+    head = make_eagle3_head(target, spec)
+    with torch.no_grad():
+        before = float(_loss(head, target, windows, spec))
+    report = train_eagle3(head, target, windows, spec, log=lambda _: None)
+    with torch.no_grad():
+        after = float(_loss(head, target, windows, spec))
+    assert report["steps"] == 40 and report["draft_vocab_size"] == 40 and after < 0.7 * before
+    assert head.draft_to_target.tolist() == frequent_tokens(windows, 64, 40).tolist() == list(range(40))
+
+
+def test_train_and_export_head_cli_end_to_end(tmp_path):
+    """zoo train-head --kind eagle3 (3 steps on CPU) writes a head and its manifest; zoo export-head writes it in the
+    published EAGLE-3 layout, which loads back through the published loader with the same tensors; --draft-head
+    runs it."""
+    import json
+
+    from workbench.__main__ import main
+    from workbench.engine.drafters.published import load_published_head, read_checkpoint
+    from workbench.models import load_model
+    from workbench.zoo.heads import has_head
+    from workbench.zoo.presets import COMMITTED_DIR
+
+    out = tmp_path / "eagle3"
+    rc = main(["zoo", "train-head", "--kind", "eagle3", "--preset", "tiny", "--device", "cpu", "--max-seconds", "60",
+               "--max-steps", "3", "--train-windows", "16", "--eval-windows", "2", "--draft-vocab", "1024",
+               "--out", str(out)])
+    assert rc == 0 and has_head(out)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["kind"] == "eagle3" and m["train"]["steps"] == 3 and m["train"]["draft_vocab_size"] == 1024
+    assert m["train"]["eagle3_layers"] == "1,3,5" and len(m["heldout"]["agreement_by_depth"]) == m["recipe"]["depth"]
+    head = Eagle3Head.load(out)
+    assert main(["zoo", "export-head", "--kind", "eagle3", "--preset", "tiny", "--head", str(out), "--out",
+                 str(tmp_path / "pub"), "--dtype", "float32"]) == 0
+    config, weights = read_checkpoint(tmp_path / "pub")
+    assert config["draft_vocab_size"] == 1024 and config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    tiny = load_model(COMMITTED_DIR / "tiny" / "target", dtype=torch.float32, device="cpu")
+    back = load_published_head(tmp_path / "pub", tiny).head
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    assert main(["zoo", "export-head", "--kind", "eagle", "--preset", "tiny", "--out", str(tmp_path / "x")]) == 2
+    assert main(["zoo", "train-head", "--kind", "eagle", "--preset", "tiny", "--draft-vocab", "10"]) == 2
