@@ -247,3 +247,36 @@ def test_train_and_export_head_cli_end_to_end(tmp_path):
         assert torch.equal(back.state_dict()[name], tensor), name
     assert main(["zoo", "export-head", "--kind", "eagle", "--preset", "tiny", "--out", str(tmp_path / "x")]) == 2
     assert main(["zoo", "train-head", "--kind", "eagle", "--preset", "tiny", "--draft-vocab", "10"]) == 2
+
+
+# ---- serving: chunked prefill, preemption and the row -----------------------------------------------------------------
+def test_served_eagle3_equals_solo_greedy_through_chunks_and_preemption():
+    """The aux features reach the head through chunked prefill and the re-prefill of preempted rows: outputs equal
+    each request's solo greedy output, and the serving row records the head."""
+    import math
+
+    from workbench.harness.bench import BenchSession
+    from workbench.serving.bench import engine_for, serve_bench
+    from workbench.serving.config import ServeConfig
+    from workbench.serving.loadgen import arrival_times
+    from workbench.serving.loop import ServingLoop, StepClock
+    from workbench.serving.request import Request
+
+    tiny = BenchSession.load(preset="tiny", device="cpu")
+    prompts = tiny.encode(6)
+    times = arrival_times(len(prompts), 2.0, seed=3)
+    reqs = [Request(i, p, 16, times[i]) for i, p in enumerate(prompts)]
+    cfg = ServeConfig(method="eagle3", max_new_tokens=16, max_num_seqs=4, kv_block_size=16, tree_depth=3,
+                      tree_topk=2, tree_budget=6)
+    whole = ServingLoop(engine_for(tiny, cfg), reqs, clock=StepClock(), max_num_seqs=4).run()
+    worst = max(math.ceil((len(r.prompt) + 16 + 8) / 16) for r in reqs)
+    preempted = ServingLoop(engine_for(tiny, cfg), reqs, clock=StepClock(), max_num_seqs=4, policy="max_util",
+                            num_blocks=worst + 1, prefill_chunk=16).run()
+    assert preempted.preemptions > 0 and preempted.outputs == whole.outputs
+    solo = SpecEngine(tiny.target, None, EngineConfig(max_new_tokens=16))
+    for r in reqs:
+        assert whole.outputs[r.id] == solo.generate([r.prompt]).outputs[0]
+    rec = serve_bench(tiny, ServeConfig(method="eagle3", rate=20.0, num_requests=4, max_new_tokens=8, max_num_seqs=4,
+                                        tree_depth=3, tree_topk=2, tree_budget=6, greedy_check_requests=2)).record
+    assert rec["greedy_matches_solo"] is True and rec["draft_head"] == "untrained (seed 0)"
+    assert rec["draft_head_layout"] == "eagle3" and rec["eagle3_layers"] == "auto"
