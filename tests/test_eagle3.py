@@ -246,6 +246,13 @@ def test_train_and_export_head_cli_end_to_end(tmp_path):
     for name, tensor in head.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name
     assert main(["zoo", "export-head", "--kind", "eagle", "--preset", "tiny", "--out", str(tmp_path / "x")]) == 2
+    rc = main(["zoo", "train-head", "--kind", "eagle", "--style", "eagle", "--preset", "tiny", "--device", "cpu",
+               "--max-steps", "2", "--train-windows", "8", "--eval-windows", "2", "--out", str(tmp_path / "e1")])
+    assert rc == 0 and json.loads((tmp_path / "e1" / "manifest.json").read_text())["recipe"]["style"] == "eagle"
+    assert main(["zoo", "export-head", "--kind", "eagle", "--preset", "tiny", "--head", str(tmp_path / "e1"),
+                 "--out", str(tmp_path / "e1pub")]) == 0
+    loaded = load_published_head(tmp_path / "e1pub", tiny)
+    assert loaded.layout == "eagle" and loaded.stored_dtype == "bfloat16" and loaded.head.config.style == "eagle"
     assert main(["zoo", "train-head", "--kind", "eagle", "--preset", "tiny", "--draft-vocab", "10"]) == 2
 
 
