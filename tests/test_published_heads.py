@@ -134,16 +134,18 @@ def published_eagle1(w, target, hidden, tokens):
     return x + _mlp(w, "layers.0.", _rms(x, w["layers.0.post_attention_layernorm.weight"], eps))
 
 
-def published_eagle3(w, target, aux, tokens):
-    """vLLM's Eagle3 head: g = fc(aux); attention over [input_norm(embed); hidden_norm(g)] with residual g; MLP;
-    logits = lm_head(norm(.)) over the draft vocabulary, placed at draft id + d2t."""
+def published_eagle3(w, target, aux, tokens, norm_before_residual=False):
+    """vLLM's Eagle3 head: g = fc(aux); attention over [input_norm(embed); hidden_norm(g)] with residual g (or
+    hidden_norm(g) with norm_before_residual); MLP; logits = lm_head(norm(.)) over the draft vocabulary, placed at
+    draft id + d2t."""
     w = {k: (v.float() if v.is_floating_point() else v) for k, v in w.items()}
     eps = target.config.rms_norm_eps
     emb = target.model.embed_tokens.weight.detach()[tokens]
     g = aux @ w["fc.weight"].T
     u = torch.cat([_rms(emb, w["midlayer.input_layernorm.weight"], eps), _rms(g, w["midlayer.hidden_norm.weight"], eps)],
                   -1)
-    y = g + _attention(w, "midlayer.", u, torch.arange(len(tokens)), target)
+    residual = _rms(g, w["midlayer.hidden_norm.weight"], eps) if norm_before_residual else g
+    y = residual + _attention(w, "midlayer.", u, torch.arange(len(tokens)), target)
     f = y + _mlp(w, "midlayer.", _rms(y, w["midlayer.post_attention_layernorm.weight"], eps))
     logits = _rms(f, w["norm.weight"], eps) @ w["lm_head.weight"].T
     full = torch.full((len(tokens), target.config.vocab_size), float("-inf"))
@@ -194,10 +196,12 @@ def test_eagle1_checkpoint_keeps_greedy_output_exact(bin_file, target, tmp_path)
 DRAFT_IDS = [0, 2, 3, 5, 7, 9, 11, 13, 17, 19, 23, 29, 30, 31, 40, 63]
 
 
+@pytest.mark.parametrize("norm_before_residual", [False, True])
 @torch.no_grad()
-def test_eagle3_checkpoint_computes_the_published_head(target, tmp_path):
-    w = write_eagle3(tmp_path / "e3", target, DRAFT_IDS, seed=5)
+def test_eagle3_checkpoint_computes_the_published_head(norm_before_residual, target, tmp_path):
+    w = write_eagle3(tmp_path / "e3", target, DRAFT_IDS, seed=5, norm_before_residual=norm_before_residual)
     loaded = load_published_head(tmp_path / "e3", target)
+    assert loaded.head.config.norm_before_residual is norm_before_residual
     head = loaded.head
     assert isinstance(head, Eagle3Head) and (loaded.layout, loaded.stored_dtype) == ("eagle3", "bfloat16")
     assert head.config.aux_layers == (1, 3, 5) and head.config.draft_vocab_size == len(DRAFT_IDS)
@@ -209,7 +213,7 @@ def test_eagle3_checkpoint_computes_the_published_head(target, tmp_path):
     torch.testing.assert_close(hidden[..., h:], aux_states(target, ids, (1, 3, 5)))
     tokens = torch.tensor(PROMPTS[2][1:] + [4])
     f = head(target, hidden, tokens.unsqueeze(0), torch.arange(len(tokens)).unsqueeze(0))[0]
-    ref_f, ref_logits = published_eagle3(w, target, hidden[0, :, h:], tokens)
+    ref_f, ref_logits = published_eagle3(w, target, hidden[0, :, h:], tokens, norm_before_residual)
     torch.testing.assert_close(f, ref_f, rtol=1e-4, atol=1e-4)
     logp = head.draft_log_probs(f)
     torch.testing.assert_close(logp, torch.log_softmax(ref_logits, -1), rtol=1e-4, atol=1e-4)

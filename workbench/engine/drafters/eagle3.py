@@ -95,6 +95,7 @@ class Eagle3HeadConfig:
     vocab_size: int
     draft_vocab_size: int
     aux_layers: tuple[int, ...] = field(default=())
+    norm_before_residual: bool = False  # the attention's residual is hidden_norm(g), not g (a config key some heads set)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
@@ -119,6 +120,7 @@ class Eagle3Layer(nn.Module):
 
     def __init__(self, config: Eagle3HeadConfig):
         super().__init__()
+        self.norm_before_residual = config.norm_before_residual
         c, h = config.layer_config(), config.hidden_size
         self.self_attn = Attention(c, 0)
         q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -129,8 +131,9 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps)
 
     def forward(self, embed, g, cos, sin, attn):
-        u = torch.cat([self.input_layernorm(embed), self.hidden_norm(g)], -1)
-        y = self.self_attn(u, cos, sin, attn, residual=g)
+        gn = self.hidden_norm(g)
+        u = torch.cat([self.input_layernorm(embed), gn], -1)
+        y = self.self_attn(u, cos, sin, attn, residual=gn if self.norm_before_residual else g)
         return self.mlp(y, residual=y, norm=self.post_attention_layernorm)
 
 

@@ -12,7 +12,8 @@ EAGLE-1/2 ("eagle"): a Hugging Face Llama config (architectures LlamaForCausalLM
     embed_tokens.weight [V, H] (optional)                 a copy of the target's; the target's own is used
   -> EagleHead with style "eagle" (no input norm, no final norm; the output goes to the target's LM head).
 EAGLE-3 ("eagle3"): config with draft_vocab_size and architectures LlamaForCausalLMEagle3 or Eagle3LlamaForCausalLM
-(optionally eagle_aux_hidden_state_layer_ids, top level or under eagle_config), weights
+(optionally eagle_aux_hidden_state_layer_ids, top level or under eagle_config, and norm_before_residual: the
+attention's residual is then the normed fused feature, as vLLM reads that key), weights
     fc.weight [H, 3H]; midlayer.{input_layernorm, hidden_norm, post_attention_layernorm}.weight [H];
     midlayer.self_attn.{q,k,v}_proj.weight [rows, 2H], o_proj.weight [H, heads x D]; midlayer.mlp.*; norm.weight [H];
     lm_head.weight [Vd, H]; d2t [Vd] int64 (target id = draft id + d2t[draft id]); t2d [V] bool
@@ -211,7 +212,8 @@ def load_published_head(path: str | Path, target, *, device=None, dtype=None,
         cfg = Eagle3HeadConfig.of_target(c, layers or aux_layers, vd)
         check_aux_layers(cfg.aux_layers, c.num_hidden_layers)
         cfg = Eagle3HeadConfig(h, inter, c.num_attention_heads, c.num_key_value_heads, d,
-                               float(config.get("rms_norm_eps", c.rms_norm_eps)), c.vocab_size, vd, cfg.aux_layers)
+                               float(config.get("rms_norm_eps", c.rms_norm_eps)), c.vocab_size, vd, cfg.aux_layers,
+                               norm_before_residual=bool(config.get("norm_before_residual", False)))
         fc = weights.get("fc.weight")
         if fc is not None and fc.ndim == 2 and fc.shape[1] % 3 == 0 and fc.shape[1] != 3 * h:
             _same(src, "the fused features' width (fc.weight columns / 3)", fc.shape[1] // 3, h)
@@ -276,7 +278,8 @@ def export_published_head(head: EagleHead | Eagle3Head, target, path: str | Path
     if isinstance(head, Eagle3Head):
         layout = "eagle3"
         config.update(architectures=[EAGLE3_ARCHITECTURES[0]], draft_vocab_size=head.config.draft_vocab_size,
-                      eagle_aux_hidden_state_layer_ids=list(head.config.aux_layers))
+                      eagle_aux_hidden_state_layer_ids=list(head.config.aux_layers),
+                      norm_before_residual=head.config.norm_before_residual)
         weights = cast
     elif isinstance(head, EagleHead) and head.config.style == "eagle":
         layout = "eagle"
