@@ -151,7 +151,7 @@ def _engine_snippet(schedule: dict[str, Any], name: str, max_num_seqs: int | Non
     method, ranges, first = picked
     ngram = (first.get("ngram_min") or 1, first.get("ngram_max") or 1) if method == "ngram" else None
     tree = ((first["tree_depth"], first["tree_topk"], first["tree_budget"])
-            if method == "eagle" and first.get("tree_depth") else None)
+            if method in ("eagle", "eagle3") and first.get("tree_depth") else None)
     path = _draft_path(schedule["models"]) if method == "draft" else None
     make = dict(exports.MAKERS)[name]
     try:
