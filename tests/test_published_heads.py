@@ -364,6 +364,19 @@ def test_bench_runs_a_published_eagle3_head_and_records_where_it_came_from(tmp_p
         (str(tmp_path / "e3"), "eagle3", "bfloat16")
     assert rec["draft_head_params"] == sum(v.numel() for v in w.values() if v.is_floating_point())
     assert rec["draft_vocab_size"] == 512 and rec["eagle3_layers"] == "auto"
+    import shutil
+
+    from workbench.zoo.presets import COMMITTED_DIR
+    shutil.copytree(tmp_path / "e3", tmp_path / "e3tok")
+    shutil.copy(COMMITTED_DIR / "tiny" / "target" / "tokenizer.json", tmp_path / "e3tok")
+    assert load_published_head(tmp_path / "e3tok", tiny, tokenizer=session.tokenizer).layout == "eagle3"
+    other_tok = json.loads((tmp_path / "e3tok" / "tokenizer.json").read_text())
+    vocab = other_tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tmp_path / "e3tok" / "tokenizer.json").write_text(json.dumps(other_tok))
+    with pytest.raises(HeadCheckpointError, match="its tokenizer.json differs from the target's"):
+        load_published_head(tmp_path / "e3tok", tiny, tokenizer=session.tokenizer)
     with pytest.raises(BenchError, match="is an eagle3 head: run it with --method eagle3, not eagle"):
         session.run(BenchConfig(method="eagle", max_new_tokens=4, num_prompts=1, warmup=0, repeats=1))
     untrained = BenchSession.load(preset="tiny", device="cpu").run(cfg).record

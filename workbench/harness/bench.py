@@ -204,7 +204,7 @@ class BenchSession:
             from workbench.engine.drafters.published import load_published_head
 
             try:
-                self._published = load_published_head(self.draft_head_path, self.target)
+                self._published = load_published_head(self.draft_head_path, self.target, tokenizer=self.tokenizer)
             except ValueError as e:
                 raise BenchError(str(e)) from None
         if self._published.method != method:

@@ -173,12 +173,19 @@ def _unexpected(src: str, weights: dict, used: set[str], ignored: set[str]) -> N
 
 
 def load_published_head(path: str | Path, target, *, device=None, dtype=None,
-                        aux_layers: tuple[int, ...] | None = None) -> LoadedHead:
+                        aux_layers: tuple[int, ...] | None = None, tokenizer=None) -> LoadedHead:
     """The checkpoint in `path` as our head, checked against `target`, on `device` in `dtype` (default: the
     target's). `aux_layers`: the EAGLE-3 layers to read where the checkpoint's config names none (default: the
-    default rule); a checkpoint that names them and disagrees is refused."""
+    default rule); a checkpoint that names them and disagrees is refused. `tokenizer`: the target's; where the folder
+    holds a tokenizer.json too, the two vocabularies must be the same."""
     config, weights = read_checkpoint(path)
     src = str(path)
+    if tokenizer is not None and (Path(path) / "tokenizer.json").is_file():
+        from workbench.models import tokenizer_fingerprint
+
+        if tokenizer_fingerprint(Path(path)) != tokenizer_fingerprint(tokenizer):
+            raise HeadCheckpointError(f"{src}: its tokenizer.json differs from the target's (token ids differ): the "
+                                      f"head was trained with another tokenizer; use a head made for this target")
     layout = detect_layout(config, weights, src)
     h, d = _check_shared_shapes(src, config, target)
     c = target.config
