@@ -29,6 +29,7 @@ drafted and the verification, which decides every emitted token, stays exact at 
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +67,9 @@ def check_aux_layers(layers: tuple[int, ...], num_layers: int) -> None:
                                  f"--eagle3-layers, e.g. {','.join(map(str, default_aux_layers(num_layers)))}")
 
 
+_AUX_VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target -> {layers: view}, not in its state
+
+
 def with_aux_hidden(target, layers: tuple[int, ...]):
     """The target's aux view: the same modules and weights (a shallow copy, no parameter copied), whose forward also
     returns the residual streams entering `layers` (`LlamaModel.aux_hidden_layers`). One view per layer set, kept on
@@ -73,7 +77,7 @@ def with_aux_hidden(target, layers: tuple[int, ...]):
     layers = tuple(layers)
     if tuple(getattr(target, "aux_hidden_layers", ())) == layers:
         return target
-    views = target.__dict__.setdefault("_aux_views", {})
+    views = _AUX_VIEWS.setdefault(target, {})
     if layers not in views:
         view = copy.copy(target)  # nn.Module's dicts of parameters and submodules are shared, not copied
         object.__setattr__(view, "aux_hidden_layers", layers)
