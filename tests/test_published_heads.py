@@ -385,3 +385,16 @@ def test_bench_runs_a_published_eagle3_head_and_records_where_it_came_from(tmp_p
     p = argparse.ArgumentParser()
     add_session_args(p, "prompts")
     assert p.parse_args(["--draft-head", "x"]).draft_head == "x"
+
+
+def test_studies_carry_the_draft_head_into_their_sessions():
+    """`python -m studies.run --draft-head DIR` puts the folder in the study's ModelSpec (and so into every trial's
+    session); a ModelSpec stored before the field existed still loads."""
+    from studies.objective import ModelSpec
+    from studies.run import _models, build_parser
+
+    args = build_parser().parse_args(["--study", "s", "--draft-head", "/heads/e3"])
+    assert _models(args, None) == ModelSpec(preset="tiny", draft_head="/heads/e3")
+    args = build_parser().parse_args(["--study", "s", "--preset", "tiny", "--draft-head", "/heads/e3"])
+    assert _models(args, None).draft_head == "/heads/e3"
+    assert ModelSpec(**{"preset": "tiny", "model": None, "draft": None, "prompts": None}).draft_head is None
