@@ -91,6 +91,7 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("method", "string", "config", '"ar" | "draft" | "ngram" | ...'),
     *_cols("config", "int", "k ngram_min ngram_max beam_width beam_length batch max_new_tokens"),
     *_cols("config", "int", "tree_depth tree_topk tree_budget"),
+    ColumnSpec("eagle3_layers", "string", "config", "EAGLE-3: the target layers its head reads, 'i,j,k' or 'auto'"),
     ColumnSpec("diversity_penalty", "float", "config", "ReDrafter beam-search diversity penalty"),
     ColumnSpec("temperature", "float", "config"),
     ColumnSpec("top_k", "int", "config", "0 = off"),
@@ -126,6 +127,14 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("auto_knobs", "string", "config", "the knobs given as auto and resolved for the device before the run, "
                "comma-separated (their columns hold the resolved values)"),
     *_cols("config", "string", "preset target_path draft_path prompts_source"),
+    ColumnSpec("draft_head", "string", "config", "feature methods: where the head came from (a --draft-head "
+               "checkpoint folder, the zoo head folder beside the target, or 'untrained (seed N)')"),
+    ColumnSpec("draft_head_layout", "string", "config", "the head's layout: workbench (our eagle / redrafter "
+               "format), eagle (published EAGLE-1/2), eagle3 (published EAGLE-3)"),
+    ColumnSpec("draft_head_dtype", "string", "config", "the dtype the head's weights were stored in (it runs in the "
+               "run's dtype)"),
+    ColumnSpec("draft_head_params", "int", "config", "the head's parameter count (shared target modules excluded)"),
+    ColumnSpec("draft_vocab_size", "int", "config", "EAGLE-3: tokens of the head's draft vocabulary"),
     ColumnSpec("config_json", "string", "config", "the full engine config as JSON"),
     *_cols("metrics", "float", "acceptance_rate mean_accepted_tokens"),
     ColumnSpec("acceptance_by_position", "list_float", "metrics",

@@ -94,6 +94,7 @@ class ModelSpec:
     model: str | None = None
     draft: str | None = None
     prompts: str | None = None
+    draft_head: str | None = None  # a published EAGLE-1/2 or EAGLE-3 checkpoint folder (--draft-head)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -106,12 +107,13 @@ class SessionPool:
         self._sessions: dict[tuple, Any] = {}
 
     def get(self, models: ModelSpec, device: str, dtype: str) -> Any:
-        key = (models.preset, models.model, models.draft, models.prompts, device, dtype)
+        key = (models.preset, models.model, models.draft, models.prompts, models.draft_head, device, dtype)
         if key not in self._sessions:
             from workbench.harness.bench import BenchSession
 
             self._sessions[key] = BenchSession.load(preset=models.preset, model=models.model, draft=models.draft,
-                                                    device=device, dtype=dtype, prompts=models.prompts)
+                                                    device=device, dtype=dtype, prompts=models.prompts,
+                                                    draft_head=models.draft_head)
         return self._sessions[key]
 
 
@@ -304,7 +306,8 @@ def failed_record(params: dict[str, Any], error: str, *, study: str, trial_id: i
         record.update(config_json=json.dumps(params, sort_keys=True, default=str))
     record.update(study=study, trial_id=trial_id, status="failed", error=error)
     for key, value in (("device", device), ("dtype", params.get("dtype")), ("preset", models.preset),
-                       ("target_path", models.model), ("draft_path", models.draft)):
+                       ("target_path", models.model), ("draft_path", models.draft),
+                       ("draft_head", models.draft_head)):
         if record.get(key) is None and value is not None:
             record[key] = value
     return record

@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preset", help="zoo preset (default tiny unless --model is given)")
     g.add_argument("--model", help="target model directory or .gguf file")
     g.add_argument("--draft", help="draft model directory")
+    g.add_argument("--draft-head", help="a published EAGLE-1/2 (method eagle) or EAGLE-3 (method eagle3) draft-head "
+                   "checkpoint folder")
     g.add_argument("--prompts", help="prompt file (JSONL or question.jsonl); default: the preset's held-out prompts")
     g = p.add_argument_group("search space: a value, a list a,b,c, or a range lo-hi; booleans off/on "
                              "(default: the script's)")
@@ -108,8 +110,11 @@ def _setting_type(name: str) -> Callable[[str], Any]:
 def _models(args: argparse.Namespace, base: ModelSpec | None) -> ModelSpec:
     base = base or ModelSpec(preset="tiny")
     if args.preset is None and args.model is None and args.draft is None:
+        head = getattr(args, "draft_head", None)
+        base = base if head is None else dataclasses.replace(base, draft_head=head)
         return base if args.prompts is None else dataclasses.replace(base, prompts=args.prompts)
-    return ModelSpec(preset=args.preset, model=args.model, draft=args.draft, prompts=args.prompts)
+    return ModelSpec(preset=args.preset, model=args.model, draft=args.draft, prompts=args.prompts,
+                     draft_head=getattr(args, "draft_head", None))
 
 
 def build_spec(args: argparse.Namespace, stored: StudySpec | None) -> StudySpec:

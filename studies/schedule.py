@@ -54,7 +54,7 @@ def buckets_of(study: optuna.Study) -> list[int]:
 
 def _draft_len(c: dict[str, Any]) -> int:
     """Draft tokens per step as the engines count them: the tree depth for eagle, k otherwise."""
-    return int(c["tree_depth"]) if c.get("method") == "eagle" and c.get("tree_depth") else int(c["k"])
+    return int(c["tree_depth"]) if c.get("method") in ("eagle", "eagle3") and c.get("tree_depth") else int(c["k"])
 
 
 def _entry(batch: int, t: optuna.trial.FrozenTrial | None, n: int) -> dict[str, Any]:
@@ -160,6 +160,7 @@ def _method_schedule(schedule: dict[str, Any], method: str) -> dict[int, dict[st
 def _shape(c: dict[str, Any]) -> dict[str, Any]:
     """The drafter shape of a trial's config: method, k and the method's own knobs (n-gram sizes, tree, beams)."""
     keys = {"ngram": ("ngram_min", "ngram_max"), "eagle": ("tree_depth", "tree_topk", "tree_budget"),
+            "eagle3": ("tree_depth", "tree_topk", "tree_budget", "eagle3_layers"),
             "redrafter": ("beam_width", "beam_length")}.get(c.get("method"), ())
     return {"method": c.get("method"), "k": c.get("k"), **{k: c.get(k) for k in keys}}
 
@@ -217,8 +218,8 @@ def _engine_snippet(schedule: dict[str, Any], name: str, max_num_seqs: int | Non
     ranges = with_unmeasured_tail(measured, max_num_seqs)
     ngram = (first.get("ngram_min") or 1, first.get("ngram_max") or 1) if method == "ngram" else None
     tree = ((first["tree_depth"], first["tree_topk"], first["tree_budget"])
-            if method == "eagle" and first.get("tree_depth") else None)
-    path, path_note = (_head_path(_method_schedule(schedule, method), draft_head) if method == "eagle"
+            if method in ("eagle", "eagle3") and first.get("tree_depth") else None)
+    path, path_note = (_head_path(_method_schedule(schedule, method), draft_head) if method in ("eagle", "eagle3")
                        else (_draft_path(schedule["models"]) if method == "draft" else None, None))
     make = dict(exports.MAKERS)[name]
     extra = {"gate": measured_gate(schedule, method)} if name == "trtllm" else {}

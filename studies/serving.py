@@ -85,14 +85,14 @@ def k_by_batch_text(params: dict, max_num_seqs: int) -> str:
 
 
 def is_tree_method(cfg) -> bool:
-    """Whether cfg's method is served whole or not at all (workbench.serving.loop.verifies_shorter): eagle (its K = 1
-    chain too) and redrafter with beam_width > 1 (one beam is a chain).
+    """Whether cfg's method is served whole or not at all (workbench.serving.loop.verifies_shorter): eagle and eagle3
+    (their K = 1 chains too) and redrafter with beam_width > 1 (one beam is a chain).
 
     >>> from types import SimpleNamespace as N
     >>> is_tree_method(N(method="eagle", tree_topk=1)), is_tree_method(N(method="redrafter", beam_width=1))
     (True, False)
     """
-    return cfg.method == "eagle" or (cfg.method == "redrafter" and cfg.beam_width > 1)
+    return cfg.method in ("eagle", "eagle3") or (cfg.method == "redrafter" and cfg.beam_width > 1)
 
 
 def config_of(base, params: dict):

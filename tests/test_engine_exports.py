@@ -276,6 +276,11 @@ def test_each_method_maps_to_the_engines_names():
     t = e["trtllm"]["speculative_config"]
     assert (t["decoding_type"], t["dynamic_tree_max_topK"], t["max_total_draft_tokens"]) == ("Eagle", 4, 16)
     assert es.sglang_chain(e["sglang"]["server_args"]) == (4, 4, 17)  # steps D, top-k K, N + 1 with the root
+    e3 = {k: json.loads(v) for k, v in export_snippets([(1, 8, 3)], "eagle3", draft_path="/h3",
+                                                          tree=(3, 2, 6)).items()}
+    assert (e3["vllm"]["speculative_config"]["method"], e3["vllm"]["speculative_config"]["model"]) == ("eagle3", "/h3")
+    assert e3["trtllm"]["speculative_config"]["decoding_type"] == "Eagle3"
+    assert e3["sglang"]["server_args"]["speculative_algorithm"] == "EAGLE3"
     n = json.loads(export_snippets([(1, 8, 4)], "ngram", ngram=(2, 3))["sglang"])["server_args"]
     assert es.sglang_chain(n) == (4, 1, 5)  # the measured chain, not SGLang's default breadth-10 tree
 

@@ -95,7 +95,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "tree (top tree_topk children of the best frontier nodes per depth, reranked to tree_budget nodes; the "
            "head `zoo train-head --kind eagle` put beside the target; without one, an untrained head from a fixed "
            "seed: correct output, poor drafts)"),
+    Method("eagle3", "EAGLE-3: EAGLE-2's dynamic tree drafted by a head over three target layers (eagle3_layers) "
+           "and the token embedding, predicting over its own draft vocabulary (d2t maps it to the target's); a "
+           "published checkpoint with --draft-head PATH, else the head `zoo train-head --kind eagle3` put beside "
+           "the target; without one, an untrained head from a fixed seed: correct output, poor drafts)",
+           searched_by_default=False),
 )}
+TREE_METHODS = ("eagle", "eagle3")  # dynamic-tree drafters: tree_depth / tree_topk / tree_budget
 DEFAULT_SEARCH_METHODS = tuple(m.name for m in METHODS.values() if m.searched_by_default)
 
 
@@ -243,13 +249,17 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "earlier beam that chose the same token at the same depth (0 = plain beam search)", "Diversity penalty",
          "method", 0.0, 5.0, methods=("redrafter",), searchable=True),
     Knob("tree_depth", "int", 4, "EAGLE tree depth D: draft levels grown per step (one head forward each)",
-         "Tree depth D", "method", 1, 12, methods=("eagle",), searchable=True, search_range=(2, 6)),
+         "Tree depth D", "method", 1, 12, methods=TREE_METHODS, searchable=True, search_range=(2, 6)),
     Knob("tree_topk", "int", 4, "EAGLE top-k K: children per expanded node, and frontier nodes expanded per depth",
-         "Tree top-k K", "method", 1, 16, methods=("eagle",), searchable=True, search_range=(1, 8)),
+         "Tree top-k K", "method", 1, 16, methods=TREE_METHODS, searchable=True, search_range=(1, 8)),
     Knob("tree_budget", "int", 16, "EAGLE node budget N: the candidates kept after the rerank (the verified tree "
          "size); tree_depth <= N <= K + (D-1) K^2", "Tree budget N", "method", 1,
-         choices.MAX_TREE_NODES, methods=("eagle",),
+         choices.MAX_TREE_NODES, methods=TREE_METHODS,
          searchable=True, search_range=(4, 32)),
+    Knob("eagle3_layers", "str", "auto", "EAGLE-3: the three target layers whose incoming hidden states the head "
+         "reads, as 'i,j,k' (increasing); auto = the head's own (a checkpoint's or a trained head's), else "
+         "2, N/2, N-3 of an N-layer target (1, N/2, N-1 where those are not three distinct layers)",
+         "EAGLE-3 layers", "method", methods=("eagle3",)),
     Knob("batch", "int", 1, "sequences decoded together", "Batch size", "run", 1, 256, searchable=True),
     Knob("max_new_tokens", "int", 64, "tokens generated per prompt", "Max new tokens", "run", 1, 8192,
          quick_default=32),
@@ -356,11 +366,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
 # reach all of those); `ServeConfig` (workbench.serving.config) has one field per SERVE_RUN_KNOBS + SERVE_KNOBS knob,
 # the serve-bench flags come from the same declarations, and results.schema declares their columns.
 SERVE_RUN_KNOBS = ("method", "k", "ngram_min", "ngram_max", "beam_width", "beam_length", "diversity_penalty",
-                   "tree_depth", "tree_topk", "tree_budget", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                   "tree_depth", "tree_topk", "tree_budget", "eagle3_layers", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
                    "kv_block_size", "cuda_graphs", "graph_batch_sizes", "compile", "attention", "prefill_graphs", "pdl",
                    "kernel_tuning")  # bench knobs serving reads
 SCHED_POLICIES = ("no_evict", "max_util")
-FEATURE_METHODS = ("redrafter", "eagle")  # heads over the target's hidden states (`Drafter.wants_hidden`)
+FEATURE_METHODS = ("redrafter", "eagle", "eagle3")  # heads over the target's hidden states (`Drafter.wants_hidden`)
 SERVE_KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("rate", "float", 0.0, "request arrival rate in requests/s (0 = all requests arrive at once)", "Request rate",
          "load", 0.0, 1e6),
@@ -576,7 +586,26 @@ def resolve_config(cfg: Any, device_type: str, *, dtype_auto: bool = False, **kw
     resolved, names = resolve_auto(values, device_type, **kw)
     return (dataclasses.replace(cfg, **{n: resolved[n] for n in names}),
             ("dtype",) * dtype_auto + names)
-TUNING_PARSERS = {"kernel_tuning": parse_tuning, "serve_tuning": parse_serve_tuning}  # text knobs of records
+def parse_aux_layers(text: str) -> tuple[int, ...] | None:
+    """The `eagle3_layers` setting: "auto" -> None (the head's own, else the default rule), "2,6,9" -> (2, 6, 9).
+
+    >>> parse_aux_layers("auto"), parse_aux_layers("1, 3,5")
+    (None, (1, 3, 5))
+    """
+    text = str(text).strip()
+    if text.lower() == AUTO:
+        return None
+    try:
+        layers = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise ValueError(f"eagle3_layers={text!r} is not 'auto' or three layer indices like '2,6,9'") from None
+    if len(layers) != 3 or any(b <= a for a, b in zip(layers, layers[1:])) or layers[0] < 0:
+        raise ValueError(f"eagle3_layers={text!r} must be three increasing layer indices >= 0, like '2,6,9'")
+    return layers
+
+
+TUNING_PARSERS = {"kernel_tuning": parse_tuning, "serve_tuning": parse_serve_tuning,  # text knobs of records
+                  "eagle3_layers": parse_aux_layers}
 
 
 def _check_tuning(name: str, value: Any) -> None:

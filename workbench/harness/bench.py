@@ -26,7 +26,8 @@ import pandas as pd
 import torch
 
 from workbench import settings
-from workbench.engine.drafters import UNTRAINED_HEAD_SEED, Drafter, DrafterError, EagleHead, RedrafterHead, make_drafter
+from workbench.engine.drafters import (UNTRAINED_HEAD_SEED, Drafter, DrafterError, Eagle3Head, EagleHead, RedrafterHead,
+                                       engine_target, make_drafter)
 from workbench.engine import GenerationResult, SpecEngine
 from workbench.engine.step import engine_config
 from workbench.harness.metrics import greedy_agreement, median, percentile, summarize, traces_frame
@@ -88,7 +89,8 @@ class BenchSession:
     """Target (+ draft) model, tokenizer and default prompts, loaded once."""
 
     def __init__(self, target, draft, tokenizer, prompts, *, device: torch.device, dtype: str, preset: str | None,
-                 target_path: str, draft_path: str | None, prompts_source: str, dtype_auto: bool = False):
+                 target_path: str, draft_path: str | None, prompts_source: str, dtype_auto: bool = False,
+                 draft_head: str | None = None):
         self.target, self.draft, self.tokenizer, self.prompts = target, draft, tokenizer, prompts
         self.device, self.dtype, self.preset = device, dtype, preset
         self.dtype_auto = dtype_auto  # dtype was asked as "auto" (self.dtype is what it resolved to)
@@ -96,6 +98,10 @@ class BenchSession:
         self._engines: dict[tuple, SpecEngine] = {}  # engines (caches, graphs) reused across runs and trials
         self._redrafter: tuple[RedrafterHead, str] | None = None  # (head, where it came from), loaded once
         self._eagle: tuple[EagleHead, str] | None = None
+        self._eagle3: tuple[Eagle3Head | None, str] | None = None
+        self.draft_head_path = draft_head  # --draft-head: a published EAGLE-1/2 or EAGLE-3 checkpoint folder
+        self._published = None  # its LoadedHead, loaded on first use
+        self._head_info: dict[str, dict] = {}  # method -> the draft_head* columns of the head it runs
         self._quantized: dict[tuple, torch.nn.Module] = {}  # (role, format, group, kernel, fusion) -> copy (quality.py)
         self._quality_cache: dict[tuple, object] = {}  # perplexities, reference outputs, calibration ids
         self._encoded: list[list[int]] = []  # the prompts tokenized so far, in order (encode once per session)
@@ -104,7 +110,8 @@ class BenchSession:
 
     @classmethod
     def load(cls, preset: str | None = None, model: str | None = None, draft: str | None = None, device: str = "auto",
-             dtype: str = settings.KNOBS["dtype"].default, prompts: str | None = None) -> "BenchSession":
+             dtype: str = settings.KNOBS["dtype"].default, prompts: str | None = None,
+             draft_head: str | None = None) -> "BenchSession":
         from workbench.models import ModelLoadError, load_model, load_tokenizer, tokenizer_fingerprint
         from workbench.harness.prompts import PromptFileError, load_prompts
         from workbench.zoo import ZooError, resolve_preset
@@ -160,7 +167,7 @@ class BenchSession:
             _hold_nvml()
         return cls(target, draft_model, tokenizer, prompt_list, device=dev, dtype=dtype, preset=preset,
                    target_path=str(model), draft_path=str(draft) if draft else None, prompts_source=str(prompts_path),
-                   dtype_auto=dtype_auto)
+                   dtype_auto=dtype_auto, draft_head=str(draft_head) if draft_head else None)
 
     def resolve(self, cfg: BenchConfig) -> tuple[BenchConfig, tuple[str, ...]]:
         """cfg with its "auto" knobs resolved for this session's device (settings.resolve_config), and the names of
@@ -182,19 +189,54 @@ class BenchSession:
             except ZooError as e:
                 raise BenchError(str(e)) from None
             p = next(self.target.parameters())
+            head_cls = head_cls or Eagle3Head
             return head_cls.load(folder, device=p.device, dtype=p.dtype), str(folder)
+        if head_cls is None:  # the registry makes it (its shape depends on the run's settings)
+            return None, f"untrained (seed {seed})"
         return head_cls.for_target(self.target, seed=seed), f"untrained (seed {seed})"
+
+    def published_head(self, method: str):
+        """The --draft-head checkpoint (`drafters.published.load_published_head`, loaded once, checked against the
+        target) if it is `method`'s layout; None without --draft-head; BenchError for the other method's layout."""
+        if self.draft_head_path is None:
+            return None
+        if self._published is None:
+            from workbench.engine.drafters.published import load_published_head
+
+            try:
+                self._published = load_published_head(self.draft_head_path, self.target, tokenizer=self.tokenizer)
+            except ValueError as e:
+                raise BenchError(str(e)) from None
+        if self._published.method != method:
+            raise BenchError(f"--draft-head {self.draft_head_path} is an {self._published.layout} head: run it with "
+                             f"--method {self._published.method}, not {method}")
+        return self._published
+
+    def _note_head(self, method: str, head, source: str, layout: str, stored_dtype: str | None = None) -> None:
+        self._head_info[method] = {
+            "draft_head": source, "draft_head_layout": layout,
+            "draft_head_dtype": stored_dtype or str(next(head.parameters()).dtype).removeprefix("torch."),
+            "draft_head_params": sum(p.numel() for p in head.parameters()),
+            "draft_vocab_size": head.config.draft_vocab_size if isinstance(head, Eagle3Head) else None}
 
     def redrafter_head(self) -> RedrafterHead:
         """The ReDrafter head (`_load_head`), loaded once."""
         if self._redrafter is None:
             self._redrafter = self._load_head("redrafter", RedrafterHead, REDRAFTER_HEAD_SEED)
+            self._note_head("redrafter", self._redrafter[0], self._redrafter[1], "workbench")
         return self._redrafter[0]
 
     def eagle_head(self) -> EagleHead:
-        """The EAGLE head (`_load_head`), loaded once; a head for another target shape is refused by name."""
+        """The EAGLE head: the --draft-head checkpoint (EAGLE-1/2 layout), else `_load_head`; loaded once; a head
+        for another target shape is refused by name."""
         if self._eagle is None:
-            head, source = self._load_head("eagle", EagleHead, EAGLE_HEAD_SEED)
+            published = self.published_head("eagle")
+            if published is not None:
+                head, source = published.head, published.source
+                self._note_head("eagle", head, source, "eagle", published.stored_dtype)
+            else:
+                head, source = self._load_head("eagle", EagleHead, EAGLE_HEAD_SEED)
+                self._note_head("eagle", head, source, "workbench" if head.config.style == "workbench" else "eagle")
             try:
                 head.check_target(self.target)
             except ValueError as e:
@@ -202,10 +244,31 @@ class BenchSession:
             self._eagle = (head, source)
         return self._eagle[0]
 
+    def eagle3_head(self) -> Eagle3Head | None:
+        """The EAGLE-3 head: the --draft-head checkpoint (EAGLE-3 layout), else the zoo head beside the target
+        (`<preset>/eagle3`, checked like the others), else None: the drafter registry then makes an untrained one
+        over the run's eagle3_layers (recorded as "untrained (seed N)")."""
+        if self._eagle3 is None:
+            published = self.published_head("eagle3")
+            if published is not None:
+                self._eagle3 = (published.head, published.source)
+                self._note_head("eagle3", published.head, published.source, "eagle3", published.stored_dtype)
+            else:
+                head, source = self._load_head("eagle3", None, EAGLE_HEAD_SEED)
+                self._eagle3 = (head, source)
+                if head is not None:
+                    self._note_head("eagle3", head, source, "eagle3")
+        return self._eagle3[0]
+
     @property
     def eagle_head_source(self) -> str | None:
         """The loaded EAGLE head's folder, "untrained (seed N)", or None before any eagle run."""
         return self._eagle[1] if self._eagle is not None else None
+
+    @property
+    def eagle3_head_source(self) -> str | None:
+        """The EAGLE-3 head's folder, "untrained (seed N)", or None before any eagle3 run."""
+        return self._eagle3[1] if self._eagle3 is not None else None
 
     @property
     def redrafter_head_source(self) -> str | None:
@@ -220,7 +283,8 @@ class BenchSession:
         try:
             return make_drafter(cfg.method, cfg, draft=lambda: self.model_for("draft", cfg),
                                 target=lambda: self.model_for("target", cfg),
-                                heads={"redrafter": self.redrafter_head, "eagle": self.eagle_head})
+                                heads={"redrafter": self.redrafter_head, "eagle": self.eagle_head,
+                                       "eagle3": self.eagle3_head})
         except DrafterError as e:
             raise BenchError(str(e)) from None
 
@@ -246,7 +310,7 @@ class BenchSession:
             check_weight_formats(self, cfg)  # fp8 on a CPU, an int4 group that does not divide a width, ...
         except ValueError as e:
             raise BenchError(str(e)) from None
-        k = cfg.tree_budget if cfg.method == "eagle" else cfg.k if cfg.method != "ar" else 0  # draft nodes per step
+        k = cfg.tree_budget if cfg.method in settings.TREE_METHODS else cfg.k if cfg.method != "ar" else 0  # nodes
         models = [("target", self.target)] + ([("draft", self.draft)] if cfg.method == "draft" else [])
         longest = max(len(p) for p in prompt_ids)
         for role, model in models:
@@ -302,8 +366,8 @@ class BenchSession:
         if engine is None:
             while self._engines and (len(self._engines) >= ENGINE_CACHE_SIZE or self._engines_over_memory()):
                 self._engines.pop(next(iter(self._engines)))  # oldest first: its caches and graphs are freed
-            engine = SpecEngine(self.model_for("target", cfg), self.drafter(cfg) if drafter else None, ecfg,
-                                self.device)
+            made = self.drafter(cfg) if drafter else None
+            engine = SpecEngine(engine_target(self.model_for("target", cfg), made), made, ecfg, self.device)
         elif drafter and host_only and any(engine.drafter.settings.get(k) != getattr(cfg, k) for k in host_only):
             engine.drafter = self.drafter(cfg)
         engine.config = ecfg
@@ -418,6 +482,7 @@ class BenchSession:
                              f"max_new_tokens={cfg.max_new_tokens} dtype={self.dtype}: lower batch or max_new_tokens "
                              f"({str(e).splitlines()[0]})") from None
         progress(1.0, "done")
+        self._run_drafter = cand_engine.drafter  # its head's columns (head_columns)
         result = self._result(cfg, ar_runs, cand_runs, wall, tel, hf, study, trial_id, self.environment())
         rec = result.record
         rec.update(graphs)
@@ -484,6 +549,21 @@ class BenchSession:
             margins.append(abs(float(logits[ours[i]] - logits[theirs[i]])))
         return margins
 
+    def head_columns(self, cfg, drafter: Drafter | None = None) -> dict:
+        """The draft_head* columns of the run's head (feature methods; None elsewhere): where it came from, its
+        layout, stored dtype, parameter count and (EAGLE-3) draft vocabulary."""
+        cols = dict.fromkeys(("draft_head", "draft_head_layout", "draft_head_dtype", "draft_head_params",
+                              "draft_vocab_size"))
+        if cfg.method not in settings.FEATURE_METHODS:
+            return cols
+        info = self._head_info.get(cfg.method)
+        head = getattr(drafter or getattr(self, "_run_drafter", None), "head", None)
+        if info is None and head is not None:  # the registry's untrained head
+            self._note_head(cfg.method, head, f"untrained (seed {UNTRAINED_HEAD_SEED})",
+                            "workbench" if cfg.method != "eagle3" else "eagle3")
+            info = self._head_info.pop(cfg.method)
+        return {**cols, **(info or {})}
+
     def _result(self, cfg, ar_runs, cand_runs, wall, tel, hf, study, trial_id, env) -> BenchResult:
         ar = [summarize(r) for r in ar_runs]
         cand = [summarize(r) for r in cand_runs]
@@ -523,7 +603,9 @@ class BenchSession:
             "dtype": self.dtype, "device": str(self.device), "preset": self.preset,
             "target_path": self.target_path, "draft_path": self.draft_path if cfg.method == "draft"
             else self.redrafter_head_source if cfg.method == "redrafter"
-            else self.eagle_head_source if cfg.method == "eagle" else None,  # the head's folder or "untrained"
+            else self.eagle_head_source if cfg.method == "eagle"
+            else self.eagle3_head_source if cfg.method == "eagle3" else None,  # the head's folder or "untrained"
+            **self.head_columns(cfg),
             "prompts_source": self.prompts_source,
             "acceptance_rate": c0.acceptance_rate if cfg.method != "ar" else None,
             "mean_accepted_tokens": c0.mean_accepted_tokens,
@@ -699,9 +781,9 @@ def failed_record(cfg: BenchConfig, error: str, *, study: str | None = None, tri
     if session is not None:
         rec.update(dtype=session.dtype, device=str(session.device), preset=session.preset,
                    target_path=session.target_path, draft_path=session.draft_path,
-                   prompts_source=session.prompts_source)
+                   prompts_source=session.prompts_source, draft_head=session.draft_head_path)
     else:
-        columns = ("preset", "target_path", "draft_path", "dtype", "device", "prompts_source")
+        columns = ("preset", "target_path", "draft_path", "draft_head", "dtype", "device", "prompts_source")
         rec.update({key: None if value is None else str(value) for key, value in (asked or {}).items()
                     if key in columns})
     return rec

@@ -63,6 +63,10 @@ def add_session_args(p: argparse.ArgumentParser, prompts_help: str) -> None:
     models.add_argument("--preset", help="a zoo preset (e.g. tiny); default tiny when --model is not given")
     models.add_argument("--model", help="target model: Hugging Face folder or .gguf file")
     models.add_argument("--draft", help="draft model folder (method draft)")
+    models.add_argument("--draft-head", help="a published draft-head checkpoint folder (config.json + "
+                        "model.safetensors or pytorch_model.bin) in the EAGLE-1/2 layout (run with --method eagle) or "
+                        "the EAGLE-3 layout (--method eagle3); checked against the target; default: the head beside "
+                        "the target (zoo train-head), else an untrained one")
     models.add_argument("--prompts", help=prompts_help)
     models.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     models.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; fewer threads "
@@ -150,12 +154,13 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         session = BenchSession.load(preset=preset, model=args.model, draft=args.draft, device=args.device,
-                                    dtype=args.dtype, prompts=prompts)
+                                    dtype=args.dtype, prompts=prompts, draft_head=args.draft_head)
         result = session.run(cfg, study=args.study, progress=progress)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         if store is not None:
-            asked = dict(preset=preset, target_path=args.model, draft_path=args.draft, dtype=args.dtype,
+            asked = dict(preset=preset, target_path=args.model, draft_path=args.draft, draft_head=args.draft_head,
+                         dtype=args.dtype,
                          device=args.device, prompts_source=prompts)  # a row that failed to load says what
             _store_or_report(store, failed_record(cfg, str(e), study=args.study, session=session, asked=asked))
         return 2

@@ -238,6 +238,10 @@ class LlamaModel(nn.Module):
     then `load_state_dict(state, assign=True)`).
     """
 
+    # the residual streams entering these layers are returned after the final-norm hidden ([.., H + n H]); set only
+    # on a shallow-copy view of the model (workbench.engine.drafters.eagle3.with_aux_hidden), never on the model
+    aux_hidden_layers: tuple[int, ...] = ()
+
     def __init__(self, config: ModelConfig, init_weights: bool = True):
         super().__init__()
         self.config = config
@@ -286,13 +290,19 @@ class LlamaModel(nn.Module):
         cos_table, sin_table = self.rope_tables(x.device, x.dtype)
         cos = cos_table[position_ids].unsqueeze(2)  # [B, T, 1, D]
         sin_signed = sin_table[position_ids].unsqueeze(2)  # [B, T, 1, D]
-        for layer in self.model.layers:
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            if i in self.aux_hidden_layers:
+                aux.append(x)
             x = layer(x, cos, sin_signed, attn)
-        return self.model.norm(x)
+        return torch.cat([self.model.norm(x), *aux], -1) if aux else self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> logits [..., V] in the model dtype (through the head module: a quantized one too,
-        `quantize_model(head=True)`, where a tied head gets its own module)."""
+        `quantize_model(head=True)`, where a tied head gets its own module). An aux view's wider hidden states
+        [..., H + n H] are read by their first H (the final-norm hidden)."""
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = hidden[..., :self.config.hidden_size].contiguous()
         return F.linear(hidden, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
 
     def fuse_state_dict_(self, state_dict: dict[str, Tensor]) -> None:

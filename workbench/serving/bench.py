@@ -23,7 +23,7 @@ import torch
 from kernels.tuning import format_tuning, parse_tuning
 from workbench import settings
 from workbench.engine import SpecEngine
-from workbench.engine.drafters import DrafterError, make_drafter
+from workbench.engine.drafters import DrafterError, engine_target, make_drafter
 from workbench.engine.step import engine_config
 from workbench.engine.graphs import compile_fallback_columns, recompile_limit_hits
 from workbench.engine.sampling import SamplingParams
@@ -54,13 +54,13 @@ def engine_for(session, cfg) -> SpecEngine:
     ecfg = engine_config(cfg, timing=True)
     if cfg.method == "draft" and session.draft is None:
         raise ServeError("method 'draft' needs a draft model: give --draft PATH or use a --preset")
-    heads = {m: getattr(session, f"{m}_head") for m in ("redrafter", "eagle") if hasattr(session, f"{m}_head")}
+    heads = {m: getattr(session, f"{m}_head") for m in settings.FEATURE_METHODS if hasattr(session, f"{m}_head")}
     try:
         drafter = make_drafter(cfg.method, cfg, draft=lambda: session.model_for("draft", cfg),
                                target=lambda: session.model_for("target", cfg), heads=heads)
     except DrafterError as e:  # a missing model; a tree the vocabulary cannot fill
         raise ServeError(str(e)) from None
-    return SpecEngine(session.target, drafter, ecfg, session.device)
+    return SpecEngine(engine_target(session.target, drafter), drafter, ecfg, session.device)
 
 
 def adaptive_for(cfg, num_nodes: int, k_by_batch: list[tuple[int, int, int]] | None = None, *,
@@ -167,7 +167,9 @@ def serve_bench(session, cfg, *, study: str | None = None, clock=None, engine: S
            "kv_blocks": loop.num_blocks,  # the pool actually used (0 asks for the automatic size)
            "dtype": session.dtype, "device": str(session.device), "preset": session.preset,
            "target_path": session.target_path, "draft_path": session.draft_path if cfg.method == "draft"
-           else session.eagle_head_source if cfg.method == "eagle" else None,  # the head's folder or "untrained"
+           else session.eagle_head_source if cfg.method == "eagle"
+           else session.eagle3_head_source if cfg.method == "eagle3" else None,  # the head's folder or "untrained"
+           **(session.head_columns(cfg, engine.drafter) if hasattr(session, "head_columns") else {}),
            "prompts_source": session.prompts_source if cfg.lengths == "file" else "random", "paged": True,
            # batch stays empty: a serving run has no fixed batch; its row cap is the max_num_seqs column, the batch
            # it really ran is mean_batch_size (rows written before this change hold max_num_seqs in batch)

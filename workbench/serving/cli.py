@@ -56,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
     prompts = prompts_for(args)  # --model without --prompts: the built-in set, as bench does
     try:
         session = BenchSession.load(preset=preset, model=args.model, draft=args.draft, device=args.device,
-                                    dtype=args.dtype, prompts=prompts)
+                                    dtype=args.dtype, prompts=prompts, draft_head=args.draft_head)
         out = serve_bench(session, cfg, study=args.study)
     except (BenchError, ServeError) as e:
         print(f"error: {e}", file=sys.stderr)

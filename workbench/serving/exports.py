@@ -120,15 +120,15 @@ def vllm_snippet(ranges, method: str, ngram=None, draft_path=None, tree=None, ma
         fields = {"method": "ngram", "prompt_lookup_min": int(lo), "prompt_lookup_max": int(hi)}
     elif method == "draft":
         fields = {"method": "draft_model", "model": draft_path or DRAFT_PLACEHOLDER}
-    elif method == "eagle":
-        fields = {"method": "eagle", "model": draft_path or HEAD_PLACEHOLDER}
+    elif method in ("eagle", "eagle3"):
+        fields = {"method": method, "model": draft_path or HEAD_PLACEHOLDER}
     else:
         raise ExportRefused(f"{method}: no vLLM speculative method for this workbench method")
     cfg = {**fields, "num_speculative_tokens": k_max,
            "num_speculative_tokens_per_batch_size": [list(r) for r in ranges]}
     note = "inclusive batch-size ranges up to max_num_seqs; k = 0: no speculation in that range. " \
            "vllm serve MODEL --max-num-seqs %d --speculative-config '<speculative_config as JSON>'" % ranges[-1][1]
-    if method == "eagle" and tree:
+    if method in ("eagle", "eagle3") and tree:
         note += f"; vLLM drafts an EAGLE chain of k here: the measured tree (depth {tree[0]}, top-k {tree[1]}, " \
                 f"budget {tree[2]}) has no key in vLLM's SpeculativeConfig"
     return _checked(es.check_vllm(cfg, max_num_seqs=ranges[-1][1]), "vLLM",
@@ -159,8 +159,9 @@ def trtllm_snippet(ranges, method: str, ngram=None, draft_path=None, tree=None, 
         cfg = {"decoding_type": "NGram", "max_matching_ngram_size": int((ngram or (1, 3))[1]), **cfg}
     elif method == "draft":
         cfg = {"decoding_type": "Draft_Target", "speculative_model": draft_path or DRAFT_PLACEHOLDER, **cfg}
-    elif method == "eagle":
-        cfg = {"decoding_type": "Eagle", "speculative_model": draft_path or HEAD_PLACEHOLDER, **cfg}
+    elif method in ("eagle", "eagle3"):
+        cfg = {"decoding_type": "Eagle" if method == "eagle" else "Eagle3",
+               "speculative_model": draft_path or HEAD_PLACEHOLDER, **cfg}
         if tree and int(tree[1]) > 1:  # top-k 1 is a chain: TensorRT-LLM's linear EAGLE of max_draft_len
             depth, topk, budget = (int(x) for x in tree)
             if not depth <= budget <= topk * depth:
@@ -218,9 +219,9 @@ def sglang_snippet(ranges, method: str, ngram=None, draft_path=None, tree=None, 
     elif method == "draft":
         args = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": draft_path or DRAFT_PLACEHOLDER,
                 "speculative_num_steps": k, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": k + 1}
-    elif method == "eagle":
+    elif method in ("eagle", "eagle3"):
         depth, topk, budget = (int(x) for x in tree) if tree else (k, 1, k)
-        args = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": draft_path or HEAD_PLACEHOLDER,
+        args = {"speculative_algorithm": "EAGLE" if method == "eagle" else "EAGLE3", "speculative_draft_model_path": draft_path or HEAD_PLACEHOLDER,
                 "speculative_num_steps": depth, "speculative_eagle_topk": topk,
                 "speculative_num_draft_tokens": budget + 1 if topk > 1 else depth + 1}
     else:

@@ -31,9 +31,9 @@ def register(subparsers) -> None:
     prompts.add_argument("--dir", default=None, help="the trained preset folder (default: the preset's home)")
     prompts.set_defaults(func=cmd_prompts)
 
-    head = sub.add_parser("train-head", help="distil a draft head (ReDrafter or EAGLE) from a trained preset's "
-                          "frozen target")
-    head.add_argument("--kind", choices=["redrafter", "eagle"], default="redrafter")
+    head = sub.add_parser("train-head", help="distil a draft head (ReDrafter, EAGLE or EAGLE-3) from a trained "
+                          "preset's frozen target")
+    head.add_argument("--kind", choices=["redrafter", "eagle", "eagle3"], default="redrafter")
     head.add_argument("--preset", choices=sorted(PRESETS), required=True)
     head.add_argument("--dir", default=None, help="the trained preset folder (default: the preset's home)")
     head.add_argument("--out", default=None, help="head folder (default: <preset folder>/<kind>)")
@@ -43,7 +43,25 @@ def register(subparsers) -> None:
     head.add_argument("--eval-windows", type=int, default=None, help="held-out windows (default: the recipe's)")
     head.add_argument("--seed", type=int, default=None, help="initialisation and batch order (default: the recipe's)")
     head.add_argument("--device", choices=["cuda", "cpu"], default="cpu")
+    head.add_argument("--style", choices=["workbench", "eagle"], default=None,
+                      help="--kind eagle: the head's structure; eagle = the published EAGLE-1/2 one (exportable with "
+                      "export-head), workbench = ours (an input norm on the layer, the target's final norm after it)")
+    head.add_argument("--draft-vocab", type=int, default=None,
+                      help="--kind eagle3: tokens of the draft vocabulary, the most frequent in the training windows "
+                      "(default: the whole vocabulary)")
+    head.add_argument("--eagle3-layers", default=None, help="--kind eagle3: the three target layers, 'i,j,k' or auto")
     head.set_defaults(func=cmd_train_head)
+
+    export = sub.add_parser("export-head", help="write a trained head in its published layout (EAGLE-1/2 or EAGLE-3), "
+                            "for vLLM, SGLang, TensorRT-LLM or the EAGLE code; load it back with --draft-head")
+    export.add_argument("--kind", choices=["eagle", "eagle3"], required=True)
+    export.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    export.add_argument("--dir", default=None, help="the trained preset folder (default: the preset's home)")
+    export.add_argument("--head", default=None, help="the head folder (default: <preset folder>/<kind>)")
+    export.add_argument("--out", required=True, help="the folder to write (config.json + model.safetensors)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
+                        help="the dtype of the written weights")
+    export.set_defaults(func=cmd_export_head)
 
 
 def _fmt_ppl(section: dict | None) -> str:
@@ -129,12 +147,28 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from workbench.zoo.train_eagle import EagleTrainSpec, train_eagle_head
+    from workbench.zoo.train_eagle3 import Eagle3TrainSpec, train_eagle3_head
     from workbench.zoo.train_head import HeadTrainSpec, train_redrafter_head
 
     recipe, train = {"redrafter": (HeadTrainSpec, train_redrafter_head),
-                     "eagle": (EagleTrainSpec, train_eagle_head)}[args.kind]
+                     "eagle": (EagleTrainSpec, train_eagle_head),
+                     "eagle3": (Eagle3TrainSpec, train_eagle3_head)}[args.kind]
+    for flag, value, kinds in (("--style", args.style, ("eagle",)), ("--draft-vocab", args.draft_vocab, ("eagle3",)),
+                               ("--eagle3-layers", args.eagle3_layers, ("eagle3",))):
+        if value is not None and args.kind not in kinds:
+            print(f"error: {flag} applies to --kind {' / '.join(kinds)}, not {args.kind}", file=sys.stderr)
+            return 2
+    if args.eagle3_layers is not None:
+        from workbench.settings import parse_aux_layers
+
+        try:
+            parse_aux_layers(args.eagle3_layers)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     overrides = {"max_seconds": args.max_seconds, "max_steps": args.max_steps, "train_windows": args.train_windows,
                  "eval_windows": args.eval_windows, "seed": args.seed}
+    extra = {"style": args.style, "draft_vocab_size": args.draft_vocab, "eagle3_layers": args.eagle3_layers}
     for name, value in overrides.items():  # before any work: a budget or count that cannot train
         if value is not None and (value <= 0 if name != "seed" else value < 0):
             print(f"error: --{name.replace('_', '-')} must be {'>= 0' if name == 'seed' else '> 0'}, got {value}",
@@ -146,11 +180,38 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print("error: --device cuda asked for, but no CUDA GPU is visible; use --device cpu", file=sys.stderr)
             return 2
-    spec = replace(recipe(), **{k: v for k, v in overrides.items() if v is not None})
+    spec = replace(recipe(), **{k: v for k, v in {**overrides, **extra}.items() if v is not None})
     try:
         out = train(args.preset, out=args.out, preset_dir=args.dir, device=args.device, spec=spec)
-    except ZooError as e:
+    except (ZooError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"trained a {args.kind} head for {args.preset} -> {out}")
+    return 0
+
+
+def cmd_export_head(args: argparse.Namespace) -> int:
+    """Load the preset's target and the trained head beside it (checked against the target's fingerprints), write it
+    in the published layout, and print what was written."""
+    import torch
+
+    from workbench.engine.drafters import Eagle3Head, EagleHead
+    from workbench.engine.drafters.published import export_published_head
+    from workbench.models import load_model, tokenizer_fingerprint
+    from workbench.zoo.heads import check_head, has_head
+
+    try:
+        paths = resolve_dir(args.dir, args.preset) if args.dir else resolve_preset(args.preset)
+        folder = Path(args.head) if args.head else paths.root / args.kind
+        if not has_head(folder):
+            raise ZooError(f"no trained {args.kind} head in {folder}: train one with zoo train-head --kind {args.kind} "
+                           f"--preset {args.preset}" + (" --style eagle" if args.kind == "eagle" else ""))
+        check_head(folder, paths.target_dir, tokenizer_fingerprint(paths.target_dir))
+        target = load_model(paths.target_dir, dtype=torch.float32, device="cpu").eval()
+        head = (EagleHead if args.kind == "eagle" else Eagle3Head).load(folder)
+        layout = export_published_head(head, target, args.out, dtype=getattr(torch, args.dtype))
+    except (ZooError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote the {args.kind} head of {args.preset} in the published {layout} layout ({args.dtype}) -> {args.out}")
     return 0

@@ -6,6 +6,7 @@ distilled from:
     <preset folder>/target/          the target (config.json, model.safetensors, tokenizer.json)
     <preset folder>/redrafter/       config.json + model.safetensors (RedrafterHead.save) + manifest.json
     <preset folder>/eagle/           the same files for an EAGLE head (EagleHead.save, `--kind eagle`)
+    <preset folder>/eagle3/          the same files for an EAGLE-3 head (Eagle3Head.save, `--kind eagle3`)
 
 The manifest carries the target's fingerprint (a hash of its config.json and of its weights file) and the
 tokenizer's (`workbench.models.tokenizer_fingerprint`); `check_head` refuses a head whose fingerprints name another
@@ -20,7 +21,7 @@ from pathlib import Path
 from workbench.zoo.presets import ZooError
 
 HEAD_MANIFEST = "manifest.json"
-HEAD_KINDS = ("redrafter", "eagle")
+HEAD_KINDS = ("redrafter", "eagle", "eagle3")
 
 
 class HeadMismatchError(ZooError):

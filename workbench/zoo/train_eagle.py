@@ -53,6 +53,7 @@ class EagleTrainSpec:
     train_windows: int = 4096
     eval_windows: int = 32
     seed: int = 1234
+    style: str = "workbench"  # EagleHeadConfig.style: "eagle" trains the published EAGLE-1/2 structure (exportable)
 
 
 class RolloutAttention:
@@ -119,5 +120,6 @@ def train_eagle_head(preset: str, *, out: str | Path | None = None, preset_dir: 
     """Train, evaluate and save an EAGLE head for the preset's target; returns the head folder (default:
     `<preset folder>/eagle`). `corpus` overrides the preset's (tests pass a small one)."""
     return train_and_save("eagle", preset, out=out, preset_dir=preset_dir, device=device, spec=spec, corpus=corpus,
-                          log=log, make_head=lambda target: EagleHead.for_target(target, seed=spec.seed).float(),
+                          log=log, make_head=lambda target: EagleHead.for_target(target, seed=spec.seed,
+                                                                                 style=spec.style).float(),
                           train=train_eagle, evaluate=evaluate_eagle)

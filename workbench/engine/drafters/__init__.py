@@ -15,17 +15,14 @@ from typing import Any
 from torch import nn
 
 from workbench import settings
-from workbench.engine.drafters.base import BatchState, DraftContext, Drafter
+from workbench.engine.drafters.base import BatchState, DraftContext, Drafter, DrafterError
 from workbench.engine.drafters.draft_model import DraftModelDrafter
 from workbench.engine.drafters.eagle import EagleDrafter, EagleHead, EagleSettingsError
+from workbench.engine.drafters.eagle3 import Eagle3Drafter, Eagle3Head, parse_aux_layers
 from workbench.engine.drafters.ngram import NgramDrafter, lookup
 from workbench.engine.drafters.redrafter import RedrafterDrafter, RedrafterHead
 
 UNTRAINED_HEAD_SEED = 0  # an untrained ReDrafter / EAGLE head's initialisation (the same head in every run)
-
-
-class DrafterError(ValueError):
-    """A method with no drafter, or a drafter that lacks a model it needs; the message names what to do."""
 
 
 class _Inputs:
@@ -100,6 +97,26 @@ def _eagle(inputs: _Inputs) -> EagleDrafter:
                         inputs.knob("tree_budget"))
 
 
+@register("eagle3")
+def _eagle3(inputs: _Inputs) -> Eagle3Drafter:
+    layers = parse_aux_layers(inputs.knob("eagle3_layers"))
+    head = _made(inputs._heads.get("eagle3"))
+    if head is None:
+        head = Eagle3Head.for_target(inputs.target(), seed=UNTRAINED_HEAD_SEED, aux_layers=layers)
+    return Eagle3Drafter(head, inputs.target(), inputs.knob("tree_depth"), inputs.knob("tree_topk"),
+                         inputs.knob("tree_budget"), aux_layers=layers)
+
+
+def engine_target(target: nn.Module, drafter: Drafter | None) -> nn.Module:
+    """The model the engine must run with `drafter`: an EAGLE-3 drafter's aux view of `target` (its forward also
+    returns the aux layers' hidden states), else `target` itself."""
+    if isinstance(drafter, Eagle3Drafter):
+        if drafter.target.model is not target.model:
+            raise DrafterError("the EAGLE-3 drafter was built over another target than the engine's")
+        return drafter.target
+    return target
+
+
 def make_drafter(method: str, values: Any = None, *, draft: Any = None, target: Any = None,
                  heads: Mapping[str, Any] | None = None) -> Drafter | None:
     """The drafter of decoding method `method` (None for "ar"), with its knobs from `values` (a BenchConfig,
@@ -115,6 +132,6 @@ def make_drafter(method: str, values: Any = None, *, draft: Any = None, target: 
         raise DrafterError(str(e)) from None
 
 
-__all__ = ["BatchState", "DraftContext", "Drafter", "DraftModelDrafter", "DrafterError", "DRAFTERS", "EagleDrafter",
-           "EagleHead", "NgramDrafter", "RedrafterDrafter", "RedrafterHead", "UNTRAINED_HEAD_SEED", "lookup",
+__all__ = ["BatchState", "DraftContext", "Drafter", "DraftModelDrafter", "DrafterError", "DRAFTERS", "Eagle3Drafter",
+           "Eagle3Head", "EagleDrafter", "EagleHead", "engine_target", "NgramDrafter", "RedrafterDrafter", "RedrafterHead", "UNTRAINED_HEAD_SEED", "lookup",
            "make_drafter", "register"]

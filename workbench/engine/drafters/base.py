@@ -40,6 +40,10 @@ from workbench.engine.sampling import SamplingParams
 from workbench.engine.tree import DraftTree
 
 
+class DrafterError(ValueError):
+    """A method with no drafter, or a drafter that lacks a model it needs; the message names what to do."""
+
+
 @dataclass
 class DraftContext:
     max_rows: int

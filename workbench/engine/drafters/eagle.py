@@ -93,9 +93,20 @@ def rerank(cand_tokens: torch.Tensor, cand_scores: torch.Tensor, cand_parents: t
     return cand_tokens.gather(1, keep), parents, cand_depths.gather(1, keep)
 
 
+EAGLE_STYLES = ("workbench", "eagle")
+
+
 @dataclass(frozen=True)
 class EagleHeadConfig:
-    """The head's decoder layer: the target's attention and MLP shapes (its RoPE tables are the target's)."""
+    """The head's decoder layer: the target's attention and MLP shapes (its RoPE tables are the target's), and its
+    structure (`style`):
+
+    "workbench"  fc([hidden; embed]) -> decoder layer (with its input RMSNorm) -> the target's final norm
+    "eagle"      the published EAGLE-1/2 head: fc([embed; hidden]) -> decoder layer without an input norm -> no
+                 final norm (the layer's output goes to the target's LM head as it is), as SafeAILab's cnets.py and
+                 vLLM's EagleLlamaForCausalLM compute it; `fc_bias` as the checkpoint has it
+    Both read the target's final-norm hidden states (what a Hugging Face Llama returns).
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -103,11 +114,17 @@ class EagleHeadConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
+    style: str = "workbench"
+    fc_bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.style not in EAGLE_STYLES:
+            raise ValueError(f"EAGLE head style {self.style!r} is unknown; choose one of {', '.join(EAGLE_STYLES)}")
 
     @classmethod
-    def of_target(cls, c: ModelConfig) -> "EagleHeadConfig":
+    def of_target(cls, c: ModelConfig, style: str = "workbench") -> "EagleHeadConfig":
         return cls(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                   c.rms_norm_eps)
+                   c.rms_norm_eps, style=style)
 
     def layer_config(self) -> ModelConfig:
         return ModelConfig(vocab_size=1, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -132,13 +149,21 @@ class EagleHead(SavedHead):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h)
+        self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
         self.layer = DecoderLayer(config.layer_config(), 0)
+        if config.style == "eagle":
+            self.layer.input_layernorm = None  # the published head's first layer has none
+
+    @property
+    def hidden_columns(self) -> slice:
+        """fc's input columns that read the hidden state (the rest read the token embedding)."""
+        h = self.config.hidden_size
+        return slice(h, 2 * h) if self.config.style == "eagle" else slice(0, h)
 
     @classmethod
-    def for_target(cls, target, seed: int = 0, std: float = 0.02) -> "EagleHead":
+    def for_target(cls, target, seed: int = 0, std: float = 0.02, style: str = "workbench") -> "EagleHead":
         """An untrained head sized for `target`, initialised deterministically from `seed`, in its dtype and device."""
-        head = cls(EagleHeadConfig.of_target(target.config))
+        head = cls(EagleHeadConfig.of_target(target.config, style))
         head.reset_parameters(seed, std)
         p = next(target.parameters())
         return head.to(device=p.device, dtype=p.dtype).eval()
@@ -156,7 +181,7 @@ class EagleHead(SavedHead):
                     w.zero_()
                 else:
                     w.copy_(torch.randn(w.shape, generator=g) * std)
-            self.fc.weight[:, :h] += torch.eye(h)
+            self.fc.weight[:, self.hidden_columns] += torch.eye(h)
 
     def check_target(self, target) -> None:
         """ValueError unless this head's layer fits `target` (it shares the target's embedding, norm and RoPE)."""
@@ -165,16 +190,25 @@ class EagleHead(SavedHead):
             raise ValueError(f"EAGLE head has hidden size {self.config.hidden_size} / head dim {self.config.head_dim}, "
                              f"the target {want.hidden_size} / {want.head_dim}: the head must be trained for this "
                              f"target (zoo train-head --kind eagle)")
+        if self.config.num_key_value_heads != want.num_key_value_heads:  # its KV cache is shaped like the target's
+            raise ValueError(f"EAGLE head has {self.config.num_key_value_heads} KV heads, the target "
+                             f"{want.num_key_value_heads}: the head must be trained for this target "
+                             f"(zoo train-head --kind eagle)")
 
     def forward(self, target, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
                 attn=None) -> torch.Tensor:
         from workbench.models.attention import CausalAttention
 
-        x = self.fc(torch.cat([hidden, target.model.embed_tokens(token_ids)], -1))  # [B, T, H]
+        embed = target.model.embed_tokens(token_ids)
+        published = self.config.style == "eagle"
+        x = self.fc(torch.cat([embed, hidden] if published else [hidden, embed], -1))  # [B, T, H]
         cos_table, sin_table = target.rope_tables(x.device, x.dtype)
-        x = self.layer(x, cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2),
-                       CausalAttention() if attn is None else attn)
-        return target.model.norm(x)
+        cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)
+        attn = CausalAttention() if attn is None else attn
+        if not published:
+            return target.model.norm(self.layer(x, cos, sin, attn))
+        x = self.layer.self_attn(x, cos, sin, attn, residual=x)  # no input norm
+        return self.layer.mlp(x, residual=x, norm=self.layer.post_attention_layernorm)  # no final norm
 
 
 class EagleDrafter(OneStepDrafter):
@@ -219,7 +253,7 @@ class EagleDrafter(OneStepDrafter):
         self.cache = make_cache(ctx.paged, num_layers=1, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
                                 max_rows=ctx.max_rows, max_len=need, dtype=dtype, device=ctx.device,
                                 block_size=ctx.kv_block_size, attention=ctx.attention)  # the kernel takes prefix masks
-        self.pend_hidden = torch.zeros(rows, 1 + d, c.hidden_size, dtype=dtype, device=ctx.device)
+        self.pend_hidden = torch.zeros(rows, 1 + d, self._feature_width(), dtype=dtype, device=ctx.device)
         self.pend_tokens = torch.zeros(rows, 1 + d, dtype=torch.long, device=ctx.device)
         self.pend_count = torch.ones(rows, dtype=torch.long, device=ctx.device)  # pad_row: 1 pair at position 0
         self.pend_base = torch.zeros(rows, dtype=torch.long, device=ctx.device)
@@ -232,6 +266,10 @@ class EagleDrafter(OneStepDrafter):
         if ctx.graphs.fixed_shape:
             self.step = FixedShapeStep("eagle", self._draft, self._pads, ctx.graphs, ctx.device)
             self.step.stats = stats if stats is not None else self.step.stats
+
+    def _feature_width(self) -> int:
+        """The width of the hidden states the engine hands this drafter (the target's hidden size)."""
+        return self.target.config.hidden_size
 
     def _pads(self, key) -> dict[str, torch.Tensor]:
         return {"rows": torch.tensor(self.cache.pad_row, device=self.ctx.device)}

@@ -11,7 +11,7 @@ trained head (which target and tokenizer it belongs to) is the zoo's business: w
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
 import torch
@@ -50,6 +50,7 @@ class SavedHead(nn.Module):
         if raw.get("type") != cls.kind:
             article = "an" if cls.label[0] in "AEIOU" else "a"
             raise ValueError(f"{src / HEAD_CONFIG} describes a {raw.get('type')!r} head, not {article} {cls.label}")
-        head = cls(cls.config_class(**{f.name: raw[f.name] for f in fields(cls.config_class)}))
+        head = cls(cls.config_class(**{f.name: raw[f.name] for f in fields(cls.config_class)
+                                       if f.name in raw or f.default is MISSING}))  # later fields: their defaults
         head.load_state_dict(load_file(str(src / HEAD_WEIGHTS)))
         return head.to(device=device, dtype=dtype).eval()
