@@ -147,7 +147,8 @@ def fake_capture(monkeypatch):
 
 def fake_session():
     return SimpleNamespace(device=torch.device("cpu"), dtype="float32", preset=None, target_path="random",
-                           draft_path="random", prompts_source="random")
+                           draft_path="random", prompts_source="random", eagle_head_source="untrained (test)",
+                           eagle3_head_source="untrained (test)")
 
 
 @pytest.mark.parametrize("ahead", [True, False])
