@@ -257,6 +257,44 @@ def test_a_client_that_disconnects_frees_its_blocks(live):
     assert httpx.get(f"{live.url}/health").status_code == 200
 
 
+def test_concurrent_streams_with_random_disconnects_leak_no_block(live):
+    """40 streams at once over 4 rows, about half dropped after a random number of chunks, some bad: every
+    request ends (done or aborted), the pool is whole again and the server answers."""
+    import asyncio
+    import random
+
+    rng = random.Random(7)
+    before = live.metrics()
+
+    async def one(client, i):
+        body = {"model": "tiny", "prompt": PROMPTS[i % 4], "max_tokens": rng.randint(1, 60), "ignore_eos": True,
+                "stream": True}
+        if i % 10 == 9:
+            body["prompt"] = [1] * 300
+        cut = rng.randint(1, 12) if rng.random() < 0.5 else None
+        async with client.stream("POST", f"{live.url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return resp.status_code
+            lines = []
+            async for line in resp.aiter_lines():
+                lines += [line] if line else []
+                if cut is not None and len(lines) >= cut:
+                    return "cut"
+            return lines[-1]
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*[one(client, i) for i in range(40)])
+
+    results = asyncio.run(burst())
+    assert results.count(400) == 4 and "cut" in results and "data: [DONE]" in results
+    wait_for_full_pool(live)
+    after = live.metrics()
+    ended = sum(after[k] - before.get(k, 0) for k in after if k.startswith("vllm:request_success_total"))
+    assert ended == 36 and after["vllm:request_success_total[finished_reason=abort]"] > \
+        before.get("vllm:request_success_total[finished_reason=abort]", 0)
+    assert httpx.get(f"{live.url}/health").status_code == 200 and live.worker.failures == 0
+
 def test_an_engine_failure_fails_its_requests_and_the_server_keeps_serving(live, session, solo):
     def boom():
         raise RuntimeError("injected step failure")
