@@ -329,6 +329,30 @@ def test_two_servers_in_one_process_keep_their_own_metrics(live, session):
         other.stop()
 
 
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_other_methods_serve_their_solo_greedy_outputs(session, method):
+    """A draft model (its own KV, caught up by the loop) and an EAGLE tree (verified whole) behind the same API."""
+    from workbench.serving.fidelity import solo_engine, solo_outputs
+
+    srv = LiveServer(session, ServeConfig(method=method, k=3, max_num_seqs=2, max_new_tokens=8), max_model_len=128,
+                     name=method)
+    try:
+        prompts = [encode(session, p) for p in PROMPTS[:3]]
+
+        def one(ids):
+            out = srv.client.completions.create(model=method, prompt=ids, max_tokens=10,
+                                                extra_body={"ignore_eos": True, "return_token_ids": True})
+            return out.choices[0].model_extra["token_ids"]
+
+        with ThreadPoolExecutor(3) as pool:
+            served = list(pool.map(one, prompts))
+        engine = solo_engine(srv.worker.loop.engine)
+        for ids, got in zip(prompts, served):
+            assert got == solo_outputs(engine, [Request(0, ids, 10)])[0]
+        assert srv.worker.counters.drafted > 0 and srv.free_blocks()[0] == srv.free_blocks()[1]
+    finally:
+        srv.stop()
+
 def test_serve_cli_takes_the_engine_knobs_and_not_the_load_generators(capsys):
     from workbench.__main__ import main
 
