@@ -362,3 +362,31 @@ def test_serve_cli_takes_the_engine_knobs_and_not_the_load_generators(capsys):
     assert main(["serve", "--max-model-len", "-1"]) == 2
     assert main(["serve", "--method", "ngram", "--k", "-2"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_text_stream_equals_the_whole_decode(session):
+    """Chunks of any size, multi-byte characters split across tokens: the deltas join to the whole decode."""
+    import doctest
+    import random
+
+    from workbench.serving import server
+    from workbench.serving.server import TextStream
+
+    assert doctest.testmod(server).failed == 0
+    tok = session.tokenizer
+    rng = random.Random(3)
+    texts = ["def f(x):\n    return x * 2  # doubled", "naïve café — 東京 🚀 ok", "  spaces\tand\ttabs\n\n"]
+    for text in texts:
+        ids = tok.encode(text).ids
+        for _ in range(5):
+            ts, out, i = TextStream(tok, []), [], 0
+            while i < len(ids):
+                n = rng.randint(1, 3)
+                out.append(ts.add(ids[i:i + n]))
+                i += n
+            out.append(ts.add([], final=True))
+            assert "".join(out) == tok.decode(ids, skip_special_tokens=True)
+    whole = tok.decode(tok.encode(texts[0]).ids, skip_special_tokens=True)
+    ts = TextStream(tok, ["return"])  # a stop string that arrives token by token
+    got = "".join(ts.add([t]) for t in tok.encode(texts[0]).ids)
+    assert ts.stopped and got == whole[:whole.index("return")]

@@ -240,20 +240,35 @@ def render_chat(messages: list[ChatMessage], served: ServedModel) -> str:
 class TextStream:
     """Incremental detokenization with stop strings: `add(ids)` -> the text that is safe to send now (a trailing
     partial UTF-8 character or a possible start of a stop string is held back); `stopped` once a stop string
-    appears (the text ends before it)."""
+    appears (the text ends before it). Each call decodes only a short window of recent tokens (the tokens since the
+    last complete piece and the piece before them, for the tokenizer's context), not the whole output.
+
+    >>> from tokenizers import Tokenizer, models
+    >>> tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2}, unk_token="a"))
+    >>> ts = TextStream(tok, stop=["b c"])
+    >>> ts.add([0]), ts.add([1]), ts.add([2, 0]), ts.stopped
+    ('a', ' ', '', True)
+    """
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
+        self.text = ""  # decoded so far
         self.sent = 0  # characters of the text sent
         self.stopped = False
+        self._prefix = self._read = 0  # ids[_prefix:_read]: the last decoded piece, context for the next one
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, ids: list[int], final: bool = False) -> str:
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        hold = 0
-        if not final and text.endswith("\ufffd"):
-            hold = len(text) - len(text.rstrip("\ufffd"))
+        before = self._decode(self.ids[self._prefix:self._read])
+        window = self._decode(self.ids[self._prefix:])
+        if len(window) > len(before) and (final or not window.endswith("\ufffd")):  # a complete piece
+            self.text += window[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        text = self.text
         cut = None
         for s in self.stop:
             i = text.find(s, max(0, self.sent - len(s) + 1))
@@ -263,6 +278,7 @@ class TextStream:
             self.stopped = True
             out, self.sent = text[self.sent:cut], cut
             return out
+        hold = 0
         if not final:
             for s in self.stop:  # the longest suffix that may grow into a stop string
                 for n in range(min(len(s) - 1, len(text)), 0, -1):
