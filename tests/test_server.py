@@ -225,6 +225,9 @@ def test_bad_requests_get_openai_error_bodies_and_the_server_stays_up(live):
     assert e.value.code == "context_length_exceeded"
     assert httpx.get(f"{live.url}/health").status_code == 200
     assert live.client.completions.create(model="tiny", prompt="x = ", max_tokens=3).usage.completion_tokens <= 3
+    # the server's own sampling repeated (top_k -1: vLLM's "off"), and a seed a greedy server has no use for
+    assert live.client.completions.create(model="tiny", prompt="x = ", max_tokens=2, temperature=0.0, top_p=1.0,
+                                          seed=5, extra_body={"top_k": -1}).choices[0].finish_reason
     assert live.worker.failures == 0 and live.free_blocks()[0] == live.free_blocks()[1]
 
 

@@ -184,7 +184,8 @@ def _check_common(req: _Generation, served: ServedModel) -> None:
                        "(GET /v1/models).", "model", "model_not_found")
     if req.n != 1:
         raise ApiError(400, "n must be 1: one choice per request", "n")
-    want = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
+    top_k = 0 if req.top_k == -1 else req.top_k  # vLLM's "off" is -1, ours 0
+    want = {"temperature": req.temperature, "top_p": req.top_p, "top_k": top_k}
     if served.sampling.get("temperature", 0.0) > 0:
         want["seed"] = req.seed  # greedy decoding reads no seed
     for name, value in want.items():
@@ -308,8 +309,7 @@ def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics
 
     @asynccontextmanager
     async def lifespan(app):
-        if worker._thread is None:
-            worker.start()
+        worker.start()
         try:
             yield
         finally:

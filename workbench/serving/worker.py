@@ -75,6 +75,9 @@ class EngineWorker:
 
     # -- called from any thread -------------------------------------------------------------------------------
     def start(self) -> None:
+        """Starts the engine thread (once; a second call does nothing)."""
+        if self._thread is not None:
+            return
         self._thread = threading.Thread(target=self._run, name="workbench-engine", daemon=True)
         self._thread.start()
 
