@@ -19,6 +19,11 @@ from workbench.serving.request import Request
 PROMPTS = ["def fib(n):", "import numpy as np\n", "class Stack:\n    def push(self, x):", "for i in range(10):"]
 
 
+def cfg(**kw) -> ServeConfig:
+    """A server's settings for tests: gc_freeze off (it would freeze the test process's heap for good)."""
+    return ServeConfig(gc_freeze=False, **kw)
+
+
 class LiveServer:
     """uvicorn in a thread on a free loopback port, over `build_server`'s app."""
 
@@ -66,7 +71,7 @@ def session():
 
 @pytest.fixture(scope="module")
 def live(session):
-    srv = LiveServer(session, ServeConfig(method="ngram", k=3, max_num_seqs=4, max_new_tokens=16), max_model_len=256)
+    srv = LiveServer(session, cfg(method="ngram", k=3, max_num_seqs=4, max_new_tokens=16), max_model_len=256)
     yield srv
     srv.stop()
     assert not srv.worker.alive  # the engine thread stops with the app
@@ -320,7 +325,7 @@ def test_an_engine_failure_fails_its_requests_and_the_server_keeps_serving(live,
     assert live.free_blocks()[0] == live.free_blocks()[1]
 
 def test_two_servers_in_one_process_keep_their_own_metrics(live, session):
-    other = LiveServer(session, ServeConfig(method="ar", max_num_seqs=2, max_new_tokens=4), max_model_len=64,
+    other = LiveServer(session, cfg(method="ar", max_num_seqs=2, max_new_tokens=4), max_model_len=64,
                        name="tiny-ar")
     try:
         other.client.completions.create(model="tiny-ar", prompt="a", max_tokens=4)
@@ -337,7 +342,7 @@ def test_other_methods_serve_their_solo_greedy_outputs(session, method):
     """A draft model (its own KV, caught up by the loop) and an EAGLE tree (verified whole) behind the same API."""
     from workbench.serving.fidelity import solo_engine, solo_outputs
 
-    srv = LiveServer(session, ServeConfig(method=method, k=3, max_num_seqs=2, max_new_tokens=8), max_model_len=128,
+    srv = LiveServer(session, cfg(method=method, k=3, max_num_seqs=2, max_new_tokens=8), max_model_len=128,
                      name=method)
     try:
         prompts = [encode(session, p) for p in PROMPTS[:3]]
@@ -393,3 +398,23 @@ def test_text_stream_equals_the_whole_decode(session):
     ts = TextStream(tok, ["return"])  # a stop string that arrives token by token
     got = "".join(ts.add([t]) for t in tok.encode(texts[0]).ids)
     assert ts.stopped and got == whole[:whole.index("return")]
+
+
+def test_chat_template_from_the_model_folder(tmp_path):
+    from workbench.serving.server import ApiError, ChatMessage, ServedModel, chat_template_of, render_chat
+
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system "
+                "role') }}{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>",
+                                                                "eos_token": {"content": "</s>"}}))
+    found, special = chat_template_of(str(tmp_path))
+    assert found == template and special == {"bos_token": "<s>", "eos_token": "</s>"}
+    served = ServedModel("m", None, 64, 10, chat_template=found, special_tokens=special)
+    msgs = [ChatMessage(role="user", content=[{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}])]
+    assert render_chat(msgs, served) == "<s><|user|>hi there<|assistant|>"
+    with pytest.raises(ApiError, match="no system role"):
+        render_chat([ChatMessage(role="system", content="x")], served)
+    assert chat_template_of(str(tmp_path / "model.gguf"))[0] == template  # a GGUF file: its folder's config
+    (tmp_path / "bare").mkdir()
+    assert chat_template_of(str(tmp_path / "bare")) == (None, {})

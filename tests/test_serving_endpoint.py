@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.test_server import LiveServer
+from tests.test_server import LiveServer, cfg as server_cfg
 from workbench.serving import endpoint
 from workbench.serving.config import ServeConfig, ServeError
 from workbench.zoo.presets import preset_home
@@ -20,7 +20,7 @@ def live():
     from workbench.harness.bench import BenchSession
 
     session = BenchSession.load(preset="tiny", device="cpu")
-    srv = LiveServer(session, ServeConfig(method="ngram", k=3, max_num_seqs=4, max_new_tokens=16), max_model_len=256)
+    srv = LiveServer(session, server_cfg(method="ngram", k=3, max_num_seqs=4, max_new_tokens=16), max_model_len=256)
     yield srv
     srv.stop()
 

@@ -23,6 +23,7 @@ engine cannot serve (longer than a cache row or the KV pool, unsupported options
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 import uuid
@@ -229,7 +230,11 @@ def render_chat(messages: list[ChatMessage], served: ServedModel) -> str:
     if served.chat_template:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        def raise_exception(message):  # what Hugging Face chat templates call to refuse a conversation
+            raise ValueError(message)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(served.chat_template).render(messages=msgs, add_generation_prompt=True,
                                                                  **served.special_tokens)
@@ -387,7 +392,9 @@ def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics
         _check_common(req, served)
         if req.logprobs:
             raise ApiError(400, "logprobs is not supported by this server", "logprobs")
-        ids = served.tokenizer.encode(render_chat(req.messages, served)).ids
+        # a template writes the special tokens itself (BOS included); the plain join gets the tokenizer's
+        ids = served.tokenizer.encode(render_chat(req.messages, served),
+                                      add_special_tokens=not served.chat_template).ids
         if not ids:
             raise ApiError(400, "the messages render to no tokens", "messages")
         return await generate(request, req, ids, chat=True)
@@ -570,6 +577,9 @@ def build_server(session, cfg, *, max_model_len: int = 0, name: str | None = Non
         engine.capture_graphs(cfg.max_num_seqs, node_counts=adaptive.node_counts(cfg.max_num_seqs, loop.chains),
                               max_prefill_tokens=cfg.prefill_chunk or loop.cache.max_len,
                               prefill_rows=max(1, min(tuning.batch_prefill, cfg.max_num_seqs)))
+    if cfg.gc_freeze:  # the engine's and the app's long-lived objects out of the collector's full passes, for good
+        gc.collect()
+        gc.freeze()
     name = name or session.preset or str(session.target_path).rstrip("/").split("/")[-1]
     eos = session.target.config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (tuple, list)) else (() if eos is None else (int(eos),))
