@@ -50,11 +50,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--port", type=int, default=18123)
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run)")
+    ap.add_argument("--compile", default="off", help="both sides' compile knob (default off: this compares the "
+                    "serving paths, and each in-process engine would compile again)")
     ap.add_argument("--out", help="JSON file for every row")
     args = ap.parse_args()
 
     from workbench.harness.bench import BenchSession
-    from workbench.serving.bench import serve_bench
+    from workbench.serving.bench import engine_for, serve_bench
     from workbench.serving.config import ServeConfig
     from workbench.serving.endpoint import endpoint_bench
 
@@ -62,14 +64,15 @@ def main() -> int:
     prompts = [p.text for p in session.prompts]
     sat = ServeConfig(method=args.method, k=args.k, rate=0.0, num_requests=args.num_requests,
                       warmup_requests=args.warmup_requests, max_new_tokens=args.max_new_tokens,
-                      max_num_seqs=args.max_num_seqs, greedy_check_requests=0)
+                      max_num_seqs=args.max_num_seqs, greedy_check_requests=0, compile=args.compile)
     url = f"http://127.0.0.1:{args.port}"
     log = open(Path(args.out).with_suffix(".server.log") if args.out else "/tmp/serve_http.server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "workbench", "serve", "--preset", args.preset, "--device", args.device,
                              "--method", args.method, "--k", str(args.k), "--max-num-seqs", str(args.max_num_seqs),
                              "--max-new-tokens", str(args.max_new_tokens), "--max-model-len", str(args.max_model_len),
-                             "--port", str(args.port)], stdout=log, stderr=subprocess.STDOUT)
+                             "--port", str(args.port), "--compile", args.compile], stdout=log, stderr=subprocess.STDOUT)
     rows = []
+    engine = None  # the in-process engine, built once (its graphs captured once) for every in-process run
     try:
         wait_healthy(url, proc, 600)
         half = None
@@ -80,7 +83,8 @@ def main() -> int:
                     continue
                 for where in ("in-process", "http"):
                     if where == "in-process":
-                        rec = serve_bench(session, cfg).record
+                        engine = engine or engine_for(session, cfg)
+                        rec = serve_bench(session, cfg, engine=engine).record
                     else:
                         rec = endpoint_bench(url, cfg, prompts).record
                     rows.append({"round": rnd, "load": load, "where": where, "rate": cfg.rate,
