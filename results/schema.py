@@ -327,6 +327,19 @@ SERVING_SPECS: list[ColumnSpec] = [
                "tail of shrinking batches once nothing arrives)"),
     ColumnSpec("drain_output_share", "float", "serving", "share of the measured output tokens emitted in that tail "
                "(above saturation output_throughput mixes the full-batch and the draining regime)"),
+    ColumnSpec("endpoint", "string", "serving", "serve-bench --endpoint: the server's URL (None: the in-process "
+               "engine)"),
+    ColumnSpec("served_model", "string", "serving", "--endpoint: the model name the server was asked for"),
+    ColumnSpec("engine_name", "string", "serving", "--endpoint: the server's engine (/version, else /v1/models' "
+               "owned_by: vllm, sglang, workbench, ...)"),
+    ColumnSpec("engine_version", "string", "serving", "--endpoint: the server's version as it reports it"),
+    ColumnSpec("acceptance_source", "string", "serving", "--endpoint: where acceptance came from: vllm_counters "
+               "(exact over the run, from /metrics before and after), sglang_gauges (the server's recent averages), "
+               "None (the server exposes neither)"),
+    ColumnSpec("spec_num_drafts", "int", "serving", "--endpoint: steps that verified drafts during the run "
+               "(vllm:spec_decode_num_drafts)"),
+    ColumnSpec("failed_requests", "int", "serving", "--endpoint: measured requests that failed (HTTP error, dropped "
+               "stream); left out of every metric"),
     ColumnSpec("arrival_window_output_throughput", "float", "serving", "output tokens/s while requests still arrive "
                "(emitted before the last measured arrival / first to last measured arrival): the drain left out"),
 ]

@@ -1,4 +1,6 @@
-"""`python -m workbench <command>`: zoo, models, bench. Each subcommand module registers its own parser."""
+"""`python -m workbench <command>`: zoo, models, bench, serve-bench, serve.
+
+Each subcommand module registers its own parser."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +13,7 @@ COMMANDS = {
     "models": "workbench.models.cli",
     "bench": "workbench.harness.bench_cli",
     "serve-bench": "workbench.serving.cli",
+    "serve": "workbench.serving.server_cli",
 }
 
 

@@ -57,9 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def add_session_args(p: argparse.ArgumentParser, prompts_help: str) -> None:
-    """The "models and prompts" flags of every run command (bench, serve-bench): what BenchSession.load reads."""
-    models = p.add_argument_group("models and prompts")
+def add_session_args(p: argparse.ArgumentParser, prompts_help: str | None) -> None:
+    """The "models and prompts" flags of every run command (bench, serve-bench, serve): what BenchSession.load
+    reads; prompts_help None: no --prompts (a server has no prompt set)."""
+    models = p.add_argument_group("models and prompts" if prompts_help else "models")
     models.add_argument("--preset", help="a zoo preset (e.g. tiny); default tiny when --model is not given")
     models.add_argument("--model", help="target model: Hugging Face folder or .gguf file")
     models.add_argument("--draft", help="draft model folder (method draft)")
@@ -67,7 +68,8 @@ def add_session_args(p: argparse.ArgumentParser, prompts_help: str) -> None:
                         "model.safetensors or pytorch_model.bin) in the EAGLE-1/2 layout (run with --method eagle) or "
                         "the EAGLE-3 layout (--method eagle3); checked against the target; default: the head beside "
                         "the target (zoo train-head), else an untrained one")
-    models.add_argument("--prompts", help=prompts_help)
+    if prompts_help:
+        models.add_argument("--prompts", help=prompts_help)
     models.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     models.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; fewer threads "
                         "than cores keeps CPU timings steadier when other work shares the machine)")

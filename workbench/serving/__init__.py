@@ -8,6 +8,8 @@
     loadgen.py      Poisson / gamma / fixed-concurrency arrivals, prompt and output lengths, seeded
     metrics.py      serving metrics named as `vllm bench serve` names them, goodput under SLOs
     bench.py, cli.py  `python -m workbench serve-bench`: one result-store row per run, per-request rows beside it
+    worker.py       the engine thread of a server: the open-ended loop (`ServingLoop.open`), requests in, tokens out
+    server.py, server_cli.py  `python -m workbench serve`: the OpenAI-compatible HTTP API, Prometheus /metrics
     exports.py      draft-length schedules in vLLM / TensorRT-LLM / SGLang terms
     replay.py       what-if replay of recorded acceptance traces against measured step costs
 

@@ -49,7 +49,7 @@ import torch
 from workbench.engine.sampling import next_token
 from workbench.engine.step import HostCopy, LaunchedStep, PhaseTimer, SpecEngine, cap_emitted
 from workbench.serving.adaptive import AdaptiveSpeculation
-from workbench.serving.config import ServeError
+from workbench.serving.config import RequestTooLargeError, ServeError
 from workbench.serving.prefix_cache import PrefixCachingKVCache
 from workbench.serving.request import Request, RequestState
 from workbench.serving.scheduler import CapacityScheduler
@@ -238,8 +238,8 @@ class ServingLoop:
                  num_blocks: int = 0, max_num_seqs: int = 16, prefill_chunk: int = 0, prefix_caching: bool = False,
                  adaptive: AdaptiveSpeculation | None = None, max_concurrency: int = 0, clock=None,
                  timing: bool = False, max_len: int = 0, catch_up_max: int = 0, tuning: ServeTuning = ServeTuning()):
-        if not requests:
-            raise ServeError("no requests to serve")
+        if not requests and not max_len:
+            raise ServeError("no requests to serve (an open-ended loop, `open`, needs max_len: its rows' length)")
         if any(len(r.prompt) == 0 for r in requests):
             raise ServeError("empty prompt: every request needs at least one prompt token")
         drafter = engine.drafter
@@ -256,7 +256,8 @@ class ServingLoop:
         self.chains = verifies_shorter(drafter)  # else whole or not at all
         bs = engine.config.kv_block_size
         # KV slots per row: what the longest request needs, or more (max_len: share the cache of a longer run)
-        max_len = max(max_len, max(len(r.prompt) + r.max_new_tokens for r in requests) + self.n_nodes + 2)
+        longest = max((len(r.prompt) + r.max_new_tokens for r in requests), default=0)
+        max_len = max(max_len, longest + self.n_nodes + 2)
         max_len = math.ceil(max_len / bs) * bs
         held = engine.cache  # reused when it has this run's shape, or (automatic pool) at least its length
         if not num_blocks and isinstance(held, PrefixCachingKVCache) and held.max_rows == max_num_seqs and \
@@ -267,12 +268,7 @@ class ServingLoop:
         self.num_blocks = num_blocks or worst * max_num_seqs
         self.scheduler = CapacityScheduler(policy, self.num_blocks, bs, self.n_nodes, max_len)
         for r in self.requests:  # before any work: a request that can never fit is a named error
-            if r.max_new_tokens < 1:
-                raise ServeError(f"request {r.id}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
-            self.scheduler.check(r)
-        if max(len(r.prompt) + r.max_new_tokens for r in requests) + self.n_nodes + 2 > engine.max_context():
-            raise ServeError(f"a request needs more positions than the target's context {engine.max_context()}: "
-                             "lower --max-new-tokens or the prompt length")
+            self.check_request(r)
         self.max_num_seqs, self.prefill_chunk, self.prefix_caching = max_num_seqs, prefill_chunk, prefix_caching
         self.adaptive = adaptive or AdaptiveSpeculation(k=self.n_nodes, tree=not self.chains)
         self.max_concurrency = max_concurrency
@@ -311,6 +307,18 @@ class ServingLoop:
         self._inflight: _Decoding | None = None  # full overlap: the step launched and not yet read
         self._queued = 0  # requests waiting for a row after this iteration's admissions (spec_off_queue)
 
+    def check_request(self, r: Request) -> None:
+        """ServeError (RequestTooLargeError when it is too long) for a request this loop could never serve."""
+        if not r.prompt:
+            raise ServeError(f"request {r.id}: empty prompt: every request needs at least one prompt token")
+        if r.max_new_tokens < 1:
+            raise ServeError(f"request {r.id}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+        self.scheduler.check(r)
+        if len(r.prompt) + r.max_new_tokens + self.n_nodes + 2 > self.engine.max_context():
+            raise RequestTooLargeError(
+                f"request {r.id} needs {len(r.prompt) + r.max_new_tokens + self.n_nodes + 2} positions, more than "
+                f"the target's context {self.engine.max_context()}: lower --max-new-tokens or the prompt length")
+
     # -- the loop -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self) -> ServeResult:
@@ -318,10 +326,7 @@ class ServingLoop:
         pending = list(states)
         waiting: list[RequestState] = []
         self.running: list[RequestState] = []
-        result = ServeResult(states, num_blocks=self.num_blocks, draft_kv=self._own_draft_kv,
-                             batch_prefill=max(1, self.tuning.batch_prefill), full_overlap=self.full_overlap,
-                             overlap="full" if self.full_overlap else "prefill" if self.tuning.overlap_prefill
-                             else "none", tuning=self.tuning)
+        result = self._new_result(states)
         self._inflight, self._queued = None, 0
         it = 0
         self.clock.start()  # arrival times count from here (after any graph capture)
@@ -338,44 +343,124 @@ class ServingLoop:
             if not waiting and not self.running:
                 self.clock.sleep_until(pending[0].req.arrival_s)
                 continue
-            t_start = self.clock.now()
-            preempted_before = self.scheduler.preemptions
-            work_before = _work(result)
-            self._admit(waiting)
-            self._queued = len(waiting)  # requests still waiting for a row: the adaptive rules' queue (spec_off_queue)
-            decoding = [s for s in self.running if s.phase == "decode"]
-            if decoding and self.scheduler.policy == "max_util":
-                decoding = self._reserve(decoding, waiting)
-            step_nodes = 0
-            traces_before = len(result.traces)
-            if self.full_overlap:  # step t + 1 launched before step t is read
-                decoding, step_nodes, ran = self._iterate_ahead(waiting, it, result)
-            elif self.tuning.overlap_prefill:  # the prefill enqueued behind the step in flight; one wait for both
-                planned, decoding = self._plan_prefill(waiting, decoding)
-                launched = self._decode_launch(decoding, it, result) if decoding else None
-                ran = self._run_prefill(planned, result)
-                if launched is not None:
-                    step_nodes = self._decode_finish(launched, result)
-            else:  # the step read before the prefill is planned (it plans with the blocks the step gave back)
-                if decoding:
-                    step_nodes = self._decode_finish(self._decode_launch(decoding, it, result), result)
-                planned, _ = self._plan_prefill(waiting, [])
-                ran = self._run_prefill(planned, result)
-            prefilled = self._finish_prefill(ran, result)
-            self.clock.tick()
-            t_end = self.clock.now()
-            for tr in result.traces[traces_before:]:  # the step read in this iteration (full overlap: the last one's)
-                tr.step_ms = (t_end - t_start) * 1e3
-            used = self.cache.used_blocks
-            result.max_used_blocks = max(result.max_used_blocks, used)
-            work = [a - b for a, b in zip(_work(result), work_before)]
-            result.iterations.append(IterationLog(t_start, t_end, len(decoding), step_nodes, prefilled, used,
-                                                  self.scheduler.preemptions - preempted_before, *work))
+            self._iteration(waiting, it, result)
             it += 1
         result.phase_ms = self.timer.resolve()
         result.preemptions = self.scheduler.preemptions
         result.prefix_hit_rate = self.cache.hit_rate if self.prefix_caching else None
         return result
+
+    def _new_result(self, states: list[RequestState]) -> ServeResult:
+        return ServeResult(states, num_blocks=self.num_blocks, draft_kv=self._own_draft_kv,
+                           batch_prefill=max(1, self.tuning.batch_prefill), full_overlap=self.full_overlap,
+                           overlap="full" if self.full_overlap else "prefill" if self.tuning.overlap_prefill
+                           else "none", tuning=self.tuning)
+
+    # -- open-ended serving: requests come from outside (a server), between iterations ---------------------------
+    def open(self) -> ServeResult:
+        """Starts an open-ended run: no closed list of arrivals (the loop's `requests` are ignored); `submit` queues a
+        request, `step` runs one iteration, `abort` drops a request. The run keeps no history (a server runs for
+        days): `step` returns the traces it read and the result's traces and iterations stay empty."""
+        self.running: list[RequestState] = []
+        self._waiting: list[RequestState] = []
+        self._aborting: list[RequestState] = []
+        self._it = 0
+        self._inflight, self._queued = None, 0
+        self._open = self._new_result([])
+        self.clock.start()
+        return self._open
+
+    def submit(self, req: Request) -> RequestState:
+        """Queues `req` (arriving now); ServeError (RequestTooLargeError) for one this loop could never serve."""
+        self.check_request(req)
+        s = RequestState(req, phase="waiting", t_arrival=self.clock.now())
+        self._waiting.append(s)
+        return s
+
+    def abort(self, s: RequestState) -> None:
+        """Drops `s`: off the queue, or its row and blocks released, now or (a step in flight over its row, full
+        overlap) at the next iteration boundary; it decodes no further step either way. A finished one stays done."""
+        if s.phase in ("done", "aborted") or s.aborted:
+            return
+        s.aborted = True
+        self._aborting.append(s)
+        self._drop_aborted()
+
+    def _drop_aborted(self) -> None:
+        in_flight = set(self._inflight.live) if self._inflight is not None else set()
+        keep = []
+        for s in self._aborting:
+            if s.phase == "done":
+                continue
+            if s.phase == "waiting":
+                self._waiting.remove(s)
+            elif s.row in in_flight:
+                keep.append(s)
+                continue
+            else:
+                self._release(s)
+            s.phase = "aborted"
+        self._aborting = keep
+
+    @property
+    def busy(self) -> bool:
+        """Whether the open-ended run has work: a queued or running request (or one whose abort waits for a step)."""
+        return bool(self._waiting or self.running or self._aborting)
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self._waiting)
+
+    @torch.inference_mode()
+    def step(self) -> list[StepTrace]:
+        """One iteration of the open-ended run (nothing when idle); the traces of the steps it read."""
+        self._drop_aborted()
+        if not self._waiting and not self.running:
+            return []
+        result = self._open
+        self._iteration(self._waiting, self._it, result)
+        self._it += 1
+        traces = list(result.traces)
+        result.traces.clear()
+        result.iterations.clear()
+        self._drop_aborted()
+        return traces
+
+    def _iteration(self, waiting: list[RequestState], it: int, result: ServeResult) -> None:
+        """One iteration over the queue and the running rows: admit, (reserve), plan, decode, prefill; logged."""
+        t_start = self.clock.now()
+        preempted_before = self.scheduler.preemptions
+        work_before = _work(result)
+        self._admit(waiting)
+        self._queued = len(waiting)  # requests still waiting for a row: the adaptive rules' queue (spec_off_queue)
+        decoding = [s for s in self.running if s.phase == "decode" and not s.aborted]
+        if decoding and self.scheduler.policy == "max_util":
+            decoding = self._reserve(decoding, waiting)
+        step_nodes = 0
+        traces_before = len(result.traces)
+        if self.full_overlap:  # step t + 1 launched before step t is read
+            decoding, step_nodes, ran = self._iterate_ahead(waiting, it, result)
+        elif self.tuning.overlap_prefill:  # the prefill enqueued behind the step in flight; one wait for both
+            planned, decoding = self._plan_prefill(waiting, decoding)
+            launched = self._decode_launch(decoding, it, result) if decoding else None
+            ran = self._run_prefill(planned, result)
+            if launched is not None:
+                step_nodes = self._decode_finish(launched, result)
+        else:  # the step read before the prefill is planned (it plans with the blocks the step gave back)
+            if decoding:
+                step_nodes = self._decode_finish(self._decode_launch(decoding, it, result), result)
+            planned, _ = self._plan_prefill(waiting, [])
+            ran = self._run_prefill(planned, result)
+        prefilled = self._finish_prefill(ran, result)
+        self.clock.tick()
+        t_end = self.clock.now()
+        for tr in result.traces[traces_before:]:  # the step read in this iteration (full overlap: the last one's)
+            tr.step_ms = (t_end - t_start) * 1e3
+        used = self.cache.used_blocks
+        result.max_used_blocks = max(result.max_used_blocks, used)
+        work = [a - b for a, b in zip(_work(result), work_before)]
+        result.iterations.append(IterationLog(t_start, t_end, len(decoding), step_nodes, prefilled, used,
+                                              self.scheduler.preemptions - preempted_before, *work))
 
     # -- phases -------------------------------------------------------------------------------------------------
     def _admit(self, waiting: list[RequestState]) -> None:
@@ -440,7 +525,7 @@ class ServingLoop:
         ahead = {row: 1 + inflight.n for row in inflight.live} if inflight is not None else {}
         # a row that could reach max_new_tokens in the step in flight skips this one: it is never released (nor its
         # blocks reused) while a step over it runs, and no step is spent on a finished request
-        decoding = [s for s in self.running if s.phase == "decode"
+        decoding = [s for s in self.running if s.phase == "decode" and not s.aborted
                     and len(s.output) + ahead.get(s.row, 0) < s.req.max_new_tokens]
         planned, decoding = self._plan_prefill(waiting, decoding, ahead)
         ran = self._run_prefill(planned, result)
@@ -536,6 +621,10 @@ class ServingLoop:
 
     def _finish(self, s: RequestState, t: float) -> None:
         s.phase, s.t_done = "done", t
+        self._release(s)
+
+    def _release(self, s: RequestState) -> None:
+        """The request leaves its row: its blocks, its row and its reservation given back."""
         self.engine.release_row(s.row)
         self.free_rows.append(s.row)
         self.tokens_host[s.row] = None

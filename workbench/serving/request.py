@@ -23,7 +23,8 @@ class Request:
 @dataclass
 class RequestState:
     req: Request
-    phase: str = "pending"  # pending -> waiting -> prefill -> decode -> done (preemption: back to waiting)
+    # pending -> waiting -> prefill -> decode -> done (preemption: back to waiting; `ServingLoop.abort`: aborted)
+    phase: str = "pending"
     row: int | None = None
     admit_seq: int = -1  # admission order; the scheduler preempts the largest
     output: list[int] = field(default_factory=list)  # emitted tokens, capped at max_new_tokens
@@ -38,6 +39,7 @@ class RequestState:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    aborted: bool = False  # dropped by its client (open-ended serving): it leaves at the next iteration boundary
     spec_off: bool = False  # switched off by its acceptance window (for the rest of the request)
     window: deque = field(default_factory=lambda: deque(maxlen=1))  # (accepted, drafted) of its last steps
     hidden: list = field(default_factory=list)  # prefill chunks' hidden states (drafters that want them)

@@ -1,0 +1,114 @@
+"""`workbench serve` over HTTP against the in-process serve-bench, on the same arrivals and the same engine settings:
+output tokens/s at saturation (every request at t = 0) and p99 TTFT at half the in-process saturation rate.
+
+The server runs in its own process (`python -m workbench serve`, its own interpreter lock); the load comes from
+`serve-bench --endpoint`'s client (workbench/serving/endpoint.py) in this one. Rounds alternate in-process and HTTP.
+
+    python scripts/gpu_serve_http.py --preset tiny --method ngram --k 3 --num-requests 64 --max-new-tokens 128 \\
+        --out /tmp/out/serve_http.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+KEYS = ["output_throughput", "request_throughput", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99",
+        "acceptance_rate", "completed"]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it answered /health")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--method", default="ngram")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--warmup-requests", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--port", type=int, default=18123)
+    ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run)")
+    ap.add_argument("--compile", default="off", help="both sides' compile knob (default off: this compares the "
+                    "serving paths, and each in-process engine would compile again)")
+    ap.add_argument("--out", help="JSON file for every row")
+    args = ap.parse_args()
+
+    from workbench.harness.bench import BenchSession
+    from workbench.serving.bench import engine_for, serve_bench
+    from workbench.serving.config import ServeConfig
+    from workbench.serving.endpoint import endpoint_bench
+
+    session = BenchSession.load(preset=args.preset, device=args.device)
+    prompts = [p.text for p in session.prompts]
+    sat = ServeConfig(method=args.method, k=args.k, rate=0.0, num_requests=args.num_requests,
+                      warmup_requests=args.warmup_requests, max_new_tokens=args.max_new_tokens,
+                      max_num_seqs=args.max_num_seqs, greedy_check_requests=0, compile=args.compile)
+    url = f"http://127.0.0.1:{args.port}"
+    log = open(Path(args.out).with_suffix(".server.log") if args.out else "/tmp/serve_http.server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "workbench", "serve", "--preset", args.preset, "--device", args.device,
+                             "--method", args.method, "--k", str(args.k), "--max-num-seqs", str(args.max_num_seqs),
+                             "--max-new-tokens", str(args.max_new_tokens), "--max-model-len", str(args.max_model_len),
+                             "--port", str(args.port), "--compile", args.compile], stdout=log, stderr=subprocess.STDOUT)
+    rows = []
+    engine = None  # the in-process engine, built once (its graphs captured once) for every in-process run
+    try:
+        wait_healthy(url, proc, 600)
+        half = None
+        for rnd in range(args.rounds):
+            for load in ("saturation", "half"):
+                cfg = sat if load == "saturation" else half
+                if cfg is None:
+                    continue
+                for where in ("in-process", "http"):
+                    if where == "in-process":
+                        engine = engine or engine_for(session, cfg)
+                        rec = serve_bench(session, cfg, engine=engine).record
+                    else:
+                        rec = endpoint_bench(url, cfg, prompts).record
+                    rows.append({"round": rnd, "load": load, "where": where, "rate": cfg.rate,
+                                 **{k: rec.get(k) for k in KEYS}})
+                    print(json.dumps(rows[-1]), flush=True)
+                    if load == "saturation" and where == "in-process" and half is None:
+                        half = replace(sat, rate=0.5 * rec["request_throughput"])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for load in ("saturation", "half"):
+        for key in ("output_throughput", "ttft_ms_p99"):
+            got = {w: [r[key] for r in rows if r["load"] == load and r["where"] == w] for w in ("in-process", "http")}
+            if got["in-process"] and got["http"]:
+                ratio = (sum(got["http"]) / len(got["http"])) / (sum(got["in-process"]) / len(got["in-process"]))
+                print(f"{load:>10} {key:>18}: in-process {got['in-process']}, http {got['http']}, "
+                      f"http / in-process {ratio:.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
