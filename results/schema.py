@@ -340,6 +340,10 @@ SERVING_SPECS: list[ColumnSpec] = [
                "(vllm:spec_decode_num_drafts)"),
     ColumnSpec("failed_requests", "int", "serving", "--endpoint: measured requests that failed (HTTP error, dropped "
                "stream); left out of every metric"),
+    ColumnSpec("launch_command", "string", "serving", "studies.serving --launch: the command line that started the "
+               "server this row measured (the template filled with the trial's settings and port)"),
+    ColumnSpec("launch_params", "string", "serving", "studies.serving --launch: the trial's template settings, "
+               "name=value,..."),
     ColumnSpec("arrival_window_output_throughput", "float", "serving", "output tokens/s while requests still arrive "
                "(emitted before the last measured arrival / first to last measured arrival): the drain left out"),
 ]

@@ -279,11 +279,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sampler-seed", type=int, default=0)
     p.add_argument("--out", help="also write trials.json (every trial: fidelity, params, values, prediction) and "
                    "report.md into this folder")
+    real = p.add_argument_group("a real server, relaunched per trial (studies/launch.py)")
+    real.add_argument("--launch", metavar="TEMPLATE", help="the server's command line with {name} placeholders for "
+                      "the searched settings and {port}, literal braces doubled (see studies/launch.py); replaces "
+                      "the in-process search")
+    real.add_argument("--search", action="append", default=[], metavar="NAME=V1,V2",
+                      help="values of one template placeholder (repeat per placeholder)")
+    real.add_argument("--trials", type=int, default=6, help="launches (default 6; all settings when fewer exist)")
+    real.add_argument("--launch-timeout", type=float, default=300.0, help="seconds to wait for /health per launch")
+    real.add_argument("--launch-logs", default="results/launch_logs", help="folder of each launch's log")
+    real.add_argument("--prompts", help="prompt file of the load (default: the preset's prompts)")
+    real.add_argument("--model", dest="served_model", help="the served model's name (default: the first of "
+                      "/v1/models)")
     base_group = p.add_argument_group("base serving settings (ServeConfig; the searched knobs are overridden)")
     for knob in SERVE_CONFIG_KNOBS:
         add_knob(base_group, knob)
     args = p.parse_args(argv)
     base = ServeConfig(**{f.name: getattr(args, f.name) for f in fields(ServeConfig)})
+    if args.launch is not None or args.search:
+        return launch_main(args, base)
     try:
         check(base, args.replay_trials, args.real_trials)
     except ServingStudyError as e:
@@ -312,6 +326,56 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         from pathlib import Path
 
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "trials.json").write_text(json.dumps(trials_json(study), indent=1, default=str))
+        (out / "report.md").write_text("```\n" + text + "\n```\n")
+    return 0
+
+
+def launch_main(args, base) -> int:
+    """--launch: tune a real server by relaunching it per trial (studies/launch.py)."""
+    from pathlib import Path
+
+    from results.store import ResultStore
+    from studies.launch import LaunchStudyError, parse_search, report as launch_report, run_launch_study
+    from studies.storage import StorageOpenError, open_storage
+    from workbench.harness.bench_cli import builtin_prompts
+    from workbench.harness.prompts import PromptFileError, load_prompts
+    from workbench.serving.config import ServeError, check_config
+    from workbench.serving.launcher import LaunchError, LaunchTemplate
+    from workbench.zoo import ZooError, resolve_preset
+
+    try:
+        if args.launch is None:
+            raise LaunchStudyError("--search needs --launch TEMPLATE (the server's command line)")
+        template = LaunchTemplate(args.launch)
+        space = parse_search(args.search, template)
+        check_config(base)
+        path = args.prompts or (str(resolve_preset(args.preset).prompts_path) if args.preset else builtin_prompts())
+        prompts = [q.text for q in load_prompts(path)]
+        storage = open_storage(args.storage)
+    except (LaunchError, LaunchStudyError, ServeError, PromptFileError, ZooError, StorageOpenError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    store = None if args.no_store else ResultStore(args.store) if args.store else ResultStore()
+
+    def progress(number, params, rec, error):
+        got = (f"goodput {rec['goodput']:.3f} req/s, p99 TPOT {rec['tpot_ms_p99']:.2f} ms" if rec and not error
+               else f"failed: {error}")
+        print(f"trial {number} {params}: {got}", flush=True)
+
+    try:
+        study, pids = run_launch_study(template, space, base, prompts, study_name=args.study, storage=storage,
+                                       trials=args.trials, log_dir=Path(args.launch_logs), model=args.served_model,
+                                       launch_timeout=args.launch_timeout, store=store, seed=args.sampler_seed,
+                                       prompts_source=path, on_trial=progress)
+    except LaunchStudyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = launch_report(study, pids)
+    print(text)
+    if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "trials.json").write_text(json.dumps(trials_json(study), indent=1, default=str))
