@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from ui import catalog, jobs
+from ui import catalog, heads, jobs
 from ui.common import PYTHON, Errors, check_model_path, int_field, job_panel
 from workbench.zoo.cli import SIZE_UNIT
 
@@ -144,6 +144,70 @@ def train_section() -> None:
     watch()
 
 
+HEAD_COLUMNS = ("preset", "kind", "layout", "params", "saved dtype", "draft vocab", "steps", "tokens trained",
+                "train s", "stopped by", "came from", "folder")
+
+
+def heads_frame(rows: list[dict]) -> pd.DataFrame:
+    """Head rows (ui.heads.summary) as a table: identity, then held-out agreement per depth, then training and origin."""
+    table = pd.DataFrame(heads.agreement_table(rows))
+    depths = [c for c in table.columns if c.startswith("depth ")]
+    table["params"] = [catalog.fmt_params(n) if n else None for n in table["params"]]
+    cols = ["preset", "kind", "layout", *depths, *(c for c in HEAD_COLUMNS[3:] if c in table.columns)]
+    return table[[c for c in cols if c in table.columns]]
+
+
+def agreement_chart(rows: list[dict], key: str) -> None:
+    """Held-out top-1 agreement with the target by draft depth, one line per head (untrained dotted where known)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for row in rows:
+        name = f"{row.get('preset') or ''} {row['kind'] or ''}".strip() or row["folder"]
+        for series, dash in (("agreement by depth", None), ("untrained agreement by depth", "dot")):
+            values = row[series]
+            if values:
+                fig.add_trace(go.Scatter(x=list(range(1, len(values) + 1)), y=values, mode="lines+markers",
+                                         name=name + (" (untrained)" if dash else ""), line=dict(dash=dash)))
+    if fig.data:
+        fig.update_layout(xaxis_title="draft depth", yaxis_title="held-out top-1 agreement", yaxis_range=[0, 1],
+                          xaxis_dtick=1, height=300, margin=dict(t=10, b=40))
+        st.plotly_chart(fig, width="stretch", key=key)
+
+
+def heads_section() -> None:
+    """Draft heads: those trained beside each preset's target, and any head folder the user types."""
+    st.subheader("Draft heads")
+    try:
+        rows = heads.trained_heads()
+    except Exception as exc:  # noqa: BLE001
+        st.error(f"cannot list the trained heads: {exc}")
+        rows = []
+    if rows:
+        st.dataframe(heads_frame(rows), hide_index=True, width="stretch")
+        st.caption("Held-out top-1 agreement with the target at each draft depth (the share of held-out positions "
+                   "where the head's greedy token at that depth is the target's), from each head's manifest. "
+                   "`zoo train-head --kind eagle|eagle3|redrafter --preset P` trains one beside the preset's target; "
+                   "the Run page uses it by default.")
+        agreement_chart(rows, f"{P}head_chart")
+    else:
+        st.caption("No trained head found beside a preset's target (train one with `python -m workbench zoo "
+                   "train-head --kind eagle3 --preset P`).")
+    text = st.text_input("Inspect a head folder", key=f"{P}head_path",
+                         placeholder="a published EAGLE / EAGLE-3 checkpoint or a head folder (config.json, "
+                                     "manifest.json)")
+    row, err = heads.inspect_folder(text)
+    if err:
+        st.error(err, icon=":material/error:")
+    elif row is not None:
+        st.dataframe(heads_frame([row]), hide_index=True, width="stretch")
+        if row["agreement by depth"]:
+            agreement_chart([row], f"{P}head_path_chart")
+        else:
+            st.caption("No held-out agreement recorded for this head (no manifest.json with heldout."
+                       "agreement_by_depth): benchmark it on the Run page to see its acceptance.")
+
+
 def local_models_section() -> None:
     st.subheader("Local models")
     models = catalog.registered_models()
@@ -219,6 +283,7 @@ def render() -> None:
                    "preset's manifest. The draft's quality shows up as acceptance rate on the Run page.")
         curves_section()
         train_section()
+    heads_section()
     local_models_section()
 
 

@@ -10,15 +10,17 @@ is wrong.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import streamlit as st
 
-from ui import catalog, charts, gpu_page, jobs
+from ui import catalog, charts, gpu_page, heads, jobs
 from ui.common import GPU_ONLY_CHOICES, PYTHON, Errors, check_model_path, job_label, job_panel, knob_field, store_root
-from workbench.settings import BASIC_KNOBS, GPU_ONLY_KNOBS, KNOBS, SettingError, check
+from workbench.settings import BASIC_KNOBS, FEATURE_METHODS, GPU_ONLY_KNOBS, KNOBS, SettingError, check
 
 P = "run_"  # widget-key prefix of this page
 PRESET, LOCAL = "Built-in preset", "Local model paths"
+HEAD_BESIDE, HEAD_PATH = "Built-in / trained (beside the target)", "Path (a head folder)"
 PROMPTS_PRESET, PROMPTS_UPLOAD, PROMPTS_PATH = "Preset prompts", "Upload a file", "File on disk"
 DEVICES = ("auto", "cpu", "cuda")
 GROUPS = {"method": "Method", "run": "Run", "sampling": "Sampling", "system": "System"}  # knob group -> heading
@@ -65,6 +67,51 @@ def model_section(errors: Errors, method: str) -> dict:
             errors.add(f"{P}draft_path", derr)
             out["draft"] = dpath
     return out
+
+
+def _agreement_text(agreement: list[float]) -> str:
+    return " / ".join(f"{a:.2f}" for a in agreement) if agreement else "not recorded"
+
+
+def head_section(errors: Errors, method: str, models: dict, preset_paths) -> dict:
+    """The draft head of a feature method: the one beside the target (trained by zoo train-head; an untrained one
+    when none is there), or a head folder given as `--draft-head DIR` (published EAGLE-1/2 or EAGLE-3 layout, or one
+    `zoo export-head` wrote), checked here for config.json and weights before anything starts."""
+    if method not in FEATURE_METHODS:
+        return {}
+    target_root = Path(preset_paths.root) if preset_paths is not None else \
+        (Path(models["model"]).parent if models.get("model") else None)
+    beside = target_root / method if target_root is not None else None
+    if method not in heads.PATH_METHODS:
+        choice = HEAD_BESIDE
+        st.caption(f"Draft head: method {method} runs the head trained beside the target "
+                   f"(`zoo train-head --kind {method}`); it has no published layout to load from a path.")
+    else:
+        choice = st.radio("Draft head", (HEAD_BESIDE, HEAD_PATH), key=f"{P}head_source", horizontal=True,
+                          help="beside the target: the head `zoo train-head` put in <preset folder>/" + method
+                               + " (an untrained one when there is none); path: a head folder (config.json + "
+                               "model.safetensors or pytorch_model.bin), passed as --draft-head")
+    if choice == HEAD_BESIDE:
+        if beside is not None and (beside / "config.json").is_file():
+            row = heads.summary(beside, method)
+            st.caption(f"Trained head: `{beside}` · held-out top-1 agreement by depth "
+                       f"{_agreement_text(row['agreement by depth'])} · {row['came from']}")
+        elif beside is not None:
+            st.caption(f"No trained {method} head at `{beside}`: the run uses an untrained head (train one with "
+                       f"`python -m workbench zoo train-head --kind {method}`).")
+        return {}
+    path, err = heads.check_head_path(st.text_input("Draft head folder", key=f"{P}head_path",
+                                                    placeholder="folder with config.json + model.safetensors"),
+                                      method)
+    errors.add(f"{P}head_path", err)
+    if path is not None:
+        row = heads.summary(path)
+        st.caption(f"{row['layout'] or 'unknown'} layout · {catalog.fmt_params(row['params'])} parameters"
+                   + (f" · draft vocabulary {row['draft vocab']}" if row["draft vocab"] else "")
+                   + (f" · held-out agreement by depth {_agreement_text(row['agreement by depth'])}"
+                      if row["agreement by depth"] else "") + f" · {row['came from']}")
+        return {"draft_head": path}
+    return {}
 
 
 def prompt_section(errors: Errors, preset_paths, local_models: bool) -> dict:
@@ -158,6 +205,8 @@ def bench_argv(settings: dict, models: dict, prompts: dict) -> list[str]:
         argv += ["--model", str(models["model"])]
     if models.get("draft"):
         argv += ["--draft", str(models["draft"])]
+    if models.get("draft_head"):
+        argv += ["--draft-head", str(models["draft_head"])]
     if prompts.get("prompts"):
         argv += ["--prompts", prompts["prompts"]]
     for name, value in settings.items():
@@ -334,6 +383,7 @@ def render() -> None:
         method = knob_field(KNOBS["method"], f"{P}method", errors)
         models = model_section(errors, method)
         preset_paths = models.pop("preset_paths", None)
+        models.update(head_section(errors, method, models, preset_paths))
         prompts = prompt_section(errors, preset_paths, local_models="model" in models)
         settings = settings_section(errors, method)
     if errors:
@@ -343,6 +393,8 @@ def render() -> None:
         argv = bench_argv(settings, models, prompts)
         title = f"{method}" + (f" k={settings['k']}" if "k" in settings else "") + f" batch={settings['batch']}"
         title += f" · {models.get('preset') or models.get('model').name}"
+        if models.get("draft_head"):
+            title += f" · head {Path(models['draft_head']).name}"
         job = jobs.start_job("bench", argv, title, params={**settings, **{k: str(v) for k, v in models.items()},
                                                            **prompts})
         st.session_state[f"{P}pending_job"] = job.id

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from ui import catalog, charts, gpu_page, jobs
+from ui import catalog, charts, gpu_page, heads, jobs
 from ui.common import (GPU_ONLY_CHOICES, PYTHON, REPO_ROOT, Errors, check_model_path, int_field, job_panel, knob_field,
                        store_root, study_storage_url)
 from workbench.settings import BASIC_KNOBS, GPU_ONLY_KNOBS, KNOBS, METHODS
@@ -82,6 +82,27 @@ def local_models_section(errors: Errors) -> dict:
     if loaded:
         out["prompts"] = catalog.prompt_path(prompts)
     return out
+
+
+def head_field(errors: Errors, methods: list[str], script_name: str):
+    """An optional draft-head folder for the study's eagle / eagle3 trials (`--draft-head`), checked like the Run
+    page's; a head of one layout with the other EAGLE method in the space is refused (those trials could only fail)."""
+    text = st.text_input("Draft head folder (optional; eagle / eagle3 trials)", key=f"{P}head_path_{script_name}",
+                         placeholder="empty: the head trained beside the target",
+                         help="a published EAGLE-1/2 (method eagle) or EAGLE-3 (method eagle3) checkpoint folder, "
+                              "passed as --draft-head; stored with the study")
+    if not text.strip():
+        return None
+    path, err = heads.check_head_path(text, None)
+    if path is not None:
+        layout = heads.layout_of(heads.read_json(path / "config.json") or {})
+        other = {"eagle": "eagle3", "eagle3": "eagle"}.get(layout)
+        if layout in heads.PATH_METHODS and layout not in methods:
+            err = f"{path} is a method-{layout} head: add {layout} to Methods"
+        elif other in methods:
+            err = f"{path} is a method-{layout} head: drop {other} from Methods (its trials would refuse the head)"
+    errors.add(f"{P}head_path", err)
+    return path if err is None else None
 
 
 def dim_text(name: str, dim) -> str:
@@ -247,6 +268,7 @@ def launch_form() -> None:
                                      key=f"{P}methods_{script_name}", help=KNOBS["method"].help)
             if not methods:
                 errors.add(f"{P}methods", "pick at least one method")
+            draft_head = head_field(errors, methods, script_name)
             fields(basic)
         with st.expander("Advanced"):
             fields([k for k in shown if k not in BASIC_KNOBS])
@@ -274,6 +296,8 @@ def launch_form() -> None:
             cli += [f"--{flag}", str(value)]
         if methods:
             cli += ["--methods", ",".join(methods)]
+        if draft_head is not None:
+            cli += ["--draft-head", str(draft_head)]
         cli += [item for knob, text in dims.items() if text is not None for item in (KNOBS[knob].flag, text)]
         cli += [item for knob, value in run_settings.items() if value is not None
                 for item in (KNOBS[knob].flag, KNOBS[knob].format(value))]
