@@ -283,8 +283,8 @@ def render() -> None:
                    "preset's manifest. The draft's quality shows up as acceptance rate on the Run page.")
         curves_section()
         train_section()
-    heads_section()
     local_models_section()
+    heads_section()
 
 
 if __name__ == "__main__":
