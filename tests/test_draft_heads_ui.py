@@ -167,3 +167,34 @@ def test_models_page_shows_agreement_by_depth_and_origin(workspace, tmp_path):  
     assert [row["depth 1"], row["depth 2"], row["depth 3"]] == AGREEMENT
     assert row["kind"] == "eagle3" and row["layout"] == "eagle3" and row["tokens trained"] == 123456
     assert row["params"] == catalog.fmt_params(numel) and "source: SpecForge run 7" in row["came from"]
+
+
+# ---- run detail -----------------------------------------------------------------------------------------------
+
+def test_run_detail_and_compare_show_the_head(workspace, tmp_path):  # noqa: F811
+    import pandas as pd
+    from streamlit.testing.v1 import AppTest
+
+    from ui.results_page import compare_frame
+
+    record = {"status": "ok", "method": "eagle3", "speedup_vs_ar": 1.2, "draft_head": str(tmp_path / "my-eagle3"),
+              "draft_head_layout": "eagle3", "draft_head_dtype": "bfloat16", "draft_head_params": 1_234_567,
+              "draft_vocab_size": 16}
+
+    def app(record):
+        from ui.run_page import show_metrics
+
+        show_metrics(record, None)
+
+    at = AppTest.from_function(app, args=(record,), default_timeout=60).run()
+    assert not at.exception, at.exception
+    lines = [m.value for m in at.markdown if m.value.startswith("Draft head:")]
+    assert lines == [f"Draft head: `{tmp_path / 'my-eagle3'}` · layout **eagle3** · stored bfloat16 · 1.2M parameters "
+                     "· draft vocabulary 16"]
+
+    runs = pd.DataFrame([{**record, "run_id": "a", "created_at": pd.Timestamp("2026-12-06 10:00")},
+                         {**record, "run_id": "b", "created_at": pd.Timestamp("2026-12-06 10:01"),
+                          "draft_head": "untrained (seed 7)", "draft_head_layout": "workbench"}])
+    table, differs, _ = compare_frame(runs, True, "a")
+    assert {"draft_head", "draft_head_layout"} <= set(differs)
+    assert table.loc["draft_head"].iloc[:2].tolist() == [str(tmp_path / "my-eagle3"), "untrained (seed 7)"]

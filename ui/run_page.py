@@ -236,6 +236,15 @@ def _fmt(value, fmt: str, suffix: str = "") -> str:
     return "—" if math.isnan(v) else f"{v:{fmt}}{suffix}"
 
 
+def _int(value) -> int | None:
+    """A store cell as an int, None where it is missing (pd.NA, NaN, None)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(v) else int(v)
+
+
 def _ms(value) -> str:
     """Milliseconds with a precision that fits a metric tile: 1,234 ms, 56.7 ms, 3.21 ms."""
     try:
@@ -311,6 +320,12 @@ def show_metrics(record: dict, traces) -> None:
                    None: "greedy match to autoregressive: not checked (sampling, or method ar)"}[greedy]
     st.markdown(f"Autoregressive baseline in the same run: **{_fmt(record.get('ar_tokens_per_s'), ',.1f')} "
                 f"tokens/s** · {greedy_text}")
+    head = record.get("draft_head")
+    if isinstance(head, str) and head:
+        vocab = record.get("draft_vocab_size")
+        st.markdown(f"Draft head: `{head}` · layout **{record.get('draft_head_layout') or '?'}** · stored "
+                    f"{record.get('draft_head_dtype') or '?'} · {catalog.fmt_params(_int(record.get('draft_head_params')))} "
+                    "parameters" + (f" · draft vocabulary {_int(vocab)}" if _int(vocab) else ""))
     if greedy is False:
         st.error("The speculative output differs from plain autoregressive decoding at temperature 0.",
                  icon=":material/error:")
