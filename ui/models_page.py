@@ -186,7 +186,8 @@ def heads_section() -> None:
     if rows:
         st.dataframe(heads_frame(rows), hide_index=True, width="stretch")
         st.caption("Held-out top-1 agreement with the target at each draft depth (the share of held-out positions "
-                   "where the head's greedy token at that depth is the target's), from each head's manifest. "
+                   "where the head's greedy token at that depth is the target's), from each head's manifest; tokens "
+                   "trained: the manifest's count, else its steps x batch x window length. "
                    "`zoo train-head --kind eagle|eagle3|redrafter --preset P` trains one beside the preset's target; "
                    "the Run page uses it by default.")
         agreement_chart(rows, f"{P}head_chart")
