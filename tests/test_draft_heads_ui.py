@@ -189,8 +189,8 @@ def test_run_detail_and_compare_show_the_head(workspace, tmp_path):  # noqa: F81
     at = AppTest.from_function(app, args=(record,), default_timeout=60).run()
     assert not at.exception, at.exception
     lines = [m.value for m in at.markdown if m.value.startswith("Draft head:")]
-    assert lines == [f"Draft head: `{tmp_path / 'my-eagle3'}` · layout **eagle3** · stored bfloat16 · 1.2M parameters "
-                     "· draft vocabulary 16"]
+    assert lines == [f"Draft head: `{tmp_path / 'my-eagle3'}` · layout **eagle3** · stored bfloat16 · 1.2M "
+                     "parameters · draft vocabulary 16"]
 
     runs = pd.DataFrame([{**record, "run_id": "a", "created_at": pd.Timestamp("2026-12-06 10:00")},
                          {**record, "run_id": "b", "created_at": pd.Timestamp("2026-12-06 10:01"),

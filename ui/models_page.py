@@ -149,7 +149,7 @@ HEAD_COLUMNS = ("preset", "kind", "layout", "params", "saved dtype", "draft voca
 
 
 def heads_frame(rows: list[dict]) -> pd.DataFrame:
-    """Head rows (ui.heads.summary) as a table: identity, then held-out agreement per depth, then training and origin."""
+    """Head rows (ui.heads.summary) as a table: identity, held-out agreement per depth, then training and origin."""
     table = pd.DataFrame(heads.agreement_table(rows))
     depths = [c for c in table.columns if c.startswith("depth ")]
     table["params"] = [catalog.fmt_params(n) if n else None for n in table["params"]]

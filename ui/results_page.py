@@ -21,8 +21,8 @@ TABLE_COLUMNS = ["created_at", "status", "flags", "method", "k", "batch", "tempe
 CONFIG_COLUMNS = ["method", "k", "ngram_min", "ngram_max", "batch", "max_new_tokens", "temperature", "top_k", "top_p",
                   "seed", "dtype", "device", "paged", "kv_block_size", "num_prompts", "repeats", "warmup", "preset",
                   "target_path", "draft_path", "draft_head", "draft_head_layout", "draft_head_dtype",
-                  "draft_head_params", "draft_vocab_size", "prompts_source", "study", "trial_id", "device_name", "torch_version",
-                  "git_commit", "hostname"]
+                  "draft_head_params", "draft_vocab_size", "prompts_source", "study", "trial_id", "device_name",
+                  "torch_version", "git_commit", "hostname"]
 METRIC_COLUMNS = ["status", "error", "speedup_vs_ar", "acceptance_rate", "mean_accepted_tokens", "tokens_per_s",
                   "ar_tokens_per_s", "ttft_ms", "tpot_ms_p50", "tpot_ms_p90", "itl_ms_p50", "time_draft_ms",
                   "time_verify_ms", "time_accept_ms", "time_kv_ms", "peak_mem_mb", "total_new_tokens", "target_steps",

@@ -323,9 +323,9 @@ def show_metrics(record: dict, traces) -> None:
     head = record.get("draft_head")
     if isinstance(head, str) and head:
         vocab = record.get("draft_vocab_size")
+        params = catalog.fmt_params(_int(record.get("draft_head_params")))
         st.markdown(f"Draft head: `{head}` · layout **{record.get('draft_head_layout') or '?'}** · stored "
-                    f"{record.get('draft_head_dtype') or '?'} · {catalog.fmt_params(_int(record.get('draft_head_params')))} "
-                    "parameters" + (f" · draft vocabulary {_int(vocab)}" if _int(vocab) else ""))
+                    f"{record.get('draft_head_dtype') or '?'} · {params} parameters" + (f" · draft vocabulary {_int(vocab)}" if _int(vocab) else ""))
     if greedy is False:
         st.error("The speculative output differs from plain autoregressive decoding at temperature 0.",
                  icon=":material/error:")
