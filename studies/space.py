@@ -53,6 +53,11 @@ class IntRange:
 Dim = Union[Scalar, tuple, IntRange]  # fixed value | categorical choices | integer range
 
 SEARCH_KNOBS = tuple(k.name for k in KNOBS.values() if k.searchable and k.name != "method")
+
+
+def searched_knobs(method: str) -> tuple[str, ...]:
+    """The knobs of `method` a study searches; the others (e.g. eagle3_layers) keep the study's run settings."""
+    return tuple(k for k in METHODS[method].knobs if k in SEARCH_KNOBS)
 METHOD_KNOBS = tuple(k for k in SEARCH_KNOBS if KNOBS[k].methods != "all")   # k, ngram_min, ngram_max
 GLOBAL_KNOBS = tuple(k for k in SEARCH_KNOBS if k not in METHOD_KNOBS)         # read by every method
 SETTING_KNOBS = tuple(k.name for k in KNOBS.values() if not k.searchable and k.scope == "run")
@@ -106,7 +111,7 @@ class _SpaceMethods:
         """Knobs that some trial of this space sets (method knobs of the chosen methods, then the global ones)."""
         names: list[str] = ["method"]
         for m in self.methods:
-            names += [k for k in METHODS[m].knobs if k not in names] if m in METHODS else []
+            names += [k for k in searched_knobs(m) if k not in names] if m in METHODS else []
         return names + list(GLOBAL_KNOBS)
 
     # ---- validation -------------------------------------------------------------------------------------------
@@ -137,7 +142,7 @@ class _SpaceMethods:
         dims = self.dims()
         method = _suggest(trial, "method", dims["method"])
         params: dict[str, Any] = {"method": method}
-        for name in METHODS[method].knobs:
+        for name in searched_knobs(method):
             dim = dims[name]
             if name == "ngram_max" and isinstance(dim, IntRange):
                 # ngram_max >= ngram_min: narrow the range rather than reject a sample

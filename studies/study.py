@@ -22,7 +22,8 @@ from optuna.trial import TrialState
 
 from studies.objective import OBJECTIVES, BenchObjective, ModelSpec, ObjectiveSpec, TrialFailed
 from studies.scripts import get_script
-from studies.space import GLOBAL_KNOBS, METHODS, RunSettings, SearchSpace, SpaceError, dim_values, make_config
+from studies.space import (GLOBAL_KNOBS, METHODS, RunSettings, SearchSpace, SpaceError, dim_values, make_config,
+                           searched_knobs)
 from studies.storage import SPEC_KEY
 from workbench.settings import SettingError, check as check_settings
 
@@ -77,7 +78,7 @@ def hardest(spec: StudySpec, method: str) -> dict[str, Any]:
     (smallest ngram_min) and True for a boolean that can be on; a text knob (dtype, compile) keeps its first choice."""
     dims = spec.space.dims()
     params: dict[str, Any] = {**spec.settings.to_dict(), "method": method}
-    for knob in (*METHODS[method].knobs, *GLOBAL_KNOBS):
+    for knob in (*searched_knobs(method), *GLOBAL_KNOBS):
         values = dim_values(knob, dims[knob])
         numeric = all(isinstance(v, (int, float)) for v in values)
         params[knob] = (min if knob == "ngram_min" else max)(values) if numeric else values[0]

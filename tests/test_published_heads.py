@@ -379,6 +379,8 @@ def test_bench_runs_a_published_eagle3_head_and_records_where_it_came_from(tmp_p
         load_published_head(tmp_path / "e3tok", tiny, tokenizer=session.tokenizer)
     with pytest.raises(BenchError, match="is an eagle3 head: run it with --method eagle3, not eagle"):
         session.run(BenchConfig(method="eagle", max_new_tokens=4, num_prompts=1, warmup=0, repeats=1))
+    with pytest.raises(BenchError, match="method redrafter loads no published head"):
+        session.run(BenchConfig(method="redrafter", max_new_tokens=4, num_prompts=1, warmup=0, repeats=1))
     untrained = BenchSession.load(preset="tiny", device="cpu").run(cfg).record
     assert untrained["draft_head"] == "untrained (seed 0)" and untrained["draft_head_layout"] == "eagle3"
     assert untrained["draft_vocab_size"] == tiny.config.vocab_size and untrained["greedy_matches_ar"] is True

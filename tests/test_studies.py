@@ -63,6 +63,21 @@ def wrap(session, edit):
 
 
 # ---------------------------------------------------------------------------------------------- search space
+def test_a_space_over_eagle3_suggests_its_tree_and_keeps_the_unsearched_layers_setting():
+    """eagle3_layers is one of eagle3's knobs but not searched: the space sets up, suggests the tree knobs only, and
+    the config keeps the run's eagle3_layers."""
+    from studies.study import hardest
+
+    spec = make_spec(methods=("eagle3",))
+    spec.validate()
+    params = spec.space.suggest(optuna.trial.FixedTrial({"method": "eagle3", "tree_depth": 3, "tree_topk": 2,
+                                                         "tree_budget": 5}))
+    assert {k: params[k] for k in ("method", "tree_depth", "tree_topk", "tree_budget")} == {
+        "method": "eagle3", "tree_depth": 3, "tree_topk": 2, "tree_budget": 5}
+    assert "eagle3_layers" not in params  # the run settings' value stands
+    assert "eagle3_layers" not in hardest(spec, "eagle3") or hardest(spec, "eagle3")["eagle3_layers"] == "auto"
+
+
 def test_space_rejects_values_outside_engine_limits():
     with pytest.raises(SpaceError, match=r"k=40 is outside what the engine supports: 1\.\.16"):
         SearchSpace(k=IntRange(1, 40)).validate()

@@ -296,6 +296,10 @@ class BenchSession:
     # -- validation ---------------------------------------------------------------------------------------------
     def check(self, cfg: BenchConfig, prompt_ids: list[list[int]]) -> None:
         """Every setting checked before work starts; BenchError names the bad value and the allowed range."""
+        if cfg.method == "redrafter" and self.draft_head_path is not None:
+            raise BenchError(f"--draft-head {self.draft_head_path}: method redrafter loads no published head (no "
+                             "engine publishes a ReDrafter layout); its head is the zoo's (zoo train-head --kind "
+                             "redrafter): drop --draft-head or run eagle / eagle3")
         try:
             settings.check({f.name: getattr(cfg, f.name) for f in fields(cfg)})  # bounds, choices, cross rules
             SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)  # the sampler's own rule (top_p > 0)
