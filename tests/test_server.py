@@ -71,7 +71,10 @@ def session():
 
 @pytest.fixture(scope="module")
 def live(session):
-    srv = LiveServer(session, cfg(method="ngram", k=3, max_num_seqs=4, max_new_tokens=16), max_model_len=256)
+    """Fixed shapes (the GPU default, here on the CPU): the loop launches each step before the last one is read."""
+    srv = LiveServer(session, cfg(method="ngram", k=3, max_num_seqs=4, max_new_tokens=16, cuda_graphs=True,
+                                  graph_batch_sizes=(1, 2, 4)), max_model_len=256)
+    assert srv.worker.loop.full_overlap
     yield srv
     srv.stop()
     assert not srv.worker.alive  # the engine thread stops with the app
@@ -309,6 +312,11 @@ def test_concurrent_streams_with_random_disconnects_leak_no_block(live):
     ended = sum(after[k] - before.get(k, 0) for k in after if k.startswith("vllm:request_success_total"))
     assert ended == 36 and after["vllm:request_success_total[finished_reason=abort]"] > \
         before.get("vllm:request_success_total[finished_reason=abort]", 0)
+    # aborted rows' last steps (read after their abort, full overlap) count on both sides
+    c = live.worker.counters
+    drafted, accepted = live.worker.call(lambda loop: (c.drafted, c.accepted))
+    assert after["vllm:spec_decode_num_draft_tokens_total"] == drafted
+    assert after["vllm:spec_decode_num_accepted_tokens_total"] == accepted
     assert httpx.get(f"{live.url}/health").status_code == 200 and live.worker.failures == 0
 
 def test_an_engine_failure_fails_its_requests_and_the_server_keeps_serving(live, session, solo):
@@ -333,6 +341,10 @@ def test_two_servers_in_one_process_keep_their_own_metrics(live, session):
         assert m["vllm:spec_decode_num_draft_tokens_total"] == 0 and m["vllm:generation_tokens_total"] >= 1
         assert sum(v for k, v in m.items() if k.startswith("vllm:request_success_total")) == 1
         assert live.metrics()["vllm:generation_tokens_total"] != m["vllm:generation_tokens_total"]
+        other.worker.stop()  # an engine thread that is gone: /health and requests say so, nothing hangs
+        assert httpx.get(f"{other.url}/health").status_code == 503
+        with pytest.raises(openai.InternalServerError, match="engine thread is not running"):
+            other.client.completions.create(model="tiny-ar", prompt="a", max_tokens=4)
     finally:
         other.stop()
 

@@ -10,6 +10,7 @@
     bench.py, cli.py  `python -m workbench serve-bench`: one result-store row per run, per-request rows beside it
     worker.py       the engine thread of a server: the open-ended loop (`ServingLoop.open`), requests in, tokens out
     server.py, server_cli.py  `python -m workbench serve`: the OpenAI-compatible HTTP API, Prometheus /metrics
+    endpoint.py     `serve-bench --endpoint URL`: the same load against any OpenAI-compatible server, from its stream
     exports.py      draft-length schedules in vLLM / TensorRT-LLM / SGLang terms
     replay.py       what-if replay of recorded acceptance traces against measured step costs
 

@@ -400,6 +400,8 @@ def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics
         return await generate(request, req, ids, chat=True)
 
     async def generate(request: Request, req, ids: list[int], *, chat: bool):
+        if not worker.alive:  # nobody would read the request: say so now rather than hang
+            raise ApiError(503, "the engine thread is not running; restart the server", type_="server_error")
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or served.default_max_tokens
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         aloop = asyncio.get_running_loop()

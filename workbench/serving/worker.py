@@ -50,7 +50,8 @@ class Job:
 
 @dataclass
 class SpecCounters:
-    """The engine's own counts over finished and aborted requests (summed from their RequestStates)."""
+    """The engine's own counts over finished and aborted requests (drafted / accepted summed from their
+    RequestStates once they left the loop)."""
     requests: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -67,6 +68,7 @@ class EngineWorker:
         self.loop.open()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.jobs: dict[int, Job] = {}  # live jobs, engine thread only
+        self._leaving: list[RequestState] = []  # ended jobs' requests not yet out of the loop (a step in flight)
         self.counters = SpecCounters()
         self.failures = 0  # iterations that raised (each one restarted the loop)
         self._ids = itertools.count()
@@ -165,6 +167,7 @@ class EngineWorker:
     def _publish(self, traces) -> None:
         if self.metrics is not None:
             self.metrics.observe_steps(traces)
+        self._count_left()
         for job in list(self.jobs.values()):
             s = job.state
             new = s.output[job.sent:]
@@ -195,14 +198,26 @@ class EngineWorker:
         if reason is not None and s is not None:
             c = self.counters
             c.requests += 1
-            c.drafted += s.drafted
-            c.accepted += s.accepted
             c.output_tokens += job.sent
             c.by_reason[reason] = c.by_reason.get(reason, 0) + 1
+            self._leaving.append(s)
+            self._count_left()
             if self.metrics is not None:
                 self.metrics.finished(s, job.sent, reason, self.loop.clock.now())
         if event is not None:
             self._send(job, event)
+
+    def _count_left(self) -> None:
+        """Drafted / accepted of requests that left the loop; one aborted under a step in flight leaves after that
+        step is read (its tokens count: the engine verified them)."""
+        still = []
+        for s in self._leaving:
+            if s.phase in ("done", "aborted"):
+                self.counters.drafted += s.drafted
+                self.counters.accepted += s.accepted
+            else:
+                still.append(s)
+        self._leaving = still
 
     def _fail_all(self, e: Exception) -> None:
         self.failures += 1
@@ -211,6 +226,7 @@ class EngineWorker:
         for job in list(self.jobs.values()):
             self._end(job, ("error", 500, f"the engine failed while serving this request: {type(e).__name__}: {e}"),
                       None)
+        self._leaving = []
         self.loop = self.loop_factory()  # a fresh loop resets the engine's rows and the pool
         self.loop.open()
 
