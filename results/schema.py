@@ -122,6 +122,7 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("max_ppl_increase_pct", "float", "config", "quality bound of studies: max perplexity increase, %"),
     ColumnSpec("phase_profile", "bool", "config", "per-phase GPU profile asked for (phase_* columns)"),
     ColumnSpec("compare_hf", "bool", "config", "Hugging Face generate() timed too (hf_* columns)"),
+    ColumnSpec("tp_size", "int", "config", "tensor-parallel ranks of the target (1 = one device)"),
     ColumnSpec("kernel_tuning", "string", "config", "the kernel variants the run ran with, resolved: every "
                "KernelTuning field as field=value,... (kernels/tuning.py)"),
     ColumnSpec("auto_knobs", "string", "config", "the knobs given as auto and resolved for the device before the run, "

@@ -354,6 +354,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "--cuda-graphs)", "Per-phase GPU profile", "system"),
     Knob("compare_hf", "bool", False, "also time Hugging Face generate() on the same prompts (slow; GPU benchmarks)",
          "Compare with HF generate()", "system"),
+    Knob("tp_size", "int", 1, "tensor-parallel ranks of the target (workbench/engine/tp.py): `bench` starts one "
+         "process per rank (GPU r on a GPU machine, gloo on a CPU), heads and MLP split across them, drafters "
+         "replicated on every rank; must divide the target's heads, KV heads and intermediate size",
+         "Tensor-parallel size", "system", choices=(1, 2, 4, 8)),
     Knob("kernel_tuning", "str", "", "kernel variants as field=value,... (kernels/tuning.py KernelTuning; empty = the "
          "measured defaults): int4_mma_rows (0-16: int4 verify widths on the tensor-core kernel, 0 off), int4_cuda "
          "(1/0: one-row int4 in the CUDA C++ GEMV), int4_half2 (auto/0/1/2: packed fp16 words in one-row int4 "
@@ -542,6 +546,8 @@ def auto_value(name: str, device_type: str, values: Mapping[str, Any], *, model_
         raise SettingError(f"{name} has no auto value; knobs that take auto: {', '.join(AUTO_KNOBS)}", name)
     if device_type != "cuda":
         return CPU_AUTO[name]
+    if name in ("cuda_graphs", "compile") and (values.get("tp_size") or 1) > 1:
+        return CPU_AUTO[name]  # the tensor-parallel step runs its collectives eagerly (not captured or compiled yet)
     if name == "dtype":
         if model_dtype in choices.HALF_DTYPES:
             return model_dtype

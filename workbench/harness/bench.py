@@ -310,6 +310,7 @@ class BenchSession:
             raise BenchError(str(e)) from None
         if cfg.method == "draft" and self.draft is None:
             raise BenchError("method 'draft' needs a draft model: give --draft PATH or use a --preset")
+        self._check_tp(cfg)
         try:
             check_weight_formats(self, cfg)  # fp8 on a CPU, an int4 group that does not divide a width, ...
         except ValueError as e:
@@ -331,6 +332,30 @@ class BenchSession:
                 raise BenchError(f"max_new_tokens={cfg.max_new_tokens} with a {longest}-token prompt and k={k} needs "
                                  f"{need} positions; the {role} model's context is {ctx}: lower max_new_tokens to "
                                  f"<= {ctx - longest - k - 2}")
+
+    def _check_tp(self, cfg: BenchConfig) -> None:
+        """tp_size must be the world this session's target is sharded for (workbench.engine.tp), and the parts the
+        tensor-parallel step does not run yet are refused by name."""
+        world = getattr(self.target, "tp_world", 1)
+        if cfg.tp_size != world:
+            raise BenchError(f"tp_size={cfg.tp_size}, but this session's target runs in {world} process(es): "
+                             "tensor parallelism needs one process per rank, which `python -m workbench bench "
+                             "--tp-size N` starts (studies run tp_size 1 for now)")
+        if world == 1:
+            return
+        unsupported = [(cfg.target_quant != "none", f"target_quant={cfg.target_quant} (quantized weights are not "
+                        "sharded yet: use target_quant none)"),
+                       (cfg.quant_kernel == "triton", "quant_kernel triton (its GEMVs are not sharded yet: "
+                        "--quant-kernel auto)"),
+                       (cfg.cuda_graphs, "cuda_graphs on (the step with its all-reduces is not captured yet: "
+                        "--no-cuda-graphs)"),
+                       (cfg.compile != "off", f"compile={cfg.compile} (not compiled with collectives yet: "
+                        "--compile off)"),
+                       (cfg.compare_hf, "compare_hf (Hugging Face generate runs on one device: --no-compare-hf)"),
+                       (cfg.phase_profile, "phase_profile (--no-phase-profile)")]
+        named = [why for bad, why in unsupported if bad]
+        if named:
+            raise BenchError(f"tp_size={world} does not run with {'; '.join(named)}")
 
     def encode(self, n: int) -> list[list[int]]:
         """The first n prompts (cycled if the set is smaller), tokenized."""

@@ -141,33 +141,92 @@ def prompts_for(args: argparse.Namespace) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from workbench.harness.bench import BenchError, BenchSession, failed_record
+    if args.tp_size > 1:  # one process per rank, started here; rank 0 prints and stores
+        from workbench.harness.tp_launch import launch
+
+        def failed(message: str) -> None:
+            print(f"error: {message}", file=sys.stderr)
+            store = _store(args)
+            if store is not None:
+                _store_or_report(store, _failed_row(args, message, None))
+
+        return launch(args, run_rank, failed)
+    return run_rank(args, 0, 1, None)
+
+
+def _preset(args: argparse.Namespace) -> str | None:
+    return args.preset if args.preset or args.model else "tiny"
+
+
+def _failed_row(args: argparse.Namespace, message: str, session) -> dict:
+    from workbench.harness.bench import failed_record
+
+    asked = dict(preset=_preset(args), target_path=args.model, draft_path=args.draft, draft_head=args.draft_head,
+                 dtype=args.dtype, device=args.device, prompts_source=_quiet_prompts(args))  # what failed to load
+    return failed_record(_config(args), message, study=args.study, session=session, asked=asked)
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(**{f.name: getattr(args, f.name) for f in fields(BenchConfig)})
+
+
+def run_rank(args: argparse.Namespace, rank: int, world: int, port: int | None) -> int:
+    """One process's run: the whole run when world is 1; else rank `rank` of a tensor-parallel run (its process
+    group joined, its target sharded), where a BenchError is raised for the launcher to report and rank 0 alone
+    prints and stores."""
+    import torch
+
+    from workbench.harness.bench import BenchError, BenchSession
 
     set_threads(args)
-    cfg_kwargs = {f.name: getattr(args, f.name) for f in fields(BenchConfig)}
-    cfg = BenchConfig(**cfg_kwargs)
-    store = _store(args)
-    preset = args.preset if args.preset or args.model else "tiny"
-    prompts = prompts_for(args)
+    cfg = _config(args)
+    lead = rank == 0
+    store = _store(args) if lead else None
+    preset = _preset(args)
+    prompts = prompts_for(args) if lead else _quiet_prompts(args)
     session = None
 
     def progress(frac: float, msg: str) -> None:
-        print(json.dumps({"progress": round(frac, 3), "message": msg}), file=sys.stderr, flush=True)
+        if lead:
+            print(json.dumps({"progress": round(frac, 3), "message": msg}), file=sys.stderr, flush=True)
 
     try:
-        session = BenchSession.load(preset=preset, model=args.model, draft=args.draft, device=args.device,
+        device = args.device
+        if world > 1:
+            from workbench.engine.tp import TensorParallelError, init_tp, shard_llama_
+            from workbench.harness.tp_launch import rank_device
+
+            device = rank_device(args.device, rank, world)
+            group = init_tp(rank, world, port, torch.device(device))
+        session = BenchSession.load(preset=preset, model=args.model, draft=args.draft, device=device,
                                     dtype=args.dtype, prompts=prompts, draft_head=args.draft_head)
+        if world > 1:
+            try:
+                shard_llama_(session.target, rank, world, group)
+            except TensorParallelError as e:
+                raise BenchError(f"{session.target_path}: {e}") from None
         result = session.run(cfg, study=args.study, progress=progress)
     except BenchError as e:
+        if world > 1:
+            raise  # the launcher names it and stores the failed row once
         print(f"error: {e}", file=sys.stderr)
         if store is not None:
-            asked = dict(preset=preset, target_path=args.model, draft_path=args.draft, draft_head=args.draft_head,
-                         dtype=args.dtype,
-                         device=args.device, prompts_source=prompts)  # a row that failed to load says what
-            _store_or_report(store, failed_record(cfg, str(e), study=args.study, session=session, asked=asked))
+            _store_or_report(store, _failed_row(args, str(e), session))
         return 2
+    finally:
+        if world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if not lead:
+        return 0
     rec = result.record
     print_record(rec, args, HEADLINE, 22)
     if store is not None and not _store_or_report(store, rec, result.traces):
         return 3
     return 0
+
+
+def _quiet_prompts(args: argparse.Namespace) -> str | None:
+    """prompts_for without its note on stderr (rank 0 prints it once)."""
+    if args.prompts is not None or args.model is None or args.preset is not None:
+        return args.prompts
+    return builtin_prompts()

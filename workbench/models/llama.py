@@ -328,5 +328,11 @@ class LlamaModel(nn.Module):
                     module.weight.fill_(1.0)
 
 
+def full_config(model: nn.Module) -> ModelConfig:
+    """The whole model's config: a tensor-parallel shard (workbench/engine/tp.py) keeps it as `full_config`, its own
+    `config` holding this rank's head counts and intermediate size; a replicated head is sized from this one."""
+    return getattr(model, "full_config", model.config)
+
+
 def _drop_tied_lm_head(module, state_dict, prefix, *_):
     state_dict.pop(f"{prefix}lm_head.weight", None)  # some tied checkpoints store the copy anyway

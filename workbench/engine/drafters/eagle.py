@@ -48,7 +48,7 @@ from workbench.engine.kv_cache import make_cache
 from workbench.engine.tree import DraftTree
 from workbench.models.config import ModelConfig
 from workbench.choices import tree_capacity
-from workbench.models.llama import DecoderLayer, Linear
+from workbench.models.llama import DecoderLayer, Linear, full_config
 
 
 class EagleSettingsError(ValueError):
@@ -163,7 +163,7 @@ class EagleHead(SavedHead):
     @classmethod
     def for_target(cls, target, seed: int = 0, std: float = 0.02, style: str = "workbench") -> "EagleHead":
         """An untrained head sized for `target`, initialised deterministically from `seed`, in its dtype and device."""
-        head = cls(EagleHeadConfig.of_target(target.config, style))
+        head = cls(EagleHeadConfig.of_target(full_config(target), style))
         head.reset_parameters(seed, std)
         p = next(target.parameters())
         return head.to(device=p.device, dtype=p.dtype).eval()
@@ -185,7 +185,7 @@ class EagleHead(SavedHead):
 
     def check_target(self, target) -> None:
         """ValueError unless this head's layer fits `target` (it shares the target's embedding, norm and RoPE)."""
-        want = EagleHeadConfig.of_target(target.config)
+        want = EagleHeadConfig.of_target(full_config(target))
         if (self.config.hidden_size, self.config.head_dim) != (want.hidden_size, want.head_dim):
             raise ValueError(f"EAGLE head has hidden size {self.config.hidden_size} / head dim {self.config.head_dim}, "
                              f"the target {want.hidden_size} / {want.head_dim}: the head must be trained for this "
@@ -240,7 +240,7 @@ class EagleDrafter(OneStepDrafter):
 
     def setup(self, ctx: DraftContext) -> None:
         super().setup(ctx)
-        c, d = self.target.config, self.tree_depth
+        c, d = full_config(self.target), self.tree_depth  # the head's own (replicated) layer
         need = ctx.max_len + 1 + d + self._draft_slots()
         if self.cache is not None and self.cache.fits(ctx.max_rows, need) and self.cache.max_rows == ctx.max_rows \
                 and self._key == (ctx.graphs, ctx.paged, ctx.kv_block_size, torch.device(ctx.device)):

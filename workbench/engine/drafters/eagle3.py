@@ -40,7 +40,7 @@ from workbench.engine.drafters.eagle import EagleDrafter, EagleSettingsError, ch
 from workbench.engine.drafters.head_io import SavedHead
 from workbench.models.config import ModelConfig
 from workbench.settings import parse_aux_layers  # noqa: F401 (the setting's parser, re-exported)
-from workbench.models.llama import MLP, Attention, Linear, RMSNorm
+from workbench.models.llama import MLP, Attention, Linear, RMSNorm, full_config
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -167,7 +167,7 @@ class Eagle3Head(SavedHead):
                    draft_tokens: torch.Tensor | None = None) -> "Eagle3Head":
         """An untrained head for `target` from `seed`; `draft_tokens`: the target ids of the draft vocabulary (e.g.
         the most frequent tokens of a corpus; default: the whole vocabulary)."""
-        c = target.config
+        c = full_config(target)
         vd = c.vocab_size if draft_tokens is None else int(draft_tokens.numel())
         head = cls(Eagle3HeadConfig.of_target(c, aux_layers, vd))
         head.reset_parameters(seed, std)
@@ -200,7 +200,7 @@ class Eagle3Head(SavedHead):
 
     def check_target(self, target) -> None:
         """ValueError unless the head fits `target`: hidden size, heads, head dim, vocabulary, layers."""
-        c = target.config
+        c = full_config(target)
         ours, want = self.config, Eagle3HeadConfig.of_target(c, self.config.aux_layers or None)
         for name in ("hidden_size", "head_dim", "num_key_value_heads", "vocab_size"):
             if getattr(ours, name) != getattr(want, name):

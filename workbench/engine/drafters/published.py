@@ -34,6 +34,7 @@ import torch
 from workbench.engine.drafters.base import DrafterError
 from workbench.engine.drafters.eagle import EagleHead, EagleHeadConfig
 from workbench.engine.drafters.eagle3 import Eagle3Head, Eagle3HeadConfig, check_aux_layers, check_draft_vocab
+from workbench.models.llama import full_config
 
 CONFIG, SAFETENSORS, TORCH_BIN = "config.json", "model.safetensors", "pytorch_model.bin"
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -112,7 +113,7 @@ def _same(source: str, what: str, theirs, ours, advice: str = "this head was tra
 
 def _check_shared_shapes(src: str, config: dict, target) -> tuple[int, int]:
     """The checks both layouts share: hidden size, vocabulary, heads, KV heads, head dim, one layer. -> (H, head_dim)"""
-    c = target.config
+    c = full_config(target)
     if "hidden_size" not in config:
         raise HeadCheckpointError(f"{src}/{CONFIG}: no hidden_size (a head's config is a Llama config)")
     _same(src, "hidden_size", config["hidden_size"], c.hidden_size)
@@ -149,7 +150,7 @@ def _take(src: str, weights: dict, name: str, shape: tuple[int, ...], optional: 
 def _layer_tensors(src: str, weights: dict, prefix: str, config: dict, h: int, d: int, in_width: int,
                    target) -> dict[str, torch.Tensor]:
     """The decoder layer's attention and MLP tensors under `prefix` (HF names), shape-checked."""
-    c = target.config
+    c = full_config(target)
     inter = int(config.get("intermediate_size", c.intermediate_size))
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
     out = {}
@@ -188,7 +189,7 @@ def load_published_head(path: str | Path, target, *, device=None, dtype=None,
                                       f"head was trained with another tokenizer; use a head made for this target")
     layout = detect_layout(config, weights, src)
     h, d = _check_shared_shapes(src, config, target)
-    c = target.config
+    c = full_config(target)
     inter = int(config.get("intermediate_size", c.intermediate_size))
     if layout == "eagle":
         fc = weights.get("fc.weight")
@@ -261,7 +262,7 @@ def load_published_head(path: str | Path, target, *, device=None, dtype=None,
 
 
 def _llama_config(head, target, dtype: torch.dtype) -> dict:
-    c, hc = target.config, head.config
+    c, hc = full_config(target), head.config
     return {"model_type": "llama", "hidden_size": hc.hidden_size, "intermediate_size": hc.intermediate_size,
             "num_attention_heads": hc.num_attention_heads, "num_key_value_heads": hc.num_key_value_heads,
             "head_dim": hc.head_dim, "num_hidden_layers": 1, "rms_norm_eps": hc.rms_norm_eps,
