@@ -7,7 +7,8 @@
 One process drives both sides over the same load (`--arrival`, `--rate`, `--num-requests`, the preset's prompts):
 1. the launch study (studies/launch.py): `python -m workbench serve ... --k {k}` relaunched per k, measured through
    HTTP (serve-bench --endpoint), every server checked gone by PID afterwards;
-2. in-process serve-bench at each k (`workbench.serving.bench.serve_bench`), the engine in this process.
+2. in-process serve-bench at each k (`workbench.serving.bench.serve_bench`), the engine in this process;
+interleaved k by k (a launch, then in process), so a drift in the machine's load reaches both sides alike.
 Per k: output tokens/s and p99 TPOT on both sides; the rank agreement of the two orderings by output tokens/s
 (Spearman's rho and Kendall's tau-a), and whether both pick the same best k. Output: results.json, table.md.
 """
@@ -53,6 +54,7 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     >>> spearman([1, 2, 3], [10, 30, 20])
     0.5
     """
+    import optuna
     import pandas as pd
 
     if len(a) < 2:
@@ -77,6 +79,7 @@ def kendall(a: list[float], b: list[float]) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    import optuna
     import pandas as pd
 
     from studies.launch import parse_search, report, run_launch_study
@@ -96,25 +99,29 @@ def main(argv: list[str] | None = None) -> int:
                       greedy_check_requests=0)
     check_config(cfg)
     prompts_path = str(resolve_preset(args.preset).prompts_path)
+    storage = optuna.storages.InMemoryStorage()
     texts = [p.text for p in load_prompts(prompts_path)]
     t0 = time.perf_counter()
     template = LaunchTemplate(f"{sys.executable} -m workbench serve --preset {args.preset} --device {args.device} "
                               f"--port {{port}} --method {args.method} --k {{k}} --max-num-seqs {args.max_num_seqs}")
-    study, pids = run_launch_study(template, parse_search([f"k={','.join(map(str, args.ks))}"], template), cfg, texts,
-                                   study_name="rank-check", storage=None, trials=len(args.ks),
-                                   log_dir=out / "launch_logs", launch_timeout=args.launch_timeout,
-                                   prompts_source=prompts_path)
-    launched = {t.params["k"]: t for t in study.get_trials(deepcopy=False)}
     session = BenchSession.load(preset=args.preset, device=args.device)
-    rows = []
-    for k in args.ks:
+    rows, pids, reports = [], [], []
+    for k in args.ks:  # interleaved per k (a launch, then in process), so drift in the machine's load hits both sides
+        study, started = run_launch_study(template, parse_search([f"k={k}"], template), cfg, texts,
+                                          study_name=f"rank-check-k{k}", storage=storage, trials=1,
+                                          log_dir=out / "launch_logs", launch_timeout=args.launch_timeout,
+                                          prompts_source=prompts_path)
+        pids += started
+        reports.append(report(study, started))
+        t = next((t for t in study.get_trials(deepcopy=False) if t.params.get("k") == k), None)
         rec = serve_bench(session, replace(cfg, k=k)).record
-        t = launched.get(k)
         ok = t is not None and t.state.name == "COMPLETE"
         rows.append({"k": k, "http_output_tok_s": t.user_attrs.get("output_throughput") if ok else None,
                      "http_tpot_ms_p99": t.values[1] if ok else None,
+                     "http_acceptance": t.user_attrs.get("acceptance_rate") if ok else None,
                      "http_error": None if ok else (t.user_attrs.get("error") if t else "not run"),
-                     "inproc_output_tok_s": rec.get("output_throughput"), "inproc_tpot_ms_p99": rec.get("tpot_ms_p99")})
+                     "inproc_output_tok_s": rec.get("output_throughput"), "inproc_tpot_ms_p99": rec.get("tpot_ms_p99"),
+                     "inproc_acceptance": rec.get("acceptance_rate")})
     df = pd.DataFrame(rows)
     both = df.dropna(subset=["http_output_tok_s", "inproc_output_tok_s"])
     rho = spearman(both["http_output_tok_s"].tolist(), both["inproc_output_tok_s"].tolist())
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     survivors = [p for p in pids if alive(p)]
     result = {"args": vars(args), "rows": rows, "spearman_rho": rho, "kendall_tau": tau, "best_k_http": best_http,
               "best_k_inprocess": best_in, "servers_started": len(pids), "servers_left": survivors,
-              "elapsed_s": time.perf_counter() - t0, "launch_report": report(study, pids)}
+              "elapsed_s": time.perf_counter() - t0, "launch_reports": reports}
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     fmt = (lambda v, spec=".1f": "—" if v is None or v != v else f"{v:{spec}}")
     lines = [f"# Launch study vs in-process serving · {args.preset} · {args.device} · {args.method}", "",
@@ -132,10 +139,11 @@ def main(argv: list[str] | None = None) -> int:
              f"{' at ' + str(args.rate) + ' req/s' if args.arrival == 'poisson' else ''}, max_num_seqs "
              f"{args.max_num_seqs}; {result['elapsed_s']:.0f} s.", "",
              "| k | HTTP (launch study) output tok/s | in-process output tok/s | HTTP p99 TPOT ms | in-process p99 "
-             "TPOT ms |", "|---|---|---|---|---|"]
+             "TPOT ms | HTTP acceptance | in-process acceptance |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['k']} | {fmt(r['http_output_tok_s'])} | {fmt(r['inproc_output_tok_s'])} | "
-                     f"{fmt(r['http_tpot_ms_p99'], '.2f')} | {fmt(r['inproc_tpot_ms_p99'], '.2f')} |")
+                     f"{fmt(r['http_tpot_ms_p99'], '.2f')} | {fmt(r['inproc_tpot_ms_p99'], '.2f')} | "
+                     f"{fmt(r['http_acceptance'], '.3f')} | {fmt(r['inproc_acceptance'], '.3f')} |")
     lines += ["", f"Rank agreement by output tok/s: Spearman rho {fmt(rho, '.2f')}, Kendall tau {fmt(tau, '.2f')}; "
               f"best k: {best_http} over HTTP, {best_in} in process. Servers started {len(pids)}, left running "
               f"{len(survivors)}."]
