@@ -8,7 +8,8 @@ One process drives both sides over the same load (`--arrival`, `--rate`, `--num-
 1. the launch study (studies/launch.py): `python -m workbench serve ... --k {k}` relaunched per k, measured through
    HTTP (serve-bench --endpoint), every server checked gone by PID afterwards;
 2. in-process serve-bench at each k (`workbench.serving.bench.serve_bench`), the engine in this process;
-interleaved k by k (a launch, then in process), so a drift in the machine's load reaches both sides alike.
+interleaved k by k (a launch, then in process), every other round in reverse order, so a drift in the machine's
+load reaches both sides alike; per k the median over --rounds with [min, max].
 Per k: output tokens/s and p99 TPOT on both sides; the rank agreement of the two orderings by output tokens/s
 (Spearman's rho and Kendall's tau-a), and whether both pick the same best k. Output: results.json, table.md.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -36,6 +38,7 @@ def parse(argv):
     ap.add_argument("--warmup-requests", type=int, default=4, help="untimed requests first, on both sides")
     ap.add_argument("--arrival", default="concurrency", choices=("concurrency", "poisson"))
     ap.add_argument("--rate", type=float, default=0.0, help="requests/s for poisson (0: all at once)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over every k (medians, [min, max])")
     ap.add_argument("--launch-timeout", type=float, default=180.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -105,23 +108,35 @@ def main(argv: list[str] | None = None) -> int:
     template = LaunchTemplate(f"{sys.executable} -m workbench serve --preset {args.preset} --device {args.device} "
                               f"--port {{port}} --method {args.method} --k {{k}} --max-num-seqs {args.max_num_seqs}")
     session = BenchSession.load(preset=args.preset, device=args.device)
-    rows, pids, reports = [], [], []
-    for k in args.ks:  # interleaved per k (a launch, then in process), so drift in the machine's load hits both sides
-        study, started = run_launch_study(template, parse_search([f"k={k}"], template), cfg, texts,
-                                          study_name=f"rank-check-k{k}", storage=storage, trials=1,
-                                          log_dir=out / "launch_logs", launch_timeout=args.launch_timeout,
-                                          prompts_source=prompts_path)
-        pids += started
-        reports.append(report(study, started))
-        t = next((t for t in study.get_trials(deepcopy=False) if t.params.get("k") == k), None)
-        rec = serve_bench(session, replace(cfg, k=k)).record
-        ok = t is not None and t.state.name == "COMPLETE"
-        rows.append({"k": k, "http_output_tok_s": t.user_attrs.get("output_throughput") if ok else None,
-                     "http_tpot_ms_p99": t.values[1] if ok else None,
-                     "http_acceptance": t.user_attrs.get("acceptance_rate") if ok else None,
-                     "http_error": None if ok else (t.user_attrs.get("error") if t else "not run"),
-                     "inproc_output_tok_s": rec.get("output_throughput"), "inproc_tpot_ms_p99": rec.get("tpot_ms_p99"),
-                     "inproc_acceptance": rec.get("acceptance_rate")})
+    runs, pids, reports = [], [], []
+    for rnd in range(args.rounds):  # k by k, a launch then in process; every other round in reverse order
+        for k in (args.ks if rnd % 2 == 0 else args.ks[::-1]):
+            study, started = run_launch_study(template, parse_search([f"k={k}"], template), cfg, texts,
+                                              study_name=f"rank-check-r{rnd}-k{k}", storage=storage, trials=1,
+                                              log_dir=out / "launch_logs", launch_timeout=args.launch_timeout,
+                                              prompts_source=prompts_path)
+            pids += started
+            reports.append(report(study, started))
+            t = next((t for t in study.get_trials(deepcopy=False) if t.params.get("k") == k), None)
+            rec = serve_bench(session, replace(cfg, k=k)).record
+            ok = t is not None and t.state.name == "COMPLETE"
+            runs.append({"round": rnd, "k": k,
+                         "http_output_tok_s": t.user_attrs.get("output_throughput") if ok else None,
+                         "http_tpot_ms_p99": t.values[1] if ok else None,
+                         "http_acceptance": t.user_attrs.get("acceptance_rate") if ok else None,
+                         "http_error": None if ok else (t.user_attrs.get("error") if t else "not run"),
+                         "inproc_output_tok_s": rec.get("output_throughput"),
+                         "inproc_tpot_ms_p99": rec.get("tpot_ms_p99"), "inproc_acceptance": rec.get("acceptance_rate")})
+    rows = []
+    for k in args.ks:
+        mine = [r for r in runs if r["k"] == k]
+        row = {"k": k, "http_error": next((r["http_error"] for r in mine if r["http_error"]), None)}
+        for col in ("http_output_tok_s", "inproc_output_tok_s", "http_tpot_ms_p99", "inproc_tpot_ms_p99",
+                    "http_acceptance", "inproc_acceptance"):
+            vals = [r[col] for r in mine if r[col] is not None]
+            row[col] = statistics.median(vals) if vals else None
+            row[col + "_range"] = [min(vals), max(vals)] if vals else None
+        rows.append(row)
     df = pd.DataFrame(rows)
     both = df.dropna(subset=["http_output_tok_s", "inproc_output_tok_s"])
     rho = spearman(both["http_output_tok_s"].tolist(), both["inproc_output_tok_s"].tolist())
@@ -129,19 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     best_http = int(both.loc[both["http_output_tok_s"].idxmax(), "k"]) if len(both) else None
     best_in = int(both.loc[both["inproc_output_tok_s"].idxmax(), "k"]) if len(both) else None
     survivors = [p for p in pids if alive(p)]
-    result = {"args": vars(args), "rows": rows, "spearman_rho": rho, "kendall_tau": tau, "best_k_http": best_http,
+    result = {"args": vars(args), "rows": rows, "runs": runs, "spearman_rho": rho, "kendall_tau": tau, "best_k_http": best_http,
               "best_k_inprocess": best_in, "servers_started": len(pids), "servers_left": survivors,
               "elapsed_s": time.perf_counter() - t0, "launch_reports": reports}
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
     fmt = (lambda v, spec=".1f": "—" if v is None or v != v else f"{v:{spec}}")
+    spread = (lambda r, col: fmt(r[col]) + (f" [{r[col + '_range'][0]:.1f}, {r[col + '_range'][1]:.1f}]"
+                                            if r[col + "_range"] and args.rounds > 1 else ""))
     lines = [f"# Launch study vs in-process serving · {args.preset} · {args.device} · {args.method}", "",
              f"{args.num_requests} requests x {args.max_new_tokens} new tokens, {args.arrival}"
              f"{' at ' + str(args.rate) + ' req/s' if args.arrival == 'poisson' else ''}, max_num_seqs "
-             f"{args.max_num_seqs}; {result['elapsed_s']:.0f} s.", "",
+             f"{args.max_num_seqs}; {args.rounds} round(s), median [min, max]; {result['elapsed_s']:.0f} s.", "",
              "| k | HTTP (launch study) output tok/s | in-process output tok/s | HTTP p99 TPOT ms | in-process p99 "
              "TPOT ms | HTTP acceptance | in-process acceptance |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['k']} | {fmt(r['http_output_tok_s'])} | {fmt(r['inproc_output_tok_s'])} | "
+        lines.append(f"| {r['k']} | {spread(r, 'http_output_tok_s')} | {spread(r, 'inproc_output_tok_s')} | "
                      f"{fmt(r['http_tpot_ms_p99'], '.2f')} | {fmt(r['inproc_tpot_ms_p99'], '.2f')} | "
                      f"{fmt(r['http_acceptance'], '.3f')} | {fmt(r['inproc_acceptance'], '.3f')} |")
     lines += ["", f"Rank agreement by output tok/s: Spearman rho {fmt(rho, '.2f')}, Kendall tau {fmt(tau, '.2f')}; "

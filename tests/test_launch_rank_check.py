@@ -15,7 +15,7 @@ def test_docstrings():
 
 
 def test_smoke_run_measures_both_sides_and_stops_every_server(tmp_path):
-    rc = launch_rank_check.main(["--ks", "1,2", "--num-requests", "3", "--max-new-tokens", "6", "--warmup-requests",
+    rc = launch_rank_check.main(["--ks", "1,2", "--rounds", "1", "--num-requests", "3", "--max-new-tokens", "6", "--warmup-requests",
                                  "1", "--out", str(tmp_path)])
     assert rc == 0
     result = json.loads((tmp_path / "results.json").read_text())
