@@ -374,7 +374,9 @@ def test_endpoint_source_starts_serve_bench_against_the_url(workspace, started):
     assert args.json and args.store == str(workspace["store"]) and args.preset is None  # built-in prompts
 
 
-def test_endpoint_template_starts_a_launch_study(workspace, started):
+def test_endpoint_template_starts_a_launch_study(workspace, started, monkeypatch):
+    import studies.serving as studies_serving
+
     at = _endpoint_page()
     at.text_area(key="srv_ep_template").input("python -m workbench serve --port {port} --k {k} --w {w}").run()
     assert error_next_to(at, "srv_ep_search") == [
@@ -390,13 +392,15 @@ def test_endpoint_template_starts_a_launch_study(workspace, started):
     [call] = started
     argv = call["argv"]
     assert argv[1:3] == ["-m", "studies.serving"]
-    flags = {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1) if argv[i].startswith("--")}
-    assert flags["--launch"] == "python -m workbench serve --port {port} --k {k} --w {w}"
-    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--search"] == ["k=1,2,3", "w=4"]
-    assert (flags["--study"], flags["--trials"], flags["--launch-timeout"], flags["--rate"]) == ("ep-k", "3", "300",
-                                                                                                 "2")
-    assert flags["--store"] == str(workspace["store"]) and flags["--storage"] == f"journal://{workspace['journal']}"
-    assert "--endpoint" not in argv and "--model" not in argv  # the launcher picks the port; no model named
+    read = {}  # studies.serving's own parser reads it back; the launch itself is not run here
+    monkeypatch.setattr(studies_serving, "launch_main", lambda args, base: read.update(args=args, base=base) or 0)
+    assert studies_serving.main(argv[3:]) == 0
+    args, base = read["args"], read["base"]
+    assert args.launch == "python -m workbench serve --port {port} --k {k} --w {w}"
+    assert args.search == ["k=1,2,3", "w=4"] and (args.study, args.trials, args.launch_timeout) == ("ep-k", 3, 300)
+    assert (base.rate, base.num_requests, base.max_new_tokens) == (2.0, 8, 16)
+    assert args.store == str(workspace["store"]) and args.storage == f"journal://{workspace['journal']}"
+    assert args.served_model is None and "--endpoint" not in argv  # the launcher picks the port; no model named
 
 
 def test_endpoint_form_refuses_a_bad_url_and_a_template_off_its_search(workspace, started):
@@ -421,6 +425,25 @@ def test_endpoint_form_refuses_a_bad_url_and_a_template_off_its_search(workspace
     at.text_area(key="srv_ep_search").input("").run()
     assert not errors_of(at) and not at.button(key="srv_ep_start").disabled
     assert not started
+
+
+def test_endpoint_run_from_the_page_stores_its_row(workspace):
+    """The command really runs: against a port nobody listens on, serve-bench stores a failed row naming the URL."""
+    from workbench.serving.launcher import free_port
+
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    at = _endpoint_page()
+    at.text_input(key="srv_ep_url").input(url)
+    at.text_input(key="srv_num_requests").input("2").run()
+    at.button(key="srv_ep_start").click().run()
+    assert not at.exception, at.exception
+    [job] = jobs.list_jobs(kind="serve")
+    assert wait_for(job, RUN_TIMEOUT_S) == jobs.FAILED, job.log_tail()
+    assert "is an OpenAI-compatible server running there?" in job.log_tail()
+    [row] = ResultStore(workspace["store"]).load().to_dict("records")
+    assert row["status"] == "failed" and row["endpoint"] == url and row["run_kind"] == "serve"
+    at.run()
+    assert not at.exception, at.exception
 
 
 def test_launch_checks_the_form_uses_import_no_torch():

@@ -337,7 +337,7 @@ def job_section() -> None:
             for col, (key, label, fmt) in zip(cols, HEADLINE):
                 v = rec.get(key)
                 col.metric(label, "—" if v is None else fmt.format(float(v)))
-            st.caption(sv.fidelity_note(rec))
+            st.caption(sv.engine_label(rec) if sv.is_external(rec) else sv.fidelity_note(rec))
 
 
 # ---- the runs ----------------------------------------------------------------------------------------------------
@@ -492,7 +492,9 @@ def calibration_section(view: pd.DataFrame) -> None:
 
 def render() -> None:
     st.title("Serving")
-    st.caption(f"In-flight batching under a request load (`python -m workbench serve-bench`). Store: "
+    st.caption(f"In-flight batching under a request load (`python -m workbench serve-bench`), ours or an "
+               f"OpenAI-compatible server's (`--endpoint URL`, or relaunched per trial by `python -m studies.serving "
+               f"--launch`). Store: "
                f"`{store_root()}`")
     try:
         df = get_store().load()
