@@ -378,7 +378,9 @@ def test_endpoint_template_starts_a_launch_study(workspace, started, monkeypatch
     import studies.serving as studies_serving
 
     at = _endpoint_page()
+    at.text_input(key="srv_ep_url").input("not a url")  # unused with a template: the launcher picks the port
     at.text_area(key="srv_ep_template").input("python -m workbench serve --port {port} --k {k} --w {w}").run()
+    assert at.text_input(key="srv_ep_url").disabled
     assert error_next_to(at, "srv_ep_search") == [
         "--launch has {k} but no --search k=...: give its values (one value fixes it)"]
     at.text_area(key="srv_ep_search").input("k=1,2,3\nw=4").run()
@@ -409,7 +411,8 @@ def test_endpoint_form_refuses_a_bad_url_and_a_template_off_its_search(workspace
     assert error_next_to(at, "srv_ep_url") == [
         "server URL must start with http:// or https:// (e.g. http://127.0.0.1:8000), got '127.0.0.1:8000'"]
     assert at.button(key="srv_ep_start").disabled
-    at.text_input(key="srv_ep_url").input("http://127.0.0.1:8000")
+    at.text_input(key="srv_ep_url").input("http://127.0.0.1:8000").run()
+    assert not errors_of(at) and not at.button(key="srv_ep_start").disabled
     at.text_area(key="srv_ep_template").input("vllm serve m --port {port} --num-speculative-tokens {k}")
     at.text_area(key="srv_ep_search").input("n=1,2").run()
     assert error_next_to(at, "srv_ep_search") == [

@@ -176,12 +176,15 @@ def check_launch(template: str, search: str) -> tuple[str | None, str | None]:
 
 def endpoint_form(errors: Errors) -> dict:
     """The server (URL, model, prompts), optionally a launch template and its search, and the load."""
+    # with a template the launcher serves on a free port of 127.0.0.1 it picks per trial: no URL to give
+    templated = bool(str(st.session_state.get(f"{P}ep_template", "")).strip())
     cols = st.columns(3)
     with cols[0], st.container():
-        url = st.text_input("Server URL", value=DEFAULT_URL, key=f"{P}ep_url",
-                            help="an OpenAI-compatible server: streamed /v1/completions, acceptance from /metrics; "
-                                 "with a launch template, the host the launched server listens on")
-        errors.add(f"{P}ep_url", check_url(url))
+        url = st.text_input("Server URL", value=DEFAULT_URL, key=f"{P}ep_url", disabled=templated,
+                            help="an OpenAI-compatible server: streamed /v1/completions, acceptance from /metrics "
+                                 "(unused with a launch template: each launch gets a free port on 127.0.0.1)")
+        if not templated:
+            errors.add(f"{P}ep_url", check_url(url))
     with cols[1]:
         model = st.text_input("Model name", value="", key=f"{P}ep_model", placeholder="first of /v1/models",
                               help="the served model's name (empty: the first the server lists)")
@@ -193,7 +196,7 @@ def endpoint_form(errors: Errors) -> dict:
             names = []
         prompts = st.selectbox("Prompts", [BUILTIN_PROMPTS, *names], key=f"{P}ep_prompts",
                                help="the prompt set of the load: a preset's (as its in-process runs use) or the "
-                                    "built-in one")
+                                    "built-in one (the tiny preset's held-out prompts)")
     st.markdown("**Launch template** (optional: relaunch the server per trial)")
     with st.container():
         template = st.text_area("Launch template", value="", key=f"{P}ep_template", height=80,
