@@ -449,7 +449,7 @@ def test_endpoint_run_from_the_page_stores_its_row(workspace):
     assert not at.exception, at.exception
 
 
-def test_launch_checks_the_form_uses_import_no_torch():
+def test_the_forms_launch_checks_import_no_torch():
     import subprocess
     import sys
 
