@@ -322,3 +322,171 @@ def test_tree_rows_are_labelled_by_shape():
         "fixed · redrafter W2 L4"
     assert sv.fidelity_note({"greedy_matches_solo": None}).endswith(
         "not checked (sampling, or greedy_check_requests 0)")
+
+
+# ---- an OpenAI-compatible endpoint as the source ----------------------------------------------------------------
+
+@pytest.fixture()
+def started(monkeypatch):
+    """jobs.start_job recorded, not run: the command line is what these tests check (no server is listening)."""
+    calls = []
+
+    class Started:
+        id = "serve-fixture"
+
+    def fake(kind, argv, title, params=None, env=None):
+        calls.append({"kind": kind, "argv": argv, "title": title, "params": params})
+        return Started()
+
+    monkeypatch.setattr(jobs, "start_job", fake)
+    return calls
+
+
+def _endpoint_page():
+    at = open_page("serving")
+    at.radio(key="srv_source").set_value("endpoint").run()
+    assert not at.exception, at.exception
+    return at
+
+
+def test_endpoint_source_starts_serve_bench_against_the_url(workspace, started):
+    from workbench.serving import cli
+    from workbench.serving.config import ServeConfig
+
+    at = _endpoint_page()
+    assert "srv_method" not in widget_keys(at) and {"srv_ep_url", "srv_rate", "srv_num_requests"} <= widget_keys(at)
+    at.text_input(key="srv_ep_url").input("http://10.1.2.3:8011")
+    at.text_input(key="srv_ep_model").input("llama-8b")
+    at.text_input(key="srv_rate").input("4.5")
+    at.text_input(key="srv_num_requests").input("7").run()
+    assert not errors_of(at), errors_of(at)
+    at.button(key="srv_ep_start").click().run()
+    assert not at.exception, at.exception
+    [call] = started
+    argv = call["argv"]
+    assert argv[1:4] == ["-m", "workbench", "serve-bench"] and call["kind"] == "serve"
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(argv[3:])  # serve-bench's own parser reads it back
+    cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in fields(ServeConfig)})
+    assert args.endpoint == "http://10.1.2.3:8011" and args.model == "llama-8b"
+    assert (cfg.rate, cfg.num_requests, cfg.max_new_tokens) == (4.5, 7, 16)
+    assert args.json and args.store == str(workspace["store"]) and args.preset is None  # built-in prompts
+
+
+def test_endpoint_template_starts_a_launch_study(workspace, started, monkeypatch):
+    import studies.serving as studies_serving
+
+    at = _endpoint_page()
+    at.text_input(key="srv_ep_url").input("not a url")  # unused with a template: the launcher picks the port
+    at.text_area(key="srv_ep_template").input("python -m workbench serve --port {port} --k {k} --w {w}").run()
+    assert at.text_input(key="srv_ep_url").disabled
+    assert error_next_to(at, "srv_ep_search") == [
+        "--launch has {k} but no --search k=...: give its values (one value fixes it)"]
+    at.text_area(key="srv_ep_search").input("k=1,2,3\nw=4").run()
+    at.text_input(key="srv_ep_study").input("ep-k")
+    at.text_input(key="srv_ep_trials").input("3")
+    at.text_input(key="srv_rate").input("2").run()
+    assert not errors_of(at), errors_of(at)
+    assert at.button(key="srv_ep_start").label == "Start launch study"
+    at.button(key="srv_ep_start").click().run()
+    assert not at.exception, at.exception
+    [call] = started
+    argv = call["argv"]
+    assert argv[1:3] == ["-m", "studies.serving"]
+    read = {}  # studies.serving's own parser reads it back; the launch itself is not run here
+    monkeypatch.setattr(studies_serving, "launch_main", lambda args, base: read.update(args=args, base=base) or 0)
+    assert studies_serving.main(argv[3:]) == 0
+    args, base = read["args"], read["base"]
+    assert args.launch == "python -m workbench serve --port {port} --k {k} --w {w}"
+    assert args.search == ["k=1,2,3", "w=4"] and (args.study, args.trials, args.launch_timeout) == ("ep-k", 3, 300)
+    assert (base.rate, base.num_requests, base.max_new_tokens) == (2.0, 8, 16)
+    assert args.store == str(workspace["store"]) and args.storage == f"journal://{workspace['journal']}"
+    assert args.served_model is None and "--endpoint" not in argv  # the launcher picks the port; no model named
+
+
+def test_endpoint_form_refuses_a_bad_url_and_a_template_off_its_search(workspace, started):
+    at = _endpoint_page()
+    at.text_input(key="srv_ep_url").input("127.0.0.1:8000").run()
+    assert error_next_to(at, "srv_ep_url") == [
+        "server URL must start with http:// or https:// (e.g. http://127.0.0.1:8000), got '127.0.0.1:8000'"]
+    assert at.button(key="srv_ep_start").disabled
+    at.text_input(key="srv_ep_url").input("http://127.0.0.1:8000").run()
+    assert not errors_of(at) and not at.button(key="srv_ep_start").disabled
+    at.text_area(key="srv_ep_template").input("vllm serve m --port {port} --num-speculative-tokens {k}")
+    at.text_area(key="srv_ep_search").input("n=1,2").run()
+    assert error_next_to(at, "srv_ep_search") == [
+        "--search n is not a placeholder of --launch (its placeholders: k): add {n} to the template"]
+    assert at.button(key="srv_ep_start").disabled
+    at.text_area(key="srv_ep_template").input("vllm serve m --port {port} --k {k").run()
+    assert error_next_to(at, "srv_ep_template") and "literal braces" in error_next_to(at, "srv_ep_template")[0]
+    at.text_area(key="srv_ep_template").input("").run()
+    assert error_next_to(at, "srv_ep_search") == [
+        "search values need a launch template: give the server's command line with {name} placeholders, or clear "
+        "the search values"]
+    assert at.button(key="srv_ep_start").disabled
+    at.text_area(key="srv_ep_search").input("").run()
+    assert not errors_of(at) and not at.button(key="srv_ep_start").disabled
+    assert not started
+
+
+def test_endpoint_run_from_the_page_stores_its_row(workspace):
+    """The command really runs: against a port nobody listens on, serve-bench stores a failed row naming the URL."""
+    from workbench.serving.launcher import free_port
+
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    at = _endpoint_page()
+    at.text_input(key="srv_ep_url").input(url)
+    at.text_input(key="srv_num_requests").input("2").run()
+    at.button(key="srv_ep_start").click().run()
+    assert not at.exception, at.exception
+    [job] = jobs.list_jobs(kind="serve")
+    assert wait_for(job, RUN_TIMEOUT_S) == jobs.FAILED, job.log_tail()
+    assert "is an OpenAI-compatible server running there?" in job.log_tail()
+    [row] = ResultStore(workspace["store"]).load().to_dict("records")
+    assert row["status"] == "failed" and row["endpoint"] == url and row["run_kind"] == "serve"
+    at.run()
+    assert not at.exception, at.exception
+
+
+def test_the_forms_launch_checks_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, studies.launch, workbench.serving.launcher; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "False"
+
+
+def _values(y) -> list:
+    """A Plotly figure's array as the page sends it: a list, or typed bytes ({"dtype", "bdata"} in base64)."""
+    if isinstance(y, dict):
+        import base64
+
+        import numpy as np
+
+        return np.frombuffer(base64.b64decode(y["bdata"]), dtype=y["dtype"]).tolist()
+    return list(y)
+
+
+def test_external_rows_show_beside_ours_labelled_by_their_engine(workspace):
+    store = ResultStore(workspace["store"])
+    base = {"status": "ok", "run_kind": "serve", "rate": 2.0, "goodput": 3.0, "tpot_ms_p99": 12.0,
+            "max_new_tokens": 16, "completed": 8, "arrival": "poisson"}
+    ours = store.append({**base, "method": "ngram", "k": 3, "k_by_batch": "", "preset": "tiny", "device": "cpu",
+                         "max_num_seqs": 8})
+    theirs = store.append({**base, "goodput": 5.0, "endpoint": "http://10.1.2.3:8011", "engine_name": "vllm",
+                           "engine_version": "0.11.0", "served_model": "llama", "method": None, "k": None,
+                           "launch_command": "vllm serve llama --port 8011 --k 4", "launch_params": "k=4"})
+    at = open_page("serving")
+    assert not at.exception, at.exception
+    fig = [f for f in plotly_figs(at) if f["layout"]["title"]["text"] == "Goodput vs request rate"][0]
+    lines = {t["name"]: _values(t["y"]) for t in fig["data"] if t.get("mode") == "lines+markers"}
+    assert lines == {"fixed · ngram k=3": [3.0], "external · vllm 0.11.0 @ 10.1.2.3:8011 · k=4": [5.0]}
+    runs = sv.serve_runs(store.load())
+    assert sv.setting_of(runs[runs["run_id"] == theirs].iloc[0]) == "external"
+    labels = at.multiselect(key="srv_runs").options
+    assert any("external · vllm 0.11.0 @ 10.1.2.3:8011 · k=4" in o for o in labels), labels
+    assert at.selectbox(key="srv_export_run").options == [sv.run_label(runs[runs["run_id"] == ours].iloc[0])]

@@ -7,17 +7,22 @@ per-request latency distribution (the per-request rows stored beside each run); 
 (tokens/s by batch size and draft length) with the schedule each shape makes of it; the run's draft-length schedule as
 vLLM / TensorRT-LLM / SGLang snippets with a download. The form is generated from workbench.settings (SERVE_RUN_KNOBS
 + SERVE_KNOBS) like the Run page's (GPU-only knobs only where a GPU is visible), and starts
-`python -m workbench serve-bench ... --json --store DIR` as a job.
+`python -m workbench serve-bench ... --json --store DIR` as a job. Its other source is an OpenAI-compatible server
+(vLLM, SGLang, `workbench serve`): `serve-bench --endpoint URL` with the page's load settings, or, given a launch
+template, `python -m studies.serving --launch TEMPLATE --search ...` (the server relaunched per trial); their rows show
+beside ours, labelled by the server's engine.
 """
 from __future__ import annotations
 
 import json
+from urllib.parse import urlsplit
 
 import pandas as pd
 import streamlit as st
 
 from ui import catalog, gpu_page, jobs, serving_view as sv
-from ui.common import PYTHON, Errors, get_store, job_label, job_panel, knob_field, store_root
+from ui.common import (PYTHON, Errors, get_store, int_field, job_label, job_panel, knob_field, store_root,
+                       study_storage_url)
 from workbench.serving.config import SERVE_METHODS
 from workbench.settings import (GPU_ONLY_KNOBS, KNOBS, SERVE_KNOBS, SERVE_RUN_KNOBS, SettingError,
                                 check_serve, parse_k_by_batch)
@@ -33,6 +38,13 @@ FORM_DEFAULTS = {"num_requests": 8, "max_new_tokens": 16, "rate": 20.0, "k": 3, 
 HEADLINE = (("request_throughput", "Requests/s", "{:.2f}"), ("goodput", "Goodput (req/s)", "{:.2f}"),
             ("output_throughput", "Output tokens/s", "{:,.1f}"), ("ttft_ms_p99", "TTFT p99", "{:.1f} ms"),
             ("tpot_ms_p99", "TPOT p99", "{:.2f} ms"), ("acceptance_rate", "Acceptance", "{:.0%}"))
+
+
+SOURCES = {"engine": "This workbench's engine", "endpoint": "An OpenAI-compatible endpoint"}
+DEFAULT_URL = "http://127.0.0.1:8000"
+BUILTIN_PROMPTS = "(built-in prompts)"
+# what the endpoint bench reads of the run knobs (the server's own settings are its launch command's business)
+ENDPOINT_RUN_KNOBS = ("max_new_tokens", "temperature", "seed")
 
 
 # ---- the form --------------------------------------------------------------------------------------------------
@@ -118,10 +130,172 @@ def serve_argv(settings: dict, preset: str, device: str) -> list[str]:
     return argv + ["--json", "--store", str(store_root())]
 
 
+def endpoint_knobs():
+    """The knobs an endpoint run reads: the load and the request's length, temperature and seed."""
+    return [KNOBS[n] for n in ENDPOINT_RUN_KNOBS] + [k for k in SERVE_KNOBS.values() if k.group == "load"]
+
+
+def check_url(url: str) -> str | None:
+    """None for an http(s) URL naming a host, else the problem in words.
+
+    >>> check_url("http://127.0.0.1:8000") is None, check_url("http://:8000")
+    (True, "server URL 'http://:8000' names no host: write it as http://127.0.0.1:8000")
+    """
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        return f"server URL must start with http:// or https:// (e.g. {DEFAULT_URL}), got {url.strip()!r}"
+    if not parts.hostname:
+        return f"server URL {url.strip()!r} names no host: write it as {DEFAULT_URL}"
+    return None
+
+
+def search_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def check_launch(template: str, search: str) -> tuple[str | None, str | None]:
+    """(error of the template, error of the search lines) with studies.serving's own parsers; (None, None) when the
+    template is empty and no search is given."""
+    from workbench.serving.launcher import LaunchError, LaunchTemplate  # torch-free, as studies.launch is
+
+    if not template.strip():
+        return None, ("search values need a launch template: give the server's command line with {name} "
+                      "placeholders, or clear the search values" if search_lines(search) else None)
+    try:
+        parsed = LaunchTemplate(template.strip())
+    except LaunchError as e:
+        return str(e), None
+    from studies.launch import LaunchStudyError, parse_search
+
+    try:
+        parse_search(search_lines(search), parsed)
+    except LaunchStudyError as e:
+        return None, str(e)
+    return None, None
+
+
+def endpoint_form(errors: Errors) -> dict:
+    """The server (URL, model, prompts), optionally a launch template and its search, and the load."""
+    # with a template the launcher serves on a free port of 127.0.0.1 it picks per trial: no URL to give
+    templated = bool(str(st.session_state.get(f"{P}ep_template", "")).strip())
+    cols = st.columns(3)
+    with cols[0], st.container():
+        url = st.text_input("Server URL", value=DEFAULT_URL, key=f"{P}ep_url", disabled=templated,
+                            help="an OpenAI-compatible server: streamed /v1/completions, acceptance from /metrics "
+                                 "(unused with a launch template: each launch gets a free port on 127.0.0.1)")
+        if not templated:
+            errors.add(f"{P}ep_url", check_url(url))
+    with cols[1]:
+        model = st.text_input("Model name", value="", key=f"{P}ep_model", placeholder="first of /v1/models",
+                              help="the served model's name (empty: the first the server lists)")
+    with cols[2]:
+        try:
+            names = catalog.preset_names()
+        except Exception as exc:  # noqa: BLE001
+            errors.add(f"{P}ep_prompts", f"cannot list zoo presets: {exc}")
+            names = []
+        prompts = st.selectbox("Prompts", [BUILTIN_PROMPTS, *names], key=f"{P}ep_prompts",
+                               help="the prompt set of the load: a preset's (as its in-process runs use) or the "
+                                    "built-in one (the tiny preset's held-out prompts)")
+    st.markdown("**Launch template** (optional: relaunch the server per trial)")
+    with st.container():
+        template = st.text_area("Launch template", value="", key=f"{P}ep_template", height=80,
+                                placeholder="vllm serve /models/llama --port {port} --speculative-config "
+                                            "'{{\"method\": \"ngram\", \"num_speculative_tokens\": {k}}}'",
+                                help="the server's command line: {name} is a searched setting, {port} the port the "
+                                     "launcher picks, literal braces doubled; empty: benchmark the running server")
+        t_err, s_err = check_launch(template, st.session_state.get(f"{P}ep_search", ""))
+        errors.add(f"{P}ep_template", t_err)
+    cols = st.columns(3)
+    with cols[0], st.container():
+        search = st.text_area("Search values", value="", key=f"{P}ep_search", height=80, placeholder="k=1,2,3,4",
+                              help="one NAME=V1,V2 line per placeholder of the template (one value fixes it)")
+        errors.add(f"{P}ep_search", s_err)
+    study = trials = timeout = None
+    if template.strip():
+        with cols[1], st.container():
+            study = st.text_input("Study name", value="endpoint-launch", key=f"{P}ep_study")
+            if not study.strip():
+                errors.add(f"{P}ep_study", "a launch study needs a name (studies.serving --study)")
+        with cols[2]:
+            trials = int_field("Trials", f"{P}ep_trials", 6, errors, 1, 1000,
+                               help="launches (all settings when fewer exist)")
+            timeout = int_field("Launch timeout (s)", f"{P}ep_launch_timeout", 300, errors, 1, 86400,
+                                help="seconds to wait for the server's /health per launch")
+    st.markdown("**Load**")
+    knobs = endpoint_knobs()
+    settings: dict = {}
+    for row in range(0, len(knobs), COLUMNS):
+        for col, knob in zip(st.columns(COLUMNS), knobs[row:row + COLUMNS]):
+            with col:
+                settings[knob.name] = knob_field(knob, f"{P}{knob.name}", errors,
+                                                 default=FORM_DEFAULTS.get(knob.name))
+    if not errors:
+        try:
+            check_serve(settings)
+        except SettingError as e:
+            errors.add(f"{P}{e.knob}", str(e))
+    return {"settings": settings, "url": url.strip(), "model": model.strip(), "template": template.strip(),
+            "search": search_lines(search), "study": (study or "").strip(), "trials": trials, "timeout": timeout,
+            "prompts": None if prompts == BUILTIN_PROMPTS else prompts}
+
+
+def _load_flags(settings: dict) -> list[str]:
+    knobs = {k.name: k for k in endpoint_knobs()}
+    argv = []
+    for name, value in settings.items():
+        if value is None:
+            continue
+        argv += [f"--{name.replace('_', '-')}", knobs[name].format(value)]
+    return argv
+
+
+def endpoint_argv(form: dict) -> list[str]:
+    """The command line of a (validated) endpoint form: serve-bench --endpoint, or studies.serving --launch when a
+    template is given."""
+    model = ["--model", form["model"]] if form["model"] else []
+    preset = ["--preset", form["prompts"]] if form["prompts"] else []
+    if not form["template"]:
+        return [PYTHON, "-m", "workbench", "serve-bench", "--endpoint", form["url"], *model, *preset,
+                *_load_flags(form["settings"]), "--json", "--store", str(store_root())]
+    storage = study_storage_url()
+    argv = [PYTHON, "-m", "studies.serving", "--study", form["study"], "--launch", form["template"]]
+    for line in form["search"]:
+        argv += ["--search", line]
+    return argv + ["--trials", str(form["trials"]), "--launch-timeout", str(form["timeout"]), *model, *preset,
+                   "--storage", storage if "://" in storage else f"journal://{storage}", "--store", str(store_root()),
+                   "--launch-logs", str(jobs.jobs_root() / "launch_logs"), *_load_flags(form["settings"])]
+
+
+def start_endpoint_job(form: dict) -> jobs.Job:
+    s = form["settings"]
+    host = urlsplit(form["url"]).netloc
+    if form["template"]:
+        title = f"launch study {form['study']} · {form['trials']} trials · rate={s['rate']:g}"
+    else:
+        title = f"serve endpoint {host} rate={s['rate']:g}"
+    params = {**s, "endpoint": form["url"], "served_model": form["model"] or None,
+              "launch_template": form["template"] or None, "search": form["search"]}
+    return jobs.start_job("serve", endpoint_argv(form), title, params=params)
+
+
 def launch_section() -> None:
     runs_exist = bool(st.session_state.get(f"{P}has_runs"))
     with st.expander("Start a serving benchmark", expanded=not runs_exist, icon=":material/play_circle:"):
+        source = st.radio("Source", list(SOURCES), key=f"{P}source", format_func=SOURCES.get, horizontal=True,
+                          help="the in-process engine, or a running (or launched) OpenAI-compatible server")
         errors = Errors()
+        if source == "endpoint":
+            form = endpoint_form(errors)
+            if errors:
+                st.warning(f"Fix the {len(errors)} problem(s) above to start a run.", icon=":material/warning:")
+            label = "Start launch study" if form["template"] else "Start serve-bench"
+            if st.button(label, key=f"{P}ep_start", type="primary", disabled=bool(errors),
+                         icon=":material/play_arrow:"):
+                st.session_state[f"{P}pending_job"] = start_endpoint_job(form).id
+                st.rerun()
+            job_section()
+            return
         form = form_section(errors)
         if errors:
             st.warning(f"Fix the {len(errors)} problem(s) above to start a run.", icon=":material/warning:")
@@ -166,7 +340,7 @@ def job_section() -> None:
             for col, (key, label, fmt) in zip(cols, HEADLINE):
                 v = rec.get(key)
                 col.metric(label, "—" if v is None else fmt.format(float(v)))
-            st.caption(sv.fidelity_note(rec))
+            st.caption(sv.engine_label(rec) if sv.is_external(rec) else sv.fidelity_note(rec))
 
 
 # ---- the runs ----------------------------------------------------------------------------------------------------
@@ -196,7 +370,8 @@ def filter_runs(runs: pd.DataFrame) -> pd.DataFrame:
 def rate_section(view: pd.DataFrame) -> None:
     st.subheader("Goodput and tail latency against request rate")
     st.caption("One line per setting: off (no speculation), fixed k, adaptive (draft length by batch size, "
-               "switch-off by acceptance, context limit); the median of the runs at each rate, grey dots the single "
+               "switch-off by acceptance, context limit), external (a server: engine version @ host:port, a launch "
+               "trial's settings); the median of the runs at each rate, grey dots the single "
                "runs. Goodput = requests meeting the run's SLOs (TTFT, TPOT) per second; with no SLO set it equals "
                "the request throughput. Failed runs are left out.")
     cols = st.columns(2)
@@ -268,6 +443,7 @@ def export_section(view: pd.DataFrame) -> None:
                "adaptive JSON for EAGLE chains (one setting per server otherwise). Each snippet passed the engine's "
                "mirrored validators at the commit it names, or says by name why that engine cannot take it.")
     ok = view[view["status"].eq("ok").fillna(False)] if "status" in view else view
+    ok = ok[[not sv.is_external(r) for _, r in ok.iterrows()]] if len(ok) else ok  # a server's schedule is its own
     if ok.empty:
         st.info("no finished serving run to export")
         return
@@ -319,7 +495,9 @@ def calibration_section(view: pd.DataFrame) -> None:
 
 def render() -> None:
     st.title("Serving")
-    st.caption(f"In-flight batching under a request load (`python -m workbench serve-bench`). Store: "
+    st.caption(f"In-flight batching under a request load (`python -m workbench serve-bench`), ours or an "
+               f"OpenAI-compatible server's (`--endpoint URL`, or relaunched per trial by `python -m studies.serving "
+               f"--launch`). Store: "
                f"`{store_root()}`")
     try:
         df = get_store().load()

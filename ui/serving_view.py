@@ -3,7 +3,9 @@
 A serving run's *setting* is one of three, read from its row:
 - **off**: method ar (no speculation);
 - **fixed**: one draft length k at every batch size (no k_by_batch, no switch-off, no context limit);
-- **adaptive**: a draft-length schedule by batch size, switch-off by acceptance, or a context-length limit.
+- **adaptive**: a draft-length schedule by batch size, switch-off by acceptance, or a context-length limit;
+- **external**: a run against an OpenAI-compatible server (`serve-bench --endpoint`, or a trial of a launch study),
+  labelled by the server's engine, version and address (its method may be unknown), and a launch trial's settings.
 
 Lines of the rate charts are one per (setting, method, k or schedule), so a sweep of off / fixed k / adaptive over
 request rates reads as three lines per chart.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from urllib.parse import urlsplit
 
 import pandas as pd
 import plotly.express as px
@@ -26,7 +29,7 @@ import plotly.graph_objects as go
 
 from workbench.settings import SettingError, parse_k_by_batch
 
-SETTINGS = ("off", "fixed", "adaptive")
+SETTINGS = ("off", "fixed", "adaptive", "external")
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL"), ("queue_ms", "queue"))
 STATS = ("mean", "p50", "p90", "p99")
 BOTTOM_LEGEND = dict(orientation="h", yanchor="top", y=-0.25, xanchor="left", x=0)  # long names: below the plot
@@ -54,7 +57,33 @@ def serve_runs(df: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
+def is_external(row) -> bool:
+    """A run against a server (its endpoint recorded), not the in-process engine."""
+    endpoint = row.get("endpoint")
+    return not _missing(endpoint) and bool(str(endpoint).strip())
+
+
+def engine_label(row) -> str:
+    """The server of an external run: engine, version and host:port; a launch trial's settings after it.
+
+    >>> engine_label({"endpoint": "http://10.0.0.2:8000", "engine_name": "vllm", "engine_version": "0.11.0"})
+    'vllm 0.11.0 @ 10.0.0.2:8000'
+    >>> engine_label({"endpoint": "http://h:9001/", "engine_name": None, "launch_params": "k=4"})
+    'server @ h:9001 · k=4'
+    """
+    name = row.get("engine_name")
+    version = row.get("engine_version")
+    engine = "server" if _missing(name) or not str(name) else str(name)
+    if not _missing(version) and str(version):
+        engine += f" {version}"
+    address = urlsplit(str(row.get("endpoint"))).netloc or str(row.get("endpoint"))
+    params = row.get("launch_params")
+    return f"{engine} @ {address}" + ("" if _missing(params) or not str(params) else f" · {params}")
+
+
 def setting_of(row) -> str:
+    if is_external(row):
+        return "external"
     if row.get("method") == "ar" or _num(row.get("k")) == 0:
         return "off"
     adaptive = (not _missing(row.get("k_by_batch")) and str(row.get("k_by_batch")).strip()) \
@@ -100,6 +129,8 @@ def fidelity_note(row) -> str:
 
 def line_label(row) -> str:
     setting = setting_of(row)
+    if setting == "external":
+        return f"external · {engine_label(row)}"
     if setting == "off":
         return "off"
     method = method_label(row)
