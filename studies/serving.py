@@ -321,16 +321,20 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, ServingStudyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    text = report(study, base.max_num_seqs)
+    write_report(study, report(study, base.max_num_seqs), args.out)
+    return 0
+
+
+def write_report(study: optuna.Study, text: str, out: str | None) -> None:
+    """The report on stdout; with --out also trials.json (every trial) and report.md there."""
     print(text)
-    if args.out:
+    if out:
         from pathlib import Path
 
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "trials.json").write_text(json.dumps(trials_json(study), indent=1, default=str))
-        (out / "report.md").write_text("```\n" + text + "\n```\n")
-    return 0
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "trials.json").write_text(json.dumps(trials_json(study), indent=1, default=str))
+        (folder / "report.md").write_text("```\n" + text + "\n```\n")
 
 
 def launch_main(args, base) -> int:
@@ -373,13 +377,7 @@ def launch_main(args, base) -> int:
     except LaunchStudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    text = launch_report(study, pids)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "trials.json").write_text(json.dumps(trials_json(study), indent=1, default=str))
-        (out / "report.md").write_text("```\n" + text + "\n```\n")
+    write_report(study, launch_report(study, pids), args.out)
     return 0
 
 
