@@ -383,7 +383,8 @@ def distil(head, target, windows: torch.Tensor, spec: HeadRecipe, loss_fn, *, ta
             checkpoint.save({"recipe": asdict(spec), "head": head.state_dict(), "optimizer": optimizer.state_dict(),
                              "generator": generator.get_state(), **{k: st[k] for k in st}})
 
-    def run_eval() -> None:
+    def run_eval() -> str:
+        """Evaluate, update the curve and the best weights; returns the progress line (logged once saved)."""
         head.eval()
         ev = evaluate(head, target, eval_windows, spec.depth)
         head.train()
@@ -396,9 +397,9 @@ def distil(head, target, windows: torch.Tensor, spec: HeadRecipe, loss_fn, *, ta
         else:
             st["since_best"] += 1
         agree = "/".join(f"{a:.3f}" for a in ev.agreement_by_depth)
-        log(f"[{tag}] {status(point['seconds'])}  held-out agreement by depth {agree}  expected accepted "
-            f"{ev.expected_accepted_tokens:.3f} (best {st['best']['expected_accepted_tokens']:.3f} at step "
-            f"{st['best']['step']})")
+        return (f"[{tag}] {status(point['seconds'])}  held-out agreement by depth {agree}  expected accepted "
+                f"{ev.expected_accepted_tokens:.3f} (best {st['best']['expected_accepted_tokens']:.3f} at step "
+                f"{st['best']['step']})")
 
     stopped_by = budget_reached(st["step"], st["tokens"], st["seconds"], spec)
     if stopped_by == "max_seconds" and st["step"] == start_step == 0:
@@ -424,18 +425,19 @@ def distil(head, target, windows: torch.Tensor, spec: HeadRecipe, loss_fn, *, ta
             log(f"[{tag}] {status(elapsed())}  {metric} {loss_sum / loss_count:.4f}  lr {lr:.2e}")
             loss_sum, loss_count, t_last = 0.0, 0, now
         if evaluating and spec.eval_every and st["step"] % spec.eval_every == 0:
-            run_eval()
+            line = run_eval()
             if spec.patience and st["since_best"] >= spec.patience:
                 stopped_by = "early_stop"
             st["seconds"] = elapsed()
-            save_state()
+            save_state()  # before the line: a run killed after it resumes from here
+            log(line)
         if stopped_by is None:
             stopped_by = budget_reached(st["step"], st["tokens"], elapsed(), spec)
     if loss_count:
         st["curve"].append({"step": st["step"], "seconds": round(elapsed(), 2),
                             metric: round(loss_sum / loss_count, 4), "lr": lr})
     if evaluating and (not st["eval_curve"] or st["eval_curve"][-1]["step"] != st["step"]):
-        run_eval()
+        log(run_eval())
     st["seconds"] = elapsed()
     save_state()  # the last weights (not the best) with the optimizer: what a resumed run continues from
     if st["best_head"] is not None:
