@@ -311,13 +311,13 @@ def recipe_differences(saved: dict, spec: HeadRecipe) -> list[str]:
             if k not in RUN_CONTROL and saved.get(k) != now.get(k)]
 
 
-def load_checkpoint(ckpt: Checkpoint, spec: HeadRecipe, device: torch.device) -> dict:
+def load_checkpoint(ckpt: Checkpoint, spec: HeadRecipe) -> dict:
     """The checkpoint at `ckpt.path` if it continues this run; ResumeError naming what differs otherwise."""
     if not ckpt.path.is_file():
         raise ResumeError(f"--resume: no checkpoint {ckpt.path}; train without --resume first (a checkpoint is "
                           "written at every evaluation and at the end of a run)")
     try:
-        state = torch.load(ckpt.path, map_location=device, weights_only=False)
+        state = torch.load(ckpt.path, map_location="cpu", weights_only=False)  # the sampler's state stays on the CPU
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same advice
         raise ResumeError(f"--resume: checkpoint {ckpt.path} is unreadable ({e}); train without --resume") from None
     for key, what in (("kind", "head kind"), ("target_id", "target"), ("tokenizer_sha256", "tokenizer")):
@@ -470,7 +470,7 @@ def train_and_save(kind: str, preset: str, *, out, preset_dir, device: str, spec
     out = Path(out) if out is not None else paths.root / kind
     ckpt = Checkpoint(out / CHECKPOINT, {"kind": kind, "target_id": target_fingerprint(paths.target_dir)["id"],
                                          "tokenizer_sha256": tokenizer_fingerprint(paths.target_dir)})
-    state = load_checkpoint(ckpt, spec, torch.device(device)) if resume else None  # refused before any work
+    state = load_checkpoint(ckpt, spec) if resume else None  # refused before any work
     paths, dev, target, corpus, train_w, eval_w, data = load_training_data(preset, preset_dir, device, spec, corpus,
                                                                            log, kind, out)
     head = make_head(target)
