@@ -217,7 +217,8 @@ def load_training_data(preset: str, preset_dir, device: str, spec: HeadRecipe, c
                                   "windows": len(eval_w)}, dev, log, tag)
         info.update({"prompt_tokens": spec.self_prompt_tokens,
                      "generated_tokens": len(train_w) * (spec.seq_len - spec.self_prompt_tokens),
-                     "train_cache": os.path.relpath(ti["cache"], out), "heldout_cache": os.path.relpath(ei["cache"], out),
+                     "train_cache": os.path.relpath(ti["cache"], out),
+                     "heldout_cache": os.path.relpath(ei["cache"], out),
                      "cached": ti["cached"] and ei["cached"],
                      "generation_seconds": round(ti["generation_seconds"] + ei["generation_seconds"], 2)})
     info.update({"train_windows": len(train_w), "heldout_windows": len(eval_w), "seq_len": spec.seq_len})
