@@ -169,7 +169,7 @@ def self_windows(target, prompt_windows: torch.Tensor, spec: HeadRecipe, cache_d
             return saved["windows"], {"cache": str(path), "cached": True, "generation_seconds": 0.0}
     prompts = prompt_windows[:, : spec.self_prompt_tokens]
     t0 = time.perf_counter()
-    batch = 256 if device.type == "cuda" else 16
+    batch = 512 if device.type == "cuda" else 16
     log(f"[{tag}] generating {len(prompts)} {key['split']} windows: the target's greedy continuation of "
         f"{spec.self_prompt_tokens}-token corpus prompts to {spec.seq_len} tokens")
     windows = greedy_continuations(target, prompts, spec.seq_len - spec.self_prompt_tokens, device, batch)
