@@ -338,7 +338,7 @@ def distil(head, target, windows: torch.Tensor, spec: HeadRecipe, loss_fn, *, ta
            resume: dict | None = None) -> dict:
     """The training loop every head kind shares: AdamW on `head` against the frozen `target`, `spec.batch_size`
     random windows per step (seeded by `spec.seed`), `loss_fn(head, target, ids [B, T], spec)` -> scalar, warmup then
-    cosine (`lr_at`), gradient clipping, until a budget or early stopping. With `evaluate(head, target, windows,
+    cosine (`lr_at`), gradient clipping, bf16 autocast on a GPU, until a budget or early stopping. With `evaluate(head, target, windows,
     depth)` -> HeadEval and `eval_windows`, the held-out curve is taken every `spec.eval_every` steps and at the end,
     and `head` ends with the best evaluation's weights. `checkpoint`: where the state is saved at each evaluation
     and at the end; `resume`: a state `load_checkpoint` returned, continued from.
@@ -367,6 +367,7 @@ def distil(head, target, windows: torch.Tensor, spec: HeadRecipe, loss_fn, *, ta
     base_seconds = st["seconds"]
     lr = spec.lr
     dev = next(target.parameters()).device
+    autocast = dev.type == "cuda"  # as `zoo train`: bf16 matmuls over fp32 weights on a GPU; evaluations stay fp32
 
     def elapsed() -> float:
         return base_seconds + time.perf_counter() - t0
@@ -411,7 +412,8 @@ def distil(head, target, windows: torch.Tensor, spec: HeadRecipe, loss_fn, *, ta
         for group in optimizer.param_groups:
             group["lr"] = lr
         ids = windows[torch.randint(0, len(windows), (spec.batch_size,), generator=generator)].to(dev)  # [B, T]
-        loss = loss_fn(head, target, ids, spec)
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(head, target, ids, spec)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), spec.grad_clip)
         optimizer.step()
@@ -452,6 +454,7 @@ def distil(head, target, windows: torch.Tensor, spec: HeadRecipe, loss_fn, *, ta
     return {"steps": st["step"], "tokens_seen": st["tokens"], "train_seconds": round(st["seconds"], 2),
             f"final_{metric}": final if final is None or math.isfinite(final) else None,
             "stopped_by": stopped_by, "resumed_from_step": start_step if resume is not None else None,
+            "autocast": "bfloat16" if autocast else None,
             "curve": st["curve"], "eval_curve": st["eval_curve"], "best": best}
 
 
