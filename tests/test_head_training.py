@@ -188,3 +188,11 @@ def test_bad_flags_get_named_errors(tmp_path, capsys, corpus):
     assert "is for head kind 'redrafter', not 'eagle'" in capsys.readouterr().err
     with pytest.raises(RecipeError, match="data must be one of corpus, self"):
         replace(HeadTrainSpec(), data="web")
+
+
+def test_durations_in_the_progress_line():
+    import doctest
+
+    from workbench.zoo import head_training
+
+    assert doctest.testmod(head_training).attempted >= 1 and doctest.testmod(head_training).failed == 0

@@ -286,8 +286,11 @@ def budget_reached(step: int, tokens: int, seconds: float, spec: HeadRecipe) -> 
 
 
 def fmt_duration(seconds: float) -> str:
-    """>>> fmt_duration(75.4), fmt_duration(3725)
-    ('1m15s', '1h02m')"""
+    """A duration as the progress line prints it.
+
+    >>> fmt_duration(8.6), fmt_duration(75.4), fmt_duration(3725)
+    ('9s', '1m15s', '1h02m')
+    """
     s = int(round(seconds))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
