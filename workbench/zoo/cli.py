@@ -1,5 +1,6 @@
 """`python -m workbench zoo list | train PRESET [--out DIR] [--max-seconds S] ... | prompts PRESET [--dir DIR]
-| train-head --kind redrafter|eagle --preset PRESET [--max-seconds S] [--device cpu] [--seed N] [--out DIR]`."""
+| train-head --kind redrafter|eagle --preset PRESET [--max-seconds S] [--max-tokens N] [--eval-every N]
+[--patience K] [--resume] [--data corpus|self] [--device cpu] [--seed N] [--out DIR]`."""
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,25 @@ def register(subparsers) -> None:
     head.add_argument("--preset", choices=sorted(PRESETS), required=True)
     head.add_argument("--dir", default=None, help="the trained preset folder (default: the preset's home)")
     head.add_argument("--out", default=None, help="head folder (default: <preset folder>/<kind>)")
-    head.add_argument("--max-seconds", type=float, default=None, help="training budget (default: the recipe's)")
-    head.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps (smoke runs)")
+    head.add_argument("--max-seconds", type=float, default=None,
+                      help="wall-time budget of the training loop (default: the recipe's)")
+    head.add_argument("--max-steps", type=int, default=None, help="cap on optimizer steps")
+    head.add_argument("--max-tokens", type=int, default=None,
+                      help="training tokens seen (steps x batch x seq len); the first budget reached stops")
+    head.add_argument("--eval-every", type=int, default=None,
+                      help="steps between held-out evaluations (curve, progress line, best weights; 0 = only at "
+                           "the end; default: the recipe's)")
+    head.add_argument("--patience", type=int, default=None,
+                      help="stop after K evaluations without a better held-out expected accepted tokens (0 = never)")
+    head.add_argument("--resume", action="store_true",
+                      help="continue from the head folder's checkpoint (train_state.pt); the recipe must match")
+    head.add_argument("--data", choices=["corpus", "self"], default=None,
+                      help="corpus: the preset's text; self: the target's greedy continuations of corpus prompts "
+                           "(generated once, cached in the head folder). Default: corpus")
+    head.add_argument("--self-tokens", type=int, default=None,
+                      help="with --data self: training tokens to generate (default: train windows x seq len)")
+    head.add_argument("--batch-size", type=int, default=None, help="windows per step (default: the recipe's)")
+    head.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
     head.add_argument("--train-windows", type=int, default=None, help="training windows (default: the recipe's)")
     head.add_argument("--eval-windows", type=int, default=None, help="held-out windows (default: the recipe's)")
     head.add_argument("--seed", type=int, default=None, help="initialisation and batch order (default: the recipe's)")
@@ -166,23 +184,30 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    overrides = {"max_seconds": args.max_seconds, "max_steps": args.max_steps, "train_windows": args.train_windows,
-                 "eval_windows": args.eval_windows, "seed": args.seed}
+    overrides = {"max_seconds": args.max_seconds, "max_steps": args.max_steps, "max_tokens": args.max_tokens,
+                 "eval_every": args.eval_every, "patience": args.patience, "data": args.data,
+                 "self_tokens": args.self_tokens, "batch_size": args.batch_size, "lr": args.lr,
+                 "train_windows": args.train_windows, "eval_windows": args.eval_windows, "seed": args.seed}
     extra = {"style": args.style, "draft_vocab_size": args.draft_vocab, "eagle3_layers": args.eagle3_layers}
+    at_least_zero = ("seed", "eval_every", "patience", "lr")
     for name, value in overrides.items():  # before any work: a budget or count that cannot train
-        if value is not None and (value <= 0 if name != "seed" else value < 0):
-            print(f"error: --{name.replace('_', '-')} must be {'>= 0' if name == 'seed' else '> 0'}, got {value}",
-                  file=sys.stderr)
+        if isinstance(value, (int, float)) and (value < 0 if name in at_least_zero else value <= 0):
+            print(f"error: --{name.replace('_', '-')} must be {'>= 0' if name in at_least_zero else '> 0'}, "
+                  f"got {value}", file=sys.stderr)
             return 2
+    if args.self_tokens is not None and (args.data or "corpus") != "self":
+        print("error: --self-tokens is the size of self-distillation data: use it with --data self", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             print("error: --device cuda asked for, but no CUDA GPU is visible; use --device cpu", file=sys.stderr)
             return 2
-    spec = replace(recipe(), **{k: v for k, v in {**overrides, **extra}.items() if v is not None})
     try:
-        out = train(args.preset, out=args.out, preset_dir=args.dir, device=args.device, spec=spec)
+        spec = replace(recipe(), **{k: v for k, v in {**overrides, **extra}.items() if v is not None})
+        out = train(args.preset, out=args.out, preset_dir=args.dir, device=args.device, spec=spec,
+                    resume=args.resume)
     except (ZooError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

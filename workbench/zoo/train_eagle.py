@@ -30,29 +30,19 @@ import torch.nn.functional as F
 from workbench.engine.drafters.eagle import EagleHead
 from workbench.models.attention import expand_kv
 from workbench.zoo.corpus import Corpus
-from workbench.zoo.train_head import HeadEval, _target_pass, agreement, distil, train_and_save
+from workbench.zoo.head_training import HeadEval, HeadRecipe, agreement, distil, train_and_save
+from workbench.zoo.head_training import target_pass as _target_pass
 
 
 @dataclass(frozen=True)
-class EagleTrainSpec:
-    """The recipe; every field goes to the manifest. AdamW, linear warmup then cosine to min_lr_ratio * lr."""
+class EagleTrainSpec(HeadRecipe):
+    """The EAGLE recipe (the shared fields: HeadRecipe); every field goes to the manifest."""
 
     depth: int = 3  # rollout passes trained and evaluated (held-out agreement at depth 1..depth)
-    seq_len: int = 128  # window length T (anchors per window: T - depth)
-    batch_size: int = 8  # windows per step
     lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
     kl_weight: float = 1.0  # KL(target || head) through the shared LM head
     reg_weight: float = 1.0  # smooth L1 of the predicted hidden state to the target's
     depth_decay: float = 0.8  # pass d weighs depth_decay^(d-1)
-    max_seconds: float = 240.0  # steady-state training budget (2 CPU cores: a few hundred steps)
-    max_steps: int = 1_000_000
-    train_windows: int = 4096
-    eval_windows: int = 32
-    seed: int = 1234
     style: str = "workbench"  # EagleHeadConfig.style: "eagle" trains the published EAGLE-1/2 structure (exportable)
 
 
@@ -109,17 +99,19 @@ def evaluate_eagle(head: EagleHead, target, windows: torch.Tensor, depth: int, b
 
 
 def train_eagle(head: EagleHead, target, windows: torch.Tensor, spec: EagleTrainSpec,
-                log: Callable[[str], None] = print) -> dict:
-    """Train `head` in place against the frozen `target`; returns {"steps", "train_seconds", "curve", ...}."""
-    return distil(head, target, windows, spec, _loss, tag="eagle", metric="loss", log=log)
+                log: Callable[[str], None] = print, **kw) -> dict:
+    """Train `head` in place against the frozen `target`; returns {"steps", "train_seconds", "curve", ...}. `kw`:
+    `distil`'s evaluation, checkpoint and resume arguments."""
+    return distil(head, target, windows, spec, _loss, tag="eagle", metric="loss", log=log, **kw)
 
 
 def train_eagle_head(preset: str, *, out: str | Path | None = None, preset_dir: str | Path | None = None,
                      device: str = "cpu", spec: EagleTrainSpec = EagleTrainSpec(), corpus: Corpus | None = None,
-                     log: Callable[[str], None] = print) -> Path:
+                     log: Callable[[str], None] = print, resume: bool = False) -> Path:
     """Train, evaluate and save an EAGLE head for the preset's target; returns the head folder (default:
-    `<preset folder>/eagle`). `corpus` overrides the preset's (tests pass a small one)."""
+    `<preset folder>/eagle`). `corpus` overrides the preset's (tests pass a small one); `resume` continues from the
+    folder's checkpoint."""
     return train_and_save("eagle", preset, out=out, preset_dir=preset_dir, device=device, spec=spec, corpus=corpus,
                           log=log, make_head=lambda target: EagleHead.for_target(target, seed=spec.seed,
                                                                                  style=spec.style).float(),
-                          train=train_eagle, evaluate=evaluate_eagle)
+                          loss_fn=_loss, metric="loss", evaluate=evaluate_eagle, resume=resume)

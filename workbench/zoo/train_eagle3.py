@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from workbench.engine.drafters.eagle3 import Eagle3Head, with_aux_hidden
 from workbench.settings import parse_aux_layers
 from workbench.zoo.corpus import Corpus
+from workbench.zoo.head_training import HeadEval, agreement, distil, train_and_save
+from workbench.zoo.head_training import target_pass as _target_pass
 from workbench.zoo.train_eagle import EagleTrainSpec, rollout
-from workbench.zoo.train_head import HeadEval, _target_pass, agreement, distil, train_and_save
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,24 @@ def evaluate_eagle3(head: Eagle3Head, target, windows: torch.Tensor, depth: int,
         head.draft_log_probs(f) for f in rollout(head, view, ids, hidden, depth)], batch)
 
 
-def train_eagle3(head: Eagle3Head, target, windows: torch.Tensor, spec: Eagle3TrainSpec,
-                 log: Callable[[str], None] = print) -> dict:
-    """Set the draft vocabulary from `windows`, then train `head` in place against the frozen `target`."""
+def set_draft_vocab(head: Eagle3Head, windows: torch.Tensor) -> None:
+    """The draft vocabulary: the training windows' most frequent tokens (the whole vocabulary keeps no d2t)."""
     if head.config.draft_vocab_size < head.config.vocab_size:
         head.set_draft_vocab(frequent_tokens(windows, head.config.vocab_size, head.config.draft_vocab_size))
-    report = distil(head, target, windows, spec, _loss, tag="eagle3", metric="loss", log=log)
-    return {**report, "draft_vocab_size": head.config.draft_vocab_size,
+
+
+def train_eagle3(head: Eagle3Head, target, windows: torch.Tensor, spec: Eagle3TrainSpec,
+                 log: Callable[[str], None] = print, **kw) -> dict:
+    """Set the draft vocabulary from `windows`, then train `head` in place against the frozen `target` (`kw`:
+    `distil`'s evaluation, checkpoint and resume arguments)."""
+    set_draft_vocab(head, windows)
+    report = distil(head, target, windows, spec, _loss, tag="eagle3", metric="loss", log=log, **kw)
+    return {**report, **describe(head)}
+
+
+def describe(head: Eagle3Head) -> dict:
+    """The head's draft vocabulary and target layers, for the training report."""
+    return {"draft_vocab_size": head.config.draft_vocab_size,
             "eagle3_layers": ",".join(map(str, head.config.aux_layers))}
 
 
@@ -92,9 +104,11 @@ def make_eagle3_head(target, spec: Eagle3TrainSpec) -> Eagle3Head:
 
 def train_eagle3_head(preset: str, *, out: str | Path | None = None, preset_dir: str | Path | None = None,
                       device: str = "cpu", spec: Eagle3TrainSpec = Eagle3TrainSpec(), corpus: Corpus | None = None,
-                      log: Callable[[str], None] = print) -> Path:
+                      log: Callable[[str], None] = print, resume: bool = False) -> Path:
     """Train, evaluate and save an EAGLE-3 head for the preset's target; returns the head folder (default:
-    `<preset folder>/eagle3`). `corpus` overrides the preset's (tests pass a small one)."""
+    `<preset folder>/eagle3`). `corpus` overrides the preset's (tests pass a small one); `resume` continues from the
+    folder's checkpoint."""
     return train_and_save("eagle3", preset, out=out, preset_dir=preset_dir, device=device, spec=spec, corpus=corpus,
-                          log=log, make_head=lambda target: make_eagle3_head(target, spec),
-                          train=train_eagle3, evaluate=evaluate_eagle3)
+                          log=log, make_head=lambda target: make_eagle3_head(target, spec), loss_fn=_loss,
+                          metric="loss", evaluate=evaluate_eagle3, resume=resume, prepare=set_draft_vocab,
+                          describe=describe)
