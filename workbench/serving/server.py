@@ -576,7 +576,7 @@ def build_server(session, cfg, *, max_model_len: int = 0, name: str | None = Non
 
     loop = make_loop()
     if cfg.cuda_graphs:  # before serving: every (bucket, draft length) the adaptive rules can ask for
-        engine.capture_graphs(cfg.max_num_seqs, node_counts=adaptive.node_counts(cfg.max_num_seqs, loop.chains),
+        engine.capture_graphs(cfg.max_num_seqs, node_counts=adaptive.node_counts(cfg.max_num_seqs),
                               max_prefill_tokens=cfg.prefill_chunk or loop.cache.max_len,
                               prefill_rows=max(1, min(tuning.batch_prefill, cfg.max_num_seqs)))
     if cfg.gc_freeze:  # the engine's and the app's long-lived objects out of the collector's full passes, for good
