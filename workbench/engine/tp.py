@@ -88,6 +88,14 @@ def _rows(t: Tensor | None, spans: list[tuple[int, int]]) -> Tensor | None:
     return None if t is None else torch.cat([t[a:b] for a, b in spans], 0).clone()
 
 
+def _keep_rows_(lin: nn.Linear, spans: list[tuple[int, int]]) -> None:
+    """Column-parallel in place: `lin` keeps only its output rows in `spans` (weight and bias)."""
+    lin.weight = nn.Parameter(_rows(lin.weight, spans), requires_grad=False)
+    if lin.bias is not None:
+        lin.bias = nn.Parameter(_rows(lin.bias, spans), requires_grad=False)
+    lin.out_features = lin.weight.shape[0]
+
+
 def shard_llama_(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
     """Shard `model` (a float `LlamaModel`, on this rank's device) in place for rank `rank` of `world`; returns it.
     Every rank must call it with the same model. TensorParallelError for a world that does not divide the model,
@@ -114,20 +122,12 @@ def shard_llama_(model: nn.Module, rank: int, world: int, group=None) -> nn.Modu
                                               "sharding is not supported yet: run with target_quant none")
             q0, k0, v0 = rank * hq * d, q_all + rank * hkv * d, q_all + kv_all + rank * hkv * d
             spans = [(q0, q0 + hq * d), (k0, k0 + hkv * d), (v0, v0 + hkv * d)]
-            qkv = attn.qkv_proj
-            qkv.weight = nn.Parameter(_rows(qkv.weight, spans), requires_grad=False)
-            if qkv.bias is not None:
-                qkv.bias = nn.Parameter(_rows(qkv.bias, spans), requires_grad=False)
-            qkv.out_features = qkv.weight.shape[0]
+            _keep_rows_(attn.qkv_proj, spans)
             o = attn.o_proj
             attn.o_proj = RowParallelLinear(o.weight[:, rank * hq * d:(rank + 1) * hq * d], o.bias, group)
             attn.num_heads, attn.num_kv_heads = hq, hkv
             spans = [(rank * il, (rank + 1) * il), (inter + rank * il, inter + (rank + 1) * il)]
-            gu = mlp.gate_up_proj
-            gu.weight = nn.Parameter(_rows(gu.weight, spans), requires_grad=False)
-            if gu.bias is not None:
-                gu.bias = nn.Parameter(_rows(gu.bias, spans), requires_grad=False)
-            gu.out_features = gu.weight.shape[0]
+            _keep_rows_(mlp.gate_up_proj, spans)
             down = mlp.down_proj
             mlp.down_proj = RowParallelLinear(down.weight[:, rank * il:(rank + 1) * il], down.bias, group)
         model.lm_head = VocabParallelHead(model.lm_head_weight.detach(), rank, world, group)
