@@ -63,6 +63,17 @@ def ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def trees(text: str) -> tuple[tuple[int, int, int], ...]:
+    """ "5:8:32,4:4:16" -> ((5, 8, 32), (4, 4, 16)): eagle3 rows as depth:topk:budget."""
+    out = []
+    for spec in (x.strip() for x in text.split(",") if x.strip()):
+        parts = spec.split(":")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"{spec!r} is not depth:topk:budget with whole numbers > 0 (e.g. 5:8:32)")
+        out.append(tuple(int(p) for p in parts))
+    return tuple(out)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small", help="zoo preset (default small)")
@@ -81,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tree-budgets", type=ints, default=(8, 24), help="eagle node budgets (default 8,24)")
     ap.add_argument("--tree-depth", type=int, default=5, help="eagle tree depth (default 5)")
     ap.add_argument("--tree-topk", type=int, default=4, help="eagle children per expanded node (default 4)")
+    ap.add_argument("--eagle3-trees", type=trees, default=(),
+                    help="eagle3 rows, each depth:topk:budget, comma-separated (e.g. 5:8:32,4:4:16; default none): "
+                         "the head `zoo train-head --kind eagle3` put beside the target")
     ap.add_argument("--beam-widths", type=ints, default=(1, 2, 4), help="redrafter beam widths W (default 1,2,4)")
     ap.add_argument("--beam-length", type=int, default=4, help="redrafter beam length L (default 4)")
     ap.add_argument("--category-prompts", type=int, default=4,
@@ -136,6 +150,9 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[str, BenchConfig]], list[
             rows += [(f"eagle budget={n} depth={args.tree_depth} topk={args.tree_topk}",
                       replace(b, method="eagle", **dict(zip(EAGLE_KNOBS, (n, args.tree_depth, args.tree_topk)))))
                      for n in args.tree_budgets]
+            rows += [(f"eagle3 budget={n} depth={d} topk={k}",
+                      replace(b, method="eagle3", **dict(zip(EAGLE_KNOBS, (n, d, k)))))
+                     for d, k, n in args.eagle3_trees]
         rows += [(f"redrafter W={w} L={args.beam_length}", replace(b, method="redrafter", beam_width=w))
                  for w in args.beam_widths]
     for label, cfg in rows:  # bounds, choices and the rules between knobs: before any model is loaded
@@ -221,7 +238,8 @@ def table_md(result: dict) -> str:
     lines = [f"# Tree and beam drafters · {m['preset']} · {m['device_name']} · {m['dtype']}", "",
              f"{m['num_prompts']} prompts ({', '.join(f'{c}: {n}' for c, n in m['main_categories'].items())}) x "
              f"{m['max_new_tokens']} new tokens, {m['repeats']} repeats, CUDA graphs {fmt(m['cuda_graphs'])}; "
-             f"redrafter head: {m['redrafter_head'] or '—'}; {m['elapsed_s']:.0f} s in all.", ""]
+             f"redrafter head: {m['redrafter_head'] or '—'}; eagle head: {m.get('eagle_head') or '—'}; "
+             f"eagle3 head: {m.get('eagle3_head') or '—'}; {m['elapsed_s']:.0f} s in all.", ""]
     cols = ["label", "batch", "mean_accepted_tokens", "acceptance_rate", "beam_diversity_mean",
             "beam_disagreement_mean", "acceptance_by_rank", "draft_target_cost_ratio", "tokens_per_s",
             "speedup_vs_ar", "greedy_matches_ar"]
@@ -363,7 +381,8 @@ def result_of(args, session, prompts, chosen, categories, env, t0, rows, cat_res
                  "prompts_source": session.prompts_source, "main_prompt_ids": [prompts[i].id for i in chosen],
                  "main_categories": {c: sum(prompts[i].category == c for i in chosen) for c in categories
                                      if any(prompts[i].category == c for i in chosen)},
-                 "redrafter_head": session.redrafter_head_source, "elapsed_s": time.perf_counter() - t0,
+                 "redrafter_head": session.redrafter_head_source, "eagle_head": session.eagle_head_source,
+                 "eagle3_head": session.eagle3_head_source, "elapsed_s": time.perf_counter() - t0,
                  "args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()}, "env": env},
         "rows": rows, "categories": cat_results, "notes": list(notes),
     }

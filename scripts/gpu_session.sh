@@ -20,6 +20,8 @@
 #                  of eagle and redrafter against AR per batch: where the tree stops paying)
 #   trees40        issue 40's closing figures: verify width at the 8B shape, step costs there (batch 1), tiny end to end
 #                  with bench_trees, then trees served under load on tiny (gpu_serving_trees.py)
+#   heads41        issue 41 on small: EAGLE-3, EAGLE and ReDrafter heads trained on the target's own text (--data self,
+#                  held-out curve, early stop), then bench_trees at batch 1 with AR and the draft-model chain beside them
 #   treesload      issue 40 after the captured tree step: tiny end to end again (the ReDrafter row crashed before), then
 #                  small at batch 1, and trees served under load on small (graphs on, compile off: warm-ups in seconds)
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
@@ -165,6 +167,20 @@ trees40)
   step serving_tiny 120 $PY scripts/gpu_serving_trees.py --device cuda --preset tiny \
     --methods ar,draft,ngram,eagle,redrafter --max-num-seqs 16 --num-requests 64 --max-new-tokens 64 --rates 0.5,1 \
     --repeats 3 --budget-s "$(( $(left) - 20 ))" --out "$R/serving_tiny" ;;
+heads41)
+  train_small
+  H="--preset small --device cuda --data self --self-tokens ${SELF_TOKENS:-1000000} --batch-size 64 --eval-windows 64"
+  step head_eagle3 60 $PY -m workbench zoo train-head --kind eagle3 $H --draft-vocab 4096 --eval-every 150 \
+    --patience 6 --max-seconds "${E3_S:-110}"
+  step head_eagle 50 $PY -m workbench zoo train-head --kind eagle $H --eval-every 150 --patience 6 --max-seconds 70
+  step head_redrafter 40 $PY -m workbench zoo train-head --kind redrafter $H --eval-every 150 --patience 6 \
+    --max-seconds 50
+  for k in eagle3 eagle redrafter; do
+    [ -f "zoo_cache/small/$k/manifest.json" ] && cp "zoo_cache/small/$k/manifest.json" "$R/small_${k}_manifest.json"
+  done
+  step trees_small 90 $PY scripts/bench_trees.py --preset small --device cuda --out "$R/trees_small" --batches 1 \
+    --num-prompts 8 --max-new-tokens 128 --tree-depth 4 --tree-topk 4 --tree-budgets 16 --eagle3-trees 5:8:32,4:4:16 \
+    --beam-widths 4 --beam-length 4 --category-prompts 0 --budget-s "$(( $(left) - 25 ))" ;;
 treesload)
   step trees_tiny 90 $PY scripts/bench_trees.py --preset tiny --device cuda --out "$R/trees_tiny" --batches 1 \
     --num-prompts 8 --max-new-tokens 128 --tree-depth 4 --tree-topk 4 --tree-budgets 16 --beam-widths 4 \

@@ -64,7 +64,20 @@ def test_bad_settings_are_named_before_any_run(tmp_path, capsys, flags, message)
     assert not (tmp_path / "results.json").exists()
 
 
+def test_eagle3_rows_run_with_their_own_tree_and_name_their_head(tmp_path):
+    flags = ["--category-prompts", "0", "--beam-widths", "1", "--tree-budgets", "4", "--tree-depth", "2",
+             "--tree-topk", "2", "--eagle3-trees", "2:2:4,3:2:6"]
+    assert bt.main(TINY + ["--out", str(tmp_path)] + flags) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["label"]: r for r in result["rows"]}
+    e3 = [rows["eagle3 budget=4 depth=2 topk=2"], rows["eagle3 budget=6 depth=3 topk=2"]]
+    assert all(r["method"] == "eagle3" and r["error"] is None and r["greedy_matches_ar"] for r in e3)
+    assert result["meta"]["eagle3_head"].startswith("untrained")  # tiny ships no EAGLE-3 head
+    assert result["meta"]["eagle_head"].endswith("eagle")
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--eagle3-trees", "5:8"], "is not depth:topk:budget"),
     (["--batches", "1,x"], "not a comma-separated list"),
     (["--cuda-graphs"], "needs --device cuda"),
     (["--repeats", "0"], "--repeats must be >= 1"),
