@@ -22,6 +22,8 @@
 #                  with bench_trees, then trees served under load on tiny (gpu_serving_trees.py)
 #   heads41        issue 41 on small: EAGLE-3, EAGLE and ReDrafter heads trained on the target's own text (--data self,
 #                  held-out curve, early stop), then bench_trees at batch 1 with AR and the draft-model chain beside them
+#   treestiny      issue 40's ReDrafter crash check on tiny (the committed heads), then tiny's EAGLE and ReDrafter heads
+#                  retrained on the GPU (issue 41; tars with the held-out windows), then tiny again with the new heads
 #   treesload      issue 40 after the captured tree step: tiny end to end again (the ReDrafter row crashed before), then
 #                  small at batch 1, and trees served under load on small (graphs on, compile off: warm-ups in seconds)
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
@@ -181,6 +183,18 @@ heads41)
   step trees_small 90 $PY scripts/bench_trees.py --preset small --device cuda --out "$R/trees_small" --batches 1 \
     --num-prompts 8 --max-new-tokens 128 --tree-depth 4 --tree-topk 4 --tree-budgets 16 --eagle3-trees 5:8:32,4:4:16 \
     --beam-widths 4 --beam-length 4 --category-prompts 0 --budget-s "$(( $(left) - 25 ))" ;;
+treestiny)
+  T="--preset tiny --device cuda --batches 1 --num-prompts 8 --max-new-tokens 128 --tree-depth 4 --tree-topk 4
+     --tree-budgets 16 --beam-widths 4 --beam-length 4 --category-prompts 0"
+  step trees_tiny 90 $PY scripts/bench_trees.py $T --out "$R/trees_tiny" --budget-s 110
+  for k in eagle redrafter; do
+    step "tinyhead_$k" 60 $PY -m workbench zoo train-head --kind $k --preset tiny --dir workbench/zoo/weights/tiny \
+      --device cuda --data self --self-tokens "${SELF_TOKENS:-1000000}" --batch-size 64 --eval-windows 64 \
+      --eval-every 200 --patience 6 --max-seconds "${TINYHEAD_S:-80}"
+    [ -f "workbench/zoo/weights/tiny/$k/train_state.pt" ] && \
+      tar -C workbench/zoo/weights/tiny -cf "$R/tiny_$k.tar" --exclude train_state.pt --exclude 'self_train_*' "$k"
+  done
+  step trees_tiny_new 60 $PY scripts/bench_trees.py $T --out "$R/trees_tiny_new" --budget-s "$(( $(left) - 15 ))" ;;
 treesload)
   step trees_tiny 90 $PY scripts/bench_trees.py --preset tiny --device cuda --out "$R/trees_tiny" --batches 1 \
     --num-prompts 8 --max-new-tokens 128 --tree-depth 4 --tree-topk 4 --tree-budgets 16 --beam-widths 4 \
