@@ -52,7 +52,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
-from workbench.engine.drafters import Drafter, EagleHead, RedrafterHead, make_drafter  # noqa: E402
+from workbench.engine.drafters import (Drafter, Eagle3Head, EagleHead, RedrafterHead, engine_target,  # noqa: E402
+                                       make_drafter)
 from workbench.engine.tree import DraftTree  # noqa: E402
 from workbench.models import LlamaModel, ModelConfig  # noqa: E402
 from workbench.serving.loop import frozen_gc  # noqa: E402
@@ -69,7 +70,8 @@ RANDOM_CONFIGS = {
     "tiny-random": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
 }
-METHODS = ("ar", "ngram", "draft", "eagle", "redrafter", "tree")
+METHODS = ("ar", "ngram", "draft", "eagle", "eagle3", "redrafter", "tree")
+HEADS = ("eagle", "eagle3", "redrafter")
 PHASES = ("draft", "verify", "accept", "kv")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 HEAD_SEED = 0
@@ -105,6 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tree-depth", type=int, default=4, help="eagle tree depth D (default 4)")
     ap.add_argument("--tree-topk", type=int, default=4, help="eagle children per node K (default 4)")
     ap.add_argument("--tree-budget", type=int, default=16, help="eagle nodes N, and the fixed tree's (default 16)")
+    ap.add_argument("--draft-vocab", type=int, default=32000,
+                    help="eagle3 on a random target: its draft vocabulary (default 32000, the published Llama-3 heads')")
     ap.add_argument("--beam-width", type=int, default=4,
                     help="redrafter beams W, and the fixed tree's branches (default 4)")
     ap.add_argument("--beam-length", type=int, default=4, help="redrafter beam length L (default 4)")
@@ -197,9 +201,12 @@ class Target:
         t = cls(args, device)
         t.name, t.kind = args.target_config, "random"
         t.model = random_target(args.target_config, DTYPES[args.dtype], device)
+        vd = min(args.draft_vocab, t.model.config.vocab_size)
         t.heads = {"eagle": lambda: EagleHead.for_target(t.model, seed=HEAD_SEED),
+                   "eagle3": lambda: Eagle3Head.for_target(t.model, seed=HEAD_SEED, draft_tokens=torch.arange(vd)),
                    "redrafter": lambda: RedrafterHead.for_target(t.model, seed=HEAD_SEED)}
-        t.head_sources = {"eagle": f"untrained (seed {HEAD_SEED})", "redrafter": f"untrained (seed {HEAD_SEED})"}
+        t.head_sources = {k: f"untrained (seed {HEAD_SEED})" for k in HEADS}
+        t.head_sources["eagle3"] += f", draft vocabulary {vd}"
         return t
 
     @classmethod
@@ -210,7 +217,7 @@ class Target:
         t = cls(args, device)
         t.name, t.kind = args.preset, "preset"
         t.model, t.draft = session.target, session.draft
-        t.heads = {"eagle": session.eagle_head, "redrafter": session.redrafter_head}
+        t.heads = {"eagle": session.eagle_head, "eagle3": session.eagle3_head, "redrafter": session.redrafter_head}
         t.head_sources = {}
         t.session = session
         ids = [i for p in session.prompts for i in session.tokenizer.encode(p.text).ids]
@@ -221,11 +228,10 @@ class Target:
 
     def head(self, kind: str):
         """The method's head, made (or loaded) once and kept for every batch."""
-        if not isinstance(self.heads[kind], torch.nn.Module):
-            self.heads[kind] = self.heads[kind]()
+        if callable(self.heads[kind]) and not isinstance(self.heads[kind], torch.nn.Module):
+            self.heads[kind] = self.heads[kind]()  # a preset without an EAGLE-3 head gives None: make_drafter's own
             if self.kind == "preset":
-                src = self.session.eagle_head_source if kind == "eagle" else self.session.redrafter_head_source
-                self.head_sources[kind] = src
+                self.head_sources[kind] = getattr(self.session, f"{kind}_head_source")
         return self.heads[kind]
 
     def prompts(self, batch: int) -> list[list[int]]:
@@ -255,6 +261,10 @@ class Target:
             if m == "draft" and self.draft is None:
                 notes.append(f"{self.name}: draft k={a.k} skipped (a random target has no draft model)")
                 continue
+            if m == "eagle3" and self.model.config.num_hidden_layers < 3:
+                notes.append(f"{self.name}: eagle3 skipped (an EAGLE-3 head reads three distinct target layers; this "
+                             f"target has {self.model.config.num_hidden_layers})")
+                continue
             out.append((m, label_of(m, a)))
         return out, notes
 
@@ -264,13 +274,14 @@ class Target:
             return StaticTreeDrafter(a.beam_width, a.tree_budget // a.beam_width, self.model.config.vocab_size)
         knobs = {"k": a.k, "ngram_min": 1, "ngram_max": 3, "tree_depth": a.tree_depth, "tree_topk": a.tree_topk,
                  "tree_budget": a.tree_budget, "beam_width": a.beam_width, "beam_length": a.beam_length}
-        heads = {m: self.head(m) for m in ("eagle", "redrafter") if m == method}
+        heads = {m: self.head(m) for m in HEADS if m == method and self.head(m) is not None}
         return make_drafter(method, knobs, draft=self.draft, target=self.model, heads=heads)
 
 
 def label_of(method: str, a) -> str:
     return {"ar": "ar", "ngram": f"ngram k={a.k}", "draft": f"draft k={a.k}",
             "eagle": f"eagle D{a.tree_depth} K{a.tree_topk} N{a.tree_budget}",
+            "eagle3": f"eagle3 D{a.tree_depth} K{a.tree_topk} N{a.tree_budget}",
             "redrafter": f"redrafter W{a.beam_width} L{a.beam_length}",
             "tree": f"tree verify {1 + a.tree_budget} nodes"}[method]
 
@@ -368,7 +379,8 @@ def measure_batch(target: Target, batch: int, methods: list[tuple[str, str]], t0
             continue
         s, eng = time.perf_counter(), None
         try:
-            eng = SpecEngine(target.model, target.drafter(method), cfg, device)
+            drafter = target.drafter(method)
+            eng = SpecEngine(engine_target(target.model, drafter), drafter, cfg, device)
             eng.reserve(batch, a.context)
             outputs[method] = eng.generate(prompts).outputs  # captures the graphs this batch's steps replay
             sync(device)
