@@ -22,7 +22,8 @@
 #                  with bench_trees, then trees served under load on tiny (gpu_serving_trees.py)
 #   heads41        issue 41 on small: EAGLE-3, EAGLE and ReDrafter heads trained on the target's own text (--data self,
 #                  held-out curve, early stop), then bench_trees at batch 1 with AR and the draft-model chain beside them
-#   treestiny      issue 40's ReDrafter crash check on tiny (the committed heads), then tiny's EAGLE and ReDrafter heads
+#   treestiny      issue 40's ReDrafter crash check on tiny (the committed heads), the 8B step costs with eagle3,
+#                  then tiny's EAGLE and ReDrafter heads
 #                  retrained on the GPU (issue 41; tars with the held-out windows), then tiny again with the new heads
 #   treesload      issue 40 after the captured tree step: tiny end to end again (the ReDrafter row crashed before), then
 #                  small at batch 1, and trees served under load on small (graphs on, compile off: warm-ups in seconds)
@@ -187,6 +188,8 @@ treestiny)
   T="--preset tiny --device cuda --batches 1 --num-prompts 8 --max-new-tokens 128 --tree-depth 4 --tree-topk 4
      --tree-budgets 16 --beam-widths 4 --beam-length 4 --category-prompts 0"
   step trees_tiny 90 $PY scripts/bench_trees.py $T --out "$R/trees_tiny" --budget-s 110
+  step steps8b 90 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/steps8b" --batches 1 \
+    --methods ar,eagle,eagle3,redrafter,tree --context 512 --steps 64 --rounds 3 --budget-s 130
   for k in eagle redrafter; do
     step "tinyhead_$k" 60 $PY -m workbench zoo train-head --kind $k --preset tiny --dir workbench/zoo/weights/tiny \
       --device cuda --data self --self-tokens "${SELF_TOKENS:-1000000}" --batch-size 64 --eval-windows 64 \
