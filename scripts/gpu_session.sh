@@ -25,6 +25,8 @@
 #   treestiny      issue 40's ReDrafter crash check on tiny (the committed heads), the 8B step costs with eagle3,
 #                  then tiny's EAGLE and ReDrafter heads
 #                  retrained on the GPU (issue 41; tars with the held-out windows), then tiny again with the new heads
+#   serve43        issue 43: `workbench serve` over HTTP against in-process serve-bench on small (carry .whl with the
+#                  server's wheels and optuna's), the soak on small, then the launch study's rank check on tiny
 #   treesload      issue 40 after the captured tree step: tiny end to end again (the ReDrafter row crashed before), then
 #                  small at batch 1, and trees served under load on small (graphs on, compile off: warm-ups in seconds)
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
@@ -198,6 +200,13 @@ treestiny)
       tar -C workbench/zoo/weights/tiny -cf "$R/tiny_$k.tar" --exclude train_state.pt --exclude 'self_train_*' "$k"
   done
   step trees_tiny_new 60 $PY scripts/bench_trees.py $T --out "$R/trees_tiny_new" --budget-s "$(( $(left) - 15 ))" ;;
+serve43)
+  train_small
+  step http_small 120 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
+    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds 3 --out "$R/serve_http_small.json"
+  step soak_small 40 $PY scripts/server_soak.py --preset small --device cuda --requests 200 --out "$R/soak_small"
+  step rank_tiny 60 $PY scripts/launch_rank_check.py --preset tiny --device cuda --method ngram --ks 1,2,3,4,5,6 \
+    --max-num-seqs 16 --num-requests 64 --max-new-tokens 64 --rounds 2 --out "$R/rank_tiny" ;;
 treesload)
   step trees_tiny 90 $PY scripts/bench_trees.py --preset tiny --device cuda --out "$R/trees_tiny" --batches 1 \
     --num-prompts 8 --max-new-tokens 128 --tree-depth 4 --tree-topk 4 --tree-budgets 16 --beam-widths 4 \
