@@ -19,6 +19,8 @@ Per target and batch (--batches), every method through the engine itself (SpecEn
   draft k     the draft-model chain (presets only)
   eagle       EAGLE-2 tree, depth / top-k / budget = --tree-depth / --tree-topk / --tree-budget (untrained head on a
               random target)
+  eagle3      EAGLE-3, the same tree (presets: their trained eagle3 head; random targets: an untrained head over a
+              --draft-vocab draft vocabulary, whose smaller LM head is EAGLE-3's saving)
   redrafter   ReDrafter beams, width / length = --beam-width / --beam-length
   tree        a fixed tree of --tree-budget nodes (--beam-width branches of equal depth) with no drafting cost: the
               engine's tree verify step (the target over 1 + N tokens with a tree mask, acceptance, KV compaction);
