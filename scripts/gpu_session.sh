@@ -22,6 +22,7 @@
 #                  with bench_trees, then trees served under load on tiny (gpu_serving_trees.py)
 #   heads41        issue 41 on small: EAGLE-3, EAGLE and ReDrafter heads trained on the target's own text (--data self,
 #                  held-out curve, early stop), then bench_trees at batch 1 with AR and the draft-model chain beside them
+#                  (each head costs ~30 s over its budget, small's training 186 s: run with SMALL_SECONDS=100 BUDGET=570)
 #   treestiny      issue 40's ReDrafter crash check on tiny (the committed heads), the 8B step costs with eagle3,
 #                  then tiny's EAGLE and ReDrafter heads
 #                  retrained on the GPU (issue 41; tars with the held-out windows), then tiny again with the new heads
@@ -176,10 +177,10 @@ heads41)
   train_small
   H="--preset small --device cuda --data self --self-tokens ${SELF_TOKENS:-1000000} --batch-size 64 --eval-windows 64"
   step head_eagle3 60 $PY -m workbench zoo train-head --kind eagle3 $H --draft-vocab 4096 --eval-every 150 \
-    --patience 6 --max-seconds "${E3_S:-110}"
-  step head_eagle 50 $PY -m workbench zoo train-head --kind eagle $H --eval-every 150 --patience 6 --max-seconds 70
+    --patience 6 --max-seconds "${E3_S:-80}"
+  step head_eagle 50 $PY -m workbench zoo train-head --kind eagle $H --eval-every 150 --patience 6 --max-seconds 50
   step head_redrafter 40 $PY -m workbench zoo train-head --kind redrafter $H --eval-every 150 --patience 6 \
-    --max-seconds 50
+    --max-seconds 35
   for k in eagle3 eagle redrafter; do
     [ -f "zoo_cache/small/$k/manifest.json" ] && cp "zoo_cache/small/$k/manifest.json" "$R/small_${k}_manifest.json"
   done
