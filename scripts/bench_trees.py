@@ -8,8 +8,9 @@
 Rows, per batch size (default 1 and 8), through the harness (`BenchSession.run`: engines reused across runs, CUDA
 graphs captured in the warm-up, AR and candidate interleaved per repeat):
   ar; draft k; ngram k; eagle at each --tree-budgets (depth --tree-depth, top-k --tree-topk; skipped with a note
-  while method "eagle" or its knobs are not in workbench.settings: it is being built on branch eagle); redrafter
-  at each --beam-widths (length --beam-length).
+  while method "eagle" or its knobs are not in workbench.settings); eagle3 at each --eagle3-trees depth:topk:budget
+  (none by default; the preset's trained eagle3 head, else an untrained one, named in the table); redrafter at each
+  --beam-widths (length --beam-length).
 Each row: mean accepted tokens, acceptance rate, beam diversity, pairwise beam disagreement, acceptance by node rank,
 draft/target cost ratio, tokens/s (median over --repeats, with min / max / CV), speedup vs our AR of the same run
 (paired, with its 95 % interval), greedy parity.
