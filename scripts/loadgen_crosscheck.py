@@ -309,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                         run_group(aiperf_argv(aiperf, url, model, str(preset.target_dir), str(input_file),
                                               args.num_requests, args.max_new_tokens, args.seed, str(art)),
                                   tmp / f"aiperf_r{rep}.log", args.run_timeout)
-                        for suffix in ("json", "csv"):  # the summary only: the per-request files are large
-                            shutil.copy(art / f"profile_export_aiperf.{suffix}", raw / f"aiperf_r{rep}.{suffix}")
+                        # the JSON summary only, compact (its CSV says the same; the per-request files are large)
                         summary = json.loads((art / "profile_export_aiperf.json").read_text())
+                        (raw / f"aiperf_r{rep}.json").write_text(json.dumps(summary, separators=(",", ":")))
                         runs["aiperf"].append({"repeat": rep, **parse_aiperf_summary(summary)})
                     else:
                         rec = last_json(run_group(sb(rate, args.num_requests, args.seed), tmp / f"sb_r{rep}.log",

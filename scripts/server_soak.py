@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
               "health_ms_max": round(max((h for h in health_ms if h == h), default=float("nan")), 2),
               "kv_blocks": after["workbench:kv_blocks"], "kv_free_blocks_after": after["workbench:kv_free_blocks"],
               "checks": checks, "passed": all(checks.values()), "results": results}
-    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "results.json").write_text(json.dumps(result) + "\n")  # one line: 200 requests' outcomes
     lines = [f"# `workbench serve` soak · {args.preset} · {args.device}", "",
              f"`python scripts/server_soak.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"{args.requests} requests at once ({', '.join(f'{k} {len(v)}' for k, v in by_kind.items())}), "
