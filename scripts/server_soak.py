@@ -50,16 +50,12 @@ def parse(argv):
 
 
 def metrics(url: str) -> dict[str, float]:
-    """/metrics as {name[labels except model_name]: value} (the Prometheus client's own parser)."""
+    """/metrics as {name[label=value]: value} (`endpoint.flat_samples`)."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
-    out = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[s.name + (f"[{labels}]" if labels else "")] = s.value
-    return out
+    from workbench.serving.endpoint import flat_samples
+
+    return flat_samples(httpx.get(f"{url}/metrics", timeout=10).text)
 
 
 def plan(n: int, seed: int) -> list[str]:

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from workbench.serving.config import ServeConfig
+from workbench.serving.endpoint import flat_samples
 from workbench.serving.request import Request
 
 PROMPTS = ["def fib(n):", "import numpy as np\n", "class Stack:\n    def push(self, x):", "for i in range(10):"]
@@ -50,13 +50,7 @@ class LiveServer:
         self.thread.join(30)
 
     def metrics(self) -> dict:
-        text = httpx.get(f"{self.url}/metrics").text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                key = s.name + "".join(f"[{k}={v}]" for k, v in sorted(s.labels.items()) if k != "model_name")
-                out[key] = s.value
-        return out
+        return flat_samples(httpx.get(f"{self.url}/metrics").text)
 
     def free_blocks(self) -> tuple[int, int]:
         return self.worker.call(lambda loop: (loop.cache.free_blocks, loop.num_blocks))

@@ -124,6 +124,18 @@ def server_identity(client, model: str | None) -> dict:
     return out
 
 
+def flat_samples(text: str) -> dict[str, float]:
+    """A Prometheus text as {name[label=value]...: value}, labels sorted, the model_name label left out.
+
+    >>> flat_samples('m_total{model_name="x",finished_reason="abort"} 3.0\\ng 2.0\\n')
+    {'m_total[finished_reason=abort]': 3.0, 'g': 2.0}
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name + "".join(f"[{k}={v}]" for k, v in sorted(s.labels.items()) if k != "model_name"): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def spec_counters(text: str) -> dict | None:
     """The speculation counters of a Prometheus text (labels summed over: one server, several ranks or models):
     {"source": "vllm", drafts, draft_tokens, accepted, per_pos: {i: n}} or {"source": "sglang", accept_rate,
