@@ -29,8 +29,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -174,28 +172,19 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
 
 
 def run_group(argv: list[str], log_path: Path, timeout_s: float, env: dict | None = None) -> str:
-    """Runs argv in a process group of its own and waits; the whole group is killed on a timeout or an error here
-    (aiperf forks workers), and a non-zero exit raises with the log's tail. Returns stdout."""
-    from workbench.serving.launcher import group_pids, tail
+    """Runs argv in a process group of its own (`launcher.ServerProcess`) and waits; the whole group is stopped
+    afterwards whatever happens (aiperf forks workers), and a non-zero exit raises with the log's tail. Returns the
+    log (stdout and stderr)."""
+    from workbench.serving.launcher import ServerProcess, tail
 
-    with open(log_path, "wb") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
-        try:
-            stdout, _ = proc.communicate(timeout=timeout_s)
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                if proc.poll() is None or group_pids(proc.pid):
-                    try:
-                        os.killpg(proc.pid, sig)
-                    except ProcessLookupError:
-                        pass
-                    time.sleep(1.0)
-            proc.wait(timeout=10)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(argv[:3])} ... exited with status {proc.returncode}:\n"
-                           f"{tail(log_path, 30)}\n{stdout.decode(errors='replace')[-2000:]}")
-    return stdout.decode(errors="replace")
+    proc = ServerProcess.start(argv, log_path, env=env)
+    try:
+        code = proc.proc.wait(timeout=timeout_s)
+    finally:
+        proc.stop(grace_s=1.0)
+    if code != 0:
+        raise RuntimeError(f"{shlex.join(argv[:3])} ... exited with status {code}:\n{tail(log_path, 30)}")
+    return Path(log_path).read_text(errors="replace")
 
 
 def serve_bench_argv(url: str, prompts_path: str, rate: float, n: int, max_tokens: int, seed: int) -> list[str]:
@@ -204,11 +193,12 @@ def serve_bench_argv(url: str, prompts_path: str, rate: float, n: int, max_token
             "--max-new-tokens", str(max_tokens), "--warmup-requests", "0", "--no-store", "--json"]
 
 
-def last_json(stdout: str) -> dict:
-    for line in reversed(stdout.splitlines()):
+def last_json(output: str) -> dict:
+    """The last JSON object line of a serve-bench run's output (its `--json` row)."""
+    for line in reversed(output.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    raise RuntimeError(f"serve-bench printed no JSON row:\n{stdout[-2000:]}")
+    raise RuntimeError(f"serve-bench printed no JSON row:\n{output[-2000:]}")
 
 
 def run_json_get(url: str) -> str:
