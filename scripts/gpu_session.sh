@@ -30,6 +30,7 @@
 #                  server's wheels and optuna's), the soak on small, then the launch study's rank check on tiny
 #   treesload      issue 40 after the captured tree step: tiny end to end again (the ReDrafter row crashed before), then
 #                  small at batch 1, and trees served under load on small (graphs on, compile off: warm-ups in seconds)
+#   treeparity     the ReDrafter bf16 divergence on tiny: two identical runs per engine setting changed one at a time
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -75,11 +76,13 @@ floor() {  # floor STEP MIN_SECONDS CONFIG ARGS...: gpu_quant.py's floor part fo
   step "$name" "$need" $PY scripts/gpu_quant.py --device cuda --out "$R/$name" --parts floor \
     --floor-configs "$config" "$@"
 }
-heads() {  # the small preset's ReDrafter and EAGLE heads, trained on the device if missing
-  [ -f zoo_cache/small/redrafter/manifest.json ] || \
-    step head_redrafter 40 $PY -m workbench zoo train-head --kind redrafter --preset small --device cuda --max-seconds 25
+HEADS="--preset small --device cuda --data self --self-tokens ${SELF_TOKENS:-1000000} --batch-size 64 --eval-windows 64
+       --eval-every 150 --patience 6"
+heads() {  # the small preset's ReDrafter and EAGLE heads, trained on the device if missing (heads41's settings)
   [ -f zoo_cache/small/eagle/manifest.json ] || \
-    step head_eagle 50 $PY -m workbench zoo train-head --kind eagle --preset small --device cuda --max-seconds 35
+    step head_eagle 50 $PY -m workbench zoo train-head --kind eagle $HEADS --max-seconds 50
+  [ -f zoo_cache/small/redrafter/manifest.json ] || \
+    step head_redrafter 40 $PY -m workbench zoo train-head --kind redrafter $HEADS --max-seconds 35
 }
 serving_small() {  # serving_small METHOD NEED ARGS...: gpu_serving.py on small, max_num_seqs 64, 64 warm-up requests
   local method=$1 need=$2; shift 2
@@ -175,12 +178,8 @@ trees40)
     --repeats 3 --budget-s "$(( $(left) - 20 ))" --out "$R/serving_tiny" ;;
 heads41)
   train_small
-  H="--preset small --device cuda --data self --self-tokens ${SELF_TOKENS:-1000000} --batch-size 64 --eval-windows 64"
-  step head_eagle3 60 $PY -m workbench zoo train-head --kind eagle3 $H --draft-vocab 4096 --eval-every 150 \
-    --patience 6 --max-seconds "${E3_S:-80}"
-  step head_eagle 50 $PY -m workbench zoo train-head --kind eagle $H --eval-every 150 --patience 6 --max-seconds 50
-  step head_redrafter 40 $PY -m workbench zoo train-head --kind redrafter $H --eval-every 150 --patience 6 \
-    --max-seconds 35
+  step head_eagle3 60 $PY -m workbench zoo train-head --kind eagle3 $HEADS --draft-vocab 4096 --max-seconds "${E3_S:-80}"
+  heads
   for k in eagle3 eagle redrafter; do
     [ -f "zoo_cache/small/$k/manifest.json" ] && cp "zoo_cache/small/$k/manifest.json" "$R/small_${k}_manifest.json"
   done
@@ -220,6 +219,14 @@ treesload)
   step serving_small 120 $PY scripts/gpu_serving_trees.py --device cuda --preset small --compile off \
     --methods ar,draft,eagle,redrafter --max-num-seqs 16 --num-requests 64 --max-new-tokens 64 --rates 0.5,1 \
     --repeats 3 --budget-s "$(( $(left) - 20 ))" --out "$R/serving_small" ;;
+treeparity)
+  # the ReDrafter bf16 divergence: two identical runs per engine setting (overlap, graphs, compile, attention), tiny
+  step parity_bf16 60 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter \
+    --dtypes bfloat16 --out "$R/parity" --budget-s 240
+  step parity_blocking 40 env CUDA_LAUNCH_BLOCKING=1 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda \
+    --methods redrafter --dtypes bfloat16 --variants default,no_overlap --out "$R/parity_blocking" --budget-s 100
+  step parity_ctrl 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods eagle,redrafter \
+    --dtypes float32,bfloat16 --variants default --out "$R/parity_ctrl" --budget-s "$(( $(left) - 20 ))" ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small
