@@ -61,7 +61,7 @@ step() {  # step NAME MIN_SECONDS CMD...: run CMD under the time left, log its e
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$R/machine.txt"
 $PY -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" >> "$R/machine.txt"
 if [ -d .whl ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
   [ -d .whl/pylib ] && export PYTHONPATH=$PYTHONPATH:$PWD/.whl/pylib  # pure-Python packages copied as is (gguf)
 fi
 train_small() {
@@ -205,7 +205,7 @@ serve43)
   step http_small 120 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
     --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds 3 --out "$R/serve_http_small.json"
   step soak_small 40 $PY scripts/server_soak.py --preset small --device cuda --requests 200 --out "$R/soak_small"
-  step rank_tiny 60 $PY scripts/launch_rank_check.py --preset tiny --device cuda --method ngram --ks 1,2,3,4,5,6 \
+  [ -n "${NO_RANK:-}" ] || step rank_tiny 60 $PY scripts/launch_rank_check.py --preset tiny --device cuda --method ngram --ks 1,2,3,4,5,6 \
     --max-num-seqs 16 --num-requests 64 --max-new-tokens 64 --rounds 2 --out "$R/rank_tiny" ;;
 treesload)
   step trees_tiny 90 $PY scripts/bench_trees.py --preset tiny --device cuda --out "$R/trees_tiny" --batches 1 \

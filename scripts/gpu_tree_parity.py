@@ -23,9 +23,9 @@ VARIANTS = {  # name -> BenchConfig overrides, one setting changed from the defa
     "default": {},
     "no_overlap": {"overlap": False},
     "no_compile": {"compile": "off"},
-    "no_graphs": {"cuda_graphs": "off", "compile": "off"},
+    "no_graphs": {"cuda_graphs": False, "compile": "off"},
     "sdpa": {"attention": "sdpa"},
-    "sdpa_no_graphs": {"attention": "sdpa", "cuda_graphs": "off", "compile": "off", "overlap": False},
+    "sdpa_no_graphs": {"attention": "sdpa", "cuda_graphs": False, "compile": "off", "overlap": False},
 }
 
 

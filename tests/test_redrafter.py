@@ -144,3 +144,31 @@ def test_oracle_beams_accept_through_the_tree_kv_move(paged, cuda_graphs, target
     assert all(a == length for s in res.steps for a in s.accepted)  # the whole last beam, every step
     assert all(d == 3 * length - 1 for s in res.steps for d in s.drafted)  # beams 1 and 2 share their first node
     assert drafter.checked == sum(len(s.rows) for s in res.steps)
+
+
+def test_on_device_takes_cuda_for_the_current_card(monkeypatch):
+    """`torch.device("cuda") != cuda:0`: compared that way, ReDrafter reallocated `last_hidden` in every setup on a GPU
+    and every graph over it (its search, the engine's tree step) was captured again inside each generate."""
+    from types import SimpleNamespace
+
+    from workbench.engine.graphs import on_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    on0, on1 = SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cuda", 1))
+    assert torch.device("cuda") != on0.device  # the comparison that went wrong
+    assert on_device(on0, "cuda") and on_device(on0, torch.device("cuda:0")) and not on_device(on1, "cuda")
+    assert on_device(on1, "cuda:1") and not on_device(on0, "cpu")
+    assert on_device(torch.zeros(1), "cpu") and not on_device(torch.zeros(1), "cuda")
+
+
+def test_setup_keeps_its_buffers_and_step_across_generates(target):
+    """A second generate over the same engine reuses the drafter's `last_hidden`, its captured search and the engine's
+    tree step (a rebuild recaptures them inside a timed run)."""
+    drafter = make_drafter("redrafter", {"beam_width": 2, "beam_length": 3}, target=target,
+                           heads={"redrafter": RedrafterHead.for_target(target, seed=4)})
+    engine = SpecEngine(target, drafter, EngineConfig(max_new_tokens=6, cuda_graphs=True, graph_batch_sizes=(1, 2)))
+    first = engine.generate(PROMPTS[:1])
+    held = (drafter.last_hidden, drafter.step, engine.tree_step)
+    second = engine.generate(PROMPTS[:1])
+    assert second.outputs == first.outputs
+    assert all(a is b for a, b in zip((drafter.last_hidden, drafter.step, engine.tree_step), held))

@@ -542,6 +542,17 @@ class PrefillStep:
         return {**self.fixed.replay_callables(), **self.fixed_at.replay_callables()}
 
 
+def on_device(t: torch.Tensor, device: torch.device | str) -> bool:
+    """Whether `t` lives on `device`, where "cuda" names the current card: `torch.device("cuda")` never equals a
+    tensor's `cuda:0`, and a buffer compared that way is reallocated (and every graph over it recaptured) each time."""
+    d = torch.device(device)
+    if t.device.type != d.type:
+        return False
+    if d.index is None and d.type == "cuda":
+        return t.device.index == torch.cuda.current_device()
+    return d.index is None or t.device.index == d.index
+
+
 def upload(values: list, device: torch.device) -> torch.Tensor:
     """A small host list (or list of lists) as a long tensor on `device` without waiting for the GPU:
     `torch.tensor(values, device=cuda)` synchronizes the stream after its copy, which made every shortened serving

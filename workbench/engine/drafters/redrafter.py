@@ -33,7 +33,7 @@ from torch import nn
 
 from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDrafter
 from workbench.engine.drafters.head_io import SavedHead
-from workbench.engine.graphs import FixedShapeStep
+from workbench.engine.graphs import FixedShapeStep, on_device
 from workbench.engine.sampling import probs_from_logits
 from workbench.engine.tree import DraftTree
 
@@ -120,7 +120,7 @@ class RedrafterDrafter(OneStepDrafter):
         dtype = next(self.target.parameters()).dtype
         stats = self.step.stats if self.step is not None else None  # cumulative across rebuilds, like the engine's
         if self.last_hidden is None or self.last_hidden.shape[0] != ctx.max_rows + 1 \
-                or self.last_hidden.device != torch.device(ctx.device):
+                or not on_device(self.last_hidden, ctx.device):
             self.step = self._step_key = None  # a captured search reads the old buffer: drop it first
             self.last_hidden = torch.zeros(ctx.max_rows + 1, c.hidden_size, dtype=dtype, device=ctx.device)
         # the search bakes the sampling settings in (greedy vs tempered log-probs) and reads the engine's buffers:
