@@ -17,6 +17,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 KEYS = ["output_throughput", "request_throughput", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99",
         "acceptance_rate", "completed"]
 
@@ -37,6 +39,31 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s")
 
 
+def http_parity(url: str, engine, session, prompts: list[str], n: int, max_tokens: int) -> dict:
+    """n prompts sent one at a time over HTTP (greedy, token ids back) against each prompt's solo greedy output on an
+    engine without a drafter over the in-process engine's target and settings."""
+    import httpx
+
+    from workbench.serving.fidelity import solo_engine, solo_outputs
+    from workbench.serving.request import Request
+
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    ids = [session.tokenizer.encode(p).ids for p in prompts[:n]]
+    served = []
+    for x in ids:
+        r = httpx.post(f"{url}/v1/completions", timeout=600, json={
+            "model": model, "prompt": x, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        r.raise_for_status()
+        served.append(r.json()["choices"][0]["token_ids"])
+    solo, memo = solo_engine(engine), {}
+    want = [solo_outputs(solo, [Request(0, x, max_tokens)], memo)[0] for x in ids]
+    first = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None if len(g) == len(w) else min(len(g), len(w)))
+             for g, w in zip(served, want)]
+    return {"parity_requests": len(ids), "max_tokens": max_tokens, "equal_to_solo": sum(f is None for f in first),
+            "first_divergence": first, "dtype": str(session.dtype)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny")
@@ -52,6 +79,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run)")
     ap.add_argument("--compile", default="off", help="both sides' compile knob (default off: this compares the "
                     "serving paths, and each in-process engine would compile again)")
+    ap.add_argument("--parity-requests", type=int, default=16, help="prompts sent one at a time after the rounds, "
+                    "their tokens compared with solo greedy decoding in process (0: none)")
     ap.add_argument("--out", help="JSON file for every row")
     args = ap.parse_args()
 
@@ -92,6 +121,11 @@ def main() -> int:
                     print(json.dumps(rows[-1]), flush=True)
                     if load == "saturation" and where == "in-process" and half is None:
                         half = replace(sat, rate=0.5 * rec["request_throughput"])
+        if args.parity_requests:
+            engine = engine or engine_for(session, sat)
+            parity = http_parity(url, engine, session, prompts, args.parity_requests, args.max_new_tokens)
+            rows.append({"parity": parity})
+            print(json.dumps(rows[-1]), flush=True)
     finally:
         proc.terminate()
         try:
@@ -100,7 +134,7 @@ def main() -> int:
             proc.kill()
     for load in ("saturation", "half"):
         for key in ("output_throughput", "ttft_ms_p99"):
-            got = {w: [r[key] for r in rows if r["load"] == load and r["where"] == w] for w in ("in-process", "http")}
+            got = {w: [r[key] for r in rows if r.get("load") == load and r["where"] == w] for w in ("in-process", "http")}
             if got["in-process"] and got["http"]:
                 ratio = (sum(got["http"]) / len(got["http"])) / (sum(got["in-process"]) / len(got["in-process"]))
                 print(f"{load:>10} {key:>18}: in-process {got['in-process']}, http {got['http']}, "
