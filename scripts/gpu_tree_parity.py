@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -76,6 +77,7 @@ def main(argv=None) -> int:
                         runs = [session.run(cfg) for _ in range(2)]
                     except Exception as e:  # one variant failing (e.g. a backend missing here) is a finding too
                         row["error"] = f"{type(e).__name__}: {e}"
+                        row["traceback"] = traceback.format_exc().splitlines()[-12:]
                         print(json.dumps(row), flush=True)
                         f.write(json.dumps(row) + "\n")
                         continue
