@@ -212,8 +212,7 @@ class KVCache(ABC):
     def move_path(self, rows: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor) -> None:
         """`move` without a skip: every src_pos[b, j] [B, D] is copied to dst_pos[b, j] (a slot that stays put has
         src = dst), so no host read decides what moves (graph-capturable). All reads happen before the writes."""
-        r = rows.unsqueeze(1).expand_as(src_pos).reshape(-1)
-        self._copy_slots(r, src_pos.reshape(-1), dst_pos.reshape(-1))
+        self._copy_slots(rows.unsqueeze(1), src_pos, dst_pos)  # rows broadcast over each row's slots
 
     def truncate(self, row: int, new_len: int) -> None:
         """Rewind: positions >= new_len of `row` are dropped (their storage may be reused)."""
@@ -250,7 +249,8 @@ class KVCache(ABC):
     def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @abstractmethod
-    def _copy_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None: ...
+    def _copy_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's KV (and scales) at slot src of row `rows` copied to slot dst; rows broadcast to src / dst."""
 
     @property
     @abstractmethod
@@ -412,7 +412,7 @@ class PagedKVCache(KVCache):
                                             self.dtype).transpose(1, 2) for pool, scales in self._planes())
 
     def _copy_slots(self, rows, src, dst):
-        s, d = self._slots(rows, src), self._slots(rows, dst)
+        s, d = self._slots(rows, torch.stack([src, dst]))  # both slot lists in one lookup
         for t in self._tensors():
             t[:, d] = t[:, s]
 

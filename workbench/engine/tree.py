@@ -176,42 +176,76 @@ def sibling_rank(tree: DraftTree) -> torch.Tensor:
     >>> sibling_rank(tree).tolist()  # a and d are the root's children 0 and 1; b and c are a's children 0 and 1
     [[0, 0, 1, 1, 0, -1]]
     """
-    b, n = tree.parents.shape
-    # [B, N, N]: node j is a valid sibling of node i
-    same = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & tree.valid.unsqueeze(1)
-    before = torch.ones(n, n, dtype=torch.bool, device=tree.parents.device).tril(-1)  # [N, N]: j < i
-    rank = (same & before).sum(-1)  # [B, N]
-    return torch.where(tree.valid, rank, torch.full_like(rank, -1))
+    return torch.where(tree.valid, earlier_siblings(tree).sum(-1), -1)
 
 
-def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
-    """parents [B, N] -> anc [B, N, N] bool, anc[b, i, j] = node j is node i or one of its ancestors.
+def earlier_siblings(tree: DraftTree) -> torch.Tensor:
+    """[B, N, N] bool: node j is a valid sibling of node i (same parent) listed before it (j < i); made once per tree
+    (the verifier's duplicate-sibling rule and the sibling ranks both read it)."""
+    cached = tree.__dict__.get("_earlier_siblings")
+    if cached is None:
+        n = tree.num_nodes
+        before = torch.ones(n, n, dtype=torch.bool, device=tree.parents.device).tril(-1)  # [N, N]: j < i
+        cached = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & (tree.valid.unsqueeze(1) & before)
+        tree.__dict__["_earlier_siblings"] = cached
+    return cached
 
-    Built by repeated parent lookup: after round r every node knows its ancestors up to 2^r levels up.
+
+def tree_closure(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """parents [B, N] -> [B, 1+N, 1+N] bool over [root, nodes]: entry (i, j) = token j is token i or one of its
+    ancestors (index 0 is the root, node k is index 1 + k). max_depth: a bound on the nodes' depths (DraftTree's
+    depth_bound) or None.
+
+    With a bound D: each token's ancestors up to D hops, by D - 1 parent lookups, compared with every index at once;
+    without one: the reflexive parent relation squared until it holds paths of every length.
+    >>> tree_closure(torch.tensor([[-1, 0, -1]]), 2).int().tolist()
+    [[[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]]
+    >>> torch.equal(tree_closure(torch.tensor([[-1, 0, -1]])), tree_closure(torch.tensor([[-1, 0, -1]]), 2))
+    True
+    """
+    b, n = parents.shape
+    dev = parents.device
+    up = torch.nn.functional.pad(parents + 1, (1, 0))  # [B, 1+N]: each token's parent index; the root's is itself
+    idx = torch.arange(n + 1, device=dev)
+    if max_depth is not None and max_depth <= 8:  # a few lookups are fewer launches than the squarings below
+        hops = [idx.expand(b, n + 1), up]
+        for _ in range(max_depth - 1):
+            hops.append(up.gather(1, hops[-1]))
+        return (torch.stack(hops, -1).unsqueeze(-1) == idx).any(-2)  # [B, 1+N, 1+D, 1+N] -> [B, 1+N, 1+N]
+    reach = ((up.unsqueeze(-1) == idx) | torch.eye(n + 1, dtype=torch.bool, device=dev)).float()
+    length = 1
+    while length < n:  # paths of length <= 2 * length; counts of paths clamped back to 0 / 1
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)
+        length *= 2
+    return reach.bool()
+
+
+def _closure(tree: DraftTree) -> torch.Tensor:
+    """`tree_closure` of the tree, made once per tree (the verify mask and acceptance both read it)."""
+    cached = tree.__dict__.get("_closure")
+    if cached is None:
+        cached = tree.__dict__["_closure"] = tree_closure(tree.parents, tree.depth_bound)
+    return cached
+
+
+def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """parents [B, N] -> anc [B, N, N] bool, anc[b, i, j] = node j is node i or one of its ancestors (`tree_closure`
+    without the root; max_depth: a bound on the depths, or None).
+
     >>> ancestor_matrix(torch.tensor([[-1, 0, -1]])).int().tolist()
     [[[1, 0, 0], [1, 1, 0], [0, 0, 1]]]
     """
-    b, n = parents.shape
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
-    if n == 0:
-        return eye.clone()
-    parent_onehot = torch.zeros(b, n, n + 1, dtype=torch.bool, device=parents.device)
-    parent_onehot.scatter_(2, (parents % (n + 1)).unsqueeze(-1), True)  # -1 -> column n (the root, dropped)
-    anc = (eye | parent_onehot[..., :n]).float()
-    hops = 1
-    while hops < n:  # reflexive closure squared: paths of length <= 2 * hops
-        anc = (torch.bmm(anc, anc) > 0).float()
-        hops *= 2
-    anc = anc.bool()
-    return anc
+    return tree_closure(parents, max_depth)[:, 1:, 1:]
+
+
+def tree_ancestors(tree: DraftTree) -> torch.Tensor:
+    """`ancestor_matrix` of the tree (a view of its closure, made once per tree)."""
+    return _closure(tree)[:, 1:, 1:]
 
 
 def verify_mask(tree: DraftTree) -> torch.Tensor | None:
-    """The [B, 1+N, 1+N] bool mask among this step's tokens (root + nodes); None means plain causal (chains)."""
+    """The [B, 1+N, 1+N] bool mask among this step's tokens (root + nodes); None means plain causal (chains). Every
+    token sees the root, itself and its ancestors: the tree's closure (made once per tree; do not write into it)."""
     if tree.is_chain:
         return None
-    b, n = tree.parents.shape
-    mask = torch.zeros(b, n + 1, n + 1, dtype=torch.bool, device=tree.parents.device)
-    mask[:, :, 0] = True  # everyone sees the root
-    mask[:, 1:, 1:] = ancestor_matrix(tree.parents)
-    return mask
+    return _closure(tree)
