@@ -8,12 +8,16 @@ of kernels it launches. This counts, under a TorchDispatchMode, the aten ops eac
 launch device work: views and metadata ops (view, reshape's views, expand, slice, select, unsqueeze, as_strided, t,
 permute, detach, alias, ...: `OpOverload.is_view` or METADATA_OPS), allocations without a fill (empty*), and ops
 whose tensor outputs are all empty are left out. Everything else counts one (a CPU-only decomposition may differ from
-the GPU's by a few ops; Triton kernels, which the CPU path replaces with gather + SDPA, are not seen).
+the GPU's by a few ops).
 
 Engines run as on the GPU: the preset's models in float32, CUDA graphs on (on a CPU the same fixed-shape steps run
 eagerly over their padded buffers; their outputs are not copied into kept tensors, a CPU-only copy), the paged cache,
-gather + SDPA attention, greedy. One warm-up generate, then a counted one; overlap is off so that each decode step is
-one `decode_step` call (an overlapped step launches the same device work).
+greedy. Attention (--attention): "kernel" (default) takes the GPU's kernel path, where each paged cache (the target's,
+the EAGLE head's, the draft model's) writes K/V and attends in one call and a tree or prefix mask becomes bit-words
+once per forward: the two Triton launches (K/V write, attention) are stood in for by their PyTorch references, run
+uncounted and counted as two launches; "sdpa" is the CPU's gather + SDPA path with its [B, 1, T, S] masks. Two
+warm-up generates (the stand-ins go in after the first, once the caches exist), then a counted one; overlap is off
+so that each decode step is one `decode_step` call (an overlapped step launches the same device work).
 
 Methods (--methods): ar; draft k (the preset's draft model); eagle D K N (the preset's EAGLE head); redrafter W L (the
 preset's ReDrafter head). Phases, innermost wins, a drafter's phase holds everything called inside it:
@@ -70,14 +74,18 @@ class OpCounter(TorchDispatchMode):
         self.stack = ["other"]
         self.counts: Counter = Counter()
         self.names: dict[str, Counter] = {p: Counter() for p in PHASES}
+        self.paused = False  # a stand-in for a kernel runs its reference uncounted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if launches(func, out):
-            phase = self.stack[-1]
-            self.counts[phase] += 1
-            self.names[phase][str(func.overloadpacket.__name__)] += 1
+        if not self.paused and launches(func, out):
+            self.record(str(func.overloadpacket.__name__))
         return out
+
+    def record(self, name: str) -> None:
+        phase = self.stack[-1]
+        self.counts[phase] += 1
+        self.names[phase][name] += 1
 
     def push(self, name: str) -> None:
         self.stack.append("draft" if "draft" in self.stack else name)
@@ -110,6 +118,49 @@ def wrap(obj, attr: str, counter: OpCounter, phase: str | None = None, after: st
 
     setattr(obj, attr, wrapped)
     return lambda: delattr(obj, attr)
+
+
+class KernelStandIns:
+    """The kernel path of paged caches on a CPU: `write_kernel` (K/V write + attention) and `kernel` (attention) run
+    kernels.paged_attention's PyTorch references uncounted and record the launches the Triton kernels make."""
+
+    def __init__(self, counter: OpCounter):
+        self.counter = counter
+
+    def _uncounted(self, fn, *args, **kwargs):
+        self.counter.paused = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.counter.paused = False
+
+    def attention(self, q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, **extra):
+        from kernels.paged_attention import paged_attention_reference
+
+        extra = {k: v for k, v in extra.items() if k in ("k_scales", "v_scales", "rope", "prefix_mask")}
+        out = self._uncounted(paged_attention_reference, q, k_pool, v_pool, block_table, rows, base_len, intra_mask,
+                              block_size, **extra)
+        self.counter.record("paged_attention (kernel)")
+        return out
+
+    def write_attention(self, q, k, v, slots, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size,
+                        rope=None, prefix_mask=None, bits=None):
+        from kernels.paged_attention import paged_kv_write_reference
+
+        self._uncounted(paged_kv_write_reference, k, v, k_pool, v_pool, slots, rope=rope)
+        self.counter.record("paged_kv_write (kernel)")
+        return self.attention(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, rope=rope,
+                              prefix_mask=prefix_mask)
+
+    def install(self, engine: SpecEngine) -> int:
+        """On the engine's paged caches and its drafter's; returns how many caches took them."""
+        caches = [engine.cache, getattr(engine.drafter, "cache", None)]
+        done = 0
+        for cache in caches:
+            if cache is not None and hasattr(cache, "block_table") and not cache.format.quantized:
+                cache.kernel, cache.write_kernel = self.attention, self.write_attention
+                done += 1
+        return done
 
 
 class PhaseStep:
@@ -163,6 +214,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tree-budget", type=int, default=16, help="eagle nodes N (default 16)")
     ap.add_argument("--beam-width", type=int, default=4, help="redrafter beams W (default 4)")
     ap.add_argument("--beam-length", type=int, default=4, help="redrafter beam length L (default 4)")
+    ap.add_argument("--attention", choices=("kernel", "sdpa"), default="kernel",
+                    help="kernel: the GPU's attention path with the Triton launches stood in for (default); sdpa: the "
+                         "CPU's gather + SDPA")
     ap.add_argument("--out", default=None, help="JSON file for the counts (default: table only)")
     args = ap.parse_args(argv)
     args.methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -197,6 +251,9 @@ def count_method(session, method: str, a, prompts: list[list[int]]) -> dict:
     engine = SpecEngine(engine_target(session.target, drafter), drafter, cfg, session.device)
     warm = engine.generate(prompts)
     counter = OpCounter()
+    if a.attention == "kernel":
+        KernelStandIns(counter).install(engine)
+        warm = engine.generate(prompts)
     undo = instrument(engine, counter)
     steps: list[dict] = []
     decode_step = engine.decode_step
@@ -250,12 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         graphs.STATIC_CPU_OUTPUTS = kept
     out = table(rows)
-    print(f"launching aten ops per decode step (median over steps), preset {a.preset}, batch {a.batch}, CPU:")
+    print(f"launching ops per decode step (median over steps), preset {a.preset}, batch {a.batch}, attention "
+          f"{a.attention}, CPU:")
     print(out)
     if a.out:
         path = Path(a.out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"preset": a.preset, "batch": a.batch, "context": a.context,
+        path.write_text(json.dumps({"preset": a.preset, "batch": a.batch, "context": a.context, "attention": a.attention,
                                     "max_new_tokens": a.max_new_tokens, "phases": list(PHASES), "rows": rows},
                                    indent=1))
     return 0

@@ -40,10 +40,24 @@ def test_ar_and_eagle_counts_by_phase(tmp_path, capsys):
     assert eagle["total"] > ar["total"]
     assert eagle["ops"]["draft"].get("topk", 0) > 0  # the tree's top-k children are drafted in the draft phase
     assert "linear" in ar["ops"]["verify"] or "mm" in ar["ops"]["verify"] or "addmm" in ar["ops"]["verify"]
+    # the kernel path (default): each target layer's K/V write and attention are two stood-in launches per step
+    layers = json.loads((ROOT / "workbench/zoo/weights/tiny/target/config.json").read_text())["num_hidden_layers"]
+    ops = ar["ops"]["verify"]
+    assert ops["paged_kv_write (kernel)"] == ops["paged_attention (kernel)"] == layers * ar["steps"]
+    assert "scaled_dot_product_attention" not in ops
     # greedy float32: the tree emits exactly AR's tokens
     assert eagle["outputs"] == ar["outputs"]
     printed = capsys.readouterr().out
     assert "| ar | 0 |" in printed and "| eagle D4 K4 N16 |" in printed
+
+
+def test_sdpa_attention_counts_the_gather_path(tmp_path):
+    out = tmp_path / "ops.json"
+    assert cs.main(["--methods", "ar", "--max-new-tokens", "3", "--context", "16", "--attention", "sdpa",
+                    "--out", str(out)]) == 0
+    (ar,) = json.loads(out.read_text())["rows"]
+    ops = ar["ops"]["verify"]
+    assert ops["scaled_dot_product_attention"] % ar["steps"] == 0 and "paged_attention (kernel)" not in ops
 
 
 @pytest.mark.parametrize("flags, message", [
