@@ -322,6 +322,12 @@ class PagedKVCache(KVCache):
         self._table_image[self.pad_row] = self._host_table[-1]
         self._stale: set[int] = set()
         self.block_table[self.pad_row] = torch.from_numpy(self._table_image[self.pad_row])
+        # [R + 1, blocks per row * block size]: the block table spelled out per position (each position's slot), kept
+        # in step with it on the device, so a step finds its slots with one lookup
+        self.slot_table = torch.zeros(self.max_rows + 1, self.blocks_per_row * block_size, dtype=torch.long,
+                                      device=self.device)
+        self._block_offsets = torch.arange(block_size, device=self.device)
+        self._refresh_slots()
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
 
     @property
@@ -381,11 +387,17 @@ class PagedKVCache(KVCache):
         self._stale.clear()
         host = torch.from_numpy(image)  # (on a CPU the copy below is done when it returns)
         self.block_table.copy_(host.pin_memory() if self.block_table.is_cuda else host, non_blocking=True)
+        self._refresh_slots()
+
+    def _refresh_slots(self) -> None:
+        """`slot_table` from the device block table, in place (one launch, in stream order): a captured graph reads
+        this very tensor."""
+        torch.add(self._block_offsets, self.block_table.unsqueeze(-1), alpha=self.block_size,
+                  out=self.slot_table.view(self.max_rows + 1, self.blocks_per_row, self.block_size))
 
     def _slots(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """rows broadcastable to pos; pos [...] -> physical slot [...]."""
-        block = self.block_table[rows, pos // self.block_size]
-        return block * self.block_size + pos % self.block_size
+        return self.slot_table[rows, pos]
 
     def _read_span(self, need: int) -> int:
         return math.ceil(need / self.block_size) * self.block_size
@@ -394,10 +406,7 @@ class PagedKVCache(KVCache):
         self._write_slots = self._slots(self._rows.unsqueeze(1), self._write_pos).reshape(-1)  # [B * T]
         if self._use_kernel:  # the kernel reads the pool through the block table: no gather indices
             return
-        nb = self._span // self.block_size
-        blocks = self.block_table[self._rows, :nb]  # [B, nb]
-        offsets = torch.arange(self.block_size, device=self.device)
-        self._read_slots = (blocks.unsqueeze(-1) * self.block_size + offsets).flatten(1)  # [B, S]
+        self._read_slots = self.slot_table[self._rows, :self._span]  # [B, S]
 
     def _write(self, layer, k, v):
         for (pool, scales), x in zip(self._planes(), (k, v)):
