@@ -378,13 +378,21 @@ class PagedKVCache(KVCache):
         for every step already in flight (an overlapped step's pipeline drained each time a row crosses a block). On
         a GPU the image goes through a pinned copy of its own (the caching host allocator keeps it until the copy has
         run), so the image can change right after. The table was built row by row with a tensor per row before:
-        about 5 host ops per cache row per upload (190 per serving iteration on tiny at 64 rows)."""
+        about 5 host ops per cache row per upload (190 per serving iteration on tiny at 64 rows). Nothing is uploaded
+        when the stale rows came back to what the device holds (blocks given back are taken again last-in first-out,
+        so a row whose step's draft blocks were truncated usually gets the very same ones)."""
         image = self._table_image
+        changed = False
         for r in self._stale:
             blocks = self._host_table[r]
-            image[r, :len(blocks)] = blocks
-            image[r, len(blocks):] = 0
+            row = np.zeros(self.blocks_per_row, dtype=np.int64)
+            row[:len(blocks)] = blocks
+            if not np.array_equal(row, image[r]):
+                image[r] = row
+                changed = True
         self._stale.clear()
+        if not changed:  # e.g. a tree step's draft blocks given back and taken again: the device holds this table
+            return
         host = torch.from_numpy(image)  # (on a CPU the copy below is done when it returns)
         self.block_table.copy_(host.pin_memory() if self.block_table.is_cuda else host, non_blocking=True)
         self._refresh_slots()
