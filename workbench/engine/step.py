@@ -505,10 +505,10 @@ class SpecEngine:
         hidden = self.target(ids, positions, cache)  # [B, 1+N, H]
         acc = self.verifier.accept(tree, self.target.compute_logits(hidden), None if self.verifier.params.greedy
                                    else uniforms)
-        after = base.unsqueeze(1) + 1 + torch.arange(d + 1, device=dev)  # [B, 1+D]: slots base + 1 ..
+        steps = torch.arange(1, d + 2, device=dev)  # [1+D]
+        after = base.unsqueeze(1) + steps  # [B, 1+D]: slots base + 1 ..
         if d and not tree.is_chain:  # the accepted path's KV down to slots base + 1 ..; the rest stays put
-            steps = after[:, :d] - base.unsqueeze(1)  # [B, D]: 1 + depth index; a node's slot is 1 + its index
-            moved = torch.where(acc.path_nodes >= 0, acc.path_nodes + 1, steps)
+            moved = torch.where(acc.path_nodes >= 0, acc.path_nodes + 1, steps[:d])  # a node's slot: 1 + its index
             cache.move_path(rows, base.unsqueeze(1) + moved, after[:, :d])
         self.tokens[rows.unsqueeze(1), after] = acc.emitted
         self.kv_len[rows] = after.gather(1, acc.num_accepted.unsqueeze(1)).squeeze(1)  # base + 1 + accepted

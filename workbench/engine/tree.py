@@ -184,10 +184,8 @@ def earlier_siblings(tree: DraftTree) -> torch.Tensor:
     (the verifier's duplicate-sibling rule and the sibling ranks both read it)."""
     cached = tree.__dict__.get("_earlier_siblings")
     if cached is None:
-        n = tree.num_nodes
-        before = torch.ones(n, n, dtype=torch.bool, device=tree.parents.device).tril(-1)  # [N, N]: j < i
-        cached = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & (tree.valid.unsqueeze(1) & before)
-        tree.__dict__["_earlier_siblings"] = cached
+        same = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & tree.valid.unsqueeze(1)  # [B, N, N]
+        cached = tree.__dict__["_earlier_siblings"] = same.tril(-1)  # j < i
     return cached
 
 
@@ -203,9 +201,13 @@ def tree_closure(parents: torch.Tensor, max_depth: int | None = None) -> torch.T
     >>> torch.equal(tree_closure(torch.tensor([[-1, 0, -1]])), tree_closure(torch.tensor([[-1, 0, -1]]), 2))
     True
     """
-    b, n = parents.shape
-    dev = parents.device
-    up = torch.nn.functional.pad(parents + 1, (1, 0))  # [B, 1+N]: each token's parent index; the root's is itself
+    return _closure_of(torch.nn.functional.pad(parents + 1, (1, 0)), max_depth)
+
+
+def _closure_of(up: torch.Tensor, max_depth: int | None) -> torch.Tensor:
+    """`tree_closure` from up [B, 1+N]: each token's parent index (the root's is itself, 0)."""
+    b, n = up.shape[0], up.shape[1] - 1
+    dev = up.device
     idx = torch.arange(n + 1, device=dev)
     if max_depth is not None and max_depth <= 8:  # a few lookups are fewer launches than the squarings below
         hops = [idx.expand(b, n + 1), up]
@@ -224,8 +226,16 @@ def _closure(tree: DraftTree) -> torch.Tensor:
     """`tree_closure` of the tree, made once per tree (the verify mask and acceptance both read it)."""
     cached = tree.__dict__.get("_closure")
     if cached is None:
-        cached = tree.__dict__["_closure"] = tree_closure(tree.parents, tree.depth_bound)
+        up = torch.nn.functional.pad(tree.parents + 1, (1, 0))  # [B, 1+N]
+        tree.__dict__["_parent_rows"] = up[:, 1:]
+        cached = tree.__dict__["_closure"] = _closure_of(up, tree.depth_bound)
     return cached
+
+
+def parent_rows(tree: DraftTree) -> torch.Tensor:
+    """[B, N] long: each node's parent's verify row (1 + parent; the root's row is 0); the closure's when made."""
+    cached = tree.__dict__.get("_parent_rows")
+    return cached if cached is not None else tree.parents + 1
 
 
 def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from workbench.engine.sampling import SamplingParams, probs_from_logits, sample
-from workbench.engine.tree import DraftTree, earlier_siblings, tree_ancestors
+from workbench.engine.tree import DraftTree, earlier_siblings, parent_rows, tree_ancestors
 
 
 @dataclass
@@ -84,7 +84,7 @@ def accept_choices(tree: DraftTree, choice: torch.Tensor) -> Acceptance:
     """
     if tree.num_nodes == 0:
         return _assemble(tree, tree.valid, choice[:, 0])
-    expected = choice.gather(1, tree.parents + 1)  # [B, N]: the choice at each node's parent
+    expected = choice.gather(1, parent_rows(tree))  # [B, N]: the choice at each node's parent
     if tree.is_chain:
         on_path = (tree.valid & (tree.token_ids == expected)).long().cumprod(-1).bool()
         last_row = on_path.sum(-1)
