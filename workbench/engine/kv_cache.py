@@ -123,23 +123,26 @@ class KVCache(ABC):
         return need
 
     def prepare(self, rows: torch.Tensor, base_len: torch.Tensor, num_new: int, intra_mask: torch.Tensor | None,
-                span: int, kernel: bool = True, prefix_mask: torch.Tensor | None = None) -> None:
+                span: int, kernel: bool = True, prefix_mask: torch.Tensor | None = None,
+                write_pos: torch.Tensor | None = None) -> None:
         """Device half of a step: index tensors and mask shared by all layers; no host reads (graph-capturable).
 
         rows [B], base_len [B] long; intra_mask [B, T, T] bool or None (causal); span: key slots read per row;
         prefix_mask [B, T, M] bool or None: which of the M slots just before base_len each new token sees (None: all;
         a drafter's own tree levels written by earlier forwards of the same step: EAGLE sees only its ancestors).
         The kernel path takes a prefix mask as it takes the intra mask (one bit-word per query token); a step whose
-        M + T exceeds the kernel's MASK_WINDOW bits goes through gather + SDPA instead.
+        M + T exceeds the kernel's MASK_WINDOW bits goes through gather + SDPA instead. write_pos [B, T] long: the
+        positions written, base_len + 0 .. T-1, where the caller has them already (None: made here).
         """
-        t = torch.arange(num_new, device=self.device)
         m = 0 if prefix_mask is None else prefix_mask.shape[-1]
         self._rows = rows
         self._base = base_len
         self._intra_mask = intra_mask
         self._prefix_mask = prefix_mask if m else None
         self._use_kernel = kernel and self.kernel is not None and (not m or m + num_new <= MASK_WINDOW)
-        self._write_pos = base_len.unsqueeze(1) + t  # [B, T]
+        if write_pos is None:
+            write_pos = base_len.unsqueeze(1) + torch.arange(num_new, device=self.device)
+        self._write_pos = write_pos  # [B, T]
         self._span = span
         self._prepare_slots()
         self._bits = None

@@ -265,13 +265,13 @@ class EagleDrafter(OneStepDrafter):
         self._pend_offsets = torch.arange(1 + d, device=ctx.device)  # the pending pairs' positions after the first
         levels = torch.arange(d - 1)  # frontier level depth - 1: its slots start at root + level K, RoPE at root + level
         self._level_offsets = torch.stack([levels * k, levels]).unsqueeze(-1).to(ctx.device)  # [2, D-1, 1]
+        self._level_slots = (levels.view(-1, 1, 1) * k + torch.arange(k)).to(ctx.device)  # [D-1, 1, K] after the root
         self._root_children = torch.arange(k, device=ctx.device).unsqueeze(0)  # depth 1's candidate indices [1, K]
         self._root_parents = torch.full((1, k), -1, dtype=torch.long, device=ctx.device)
         self._no_ancestors = torch.zeros(1, k, slots, dtype=torch.bool, device=ctx.device)
         # per level, the one-hot draft slot of each of its K frontier nodes [D-1, K, (D-1) K]
         self._slot_of = torch.eye(slots, dtype=torch.bool, device=ctx.device).view(max(d - 1, 1), k, slots) \
             if slots else torch.zeros(1, k, 0, dtype=torch.bool, device=ctx.device)
-        self._node_index = torch.arange(self.tree_budget, device=ctx.device).unsqueeze(0)  # [1, N]
         self._valid = torch.ones(max(rows, max(ctx.graphs.batch_sizes)), self.tree_budget, dtype=torch.bool,
                                  device=ctx.device)  # every node valid: row slices of it are the step's mask
         self._key = (ctx.graphs, ctx.paged, ctx.kv_block_size, torch.device(ctx.device))
@@ -372,14 +372,16 @@ class EagleDrafter(OneStepDrafter):
         b = rows.shape[0]
         base, last, root_pos = self.pend_pos[:, rows]  # [B] each: first pair's position, last pair, root's position
         # 1. the pending committed pairs: the last valid one drafts depth 1
-        self.cache.prepare(rows, base, 1 + d_max, None, span)
-        feats = self.head(self.target, self.pend_hidden[rows], self.pend_tokens[rows],
-                          base.unsqueeze(1) + self._pend_offsets, self.cache)  # [B, 1 + D, H]
+        positions = base.unsqueeze(1) + self._pend_offsets  # [B, 1 + D]: head positions, also the slots written
+        self.cache.prepare(rows, base, 1 + d_max, None, span, write_pos=positions)
+        feats = self.head(self.target, self.pend_hidden[rows], self.pend_tokens[rows], positions,
+                          self.cache)  # [B, 1 + D, H]
         h = feats.shape[-1]
         root_feat = feats.gather(1, last.view(b, 1, 1).expand(-1, 1, h))  # [B, 1, H]
         # per frontier level (depth - 1): where its K entries start [D-1, B], and their RoPE position [D-1, B] (the
         # depth-d frontier entries sit at root_pos + d - 1)
         level_start, level_pos = self._level_offsets + root_pos
+        level_write = self._level_slots + root_pos.unsqueeze(1)  # [D-1, B, K]: the slots each level writes
         # 2. depth 1: the root's top-K children, all of them the frontier
         front_score, front_tok = self._log_probs(root_feat.squeeze(1)).topk(k, -1)  # [B, K] each
         cand_tok, cand_score = [front_tok], [front_score]
@@ -393,7 +395,7 @@ class EagleDrafter(OneStepDrafter):
         for depth in range(1, d_max):
             first = (depth - 1) * k  # the frontier's draft slots: first .. first + K - 1
             self.cache.prepare(rows, level_start[depth - 1], k, self._eye.expand(b, k, k), span,
-                               prefix_mask=ancestors[:, :, :first])
+                               prefix_mask=ancestors[:, :, :first], write_pos=level_write[depth - 1])
             f = self.head(self.target, front_feat, front_tok, level_pos[depth - 1].unsqueeze(1).expand(b, k),
                           self.cache)  # [B, K, H]
             child_logp, child_tok = self._log_probs(f).topk(k, -1)  # [B, K, K]
