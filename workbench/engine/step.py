@@ -505,11 +505,12 @@ class SpecEngine:
         hidden = self.target(ids, positions, cache)  # [B, 1+N, H]
         acc = self.verifier.accept(tree, self.target.compute_logits(hidden), None if self.verifier.params.greedy
                                    else uniforms)
-        steps = torch.arange(1, d + 2, device=dev)  # [1+D]
-        after = base.unsqueeze(1) + steps  # [B, 1+D]: slots base + 1 ..
+        after = base.unsqueeze(1) + torch.arange(1, d + 2, device=dev)  # [B, 1+D]: slots base + 1 ..
         if d and not tree.is_chain:  # the accepted path's KV down to slots base + 1 ..; the rest stays put
-            moved = torch.where(acc.path_nodes >= 0, acc.path_nodes + 1, steps[:d])  # a node's slot: 1 + its index
-            cache.move_path(rows, base.unsqueeze(1) + moved, after[:, :d])
+            # node i sits in slot base + 1 + i, and a path node at depth j + 1 has i >= j (its ancestors come before
+            # it): the larger of the two is the path node's slot on the path and the slot itself past it (-1)
+            dst = after[:, :d]
+            cache.move_path(rows, torch.maximum(after[:, :1] + acc.path_nodes, dst), dst)
         self.tokens[rows.unsqueeze(1), after] = acc.emitted
         self.kv_len[rows] = after.gather(1, acc.num_accepted.unsqueeze(1)).squeeze(1)  # base + 1 + accepted
         self.kv_len[cache.pad_row:].fill_(PAD_LEN)  # padding rows wrote theirs too: back to PAD_LEN
