@@ -194,19 +194,26 @@ class EagleHead(SavedHead):
                              f"(zoo train-head --kind eagle)")
 
     def forward(self, target, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
-                attn=None) -> torch.Tensor:
+                attn=None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """rope: the (cos, sin_signed) [B, T, 1, Dh] rows of `positions` where the caller looked them up (a draft
+        looks up all its frontier levels' at once); None: looked up here."""
         from workbench.models.attention import CausalAttention
 
         embed = target.model.embed_tokens(token_ids)
         published = self.config.style == "eagle"
         x = self.fc(torch.cat([embed, hidden] if published else [hidden, embed], -1))  # [B, T, H]
-        cos_table, sin_table = target.rope_tables(x.device, x.dtype)
-        cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)
+        cos, sin = rope if rope is not None else rope_rows(target, positions, x.dtype)
         attn = CausalAttention() if attn is None else attn
         if not published:
             return target.model.norm(self.layer(x, cos, sin, attn))
         x = self.layer.self_attn(x, cos, sin, attn, residual=x)  # no input norm
         return self.layer.mlp(x, residual=x, norm=self.layer.post_attention_layernorm)  # no final norm
+
+
+def rope_rows(target, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's (cos, sin_signed) RoPE rows at `positions` [...]: each [..., 1, Dh] (a head dim for broadcast)."""
+    cos_table, sin_table = target.rope_tables(positions.device, dtype)
+    return cos_table[positions].unsqueeze(-2), sin_table[positions].unsqueeze(-2)
 
 
 class EagleDrafter(OneStepDrafter):
@@ -382,6 +389,7 @@ class EagleDrafter(OneStepDrafter):
         # depth-d frontier entries sit at root_pos + d - 1)
         level_start, level_pos = self._level_offsets + root_pos
         level_write = self._level_slots + root_pos.unsqueeze(1)  # [D-1, B, K]: the slots each level writes
+        level_rope = rope_rows(self.target, level_pos.unsqueeze(-1).expand(d_max - 1, b, k), feats.dtype)
         # 2. depth 1: the root's top-K children, all of them the frontier
         front_score, front_tok = self._log_probs(root_feat.squeeze(1)).topk(k, -1)  # [B, K] each
         cand_tok, cand_score = [front_tok], [front_score]
@@ -397,7 +405,7 @@ class EagleDrafter(OneStepDrafter):
             self.cache.prepare(rows, level_start[depth - 1], k, self._eye.expand(b, k, k), span,
                                prefix_mask=ancestors[:, :, :first], write_pos=level_write[depth - 1])
             f = self.head(self.target, front_feat, front_tok, level_pos[depth - 1].unsqueeze(1).expand(b, k),
-                          self.cache)  # [B, K, H]
+                          self.cache, rope=(level_rope[0][depth - 1], level_rope[1][depth - 1]))  # [B, K, H]
             child_logp, child_tok = self._log_probs(f).topk(k, -1)  # [B, K, K]
             child_score = (front_score.unsqueeze(-1) + child_logp).flatten(1)  # [B, K*K]
             child_tok = child_tok.flatten(1)
