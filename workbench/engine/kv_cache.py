@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import MASK_WINDOW, mask_bits
+from kernels.paged_attention import MASK_WINDOW, bit_weights, mask_bits
 from workbench.engine.kv_quant import SCALE_DTYPE, KVFormatError, kv_format
 
 
@@ -66,6 +66,7 @@ class KVCache(ABC):
         # paged caches on the kernel path: K/V write + attention in one call (unquantized pools); None = write, then
         # `kernel`
         self.write_kernel = None
+        self._bit_weights = bit_weights(MASK_WINDOW, self.device)  # what `mask_bits` sums, made once
 
     @property
     def pad_row(self) -> int:
@@ -148,7 +149,8 @@ class KVCache(ABC):
         self._bits = None
         if self._use_kernel:  # the kernel masks from lengths and the intra / prefix masks itself: no [B, 1, T, S] mask
             if intra_mask is not None or m:
-                self._bits = mask_bits(intra_mask, self._prefix_mask, rows.shape[0], num_new, self.device)
+                self._bits = mask_bits(intra_mask, self._prefix_mask, rows.shape[0], num_new, self.device,
+                                       weights=self._bit_weights)
             return
         key_pos = torch.arange(self._span, device=self.device)  # [S]
         before = key_pos.view(1, 1, -1) < base_len.view(-1, 1, 1)  # [B, 1, S]
