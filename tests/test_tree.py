@@ -159,3 +159,16 @@ def test_tree_closure_is_the_same_with_and_without_a_depth_bound():
         for bound in (deepest, deepest + 1):  # a bound over 8 takes the squarings
             assert torch.equal(tree_closure(parents, bound), want), (n, bound)
         assert torch.equal(ancestor_matrix(parents, deepest), want[:, 1:, 1:])
+
+
+def test_whole_beams_without_a_mask_make_the_same_tree_as_with_an_all_true_one():
+    """beam_valid None skips the masking (fewer launches): the tree, beam nodes and beam pairs are those of an
+    all-true mask, on random beams with many shared prefixes."""
+    g = torch.Generator().manual_seed(3)
+    for w, l in ((2, 3), (4, 4), (5, 2)):
+        tokens = torch.randint(0, 3, (4, w, l), generator=g)
+        bare, bare_nodes = DraftTree.from_beams(tokens)
+        masked, masked_nodes = DraftTree.from_beams(tokens, torch.ones(4, w, l, dtype=torch.bool))
+        for name in ("token_ids", "parents", "depths", "valid", "beam_pairs"):
+            assert torch.equal(getattr(bare, name), getattr(masked, name)), (w, l, name)
+        assert torch.equal(bare_nodes, masked_nodes) and bare.depth_bound == masked.depth_bound == l

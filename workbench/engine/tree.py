@@ -89,9 +89,10 @@ class DraftTree:
         """
         b, w, l = beam_tokens.shape
         dev = beam_tokens.device
-        if beam_valid is None:
+        if beam_valid is None and w == 1:
             beam_valid = torch.ones(b, w, l, dtype=torch.bool, device=dev)
-        valid = beam_valid.long().cumprod(-1).bool()  # [B, W, L]: enforce the prefix mask
+        # [B, W, L]: the prefix mask enforced; None: every beam whole (the masking below would change nothing)
+        valid = None if beam_valid is None else beam_valid.long().cumprod(-1).bool()
         if w == 1:
             nodes = torch.arange(l, device=dev).expand(b, 1, l)
             tree = DraftTree.chain(beam_tokens[:, 0], valid[:, 0])
@@ -100,15 +101,20 @@ class DraftTree:
         n = w * l
         # same[b, i, j, d]: beams i and j agree on their first d + 1 tokens and both are valid there
         same = (beam_tokens.unsqueeze(2) == beam_tokens.unsqueeze(1)).long().cumprod(-1).bool()  # [B, W, W, L]
-        same &= valid.unsqueeze(2) & valid.unsqueeze(1)
         beam_idx = torch.arange(w, device=dev)  # [W]
+        if valid is not None:
+            same &= valid.unsqueeze(2) & valid.unsqueeze(1)
         rep = torch.where(same, beam_idx.view(1, 1, w, 1), w).amin(2)  # [B, W, L]: first beam sharing the prefix
-        rep = torch.where(valid, rep, beam_idx.view(1, w, 1))  # invalid (w, d) match nothing: point at themselves
-        keep = valid & (rep == beam_idx.view(1, w, 1))  # [B, W, L]: first occurrences become nodes
+        if valid is None:
+            keep = rep == beam_idx.view(1, w, 1)  # [B, W, L]: first occurrences become nodes
+        else:  # invalid (w, d) match nothing (they point at themselves) and are no node
+            rep = torch.where(valid, rep, beam_idx.view(1, w, 1))
+            keep = valid & (rep == beam_idx.view(1, w, 1))
         new_idx = keep.view(b, n).long().cumsum(-1) - 1  # [B, W*L]: node index of each kept (w, d)
         depth_idx = torch.arange(l, device=dev)  # [L]
         beam_node = new_idx.gather(1, (rep * l + depth_idx).view(b, n)).view(b, w, l)  # [B, W, L]
-        beam_node = torch.where(valid, beam_node, torch.full_like(beam_node, -1))
+        if valid is not None:
+            beam_node = torch.where(valid, beam_node, torch.full_like(beam_node, -1))
         parent = torch.cat([torch.full_like(beam_node[..., :1], -1), beam_node[..., :-1]], -1)  # [B, W, L]
         dest = torch.where(keep.view(b, n), new_idx, n)  # [B, W*L]: duplicates and padding -> dropped column n
 
@@ -143,12 +149,12 @@ def beam_pair_counts(beam_tokens: torch.Tensor, beam_valid: torch.Tensor | None 
     [[6, 9]]
     """
     b, w, l = beam_tokens.shape
-    if beam_valid is None:
-        beam_valid = torch.ones(b, w, l, dtype=torch.bool, device=beam_tokens.device)
     i, j = torch.triu_indices(w, w, offset=1, device=beam_tokens.device)  # [P] each: the beam pairs i < j
+    differ = beam_tokens[:, i] != beam_tokens[:, j]  # [B, P, L]
+    if beam_valid is None:  # every position compared
+        return torch.stack([differ.sum((1, 2)), torch.full((b,), i.numel() * l, device=beam_tokens.device)], -1)
     both = beam_valid[:, i] & beam_valid[:, j]  # [B, P, L]
-    differ = (beam_tokens[:, i] != beam_tokens[:, j]) & both  # [B, P, L]
-    return torch.stack([differ.sum((1, 2)), both.sum((1, 2))], -1)
+    return torch.stack([(differ & both).sum((1, 2)), both.sum((1, 2))], -1)
 
 
 def beam_disagreement(tree: DraftTree) -> torch.Tensor:
