@@ -513,10 +513,12 @@ class SpecEngine:
             cache.move_path(rows, torch.maximum(after[:, :1] + acc.path_nodes, dst), dst)
         self.tokens[rows.unsqueeze(1), after] = acc.emitted
         self.kv_len[rows] = after.gather(1, acc.num_accepted.unsqueeze(1)).squeeze(1)  # base + 1 + accepted
-        self.kv_len[cache.pad_row:].fill_(PAD_LEN)  # padding rows wrote theirs too: back to PAD_LEN
+        padded = b > 1  # a step of one row has no padding rows: one live row at least
+        if padded:
+            self.kv_len[cache.pad_row:].fill_(PAD_LEN)  # padding rows wrote theirs too: back to PAD_LEN
         src = torch.nn.functional.pad(acc.path_nodes.clamp(min=0) + 1, (1, 0))  # [B, 1+D]: row 0 (root), the path
         committed = hidden.gather(1, src.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # root, then the path
-        drafter.commit_device(rows, acc, committed, cache.pad_row)
+        drafter.commit_device(rows, acc, committed, cache.pad_row if padded else None)
         return _pack(acc, tree)
 
     @torch.inference_mode()

@@ -120,9 +120,10 @@ class Drafter(ABC):
     # run inside the target's captured verify + accept step) and `commit_host` (host bookkeeping after the read)
     splits_commit: bool = False
 
-    def commit_device(self, rows: torch.Tensor, acc, hidden: torch.Tensor | None, pad_row: int) -> None:
+    def commit_device(self, rows: torch.Tensor, acc, hidden: torch.Tensor | None, pad_row: int | None) -> None:
         """The device half of `commit` for rows [B] (padding rows hold `pad_row`, whose state must stay as
-        `setup` left it): no host reads or host->device copies (it is captured in the step's CUDA graph)."""
+        `setup` left it; None: the step has no padding rows): no host reads or host->device copies (it is captured
+        in the step's CUDA graph)."""
         raise NotImplementedError(f"drafter {self.name!r} does not split its commit (splits_commit is False)")
 
     def commit_host(self, state: BatchState, old_kv_len_host: list[int]) -> None:
