@@ -5,10 +5,10 @@
 
 At batch 1 with CUDA graphs a small model's target step is bound by kernel launches, so its cost follows the number
 of kernels it launches. This counts, under a TorchDispatchMode, the aten ops each decode step dispatches that would
-launch device work: views and metadata ops (view, reshape's views, expand, slice, select, unsqueeze, as_strided, t,
-permute, detach, alias, ...: `OpOverload.is_view` or METADATA_OPS), allocations without a fill (empty*), and ops
-whose tensor outputs are all empty are left out. Everything else counts one (a CPU-only decomposition may differ from
-the GPU's by a few ops).
+launch device work: views and metadata ops (view, expand, slice, select, unsqueeze, as_strided, t, permute, detach,
+alias, ...: `OpOverload.is_view` or METADATA_OPS), allocations without a fill (empty*), and ops whose tensor outputs
+are all empty are left out; a reshape or flatten that had to copy (its result not in its input's storage) counts.
+Everything else counts one (a CPU-only decomposition may differ from the GPU's by a few ops).
 
 Engines run as on the GPU: the preset's models in float32, CUDA graphs on (on a CPU the same fixed-shape steps run
 eagerly over their padded buffers; their outputs are not copied into kept tensors, a CPU-only copy), the paged cache,
@@ -57,11 +57,16 @@ METADATA_OPS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty,
                 aten.is_contiguous, aten.is_same_size, aten.resolve_conj, aten.resolve_neg, aten.set_}
 
 
-def launches(func, out) -> bool:
-    """Whether the op `func` (an OpOverload) with result `out` would launch device work."""
-    if func.is_view or func.overloadpacket in METADATA_OPS:
+def launches(func, out, args=()) -> bool:
+    """Whether the op `func` (an OpOverload) with result `out` on `args` would launch device work. An op that may
+    return a view (reshape, flatten) launches a copy where its result does not share its input's storage."""
+    if func.overloadpacket in METADATA_OPS:
         return False
     tensors = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+    if func.is_view:
+        base = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        return base is not None and any(t.numel() and t.untyped_storage().data_ptr() !=
+                                        base.untyped_storage().data_ptr() for t in tensors)
     return not tensors or any(t.numel() for t in tensors)  # all-empty outputs: no kernel runs
 
 
@@ -78,7 +83,7 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.paused and launches(func, out):
+        if not self.paused and launches(func, out, args):
             self.record(str(func.overloadpacket.__name__))
         return out
 

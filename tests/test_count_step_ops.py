@@ -23,6 +23,10 @@ def test_views_metadata_and_empty_outputs_are_not_launches():
                aten._reshape_alias.default, aten.empty.memory_format):
         assert not cs.launches(op, x), op
     assert not cs.launches(aten.add.Tensor, torch.ones(2, 0))  # nothing to compute: no kernel runs
+    # a flatten is a view where the strides allow it, else a copy
+    spread = torch.arange(4).view(1, 4, 1).expand(1, 4, 4)
+    assert cs.launches(aten.flatten.using_ints, spread.flatten(1), (spread,))
+    assert not cs.launches(aten.flatten.using_ints, x.flatten(), (x,))
 
 
 def test_ar_and_eagle_counts_by_phase(tmp_path, capsys):
