@@ -274,7 +274,7 @@ class EagleDrafter(OneStepDrafter):
         self._level_offsets = torch.stack([levels * k, levels]).unsqueeze(-1).to(ctx.device)  # [2, D-1, 1]
         self._level_slots = (levels.view(-1, 1, 1) * k + torch.arange(k)).to(ctx.device)  # [D-1, 1, K] after the root
         self._root_children = torch.arange(k, device=ctx.device).unsqueeze(0)  # depth 1's candidate indices [1, K]
-        self._root_parents = torch.full((1, k), -1, dtype=torch.long, device=ctx.device)
+        self._root_parents = torch.full((1, 1, k), -1, dtype=torch.long, device=ctx.device)
         self._no_ancestors = torch.zeros(1, k, slots, dtype=torch.bool, device=ctx.device)
         # per level, the one-hot draft slot of each of its K frontier nodes [D-1, K, (D-1) K]
         self._slot_of = torch.eye(slots, dtype=torch.bool, device=ctx.device).view(max(d - 1, 1), k, slots) \
@@ -393,7 +393,7 @@ class EagleDrafter(OneStepDrafter):
         # 2. depth 1: the root's top-K children, all of them the frontier
         front_score, front_tok = self._log_probs(root_feat.squeeze(1)).topk(k, -1)  # [B, K] each
         cand_tok, cand_score = [front_tok], [front_score]
-        cand_parent = [self._root_parents.expand(b, k)]  # candidate index of the parent
+        cand_parent = [self._root_parents.expand(b, 1, k)]  # candidate index of the parent, K per row
         front_cand = self._root_children.expand(b, k)  # [B, K]: frontier's candidate indices
         front_feat = root_feat.expand(b, k, h)  # [B, K, H]: the feature each frontier node's entry reads
         slots = self._draft_slots()
@@ -411,7 +411,7 @@ class EagleDrafter(OneStepDrafter):
             child_tok = child_tok.flatten(1)
             cand_tok.append(child_tok)
             cand_score.append(child_score)
-            cand_parent.append(front_cand.unsqueeze(-1).expand(b, k, k).flatten(1))
+            cand_parent.append(front_cand.unsqueeze(-1).expand(b, k, k))  # each frontier node's K children
             if depth < d_max - 1:
                 front_score, best = child_score.topk(k, -1)  # [B, K] among the K*K children: scores, indices
                 parent = best // k  # [B, K]: frontier rank of each new frontier node's parent
@@ -423,7 +423,8 @@ class EagleDrafter(OneStepDrafter):
                     self._slot_of[depth - 1][parent]
             n_cand += k * k
         # 4. rerank to the node budget
-        tokens, parents, depths = rerank(torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
+        tokens, parents, depths = rerank(torch.cat(cand_tok, 1), torch.cat(cand_score, 1),
+                                         torch.cat(cand_parent, 1).view(b, n_cand),
                                          self._cand_depth.expand(b, n_cand), n)
         return tokens, parents, depths, self._valid[:b]
 
