@@ -497,7 +497,8 @@ class SpecEngine:
         dev = draft.device
         d = drafter.depth_bound if n else 0
         tree = DraftTree(draft, parents, depths, valid, None, is_chain=n == 0 or drafter.proposes_chains,
-                         depth_bound=d, beam_pairs=beam_pairs if n and drafter.proposes_beams else None)
+                         depth_bound=d, beam_pairs=beam_pairs if n and drafter.proposes_beams else None,
+                         distinct_siblings=drafter.distinct_siblings)
         base = self.kv_len[rows]  # [B]
         ids = torch.cat([self.tokens[rows, base].unsqueeze(1), draft], 1)  # [B, 1+N]: root, then the nodes
         positions = base.unsqueeze(1) + torch.nn.functional.pad(depths, (1, 0))  # the root at depth 0
@@ -1066,4 +1067,5 @@ def shorten(tree: DraftTree, n: int, row_nodes: list[int] | None = None) -> Draf
     probs = tree.draft_probs[:, :n] if tree.draft_probs is not None else None
     if tree.is_chain:
         return DraftTree.chain(tree.token_ids[:, :n], valid, probs)
-    return DraftTree(tree.token_ids, tree.parents, tree.depths, valid, probs, depth_bound=tree.depth_bound)
+    return DraftTree(tree.token_ids, tree.parents, tree.depths, valid, probs, depth_bound=tree.depth_bound,
+                     distinct_siblings=tree.distinct_siblings)

@@ -34,6 +34,9 @@ class DraftTree:
     # [B, 2] long, set by `from_beams`: (differing, compared) (beam pair, depth) token positions of the merged beams,
     # what `beam_disagreement` divides; None = not made from beams
     beam_pairs: torch.Tensor | None = None
+    # no two valid siblings hold the same token (the drafter guarantees it; from_beams' trees have it): acceptance
+    # skips the duplicate-sibling rule, which would change nothing
+    distinct_siblings: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -125,7 +128,7 @@ class DraftTree:
 
         depths = (depth_idx + 1).expand(b, w, l)
         tree = DraftTree(place(beam_tokens, 0), place(parent, -1), place(depths, 1), place(keep, False),
-                         depth_bound=l, beam_pairs=beam_pair_counts(beam_tokens, valid))
+                         depth_bound=l, beam_pairs=beam_pair_counts(beam_tokens, valid), distinct_siblings=True)
         return tree, beam_node
 
 

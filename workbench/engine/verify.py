@@ -89,7 +89,8 @@ def accept_choices(tree: DraftTree, choice: torch.Tensor) -> Acceptance:
         on_path = (tree.valid & (tree.token_ids == expected)).long().cumprod(-1).bool()
         last_row = on_path.sum(-1)
     else:
-        eligible = _first_sibling(tree) & (tree.token_ids == expected)
+        first = tree.valid if tree.distinct_siblings else _first_sibling(tree)
+        eligible = first & (tree.token_ids == expected)
         anc = tree_ancestors(tree)  # [B, N, N]
         path_ok = (anc <= eligible.unsqueeze(1)).all(-1)  # every ancestor (and self) eligible
         key, best = _first_max(tree.depths * path_ok)  # the deepest such node, the first of equals

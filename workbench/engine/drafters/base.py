@@ -89,6 +89,9 @@ class Drafter(ABC):
     # W beams of L tokens merged by DraftTree.from_beams (num_nodes = W x L, all beams valid): a step's drafted count
     # is then its distinct prefix-tree nodes, so drafted / num_nodes is its beam diversity (no extra device read)
     proposes_beams: bool = False
+    # no two valid siblings of its trees hold the same token (top-K children, deduplicated beams): acceptance then
+    # skips its duplicate-sibling rule (DraftTree.distinct_siblings), which would change nothing
+    distinct_siblings: bool = False
     reads_kv_len: bool = True  # propose reads state.kv_len (else the engine skips gathering it)
     # feature-based drafters (ReDrafter, EAGLE): prefill and commit receive the target's final hidden states (hidden=);
     # the engine then verifies through its unfused path (the fused greedy chain step returns no hidden states)

@@ -220,6 +220,7 @@ class EagleDrafter(OneStepDrafter):
     name = "eagle"
     wants_hidden = True
     reads_kv_len = False  # the draft reads its own pending pairs
+    distinct_siblings = True  # a node's children are its top-K tokens
     overlaps = True  # propose reads the device only (the engine's kv_len_host may be upper bounds)
 
     def __init__(self, head: EagleHead, target, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 16):
@@ -322,7 +323,7 @@ class EagleDrafter(OneStepDrafter):
         else:
             tokens, parents, depths, valid = self._draft(state.rows)
         return DraftTree(tokens, parents, depths, valid, None, is_chain=self.proposes_chains,
-                         depth_bound=self.tree_depth)
+                         depth_bound=self.tree_depth, distinct_siblings=True)
 
     splits_commit = True
 

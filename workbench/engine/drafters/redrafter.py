@@ -89,6 +89,7 @@ class RedrafterDrafter(OneStepDrafter):
     name = "redrafter"
     wants_hidden = True
     proposes_beams = True
+    distinct_siblings = True  # beams merged into a prefix tree: equal prefixes are one node
     reads_kv_len = False  # the search reads its roots from the engine's buffers (or `state.root` without them)
     overlaps = True
 
@@ -249,7 +250,7 @@ class RedrafterDrafter(OneStepDrafter):
             parts = self._draft(state.rows, state.root if self.ctx.tokens is None else None)
         tokens, parents, depths, valid, pairs = parts
         return DraftTree(tokens, parents, depths, valid, None, is_chain=self.proposes_chains,
-                         depth_bound=self.beam_length, beam_pairs=pairs)
+                         depth_bound=self.beam_length, beam_pairs=pairs, distinct_siblings=True)
 
     @property
     def settings(self) -> dict:
