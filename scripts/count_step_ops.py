@@ -80,6 +80,7 @@ class OpCounter(TorchDispatchMode):
         self.counts: Counter = Counter()
         self.names: dict[str, Counter] = {p: Counter() for p in PHASES}
         self.paused = False  # a stand-in for a kernel runs its reference uncounted
+        self.active = False  # inside a counted decode step (the stand-ins record only then)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -88,6 +89,8 @@ class OpCounter(TorchDispatchMode):
         return out
 
     def record(self, name: str) -> None:
+        if not self.active:
+            return
         phase = self.stack[-1]
         self.counts[phase] += 1
         self.names[phase][name] += 1
@@ -265,8 +268,12 @@ def count_method(session, method: str, a, prompts: list[list[int]]) -> dict:
 
     def counted_step(*args, **kwargs):
         before = Counter(counter.counts)
-        with counter:
-            out = decode_step(*args, **kwargs)
+        counter.active = True
+        try:
+            with counter:
+                out = decode_step(*args, **kwargs)
+        finally:
+            counter.active = False
         steps.append({p: counter.counts[p] - before[p] for p in PHASES})
         return out
 

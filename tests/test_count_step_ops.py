@@ -49,6 +49,7 @@ def test_ar_and_eagle_counts_by_phase(tmp_path, capsys):
     ops = ar["ops"]["verify"]
     assert ops["paged_kv_write (kernel)"] == ops["paged_attention (kernel)"] == layers * ar["steps"]
     assert "scaled_dot_product_attention" not in ops
+    assert "paged_attention (kernel)" not in ar["ops"]["other"]  # nothing from outside the counted steps
     # greedy float32: the tree emits exactly AR's tokens
     assert eagle["outputs"] == ar["outputs"]
     printed = capsys.readouterr().out
