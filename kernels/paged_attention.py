@@ -299,10 +299,18 @@ def check_prefix_mask(prefix_mask, b: int, t: int) -> int:
     return m
 
 
-def mask_bits(intra_mask, prefix_mask, b: int, t: int, device) -> tuple[torch.Tensor | None, int]:
+def bit_weights(n: int, device) -> torch.Tensor:
+    """[n] int64: 1 << i (bit 63 is the sign bit: the word's bit pattern is what counts)."""
+    return torch.ones(n, dtype=torch.long, device=device) << torch.arange(n, device=device)
+
+
+def mask_bits(intra_mask, prefix_mask, b: int, t: int, device,
+              weights: torch.Tensor | None = None) -> tuple[torch.Tensor | None, int]:
     """(bits [B, T] int64 or None, M): each query token's mask over the window of the M = prefix_mask.shape[-1] slots
     before the step and the step's T tokens (bit i = sees window position i), built with tensor ops (no host read);
     None for a causal step without a prefix mask (the kernel needs no bits). ValueError when M + T > MASK_WINDOW.
+    weights: `bit_weights` of at least M + T bits, made once by a caller that builds bits every step (None: made
+    here).
 
     >>> mask_bits(torch.tensor([[[1, 0], [1, 1]]], dtype=torch.bool), torch.tensor([[[0, 1], [1, 0]]]).bool(), 1, 2,
     ...           "cpu")
@@ -317,7 +325,9 @@ def mask_bits(intra_mask, prefix_mask, b: int, t: int, device) -> tuple[torch.Te
     if intra_mask is None:
         intra_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
     window = intra_mask if not m else torch.cat([prefix_mask.to(torch.bool), intra_mask.to(torch.bool)], -1)
-    return (window.long() << torch.arange(m + t, device=device)).sum(-1), m  # distinct bits: the sum is an OR
+    if weights is None:
+        weights = bit_weights(m + t, device)
+    return (window * weights[:m + t]).sum(-1), m  # distinct bits: the sum is an OR
 
 
 def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra_mask, block_size, scale=None,

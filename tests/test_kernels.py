@@ -287,6 +287,10 @@ def test_mask_bits_pack_prefix_then_step_tokens_and_refuse_more_than_one_word():
     with pytest.raises(ValueError, match="prefix_mask must be \\[B, T, M\\]"):
         pa.mask_bits(intra, torch.zeros(2, 3, 8, dtype=torch.bool), 2, 4, "cpu")
     assert MASK_WINDOW == 64
+    # the same words from weights made once (what a KV cache passes every step), bit 63 included
+    weights = pa.bit_weights(MASK_WINDOW, "cpu")
+    assert torch.equal(pa.mask_bits(intra, prefix, 2, 4, "cpu", weights=weights)[0], bits)
+    assert int(weights[63]) == -(1 << 63) and (bits[:, 3] < 0).all()  # the last token sees itself: bit 63
 
 
 def test_doctests():

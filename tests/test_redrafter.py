@@ -65,8 +65,9 @@ def test_diversity_penalty_spreads_the_beams(target):
     """Worked example, W = 2, V = 3, candidate scores per (parent beam, token): plain beam search keeps token 0 twice;
     a penalty of 1 lowers the second token-0 candidate to -1.5, below (beam 1, token 2) at -0.6."""
     cand = torch.tensor([[-0.1, -3.0, -4.0, -0.5, -3.5, -0.6]])  # [B, W*V]
-    picks = {p: drafter_for(target, 2, 1, p)._select(cand, 3).tolist() for p in (0.0, 0.05, 1.0)}
-    assert picks == {0.0: [[0, 3]], 0.05: [[0, 3]], 1.0: [[0, 5]]}
+    selected = {p: drafter_for(target, 2, 1, p)._select(cand, 3) for p in (0.0, 0.05, 1.0)}
+    assert {p: idx.tolist() for p, (_, idx) in selected.items()} == {0.0: [[0, 3]], 0.05: [[0, 3]], 1.0: [[0, 5]]}
+    assert all(torch.equal(score, cand.gather(1, idx)) for score, idx in selected.values())  # a beam keeps its score
     sampled = drafter_for(target, 3, 2, sampling=SamplingParams(temperature=0.7, top_k=2))
     # top-k 2 < W: a third candidate has score -inf, and the search still runs
     beams = sampled._search(torch.arange(4), torch.tensor([1, 2, 3, 4]))

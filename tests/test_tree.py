@@ -125,3 +125,50 @@ def test_beam_disagreement_counts_tokens_not_prefixes():
     assert beam_pair_counts(beams([[[1, 2, 3], [1, 5, 6]]]), valid).tolist() == [[1, 2]]
     with pytest.raises(ValueError, match="from_beams"):
         beam_disagreement(DraftTree.chain(torch.tensor([[1, 2]])))
+
+
+def random_parents(g: torch.Generator, b: int, n: int) -> tuple[torch.Tensor, int]:
+    """[B, N] parents of random trees (each node's parent an earlier node or the root) and their deepest depth."""
+    parents = torch.full((b, n), -1, dtype=torch.long)
+    depths = torch.ones(b, n, dtype=torch.long)
+    for s in range(b):
+        for i in range(1, n):
+            p = int(torch.randint(-1, i, (1,), generator=g))
+            parents[s, i] = p
+            depths[s, i] = 1 if p < 0 else int(depths[s, p]) + 1
+    return parents, int(depths.max())
+
+
+def test_tree_closure_is_the_same_with_and_without_a_depth_bound():
+    """The bounded parent lookups and the unbounded squarings give the same closure, which holds exactly the root,
+    each token itself and the tokens reached by walking up its parents."""
+    from workbench.engine.tree import tree_closure
+
+    g = torch.Generator().manual_seed(11)
+    for n in (1, 2, 5, 9, 17, 24):
+        parents, deepest = random_parents(g, 3, n)
+        want = torch.zeros(3, n + 1, n + 1, dtype=torch.bool)
+        want[:, :, 0] = True
+        for s in range(3):
+            for i in range(n):
+                j = i
+                while j >= 0:
+                    want[s, i + 1, j + 1] = True
+                    j = int(parents[s, j])
+        assert torch.equal(tree_closure(parents), want), n
+        for bound in (deepest, deepest + 1):  # a bound over 8 takes the squarings
+            assert torch.equal(tree_closure(parents, bound), want), (n, bound)
+        assert torch.equal(ancestor_matrix(parents, deepest), want[:, 1:, 1:])
+
+
+def test_whole_beams_without_a_mask_make_the_same_tree_as_with_an_all_true_one():
+    """beam_valid None skips the masking (fewer launches): the tree, beam nodes and beam pairs are those of an
+    all-true mask, on random beams with many shared prefixes."""
+    g = torch.Generator().manual_seed(3)
+    for w, l in ((2, 3), (4, 4), (5, 2)):
+        tokens = torch.randint(0, 3, (4, w, l), generator=g)
+        bare, bare_nodes = DraftTree.from_beams(tokens)
+        masked, masked_nodes = DraftTree.from_beams(tokens, torch.ones(4, w, l, dtype=torch.bool))
+        for name in ("token_ids", "parents", "depths", "valid", "beam_pairs"):
+            assert torch.equal(getattr(bare, name), getattr(masked, name)), (w, l, name)
+        assert torch.equal(bare_nodes, masked_nodes) and bare.depth_bound == masked.depth_bound == l

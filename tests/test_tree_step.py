@@ -83,7 +83,7 @@ def test_padding_rows_leave_the_drafter_scratch_row_as_set_up(target):
     engine, res = run(target, "eagle", PROMPTS[:3], True, True)  # 3 rows pad to bucket 4
     d = engine.drafter
     pad = engine.cache.pad_row
-    assert int(d.pend_base[pad]) == 0 and int(d.pend_count[pad]) == 1
+    assert int(d.pend_base[pad]) == 0 and int(d.pend_count[pad]) == 1 and int(d.pend_pos[2, pad]) == 1
     assert len(res.steps) > 3
 
 

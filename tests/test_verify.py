@@ -313,3 +313,26 @@ def _tree_bonus_from_parent_row(tree, target_probs, g):
 def test_sampled_beam_tree_check_detects_lossy_rules(lossy):
     """The beam-tree check has power: lossy tree rules are rejected."""
     assert min(beam_tree_pvalues(lossy)) < 1e-6
+
+
+def test_distinct_siblings_skip_only_a_rule_that_changes_nothing():
+    """Trees whose siblings never repeat a token (EAGLE's top-K, merged beams) are accepted the same with the
+    duplicate-sibling rule skipped (distinct_siblings) as with it, greedy and on sampled choices; with a repeated
+    sibling the rule is what keeps the later copy from being followed."""
+    from workbench.engine.verify import accept_choices
+
+    g = torch.Generator().manual_seed(4)
+    for _ in range(20):
+        beams = torch.randint(0, 3, (3, 4, 3), generator=g)  # few tokens: many shared prefixes, merged
+        tree, _ = DraftTree.from_beams(beams)
+        assert tree.distinct_siblings
+        choice = torch.randint(0, 3, (3, 1 + tree.num_nodes), generator=g)
+        plain = DraftTree(tree.token_ids, tree.parents, tree.depths, tree.valid, depth_bound=tree.depth_bound)
+        a, b = accept_choices(tree, choice), accept_choices(plain, choice)
+        for name in ("num_accepted", "path_nodes", "emitted"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    # two root children holding token 5: the second one's child (token 6) is never followed under the rule
+    twins = DraftTree(torch.tensor([[5, 5, 6]]), torch.tensor([[-1, -1, 1]]), torch.tensor([[1, 1, 2]]),
+                      torch.ones(1, 3, dtype=torch.bool), depth_bound=2)
+    choice = torch.tensor([[5, 9, 6, 7]])  # root row picks 5, node 1's row picks 6
+    assert accept_choices(twins, choice).num_accepted.tolist() == [1]  # node 0 only: its row picks 9, the end

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import MASK_WINDOW, mask_bits
+from kernels.paged_attention import MASK_WINDOW, bit_weights, mask_bits
 from workbench.engine.kv_quant import SCALE_DTYPE, KVFormatError, kv_format
 
 
@@ -66,6 +66,7 @@ class KVCache(ABC):
         # paged caches on the kernel path: K/V write + attention in one call (unquantized pools); None = write, then
         # `kernel`
         self.write_kernel = None
+        self._bit_weights = bit_weights(MASK_WINDOW, self.device)  # what `mask_bits` sums, made once
 
     @property
     def pad_row(self) -> int:
@@ -123,29 +124,33 @@ class KVCache(ABC):
         return need
 
     def prepare(self, rows: torch.Tensor, base_len: torch.Tensor, num_new: int, intra_mask: torch.Tensor | None,
-                span: int, kernel: bool = True, prefix_mask: torch.Tensor | None = None) -> None:
+                span: int, kernel: bool = True, prefix_mask: torch.Tensor | None = None,
+                write_pos: torch.Tensor | None = None) -> None:
         """Device half of a step: index tensors and mask shared by all layers; no host reads (graph-capturable).
 
         rows [B], base_len [B] long; intra_mask [B, T, T] bool or None (causal); span: key slots read per row;
         prefix_mask [B, T, M] bool or None: which of the M slots just before base_len each new token sees (None: all;
         a drafter's own tree levels written by earlier forwards of the same step: EAGLE sees only its ancestors).
         The kernel path takes a prefix mask as it takes the intra mask (one bit-word per query token); a step whose
-        M + T exceeds the kernel's MASK_WINDOW bits goes through gather + SDPA instead.
+        M + T exceeds the kernel's MASK_WINDOW bits goes through gather + SDPA instead. write_pos [B, T] long: the
+        positions written, base_len + 0 .. T-1, where the caller has them already (None: made here).
         """
-        t = torch.arange(num_new, device=self.device)
         m = 0 if prefix_mask is None else prefix_mask.shape[-1]
         self._rows = rows
         self._base = base_len
         self._intra_mask = intra_mask
         self._prefix_mask = prefix_mask if m else None
         self._use_kernel = kernel and self.kernel is not None and (not m or m + num_new <= MASK_WINDOW)
-        self._write_pos = base_len.unsqueeze(1) + t  # [B, T]
+        if write_pos is None:
+            write_pos = base_len.unsqueeze(1) + torch.arange(num_new, device=self.device)
+        self._write_pos = write_pos  # [B, T]
         self._span = span
         self._prepare_slots()
         self._bits = None
         if self._use_kernel:  # the kernel masks from lengths and the intra / prefix masks itself: no [B, 1, T, S] mask
             if intra_mask is not None or m:
-                self._bits = mask_bits(intra_mask, self._prefix_mask, rows.shape[0], num_new, self.device)
+                self._bits = mask_bits(intra_mask, self._prefix_mask, rows.shape[0], num_new, self.device,
+                                       weights=self._bit_weights)
             return
         key_pos = torch.arange(self._span, device=self.device)  # [S]
         before = key_pos.view(1, 1, -1) < base_len.view(-1, 1, 1)  # [B, 1, S]
@@ -212,8 +217,7 @@ class KVCache(ABC):
     def move_path(self, rows: torch.Tensor, src_pos: torch.Tensor, dst_pos: torch.Tensor) -> None:
         """`move` without a skip: every src_pos[b, j] [B, D] is copied to dst_pos[b, j] (a slot that stays put has
         src = dst), so no host read decides what moves (graph-capturable). All reads happen before the writes."""
-        r = rows.unsqueeze(1).expand_as(src_pos).reshape(-1)
-        self._copy_slots(r, src_pos.reshape(-1), dst_pos.reshape(-1))
+        self._copy_slots(rows.unsqueeze(1), src_pos, dst_pos)  # rows broadcast over each row's slots
 
     def truncate(self, row: int, new_len: int) -> None:
         """Rewind: positions >= new_len of `row` are dropped (their storage may be reused)."""
@@ -250,7 +254,8 @@ class KVCache(ABC):
     def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @abstractmethod
-    def _copy_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None: ...
+    def _copy_slots(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's KV (and scales) at slot src of row `rows` copied to slot dst; rows broadcast to src / dst."""
 
     @property
     @abstractmethod
@@ -322,6 +327,12 @@ class PagedKVCache(KVCache):
         self._table_image[self.pad_row] = self._host_table[-1]
         self._stale: set[int] = set()
         self.block_table[self.pad_row] = torch.from_numpy(self._table_image[self.pad_row])
+        # [R + 1, blocks per row * block size]: the block table spelled out per position (each position's slot), kept
+        # in step with it on the device, so a step finds its slots with one lookup
+        self.slot_table = torch.zeros(self.max_rows + 1, self.blocks_per_row * block_size, dtype=torch.long,
+                                      device=self.device)
+        self._block_offsets = torch.arange(block_size, device=self.device)
+        self._refresh_slots()
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
 
     @property
@@ -372,20 +383,34 @@ class PagedKVCache(KVCache):
         for every step already in flight (an overlapped step's pipeline drained each time a row crosses a block). On
         a GPU the image goes through a pinned copy of its own (the caching host allocator keeps it until the copy has
         run), so the image can change right after. The table was built row by row with a tensor per row before:
-        about 5 host ops per cache row per upload (190 per serving iteration on tiny at 64 rows)."""
+        about 5 host ops per cache row per upload (190 per serving iteration on tiny at 64 rows). Nothing is uploaded
+        when the stale rows came back to what the device holds (blocks given back are taken again last-in first-out,
+        so a row whose step's draft blocks were truncated usually gets the very same ones)."""
         image = self._table_image
+        changed = False
         for r in self._stale:
             blocks = self._host_table[r]
-            image[r, :len(blocks)] = blocks
-            image[r, len(blocks):] = 0
+            row = np.zeros(self.blocks_per_row, dtype=np.int64)
+            row[:len(blocks)] = blocks
+            if not np.array_equal(row, image[r]):
+                image[r] = row
+                changed = True
         self._stale.clear()
+        if not changed:  # e.g. a tree step's draft blocks given back and taken again: the device holds this table
+            return
         host = torch.from_numpy(image)  # (on a CPU the copy below is done when it returns)
         self.block_table.copy_(host.pin_memory() if self.block_table.is_cuda else host, non_blocking=True)
+        self._refresh_slots()
+
+    def _refresh_slots(self) -> None:
+        """`slot_table` from the device block table, in place (one launch, in stream order): a captured graph reads
+        this very tensor."""
+        torch.add(self._block_offsets, self.block_table.unsqueeze(-1), alpha=self.block_size,
+                  out=self.slot_table.view(self.max_rows + 1, self.blocks_per_row, self.block_size))
 
     def _slots(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """rows broadcastable to pos; pos [...] -> physical slot [...]."""
-        block = self.block_table[rows, pos // self.block_size]
-        return block * self.block_size + pos % self.block_size
+        return self.slot_table[rows, pos]
 
     def _read_span(self, need: int) -> int:
         return math.ceil(need / self.block_size) * self.block_size
@@ -394,10 +419,7 @@ class PagedKVCache(KVCache):
         self._write_slots = self._slots(self._rows.unsqueeze(1), self._write_pos).reshape(-1)  # [B * T]
         if self._use_kernel:  # the kernel reads the pool through the block table: no gather indices
             return
-        nb = self._span // self.block_size
-        blocks = self.block_table[self._rows, :nb]  # [B, nb]
-        offsets = torch.arange(self.block_size, device=self.device)
-        self._read_slots = (blocks.unsqueeze(-1) * self.block_size + offsets).flatten(1)  # [B, S]
+        self._read_slots = self.slot_table[self._rows, :self._span]  # [B, S]
 
     def _write(self, layer, k, v):
         for (pool, scales), x in zip(self._planes(), (k, v)):
@@ -412,7 +434,7 @@ class PagedKVCache(KVCache):
                                             self.dtype).transpose(1, 2) for pool, scales in self._planes())
 
     def _copy_slots(self, rows, src, dst):
-        s, d = self._slots(rows, src), self._slots(rows, dst)
+        s, d = self._slots(rows, torch.stack([src, dst]))  # both slot lists in one lookup
         for t in self._tensors():
             t[:, d] = t[:, s]
 

@@ -60,7 +60,7 @@ from workbench.engine.kv_cache import ATTENTION_BACKENDS, make_cache
 from workbench.engine.kv_quant import kv_format
 from workbench.engine.quant import apply_kernel_tuning
 from workbench.engine.sampling import SamplingParams, next_token
-from workbench.engine.tree import DraftTree, sibling_rank, verify_mask
+from workbench.engine.tree import DraftTree, earlier_siblings, verify_mask
 from workbench.engine.verify import Acceptance, Verifier, accept_greedy
 from kernels.pdl import pdl_scope
 from kernels.tuning import KernelTuning, parse_tuning
@@ -497,24 +497,29 @@ class SpecEngine:
         dev = draft.device
         d = drafter.depth_bound if n else 0
         tree = DraftTree(draft, parents, depths, valid, None, is_chain=n == 0 or drafter.proposes_chains,
-                         depth_bound=d, beam_pairs=beam_pairs if n and drafter.proposes_beams else None)
+                         depth_bound=d, beam_pairs=beam_pairs if n and drafter.proposes_beams else None,
+                         distinct_siblings=drafter.distinct_siblings)
         base = self.kv_len[rows]  # [B]
         ids = torch.cat([self.tokens[rows, base].unsqueeze(1), draft], 1)  # [B, 1+N]: root, then the nodes
-        positions = base.unsqueeze(1) + torch.cat([torch.zeros_like(base).unsqueeze(1), depths], 1)
+        positions = base.unsqueeze(1) + torch.nn.functional.pad(depths, (1, 0))  # the root at depth 0
         cache.prepare(rows, base, 1 + n, verify_mask(tree), cache.static_span)
         hidden = self.target(ids, positions, cache)  # [B, 1+N, H]
         acc = self.verifier.accept(tree, self.target.compute_logits(hidden), None if self.verifier.params.greedy
                                    else uniforms)
-        steps = torch.arange(d, device=dev)
+        after = base.unsqueeze(1) + torch.arange(1, d + 2, device=dev)  # [B, 1+D]: slots base + 1 ..
         if d and not tree.is_chain:  # the accepted path's KV down to slots base + 1 ..; the rest stays put
-            dst = base.unsqueeze(1) + 1 + steps  # [B, D]
-            cache.move_path(rows, torch.where(acc.path_nodes >= 0, base.unsqueeze(1) + 1 + acc.path_nodes, dst), dst)
-        self.tokens[rows.unsqueeze(1), base.unsqueeze(1) + 1 + torch.arange(d + 1, device=dev)] = acc.emitted
-        self.kv_len[rows] = base + 1 + acc.num_accepted
-        self.kv_len[cache.pad_row:].fill_(PAD_LEN)  # padding rows wrote theirs too: back to PAD_LEN
-        src = torch.cat([torch.zeros_like(base).unsqueeze(1), 1 + acc.path_nodes.clamp(min=0)], 1)  # [B, 1+D]
+            # node i sits in slot base + 1 + i, and a path node at depth j + 1 has i >= j (its ancestors come before
+            # it): the larger of the two is the path node's slot on the path and the slot itself past it (-1)
+            dst = after[:, :d]
+            cache.move_path(rows, torch.maximum(after[:, :1] + acc.path_nodes, dst), dst)
+        self.tokens[rows.unsqueeze(1), after] = acc.emitted
+        self.kv_len[rows] = after.gather(1, acc.num_accepted.unsqueeze(1)).squeeze(1)  # base + 1 + accepted
+        padded = b > 1  # a step of one row has no padding rows: one live row at least
+        if padded:
+            self.kv_len[cache.pad_row:].fill_(PAD_LEN)  # padding rows wrote theirs too: back to PAD_LEN
+        src = torch.nn.functional.pad(acc.path_nodes.clamp(min=0) + 1, (1, 0))  # [B, 1+D]: row 0 (root), the path
         committed = hidden.gather(1, src.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # root, then the path
-        drafter.commit_device(rows, acc, committed, cache.pad_row)
+        drafter.commit_device(rows, acc, committed, cache.pad_row if padded else None)
         return _pack(acc, tree)
 
     @torch.inference_mode()
@@ -1042,10 +1047,10 @@ def _pack(acc: Acceptance, tree: DraftTree) -> torch.Tensor:
     trees merged from beams their (differing, compared) beam-pair counts [2]: the tree metrics ride on the one read."""
     drafted = tree.valid.sum(-1, keepdim=True) if tree.num_nodes else torch.zeros_like(acc.num_accepted).unsqueeze(1)
     parts = [acc.num_accepted.unsqueeze(1), drafted, acc.emitted]
-    if not tree.is_chain:
-        on_path = acc.path_nodes >= 0  # [B, D]
-        ranks = sibling_rank(tree).gather(1, acc.path_nodes.clamp(min=0))  # [B, D]
-        parts.append(torch.where(on_path, ranks, torch.full_like(ranks, -1)))
+    if not tree.is_chain:  # path nodes are valid: their sibling rank is their count of earlier siblings
+        n = tree.num_nodes
+        ranks = torch.nn.functional.pad(earlier_siblings(tree).sum(-1), (0, 1), value=-1)  # [B, N + 1]: -1 last
+        parts.append(ranks.gather(1, acc.path_nodes % (n + 1)))  # [B, D]; off the path (-1) -> -1
     if tree.beam_pairs is not None:
         parts.append(tree.beam_pairs)
     return torch.cat(parts, 1)
@@ -1062,4 +1067,5 @@ def shorten(tree: DraftTree, n: int, row_nodes: list[int] | None = None) -> Draf
     probs = tree.draft_probs[:, :n] if tree.draft_probs is not None else None
     if tree.is_chain:
         return DraftTree.chain(tree.token_ids[:, :n], valid, probs)
-    return DraftTree(tree.token_ids, tree.parents, tree.depths, valid, probs, depth_bound=tree.depth_bound)
+    return DraftTree(tree.token_ids, tree.parents, tree.depths, valid, probs, depth_bound=tree.depth_bound,
+                     distinct_siblings=tree.distinct_siblings)

@@ -34,6 +34,9 @@ class DraftTree:
     # [B, 2] long, set by `from_beams`: (differing, compared) (beam pair, depth) token positions of the merged beams,
     # what `beam_disagreement` divides; None = not made from beams
     beam_pairs: torch.Tensor | None = None
+    # no two valid siblings hold the same token (the drafter guarantees it; from_beams' trees have it): acceptance
+    # skips the duplicate-sibling rule, which would change nothing
+    distinct_siblings: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -89,9 +92,10 @@ class DraftTree:
         """
         b, w, l = beam_tokens.shape
         dev = beam_tokens.device
-        if beam_valid is None:
+        if beam_valid is None and w == 1:
             beam_valid = torch.ones(b, w, l, dtype=torch.bool, device=dev)
-        valid = beam_valid.long().cumprod(-1).bool()  # [B, W, L]: enforce the prefix mask
+        # [B, W, L]: the prefix mask enforced; None: every beam whole (the masking below would change nothing)
+        valid = None if beam_valid is None else beam_valid.long().cumprod(-1).bool()
         if w == 1:
             nodes = torch.arange(l, device=dev).expand(b, 1, l)
             tree = DraftTree.chain(beam_tokens[:, 0], valid[:, 0])
@@ -100,15 +104,20 @@ class DraftTree:
         n = w * l
         # same[b, i, j, d]: beams i and j agree on their first d + 1 tokens and both are valid there
         same = (beam_tokens.unsqueeze(2) == beam_tokens.unsqueeze(1)).long().cumprod(-1).bool()  # [B, W, W, L]
-        same &= valid.unsqueeze(2) & valid.unsqueeze(1)
         beam_idx = torch.arange(w, device=dev)  # [W]
+        if valid is not None:
+            same &= valid.unsqueeze(2) & valid.unsqueeze(1)
         rep = torch.where(same, beam_idx.view(1, 1, w, 1), w).amin(2)  # [B, W, L]: first beam sharing the prefix
-        rep = torch.where(valid, rep, beam_idx.view(1, w, 1))  # invalid (w, d) match nothing: point at themselves
-        keep = valid & (rep == beam_idx.view(1, w, 1))  # [B, W, L]: first occurrences become nodes
+        if valid is None:
+            keep = rep == beam_idx.view(1, w, 1)  # [B, W, L]: first occurrences become nodes
+        else:  # invalid (w, d) match nothing (they point at themselves) and are no node
+            rep = torch.where(valid, rep, beam_idx.view(1, w, 1))
+            keep = valid & (rep == beam_idx.view(1, w, 1))
         new_idx = keep.view(b, n).long().cumsum(-1) - 1  # [B, W*L]: node index of each kept (w, d)
         depth_idx = torch.arange(l, device=dev)  # [L]
         beam_node = new_idx.gather(1, (rep * l + depth_idx).view(b, n)).view(b, w, l)  # [B, W, L]
-        beam_node = torch.where(valid, beam_node, torch.full_like(beam_node, -1))
+        if valid is not None:
+            beam_node = torch.where(valid, beam_node, torch.full_like(beam_node, -1))
         parent = torch.cat([torch.full_like(beam_node[..., :1], -1), beam_node[..., :-1]], -1)  # [B, W, L]
         dest = torch.where(keep.view(b, n), new_idx, n)  # [B, W*L]: duplicates and padding -> dropped column n
 
@@ -119,7 +128,7 @@ class DraftTree:
 
         depths = (depth_idx + 1).expand(b, w, l)
         tree = DraftTree(place(beam_tokens, 0), place(parent, -1), place(depths, 1), place(keep, False),
-                         depth_bound=l, beam_pairs=beam_pair_counts(beam_tokens, valid))
+                         depth_bound=l, beam_pairs=beam_pair_counts(beam_tokens, valid), distinct_siblings=True)
         return tree, beam_node
 
 
@@ -143,12 +152,12 @@ def beam_pair_counts(beam_tokens: torch.Tensor, beam_valid: torch.Tensor | None 
     [[6, 9]]
     """
     b, w, l = beam_tokens.shape
-    if beam_valid is None:
-        beam_valid = torch.ones(b, w, l, dtype=torch.bool, device=beam_tokens.device)
     i, j = torch.triu_indices(w, w, offset=1, device=beam_tokens.device)  # [P] each: the beam pairs i < j
+    differ = beam_tokens[:, i] != beam_tokens[:, j]  # [B, P, L]
+    if beam_valid is None:  # every position compared
+        return torch.stack([differ.sum((1, 2)), torch.full((b,), i.numel() * l, device=beam_tokens.device)], -1)
     both = beam_valid[:, i] & beam_valid[:, j]  # [B, P, L]
-    differ = (beam_tokens[:, i] != beam_tokens[:, j]) & both  # [B, P, L]
-    return torch.stack([differ.sum((1, 2)), both.sum((1, 2))], -1)
+    return torch.stack([(differ & both).sum((1, 2)), both.sum((1, 2))], -1)
 
 
 def beam_disagreement(tree: DraftTree) -> torch.Tensor:
@@ -176,42 +185,86 @@ def sibling_rank(tree: DraftTree) -> torch.Tensor:
     >>> sibling_rank(tree).tolist()  # a and d are the root's children 0 and 1; b and c are a's children 0 and 1
     [[0, 0, 1, 1, 0, -1]]
     """
-    b, n = tree.parents.shape
-    # [B, N, N]: node j is a valid sibling of node i
-    same = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & tree.valid.unsqueeze(1)
-    before = torch.ones(n, n, dtype=torch.bool, device=tree.parents.device).tril(-1)  # [N, N]: j < i
-    rank = (same & before).sum(-1)  # [B, N]
-    return torch.where(tree.valid, rank, torch.full_like(rank, -1))
+    return torch.where(tree.valid, earlier_siblings(tree).sum(-1), -1)
 
 
-def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
-    """parents [B, N] -> anc [B, N, N] bool, anc[b, i, j] = node j is node i or one of its ancestors.
+def earlier_siblings(tree: DraftTree) -> torch.Tensor:
+    """[B, N, N] bool: node j is a valid sibling of node i (same parent) listed before it (j < i); made once per tree
+    (the verifier's duplicate-sibling rule and the sibling ranks both read it)."""
+    cached = tree.__dict__.get("_earlier_siblings")
+    if cached is None:
+        same = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & tree.valid.unsqueeze(1)  # [B, N, N]
+        cached = tree.__dict__["_earlier_siblings"] = same.tril(-1)  # j < i
+    return cached
 
-    Built by repeated parent lookup: after round r every node knows its ancestors up to 2^r levels up.
+
+def tree_closure(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """parents [B, N] -> [B, 1+N, 1+N] bool over [root, nodes]: entry (i, j) = token j is token i or one of its
+    ancestors (index 0 is the root, node k is index 1 + k). max_depth: a bound on the nodes' depths (DraftTree's
+    depth_bound) or None.
+
+    With a bound D: each token's ancestors up to D hops, by D - 1 parent lookups, compared with every index at once;
+    without one: the reflexive parent relation squared until it holds paths of every length.
+    >>> tree_closure(torch.tensor([[-1, 0, -1]]), 2).int().tolist()
+    [[[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]]]
+    >>> torch.equal(tree_closure(torch.tensor([[-1, 0, -1]])), tree_closure(torch.tensor([[-1, 0, -1]]), 2))
+    True
+    """
+    return _closure_of(torch.nn.functional.pad(parents + 1, (1, 0)), max_depth)
+
+
+def _closure_of(up: torch.Tensor, max_depth: int | None) -> torch.Tensor:
+    """`tree_closure` from up [B, 1+N]: each token's parent index (the root's is itself, 0)."""
+    b, n = up.shape[0], up.shape[1] - 1
+    dev = up.device
+    idx = torch.arange(n + 1, device=dev)
+    if max_depth is not None and max_depth <= 8:  # a few lookups are fewer launches than the squarings below
+        hops = [idx.expand(b, n + 1), up]
+        for _ in range(max_depth - 1):
+            hops.append(up.gather(1, hops[-1]))
+        return (torch.stack(hops, -1).unsqueeze(-1) == idx).any(-2)  # [B, 1+N, 1+D, 1+N] -> [B, 1+N, 1+N]
+    reach = ((up.unsqueeze(-1) == idx) | torch.eye(n + 1, dtype=torch.bool, device=dev)).float()
+    length = 1
+    while length < n:  # paths of length <= 2 * length; counts of paths clamped back to 0 / 1
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)
+        length *= 2
+    return reach.bool()
+
+
+def _closure(tree: DraftTree) -> torch.Tensor:
+    """`tree_closure` of the tree, made once per tree (the verify mask and acceptance both read it)."""
+    cached = tree.__dict__.get("_closure")
+    if cached is None:
+        up = torch.nn.functional.pad(tree.parents + 1, (1, 0))  # [B, 1+N]
+        tree.__dict__["_parent_rows"] = up[:, 1:]
+        cached = tree.__dict__["_closure"] = _closure_of(up, tree.depth_bound)
+    return cached
+
+
+def parent_rows(tree: DraftTree) -> torch.Tensor:
+    """[B, N] long: each node's parent's verify row (1 + parent; the root's row is 0); the closure's when made."""
+    cached = tree.__dict__.get("_parent_rows")
+    return cached if cached is not None else tree.parents + 1
+
+
+def ancestor_matrix(parents: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """parents [B, N] -> anc [B, N, N] bool, anc[b, i, j] = node j is node i or one of its ancestors (`tree_closure`
+    without the root; max_depth: a bound on the depths, or None).
+
     >>> ancestor_matrix(torch.tensor([[-1, 0, -1]])).int().tolist()
     [[[1, 0, 0], [1, 1, 0], [0, 0, 1]]]
     """
-    b, n = parents.shape
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
-    if n == 0:
-        return eye.clone()
-    parent_onehot = torch.zeros(b, n, n + 1, dtype=torch.bool, device=parents.device)
-    parent_onehot.scatter_(2, (parents % (n + 1)).unsqueeze(-1), True)  # -1 -> column n (the root, dropped)
-    anc = (eye | parent_onehot[..., :n]).float()
-    hops = 1
-    while hops < n:  # reflexive closure squared: paths of length <= 2 * hops
-        anc = (torch.bmm(anc, anc) > 0).float()
-        hops *= 2
-    anc = anc.bool()
-    return anc
+    return tree_closure(parents, max_depth)[:, 1:, 1:]
+
+
+def tree_ancestors(tree: DraftTree) -> torch.Tensor:
+    """`ancestor_matrix` of the tree (a view of its closure, made once per tree)."""
+    return _closure(tree)[:, 1:, 1:]
 
 
 def verify_mask(tree: DraftTree) -> torch.Tensor | None:
-    """The [B, 1+N, 1+N] bool mask among this step's tokens (root + nodes); None means plain causal (chains)."""
+    """The [B, 1+N, 1+N] bool mask among this step's tokens (root + nodes); None means plain causal (chains). Every
+    token sees the root, itself and its ancestors: the tree's closure (made once per tree; do not write into it)."""
     if tree.is_chain:
         return None
-    b, n = tree.parents.shape
-    mask = torch.zeros(b, n + 1, n + 1, dtype=torch.bool, device=tree.parents.device)
-    mask[:, :, 0] = True  # everyone sees the root
-    mask[:, 1:, 1:] = ancestor_matrix(tree.parents)
-    return mask
+    return _closure(tree)

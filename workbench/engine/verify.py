@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from workbench.engine.sampling import SamplingParams, probs_from_logits, sample
-from workbench.engine.tree import DraftTree, ancestor_matrix
+from workbench.engine.tree import DraftTree, earlier_siblings, parent_rows, tree_ancestors
 
 
 @dataclass
@@ -35,9 +35,14 @@ class Acceptance:
 
 def _first_max_index(score: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim, ties broken towards the lowest index (torch.argmax does not promise that)."""
+    return _first_max(score)[1]
+
+
+def _first_max(score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key, index) of the max over the last dim of a whole-number score >= 0, ties towards the lowest index:
+    key = score * (n + 1) + (n - index), distinct per index, so key > n exactly where the score is > 0."""
     n = score.shape[-1]
-    key = score * (n + 1) + (n - torch.arange(n, device=score.device))
-    return key.argmax(-1)
+    return torch.arange(n, 0, -1, device=score.device).add(score, alpha=n + 1).max(-1)
 
 
 def _assemble(tree: DraftTree, on_path: torch.Tensor, last_token: torch.Tensor) -> Acceptance:
@@ -45,13 +50,14 @@ def _assemble(tree: DraftTree, on_path: torch.Tensor, last_token: torch.Tensor) 
     b, n = tree.token_ids.shape
     d = tree.max_depth
     num_accepted = on_path.sum(-1)
-    slot = torch.where(on_path, tree.depths - 1, torch.full_like(tree.depths, d))  # off-path nodes -> dropped column
+    slot = torch.where(on_path, tree.depths - 1, d)  # off-path nodes -> dropped column
     path_nodes = torch.full((b, d + 1), -1, dtype=torch.long, device=tree.token_ids.device)
     node_idx = torch.arange(n, device=tree.token_ids.device).expand(b, n)
-    path_nodes.scatter_(1, slot, node_idx)
-    path_nodes = path_nodes[:, :d].contiguous()
-    emitted = torch.zeros(b, d + 1, dtype=torch.long, device=tree.token_ids.device)
-    emitted[:, :d] = tree.token_ids.gather(1, path_nodes.clamp(min=0)) if n else emitted[:, :d]
+    path_nodes = path_nodes.scatter_(1, slot, node_idx)[:, :d]
+    if n:  # the path's tokens, then 0 (the last column: a fully accepted path's bonus)
+        emitted = torch.nn.functional.pad(tree.token_ids.gather(1, path_nodes.clamp(min=0)), (0, 1))
+    else:
+        emitted = torch.zeros(b, d + 1, dtype=torch.long, device=tree.token_ids.device)
     emitted.scatter_(1, num_accepted.unsqueeze(1), last_token.unsqueeze(1))
     return Acceptance(num_accepted, path_nodes, emitted)
 
@@ -59,11 +65,8 @@ def _assemble(tree: DraftTree, on_path: torch.Tensor, last_token: torch.Tensor) 
 def _first_sibling(tree: DraftTree) -> torch.Tensor:
     """[B, N] bool: the node is valid and no earlier valid sibling (same parent) holds its token. Drafters list
     siblings without repeats (EAGLE's top-K, deduplicated beams); the rule keeps acceptance lossless if one did not."""
-    n = tree.num_nodes
-    same = (tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)) & \
-        (tree.token_ids.unsqueeze(2) == tree.token_ids.unsqueeze(1)) & tree.valid.unsqueeze(1)  # [B, N, N]
-    before = torch.ones(n, n, dtype=torch.bool, device=tree.token_ids.device).tril(-1)  # [N, N]: j < i
-    return tree.valid & ~(same & before).any(-1)
+    repeated = (earlier_siblings(tree) & (tree.token_ids.unsqueeze(2) == tree.token_ids.unsqueeze(1))).any(-1)
+    return tree.valid > repeated  # valid and not repeated
 
 
 def accept_choices(tree: DraftTree, choice: torch.Tensor) -> Acceptance:
@@ -81,19 +84,19 @@ def accept_choices(tree: DraftTree, choice: torch.Tensor) -> Acceptance:
     """
     if tree.num_nodes == 0:
         return _assemble(tree, tree.valid, choice[:, 0])
-    expected = choice.gather(1, tree.parents + 1)  # [B, N]: the choice at each node's parent
+    expected = choice.gather(1, parent_rows(tree))  # [B, N]: the choice at each node's parent
     if tree.is_chain:
         on_path = (tree.valid & (tree.token_ids == expected)).long().cumprod(-1).bool()
         last_row = on_path.sum(-1)
     else:
-        eligible = _first_sibling(tree) & (tree.token_ids == expected)
-        anc = ancestor_matrix(tree.parents)  # [B, N, N]
-        path_ok = ~(anc & ~eligible.unsqueeze(1)).any(-1)  # every ancestor (and self) eligible
-        score = torch.where(path_ok, tree.depths, torch.zeros_like(tree.depths))
-        best = _first_max_index(score)
-        reached = score.gather(1, best.unsqueeze(1)).squeeze(1) > 0
+        first = tree.valid if tree.distinct_siblings else _first_sibling(tree)
+        eligible = first & (tree.token_ids == expected)
+        anc = tree_ancestors(tree)  # [B, N, N]
+        path_ok = (anc <= eligible.unsqueeze(1)).all(-1)  # every ancestor (and self) eligible
+        key, best = _first_max(tree.depths * path_ok)  # the deepest such node, the first of equals
+        reached = key > tree.num_nodes  # its depth is > 0: some node was accepted
         on_path = anc.gather(1, best.view(-1, 1, 1).expand(-1, 1, tree.num_nodes)).squeeze(1) & reached.unsqueeze(1)
-        last_row = torch.where(reached, best + 1, torch.zeros_like(best))
+        last_row = (best + 1) * reached
     return _assemble(tree, on_path, choice.gather(1, last_row.unsqueeze(1)).squeeze(1))
 
 

@@ -89,6 +89,9 @@ class Drafter(ABC):
     # W beams of L tokens merged by DraftTree.from_beams (num_nodes = W x L, all beams valid): a step's drafted count
     # is then its distinct prefix-tree nodes, so drafted / num_nodes is its beam diversity (no extra device read)
     proposes_beams: bool = False
+    # no two valid siblings of its trees hold the same token (top-K children, deduplicated beams): acceptance then
+    # skips its duplicate-sibling rule (DraftTree.distinct_siblings), which would change nothing
+    distinct_siblings: bool = False
     reads_kv_len: bool = True  # propose reads state.kv_len (else the engine skips gathering it)
     # feature-based drafters (ReDrafter, EAGLE): prefill and commit receive the target's final hidden states (hidden=);
     # the engine then verifies through its unfused path (the fused greedy chain step returns no hidden states)
@@ -120,9 +123,10 @@ class Drafter(ABC):
     # run inside the target's captured verify + accept step) and `commit_host` (host bookkeeping after the read)
     splits_commit: bool = False
 
-    def commit_device(self, rows: torch.Tensor, acc, hidden: torch.Tensor | None, pad_row: int) -> None:
+    def commit_device(self, rows: torch.Tensor, acc, hidden: torch.Tensor | None, pad_row: int | None) -> None:
         """The device half of `commit` for rows [B] (padding rows hold `pad_row`, whose state must stay as
-        `setup` left it): no host reads or host->device copies (it is captured in the step's CUDA graph)."""
+        `setup` left it; None: the step has no padding rows): no host reads or host->device copies (it is captured
+        in the step's CUDA graph)."""
         raise NotImplementedError(f"drafter {self.name!r} does not split its commit (splits_commit is False)")
 
     def commit_host(self, state: BatchState, old_kv_len_host: list[int]) -> None:

@@ -85,11 +85,9 @@ def rerank(cand_tokens: torch.Tensor, cand_scores: torch.Tensor, cand_parents: t
     >>> rerank(tok, score, torch.tensor([[-1, -1, 0, 0, 1, 1]]), torch.tensor([[1, 1, 2, 2, 2, 2]]), 3)
     (tensor([[10, 12, 13]]), tensor([[-1,  0,  0]]), tensor([[1, 2, 2]]))
     """
-    b, c = cand_scores.shape
     keep = torch.sort(cand_scores, stable=True, dim=-1, descending=True).indices[:, :budget].sort(-1).values  # [B, N]
-    node_of = torch.full((b, c + 1), -1, dtype=torch.long, device=cand_scores.device)  # candidate -> node; col c: -1
-    node_of.scatter_(1, keep, torch.arange(budget, device=cand_scores.device).expand(b, budget))
-    parents = node_of.gather(1, cand_parents.gather(1, keep) % (c + 1))  # -1 -> column c
+    # a kept parent's node index is its place in the sorted `keep`; the root (-1) sorts before every candidate: -1
+    parents = torch.searchsorted(keep, cand_parents.gather(1, keep), right=True) - 1
     return cand_tokens.gather(1, keep), parents, cand_depths.gather(1, keep)
 
 
@@ -196,14 +194,15 @@ class EagleHead(SavedHead):
                              f"(zoo train-head --kind eagle)")
 
     def forward(self, target, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
-                attn=None) -> torch.Tensor:
+                attn=None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """rope: the (cos, sin_signed) [B, T, 1, Dh] rows of `positions` where the caller looked them up (a draft
+        looks up all its frontier levels' at once); None: looked up here."""
         from workbench.models.attention import CausalAttention
 
         embed = target.model.embed_tokens(token_ids)
         published = self.config.style == "eagle"
         x = self.fc(torch.cat([embed, hidden] if published else [hidden, embed], -1))  # [B, T, H]
-        cos_table, sin_table = target.rope_tables(x.device, x.dtype)
-        cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)
+        cos, sin = rope if rope is not None else rope_rows(target, positions, x.dtype)
         attn = CausalAttention() if attn is None else attn
         if not published:
             return target.model.norm(self.layer(x, cos, sin, attn))
@@ -211,10 +210,17 @@ class EagleHead(SavedHead):
         return self.layer.mlp(x, residual=x, norm=self.layer.post_attention_layernorm)  # no final norm
 
 
+def rope_rows(target, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's (cos, sin_signed) RoPE rows at `positions` [...]: each [..., 1, Dh] (a head dim for broadcast)."""
+    cos_table, sin_table = target.rope_tables(positions.device, dtype)
+    return cos_table[positions].unsqueeze(-2), sin_table[positions].unsqueeze(-2)
+
+
 class EagleDrafter(OneStepDrafter):
     name = "eagle"
     wants_hidden = True
     reads_kv_len = False  # the draft reads its own pending pairs
+    distinct_siblings = True  # a node's children are its top-K tokens
     overlaps = True  # propose reads the device only (the engine's kv_len_host may be upper bounds)
 
     def __init__(self, head: EagleHead, target, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 16):
@@ -231,8 +237,9 @@ class EagleDrafter(OneStepDrafter):
         # per cache row (+ pad_row): the committed pairs not yet run through the head (at most 1 + D of them)
         self.pend_hidden: torch.Tensor | None = None  # [R + 1, 1 + D, H] the target's hidden states h_j
         self.pend_tokens: torch.Tensor | None = None  # [R + 1, 1 + D] long: the token after each, x_{j+1}
-        self.pend_count: torch.Tensor | None = None  # [R + 1] long: valid pairs (>= 1)
-        self.pend_base: torch.Tensor | None = None  # [R + 1] long: head position of the first pending pair
+        # [3, R + 1] long, per row: head position of the first pending pair, index of the last valid one (valid pairs
+        # - 1), the root's position (first + valid pairs): one tensor, so a step reads and writes them in one launch
+        self.pend_pos: torch.Tensor | None = None
 
     # -- buffers --------------------------------------------------------------------------------------------------
     def _draft_slots(self) -> int:
@@ -255,13 +262,26 @@ class EagleDrafter(OneStepDrafter):
                                 block_size=ctx.kv_block_size, attention=ctx.attention)  # the kernel takes prefix masks
         self.pend_hidden = torch.zeros(rows, 1 + d, self._feature_width(), dtype=dtype, device=ctx.device)
         self.pend_tokens = torch.zeros(rows, 1 + d, dtype=torch.long, device=ctx.device)
-        self.pend_count = torch.ones(rows, dtype=torch.long, device=ctx.device)  # pad_row: 1 pair at position 0
-        self.pend_base = torch.zeros(rows, dtype=torch.long, device=ctx.device)
-        k = self.tree_topk
+        self.pend_pos = torch.zeros(3, rows, dtype=torch.long, device=ctx.device)
+        self._pad_pos = torch.tensor([[0], [0], [1]], device=ctx.device)  # pad_row: 1 pair at position 0, root at 1
+        self.pend_pos[:, ctx.max_rows:] = self._pad_pos
+        k, slots = self.tree_topk, self._draft_slots()
         # constants the step reads (built here: a host->device copy inside a captured step is refused)
         self._cand_depth = torch.cat([torch.ones(k, dtype=torch.long)] + [torch.full((k * k,), i, dtype=torch.long)
                                                                           for i in range(2, d + 1)]).to(ctx.device)
         self._eye = torch.eye(k, dtype=torch.bool, device=ctx.device)
+        self._pend_offsets = torch.arange(1 + d, device=ctx.device)  # the pending pairs' positions after the first
+        levels = torch.arange(d - 1)  # frontier level depth - 1: its slots start at root + level K, RoPE at root + level
+        self._level_offsets = torch.stack([levels * k, levels]).unsqueeze(-1).to(ctx.device)  # [2, D-1, 1]
+        self._level_slots = (levels.view(-1, 1, 1) * k + torch.arange(k)).to(ctx.device)  # [D-1, 1, K] after the root
+        self._root_children = torch.arange(k, device=ctx.device).unsqueeze(0)  # depth 1's candidate indices [1, K]
+        self._root_parents = torch.full((1, 1, k), -1, dtype=torch.long, device=ctx.device)
+        self._no_ancestors = torch.zeros(1, k, slots, dtype=torch.bool, device=ctx.device)
+        # per level, the one-hot draft slot of each of its K frontier nodes [D-1, K, (D-1) K]
+        self._slot_of = torch.eye(slots, dtype=torch.bool, device=ctx.device).view(max(d - 1, 1), k, slots) \
+            if slots else torch.zeros(1, k, 0, dtype=torch.bool, device=ctx.device)
+        self._valid = torch.ones(max(rows, max(ctx.graphs.batch_sizes)), self.tree_budget, dtype=torch.bool,
+                                 device=ctx.device)  # every node valid: row slices of it are the step's mask
         self._key = (ctx.graphs, ctx.paged, ctx.kv_block_size, torch.device(ctx.device))
         if ctx.graphs.fixed_shape:
             self.step = FixedShapeStep("eagle", self._draft, self._pads, ctx.graphs, ctx.device)
@@ -288,8 +308,7 @@ class EagleDrafter(OneStepDrafter):
         arange = torch.arange(b, device=rows.device)
         self.pend_hidden[rows, 0] = hidden[arange, last]
         self.pend_tokens[rows, 0] = state.root
-        self.pend_count[rows] = 1
-        self.pend_base[rows] = last
+        self.pend_pos[:, rows] = torch.stack([last, torch.zeros_like(last), state.kv_len])  # one pair: the root's
         for row, n in zip(state.rows_host, state.kv_len_host):
             self.cache.truncate(row, n - 1)
 
@@ -304,7 +323,7 @@ class EagleDrafter(OneStepDrafter):
         else:
             tokens, parents, depths, valid = self._draft(state.rows)
         return DraftTree(tokens, parents, depths, valid, None, is_chain=self.proposes_chains,
-                         depth_bound=self.tree_depth)
+                         depth_bound=self.tree_depth, distinct_siblings=True)
 
     splits_commit = True
 
@@ -316,17 +335,26 @@ class EagleDrafter(OneStepDrafter):
         self.commit_host(state, old_kv_len_host)
 
     def commit_device(self, rows: torch.Tensor, acc, hidden: torch.Tensor | None, pad_row: int | None) -> None:
-        self.pend_base[rows] = self.pend_base[rows] + self.pend_count[rows]  # the old root's position
+        root = self.pend_pos[2, rows]  # the old root's position: the first pending pair's now
+        self.pend_pos[:, rows] = torch.stack([root, acc.num_accepted, root + acc.num_accepted + 1])
         w = hidden.shape[1]  # 1 + D, or fewer for a step verified shorter (a K = 1 chain cut by the engine)
         self.pend_hidden[rows, :w] = hidden  # entries past the count are padding
         self.pend_tokens[rows, :w] = acc.emitted
-        self.pend_count[rows] = acc.num_accepted + 1
         if pad_row is not None:  # padding rows of a captured step: the scratch row keeps one pair at position 0
-            self.pend_base[pad_row:].zero_()
-            self.pend_count[pad_row:].fill_(1)
+            self.pend_pos[:, pad_row:] = self._pad_pos
+
+    @property
+    def pend_base(self) -> torch.Tensor:
+        """[R + 1] long: head position of each row's first pending pair."""
+        return self.pend_pos[0]
+
+    @property
+    def pend_count(self) -> torch.Tensor:
+        """[R + 1] long: each row's valid pending pairs (>= 1)."""
+        return self.pend_pos[1] + 1
 
     def device_state(self) -> list[torch.Tensor]:
-        return [self.pend_base, self.pend_count, self.pend_hidden, self.pend_tokens]
+        return [self.pend_pos, self.pend_hidden, self.pend_tokens]
 
     @property
     def depth_bound(self) -> int:
@@ -350,50 +378,56 @@ class EagleDrafter(OneStepDrafter):
         d_max, k, n = self.tree_depth, self.tree_topk, self.tree_budget
         span, dev = self.cache.static_span, rows.device
         b = rows.shape[0]
-        base, count = self.pend_base[rows], self.pend_count[rows]  # [B] each
+        base, last, root_pos = self.pend_pos[:, rows]  # [B] each: first pair's position, last pair, root's position
         # 1. the pending committed pairs: the last valid one drafts depth 1
-        self.cache.prepare(rows, base, 1 + d_max, None, span)
-        offsets = torch.arange(1 + d_max, device=dev)
-        feats = self.head(self.target, self.pend_hidden[rows], self.pend_tokens[rows], base.unsqueeze(1) + offsets,
+        positions = base.unsqueeze(1) + self._pend_offsets  # [B, 1 + D]: head positions, also the slots written
+        self.cache.prepare(rows, base, 1 + d_max, None, span, write_pos=positions)
+        feats = self.head(self.target, self.pend_hidden[rows], self.pend_tokens[rows], positions,
                           self.cache)  # [B, 1 + D, H]
         h = feats.shape[-1]
-        root_feat = feats.gather(1, (count - 1).view(b, 1, 1).expand(-1, 1, h))  # [B, 1, H]
-        root_pos = base + count  # [B]: the root's position; depth-d frontier entries sit at root_pos + d - 1
+        root_feat = feats.gather(1, last.view(b, 1, 1).expand(-1, 1, h))  # [B, 1, H]
+        # per frontier level (depth - 1): where its K entries start [D-1, B], and their RoPE position [D-1, B] (the
+        # depth-d frontier entries sit at root_pos + d - 1)
+        level_start, level_pos = self._level_offsets + root_pos
+        level_write = self._level_slots + root_pos.unsqueeze(1)  # [D-1, B, K]: the slots each level writes
+        level_rope = rope_rows(self.target, level_pos.unsqueeze(-1).expand(d_max - 1, b, k), feats.dtype)
         # 2. depth 1: the root's top-K children, all of them the frontier
         front_score, front_tok = self._log_probs(root_feat.squeeze(1)).topk(k, -1)  # [B, K] each
         cand_tok, cand_score = [front_tok], [front_score]
-        cand_parent = [torch.full((b, k), -1, dtype=torch.long, device=dev)]  # candidate index of the parent
-        front_cand = torch.arange(k, device=dev).expand(b, k)  # [B, K]: frontier's candidate indices
+        cand_parent = [self._root_parents.expand(b, 1, k)]  # candidate index of the parent, K per row
+        front_cand = self._root_children.expand(b, k)  # [B, K]: frontier's candidate indices
         front_feat = root_feat.expand(b, k, h)  # [B, K, H]: the feature each frontier node's entry reads
         slots = self._draft_slots()
-        ancestors = torch.zeros(b, k, slots, dtype=torch.bool, device=dev)  # [B, K, (D-1) K] draft slots above it
+        ancestors = self._no_ancestors.expand(b, k, slots)  # [B, K, (D-1) K] draft slots above each frontier node
         n_cand = k
         # 3. depths 2..D: one forward over the frontier, its children scored, the K best become the next frontier
         for depth in range(1, d_max):
             first = (depth - 1) * k  # the frontier's draft slots: first .. first + K - 1
-            self.cache.prepare(rows, root_pos + first, k, self._eye.expand(b, k, k), span,
-                               prefix_mask=ancestors[:, :, :first])
-            f = self.head(self.target, front_feat, front_tok, (root_pos + depth - 1).unsqueeze(1).expand(b, k),
-                          self.cache)  # [B, K, H]
+            self.cache.prepare(rows, level_start[depth - 1], k, self._eye.expand(b, k, k), span,
+                               prefix_mask=ancestors[:, :, :first], write_pos=level_write[depth - 1])
+            f = self.head(self.target, front_feat, front_tok, level_pos[depth - 1].unsqueeze(1).expand(b, k),
+                          self.cache, rope=(level_rope[0][depth - 1], level_rope[1][depth - 1]))  # [B, K, H]
             child_logp, child_tok = self._log_probs(f).topk(k, -1)  # [B, K, K]
             child_score = (front_score.unsqueeze(-1) + child_logp).flatten(1)  # [B, K*K]
             child_tok = child_tok.flatten(1)
             cand_tok.append(child_tok)
             cand_score.append(child_score)
-            cand_parent.append(front_cand.unsqueeze(-1).expand(b, k, k).flatten(1))
+            cand_parent.append(front_cand.unsqueeze(-1).expand(b, k, k))  # each frontier node's K children
             if depth < d_max - 1:
-                best = child_score.topk(k, -1).indices  # [B, K] among the K*K children
+                front_score, best = child_score.topk(k, -1)  # [B, K] among the K*K children: scores, indices
                 parent = best // k  # [B, K]: frontier rank of each new frontier node's parent
                 front_cand = n_cand + best
-                front_tok, front_score = child_tok.gather(1, best), child_score.gather(1, best)
+                front_tok = child_tok.gather(1, best)
                 front_feat = f.gather(1, parent.unsqueeze(-1).expand(-1, -1, h))
-                ancestors = ancestors.gather(1, parent.unsqueeze(-1).expand(-1, -1, slots))
-                ancestors[:, :, first:first + k] |= self._eye[parent]  # the parent's own slot
+                # the parent's ancestors and the parent's own slot
+                ancestors = ancestors.gather(1, parent.unsqueeze(-1).expand(-1, -1, slots)) | \
+                    self._slot_of[depth - 1][parent]
             n_cand += k * k
         # 4. rerank to the node budget
-        tokens, parents, depths = rerank(torch.cat(cand_tok, 1), torch.cat(cand_score, 1), torch.cat(cand_parent, 1),
+        tokens, parents, depths = rerank(torch.cat(cand_tok, 1), torch.cat(cand_score, 1),
+                                         torch.cat(cand_parent, 1).view(b, n_cand),
                                          self._cand_depth.expand(b, n_cand), n)
-        return tokens, parents, depths, torch.ones_like(tokens, dtype=torch.bool)
+        return tokens, parents, depths, self._valid[:b]
 
     @property
     def settings(self) -> dict:

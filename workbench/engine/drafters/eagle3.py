@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from workbench.engine.drafters.base import DrafterError
-from workbench.engine.drafters.eagle import EagleDrafter, EagleSettingsError, check_tree
+from workbench.engine.drafters.eagle import EagleDrafter, EagleSettingsError, check_tree, rope_rows
 from workbench.engine.drafters.head_io import SavedHead
 from workbench.models.config import ModelConfig
 from workbench.settings import parse_aux_layers  # noqa: F401 (the setting's parser, re-exported)
@@ -214,13 +214,15 @@ class Eagle3Head(SavedHead):
         return hidden if hidden.shape[-1] == h else self.fc(hidden[..., h:])
 
     def forward(self, target, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
-                attn=None) -> torch.Tensor:
+                attn=None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """rope: the (cos, sin_signed) [B, T, 1, Dh] rows of `positions` where the caller looked them up; None: looked
+        up here (as `EagleHead.forward`)."""
         from workbench.models.attention import CausalAttention
 
         g = self.fuse(hidden)
-        cos_table, sin_table = target.rope_tables(g.device, g.dtype)
-        return self.midlayer(target.model.embed_tokens(token_ids), g, cos_table[positions].unsqueeze(2),
-                             sin_table[positions].unsqueeze(2), CausalAttention() if attn is None else attn)
+        cos, sin = rope if rope is not None else rope_rows(target, positions, g.dtype)
+        return self.midlayer(target.model.embed_tokens(token_ids), g, cos, sin,
+                             CausalAttention() if attn is None else attn)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features [.., H] -> logits over the draft vocabulary [.., Vd]."""

@@ -89,6 +89,7 @@ class RedrafterDrafter(OneStepDrafter):
     name = "redrafter"
     wants_hidden = True
     proposes_beams = True
+    distinct_siblings = True  # beams merged into a prefix tree: equal prefixes are one node
     reads_kv_len = False  # the search reads its roots from the engine's buffers (or `state.root` without them)
     overlaps = True
 
@@ -126,6 +127,7 @@ class RedrafterDrafter(OneStepDrafter):
         # the search bakes the sampling settings in (greedy vs tempered log-probs) and reads the engine's buffers:
         # the very tensors (compared by identity while held here; an address could be reused by a tensor of another
         # shape, which a captured graph would read with the old one's)
+        self._first_scores(ctx.device)
         key = (ctx.graphs, ctx.sampling)
         buffers = (ctx.tokens, ctx.kv_len_all)
         same = self._step_key == key and all(a is b for a, b in zip(self._step_buffers, buffers))
@@ -168,11 +170,12 @@ class RedrafterDrafter(OneStepDrafter):
             return torch.log_softmax(logits.float(), -1)
         return probs_from_logits(logits, self.ctx.sampling).log()
 
-    def _select(self, cand: torch.Tensor, vocab: int) -> torch.Tensor:
-        """cand [B, W*V] scores of (parent beam, token) -> [B, W] indices of the kept candidates, best first."""
+    def _select(self, cand: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cand [B, W*V] scores of (parent beam, token) -> ([B, W] their scores, [B, W] indices of the kept
+        candidates, best first)."""
         w = self.beam_width
         if self.diversity_penalty == 0.0:
-            return cand.topk(w, -1).indices
+            return cand.topk(w, -1)
         b = cand.shape[0]
         finite = torch.where(torch.isneginf(cand), torch.full_like(cand, -1e30), cand)  # -inf: below any real one
         taken = torch.zeros_like(cand, dtype=torch.bool)
@@ -184,7 +187,8 @@ class RedrafterDrafter(OneStepDrafter):
             picked.append(idx)
             taken.scatter_(1, idx.unsqueeze(1), True)
             same_token.scatter_add_(1, (idx % vocab).unsqueeze(1), torch.ones(b, 1, device=cand.device))
-        return torch.stack(picked, 1)
+        idx = torch.stack(picked, 1)
+        return cand.gather(1, idx), idx
 
     def _search(self, rows: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
         """rows [B], root [B] -> beam tokens [B, W, L]. Reads only `last_hidden` (what a CUDA graph captures)."""
@@ -196,21 +200,29 @@ class RedrafterDrafter(OneStepDrafter):
         state = anchor  # s_0 = h
         prev = root.unsqueeze(1).expand(b, w).reshape(b * w)  # [B*W]
         # [B, W]: only beam 0 is live before depth 1, so depth 1 picks W distinct children of the root
-        score = torch.full((b, w), float("-inf"), device=rows.device)
-        score[:, 0].zero_()  # a kernel: assigning a Python number copies from the host, which CUDA-graph capture refuses
+        score = self._first_scores(rows.device).expand(b, w)
         beams = torch.zeros(b, w, 0, dtype=torch.long, device=rows.device)
         for d in range(length):
             state, features = self.head(state, embed(prev), anchor)  # [B*W, H] each
             logp = self.log_probs(self.target.compute_logits(features)).view(b, w, -1)  # [B, W, V]
             vocab = logp.shape[-1]
             cand = (score.unsqueeze(-1) + logp).view(b, w * vocab)  # [B, W*V]
-            idx = self._select(cand, vocab)  # [B, W]
+            score, idx = self._select(cand, vocab)  # [B, W] each
             parent, token = idx // vocab, idx % vocab
-            score = cand.gather(1, idx)
             beams = torch.cat([beams.gather(1, parent.unsqueeze(-1).expand(-1, -1, d)), token.unsqueeze(-1)], -1)
             state = state.view(b, w, h).gather(1, parent.unsqueeze(-1).expand(-1, -1, h)).reshape(b * w, h)
             prev = token.reshape(b * w)
         return beams
+
+    def _first_scores(self, device) -> torch.Tensor:
+        """[1, W] float32: beam 0 at 0, the rest at -inf; made once per device (a captured search reads it: a host
+        copy inside a capture is refused, so `setup` makes it first)."""
+        scores = getattr(self, "_scores0", None)
+        if scores is None or scores.device != torch.device(device):
+            scores = torch.full((1, self.beam_width), float("-inf"), device=device)
+            scores[:, 0] = 0.0
+            self._scores0 = scores
+        return scores
 
     def _roots(self, rows: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
         """The rows' roots read from the engine's buffers where the drafter was set up with them (so a step launched
@@ -238,7 +250,7 @@ class RedrafterDrafter(OneStepDrafter):
             parts = self._draft(state.rows, state.root if self.ctx.tokens is None else None)
         tokens, parents, depths, valid, pairs = parts
         return DraftTree(tokens, parents, depths, valid, None, is_chain=self.proposes_chains,
-                         depth_bound=self.beam_length, beam_pairs=pairs)
+                         depth_bound=self.beam_length, beam_pairs=pairs, distinct_siblings=True)
 
     @property
     def settings(self) -> dict:
