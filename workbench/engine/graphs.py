@@ -281,12 +281,14 @@ class FixedShapeStep:
                 self._record(bufs, key)
 
     def warm_up(self, bufs: _Buffers, times: int = 2) -> None:
-        """Run the body `times` times (compiles, autotunes, allocates workspaces) and put the state back as it was."""
+        """Run the body `times` times (compiles, autotunes, allocates workspaces), each from the state as it was, and
+        put it back: a second run from the state the first one left would verify the next step, writing K/V past the
+        blocks planned for this one (into other rows' blocks)."""
         saved = [t.clone() for t in self.state()]
         for _ in range(times):
             self._fn(**bufs.buf)
-        for t, s in zip(self.state(), saved):
-            t.copy_(s)
+            for t, s in zip(self.state(), saved):
+                t.copy_(s)
 
     def _record(self, bufs: _Buffers, key) -> None:
         t0 = time.perf_counter()
