@@ -38,7 +38,8 @@
 #   k13, k14       serving: the adaptive goal check with the draft model (0.5x and 1.0x; 1.5x), 5 rounds
 # Steps run in order; each gets what is left of BUDGET seconds and is skipped when too little is left. Parts that
 # need the trained `small` preset train it first unless zoo_cache/small is already there (a warm machine keeps it).
-# Carry .anchors/gpt-fast (PART=gptfast) and .whl (wheels the device lacks: optuna for q / r) with the call.
+# Carry .anchors/gpt-fast (PART=gptfast) and .whl (wheels the device lacks: optuna for q / r; fastapi, starlette,
+# pydantic, uvicorn and opentelemetry-api for serve43) with the call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 PY=${PYTHON:-python3}
