@@ -31,6 +31,8 @@
 #   treesload      issue 40 after the captured tree step: tiny end to end again (the ReDrafter row crashed before), then
 #                  small at batch 1, and trees served under load on small (graphs on, compile off: warm-ups in seconds)
 #   treeparity     the ReDrafter bf16 divergence on tiny: two identical runs per engine setting changed one at a time
+#   fixcheck       the tree-step fixes on the GPU in one call: ReDrafter parity on tiny, step costs on tiny and small
+#                  after the op cuts, `workbench serve` against in-process on small (run with SMALL_SECONDS=60)
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -228,6 +230,20 @@ treeparity)
     --methods redrafter --dtypes bfloat16 --variants default,no_overlap --out "$R/parity_blocking" --budget-s 100
   step parity_ctrl 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods eagle,redrafter \
     --dtypes float32,bfloat16 --variants default --out "$R/parity_ctrl" --budget-s "$(( $(left) - 20 ))" ;;
+fixcheck)
+  # the tree-step fixes on the GPU, most needed first: ReDrafter's parity (tiny), the step costs after the op cuts
+  # (tiny, then small with its heads), `workbench serve` against in-process on small (carry .whl)
+  step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle \
+    --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 80
+  step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --methods ar,eagle,redrafter \
+    --rounds 3 --out "$R/stepstiny" --budget-s 60
+  train_small
+  step http_small 60 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
+    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds 3 --parity-requests 16 \
+    --out "$R/serve_http_small.json"
+  heads
+  step stepssmall 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 \
+    --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall" --budget-s "$(( $(left) - 15 ))" ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small
