@@ -218,7 +218,7 @@ class RedrafterDrafter(OneStepDrafter):
         """[1, W] float32: beam 0 at 0, the rest at -inf; made once per device (a captured search reads it: a host
         copy inside a capture is refused, so `setup` makes it first)."""
         scores = getattr(self, "_scores0", None)
-        if scores is None or scores.device != torch.device(device):
+        if scores is None or not on_device(scores, device):
             scores = torch.full((1, self.beam_width), float("-inf"), device=device)
             scores[:, 0] = 0.0
             self._scores0 = scores
