@@ -7,19 +7,9 @@ first use, `FixedShapeStep.warm_up` (the method the GPU capture calls) runs on t
 import pytest
 import torch
 
-from tests.test_engine import DRAFTERS, PROMPTS, make_drafter, random_model, reference_greedy
+from tests.test_engine import DRAFTERS, PROMPTS, draft, make_drafter, reference_greedy, target  # noqa: F401 (fixtures)
 from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.graphs import FixedShapeStep
-
-
-@pytest.fixture(scope="module")
-def target():
-    return random_model(seed=1)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return random_model(hidden=16, layers=1, heads=2, kv_heads=1, seed=2)
 
 
 @pytest.fixture
