@@ -27,7 +27,7 @@
 #                  then tiny's EAGLE and ReDrafter heads
 #                  retrained on the GPU (issue 41; tars with the held-out windows), then tiny again with the new heads
 #   serve43        issue 43: `workbench serve` over HTTP against in-process serve-bench on small (carry .whl with the
-#                  server's wheels and optuna's), the soak on small, then the launch study's rank check on tiny
+#                  server's wheels and optuna's), the soak on small, then the launch study's rank check on tiny (NO_RANK=1: not)
 #   treesload      issue 40 after the captured tree step: tiny end to end again (the ReDrafter row crashed before), then
 #                  small at batch 1, and trees served under load on small (graphs on, compile off: warm-ups in seconds)
 #   treeparity     the ReDrafter bf16 divergence on tiny: two identical runs per engine setting changed one at a time
