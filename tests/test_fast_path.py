@@ -159,6 +159,36 @@ def test_compiled_fixed_shape_step_equals_eager(target):
     assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
 
 
+def test_compiled_steps_of_two_attention_backends_on_one_model_stay_apart(target):
+    """A step compiled over a kernel-path cache (the fused K/V write + attention, here its PyTorch reference: no GPU)
+    must not be reused for a gather + SDPA cache of another engine on the same model: the compiled frames are guarded
+    on whether the cache has the kernels (it once passed the SDPA cache unrotated q / k, and `attend` refused)."""
+    from kernels.paged_attention import paged_attention_reference, paged_kv_write_reference
+
+    def attention(q, k_pool, v_pool, table, rows, base, intra, block, rope=None, prefix_mask=None, bits=None,
+                  k_scales=None, v_scales=None):
+        return paged_attention_reference(q, k_pool, v_pool, table, rows, base, intra, block, rope=rope,
+                                         prefix_mask=prefix_mask)
+
+    def write_attention(q, k, v, slots, k_pool, v_pool, table, rows, base, intra, block, rope=None, prefix_mask=None,
+                        bits=None):
+        paged_kv_write_reference(k, v, k_pool, v_pool, slots, rope=rope)
+        return attention(q, k_pool, v_pool, table, rows, base, intra, block, rope=rope, prefix_mask=prefix_mask)
+
+    n = 5
+    expected = [reference_greedy(target, p, n) for p in PROMPTS[:1]]
+    config = EngineConfig(max_new_tokens=n, compile="default", graph_batch_sizes=(1, 2), kv_block_size=4)
+    kernel_path = SpecEngine(target, None, config)
+    kernel_path.generate(PROMPTS[:1])  # its cache exists now
+    kernel_path.cache.kernel = torch.compiler.disable(attention)
+    kernel_path.cache.write_kernel = torch.compiler.disable(write_attention)
+    assert kernel_path.generate(PROMPTS[:1]).outputs == expected
+    assert kernel_path.cache.fuses_rope()  # the step ran the fused path (q / k rotated in the kernel)
+    sdpa = SpecEngine(target, None, config)
+    assert sdpa.generate(PROMPTS[:1]).outputs == expected
+    assert not sdpa.cache.fuses_rope()
+
+
 def test_compiled_prefill_switch_compiles_the_prompt_forward_and_keeps_greedy_output(target, draft):
     """The `compile_prefill` knob (EngineConfig): the captured prompt forwards (target and draft model) compile with
     the decode steps' mode, and the greedy output stays the reference's; without it (the default), they stay

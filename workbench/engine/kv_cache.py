@@ -61,12 +61,32 @@ class KVCache(ABC):
         # the kernel path's mask bit-words (kernels.paged_attention.mask_bits) of a tree- or prefix-masked step, built
         # once in `prepare` for every layer; None: a causal step
         self._bits: tuple[torch.Tensor, int] | None = None
-        self.kernel = None  # attention kernel over the pool (paged caches, "triton" backend); None = gather + SDPA
+        self.kernel = None  # gather + SDPA until `set_kernels`
         self._use_kernel = False  # this step uses it (never for prefill)
-        # paged caches on the kernel path: K/V write + attention in one call (unquantized pools); None = write, then
-        # `kernel`
         self.write_kernel = None
         self._bit_weights = bit_weights(MASK_WINDOW, self.device)  # what `mask_bits` sums, made once
+
+    # torch.compile guards a compiled frame on the plain bools below, which it compares, and not reliably on whether a
+    # disabled function attribute is None: a step compiled over a kernel-path cache was reused for a gather + SDPA
+    # cache of another engine on the same model, and passed it unrotated q / k. So the traced code reads the bools.
+    @property
+    def kernel(self):
+        """The attention kernel over the pool (paged caches, "triton" backend); None = gather + SDPA."""
+        return self._kernel
+
+    @kernel.setter
+    def kernel(self, fn) -> None:
+        self._kernel, self._has_kernel = fn, fn is not None
+
+    @property
+    def write_kernel(self):
+        """Paged caches on the kernel path: K/V write + attention in one call (unquantized pools); None = write,
+        then `kernel`."""
+        return self._write_kernel
+
+    @write_kernel.setter
+    def write_kernel(self, fn) -> None:
+        self._write_kernel, self._has_write_kernel = fn, fn is not None
 
     @property
     def pad_row(self) -> int:
@@ -140,7 +160,7 @@ class KVCache(ABC):
         self._base = base_len
         self._intra_mask = intra_mask
         self._prefix_mask = prefix_mask if m else None
-        self._use_kernel = kernel and self.kernel is not None and (not m or m + num_new <= MASK_WINDOW)
+        self._use_kernel = kernel and self._has_kernel and (not m or m + num_new <= MASK_WINDOW)
         if write_pos is None:
             write_pos = base_len.unsqueeze(1) + torch.arange(num_new, device=self.device)
         self._write_pos = write_pos  # [B, T]
@@ -172,7 +192,7 @@ class KVCache(ABC):
         """Whether this step's `attend` is the fused K/V write + attention launch (an unquantized cache on the kernel
         path), which torch.compile never traces: the model then calls `attend` from outside its compiled frames, so one
         compiled graph serves every layer (llama.attend_uncompiled says why that matters)."""
-        return self._use_kernel and self.write_kernel is not None and not self.format.quantized
+        return self._use_kernel and self._has_write_kernel and not self.format.quantized
 
     def fuses_rope(self) -> bool:
         """Whether this step's `attend` takes q and k before RoPE with rope=(cos, sin_signed) [B, T, D]: on the fused
