@@ -44,6 +44,7 @@ def http_parity(url: str, engine, session, prompts: list[str], n: int, max_token
     engine without a drafter over the in-process engine's target and settings."""
     import httpx
 
+    from bench_fastpath import parity
     from workbench.serving.fidelity import solo_engine, solo_outputs
     from workbench.serving.request import Request
 
@@ -58,10 +59,9 @@ def http_parity(url: str, engine, session, prompts: list[str], n: int, max_token
         served.append(r.json()["choices"][0]["token_ids"])
     solo, memo = solo_engine(engine), {}
     want = [solo_outputs(solo, [Request(0, x, max_tokens)], memo)[0] for x in ids]
-    first = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None if len(g) == len(w) else min(len(g), len(w)))
-             for g, w in zip(served, want)]
-    return {"parity_requests": len(ids), "max_tokens": max_tokens, "equal_to_solo": sum(f is None for f in first),
-            "first_divergence": first, "dtype": str(session.dtype)}
+    same = parity(served, want)
+    return {"parity_requests": len(ids), "max_tokens": max_tokens, "equal_to_solo": same["equal"],
+            "first_divergence": same["first_divergence"], "dtype": str(session.dtype)}
 
 
 def main() -> int:

@@ -50,12 +50,9 @@ def parse_args(argv):
     return args
 
 
-def first_divergence(outputs, reference):
-    return [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None) for o, r in zip(outputs, reference)]
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from bench_fastpath import parity
     from workbench.harness.bench import BenchConfig, BenchSession
 
     out = Path(args.out)
@@ -84,7 +81,7 @@ def main(argv=None) -> int:
                     row.update({
                         "greedy_matches_ar": [r.record["greedy_matches_ar"] for r in runs],
                         "greedy_near_tie": [r.record.get("greedy_near_tie") for r in runs],
-                        "first_divergence": [first_divergence(r.outputs, r.ar_outputs) for r in runs],
+                        "first_divergence": [parity(r.outputs, r.ar_outputs)["first_divergence"] for r in runs],
                         "runs_identical": runs[0].outputs == runs[1].outputs,
                         "ar_runs_identical": runs[0].ar_outputs == runs[1].ar_outputs,
                         "mean_accepted": [round(r.record["mean_accepted_tokens"], 3) for r in runs],
