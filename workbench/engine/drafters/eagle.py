@@ -323,7 +323,7 @@ class EagleDrafter(OneStepDrafter):
         else:
             tokens, parents, depths, valid = self._draft(state.rows)
         return DraftTree(tokens, parents, depths, valid, None, is_chain=self.proposes_chains,
-                         depth_bound=self.tree_depth, distinct_siblings=True)
+                         depth_bound=self.tree_depth, distinct_siblings=self.distinct_siblings)
 
     splits_commit = True
 

@@ -250,7 +250,7 @@ class RedrafterDrafter(OneStepDrafter):
             parts = self._draft(state.rows, state.root if self.ctx.tokens is None else None)
         tokens, parents, depths, valid, pairs = parts
         return DraftTree(tokens, parents, depths, valid, None, is_chain=self.proposes_chains,
-                         depth_bound=self.beam_length, beam_pairs=pairs, distinct_siblings=True)
+                         depth_bound=self.beam_length, beam_pairs=pairs, distinct_siblings=self.distinct_siblings)
 
     @property
     def settings(self) -> dict:
