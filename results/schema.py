@@ -90,7 +90,7 @@ _RUN_SPECS: list[ColumnSpec] = [
     ColumnSpec("error", "string", "identity"),
     ColumnSpec("method", "string", "config", '"ar" | "draft" | "ngram" | ...'),
     *_cols("config", "int", "k ngram_min ngram_max beam_width beam_length batch max_new_tokens"),
-    *_cols("config", "int", "tree_depth tree_topk tree_budget"),
+    *_cols("config", "int", "tree_depth tree_topk tree_budget hot_vocab"),
     ColumnSpec("eagle3_layers", "string", "config", "EAGLE-3: the target layers its head reads, 'i,j,k' or 'auto'"),
     ColumnSpec("diversity_penalty", "float", "config", "ReDrafter beam-search diversity penalty"),
     ColumnSpec("temperature", "float", "config"),

@@ -32,6 +32,8 @@
 #                  small at batch 1, and trees served under load on small (graphs on, compile off: warm-ups in seconds)
 #   load40         issue 40 after the fixes (warm machine after fixcheck): tiny and small end to end at batch 1
 #                  (ReDrafter's parity), trees served under load on small, then small's step costs with compile on
+#   hot8b          issue 40 at the Llama-3.1-8B shape (warm machine): EAGLE-2 with a hot vocabulary (FR-Spec, 32k) beside
+#                  EAGLE-2, EAGLE-3 (32k), the bare 17-node tree verify and AR, batch 1
 #   treeparity     the ReDrafter bf16 divergence on tiny: two identical runs per engine setting changed one at a time
 #   fixcheck       the tree-step fixes on the GPU in one call: ReDrafter parity on tiny, step costs on tiny and small
 #                  after the op cuts, `workbench serve` against in-process on small (run with SMALL_SECONDS=60)
@@ -238,6 +240,9 @@ load40)
     --repeats 3 --budget-s "${SERVING_S:-200}" --out "$R/serving_small"
   step stepssmall_compile 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 --compile default \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall_compile" --budget-s "$(( $(left) - 15 ))" ;;
+hot8b)
+  step steps8b 90 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/steps8b" --batches 1 \
+    --methods ar,eagle,eagle-hot,eagle3,tree --context 512 --steps 64 --rounds 3 --budget-s "$(( $(left) - 15 ))" ;;
 treeparity)
   # the ReDrafter bf16 divergence: two identical runs per engine setting (overlap, graphs, compile, attention), tiny
   step parity_bf16 60 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter \

@@ -159,7 +159,7 @@ def _method_schedule(schedule: dict[str, Any], method: str) -> dict[int, dict[st
 
 def _shape(c: dict[str, Any]) -> dict[str, Any]:
     """The drafter shape of a trial's config: method, k and the method's own knobs (n-gram sizes, tree, beams)."""
-    keys = {"ngram": ("ngram_min", "ngram_max"), "eagle": ("tree_depth", "tree_topk", "tree_budget"),
+    keys = {"ngram": ("ngram_min", "ngram_max"), "eagle": ("tree_depth", "tree_topk", "tree_budget", "hot_vocab"),
             "eagle3": ("tree_depth", "tree_topk", "tree_budget", "eagle3_layers"),
             "redrafter": ("beam_width", "beam_length")}.get(c.get("method"), ())
     return {"method": c.get("method"), "k": c.get("k"), **{k: c.get(k) for k in keys}}
@@ -222,11 +222,14 @@ def _engine_snippet(schedule: dict[str, Any], name: str, max_num_seqs: int | Non
     path, path_note = (_head_path(_method_schedule(schedule, method), draft_head) if method in ("eagle", "eagle3")
                        else (_draft_path(schedule["models"]) if method == "draft" else None, None))
     make = dict(exports.MAKERS)[name]
-    extra = {"gate": measured_gate(schedule, method)} if name == "trtllm" else {}
+    hot = int(first.get("hot_vocab") or 0) if method == "eagle" else 0
+    extra = {"gate": measured_gate(schedule, method)} if name == "trtllm" else {"hot_vocab": hot} \
+        if name == "sglang" else {}
     try:
         out = make(ranges, method, ngram, path, tree, None, **extra)
     except exports.ExportRefused as exc:
         return {"refused": str(exc), "checked_against": exports.es.ENGINE_VERSIONS[name]}
+    out["note"] += exports.hot_vocab_note(name, method, hot)
     if path_note:
         out["note"] += f"; head path: {path_note}"
     unserved = [e["batch_size"] for e in schedule["buckets"] if e.get("speculate") and e["method"] in UNSERVED]

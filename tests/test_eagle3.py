@@ -8,7 +8,7 @@ from tests.test_eagle import check_valid_tree
 from tests.test_engine import PROMPTS, random_model, reference_greedy
 from tests.test_verify import chi_square_pvalue
 from workbench.engine import EngineConfig, SpecEngine
-from workbench.engine.drafters import DrafterError, Eagle3Drafter, Eagle3Head, engine_target, make_drafter
+from workbench.engine.drafters import DrafterError, Eagle3Drafter, Eagle3Head, EagleHead, engine_target, make_drafter
 from workbench.engine.drafters.eagle import EagleSettingsError
 from workbench.engine.drafters.eagle3 import default_aux_layers, with_aux_hidden
 from workbench.engine.sampling import SamplingParams, probs_from_logits
@@ -253,6 +253,14 @@ def test_train_and_export_head_cli_end_to_end(tmp_path):
                  "--out", str(tmp_path / "e1pub")]) == 0
     loaded = load_published_head(tmp_path / "e1pub", tiny)
     assert loaded.layout == "eagle" and loaded.stored_dtype == "bfloat16" and loaded.head.config.style == "eagle"
+    # the trained head's token ranking (counted on its training windows) and SGLang's token map of its first N
+    ranking = EagleHead.load(tmp_path / "e1").hot_tokens
+    assert sorted(ranking.tolist()) == list(range(tiny.config.vocab_size))
+    assert main(["zoo", "export-head", "--kind", "eagle", "--preset", "tiny", "--head", str(tmp_path / "e1"),
+                 "--out", str(tmp_path / "e1hot"), "--hot-vocab", "64"]) == 0
+    assert torch.equal(torch.load(tmp_path / "e1hot" / "hot_tokens_64.pt", weights_only=True), ranking[:64])
+    assert main(["zoo", "export-head", "--kind", "eagle3", "--preset", "tiny", "--head", str(out), "--out",
+                 str(tmp_path / "pub3"), "--hot-vocab", "64"]) == 2
     assert main(["zoo", "train-head", "--kind", "eagle", "--preset", "tiny", "--draft-vocab", "10"]) == 2
 
 

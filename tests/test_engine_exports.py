@@ -285,6 +285,28 @@ def test_each_method_maps_to_the_engines_names():
     assert es.sglang_chain(n) == (4, 1, 5)  # the measured chain, not SGLang's default breadth-10 tree
 
 
+def test_an_eagle_hot_vocabulary_goes_to_sglang_as_its_token_map():  # MIRRORS["sglang.token_map"]
+    """SGLang gets --speculative-token-map (the file export-head --hot-vocab writes), tree and chain alike; vLLM and
+    TensorRT-LLM have no such setting and their notes say they draft over the whole vocabulary; EAGLE3 and other
+    algorithms do not read a token map (a meaning problem)."""
+    for tree, ranges in (((4, 4, 16), [(1, 8, 4)]), (None, [(1, 4, 3), (5, 8, 0)])):
+        e = {k: json.loads(v) for k, v in export_snippets(ranges, "eagle", draft_path="/h", tree=tree,
+                                                          hot_vocab=32768).items()}
+        args = e["sglang"]["server_args"]
+        assert args["speculative_token_map"] == "/h/hot_tokens_32768.pt"
+        assert "--speculative-token-map /h/hot_tokens_32768.pt" in e["sglang"]["cli"]
+        assert "zoo export-head --kind eagle --hot-vocab 32768" in e["sglang"]["note"]
+        for name in ("vllm", "trtllm"):
+            assert "hot vocabulary of 32768 tokens" in e[name]["note"], name
+    plain = {k: json.loads(v) for k, v in export_snippets([(1, 8, 4)], "eagle", draft_path="/h", tree=(4, 4, 16)).items()}
+    assert "speculative_token_map" not in plain["sglang"]["server_args"] and "hot" not in plain["vllm"]["note"]
+    e3 = json.loads(export_snippets([(1, 8, 3)], "eagle3", draft_path="/h3", tree=(3, 2, 6), hot_vocab=100)["sglang"])
+    assert "speculative_token_map" not in e3["server_args"]  # EAGLE-3's draft vocabulary is its head's
+    assert "sglang.token_map" in es.MIRRORS
+    got = es.check_sglang({**e3["server_args"], "speculative_token_map": "/x.pt"})
+    assert len(got) == 1 and got[0].startswith("meaning:") and "ignores it" in got[0]
+
+
 def monotone_ranges(rng: random.Random, top: int) -> list[tuple[int, int, int]]:
     """Random contiguous ranges over 1..top with k never growing (0 allowed, at least one k > 0 first)."""
     cuts = sorted(rng.sample(range(1, top), rng.randint(0, min(5, top - 1))))

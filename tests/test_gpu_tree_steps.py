@@ -24,7 +24,7 @@ def test_smoke_run_measures_every_method_at_every_batch(tmp_path, capsys):
     assert ts.main(SMOKE + ["--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     rows = result["rows"]
-    want = {("tiny-random", m) for m in ("ar", "ngram", "eagle", "redrafter", "tree")} | \
+    want = {("tiny-random", m) for m in ("ar", "ngram", "eagle", "eagle-hot", "redrafter", "tree")} | \
         {("tiny", m) for m in ts.METHODS}  # draft needs a draft model: the preset has one, the random target not
     assert {(r["target"], r["method"]) for r in rows} == want
     assert sorted({r["batch"] for r in rows}) == [1, 2] and len(rows) == 2 * len(want)

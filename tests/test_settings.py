@@ -123,7 +123,7 @@ def test_methods_declare_the_knobs_they_read():
     assert {m: METHODS[m].knobs for m in METHODS} == {"ar": (), "draft": ("k", "draft_kv_quant", "draft_quant"), "ngram": ("k", "ngram_min",
                                                                                            "ngram_max"),
                                                       "redrafter": ("beam_width", "beam_length", "diversity_penalty"),
-                                                      "eagle": ("tree_depth", "tree_topk", "tree_budget"),
+                                                      "eagle": ("tree_depth", "tree_topk", "tree_budget", "hot_vocab"),
                                                       "eagle3": ("tree_depth", "tree_topk", "tree_budget",
                                                                  "eagle3_layers")}
     assert KNOBS["method"].choices == tuple(METHODS)

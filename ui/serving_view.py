@@ -310,7 +310,8 @@ def snippets_for(row) -> dict[str, str]:
     ranges = schedule_of(row)
     if tree and tree[1] > 1:  # a tree's schedule is on / off; the engines count its draft length as the depth
         ranges = [(lo, hi, tree[0] if k > 0 else 0) for lo, hi, k in ranges]
-    return export_snippets(ranges, str(row.get("method")), ngram=ngram, draft_path=draft, tree=tree)
+    hot = int(_num(row.get("hot_vocab"), 0)) if row.get("method") == "eagle" else 0
+    return export_snippets(ranges, str(row.get("method")), ngram=ngram, draft_path=draft, tree=tree, hot_vocab=hot)
 
 
 CALIBRATION_VALUES = {"loop": ("tokens_per_s", "output tokens/s of a closed-loop serve"),

@@ -256,6 +256,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "size); tree_depth <= N <= K + (D-1) K^2", "Tree budget N", "method", 1,
          choices.MAX_TREE_NODES, methods=TREE_METHODS,
          searchable=True, search_range=(4, 32)),
+    Knob("hot_vocab", "int", 0, "EAGLE-2: draft from the hot_vocab most frequent tokens only (FR-Spec; the head's "
+         "token ranking, counted by zoo train-head): each depth reads that many rows of the LM head instead of the "
+         "whole vocabulary; output unchanged, tokens outside it are never drafted. 0 = the whole vocabulary",
+         "Hot vocabulary", "method", 0, 1 << 20, methods=("eagle",)),
     Knob("eagle3_layers", "str", "auto", "EAGLE-3: the three target layers whose incoming hidden states the head "
          "reads, as 'i,j,k' (increasing); auto = the head's own (a checkpoint's or a trained head's), else "
          "2, N/2, N-3 of an N-layer target (1, N/2, N-1 where those are not three distinct layers)",
@@ -370,7 +374,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
 # reach all of those); `ServeConfig` (workbench.serving.config) has one field per SERVE_RUN_KNOBS + SERVE_KNOBS knob,
 # the serve-bench flags come from the same declarations, and results.schema declares their columns.
 SERVE_RUN_KNOBS = ("method", "k", "ngram_min", "ngram_max", "beam_width", "beam_length", "diversity_penalty",
-                   "tree_depth", "tree_topk", "tree_budget", "eagle3_layers", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                   "tree_depth", "tree_topk", "tree_budget", "hot_vocab", "eagle3_layers", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
                    "kv_block_size", "cuda_graphs", "graph_batch_sizes", "compile", "attention", "prefill_graphs", "pdl",
                    "kernel_tuning")  # bench knobs serving reads
 SCHED_POLICIES = ("no_evict", "max_util")

@@ -45,6 +45,8 @@ SGLANG_ADAPTIVE = Source("SGLang", "sgl-project/sglang", "015c872628e328b530880b
                          "python/sglang/srt/speculative/adaptive_spec_params.py")
 SGLANG_ROUTER = Source("SGLang", "sgl-project/sglang", "a12239f6ac74d804d169ee5d3cfed3c49fa7162c",
                        "python/sglang/srt/speculative/adaptive_step_router.py")
+SGLANG_EAGLE = Source("SGLang", "sgl-project/sglang", "unreported (stored snapshot)",
+                      "python/sglang/srt/speculative/eagle_worker.py")
 SGLANG_HOOK = Source("SGLang", "sgl-project/sglang", "004c82e07d876f6e4a0ad6e15325706b0f478f1a",
                      "python/sglang/srt/arg_groups/speculative_hook.py")
 
@@ -111,6 +113,9 @@ MIRRORS: dict[str, str] = {
     "sglang.ngram_breadth": SGLANG.at("_handle_speculative_decoding NGRAM: speculative_eagle_topk = "
                                       "speculative_ngram_max_bfs_breadth (default 10); num_draft_tokens unset = "
                                       "speculative_ngram_max_match_window_size (default 12)"),
+    "sglang.token_map": SGLANG_EAGLE.at("EAGLEWorker: hot token ids from speculative_token_map (torch.load of the "
+                                        "ids) for EAGLE; EAGLE3 warns and ignores it (its head has its own); other "
+                                        "algorithms do not read it"),
     "sglang.adaptive_file": SGLANG_ADAPTIVE.at("_load_adaptive_config: a JSON object; integer-string keys are "
                                                "batch-size slots, each with candidate_steps a non-empty list of "
                                                "ints >= 0; at least one slot; other top-level keys are shared "
@@ -345,6 +350,10 @@ def check_sglang(args: dict[str, Any] | None, adaptive: Any = None) -> list[str]
     elif args.get("speculative_adaptive_config") is not None:
         out.append("meaning: speculative_adaptive_config is set without speculative_adaptive true; SGLang reads the "
                    "file only when speculative_adaptive is on")
+    if args.get("speculative_token_map") is not None and algo != "EAGLE":
+        out.append(f"meaning: speculative_token_map is read only by EAGLE (FR-Spec); {algo} "
+                   + ("ignores it with a warning (its head has its own draft vocabulary)" if algo == "EAGLE3" else
+                      "does not read it"))
     if algo == "NGRAM":
         breadth = _int(args.get("speculative_ngram_max_bfs_breadth", SGLANG_NGRAM_MAX_BFS_BREADTH_DEFAULT))
         if topk is not None and _int(topk) != breadth:

@@ -203,13 +203,29 @@ def sglang_adaptive_config(ranges) -> dict:
     return out
 
 
-def sglang_snippet(ranges, method: str, ngram=None, draft_path=None, tree=None, max_num_seqs=None) -> dict:
+def token_map_file(hot_vocab: int) -> str:
+    """The file `zoo export-head --hot-vocab N` writes beside the exported head: SGLang's --speculative-token-map."""
+    return f"hot_tokens_{int(hot_vocab)}.pt"
+
+
+def _token_map(args: dict, method: str, draft_path, hot_vocab: int) -> str:
+    """Adds SGLang's FR-Spec token map for an EAGLE-2 run with a hot vocabulary; returns the note it needs."""
+    if not hot_vocab or method != "eagle":
+        return ""
+    args["speculative_token_map"] = f"{draft_path or HEAD_PLACEHOLDER}/{token_map_file(hot_vocab)}"
+    return (f"; speculative_token_map: the head's {hot_vocab} most frequent token ids (the run's hot_vocab, FR-Spec), "
+            f"written beside the exported head by python -m workbench zoo export-head --kind eagle --hot-vocab "
+            f"{hot_vocab}")
+
+
+def sglang_snippet(ranges, method: str, ngram=None, draft_path=None, tree=None, max_num_seqs=None,
+                   hot_vocab: int = 0) -> dict:
     ranges = normalize(ranges, max_num_seqs)
     if (why := refusal(ranges, method)) is not None:
         raise ExportRefused(why)
     k = next(k for _, _, k in ranges if k > 0)
     if method == "eagle" and (not tree or int(tree[1]) == 1):
-        return _sglang_adaptive_snippet(ranges, k, draft_path)
+        return _sglang_adaptive_snippet(ranges, k, draft_path, hot_vocab)
     if method == "ngram":
         lo, hi = ngram or (1, 3)
         # breadth 1 keeps the measured chain: SGLang sets speculative_eagle_topk from the bfs breadth for NGRAM
@@ -228,7 +244,7 @@ def sglang_snippet(ranges, method: str, ngram=None, draft_path=None, tree=None, 
         raise ExportRefused(f"{method}: no SGLang speculative_algorithm for this workbench method")
     differs = [list(r) for r in ranges if r[2] != k]
     note = (f"one setting per server: k = {k} at every batch size (SGLang adapts its steps by batch size only for "
-            f"EAGLE chains); num_draft_tokens counts the root")
+            f"EAGLE chains); num_draft_tokens counts the root") + _token_map(args, method, draft_path, hot_vocab)
     if differs:
         note += "; the measured schedule differs in the ranges listed under differs_from_schedule"
     return _checked(es.check_sglang(args), "SGLang",
@@ -244,7 +260,7 @@ def _cli(args: dict) -> str:
                     for a, v in args.items())
 
 
-def _sglang_adaptive_snippet(ranges, k: int, draft_path) -> dict:
+def _sglang_adaptive_snippet(ranges, k: int, draft_path, hot_vocab: int = 0) -> dict:
     adaptive = sglang_adaptive_config(ranges)
     args = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": draft_path or HEAD_PLACEHOLDER,
             "speculative_num_steps": k, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": k + 1,
@@ -256,6 +272,7 @@ def _sglang_adaptive_snippet(ranges, k: int, draft_path) -> dict:
             f"range keyed by its first batch size, one candidate step each (0: no drafting), so no slot moves; "
             f"SGLang pads a batch to its next CUDA-graph size before picking a slot, so the range ends "
             f"{graph_sizes} must be CUDA-graph batch sizes of the server (or graphs off)")
+    note += _token_map(args, "eagle", draft_path, hot_vocab)
     return _checked(es.check_sglang(args, adaptive), "SGLang",
                     {"checked_against": es.ENGINE_VERSIONS["sglang"], "server_args": args, "cli": _cli(args),
                      "adaptive_config": adaptive, "cuda_graph_bs_must_include": graph_sizes,
@@ -263,18 +280,30 @@ def _sglang_adaptive_snippet(ranges, k: int, draft_path) -> dict:
 
 
 MAKERS = (("vllm", vllm_snippet), ("trtllm", trtllm_snippet), ("sglang", sglang_snippet))
+ENGINE_NAMES = {"vllm": "vLLM", "trtllm": "TensorRT-LLM", "sglang": "SGLang"}
+
+
+def hot_vocab_note(name: str, method: str, hot_vocab: int) -> str:
+    """What vLLM's and TensorRT-LLM's notes say about an EAGLE-2 run's hot vocabulary (SGLang gets its token map)."""
+    if not hot_vocab or method != "eagle" or name == "sglang":
+        return ""
+    return (f"; the run drafted from a hot vocabulary of {hot_vocab} tokens (FR-Spec), which {ENGINE_NAMES[name]} "
+            f"has no setting for: it drafts over the whole vocabulary, so its draft step reads more of the LM head "
+            f"than the measured one")
 
 
 def export_snippets(ranges, method: str, ngram=None, draft_path=None, tree=None, max_num_seqs=None,
-                    gate: tuple[int, float] | None = None) -> dict[str, str]:
+                    gate: tuple[int, float] | None = None, hot_vocab: int = 0) -> dict[str, str]:
     """{"vllm" | "trtllm" | "sglang": JSON text} for a schedule [(start_bs, end_bs, k), ...]: each the checked
     snippet, or {"refused": why} where that engine cannot be handed this schedule. gate: TensorRT-LLM's acceptance
-    switch-off (`acceptance_gate`), where the run measured it."""
+    switch-off (`acceptance_gate`), where the run measured it; hot_vocab: the EAGLE-2 run's hot vocabulary (SGLang
+    gets its token map; vLLM and TensorRT-LLM have no such setting, and their notes say so)."""
     out = {}
     for name, make in MAKERS:
         try:
-            extra = {"gate": gate} if name == "trtllm" else {}
+            extra = {"gate": gate} if name == "trtllm" else {"hot_vocab": hot_vocab} if name == "sglang" else {}
             obj = make(ranges, method, ngram, draft_path, tree, max_num_seqs, **extra)
+            obj["note"] += hot_vocab_note(name, method, hot_vocab)
         except ExportRefused as exc:
             obj = {"refused": str(exc), "checked_against": es.ENGINE_VERSIONS[name]}
         out[name] = json.dumps(obj, indent=2)

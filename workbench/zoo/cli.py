@@ -79,6 +79,9 @@ def register(subparsers) -> None:
     export.add_argument("--out", required=True, help="the folder to write (config.json + model.safetensors)")
     export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
                         help="the dtype of the written weights")
+    export.add_argument("--hot-vocab", type=int, default=0,
+                        help="eagle: also write hot_tokens_N.pt, the head's N most frequent token ids (SGLang's "
+                             "--speculative-token-map, FR-Spec; the engine's hot_vocab knob)")
     export.set_defaults(func=cmd_export_head)
 
 
@@ -234,9 +237,30 @@ def cmd_export_head(args: argparse.Namespace) -> int:
         check_head(folder, paths.target_dir, tokenizer_fingerprint(paths.target_dir))
         target = load_model(paths.target_dir, dtype=torch.float32, device="cpu").eval()
         head = (EagleHead if args.kind == "eagle" else Eagle3Head).load(folder)
+        hot = _hot_tokens(head, args, target.config.vocab_size)
         layout = export_published_head(head, target, args.out, dtype=getattr(torch, args.dtype))
+        if hot is not None:
+            from workbench.serving.exports import token_map_file
+            torch.save(hot, Path(args.out) / token_map_file(args.hot_vocab))
     except (ZooError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote the {args.kind} head of {args.preset} in the published {layout} layout ({args.dtype}) -> {args.out}")
+    if hot is not None:
+        print(f"wrote its {args.hot_vocab} most frequent token ids -> {args.out}/hot_tokens_{args.hot_vocab}.pt "
+              f"(SGLang: --speculative-token-map)")
     return 0
+
+
+def _hot_tokens(head, args: argparse.Namespace, vocab_size: int):
+    """The head's --hot-vocab most frequent token ids (int64), None without the flag; ZooError when it cannot be."""
+    if not args.hot_vocab:
+        return None
+    if args.kind != "eagle":
+        raise ZooError("--hot-vocab is EAGLE-2's (FR-Spec): an EAGLE-3 head has its own draft vocabulary")
+    if not 0 < args.hot_vocab <= vocab_size:
+        raise ZooError(f"--hot-vocab {args.hot_vocab}: give 1..{vocab_size} (the target's vocabulary)")
+    if head.hot_tokens is None:
+        raise ZooError("this EAGLE head has no token ranking (hot_tokens.safetensors): retrain it with zoo train-head "
+                       "--kind eagle, which counts one")
+    return head.hot_tokens[:args.hot_vocab].long().clone()

@@ -231,6 +231,17 @@ def load_training_data(preset: str, preset_dir, device: str, spec: HeadRecipe, c
 # ---------------------------------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
+def token_ranking(windows: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V] every token id, most frequent in `windows` first (ties, and unseen ids, in id order).
+
+    >>> token_ranking(torch.tensor([[3, 3, 1, 2, 2, 2]]), 5).tolist()
+    [2, 3, 1, 0, 4]
+    """
+    counts = torch.bincount(windows.flatten().cpu(), minlength=vocab_size).double()
+    counts -= torch.arange(vocab_size, dtype=torch.float64) / (vocab_size + 1)  # stable tie-break, lower id first
+    return counts.argsort(descending=True)
+
+
 def target_pass(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [B, T] -> (hidden [B, T, H], target log-probs [B, T, V] float32)."""
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from workbench.engine.drafters.eagle3 import Eagle3Head, with_aux_hidden
 from workbench.settings import parse_aux_layers
 from workbench.zoo.corpus import Corpus
-from workbench.zoo.head_training import HeadEval, agreement, distil, train_and_save
+from workbench.zoo.head_training import HeadEval, agreement, distil, token_ranking, train_and_save
 from workbench.zoo.head_training import target_pass as _target_pass
 from workbench.zoo.train_eagle import EagleTrainSpec, rollout
 
@@ -43,9 +43,7 @@ def frequent_tokens(windows: torch.Tensor, vocab_size: int, n: int) -> torch.Ten
     >>> frequent_tokens(torch.tensor([[3, 3, 1, 2, 2, 2]]), 5, 2).tolist()
     [2, 3]
     """
-    counts = torch.bincount(windows.flatten().cpu(), minlength=vocab_size).double()
-    counts -= torch.arange(vocab_size, dtype=torch.float64) / (vocab_size + 1)  # stable tie-break, lower id first
-    return counts.topk(n).indices.sort().values
+    return token_ranking(windows, vocab_size)[:n].sort().values
 
 
 def _loss(head: Eagle3Head, target, ids: torch.Tensor, spec: Eagle3TrainSpec) -> torch.Tensor:

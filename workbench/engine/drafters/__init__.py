@@ -94,7 +94,7 @@ def _redrafter(inputs: _Inputs) -> RedrafterDrafter:
 @register("eagle")
 def _eagle(inputs: _Inputs) -> EagleDrafter:
     return EagleDrafter(inputs.head(EagleHead), inputs.target(), inputs.knob("tree_depth"), inputs.knob("tree_topk"),
-                        inputs.knob("tree_budget"))
+                        inputs.knob("tree_budget"), hot_vocab=inputs.knob("hot_vocab"))
 
 
 @register("eagle3")

@@ -28,6 +28,13 @@ Example: K = 2, D = 2, N = 3; depth 1 gives a (log p -0.1) and b (-2.3); a's chi
 f (-3.0) score -0.3, -1.6, -2.4, -5.3; the best 3 of {a, b, c, d, e, f} are a, c, d: nodes [a, c, d], parents
 [-1, 0, 0].
 
+Hot vocabulary (`hot_vocab` V', FR-Spec, Zhao et al. 2025, arXiv 2502.14856): the head drafts from the V' most
+frequent tokens only, through a [V', H] slice of the target's LM head taken once in setup, so each depth reads V'
+rows of it instead of all V (at Llama-3's 128,256 tokens the four full LM-head passes are most of the draft's bytes).
+The ranking is the head's `hot_tokens` (every token id, most frequent first; `zoo train-head` counts it on the
+training text and saves it beside the head). Scores are the log-softmax over the hot tokens; verification is the
+target's, so the output is exactly as without it, only tokens outside the hot set are never drafted.
+
 The children are deterministic top-K candidates, so `DraftTree.draft_probs` stays None and sampled verification treats
 each as one-hot q (engine/verify.py): the output is exactly target-distributed at any temperature. Scores are the
 head's plain log-softmax (its confidence), independent of the sampling settings. No host sync anywhere in `propose`.
@@ -37,6 +44,7 @@ An untrained head drafts poorly, but the output is still exactly the target's; `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -131,6 +139,17 @@ class EagleHeadConfig:
                            rms_norm_eps=self.rms_norm_eps)
 
 
+HOT_TOKENS = "hot_tokens.safetensors"  # beside a head's config.json: its token ranking, most frequent first
+
+
+def dense_lm_head(target) -> torch.Tensor:
+    """[V, H] the target's LM head as a float matrix in its dtype (a quantized head dequantized)."""
+    head = target.lm_head
+    if head is not None and hasattr(head, "dequantized_weight"):
+        return head.dequantized_weight().to(next(target.parameters()).dtype)
+    return target.lm_head_weight
+
+
 class EagleHead(SavedHead):
     """fc over [hidden; token embedding] -> one decoder layer -> the target's final norm: a predicted hidden state.
 
@@ -151,6 +170,32 @@ class EagleHead(SavedHead):
         self.layer = DecoderLayer(config.layer_config(), 0)
         if config.style == "eagle":
             self.layer.input_layernorm = None  # the published head's first layer has none
+        self.hot_tokens: torch.Tensor | None = None  # [V] long: every token id, most frequent first (hot_vocab)
+
+    def save(self, path) -> None:
+        super().save(path)
+        if self.hot_tokens is not None:
+            from safetensors.torch import save_file
+            save_file({"hot_tokens": self.hot_tokens.to("cpu", torch.int32).contiguous()}, str(Path(path) / HOT_TOKENS))
+
+    @classmethod
+    def load(cls, path, device="cpu", dtype=None) -> "EagleHead":
+        """The head folder's head, with its token ranking when the folder holds one (hot_tokens.safetensors)."""
+        head = super().load(path, device, dtype)
+        src = Path(path) / HOT_TOKENS
+        if src.is_file():
+            from safetensors.torch import load_file
+            head.set_hot_tokens(load_file(str(src))["hot_tokens"])
+        return head
+
+    def set_hot_tokens(self, ranking: torch.Tensor) -> None:
+        """The token ranking (every id of the target's vocabulary once, most frequent first); ValueError otherwise."""
+        ids = torch.as_tensor(ranking).flatten().long().cpu()
+        n = ids.numel()
+        if n == 0 or int(ids.min()) < 0 or torch.bincount(ids).max() > 1 or int(ids.max()) >= n:
+            raise ValueError(f"hot_tokens must hold every token id 0..V-1 once (a ranking, most frequent first); got "
+                             f"{n} ids in {int(ids.min()) if n else '-'}..{int(ids.max()) if n else '-'}")
+        self.hot_tokens = ids
 
     @property
     def hidden_columns(self) -> slice:
@@ -160,9 +205,11 @@ class EagleHead(SavedHead):
 
     @classmethod
     def for_target(cls, target, seed: int = 0, std: float = 0.02, style: str = "workbench") -> "EagleHead":
-        """An untrained head sized for `target`, initialised deterministically from `seed`, in its dtype and device."""
+        """An untrained head sized for `target`, initialised deterministically from `seed`, in its dtype and device;
+        its token ranking is id order (it has seen no text; `zoo train-head` counts one)."""
         head = cls(EagleHeadConfig.of_target(full_config(target), style))
         head.reset_parameters(seed, std)
+        head.hot_tokens = torch.arange(target.config.vocab_size)
         p = next(target.parameters())
         return head.to(device=p.device, dtype=p.dtype).eval()
 
@@ -223,9 +270,22 @@ class EagleDrafter(OneStepDrafter):
     distinct_siblings = True  # a node's children are its top-K tokens
     overlaps = True  # propose reads the device only (the engine's kv_len_host may be upper bounds)
 
-    def __init__(self, head: EagleHead, target, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 16):
-        check_tree(tree_depth, tree_topk, tree_budget, target.config.vocab_size)
+    def __init__(self, head: EagleHead, target, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 16,
+                 hot_vocab: int = 0):
+        vocab = target.config.vocab_size
+        if isinstance(hot_vocab, bool) or not isinstance(hot_vocab, int) or not 0 <= hot_vocab <= vocab:
+            raise EagleSettingsError(f"hot_vocab must be 0 (the whole vocabulary) or 1..{vocab}, got {hot_vocab!r}")
+        if hot_vocab and getattr(head, "hot_tokens", None) is None:
+            raise EagleSettingsError(f"hot_vocab={hot_vocab} needs the head's token ranking ({HOT_TOKENS} in its "
+                                     f"folder, which `zoo train-head --kind eagle` writes); this head has none: set "
+                                     f"hot_vocab=0 or retrain the head")
+        if hot_vocab and head.hot_tokens.numel() != vocab:
+            raise EagleSettingsError(f"the head's token ranking covers {head.hot_tokens.numel()} tokens, the target "
+                                     f"has {vocab}: it was counted for another tokenizer; set hot_vocab=0")
+        check_tree(tree_depth, tree_topk, tree_budget, hot_vocab or vocab)
         head.check_target(target)
+        self.hot_vocab = hot_vocab
+        self._hot_ids = self._hot_w = None  # [V'] long target ids, [V', H] the LM head's rows (setup)
         self.head, self.target = head, target
         self.tree_depth, self.tree_topk, self.tree_budget = tree_depth, tree_topk, tree_budget
         self.num_nodes = tree_budget
@@ -265,6 +325,9 @@ class EagleDrafter(OneStepDrafter):
         self.pend_pos = torch.zeros(3, rows, dtype=torch.long, device=ctx.device)
         self._pad_pos = torch.tensor([[0], [0], [1]], device=ctx.device)  # pad_row: 1 pair at position 0, root at 1
         self.pend_pos[:, ctx.max_rows:] = self._pad_pos
+        if self.hot_vocab:  # the LM head's hot rows, one copy (a quantized head's dequantized)
+            self._hot_ids = self.head.hot_tokens[:self.hot_vocab].to(ctx.device)
+            self._hot_w = dense_lm_head(self.target)[self._hot_ids].contiguous()
         k, slots = self.tree_topk, self._draft_slots()
         # constants the step reads (built here: a host->device copy inside a captured step is refused)
         self._cand_depth = torch.cat([torch.ones(k, dtype=torch.long)] + [torch.full((k * k,), i, dtype=torch.long)
@@ -368,9 +431,14 @@ class EagleDrafter(OneStepDrafter):
         self.cache.free(row)
 
     # -- the draft, one fixed-shape step --------------------------------------------------------------------------
-    def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        """features [..., H] -> float32 log-probabilities through the target's LM head (the scores of the tree)."""
-        return torch.log_softmax(self.target.compute_logits(features).float(), -1).clamp(max=0.0)
+    def _top(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """features [..., H] -> the K best (float32 log-probabilities, target token ids) [..., K] through the target's
+        LM head (the scores of the tree), or its hot rows only (hot_vocab)."""
+        if self._hot_w is None:
+            return torch.log_softmax(self.target.compute_logits(features).float(), -1).clamp(max=0.0).topk(k, -1)
+        logits = torch.nn.functional.linear(features[..., :self._hot_w.shape[1]], self._hot_w)
+        score, idx = torch.log_softmax(logits.float(), -1).clamp(max=0.0).topk(k, -1)
+        return score, self._hot_ids[idx]
 
     def _draft(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """rows [B] -> (token_ids, parents, depths [B, N] long, valid [B, N] bool). Reads only the pending buffers
@@ -392,7 +460,7 @@ class EagleDrafter(OneStepDrafter):
         level_write = self._level_slots + root_pos.unsqueeze(1)  # [D-1, B, K]: the slots each level writes
         level_rope = rope_rows(self.target, level_pos.unsqueeze(-1).expand(d_max - 1, b, k), feats.dtype)
         # 2. depth 1: the root's top-K children, all of them the frontier
-        front_score, front_tok = self._log_probs(root_feat.squeeze(1)).topk(k, -1)  # [B, K] each
+        front_score, front_tok = self._top(root_feat.squeeze(1), k)  # [B, K] each
         cand_tok, cand_score = [front_tok], [front_score]
         cand_parent = [self._root_parents.expand(b, 1, k)]  # candidate index of the parent, K per row
         front_cand = self._root_children.expand(b, k)  # [B, K]: frontier's candidate indices
@@ -407,7 +475,7 @@ class EagleDrafter(OneStepDrafter):
                                prefix_mask=ancestors[:, :, :first], write_pos=level_write[depth - 1])
             f = self.head(self.target, front_feat, front_tok, level_pos[depth - 1].unsqueeze(1).expand(b, k),
                           self.cache, rope=(level_rope[0][depth - 1], level_rope[1][depth - 1]))  # [B, K, H]
-            child_logp, child_tok = self._log_probs(f).topk(k, -1)  # [B, K, K]
+            child_logp, child_tok = self._top(f, k)  # [B, K, K]
             child_score = (front_score.unsqueeze(-1) + child_logp).flatten(1)  # [B, K*K]
             child_tok = child_tok.flatten(1)
             cand_tok.append(child_tok)
@@ -431,4 +499,5 @@ class EagleDrafter(OneStepDrafter):
 
     @property
     def settings(self) -> dict:
-        return {"tree_depth": self.tree_depth, "tree_topk": self.tree_topk, "tree_budget": self.tree_budget}
+        return {"tree_depth": self.tree_depth, "tree_topk": self.tree_topk, "tree_budget": self.tree_budget,
+                "hot_vocab": self.hot_vocab}

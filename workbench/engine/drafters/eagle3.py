@@ -269,9 +269,14 @@ class Eagle3Drafter(EagleDrafter):
     def _feature_width(self) -> int:
         return self.target.config.hidden_size * (1 + len(self.head.config.aux_layers))
 
-    def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        return self.head.draft_log_probs(features)
+    def _top(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K best over the draft vocabulary, mapped to target ids (no [.., V] scatter: top-K of Vd logits)."""
+        logp = torch.log_softmax(self.head.draft_logits(features).float(), -1).clamp(max=0.0)
+        score, idx = logp.topk(k, -1)
+        return score, self.head.draft_to_target[idx]
 
     @property
     def settings(self) -> dict:
-        return {**super().settings, "eagle3_layers": ",".join(map(str, self.head.config.aux_layers))}
+        out = {**super().settings, "eagle3_layers": ",".join(map(str, self.head.config.aux_layers))}
+        out.pop("hot_vocab")  # EAGLE-3's draft vocabulary is its head's (draft_vocab_size)
+        return out
