@@ -29,9 +29,8 @@
 #   serve43        issue 43: `workbench serve` over HTTP against in-process serve-bench on small (carry .whl with the
 #                  server's wheels and optuna's), the soak on small, then the launch study's rank check on tiny (NO_RANK=1: not)
 #   treesload      issue 40 after the captured tree step: tiny end to end again (the ReDrafter row crashed before), then
-#                  small at batch 1, and trees served under load on small (graphs on, compile off: warm-ups in seconds)
-#   load40         issue 40 after the fixes (warm machine after fixcheck): tiny and small end to end at batch 1
-#                  (ReDrafter's parity), trees served under load on small, then small's step costs with compile on
+#                  small at batch 1, and trees served under load on small (graphs on, compile off: warm-ups in seconds;
+#                  SERVING_S=200 leaves time for small's step costs with compile on)
 #   hot8b          issue 40 at the Llama-3.1-8B shape (warm machine): EAGLE-2 with a hot vocabulary (FR-Spec, 32k) beside
 #                  EAGLE-2, EAGLE-3 (32k), the bare 17-node tree verify and AR, batch 1
 #   treeparity     the ReDrafter bf16 divergence on tiny: two identical runs per engine setting changed one at a time
@@ -225,19 +224,7 @@ treesload)
     --beam-length 4 --category-prompts 0 --budget-s 120
   step serving_small 120 $PY scripts/gpu_serving_trees.py --device cuda --preset small --compile off \
     --methods ar,draft,eagle,redrafter --max-num-seqs 16 --num-requests 64 --max-new-tokens 64 --rates 0.5,1 \
-    --repeats 3 --budget-s "$(( $(left) - 20 ))" --out "$R/serving_small" ;;
-load40)
-  step trees_tiny 90 $PY scripts/bench_trees.py --preset tiny --device cuda --out "$R/trees_tiny" --batches 1 \
-    --num-prompts 8 --max-new-tokens 128 --tree-depth 4 --tree-topk 4 --tree-budgets 16 --beam-widths 4 \
-    --beam-length 4 --category-prompts 0 --budget-s 100
-  train_small
-  heads
-  step trees_small 90 $PY scripts/bench_trees.py --preset small --device cuda --out "$R/trees_small" --batches 1 \
-    --num-prompts 8 --max-new-tokens 128 --tree-depth 4 --tree-topk 4 --tree-budgets 16 --beam-widths 4 \
-    --beam-length 4 --category-prompts 0 --budget-s 120
-  step serving_small 120 $PY scripts/gpu_serving_trees.py --device cuda --preset small --compile off \
-    --methods ar,draft,eagle,redrafter --max-num-seqs 16 --num-requests 64 --max-new-tokens 64 --rates 0.5,1 \
-    --repeats 3 --budget-s "${SERVING_S:-200}" --out "$R/serving_small"
+    --repeats 3 --budget-s "${SERVING_S:-$(( $(left) - 20 ))}" --out "$R/serving_small"
   step stepssmall_compile 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 --compile default \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall_compile" --budget-s "$(( $(left) - 15 ))" ;;
 hot8b)
