@@ -524,3 +524,22 @@ def test_ngram_schedule_names_buckets_that_measured_other_sizes():
     sg = sglang_snippet(sched)["server_args"]
     assert sg["speculative_ngram_max_bfs_breadth"] == 1 and check_sglang(sg) == []  # the measured chain
     assert trtllm_snippet(sched)["speculative_config"]["decoding_type"] == "NGram"
+
+
+def test_an_eagle_schedule_hands_its_hot_vocabulary_to_sglang():
+    """A batch-schedule study won by EAGLE-2 with hot_vocab: SGLang's snippet names the token map, vLLM's says it
+    has no such setting."""
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr(SPEC_KEY, make_spec("batch_schedule", batch=(1, 4)).to_dict())
+    dist = {"batch": optuna.distributions.CategoricalDistribution((1, 4))}
+    for batch, speedup in ((1, 1.5), (4, 1.1)):
+        cfg = {"method": "eagle", "k": 4, "tree_depth": 4, "tree_topk": 4, "tree_budget": 16, "hot_vocab": 2048,
+               "batch": batch, "temperature": 0.0, "dtype": "float32"}
+        study.add_trial(optuna.trial.create_trial(params={"batch": batch}, distributions=dist, value=speedup,
+                                                  user_attrs={"config": cfg, "speedup_vs_ar": speedup,
+                                                              "feasible": True}, constraints={"fidelity": 0.0}))
+    sched = build_schedule(study)
+    sg = sglang_snippet(sched, draft_head="/heads/e")
+    assert sg["server_args"]["speculative_token_map"] == "/heads/e/hot_tokens_2048.pt"
+    assert check_sglang(sg["server_args"]) == []
+    assert "hot vocabulary of 2048 tokens" in vllm_snippet(sched, draft_head="/heads/e")["note"]
