@@ -31,6 +31,8 @@
 #   treesload      issue 40 after the captured tree step: tiny end to end again (the ReDrafter row crashed before), then
 #                  small at batch 1, and trees served under load on small (graphs on, compile off: warm-ups in seconds;
 #                  SERVING_S=200 leaves time for small's step costs with compile on)
+#   short          when device time is short (one call after a late start): ReDrafter's parity on tiny, then
+#                  `workbench serve` against in-process on small (run with SMALL_SECONDS=60), then small's step costs
 #   hot8b          issue 40 at the Llama-3.1-8B shape (warm machine): EAGLE-2 with a hot vocabulary (FR-Spec, 32k) beside
 #                  EAGLE-2, EAGLE-3 (32k), the bare 17-node tree verify and AR, batch 1
 #   treeparity     the ReDrafter bf16 divergence on tiny: two identical runs per engine setting changed one at a time
@@ -227,6 +229,15 @@ treesload)
     --repeats 3 --budget-s "${SERVING_S:-$(( $(left) - 20 ))}" --out "$R/serving_small"
   step stepssmall_compile 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 --compile default \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall_compile" --budget-s "$(( $(left) - 15 ))" ;;
+short)
+  step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle \
+    --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 50
+  train_small
+  step http_small 60 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
+    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds 2 --parity-requests 16 \
+    --out "$R/serve_http_small.json"
+  step stepssmall 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 \
+    --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall" --budget-s "$(( $(left) - 15 ))" ;;
 hot8b)
   step steps8b 90 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/steps8b" --batches 1 \
     --methods ar,eagle,eagle-hot,eagle3,tree --context 512 --steps 64 --rounds 3 --budget-s "$(( $(left) - 15 ))" ;;
