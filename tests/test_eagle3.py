@@ -223,7 +223,7 @@ def test_train_and_export_head_cli_end_to_end(tmp_path):
     import json
 
     from workbench.__main__ import main
-    from workbench.engine.drafters.published import load_published_head, read_checkpoint
+    from workbench.engine.drafters.published import HeadCheckpointError, load_published_head, read_checkpoint
     from workbench.models import load_model
     from workbench.zoo.heads import has_head
     from workbench.zoo.presets import COMMITTED_DIR
@@ -259,6 +259,11 @@ def test_train_and_export_head_cli_end_to_end(tmp_path):
     assert main(["zoo", "export-head", "--kind", "eagle", "--preset", "tiny", "--head", str(tmp_path / "e1"),
                  "--out", str(tmp_path / "e1hot"), "--hot-vocab", "64"]) == 0
     assert torch.equal(torch.load(tmp_path / "e1hot" / "hot_tokens_64.pt", weights_only=True), ranking[:64])
+    assert torch.equal(load_published_head(tmp_path / "e1hot", tiny).head.hot_tokens, ranking[:64])  # round trip
+    assert load_published_head(tmp_path / "e1pub", tiny).head.hot_tokens is None  # no token map in the folder
+    torch.save(torch.tensor([5, 5]), tmp_path / "e1hot" / "hot_tokens_100.pt")  # the largest N is the one read
+    with pytest.raises(HeadCheckpointError, match="hot_tokens_100.pt is not a token map"):
+        load_published_head(tmp_path / "e1hot", tiny)
     assert main(["zoo", "export-head", "--kind", "eagle3", "--preset", "tiny", "--head", str(out), "--out",
                  str(tmp_path / "pub3"), "--hot-vocab", "64"]) == 2
     assert main(["zoo", "train-head", "--kind", "eagle", "--preset", "tiny", "--draft-vocab", "10"]) == 2

@@ -86,9 +86,15 @@ def test_bad_hot_settings_are_named(target, tmp_path):
     head.hot_tokens = None  # a folder without hot_tokens.safetensors (a published head)
     with pytest.raises(EagleSettingsError, match="needs the head's token ranking"):
         EagleDrafter(head, target, hot_vocab=10)
-    head.hot_tokens = torch.arange(v - 1)
+    head.hot_tokens = torch.tensor([v, 0, 1])
     with pytest.raises(EagleSettingsError, match="counted for another tokenizer"):
-        EagleDrafter(head, target, hot_vocab=10)
+        EagleDrafter(head, target, hot_vocab=2)
+    head.set_hot_tokens(torch.tensor([7, 3, 9, 1, 0]), vocab_size=v)  # a token map: the first 5 of a ranking
+    assert EagleDrafter(head, target, 2, 2, 3, hot_vocab=5).hot_vocab == 5
+    with pytest.raises(EagleSettingsError, match="exceeds the head's token map \\(5 ids\\)"):
+        EagleDrafter(head, target, hot_vocab=6)
+    with pytest.raises(ValueError, match="distinct token ids below"):
+        head.set_hot_tokens(torch.tensor([7, 7]), vocab_size=v)
     with pytest.raises(ValueError, match="every token id 0..V-1 once"):
         head.set_hot_tokens(torch.tensor([0, 1, 1, 3]))
     with pytest.raises(DrafterError, match="hot_vocab"):

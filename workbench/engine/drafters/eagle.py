@@ -31,8 +31,9 @@ f (-3.0) score -0.3, -1.6, -2.4, -5.3; the best 3 of {a, b, c, d, e, f} are a, c
 Hot vocabulary (`hot_vocab` V', FR-Spec, Zhao et al. 2025, arXiv 2502.14856): the head drafts from the V' most
 frequent tokens only, through a [V', H] slice of the target's LM head taken once in setup, so each depth reads V'
 rows of it instead of all V (at Llama-3's 128,256 tokens the four full LM-head passes are most of the draft's bytes).
-The ranking is the head's `hot_tokens` (every token id, most frequent first; `zoo train-head` counts it on the
-training text and saves it beside the head). Scores are the log-softmax over the hot tokens; verification is the
+The ranking is the head's `hot_tokens` (token ids, most frequent first: every id where `zoo train-head` counted it on
+the training text and saved it beside the head; a published head's folder may hold a token map of the first N instead,
+`hot_tokens_N.pt` as `zoo export-head --hot-vocab N` writes it, SGLang's --speculative-token-map format). Scores are the log-softmax over the hot tokens; verification is the
 target's, so the output is exactly as without it, only tokens outside the hot set are never drafted.
 
 The children are deterministic top-K candidates, so `DraftTree.draft_probs` stays None and sampled verification treats
@@ -170,7 +171,7 @@ class EagleHead(SavedHead):
         self.layer = DecoderLayer(config.layer_config(), 0)
         if config.style == "eagle":
             self.layer.input_layernorm = None  # the published head's first layer has none
-        self.hot_tokens: torch.Tensor | None = None  # [V] long: every token id, most frequent first (hot_vocab)
+        self.hot_tokens: torch.Tensor | None = None  # [<= V] long: token ids, most frequent first (hot_vocab)
 
     def save(self, path) -> None:
         super().save(path)
@@ -188,13 +189,16 @@ class EagleHead(SavedHead):
             head.set_hot_tokens(load_file(str(src))["hot_tokens"])
         return head
 
-    def set_hot_tokens(self, ranking: torch.Tensor) -> None:
-        """The token ranking (every id of the target's vocabulary once, most frequent first); ValueError otherwise."""
+    def set_hot_tokens(self, ranking: torch.Tensor, vocab_size: int | None = None) -> None:
+        """The token ranking, most frequent first: every id 0..V-1 once, or (given `vocab_size`) the first N of one,
+        distinct ids below it; ValueError otherwise."""
         ids = torch.as_tensor(ranking).flatten().long().cpu()
         n = ids.numel()
-        if n == 0 or int(ids.min()) < 0 or torch.bincount(ids).max() > 1 or int(ids.max()) >= n:
-            raise ValueError(f"hot_tokens must hold every token id 0..V-1 once (a ranking, most frequent first); got "
-                             f"{n} ids in {int(ids.min()) if n else '-'}..{int(ids.max()) if n else '-'}")
+        top = n if vocab_size is None else vocab_size
+        if n == 0 or int(ids.min()) < 0 or int(ids.max()) >= top or torch.bincount(ids).max() > 1:
+            what = "every token id 0..V-1 once" if vocab_size is None else f"distinct token ids below {vocab_size}"
+            raise ValueError(f"hot_tokens must hold {what} (a ranking, most frequent first); got {n} ids in "
+                             f"{int(ids.min()) if n else '-'}..{int(ids.max()) if n else '-'}")
         self.hot_tokens = ids
 
     @property
@@ -279,9 +283,12 @@ class EagleDrafter(OneStepDrafter):
             raise EagleSettingsError(f"hot_vocab={hot_vocab} needs the head's token ranking ({HOT_TOKENS} in its "
                                      f"folder, which `zoo train-head --kind eagle` writes); this head has none: set "
                                      f"hot_vocab=0 or retrain the head")
-        if hot_vocab and head.hot_tokens.numel() != vocab:
-            raise EagleSettingsError(f"the head's token ranking covers {head.hot_tokens.numel()} tokens, the target "
-                                     f"has {vocab}: it was counted for another tokenizer; set hot_vocab=0")
+        if hot_vocab and int(head.hot_tokens.max()) >= vocab:
+            raise EagleSettingsError(f"the head's token ranking names token {int(head.hot_tokens.max())}, the target "
+                                     f"has {vocab} tokens: it was counted for another tokenizer; set hot_vocab=0")
+        if hot_vocab and hot_vocab > head.hot_tokens.numel():
+            raise EagleSettingsError(f"hot_vocab={hot_vocab} exceeds the head's token map ({head.hot_tokens.numel()} "
+                                     f"ids): lower hot_vocab to <= {head.hot_tokens.numel()}")
         check_tree(tree_depth, tree_topk, tree_budget, hot_vocab or vocab)
         head.check_target(target)
         self.hot_vocab = hot_vocab

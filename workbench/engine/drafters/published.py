@@ -11,6 +11,8 @@ EAGLE-1/2 ("eagle"): a Hugging Face Llama config (architectures LlamaForCausalLM
     layers.0.post_attention_layernorm.weight              (layer 0 has no input_layernorm; one present is unused)
     embed_tokens.weight [V, H] (optional)                 a copy of the target's; the target's own is used
   -> EagleHead with style "eagle" (no input norm, no final norm; the output goes to the target's LM head).
+    hot_tokens_N.pt (optional): a token map, the N most frequent token ids (FR-Spec; SGLang's --speculative-token-map,
+    as `zoo export-head --hot-vocab N` writes it), the head's hot_tokens for --hot-vocab <= N (the largest N is read)
 EAGLE-3 ("eagle3"): config with draft_vocab_size and architectures LlamaForCausalLMEagle3 or Eagle3LlamaForCausalLM
 (optionally eagle_aux_hidden_state_layer_ids, top level or under eagle_config, and norm_before_residual: the
 attention's residual is then the normed fused feature, as vLLM reads that key), weights
@@ -173,6 +175,24 @@ def _unexpected(src: str, weights: dict, used: set[str], ignored: set[str]) -> N
                                   f"(EAGLE-1/2 or EAGLE-3 as SafeAILab's code and vLLM read them)")
 
 
+TOKEN_MAP_GLOB = "hot_tokens_*.pt"  # SGLang's --speculative-token-map file, as `zoo export-head --hot-vocab N` names it
+
+
+def _load_token_map(head: EagleHead, folder: Path, vocab_size: int, src: str) -> None:
+    """The folder's token map (the largest hot_tokens_N.pt: the first N of the ranking) as the head's hot_tokens;
+    none there leaves the head without one (hot_vocab then refuses it by name)."""
+    found = sorted((f for f in folder.glob(TOKEN_MAP_GLOB) if f.stem.rsplit("_", 1)[-1].isdigit()),
+                   key=lambda f: int(f.stem.rsplit("_", 1)[-1]))
+    if not found:
+        return
+    try:
+        ids = torch.as_tensor(torch.load(found[-1], weights_only=True))
+        head.set_hot_tokens(ids, vocab_size=vocab_size)
+    except (ValueError, RuntimeError, TypeError, EOFError) as e:
+        raise HeadCheckpointError(f"{src}: {found[-1].name} is not a token map (the hot token ids, most frequent "
+                                  f"first, as torch.save writes them): {e}") from None
+
+
 def load_published_head(path: str | Path, target, *, device=None, dtype=None,
                         aux_layers: tuple[int, ...] | None = None, tokenizer=None) -> LoadedHead:
     """The checkpoint in `path` as our head, checked against `target`, on `device` in `dtype` (default: the
@@ -258,6 +278,8 @@ def load_published_head(path: str | Path, target, *, device=None, dtype=None,
     p = next(target.parameters())
     head = head.to(device=device or p.device, dtype=dtype or p.dtype).eval()
     head.check_target(target)
+    if layout == "eagle":
+        _load_token_map(head, Path(path), c.vocab_size, src)
     return LoadedHead(head, layout, src, _stored_dtype(weights), sum(p.numel() for p in head.parameters()))
 
 
