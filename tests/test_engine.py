@@ -66,7 +66,10 @@ def make_drafter(kind, draft_model, target_model):
                                 heads={"redrafter": RedrafterHead.for_target(target_model, seed=4, std=0.3)})
     values = {"draft": {"k": 3}, "ngram": {"k": 3, "ngram_min": 1, "ngram_max": 3},
               # an untrained head: a dynamic tree of 16 nodes, depth 4, top-4
-              "eagle": {"tree_depth": 4, "tree_topk": 4, "tree_budget": 16}}.get(kind, {})
+              "eagle": {"tree_depth": 4, "tree_topk": 4, "tree_budget": 16},
+              # the same from the 24 lowest ids only (the untrained head's ranking: id order)
+              "eagle-hot": {"tree_depth": 4, "tree_topk": 4, "tree_budget": 16, "hot_vocab": 24}}.get(kind, {})
+    kind = "eagle" if kind == "eagle-hot" else kind
     return registry_drafter(kind, values, draft=draft_model, target=target_model,
                             heads={"eagle": lambda: EagleHead.for_target(target_model, seed=4, std=0.3)})
 

@@ -53,7 +53,7 @@ def test_served_trees_equal_solo_greedy_under_poisson_arrivals(target, draft, so
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
-@pytest.mark.parametrize("kind", TREES)
+@pytest.mark.parametrize("kind", [*TREES, "eagle-hot"])
 def test_served_trees_equal_solo_greedy_under_preemption(target, draft, solo, kind, graphs):
     reqs = poisson_requests(4)
     n = make_drafter(kind, draft, target).num_nodes
