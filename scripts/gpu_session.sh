@@ -33,9 +33,10 @@
 #                  SERVING_S=200 leaves time for small's step costs with compile on)
 #   short          when device time is short (one call after a late start): ReDrafter's parity on tiny, then
 #                  `workbench serve` against in-process on small (run with SMALL_SECONDS=60), then small's step costs
-#   tiny40         issue 40 without training (a late start): ReDrafter's parity and step costs on tiny, then hot8b's steps
-#   hot8b          issue 40 at the Llama-3.1-8B shape (warm machine): EAGLE-2 with a hot vocabulary (FR-Spec, 32k) beside
-#                  EAGLE-2, EAGLE-3 (32k), the bare 17-node tree verify and AR, batch 1
+#   tiny40         issue 40 without training (a late start): ReDrafter's parity and step costs on tiny, then hot8b's
+#                  steps
+#   hot8b          issue 40 at the Llama-3.1-8B shape (warm machine): EAGLE-2 with a hot vocabulary (FR-Spec, 32k)
+#                  beside EAGLE-2, EAGLE-3 (32k), the bare 17-node tree verify and AR, batch 1
 #   treeparity     the ReDrafter bf16 divergence on tiny: two identical runs per engine setting changed one at a time
 #   fixcheck       the tree-step fixes on the GPU in one call: ReDrafter parity on tiny, step costs on tiny and small
 #                  after the op cuts, `workbench serve` against in-process on small (run with SMALL_SECONDS=60)
@@ -242,8 +243,8 @@ short)
 tiny40)
   step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle \
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 50
-  step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --methods ar,draft,eagle,redrafter \
-    --rounds 3 --out "$R/stepstiny" --budget-s 50
+  step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 \
+    --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 50
   step steps8b 90 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/steps8b" --batches 1 \
     --methods ar,eagle,eagle-hot,eagle3,tree --context 512 --steps 64 --rounds 3 --budget-s "$(( $(left) - 15 ))" ;;
 hot8b)

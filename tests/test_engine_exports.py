@@ -298,7 +298,8 @@ def test_an_eagle_hot_vocabulary_goes_to_sglang_as_its_token_map():  # MIRRORS["
         assert "zoo export-head --kind eagle --hot-vocab 32768" in e["sglang"]["note"]
         for name in ("vllm", "trtllm"):
             assert "hot vocabulary of 32768 tokens" in e[name]["note"], name
-    plain = {k: json.loads(v) for k, v in export_snippets([(1, 8, 4)], "eagle", draft_path="/h", tree=(4, 4, 16)).items()}
+    plain = {k: json.loads(v)
+             for k, v in export_snippets([(1, 8, 4)], "eagle", draft_path="/h", tree=(4, 4, 16)).items()}
     assert "speculative_token_map" not in plain["sglang"]["server_args"] and "hot" not in plain["vllm"]["note"]
     e3 = json.loads(export_snippets([(1, 8, 3)], "eagle3", draft_path="/h3", tree=(3, 2, 6), hot_vocab=100)["sglang"])
     assert "speculative_token_map" not in e3["server_args"]  # EAGLE-3's draft vocabulary is its head's

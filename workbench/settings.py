@@ -374,7 +374,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
 # reach all of those); `ServeConfig` (workbench.serving.config) has one field per SERVE_RUN_KNOBS + SERVE_KNOBS knob,
 # the serve-bench flags come from the same declarations, and results.schema declares their columns.
 SERVE_RUN_KNOBS = ("method", "k", "ngram_min", "ngram_max", "beam_width", "beam_length", "diversity_penalty",
-                   "tree_depth", "tree_topk", "tree_budget", "hot_vocab", "eagle3_layers", "max_new_tokens", "temperature", "top_k", "top_p", "seed",
+                   "tree_depth", "tree_topk", "tree_budget", "hot_vocab", "eagle3_layers", "max_new_tokens",
+                   "temperature", "top_k", "top_p", "seed",
                    "kv_block_size", "cuda_graphs", "graph_batch_sizes", "compile", "attention", "prefill_graphs", "pdl",
                    "kernel_tuning")  # bench knobs serving reads
 SCHED_POLICIES = ("no_evict", "max_util")

@@ -33,8 +33,9 @@ frequent tokens only, through a [V', H] slice of the target's LM head taken once
 rows of it instead of all V (at Llama-3's 128,256 tokens the four full LM-head passes are most of the draft's bytes).
 The ranking is the head's `hot_tokens` (token ids, most frequent first: every id where `zoo train-head` counted it on
 the training text and saved it beside the head; a published head's folder may hold a token map of the first N instead,
-`hot_tokens_N.pt` as `zoo export-head --hot-vocab N` writes it, SGLang's --speculative-token-map format). Scores are the log-softmax over the hot tokens; verification is the
-target's, so the output is exactly as without it, only tokens outside the hot set are never drafted.
+`hot_tokens_N.pt` as `zoo export-head --hot-vocab N` writes it, SGLang's --speculative-token-map format). Scores are
+the log-softmax over the hot tokens; verification is the target's, so the output is exactly as without it, only
+tokens outside the hot set are never drafted.
 
 The children are deterministic top-K candidates, so `DraftTree.draft_probs` stays None and sampled verification treats
 each as one-hot q (engine/verify.py): the output is exactly target-distributed at any temperature. Scores are the
