@@ -240,12 +240,13 @@ def _greedy_after_root(tree, target_probs, uniforms):
 
 
 @pytest.mark.parametrize("fixed_shape", [False, True], ids=["eager", "captured-step"])
-@pytest.mark.parametrize("lossy", [False, True], ids=["exact", "lossy-argmax"])
-def test_sampled_dynamic_trees_follow_the_target_distribution(lossy, fixed_shape, monkeypatch):
+@pytest.mark.parametrize("lossy, hot", [(False, 0), (True, 0), (False, 5)], ids=["exact", "lossy-argmax", "hot-5"])
+def test_sampled_dynamic_trees_follow_the_target_distribution(lossy, hot, fixed_shape, monkeypatch):
     """Temperature 1, deterministic top-k children (draft_probs None): the joint of the two tokens after the prefill
     token, over a batch of identical prompts, matches the target's exact joint (chi-square), on the eager path and
-    through the captured tree step (its body; the batch is above every bucket). The same check rejects a lossy rule
-    (argmax instead of a draw below the root), so it has power."""
+    through the captured tree step (its body; the batch is above every bucket); also drafting from a hot vocabulary
+    of 5 of the 8 tokens (hot_vocab). The same check rejects a lossy rule (argmax instead of a draw below the root),
+    so it has power."""
     import workbench.engine.verify as verify_module
 
     if lossy:
@@ -254,7 +255,8 @@ def test_sampled_dynamic_trees_follow_the_target_distribution(lossy, fixed_shape
     params = SamplingParams(temperature=1.0)
     prompt, n = [1, 2, 3, 1, 2], 3000
     head = EagleHead.for_target(small, seed=7, std=0.5)
-    engine = SpecEngine(small, EagleDrafter(head, small, 2, 3, 6), EngineConfig(
+    head.set_hot_tokens(torch.tensor([6, 1, 4, 0, 7, 2, 3, 5]))  # tokens 2, 3, 5 are never drafted with hot = 5
+    engine = SpecEngine(small, EagleDrafter(head, small, 2, 3, 6, hot_vocab=hot), EngineConfig(
         max_new_tokens=3, sampling=params, seed=11, cuda_graphs=fixed_shape, graph_batch_sizes=(1, 2)))
     res = engine.generate([prompt] * n)
     outs = torch.tensor(res.outputs)
