@@ -127,6 +127,8 @@ def test_session_refuses_what_tp_does_not_run():
     session.check(cfg, session.encode(1))
     with pytest.raises(BenchError, match=r"tp_size=2 does not run with target_quant=int8 .*; compile=default"):
         session.check(replace(cfg, compile="default", target_quant="int8"), session.encode(1))
+    with pytest.raises(BenchError, match=r"tp_size=2 does not run with hot_vocab=512 \(each rank holds"):
+        session.check(replace(cfg, method="eagle", hot_vocab=512), session.encode(1))
 
 
 def test_bench_tp2_stores_one_row_with_tp_size(tmp_path):
