@@ -120,8 +120,10 @@ def test_quantized_lm_head_gives_its_dequantized_rows(target):
     q = quantize_model(target, "int8", head=True)
     assert hasattr(q.lm_head, "dequantized_weight")
     head = head_with_ranking(q)
-    engine = SpecEngine(q, EagleDrafter(head, q, 3, 2, 5, hot_vocab=30), EngineConfig(max_new_tokens=10))
+    drafter = EagleDrafter(head, q, 3, 2, 5, hot_vocab=30)
+    engine = SpecEngine(q, drafter, EngineConfig(max_new_tokens=10))
     assert engine.generate(PROMPTS).outputs == [reference_greedy(q, p, 10) for p in PROMPTS]
+    torch.testing.assert_close(drafter._hot_w, q.lm_head.dequantized_weight()[head.hot_tokens[:30]].to(drafter._hot_w))
 
 
 def test_eagle3_top_k_over_its_draft_vocabulary_equals_the_scattered_full_one():
