@@ -228,9 +228,6 @@ def load_training_data(preset: str, preset_dir, device: str, spec: HeadRecipe, c
     return paths, dev, target, corpus, train_w, eval_w, info
 
 
-# ---------------------------------------------------------------------------------------------------- evaluation
-
-@torch.no_grad()
 def token_ranking(windows: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[V] every token id, most frequent in `windows` first (ties, and unseen ids, in id order).
 
@@ -242,6 +239,9 @@ def token_ranking(windows: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts.argsort(descending=True)
 
 
+# ---------------------------------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
 def target_pass(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [B, T] -> (hidden [B, T, H], target log-probs [B, T, V] float32)."""
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
