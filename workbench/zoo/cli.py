@@ -241,14 +241,14 @@ def cmd_export_head(args: argparse.Namespace) -> int:
         layout = export_published_head(head, target, args.out, dtype=getattr(torch, args.dtype))
         if hot is not None:
             from workbench.serving.exports import token_map_file
-            torch.save(hot, Path(args.out) / token_map_file(args.hot_vocab))
+            token_map = Path(args.out) / token_map_file(args.hot_vocab)
+            torch.save(hot, token_map)
     except (ZooError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote the {args.kind} head of {args.preset} in the published {layout} layout ({args.dtype}) -> {args.out}")
     if hot is not None:
-        print(f"wrote its {args.hot_vocab} most frequent token ids -> {args.out}/hot_tokens_{args.hot_vocab}.pt "
-              f"(SGLang: --speculative-token-map)")
+        print(f"wrote its {args.hot_vocab} most frequent token ids -> {token_map} (SGLang: --speculative-token-map)")
     return 0
 
 

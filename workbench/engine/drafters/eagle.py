@@ -444,7 +444,7 @@ class EagleDrafter(OneStepDrafter):
         LM head (the scores of the tree), or its hot rows only (hot_vocab)."""
         if self._hot_w is None:
             return torch.log_softmax(self.target.compute_logits(features).float(), -1).clamp(max=0.0).topk(k, -1)
-        logits = torch.nn.functional.linear(features[..., :self._hot_w.shape[1]], self._hot_w)
+        logits = torch.nn.functional.linear(features, self._hot_w)  # EAGLE-2's features are the target's width
         score, idx = torch.log_softmax(logits.float(), -1).clamp(max=0.0).topk(k, -1)
         return score, self._hot_ids[idx]
 
