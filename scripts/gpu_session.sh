@@ -40,6 +40,8 @@
 #   treeparity     the ReDrafter bf16 divergence on tiny: two identical runs per engine setting changed one at a time
 #   fixcheck       the tree-step fixes on the GPU in one call: ReDrafter parity on tiny, step costs on tiny and small
 #                  after the op cuts, `workbench serve` against in-process on small (run with SMALL_SECONDS=60)
+#   fixcheck2      fixcheck's sequel on the warm machine: hot8b's steps, trees under load on small, small's step
+#                  costs with compile on
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -272,6 +274,18 @@ fixcheck)
   heads
   step stepssmall 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall" --budget-s "$(( $(left) - 15 ))" ;;
+fixcheck2)
+  # fixcheck's sequel on the warm machine (small and its heads already there): the 8B steps with the hot vocabulary,
+  # trees served under load on small, then small's step costs with compile on
+  step steps8b 90 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/steps8b" --batches 1 \
+    --methods ar,eagle,eagle-hot,eagle3,tree --context 512 --steps 64 --rounds 3 --budget-s "${STEPS_S:-150}"
+  train_small
+  heads
+  step serving_small 120 $PY scripts/gpu_serving_trees.py --device cuda --preset small --compile off \
+    --methods ar,draft,eagle,redrafter --max-num-seqs 16 --num-requests 64 --max-new-tokens 64 --rates 0.5,1 \
+    --repeats 3 --budget-s "${SERVING_S:-220}" --out "$R/serving_small"
+  step stepssmall_compile 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 --compile default \
+    --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall_compile" --budget-s "$(( $(left) - 15 ))" ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small
