@@ -40,6 +40,7 @@
 #   treeparity     the ReDrafter bf16 divergence on tiny: two identical runs per engine setting changed one at a time
 #   fixcheck       the tree-step fixes on the GPU in one call: ReDrafter parity on tiny, step costs on tiny and small
 #                  after the op cuts, `workbench serve` against in-process on small (run with SMALL_SECONDS=60)
+#   http43         issue 43's HTTP comparison on small alone (run with SMALL_SECONDS=40 after a late start)
 #   fixcheck2      fixcheck's sequel on the warm machine: hot8b's steps, trees under load on small, small's step
 #                  costs with compile on
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
@@ -274,6 +275,12 @@ fixcheck)
   heads
   step stepssmall 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall" --budget-s "$(( $(left) - 15 ))" ;;
+http43)
+  # issue 43's HTTP goals on small after a change to the server (a late start: small trained for SMALL_SECONDS)
+  train_small
+  step http_small 60 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
+    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds 3 --parity-requests 16 \
+    --out "$R/serve_http_small.json" ;;
 fixcheck2)
   # fixcheck's sequel on the warm machine (small and its heads already there): the 8B steps with the hot vocabulary,
   # trees served under load on small, then small's step costs with compile on

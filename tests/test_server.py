@@ -424,3 +424,65 @@ def test_chat_template_from_the_model_folder(tmp_path):
     assert chat_template_of(str(tmp_path / "model.gguf"))[0] == template  # a GGUF file: its folder's config
     (tmp_path / "bare").mkdir()
     assert chat_template_of(str(tmp_path / "bare")) == (None, {})
+
+
+class _StepLoop:
+    """A stand-in ServingLoop: each step emits one token to every live request (the worker's contract only)."""
+
+    def __init__(self):
+        from workbench.serving.request import RequestState
+        self.make, self.active, self.clock = RequestState, [], type("C", (), {"now": staticmethod(time.perf_counter)})
+
+    def open(self):
+        pass
+
+    @property
+    def busy(self):
+        return bool(self.active)
+
+    def submit(self, req):
+        s = self.make(req, phase="decode", t_arrival=time.perf_counter())
+        self.active.append(s)
+        return s
+
+    def abort(self, s):
+        s.phase = "aborted"
+        self.active.remove(s)
+
+    def step(self):
+        for s in self.active:
+            s.output.append(len(s.output) + 1)
+            s.emit_times.append(time.perf_counter())
+            s.phase = "done" if len(s.output) >= s.req.max_new_tokens else s.phase
+        self.active = [s for s in self.active if s.phase != "done"]
+        return []
+
+
+def test_the_engine_thread_posts_one_wakeup_per_event_loop_per_step_in_order():
+    """LoopSink jobs: every event of one pass over the jobs reaches its event loop in one call_soon_threadsafe
+    (not one per job and step), each job's events in the order sent."""
+    import asyncio
+
+    from workbench.serving.worker import EngineWorker, LoopSink
+
+    async def main():
+        aloop = asyncio.get_running_loop()
+        posts = []
+        real = aloop.call_soon_threadsafe
+        aloop.call_soon_threadsafe = lambda fn, *a: (posts.append(len(a[0]) if a else 0), real(fn, *a))[1]
+        worker = EngineWorker(_StepLoop, None)
+        queues = [asyncio.Queue() for _ in range(4)]
+        jobs = [worker.submit([1, 2], 5, LoopSink(aloop, q)) for q in queues]  # all in the inbox before the start
+        worker.start()
+        got = [[] for _ in queues]
+        for q, g in zip(queues, got):
+            while not g or g[-1][0] not in ("done", "error"):
+                g.append(await asyncio.wait_for(q.get(), 10))
+        worker.stop()
+        return jobs, got, posts
+
+    jobs, got, posts = asyncio.run(main())
+    for g in got:
+        assert g == [("accepted",)] + [("tokens", [i]) for i in range(1, 6)] + [("done", "length")]
+    # one post for the four accepts, one per step (the last step's tokens and dones together): 6 posts of 4 jobs
+    assert posts == [4, 4, 4, 4, 4, 8], posts

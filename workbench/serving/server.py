@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from workbench.serving.worker import EngineWorker
+from workbench.serving.worker import EngineWorker, LoopSink
 
 # latency histogram buckets (seconds): from a fast GPU step to a long queue
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
@@ -407,32 +407,40 @@ def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics
         aloop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def sink(event):  # on the engine thread
-            aloop.call_soon_threadsafe(events.put_nowait, event)
-
-        job = worker.submit(ids, max_tokens, sink, ignore_eos=req.ignore_eos)
+        job = worker.submit(ids, max_tokens, LoopSink(aloop, events), ignore_eos=req.ignore_eos)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         text = TextStream(served.tokenizer, stops)
 
         async def pieces():
-            """(text delta, token ids, finish_reason or None) until the job ends; ApiError for an engine error."""
+            """Lists of (text delta, token ids, finish_reason or None) until the job ends; ApiError for an engine
+            error. A list holds every event that had arrived when the handler woke: a stream writes it at once, so
+            an HTTP thread that fell behind the engine sends several steps' chunks in one write (each write waits
+            for the interpreter lock the engine thread holds)."""
             while True:
-                event = await events.get()
-                if event[0] == "error":
-                    raise event_error(event)
-                if event[0] == "accepted":
-                    continue
-                if event[0] == "tokens":
-                    delta = text.add(event[1])
-                    if text.stopped:
-                        worker.abort(job, "stop")
-                        yield delta, event[1], "stop"
+                got = [await events.get()]
+                while not events.empty():
+                    got.append(events.get_nowait())
+                out = []
+                for event in got:
+                    if event[0] == "accepted":
+                        continue
+                    if event[0] == "error":
+                        if out:
+                            yield out
+                        raise event_error(event)
+                    if event[0] == "tokens":
+                        delta = text.add(event[1])
+                        if text.stopped:
+                            worker.abort(job, "stop")
+                            yield out + [(delta, event[1], "stop")]
+                            return
+                        out.append((delta, event[1], None))
+                    else:
+                        yield out + [(text.add([], final=True), [], event[1])]
                         return
-                    yield delta, event[1], None
-                else:
-                    yield text.add([], final=True), [], event[1]
-                    return
+                if out:
+                    yield out
 
         def usage() -> dict:
             return {"prompt_tokens": len(ids), "completion_tokens": len(text.ids),
@@ -441,8 +449,9 @@ def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics
         if not req.stream:
             async def collect() -> tuple[str, str]:
                 out, reason = [], None
-                async for delta, _, reason in pieces():
-                    out.append(delta)
+                async for batch in pieces():
+                    for delta, _, reason in batch:
+                        out.append(delta)
                 return "".join(out), reason
 
             async def gone() -> None:  # a stream notices a client that left by itself; a plain request asks
@@ -497,9 +506,11 @@ def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics
             try:
                 if chat:
                     yield chunk("", [], None, role=True)
-                async for delta, new, reason in pieces():
-                    if delta or new or reason is not None:
-                        yield chunk(delta, new, reason)
+                async for batch in pieces():
+                    body = "".join(chunk(delta, new, reason) for delta, new, reason in batch
+                                   if delta or new or reason is not None)
+                    if body:
+                        yield body
                 done = True
                 if include_usage:
                     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -1,9 +1,11 @@
 """The engine thread of `workbench serve`: one thread owns the open-ended serving loop; HTTP handlers talk to it
-through a thread-safe inbox and get their tokens back through a callback per request.
+through a thread-safe inbox and get their tokens back through a sink per request: a callable (run on the engine
+thread), or a LoopSink (an asyncio queue and its event loop: the events of one pass over the jobs reach each event
+loop in one call_soon_threadsafe, so the HTTP thread wakes once per engine step, not once per request and step).
 
     worker = EngineWorker(lambda: ServingLoop(engine, [], max_len=2048, ...), metrics, eos_token_ids=(0,))
     worker.start()
-    job = worker.submit(prompt_ids, max_tokens=16, sink=on_event)   # on_event runs on the engine thread
+    job = worker.submit(prompt_ids, max_tokens=16, sink=LoopSink(asyncio.get_running_loop(), queue))
     worker.abort(job)                                                # the client left: its row and blocks go back
     worker.stop()
 
@@ -33,13 +35,29 @@ from workbench.serving.request import Request, RequestState
 log = logging.getLogger("workbench.serve")
 
 
+class LoopSink:
+    """A job's events for an asyncio.Queue owned by the event loop `aloop` (the HTTP handler's). The engine thread
+    holds the events of one pass over its jobs and posts them to each event loop in one `call_soon_threadsafe`: one
+    wake-up of the HTTP thread per engine step, not one per job and step."""
+
+    __slots__ = ("aloop", "queue")
+
+    def __init__(self, aloop, queue):
+        self.aloop, self.queue = aloop, queue
+
+
+def _deliver(items: list) -> None:  # on the event loop's thread
+    for q, event in items:
+        q.put_nowait(event)
+
+
 @dataclass
 class Job:
     """One HTTP request's generation: what the engine thread knows of it."""
     id: int
     prompt: list[int]
     max_tokens: int
-    sink: Callable[[tuple], None]  # called on the engine thread; must not block (e.g. call_soon_threadsafe)
+    sink: "Callable[[tuple], None] | LoopSink"  # a callable runs on the engine thread and must not block
     ignore_eos: bool = False
     state: RequestState | None = None  # set once the loop accepted it
     sent: int = 0  # tokens handed to the sink so far
@@ -74,6 +92,7 @@ class EngineWorker:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._outbox: dict = {}  # event loop -> [(queue, event)] held for one post (LoopSink jobs)
 
     # -- called from any thread -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -123,18 +142,22 @@ class EngineWorker:
                         break
                 if not self._apply(cmds):
                     return
+                self._flush()  # "accepted" and 400s go out before the step
                 if not self.loop.busy:
                     continue
                 try:
                     traces = self.loop.step()
                 except Exception as e:  # a bug or a device error: fail what is in flight, keep serving
                     self._fail_all(e)
+                    self._flush()
                     continue
                 self._publish(traces)
+                self._flush()
         finally:
             self._stopped.set()
             for job in list(self.jobs.values()):
                 self._end(job, ("error", 503, "the server is shutting down"), None)
+            self._flush()
 
     def _apply(self, cmds: list[tuple]) -> bool:
         for cmd in cmds:
@@ -230,9 +253,22 @@ class EngineWorker:
         self.loop = self.loop_factory()  # a fresh loop resets the engine's rows and the pool
         self.loop.open()
 
-    @staticmethod
-    def _send(job: Job, event: tuple) -> None:
+    def _send(self, job: Job, event: tuple) -> None:
+        if isinstance(job.sink, LoopSink):
+            self._outbox.setdefault(job.sink.aloop, []).append((job.sink.queue, event))
+            return
         try:
             job.sink(event)
         except Exception as e:  # the client's event loop is gone (server shutting down): nobody to tell
             log.debug("dropped an event for job %d: %s", job.id, e)
+
+    def _flush(self) -> None:
+        """Posts the held LoopSink events: one call per event loop, in the order they were sent."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        for aloop, items in outbox.items():
+            try:
+                aloop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError as e:  # that event loop is closed (server shutting down): nobody to tell
+                log.debug("dropped %d events for a closed event loop: %s", len(items), e)
