@@ -279,7 +279,7 @@ http43)
   # issue 43's HTTP goals on small after a change to the server (a late start: small trained for SMALL_SECONDS)
   train_small
   step http_small 60 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
-    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds 3 --parity-requests 16 \
+    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds "${HTTP_ROUNDS:-3}" --parity-requests 16 \
     --out "$R/serve_http_small.json" ;;
 fixcheck2)
   # fixcheck's sequel on the warm machine (small and its heads already there): the 8B steps with the hot vocabulary,
