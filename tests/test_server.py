@@ -486,3 +486,25 @@ def test_the_engine_thread_posts_one_wakeup_per_event_loop_per_step_in_order():
         assert g == [("accepted",)] + [("tokens", [i]) for i in range(1, 6)] + [("done", "length")]
     # one post for the four accepts, one per step (the last step's tokens and dones together): 6 posts of 4 jobs
     assert posts == [4, 4, 4, 4, 4, 8], posts
+
+
+def test_observe_steps_sums_an_iteration_into_each_counter_exactly():
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client import generate_latest
+
+    from workbench.serving.server import ServerMetrics
+
+    m = ServerMetrics("t")
+    m.observe_steps([SimpleNamespace(drafted=4, accepted=a) for a in (0, 3, 1, 4)] +
+                    [SimpleNamespace(drafted=0, accepted=0)])  # a row without drafts is no draft
+    m.observe_steps([SimpleNamespace(drafted=2, accepted=2)])
+    got = {(s.name, s.labels.get("position")): s.value
+           for f in text_string_to_metric_families(generate_latest(m.registry).decode()) for s in f.samples
+           if s.name.startswith("vllm:spec_decode") and s.name.endswith("_total")}
+    assert got[("vllm:spec_decode_num_drafts_total", None)] == 5
+    assert got[("vllm:spec_decode_num_draft_tokens_total", None)] == 18
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", None)] == 10
+    per_pos = {p: v for (n, p), v in got.items() if n == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {"0": 4, "1": 3, "2": 2, "3": 1}

@@ -83,6 +83,7 @@ class ServerMetrics:
                                 "Row-steps whose accepted draft reached this position (0-based).",
                                 ["model_name", "position"], registry=r)
         self.model_name = m
+        self._pos_children: dict = {}  # position -> its labelled counter
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", lab,
                               buckets=TTFT_BUCKETS, registry=r).labels(m)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Gap between successive emissions to a request "
@@ -106,15 +107,31 @@ class ServerMetrics:
             ("workbench:kv_blocks", "Blocks of the KV pool."))}
 
     def observe_steps(self, traces) -> None:
-        """The step traces of one iteration (`ServingLoop.step`): one per (request, step)."""
+        """The step traces of one iteration (`ServingLoop.step`): one per (request, step). Summed here first: each
+        counter moves once per iteration (a counter's inc takes a lock; per row it cost the engine thread ~70 us a
+        step at 16 rows)."""
+        drafts = tokens = accepted = 0
+        reached: list[int] = []  # reached[p]: row-steps whose accepted draft reached position p
         for t in traces:
             if not t.drafted:
                 continue
-            self.num_drafts.inc()
-            self.num_draft_tokens.inc(t.drafted)
-            self.num_accepted.inc(t.accepted)
+            drafts += 1
+            tokens += t.drafted
+            accepted += t.accepted
+            if t.accepted > len(reached):
+                reached.extend([0] * (t.accepted - len(reached)))
             for pos in range(t.accepted):
-                self._per_pos.labels(self.model_name, str(pos)).inc()
+                reached[pos] += 1
+        if not drafts:
+            return
+        self.num_drafts.inc(drafts)
+        self.num_draft_tokens.inc(tokens)
+        self.num_accepted.inc(accepted)
+        for pos, n in enumerate(reached):
+            child = self._pos_children.get(pos)
+            if child is None:
+                child = self._pos_children[pos] = self._per_pos.labels(self.model_name, str(pos))
+            child.inc(n)
 
     def finished(self, s, tokens_sent: int, reason: str, now: float) -> None:
         end = s.t_done if s.t_done is not None else now
