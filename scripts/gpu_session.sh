@@ -40,6 +40,8 @@
 #   treeparity     the ReDrafter bf16 divergence on tiny: two identical runs per engine setting changed one at a time
 #   fixcheck       the tree-step fixes on the GPU in one call: ReDrafter parity on tiny, step costs on tiny and small
 #                  after the op cuts, `workbench serve` against in-process on small (run with SMALL_SECONDS=60)
+#   next           issues 40 and 43 after 2026-12-07: HTTP against in-process on small (SMALL_SECONDS=40), tiny's step
+#                  costs with compile on, the 8B step with a 16k hot vocabulary, then with compile on
 #   http43         issue 43's HTTP comparison on small alone (run with SMALL_SECONDS=40 after a late start)
 #   fixcheck2      fixcheck's sequel on the warm machine: hot8b's steps, trees under load on small, small's step
 #                  costs with compile on
@@ -281,6 +283,21 @@ http43)
   step http_small 60 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
     --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds "${HTTP_ROUNDS:-3}" --parity-requests 16 \
     --out "$R/serve_http_small.json" ;;
+next)
+  # what issues 40 and 43 still lack after 2026-12-07, most needed first: the HTTP comparison on small after the
+  # server changes, tiny's step costs with compile on beside the draft model, the 8B step with a 16k hot vocabulary,
+  # then the 8B step with compile on (each shape compiles for minutes: whatever budget is left)
+  train_small
+  step http_small 60 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
+    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds "${HTTP_ROUNDS:-3}" --parity-requests 16 \
+    --out "$R/serve_http_small.json"
+  step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
+    --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 90
+  step steps8b_hot16k 60 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/steps8b_hot16k" \
+    --batches 1 --methods ar,eagle-hot,redrafter --draft-vocab 16000 --context 512 --steps 64 --rounds 3 --budget-s 100
+  step steps8b_compile 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
+    --out "$R/steps8b_compile" --batches 1 --methods ar,eagle-hot --context 512 --steps 64 --rounds 3 \
+    --budget-s "$(( $(left) - 15 ))" ;;
 fixcheck2)
   # fixcheck's sequel on the warm machine (small and its heads already there): the 8B steps with the hot vocabulary,
   # trees served under load on small, then small's step costs with compile on
