@@ -42,7 +42,6 @@
 #                  after the op cuts, `workbench serve` against in-process on small (run with SMALL_SECONDS=60)
 #   next           issues 40 and 43 after 2026-12-07: HTTP against in-process on small (SMALL_SECONDS=40), tiny's step
 #                  costs with compile on, the 8B step with a 16k hot vocabulary, then with compile on
-#   http43         issue 43's HTTP comparison on small alone (run with SMALL_SECONDS=40 after a late start)
 #   fixcheck2      fixcheck's sequel on the warm machine: hot8b's steps, trees under load on small, small's step
 #                  costs with compile on
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
@@ -103,6 +102,11 @@ serving_small() {  # serving_small METHOD NEED ARGS...: gpu_serving.py on small,
   local method=$1 need=$2; shift 2
   step serving "$need" $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method "$method" \
     --k 4 --max-num-seqs 64 --warmup-requests 64 "$@"
+}
+http_small() {  # http_small NEED ROUNDS ARGS...: `workbench serve` over HTTP against in-process serve-bench on small
+  local need=$1 rounds=$2; shift 2
+  step http_small "$need" $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
+    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds "$rounds" --out "$R/serve_http_small.json" "$@"
 }
 C=graphs+compile+overlap  # the fast mode of every floor row
 
@@ -217,8 +221,7 @@ treestiny)
   step trees_tiny_new 60 $PY scripts/bench_trees.py $T --out "$R/trees_tiny_new" --budget-s "$(( $(left) - 15 ))" ;;
 serve43)
   train_small
-  step http_small 120 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
-    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds 3 --out "$R/serve_http_small.json"
+  http_small 120 3
   step soak_small 40 $PY scripts/server_soak.py --preset small --device cuda --requests 200 --out "$R/soak_small"
   [ -n "${NO_RANK:-}" ] || step rank_tiny 60 $PY scripts/launch_rank_check.py --preset tiny --device cuda --method ngram --ks 1,2,3,4,5,6 \
     --max-num-seqs 16 --num-requests 64 --max-new-tokens 64 --rounds 2 --out "$R/rank_tiny" ;;
@@ -240,9 +243,7 @@ short)
   step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle \
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 50
   train_small
-  step http_small 60 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
-    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds 2 --parity-requests 16 \
-    --out "$R/serve_http_small.json"
+  http_small 60 2 --parity-requests 16
   step stepssmall 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall" --budget-s "$(( $(left) - 15 ))" ;;
 tiny40)
@@ -271,26 +272,16 @@ fixcheck)
   step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --methods ar,eagle,redrafter \
     --rounds 3 --out "$R/stepstiny" --budget-s 60
   train_small
-  step http_small 60 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
-    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds 3 --parity-requests 16 \
-    --out "$R/serve_http_small.json"
+  http_small 60 3 --parity-requests 16
   heads
   step stepssmall 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall" --budget-s "$(( $(left) - 15 ))" ;;
-http43)
-  # issue 43's HTTP goals on small after a change to the server (a late start: small trained for SMALL_SECONDS)
-  train_small
-  step http_small 60 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
-    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds "${HTTP_ROUNDS:-3}" --parity-requests 16 \
-    --out "$R/serve_http_small.json" ;;
 next)
   # what issues 40 and 43 still lack after 2026-12-07, most needed first: the HTTP comparison on small after the
   # server changes, tiny's step costs with compile on beside the draft model, the 8B step with a 16k hot vocabulary,
   # then the 8B step with compile on (each shape compiles for minutes: whatever budget is left)
   train_small
-  step http_small 60 $PY scripts/gpu_serve_http.py --preset small --device cuda --method draft --k 4 \
-    --num-requests 128 --max-new-tokens 128 --max-num-seqs 16 --rounds "${HTTP_ROUNDS:-3}" --parity-requests 16 \
-    --out "$R/serve_http_small.json"
+  http_small 60 "${HTTP_ROUNDS:-3}" --parity-requests 16
   step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 90
   step steps8b_hot16k 60 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/steps8b_hot16k" \
