@@ -1,7 +1,8 @@
 """`workbench serve` over HTTP against the in-process serve-bench, on the same arrivals and the same engine settings:
 output tokens/s at saturation (every request at t = 0) and p99 TTFT at half the in-process saturation rate.
 
-The server runs in its own process (`python -m workbench serve`, its own interpreter lock); the load comes from
+Each server runs in its own process (`python -m workbench serve`), one per --engine-modes entry: the engine in a
+process of its own (the default) and on a thread beside the HTTP layer (--no-engine-process). The load comes from
 `serve-bench --endpoint`'s client (workbench/serving/endpoint.py) in this one. Rounds alternate in-process and HTTP.
 
     python scripts/gpu_serve_http.py --preset tiny --method ngram --k 3 --num-requests 64 --max-new-tokens 128 \\
@@ -81,6 +82,9 @@ def main() -> int:
                     "serving paths, and each in-process engine would compile again)")
     ap.add_argument("--parity-requests", type=int, default=16, help="prompts sent one at a time after the rounds, "
                     "their tokens compared with solo greedy decoding in process (0: none)")
+    ap.add_argument("--engine-modes", default="process,thread", help="the servers to measure, each over HTTP: "
+                    "process (`workbench serve`'s default: the engine in a process of its own), thread "
+                    "(--no-engine-process)")
     ap.add_argument("--out", help="JSON file for every row")
     args = ap.parse_args()
 
@@ -94,28 +98,40 @@ def main() -> int:
     sat = ServeConfig(method=args.method, k=args.k, rate=0.0, num_requests=args.num_requests,
                       warmup_requests=args.warmup_requests, max_new_tokens=args.max_new_tokens,
                       max_num_seqs=args.max_num_seqs, greedy_check_requests=0, compile=args.compile)
-    url = f"http://127.0.0.1:{args.port}"
-    log = open(Path(args.out).with_suffix(".server.log") if args.out else "/tmp/serve_http.server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "workbench", "serve", "--preset", args.preset, "--device", args.device,
-                             "--method", args.method, "--k", str(args.k), "--max-num-seqs", str(args.max_num_seqs),
-                             "--max-new-tokens", str(args.max_new_tokens), "--max-model-len", str(args.max_model_len),
-                             "--port", str(args.port), "--compile", args.compile], stdout=log, stderr=subprocess.STDOUT)
+    modes = args.engine_modes.split(",")
+    urls, procs = {}, []
+    for i, mode in enumerate(modes):  # one server per mode, each on its own port, each with its own log
+        if mode not in ("process", "thread"):
+            ap.error(f"--engine-modes: {mode!r} is not process or thread")
+        port = args.port + i
+        urls[f"http-{mode}"] = f"http://127.0.0.1:{port}"
+        out = Path(args.out) if args.out else Path("/tmp/serve_http.json")
+        log = open(out.with_suffix(f".server-{mode}.log"), "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "workbench", "serve", "--preset", args.preset, "--device", args.device,
+             "--method", args.method, "--k", str(args.k), "--max-num-seqs", str(args.max_num_seqs),
+             "--max-new-tokens", str(args.max_new_tokens), "--max-model-len", str(args.max_model_len),
+             "--port", str(port), "--compile", args.compile,
+             "--engine-process" if mode == "process" else "--no-engine-process"],
+            stdout=log, stderr=subprocess.STDOUT))
+    wheres = ["in-process", *urls]
     rows = []
     engine = None  # the in-process engine, built once (its graphs captured once) for every in-process run
     try:
-        wait_healthy(url, proc, 600)
+        for url, proc in zip(urls.values(), procs):
+            wait_healthy(url, proc, 600)
         half = None
         for rnd in range(args.rounds):
             for load in ("saturation", "half"):
                 cfg = sat if load == "saturation" else half
                 if cfg is None:
                     continue
-                for where in ("in-process", "http"):
+                for where in wheres:
                     if where == "in-process":
                         engine = engine or engine_for(session, cfg)
                         rec = serve_bench(session, cfg, engine=engine).record
                     else:
-                        rec = endpoint_bench(url, cfg, prompts).record
+                        rec = endpoint_bench(urls[where], cfg, prompts).record
                     rows.append({"round": rnd, "load": load, "where": where, "rate": cfg.rate,
                                  **{k: rec.get(k) for k in KEYS}})
                     print(json.dumps(rows[-1]), flush=True)
@@ -123,22 +139,26 @@ def main() -> int:
                         half = replace(sat, rate=0.5 * rec["request_throughput"])
         if args.parity_requests:
             engine = engine or engine_for(session, sat)
-            parity = http_parity(url, engine, session, prompts, args.parity_requests, args.max_new_tokens)
-            rows.append({"parity": parity})
-            print(json.dumps(rows[-1]), flush=True)
+            for where, url in urls.items():
+                parity = http_parity(url, engine, session, prompts, args.parity_requests, args.max_new_tokens)
+                rows.append({"parity": parity, "where": where})
+                print(json.dumps(rows[-1]), flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     for load in ("saturation", "half"):
-        for key in ("output_throughput", "ttft_ms_p99"):
-            got = {w: [r[key] for r in rows if r.get("load") == load and r["where"] == w] for w in ("in-process", "http")}
-            if got["in-process"] and got["http"]:
-                ratio = (sum(got["http"]) / len(got["http"])) / (sum(got["in-process"]) / len(got["in-process"]))
-                print(f"{load:>10} {key:>18}: in-process {got['in-process']}, http {got['http']}, "
-                      f"http / in-process {ratio:.3f}")
+        for key in ("output_throughput", "ttft_ms_p50", "ttft_ms_p99"):
+            got = {w: [r[key] for r in rows if r.get("load") == load and r["where"] == w] for w in wheres}
+            for where in urls:
+                if got["in-process"] and got[where]:
+                    ratio = (sum(got[where]) / len(got[where])) / (sum(got["in-process"]) / len(got["in-process"]))
+                    print(f"{load:>10} {key:>18}: in-process {got['in-process']}, {where} {got[where]}, "
+                          f"{where} / in-process {ratio:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0

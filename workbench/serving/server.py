@@ -386,6 +386,8 @@ def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics
     async def prometheus():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        if not isinstance(worker, EngineWorker):  # the engine's process keeps the metrics
+            return PlainTextResponse(await worker.prometheus_text(), media_type=CONTENT_TYPE_LATEST)
         if metrics is None:
             raise ApiError(404, "this server keeps no metrics")
         if worker.alive:
@@ -570,9 +572,17 @@ def chat_template_of(model_path: str | None) -> tuple[str | None, dict]:
 
 
 def build_server(session, cfg, *, max_model_len: int = 0, name: str | None = None, version: str | None = None):
-    """(app, worker, served) for cfg (a ServeConfig) on the session's models; the worker starts with the app.
-    ServeError for settings the server cannot serve. max_model_len: KV slots of a cache row (0 = the target's
-    context); the pool is cfg.kv_blocks blocks (0 = every row its full length)."""
+    """(app, worker, served) for cfg (a ServeConfig) on the session's models, the engine on a thread of this process
+    (`build_worker`); the worker starts with the app."""
+    worker, served = build_worker(session, cfg, max_model_len=max_model_len, name=name, version=version)
+    return create_app(worker, served, worker.metrics), worker, served
+
+
+def build_worker(session, cfg, *, max_model_len: int = 0, name: str | None = None, version: str | None = None):
+    """(worker, served) for cfg (a ServeConfig) on the session's models: the engine, its graphs captured, behind an
+    EngineWorker not yet started, and what the HTTP layer needs to know of it. ServeError for settings the server
+    cannot serve. max_model_len: KV slots of a cache row (0 = the target's context); the pool is cfg.kv_blocks
+    blocks (0 = every row its full length)."""
     from workbench import settings
     from workbench.engine.sampling import SamplingParams
     from workbench.serving.bench import adaptive_for, engine_for, is_tree
@@ -626,7 +636,8 @@ def build_server(session, cfg, *, max_model_len: int = 0, name: str | None = Non
     metrics = ServerMetrics(name)
     loops = iter([loop])
     worker = EngineWorker(lambda: next(loops, None) or make_loop(), metrics, eos_token_ids=eos_ids)
-    return create_app(worker, served, metrics), worker, served
+    return worker, served
 
 
-__all__ = ["ApiError", "ServedModel", "ServerMetrics", "TextStream", "build_server", "create_app", "render_chat"]
+__all__ = ["ApiError", "ServedModel", "ServerMetrics", "TextStream", "build_server", "build_worker", "create_app",
+           "render_chat"]

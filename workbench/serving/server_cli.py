@@ -45,6 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "must fit (default 0: the target's context)")
     http.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                       help="uvicorn's log level")
+    http.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                      help="run the engine in a process of its own, apart from the HTTP event loop (default; "
+                      "--no-engine-process: one process, the engine on a thread that shares the interpreter lock "
+                      "with the HTTP layer). /v1/models shows which (engine_process)")
     groups = {name: p.add_argument_group(title) for name, title in GROUPS.items() if name != "load"}
     for knob in served_knobs():
         add_knob(groups[knob.group], knob)
@@ -62,7 +66,8 @@ def main(args: argparse.Namespace) -> int:
     from workbench.harness.bench_cli import builtin_prompts
     from workbench.harness.telemetry import _git_commit
     from workbench.serving.config import ServeError, check_config
-    from workbench.serving.server import build_server
+    from workbench.serving.engine_proc import EngineProcess
+    from workbench.serving.server import build_server, create_app
 
     set_threads(args)
     if args.max_model_len < 0:
@@ -73,11 +78,17 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_config(cfg)  # bad settings before any model loads
         preset = args.preset if args.preset or args.model else "tiny"
-        session = BenchSession.load(preset=preset, model=args.model, draft=args.draft, device=args.device,
-                                    dtype=args.dtype, prompts=builtin_prompts(),  # the loader wants a prompt set
-                                    draft_head=args.draft_head)
-        app, worker, served = build_server(session, cfg, max_model_len=args.max_model_len,
-                                           name=args.served_model_name, version=_git_commit())
+        load = dict(preset=preset, model=args.model, draft=args.draft, device=args.device, dtype=args.dtype,
+                    prompts=builtin_prompts(),  # the loader wants a prompt set
+                    draft_head=args.draft_head)
+        built = dict(max_model_len=args.max_model_len, name=args.served_model_name, version=_git_commit())
+        if args.engine_process:
+            engine = EngineProcess({"session": load, "cfg": cfg, "threads": args.threads, **built})
+            served = engine.launch()
+            app = create_app(engine, served)
+        else:
+            app, _, served = build_server(BenchSession.load(**load), cfg, **built)
+            served.info["engine_process"] = False
     except (BenchError, ServeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -45,6 +45,18 @@ class LoopSink:
     def __init__(self, aloop, queue):
         self.aloop, self.queue = aloop, queue
 
+    @property
+    def channel(self):  # the sinks of one event loop share one post per pass
+        return self.aloop
+
+    @property
+    def key(self):
+        return self.queue
+
+    @staticmethod
+    def post(aloop, items: list) -> None:
+        aloop.call_soon_threadsafe(_deliver, items)
+
 
 def _deliver(items: list) -> None:  # on the event loop's thread
     for q, event in items:
@@ -57,7 +69,8 @@ class Job:
     id: int
     prompt: list[int]
     max_tokens: int
-    sink: "Callable[[tuple], None] | LoopSink"  # a callable runs on the engine thread and must not block
+    sink: "Callable[[tuple], None] | LoopSink"  # a callable runs on the engine thread and must not block; a batched
+    # sink (not callable) has .channel, .key and .post(channel, [(key, event)]): its events go out once per pass
     ignore_eos: bool = False
     state: RequestState | None = None  # set once the loop accepted it
     sent: int = 0  # tokens handed to the sink so far
@@ -92,7 +105,7 @@ class EngineWorker:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
-        self._outbox: dict = {}  # event loop -> [(queue, event)] held for one post (LoopSink jobs)
+        self._outbox: dict = {}  # channel -> (post, [(key, event)]) held for one post per pass (batched sinks)
 
     # -- called from any thread -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -254,8 +267,8 @@ class EngineWorker:
         self.loop.open()
 
     def _send(self, job: Job, event: tuple) -> None:
-        if isinstance(job.sink, LoopSink):
-            self._outbox.setdefault(job.sink.aloop, []).append((job.sink.queue, event))
+        if not callable(job.sink):  # a batched sink (LoopSink, engine_proc's PipeSink): held for one post per pass
+            self._outbox.setdefault(job.sink.channel, (job.sink.post, []))[1].append((job.sink.key, event))
             return
         try:
             job.sink(event)
@@ -263,12 +276,13 @@ class EngineWorker:
             log.debug("dropped an event for job %d: %s", job.id, e)
 
     def _flush(self) -> None:
-        """Posts the held LoopSink events: one call per event loop, in the order they were sent."""
+        """Posts the held events of batched sinks: one post per channel (an event loop, a pipe), in the order they
+        were sent."""
         if not self._outbox:
             return
         outbox, self._outbox = self._outbox, {}
-        for aloop, items in outbox.items():
+        for channel, (post, items) in outbox.items():
             try:
-                aloop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError as e:  # that event loop is closed (server shutting down): nobody to tell
-                log.debug("dropped %d events for a closed event loop: %s", len(items), e)
+                post(channel, items)
+            except (RuntimeError, OSError) as e:  # that event loop or pipe is closed (shutting down): nobody to tell
+                log.debug("dropped %d events for a closed channel: %s", len(items), e)
