@@ -337,7 +337,7 @@ def test_two_servers_in_one_process_keep_their_own_metrics(live, session):
         assert live.metrics()["vllm:generation_tokens_total"] != m["vllm:generation_tokens_total"]
         other.worker.stop()  # an engine thread that is gone: /health and requests say so, nothing hangs
         assert httpx.get(f"{other.url}/health").status_code == 503
-        with pytest.raises(openai.InternalServerError, match="engine thread is not running"):
+        with pytest.raises(openai.InternalServerError, match="engine is not running"):
             other.client.completions.create(model="tiny-ar", prompt="a", max_tokens=4)
     finally:
         other.stop()

@@ -9,6 +9,7 @@
     metrics.py      serving metrics named as `vllm bench serve` names them, goodput under SLOs
     bench.py, cli.py  `python -m workbench serve-bench`: one result-store row per run, per-request rows beside it
     worker.py       the engine thread of a server: the open-ended loop (`ServingLoop.open`), requests in, tokens out
+    engine_proc.py  that worker in a process of its own (the server's default), one pipe to the HTTP process
     server.py, server_cli.py  `python -m workbench serve`: the OpenAI-compatible HTTP API, Prometheus /metrics
     endpoint.py     `serve-bench --endpoint URL`: the same load against any OpenAI-compatible server, from its stream
     exports.py      draft-length schedules in vLLM / TensorRT-LLM / SGLang terms

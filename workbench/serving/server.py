@@ -326,7 +326,8 @@ def _error_body(e: ApiError) -> dict:
 
 
 def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics | None = None):
-    """The FastAPI app over a started (or to be started at the app's startup) worker."""
+    """The FastAPI app over a worker started at the app's startup: an EngineWorker (the engine on a thread of this
+    process) or an EngineProcess (the engine in a child process, workbench/serving/engine_proc.py)."""
     metrics = metrics or worker.metrics
 
     @asynccontextmanager
@@ -368,7 +369,7 @@ def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics
     @app.get("/health")
     async def health():
         if not worker.alive:
-            return JSONResponse(_error_body(ApiError(503, "the engine thread is not running", type_="server_error")),
+            return JSONResponse(_error_body(ApiError(503, "the engine is not running", type_="server_error")),
                                 status_code=503)
         return {"status": "ok"}
 
@@ -420,7 +421,7 @@ def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics
 
     async def generate(request: Request, req, ids: list[int], *, chat: bool):
         if not worker.alive:  # nobody would read the request: say so now rather than hang
-            raise ApiError(503, "the engine thread is not running; restart the server", type_="server_error")
+            raise ApiError(503, "the engine is not running; restart the server", type_="server_error")
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or served.default_max_tokens
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         aloop = asyncio.get_running_loop()
