@@ -12,20 +12,22 @@ other's Python. The parent (uvicorn's event loop) and the child talk over one pi
     served = engine.launch()              # the child loads the models and captures its graphs; ServeError if not
     app = create_app(engine, served)      # engine.start() runs in the app's lifespan, on its event loop
 
-The child leaves when the parent says stop, when the pipe closes (the parent died) or when its engine thread stopped;
-the parent then fails the open requests with 503 and /health answers 503. The child ignores SIGINT: Ctrl-C reaches
-the parent (uvicorn), whose shutdown stops the child.
+The child runs the worker's loop on its one thread, reading the pipe between iterations (PipeWorker). It leaves when
+the parent says stop or the pipe closes (the parent died); when it is gone the parent fails the open requests with
+503 and /health answers 503. The child ignores SIGINT: Ctrl-C reaches the parent (uvicorn), whose shutdown stops
+the child.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import multiprocessing
 import signal
-import threading
 
 from workbench.serving.config import ServeError
+from workbench.serving.worker import EngineWorker, Job
 
 log = logging.getLogger("workbench.serve")
 
@@ -33,32 +35,73 @@ ENDED = ("done", "error")  # the events after which a job gets no other
 
 
 class PipeSink:
-    """A job's events for the parent process: EngineWorker holds one pass's events and posts them in one message."""
+    """A job's events for the parent process: the worker holds one pass's events and posts them in one message."""
 
     __slots__ = ("channel", "key")
 
-    def __init__(self, channel, key: int):
+    def __init__(self, channel: "PipeWorker", key: int):
         self.channel, self.key = channel, key
 
     @staticmethod
-    def post(channel, items: list) -> None:
-        channel.send(("events", items))
+    def post(worker: "PipeWorker", items: list) -> None:
+        worker.conn.send(("events", items))
+        for key, event in items:
+            if event[0] in ENDED:
+                worker.keys.pop(key, None)
 
 
-class _Channel:
-    """The child's end of the pipe: sends from the engine thread and the main thread, one at a time; forgets a job
-    once its last event went out."""
+class _Reply:
+    """The box an engine-thread call ("call", fn, box) puts its result in: sent to the parent as a reply."""
 
-    def __init__(self, conn, jobs: dict):
-        self.conn, self.jobs, self.lock = conn, jobs, threading.Lock()
+    def __init__(self, conn, rid: int):
+        self.conn, self.rid = conn, rid
 
-    def send(self, msg: tuple) -> None:
-        with self.lock:
-            self.conn.send(msg)
-        if msg[0] == "events":
-            for key, event in msg[1]:
-                if event[0] in ENDED:
-                    self.jobs.pop(key, None)
+    def put(self, result: tuple) -> None:
+        ok, value = result
+        if not ok:
+            log.error("a /metrics read failed in the engine process: %s", value)
+        self.conn.send(("reply", self.rid, value if ok else b""))
+
+
+class PipeWorker(EngineWorker):
+    """The EngineWorker of the child process: its loop runs on the process's one thread and reads the pipe between
+    iterations (no second thread, so nothing waits for an interpreter lock)."""
+
+    def __init__(self, loop_factory, metrics=None, *, eos_token_ids=(), conn=None):
+        super().__init__(loop_factory, metrics, eos_token_ids=eos_token_ids)
+        self.conn = conn
+        self.keys: dict = {}  # the parent's job id -> Job, until the job's last event went out
+
+    def _receive(self, block: bool) -> list[tuple]:
+        cmds = []
+        try:
+            if block:
+                self.conn.poll(None)
+            while self.conn.poll():
+                cmd = self._command(self.conn.recv())
+                if cmd is not None:
+                    cmds.append(cmd)
+        except (EOFError, OSError):  # the parent is gone
+            cmds.append(("stop",))
+        return cmds
+
+    def _command(self, msg: tuple) -> tuple | None:
+        if msg[0] == "submit":
+            _, key, prompt, max_tokens, ignore_eos = msg
+            job = self.keys[key] = Job(next(self._ids), prompt, max_tokens, PipeSink(self, key), ignore_eos)
+            return ("submit", job)
+        if msg[0] == "abort":
+            job = self.keys.pop(msg[1], None)
+            return ("abort", job, msg[2]) if job is not None else None
+        if msg[0] == "metrics":
+            return ("call", self._prometheus_text, _Reply(self.conn, msg[1]))
+        return ("stop",)
+
+    def _prometheus_text(self, loop) -> bytes:
+        from prometheus_client import generate_latest
+
+        self.metrics.set_pool(loop)
+        return generate_latest(self.metrics.registry)
 
 
 def engine_main(conn, spec: dict) -> None:
@@ -74,7 +117,8 @@ def engine_main(conn, spec: dict) -> None:
             torch.set_num_threads(spec["threads"])
         session = BenchSession.load(**spec["session"])
         worker, served = build_worker(session, spec["cfg"], max_model_len=spec.get("max_model_len", 0),
-                                      name=spec.get("name"), version=spec.get("version"))
+                                      name=spec.get("name"), version=spec.get("version"),
+                                      worker=functools.partial(PipeWorker, conn=conn))
     except (BenchError, ServeError) as e:
         conn.send(("failed", str(e)))
         return
@@ -82,37 +126,8 @@ def engine_main(conn, spec: dict) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         raise
     served.info["engine_process"] = True
-    jobs: dict = {}
-    channel = _Channel(conn, jobs)
-    channel.send(("ready", served))
-    worker.start()
-    try:
-        while worker.alive:
-            if not conn.poll(1.0):
-                continue
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):  # the parent is gone
-                return
-            if msg[0] == "submit":
-                _, key, prompt, max_tokens, ignore_eos = msg
-                job = jobs[key] = worker.submit(prompt, max_tokens, PipeSink(channel, key), ignore_eos=ignore_eos)
-                if job.ended:  # refused (400) before it was filed here: its last event may be out already
-                    jobs.pop(key, None)
-            elif msg[0] == "abort":
-                job = jobs.pop(msg[1], None)
-                if job is not None:
-                    worker.abort(job, msg[2])
-            elif msg[0] == "metrics":
-                from prometheus_client import generate_latest
-
-                if worker.alive:
-                    worker.call(worker.metrics.set_pool)
-                channel.send(("reply", msg[1], generate_latest(worker.metrics.registry)))
-            elif msg[0] == "stop":
-                return
-    finally:
-        worker.stop()
+    conn.send(("ready", served))
+    worker.run()  # until the parent says stop or the pipe closes
 
 
 class EngineProcess:

@@ -579,11 +579,12 @@ def build_server(session, cfg, *, max_model_len: int = 0, name: str | None = Non
     return create_app(worker, served, worker.metrics), worker, served
 
 
-def build_worker(session, cfg, *, max_model_len: int = 0, name: str | None = None, version: str | None = None):
+def build_worker(session, cfg, *, max_model_len: int = 0, name: str | None = None, version: str | None = None,
+                 worker=EngineWorker):
     """(worker, served) for cfg (a ServeConfig) on the session's models: the engine, its graphs captured, behind an
-    EngineWorker not yet started, and what the HTTP layer needs to know of it. ServeError for settings the server
-    cannot serve. max_model_len: KV slots of a cache row (0 = the target's context); the pool is cfg.kv_blocks
-    blocks (0 = every row its full length)."""
+    EngineWorker (or the `worker` class given) not yet started, and what the HTTP layer needs to know of it.
+    ServeError for settings the server cannot serve. max_model_len: KV slots of a cache row (0 = the target's
+    context); the pool is cfg.kv_blocks blocks (0 = every row its full length)."""
     from workbench import settings
     from workbench.engine.sampling import SamplingParams
     from workbench.serving.bench import adaptive_for, engine_for, is_tree
@@ -636,8 +637,7 @@ def build_worker(session, cfg, *, max_model_len: int = 0, name: str | None = Non
                                "max_num_seqs": cfg.max_num_seqs})
     metrics = ServerMetrics(name)
     loops = iter([loop])
-    worker = EngineWorker(lambda: next(loops, None) or make_loop(), metrics, eos_token_ids=eos_ids)
-    return worker, served
+    return worker(lambda: next(loops, None) or make_loop(), metrics, eos_token_ids=eos_ids), served
 
 
 __all__ = ["ApiError", "ServedModel", "ServerMetrics", "TextStream", "build_server", "build_worker", "create_app",

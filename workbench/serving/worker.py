@@ -112,7 +112,7 @@ class EngineWorker:
         """Starts the engine thread (once; a second call does nothing)."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="workbench-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="workbench-engine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -144,15 +144,20 @@ class EngineWorker:
         return value
 
     # -- the engine thread ------------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _receive(self, block: bool) -> list[tuple]:
+        """The commands that arrived; block: wait for the first (the loop is idle)."""
+        cmds = [self.inbox.get()] if block else []
+        while True:
+            try:
+                cmds.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def run(self) -> None:
+        """The engine's loop, until a stop command (on the thread `start` made, or on the caller's)."""
         try:
             while True:
-                cmds = [self.inbox.get()] if not self.loop.busy else []  # idle: sleep until something arrives
-                while True:
-                    try:
-                        cmds.append(self.inbox.get_nowait())
-                    except queue.Empty:
-                        break
+                cmds = self._receive(block=not self.loop.busy)  # idle: sleep until something arrives
                 if not self._apply(cmds):
                     return
                 self._flush()  # "accepted" and 400s go out before the step
