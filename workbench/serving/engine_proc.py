@@ -14,8 +14,8 @@ other's Python. The parent (uvicorn's event loop) and the child talk over one pi
 
 The child runs the worker's loop on its one thread, reading the pipe between iterations (PipeWorker). It leaves when
 the parent says stop or the pipe closes (the parent died); when it is gone the parent fails the open requests with
-503 and /health answers 503. The child ignores SIGINT: Ctrl-C reaches the parent (uvicorn), whose shutdown stops
-the child.
+503 and /health answers 503. The child ignores SIGINT and SIGTERM: Ctrl-C or a SIGTERM to the process group reaches
+the parent (uvicorn) too, whose graceful shutdown lets open streams finish, then stops the child; SIGKILL ends both.
 """
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ class PipeWorker(EngineWorker):
 
 def engine_main(conn, spec: dict) -> None:
     """The child process: load, report ready (or failed), serve the pipe's commands until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the parent's shutdown stops this process, after open streams end
+        signal.signal(sig, signal.SIG_IGN)
     from workbench.harness.bench import BenchError, BenchSession
     from workbench.serving.server import build_worker
 
