@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KEYS = ["output_throughput", "request_throughput", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99",
-        "acceptance_rate", "completed"]
+        "acceptance_rate", "completed", "server_ttft_ms_mean"]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -38,6 +38,16 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s")
+
+
+def server_ttft(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's vllm:time_to_first_token_seconds histogram (warm-up requests included)."""
+    import httpx
+
+    from workbench.serving.endpoint import flat_samples
+
+    m = flat_samples(httpx.get(f"{url}/metrics", timeout=30).text)
+    return m.get("vllm:time_to_first_token_seconds_sum", 0.0), m.get("vllm:time_to_first_token_seconds_count", 0.0)
 
 
 def http_parity(url: str, engine, session, prompts: list[str], n: int, max_tokens: int) -> dict:
@@ -131,7 +141,10 @@ def main() -> int:
                         engine = engine or engine_for(session, cfg)
                         rec = serve_bench(session, cfg, engine=engine).record
                     else:
+                        before = server_ttft(urls[where])
                         rec = endpoint_bench(urls[where], cfg, prompts).record
+                        after = server_ttft(urls[where])  # the server's own TTFT (arrival -> first token read)
+                        rec["server_ttft_ms_mean"] = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
                     rows.append({"round": rnd, "load": load, "where": where, "rate": cfg.rate,
                                  **{k: rec.get(k) for k in KEYS}})
                     print(json.dumps(rows[-1]), flush=True)

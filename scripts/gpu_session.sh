@@ -40,6 +40,7 @@
 #   treeparity     the ReDrafter bf16 divergence on tiny: two identical runs per engine setting changed one at a time
 #   fixcheck       the tree-step fixes on the GPU in one call: ReDrafter parity on tiny, step costs on tiny and small
 #                  after the op cuts, `workbench serve` against in-process on small (run with SMALL_SECONDS=60)
+#   http           issue 43's HTTP comparison alone: both `workbench serve` modes against in-process on small
 #   next           issues 40 and 43 after 2026-12-07: HTTP against in-process on small (SMALL_SECONDS=40), tiny's step
 #                  costs with compile on, the 8B step with a 16k hot vocabulary, then with compile on
 #   fixcheck2      fixcheck's sequel on the warm machine: hot8b's steps, trees under load on small, small's step
@@ -276,6 +277,10 @@ fixcheck)
   heads
   step stepssmall 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall" --budget-s "$(( $(left) - 15 ))" ;;
+http)
+  # issue 43's HTTP comparison alone (carry .whl): both server modes against in-process on small
+  train_small
+  http_small 60 "${HTTP_ROUNDS:-3}" --parity-requests 16 ;;
 next)
   # what issues 40 and 43 still lack after 2026-12-07, most needed first: the HTTP comparison on small after the
   # server changes, tiny's step costs with compile on beside the draft model, the 8B step with a 16k hot vocabulary,

@@ -43,6 +43,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -306,6 +307,9 @@ class ServingLoop:
                                   or self.adaptive.never_drafts(max_num_seqs)))
         self._inflight: _Decoding | None = None  # full overlap: the step launched and not yet read
         self._queued = 0  # requests waiting for a row after this iteration's admissions (spec_off_queue)
+        # called (on the loop's thread) with a request's state as soon as its first token is read, before the rest of
+        # the iteration (the drafter's prefill of the row, the step's bookkeeping): a server sends it at once
+        self.first_token_hook: Callable[[RequestState], None] | None = None
 
     def check_request(self, r: Request) -> None:
         """ServeError (RequestTooLargeError when it is too long) for a request this loop could never serve."""
@@ -733,6 +737,8 @@ class ServingLoop:
                 s.output.append(next(firsts))
                 s.t_first_token = now
                 s.emit_times.append(now)
+                if self.first_token_hook is not None:
+                    self.first_token_hook(s)
             hidden = torch.cat(s.hidden, 0) if s.hidden else None
             # a draft model is prefilled here when every step drafts (a fixed k); else lazily, by catch-up before
             # the row's first draft (never, if it never drafts)

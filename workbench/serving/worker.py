@@ -16,7 +16,7 @@ ignore_eos). A job aborted by its client gets no further event.
 
 Between two iterations the thread admits what arrived (`ServingLoop.submit`, a request that can never fit gets a
 400 error event), applies aborts (`ServingLoop.abort`), runs one iteration (`ServingLoop.step`) and hands each live
-job the tokens it emitted. A failure inside an iteration fails the jobs in flight (500) and starts a fresh loop over
+job the tokens it emitted; a first token goes out the moment the loop reads it (`ServingLoop.first_token_hook`). A failure inside an iteration fails the jobs in flight (500) and starts a fresh loop over
 the same engine, so the server keeps serving.
 """
 from __future__ import annotations
@@ -95,8 +95,7 @@ class EngineWorker:
 
     def __init__(self, loop_factory: Callable, metrics=None, *, eos_token_ids: tuple[int, ...] = ()):
         self.loop_factory, self.metrics, self.eos_token_ids = loop_factory, metrics, frozenset(eos_token_ids)
-        self.loop = loop_factory()
-        self.loop.open()
+        self.loop = self._open_loop()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.jobs: dict[int, Job] = {}  # live jobs, engine thread only
         self._leaving: list[RequestState] = []  # ended jobs' requests not yet out of the loop (a step in flight)
@@ -106,6 +105,12 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._outbox: dict = {}  # channel -> (post, [(key, event)]) held for one post per pass (batched sinks)
+
+    def _open_loop(self):
+        loop = self.loop_factory()
+        loop.open()
+        loop.first_token_hook = self._first_token
+        return loop
 
     # -- called from any thread -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -231,6 +236,19 @@ class EngineWorker:
             if reason is not None:
                 self._end(job, ("done", reason), reason)
 
+    def _first_token(self, s: RequestState) -> None:
+        """The loop read `s`'s first token: it goes out now, not after the rest of the iteration (the drafter's
+        prefill of the row, the other rows' bookkeeping), so a client's TTFT is the loop's. An end-of-sequence first
+        token is left to `_publish`, which ends the job."""
+        job = self.jobs.get(s.req.id)
+        if job is None or job.ended or job.sent or not s.output:
+            return
+        if not job.ignore_eos and s.output[0] in self.eos_token_ids:
+            return
+        job.sent = 1
+        self._send(job, ("tokens", s.output[:1]))
+        self._flush()
+
     def _end(self, job: Job, event: tuple | None, reason: str | None) -> None:
         """The job leaves: its last event sent (None: its client is gone), its counts and latencies recorded."""
         job.ended, job.finish_reason = True, reason
@@ -268,8 +286,7 @@ class EngineWorker:
             self._end(job, ("error", 500, f"the engine failed while serving this request: {type(e).__name__}: {e}"),
                       None)
         self._leaving = []
-        self.loop = self.loop_factory()  # a fresh loop resets the engine's rows and the pool
-        self.loop.open()
+        self.loop = self._open_loop()  # a fresh loop resets the engine's rows and the pool
 
     def _send(self, job: Job, event: tuple) -> None:
         if not callable(job.sink):  # a batched sink (LoopSink, engine_proc's PipeSink): held for one post per pass
