@@ -40,6 +40,7 @@
 #   treeparity     the ReDrafter bf16 divergence on tiny: two identical runs per engine setting changed one at a time
 #   fixcheck       the tree-step fixes on the GPU in one call: ReDrafter parity on tiny, step costs on tiny and small
 #                  after the op cuts, `workbench serve` against in-process on small (run with SMALL_SECONDS=60)
+#   last           ReDrafter's hot vocabulary at the 8B shape, then the HTTP comparison (2 rounds)
 #   http           issue 43's HTTP comparison alone: both `workbench serve` modes against in-process on small
 #   next           issues 40 and 43 after 2026-12-07: HTTP against in-process on small (SMALL_SECONDS=40), tiny's step
 #                  costs with compile on, the 8B step with a 16k hot vocabulary, then with compile on
@@ -277,6 +278,12 @@ fixcheck)
   heads
   step stepssmall 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall" --budget-s "$(( $(left) - 15 ))" ;;
+last)
+  # ReDrafter with a 32k hot vocabulary at the 8B shape (compile on), then issue 43's HTTP comparison (carry .whl)
+  step steps8b_rhot 50 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
+    --out "$R/steps8b_rhot" --batches 1 --methods ar,redrafter-hot --context 512 --steps 64 --rounds 3 --budget-s 60
+  train_small
+  http_small 60 "${HTTP_ROUNDS:-2}" --parity-requests 16 ;;
 http)
   # issue 43's HTTP comparison alone (carry .whl): both server modes against in-process on small
   train_small

@@ -24,6 +24,8 @@ Per target and batch (--batches), every method through the engine itself (SpecEn
   eagle3      EAGLE-3, the same tree (presets: their trained eagle3 head; random targets: an untrained head over a
               --draft-vocab draft vocabulary, whose smaller LM head is EAGLE-3's saving)
   redrafter   ReDrafter beams, width / length = --beam-width / --beam-length
+  redrafter-hot  ReDrafter with a hot vocabulary (hot_vocab = --draft-vocab): the same beams searched over the head's
+              --draft-vocab most frequent tokens (a random target's untrained head: the lowest ids)
   tree        a fixed tree of --tree-budget nodes (--beam-width branches of equal depth) with no drafting cost: the
               engine's tree verify step (the target over 1 + N tokens with a tree mask, acceptance, KV compaction);
               its verify phase is the bare tree verify ("verify x AR step" in the table), its ms/step the whole step
@@ -74,7 +76,7 @@ RANDOM_CONFIGS = {
     "tiny-random": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
 }
-METHODS = ("ar", "ngram", "draft", "eagle", "eagle-hot", "eagle3", "redrafter", "tree")
+METHODS = ("ar", "ngram", "draft", "eagle", "eagle-hot", "eagle3", "redrafter", "redrafter-hot", "tree")
 HEADS = ("eagle", "eagle3", "redrafter")
 PHASES = ("draft", "verify", "accept", "kv")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -112,8 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tree-topk", type=int, default=4, help="eagle children per node K (default 4)")
     ap.add_argument("--tree-budget", type=int, default=16, help="eagle nodes N, and the fixed tree's (default 16)")
     ap.add_argument("--draft-vocab", type=int, default=32000,
-                    help="eagle3 on a random target: its draft vocabulary; eagle-hot: its hot_vocab (default 32000, "
-                         "the published Llama-3 EAGLE-3 heads' and FR-Spec's 32k)")
+                    help="eagle3 on a random target: its draft vocabulary; eagle-hot, redrafter-hot: their hot_vocab "
+                         "(default 32000, the published Llama-3 EAGLE-3 heads' and FR-Spec's 32k)")
     ap.add_argument("--beam-width", type=int, default=4,
                     help="redrafter beams W, and the fixed tree's branches (default 4)")
     ap.add_argument("--beam-length", type=int, default=4, help="redrafter beam length L (default 4)")
@@ -270,8 +272,9 @@ class Target:
                 notes.append(f"{self.name}: eagle3 skipped (an EAGLE-3 head reads three distinct target layers; this "
                              f"target has {self.model.config.num_hidden_layers})")
                 continue
-            if m == "eagle-hot" and getattr(self.head("eagle"), "hot_tokens", None) is None:
-                notes.append(f"{self.name}: eagle-hot skipped (its EAGLE head has no token ranking: retrain it)")
+            base = m.removesuffix("-hot")
+            if m != base and getattr(self.head(base), "hot_tokens", None) is None:
+                notes.append(f"{self.name}: {m} skipped (its {base} head has no token ranking: retrain it)")
                 continue
             out.append((m, label_of(m, a)))
         return out, notes
@@ -282,8 +285,8 @@ class Target:
             return StaticTreeDrafter(a.beam_width, a.tree_budget // a.beam_width, self.model.config.vocab_size)
         knobs = {"k": a.k, "ngram_min": 1, "ngram_max": 3, "tree_depth": a.tree_depth, "tree_topk": a.tree_topk,
                  "tree_budget": a.tree_budget, "beam_width": a.beam_width, "beam_length": a.beam_length}
-        if method == "eagle-hot":
-            method, knobs["hot_vocab"] = "eagle", min(a.draft_vocab, self.model.config.vocab_size)
+        if method in ("eagle-hot", "redrafter-hot"):
+            method, knobs["hot_vocab"] = method.removesuffix("-hot"), min(a.draft_vocab, self.model.config.vocab_size)
         heads = {m: self.head(m) for m in HEADS if m == method and self.head(m) is not None}
         return make_drafter(method, knobs, draft=self.draft, target=self.model, heads=heads)
 
@@ -294,6 +297,7 @@ def label_of(method: str, a) -> str:
             "eagle-hot": f"eagle D{a.tree_depth} K{a.tree_topk} N{a.tree_budget} hot {a.draft_vocab}",
             "eagle3": f"eagle3 D{a.tree_depth} K{a.tree_topk} N{a.tree_budget}",
             "redrafter": f"redrafter W{a.beam_width} L{a.beam_length}",
+            "redrafter-hot": f"redrafter W{a.beam_width} L{a.beam_length} hot {a.draft_vocab}",
             "tree": f"tree verify {1 + a.tree_budget} nodes"}[method]
 
 
@@ -307,7 +311,8 @@ def goal_of(target: Target, batch: int, method: str) -> float | None:
     if target.kind == "random" and target.name == "llama8b":
         return {"tree": 1.10 if a.tree_budget == 16 else None, "eagle": 1.35 if issue_tree else None,
                 "eagle-hot": 1.35 if issue_tree else None,
-                "redrafter": 1.35 if issue_beams else None}.get(method)
+                "redrafter": 1.35 if issue_beams else None,
+                "redrafter-hot": 1.35 if issue_beams else None}.get(method)
     if target.kind == "preset" and target.name in ("tiny", "small"):
         return {"eagle": 2.0 if issue_tree else None, "redrafter": 2.0 if issue_beams else None}.get(method)
     return None

@@ -161,7 +161,7 @@ def _shape(c: dict[str, Any]) -> dict[str, Any]:
     """The drafter shape of a trial's config: method, k and the method's own knobs (n-gram sizes, tree, beams)."""
     keys = {"ngram": ("ngram_min", "ngram_max"), "eagle": ("tree_depth", "tree_topk", "tree_budget", "hot_vocab"),
             "eagle3": ("tree_depth", "tree_topk", "tree_budget", "eagle3_layers"),
-            "redrafter": ("beam_width", "beam_length")}.get(c.get("method"), ())
+            "redrafter": ("beam_width", "beam_length", "hot_vocab")}.get(c.get("method"), ())
     return {"method": c.get("method"), "k": c.get("k"), **{k: c.get(k) for k in keys}}
 
 
@@ -222,7 +222,7 @@ def _engine_snippet(schedule: dict[str, Any], name: str, max_num_seqs: int | Non
     path, path_note = (_head_path(_method_schedule(schedule, method), draft_head) if method in ("eagle", "eagle3")
                        else (_draft_path(schedule["models"]) if method == "draft" else None, None))
     make = dict(exports.MAKERS)[name]
-    hot = int(first.get("hot_vocab") or 0) if method == "eagle" else 0
+    hot = int(first.get("hot_vocab") or 0) if method in ("eagle", "redrafter") else 0
     extra = {"gate": measured_gate(schedule, method)} if name == "trtllm" else {"hot_vocab": hot} \
         if name == "sglang" else {}
     try:

@@ -65,6 +65,10 @@ def test_few_steps_lower_the_loss_and_write_the_curve(tmp_path, corpus, target):
         before = _kl_loss(RedrafterHead.for_target(target, seed=spec.seed), target, ids, spec).item()
         after = _kl_loss(RedrafterHead.load(out), target, ids, spec).item()
     assert after < before
+    # the token ranking (hot_vocab) counted on the training text: a permutation, not id order
+    ranking = RedrafterHead.load(out).hot_tokens
+    assert sorted(ranking.tolist()) == list(range(target.config.vocab_size))
+    assert ranking.tolist() != sorted(ranking.tolist())
 
 
 def test_token_budget_stops_at_the_budget(tmp_path, corpus):

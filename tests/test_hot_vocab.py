@@ -1,6 +1,6 @@
-"""EAGLE-2's hot vocabulary (hot_vocab, FR-Spec): the head drafts from a slice of the LM head's rows; the output stays
-the target's, the drafted tokens stay in the hot set, the ranking saves and loads with the head, bad settings are
-named."""
+"""The hot vocabulary (hot_vocab, FR-Spec) of EAGLE-2 and ReDrafter: the head drafts from a slice of the LM head's
+rows; the output stays the target's, the drafted tokens stay in the hot set, the ranking saves and loads with the
+head, bad settings are named."""
 from __future__ import annotations
 
 import pytest
@@ -104,7 +104,7 @@ def test_bad_hot_settings_are_named(target, tmp_path):
 def test_untrained_head_ranks_by_id_and_training_ranks_by_count(target):
     head = EagleHead.for_target(target, seed=1)
     assert head.hot_tokens.tolist() == list(range(target.config.vocab_size))
-    from workbench.zoo.train_eagle import rank_tokens
+    from workbench.zoo.head_training import rank_tokens
 
     windows = torch.tensor([[5, 5, 5, 2, 2, 7]])
     rank_tokens(head, windows)
@@ -123,7 +123,8 @@ def test_quantized_lm_head_gives_its_dequantized_rows(target):
     drafter = EagleDrafter(head, q, 3, 2, 5, hot_vocab=30)
     engine = SpecEngine(q, drafter, EngineConfig(max_new_tokens=10))
     assert engine.generate(PROMPTS).outputs == [reference_greedy(q, p, 10) for p in PROMPTS]
-    torch.testing.assert_close(drafter._hot_w, q.lm_head.dequantized_weight()[head.hot_tokens[:30]].to(drafter._hot_w))
+    w = drafter._hot.weight
+    torch.testing.assert_close(w, q.lm_head.dequantized_weight()[head.hot_tokens[:30]].to(w))
 
 
 def test_eagle3_top_k_over_its_draft_vocabulary_equals_the_scattered_full_one():
@@ -141,3 +142,83 @@ def test_eagle3_top_k_over_its_draft_vocabulary_equals_the_scattered_full_one():
     assert torch.equal(tok, want_tok)
     torch.testing.assert_close(score, want_score)
     assert "hot_vocab" not in drafter.settings
+
+
+# -- ReDrafter ----------------------------------------------------------------------------------------------------
+def redrafter_with_ranking(target, seed=4):
+    from workbench.engine.drafters import RedrafterHead
+
+    head = RedrafterHead.for_target(target, seed=seed, std=0.3)
+    head.set_hot_tokens(torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed)))
+    return head
+
+
+def redrafter(target, head, w=3, length=3, hot=0, **kw):
+    from workbench.engine.drafters import RedrafterDrafter
+
+    return RedrafterDrafter(head, target, beam_width=w, beam_length=length, hot_vocab=hot, **kw)
+
+
+def _beams(d, target, seed=0):
+    d.setup(DraftContext(max_rows=4, max_len=64, device=torch.device("cpu"), sampling=SamplingParams(),
+                         generator=None))
+    d.last_hidden.copy_(torch.randn(d.last_hidden.shape, generator=torch.Generator().manual_seed(seed)))
+    with torch.no_grad():
+        return d._search(torch.tensor([0, 2]), torch.tensor([5, 9]))
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "fixed-shape"])
+def test_redrafter_hot_output_equals_autoregressive_and_beams_stay_hot(cuda_graphs, target):
+    n, hot = 16, 30
+    head = redrafter_with_ranking(target)
+    engine = SpecEngine(target, redrafter(target, head, hot=hot), EngineConfig(
+        max_new_tokens=n, paged=True, kv_block_size=4, cuda_graphs=cuda_graphs, graph_batch_sizes=(1, 2, 4)))
+    assert engine.generate(PROMPTS).outputs == [reference_greedy(target, p, n) for p in PROMPTS]
+    beams = _beams(redrafter(target, head, hot=hot), target)
+    assert set(beams.flatten().tolist()) <= set(head.hot_tokens[:hot].tolist())
+
+
+def test_redrafter_whole_vocabulary_as_hot_set_searches_the_same_beams(target):
+    """hot_vocab = V permutes the LM head's rows: the same scores, so the same beams (the penalty's per-token counts
+    too, kept per hot index)."""
+    head = redrafter_with_ranking(target)
+    v = target.config.vocab_size
+    for kw in ({}, {"diversity_penalty": 0.7}):
+        full = _beams(redrafter(target, head, **kw), target)
+        hot = _beams(redrafter(target, head, hot=v, **kw), target)
+        assert torch.equal(full, hot)
+
+
+def test_redrafter_hot_beams_are_the_full_searchs_over_hot_tokens(target):
+    """W = 2, L = 1: depth 1 keeps the 2 best hot tokens of the full LM head's distribution."""
+    head = redrafter_with_ranking(target)
+    hot = 20
+    d = redrafter(target, head, w=2, length=1, hot=hot)
+    beams = _beams(d, target)
+    ids = head.hot_tokens[:hot]
+    for i, (row, root) in enumerate(((0, 5), (2, 9))):
+        h = d.last_hidden[row].unsqueeze(0)
+        with torch.no_grad():
+            _, f = d.head(h, target.model.embed_tokens(torch.tensor([root])), h)
+            logits = target.compute_logits(f)[0].float()
+        assert beams[i, :, 0].tolist() == ids[logits[ids].topk(2).indices].tolist()
+
+
+def test_redrafter_ranking_saves_and_bad_hot_settings_are_named(target, tmp_path):
+    from workbench.engine.drafters import RedrafterHead
+
+    head = redrafter_with_ranking(target)
+    head.save(tmp_path / "r")
+    assert (tmp_path / "r" / HOT_TOKENS).is_file()
+    assert torch.equal(RedrafterHead.load(tmp_path / "r").hot_tokens, head.hot_tokens)
+    v = target.config.vocab_size
+    with pytest.raises(ValueError, match=f"hot_vocab must be 0 .* or 1..{v}"):
+        redrafter(target, head, hot=v + 1)
+    with pytest.raises(ValueError, match="beam_width=3 exceeds hot_vocab=2"):
+        redrafter(target, head, hot=2)
+    head.hot_tokens = None
+    with pytest.raises(ValueError, match="needs the head's token ranking .*zoo train-head --kind redrafter"):
+        redrafter(target, head, hot=10)
+    d = make_drafter("redrafter", {"beam_width": 2, "beam_length": 2, "hot_vocab": 12}, target=target,
+                     heads={"redrafter": redrafter_with_ranking(target)})
+    assert d.settings["hot_vocab"] == 12

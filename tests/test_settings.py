@@ -122,7 +122,8 @@ def test_studies_space_settings_and_flags_come_from_the_registry():
 def test_methods_declare_the_knobs_they_read():
     assert {m: METHODS[m].knobs for m in METHODS} == {"ar": (), "draft": ("k", "draft_kv_quant", "draft_quant"), "ngram": ("k", "ngram_min",
                                                                                            "ngram_max"),
-                                                      "redrafter": ("beam_width", "beam_length", "diversity_penalty"),
+                                                      "redrafter": ("beam_width", "beam_length", "diversity_penalty",
+                                                                    "hot_vocab"),
                                                       "eagle": ("tree_depth", "tree_topk", "tree_budget", "hot_vocab"),
                                                       "eagle3": ("tree_depth", "tree_topk", "tree_budget",
                                                                  "eagle3_layers")}

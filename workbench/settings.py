@@ -256,10 +256,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "size); tree_depth <= N <= K + (D-1) K^2", "Tree budget N", "method", 1,
          choices.MAX_TREE_NODES, methods=TREE_METHODS,
          searchable=True, search_range=(4, 32)),
-    Knob("hot_vocab", "int", 0, "EAGLE-2: draft from the hot_vocab most frequent tokens only (FR-Spec; the head's "
-         "token ranking, counted by zoo train-head): each depth reads that many rows of the LM head instead of the "
-         "whole vocabulary; output unchanged, tokens outside it are never drafted. 0 = the whole vocabulary",
-         "Hot vocabulary", "method", 0, 1 << 20, methods=("eagle",), searchable=True),
+    Knob("hot_vocab", "int", 0, "EAGLE-2 and ReDrafter: draft from the hot_vocab most frequent tokens only "
+         "(FR-Spec; the head's token ranking, counted by zoo train-head): each depth reads that many rows of the LM "
+         "head instead of the whole vocabulary; output unchanged, tokens outside it are never drafted. 0 = the "
+         "whole vocabulary", "Hot vocabulary", "method", 0, 1 << 20, methods=("eagle", "redrafter"),
+         searchable=True),
     Knob("eagle3_layers", "str", "auto", "EAGLE-3: the three target layers whose incoming hidden states the head "
          "reads, as 'i,j,k' (increasing); auto = the head's own (a checkpoint's or a trained head's), else "
          "2, N/2, N-3 of an N-layer target (1, N/2, N-1 where those are not three distinct layers)",

@@ -352,8 +352,8 @@ class BenchSession:
                        (cfg.compile != "off", f"compile={cfg.compile} (not compiled with collectives yet: "
                         "--compile off)"),
                        (cfg.compare_hf, "compare_hf (Hugging Face generate runs on one device: --no-compare-hf)"),
-                       (cfg.method == "eagle" and cfg.hot_vocab > 0, f"hot_vocab={cfg.hot_vocab} (each rank holds a "
-                        "vocabulary slice of the LM head, not the hot rows: --hot-vocab 0)"),
+                       (cfg.method in ("eagle", "redrafter") and cfg.hot_vocab > 0, f"hot_vocab={cfg.hot_vocab} (each "
+                        "rank holds a vocabulary slice of the LM head, not the hot rows: --hot-vocab 0)"),
                        (cfg.phase_profile, "phase_profile (--no-phase-profile)")]
         named = [why for bad, why in unsupported if bad]
         if named:

@@ -239,6 +239,11 @@ def token_ranking(windows: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts.argsort(descending=True)
 
 
+def rank_tokens(head, windows: torch.Tensor) -> None:
+    """The head's token ranking (hot_vocab) from the training windows; saved beside it as hot_tokens.safetensors."""
+    head.set_hot_tokens(token_ranking(windows, head.hot_tokens.numel()))  # an untrained head's: id order, all ids
+
+
 # ---------------------------------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()

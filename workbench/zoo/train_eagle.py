@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from workbench.engine.drafters.eagle import EagleHead
 from workbench.models.attention import expand_kv
 from workbench.zoo.corpus import Corpus
-from workbench.zoo.head_training import HeadEval, HeadRecipe, agreement, distil, token_ranking, train_and_save
+from workbench.zoo.head_training import HeadEval, HeadRecipe, agreement, distil, rank_tokens, train_and_save
 from workbench.zoo.head_training import target_pass as _target_pass
 
 
@@ -118,6 +118,3 @@ def train_eagle_head(preset: str, *, out: str | Path | None = None, preset_dir: 
                           prepare=rank_tokens)
 
 
-def rank_tokens(head: EagleHead, windows: torch.Tensor) -> None:
-    """The head's token ranking (hot_vocab) from the training windows; saved beside it as hot_tokens.safetensors."""
-    head.set_hot_tokens(token_ranking(windows, head.hot_tokens.numel()))  # an untrained head's: id order, all ids

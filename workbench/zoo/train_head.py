@@ -31,7 +31,7 @@ from workbench.engine.drafters.redrafter import RedrafterHead
 from workbench.zoo.corpus import Corpus
 from workbench.zoo.head_training import (CURVE_POINTS, HEAD_MANIFEST_VERSION, HeadEval,  # noqa: F401 - re-exported
                                          HeadRecipe, agreement, distil, load_training_data, save_head, token_windows,
-                                         train_and_save)
+                                         rank_tokens, train_and_save)
 from workbench.zoo.head_training import lr_at as _lr_at  # noqa: F401
 from workbench.zoo.head_training import target_pass as _target_pass
 
@@ -87,4 +87,5 @@ def train_redrafter_head(preset: str, *, out: str | Path | None = None, preset_d
     the folder's checkpoint."""
     return train_and_save("redrafter", preset, out=out, preset_dir=preset_dir, device=device, spec=spec, corpus=corpus,
                           log=log, make_head=lambda target: RedrafterHead.for_target(target, seed=spec.seed).float(),
-                          loss_fn=_kl_loss, metric="kl", evaluate=evaluate_head, resume=resume)
+                          loss_fn=_kl_loss, metric="kl", evaluate=evaluate_head, resume=resume,
+                          prepare=rank_tokens)

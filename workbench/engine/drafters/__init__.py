@@ -88,7 +88,8 @@ def _ngram(inputs: _Inputs) -> NgramDrafter:
 @register("redrafter")
 def _redrafter(inputs: _Inputs) -> RedrafterDrafter:
     return RedrafterDrafter(inputs.head(RedrafterHead), inputs.target(), inputs.knob("beam_width"),
-                            inputs.knob("beam_length"), inputs.knob("diversity_penalty"))
+                            inputs.knob("beam_length"), inputs.knob("diversity_penalty"),
+                            hot_vocab=inputs.knob("hot_vocab"))
 
 
 @register("eagle")

@@ -46,13 +46,12 @@ An untrained head drafts poorly, but the output is still exactly the target's; `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDrafter
-from workbench.engine.drafters.head_io import SavedHead
+from workbench.engine.drafters.head_io import HOT_TOKENS, HotVocab, SavedHead
 from workbench.engine.graphs import FixedShapeStep
 from workbench.engine.kv_cache import make_cache
 from workbench.engine.tree import DraftTree
@@ -141,9 +140,6 @@ class EagleHeadConfig:
                            rms_norm_eps=self.rms_norm_eps)
 
 
-HOT_TOKENS = "hot_tokens.safetensors"  # beside a head's config.json: its token ranking, most frequent first
-
-
 def dense_lm_head(target) -> torch.Tensor:
     """[V, H] the target's LM head as a float matrix in its dtype (a quantized head dequantized)."""
     head = target.lm_head
@@ -172,35 +168,6 @@ class EagleHead(SavedHead):
         self.layer = DecoderLayer(config.layer_config(), 0)
         if config.style == "eagle":
             self.layer.input_layernorm = None  # the published head's first layer has none
-        self.hot_tokens: torch.Tensor | None = None  # [<= V] long: token ids, most frequent first (hot_vocab)
-
-    def save(self, path) -> None:
-        super().save(path)
-        if self.hot_tokens is not None:
-            from safetensors.torch import save_file
-            save_file({"hot_tokens": self.hot_tokens.to("cpu", torch.int32).contiguous()}, str(Path(path) / HOT_TOKENS))
-
-    @classmethod
-    def load(cls, path, device="cpu", dtype=None) -> "EagleHead":
-        """The head folder's head, with its token ranking when the folder holds one (hot_tokens.safetensors)."""
-        head = super().load(path, device, dtype)
-        src = Path(path) / HOT_TOKENS
-        if src.is_file():
-            from safetensors.torch import load_file
-            head.set_hot_tokens(load_file(str(src))["hot_tokens"])
-        return head
-
-    def set_hot_tokens(self, ranking: torch.Tensor, vocab_size: int | None = None) -> None:
-        """The token ranking, most frequent first: every id 0..V-1 once, or (given `vocab_size`) the first N of one,
-        distinct ids below it; ValueError otherwise."""
-        ids = torch.as_tensor(ranking).flatten().long().cpu()
-        n = ids.numel()
-        top = n if vocab_size is None else vocab_size
-        if n == 0 or int(ids.min()) < 0 or int(ids.max()) >= top or torch.bincount(ids).max() > 1:
-            what = "every token id 0..V-1 once" if vocab_size is None else f"distinct token ids below {vocab_size}"
-            raise ValueError(f"hot_tokens must hold {what} (a ranking, most frequent first); got {n} ids in "
-                             f"{int(ids.min()) if n else '-'}..{int(ids.max()) if n else '-'}")
-        self.hot_tokens = ids
 
     @property
     def hidden_columns(self) -> slice:
@@ -278,22 +245,11 @@ class EagleDrafter(OneStepDrafter):
     def __init__(self, head: EagleHead, target, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 16,
                  hot_vocab: int = 0):
         vocab = target.config.vocab_size
-        if isinstance(hot_vocab, bool) or not isinstance(hot_vocab, int) or not 0 <= hot_vocab <= vocab:
-            raise EagleSettingsError(f"hot_vocab must be 0 (the whole vocabulary) or 1..{vocab}, got {hot_vocab!r}")
-        if hot_vocab and getattr(head, "hot_tokens", None) is None:
-            raise EagleSettingsError(f"hot_vocab={hot_vocab} needs the head's token ranking ({HOT_TOKENS} in its "
-                                     f"folder, which `zoo train-head --kind eagle` writes); this head has none: set "
-                                     f"hot_vocab=0 or retrain the head")
-        if hot_vocab and int(head.hot_tokens.max()) >= vocab:
-            raise EagleSettingsError(f"the head's token ranking names token {int(head.hot_tokens.max())}, the target "
-                                     f"has {vocab} tokens: it was counted for another tokenizer; set hot_vocab=0")
-        if hot_vocab and hot_vocab > head.hot_tokens.numel():
-            raise EagleSettingsError(f"hot_vocab={hot_vocab} exceeds the head's token map ({head.hot_tokens.numel()} "
-                                     f"ids): lower hot_vocab to <= {head.hot_tokens.numel()}")
+        HotVocab.check(head, vocab, hot_vocab, EagleSettingsError, "zoo train-head --kind eagle")
         check_tree(tree_depth, tree_topk, tree_budget, hot_vocab or vocab)
         head.check_target(target)
         self.hot_vocab = hot_vocab
-        self._hot_ids = self._hot_w = None  # [V'] long target ids, [V', H] the LM head's rows (setup)
+        self._hot = HotVocab(hot_vocab) if hot_vocab else None  # the LM head's hot rows (setup)
         self.head, self.target = head, target
         self.tree_depth, self.tree_topk, self.tree_budget = tree_depth, tree_topk, tree_budget
         self.num_nodes = tree_budget
@@ -333,9 +289,8 @@ class EagleDrafter(OneStepDrafter):
         self.pend_pos = torch.zeros(3, rows, dtype=torch.long, device=ctx.device)
         self._pad_pos = torch.tensor([[0], [0], [1]], device=ctx.device)  # pad_row: 1 pair at position 0, root at 1
         self.pend_pos[:, ctx.max_rows:] = self._pad_pos
-        if self.hot_vocab:  # the LM head's hot rows, one copy (a quantized head's dequantized)
-            self._hot_ids = self.head.hot_tokens[:self.hot_vocab].to(ctx.device)
-            self._hot_w = dense_lm_head(self.target)[self._hot_ids].contiguous()
+        if self._hot is not None:  # the LM head's hot rows, one copy (a quantized head's dequantized)
+            self._hot.setup(self.head, dense_lm_head(self.target), ctx.device)
         k, slots = self.tree_topk, self._draft_slots()
         # constants the step reads (built here: a host->device copy inside a captured step is refused)
         self._cand_depth = torch.cat([torch.ones(k, dtype=torch.long)] + [torch.full((k * k,), i, dtype=torch.long)
@@ -442,11 +397,11 @@ class EagleDrafter(OneStepDrafter):
     def _top(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """features [..., H] -> the K best (float32 log-probabilities, target token ids) [..., K] through the target's
         LM head (the scores of the tree), or its hot rows only (hot_vocab)."""
-        if self._hot_w is None:
+        if self._hot is None:
             return torch.log_softmax(self.target.compute_logits(features).float(), -1).clamp(max=0.0).topk(k, -1)
-        logits = torch.nn.functional.linear(features, self._hot_w)  # EAGLE-2's features are the target's width
+        logits = self._hot.logits(features)  # EAGLE-2's features are the target's width
         score, idx = torch.log_softmax(logits.float(), -1).clamp(max=0.0).topk(k, -1)
-        return score, self._hot_ids[idx]
+        return score, self._hot.ids[idx]
 
     def _draft(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """rows [B] -> (token_ids, parents, depths [B, N] long, valid [B, N] bool). Reads only the pending buffers

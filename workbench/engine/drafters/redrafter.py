@@ -22,6 +22,12 @@ graph per batch bucket on a GPU). The head here is untrained unless loaded (`Red
 drafts poorly (little is accepted) but the output is still exactly the target's. `python -m workbench zoo train-head
 --kind redrafter --preset P` distils one from the frozen target (workbench/zoo/train_head.py) and saves it beside
 the target as <preset>/redrafter/, where the bench finds it (workbench/zoo/heads.py checks it fits the target).
+
+Hot vocabulary (`hot_vocab` V', FR-Spec, as EAGLE-2's): each depth scores only the head's V' most frequent tokens
+(its ranking, counted by `zoo train-head` on the training text) through a [V', H] slice of the target's LM head
+taken once in setup, so the L head evaluations read V' rows of it instead of all V (at Llama-3's 128,256 tokens the
+L full LM-head passes are most of the search's bytes). Beams are still deterministic candidates: lossless as before;
+tokens outside the hot set are never drafted.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ import torch
 from torch import nn
 
 from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDrafter
-from workbench.engine.drafters.head_io import SavedHead
+from workbench.engine.drafters.head_io import HotVocab, SavedHead
 from workbench.engine.graphs import FixedShapeStep, on_device
 from workbench.engine.sampling import probs_from_logits
 from workbench.engine.tree import DraftTree
@@ -64,10 +70,12 @@ class RedrafterHead(SavedHead):
 
     @classmethod
     def for_target(cls, target, seed: int = 0, std: float = 0.02) -> "RedrafterHead":
-        """An untrained head sized for `target`, initialised deterministically from `seed`, in its dtype and device."""
+        """An untrained head sized for `target`, initialised deterministically from `seed`, in its dtype and device;
+        its token ranking is id order (`zoo train-head` counts one)."""
         c = target.config
         head = cls(HeadConfig(c.hidden_size, c.hidden_size))
         head.reset_parameters(seed, std)
+        head.hot_tokens = torch.arange(c.vocab_size)  # its token ranking: id order (it has seen no text)
         p = next(target.parameters())
         return head.to(device=p.device, dtype=p.dtype).eval()
 
@@ -94,7 +102,7 @@ class RedrafterDrafter(OneStepDrafter):
     overlaps = True
 
     def __init__(self, head: RedrafterHead, target, beam_width: int = 2, beam_length: int = 4,
-                 diversity_penalty: float = 0.0):
+                 diversity_penalty: float = 0.0, hot_vocab: int = 0):
         if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
             raise ValueError(f"beam_width (beams W) must be a whole number >= 1, got {beam_width!r}")
         if isinstance(beam_length, bool) or not isinstance(beam_length, int) or beam_length < 1:
@@ -105,6 +113,12 @@ class RedrafterDrafter(OneStepDrafter):
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError(f"ReDrafter head has hidden size {head.config.hidden_size}, the target "
                              f"{target.config.hidden_size}: the head must be trained for this target")
+        HotVocab.check(head, target.config.vocab_size, hot_vocab, ValueError, "zoo train-head --kind redrafter")
+        if hot_vocab and beam_width > hot_vocab:
+            raise ValueError(f"beam_width={beam_width} exceeds hot_vocab={hot_vocab}: depth 1 picks beam_width "
+                             f"distinct tokens; lower beam_width or raise hot_vocab")
+        self.hot_vocab = hot_vocab
+        self._hot = HotVocab(hot_vocab) if hot_vocab else None  # the LM head's hot rows (setup)
         self.head, self.target = head, target
         self.beam_width, self.beam_length, self.diversity_penalty = beam_width, beam_length, float(diversity_penalty)
         self.num_nodes = beam_width * beam_length
@@ -128,6 +142,11 @@ class RedrafterDrafter(OneStepDrafter):
         # the very tensors (compared by identity while held here; an address could be reused by a tensor of another
         # shape, which a captured graph would read with the old one's)
         self._first_scores(ctx.device)
+        if self._hot is not None and (self._hot.ids is None or not on_device(self._hot.ids, ctx.device)):
+            from workbench.engine.drafters.eagle import dense_lm_head
+
+            self.step = self._step_key = None  # a captured search reads the old slice: drop it first
+            self._hot.setup(self.head, dense_lm_head(self.target), ctx.device)
         key = (ctx.graphs, ctx.sampling)
         buffers = (ctx.tokens, ctx.kv_len_all)
         same = self._step_key == key and all(a is b for a, b in zip(self._step_buffers, buffers))
@@ -204,11 +223,14 @@ class RedrafterDrafter(OneStepDrafter):
         beams = torch.zeros(b, w, 0, dtype=torch.long, device=rows.device)
         for d in range(length):
             state, features = self.head(state, embed(prev), anchor)  # [B*W, H] each
-            logp = self.log_probs(self.target.compute_logits(features)).view(b, w, -1)  # [B, W, V]
+            logits = self.target.compute_logits(features) if self._hot is None else self._hot.logits(features)
+            logp = self.log_probs(logits).view(b, w, -1)  # [B, W, V] (V': the hot vocabulary's indices)
             vocab = logp.shape[-1]
             cand = (score.unsqueeze(-1) + logp).view(b, w * vocab)  # [B, W*V]
             score, idx = self._select(cand, vocab)  # [B, W] each
             parent, token = idx // vocab, idx % vocab
+            if self._hot is not None:
+                token = self._hot.ids[token]  # hot index -> target token id
             beams = torch.cat([beams.gather(1, parent.unsqueeze(-1).expand(-1, -1, d)), token.unsqueeze(-1)], -1)
             state = state.view(b, w, h).gather(1, parent.unsqueeze(-1).expand(-1, -1, h)).reshape(b * w, h)
             prev = token.reshape(b * w)
@@ -255,4 +277,4 @@ class RedrafterDrafter(OneStepDrafter):
     @property
     def settings(self) -> dict:
         return {"beam_width": self.beam_width, "beam_length": self.beam_length,
-                "diversity_penalty": self.diversity_penalty}
+                "diversity_penalty": self.diversity_penalty, "hot_vocab": self.hot_vocab}
