@@ -13,6 +13,7 @@ Exit status: 0 after a clean shutdown (Ctrl-C), 2 bad settings or models.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 from workbench.harness.bench_cli import add_knob, add_session_args, set_threads
@@ -86,6 +87,9 @@ def main(args: argparse.Namespace) -> int:
             engine = EngineProcess({"session": load, "cfg": cfg, "threads": args.threads, **built})
             served = engine.launch()
             app = create_app(engine, served)
+            if cfg.gc_freeze:  # the app's long-lived objects too (the child froze the engine's)
+                gc.collect()
+                gc.freeze()
         else:
             app, _, served = build_server(BenchSession.load(**load), cfg, **built)
             served.info["engine_process"] = False
