@@ -111,3 +111,22 @@ def test_submit_names_a_request_that_can_never_run(target, draft):
     with pytest.raises(ServeError, match="needs max_len"):
         ServingLoop(make_engine("ar", target, draft), [])
 
+
+
+@pytest.mark.parametrize("full_overlap", [True, False], ids=["full-overlap", "no-overlap"])
+def test_the_first_token_hook_sees_each_first_token_before_the_rest_of_its_iteration(target, draft, solo,
+                                                                                      full_overlap):
+    """What `workbench serve` sends at once: the hook runs when a request's first token is read, once per request,
+    before the drafter's prefill of its row (the request still in prefill), and its token is the solo output's."""
+    loop = open_loop(engine_for("draft", target, draft, full_overlap), tuning=ServeTuning(full_overlap=full_overlap))
+    seen = []
+    loop.first_token_hook = lambda s: seen.append((s.req.id, list(s.output), s.phase))
+    reqs = random_requests(3, n=6)
+    states = [loop.submit(r) for r in reqs[:3]]
+    loop.step()
+    states += [loop.submit(r) for r in reqs[3:]]
+    drain(loop, states)
+    assert sorted(i for i, _, _ in seen) == sorted(r.id for r in reqs)  # once each
+    by_id = {s.req.id: s for s in states}
+    for i, out, phase in seen:
+        assert phase == "prefill" and out == solo(by_id[i].req)[:1]
