@@ -222,7 +222,7 @@ def _engine_snippet(schedule: dict[str, Any], name: str, max_num_seqs: int | Non
     path, path_note = (_head_path(_method_schedule(schedule, method), draft_head) if method in ("eagle", "eagle3")
                        else (_draft_path(schedule["models"]) if method == "draft" else None, None))
     make = dict(exports.MAKERS)[name]
-    hot = int(first.get("hot_vocab") or 0) if method in ("eagle", "redrafter") else 0
+    hot = int(first.get("hot_vocab") or 0) if method == "eagle" else 0
     extra = {"gate": measured_gate(schedule, method)} if name == "trtllm" else {"hot_vocab": hot} \
         if name == "sglang" else {}
     try:

@@ -101,12 +101,14 @@ def method_label(row) -> str:
     'redrafter W2 L4'
     >>> method_label({"method": "eagle", "tree_depth": 4, "tree_topk": 4, "tree_budget": 16, "hot_vocab": 32768})
     'eagle D4 K4 N16 hot 32768'
+    >>> method_label({"method": "redrafter", "beam_width": 4, "beam_length": 4, "hot_vocab": 32000})
+    'redrafter W4 L4 hot 32000'
     """
     method = row.get("method")
     shape = {"eagle": (("D", "tree_depth"), ("K", "tree_topk"), ("N", "tree_budget")),
              "redrafter": (("W", "beam_width"), ("L", "beam_length"))}.get(method)
     if shape and not any(_missing(row.get(c)) for _, c in shape):
-        hot = int(_num(row.get("hot_vocab"), 0)) if method == "eagle" else 0
+        hot = int(_num(row.get("hot_vocab"), 0))
         return f"{method} " + " ".join(f"{p}{int(_num(row.get(c)))}" for p, c in shape) + (f" hot {hot}" if hot else "")
     return f"{method} k={int(_num(row.get('k')))}"
 

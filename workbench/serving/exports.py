@@ -284,9 +284,8 @@ ENGINE_NAMES = {"vllm": "vLLM", "trtllm": "TensorRT-LLM", "sglang": "SGLang"}
 
 
 def hot_vocab_note(name: str, method: str, hot_vocab: int) -> str:
-    """What vLLM's and TensorRT-LLM's notes say about an EAGLE-2 or ReDrafter run's hot vocabulary (SGLang gets an
-    EAGLE-2 run's token map)."""
-    if not hot_vocab or method not in ("eagle", "redrafter") or name == "sglang" and method == "eagle":
+    """What vLLM's and TensorRT-LLM's notes say about an EAGLE-2 run's hot vocabulary (SGLang gets its token map)."""
+    if not hot_vocab or method != "eagle" or name == "sglang":
         return ""
     return (f"; the run drafted from a hot vocabulary of {hot_vocab} tokens (FR-Spec), which {ENGINE_NAMES[name]} "
             f"has no setting for: it drafts over the whole vocabulary, so its draft step reads more of the LM head "
