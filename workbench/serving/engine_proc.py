@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -129,6 +130,7 @@ def engine_main(conn, spec: dict) -> None:
     served.info["engine_process"] = True
     conn.send(("ready", served))
     worker.run()  # until the parent says stop or the pipe closes
+    gc.unfreeze()  # gc_freeze's heap back to the collector: the interpreter's exit frees it (no leak reports)
 
 
 class EngineProcess:
