@@ -28,11 +28,15 @@ class LiveServer:
     """uvicorn in a thread on a free loopback port, over `build_server`'s app."""
 
     def __init__(self, session, cfg, **kw):
-        import uvicorn
-
         from workbench.serving.server import build_server
 
         self.app, self.worker, self.served = build_server(session, cfg, **kw)
+        self.start()
+
+    def start(self):
+        """Serves self.app: self.url, self.server, self.thread, self.client."""
+        import uvicorn
+
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -3,14 +3,12 @@ solo greedy decoding, streams and /metrics come through the pipe, a client that 
 dies fails the open requests with 503 and turns /health to 503, settings the child cannot serve are named, and no
 child outlives the server."""
 import asyncio
-import socket
-import threading
 import time
 
 import httpx
-import openai
 import pytest
 
+from tests.test_server import LiveServer
 from workbench.serving.config import ServeConfig, ServeError
 from workbench.serving.endpoint import flat_samples
 from workbench.serving.request import Request
@@ -21,35 +19,20 @@ def spec(**kw) -> dict:
     return {"session": {"preset": "tiny", "device": "cpu"}, "cfg": cfg, "max_model_len": 256, "threads": 1, **kw}
 
 
-class ProcessServer:
+class ProcessServer(LiveServer):
     """uvicorn in a thread on a free loopback port, the engine in a child process."""
 
     def __init__(self, spec: dict):
-        import uvicorn
-
         from workbench.serving.engine_proc import EngineProcess
         from workbench.serving.server import create_app
 
         self.engine = EngineProcess(spec)
         self.served = self.engine.launch()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.served), log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
+        self.app = create_app(self.engine, self.served)
+        self.start()
 
     def pool(self) -> tuple[float, float]:
-        m = flat_samples(httpx.get(f"{self.url}/metrics").text)
+        m = self.metrics()
         return m["workbench:kv_free_blocks"], m["workbench:kv_blocks"]
 
 
