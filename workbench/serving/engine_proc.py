@@ -2,8 +2,8 @@
 core): the HTTP event loop and the engine thread no longer share one interpreter lock, so neither waits for the
 other's Python. The parent (uvicorn's event loop) and the child talk over one pipe:
 
-    parent -> child   ("submit", id, prompt, max_tokens, ignore_eos), ("abort", id, reason), ("metrics", rid),
-                      ("stop",)
+    parent -> child   ("spec", spec) once; then ("submit", id, prompt, max_tokens, ignore_eos), ("abort", id,
+                      reason), ("metrics", rid), ("stop",)
     child -> parent   ("ready", ServedModel) or ("failed", message) once; then ("events", [(id, event), ...]) once
                       per engine step (EngineWorker's batched sinks: one message per pass, not one per request),
                       ("reply", rid, prometheus text)
@@ -24,8 +24,13 @@ import functools
 import gc
 import itertools
 import logging
-import multiprocessing
+import os
 import signal
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 from workbench.serving.config import ServeError
 from workbench.serving.worker import EngineWorker, Job
@@ -105,10 +110,15 @@ class PipeWorker(EngineWorker):
         return generate_latest(self.metrics.registry)
 
 
-def engine_main(conn, spec: dict) -> None:
-    """The child process: load, report ready (or failed), serve the pipe's commands until told to stop."""
+def engine_main(conn) -> None:
+    """The child process: its spec from the pipe, load, report ready (or failed), serve the pipe's commands until
+    told to stop."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # the parent's shutdown stops this process, after open streams end
         signal.signal(sig, signal.SIG_IGN)
+    try:
+        _, spec = conn.recv()
+    except (EOFError, OSError):  # the parent is gone already
+        return
     from workbench.harness.bench import BenchError, BenchSession
     from workbench.serving.server import build_worker
 
@@ -151,22 +161,27 @@ class EngineProcess:
 
     def launch(self):
         """Starts the child and waits until its engine is ready: its ServedModel. ServeError if it failed."""
-        ctx = multiprocessing.get_context("spawn")  # no fork: the child initialises CUDA itself
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_main, args=(child, self.spec), name="workbench-engine", daemon=True)
-        self.proc.start()
-        child.close()
+        # a fresh interpreter (no fork: the child initialises CUDA itself), started as a module, not through
+        # multiprocessing's spawn, which would rerun this process's __main__ in it
+        ours, theirs = socket.socketpair()
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding the workbench package
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "workbench.serving.engine_proc", str(theirs.fileno())],
+                                     pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self._send(("spec", self.spec))
         if not self.conn.poll(self.start_timeout_s):
             self._kill()
             raise ServeError(f"the engine process was not ready within {self.start_timeout_s:.0f} s")
         try:
             msg = self.conn.recv()
-        except EOFError:
-            self.proc.join(5)
-            raise ServeError(f"the engine process exited (status {self.proc.exitcode}) before it was ready; its "
+        except (EOFError, OSError):
+            self._wait(5)
+            raise ServeError(f"the engine process exited (status {self.proc.returncode}) before it was ready; its "
                              "error is above") from None
         if msg[0] == "failed":
-            self.proc.join(10)
+            self._wait(10)
             raise ServeError(msg[1])
         self._alive = True
         return msg[1]
@@ -180,7 +195,7 @@ class EngineProcess:
 
     @property
     def alive(self) -> bool:
-        return self._alive and self.proc is not None and self.proc.is_alive()
+        return self._alive and self.proc is not None and self.proc.poll() is None
 
     def submit(self, prompt: list[int], max_tokens: int, sink, *, ignore_eos: bool = False) -> int:
         key = next(self._ids)
@@ -233,7 +248,7 @@ class EngineProcess:
             return
         self._alive = False
         if not self._stopping:
-            log.error("the engine process exited (status %s); open requests fail", self.proc.exitcode)
+            log.error("the engine process exited (status %s); open requests fail", self.proc.poll())
         if self._aloop is not None:
             self._aloop.remove_reader(self.conn.fileno())
         for q in self._queues.values():
@@ -250,14 +265,24 @@ class EngineProcess:
         self._stopping = True
         if self._alive:
             self._send(("stop",))
-        self.proc.join(timeout)
+        self._wait(timeout)
         self._gone()
         self._kill()
 
+    def _wait(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
     def _kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(10)
-        if self.proc.is_alive():
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the child ignores SIGTERM (its parent's shutdown stops it): this is a last try
+            self._wait(5)
+        if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.join(5)
+            self._wait(5)
+
+
+if __name__ == "__main__":  # the child: python -m workbench.serving.engine_proc FD (EngineProcess.launch)
+    engine_main(Connection(int(sys.argv[1])))

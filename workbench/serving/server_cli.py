@@ -101,5 +101,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"serving {served.name} ({cfg.method}) on http://{args.host}:{args.port}/v1 "
           f"(rows of {served.max_model_len} KV slots, {served.info['kv_blocks']} blocks)", file=sys.stderr, flush=True)
     # SIGINT / SIGTERM: open streams get 10 s to finish, then the engine stops and fails what is left
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    finally:  # uvicorn re-raises the signal that stopped it: the frozen heap goes back to the collector first (a
+        gc.unfreeze()  # frozen heap at exit made nanobind report triton's objects as leaked)
     return 0
