@@ -268,6 +268,7 @@ class EngineProcess:
         self._wait(timeout)
         self._gone()
         self._kill()
+        self.conn.close()
 
     def _wait(self, timeout: float) -> None:
         try:
@@ -276,10 +277,7 @@ class EngineProcess:
             pass
 
     def _kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()  # the child ignores SIGTERM (its parent's shutdown stops it): this is a last try
-            self._wait(5)
-        if self.proc.poll() is None:
+        if self.proc.poll() is None:  # it ignores SIGTERM (its parent's shutdown stops it): SIGKILL, the last resort
             self.proc.kill()
             self._wait(5)
 
