@@ -10,7 +10,8 @@ from tests.test_engine import PROMPTS, random_model, reference_greedy, target  #
 from tests.test_published_heads import _drafts
 from workbench.engine import EngineConfig, SpecEngine
 from workbench.engine.drafters import DrafterError, EagleDrafter, EagleHead, make_drafter
-from workbench.engine.drafters.eagle import HOT_TOKENS, EagleSettingsError
+from workbench.engine.drafters.eagle import EagleSettingsError
+from workbench.engine.drafters.head_io import HOT_TOKENS
 from workbench.engine.drafters.base import DraftContext
 from workbench.engine.sampling import SamplingParams
 from workbench.zoo.head_training import token_ranking

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDrafter
-from workbench.engine.drafters.head_io import HOT_TOKENS, HotVocab, SavedHead
+from workbench.engine.drafters.head_io import HotVocab, SavedHead
 from workbench.engine.graphs import FixedShapeStep
 from workbench.engine.kv_cache import make_cache
 from workbench.engine.tree import DraftTree
@@ -138,14 +138,6 @@ class EagleHeadConfig:
                            num_hidden_layers=1, num_attention_heads=self.num_attention_heads,
                            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
                            rms_norm_eps=self.rms_norm_eps)
-
-
-def dense_lm_head(target) -> torch.Tensor:
-    """[V, H] the target's LM head as a float matrix in its dtype (a quantized head dequantized)."""
-    head = target.lm_head
-    if head is not None and hasattr(head, "dequantized_weight"):
-        return head.dequantized_weight().to(next(target.parameters()).dtype)
-    return target.lm_head_weight
 
 
 class EagleHead(SavedHead):
@@ -290,7 +282,7 @@ class EagleDrafter(OneStepDrafter):
         self._pad_pos = torch.tensor([[0], [0], [1]], device=ctx.device)  # pad_row: 1 pair at position 0, root at 1
         self.pend_pos[:, ctx.max_rows:] = self._pad_pos
         if self._hot is not None:  # the LM head's hot rows, one copy (a quantized head's dequantized)
-            self._hot.setup(self.head, dense_lm_head(self.target), ctx.device)
+            self._hot.setup(self.head, self.target, ctx.device)
         k, slots = self.tree_topk, self._draft_slots()
         # constants the step reads (built here: a host->device copy inside a captured step is refused)
         self._cand_depth = torch.cat([torch.ones(k, dtype=torch.long)] + [torch.full((k * k,), i, dtype=torch.long)

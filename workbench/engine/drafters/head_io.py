@@ -79,9 +79,10 @@ class SavedHead(nn.Module):
 class HotVocab:
     """The LM-head rows of a head's `hot_vocab` most frequent tokens (FR-Spec): a drafter scores only those.
 
-    `check(head, vocab_size, hot_vocab, error)` refuses by name what cannot be drafted (no ranking, one counted for
-    another tokenizer, more tokens asked for than ranked); `setup(head, target, device)` takes the [V', H] slice once;
-    `logits(features)` -> [..., V'] and `ids[i]` the target id of hot index i.
+    `check(head, vocab_size, hot_vocab, error, retrain)` raises `error` naming what cannot be drafted (no ranking: the
+    message names the `retrain` command; one counted for another tokenizer; more tokens asked for than ranked);
+    `setup(head, target, device)` takes the [V', H] slice of the target's LM head once; `logits(features)` ->
+    [..., V'] and `ids[i]` the target id of hot index i.
     """
 
     def __init__(self, hot_vocab: int):
@@ -105,10 +106,17 @@ class HotVocab:
             raise error(f"hot_vocab={hot_vocab} exceeds the head's token map ({ranking.numel()} ids): lower "
                         f"hot_vocab to <= {ranking.numel()}")
 
-    def setup(self, head, lm_head_weight: torch.Tensor, device) -> None:
-        """lm_head_weight [V, H]: the target's LM head as a float matrix (a quantized head dequantized)."""
+    def setup(self, head, target, device) -> None:
         self.ids = head.hot_tokens[:self.n].to(device)
-        self.weight = lm_head_weight[self.ids].contiguous()
+        self.weight = dense_lm_head(target)[self.ids].contiguous()
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(features, self.weight)
+
+
+def dense_lm_head(target) -> torch.Tensor:
+    """[V, H] the target's LM head as a float matrix in its dtype (a quantized head dequantized)."""
+    head = target.lm_head
+    if head is not None and hasattr(head, "dequantized_weight"):
+        return head.dequantized_weight().to(next(target.parameters()).dtype)
+    return target.lm_head_weight

@@ -143,10 +143,8 @@ class RedrafterDrafter(OneStepDrafter):
         # shape, which a captured graph would read with the old one's)
         self._first_scores(ctx.device)
         if self._hot is not None and (self._hot.ids is None or not on_device(self._hot.ids, ctx.device)):
-            from workbench.engine.drafters.eagle import dense_lm_head
-
             self.step = self._step_key = None  # a captured search reads the old slice: drop it first
-            self._hot.setup(self.head, dense_lm_head(self.target), ctx.device)
+            self._hot.setup(self.head, self.target, ctx.device)
         key = (ctx.graphs, ctx.sampling)
         buffers = (ctx.tokens, ctx.kv_len_all)
         same = self._step_key == key and all(a is b for a, b in zip(self._step_buffers, buffers))
