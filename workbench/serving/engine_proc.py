@@ -165,7 +165,7 @@ class EngineProcess:
         # multiprocessing's spawn, which would rerun this process's __main__ in it
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # the folder holding the workbench package
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *(p for p in sys.path if p)])}  # this one's imports
         self.proc = subprocess.Popen([sys.executable, "-m", "workbench.serving.engine_proc", str(theirs.fileno())],
                                      pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
