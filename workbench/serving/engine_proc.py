@@ -100,14 +100,8 @@ class PipeWorker(EngineWorker):
             job = self.keys.pop(msg[1], None)
             return ("abort", job, msg[2]) if job is not None else None
         if msg[0] == "metrics":
-            return ("call", self._prometheus_text, _Reply(self.conn, msg[1]))
+            return ("call", self.metrics_text, _Reply(self.conn, msg[1]))
         return ("stop",)
-
-    def _prometheus_text(self, loop) -> bytes:
-        from prometheus_client import generate_latest
-
-        self.metrics.set_pool(loop)
-        return generate_latest(self.metrics.registry)
 
 
 def engine_main(conn) -> None:
@@ -146,8 +140,6 @@ def engine_main(conn) -> None:
 class EngineProcess:
     """The parent's side: what `create_app` calls a worker (start, stop, alive, submit, abort, prometheus_text),
     with the EngineWorker in a child process. submit's sink must be a LoopSink on the app's event loop."""
-
-    metrics = None  # the child keeps the metrics: /metrics asks it (prometheus_text)
 
     def __init__(self, spec: dict, *, start_timeout_s: float = 1800.0):
         self.spec, self.start_timeout_s = spec, start_timeout_s

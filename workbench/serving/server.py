@@ -325,10 +325,9 @@ def _error_body(e: ApiError) -> dict:
     return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
 
 
-def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics | None = None):
+def create_app(worker: EngineWorker, served: ServedModel):
     """The FastAPI app over a worker started at the app's startup: an EngineWorker (the engine on a thread of this
     process) or an EngineProcess (the engine in a child process, workbench/serving/engine_proc.py)."""
-    metrics = metrics or worker.metrics
 
     @asynccontextmanager
     async def lifespan(app):
@@ -339,7 +338,7 @@ def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics
             worker.stop()
 
     app = FastAPI(title="workbench serve", lifespan=lifespan)
-    app.state.worker, app.state.served, app.state.metrics = worker, served, metrics
+    app.state.worker, app.state.served = worker, served
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
@@ -385,15 +384,12 @@ def create_app(worker: EngineWorker, served: ServedModel, metrics: ServerMetrics
 
     @app.get("/metrics")
     async def prometheus():
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST
 
-        if not isinstance(worker, EngineWorker):  # the engine's process keeps the metrics
-            return PlainTextResponse(await worker.prometheus_text(), media_type=CONTENT_TYPE_LATEST)
-        if metrics is None:
+        text = await worker.prometheus_text()
+        if text is None:
             raise ApiError(404, "this server keeps no metrics")
-        if worker.alive:
-            await asyncio.get_running_loop().run_in_executor(None, lambda: worker.call(metrics.set_pool))
-        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -576,7 +572,7 @@ def build_server(session, cfg, *, max_model_len: int = 0, name: str | None = Non
     """(app, worker, served) for cfg (a ServeConfig) on the session's models, the engine on a thread of this process
     (`build_worker`); the worker starts with the app."""
     worker, served = build_worker(session, cfg, max_model_len=max_model_len, name=name, version=version)
-    return create_app(worker, served, worker.metrics), worker, served
+    return create_app(worker, served), worker, served
 
 
 def build_worker(session, cfg, *, max_model_len: int = 0, name: str | None = None, version: str | None = None,

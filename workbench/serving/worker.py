@@ -16,11 +16,13 @@ ignore_eos). A job aborted by its client gets no further event.
 
 Between two iterations the thread admits what arrived (`ServingLoop.submit`, a request that can never fit gets a
 400 error event), applies aborts (`ServingLoop.abort`), runs one iteration (`ServingLoop.step`) and hands each live
-job the tokens it emitted; a first token goes out the moment the loop reads it (`ServingLoop.first_token_hook`). A failure inside an iteration fails the jobs in flight (500) and starts a fresh loop over
-the same engine, so the server keeps serving.
+job the tokens it emitted; a first token goes out the moment the loop reads it (`ServingLoop.first_token_hook`). A
+failure inside an iteration fails the jobs in flight (500) and starts a fresh loop over the same engine, so the
+server keeps serving.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import queue
@@ -138,6 +140,24 @@ class EngineWorker:
     def abort(self, job: Job, reason: str = "abort") -> None:
         """The client left (or a stop string ended it): the job's request is dropped, its blocks freed."""
         self.inbox.put(("abort", job, reason))
+
+    async def prometheus_text(self) -> bytes | None:
+        """The metrics as Prometheus text, the pool's gauges read on the engine thread (on the caller's event loop);
+        None when this worker keeps no metrics."""
+        if self.metrics is None:
+            return None
+        if not self.alive:  # the pool's gauges as last read
+            from prometheus_client import generate_latest
+
+            return generate_latest(self.metrics.registry)
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: self.call(self.metrics_text))
+
+    def metrics_text(self, loop) -> bytes:
+        """On the engine thread, between iterations: the pool's gauges read from `loop`, then the Prometheus text."""
+        from prometheus_client import generate_latest
+
+        self.metrics.set_pool(loop)
+        return generate_latest(self.metrics.registry)
 
     def call(self, fn: Callable, timeout: float = 30.0):
         """fn(loop) run on the engine thread between iterations (a consistent read of the loop); its result."""
