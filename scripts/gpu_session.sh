@@ -46,6 +46,8 @@
 #                  costs with compile on, the 8B step with a 16k hot vocabulary, then with compile on
 #   fixcheck2      fixcheck's sequel on the warm machine: hot8b's steps, trees under load on small, small's step
 #                  costs with compile on
+#   sweep8b        issue 40 at the Llama-3.1-8B shape: the 17-row verify's kernels against AR's (gpu_verify_width
+#                  --profile), then tree and beam steps against AR at batch 1, 4, 16, 32 (compile off)
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -313,6 +315,11 @@ fixcheck2)
     --repeats 3 --budget-s "${SERVING_S:-220}" --out "$R/serving_small"
   step stepssmall_compile 60 $PY scripts/gpu_tree_steps.py --device cuda --preset small --batches 1 --compile default \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall_compile" --budget-s "$(( $(left) - 15 ))" ;;
+sweep8b)
+  step width 60 $PY scripts/gpu_verify_width.py --device cuda --widths 1,5,17 --profile --out "$R/width"
+  step sweep8b 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/sweep8b" \
+    --batches 1,4,16,32 --methods ar,eagle-hot,redrafter-hot,tree --context 512 --steps 64 --rounds 3 \
+    --budget-s "$(( $(left) - 20 ))" ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small

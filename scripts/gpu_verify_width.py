@@ -10,6 +10,8 @@ Two tables, each timed over --iters replays of a captured CUDA graph (GPU; plain
   attention where it applies) over T = M tokens at --context committed tokens, with a causal mask and with a tree
   mask (a root and M - 1 nodes in branches of depth <= 4), and its ratio to T = 1.
 A tree of N nodes verifies N + 1 tokens: the rows show what each extra node costs and where the GEMMs change kernels.
+With --profile, a third table: the verify step's kernels at T = 1 and at the widest T with a tree mask (torch.profiler,
+eager calls; GPU time per step by kernel name), so the growth from T = 1 is named kernel by kernel.
 """
 from __future__ import annotations
 
@@ -66,6 +68,44 @@ def timed(fn, device: torch.device, iters: int, rounds: int) -> float:
     return statistics.median(out)
 
 
+def kernel_times(fn, device: torch.device, iters: int) -> dict[str, tuple[float, float]]:
+    """{kernel name: (microseconds per fn() call, launches per call)} over `iters` eager calls under torch.profiler
+    (device kernels on a GPU; operators' self time on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn()
+        if gpu:
+            torch.cuda.synchronize(device)
+    out: dict[str, list[float]] = {}
+    for e in prof.events():
+        if gpu and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.device_time if gpu else e.self_cpu_time_total
+        tot = out.setdefault(e.name, [0.0, 0])
+        tot[0] += us
+        tot[1] += 1
+    return {name: (t / iters, n / iters) for name, (t, n) in out.items()}
+
+
+def profile_rows(narrow: dict, wide: dict, width: int) -> list[dict]:
+    """One row per kernel name: its time per step at T = 1 and T = width, largest growth first."""
+    rows = []
+    for name in set(narrow) | set(wide):
+        (a, na), (b, nb) = narrow.get(name, (0.0, 0)), wide.get(name, (0.0, 0))
+        rows.append({"part": "kernel", "name": name[:90], "us_t1": a, "us_wide": b, "calls_t1": na,
+                     "calls_wide": nb, "width": width, "growth_us": b - a})
+    rows.sort(key=lambda r: -abs(r["growth_us"]))
+    total = {"part": "kernel", "name": "(all kernels)", "us_t1": sum(r["us_t1"] for r in rows),
+             "us_wide": sum(r["us_wide"] for r in rows), "calls_t1": sum(r["calls_t1"] for r in rows),
+             "calls_wide": sum(r["calls_wide"] for r in rows), "width": width}
+    total["growth_us"] = total["us_wide"] - total["us_t1"]
+    return [total] + rows
+
+
 def tree_of(width: int, device) -> DraftTree:
     """width - 1 nodes in branches of up to 4 nodes (the root's children first, then deeper), one row."""
     n = width - 1
@@ -87,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile", action="store_true",
+                    help="also time the verify step's kernels at T = 1 and the widest T (tree mask), by name")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -110,7 +152,7 @@ def main(argv=None) -> int:
                            device=dev, block_size=16, attention="auto")
         base_host = [args.context]
         cache.plan([0], base_host, max_w)
-        verify = {}
+        verify, calls = {}, {}
         for mask_kind in ("causal", "tree"):
             for m in args.widths:
                 step = ModelStep(model, cache, GraphSettings(cuda_graphs=False, batch_sizes=(1,)), dev, "target")
@@ -126,10 +168,15 @@ def main(argv=None) -> int:
                     return step.logits(ids, positions)
                 us = timed(call, dev, max(args.iters // 4, 1), args.rounds)
                 verify[(mask_kind, m)] = us
+                calls[(mask_kind, m)] = call
                 rows.append({"part": "verify", "name": mask_kind, "rows": m, "us": us})
         for r in rows:
             if r["part"] == "verify":
                 r["x_t1"] = r["us"] / verify[("causal", 1)]
+        if args.profile:
+            narrow = kernel_times(calls[("causal", min(args.widths))], dev, args.iters)
+            wide = kernel_times(calls[("tree", max_w)], dev, args.iters)
+            rows.extend(profile_rows(narrow, wide, max_w))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
@@ -139,8 +186,18 @@ def main(argv=None) -> int:
     lines = [f"# Verify width · {meta['device']} · {args.target_config} · {dtype}", "",
              "| part | name | rows | us | GB/s or x T=1 |", "|---|---|---|---|---|"]
     for r in rows:
+        if r["part"] == "kernel":
+            continue
         extra = f"{r['gb_per_s']:.0f} GB/s" if r["part"] == "linear" else f"{r['x_t1']:.3f}x"
         lines.append(f"| {r['part']} | {r['name']} | {r['rows']} | {r['us']:.1f} | {extra} |")
+    kernels = [r for r in rows if r["part"] == "kernel"]
+    if kernels:
+        lines += ["", f"Kernels of one verify step, eager (T = 1 causal against T = {max_w} tree mask; us per step):", "",
+                  f"| kernel | us, T = 1 | us, T = {max_w} | growth us | launches T = 1 / {max_w} |",
+                  "|---|---|---|---|---|"]
+        for r in kernels[:40]:
+            lines.append(f"| `{r['name']}` | {r['us_t1']:.1f} | {r['us_wide']:.1f} | {r['growth_us']:+.1f} | "
+                         f"{r['calls_t1']:.0f} / {r['calls_wide']:.0f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
