@@ -163,7 +163,7 @@ def main(argv=None) -> int:
                 positions = args.context + (offs if mask is not None else torch.arange(m, device=dev).unsqueeze(0))
                 rows_t, base = upload([0], dev), upload(base_host, dev)
 
-                def call():
+                def call(m=m, mask=mask, ids=ids, positions=positions, step=step, rows_t=rows_t, base=base):
                     cache.prepare(rows_t, base, m, mask, cache.static_span)
                     return step.logits(ids, positions)
                 us = timed(call, dev, max(args.iters // 4, 1), args.rounds)
