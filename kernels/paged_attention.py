@@ -259,7 +259,8 @@ if TRITON_AVAILABLE:
 
 
 BLOCK_N = 64  # keys per inner iteration (several 16-slot pages; each key's page is looked up on its own)
-MAX_BLOCK_M = 64  # rows of one tile; larger groups x tokens take several tiles
+MAX_BLOCK_M = 64  # rows of one tile; larger groups x tokens take several tiles (65..128 rows: one 128-row tile)
+WIDE_TILE = 3 * 16 * 128  # q elements of a tile above which its splits are weighed (a 17-token step of 4 heads x 128)
 
 
 @functools.lru_cache(maxsize=None)
@@ -268,15 +269,27 @@ def _sm_count(device: torch.device) -> int:
 
 
 def launch_plan(batch: int, q_heads: int, kv_heads: int, t: int, max_positions: int,
-                device: torch.device) -> tuple[int, int, int]:
+                device: torch.device, head_dim: int = 128) -> tuple[int, int, int]:
     """(block_m, m_tiles, num_splits), from shapes only. M = (Hq / Hkv) * T rows go in tiles of BLOCK_M (a power of
-    two, 16 .. 64); splits give ~2 waves of programs over the SMs, never more than the KV tiles of a full table row."""
+    two, 16 .. 64), except 65..128 rows at head dims <= 128: one 128-row tile, which reads each KV tile once rather
+    than twice (a 17-token tree step of a 4-query-head group is 68 rows). Splits give ~2 waves of programs over the
+    SMs, never more than the KV tiles of a full table row; a wide tile (more than WIDE_TILE q elements) weighs each
+    program by its 16 x 128 slabs, since its splits' partial outputs and fixed costs grow with it: then all KV tiles
+    split when that leaves at least half of them, else the rounded count, spread evenly (no empty splits)."""
     rows = q_heads // kv_heads * t
-    block_m = min(MAX_BLOCK_M, max(16, 1 << (rows - 1).bit_length()))
+    kv_tiles = math.ceil(max_positions / BLOCK_N)
+    if 64 < rows <= 128 and head_dim <= 128:
+        block_m = 128
+    else:
+        block_m = min(MAX_BLOCK_M, max(16, 1 << (rows - 1).bit_length()))
     m_tiles = math.ceil(rows / block_m)
     programs = batch * kv_heads * m_tiles
-    num_splits = max(1, min(math.ceil(2 * _sm_count(device) / programs), math.ceil(max_positions / BLOCK_N)))
-    return block_m, m_tiles, num_splits
+    weight = math.ceil(min(rows, block_m) * head_dim / (16 * 128))
+    if min(rows, block_m) * head_dim <= WIDE_TILE:
+        return block_m, m_tiles, max(1, min(math.ceil(2 * _sm_count(device) / programs), kv_tiles))
+    want = 2 * _sm_count(device) / (programs * weight)
+    splits = kv_tiles if want >= kv_tiles / 2 else max(1, min(round(want), kv_tiles))
+    return block_m, m_tiles, math.ceil(kv_tiles / math.ceil(kv_tiles / splits))
 
 
 def _rope_rows(rope, b: int, t: int, dim: int):
@@ -348,7 +361,7 @@ def paged_attention_triton(q, k_pool, v_pool, block_table, rows, base_len, intra
     if not quant:
         k_scales = v_scales = base_len  # any tensor: never read (strides 0 below)
     q, k_pool, v_pool = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_pool, v_pool))
-    block_m, m_tiles, default_splits = launch_plan(b, hq, hkv, t, block_table.shape[1] * block_size, q.device)
+    block_m, m_tiles, default_splits = launch_plan(b, hq, hkv, t, block_table.shape[1] * block_size, q.device, dim)
     num_splits = num_splits or default_splits
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
 

@@ -98,7 +98,7 @@ def run_shape(model, batch, t, prefix, context) -> dict:
     rec = {"model": model, "hq": hq, "hkv": hkv, "head_dim": dim, "batch": batch, "T": t, "M": prefix,
            "context": context, "block_size": BLOCK_SIZE, "dtype": "bfloat16", "tree": t == 9}
     rec["block_m"], rec["m_tiles"], rec["splits"] = launch_plan(batch, hq, hkv, t, args["block_table"].shape[1] *
-                                                                BLOCK_SIZE, args["q"].device)
+                                                                BLOCK_SIZE, args["q"].device, dim)
 
     got = paged_attention_triton(**args, block_size=BLOCK_SIZE)
     rec["err_fp32"] = (got.float() - paged_attention_reference(**upcast, block_size=BLOCK_SIZE)).abs().max().item()

@@ -48,6 +48,8 @@
 #                  costs with compile on
 #   sweep8b        issue 40 at the Llama-3.1-8B shape: the 17-row verify's kernels against AR's (gpu_verify_width
 #                  --profile), then tree and beam steps against AR at batch 1, 4, 16, 32 (compile off)
+#   attn40         issue 40 after the attention launch plan change: the plan against the old one per shape, the
+#                  verify width with kernels, the 8B steps with compile on (batch 1), then the 8B batch sweep
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -317,6 +319,15 @@ fixcheck2)
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepssmall_compile" --budget-s "$(( $(left) - 15 ))" ;;
 sweep8b)
   step width 60 $PY scripts/gpu_verify_width.py --device cuda --widths 1,5,17 --profile --out "$R/width"
+  step sweep8b 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/sweep8b" \
+    --batches 1,4,16,32 --methods ar,eagle-hot,redrafter-hot,tree --context 512 --steps 64 --rounds 3 \
+    --budget-s "$(( $(left) - 20 ))" ;;
+attn40)
+  step plan 60 $PY scripts/gpu_attention_plan.py --out "$R/plan.json"
+  step width 40 $PY scripts/gpu_verify_width.py --device cuda --widths 1,5,17 --profile --out "$R/width"
+  step steps8b_compile 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
+    --out "$R/steps8b_compile" --batches 1 --methods ar,tree,eagle-hot,redrafter-hot --context 512 --steps 64 \
+    --rounds 3 --budget-s "${COMPILE_S:-200}"
   step sweep8b 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/sweep8b" \
     --batches 1,4,16,32 --methods ar,eagle-hot,redrafter-hot,tree --context 512 --steps 64 --rounds 3 \
     --budget-s "$(( $(left) - 20 ))" ;;

@@ -192,7 +192,8 @@ def main(argv=None) -> int:
         lines.append(f"| {r['part']} | {r['name']} | {r['rows']} | {r['us']:.1f} | {extra} |")
     kernels = [r for r in rows if r["part"] == "kernel"]
     if kernels:
-        lines += ["", f"Kernels of one verify step, eager (T = 1 causal against T = {max_w} tree mask; us per step):", "",
+        lines += ["", f"Kernels of one verify step, eager (T = 1 causal against T = {max_w} tree mask; us per step):",
+                  "",
                   f"| kernel | us, T = 1 | us, T = {max_w} | growth us | launches T = 1 / {max_w} |",
                   "|---|---|---|---|---|"]
         for r in kernels[:40]:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.paged_attention as pa
-from kernels.paged_attention import (MASK_WINDOW, paged_attention, paged_attention_reference,
+from kernels.paged_attention import (MASK_WINDOW, launch_plan, paged_attention, paged_attention_reference,
                                      paged_attention_triton, paged_kv_write_reference, paged_kv_write_triton,
                                      paged_write_attention_triton, rope_reference)
 from workbench.engine.kv_cache import PagedKVCache, set_kernels
@@ -179,9 +179,27 @@ TRITON_CASES = {
                                 table_dtype=torch.int32),
     "block64_contiguous": dict(base_lens=(200,), hq=4, hkv=4, t=5, dim=64, block_size=64, permute_rows=False,
                                shuffle_table=False),
-    "many_m_tiles_t64": dict(base_lens=(30, 95), hq=4, hkv=2, t=64, dim=64, block_size=16),
+    "one_wide_tile_t64": dict(base_lens=(30, 95), hq=4, hkv=2, t=64, dim=64, block_size=16),  # 128 rows, one tile
+    "many_m_tiles_t80": dict(base_lens=(30, 95), hq=4, hkv=2, t=80, dim=64, block_size=16),  # 160 rows, 3 tiles
+    "tree_t17_group4": dict(base_lens=(33, 7), hq=8, hkv=2, t=17, tree=True, dim=64, block_size=16),  # 68 of 128
     "random_trees_t64": dict(base_lens=(5, 80), hq=2, hkv=1, t=64, tree=True, dim=64, block_size=16),
 }
+
+
+def test_launch_plan_tiles_and_splits():
+    """A 17-token tree step of a 4-query-head group (68 rows) takes one 128-row tile (64-row tiles at head dim 256);
+    a wide tile's splits shrink as its programs grow and spread evenly over the KV tiles; narrower tiles keep two
+    waves of programs; splits never exceed the KV tiles of a table row."""
+    cpu = torch.device("cpu")  # 132 SMs assumed off the GPU
+    assert launch_plan(1, 32, 8, 17, 576, cpu) == (128, 1, 9)
+    assert launch_plan(4, 32, 8, 17, 576, cpu) == (128, 1, 2)
+    assert launch_plan(16, 32, 8, 17, 576, cpu) == (128, 1, 1)
+    assert launch_plan(1, 32, 8, 17, 2064, cpu) == (128, 1, 7)  # 33 KV tiles: 7 splits of 5
+    assert launch_plan(1, 32, 8, 17, 576, cpu, head_dim=256) == (64, 2, 2)
+    assert launch_plan(2, 4, 2, 80, 4096, cpu) == (64, 3, 6)  # 160 rows: three 64-row tiles
+    assert launch_plan(1, 32, 8, 1, 576, cpu) == (16, 1, 9)  # two waves, capped by the 9 KV tiles
+    assert launch_plan(4, 32, 8, 5, 576, cpu) == (32, 1, 9)
+    assert launch_plan(4, 12, 4, 17, 576, cpu, head_dim=64) == (64, 1, 9)  # a narrow tile: two waves
 
 
 @interpreter
@@ -202,7 +220,7 @@ def test_triton_matches_reference(name, dtype, num_splits, interpreter_bf16_dot)
 
 
 TRITON_QUANT_CASES = {name: TRITON_CASES[name] for name in ("decode_d64", "decode_d128_mha", "tree_two_branches",
-                                                            "block32_int32_table", "many_m_tiles_t64")}
+                                                            "block32_int32_table", "many_m_tiles_t80")}
 
 
 @interpreter
@@ -498,7 +516,8 @@ def _step_case(name, dtype, seed):
 
 @interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", ["decode_d64", "decode_d128_mha", "tree_two_branches", "many_m_tiles_t64"])
+@pytest.mark.parametrize("name", ["decode_d64", "decode_d128_mha", "tree_two_branches", "many_m_tiles_t80",
+                                  "tree_t17_group4"])
 def test_triton_rotates_q_and_k_as_the_reference(name, dtype, interpreter_bf16_dot):
     """The fused write + attention with rope=(cos, sin_signed): q and k arrive unrotated; the keys land in the pool
     rotated (within one rounding of the reference's, which rounds per op), and the output matches the reference."""
