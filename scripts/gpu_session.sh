@@ -50,6 +50,8 @@
 #                  --profile), then tree and beam steps against AR at batch 1, 4, 16, 32 (compile off)
 #   attn40         issue 40 after the attention launch plan change: the plan against the old one per shape, the
 #                  verify width with kernels, the 8B steps with compile on (batch 1), then the 8B batch sweep
+#   topk40         issue 40 after the chunked top-k: the drafters' top-k against torch.topk per shape, tiny's step costs
+#                  (compile on), tiny's tree parity, then the 8B steps with compile on
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -331,6 +333,15 @@ attn40)
   step sweep8b 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/sweep8b" \
     --batches 1,4,16,32 --methods ar,eagle-hot,redrafter-hot,tree --context 512 --steps 64 --rounds 3 \
     --budget-s "$(( $(left) - 20 ))" ;;
+topk40)
+  step topk 20 $PY scripts/gpu_topk.py --out "$R/topk.json"
+  step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
+    --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 90
+  step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle \
+    --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 80
+  step steps8b_compile 90 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
+    --out "$R/steps8b_compile" --batches 1 --methods ar,eagle-hot,redrafter-hot,redrafter --context 512 \
+    --steps 64 --rounds 3 --budget-s "$(( $(left) - 15 ))" ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small

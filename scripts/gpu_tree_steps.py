@@ -372,10 +372,17 @@ def profiled(engine: SpecEngine, prompts: list[list[int]], device: torch.device)
     with profile(activities=acts) as prof:
         res = engine.generate(prompts)
         sync(device)
-    iv = [(ev.time_range.start, ev.time_range.end) for ev in prof.events()
-          if ev.device_type == torch.autograd.DeviceType.CUDA]
-    steps = len(res.steps) + res.wasted_steps
-    return {"gpu_busy": busy_fraction(iv), "kernels_per_step": len(iv) / max(steps, 1) if iv else None}
+    events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    iv = [(ev.time_range.start, ev.time_range.end) for ev in events]
+    steps = max(len(res.steps) + res.wasted_steps, 1)
+    by_name: dict[str, list[float]] = {}
+    for ev in events:
+        tot = by_name.setdefault(ev.name[:80], [0, 0.0])
+        tot[0] += 1
+        tot[1] += ev.time_range.end - ev.time_range.start
+    kernels = sorted(([name, n / steps, us / steps] for name, (n, us) in by_name.items()), key=lambda k: -k[1])
+    return {"gpu_busy": busy_fraction(iv), "kernels_per_step": len(iv) / steps if iv else None,
+            "kernel_table": kernels[:60]}  # [name, launches per step, us per step] (the prefill's included)
 
 
 def median3(xs: list[float]) -> tuple[float, float, float]:

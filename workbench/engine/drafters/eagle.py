@@ -53,6 +53,7 @@ from torch import nn
 from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDrafter
 from workbench.engine.drafters.head_io import HotVocab, SavedHead
 from workbench.engine.graphs import FixedShapeStep
+from workbench.engine.topk import chunked_topk
 from workbench.engine.kv_cache import make_cache
 from workbench.engine.tree import DraftTree
 from workbench.models.config import ModelConfig
@@ -390,9 +391,9 @@ class EagleDrafter(OneStepDrafter):
         """features [..., H] -> the K best (float32 log-probabilities, target token ids) [..., K] through the target's
         LM head (the scores of the tree), or its hot rows only (hot_vocab)."""
         if self._hot is None:
-            return torch.log_softmax(self.target.compute_logits(features).float(), -1).clamp(max=0.0).topk(k, -1)
+            return chunked_topk(torch.log_softmax(self.target.compute_logits(features).float(), -1).clamp(max=0.0), k)
         logits = self._hot.logits(features)  # EAGLE-2's features are the target's width
-        score, idx = torch.log_softmax(logits.float(), -1).clamp(max=0.0).topk(k, -1)
+        score, idx = chunked_topk(torch.log_softmax(logits.float(), -1).clamp(max=0.0), k)
         return score, self._hot.ids[idx]
 
     def _draft(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -41,6 +41,7 @@ from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDraf
 from workbench.engine.drafters.head_io import HotVocab, SavedHead
 from workbench.engine.graphs import FixedShapeStep, on_device
 from workbench.engine.sampling import probs_from_logits
+from workbench.engine.topk import chunked_topk
 from workbench.engine.tree import DraftTree
 
 
@@ -192,7 +193,7 @@ class RedrafterDrafter(OneStepDrafter):
         candidates, best first)."""
         w = self.beam_width
         if self.diversity_penalty == 0.0:
-            return cand.topk(w, -1)
+            return chunked_topk(cand, w)
         b = cand.shape[0]
         finite = torch.where(torch.isneginf(cand), torch.full_like(cand, -1e30), cand)  # -inf: below any real one
         taken = torch.zeros_like(cand, dtype=torch.bool)
