@@ -284,10 +284,10 @@ def launch_plan(batch: int, q_heads: int, kv_heads: int, t: int, max_positions: 
         block_m = min(MAX_BLOCK_M, max(16, 1 << (rows - 1).bit_length()))
     m_tiles = math.ceil(rows / block_m)
     programs = batch * kv_heads * m_tiles
-    weight = math.ceil(min(rows, block_m) * head_dim / (16 * 128))
-    if min(rows, block_m) * head_dim <= WIDE_TILE:
+    tile = min(rows, block_m) * head_dim  # q elements of one tile
+    if tile <= WIDE_TILE:
         return block_m, m_tiles, max(1, min(math.ceil(2 * _sm_count(device) / programs), kv_tiles))
-    want = 2 * _sm_count(device) / (programs * weight)
+    want = 2 * _sm_count(device) / (programs * math.ceil(tile / (16 * 128)))
     splits = kv_tiles if want >= kv_tiles / 2 else max(1, min(round(want), kv_tiles))
     return block_m, m_tiles, math.ceil(kv_tiles / math.ceil(kv_tiles / splits))
 

@@ -53,8 +53,8 @@ from torch import nn
 from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDrafter
 from workbench.engine.drafters.head_io import HotVocab, SavedHead
 from workbench.engine.graphs import FixedShapeStep
-from workbench.engine.topk import chunked_topk
 from workbench.engine.kv_cache import make_cache
+from workbench.engine.topk import chunked_topk
 from workbench.engine.tree import DraftTree
 from workbench.models.config import ModelConfig
 from workbench.choices import tree_capacity
