@@ -16,8 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts import gpu_timing  # noqa: E402
-from workbench.engine import topk  # noqa: E402
-from workbench.engine.topk import chunked_topk  # noqa: E402
+from workbench.engine.topk import chunked_topk, uses_chunks  # noqa: E402
 
 SHAPES = [  # (what, shape, k)
     ("tiny redrafter W4: W*V candidates", (1, 4 * 4096), 4),
@@ -51,9 +50,7 @@ def main() -> int:
         for name, fn in (("torch", lambda: x.topk(k, -1)), ("chunked", lambda: chunked_topk(x, k))):
             graph, _ = gpu_timing.capture(fn, 8)
             rec[name + "_us"] = statistics.median(gpu_timing.eager_us(graph.replay, 10) / 8 for _ in range(5))
-        n = shape[-1]
-        r = x.numel() // n
-        rec["chunked"] = r <= topk.MAX_ROWS and r * (n // topk.CHUNK) <= topk.MAX_CHUNKS and n >= topk.MIN_LENGTH
+        rec["chunked"] = uses_chunks(shape, k)
         rec["same"] = torch.equal(x.topk(k, -1).values, chunked_topk(x, k)[0])
         rec["speedup"] = rec["torch_us"] / rec["chunked_us"]
         rows.append(rec)

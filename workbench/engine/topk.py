@@ -7,7 +7,7 @@ elements (many blocks at once), then the k best of those, which are the k best o
 and long; with many rows torch.topk's blocks already fill the GPU and the chunks' extra launches lose (H100,
 `scripts/gpu_topk.py`: 1.3-2.2x faster at 1-4 rows of 16k-128k candidates, 1.04-1.84x at 16 rows of 16k-32k, but
 0.6-0.7x at 16 rows of 128k or 64 rows of 4k and 0.94x at 4 rows of 4k, which therefore stay with torch.topk:
-MIN_LENGTH, MAX_ROWS, MAX_CHUNKS).
+MIN_LENGTH, MAX_ROWS, MAX_CHUNKS). On a CPU torch.topk stays too (the passes measured 1.2-1.45x slower there).
 
     values, indices = chunked_topk(scores, k)   # as scores.topk(k, -1): largest first
 
@@ -23,14 +23,28 @@ MAX_ROWS = 16  # more rows take torch.topk at once
 MAX_CHUNKS = 2048  # rows x chunks of the first pass; more take torch.topk at once
 
 
+def uses_chunks(shape: tuple[int, ...], k: int, chunk: int = CHUNK) -> bool:
+    """Whether a CUDA tensor of this shape takes the chunked passes (where they measured faster than torch.topk)."""
+    n = shape[-1]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return n >= max(MIN_LENGTH, 2 * chunk) and 4 * k <= chunk and rows <= MAX_ROWS and rows * (n // chunk) <= MAX_CHUNKS
+
+
 def chunked_topk(x: torch.Tensor, k: int, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) [..., k] of the k largest of x [..., N] along its last dimension, largest first, as
-    `x.topk(k, -1)`; up to MAX_ROWS rows of MIN_LENGTH or more (chunks of 4 k or more, MAX_CHUNKS in all) go in passes
-    over chunks, others to torch.topk."""
-    n = x.shape[-1]
-    rows = x.numel() // max(n, 1)
-    if n < max(MIN_LENGTH, 2 * chunk) or 4 * k > chunk or rows > MAX_ROWS or rows * (n // chunk) > MAX_CHUNKS:
+    `x.topk(k, -1)`: in passes over chunks on a GPU where `uses_chunks` says so, else torch.topk itself (on a CPU the
+    passes measured 1.2-1.45x slower than torch.topk, so it keeps it)."""
+    if x.device.type != "cuda" or not uses_chunks(tuple(x.shape), k, chunk):
         return x.topk(k, -1)
+    return topk_in_chunks(x, k, chunk)
+
+
+def topk_in_chunks(x: torch.Tensor, k: int, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The passes, on any device: the k best of each whole chunk (a shorter last chunk's elements join them as they
+    are), then chunked_topk over those survivors."""
+    n = x.shape[-1]
     m = n // chunk
     head = x if m * chunk == n else x[..., : m * chunk]
     values, idx = head.unflatten(-1, (m, chunk)).topk(k, -1)  # [..., m, k]
