@@ -21,7 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KEYS = ["output_throughput", "request_throughput", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99",
-        "acceptance_rate", "completed", "server_ttft_ms_mean"]
+        "acceptance_rate", "completed", "server_ttft_ms_mean", "server_queue_ms_mean", "server_prefill_ms_mean"]
+SERVER_TIMES = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+                "prefill": "vllm:request_prefill_time_seconds"}  # the server's own histograms, by short name
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -40,14 +42,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s")
 
 
-def server_ttft(url: str) -> tuple[float, float]:
-    """(sum, count) of the server's vllm:time_to_first_token_seconds histogram (warm-up requests included)."""
+def server_times(url: str) -> dict[str, tuple[float, float]]:
+    """{short name: (sum, count)} of the server's TTFT, queue-time and prefill-time histograms (SERVER_TIMES)."""
     import httpx
 
     from workbench.serving.endpoint import flat_samples
 
     m = flat_samples(httpx.get(f"{url}/metrics", timeout=30).text)
-    return m.get("vllm:time_to_first_token_seconds_sum", 0.0), m.get("vllm:time_to_first_token_seconds_count", 0.0)
+    return {k: (m.get(f"{name}_sum", 0.0), m.get(f"{name}_count", 0.0)) for k, name in SERVER_TIMES.items()}
 
 
 def http_parity(url: str, engine, session, prompts: list[str], n: int, max_tokens: int) -> dict:
@@ -141,10 +143,12 @@ def main() -> int:
                         engine = engine or engine_for(session, cfg)
                         rec = serve_bench(session, cfg, engine=engine).record
                     else:
-                        before = server_ttft(urls[where])
+                        before = server_times(urls[where])
                         rec = endpoint_bench(urls[where], cfg, prompts).record
-                        after = server_ttft(urls[where])  # the server's own TTFT (arrival -> first token read)
-                        rec["server_ttft_ms_mean"] = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
+                        after = server_times(urls[where])  # the server's own TTFT (arrival -> first token read),
+                        for k in SERVER_TIMES:  # and its two parts: queued for a row, then the prompt's prefill
+                            (s0, n0), (s1, n1) = before[k], after[k]
+                            rec[f"server_{k}_ms_mean"] = (s1 - s0) / max(n1 - n0, 1) * 1e3
                     rows.append({"round": rnd, "load": load, "where": where, "rate": cfg.rate,
                                  **{k: rec.get(k) for k in KEYS}})
                     print(json.dumps(rows[-1]), flush=True)

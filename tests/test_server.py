@@ -186,6 +186,11 @@ def test_metrics_parse_and_equal_the_engine_counters(live):
     assert m["vllm:generation_tokens_total"] == c.output_tokens
     assert m["vllm:time_to_first_token_seconds_count"] == c.requests
     assert m["vllm:e2e_request_latency_seconds_count"] == c.requests
+    for phase in ("queue", "prefill", "decode", "inference"):  # vLLM's request phases, one observation per request
+        assert m[f"vllm:request_{phase}_time_seconds_count"] == c.requests
+    # TTFT = queue + prefill, request by request, so their sums agree (up to the float sums' rounding)
+    assert abs(m["vllm:request_queue_time_seconds_sum"] + m["vllm:request_prefill_time_seconds_sum"] -
+               m["vllm:time_to_first_token_seconds_sum"]) < 1e-6 * c.requests + 1e-9
     assert m["vllm:inter_token_latency_seconds_count"] > 0 and m["vllm:time_per_output_token_seconds_count"] > 0
     assert m["workbench:kv_free_blocks"] == m["workbench:kv_blocks"] and m["vllm:num_requests_running"] == 0
 

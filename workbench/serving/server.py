@@ -45,6 +45,7 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                  0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+LONG_PHASES = ("vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds")  # on E2E_BUCKETS
 
 
 @dataclass
@@ -93,6 +94,14 @@ class ServerMetrics:
                               "(output tokens - 1).", lab, buckets=TOKEN_BUCKETS, registry=r).labels(m)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to the request's end.", lab,
                              buckets=E2E_BUCKETS, registry=r).labels(m)
+        # where a request's time went, in vLLM's phases: queued for a cache row, admitted to its first token (the
+        # prompt's prefill), first token to the end, admitted to the end (TTFT = queue + prefill)
+        self.phases = {name: Histogram(name, doc, lab, buckets=E2E_BUCKETS if name in LONG_PHASES else TTFT_BUCKETS,
+                                       registry=r).labels(m) for name, doc in (
+            ("vllm:request_queue_time_seconds", "Arrival at the engine to admission (a cache row)."),
+            ("vllm:request_prefill_time_seconds", "Admission to the first token."),
+            ("vllm:request_decode_time_seconds", "First token to the request's end."),
+            ("vllm:request_inference_time_seconds", "Admission to the request's end."))}
         self.success = Counter("vllm:request_success", "Requests ended, by finished_reason (length, stop, abort).",
                                ["model_name", "finished_reason"], registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of ended requests.", lab,
@@ -139,6 +148,14 @@ class ServerMetrics:
         self.prompt_tokens.inc(len(s.req.prompt))
         self.generation_tokens.inc(tokens_sent)
         self.e2e.observe(end - s.t_arrival)
+        ph = self.phases
+        if s.t_admitted is not None:
+            ph["vllm:request_queue_time_seconds"].observe(s.t_admitted - s.t_arrival)
+            ph["vllm:request_inference_time_seconds"].observe(end - s.t_admitted)
+            if s.t_first_token is not None:
+                ph["vllm:request_prefill_time_seconds"].observe(s.t_first_token - s.t_admitted)
+        if s.t_first_token is not None:
+            ph["vllm:request_decode_time_seconds"].observe(end - s.t_first_token)
         if s.t_first_token is not None and len(s.output) > 1:
             self.tpot.observe((end - s.t_first_token) / (len(s.output) - 1))
 
