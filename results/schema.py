@@ -339,6 +339,13 @@ SERVING_SPECS: list[ColumnSpec] = [
                "None (the server exposes neither)"),
     ColumnSpec("spec_num_drafts", "int", "serving", "--endpoint: steps that verified drafts during the run "
                "(vllm:spec_decode_num_drafts)"),
+    ColumnSpec("server_ttft_ms_mean", "float", "serving", "--endpoint: the server's own mean TTFT over the run (its "
+               "vllm:time_to_first_token_seconds histogram, read before and after; arrival at the engine to the first "
+               "token): against ttft_ms_p50 it shows what the HTTP path adds; None if the server lacks it"),
+    ColumnSpec("server_queue_ms_mean", "float", "serving", "--endpoint: of that, the mean wait for a cache row "
+               "(vllm:request_queue_time_seconds); None if the server lacks it"),
+    ColumnSpec("server_prefill_ms_mean", "float", "serving", "--endpoint: of that, the mean admission-to-first-token "
+               "time (vllm:request_prefill_time_seconds); None if the server lacks it"),
     ColumnSpec("failed_requests", "int", "serving", "--endpoint: measured requests that failed (HTTP error, dropped "
                "stream); left out of every metric"),
     ColumnSpec("launch_command", "string", "serving", "studies.serving --launch: the command line that started the "

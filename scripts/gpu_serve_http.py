@@ -22,8 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KEYS = ["output_throughput", "request_throughput", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99",
         "acceptance_rate", "completed", "server_ttft_ms_mean", "server_queue_ms_mean", "server_prefill_ms_mean"]
-SERVER_TIMES = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
-                "prefill": "vllm:request_prefill_time_seconds"}  # the server's own histograms, by short name
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -40,16 +38,6 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"the server did not answer /health within {timeout_s:.0f} s")
-
-
-def server_times(url: str) -> dict[str, tuple[float, float]]:
-    """{short name: (sum, count)} of the server's TTFT, queue-time and prefill-time histograms (SERVER_TIMES)."""
-    import httpx
-
-    from workbench.serving.endpoint import flat_samples
-
-    m = flat_samples(httpx.get(f"{url}/metrics", timeout=30).text)
-    return {k: (m.get(f"{name}_sum", 0.0), m.get(f"{name}_count", 0.0)) for k, name in SERVER_TIMES.items()}
 
 
 def http_parity(url: str, engine, session, prompts: list[str], n: int, max_tokens: int) -> dict:
@@ -143,12 +131,9 @@ def main() -> int:
                         engine = engine or engine_for(session, cfg)
                         rec = serve_bench(session, cfg, engine=engine).record
                     else:
-                        before = server_times(urls[where])
+                        # with the server's own TTFT (arrival -> first token read) and its two parts, queued for
+                        # a row and the prompt's prefill, read from its /metrics around the run
                         rec = endpoint_bench(urls[where], cfg, prompts).record
-                        after = server_times(urls[where])  # the server's own TTFT (arrival -> first token read),
-                        for k in SERVER_TIMES:  # and its two parts: queued for a row, then the prompt's prefill
-                            (s0, n0), (s1, n1) = before[k], after[k]
-                            rec[f"server_{k}_ms_mean"] = (s1 - s0) / max(n1 - n0, 1) * 1e3
                     rows.append({"round": rnd, "load": load, "where": where, "rate": cfg.rate,
                                  **{k: rec.get(k) for k in KEYS}})
                     print(json.dumps(rows[-1]), flush=True)

@@ -47,6 +47,9 @@ def test_endpoint_bench_measures_the_stream_and_reads_acceptance_from_metrics(li
     assert rec["kv_blocks"] is None and rec["max_num_seqs"] is None  # the server's, not the client's defaults
     assert 0 < rec["ttft_ms_p50"] <= rec["e2el_ms_p50"] and rec["itl_ms_mean"] > 0 and rec["tpot_ms_p50"] > 0
     assert rec["output_throughput"] == pytest.approx(72 / rec["duration_s"])
+    # the server's own TTFT over the run: its queue and prefill parts add up to it; the client's includes HTTP
+    assert rec["server_ttft_ms_mean"] == pytest.approx(rec["server_queue_ms_mean"] + rec["server_prefill_ms_mean"])
+    assert 0 < rec["server_ttft_ms_mean"] < rec["ttft_ms_mean"]
     req = out.requests
     assert len(req) == 6 and req["output_len"].tolist() == [12] * 6 and req["error"].isna().all()
     assert all(s.prompt_tokens == len(live.served.tokenizer.encode(s.prompt).ids) for s in out.sent)
@@ -113,3 +116,4 @@ def test_sglang_gauges_and_servers_without_speculation():
     assert got["mean_accepted_tokens"] == 2.5 and got["spec_num_drafts"] is None
     plain = endpoint.spec_counters("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1\n")
     assert plain is None and endpoint.acceptance_columns(None, plain)["acceptance_source"] is None
+    assert endpoint.server_time_columns(None, endpoint.server_times(text)) == dict.fromkeys(endpoint.SERVER_TIMES)

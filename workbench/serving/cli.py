@@ -108,5 +108,6 @@ def endpoint_main(args: argparse.Namespace, cfg, store) -> int:
 
 ENDPOINT_HEADLINE = ["endpoint", "engine_name", "engine_version", "served_model", "rate", "completed",
                      "failed_requests", "request_throughput", "output_throughput", "ttft_ms_p50", "ttft_ms_p99",
-                     "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p99", "e2el_ms_p99", "acceptance_rate",
-                     "mean_accepted_tokens", "acceptance_source"]
+                     "tpot_ms_p50", "tpot_ms_p99", "itl_ms_p99", "e2el_ms_p99", "server_ttft_ms_mean",
+                     "server_queue_ms_mean", "server_prefill_ms_mean", "acceptance_rate", "mean_accepted_tokens",
+                     "acceptance_source"]

@@ -193,12 +193,50 @@ def acceptance_columns(before: dict | None, after: dict | None) -> dict:
                                        for i in positions] if drafts else None}
 
 
-def read_counters(client) -> dict | None:
+SERVER_TIMES = {"server_ttft_ms_mean": "vllm:time_to_first_token_seconds",  # the server's own histograms (vLLM's
+                "server_queue_ms_mean": "vllm:request_queue_time_seconds",  # names; `workbench serve` has them):
+                "server_prefill_ms_mean": "vllm:request_prefill_time_seconds"}  # TTFT at the engine = queue + prefill
+
+
+def server_times(text: str) -> dict[str, tuple[float, float]]:
+    """{column: (sum, count)} of the SERVER_TIMES histograms in a Prometheus text (labels summed over; the ones the
+    server lacks left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {f"{name}_{part}": (col, i) for col, name in SERVER_TIMES.items()
+             for i, part in enumerate(("sum", "count"))}
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in names:
+                col, i = names[s.name]
+                out.setdefault(col, [0.0, 0.0])[i] += s.value
+    return {col: (v[0], v[1]) for col, v in out.items()}
+
+
+def server_time_columns(before: dict | None, after: dict | None) -> dict:
+    """The row's server-side means over the measured requests (ms), from two `server_times` readings; None where
+    the server keeps no such histogram or finished nothing in between.
+
+    >>> server_time_columns({"server_ttft_ms_mean": (1.0, 10)}, {"server_ttft_ms_mean": (1.5, 20)})
+    {'server_ttft_ms_mean': 50.0, 'server_queue_ms_mean': None, 'server_prefill_ms_mean': None}
+    """
+    out = dict.fromkeys(SERVER_TIMES)
+    for col in SERVER_TIMES:
+        if after and col in after:
+            s0, n0 = (before or {}).get(col, (0.0, 0.0))
+            s1, n1 = after[col]
+            out[col] = (s1 - s0) / (n1 - n0) * 1e3 if n1 > n0 else None
+    return out
+
+
+def read_metrics(client) -> str | None:
+    """The server's /metrics text, None when it has none (the run still counts)."""
     try:
         resp = client.get("/metrics")
     except Exception:  # noqa: BLE001 (a server without /metrics: no acceptance, the run still counts)
         return None
-    return spec_counters(resp.text) if resp.status_code == 200 else None
+    return resp.text if resp.status_code == 200 else None
 
 
 # -- the client's side: the load ------------------------------------------------------------------------------
@@ -332,9 +370,9 @@ def endpoint_bench(url: str, cfg, prompts: list[str], *, model: str | None = Non
         t_wall = time.perf_counter()
         if warm:  # warm-up first, then the counters: the measured window's acceptance only
             asyncio.run(run_load(url, ident["served_model"], warm, cfg))
-        before = read_counters(client)
+        before = read_metrics(client)
         asyncio.run(run_load(url, ident["served_model"], [s for s in sent if s.measured], cfg))
-        after = read_counters(client)
+        after = read_metrics(client)
     wall = time.perf_counter() - t_wall
     run_id = uuid.uuid4().hex
     method = ident.pop("method")
@@ -345,7 +383,9 @@ def endpoint_bench(url: str, cfg, prompts: list[str], *, model: str | None = Non
            # columns describe the server, not this client's defaults
            "method": method, "k": k, "prompts_source": prompts_source, "lengths": "file",
            "num_prompts": len(sent), "wall_s": wall,
-           **summarize_sent(sent, cfg.slo_ttft_ms, cfg.slo_tpot_ms), **acceptance_columns(before, after),
+           **summarize_sent(sent, cfg.slo_ttft_ms, cfg.slo_tpot_ms),
+           **acceptance_columns(*(spec_counters(t) if t is not None else None for t in (before, after))),
+           **server_time_columns(*(server_times(t) if t is not None else None for t in (before, after))),
            **environment_info()}
     for knob in SERVE_CONFIG_KNOBS:  # the server's own settings are unknown from here: not this client's defaults
         if knob.group not in ("load", "run", "sampling") and knob.name not in ("method", "k"):
@@ -359,4 +399,4 @@ def endpoint_bench(url: str, cfg, prompts: list[str], *, model: str | None = Non
 
 
 __all__ = ["EndpointResult", "Sent", "acceptance_columns", "endpoint_bench", "make_sent", "normalize_endpoint",
-           "server_identity", "spec_counters", "summarize_sent"]
+           "server_identity", "server_time_columns", "server_times", "spec_counters", "summarize_sent"]
