@@ -340,8 +340,9 @@ SERVING_SPECS: list[ColumnSpec] = [
     ColumnSpec("spec_num_drafts", "int", "serving", "--endpoint: steps that verified drafts during the run "
                "(vllm:spec_decode_num_drafts)"),
     ColumnSpec("server_ttft_ms_mean", "float", "serving", "--endpoint: the server's own mean TTFT over the run (its "
-               "vllm:time_to_first_token_seconds histogram, read before and after; arrival at the engine to the first "
-               "token): against ttft_ms_p50 it shows what the HTTP path adds; None if the server lacks it"),
+               "vllm:time_to_first_token_seconds histogram, read before and after; `workbench serve` clocks it from "
+               "the engine's arrival, vLLM from its API server's): against ttft_ms_mean it shows what the client's "
+               "side of the HTTP path adds; None if the server lacks it"),
     ColumnSpec("server_queue_ms_mean", "float", "serving", "--endpoint: of that, the mean wait for a cache row "
                "(vllm:request_queue_time_seconds); None if the server lacks it"),
     ColumnSpec("server_prefill_ms_mean", "float", "serving", "--endpoint: of that, the mean admission-to-first-token "
