@@ -341,8 +341,8 @@ SERVING_SPECS: list[ColumnSpec] = [
                "(vllm:spec_decode_num_drafts)"),
     ColumnSpec("server_ttft_ms_mean", "float", "serving", "--endpoint: the server's own mean TTFT over the run (its "
                "vllm:time_to_first_token_seconds histogram, read before and after; `workbench serve` clocks it from "
-               "the engine's arrival, vLLM from its API server's): against ttft_ms_mean it shows what the client's "
-               "side of the HTTP path adds; None if the server lacks it"),
+               "the engine's arrival, vLLM from its API server's): against ttft_ms_mean it shows what lies outside the "
+               "server's clock (for `workbench serve`, the HTTP path); None if the server lacks it"),
     ColumnSpec("server_queue_ms_mean", "float", "serving", "--endpoint: of that, the mean wait for a cache row "
                "(vllm:request_queue_time_seconds); None if the server lacks it"),
     ColumnSpec("server_prefill_ms_mean", "float", "serving", "--endpoint: of that, the mean admission-to-first-token "
