@@ -94,6 +94,9 @@ def test_percentiles_acceptance_and_request_views(workspace):
     ttft = table[table["latency"] == "TTFT"].iloc[0]
     assert (ttft["mean"], ttft["p50"], ttft["p90"], ttft["p99"]) == (5.0, 4.0, 6.0, 7.0)
     assert set(table["latency"]) == {"TTFT", "TPOT", "E2EL"}  # nothing recorded for ITL / queue: no row
+    external = fixed.assign(server_ttft_ms_mean=3.0, server_queue_ms_mean=0.5, server_prefill_ms_mean=2.5)
+    at_server = sv.percentile_table(external).set_index("latency").loc["TTFT at the server"]
+    assert at_server["mean"] == 3.0 and at_server[["p50", "p90", "p99"]].isna().all()  # a server's means only
     acc = sv.json_frame(fixed, "acceptance_by_batch_size", "batch_size")
     assert acc[["batch_size", "acceptance"]].values.tolist() == [[1, 0.75], [2, 0.5]]  # a null cell is skipped
     labels = {r["run_id"]: sv.run_label(r) for _, r in fixed.iterrows()}

@@ -397,7 +397,9 @@ def latency_section(runs: pd.DataFrame) -> None:
     st.subheader("Latency percentiles")
     st.caption("TTFT = first token - arrival (queue included); TPOT = (last - first token) / (output tokens - 1); "
                "ITL = gaps between emissions (a speculative step emits several tokens at once); E2EL = done - "
-               "arrival. Over the measured requests (warm-up ones left out), in ms.")
+               "arrival. Over the measured requests (warm-up ones left out), in ms. An external server's own means "
+               "(\"at the server\", from its /metrics) leave out what happens before its clock starts: for "
+               "`workbench serve`, the HTTP path.")
     table = sv.percentile_table(runs)
     if table.empty:
         st.info("no latency percentiles in the picked runs")

@@ -30,7 +30,10 @@ import plotly.graph_objects as go
 from workbench.settings import SettingError, parse_k_by_batch
 
 SETTINGS = ("off", "fixed", "adaptive", "external")
-LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL"), ("queue_ms", "queue"))
+LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL"), ("queue_ms", "queue"),
+             # an external run's server, from its own /metrics (means only; `workbench serve`: TTFT = queue + prefill)
+             ("server_ttft_ms", "TTFT at the server"), ("server_queue_ms", "queue at the server"),
+             ("server_prefill_ms", "prefill at the server"))
 STATS = ("mean", "p50", "p90", "p99")
 BOTTOM_LEGEND = dict(orientation="h", yanchor="top", y=-0.25, xanchor="left", x=0)  # long names: below the plot
 REQUEST_METRICS = {"ttft_ms": "TTFT (ms)", "tpot_ms": "TPOT (ms)", "e2el_ms": "E2E latency (ms)",
