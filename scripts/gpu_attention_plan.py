@@ -15,9 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels.paged_attention as pa  # noqa: E402
-from scripts import gpu_timing  # noqa: E402
-from scripts.gpu_kernels import bf16, make_inputs, random_tree_mask  # noqa: E402
-from scripts.gpu_timing import eager_us  # noqa: E402
+from scripts.gpu_kernels import bf16, capture, graph_us, make_inputs, random_tree_mask  # noqa: E402
 
 new_plan = pa.launch_plan
 
@@ -53,8 +51,7 @@ for name, (hq, hkv, d) in SHAPES.items():
                     r[label + "_plan"] = plan(batch, hq, hkv, t, args["block_table"].shape[1] * 16, args["q"].device, d)
                     fn = lambda: pa.paged_attention_triton(**args, block_size=16)  # noqa: E731
                     r[label + "_err"] = (fn().float() - ref).abs().max().item()
-                    g, _ = gpu_timing.capture(fn, 8)
-                    r[label + "_us"] = round(eager_us(g.replay, 30) / 8, 2)
+                    r[label + "_us"] = round(graph_us(capture(fn)[0], 30), 2)
                 pa.launch_plan = new_plan
                 r["new_over_old"] = round(r["new_us"] / r["old_us"], 3)
                 res.append(r); print(r, flush=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts import gpu_timing  # noqa: E402
+from scripts.gpu_kernels import capture, graph_us  # noqa: E402
 from workbench.engine.topk import chunked_topk, uses_chunks  # noqa: E402
 
 SHAPES = [  # (what, shape, k)
@@ -48,8 +48,8 @@ def main() -> int:
         x = torch.randn(shape, device="cuda")
         rec = {"what": what, "shape": list(shape), "k": k}
         for name, fn in (("torch", lambda: x.topk(k, -1)), ("chunked", lambda: chunked_topk(x, k))):
-            graph, _ = gpu_timing.capture(fn, 8)
-            rec[name + "_us"] = statistics.median(gpu_timing.eager_us(graph.replay, 10) / 8 for _ in range(5))
+            graph, _ = capture(fn)
+            rec[name + "_us"] = statistics.median(graph_us(graph, 10) for _ in range(5))
         rec["chunked"] = uses_chunks(shape, k)
         rec["same"] = torch.equal(x.topk(k, -1).values, chunked_topk(x, k)[0])
         rec["speedup"] = rec["torch_us"] / rec["chunked_us"]

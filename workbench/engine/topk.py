@@ -15,6 +15,8 @@ Values equal `torch.topk`'s; among equal values the indices may name other (equa
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 CHUNK = 256  # elements per chunk of the first pass
@@ -25,10 +27,7 @@ MAX_CHUNKS = 2048  # rows x chunks of the first pass; more take torch.topk at on
 
 def uses_chunks(shape: tuple[int, ...], k: int, chunk: int = CHUNK) -> bool:
     """Whether a CUDA tensor of this shape takes the chunked passes (where they measured faster than torch.topk)."""
-    n = shape[-1]
-    rows = 1
-    for d in shape[:-1]:
-        rows *= d
+    n, rows = shape[-1], math.prod(shape[:-1])
     return n >= max(MIN_LENGTH, 2 * chunk) and 4 * k <= chunk and rows <= MAX_ROWS and rows * (n // chunk) <= MAX_CHUNKS
 
 

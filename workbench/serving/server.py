@@ -45,7 +45,6 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                  0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
-LONG_PHASES = ("vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds")  # on E2E_BUCKETS
 
 
 @dataclass
@@ -96,12 +95,12 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r).labels(m)
         # where a request's time went, in vLLM's phases: queued for a cache row, admitted to its first token (the
         # prompt's prefill), first token to the end, admitted to the end (TTFT = queue + prefill)
-        self.phases = {name: Histogram(name, doc, lab, buckets=E2E_BUCKETS if name in LONG_PHASES else TTFT_BUCKETS,
-                                       registry=r).labels(m) for name, doc in (
-            ("vllm:request_queue_time_seconds", "Arrival at the engine to admission (a cache row)."),
-            ("vllm:request_prefill_time_seconds", "Admission to the first token."),
-            ("vllm:request_decode_time_seconds", "First token to the request's end."),
-            ("vllm:request_inference_time_seconds", "Admission to the request's end."))}
+        self.phases = {name: Histogram(name, doc, lab, buckets=buckets, registry=r).labels(m)
+                       for name, doc, buckets in (
+            ("vllm:request_queue_time_seconds", "Arrival at the engine to admission (a cache row).", TTFT_BUCKETS),
+            ("vllm:request_prefill_time_seconds", "Admission to the first token.", TTFT_BUCKETS),
+            ("vllm:request_decode_time_seconds", "First token to the request's end.", E2E_BUCKETS),
+            ("vllm:request_inference_time_seconds", "Admission to the request's end.", E2E_BUCKETS))}
         self.success = Counter("vllm:request_success", "Requests ended, by finished_reason (length, stop, abort).",
                                ["model_name", "finished_reason"], registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of ended requests.", lab,
