@@ -1,10 +1,16 @@
-"""The drafters' top-k on the GPU: torch.topk against workbench.engine.topk.chunked_topk, per candidate shape.
+"""The drafters' ranking on the GPU: PyTorch ops (log_softmax, then torch.topk or chunked_topk) against the fused
+kernel (kernels/fused_topk.py), per drafter shape.
 
     python scripts/gpu_topk.py --out $OUT/topk.json
 
-Each shape is timed as a CUDA graph of 8 calls (microseconds per call, median of 5 replays), in one process; `same`
-says the chunked values equal torch.topk's; `chunked` whether chunked_topk takes its chunked path there (else it is
-torch.topk itself).
+Three uses, each at the presets' and the 8B shape's vocabularies and batch 1 / 4 / 16:
+  level     an EAGLE level: B*K rows of V bf16 logits -> the K best log-probabilities per row
+  beam      a ReDrafter depth: B*W rows of V logits plus each beam's score -> the W best of each row's W*V candidates
+  frontier  EAGLE's next frontier: the K best of B rows of K*K float32 scores
+Each is timed as a CUDA graph of 8 calls (microseconds per call, median of 5 replays), in one process: `torch` is
+log_softmax + torch.topk, `chunked` log_softmax + chunked_topk (the drafters' path before the fused kernel), `fused_<b>`
+the kernel with first-pass chunks of at most b elements. `max_err` is the fused values' largest difference from the
+float32 reference, `same_idx` whether its indices equal the reference's.
 """
 import argparse
 import json
@@ -15,28 +21,26 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels.fused_topk import fused_topk_reference, fused_topk_triton  # noqa: E402
 from scripts.gpu_kernels import capture, graph_us  # noqa: E402
-from workbench.engine.topk import chunked_topk, uses_chunks  # noqa: E402
+from workbench.engine.topk import chunked_topk  # noqa: E402
 
-SHAPES = [  # (what, shape, k)
-    ("tiny redrafter W4: W*V candidates", (1, 4 * 4096), 4),
-    ("tiny eagle K4: a level's K rows over V", (1, 4, 4096), 4),
-    ("small redrafter W4", (1, 4 * 8192), 4),
-    ("small eagle K4", (1, 4, 8192), 4),
-    ("8B redrafter W4, hot 32k", (1, 4 * 32000), 4),
-    ("8B eagle K4, hot 32k", (1, 4, 32000), 4),
-    ("8B eagle K4, whole vocabulary", (1, 4, 128256), 4),
-    ("8B redrafter W4, whole vocabulary", (1, 4 * 128256), 4),
-    ("tiny redrafter W4, batch 4", (4, 4 * 4096), 4),
-    ("tiny eagle K4, batch 4", (4, 4, 4096), 4),
-    ("small eagle K4, batch 4", (4, 4, 8192), 4),
-    ("8B redrafter W4 hot 32k, batch 4", (4, 4 * 32000), 4),
-    ("8B eagle K4 hot 32k, batch 4", (4, 4, 32000), 4),
-    ("small redrafter W4, batch 16", (16, 4 * 8192), 4),
-    ("tiny redrafter W4, batch 16", (16, 4 * 4096), 4),
-    ("tiny eagle K4, batch 16", (16, 4, 4096), 4),
-    ("8B redrafter W4 hot 32k, batch 16", (16, 4 * 32000), 4),
-]
+VOCABS = (("tiny", 4096), ("small", 8192), ("8B hot 32k", 32000), ("8B", 128256))
+BLOCKS = (1024, 2048, 4096, 8192)
+K = 4
+
+
+def cases():
+    for batch in (1, 4, 16):
+        for name, v in VOCABS:
+            yield "level", name, batch, v
+            yield "beam", name, batch, v
+        yield "frontier", "", batch, K * K
+
+
+def timed(fn) -> float:
+    graph, _ = capture(fn)
+    return statistics.median(graph_us(graph, 10) for _ in range(5))
 
 
 def main() -> int:
@@ -44,18 +48,45 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rows = []
-    for what, shape, k in SHAPES:
-        x = torch.randn(shape, device="cuda")
-        rec = {"what": what, "shape": list(shape), "k": k}
-        for name, fn in (("torch", lambda: x.topk(k, -1)), ("chunked", lambda: chunked_topk(x, k))):
-            graph, _ = capture(fn)
-            rec[name + "_us"] = statistics.median(graph_us(graph, 10) for _ in range(5))
-        rec["chunked"] = uses_chunks(shape, k)
-        rec["same"] = torch.equal(x.topk(k, -1).values, chunked_topk(x, k)[0])
-        rec["speedup"] = rec["torch_us"] / rec["chunked_us"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for use, vocab, batch, v in cases():
+        rec = {"use": use, "vocab": vocab, "batch": batch, "v": v, "k": K}
+        if use == "frontier":
+            x = torch.randn(batch, v, device="cuda", generator=gen)
+            ops = {"torch": lambda: x.topk(K, -1), "chunked": lambda: chunked_topk(x, K)}
+            fused = {b: (lambda b=b: fused_topk_triton(x, K, False, max_block=b)) for b in BLOCKS[:1]}
+            want = fused_topk_reference(x, K, False)
+        elif use == "level":
+            x = (3 * torch.randn(batch * K, v, device="cuda", generator=gen)).bfloat16()
+            ops = {"torch": lambda: torch.log_softmax(x.float(), -1).clamp(max=0.0).topk(K, -1),
+                   "chunked": lambda: chunked_topk(torch.log_softmax(x.float(), -1).clamp(max=0.0), K)}
+            fused = {b: (lambda b=b: fused_topk_triton(x, K, True, max_block=b)) for b in BLOCKS}
+            want = fused_topk_reference(x, K, True)
+        else:
+            x = (3 * torch.randn(batch * K, v, device="cuda", generator=gen)).bfloat16()
+            score = torch.randn(batch, K, device="cuda", generator=gen)
+
+            def cand():
+                return (score.unsqueeze(-1) + torch.log_softmax(x.float(), -1).view(batch, K, v)).view(batch, K * v)
+            ops = {"torch": lambda: cand().topk(K, -1), "chunked": lambda: chunked_topk(cand(), K)}
+            fused = {b: (lambda b=b: fused_topk_triton(x, K, True, group=K, bias=score, max_block=b))
+                     for b in BLOCKS}
+            want = fused_topk_reference(x, K, True, group=K, bias=score)
+        for name, fn in ops.items():
+            rec[name + "_us"] = timed(fn)
+        for b, fn in fused.items():
+            rec[f"fused_{b}_us"] = timed(fn)
+            values, idx = fn()
+            rec[f"max_err_{b}"] = float((values - want[0]).abs().max())
+            rec[f"same_idx_{b}"] = bool(torch.equal(idx, want[1]))
+        best = min(fused, key=lambda b: rec[f"fused_{b}_us"])
+        rec["best_block"] = best
+        rec["speedup_vs_chunked"] = rec["chunked_us"] / rec[f"fused_{best}_us"]
         rows.append(rec)
-        print(f"{what:42s} torch {rec['torch_us']:7.2f} us  chunked {rec['chunked_us']:6.2f} us  "
-              f"{rec['speedup']:5.2f}x  same={rec['same']}  chunked path={rec['chunked']}", flush=True)
+        times = "  ".join(f"{b}:{rec[f'fused_{b}_us']:6.2f}" for b in fused)
+        print(f"{use:8s} {vocab:10s} b={batch:<3d} torch {rec['torch_us']:7.2f}  chunked {rec['chunked_us']:7.2f}  "
+              f"fused {times}  best {best} {rec['speedup_vs_chunked']:5.2f}x  err {rec[f'max_err_{best}']:.1e} "
+              f"same_idx={rec[f'same_idx_{best}']}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from kernels.fused_topk import TRITON_AVAILABLE, fused_topk_reference, fused_topk_triton
+
 CHUNK = 256  # elements per chunk of the first pass
 MIN_LENGTH = 8192  # shorter rows take torch.topk at once (a 4,096-token head row: no gain)
 MAX_ROWS = 16  # more rows take torch.topk at once
@@ -54,3 +56,13 @@ def topk_in_chunks(x: torch.Tensor, k: int, chunk: int = CHUNK) -> tuple[torch.T
         idx = torch.cat([idx, torch.arange(m * chunk, n, device=x.device).expand(*x.shape[:-1], n - m * chunk)], -1)
     best, pick = chunked_topk(values, k, chunk)  # [..., k] of the survivors
     return best, idx.gather(-1, pick)
+
+
+def ranked_topk(x: torch.Tensor, k: int, log_softmax: bool = True, group: int = 1,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafters' ranking: the k best of x's rows as `kernels.fused_topk` defines them (log-probabilities clamped
+    at 0 where log_softmax, + bias per input row, `group` rows side by side) -> (float32 values, long indices), best
+    first. On a CUDA device with triton the fused kernel (one or two launches); elsewhere its PyTorch reference."""
+    if x.device.type == "cuda" and TRITON_AVAILABLE:
+        return fused_topk_triton(x, k, log_softmax, group, bias)
+    return fused_topk_reference(x, k, log_softmax, group, bias)

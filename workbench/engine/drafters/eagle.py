@@ -54,7 +54,7 @@ from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDraf
 from workbench.engine.drafters.head_io import HotVocab, SavedHead
 from workbench.engine.graphs import FixedShapeStep
 from workbench.engine.kv_cache import make_cache
-from workbench.engine.topk import chunked_topk
+from workbench.engine.topk import ranked_topk
 from workbench.engine.tree import DraftTree
 from workbench.models.config import ModelConfig
 from workbench.choices import tree_capacity
@@ -391,9 +391,8 @@ class EagleDrafter(OneStepDrafter):
         """features [..., H] -> the K best (float32 log-probabilities, target token ids) [..., K] through the target's
         LM head (the scores of the tree), or its hot rows only (hot_vocab)."""
         if self._hot is None:
-            return chunked_topk(torch.log_softmax(self.target.compute_logits(features).float(), -1).clamp(max=0.0), k)
-        logits = self._hot.logits(features)  # EAGLE-2's features are the target's width
-        score, idx = chunked_topk(torch.log_softmax(logits.float(), -1).clamp(max=0.0), k)
+            return ranked_topk(self.target.compute_logits(features), k)
+        score, idx = ranked_topk(self._hot.logits(features), k)  # EAGLE-2's features are the target's width
         return score, self._hot.ids[idx]
 
     def _draft(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -438,7 +437,7 @@ class EagleDrafter(OneStepDrafter):
             cand_score.append(child_score)
             cand_parent.append(front_cand.unsqueeze(-1).expand(b, k, k))  # each frontier node's K children
             if depth < d_max - 1:
-                front_score, best = child_score.topk(k, -1)  # [B, K] among the K*K children: scores, indices
+                front_score, best = ranked_topk(child_score, k, log_softmax=False)  # [B, K] of the K*K children
                 parent = best // k  # [B, K]: frontier rank of each new frontier node's parent
                 front_cand = n_cand + best
                 front_tok = child_tok.gather(1, best)

@@ -38,7 +38,7 @@ from torch import nn
 from workbench.engine.drafters.base import DrafterError
 from workbench.engine.drafters.eagle import EagleDrafter, EagleSettingsError, check_tree, rope_rows
 from workbench.engine.drafters.head_io import SavedHead
-from workbench.engine.topk import chunked_topk
+from workbench.engine.topk import ranked_topk
 from workbench.models.config import ModelConfig
 from workbench.settings import parse_aux_layers  # noqa: F401 (the setting's parser, re-exported)
 from workbench.models.llama import MLP, Attention, Linear, RMSNorm, full_config
@@ -272,8 +272,7 @@ class Eagle3Drafter(EagleDrafter):
 
     def _top(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K best over the draft vocabulary, mapped to target ids (no [.., V] scatter: top-K of Vd logits)."""
-        logp = torch.log_softmax(self.head.draft_logits(features).float(), -1).clamp(max=0.0)
-        score, idx = chunked_topk(logp, k)
+        score, idx = ranked_topk(self.head.draft_logits(features), k)
         return score, self.head.draft_to_target[idx]
 
     @property

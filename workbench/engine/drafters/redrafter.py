@@ -41,7 +41,7 @@ from workbench.engine.drafters.base import BatchState, DraftContext, OneStepDraf
 from workbench.engine.drafters.head_io import HotVocab, SavedHead
 from workbench.engine.graphs import FixedShapeStep, on_device
 from workbench.engine.sampling import probs_from_logits
-from workbench.engine.topk import chunked_topk
+from workbench.engine.topk import ranked_topk
 from workbench.engine.tree import DraftTree
 
 
@@ -193,7 +193,7 @@ class RedrafterDrafter(OneStepDrafter):
         candidates, best first)."""
         w = self.beam_width
         if self.diversity_penalty == 0.0:
-            return chunked_topk(cand, w)
+            return ranked_topk(cand, w, log_softmax=False)
         b = cand.shape[0]
         finite = torch.where(torch.isneginf(cand), torch.full_like(cand, -1e30), cand)  # -inf: below any real one
         taken = torch.zeros_like(cand, dtype=torch.bool)
@@ -223,10 +223,12 @@ class RedrafterDrafter(OneStepDrafter):
         for d in range(length):
             state, features = self.head(state, embed(prev), anchor)  # [B*W, H] each
             logits = self.target.compute_logits(features) if self._hot is None else self._hot.logits(features)
-            logp = self.log_probs(logits).view(b, w, -1)  # [B, W, V] (V': the hot vocabulary's indices)
-            vocab = logp.shape[-1]
-            cand = (score.unsqueeze(-1) + logp).view(b, w * vocab)  # [B, W*V]
-            score, idx = self._select(cand, vocab)  # [B, W] each
+            vocab = logits.shape[-1]  # V, or V': the hot vocabulary's indices
+            if self.ctx.sampling.greedy and self.diversity_penalty == 0.0:  # scored and ranked in one call
+                score, idx = ranked_topk(logits, w, group=w, bias=score)  # [B, W] each over [B, W*V]
+            else:
+                cand = (score.unsqueeze(-1) + self.log_probs(logits).view(b, w, vocab)).view(b, w * vocab)
+                score, idx = self._select(cand, vocab)  # [B, W] each
             parent, token = idx // vocab, idx % vocab
             if self._hot is not None:
                 token = self._hot.ids[token]  # hot index -> target token id
