@@ -1,13 +1,14 @@
 """Top-k of log-probabilities (or of plain scores) in one or two launches: what the tree and beam drafters rank with.
 
 A drafter level scores its candidates as log_softmax(logits) over the vocabulary and keeps the k best. In PyTorch
-ops that is a log-softmax kernel, then `torch.topk`, which on a GPU is two more launches (a radix select and a sort)
-that took 7-11 us each on an H100 for 4-16 rows of 4,096 (tiny's EAGLE step: 10 such calls, 106 us of a 545 us step).
-`fused_topk` reads the logits once and leaves only the k winners:
+ops that is a log-softmax kernel, then `torch.topk`, two more launches (a radix select and a sort) that hold a few
+thread blocks for microseconds each: on an H100 (scripts/gpu_topk.py, CUDA graphs) an EAGLE level's ranking took
+29-63 us per call at the presets' vocabularies, 101 us at 128,256, and tiny's EAGLE step made six such calls.
+`fused_topk_triton` reads the logits once and leaves only the k winners, in 4-8 us at batch 1 (5-15x faster):
 
-    values, indices = fused_topk(logits, k, log_softmax=True)            # [..., k] each, best first
-    values, indices = fused_topk(scores, k, log_softmax=False)           # scores.topk(k, -1)
-    values, indices = fused_topk(logits, w, log_softmax=True, group=w, bias=beam_scores)   # a beam search's top-W
+    values, indices = fused_topk_triton(logits, k, log_softmax=True)            # [..., k] each, best first
+    values, indices = fused_topk_triton(scores, k, log_softmax=False)           # scores.topk(k, -1)
+    values, indices = fused_topk_triton(logits, w, log_softmax=True, group=w, bias=beam_scores)   # a beam search's top-W
 
 `group` = G consecutive input rows form one output row (indices in [0, G * V)), each scored by its own log-softmax
 plus `bias[input row]`: a beam search's W beams times the vocabulary, ranked together (ReDrafter). Log-probabilities
@@ -34,7 +35,8 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-MAX_BLOCK = 4096  # elements per program of the first pass (a row up to this long is one chunk)
+BLOCKS = (1024, 2048, 4096, 8192)  # first-pass chunks tried, smallest first
+MAX_MERGED = 128  # chunks per output row the merge may take (group x chunks)
 
 
 def _pow2(n: int) -> int:
@@ -150,21 +152,34 @@ if TRITON_AVAILABLE:
         tl.store(idx_ptr + o * K + out, best_idx.to(tl.int64), mask=out < K)
 
 
-def launch_plan(v: int, k: int, max_block: int = MAX_BLOCK) -> tuple[int, int, int]:
-    """(BLOCK, chunks per input row, KP) for rows of v elements: chunks of at most max_block elements."""
+def launch_plan(v: int, k: int, group: int = 1, max_block: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK, chunks per input row, KP) for rows of v elements, `group` input rows per output row.
+
+    BLOCK: the smallest of BLOCKS that leaves the merge at most MAX_MERGED chunks per output row (or a row shorter
+    than 1,024 in one chunk). Measured on an H100 (scripts/gpu_topk.py, EAGLE levels and ReDrafter depths at 4k-128k
+    vocabularies, batch 1-16): 1,024-element chunks were fastest or within 8 % of the fastest everywhere but where a
+    row's merge would take more than 128 chunks (ReDrafter's 4 x 128,256 candidates: 10.8 us against 7.6 us with
+    4,096); one program per 4,096-element row took 5.0 us against 4.1 us in 1,024-element chunks.
+    `max_block` (tests): chunks of at most this many elements (a power of two), whatever the merge."""
     kp = max(2, _pow2(k))
-    block = max(kp, min(_pow2(v), _pow2(max_block)))
+    if max_block is not None:
+        block = _pow2(max_block)
+    else:
+        block = next((b for b in BLOCKS if group * -(-v // b) <= MAX_MERGED), BLOCKS[-1])
+    block = max(kp, min(_pow2(v), block))
     return block, -(-v // block), kp
 
 
 def fused_topk_triton(x: torch.Tensor, k: int, log_softmax: bool = True, group: int = 1,
-                      bias: torch.Tensor | None = None, max_block: int = MAX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                      bias: torch.Tensor | None = None,
+                      max_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`fused_topk_reference` by the kernel (through the custom op `torch.ops.workbench.fused_topk`, so torch.compile
-    keeps it as one opaque call); `max_block`: the first pass's chunk (tests and scripts/gpu_topk.py vary it)."""
+    keeps it as one opaque call); `max_block`: the first pass's chunk in place of `launch_plan`'s (tests and
+    scripts/gpu_topk.py vary it); 0 or None: launch_plan's."""
     check_args(x, k, group, bias)
     lead = x.shape[:-1]
     values, idx = torch.ops.workbench.fused_topk(x.reshape(-1, x.shape[-1]), k, log_softmax, group,
-                                                 None if bias is None else bias.reshape(-1), max_block)
+                                                 None if bias is None else bias.reshape(-1), max_block or 0)
     out = (*lead[:-1], lead[-1] // group) if group > 1 else lead
     return values.reshape(*out, k), idx.reshape(*out, k)
 
@@ -178,7 +193,7 @@ def _fused_topk_op(x: torch.Tensor, k: int, log_softmax: bool, group: int, bias:
     x = x.contiguous()
     rows, v = x.shape
     out_rows = rows // group
-    block, chunks, kp = launch_plan(v, k, max_block)
+    block, chunks, kp = launch_plan(v, k, group, max_block or None)
     values = torch.empty(out_rows, k, dtype=torch.float32, device=x.device)
     idx = torch.empty(out_rows, k, dtype=torch.long, device=x.device)
     bias_arg = bias.contiguous() if bias is not None else values

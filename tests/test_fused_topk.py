@@ -68,9 +68,12 @@ def test_beam_scores_rank_whole_beams():
 
 
 def test_launch_plan():
-    assert launch_plan(4096, 4) == (4096, 1, 4)  # tiny's vocabulary: one chunk, one launch
-    assert launch_plan(128256, 4) == (4096, 32, 4)
-    assert launch_plan(16, 4) == (16, 1, 4)
+    assert launch_plan(4096, 4) == (1024, 4, 4)  # tiny's vocabulary: four chunks, then the merge
+    assert launch_plan(128256, 4) == (1024, 126, 4)  # an EAGLE level at 128k: 126 chunks to merge
+    assert launch_plan(128256, 4, group=4) == (4096, 32, 4)  # a beam depth: 4 x 32 chunks to merge, not 4 x 126
+    assert launch_plan(32000, 4, group=4) == (1024, 32, 4)
+    assert launch_plan(40 * 8192, 4, group=4) == (8192, 40, 4)  # past every chunk's merge limit: the largest chunk
+    assert launch_plan(16, 4) == (16, 1, 4)  # a frontier's K*K scores: one program
     assert launch_plan(3, 3) == (4, 1, 4)  # k rounds up to a power of two, the chunk at least that
     assert launch_plan(300, 5, max_block=64) == (64, 5, 8)
 
