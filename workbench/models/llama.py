@@ -286,16 +286,21 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: Tensor, position_ids: Tensor, attn: AttentionBackend | None = None) -> Tensor:
         """input_ids, position_ids [B, T] (positions arbitrary per token) -> hidden [B, T, H] after the final norm."""
         attn = _DEFAULT_ATTENTION if attn is None else attn
-        x = self.model.embed_tokens(input_ids)  # [B, T, H]
-        cos_table, sin_table = self.rope_tables(x.device, x.dtype)
-        cos = cos_table[position_ids].unsqueeze(2)  # [B, T, 1, D]
-        sin_signed = sin_table[position_ids].unsqueeze(2)  # [B, T, 1, D]
+        x, cos, sin_signed = self._inputs(input_ids, position_ids)
         aux = []
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_hidden_layers:
                 aux.append(x)
             x = layer(x, cos, sin_signed, attn)
         return torch.cat([self.model.norm(x), *aux], -1) if aux else self.model.norm(x)
+
+    def _inputs(self, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The embeddings [B, T, H] and the RoPE rows (cos, sin_signed) [B, T, 1, D] of the positions. A method of its
+        own so that torch.compile traces it: the layer loop's attention breaks the graph, and dynamo runs a frame with
+        a graph break inside a loop eagerly (the lookups were three eager kernels per forward)."""
+        x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        cos_table, sin_table = self.rope_tables(x.device, x.dtype)
+        return x, cos_table[position_ids].unsqueeze(2), sin_table[position_ids].unsqueeze(2)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> logits [..., V] in the model dtype (through the head module: a quantized one too,

@@ -75,21 +75,36 @@ class DraftModelDrafter(Drafter):
         return {"rows": torch.tensor(self.cache.pad_row, device=self.ctx.device)}
 
     def _greedy_chain(self, rows: torch.Tensor, n: int) -> torch.Tensor:
-        """rows [B] -> draft tokens [B, n]: n greedy forwards, reading roots and lengths from the engine's state."""
-        tokens, kv_len_all = self._state
-        span = self.cache.static_span
-        L = kv_len_all[rows]  # [B]
-        ids = torch.stack([tokens[rows, L - 1], tokens[rows, L]], 1)  # [B, 2]: t_(L-1), root
-        self.cache.prepare(rows, L - 1, 2, None, span)
-        logits = self.step.logits(ids, torch.stack([L - 1, L], 1))  # [B, V]
+        """rows [B] -> draft tokens [B, n]: n greedy forwards, reading roots and lengths from the engine's state.
+        Its tensor work lives in `_chain_first` / `_chain_next` / `_chain_tokens`: each forward breaks the compiled
+        graph at its attention, and dynamo runs a frame with a graph break inside a loop wholly eagerly."""
+        logits, L = self._chain_first(rows)
         drafted = []
         for i in range(n):
-            tok = logits.argmax(-1)  # [B]
+            tok, logits = self._chain_next(rows, logits, L, i, i == n - 1)
             drafted.append(tok)
-            if i < n - 1:
-                pos = L + 1 + i
-                self.cache.prepare(rows, pos, 1, None, span)
-                logits = self.step.logits(tok.unsqueeze(1), pos.unsqueeze(1))
+        return self._chain_tokens(drafted)
+
+    def _chain_first(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [t_(L-1), root] forward -> (its last logits [B, V], L [B])."""
+        tokens, kv_len_all = self._state
+        L = kv_len_all[rows]  # [B]
+        ids = torch.stack([tokens[rows, L - 1], tokens[rows, L]], 1)  # [B, 2]: t_(L-1), root
+        self.cache.prepare(rows, L - 1, 2, None, self.cache.static_span)
+        return self.step.logits(ids, torch.stack([L - 1, L], 1)), L
+
+    def _chain_next(self, rows: torch.Tensor, logits: torch.Tensor, L: torch.Tensor, i: int,
+                    last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft token i from `logits`, then (unless last) its forward -> (token [B], the next logits)."""
+        tok = logits.argmax(-1)  # [B]
+        if last:
+            return tok, None
+        pos = L + 1 + i
+        self.cache.prepare(rows, pos, 1, None, self.cache.static_span)
+        return tok, self.step.logits(tok.unsqueeze(1), pos.unsqueeze(1))
+
+    @staticmethod
+    def _chain_tokens(drafted: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(drafted, 1)
 
     def _chain(self, n: int, tokens: torch.Tensor, kv_len_all: torch.Tensor) -> FixedShapeStep:

@@ -395,14 +395,27 @@ class EagleDrafter(OneStepDrafter):
         score, idx = ranked_topk(self._hot.logits(features), k)  # EAGLE-2's features are the target's width
         return score, self._hot.ids[idx]
 
+    # The draft is split into methods so that torch.compile traces its tensor work. Each head forward breaks the
+    # compiled graph at its attention (one launch kept outside torch.compile, llama.attend_uncompiled), and dynamo
+    # runs a frame with a graph break inside a loop wholly eagerly: written inline, the loop over depths ran its
+    # gathers, index arithmetic and concatenations as ~30 separate eager kernels per step. `_draft` now only calls
+    # `_root`, `_level` and `_rerank`, each compiled on its own (split at its head forward).
     def _draft(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """rows [B] -> (token_ids, parents, depths [B, N] long, valid [B, N] bool). Reads only the pending buffers
         and the head's cache (what a CUDA graph captures)."""
-        d_max, k, n = self.tree_depth, self.tree_topk, self.tree_budget
-        span, dev = self.cache.static_span, rows.device
+        state, cands = self._root(rows)
+        for depth in range(1, self.tree_depth):
+            state = self._level(rows, depth, state, cands)
+        return self._rerank(cands, rows.shape[0])
+
+    def _root(self, rows: torch.Tensor) -> tuple[tuple, list[list[torch.Tensor]]]:
+        """The pending committed pairs through the head; the last valid one drafts depth 1 (the root's top-K
+        children, all of them the frontier) -> (the frontier's state, the candidate lists [tokens, scores,
+        parents])."""
+        d_max, k = self.tree_depth, self.tree_topk
+        span = self.cache.static_span
         b = rows.shape[0]
         base, last, root_pos = self.pend_pos[:, rows]  # [B] each: first pair's position, last pair, root's position
-        # 1. the pending committed pairs: the last valid one drafts depth 1
         positions = base.unsqueeze(1) + self._pend_offsets  # [B, 1 + D]: head positions, also the slots written
         self.cache.prepare(rows, base, 1 + d_max, None, span, write_pos=positions)
         feats = self.head(self.target, self.pend_hidden[rows], self.pend_tokens[rows], positions,
@@ -414,42 +427,50 @@ class EagleDrafter(OneStepDrafter):
         level_start, level_pos = self._level_offsets + root_pos
         level_write = self._level_slots + root_pos.unsqueeze(1)  # [D-1, B, K]: the slots each level writes
         level_rope = rope_rows(self.target, level_pos.unsqueeze(-1).expand(d_max - 1, b, k), feats.dtype)
-        # 2. depth 1: the root's top-K children, all of them the frontier
         front_score, front_tok = self._top(root_feat.squeeze(1), k)  # [B, K] each
-        cand_tok, cand_score = [front_tok], [front_score]
-        cand_parent = [self._root_parents.expand(b, 1, k)]  # candidate index of the parent, K per row
         front_cand = self._root_children.expand(b, k)  # [B, K]: frontier's candidate indices
         front_feat = root_feat.expand(b, k, h)  # [B, K, H]: the feature each frontier node's entry reads
-        slots = self._draft_slots()
-        ancestors = self._no_ancestors.expand(b, k, slots)  # [B, K, (D-1) K] draft slots above each frontier node
-        n_cand = k
-        # 3. depths 2..D: one forward over the frontier, its children scored, the K best become the next frontier
-        for depth in range(1, d_max):
-            first = (depth - 1) * k  # the frontier's draft slots: first .. first + K - 1
-            self.cache.prepare(rows, level_start[depth - 1], k, self._eye.expand(b, k, k), span,
-                               prefix_mask=ancestors[:, :, :first], write_pos=level_write[depth - 1])
-            f = self.head(self.target, front_feat, front_tok, level_pos[depth - 1].unsqueeze(1).expand(b, k),
-                          self.cache, rope=(level_rope[0][depth - 1], level_rope[1][depth - 1]))  # [B, K, H]
-            child_logp, child_tok = self._top(f, k)  # [B, K, K]
-            child_score = (front_score.unsqueeze(-1) + child_logp).flatten(1)  # [B, K*K]
-            child_tok = child_tok.flatten(1)
-            cand_tok.append(child_tok)
-            cand_score.append(child_score)
-            cand_parent.append(front_cand.unsqueeze(-1).expand(b, k, k))  # each frontier node's K children
-            if depth < d_max - 1:
-                front_score, best = ranked_topk(child_score, k, log_softmax=False)  # [B, K] of the K*K children
-                parent = best // k  # [B, K]: frontier rank of each new frontier node's parent
-                front_cand = n_cand + best
-                front_tok = child_tok.gather(1, best)
-                front_feat = f.gather(1, parent.unsqueeze(-1).expand(-1, -1, h))
-                # the parent's ancestors and the parent's own slot
-                ancestors = ancestors.gather(1, parent.unsqueeze(-1).expand(-1, -1, slots)) | \
-                    self._slot_of[depth - 1][parent]
-            n_cand += k * k
-        # 4. rerank to the node budget
-        tokens, parents, depths = rerank(torch.cat(cand_tok, 1), torch.cat(cand_score, 1),
-                                         torch.cat(cand_parent, 1).view(b, n_cand),
-                                         self._cand_depth.expand(b, n_cand), n)
+        ancestors = self._no_ancestors.expand(b, k, self._draft_slots())  # [B, K, (D-1) K] draft slots above each
+        cands = [[front_tok], [front_score], [self._root_parents.expand(b, 1, k)]]  # parents: candidate indices
+        levels = (level_start, level_pos, level_write, level_rope)
+        return (front_score, front_tok, front_cand, front_feat, ancestors, levels), cands
+
+    def _level(self, rows: torch.Tensor, depth: int, state: tuple, cands: list[list[torch.Tensor]]) -> tuple:
+        """Frontier level `depth` (1 .. D-1): one head forward over the frontier, its children scored and added to
+        `cands`, the K best of them the next frontier -> the next frontier's state."""
+        k, span = self.tree_topk, self.cache.static_span
+        front_score, front_tok, front_cand, front_feat, ancestors, levels = state
+        level_start, level_pos, level_write, level_rope = levels
+        b = rows.shape[0]
+        first = (depth - 1) * k  # the frontier's draft slots: first .. first + K - 1
+        self.cache.prepare(rows, level_start[depth - 1], k, self._eye.expand(b, k, k), span,
+                           prefix_mask=ancestors[:, :, :first], write_pos=level_write[depth - 1])
+        f = self.head(self.target, front_feat, front_tok, level_pos[depth - 1].unsqueeze(1).expand(b, k),
+                      self.cache, rope=(level_rope[0][depth - 1], level_rope[1][depth - 1]))  # [B, K, H]
+        child_logp, child_tok = self._top(f, k)  # [B, K, K]
+        child_score = (front_score.unsqueeze(-1) + child_logp).flatten(1)  # [B, K*K]
+        child_tok = child_tok.flatten(1)
+        cands[0].append(child_tok)
+        cands[1].append(child_score)
+        cands[2].append(front_cand.unsqueeze(-1).expand(b, k, k))  # each frontier node's K children
+        if depth == self.tree_depth - 1:
+            return state
+        front_score, best = ranked_topk(child_score, k, log_softmax=False)  # [B, K] of the K*K children
+        parent = best // k  # [B, K]: frontier rank of each new frontier node's parent
+        front_cand = k + (depth - 1) * k * k + best  # candidate indices: K at depth 1, K*K per level after
+        front_tok = child_tok.gather(1, best)
+        front_feat = f.gather(1, parent.unsqueeze(-1).expand(-1, -1, f.shape[-1]))
+        # the parent's ancestors and the parent's own slot
+        ancestors = ancestors.gather(1, parent.unsqueeze(-1).expand(-1, -1, ancestors.shape[-1])) | \
+            self._slot_of[depth - 1][parent]
+        return front_score, front_tok, front_cand, front_feat, ancestors, levels
+
+    def _rerank(self, cands: list[list[torch.Tensor]], b: int) -> tuple[torch.Tensor, ...]:
+        """The candidates reranked to the node budget -> (token_ids, parents, depths, valid)."""
+        n_cand = self._cand_depth.shape[0]
+        tokens, parents, depths = rerank(torch.cat(cands[0], 1), torch.cat(cands[1], 1),
+                                         torch.cat(cands[2], 1).view(b, n_cand),
+                                         self._cand_depth.expand(b, n_cand), self.tree_budget)
         return tokens, parents, depths, self._valid[:b]
 
     @property
