@@ -56,7 +56,7 @@
 #                  shape, tiny's step costs (compile on), tiny's tree parity, then the 8B steps with compile on
 #   small40        issue 40 after the ranking kernel's chunk rule and the compiled draft glue: tiny's step costs and
 #                  tree parity, then small (trains it and its heads): step costs at batch 1, 4, 16, 32 with compile
-#                  on, then the ranking per shape
+#                  on
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -364,8 +364,7 @@ small40)
   train_small
   heads
   step stepssmall 90 $PY scripts/gpu_tree_steps.py --device cuda --preset small --compile default \
-    --out "$R/stepssmall" --batches 1,4,16,32 --context 512 --steps 64 --rounds 3 --budget-s "$(( $(left) - 60 ))"
-  step topk 20 $PY scripts/gpu_topk.py --out "$R/topk.json" ;;
+    --out "$R/stepssmall" --batches 1,4,16,32 --context 512 --steps 64 --rounds 3 --budget-s "$(( $(left) - 15 ))" ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small
