@@ -54,9 +54,8 @@
 #                  (compile on), tiny's tree parity, then the 8B steps with compile on
 #   fused40        issue 40 after the fused ranking kernel: the drafters' ranking (PyTorch ops against the kernel) per
 #                  shape, tiny's step costs (compile on), tiny's tree parity, then the 8B steps with compile on
-#   small40        issue 40 after the ranking kernel's chunk rule and the compiled draft glue: tiny's step costs and
-#                  tree parity, then small (trains it and its heads): step costs at batch 1, 4, 16, 32 with compile
-#                  on
+#   small40        issue 40 after the ranking kernel's chunk rule and the compiled draft glue: tiny's step costs, small
+#                  (trains it and its heads): step costs at batch 1, 4, 16, 32 with compile on, then tiny's parity
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -359,12 +358,12 @@ fused40)
 small40)
   step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 90
-  step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle,draft \
-    --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 80
   train_small
   heads
   step stepssmall 90 $PY scripts/gpu_tree_steps.py --device cuda --preset small --compile default \
-    --out "$R/stepssmall" --batches 1,4,16,32 --context 512 --steps 64 --rounds 3 --budget-s "$(( $(left) - 15 ))" ;;
+    --out "$R/stepssmall" --batches 1,4,16,32 --context 512 --steps 64 --rounds 3 --budget-s "$(( $(left) - 70 ))"
+  step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle,draft \
+    --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s "$(( $(left) - 10 ))" ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small
