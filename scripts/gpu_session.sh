@@ -50,10 +50,9 @@
 #                  --profile), then tree and beam steps against AR at batch 1, 4, 16, 32 (compile off)
 #   attn40         issue 40 after the attention launch plan change: the plan against the old one per shape, the
 #                  verify width with kernels, the 8B steps with compile on (batch 1), then the 8B batch sweep
-#   topk40         issue 40 after the chunked top-k: the drafters' top-k against torch.topk per shape, tiny's step costs
-#                  (compile on), tiny's tree parity, then the 8B steps with compile on
-#   fused40        issue 40 after the fused ranking kernel: the drafters' ranking (PyTorch ops against the kernel) per
-#                  shape, tiny's step costs (compile on), tiny's tree parity, then the 8B steps with compile on
+#   topk40, fused40  issue 40 after the chunked top-k (since replaced), then after the fused ranking kernel: the
+#                  drafters' ranking (PyTorch ops against the kernel) per shape, tiny's step costs (compile on),
+#                  tiny's tree parity, then the 8B steps with compile on
 #   small40        issue 40 after the ranking kernel's chunk rule and the compiled draft glue: tiny's step costs, small
 #                  (trains it and its heads): step costs at batch 1, 4, 16, 32 with compile on, then tiny's parity
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
@@ -109,6 +108,10 @@ heads() {  # the small preset's ReDrafter and EAGLE heads, trained on the device
     step head_eagle 50 $PY -m workbench zoo train-head --kind eagle $HEADS --max-seconds 50
   [ -f zoo_cache/small/redrafter/manifest.json ] || \
     step head_redrafter 40 $PY -m workbench zoo train-head --kind redrafter $HEADS --max-seconds 35
+}
+steps_tiny() {  # tiny's step costs per method at batch 1, compile on (issue 40)
+  step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
+    --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 90
 }
 serving_small() {  # serving_small METHOD NEED ARGS...: gpu_serving.py on small, max_num_seqs 64, 64 warm-up requests
   local method=$1 need=$2; shift 2
@@ -304,8 +307,7 @@ next)
   # then the 8B step with compile on (each shape compiles for minutes: whatever budget is left)
   train_small
   http_small 60 "${HTTP_ROUNDS:-3}" --parity-requests 16
-  step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
-    --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 90
+  steps_tiny
   step steps8b_hot16k 60 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/steps8b_hot16k" \
     --batches 1 --methods ar,eagle-hot,redrafter --draft-vocab 16000 --context 512 --steps 64 --rounds 3 --budget-s 100
   step steps8b_compile 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
@@ -337,27 +339,16 @@ attn40)
   step sweep8b 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/sweep8b" \
     --batches 1,4,16,32 --methods ar,eagle-hot,redrafter-hot,tree --context 512 --steps 64 --rounds 3 \
     --budget-s "$(( $(left) - 20 ))" ;;
-topk40)
+topk40|fused40)
   step topk 20 $PY scripts/gpu_topk.py --out "$R/topk.json"
-  step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
-    --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 90
-  step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle \
-    --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 80
-  step steps8b_compile 90 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
-    --out "$R/steps8b_compile" --batches 1 --methods ar,eagle-hot,redrafter-hot,redrafter --context 512 \
-    --steps 64 --rounds 3 --budget-s "$(( $(left) - 15 ))" ;;
-fused40)
-  step topk 20 $PY scripts/gpu_topk.py --out "$R/topk.json"
-  step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
-    --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 90
+  steps_tiny
   step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle \
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 80
   step steps8b_compile 90 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
     --out "$R/steps8b_compile" --batches 1 --methods ar,eagle-hot,redrafter-hot,redrafter --context 512 \
     --steps 64 --rounds 3 --budget-s "$(( $(left) - 15 ))" ;;
 small40)
-  step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
-    --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 90
+  steps_tiny
   train_small
   heads
   step stepssmall 90 $PY scripts/gpu_tree_steps.py --device cuda --preset small --compile default \
