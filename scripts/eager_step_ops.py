@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import sys
 from pathlib import Path
 
@@ -67,29 +66,29 @@ def _stand_ins(counter: OpCounter) -> KernelStandIns:
 
 def eager_ops(session, method: str, prompts: list[list[int]], knobs: dict) -> dict[str, dict]:
     """{step name: {"calls": n, "eager": {op: per call}, "in_graph": ops per call}} of one generate."""
-    existing = {id(o) for o in gc.get_objects() if isinstance(o, FixedShapeStep)}  # other engines' steps: untouched
-    heads = {"eagle": session.eagle_head, "redrafter": session.redrafter_head}
-    drafter = make_drafter(method, knobs, draft=session.draft, target=session.target, heads=heads)
-    cfg = EngineConfig(max_new_tokens=8, cuda_graphs=True, overlap=False, paged=True, attention="sdpa",
-                       prefill_graphs=False)
-    engine = SpecEngine(engine_target(session.target, drafter), drafter, cfg, session.device)
-    engine.generate(prompts)  # the caches and steps exist
-    _stand_ins(OpCounter()).install(engine)
-    engine.generate(prompts)
-    for step in [o for o in gc.get_objects() if isinstance(o, FixedShapeStep) and id(o) not in existing]:
-        step._fn = torch.compile(step.body, backend=_marking_backend, dynamic=False)
-    call = FixedShapeStep.__call__
+    init, call = FixedShapeStep.__init__, FixedShapeStep.__call__
+
+    def marking_init(self, *args, **kwargs):  # every step this engine makes compiles with the marking backend
+        init(self, *args, **kwargs)
+        self._fn = torch.compile(self.body, backend=_marking_backend, dynamic=False)
 
     def marked_call(self, *args, **kwargs):
         with record_function(STEP + self.name):
             return call(self, *args, **kwargs)
-    FixedShapeStep.__call__ = marked_call
+    FixedShapeStep.__init__, FixedShapeStep.__call__ = marking_init, marked_call
     try:
-        engine.generate(prompts)  # compiles
+        heads = {"eagle": session.eagle_head, "redrafter": session.redrafter_head}
+        drafter = make_drafter(method, knobs, draft=session.draft, target=session.target, heads=heads)
+        cfg = EngineConfig(max_new_tokens=8, cuda_graphs=True, overlap=False, paged=True, attention="sdpa",
+                           prefill_graphs=False)
+        engine = SpecEngine(engine_target(session.target, drafter), drafter, cfg, session.device)
+        engine.generate(prompts)  # the caches and steps exist
+        _stand_ins(OpCounter()).install(engine)
+        engine.generate(prompts)  # compiled for the kernel path
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.generate(prompts)
     finally:
-        FixedShapeStep.__call__ = call
+        FixedShapeStep.__init__, FixedShapeStep.__call__ = init, call
     events = prof.events()
     calls = collections.Counter(ev.name[len(STEP):] for ev in events if ev.name.startswith(STEP))
     eager: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
