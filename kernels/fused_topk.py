@@ -58,6 +58,13 @@ def check_args(x: torch.Tensor, k: int, group: int, bias: torch.Tensor | None) -
         raise ValueError(f"fused_topk: bias has {bias.numel()} elements, want one per input row ({rows})")
 
 
+def _shaped(values: torch.Tensor, idx: torch.Tensor, lead: torch.Size, group: int):
+    """[output rows, k] results -> [..., k]: x's leading shape `lead` with its last dimension divided by `group`."""
+    out = (*lead[:-1], lead[-1] // group) if group > 1 else lead
+    k = values.shape[-1]
+    return values.reshape(*out, k), idx.reshape(*out, k)
+
+
 def fused_topk_reference(x: torch.Tensor, k: int, log_softmax: bool = True, group: int = 1,
                          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch ops: float32 scores (log_softmax clamped at 0, + bias per input row), group rows side by side,
@@ -71,8 +78,7 @@ def fused_topk_reference(x: torch.Tensor, k: int, log_softmax: bool = True, grou
     if bias is not None:
         y = y + bias.reshape(-1, 1).float()
     values, idx = y.reshape(-1, group * v).topk(k, -1)
-    out = (*lead[:-1], lead[-1] // group) if group > 1 else lead
-    return values.reshape(*out, k), idx.reshape(*out, k)
+    return _shaped(values, idx, lead, group)
 
 
 if TRITON_AVAILABLE:
@@ -180,8 +186,7 @@ def fused_topk_triton(x: torch.Tensor, k: int, log_softmax: bool = True, group: 
     lead = x.shape[:-1]
     values, idx = torch.ops.workbench.fused_topk(x.reshape(-1, x.shape[-1]), k, log_softmax, group,
                                                  None if bias is None else bias.reshape(-1), max_block or 0)
-    out = (*lead[:-1], lead[-1] // group) if group > 1 else lead
-    return values.reshape(*out, k), idx.reshape(*out, k)
+    return _shaped(values, idx, lead, group)
 
 
 @torch.library.custom_op("workbench::fused_topk", mutates_args=())

@@ -21,11 +21,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.fused_topk import fused_topk_reference, fused_topk_triton, launch_plan  # noqa: E402
+from kernels.fused_topk import BLOCKS, fused_topk_reference, fused_topk_triton, launch_plan  # noqa: E402
 from scripts.gpu_kernels import capture, graph_us  # noqa: E402
 
 VOCABS = (("tiny", 4096), ("small", 8192), ("8B hot 32k", 32000), ("8B", 128256))
-BLOCKS = (1024, 2048, 4096, 8192)
 K = 4
 
 
