@@ -6,9 +6,9 @@ thread blocks for microseconds each: on an H100 (scripts/gpu_topk.py, CUDA graph
 29-63 us per call at the presets' vocabularies, 101 us at 128,256, and tiny's EAGLE step made six such calls.
 `fused_topk_triton` reads the logits once and leaves only the k winners, in 4-8 us at batch 1 (5-15x faster):
 
-    values, indices = fused_topk_triton(logits, k, log_softmax=True)            # [..., k] each, best first
-    values, indices = fused_topk_triton(scores, k, log_softmax=False)           # scores.topk(k, -1)
-    values, indices = fused_topk_triton(logits, w, log_softmax=True, group=w, bias=beam_scores)   # a beam search's top-W
+    values, indices = fused_topk_triton(logits, k, log_softmax=True)             # [..., k] each, best first
+    values, indices = fused_topk_triton(scores, k, log_softmax=False)            # scores.topk(k, -1)
+    values, indices = fused_topk_triton(logits, w, group=w, bias=beam_scores)    # a beam search's top-W
 
 `group` = G consecutive input rows form one output row (indices in [0, G * V)), each scored by its own log-softmax
 plus `bias[input row]`: a beam search's W beams times the vocabulary, ranked together (ReDrafter). Log-probabilities
