@@ -364,25 +364,56 @@ def busy_fraction(intervals: list[tuple[float, float]]) -> float | None:
 
 
 def profiled(engine: SpecEngine, prompts: list[list[int]], device: torch.device) -> dict:
-    """One generate under torch.profiler: GPU busy (the share of the first kernel -> last kernel span some kernel or
-    copy ran; the prompt's prefill included) and device kernels per target step. None on a CPU (no device events)."""
+    """One generate under torch.profiler -> `kernel_summary` of its device kernels (GPU only)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
+        s = time.perf_counter()
         res = engine.generate(prompts)
         sync(device)
-    events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
-    iv = [(ev.time_range.start, ev.time_range.end) for ev in events]
-    steps = max(len(res.steps) + res.wasted_steps, 1)
+        wall = time.perf_counter() - s
+    events = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
+              if ev.device_type == torch.autograd.DeviceType.CUDA]
+    return kernel_summary(events, len(res.steps) + res.wasted_steps, wall)
+
+
+def kernel_summary(events: list[tuple[str, float, float]], steps: int, wall_s: float) -> dict:
+    """Device events (name, start us, end us) of one generate of `steps` target steps that took `wall_s` -> per step:
+    kernels, the time some kernel ran (the intervals' union, the prefill's included: spread over the steps), the
+    generate's wall time; the table by name ([name, launches, us] per step, the 60 costliest); the ordered trace of
+    two steps' kernels from the middle ([name, start us after the first, duration us]). None without events (CPU).
+
+    The profiler slows the host: a profiled generate's steps take longer than unprofiled ones and its graph replays
+    wait on the host in between, so the share of the profiled span some kernel ran (`gpu_busy_profiled_span`) reads
+    low; `measure_batch` divides the kernel time per step by the UNPROFILED step instead (`gpu_busy`).
+
+    >>> s = kernel_summary([("a", 0, 2), ("b", 1, 3), ("a", 10, 12), ("b", 12, 13)], 2, 40e-6)
+    >>> s["kernels_per_step"], s["kernel_us_per_step"], s["profiled_ms_per_step"], s["gpu_busy_profiled_span"]
+    (2.0, 3.0, 0.02, 0.46153846153846156)
+    >>> s["kernel_table"], s["kernel_trace"]
+    ([['a', 1.0, 2.0], ['b', 1.0, 1.5]], [['a', 0, 2], ['b', 1, 2], ['a', 10, 2], ['b', 12, 1]])
+    """
+    if not events:
+        return {"kernels_per_step": None, "gpu_busy_profiled_span": None}
+    events = sorted(events, key=lambda e: e[1])
+    steps = max(steps, 1)
+    iv = [(start, end) for _, start, end in events]
     by_name: dict[str, list[float]] = {}
-    for ev in events:
-        tot = by_name.setdefault(ev.name[:80], [0, 0.0])
+    for name, start, end in events:
+        tot = by_name.setdefault(name[:80], [0, 0.0])
         tot[0] += 1
-        tot[1] += ev.time_range.end - ev.time_range.start
-    kernels = sorted(([name, n / steps, us / steps] for name, (n, us) in by_name.items()), key=lambda k: -k[1])
-    return {"gpu_busy": busy_fraction(iv), "kernels_per_step": len(iv) / steps if iv else None,
-            "kernel_table": kernels[:60]}  # [name, launches per step, us per step] (the prefill's included)
+        tot[1] += end - start
+    table = sorted(([name, n / steps, us / steps] for name, (n, us) in by_name.items()), key=lambda k: -k[2])
+    per_step = len(events) / steps
+    mid = len(events) // 2 - int(per_step) if len(events) > 2 * per_step else 0
+    t_ref = events[mid][1]
+    trace = [[name[:90], round(start - t_ref, 2), round(end - start, 2)]
+             for name, start, end in events[mid:mid + int(2 * per_step)]]
+    span_busy = busy_fraction(iv)
+    return {"kernels_per_step": per_step, "kernel_us_per_step": span_busy * (iv[-1][1] - iv[0][0]) / steps,
+            "gpu_busy_profiled_span": span_busy, "profiled_ms_per_step": wall_s * 1e3 / steps,
+            "kernel_table": table[:60], "kernel_trace": trace}
 
 
 def median3(xs: list[float]) -> tuple[float, float, float]:
@@ -440,8 +471,7 @@ def measure_batch(target: Target, batch: int, methods: list[tuple[str, str]], t0
                 busy[method] = profiled(engines[method], prompts, device)
             except Exception as e:  # noqa: BLE001 - the timings stand without it
                 traceback.print_exc()
-                busy[method] = {"gpu_busy": None, "kernels_per_step": None,
-                                "profile_error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
+                busy[method] = {"kernels_per_step": None, "profile_error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
     rows = []
     ar = runs.get("ar") or []
     ar_ms = statistics.median(x["ms_per_step"] for x in ar) if ar else None
@@ -472,6 +502,8 @@ def measure_batch(target: Target, batch: int, methods: list[tuple[str, str]], t0
                 row["verify_ratio_vs_ar"] = row["phase_ms_per_step"]["verify"] / ar_ms
         if method in busy:
             row.update(busy[method])
+            if row.get("kernel_us_per_step") is not None and row.get("ms_per_step"):
+                row["gpu_busy"] = row["kernel_us_per_step"] / (row["ms_per_step"] * 1e3)
         if row["goal_max_ratio"] is not None and row.get("ratio_vs_ar") is not None:
             row["goal_met"] = row["ratio_vs_ar"] <= row["goal_max_ratio"]
         rows.append(row)
@@ -506,7 +538,9 @@ def table_md(result: dict) -> str:
              f"CUDA graphs on, compile {m['compile']}, overlap {fmt(m['overlap'])}; {m['elapsed_s']:.0f} s in all. "
              "ms/step: decode wall time / target steps (median [min, max] over rounds); phases: GPU ms per step; "
              "x AR: over the AR step of the same target and batch. GPU busy (goal on presets at batch 1: >= 80 % "
-             "for eagle and redrafter): share of one profiled generate's kernel span some kernel ran.", ""]
+             "for eagle and redrafter): the time some kernel ran per step in one profiled generate (prefill included) over "
+             "the unprofiled ms/step (busy in the profiled span, which the profiler's host overhead dilutes, in "
+             "results.json).", ""]
     head = ["target", "batch", "method", "ms/step median [min, max]", "x AR step", "goal", "draft", "verify",
             "accept", "kv", "verify x AR step", "tokens/s", "tok/s x AR", "tokens per row-step", "GPU busy",
             "kernels per step", "outputs = AR"]
