@@ -94,6 +94,43 @@ def ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def inductor_config(text: str) -> dict[str, bool | int]:
+    """"a=1,b.c=0" -> {"a": 1, "b.c": 0}, each name an existing torch._inductor.config entry (bool entries as bools).
+
+    >>> inductor_config("combo_kernels=1,triton.enable_pdl=0")
+    {'combo_kernels': True, 'triton.enable_pdl': False}
+    >>> inductor_config("no_such=1")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: no_such is not a torch._inductor.config entry
+    """
+    import torch._inductor.config as cfg
+
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, value = item.partition("=")
+        *path, attr = name.strip().split(".")
+        owner = cfg
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is None or not hasattr(owner, attr):
+            raise argparse.ArgumentTypeError(f"{name} is not a torch._inductor.config entry")
+        if not value.strip().lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"{item}: give an integer value (0 / 1 for switches)")
+        out[name.strip()] = bool(int(value)) if isinstance(getattr(owner, attr), bool) else int(value)
+    return out
+
+
+def apply_inductor_config(entries: dict[str, bool | int]) -> None:
+    import torch._inductor.config as cfg
+
+    for name, value in entries.items():
+        *path, attr = name.split(".")
+        owner = cfg
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, attr, value)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for results.json and table.md")
@@ -124,6 +161,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "kernels per step (default 1; '' = none)")
     ap.add_argument("--compile", choices=("off", "default", "max-autotune"), default="off",
                     help="torch.compile of the fixed-shape steps (default off: at 8B each shape compiles for minutes)")
+    ap.add_argument("--inductor-config", type=inductor_config, default={},
+                    help="experiments: torch._inductor.config entries set for this process before anything compiles, "
+                         "e.g. combo_kernels=1,triton.enable_pdl=1 (recorded in results.json; default none)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="launch-ahead steps where the engine can (default on, the engine's default)")
     ap.add_argument("--budget-s", type=float, default=500.0,
@@ -380,19 +420,24 @@ def profiled(engine: SpecEngine, prompts: list[list[int]], device: torch.device)
 
 def kernel_summary(events: list[tuple[str, float, float]], steps: int, wall_s: float) -> dict:
     """Device events (name, start us, end us) of one generate of `steps` target steps that took `wall_s` -> per step:
-    kernels, the time some kernel ran (the intervals' union, the prefill's included: spread over the steps), the
-    generate's wall time; the table by name ([name, launches, us] per step, the 60 costliest); the ordered trace of
-    two steps' kernels from the middle ([name, start us after the first, duration us]). None without events (CPU).
+    kernels, the time some kernel ran, the generate's wall time; the table by name ([name, launches, us] per step, the
+    60 costliest; the prefill's spread over the steps); the ordered trace of two steps' kernels from the middle
+    ([name, start us after the first, duration us]). None without events (CPU).
 
+    Kernel time per step (`kernel_us_per_step`): the union of the kernel intervals between two consecutive step ends,
+    median over the middle half of the run. A step ends with its one device -> host read (the accepted tokens, "Memcpy
+    DtoH"), so this leaves the prefill out; without such markers, the whole run's union / steps.
     The profiler slows the host: a profiled generate's steps take longer than unprofiled ones and its graph replays
     wait on the host in between, so the share of the profiled span some kernel ran (`gpu_busy_profiled_span`) reads
     low; `measure_batch` divides the kernel time per step by the UNPROFILED step instead (`gpu_busy`).
 
-    >>> s = kernel_summary([("a", 0, 2), ("b", 1, 3), ("a", 10, 12), ("b", 12, 13)], 2, 40e-6)
-    >>> s["kernels_per_step"], s["kernel_us_per_step"], s["profiled_ms_per_step"], s["gpu_busy_profiled_span"]
-    (2.0, 3.0, 0.02, 0.46153846153846156)
-    >>> s["kernel_table"], s["kernel_trace"]
-    ([['a', 1.0, 2.0], ['b', 1.0, 1.5]], [['a', 0, 2], ['b', 1, 2], ['a', 10, 2], ['b', 12, 1]])
+    >>> ev = [("k", 0, 2), ("DtoH", 3, 4), ("k", 10, 12), ("k", 11, 13), ("DtoH", 14, 15), ("k", 20, 21),
+    ...       ("DtoH", 22, 23)]
+    >>> s = kernel_summary(ev, 3, 90e-6)
+    >>> s["kernel_us_per_step"], s["steps_timed_by_marker"], round(s["profiled_ms_per_step"], 6)  # (4 + 2) / 2
+    (3.0, 2, 0.03)
+    >>> s["kernels_per_step"], s["kernel_table"][0], s["kernel_trace"][:2]
+    (2.3333333333333335, ['k', 1.3333333333333333, 2.3333333333333335], [['DtoH', 0, 1], ['k', 7, 2]])
     """
     if not events:
         return {"kernels_per_step": None, "gpu_busy_profiled_span": None}
@@ -411,7 +456,14 @@ def kernel_summary(events: list[tuple[str, float, float]], steps: int, wall_s: f
     trace = [[name[:90], round(start - t_ref, 2), round(end - start, 2)]
              for name, start, end in events[mid:mid + int(2 * per_step)]]
     span_busy = busy_fraction(iv)
-    return {"kernels_per_step": per_step, "kernel_us_per_step": span_busy * (iv[-1][1] - iv[0][0]) / steps,
+    ends = [i for i, (name, _, _) in enumerate(events) if "DtoH" in name]
+    spans = [events[i + 1:j + 1] for i, j in zip(ends, ends[1:])]
+    spans = spans[len(spans) // 4: len(spans) - len(spans) // 4] if len(spans) >= 4 else spans
+    per_step_us = [busy_fraction([(a, b) for _, a, b in sp]) * (sp[-1][2] - sp[0][1]) for sp in spans if sp]
+    return {"kernels_per_step": per_step,
+            "kernel_us_per_step": statistics.median(per_step_us) if per_step_us
+            else span_busy * (iv[-1][1] - iv[0][0]) / steps,
+            "steps_timed_by_marker": len(per_step_us),
             "gpu_busy_profiled_span": span_busy, "profiled_ms_per_step": wall_s * 1e3 / steps,
             "kernel_table": table[:60], "kernel_trace": trace}
 
@@ -535,10 +587,12 @@ def table_md(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Target-step cost per method and batch · {m['device_name']} · {m['dtype']}", "",
              f"Prompts of {m['context']} tokens, {m['steps']} new tokens, {m['rounds']} interleaved rounds, "
-             f"CUDA graphs on, compile {m['compile']}, overlap {fmt(m['overlap'])}; {m['elapsed_s']:.0f} s in all. "
+             f"CUDA graphs on, compile {m['compile']}"
+             + "".join(f" ({k}={v})" for k, v in m["args"].get("inductor_config", {}).items())
+             + f", overlap {fmt(m['overlap'])}; {m['elapsed_s']:.0f} s in all. "
              "ms/step: decode wall time / target steps (median [min, max] over rounds); phases: GPU ms per step; "
              "x AR: over the AR step of the same target and batch. GPU busy (goal on presets at batch 1: >= 80 % "
-             "for eagle and redrafter): the time some kernel ran per step in one profiled generate (prefill included) over "
+             "for eagle and redrafter): the time some kernel ran per decode step in one profiled generate over "
              "the unprofiled ms/step (busy in the profiled span, which the profiler's host overhead dilutes, in "
              "results.json).", ""]
     head = ["target", "batch", "method", "ms/step median [min, max]", "x AR step", "goal", "draft", "verify",
@@ -585,6 +639,7 @@ def write(out: Path, result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    apply_inductor_config(args.inductor_config)
     t0 = time.perf_counter()
     device = torch.device(args.device)
     out = Path(args.out)
