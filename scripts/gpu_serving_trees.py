@@ -11,6 +11,9 @@ serve_bench). Parts:
   saturation  AR's request throughput at concurrency --max-num-seqs; the sweep's rates are --rates fractions of it
   sweep       Poisson arrivals at each rate, every method, --repeats rounds (round r: arrival seed r, the same arrivals
               for every method), methods interleaved within a round
+A method written METHOD+cal (e.g. eagle+cal) serves METHOD with adaptive speculation: its warm-up run measures the
+schedule on its engine (`calibration step`: tree on or off per batch size, by measured tokens per ms), and every timed
+run serves with that schedule fixed (`k_by_batch`; the table names it).
 Per (rate, method): output tokens/s and p50 TPOT / TTFT, median [min, max] over rounds, output tokens/s over AR's of
 the same round (median of the paired ratios), mean accepted tokens per step, and greedy_matches_solo (the first
 round's run checks --greedy-check-requests requests against their solo greedy output; bf16 may flip near-ties).
@@ -30,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench.harness.bench import BenchSession  # noqa: E402
+from workbench.serving.adaptive import format_k_by_batch  # noqa: E402
 from workbench.serving.bench import engine_for, serve_bench  # noqa: E402
 from workbench.serving.config import ServeConfig, check_config  # noqa: E402
 
@@ -69,8 +73,13 @@ def parse_args(argv):
     return args
 
 
+CALIBRATED = "+cal"
+
+
 def config_of(args, method: str) -> ServeConfig:
-    cfg = ServeConfig(method=method, k=args.k, tree_depth=args.tree_depth, tree_topk=args.tree_topk,
+    """The method's ServeConfig; METHOD+cal: METHOD with the schedule measured before the run (calibration step)."""
+    base = method.removesuffix(CALIBRATED)
+    cfg = ServeConfig(method=base, calibration="step" if method.endswith(CALIBRATED) else "off", k=args.k, tree_depth=args.tree_depth, tree_topk=args.tree_topk,
                       tree_budget=args.tree_budget, beam_width=args.beam_width, beam_length=args.beam_length,
                       max_num_seqs=args.max_num_seqs, num_requests=args.num_requests,
                       max_new_tokens=args.max_new_tokens, greedy_check_requests=0, warmup_requests=0,
@@ -79,10 +88,25 @@ def config_of(args, method: str) -> ServeConfig:
     return cfg
 
 
-def label(args, method: str) -> str:
-    return {"draft": f"draft k={args.k}", "ngram": f"ngram k={args.k}",
+def label(args, method: str, schedule: str | None = None) -> str:
+    base = method.removesuffix(CALIBRATED)
+    name = {"draft": f"draft k={args.k}", "ngram": f"ngram k={args.k}",
             "eagle": f"eagle D{args.tree_depth} K{args.tree_topk} N{args.tree_budget}",
-            "redrafter": f"redrafter W{args.beam_width} L{args.beam_length}"}.get(method, method)
+            "redrafter": f"redrafter W{args.beam_width} L{args.beam_length}"}.get(base, base)
+    return name if base == method else f"{name}, adaptive ({schedule or 'schedule not measured'})"
+
+
+def schedule_of(calibration_table: str | None) -> str | None:
+    """The k_by_batch text of a calibrated run's schedule (its record's calibration_table), None without one.
+
+    >>> schedule_of('{"measured": [], "schedule": [{"batch_start": 1, "batch_end": 4, "k": 16}, '
+    ...             '{"batch_start": 5, "batch_end": 16, "k": 0}]}')
+    '1-4:16,5-16:0'
+    """
+    if not calibration_table:
+        return None
+    chosen = json.loads(calibration_table).get("schedule") or []
+    return format_k_by_batch([(c["batch_start"], c["batch_end"], c["k"]) for c in chosen]) or None
 
 
 def spread(xs):
@@ -97,7 +121,8 @@ def summarize(runs: list[dict], args) -> list[dict]:
         for method in args.methods:
             mine = [r for r in runs if r["rate_frac"] == frac and r["method"] == method]
             ok = [r for r in mine if "error" not in r]
-            row = {"rate_frac": frac, "method": method, "label": label(args, method), "rounds": len(ok),
+            row = {"rate_frac": frac, "method": method, "label": label(args, method, getattr(args, "schedules", {}).get(method)),
+                   "rounds": len(ok),
                    "errors": [r["error"] for r in mine if "error" in r]}
             for m in METRICS:
                 row[m] = spread([r.get(m) for r in ok])
@@ -167,7 +192,8 @@ def main(argv=None) -> int:
             traceback.print_exc()
             return {"error": f"{type(e).__name__}: {e}"}
         return {k: rec.get(k) for k in (*METRICS, "request_throughput", "greedy_matches_solo", "greedy_solo_compared",
-                                        "greedy_near_tie", "graph_captures_in_run", "mean_batch_size")}
+                                        "greedy_near_tie", "graph_captures_in_run", "mean_batch_size",
+                                        "calibration_table", "k_by_batch")}
 
     def finish():
         meta["elapsed_s"] = time.perf_counter() - t0
@@ -175,9 +201,18 @@ def main(argv=None) -> int:
         write(out, result)
 
     warm = dict(arrival="concurrency", max_concurrency=args.max_num_seqs, rate=0.0)
+    args.schedules = {}
     for m in args.methods:
-        serve(m, **warm)
-        print(f"{time.perf_counter() - t0:7.1f}s warm-up {m}", flush=True)
+        r = serve(m, **warm)
+        schedule = schedule_of(r.get("calibration_table"))
+        if m.endswith(CALIBRATED):  # measured once; every timed run serves with it fixed
+            args.schedules[m] = schedule
+            if schedule:
+                cfgs[m] = replace(cfgs[m], calibration="off", k_by_batch=schedule)
+            meta.setdefault("schedules", {})[m] = {"k_by_batch": schedule, "calibration_table": r.get(
+                "calibration_table"), "error": r.get("error")}
+        print(f"{time.perf_counter() - t0:7.1f}s warm-up {m}{f' (schedule {schedule})' if schedule else ''}",
+              flush=True)
     sat = serve("ar", **warm)
     meta["saturation_rps"] = sat.get("request_throughput")
     if not meta["saturation_rps"]:

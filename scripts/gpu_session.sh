@@ -55,6 +55,10 @@
 #                  tiny's tree parity, then the 8B steps with compile on
 #   small40        issue 40 after the ranking kernel's chunk rule and the compiled draft glue: tiny's step costs, small
 #                  (trains it and its heads): step costs at batch 1, 4, 16, 32 with compile on, then tiny's parity
+#   small40b       issue 40 on the current code: small (trains it and its heads), step costs at batch 1, 4, 16, 32
+#                  with compile on (INDUCTOR="combo_kernels=1,..." passes gpu_tree_steps' --inductor-config)
+#   serve40b       its sequel on the warm machine: trees served under load on small (compile off; EAGLE also with
+#                  the schedule calibrated per batch size), then tiny's parity
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -353,6 +357,20 @@ small40)
   heads
   step stepssmall 90 $PY scripts/gpu_tree_steps.py --device cuda --preset small --compile default \
     --out "$R/stepssmall" --batches 1,4,16,32 --context 512 --steps 64 --rounds 3 --budget-s "$(( $(left) - 70 ))"
+  step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle,draft \
+    --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s "$(( $(left) - 10 ))" ;;
+small40b)
+  train_small
+  heads
+  step stepssmall 90 $PY scripts/gpu_tree_steps.py --device cuda --preset small --compile default \
+    --out "$R/stepssmall" --batches 1,4,16,32 --context 512 --steps 64 --rounds 3 --budget-s "$(( $(left) - 15 ))" \
+    ${INDUCTOR:+--inductor-config "$INDUCTOR"} ;;
+serve40b)
+  train_small
+  heads
+  step serving_small 120 $PY scripts/gpu_serving_trees.py --device cuda --preset small --compile off \
+    --methods ar,draft,eagle,eagle+cal,redrafter --max-num-seqs 16 --num-requests 64 --max-new-tokens 64 \
+    --rates 0.5,1 --repeats 3 --budget-s "${SERVING_S:-$(( $(left) - 70 ))}" --out "$R/serving_small"
   step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle,draft \
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s "$(( $(left) - 10 ))" ;;
 q|r)

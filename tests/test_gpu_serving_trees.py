@@ -36,3 +36,27 @@ def test_bad_tree_setting_is_named_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_serving_trees.BenchSession, "load", refuse)
     with pytest.raises(Exception, match="tree_budget"):
         gpu_serving_trees.main(["--device", "cpu", "--preset", "tiny", "--tree-budget", "99", "--out", str(tmp_path)])
+
+
+def test_calibrated_method_serves_with_the_schedule_measured_in_its_warm_up(tmp_path):
+    rc = gpu_serving_trees.main(["--device", "cpu", "--preset", "tiny", "--num-requests", "4", "--max-new-tokens",
+                                 "6", "--repeats", "1", "--max-num-seqs", "2", "--rates", "1", "--methods",
+                                 "ar,eagle+cal", "--greedy-check-requests", "2", "--compile", "off", "--out",
+                                 str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    schedule = result["meta"]["schedules"]["eagle+cal"]
+    assert schedule["error"] is None and json.loads(schedule["calibration_table"])["measured"]
+    k_by_batch = schedule["k_by_batch"]  # a tree: every range turns the whole 16-node tree on or off
+    assert k_by_batch and all(part.split(":")[1] in ("0", "16") for part in k_by_batch.split(","))
+    run = next(r for r in result["runs"] if r["method"] == "eagle+cal")
+    assert run["k_by_batch"] == k_by_batch and run["greedy_matches_solo"] is True
+    row = next(r for r in result["rows"] if r["method"] == "eagle+cal")
+    assert row["label"] == f"eagle D4 K4 N16, adaptive ({k_by_batch})"
+    assert f"adaptive ({k_by_batch})" in (tmp_path / "table.md").read_text()
+
+
+def test_docstring_examples():
+    import doctest
+
+    assert doctest.testmod(gpu_serving_trees).failed == 0
