@@ -119,15 +119,18 @@ class DraftTree:
         if valid is not None:
             beam_node = torch.where(valid, beam_node, torch.full_like(beam_node, -1))
         parent = torch.cat([torch.full_like(beam_node[..., :1], -1), beam_node[..., :-1]], -1)  # [B, W, L]
-        dest = torch.where(keep.view(b, n), new_idx, n)  # [B, W*L]: duplicates and padding -> dropped column n
+        # node j holds the j-th kept (w, d) in beam-major order: a stable sort puts the kept ones first, in that
+        # order, and one gather per field places them (gathers of one index fuse into one kernel where four
+        # scatters into filled tensors took eight on the GPU); nodes past the kept count are padding
+        src = torch.sort((~keep).view(b, n).int(), dim=-1, stable=True).indices  # [B, N]
+        used = torch.arange(n, device=dev) < keep.view(b, n).sum(-1, keepdim=True)  # [B, N]
 
         def place(values: torch.Tensor, fill: int) -> torch.Tensor:
-            """values [B, W, L] -> [B, N]: kept (w, d) written at their node index, `fill` elsewhere."""
-            out = torch.full((b, n + 1), fill, dtype=values.dtype, device=dev)
-            return out.scatter_(1, dest, values.reshape(b, n))[:, :n]
+            """values [B, W, L] -> [B, N]: kept (w, d) at their node index, `fill` on the padding nodes."""
+            return torch.where(used, values.reshape(b, n).gather(1, src), fill)
 
         depths = (depth_idx + 1).expand(b, w, l)
-        tree = DraftTree(place(beam_tokens, 0), place(parent, -1), place(depths, 1), place(keep, False),
+        tree = DraftTree(place(beam_tokens, 0), place(parent, -1), place(depths, 1), used,
                          depth_bound=l, beam_pairs=beam_pair_counts(beam_tokens, valid), distinct_siblings=True)
         return tree, beam_node
 
