@@ -172,3 +172,42 @@ def test_whole_beams_without_a_mask_make_the_same_tree_as_with_an_all_true_one()
         for name in ("token_ids", "parents", "depths", "valid", "beam_pairs"):
             assert torch.equal(getattr(bare, name), getattr(masked, name)), (w, l, name)
         assert torch.equal(bare_nodes, masked_nodes) and bare.depth_bound == masked.depth_bound == l
+
+
+def prefix_tree_reference(tokens: list[list[int]], valid: list[list[bool]]) -> tuple[list, list, list]:
+    """One row's W beams of L tokens (with prefix masks) merged by a dictionary of prefixes, beam-major: the plain
+    loop `from_beams` vectorises -> (token_ids, parents, depths) of its nodes, in node order."""
+    node_of: dict[tuple, int] = {}
+    toks, parents, depths = [], [], []
+    for beam, ok in zip(tokens, valid):
+        for d in range(len(beam)):
+            if not all(ok[:d + 1]):
+                break
+            prefix = tuple(beam[:d + 1])
+            if prefix not in node_of:
+                node_of[prefix] = len(toks)
+                toks.append(beam[d])
+                parents.append(node_of[prefix[:-1]] if d else -1)
+                depths.append(d + 1)
+    return toks, parents, depths
+
+
+def test_from_beams_matches_a_loop_over_prefixes_on_random_masked_beams():
+    """The vectorised merge (one stable sort and gathers) against the reference loop: random beams over a 3-token
+    vocabulary (many shared prefixes), random prefix masks, several widths and lengths; padding nodes hold token 0,
+    parent -1, depth 1 and are invalid."""
+    g = torch.Generator().manual_seed(11)
+    for w, l in ((2, 3), (4, 4), (5, 2), (3, 5)):
+        tokens = torch.randint(0, 3, (6, w, l), generator=g)
+        lengths = torch.randint(0, l + 1, (6, w), generator=g)
+        valid = torch.arange(l) < lengths.unsqueeze(-1)  # prefix masks, some beams empty
+        for mask in (valid, None):
+            tree, _ = DraftTree.from_beams(tokens, mask)
+            for row in range(6):
+                ok = (mask if mask is not None else torch.ones_like(valid))[row].tolist()
+                want = prefix_tree_reference(tokens[row].tolist(), ok)
+                k = len(want[0])
+                assert tree.valid[row].tolist() == [True] * k + [False] * (w * l - k), (w, l, row)
+                got = (tree.token_ids[row], tree.parents[row], tree.depths[row])
+                assert [x[:k].tolist() for x in got] == list(want), (w, l, row)
+                assert [x[k:].tolist() for x in got] == [[0] * (w * l - k), [-1] * (w * l - k), [1] * (w * l - k)]

@@ -60,7 +60,7 @@ from workbench.engine.kv_cache import ATTENTION_BACKENDS, make_cache
 from workbench.engine.kv_quant import kv_format
 from workbench.engine.quant import apply_kernel_tuning
 from workbench.engine.sampling import SamplingParams, next_token
-from workbench.engine.tree import DraftTree, earlier_siblings, verify_mask
+from workbench.engine.tree import DraftTree, earlier_siblings, pack_tree, tree_input, unpack_tree, verify_mask
 from workbench.engine.verify import Acceptance, Verifier, accept_greedy
 from kernels.pdl import pdl_scope
 from kernels.tuning import KernelTuning, parse_tuning
@@ -479,20 +479,20 @@ class SpecEngine:
 
     def _tree_pads(self, n: int) -> dict[str, torch.Tensor]:
         dev = self.device
-        z = torch.zeros(n, dtype=torch.long, device=dev)
-        return {"draft": z, "parents": z - 1, "depths": z + 1, "valid": z.bool(),
-                "rows": torch.tensor(self.cache.pad_row, device=dev),
-                "uniforms": torch.zeros(1 + n, device=dev), "beam_pairs": torch.zeros(2, dtype=torch.long, device=dev)}
+        z = torch.zeros(1, n, dtype=torch.long, device=dev)
+        return {"tree": pack_tree(z, z - 1, z + 1, z.bool())[0],  # padding nodes: token 0, parent -1, depth 1
+                "rows": torch.tensor(self.cache.pad_row, device=dev), "uniforms": torch.zeros(1 + n, device=dev)}
 
-    def _verify_tree(self, draft: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor,
-                     rows: torch.Tensor, uniforms: torch.Tensor, beam_pairs: torch.Tensor) -> torch.Tensor:
-        """The captured step of trees and feature drafters, reading only persistent state: draft / parents / depths /
-        valid [B, N] (the drafter's tree), rows [B], uniforms [B, 1+N] (sampled settings' draws, `Verifier.uniforms`),
-        beam_pairs [B, 2] (merged beams' counts) -> packed [B, 3 + D (+ D) (+ 2)] (`_pack`). In one step: the target
+    def _verify_tree(self, tree: torch.Tensor, rows: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """The captured step of trees and feature drafters, reading only persistent state: tree [B, 4N + 2] (the
+        drafter's tree, `pack_tree`: draft tokens / parents / depths / valid [B, N] and merged beams' counts [B, 2]),
+        rows [B], uniforms [B, 1+N] (sampled settings' draws, `Verifier.uniforms`) -> packed [B, 3 + D (+ D) (+ 2)]
+        (`_pack`). In one step: the target
         over [root, nodes] under the tree mask, acceptance (greedy, or sampled over deterministic candidates), the
         accepted path's KV moved down to its final slots, tokens and kv_len of `rows` written, and the drafter's
         `commit_device` with the committed tokens' hidden states (root, then the path)."""
         drafter, cache = self.drafter, self.cache
+        draft, parents, depths, valid, beam_pairs = unpack_tree(tree)
         b, n = draft.shape
         dev = draft.device
         d = drafter.depth_bound if n else 0
@@ -655,10 +655,8 @@ class SpecEngine:
             elif fused_tree:
                 cache.plan(live, base_host, 1 + n)
                 packed_dev = self.tree_step(n, len(live), {
-                    "draft": tree.token_ids if n else None, "parents": tree.parents if n else None,
-                    "depths": tree.depths if n else None, "valid": tree.valid if n else None, "rows": live_t,
-                    "uniforms": self.verifier.uniforms(len(live), n, dev),
-                    "beam_pairs": tree.beam_pairs if n else None}, live)  # state, cache and drafter updated
+                    "tree": tree_input(tree) if n else None, "rows": live_t,
+                    "uniforms": self.verifier.uniforms(len(live), n, dev)}, live)  # state, cache and drafter updated
             else:
                 ids = torch.cat([state.root.unsqueeze(1), tree.token_ids], 1)  # [B, 1+N]
                 offsets = torch.cat([torch.zeros_like(base).unsqueeze(1), tree.depths], 1)
@@ -829,10 +827,8 @@ class SpecEngine:
                     cache.plan(launch, hi, 1 + n)
                     if tree_step:
                         packed_dev = self.tree_step(n, len(launch), {
-                            "draft": tree.token_ids, "parents": tree.parents, "depths": tree.depths,
-                            "valid": tree.valid, "rows": launch_t,
-                            "uniforms": self.verifier.uniforms(len(launch), n, dev),
-                            "beam_pairs": tree.beam_pairs}, launch)
+                            "tree": tree_input(tree), "rows": launch_t,
+                            "uniforms": self.verifier.uniforms(len(launch), n, dev)}, launch)
                     else:
                         packed_dev = self.accept_step(n, len(launch), {
                             "draft": tree.token_ids if n else None, "rows": launch_t,

@@ -37,6 +37,10 @@ class DraftTree:
     # no two valid siblings hold the same token (the drafter guarantees it; from_beams' trees have it): acceptance
     # skips the duplicate-sibling rule, which would change nothing
     distinct_siblings: bool = False
+    # [B, 4N + 2] long: token_ids, parents, depths, valid and beam_pairs (zeros without) side by side, where the
+    # drafter's captured step wrote them so (`pack_tree`): the engine's tree step takes it as its one input, one copy
+    # where the five fields took five (~2 us each on tiny's H100 step); None = packed by the engine when it needs it
+    packed: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -133,6 +137,35 @@ class DraftTree:
         tree = DraftTree(place(beam_tokens, 0), place(parent, -1), place(depths, 1), used,
                          depth_bound=l, beam_pairs=beam_pair_counts(beam_tokens, valid), distinct_siblings=True)
         return tree, beam_node
+
+
+def pack_tree(token_ids: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor,
+              beam_pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """A tree's fields [B, N] (and beam_pairs [B, 2]) -> [B, 4N + 2] long, side by side (`DraftTree.packed`).
+
+    >>> pack_tree(torch.tensor([[7, 8]]), torch.tensor([[-1, 0]]), torch.tensor([[1, 2]]), torch.tensor([[1, 0]]).bool())
+    tensor([[ 7,  8, -1,  0,  1,  2,  1,  0,  0,  0]])
+    """
+    pairs = beam_pairs if beam_pairs is not None else torch.zeros(token_ids.shape[0], 2, dtype=torch.long,
+                                                                   device=token_ids.device)
+    return torch.cat([token_ids, parents, depths, valid.long(), pairs], 1)
+
+
+def unpack_tree(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`pack_tree`'s [B, 4N + 2] -> (token_ids, parents, depths [B, N] long, valid [B, N] bool, beam_pairs [B, 2]).
+
+    >>> [x.tolist() for x in unpack_tree(torch.tensor([[7, 8, -1, 0, 1, 2, 1, 0, 3, 4]]))]
+    [[[7, 8]], [[-1, 0]], [[1, 2]], [[True, False]], [[3, 4]]]
+    """
+    n = (packed.shape[1] - 2) // 4
+    tokens, parents, depths, valid, pairs = packed.split([n, n, n, n, 2], 1)
+    return tokens, parents, depths, valid.bool(), pairs
+
+
+def tree_input(tree: DraftTree) -> torch.Tensor:
+    """The tree as the engine's tree step reads it: the drafter's packed tensor, else packed here."""
+    return tree.packed if tree.packed is not None else pack_tree(tree.token_ids, tree.parents, tree.depths,
+                                                                 tree.valid, tree.beam_pairs)
 
 
 def beam_diversity(tree: DraftTree, beams: int, length: int) -> torch.Tensor:

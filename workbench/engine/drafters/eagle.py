@@ -55,7 +55,7 @@ from workbench.engine.drafters.head_io import HotVocab, SavedHead
 from workbench.engine.graphs import FixedShapeStep
 from workbench.engine.kv_cache import make_cache
 from workbench.engine.topk import ranked_topk
-from workbench.engine.tree import DraftTree
+from workbench.engine.tree import DraftTree, pack_tree
 from workbench.models.config import ModelConfig
 from workbench.choices import tree_capacity
 from workbench.models.llama import DecoderLayer, Linear, full_config
@@ -338,11 +338,12 @@ class EagleDrafter(OneStepDrafter):
         base_host = [n - 1 for n in state.kv_len_host]
         self.cache.plan(state.rows_host, base_host, 1 + self.tree_depth + self._draft_slots())
         if self.step is not None:
-            tokens, parents, depths, valid = self.step(0, len(state.rows_host), {"rows": state.rows}, state.rows_host)
+            tokens, parents, depths, valid, packed = self.step(0, len(state.rows_host), {"rows": state.rows},
+                                                               state.rows_host)
         else:
-            tokens, parents, depths, valid = self._draft(state.rows)
+            tokens, parents, depths, valid, packed = self._draft(state.rows)
         return DraftTree(tokens, parents, depths, valid, None, is_chain=self.proposes_chains,
-                         depth_bound=self.tree_depth, distinct_siblings=self.distinct_siblings)
+                         depth_bound=self.tree_depth, distinct_siblings=self.distinct_siblings, packed=packed)
 
     splits_commit = True
 
@@ -401,8 +402,9 @@ class EagleDrafter(OneStepDrafter):
     # gathers, index arithmetic and concatenations as ~23 separate eager ops per draft (tiny). `_draft` only calls
     # `_root`, `_level` and `_rerank`, each compiled on its own (split at its head forward).
     def _draft(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """rows [B] -> (token_ids, parents, depths [B, N] long, valid [B, N] bool). Reads only the pending buffers
-        and the head's cache (what a CUDA graph captures)."""
+        """rows [B] -> (token_ids, parents, depths [B, N] long, valid [B, N] bool, the four packed [B, 4N + 2]:
+        `pack_tree`, the engine's tree step's input). Reads only the pending buffers and the head's cache (what a CUDA
+        graph captures)."""
         state, cands = self._root(rows)
         for depth in range(1, self.tree_depth):
             state = self._level(rows, depth, state, cands)
@@ -466,12 +468,13 @@ class EagleDrafter(OneStepDrafter):
         return front_score, front_tok, front_cand, front_feat, ancestors, levels
 
     def _rerank(self, cands: list[list[torch.Tensor]], b: int) -> tuple[torch.Tensor, ...]:
-        """The candidates reranked to the node budget -> (token_ids, parents, depths, valid)."""
+        """The candidates reranked to the node budget -> (token_ids, parents, depths, valid, packed)."""
         n_cand = self._cand_depth.shape[0]
         tokens, parents, depths = rerank(torch.cat(cands[0], 1), torch.cat(cands[1], 1),
                                          torch.cat(cands[2], 1).view(b, n_cand),
                                          self._cand_depth.expand(b, n_cand), self.tree_budget)
-        return tokens, parents, depths, self._valid[:b]
+        valid = self._valid[:b]
+        return tokens, parents, depths, valid, pack_tree(tokens, parents, depths, valid)
 
     @property
     def settings(self) -> dict:

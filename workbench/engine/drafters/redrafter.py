@@ -42,7 +42,7 @@ from workbench.engine.drafters.head_io import HotVocab, SavedHead
 from workbench.engine.graphs import FixedShapeStep, on_device
 from workbench.engine.sampling import probs_from_logits
 from workbench.engine.topk import ranked_topk
-from workbench.engine.tree import DraftTree
+from workbench.engine.tree import DraftTree, pack_tree
 
 
 @dataclass(frozen=True)
@@ -258,10 +258,12 @@ class RedrafterDrafter(OneStepDrafter):
 
     def _draft(self, rows: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """rows [B], root [B] -> the merged prefix tree's (token_ids, parents, depths, valid [B, W*L], beam_pairs
-        [B, 2]): the beam search and the merge as one fixed-shape step."""
+        [B, 2], all five packed [B, 4 W*L + 2]: `pack_tree`, the engine's tree step's input): the beam search and the
+        merge as one fixed-shape step."""
         tree, _ = DraftTree.from_beams(self._search(rows, self._roots(rows, root)))
+        fields = (tree.token_ids, tree.parents, tree.depths, tree.valid, tree.beam_pairs)
         # contiguous: one beam's chain has expanded parents / depths, which a kept step output cannot be copied into
-        return tuple(x.contiguous() for x in (tree.token_ids, tree.parents, tree.depths, tree.valid, tree.beam_pairs))
+        return tuple(x.contiguous() for x in fields) + (pack_tree(*fields),)
 
     def beam_tokens(self, state: BatchState) -> torch.Tensor:
         """The step's W beams of L tokens for state.rows: [B, W, L] long (eager; for inspection and tests)."""
@@ -273,9 +275,10 @@ class RedrafterDrafter(OneStepDrafter):
             parts = self.step(0, len(state.rows_host), {"rows": state.rows, "root": root}, state.rows_host)
         else:
             parts = self._draft(state.rows, state.root if self.ctx.tokens is None else None)
-        tokens, parents, depths, valid, pairs = parts
+        tokens, parents, depths, valid, pairs, packed = parts
         return DraftTree(tokens, parents, depths, valid, None, is_chain=self.proposes_chains,
-                         depth_bound=self.beam_length, beam_pairs=pairs, distinct_siblings=self.distinct_siblings)
+                         depth_bound=self.beam_length, beam_pairs=pairs, distinct_siblings=self.distinct_siblings,
+                         packed=packed)
 
     @property
     def settings(self) -> dict:
