@@ -155,6 +155,14 @@ class Attention(nn.Module):
                 norm: "RMSNorm | None" = None, residual: Tensor | None = None) -> Tensor:
         """x [B, T, H] -> o_proj(attention) [B, T, H]; with `norm`, x is normalized first (inside the q/k/v GEMV where
         it can be), with `residual` [B, T, H] added to the output (inside o_proj's GEMV where it can be)."""
+        return self.output(self.attend(attn, *self.project(x, cos, sin_signed, attn, norm)), residual)
+
+    # The three parts of `forward`, for a caller that puts the attention call at the top of its own compiled frame
+    # (the EAGLE head's draft levels): torch.compile then traces what comes before and after it into one graph each
+    # (with the caller's own work), where a graph break inside this module's frame split them into more.
+    def project(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attn: AttentionBackend,
+                norm: "RMSNorm | None" = None) -> tuple[Tensor, Tensor, Tensor, dict]:
+        """x [B, T, H] -> (q [B, Hq, T, D], k, v [B, Hkv, T, D], rope: what `attend` passes the backend)."""
         b, t, _ = x.shape
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x) if norm is None else norm_linear(self.qkv_proj, norm, x)
@@ -169,12 +177,20 @@ class Attention(nn.Module):
         q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
         k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[:, :, hq + hkv :].transpose(1, 2)  # [B, Hkv, T, D]
+        return q, k, v, rope
+
+    def attend(self, attn: AttentionBackend, q: Tensor, k: Tensor, v: Tensor, rope: dict) -> Tensor:
+        """The backend's attention over `project`'s q, k, v -> [B, Hq, T, D] (a one-launch backend's from outside
+        torch.compile: `attend_uncompiled`)."""
         one_call = getattr(attn, "attends_in_one_call", None)
         if torch.compiler.is_compiling() and one_call is not None and one_call():  # eager: no wrapper to pass
-            out = attend_uncompiled(attn, self, q, k, v, rope)
-        else:
-            out = attn.attend(self.layer_idx, q, k, v, **rope)
-        out = out.transpose(1, 2).reshape(b, t, hq * self.head_dim)
+            return attend_uncompiled(attn, self, q, k, v, rope)
+        return attn.attend(self.layer_idx, q, k, v, **rope)
+
+    def output(self, out: Tensor, residual: Tensor | None = None) -> Tensor:
+        """`attend`'s [B, Hq, T, D] -> o_proj of it [B, T, H] (+ residual, inside o_proj's GEMV where it can be)."""
+        b, _, t, _ = out.shape
+        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         return self.o_proj(out) if residual is None else linear_residual(self.o_proj, out, residual)
 
 

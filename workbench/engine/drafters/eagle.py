@@ -163,6 +163,11 @@ class EagleHead(SavedHead):
             self.layer.input_layernorm = None  # the published head's first layer has none
 
     @property
+    def attention(self):
+        """The layer's `Attention` (its `attend` runs between `pre` and `post`)."""
+        return self.layer.self_attn
+
+    @property
     def hidden_columns(self) -> slice:
         """fc's input columns that read the hidden state (the rest read the token embedding)."""
         h = self.config.hidden_size
@@ -211,15 +216,29 @@ class EagleHead(SavedHead):
         looks up all its frontier levels' at once); None: looked up here."""
         from workbench.models.attention import CausalAttention
 
+        attn = CausalAttention() if attn is None else attn
+        x, qkv = self.pre(target, hidden, token_ids, positions, attn, rope)
+        return self.post(target, x, self.layer.self_attn.attend(attn, *qkv))
+
+    # `forward` in two halves around the attention call, for the draft: `_root` and `_level` call that between them,
+    # so torch.compile traces each half into one graph with the draft's own work before and after it (each half
+    # inside the layer's frames was a graph of its own: two residual adds and norms that did not fuse)
+    def pre(self, target, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, attn,
+            rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple]:
+        """-> (x: the layer's input [B, T, H], its residual; (q, k, v, rope): `Attention.attend`'s arguments)."""
         embed = target.model.embed_tokens(token_ids)
         published = self.config.style == "eagle"
         x = self.fc(torch.cat([embed, hidden] if published else [hidden, embed], -1))  # [B, T, H]
         cos, sin = rope if rope is not None else rope_rows(target, positions, x.dtype)
-        attn = CausalAttention() if attn is None else attn
-        if not published:
-            return target.model.norm(self.layer(x, cos, sin, attn))
-        x = self.layer.self_attn(x, cos, sin, attn, residual=x)  # no input norm
-        return self.layer.mlp(x, residual=x, norm=self.layer.post_attention_layernorm)  # no final norm
+        norm = None if published else self.layer.input_layernorm  # the published head's first layer has none
+        return x, self.layer.self_attn.project(x, cos, sin, attn, norm)
+
+    def post(self, target, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """`pre`'s x and the attention's output -> the predicted features [B, T, H] (the layer's o_proj and MLP with
+        their residuals, then the target's final norm; the published head: none)."""
+        x = self.layer.self_attn.output(attended, residual=x)
+        x = self.layer.mlp(x, residual=x, norm=self.layer.post_attention_layernorm)
+        return x if self.config.style == "eagle" else target.model.norm(x)
 
 
 def rope_rows(target, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,7 +419,8 @@ class EagleDrafter(OneStepDrafter):
     # compiled graph at its attention (one launch kept outside torch.compile, llama.attend_uncompiled), and dynamo
     # runs a frame with a graph break inside a loop wholly eagerly: written inline, the loop over depths ran its
     # gathers, index arithmetic and concatenations as ~23 separate eager ops per draft (tiny). `_draft` only calls
-    # `_root`, `_level` and `_rerank`, each compiled on its own (split at its head forward).
+    # `_root`, `_level` and `_rerank`, each compiled on its own, and each calls the head's halves (`pre`, `post`)
+    # around its attention: two graphs per head forward, each with the level's own work.
     def _draft(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """rows [B] -> (token_ids, parents, depths [B, N] long, valid [B, N] bool, the four packed [B, 4N + 2]:
         `pack_tree`, the engine's tree step's input). Reads only the pending buffers and the head's cache (what a CUDA
@@ -409,6 +429,10 @@ class EagleDrafter(OneStepDrafter):
         for depth in range(1, self.tree_depth):
             state = self._level(rows, depth, state, cands)
         return self._rerank(cands, rows.shape[0])
+
+    def _attend(self, qkv: tuple) -> torch.Tensor:
+        """The head's attention over its cache: `pre`'s q, k, v (the head's one layer, index 0)."""
+        return self.head.attention.attend(self.cache, *qkv)
 
     def _root(self, rows: torch.Tensor) -> tuple[tuple, list[list[torch.Tensor]]]:
         """The pending committed pairs through the head; the last valid one drafts depth 1 (the root's top-K
@@ -420,8 +444,8 @@ class EagleDrafter(OneStepDrafter):
         base, last, root_pos = self.pend_pos[:, rows]  # [B] each: first pair's position, last pair, root's position
         positions = base.unsqueeze(1) + self._pend_offsets  # [B, 1 + D]: head positions, also the slots written
         self.cache.prepare(rows, base, 1 + d_max, None, span, write_pos=positions)
-        feats = self.head(self.target, self.pend_hidden[rows], self.pend_tokens[rows], positions,
-                          self.cache)  # [B, 1 + D, H]
+        x, qkv = self.head.pre(self.target, self.pend_hidden[rows], self.pend_tokens[rows], positions, self.cache)
+        feats = self.head.post(self.target, x, self._attend(qkv))  # [B, 1 + D, H]
         h = feats.shape[-1]
         root_feat = feats.gather(1, last.view(b, 1, 1).expand(-1, 1, h))  # [B, 1, H]
         # per frontier level (depth - 1): where its K entries start [D-1, B], and their RoPE position [D-1, B] (the
@@ -447,8 +471,9 @@ class EagleDrafter(OneStepDrafter):
         first = (depth - 1) * k  # the frontier's draft slots: first .. first + K - 1
         self.cache.prepare(rows, level_start[depth - 1], k, self._eye.expand(b, k, k), span,
                            prefix_mask=ancestors[:, :, :first], write_pos=level_write[depth - 1])
-        f = self.head(self.target, front_feat, front_tok, level_pos[depth - 1].unsqueeze(1).expand(b, k),
-                      self.cache, rope=(level_rope[0][depth - 1], level_rope[1][depth - 1]))  # [B, K, H]
+        x, qkv = self.head.pre(self.target, front_feat, front_tok, level_pos[depth - 1].unsqueeze(1).expand(b, k),
+                               self.cache, rope=(level_rope[0][depth - 1], level_rope[1][depth - 1]))
+        f = self.head.post(self.target, x, self._attend(qkv))  # [B, K, H]
         child_logp, child_tok = self._top(f, k)  # [B, K, K]
         child_score = (front_score.unsqueeze(-1) + child_logp).flatten(1)  # [B, K*K]
         child_tok = child_tok.flatten(1)

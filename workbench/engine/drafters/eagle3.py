@@ -136,9 +136,17 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps)
 
     def forward(self, embed, g, cos, sin, attn):
+        residual, qkv = self.pre(embed, g, cos, sin, attn)
+        return self.post(residual, self.self_attn.attend(attn, *qkv))
+
+    def pre(self, embed, g, cos, sin, attn) -> tuple[torch.Tensor, tuple]:
+        """`forward` up to the attention call -> (the residual, `Attention.attend`'s q, k, v, rope)."""
         gn = self.hidden_norm(g)
         u = torch.cat([self.input_layernorm(embed), gn], -1)
-        y = self.self_attn(u, cos, sin, attn, residual=gn if self.norm_before_residual else g)
+        return gn if self.norm_before_residual else g, self.self_attn.project(u, cos, sin, attn)
+
+    def post(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        y = self.self_attn.output(attended, residual=residual)
         return self.mlp(y, residual=y, norm=self.post_attention_layernorm)
 
 
@@ -209,6 +217,11 @@ class Eagle3Head(SavedHead):
                                  f"the head must be trained for this target (zoo train-head --kind eagle3)")
         check_aux_layers(ours.aux_layers, c.num_hidden_layers)
 
+    @property
+    def attention(self):
+        """The layer's `Attention` (its `attend` runs between `pre` and `post`)."""
+        return self.midlayer.self_attn
+
     def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [.., H] (a predicted feature: kept) or [.., H + 3H] (the aux view's: fc over the aux part)."""
         h = self.config.hidden_size
@@ -220,10 +233,19 @@ class Eagle3Head(SavedHead):
         up here (as `EagleHead.forward`)."""
         from workbench.models.attention import CausalAttention
 
+        attn = CausalAttention() if attn is None else attn
+        residual, qkv = self.pre(target, hidden, token_ids, positions, attn, rope)
+        return self.post(target, residual, self.midlayer.self_attn.attend(attn, *qkv))
+
+    def pre(self, target, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, attn,
+            rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple]:
+        """`forward` up to the attention call, as `EagleHead.pre` (the draft calls the attention between the halves)."""
         g = self.fuse(hidden)
         cos, sin = rope if rope is not None else rope_rows(target, positions, g.dtype)
-        return self.midlayer(target.model.embed_tokens(token_ids), g, cos, sin,
-                             CausalAttention() if attn is None else attn)
+        return self.midlayer.pre(target.model.embed_tokens(token_ids), g, cos, sin, attn)
+
+    def post(self, target, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        return self.midlayer.post(residual, attended)
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """features [.., H] -> logits over the draft vocabulary [.., Vd]."""
