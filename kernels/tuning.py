@@ -11,7 +11,7 @@ Torch-free, so settings and the UI can parse and check it without loading a kern
 >>> t.int4_mma_rows, t.int4_half2, t.int4_cuda
 (0, 2, True)
 >>> format_tuning(t)
-'int4_mma_rows=0,int4_cuda=1,int4_half2=2,int4_prefill_gemm_rows=0'
+'int4_mma_rows=0,int4_cuda=1,int4_half2=2,int4_prefill_gemm_rows=0,inductor_pdl=1,inductor_combo=1'
 >>> parse_tuning(format_tuning(t)) == t, parse_tuning("") == KernelTuning()
 (True, True)
 """
@@ -43,6 +43,13 @@ class KernelTuning:
     # int4 prefill calls of 17..int4_prefill_gemm_rows rows through the GEMV's tensor-core form (no bf16 weight written)
     # instead of dequantize + matmul; 0 = never (not yet timed on a GPU).
     int4_prefill_gemm_rows: int = 0
+    # torch.compile'd steps (compile default / max-autotune): inductor's own Triton kernels launched with programmatic
+    # dependent launch (Hopper and later: each kernel starts while the one before it ends; no effect elsewhere), and
+    # independent small kernels of a graph fused into one launch ("combo kernels", an experimental inductor option).
+    # Measured on tiny, H100, batch 1, compile default: AR step -5 % / -3 % / -7 % (PDL / combo / both), EAGLE
+    # -5 % / -7 % / -10 %, ReDrafter -4 % / -5 % / -8 % (docs/gpu_runs/2026-12-07/s5/). Off: inductor's defaults.
+    inductor_pdl: bool = True
+    inductor_combo: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.int4_mma_rows, bool) or not isinstance(self.int4_mma_rows, int) \
@@ -57,6 +64,9 @@ class KernelTuning:
                 or self.int4_prefill_gemm_rows < 0:
             raise KernelTuningError(f"int4_prefill_gemm_rows={self.int4_prefill_gemm_rows!r}: give a whole number "
                                     "of rows >= 0 (0 = never)")
+        for name in ("inductor_pdl", "inductor_combo"):
+            if not isinstance(getattr(self, name), bool):
+                raise KernelTuningError(f"{name}={getattr(self, name)!r}: give 1 (on) or 0 (off)")
         # the text form, kept: a compiled caller hands it to the custom op without running Python's dataclass machinery
         object.__setattr__(self, "text", record_text(self))
 
@@ -109,6 +119,15 @@ def record_from_text(cls, text: str | None, error: type[ValueError], what: str):
         else:
             raise error(f"{name}={value!r}: give a whole number" + (" or auto" if default is None else ""))
     return cls(**values)
+
+
+def inductor_options(tuning: KernelTuning) -> tuple[tuple[str, bool], ...]:
+    """The torch._inductor options of a tuning record, as torch.compile(options=...) takes them (as pairs: hashable).
+
+    >>> inductor_options(parse_tuning("inductor_combo=0"))
+    (('triton.enable_pdl', True), ('combo_kernels', False))
+    """
+    return (("triton.enable_pdl", tuning.inductor_pdl), ("combo_kernels", tuning.inductor_combo))
 
 
 def format_tuning(tuning: KernelTuning) -> str:

@@ -55,11 +55,11 @@
 #                  tiny's tree parity, then the 8B steps with compile on
 #   small40        issue 40 after the ranking kernel's chunk rule and the compiled draft glue: tiny's step costs, small
 #                  (trains it and its heads): step costs at batch 1, 4, 16, 32 with compile on, then tiny's parity
-#   exp40          issue 40: tiny's step costs with inductor's PDL and combo kernels on and off (each in its own
-#                  process), the fastest EAGLE step's setting written to zoo_cache/inductor.txt; then trains small and
-#                  its heads for small40b / serve40b on the warm machine
-#   small40b       issue 40 on the current code: small (trains it and its heads), step costs at batch 1, 4, 16, 32
-#                  with compile on (INDUCTOR="combo_kernels=1,..." passes gpu_tree_steps' --inductor-config)
+#   exp40          issue 40: tiny's step costs with inductor's PDL and combo kernels off and on (kernel_tuning's
+#                  inductor fields, each setting in its own process); then trains small and its heads for small40b /
+#                  serve40b on the warm machine
+#   small40b       issue 40 on the current code: small (trains it and its heads), step costs of AR, the draft model,
+#                  EAGLE and ReDrafter at batch 1, 4, 16, 32 with compile on
 #   serve40b       its sequel on the warm machine: trees served under load on small (compile off; EAGLE also with
 #                  the schedule calibrated per batch size), then tiny's parity
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
@@ -363,31 +363,20 @@ small40)
   step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle,draft \
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s "$(( $(left) - 10 ))" ;;
 exp40)
-  for cfg in "" "triton.enable_pdl=1" "combo_kernels=1" "combo_kernels=1,triton.enable_pdl=1"; do
-    n=tiny_$(echo "${cfg:-base}" | tr -c 'a-z0-9\n' '_')
+  # inductor's defaults, PDL, combo kernels, both (the record's default): kernel_tuning's inductor fields
+  for t in "inductor_pdl=0,inductor_combo=0" "inductor_combo=0" "inductor_pdl=0" ""; do
+    n=tiny_$(echo "${t:-default}" | tr -c 'a-z0-9\n' '_')
     step "$n" 50 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
-      --methods ar,eagle,redrafter --rounds 3 --out "$R/$n" --budget-s 80 ${cfg:+--inductor-config "$cfg"}
+      --methods ar,eagle,redrafter --rounds 3 --out "$R/$n" --budget-s 80 --kernel-tuning "$t"
   done
-  mkdir -p zoo_cache
-  $PY - "$R" > zoo_cache/inductor.txt <<'PYEOF'
-import json, pathlib, sys
-best = {}
-for f in pathlib.Path(sys.argv[1]).glob("tiny_*/results.json"):
-    r = json.loads(f.read_text())
-    ms = [x["ms_per_step"] for x in r["rows"] if x["method"] == "eagle" and x.get("ms_per_step")]
-    if ms:
-        best[",".join(f"{k}={int(v)}" for k, v in r["meta"]["args"]["inductor_config"].items())] = ms[0]
-print(min(best, key=best.get) if best else "")
-PYEOF
-  echo "fastest EAGLE step with inductor config: '$(cat zoo_cache/inductor.txt)'" | tee -a "$R/steps.txt"
   train_small
   heads ;;
 small40b)
   train_small
   heads
   step stepssmall 90 $PY scripts/gpu_tree_steps.py --device cuda --preset small --compile default \
-    --out "$R/stepssmall" --batches 1,4,16,32 --context 512 --steps 64 --rounds 3 --budget-s "$(( $(left) - 15 ))" \
-    ${INDUCTOR:+--inductor-config "$INDUCTOR"} ;;
+    --methods ar,draft,eagle,redrafter --out "$R/stepssmall" --batches 1,4,16,32 --context 512 --steps 64 \
+    --rounds 3 --budget-s "$(( $(left) - 15 ))" ;;
 serve40b)
   train_small
   heads

@@ -57,6 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels.tuning import KernelTuningError, parse_tuning  # noqa: E402
 from workbench.engine import EngineConfig, SpecEngine  # noqa: E402
 from workbench.engine.drafters import (Drafter, Eagle3Head, EagleHead, RedrafterHead, engine_target,  # noqa: E402
                                        make_drafter)
@@ -94,41 +95,13 @@ def ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def inductor_config(text: str) -> dict[str, bool | int]:
-    """"a=1,b.c=0" -> {"a": 1, "b.c": 0}, each name an existing torch._inductor.config entry (bool entries as bools).
-
-    >>> inductor_config("combo_kernels=1,triton.enable_pdl=0")
-    {'combo_kernels': True, 'triton.enable_pdl': False}
-    >>> inductor_config("no_such=1")
-    Traceback (most recent call last):
-    argparse.ArgumentTypeError: no_such is not a torch._inductor.config entry
-    """
-    import torch._inductor.config as cfg
-
-    out = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        name, _, value = item.partition("=")
-        *path, attr = name.strip().split(".")
-        owner = cfg
-        for part in path:
-            owner = getattr(owner, part, None)
-        if owner is None or not hasattr(owner, attr):
-            raise argparse.ArgumentTypeError(f"{name} is not a torch._inductor.config entry")
-        if not value.strip().lstrip("-").isdigit():
-            raise argparse.ArgumentTypeError(f"{item}: give an integer value (0 / 1 for switches)")
-        out[name.strip()] = bool(int(value)) if isinstance(getattr(owner, attr), bool) else int(value)
-    return out
-
-
-def apply_inductor_config(entries: dict[str, bool | int]) -> None:
-    import torch._inductor.config as cfg
-
-    for name, value in entries.items():
-        *path, attr = name.split(".")
-        owner = cfg
-        for part in path:
-            owner = getattr(owner, part)
-        setattr(owner, attr, value)
+def tuning_text(text: str) -> str:
+    """A kernel_tuning text, checked (its error names the field)."""
+    try:
+        parse_tuning(text)
+    except KernelTuningError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -161,9 +134,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "kernels per step (default 1; '' = none)")
     ap.add_argument("--compile", choices=("off", "default", "max-autotune"), default="off",
                     help="torch.compile of the fixed-shape steps (default off: at 8B each shape compiles for minutes)")
-    ap.add_argument("--inductor-config", type=inductor_config, default={},
-                    help="experiments: torch._inductor.config entries set for this process before anything compiles, "
-                         "e.g. combo_kernels=1,triton.enable_pdl=1 (recorded in results.json; default none)")
+    ap.add_argument("--kernel-tuning", type=tuning_text, default="",
+                    help="every engine's kernel_tuning record (kernels/tuning.py), e.g. inductor_pdl=0,inductor_combo=0 "
+                         "for inductor's defaults (default: the record's defaults)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="launch-ahead steps where the engine can (default on, the engine's default)")
     ap.add_argument("--budget-s", type=float, default=500.0,
@@ -478,7 +451,7 @@ def measure_batch(target: Target, batch: int, methods: list[tuple[str, str]], t0
     a, device = target.args, target.device
     prompts = target.prompts(batch)
     cfg = EngineConfig(max_new_tokens=a.steps, timing=True, cuda_graphs=True, compile=a.compile, overlap=a.overlap,
-                       prefill_graphs=False)
+                       prefill_graphs=False, kernel_tuning=a.kernel_tuning)
     engines, errors, warm_s, outputs = {}, {}, {}, {}
     for method, label in methods:
         if time.perf_counter() - t0 > a.budget_s:
@@ -588,7 +561,7 @@ def table_md(result: dict) -> str:
     lines = [f"# Target-step cost per method and batch · {m['device_name']} · {m['dtype']}", "",
              f"Prompts of {m['context']} tokens, {m['steps']} new tokens, {m['rounds']} interleaved rounds, "
              f"CUDA graphs on, compile {m['compile']}"
-             + "".join(f" ({k}={v})" for k, v in m["args"].get("inductor_config", {}).items())
+             + (f" (kernel_tuning {m['args']['kernel_tuning']})" if m["args"].get("kernel_tuning") else "")
              + f", overlap {fmt(m['overlap'])}; {m['elapsed_s']:.0f} s in all. "
              "ms/step: decode wall time / target steps (median [min, max] over rounds); phases: GPU ms per step; "
              "x AR: over the AR step of the same target and batch. GPU busy (goal on presets at batch 1: >= 80 % "
@@ -639,7 +612,6 @@ def write(out: Path, result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    apply_inductor_config(args.inductor_config)
     t0 = time.perf_counter()
     device = torch.device(args.device)
     out = Path(args.out)

@@ -62,3 +62,28 @@ def test_warm_up_puts_the_state_back_before_each_run():
     bufs.load(1, {"x": torch.tensor([[2]])}, [0])
     step.warm_up(bufs, times=3)
     assert seen == [0, 0, 0] and int(length) == 0
+
+
+def test_graphs_docstring_examples():
+    """workbench/engine/graphs.py's worked examples (buckets, compile options, padded prefill lengths) and
+    kernels/tuning.py's (the tuning record's text and its inductor options)."""
+    import doctest
+
+    import kernels.tuning
+    import workbench.engine.graphs
+
+    assert doctest.testmod(workbench.engine.graphs).failed == 0
+    assert doctest.testmod(kernels.tuning).failed == 0
+
+
+def test_compiled_steps_take_the_kernel_tunings_inductor_options():
+    """The engine's kernel_tuning reaches every compiled step's torch.compile options (PDL and combo kernels by
+    default; 0 turns either off), over the compile mode's own options."""
+    from workbench.engine import EngineConfig
+    from workbench.engine.graphs import compile_options
+
+    on = EngineConfig(compile="default").graphs
+    assert compile_options(on) == {"triton.enable_pdl": True, "combo_kernels": True}
+    off = EngineConfig(compile="max-autotune", kernel_tuning="inductor_pdl=0,inductor_combo=0").graphs
+    assert compile_options(off) == {"max_autotune": True, "coordinate_descent_tuning": True,
+                                    "triton.enable_pdl": False, "combo_kernels": False}

@@ -366,8 +366,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("kernel_tuning", "str", "", "kernel variants as field=value,... (kernels/tuning.py KernelTuning; empty = the "
          "measured defaults): int4_mma_rows (0-16: int4 verify widths on the tensor-core kernel, 0 off), int4_cuda "
          "(1/0: one-row int4 in the CUDA C++ GEMV), int4_half2 (auto/0/1/2: packed fp16 words in one-row int4 "
-         "Triton tiles), int4_prefill_gemm_rows (int4 prefill calls up to this many rows through the GEMV, 0 never). "
-         "The result row records it resolved, every field", "Kernel tuning", "system"),
+         "Triton tiles), int4_prefill_gemm_rows (int4 prefill calls up to this many rows through the GEMV, 0 never), "
+         "inductor_pdl and inductor_combo (1/0: compiled steps' inductor kernels with programmatic dependent launch; "
+         "independent small kernels fused into one launch). The result row records it resolved, every field",
+         "Kernel tuning", "system"),
 )}
 
 # Serving (`python -m workbench serve-bench`, workbench/serving): in-flight batching under a request load. Declared

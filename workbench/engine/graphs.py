@@ -51,6 +51,9 @@ class GraphSettings:
     compile: str = "off"  # "off" | "default" | "max-autotune"
     prefill: bool = True  # with cuda_graphs: prompt forwards captured too, per (batch, padded length) (PrefillStep)
     compile_prefill: bool = False  # those prompt forwards compiled with `compile` too (each new shape compiles)
+    # torch._inductor options of every compiled step, (name, value) pairs (kernels.tuning.inductor_options of the
+    # engine's kernel_tuning: PDL and combo kernels); () = inductor's defaults
+    inductor: tuple[tuple[str, bool], ...] = ()
 
     def __post_init__(self) -> None:
         check_graph_settings(self.batch_sizes, self.compile)
@@ -218,6 +221,17 @@ def compile_fallback_columns(hits_before: int) -> dict:
     return {"compile_fallbacks": now - hits_before, "compile_fallbacks_in_process": now}
 
 
+def compile_options(settings: GraphSettings) -> dict:
+    """torch.compile's options for a compiled step: the compile mode's own (max-autotune without inductor's CUDA
+    graphs: the steps capture their own) with the settings' inductor options over them.
+
+    >>> compile_options(GraphSettings(compile="default", inductor=(("combo_kernels", True),)))
+    {'combo_kernels': True}
+    """
+    mode = {} if settings.compile == "default" else dict(torch._inductor.list_mode_options("max-autotune-no-cudagraphs"))
+    return {**mode, **dict(settings.inductor)}
+
+
 class FixedShapeStep:
     """`body(**buffers) -> Tensor` (or a tuple of tensors) over persistent per-row buffers padded to a batch bucket.
 
@@ -239,10 +253,9 @@ class FixedShapeStep:
         self._pool = pool
         self._fn = body
         if settings.compile != "off":
-            mode = None if settings.compile == "default" else "max-autotune-no-cudagraphs"
             raise_recompile_limits()
             recompile_limit_hits()  # the watch listens from here on
-            self._fn = torch.compile(body, mode=mode, dynamic=False)
+            self._fn = torch.compile(body, dynamic=False, options=compile_options(settings))
 
     def _get(self, size: int, key) -> _Buffers:
         bufs = self._buffers.get((size, key))
@@ -383,8 +396,8 @@ def prefill_len(length: int, max_len: int) -> int:
     """The length a captured prefill of `length` tokens runs at: the next multiple of PREFILL_LEN_MULTIPLE, or
     `length` itself where that would not fit a cache of `max_len` slots per row.
 
-    >>> prefill_len(17, 256), prefill_len(64, 256), prefill_len(250, 256)
-    (32, 64, 250)
+    >>> prefill_len(17, 256), prefill_len(64, 256), prefill_len(250, 256), prefill_len(250, 255)
+    (32, 64, 256, 250)
     """
     padded = -(-length // PREFILL_LEN_MULTIPLE) * PREFILL_LEN_MULTIPLE
     return padded if padded <= max_len else length
@@ -411,7 +424,7 @@ class PrefillStep:
         self.fixed_shape = settings.cuda_graphs and settings.prefill
         compiled = settings.compile_prefill
         exact = GraphSettings(settings.cuda_graphs, tuple(range(1, cache.max_rows + 1)),
-                              settings.compile if compiled else "off", settings.prefill)
+                              settings.compile if compiled else "off", settings.prefill, inductor=settings.inductor)
         pool = torch.cuda.graph_pool_handle() if self.fixed_shape and self.device.type == "cuda" else None
         self.fixed = FixedShapeStep(f"{name}-prefill", functools.partial(self._fixed_shape, anywhere=False),
                                     self._pads, exact, device, pool=pool)

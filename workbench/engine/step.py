@@ -63,7 +63,7 @@ from workbench.engine.sampling import SamplingParams, next_token
 from workbench.engine.tree import DraftTree, earlier_siblings, pack_tree, tree_input, unpack_tree, verify_mask
 from workbench.engine.verify import Acceptance, Verifier, accept_greedy
 from kernels.pdl import pdl_scope
-from kernels.tuning import KernelTuning, parse_tuning
+from kernels.tuning import KernelTuning, inductor_options, parse_tuning
 
 PHASES = ("prefill", "draft", "verify", "accept", "kv")
 
@@ -117,7 +117,7 @@ class EngineConfig:
     @functools.cached_property
     def graphs(self) -> GraphSettings:  # read every step: built (and validated) once
         return GraphSettings(self.cuda_graphs, tuple(self.graph_batch_sizes), self.compile, self.prefill_graphs,
-                             self.compile_prefill)
+                             self.compile_prefill, inductor_options(parse_tuning(self.kernel_tuning)))
 
     def __post_init__(self) -> None:
         unresolved = [f.name for f in fields(self) if isinstance(getattr(self, f.name), str)
