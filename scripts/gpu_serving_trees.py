@@ -79,7 +79,8 @@ CALIBRATED = "+cal"
 def config_of(args, method: str) -> ServeConfig:
     """The method's ServeConfig; METHOD+cal: METHOD with the schedule measured before the run (calibration step)."""
     base = method.removesuffix(CALIBRATED)
-    cfg = ServeConfig(method=base, calibration="step" if method.endswith(CALIBRATED) else "off", k=args.k, tree_depth=args.tree_depth, tree_topk=args.tree_topk,
+    cfg = ServeConfig(method=base, calibration="step" if method.endswith(CALIBRATED) else "off", k=args.k,
+                      tree_depth=args.tree_depth, tree_topk=args.tree_topk,
                       tree_budget=args.tree_budget, beam_width=args.beam_width, beam_length=args.beam_length,
                       max_num_seqs=args.max_num_seqs, num_requests=args.num_requests,
                       max_new_tokens=args.max_new_tokens, greedy_check_requests=0, warmup_requests=0,
@@ -114,14 +115,15 @@ def spread(xs):
     return [statistics.median(xs), min(xs), max(xs)] if xs else None
 
 
-def summarize(runs: list[dict], args) -> list[dict]:
+def summarize(runs: list[dict], args, schedules: dict[str, str | None]) -> list[dict]:
+    """Rows per (rate, method); schedules: each METHOD+cal's measured k_by_batch (its label names it)."""
     rows = []
     for frac in args.rates:
         ar = {r["round"]: r for r in runs if r["rate_frac"] == frac and r["method"] == "ar" and "error" not in r}
         for method in args.methods:
             mine = [r for r in runs if r["rate_frac"] == frac and r["method"] == method]
             ok = [r for r in mine if "error" not in r]
-            row = {"rate_frac": frac, "method": method, "label": label(args, method, getattr(args, "schedules", {}).get(method)),
+            row = {"rate_frac": frac, "method": method, "label": label(args, method, schedules.get(method)),
                    "rounds": len(ok),
                    "errors": [r["error"] for r in mine if "error" in r]}
             for m in METRICS:
@@ -197,20 +199,19 @@ def main(argv=None) -> int:
 
     def finish():
         meta["elapsed_s"] = time.perf_counter() - t0
-        result["rows"] = summarize(result["runs"], args)
+        result["rows"] = summarize(result["runs"], args, {m: v["k_by_batch"] for m, v in meta["schedules"].items()})
         write(out, result)
 
     warm = dict(arrival="concurrency", max_concurrency=args.max_num_seqs, rate=0.0)
-    args.schedules = {}
+    meta["schedules"] = {}  # METHOD+cal -> the schedule its warm-up measured
     for m in args.methods:
         r = serve(m, **warm)
         schedule = schedule_of(r.get("calibration_table"))
         if m.endswith(CALIBRATED):  # measured once; every timed run serves with it fixed
-            args.schedules[m] = schedule
             if schedule:
                 cfgs[m] = replace(cfgs[m], calibration="off", k_by_batch=schedule)
-            meta.setdefault("schedules", {})[m] = {"k_by_batch": schedule, "calibration_table": r.get(
-                "calibration_table"), "error": r.get("error")}
+            meta["schedules"][m] = {"k_by_batch": schedule, "calibration_table": r.get("calibration_table"),
+                                    "error": r.get("error")}
         print(f"{time.perf_counter() - t0:7.1f}s warm-up {m}{f' (schedule {schedule})' if schedule else ''}",
               flush=True)
     sat = serve("ar", **warm)

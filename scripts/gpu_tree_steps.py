@@ -135,8 +135,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compile", choices=("off", "default", "max-autotune"), default="off",
                     help="torch.compile of the fixed-shape steps (default off: at 8B each shape compiles for minutes)")
     ap.add_argument("--kernel-tuning", type=tuning_text, default="",
-                    help="every engine's kernel_tuning record (kernels/tuning.py), e.g. inductor_pdl=0,inductor_combo=0 "
-                         "for inductor's defaults (default: the record's defaults)")
+                    help="every engine's kernel_tuning record (kernels/tuning.py), e.g. "
+                         "inductor_pdl=0,inductor_combo=0 for inductor's defaults (default: the record's defaults)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="launch-ahead steps where the engine can (default on, the engine's default)")
     ap.add_argument("--budget-s", type=float, default=500.0,
@@ -500,7 +500,8 @@ def measure_batch(target: Target, batch: int, methods: list[tuple[str, str]], t0
                 busy[method] = profiled(engines[method], prompts, device)
             except Exception as e:  # noqa: BLE001 - the timings stand without it
                 traceback.print_exc()
-                busy[method] = {"kernels_per_step": None, "profile_error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
+                busy[method] = {"kernels_per_step": None,
+                                "profile_error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
     rows = []
     ar = runs.get("ar") or []
     ar_ms = statistics.median(x["ms_per_step"] for x in ar) if ar else None

@@ -228,8 +228,8 @@ def compile_options(settings: GraphSettings) -> dict:
     >>> compile_options(GraphSettings(compile="default", inductor=(("combo_kernels", True),)))
     {'combo_kernels': True}
     """
-    mode = {} if settings.compile == "default" else dict(torch._inductor.list_mode_options("max-autotune-no-cudagraphs"))
-    return {**mode, **dict(settings.inductor)}
+    mode = "max-autotune-no-cudagraphs" if settings.compile == "max-autotune" else None
+    return {**(torch._inductor.list_mode_options(mode) if mode else {}), **dict(settings.inductor)}
 
 
 class FixedShapeStep:

@@ -143,7 +143,8 @@ def pack_tree(token_ids: torch.Tensor, parents: torch.Tensor, depths: torch.Tens
               beam_pairs: torch.Tensor | None = None) -> torch.Tensor:
     """A tree's fields [B, N] (and beam_pairs [B, 2]) -> [B, 4N + 2] long, side by side (`DraftTree.packed`).
 
-    >>> pack_tree(torch.tensor([[7, 8]]), torch.tensor([[-1, 0]]), torch.tensor([[1, 2]]), torch.tensor([[1, 0]]).bool())
+    >>> t = torch.tensor
+    >>> pack_tree(t([[7, 8]]), t([[-1, 0]]), t([[1, 2]]), t([[True, False]]))
     tensor([[ 7,  8, -1,  0,  1,  2,  1,  0,  0,  0]])
     """
     pairs = beam_pairs if beam_pairs is not None else torch.zeros(token_ids.shape[0], 2, dtype=torch.long,
