@@ -419,33 +419,72 @@ class EagleDrafter(OneStepDrafter):
     # compiled graph at its attention (one launch kept outside torch.compile, llama.attend_uncompiled), and dynamo
     # runs a frame with a graph break inside a loop wholly eagerly: written inline, the loop over depths ran its
     # gathers, index arithmetic and concatenations as ~23 separate eager ops per draft (tiny). `_draft` only calls
-    # `_root`, `_level` and `_rerank`, each compiled on its own, and each calls the head's halves (`pre`, `post`)
-    # around its attention: two graphs per head forward, each with the level's own work.
+    # the attention and the compiled methods between two attentions: `_begin` (the root forward's first half),
+    # `_advance` (one forward's second half, its children and the next frontier, then the next forward's first half)
+    # and `_finish` (the last forward's second half and the rerank). Each is one graph, so inductor fuses one level's
+    # frontier gathers with the next level's input (the head's halves, `pre` and `post`, are plain calls inside them):
+    # D + 1 graphs per draft.
     def _draft(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """rows [B] -> (token_ids, parents, depths [B, N] long, valid [B, N] bool, the four packed [B, 4N + 2]:
         `pack_tree`, the engine's tree step's input). Reads only the pending buffers and the head's cache (what a CUDA
         graph captures)."""
-        state, cands = self._root(rows)
+        x, qkv, root = self._begin(rows)
+        state = cands = None
         for depth in range(1, self.tree_depth):
-            state = self._level(rows, depth, state, cands)
-        return self._rerank(cands, rows.shape[0])
+            x, qkv, state, cands = self._advance(rows, depth, x, self._attend(qkv), root, state, cands)
+        return self._finish(rows, x, self._attend(qkv), root, state, cands)
 
     def _attend(self, qkv: tuple) -> torch.Tensor:
         """The head's attention over its cache: `pre`'s q, k, v (the head's one layer, index 0)."""
         return self.head.attention.attend(self.cache, *qkv)
 
-    def _root(self, rows: torch.Tensor) -> tuple[tuple, list[list[torch.Tensor]]]:
-        """The pending committed pairs through the head; the last valid one drafts depth 1 (the root's top-K
-        children, all of them the frontier) -> (the frontier's state, the candidate lists [tokens, scores,
-        parents])."""
-        d_max, k = self.tree_depth, self.tree_topk
-        span = self.cache.static_span
-        b = rows.shape[0]
+    def _begin(self, rows: torch.Tensor) -> tuple:
+        """The root forward's first half: the pending committed pairs into the head's layer -> (its input, the
+        attention's arguments, root = (each row's last valid pair [B], the root's position [B]))."""
+        d_max, span = self.tree_depth, self.cache.static_span
         base, last, root_pos = self.pend_pos[:, rows]  # [B] each: first pair's position, last pair, root's position
         positions = base.unsqueeze(1) + self._pend_offsets  # [B, 1 + D]: head positions, also the slots written
         self.cache.prepare(rows, base, 1 + d_max, None, span, write_pos=positions)
         x, qkv = self.head.pre(self.target, self.pend_hidden[rows], self.pend_tokens[rows], positions, self.cache)
-        feats = self.head.post(self.target, x, self._attend(qkv))  # [B, 1 + D, H]
+        return x, qkv, (last, root_pos)
+
+    def _advance(self, rows: torch.Tensor, depth: int, x: torch.Tensor, attended: torch.Tensor, root: tuple,
+                 state: tuple | None, cands: list | None) -> tuple:
+        """Forward depth - 1's second half, its children (`_grow`), then frontier level `depth`'s forward's first
+        half -> (its input, the attention's arguments, the frontier's state, the candidate lists)."""
+        state, cands = self._grow(rows, depth - 1, x, attended, root, state, cands)
+        front_score, front_tok, front_cand, front_feat, ancestors, levels = state
+        level_start, level_pos, level_write, level_rope = levels
+        k, span, b = self.tree_topk, self.cache.static_span, rows.shape[0]
+        first = (depth - 1) * k  # the frontier's draft slots: first .. first + K - 1
+        self.cache.prepare(rows, level_start[depth - 1], k, self._eye.expand(b, k, k), span,
+                           prefix_mask=ancestors[:, :, :first], write_pos=level_write[depth - 1])
+        x, qkv = self.head.pre(self.target, front_feat, front_tok, level_pos[depth - 1].unsqueeze(1).expand(b, k),
+                               self.cache, rope=(level_rope[0][depth - 1], level_rope[1][depth - 1]))
+        return x, qkv, state, cands
+
+    def _finish(self, rows: torch.Tensor, x: torch.Tensor, attended: torch.Tensor, root: tuple, state: tuple | None,
+                cands: list | None) -> tuple[torch.Tensor, ...]:
+        """The last forward's second half and its children, then the rerank -> `_draft`'s outputs."""
+        _, cands = self._grow(rows, self.tree_depth - 1, x, attended, root, state, cands)
+        return self._rerank(cands, rows.shape[0])
+
+    def _grow(self, rows: torch.Tensor, depth: int, x: torch.Tensor, attended: torch.Tensor, root: tuple,
+              state: tuple | None, cands: list | None) -> tuple[tuple | None, list]:
+        """Forward `depth`'s second half (0: the root's over the pending pairs; d >= 1: frontier level d's) and its
+        children added to the candidate lists [tokens, scores, parents] -> (the next frontier's state, the lists)."""
+        if depth == 0:
+            return self._root(rows, x, attended, root)
+        return self._level(rows, depth, x, attended, state, cands), cands
+
+    def _root(self, rows: torch.Tensor, x: torch.Tensor, attended: torch.Tensor,
+              root: tuple) -> tuple[tuple, list[list[torch.Tensor]]]:
+        """The root forward's features; the last valid pending pair's drafts depth 1 (the root's top-K children, all
+        of them the frontier) -> (the frontier's state, the candidate lists [tokens, scores, parents])."""
+        d_max, k = self.tree_depth, self.tree_topk
+        b = rows.shape[0]
+        last, root_pos = root
+        feats = self.head.post(self.target, x, attended)  # [B, 1 + D, H]
         h = feats.shape[-1]
         root_feat = feats.gather(1, last.view(b, 1, 1).expand(-1, 1, h))  # [B, 1, H]
         # per frontier level (depth - 1): where its K entries start [D-1, B], and their RoPE position [D-1, B] (the
@@ -461,19 +500,14 @@ class EagleDrafter(OneStepDrafter):
         levels = (level_start, level_pos, level_write, level_rope)
         return (front_score, front_tok, front_cand, front_feat, ancestors, levels), cands
 
-    def _level(self, rows: torch.Tensor, depth: int, state: tuple, cands: list[list[torch.Tensor]]) -> tuple:
-        """Frontier level `depth` (1 .. D-1): one head forward over the frontier, its children scored and added to
-        `cands`, the K best of them the next frontier -> the next frontier's state."""
-        k, span = self.tree_topk, self.cache.static_span
+    def _level(self, rows: torch.Tensor, depth: int, x: torch.Tensor, attended: torch.Tensor, state: tuple,
+               cands: list[list[torch.Tensor]]) -> tuple:
+        """Frontier level `depth`'s (1 .. D-1) features: each frontier node's children scored and added to `cands`,
+        the K best of them the next frontier -> the next frontier's state (the last level: the state unchanged)."""
+        k = self.tree_topk
         front_score, front_tok, front_cand, front_feat, ancestors, levels = state
-        level_start, level_pos, level_write, level_rope = levels
         b = rows.shape[0]
-        first = (depth - 1) * k  # the frontier's draft slots: first .. first + K - 1
-        self.cache.prepare(rows, level_start[depth - 1], k, self._eye.expand(b, k, k), span,
-                           prefix_mask=ancestors[:, :, :first], write_pos=level_write[depth - 1])
-        x, qkv = self.head.pre(self.target, front_feat, front_tok, level_pos[depth - 1].unsqueeze(1).expand(b, k),
-                               self.cache, rope=(level_rope[0][depth - 1], level_rope[1][depth - 1]))
-        f = self.head.post(self.target, x, self._attend(qkv))  # [B, K, H]
+        f = self.head.post(self.target, x, attended)  # [B, K, H]
         child_logp, child_tok = self._top(f, k)  # [B, K, K]
         child_score = (front_score.unsqueeze(-1) + child_logp).flatten(1)  # [B, K*K]
         child_tok = child_tok.flatten(1)
@@ -482,7 +516,9 @@ class EagleDrafter(OneStepDrafter):
         cands[2].append(front_cand.unsqueeze(-1).expand(b, k, k))  # each frontier node's K children
         if depth == self.tree_depth - 1:
             return state
-        front_score, best = ranked_topk(child_score, k, log_softmax=False)  # [B, K] of the K*K children
+        # the K best of the K*K children, ties to the earlier (ranked_topk's rule): a sort inductor fuses with the sum
+        front_score, best = child_score.sort(dim=-1, descending=True, stable=True)
+        front_score, best = front_score[:, :k], best[:, :k]  # [B, K]
         parent = best // k  # [B, K]: frontier rank of each new frontier node's parent
         front_cand = k + (depth - 1) * k * k + best  # candidate indices: K at depth 1, K*K per level after
         front_tok = child_tok.gather(1, best)
