@@ -46,19 +46,24 @@ def _first_max(score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _assemble(tree: DraftTree, on_path: torch.Tensor, last_token: torch.Tensor) -> Acceptance:
-    """on_path [B, N] bool (accepted nodes), last_token [B] -> Acceptance."""
+    """on_path [B, N] bool (accepted nodes, at most one per depth), last_token [B] -> Acceptance. Written as a
+    reduction and selects, not scatters: inductor fuses them with the acceptance (a scatter stays a launch of its
+    own, for it may write one place twice)."""
     b, n = tree.token_ids.shape
     d = tree.max_depth
+    device = tree.token_ids.device
     num_accepted = on_path.sum(-1)
-    slot = torch.where(on_path, tree.depths - 1, d)  # off-path nodes -> dropped column
-    path_nodes = torch.full((b, d + 1), -1, dtype=torch.long, device=tree.token_ids.device)
-    node_idx = torch.arange(n, device=tree.token_ids.device).expand(b, n)
-    path_nodes = path_nodes.scatter_(1, slot, node_idx)[:, :d]
-    if n:  # the path's tokens, then 0 (the last column: a fully accepted path's bonus)
-        emitted = torch.nn.functional.pad(tree.token_ids.gather(1, path_nodes.clamp(min=0)), (0, 1))
+    column = torch.arange(d + 1, device=device)
+    # the path's node at depth j + 1: the one accepted node there, else -1
+    at_depth = on_path.unsqueeze(1) & (tree.depths.unsqueeze(1) - 1 == column[:d].view(1, d, 1))  # [B, D, N]
+    node_idx = torch.arange(n, device=device).view(1, 1, n)
+    path_nodes = torch.where(at_depth, node_idx, -1).amax(-1) if n else torch.full((b, d), -1, device=device)
+    if n:  # the path's tokens, then the bonus/recovered token at column num_accepted (0 past it)
+        path_tokens = tree.token_ids.gather(1, path_nodes.clamp(min=0))
+        emitted = torch.nn.functional.pad(path_tokens, (0, 1))
     else:
-        emitted = torch.zeros(b, d + 1, dtype=torch.long, device=tree.token_ids.device)
-    emitted.scatter_(1, num_accepted.unsqueeze(1), last_token.unsqueeze(1))
+        emitted = torch.zeros(b, d + 1, dtype=torch.long, device=device)
+    emitted = torch.where(column == num_accepted.unsqueeze(1), last_token.unsqueeze(1), emitted)
     return Acceptance(num_accepted, path_nodes, emitted)
 
 
