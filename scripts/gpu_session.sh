@@ -62,6 +62,8 @@
 #                  EAGLE and ReDrafter at batch 1, 4, 16, 32 with compile on
 #   serve40b       its sequel on the warm machine: trees served under load on small (compile off; EAGLE also with
 #                  the schedule calibrated per batch size), then tiny's parity
+#   tiny40c        issue 40 after the draft's D + 1 graphs: tiny's step costs and parity, the 8B steps with compile on
+#                  (batch 1), then the 8B batch sweep (compile off)
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -385,6 +387,18 @@ serve40b)
     --rates 0.5,1 --repeats 3 --budget-s "${SERVING_S:-$(( $(left) - 70 ))}" --out "$R/serving_small"
   step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle,draft \
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s "$(( $(left) - 10 ))" ;;
+tiny40c)
+  # issue 40 after the draft's D + 1 graphs and the scatter-free acceptance: tiny's step costs and parity (PDL and
+  # combo kernels on), the 8B steps with compile on at batch 1, then the 8B batch sweep (compile off)
+  steps_tiny
+  step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle,draft \
+    --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 80
+  step steps8b_compile 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
+    --out "$R/steps8b_compile" --batches 1 --methods ar,tree,eagle-hot,redrafter-hot --context 512 --steps 64 \
+    --rounds 3 --budget-s "${COMPILE_S:-200}"
+  step sweep8b 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/sweep8b" \
+    --batches 1,4,16,32 --methods ar,eagle-hot,redrafter-hot,tree --context 512 --steps 64 --rounds 3 \
+    --budget-s "$(( $(left) - 20 ))" ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small
