@@ -230,6 +230,17 @@ def test_rerank_keeps_parents_of_tied_children():
     assert tokens.tolist() == [[1, 3]] and parents.tolist() == [[-1, 0]] and depths.tolist() == [[1, 2]]
 
 
+def test_the_next_frontier_breaks_ties_like_the_ranking_kernel():
+    """A level picks its next frontier with a stable descending sort (inductor fuses it with the scores' sum): the K
+    best, exactly equal scores to the earlier child, the rule of `kernels.fused_topk`'s kernel on a GPU."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(-3, 1, (64, 16), generator=g).float()  # many exact ties
+    values, idx = scores.sort(dim=-1, descending=True, stable=True)
+    want = [sorted(range(16), key=lambda i: (-row[i], i))[:4] for row in scores.tolist()]
+    assert idx[:, :4].tolist() == want
+    assert torch.equal(values[:, :4], scores.gather(1, torch.tensor(want)))
+
+
 def _greedy_after_root(tree, target_probs, uniforms):
     """Lossy: a draw from p at the root, then the argmax at every node (a rule that is not sampling p)."""
     import workbench.engine.verify as verify_module
