@@ -70,6 +70,8 @@ def eager_ops(session, method: str, prompts: list[list[int]], knobs: dict) -> di
 
     def marking_init(self, *args, **kwargs):  # every step this engine makes compiles with the marking backend
         init(self, *args, **kwargs)
+        graphs.raise_recompile_limits()  # as a compiled engine does: past torch's default of 8 graphs per frame,
+        # the model's frames (one per step width and model, shared by the target and the draft model) ran eagerly
         self._fn = torch.compile(self.body, backend=_marking_backend, dynamic=False)
 
     def marked_call(self, *args, **kwargs):

@@ -302,13 +302,36 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: Tensor, position_ids: Tensor, attn: AttentionBackend | None = None) -> Tensor:
         """input_ids, position_ids [B, T] (positions arbitrary per token) -> hidden [B, T, H] after the final norm."""
         attn = _DEFAULT_ATTENTION if attn is None else attn
-        x, cos, sin_signed = self._inputs(input_ids, position_ids)
-        aux = []
-        for i, layer in enumerate(self.model.layers):
-            if i in self.aux_hidden_layers:
+        layers = self.model.layers
+        x, cos, sin_signed, qkv = self._enter(input_ids, position_ids, layers[0], attn)
+        aux = [x] if 0 in self.aux_hidden_layers else []
+        for i, layer in enumerate(layers):
+            last = i + 1 == len(layers)
+            x, qkv = self._cross(layer, None if last else layers[i + 1], x, layer.self_attn.attend(attn, *qkv),
+                                 cos, sin_signed, attn, aux if last else ())
+            if not last and i + 1 in self.aux_hidden_layers:
                 aux.append(x)
-            x = layer(x, cos, sin_signed, attn)
-        return torch.cat([self.model.norm(x), *aux], -1) if aux else self.model.norm(x)
+        return x
+
+    # The forward calls each layer's attention itself and, between two attentions, one method: a layer's o_proj and
+    # MLP with their residual adds, then the next layer's input norm and q/k/v (`_cross`). A one-launch attention
+    # breaks torch.compile's graph, so each `_cross` is one graph, where the layer's own frames made three per layer
+    # (the residual adds and the norms after them in different graphs, two launches where one fuses them).
+    def _enter(self, input_ids: Tensor, position_ids: Tensor, first: DecoderLayer,
+               attn: AttentionBackend) -> tuple[Tensor, Tensor, Tensor, tuple]:
+        """The embeddings, the RoPE rows and the first layer's q, k, v (`Attention.project`)."""
+        x, cos, sin_signed = self._inputs(input_ids, position_ids)
+        return x, cos, sin_signed, first.self_attn.project(x, cos, sin_signed, attn, first.input_layernorm)
+
+    def _cross(self, layer: DecoderLayer, nxt: DecoderLayer | None, x: Tensor, attended: Tensor, cos: Tensor,
+               sin_signed: Tensor, attn: AttentionBackend, aux) -> tuple[Tensor, tuple | None]:
+        """`layer`'s rest after its attention -> (the residual stream, `nxt`'s q, k, v); after the last layer
+        (nxt None): (the final-norm hidden states, with the aux residual streams after them where asked, None)."""
+        x = layer.self_attn.output(attended, residual=x)
+        x = layer.mlp(x, residual=x, norm=layer.post_attention_layernorm)
+        if nxt is None:
+            return (torch.cat([self.model.norm(x), *aux], -1) if aux else self.model.norm(x)), None
+        return x, nxt.self_attn.project(x, cos, sin_signed, attn, nxt.input_layernorm)
 
     def _inputs(self, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The embeddings [B, T, H] and the RoPE rows (cos, sin_signed) [B, T, 1, D] of the positions. A method of its
