@@ -214,6 +214,44 @@ def test_one_compiled_graph_serves_every_layer():
     assert traced_calls == list(range(6)) * 2
 
 
+def test_a_forward_runs_one_compiled_graph_per_layer():
+    """Between two one-launch attentions the forward runs one graph (`LlamaModel._cross`: a layer's o_proj and MLP,
+    the next layer's norm and q/k/v), so each residual add fuses with the norm after it; the layer's own frames made
+    three per layer. A forward is the first graph (embeddings, layer 0's q/k/v), then one per layer."""
+    runs = []
+
+    def counting(gm, example_inputs):
+        def run(*args):
+            runs.append(1)
+            return gm.forward(*args)
+        return run
+
+    @torch.compiler.disable
+    def kernel(layer_idx, q, k, v):
+        return CausalAttention().attend(layer_idx, q, k, v)
+
+    class OneLaunch:
+        def attends_in_one_call(self):
+            return True
+
+        def attend(self, layer_idx, q, k, v):
+            return kernel(layer_idx, q, k, v)
+
+    torch.manual_seed(0)
+    model = LlamaModel(ModelConfig(**{**SIZES, "num_hidden_layers": 5})).eval()
+    torch._dynamo.reset()
+    ids, pos = torch.randint(0, VOCAB, (1, 3)), torch.arange(3)[None]
+    compiled = torch.compile(model, backend=counting, dynamic=False)
+    with torch.no_grad():
+        compiled(ids, pos, OneLaunch())  # compiles
+        runs.clear()
+        out = compiled(ids, pos, OneLaunch())
+    torch._dynamo.reset()
+    assert len(runs) == 1 + 5
+    with torch.no_grad():
+        assert torch.equal(out, model(ids, pos, OneLaunch()))
+
+
 def test_fresh_model_is_initialized_and_trainable():
     config = ModelConfig(**SIZES, architecture="llama")
     model = LlamaModel(config)
