@@ -389,14 +389,14 @@ serve40b)
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s "$(( $(left) - 10 ))" ;;
 tiny40c)
   # issue 40 after the draft's D + 1 graphs, the scatter-free acceptance and the model's one graph per layer: tiny's
-  # step costs (with BASE=<a checkout of the code before>, that code's in the same call first), parity (PDL and
+  # step costs (with BASE=<a checkout of the code before>, that code's in the same call next), parity (PDL and
   # combo kernels on), the 8B steps with compile on at batch 1, then the 8B batch sweep (compile off)
+  steps_tiny
   if [ -n "${BASE:-}" ]; then
     step stepstiny_base 40 env PYTHONPATH="$BASE" $PY "$BASE/scripts/gpu_tree_steps.py" --device cuda --preset tiny \
       --batches 1 --compile default --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny_base" \
       --budget-s 90
   fi
-  steps_tiny
   step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle,draft \
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 80
   step steps8b_compile 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
