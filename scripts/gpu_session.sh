@@ -122,6 +122,14 @@ steps_tiny() {  # tiny's step costs per method at batch 1, compile on (issue 40)
   step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
     --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 90
 }
+steps8b() {  # the Llama-3.1-8B shape: step costs with compile on at batch 1 (COMPILE_S), then the batch sweep
+  step steps8b_compile 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
+    --out "$R/steps8b_compile" --batches 1 --methods ar,tree,eagle-hot,redrafter-hot --context 512 --steps 64 \
+    --rounds 3 --budget-s "${COMPILE_S:-200}"
+  step sweep8b 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/sweep8b" \
+    --batches 1,4,16,32 --methods ar,eagle-hot,redrafter-hot,tree --context 512 --steps 64 --rounds 3 \
+    --budget-s "$(( $(left) - 20 ))"
+}
 serving_small() {  # serving_small METHOD NEED ARGS...: gpu_serving.py on small, max_num_seqs 64, 64 warm-up requests
   local method=$1 need=$2; shift 2
   step serving "$need" $PY scripts/gpu_serving.py --device cuda --preset small --out "$R/serving" --method "$method" \
@@ -342,12 +350,7 @@ sweep8b)
 attn40)
   step plan 60 $PY scripts/gpu_attention_plan.py --out "$R/plan.json"
   step width 40 $PY scripts/gpu_verify_width.py --device cuda --widths 1,5,17 --profile --out "$R/width"
-  step steps8b_compile 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
-    --out "$R/steps8b_compile" --batches 1 --methods ar,tree,eagle-hot,redrafter-hot --context 512 --steps 64 \
-    --rounds 3 --budget-s "${COMPILE_S:-200}"
-  step sweep8b 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/sweep8b" \
-    --batches 1,4,16,32 --methods ar,eagle-hot,redrafter-hot,tree --context 512 --steps 64 --rounds 3 \
-    --budget-s "$(( $(left) - 20 ))" ;;
+  steps8b ;;
 topk40|fused40)
   step topk 20 $PY scripts/gpu_topk.py --out "$R/topk.json"
   steps_tiny
@@ -389,8 +392,8 @@ serve40b)
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s "$(( $(left) - 10 ))" ;;
 tiny40c)
   # issue 40 after the draft's D + 1 graphs, the scatter-free acceptance and the model's one graph per layer: tiny's
-  # step costs (with BASE=<a checkout of the code before>, that code's in the same call next), parity (PDL and
-  # combo kernels on), the 8B steps with compile on at batch 1, then the 8B batch sweep (compile off)
+  # step costs (with BASE=DIR, older code whole, e.g. `git archive COMMIT | tar -x -C DIR`: its costs next, in the
+  # same call), parity (PDL and combo kernels on), the 8B steps with compile on at batch 1, then the 8B batch sweep
   steps_tiny
   if [ -n "${BASE:-}" ]; then
     step stepstiny_base 40 env PYTHONPATH="$BASE" $PY "$BASE/scripts/gpu_tree_steps.py" --device cuda --preset tiny \
@@ -399,12 +402,7 @@ tiny40c)
   fi
   step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle,draft \
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 80
-  step steps8b_compile 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
-    --out "$R/steps8b_compile" --batches 1 --methods ar,tree,eagle-hot,redrafter-hot --context 512 --steps 64 \
-    --rounds 3 --budget-s "${COMPILE_S:-200}"
-  step sweep8b 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --out "$R/sweep8b" \
-    --batches 1,4,16,32 --methods ar,eagle-hot,redrafter-hot,tree --context 512 --steps 64 --rounds 3 \
-    --budget-s "$(( $(left) - 20 ))" ;;
+  steps8b ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small

@@ -163,14 +163,9 @@ def test_attention_backend_contract(hf_models):
     assert not torch.allclose(ours_logits(model, ids, pos, Zeros()), ours_logits(model, ids, pos))
 
 
-def _compiled_frames(layers: int, one_call: bool) -> tuple[int, list[int], torch.Tensor]:
-    """torch.compile (dynamo only, backend "eager") over a fresh `layers`-layer model whose backend calls an opaque
-    kernel (as the engine's fused K/V write + attention path does); returns (frames dynamo compiled, the layer indices
-    the backend saw, the output)."""
-    from torch._dynamo.utils import counters
-
-    calls = []
-
+def _one_launch_backend(one_call: bool, calls: list):
+    """An attention backend class whose attend is one opaque kernel call (as the engine's fused K/V write + attention
+    path is), recording the layer indices it sees in `calls`; `one_call`: what it answers `attends_in_one_call`."""
     @torch.compiler.disable
     def kernel(layer_idx, q, k, v):  # stands for the Triton launch: dynamo never traces it
         calls.append(layer_idx)
@@ -182,7 +177,17 @@ def _compiled_frames(layers: int, one_call: bool) -> tuple[int, list[int], torch
 
         def attend(self, layer_idx, q, k, v):
             return kernel(layer_idx, q, k, v)
+    return OneLaunch
 
+
+def _compiled_frames(layers: int, one_call: bool) -> tuple[int, list[int], torch.Tensor]:
+    """torch.compile (dynamo only, backend "eager") over a fresh `layers`-layer model whose backend calls an opaque
+    kernel (as the engine's fused K/V write + attention path does); returns (frames dynamo compiled, the layer indices
+    the backend saw, the output)."""
+    from torch._dynamo.utils import counters
+
+    calls = []
+    OneLaunch = _one_launch_backend(one_call, calls)
     torch.manual_seed(0)
     model = LlamaModel(ModelConfig(**{**SIZES, "num_hidden_layers": layers})).eval()
     torch._dynamo.reset()
@@ -226,17 +231,7 @@ def test_a_forward_runs_one_compiled_graph_per_layer():
             return gm.forward(*args)
         return run
 
-    @torch.compiler.disable
-    def kernel(layer_idx, q, k, v):
-        return CausalAttention().attend(layer_idx, q, k, v)
-
-    class OneLaunch:
-        def attends_in_one_call(self):
-            return True
-
-        def attend(self, layer_idx, q, k, v):
-            return kernel(layer_idx, q, k, v)
-
+    OneLaunch = _one_launch_backend(True, [])
     torch.manual_seed(0)
     model = LlamaModel(ModelConfig(**{**SIZES, "num_hidden_layers": 5})).eval()
     torch._dynamo.reset()
