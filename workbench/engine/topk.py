@@ -1,9 +1,10 @@
 """The drafters' ranking: the k best candidates of each row, as log-probabilities or plain scores.
 
-EAGLE's levels, its next frontier, EAGLE-3's levels and ReDrafter's beam depths all rank through `ranked_topk`. On a
-CUDA device it is `kernels.fused_topk`'s kernel (log-softmax and top-k in one or two launches, 5-15x faster than
-log_softmax + torch.topk on an H100, scripts/gpu_topk.py); elsewhere that kernel's PyTorch reference, the same
-values (among exactly equal values the kernel takes the lower index; torch.topk's choice is unspecified).
+EAGLE's levels, EAGLE-3's levels and ReDrafter's beam depths rank through `ranked_topk` (EAGLE's next frontier, K x K
+scores, is a stable sort inside its compiled graph, with the same rule for ties). On a CUDA device it is
+`kernels.fused_topk`'s kernel (log-softmax and top-k in one or two launches, 5-15x faster than log_softmax +
+torch.topk on an H100, scripts/gpu_topk.py); elsewhere that kernel's PyTorch reference, the same values (among exactly
+equal values the kernel takes the lower index; torch.topk's choice is unspecified).
 
     values, indices = ranked_topk(logits, k)                                  # log-probabilities, clamped at 0
     values, indices = ranked_topk(scores, k, log_softmax=False)               # scores.topk(k, -1)

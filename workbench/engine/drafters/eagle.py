@@ -220,9 +220,9 @@ class EagleHead(SavedHead):
         x, qkv = self.pre(target, hidden, token_ids, positions, attn, rope)
         return self.post(target, x, self.layer.self_attn.attend(attn, *qkv))
 
-    # `forward` in two halves around the attention call, for the draft: `_root` and `_level` call that between them,
-    # so torch.compile traces each half into one graph with the draft's own work before and after it (each half
-    # inside the layer's frames was a graph of its own: two residual adds and norms that did not fuse)
+    # `forward` in two halves around the attention call, for the draft: its compiled methods between two attentions
+    # call one forward's `post` and the next one's `pre`, so torch.compile traces them into one graph with the draft's
+    # own work (each half inside the layer's frames was a graph of its own: residual adds and norms that did not fuse)
     def pre(self, target, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, attn,
             rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple]:
         """-> (x: the layer's input [B, T, H], its residual; (q, k, v, rope): `Attention.attend`'s arguments)."""
@@ -479,7 +479,7 @@ class EagleDrafter(OneStepDrafter):
 
     def _root(self, rows: torch.Tensor, x: torch.Tensor, attended: torch.Tensor,
               root: tuple) -> tuple[tuple, list[list[torch.Tensor]]]:
-        """The root forward's features; the last valid pending pair's drafts depth 1 (the root's top-K children, all
+        """The root forward's features; the last valid pending pair drafts depth 1 (the root's top-K children, all
         of them the frontier) -> (the frontier's state, the candidate lists [tokens, scores, parents])."""
         d_max, k = self.tree_depth, self.tree_topk
         b = rows.shape[0]
@@ -516,7 +516,8 @@ class EagleDrafter(OneStepDrafter):
         cands[2].append(front_cand.unsqueeze(-1).expand(b, k, k))  # each frontier node's K children
         if depth == self.tree_depth - 1:
             return state
-        # the K best of the K*K children, ties to the earlier (ranked_topk's rule): a sort inductor fuses with the sum
+        # the K best of the K*K children, ties to the earlier (the ranking kernel's rule); a sort, which inductor can
+        # fuse with the sum where ranked_topk's kernel is a launch of its own
         front_score, best = child_score.sort(dim=-1, descending=True, stable=True)
         front_score, best = front_score[:, :k], best[:, :k]  # [B, K]
         parent = best // k  # [B, K]: frontier rank of each new frontier node's parent
