@@ -54,14 +54,14 @@ def _assemble(tree: DraftTree, on_path: torch.Tensor, last_token: torch.Tensor) 
     device = tree.token_ids.device
     num_accepted = on_path.sum(-1)
     column = torch.arange(d + 1, device=device)
-    # the path's node at depth j + 1: the one accepted node there, else -1
-    at_depth = on_path.unsqueeze(1) & (tree.depths.unsqueeze(1) - 1 == column[:d].view(1, d, 1))  # [B, D, N]
-    node_idx = torch.arange(n, device=device).view(1, 1, n)
-    path_nodes = torch.where(at_depth, node_idx, -1).amax(-1) if n else torch.full((b, d), -1, device=device)
-    if n:  # the path's tokens, then the bonus/recovered token at column num_accepted (padding past it)
-        path_tokens = tree.token_ids.gather(1, path_nodes.clamp(min=0))
-        emitted = torch.nn.functional.pad(path_tokens, (0, 1))
+    if n:
+        # the path's node at depth j + 1: the one accepted node there, else -1
+        at_depth = on_path.unsqueeze(1) & (tree.depths.unsqueeze(1) - 1 == column[:d].view(1, d, 1))  # [B, D, N]
+        path_nodes = torch.where(at_depth, torch.arange(n, device=device).view(1, 1, n), -1).amax(-1)
+        # the path's tokens, then the bonus/recovered token at column num_accepted (padding past it)
+        emitted = torch.nn.functional.pad(tree.token_ids.gather(1, path_nodes.clamp(min=0)), (0, 1))
     else:
+        path_nodes = torch.full((b, d), -1, dtype=torch.long, device=device)
         emitted = torch.zeros(b, d + 1, dtype=torch.long, device=device)
     emitted = torch.where(column == num_accepted.unsqueeze(1), last_token.unsqueeze(1), emitted)
     return Acceptance(num_accepted, path_nodes, emitted)

@@ -151,15 +151,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_rows, config.hidden_size, bias=config.o_bias)
         _register_fused(self, "qkv_proj", [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)])
 
-    def forward(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attn: AttentionBackend,
-                norm: "RMSNorm | None" = None, residual: Tensor | None = None) -> Tensor:
-        """x [B, T, H] -> o_proj(attention) [B, T, H]; with `norm`, x is normalized first (inside the q/k/v GEMV where
-        it can be), with `residual` [B, T, H] added to the output (inside o_proj's GEMV where it can be)."""
-        return self.output(self.attend(attn, *self.project(x, cos, sin_signed, attn, norm)), residual)
-
-    # The three parts of `forward`, for a caller that puts the attention call at the top of its own compiled frame
-    # (the EAGLE head's draft levels): torch.compile then traces what comes before and after it into one graph each
-    # (with the caller's own work), where a graph break inside this module's frame split them into more.
+    # An attention in three parts, output(attend(project(x))), called one by one: the model and the EAGLE heads call
+    # the attention itself between compiled methods, so torch.compile traces what comes before and after it into one
+    # graph each (with the caller's own work), where a graph break inside this module's frame split them into more.
     def project(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attn: AttentionBackend,
                 norm: "RMSNorm | None" = None) -> tuple[Tensor, Tensor, Tensor, dict]:
         """x [B, T, H] -> (q [B, Hq, T, D], k, v [B, Hkv, T, D], rope: what `attend` passes the backend)."""
@@ -233,7 +227,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attn: AttentionBackend) -> Tensor:
-        x = self.self_attn(x, cos, sin_signed, attn, norm=self.input_layernorm, residual=x)
+        return self.post(x, self.self_attn.attend(attn, *self.pre(x, cos, sin_signed, attn)))
+
+    # `forward` in two halves around the attention call, for callers that call the attention themselves
+    # (`LlamaModel._cross`, the EAGLE head's draft)
+    def pre(self, x: Tensor, cos: Tensor, sin_signed: Tensor, attn: AttentionBackend) -> tuple:
+        """x [B, T, H] -> the attention's arguments (`Attention.project` of the normalized x)."""
+        return self.self_attn.project(x, cos, sin_signed, attn, self.input_layernorm)
+
+    def post(self, x: Tensor, attended: Tensor) -> Tensor:
+        """The residual stream x and the attention's output -> the layer's output (o_proj and MLP, each with its
+        residual add)."""
+        x = self.self_attn.output(attended, residual=x)
         return self.mlp(x, residual=x, norm=self.post_attention_layernorm)
 
 
@@ -319,19 +324,18 @@ class LlamaModel(nn.Module):
     # (the residual adds and the norms after them in different graphs, two launches where one fuses them).
     def _enter(self, input_ids: Tensor, position_ids: Tensor, first: DecoderLayer,
                attn: AttentionBackend) -> tuple[Tensor, Tensor, Tensor, tuple]:
-        """The embeddings, the RoPE rows and the first layer's q, k, v (`Attention.project`)."""
+        """The embeddings, the RoPE rows and the first layer's q, k, v (`DecoderLayer.pre`)."""
         x, cos, sin_signed = self._inputs(input_ids, position_ids)
-        return x, cos, sin_signed, first.self_attn.project(x, cos, sin_signed, attn, first.input_layernorm)
+        return x, cos, sin_signed, first.pre(x, cos, sin_signed, attn)
 
     def _cross(self, layer: DecoderLayer, nxt: DecoderLayer | None, x: Tensor, attended: Tensor, cos: Tensor,
                sin_signed: Tensor, attn: AttentionBackend, aux) -> tuple[Tensor, tuple | None]:
         """`layer`'s rest after its attention -> (the residual stream, `nxt`'s q, k, v); after the last layer
         (nxt None): (the final-norm hidden states, with the aux residual streams after them where asked, None)."""
-        x = layer.self_attn.output(attended, residual=x)
-        x = layer.mlp(x, residual=x, norm=layer.post_attention_layernorm)
+        x = layer.post(x, attended)
         if nxt is None:
             return (torch.cat([self.model.norm(x), *aux], -1) if aux else self.model.norm(x)), None
-        return x, nxt.self_attn.project(x, cos, sin_signed, attn, nxt.input_layernorm)
+        return x, nxt.pre(x, cos, sin_signed, attn)
 
     def _inputs(self, input_ids: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The embeddings [B, T, H] and the RoPE rows (cos, sin_signed) [B, T, 1, D] of the positions. A method of its

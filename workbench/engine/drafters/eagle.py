@@ -236,8 +236,7 @@ class EagleHead(SavedHead):
     def post(self, target, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """`pre`'s x and the attention's output -> the predicted features [B, T, H] (the layer's o_proj and MLP with
         their residuals, then the target's final norm; the published head: none)."""
-        x = self.layer.self_attn.output(attended, residual=x)
-        x = self.layer.mlp(x, residual=x, norm=self.layer.post_attention_layernorm)
+        x = self.layer.post(x, attended)
         return x if self.config.style == "eagle" else target.model.norm(x)
 
 
