@@ -126,23 +126,24 @@ if TRITON_AVAILABLE:
             tl.store(keys_ptr + (r * C + c) * KP + tl.arange(0, KP), top)
 
     @triton.jit
-    def _merge_row(o, keys_ptr, m_ptr, s_ptr, bias_ptr, val_ptr, idx_ptr, C, GROUP, K,
-                   GP: tl.constexpr, CP: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr,
-                   LOGSM: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """Output row o: its GROUP input rows' C chunks of KP survivors -> the k best, shifted by their row's
-        log-sum-exp (and bias). Loads bypass L1 (.cg): in the one-launch path other programs wrote them."""
+    def _merge_kernel(keys_ptr, m_ptr, s_ptr, bias_ptr, val_ptr, idx_ptr, C, GROUP, K,
+                      GP: tl.constexpr, CP: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr,
+                      LOGSM: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Program (output row o): its GROUP input rows' C chunks of KP survivors -> the k best, shifted by their
+        row's log-sum-exp (and bias)."""
+        o = tl.program_id(0)
         g = tl.arange(0, GP)
         rows = o * GROUP + g  # [GP] input rows
         live = g < GROUP
         j = tl.arange(0, NP)  # survivor j of an input row (chunk j // KP)
         keep = live[:, None] & (j < C * KP)[None, :]
-        key = tl.load(keys_ptr + rows[:, None] * (C * KP) + j[None, :], mask=keep, other=0, cache_modifier=".cg")
+        key = tl.load(keys_ptr + rows[:, None] * (C * KP) + j[None, :], mask=keep, other=0)
         value, idx = _unpack(key)
         if LOGSM:
             c = tl.arange(0, CP)
             both = live[:, None] & (c < C)[None, :]
-            m = tl.load(m_ptr + rows[:, None] * C + c[None, :], mask=both, other=float("-inf"), cache_modifier=".cg")
-            s = tl.load(s_ptr + rows[:, None] * C + c[None, :], mask=both, other=0.0, cache_modifier=".cg")
+            m = tl.load(m_ptr + rows[:, None] * C + c[None, :], mask=both, other=float("-inf"))
+            s = tl.load(s_ptr + rows[:, None] * C + c[None, :], mask=both, other=0.0)
             top = tl.max(m, 1)  # [GP]
             top = tl.where(live, top, 0.0)
             lse = top + tl.log(tl.where(live, tl.sum(s * tl.exp(m - top[:, None]), 1), 1.0))
@@ -155,31 +156,6 @@ if TRITON_AVAILABLE:
         out = tl.arange(0, KP)
         tl.store(val_ptr + o * K + out, best, mask=out < K)
         tl.store(idx_ptr + o * K + out, best_idx.to(tl.int64), mask=out < K)
-
-    @triton.jit
-    def _merge_kernel(keys_ptr, m_ptr, s_ptr, bias_ptr, val_ptr, idx_ptr, C, GROUP, K,
-                      GP: tl.constexpr, CP: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr,
-                      LOGSM: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """Program (output row o): `_merge_row` (the two-launch path's second launch)."""
-        _merge_row(tl.program_id(0), keys_ptr, m_ptr, s_ptr, bias_ptr, val_ptr, idx_ptr, C, GROUP, K,
-                   GP, CP, NP, KP, LOGSM, HAS_BIAS)
-
-    @triton.jit
-    def _chunk_merge_kernel(x_ptr, bias_ptr, keys_ptr, m_ptr, s_ptr, val_ptr, idx_ptr, count_ptr, V, C, GROUP, K,
-                            BLOCK: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, CP: tl.constexpr,
-                            NP: tl.constexpr, LOGSM: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """The one-launch path. Program (input row r, chunk c): the chunk's survivors as `_chunk_kernel` keeps them,
-        then a count per output row; the program that brings its row's count to GROUP x C merges the row
-        (`_merge_row`) and sets the count back to 0 for the next launch (a CUDA graph's replays reuse the counts)."""
-        _chunk_kernel(x_ptr, bias_ptr, keys_ptr, m_ptr, s_ptr, val_ptr, idx_ptr, V, C, GROUP, K,
-                      BLOCK, KP, LOGSM, False, False)
-        tl.debug_barrier()  # every thread's stores before the count that publishes them
-        o = tl.program_id(0) // GROUP
-        done = tl.atomic_add(count_ptr + o, 1, sem="acq_rel", scope="gpu")
-        if done == GROUP * C - 1:
-            tl.atomic_xchg(count_ptr + o, 0, sem="relaxed", scope="gpu")
-            _merge_row(o, keys_ptr, m_ptr, s_ptr, bias_ptr, val_ptr, idx_ptr, C, GROUP, K,
-                       GP, CP, NP, KP, LOGSM, HAS_BIAS)
 
 
 def launch_plan(v: int, k: int, group: int = 1, max_block: int | None = None) -> tuple[int, int, int]:
@@ -202,23 +178,20 @@ def launch_plan(v: int, k: int, group: int = 1, max_block: int | None = None) ->
 
 def fused_topk_triton(x: torch.Tensor, k: int, log_softmax: bool = True, group: int = 1,
                       bias: torch.Tensor | None = None,
-                      max_block: int | None = None, one_launch: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      max_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`fused_topk_reference` by the kernel (through the custom op `torch.ops.workbench.fused_topk`, so torch.compile
     keeps it as one opaque call); `max_block`: the first pass's chunk in place of `launch_plan`'s (tests and
-    scripts/gpu_topk.py vary it); 0 or None: launch_plan's. Rows of several chunks take one launch (`one_launch`,
-    the default: each row's last program merges it) or two (a merge kernel after the chunks: the fallback, also
-    where the one-launch path cannot run, see `_counts`)."""
+    scripts/gpu_topk.py vary it); 0 or None: launch_plan's."""
     check_args(x, k, group, bias)
     lead = x.shape[:-1]
     values, idx = torch.ops.workbench.fused_topk(x.reshape(-1, x.shape[-1]), k, log_softmax, group,
-                                                 None if bias is None else bias.reshape(-1), max_block or 0,
-                                                 one_launch)
+                                                 None if bias is None else bias.reshape(-1), max_block or 0)
     return _shaped(values, idx, lead, group)
 
 
 @torch.library.custom_op("workbench::fused_topk", mutates_args=())
 def _fused_topk_op(x: torch.Tensor, k: int, log_softmax: bool, group: int, bias: torch.Tensor | None,
-                   max_block: int, one_launch: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   max_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not TRITON_AVAILABLE:
         raise RuntimeError("fused_topk_triton needs the triton package (a CUDA build of torch ships it): install it, "
                            "or call fused_topk_reference")
@@ -237,39 +210,15 @@ def _fused_topk_op(x: torch.Tensor, k: int, log_softmax: bool, group: int, bias:
     keys = torch.empty(rows, chunks, kp, dtype=torch.long, device=x.device)
     m = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     s = torch.empty_like(m)
-    merged = dict(GP=_pow2(group), CP=_pow2(chunks), NP=_pow2(chunks * kp), KP=kp, LOGSM=log_softmax,
-                  HAS_BIAS=bias is not None)
-    counts = _counts(x.device, out_rows) if one_launch else None
-    if counts is not None:
-        _chunk_merge_kernel[(rows, chunks)](x, bias_arg, keys, m, s, values, idx, counts, v, chunks, group, k,
-                                            BLOCK=block, num_warps=warps, **merged)
-        return values, idx
     _chunk_kernel[(rows, chunks)](x, bias_arg, keys, m, s, values, idx, v, chunks, group, k, BLOCK=block, KP=kp,
                                   LOGSM=log_softmax, HAS_BIAS=False, FINAL=False, num_warps=warps)
-    _merge_kernel[(out_rows,)](keys, m, s, bias_arg, values, idx, chunks, group, k, num_warps=4, **merged)
+    _merge_kernel[(out_rows,)](keys, m, s, bias_arg, values, idx, chunks, group, k, GP=_pow2(group),
+                               CP=_pow2(chunks), NP=_pow2(chunks * kp), KP=kp, LOGSM=log_softmax,
+                               HAS_BIAS=bias is not None, num_warps=4)
     return values, idx
 
 
-MAX_COUNTED_ROWS = 4096  # output rows the one-launch path counts per device (an EAGLE level at batch 32: 32 x K)
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counts(device: torch.device, out_rows: int) -> torch.Tensor | None:
-    """The one-launch path's per-output-row counts on `device` (zeros between launches: each launch's last program
-    per row sets its count back), or None where that path cannot run: more output rows than MAX_COUNTED_ROWS, or the
-    counts not yet made while a CUDA graph is captured (a capture never allocates them; engines warm up first).
-    Launches on one device share them, so they must not overlap: the engine runs its steps on one stream."""
-    if out_rows > MAX_COUNTED_ROWS:
-        return None
-    counts = _COUNTS.get(device)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _COUNTS[device] = torch.zeros(MAX_COUNTED_ROWS, dtype=torch.int32, device=device)
-    return counts
-
-
 @_fused_topk_op.register_fake
-def _(x, k, log_softmax, group, bias, max_block, one_launch):
+def _(x, k, log_softmax, group, bias, max_block):
     return x.new_empty(x.shape[0] // group, k, dtype=torch.float32), x.new_empty(x.shape[0] // group, k,
                                                                                  dtype=torch.long)

@@ -62,8 +62,7 @@
 #                  EAGLE and ReDrafter at batch 1, 4, 16, 32 with compile on
 #   serve40b       its sequel on the warm machine: trees served under load on small (compile off; EAGLE also with
 #                  the schedule calibrated per batch size), then tiny's parity
-#   tiny40c        issue 40 after the draft's D + 1 graphs: tiny's step costs and parity, the ranking kernel in one
-#                  launch against two (gpu_topk), the 8B steps with compile on
+#   tiny40c        issue 40 after the draft's D + 1 graphs: tiny's step costs and parity, the 8B steps with compile on
 #                  (batch 1), then the 8B batch sweep (compile off)
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
@@ -403,7 +402,6 @@ tiny40c)
   fi
   step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle,draft \
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 80
-  step topk 40 $PY scripts/gpu_topk.py --out "$R/topk.json"
   steps8b ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side

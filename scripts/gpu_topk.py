@@ -8,9 +8,8 @@ Three uses, each at the presets' and the 8B shape's vocabularies and batch 1 / 4
   beam      a ReDrafter depth: B*W rows of V logits plus each beam's score -> the W best of each row's W*V candidates
   frontier  EAGLE's next frontier: the K best of B rows of K*K float32 scores
 Each is timed as a CUDA graph of 8 calls (microseconds per call, median of 5 replays), in one process: `torch` is
-log_softmax + torch.topk, `fused` the kernel with launch_plan's chunks (rows of several chunks in one launch),
-`fused_two` the same in two launches (the merge kernel after the chunks), `fused_<b>` with first-pass chunks of b
-elements (one launch). `max_err` is the fused values' largest difference from the float32 reference, `same_idx` whether its
+log_softmax + torch.topk, `fused` the kernel with launch_plan's chunks, `fused_<b>` with first-pass chunks of b
+elements. `max_err` is the fused values' largest difference from the float32 reference, `same_idx` whether its
 indices equal the reference's (bf16 logits hold ties, which may pick other, equally good, indices).
 """
 import argparse
@@ -59,7 +58,6 @@ def main() -> int:
             x = (3 * torch.randn(batch * K, v, device="cuda", generator=gen)).bfloat16()
             ops = {"torch": lambda: torch.log_softmax(x.float(), -1).clamp(max=0.0).topk(K, -1)}
             fused = {b: (lambda b=b: fused_topk_triton(x, K, True, max_block=b)) for b in (0,) + BLOCKS}
-            fused["two"] = lambda: fused_topk_triton(x, K, True, one_launch=False)
             want = fused_topk_reference(x, K, True)
         else:
             x = (3 * torch.randn(batch * K, v, device="cuda", generator=gen)).bfloat16()
@@ -70,7 +68,6 @@ def main() -> int:
             ops = {"torch": lambda: cand().topk(K, -1)}
             fused = {b: (lambda b=b: fused_topk_triton(x, K, True, group=K, bias=score, max_block=b))
                      for b in (0,) + BLOCKS}
-            fused["two"] = lambda: fused_topk_triton(x, K, True, group=K, bias=score, one_launch=False)
             want = fused_topk_reference(x, K, True, group=K, bias=score)
         for name, fn in ops.items():
             rec[name + "_us"] = timed(fn)

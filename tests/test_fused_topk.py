@@ -3,7 +3,6 @@ plan, the named errors, and the drafters' dispatch (workbench.engine.topk.ranked
 import pytest
 import torch
 
-from kernels import fused_topk
 from kernels.fused_topk import check_args, fused_topk_reference, fused_topk_triton, launch_plan
 from workbench.engine.topk import ranked_topk
 
@@ -29,12 +28,11 @@ CASES = [
 
 @pytest.mark.parametrize("shape,k,log_softmax,group,with_bias,max_block", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("one_launch", [True, False])
-def test_kernel_equals_reference(shape, k, log_softmax, group, with_bias, max_block, dtype, one_launch):
+def test_kernel_equals_reference(shape, k, log_softmax, group, with_bias, max_block, dtype):
     x = (3 * torch.randn(*shape, generator=_gen(1))).to(dtype)
     rows = x.numel() // shape[-1]
     bias = torch.randn(rows, generator=_gen(2)) if with_bias else None
-    values, idx = fused_topk_triton(x, k, log_softmax, group, bias, max_block=max_block, one_launch=one_launch)
+    values, idx = fused_topk_triton(x, k, log_softmax, group, bias, max_block=max_block)
     want_values, want_idx = fused_topk_reference(x, k, log_softmax, group, bias)
     assert values.shape == want_values.shape and values.dtype == torch.float32 and idx.dtype == torch.long
     torch.testing.assert_close(values, want_values, atol=2e-6, rtol=1e-6)
@@ -45,33 +43,6 @@ def test_kernel_equals_reference(shape, k, log_softmax, group, with_bias, max_bl
     scores = torch.empty_like(flat[0]).scatter_(-1, flat[1], flat[0])
     torch.testing.assert_close(scores.gather(-1, idx), values, atol=2e-6, rtol=1e-6)
     assert all(len(set(row.tolist())) == k for row in idx.reshape(-1, k))
-
-
-def test_one_launch_counts_return_to_zero_and_too_many_rows_take_two_launches(monkeypatch):
-    """The one-launch path leaves every count at 0 (a graph replays the same launch); past MAX_COUNTED_ROWS output
-    rows the merge kernel runs instead, with the same results."""
-    x = torch.randn(6, 4, 70, generator=_gen(4))
-    want = fused_topk_reference(x, 4, True, 2)
-    calls = []
-    monkeypatch.setattr(fused_topk, "_merge_kernel", _Spy(fused_topk._merge_kernel, calls))
-    for _ in range(2):  # the second call starts from the counts the first left
-        got = fused_topk_triton(x, 4, True, 2, max_block=16)
-        assert torch.equal(got[1], want[1])
-    assert calls == [] and fused_topk._COUNTS[x.device].abs().sum() == 0
-    monkeypatch.setattr(fused_topk, "MAX_COUNTED_ROWS", 11)  # 12 output rows: too many
-    got = fused_topk_triton(x, 4, True, 2, max_block=16)
-    assert torch.equal(got[1], want[1]) and len(calls) == 1
-
-
-class _Spy:
-    """A kernel whose launches are recorded (kernel[grid](...) as the module launches it)."""
-
-    def __init__(self, kernel, calls):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(grid)
-        return self.kernel[grid]
 
 
 def test_ties_pick_lower_indices_and_minus_infinity_stays_last():
