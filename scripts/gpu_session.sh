@@ -64,6 +64,8 @@
 #                  the schedule calibrated per batch size), then tiny's parity
 #   tiny40c        issue 40 after the draft's D + 1 graphs: tiny's step costs and parity, the 8B steps with compile on
 #                  (batch 1), then the 8B batch sweep (compile off)
+#   tiny40d        tiny40c's tiny step costs again, the older code (BASE) first, 3 rounds and the profile on both
+#                  sides; then tiny's bf16 parity for EAGLE and the draft model
 #   q, r           study throughput on small, captured prefill on and off (in opposite orders)
 #   k5             serving: the adaptive goal check with the n-gram drafter
 #   k6             serving: in-flight parity on tiny, then a schedule with a threshold on small
@@ -403,6 +405,18 @@ tiny40c)
   step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle,draft \
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 80
   steps8b ;;
+tiny40d)
+  # tiny40c's tiny check again with time enough for 3 rounds and the profile on both sides: with BASE=DIR (older code
+  # whole) that code first, then this one (tiny40c ran this code first on a fresh machine: its caches were cold, its
+  # warm-ups took the budget and its one AR round came out 16 % slower); then the bf16 parity tiny40c did not reach
+  if [ -n "${BASE:-}" ]; then
+    step stepstiny_base 60 env PYTHONPATH="$BASE" $PY "$BASE/scripts/gpu_tree_steps.py" --device cuda --preset tiny \
+      --batches 1 --compile default --methods ar,eagle,redrafter --rounds 3 --out "$R/stepstiny_base" --budget-s 130
+  fi
+  step stepstiny 60 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
+    --methods ar,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 130
+  step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods eagle,draft \
+    --dtypes bfloat16,float32 --variants default --out "$R/parity" --budget-s "$(( $(left) - 10 ))" ;;
 q|r)
   # both orders, one per call, so that drift cannot favour one side
   train_small
