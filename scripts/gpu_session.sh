@@ -120,9 +120,15 @@ heads() {  # the small preset's ReDrafter and EAGLE heads, trained on the device
   [ -f zoo_cache/small/redrafter/manifest.json ] || \
     step head_redrafter 40 $PY -m workbench zoo train-head --kind redrafter $HEADS --max-seconds 35
 }
-steps_tiny() {  # tiny's step costs per method at batch 1, compile on (issue 40)
-  step stepstiny 40 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
-    --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 90
+TINY_STEPS="--device cuda --preset tiny --batches 1 --compile default --rounds 3"
+steps_tiny() {  # steps_tiny [METHODS [BUDGET]]: tiny's step costs per method at batch 1, compile on (issue 40)
+  step stepstiny 40 $PY scripts/gpu_tree_steps.py $TINY_STEPS --methods "${1:-ar,draft,eagle,redrafter}" \
+    --out "$R/stepstiny" --budget-s "${2:-90}"
+}
+steps_tiny_base() {  # steps_tiny_base METHODS BUDGET: the same by the older code in BASE (a whole tree), if BASE is set
+  [ -n "${BASE:-}" ] || return 0
+  step stepstiny_base 40 env PYTHONPATH="$BASE" $PY "$BASE/scripts/gpu_tree_steps.py" $TINY_STEPS --methods "$1" \
+    --out "$R/stepstiny_base" --budget-s "$2"
 }
 steps8b() {  # the Llama-3.1-8B shape: step costs with compile on at batch 1 (COMPILE_S), then the batch sweep
   step steps8b_compile 120 $PY scripts/gpu_tree_steps.py --device cuda --target-config llama8b --compile default \
@@ -397,11 +403,7 @@ tiny40c)
   # step costs (with BASE=DIR, older code whole, e.g. `git archive COMMIT | tar -x -C DIR`: its costs next, in the
   # same call), parity (PDL and combo kernels on), the 8B steps with compile on at batch 1, then the 8B batch sweep
   steps_tiny
-  if [ -n "${BASE:-}" ]; then
-    step stepstiny_base 40 env PYTHONPATH="$BASE" $PY "$BASE/scripts/gpu_tree_steps.py" --device cuda --preset tiny \
-      --batches 1 --compile default --methods ar,draft,eagle,redrafter --rounds 3 --out "$R/stepstiny_base" \
-      --budget-s 90
-  fi
+  steps_tiny_base ar,draft,eagle,redrafter 90
   step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods redrafter,eagle,draft \
     --dtypes float32,bfloat16 --variants default --out "$R/parity" --budget-s 80
   steps8b ;;
@@ -409,12 +411,8 @@ tiny40d)
   # tiny40c's tiny check again with time enough for 3 rounds and the profile on both sides: with BASE=DIR (older code
   # whole) that code first, then this one (tiny40c ran this code first on a fresh machine: its caches were cold, its
   # warm-ups took the budget and its one AR round came out 16 % slower); then the bf16 parity tiny40c did not reach
-  if [ -n "${BASE:-}" ]; then
-    step stepstiny_base 60 env PYTHONPATH="$BASE" $PY "$BASE/scripts/gpu_tree_steps.py" --device cuda --preset tiny \
-      --batches 1 --compile default --methods ar,eagle,redrafter --rounds 3 --out "$R/stepstiny_base" --budget-s 130
-  fi
-  step stepstiny 60 $PY scripts/gpu_tree_steps.py --device cuda --preset tiny --batches 1 --compile default \
-    --methods ar,eagle,redrafter --rounds 3 --out "$R/stepstiny" --budget-s 130
+  steps_tiny_base ar,eagle,redrafter 130
+  steps_tiny ar,eagle,redrafter 130
   step parity 40 $PY scripts/gpu_tree_parity.py --preset tiny --device cuda --methods eagle,draft \
     --dtypes bfloat16,float32 --variants default --out "$R/parity" --budget-s "$(( $(left) - 10 ))" ;;
 q|r)
